@@ -1,0 +1,654 @@
+"""Prefill cost model and chunk / micro-batch planner.
+
+Pure logic: no I/O, no torch. The cost model is DESIGN.md 'Cost model'; the planner is the third
+step of admission (DESIGN.md 'The problem'): cut admitted requests into chunks so that every
+micro-batch costs about the same on the slowest stage, which keeps the pipeline full.
+
+Cost model, per stage, for a chunk of x new tokens over L cached context tokens::
+
+    t(L, x) = c + g*L + b*x + a*(2*L*x + x^2)      seconds
+
+c is paid once per micro-batch per stage (weight reads, launches); the other terms once per chunk.
+a*(2*L*x + x^2) is the causal attention term: the chunk has P = x*L + x*(x+1)/2 (query, key)
+pairs, and 2*P = 2*L*x + x^2 + x, so a is half the cost of one pair (the +x is folded into b).
+Since (L + x)^2 - L^2 = 2*L*x + x^2, the attention term of a prompt does not depend on how it is
+cut into chunks; only c and g*L do.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import numpy as np
+
+__all__ = [
+    "Chunk",
+    "ChunkPlanner",
+    "CostModel",
+    "RequestProgress",
+    "fit_cost_model",
+]
+
+_COEFFICIENTS = ("c", "g", "b", "a")
+_LABELS = ("measured", "derived")
+_MAX_ROOT_FIXUPS = 64
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-stage prefill cost t(L, x) = c + g*L + b*x + a*(2*L*x + x^2) seconds.
+
+    Source: DESIGN.md 'Cost model'. L = cached context tokens before the chunk, x = new tokens.
+
+    Attributes:
+        c: fixed cost per micro-batch per stage, seconds (weight reads, kernel launches).
+        g: cost per context token per chunk, s/token (reading the cached KV of L tokens).
+        b: cost per new token, s/token (linear layers: projections, MLP/MoE).
+        a: attention cost, s/token^2 (half of one causal (query, key) pair).
+        label: "measured" (fitted from timings, `fit_cost_model`) or "derived" (FLOPs and bytes
+            at a stated roofline, `wavepp.runtime.costmodels`).
+        source: where the numbers come from, e.g. "wavepp calibrate 2026-11-30, CPU" or
+            "derived: glm-5.2 layers [0,20) @ H200 ...".
+
+    Raises:
+        ValueError: a coefficient is negative or not finite, or label is unknown.
+    """
+
+    c: float
+    g: float
+    b: float
+    a: float
+    label: str = "measured"
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in _COEFFICIENTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise ValueError(
+                    f"CostModel.{name}={value!r}: coefficients must be finite and >= 0"
+                )
+        if self.label not in _LABELS:
+            raise ValueError(f"CostModel.label={self.label!r}: must be one of {_LABELS}")
+
+    def chunk_cost_s(self, num_context_tokens: int, num_new_tokens: int) -> float:
+        """Cost of one chunk without the per-micro-batch overhead c.
+
+        Args:
+            num_context_tokens: L, tokens already cached before the chunk (>= 0).
+            num_new_tokens: x, tokens computed by the chunk (>= 0).
+
+        Returns:
+            g*L + b*x + a*(2*L*x + x^2), seconds.
+
+        Raises:
+            ValueError: a token count is negative.
+        """
+        _check_non_negative("num_context_tokens", num_context_tokens)
+        _check_non_negative("num_new_tokens", num_new_tokens)
+        context, new = float(num_context_tokens), float(num_new_tokens)
+        return self.g * context + self.b * new + self.a * (2.0 * context * new + new * new)
+
+    def microbatch_cost_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """Cost of one micro-batch on this stage: c + sum of the chunk costs.
+
+        Args:
+            chunks: (L, x) pairs, one per chunk: context tokens and new tokens.
+
+        Returns:
+            Seconds; 0.0 for an empty micro-batch (nothing runs, so c is not paid).
+
+        Raises:
+            ValueError: a token count is negative.
+        """
+        if not chunks:
+            return 0.0
+        return self.c + sum(self.chunk_cost_s(ctx, new) for ctx, new in chunks)
+
+    def max_new_tokens_within(
+        self,
+        num_context_tokens: int,
+        budget_s: float,
+        *,
+        num_tokens_cap: int | None = None,
+    ) -> int:
+        """Largest x >= 0 with chunk_cost_s(L, x) <= budget_s.
+
+        Solves a*x^2 + (b + 2*a*L)*x + (g*L - budget_s) <= 0 for its positive root (the
+        cancellation-free form -2C / (B + sqrt(B^2 - 4AC)), valid for a = 0 too), floors it, and
+        corrects by +-1 against chunk_cost_s itself, so the answer is exact for the float costs
+        this class computes.
+
+        Args:
+            num_context_tokens: L (>= 0).
+            budget_s: seconds available for the chunk (without c); may be negative.
+            num_tokens_cap: if given, the answer is at most this many tokens (>= 0).
+
+        Returns:
+            x in tokens; 0 when even g*L exceeds the budget.
+
+        Raises:
+            ValueError: L or the cap is negative, budget_s is NaN, or the answer is unbounded
+                (a = b = 0 and no cap).
+        """
+        _check_non_negative("num_context_tokens", num_context_tokens)
+        if math.isnan(budget_s):
+            raise ValueError("budget_s=nan: must be a number of seconds")
+        if num_tokens_cap is not None:
+            _check_non_negative("num_tokens_cap", num_tokens_cap)
+        if self.chunk_cost_s(num_context_tokens, 0) > budget_s:
+            return 0
+        quad = self.a
+        lin = self.b + 2.0 * self.a * num_context_tokens
+        const = self.g * num_context_tokens - budget_s  # <= 0 here
+        if quad == 0.0 and lin == 0.0:
+            if num_tokens_cap is None:
+                raise ValueError(
+                    "max_new_tokens_within: a = b = 0, so any number of tokens fits; "
+                    "pass num_tokens_cap"
+                )
+            return num_tokens_cap
+        if math.isinf(budget_s):
+            if num_tokens_cap is None:
+                raise ValueError("budget_s=inf: unbounded; pass num_tokens_cap")
+            return num_tokens_cap
+        root = -2.0 * const / (lin + math.sqrt(lin * lin - 4.0 * quad * const))
+        num_tokens = int(math.floor(root))
+        if num_tokens_cap is not None:
+            num_tokens = min(num_tokens, num_tokens_cap)
+        # The root is within a token or two of the answer; the bounded loops fix float rounding.
+        for _ in range(_MAX_ROOT_FIXUPS):
+            if num_tokens == 0 or self.chunk_cost_s(num_context_tokens, num_tokens) <= budget_s:
+                break
+            num_tokens -= 1
+        for _ in range(_MAX_ROOT_FIXUPS):
+            if num_tokens_cap is not None and num_tokens >= num_tokens_cap:
+                break
+            if self.chunk_cost_s(num_context_tokens, num_tokens + 1) > budget_s:
+                break
+            num_tokens += 1
+        return num_tokens
+
+    def scaled(self, factor: float) -> CostModel:
+        """This model with every coefficient multiplied by factor (a slower or faster device).
+
+        Args:
+            factor: multiplier, > 0 and finite.
+
+        Returns:
+            A new CostModel; label kept, source annotated with the factor.
+
+        Raises:
+            ValueError: factor is not a positive finite number.
+        """
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"factor={factor!r}: must be finite and > 0")
+        source = f"{self.source} (scaled x{factor:g})" if self.source else f"scaled x{factor:g}"
+        return replace(
+            self,
+            c=self.c * factor,
+            g=self.g * factor,
+            b=self.b * factor,
+            a=self.a * factor,
+            source=source,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict: keys c, g, b, a (floats), label, source (strings)."""
+        return {
+            "c": self.c,
+            "g": self.g,
+            "b": self.b,
+            "a": self.a,
+            "label": self.label,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CostModel:
+        """Inverse of to_dict.
+
+        Raises:
+            ValueError: a coefficient key is missing, a key is unknown, or a value is invalid.
+        """
+        known = set(_COEFFICIENTS) | {"label", "source"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"CostModel.from_dict: unknown keys {unknown}; known: {sorted(known)}")
+        missing = [name for name in _COEFFICIENTS if name not in data]
+        if missing:
+            raise ValueError(f"CostModel.from_dict: missing coefficients {missing}")
+        return cls(
+            c=float(data["c"]),
+            g=float(data["g"]),
+            b=float(data["b"]),
+            a=float(data["a"]),
+            label=str(data.get("label", "measured")),
+            source=str(data.get("source", "")),
+        )
+
+
+def fit_cost_model(
+    samples: Sequence[tuple[int, int, float]],
+    *,
+    label: str = "measured",
+    source: str = "",
+) -> tuple[CostModel, float]:
+    """Fit c, g, b, a >= 0 to measured stage timings.
+
+    Minimises the sum of squared *relative* residuals, sum(((t(L, x) - t_meas) / t_meas)^2), so
+    short and long chunks weigh alike (timing noise is roughly proportional to the time). The
+    non-negative least squares problem has only 4 columns, so it is solved exactly by trying
+    every support set: numpy.linalg.lstsq on each subset of columns (columns scaled to unit norm
+    for conditioning), keeping the best solution whose coefficients are all >= 0. The NNLS
+    optimum is the unconstrained optimum on its own support, so this finds it.
+
+    Args:
+        samples: (L, x, seconds) triples: context tokens, new tokens, measured seconds of one
+            micro-batch holding that single chunk on one stage. At least 4.
+        label: label of the returned model.
+        source: source string of the returned model.
+
+    Returns:
+        (model, relative RMS fit error), the error being sqrt(mean(((pred - meas) / meas)^2)),
+        dimensionless (0.05 = 5 %).
+
+    Raises:
+        ValueError: fewer than 4 samples, a negative token count, or a time that is not a
+            positive finite number.
+    """
+    if len(samples) < len(_COEFFICIENTS):
+        raise ValueError(f"fit_cost_model: {len(samples)} samples; need at least 4")
+    rows = []
+    times = []
+    for index, sample in enumerate(samples):
+        if len(sample) != 3:
+            raise ValueError(f"samples[{index}]={sample!r}: expected (L, x, seconds)")
+        context, new, seconds = sample
+        _check_non_negative(f"samples[{index}] L", context)
+        _check_non_negative(f"samples[{index}] x", new)
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise ValueError(f"samples[{index}] seconds={seconds!r}: must be finite and > 0")
+        rows.append((1.0, float(context), float(new), 2.0 * context * new + float(new) ** 2))
+        times.append(float(seconds))
+    design = np.asarray(rows, dtype=np.float64)
+    measured = np.asarray(times, dtype=np.float64)
+    weighted = design / measured[:, None]  # relative residuals: rows divided by the target
+    target = np.ones_like(measured)
+    best_coef = np.zeros(len(_COEFFICIENTS))
+    best_residual = float(target @ target)  # the empty support: all coefficients 0
+    for size in range(1, len(_COEFFICIENTS) + 1):
+        for support in itertools.combinations(range(len(_COEFFICIENTS)), size):
+            columns = weighted[:, support]
+            norms = np.linalg.norm(columns, axis=0)
+            if np.any(norms == 0):
+                continue  # a column of zeros (e.g. L = 0 everywhere) cannot be fitted
+            scaled_coef, *_ = np.linalg.lstsq(columns / norms, target, rcond=None)
+            coef_on_support = scaled_coef / norms
+            if np.any(coef_on_support < 0):
+                continue
+            residual_vec = columns @ coef_on_support - target
+            residual = float(residual_vec @ residual_vec)
+            if residual < best_residual:
+                best_residual = residual
+                best_coef = np.zeros(len(_COEFFICIENTS))
+                best_coef[list(support)] = coef_on_support
+    model = CostModel(
+        c=float(best_coef[0]),
+        g=float(best_coef[1]),
+        b=float(best_coef[2]),
+        a=float(best_coef[3]),
+        label=label,
+        source=source,
+    )
+    relative = (design @ best_coef - measured) / measured
+    return model, float(np.sqrt(np.mean(relative**2)))
+
+
+@dataclass
+class RequestProgress:
+    """What the planner sees of an admitted request. Mutable: the planner advances it.
+
+    Attributes:
+        request_id: unique among the requests passed to one plan_microbatch call.
+        num_prompt_tokens: prompt length, tokens (>= 1).
+        num_computed_tokens: tokens whose KV exists on every stage or is already planned. Starts
+            at the agreed cached length L* * block_size; plan_microbatch advances it by each
+            planned chunk. NOTE: it counts *planned* tokens, not executed ones: the chunk that
+            moves it is still in flight. Admission must leave at least one token uncached (the
+            last token's logits are needed), as vLLM does when a whole prompt hits the cache.
+        arrival_s: arrival time, seconds on the caller's clock (for TTFT; the planner keeps FIFO
+            order of the sequence it is given and does not sort by this).
+        num_planned_chunks: chunks planned so far; the next chunk's chunk_index.
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    arrival_s: float = 0.0
+    num_planned_chunks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 1:
+            raise ValueError(
+                f"RequestProgress {self.request_id!r}: num_prompt_tokens="
+                f"{self.num_prompt_tokens}; must be >= 1"
+            )
+        if not 0 <= self.num_computed_tokens <= self.num_prompt_tokens:
+            raise ValueError(
+                f"RequestProgress {self.request_id!r}: num_computed_tokens="
+                f"{self.num_computed_tokens}; must be in [0, num_prompt_tokens="
+                f"{self.num_prompt_tokens}]"
+            )
+        _check_non_negative("num_planned_chunks", self.num_planned_chunks)
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Prompt tokens not yet planned."""
+        return self.num_prompt_tokens - self.num_computed_tokens
+
+    @property
+    def is_fully_planned(self) -> bool:
+        """True once every prompt token belongs to a planned chunk."""
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A contiguous slice of one request's uncached tokens.
+
+    Attributes:
+        request_id: the request.
+        chunk_index: 0, 1, 2, ... per request, in execution order.
+        context_offset: first token position of the chunk (= L for this chunk).
+        num_tokens: x, new tokens (>= 1).
+        is_last: the chunk ends the prompt; its last token's logits are needed.
+    """
+
+    request_id: str
+    chunk_index: int
+    context_offset: int
+    num_tokens: int
+    is_last: bool
+
+    @property
+    def end_offset(self) -> int:
+        """One past the chunk's last token position."""
+        return self.context_offset + self.num_tokens
+
+
+@dataclass
+class _StageBudgets:
+    """Per-stage seconds left in the micro-batch being filled (NOTE: one entry per cost model)."""
+
+    models: tuple[CostModel, ...]
+    left_s: list[float]
+
+    def max_tokens(self, num_context_tokens: int, num_tokens_cap: int) -> int:
+        return min(
+            model.max_new_tokens_within(num_context_tokens, left, num_tokens_cap=num_tokens_cap)
+            for model, left in zip(self.models, self.left_s, strict=True)
+        )
+
+    def spend(self, num_context_tokens: int, num_new_tokens: int) -> None:
+        for index, model in enumerate(self.models):
+            self.left_s[index] -= model.chunk_cost_s(num_context_tokens, num_new_tokens)
+
+
+class ChunkPlanner:
+    """Cuts admitted requests into chunks and packs chunks into micro-batches.
+
+    A prompt is sliced like this (B = block_size; | = block boundary)::
+
+        position  0          L*·B                                         num_prompt_tokens
+                  |== cached ==|---- chunk 0 ----|--- chunk 1 ---|-- 2 --|- 3 -|4|
+                  (pinned, not  ^ context_offset of chunk 0 = L*·B      ends on a block
+                   recomputed)    every chunk boundary is a multiple    boundary except the
+                                  of B, except the prompt's end         prompt's end (is_last)
+
+        dynamic: chunk i costs about the same; larger L -> fewer tokens (chunks shrink)
+        static:  every chunk has chunk_tokens tokens (minus packing); cost grows with L
+
+    Several requests share a micro-batch (packing): one micro-batch might hold the end of request
+    A, all of B, and the start of C, in FIFO order.
+
+    Rules of plan_microbatch (requests in FIFO order; each call plans one micro-batch):
+
+    - Per request, chunks come in order: chunk_index = num_planned_chunks, context_offset =
+      num_computed_tokens; both advance. Fully planned requests are skipped.
+    - "static" (baseline, mirrors TensorRT-LLM's FIRST_COME_FIRST_SERVED context chunking,
+      cpp/tensorrt_llm/batch_manager/microBatchScheduler.cpp): a budget of chunk_tokens new
+      tokens per micro-batch; each request's chunk = min(remaining, budget left), rounded down
+      to a multiple of block_size unless it finishes the prompt (TRT-LLM's chunk unit). A
+      request that gets 0 tokens is skipped and later ones still get a chance (a short prompt
+      end may still fit).
+    - "dynamic" (WavePP): a cost budget. target = cost on the slowest stage of a micro-batch
+      of chunk_tokens new tokens at L = 0 (target_cost_s). Chunks are added in FIFO order while
+      the micro-batch's cost on every stage stays <= target; the chunk that would overshoot is
+      cut to the most tokens that fit, rounded down to a block boundary unless it finishes the
+      prompt, and the micro-batch closes. Chunks late in a long prompt (large L) thus get fewer
+      tokens and every micro-batch costs about the same.
+    - Progress: the first chunk of a micro-batch always gets at least one block (or the rest
+      of the prompt), even if c + g*L alone exceeds the target.
+    - At least S in flight (dynamic by default; `fill_idle_stages`): with idle = num_stages -
+      num_inflight > 0 and W = the cost of all remaining work without c, the target becomes
+      min(target, c + W / idle) so the remaining work spreads over the stages that would
+      otherwise idle (the progress rule keeps it >= one block per micro-batch). For "static"
+      with fill_idle_stages=True the token budget becomes min(chunk_tokens, ceil(remaining
+      tokens / idle) rounded up to a block).
+    - At most max_chunks_per_microbatch chunks per micro-batch.
+    - Returns [] when no request has tokens left.
+
+    "Slowest stage": the planner takes one CostModel (use the slowest stage's) or one per stage;
+    with several, a chunk fits only if it fits every stage's budget.
+    """
+
+    def __init__(
+        self,
+        cost_model: CostModel | Sequence[CostModel],
+        *,
+        policy: Literal["dynamic", "static"],
+        chunk_tokens: int = 8192,
+        block_size: int = 16,
+        max_chunks_per_microbatch: int = 256,
+        fill_idle_stages: bool | None = None,
+    ) -> None:
+        """Create a planner.
+
+        Args:
+            cost_model: the slowest stage's model, or one model per stage.
+            policy: "dynamic" (WavePP cost budget) or "static" (fixed token budget, baseline).
+            chunk_tokens: static: new tokens per micro-batch; dynamic: the target is the cost of
+                this many new tokens at L = 0. A multiple of block_size.
+            block_size: tokens per KV block; chunk boundaries fall on multiples of it.
+            max_chunks_per_microbatch: cap on chunks (hence requests) in one micro-batch.
+            fill_idle_stages: apply the at-least-S rule; default True for dynamic, False for
+                static (TRT-LLM does not shrink chunks).
+
+        Raises:
+            ValueError: on an unknown policy, non-positive sizes, or chunk_tokens not a
+                multiple of block_size.
+        """
+        models = (cost_model,) if isinstance(cost_model, CostModel) else tuple(cost_model)
+        if not models or not all(isinstance(model, CostModel) for model in models):
+            raise ValueError(
+                f"cost_model={cost_model!r}: must be a CostModel or a non-empty sequence of them"
+            )
+        if policy not in ("dynamic", "static"):
+            raise ValueError(f"policy={policy!r}: must be 'dynamic' or 'static'")
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size}: must be >= 1")
+        if chunk_tokens < block_size or chunk_tokens % block_size:
+            raise ValueError(
+                f"chunk_tokens={chunk_tokens}: must be a positive multiple of "
+                f"block_size={block_size}"
+            )
+        if max_chunks_per_microbatch < 1:
+            raise ValueError(f"max_chunks_per_microbatch={max_chunks_per_microbatch}: must be >= 1")
+        self._models = models
+        self.policy = policy
+        self.chunk_tokens = chunk_tokens
+        self.block_size = block_size
+        self.max_chunks_per_microbatch = max_chunks_per_microbatch
+        self.fill_idle_stages = (
+            policy == "dynamic" if fill_idle_stages is None else fill_idle_stages
+        )
+
+    @property
+    def cost_models(self) -> tuple[CostModel, ...]:
+        """The stage cost models the planner budgets against."""
+        return self._models
+
+    def target_cost_s(self) -> float:
+        """Cost on the slowest stage of one micro-batch of chunk_tokens new tokens at L = 0.
+
+        The dynamic policy's per-micro-batch target (before the at-least-S rule); for static it
+        is the cost of the first chunk of a fresh prompt, for reference.
+        """
+        return max(model.microbatch_cost_s([(0, self.chunk_tokens)]) for model in self._models)
+
+    def microbatch_cost_s(self, chunks: Sequence[Chunk]) -> float:
+        """Cost of a planned micro-batch on the slowest stage, seconds (0.0 if empty)."""
+        pairs = [(chunk.context_offset, chunk.num_tokens) for chunk in chunks]
+        return max(model.microbatch_cost_s(pairs) for model in self._models)
+
+    def plan_microbatch(
+        self,
+        requests: Sequence[RequestProgress],
+        *,
+        num_stages: int,
+        num_inflight: int,
+    ) -> list[Chunk]:
+        """Plan the next micro-batch; see the class docstring for the rules.
+
+        Mutates requests: each planned chunk advances its request's num_computed_tokens by
+        num_tokens and num_planned_chunks by 1.
+
+        Args:
+            requests: admitted requests in FIFO order (fully planned ones are skipped).
+            num_stages: S, pipeline stages (>= 1).
+            num_inflight: micro-batches planned and not yet finished on the last stage (>= 0).
+
+        Returns:
+            The micro-batch's chunks, in request FIFO order; [] when there is no work.
+
+        Raises:
+            ValueError: bad counts, duplicate request ids, or a request that is fully cached
+                before its first chunk (its last token's logits would never be computed).
+        """
+        if num_stages < 1:
+            raise ValueError(f"num_stages={num_stages}: must be >= 1")
+        _check_non_negative("num_inflight", num_inflight)
+        seen: set[str] = set()
+        for request in requests:
+            if request.request_id in seen:
+                raise ValueError(f"requests: duplicate request_id {request.request_id!r}")
+            seen.add(request.request_id)
+            if request.is_fully_planned and request.num_planned_chunks == 0:
+                raise ValueError(
+                    f"request {request.request_id!r}: num_computed_tokens="
+                    f"{request.num_computed_tokens} = num_prompt_tokens before any chunk; "
+                    "admit with at most num_prompt_tokens - 1 cached tokens so the last "
+                    "token is computed"
+                )
+        pending = [request for request in requests if not request.is_fully_planned]
+        if not pending:
+            return []
+        num_idle_stages = num_stages - num_inflight if self.fill_idle_stages else 0
+        if self.policy == "static":
+            return self._plan_static(pending, num_idle_stages)
+        return self._plan_dynamic(pending, num_idle_stages)
+
+    # -- policies ---------------------------------------------------------------------------
+
+    def _plan_static(self, pending: list[RequestProgress], num_idle_stages: int) -> list[Chunk]:
+        budget_tokens = self.chunk_tokens
+        if num_idle_stages > 0:
+            total = sum(request.num_remaining_tokens for request in pending)
+            share = _round_up(-(-total // num_idle_stages), self.block_size)
+            budget_tokens = min(budget_tokens, share)
+        chunks: list[Chunk] = []
+        for request in pending:
+            if len(chunks) >= self.max_chunks_per_microbatch or budget_tokens <= 0:
+                break
+            num_tokens = self._cut(request, min(request.num_remaining_tokens, budget_tokens))
+            if num_tokens == 0:
+                if chunks:
+                    continue  # TRT-LLM FCFS: chunk size 0, request not scheduled this time
+                num_tokens = self._min_progress(request)
+            chunks.append(self._advance(request, num_tokens))
+            budget_tokens -= num_tokens
+        return chunks
+
+    def _plan_dynamic(self, pending: list[RequestProgress], num_idle_stages: int) -> list[Chunk]:
+        target_s = self.target_cost_s()
+        if num_idle_stages > 0:
+            shares = []
+            for model in self._models:
+                work_s = sum(
+                    model.chunk_cost_s(request.num_computed_tokens, request.num_remaining_tokens)
+                    for request in pending
+                )
+                shares.append(model.c + work_s / num_idle_stages)
+            target_s = min(target_s, max(shares))
+        budgets = _StageBudgets(self._models, [target_s - model.c for model in self._models])
+        chunks: list[Chunk] = []
+        for request in pending:
+            if len(chunks) >= self.max_chunks_per_microbatch:
+                break
+            remaining = request.num_remaining_tokens
+            fit = budgets.max_tokens(request.num_computed_tokens, remaining)
+            num_tokens = remaining if fit >= remaining else self._cut(request, fit)
+            if num_tokens == 0:
+                if chunks:
+                    break
+                num_tokens = self._min_progress(request)
+            budgets.spend(request.num_computed_tokens, num_tokens)
+            chunks.append(self._advance(request, num_tokens))
+            if num_tokens < remaining:
+                break  # the chunk was cut: the micro-batch is full
+        return chunks
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _cut(self, request: RequestProgress, num_tokens: int) -> int:
+        """num_tokens, or fewer so the chunk ends on a block boundary unless it ends the prompt."""
+        if num_tokens >= request.num_remaining_tokens:
+            return request.num_remaining_tokens
+        end = (request.num_computed_tokens + num_tokens) // self.block_size * self.block_size
+        return max(0, end - request.num_computed_tokens)
+
+    def _min_progress(self, request: RequestProgress) -> int:
+        """Tokens up to the next block boundary, or the rest of the prompt (>= 1)."""
+        next_boundary = (request.num_computed_tokens // self.block_size + 1) * self.block_size
+        return min(request.num_prompt_tokens, next_boundary) - request.num_computed_tokens
+
+    @staticmethod
+    def _advance(request: RequestProgress, num_tokens: int) -> Chunk:
+        assert 0 < num_tokens <= request.num_remaining_tokens, (
+            f"chunk of {num_tokens} tokens for {request.request_id!r} with "
+            f"{request.num_remaining_tokens} remaining"
+        )
+        chunk = Chunk(
+            request_id=request.request_id,
+            chunk_index=request.num_planned_chunks,
+            context_offset=request.num_computed_tokens,
+            num_tokens=num_tokens,
+            is_last=request.num_computed_tokens + num_tokens == request.num_prompt_tokens,
+        )
+        request.num_computed_tokens += num_tokens
+        request.num_planned_chunks += 1
+        return chunk
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _check_non_negative(name: str, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{name}={value}: must be >= 0")
