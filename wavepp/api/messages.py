@@ -1,0 +1,156 @@
+"""Messages between the admission controller, the wave scheduler and the stages.
+
+Every message is a pydantic model serialised as JSON on a NATS subject. Each carries the protocol
+version ``v``; a receiver rejects a message of another version with a clear error instead of
+misreading it. Block hashes travel as lowercase hex strings (32-byte sha256 digests).
+
+Subjects (``{p}`` is the pipeline's subject prefix, e.g. ``wavepp.default``):
+
+| subject                         | pattern        | payload                          |
+| ------------------------------- | -------------- | -------------------------------- |
+| ``{p}.stage.{rank}.kv``         | request-reply  | ``KVRequest`` -> ``KVReply``     |
+| ``{p}.plan``                    | publish        | ``MicroBatchPlan`` (all stages)  |
+| ``{p}.done``                    | publish        | ``MicroBatchDone`` (every stage) |
+| ``{p}.kv_events.{rank}``        | publish        | ``KVEventBatch``                 |
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+PROTOCOL_VERSION = 1
+
+RequestId = Annotated[str, Field(min_length=1, max_length=256)]
+HexHash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: Literal[1] = PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------- agreement (KV ops)
+
+
+class ProbePin(_Message):
+    """Pin the longest locally cached prefix of ``block_hashes`` for ``request_id``."""
+
+    op: Literal["probe_pin"] = "probe_pin"
+    request_id: RequestId
+    block_hashes: list[HexHash]
+    lease_s: float = Field(gt=0, le=3600)
+
+
+class Commit(_Message):
+    """Unpin past ``num_agreed_blocks`` (L*) and reserve the rest of the prompt."""
+
+    op: Literal["commit"] = "commit"
+    request_id: RequestId
+    num_agreed_blocks: int = Field(ge=0)
+    num_total_blocks: int = Field(ge=1)
+    lease_s: float = Field(gt=0, le=3600)
+
+
+class Release(_Message):
+    """Drop the pins and reservations of ``request_ids`` (blocks stay cached for reuse)."""
+
+    op: Literal["release"] = "release"
+    request_ids: list[RequestId]
+
+
+class Renew(_Message):
+    """Extend the leases of ``request_ids`` by ``lease_s`` from now."""
+
+    op: Literal["renew"] = "renew"
+    request_ids: list[RequestId]
+    lease_s: float = Field(gt=0, le=3600)
+
+
+class Health(_Message):
+    """Ask a stage whether it is formed (process group up, KV allocated, engine built)."""
+
+    op: Literal["health"] = "health"
+
+
+KVRequest = Annotated[ProbePin | Commit | Release | Renew | Health, Field(discriminator="op")]
+KV_REQUEST_ADAPTER: TypeAdapter[ProbePin | Commit | Release | Renew | Health] = TypeAdapter(
+    KVRequest
+)
+
+
+class KVReply(_Message):
+    """A stage's answer to a KV op.
+
+    ``ok`` is False when the stage refuses (a reservation that does not fit) or when the request
+    was invalid (``error`` names the field). ``num_hit_blocks`` answers ``probe_pin``;
+    ``num_reserved_blocks`` answers ``commit``.
+    """
+
+    rank: int
+    ok: bool = True
+    error: str = ""
+    num_hit_blocks: int = 0
+    num_reserved_blocks: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+
+
+# --------------------------------------------------------------------------- wave execution
+
+
+class PlannedChunk(_Message):
+    """One chunk of one request inside a micro-batch.
+
+    Layout of the request's prompt (tokens)::
+
+        [0 ............ context_offset) [context_offset ... context_offset + len(token_ids))
+         cached or computed earlier       this chunk's new tokens
+    """
+
+    request_id: RequestId
+    chunk_index: int = Field(ge=0)
+    context_offset: int = Field(ge=0)
+    token_ids: list[int]
+    is_last: bool
+    return_logits: bool = False
+
+
+class MicroBatchPlan(_Message):
+    """What every stage runs next, in ``microbatch_id`` order."""
+
+    microbatch_id: int = Field(ge=0)
+    chunks: list[PlannedChunk]
+    published_at_s: float = 0.0
+    traceparent: str = ""
+
+
+class RequestResult(_Message):
+    """The last stage's answer for a request whose last chunk ran (first output token)."""
+
+    request_id: RequestId
+    first_token_id: int
+    logits: list[float] | None = None
+
+
+class MicroBatchDone(_Message):
+    """A stage finished a micro-batch; wall-clock seconds (time.time()) of its phases."""
+
+    rank: int
+    microbatch_id: int
+    num_tokens: int
+    prepare_start_s: float
+    prepare_end_s: float
+    execute_start_s: float
+    execute_end_s: float
+    results: list[RequestResult] = []
+    error: str = ""
+
+
+class KVEventBatch(_Message):
+    """Block hashes a stage stored or removed, in order (the pool's KV events)."""
+
+    rank: int
+    stored: list[list[HexHash]] = []
+    removed: list[list[HexHash]] = []

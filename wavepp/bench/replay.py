@@ -1,0 +1,143 @@
+"""Replay a Mooncake trace through a local pipeline and summarise what was measured.
+
+Closed loop at ``concurrency`` C (C requests in flight; the next starts when one ends), or open
+loop at the trace's own timestamps (``timed``, optionally sped up). Throughput counts prompt
+tokens (cached and new) per second of wall time, from the first arrival to the last result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from wavepp.bench.trace import TokenMapper, TraceError, TraceRecord
+from wavepp.runtime.agreement import PromptRequest
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.local import LocalPipeline
+from wavepp.runtime.planner import CostModel
+from wavepp.runtime.scheduler import RequestOutcome, WaveStats
+
+
+@dataclass
+class ReplayReport:
+    config: RuntimeConfig
+    outcomes: list[RequestOutcome]
+    invalid: list[TraceError]
+    wall_s: float
+    stats: WaveStats
+    tokens_per_block: int
+    concurrency: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """The replay contract's JSON object (see issue 'Runtime core': Contract)."""
+        done = [o for o in self.outcomes if o.ok]
+        ttfts = np.array([o.ttft_s for o in done]) if done else np.array([0.0])
+        prompt_tokens = sum(o.num_prompt_tokens for o in done)
+        cached_tokens = sum(o.num_cached_tokens for o in done)
+        agreement = np.array([o.agreement_s for o in done]) if done else np.array([0.0])
+        busy = self.stats.busy_s_by_stage(self.config.num_stages)
+        return {
+            "requests": len(self.outcomes) + len(self.invalid),
+            "completed": len(done),
+            "failed": len(self.outcomes) - len(done) + len(self.invalid),
+            "invalid_lines": len(self.invalid),
+            "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached_tokens,
+            "new_tokens": prompt_tokens - cached_tokens,
+            "cache_hit_ratio": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0,
+            "throughput_tokens_per_s": round(prompt_tokens / self.wall_s, 2)
+            if self.wall_s
+            else 0.0,
+            "new_tokens_per_s": round((prompt_tokens - cached_tokens) / self.wall_s, 2)
+            if self.wall_s
+            else 0.0,
+            "wave_fill": round(self.stats.wave_fill(self.config.num_stages), 4),
+            "stage_busy_s": [round(b, 3) for b in busy],
+            "ttft_p50_s": round(float(np.percentile(ttfts, 50)), 4),
+            "ttft_p99_s": round(float(np.percentile(ttfts, 99)), 4),
+            "agreement_p50_s": round(float(np.percentile(agreement, 50)), 5),
+            "agreement_p99_s": round(float(np.percentile(agreement, 99)), 5),
+            "reservation_refusals": sum(o.num_refusals for o in self.outcomes),
+            "microbatches": self.stats.num_microbatches,
+            "wall_s": round(self.wall_s, 3),
+            "mode": self.config.mode,
+            "stages": self.config.num_stages,
+            "engine": self.config.engine,
+            "model": self.config.model.name,
+            "concurrency": self.concurrency,
+            "tokens_per_block": self.tokens_per_block,
+            "block_size": self.config.block_size,
+            "kv_blocks_per_stage": [
+                self.config.kv_blocks_of(r) for r in range(self.config.num_stages)
+            ],
+            "errors": sorted({o.error for o in self.outcomes if o.error})[:5]
+            + [str(e) for e in self.invalid[:5]],
+            **self.extra,
+        }
+
+
+async def replay_records(
+    records: Sequence[TraceRecord],
+    mapper: TokenMapper,
+    config: RuntimeConfig,
+    planner_cost_model: CostModel,
+    *,
+    concurrency: int = 32,
+    timed: bool = False,
+    speedup: float = 1.0,
+    invalid: Sequence[TraceError] = (),
+    on_outcome: Callable[[RequestOutcome], None] | None = None,
+    cache_salt: str = "",
+) -> ReplayReport:
+    """Run ``records`` through a fresh local pipeline and return the report.
+
+    Raises:
+        ValueError: concurrency < 1 or speedup <= 0.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency={concurrency}: must be >= 1")
+    if speedup <= 0:
+        raise ValueError(f"speedup={speedup}: must be > 0")
+    prompts = [mapper.prompt(record) for record in records]
+    async with LocalPipeline(config, planner_cost_model) as pipeline:
+        scheduler = pipeline.scheduler
+        assert scheduler is not None
+        limiter = asyncio.Semaphore(concurrency)
+        outcomes: list[RequestOutcome] = []
+        start = time.time()
+
+        async def one(record: TraceRecord, prompt: list[int]) -> None:
+            if timed:
+                delay = start + record.timestamp_ms / 1000.0 / speedup - time.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            async with limiter:
+                request = PromptRequest(
+                    request_id=f"trace-{record.line_no}",
+                    token_ids=prompt,
+                    cache_salt=cache_salt,
+                    arrival_s=time.time(),
+                )
+                outcome = await scheduler.submit(request)
+            outcomes.append(outcome)
+            if on_outcome is not None:
+                on_outcome(outcome)
+
+        await asyncio.gather(*(one(r, p) for r, p in zip(records, prompts, strict=True)))
+        wall_s = time.time() - start
+        stats = scheduler.stats
+    return ReplayReport(
+        config=config,
+        outcomes=outcomes,
+        invalid=list(invalid),
+        wall_s=wall_s,
+        stats=stats,
+        tokens_per_block=mapper.tokens_per_block,
+        concurrency=concurrency,
+    )

@@ -1,0 +1,53 @@
+"""``wavepp``: one console script; each subcommand adds its args, validates, runs.
+
+Only the chosen subcommand's module is imported (``--help`` stays fast and imports no torch).
+Errors in arguments name the flag and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from wavepp import __version__
+
+# subcommand -> (module, help). Each module has add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "replay": ("wavepp.cmd.replay", "replay a Mooncake trace through a local pipeline"),
+    "stage": ("wavepp.cmd.stage", "run one pipeline stage process (what each pod runs)"),
+    "calibrate": ("wavepp.cmd.calibrate", "measure the torch engine and fit the cost model"),
+    "operator": ("wavepp.operator.cli", "run the Kubernetes operator (kopf)"),
+}
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wavepp",
+        description="WavePP: pipeline-parallel LLM prefill under prefix reuse.",
+    )
+    parser.add_argument("--version", action="version", version=f"wavepp {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

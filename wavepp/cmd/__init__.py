@@ -1,0 +1,1 @@
+"""Subcommands of the ``wavepp`` console script (each: add_arguments, run)."""

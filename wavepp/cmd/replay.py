@@ -1,0 +1,171 @@
+"""``wavepp replay TRACE``: replay a Mooncake trace through a local pipeline.
+
+Starts its own nats-server and S stage processes, replays (closed loop at ``--concurrency``, or
+at the trace's timestamps with ``--timed``), prints a progress bar (stderr) and a summary table;
+with ``--json`` the last line of stdout is one JSON object (the replay contract).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", help="Mooncake trace (JSON lines)")
+    parser.add_argument("--limit", type=int, default=None, help="first N trace lines only")
+    parser.add_argument("--stages", type=int, default=4, help="pipeline stages S (default 4)")
+    parser.add_argument("--mode", choices=["wave", "sync"], default="wave")
+    parser.add_argument("--engine", choices=["torch", "emulated"], default="torch")
+    parser.add_argument(
+        "--concurrency", type=int, default=32, help="closed-loop requests in flight"
+    )
+    parser.add_argument(
+        "--tokens-per-block",
+        type=int,
+        default=512,
+        help="tokens per trace hash id (512 = the trace's own; smaller scales prompts down)",
+    )
+    parser.add_argument("--json", action="store_true", help="last stdout line: summary JSON")
+    parser.add_argument("--timed", action="store_true", help="arrive at the trace's timestamps")
+    parser.add_argument("--speedup", type=float, default=1.0, help="with --timed: time compression")
+    parser.add_argument("--model", default="tiny-llama", help="model preset (torch engine weights)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    parser.add_argument(
+        "--kv-blocks",
+        default="4096",
+        help="KV capacity per stage in blocks: one number, or S comma-separated (unequal stages)",
+    )
+    parser.add_argument("--chunk-tokens", type=int, default=8192, help="static chunk budget")
+    parser.add_argument(
+        "--emulate",
+        default="glm-5.2",
+        help="emulated engine: cost model of this model at H200 (see `wavepp.runtime.costmodels`)",
+    )
+    parser.add_argument("--time-scale", type=float, default=1.0, help="emulated: sleep multiplier")
+    parser.add_argument(
+        "--cost-model", default="", help="planner cost model JSON (calibrate --out)"
+    )
+    parser.add_argument("--chunk-policy", choices=["dynamic", "static"], default=None)
+    parser.add_argument("--agreement", choices=["async", "sync"], default=None)
+    parser.add_argument("--local-prepare", choices=["on", "off"], default=None)
+    parser.add_argument("--max-inflight", type=int, default=None, help="default: S")
+    parser.add_argument("--seed", type=int, default=0, help="token mapping and weight seed")
+    parser.add_argument("--cache-salt", default="", help="cache salt (tenant) of every request")
+
+
+def _fail(flag: str, message: str) -> int:
+    print(f"wavepp replay: {flag}: {message}", file=sys.stderr)
+    return 2
+
+
+def _packaged_cost_model(name: str) -> dict[str, object]:
+    path = resources.files("wavepp.runtime") / "calibration" / name
+    return json.loads(path.read_text())
+
+
+def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.table import Table
+
+    from wavepp.bench.replay import replay_records
+    from wavepp.bench.trace import TokenMapper, load_trace
+    from wavepp.runtime.config import RuntimeConfig
+    from wavepp.runtime.costmodels import derived_cost_model, list_models
+    from wavepp.runtime.engine.model_config import get_preset
+    from wavepp.runtime.planner import CostModel
+
+    err = Console(stderr=True)
+    if not Path(args.trace).is_file():
+        return _fail("TRACE", f"{args.trace}: no such file")
+    if args.limit is not None and args.limit < 1:
+        return _fail("--limit", f"{args.limit}: must be >= 1")
+    if args.concurrency < 1:
+        return _fail("--concurrency", f"{args.concurrency}: must be >= 1")
+    try:
+        model = get_preset(args.model).model_copy(update={"seed": args.seed})
+        kv_blocks = [int(v) for v in str(args.kv_blocks).split(",")]
+    except ValueError as exc:
+        return _fail("--model/--kv-blocks", str(exc))
+    stage_cost: CostModel | None = None
+    if args.engine == "emulated":
+        if args.emulate not in list_models():
+            return _fail("--emulate", f"{args.emulate!r}: choose one of {list_models()}")
+        stage_cost = derived_cost_model(args.emulate, num_stages=args.stages)
+    try:
+        config = RuntimeConfig(
+            model=model,
+            engine=args.engine,
+            cost_model=stage_cost.to_dict() if stage_cost else None,
+            time_scale=args.time_scale,
+            num_stages=args.stages,
+            block_size=args.block_size,
+            num_kv_blocks=kv_blocks,
+            mode=args.mode,
+            chunk_tokens=args.chunk_tokens,
+            chunk_policy=args.chunk_policy,
+            async_agreement=None if args.agreement is None else args.agreement == "async",
+            local_prepare=None if args.local_prepare is None else args.local_prepare == "on",
+            max_inflight=args.max_inflight,
+        )
+        mapper = TokenMapper(args.tokens_per_block, model.vocab_size, seed=args.seed)
+    except (ValidationError, ValueError) as exc:
+        return _fail("configuration", str(exc))
+    if args.cost_model:
+        planner_model = CostModel.from_dict(json.loads(Path(args.cost_model).read_text()))
+    elif stage_cost is not None:
+        planner_model = stage_cost
+    else:
+        planner_model = CostModel.from_dict(_packaged_cost_model("tiny-llama-cpu-2layers.json"))
+
+    records, invalid = load_trace(args.trace, args.limit)
+    for error in invalid:
+        err.print(f"[yellow]skipped invalid trace line[/]: {error}")
+    err.print(
+        f"replaying {len(records)} requests: {config.num_stages} {config.engine} stages "
+        f"({model.name}, {model.num_layers} layers), mode={config.mode}, "
+        f"tokens-per-block={args.tokens_per_block}, block-size={config.block_size}, "
+        f"kv-blocks={kv_blocks}, concurrency={args.concurrency}"
+        + (f", emulating {args.emulate} @ H200" if args.engine == "emulated" else "")
+    )
+    progress = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=False,
+    )
+    with progress:
+        task = progress.add_task("prefill", total=len(records))
+        report = asyncio.run(
+            replay_records(
+                records,
+                mapper,
+                config,
+                planner_model,
+                concurrency=args.concurrency,
+                timed=args.timed,
+                speedup=args.speedup,
+                invalid=invalid,
+                on_outcome=lambda _o: progress.advance(task),
+                cache_salt=args.cache_salt,
+            )
+        )
+    summary = report.summary()
+    summary["planner_cost_model"] = planner_model.source or planner_model.label
+    table = Table(title=f"wavepp replay: {Path(args.trace).name}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        table.add_row(key, str(value))
+    Console().print(table)
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    return 0 if summary["completed"] + summary["failed"] == summary["requests"] else 1

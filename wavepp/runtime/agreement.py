@@ -1,0 +1,343 @@
+"""Cross-stage prefix agreement: probe-and-pin, L* = min over stages, commit, release.
+
+Protocol (DESIGN.md 'Data flow', step 2), for one request with full-block hashes h_0..h_{n-1}::
+
+    controller                          stage r (every r in [0, S), concurrently)
+    ---------- probe_pin(hashes, lease) ----->  pin the longest local hit; reply hit_r
+    L* = min(min_r hit_r, (num_tokens - 1) // block_size)
+    ---------- commit(L*, total, lease) ----->  unpin past L*, reserve total - L* blocks
+                                          <---  ok, or refused (then the stage holds nothing)
+    any refusal: release on every stage; the request waits and is retried (never half-admitted)
+    ...execution...
+    ---------- release([ids]) --------------->  drop pins and reservations; blocks stay cached
+
+L* is capped one token short of the prompt so that at least one token is computed (its logits
+are the prefill's output). Pins and reservations carry a lease; the controller renews the leases
+of live requests, so a vanished controller leaks nothing.
+
+The stage side (``handle_kv_request``) is a pure function over a ``StageKVManager``; the stage
+process owns the NATS I/O around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from pydantic import ValidationError
+
+from wavepp.api.messages import (
+    KV_REQUEST_ADAPTER,
+    Commit,
+    Health,
+    KVReply,
+    ProbePin,
+    Release,
+    Renew,
+)
+from wavepp.runtime.kvcache import StageKVManager, hash_prompt_blocks
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- stage side (pure)
+
+
+def handle_kv_request(
+    manager: StageKVManager,
+    rank: int,
+    payload: bytes,
+    hashes_by_request: dict[str, list[bytes]] | None = None,
+) -> KVReply:
+    """Apply one KV op to a stage's manager and return the reply. Never raises on bad input.
+
+    Args:
+        manager: the stage's KV manager (its single owner calls this).
+        rank: the stage's rank, echoed in the reply.
+        payload: a JSON ``KVRequest``.
+        hashes_by_request: if given, the prompt's block hashes are kept here from ``probe_pin``
+            until ``release`` (the stage needs them to cache blocks once they are computed).
+
+    Returns:
+        ``KVReply`` with ``ok=False`` and ``error`` naming the field for an invalid message or a
+        refused reservation; the manager's state is unchanged by a rejected message.
+    """
+    pool = manager.pool
+    try:
+        msg = KV_REQUEST_ADAPTER.validate_json(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return KVReply(rank=rank, ok=False, error=f"invalid KV request: {where}: {first['msg']}")
+    try:
+        if isinstance(msg, ProbePin):
+            hashes = [bytes.fromhex(h) for h in msg.block_hashes]
+            num_hit = manager.probe_pin(msg.request_id, hashes, msg.lease_s)
+            if hashes_by_request is not None:
+                hashes_by_request[msg.request_id] = hashes
+            return KVReply(
+                rank=rank,
+                num_hit_blocks=num_hit,
+                num_free_blocks=pool.num_free_blocks,
+                num_blocks=pool.num_blocks,
+            )
+        if isinstance(msg, Commit):
+            table = manager.commit(
+                msg.request_id, msg.num_agreed_blocks, msg.num_total_blocks, msg.lease_s
+            )
+            if table is None:
+                if hashes_by_request is not None:
+                    hashes_by_request.pop(msg.request_id, None)
+                return KVReply(
+                    rank=rank,
+                    ok=False,
+                    error=(
+                        f"reservation refused: needs {msg.num_total_blocks - msg.num_agreed_blocks}"
+                        f" blocks, {pool.num_free_blocks} free of {pool.num_blocks}"
+                    ),
+                    num_free_blocks=pool.num_free_blocks,
+                    num_blocks=pool.num_blocks,
+                )
+            return KVReply(
+                rank=rank,
+                num_reserved_blocks=len(table) - msg.num_agreed_blocks,
+                num_free_blocks=pool.num_free_blocks,
+                num_blocks=pool.num_blocks,
+            )
+        if isinstance(msg, Release):
+            for request_id in msg.request_ids:
+                manager.release(request_id)
+                if hashes_by_request is not None:
+                    hashes_by_request.pop(request_id, None)
+        elif isinstance(msg, Renew):
+            manager.renew(msg.request_ids, msg.lease_s)
+        elif isinstance(msg, Health):
+            pass
+        return KVReply(rank=rank, num_free_blocks=pool.num_free_blocks, num_blocks=pool.num_blocks)
+    except (ValueError, KeyError) as exc:
+        return KVReply(rank=rank, ok=False, error=f"{type(msg).__name__}: {exc}")
+
+
+# --------------------------------------------------------------------------- controller side
+
+
+class StageClient(Protocol):
+    """How the controller reaches one stage's KV manager (NATS, or in-process for tests/sim)."""
+
+    rank: int
+
+    async def call(self, msg: ProbePin | Commit | Release | Renew | Health) -> KVReply: ...
+
+
+class NatsStageClient:
+    """Request-reply to ``{prefix}.stage.{rank}.kv`` with a timeout.
+
+    Raises:
+        StageUnavailableError: nobody listens on the subject (a configuration fault), or no reply
+            within ``timeout_s`` (a slow or dead stage).
+    """
+
+    def __init__(self, nc: NATS, subject_prefix: str, rank: int, timeout_s: float = 10.0) -> None:
+        self.nc = nc
+        self.rank = rank
+        self.subject = f"{subject_prefix}.stage.{rank}.kv"
+        self.timeout_s = timeout_s
+
+    async def call(self, msg: ProbePin | Commit | Release | Renew | Health) -> KVReply:
+        try:
+            reply = await self.nc.request(
+                self.subject, msg.model_dump_json().encode(), timeout=self.timeout_s
+            )
+        except NoRespondersError as exc:
+            raise StageUnavailableError(self.rank, f"no stage listens on {self.subject}") from exc
+        except (TimeoutError, NatsTimeoutError) as exc:
+            raise StageUnavailableError(
+                self.rank, f"no reply on {self.subject} within {self.timeout_s}s"
+            ) from exc
+        return KVReply.model_validate_json(reply.data)
+
+
+class LocalStageClient:
+    """In-process stage client over a ``StageKVManager`` (tests, simulator)."""
+
+    def __init__(self, manager: StageKVManager, rank: int) -> None:
+        self.manager = manager
+        self.rank = rank
+
+    async def call(self, msg: ProbePin | Commit | Release | Renew | Health) -> KVReply:
+        return handle_kv_request(self.manager, self.rank, msg.model_dump_json().encode())
+
+
+class StageUnavailableError(RuntimeError):
+    def __init__(self, rank: int, detail: str) -> None:
+        super().__init__(f"stage {rank}: {detail}")
+        self.rank = rank
+
+
+class AgreementRefused(RuntimeError):
+    """A request that can never be admitted (it needs more blocks than a stage holds)."""
+
+
+@dataclass
+class PromptRequest:
+    """A prefill request as the runtime sees it.
+
+    ``token_ids``: the prompt, ``num_tokens >= 1``. ``cache_salt``: per tenant; requests with
+    different salts never share cached blocks. ``arrival_s``: ``time.time()`` at arrival.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    cache_salt: str = ""
+    arrival_s: float = field(default_factory=time.time)
+    return_logits: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class Ticket:
+    """An admitted request: L* agreed and pinned on every stage, the rest reserved."""
+
+    request: PromptRequest
+    num_agreed_blocks: int
+    block_size: int
+    num_refusals: int = 0
+    agreement_s: float = 0.0
+    admitted_at_s: float = 0.0
+    stage_hits: tuple[int, ...] = ()
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.num_agreed_blocks * self.block_size
+
+
+class AdmissionController:
+    """The controller side of the agreement protocol over S stage clients.
+
+    ``agree`` returns a ``Ticket`` or ``None`` when some stage refused the reservation (then no
+    stage holds anything for the request). Leases of admitted requests are renewed by
+    ``renew_leases`` (call it periodically) until ``release``.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[StageClient],
+        *,
+        block_size: int,
+        model_id: str,
+        lease_s: float = 30.0,
+        stage_capacities: Sequence[int] | None = None,
+    ) -> None:
+        if not stages:
+            raise ValueError("stages: need at least one stage client")
+        self.stages = list(stages)
+        self.block_size = block_size
+        self.model_id = model_id
+        self.lease_s = lease_s
+        self.stage_capacities = list(stage_capacities) if stage_capacities else None
+        self.live: set[str] = set()
+        self.num_agreements = 0
+        self.num_refusals = 0
+
+    def block_hashes(self, request: PromptRequest) -> list[bytes]:
+        return hash_prompt_blocks(
+            request.token_ids, self.block_size, self.model_id, request.cache_salt
+        )
+
+    def num_total_blocks(self, request: PromptRequest) -> int:
+        return math.ceil(request.num_tokens / self.block_size)
+
+    def check_fits(self, request: PromptRequest) -> None:
+        """Raise AgreementRefused if the prompt can never fit on some stage."""
+        if request.num_tokens < 1:
+            raise AgreementRefused(f"request {request.request_id}: prompt has no tokens")
+        need = self.num_total_blocks(request)
+        for rank, capacity in enumerate(self.stage_capacities or []):
+            if need > capacity:
+                raise AgreementRefused(
+                    f"request {request.request_id}: prompt of {request.num_tokens} tokens needs "
+                    f"{need} blocks of {self.block_size}; stage {rank} holds {capacity}"
+                )
+
+    async def _all(self, msg: ProbePin | Commit | Release | Renew | Health) -> list[KVReply]:
+        return list(await asyncio.gather(*(stage.call(msg) for stage in self.stages)))
+
+    async def agree(self, request: PromptRequest) -> Ticket | None:
+        """Probe-and-pin on every stage, agree on L*, commit. See the module docstring.
+
+        Returns:
+            The ticket, or None when a stage refused the reservation (nothing is held then).
+
+        Raises:
+            AgreementRefused: the prompt can never fit.
+            StageUnavailableError: a stage did not answer (its pins expire with the lease).
+        """
+        self.check_fits(request)
+        started = time.monotonic()
+        hashes = self.block_hashes(request)
+        rid = request.request_id
+        probe = ProbePin(
+            request_id=rid, block_hashes=[h.hex() for h in hashes], lease_s=self.lease_s
+        )
+        try:
+            replies = await self._all(probe)
+            for reply in replies:
+                if not reply.ok:
+                    raise AgreementRefused(f"request {rid}: stage {reply.rank}: {reply.error}")
+            hits = tuple(reply.num_hit_blocks for reply in replies)
+            num_agreed = min(min(hits), (request.num_tokens - 1) // self.block_size)
+            commit = Commit(
+                request_id=rid,
+                num_agreed_blocks=num_agreed,
+                num_total_blocks=self.num_total_blocks(request),
+                lease_s=self.lease_s,
+            )
+            replies = await self._all(commit)
+        except BaseException:
+            await self._release_quietly([rid])
+            raise
+        self.num_agreements += 1
+        if not all(reply.ok for reply in replies):
+            self.num_refusals += 1
+            await self._release_quietly([rid])
+            return None
+        self.live.add(rid)
+        return Ticket(
+            request=request,
+            num_agreed_blocks=num_agreed,
+            block_size=self.block_size,
+            agreement_s=time.monotonic() - started,
+            admitted_at_s=time.time(),
+            stage_hits=hits,
+        )
+
+    async def release(self, request_ids: Sequence[str]) -> None:
+        """Drop pins and reservations on every stage; the blocks stay cached for reuse."""
+        if not request_ids:
+            return
+        self.live.difference_update(request_ids)
+        await self._all(Release(request_ids=list(request_ids)))
+
+    async def _release_quietly(self, request_ids: list[str]) -> None:
+        try:
+            await asyncio.shield(self._all(Release(request_ids=request_ids)))
+        except Exception as exc:  # the lease frees what we could not
+            log.warning("release of %s failed (%s); leases will expire", request_ids, exc)
+
+    async def renew_leases(self) -> None:
+        if self.live:
+            await self._all(Renew(request_ids=sorted(self.live), lease_s=self.lease_s))
+
+    async def health(self) -> list[KVReply]:
+        return await self._all(Health())

@@ -1,0 +1,102 @@
+"""The resolved runtime configuration shared by the scheduler and every stage process.
+
+One pydantic model, serialised to JSON and handed to each ``wavepp stage`` process, so that all
+stages agree on the model, the partition, the block size and the mode.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from wavepp.runtime.engine.model_config import ModelConfig, partition_layers
+
+Mode = Literal["wave", "sync"]
+
+
+class RuntimeConfig(BaseModel):
+    """Everything a pipeline's processes must agree on.
+
+    ``mode`` sets the defaults of the three WavePP mechanisms; each can be overridden for
+    ablations (DESIGN.md 'Data flow'):
+
+    | mechanism        | wave (WavePP)                       | sync (baseline)                     |
+    | ---------------- | ----------------------------------- | ----------------------------------- |
+    | agreement        | async, fills a bounded queue        | in the scheduling loop, per request |
+    | chunk_policy     | dynamic (equal cost per micro-batch) | static (``chunk_tokens`` per batch) |
+    | local_prepare    | on plan arrival, before activations | after activations arrive            |
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    pipeline: str = Field("default", pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    model: ModelConfig = ModelConfig()
+    engine: Literal["torch", "emulated"] = "torch"
+    cost_model: dict[str, object] | None = None  # CostModel.to_dict() for the emulated engine
+    time_scale: float = Field(1.0, gt=0)
+    num_stages: int = Field(4, ge=1, le=64)
+    partition: list[int] | None = None
+    block_size: int = Field(16, ge=1, le=4096)
+    num_kv_blocks: list[int] = Field(default_factory=lambda: [4096])
+    mode: Mode = "wave"
+    chunk_tokens: int = Field(8192, ge=1)
+    chunk_policy: Literal["dynamic", "static"] | None = None
+    async_agreement: bool | None = None
+    local_prepare: bool | None = None
+    max_inflight: int | None = Field(None, ge=1)
+    max_prepared: int = Field(64, ge=1)
+    max_agreements_in_flight: int = Field(16, ge=1)
+    lease_s: float = Field(30.0, gt=0)
+    request_timeout_s: float = Field(10.0, gt=0)
+    device: str = "cpu"
+    torch_threads: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> RuntimeConfig:
+        partition_layers(self.model.num_layers, self.num_stages, self.partition)
+        if len(self.num_kv_blocks) not in (1, self.num_stages):
+            raise ValueError(
+                f"num_kv_blocks has {len(self.num_kv_blocks)} entries; give 1 (all stages) "
+                f"or num_stages={self.num_stages}"
+            )
+        if any(n < 1 for n in self.num_kv_blocks):
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: every entry must be >= 1")
+        if self.engine == "emulated" and self.cost_model is None:
+            raise ValueError("engine=emulated needs cost_model (a CostModel.to_dict())")
+        return self
+
+    # ---- resolved views -----------------------------------------------------------------
+
+    @property
+    def subject_prefix(self) -> str:
+        return f"wavepp.{self.pipeline}"
+
+    @property
+    def model_id(self) -> str:
+        """Seed of the block-hash chain: the model's name and weight seed."""
+        return f"{self.model.name}:seed={self.model.seed}"
+
+    def kv_blocks_of(self, rank: int) -> int:
+        return self.num_kv_blocks[0] if len(self.num_kv_blocks) == 1 else self.num_kv_blocks[rank]
+
+    def layers_of(self, rank: int) -> tuple[int, int]:
+        return partition_layers(self.model.num_layers, self.num_stages, self.partition)[rank]
+
+    @property
+    def resolved_chunk_policy(self) -> Literal["dynamic", "static"]:
+        if self.chunk_policy is not None:
+            return self.chunk_policy
+        return "dynamic" if self.mode == "wave" else "static"
+
+    @property
+    def resolved_async_agreement(self) -> bool:
+        return self.async_agreement if self.async_agreement is not None else self.mode == "wave"
+
+    @property
+    def resolved_local_prepare(self) -> bool:
+        return self.local_prepare if self.local_prepare is not None else self.mode == "wave"
+
+    @property
+    def resolved_max_inflight(self) -> int:
+        return self.max_inflight or self.num_stages

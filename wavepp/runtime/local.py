@@ -1,0 +1,189 @@
+"""A whole pipeline on this machine: an embedded nats-server, S stage processes, and the
+admission controller + wave scheduler in the calling process.
+
+    async with LocalPipeline(config) as pipeline:
+        outcome = await pipeline.scheduler.submit(PromptRequest("r1", token_ids))
+
+Stage processes are ``wavepp stage`` commands (the same ones pods run). Startup waits for every
+stage to answer a health probe, with a deadline, and fails fast (with the stage's log tail) if a
+stage process dies. Shutdown stops the scheduler, then SIGTERMs the stages, waits, kills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from nats.aio.client import Client as NATS
+
+from wavepp.api.messages import Health
+from wavepp.runtime.agreement import AdmissionController, NatsStageClient, StageUnavailableError
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.natsutil import EmbeddedNatsServer, connect, free_port
+from wavepp.runtime.planner import ChunkPlanner, CostModel
+from wavepp.runtime.scheduler import WaveScheduler
+
+log = logging.getLogger(__name__)
+
+
+class LocalPipeline:
+    """Starts and stops a local pipeline. See the module docstring."""
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        planner_cost_model: CostModel,
+        *,
+        nats_url: str | None = None,
+        startup_timeout_s: float = 120.0,
+        log_dir: str | None = None,
+    ) -> None:
+        self.config = config
+        self.planner_cost_model = planner_cost_model
+        self.external_nats_url = nats_url
+        self.startup_timeout_s = startup_timeout_s
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="wavepp-stages-"))
+        self.server: EmbeddedNatsServer | None = None
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.nc: NATS | None = None
+        self.controller: AdmissionController | None = None
+        self.scheduler: WaveScheduler | None = None
+        self._config_path = self.log_dir / "runtime-config.json"
+
+    @property
+    def nats_url(self) -> str:
+        if self.external_nats_url:
+            return self.external_nats_url
+        assert self.server is not None, "pipeline not started"
+        return self.server.url
+
+    def stage_command(self, rank: int, dist_url: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "wavepp.cli",
+            "stage",
+            "--runtime-config",
+            str(self._config_path),
+            "--rank",
+            str(rank),
+            "--nats-url",
+            self.nats_url,
+            "--dist-url",
+            dist_url,
+        ]
+
+    def start_stage(self, rank: int, dist_url: str) -> subprocess.Popen[bytes]:
+        out = open(self.log_dir / f"stage{rank}.log", "ab")  # noqa: SIM115 - owned by the child
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.config.torch_threads))
+        return subprocess.Popen(
+            self.stage_command(rank, dist_url),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+    def stage_log_tail(self, rank: int, num_lines: int = 20) -> str:
+        path = self.log_dir / f"stage{rank}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+
+    async def __aenter__(self) -> LocalPipeline:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._config_path.write_text(self.config.model_dump_json())
+        if not self.external_nats_url:
+            self.server = EmbeddedNatsServer()
+            self.server.start()
+        dist_url = f"tcp://127.0.0.1:{free_port()}"
+        self.procs = [self.start_stage(rank, dist_url) for rank in range(self.config.num_stages)]
+        self.nc = await connect(self.nats_url, name=f"{self.config.pipeline}-scheduler")
+        stages = [
+            NatsStageClient(
+                self.nc, self.config.subject_prefix, rank, self.config.request_timeout_s
+            )
+            for rank in range(self.config.num_stages)
+        ]
+        self.controller = AdmissionController(
+            stages,
+            block_size=self.config.block_size,
+            model_id=self.config.model_id,
+            lease_s=self.config.lease_s,
+            stage_capacities=[self.config.kv_blocks_of(r) for r in range(self.config.num_stages)],
+        )
+        await self.wait_formed()
+        planner = ChunkPlanner(
+            self.planner_cost_model,
+            policy=self.config.resolved_chunk_policy,
+            chunk_tokens=self.config.chunk_tokens,
+            block_size=self.config.block_size,
+        )
+        self.scheduler = WaveScheduler(self.config, self.nc, self.controller, planner)
+        await self.scheduler.start()
+
+    async def wait_formed(self) -> None:
+        """Wait until every stage answers a health probe; fail fast if one died."""
+        assert self.controller is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        for stage in self.controller.stages:
+            while True:
+                proc = self.procs[stage.rank]
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"stage {stage.rank} exited with code {proc.returncode} during startup:\n"
+                        + self.stage_log_tail(stage.rank)
+                    )
+                try:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        reply = await asyncio.wait_for(stage.call(Health()), 2.0)
+                        if reply.ok:
+                            break
+                except StageUnavailableError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"stage {stage.rank} not formed in {self.startup_timeout_s}s:\n"
+                        + self.stage_log_tail(stage.rank)
+                    )
+                await asyncio.sleep(0.1)
+
+    async def stop(self) -> None:
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+            self.scheduler = None
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+            self.nc = None
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                await asyncio.to_thread(proc.wait, 10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                await asyncio.to_thread(proc.wait, 10)
+        self.procs = []
+        if self.server is not None:
+            self.server.stop()
+            self.server = None

@@ -1,0 +1,443 @@
+"""The wave scheduler: admitted requests -> micro-batches -> every stage at once.
+
+Two modes share this executor; only the three mechanisms of ``RuntimeConfig`` differ:
+
+wave (WavePP)::
+
+    intake --> admission tasks (<= max_agreements_in_flight, concurrent with execution)
+                 probe/pin/commit over NATS --> prepared queue (bounded, max_prepared)
+    scheduling loop: prepared tickets --> dynamic planner (equal cost per micro-batch)
+                 --> publish plan to {p}.plan (stages prepare on arrival)
+
+sync (baseline, mirrors TensorRT-LLM's ``_executor_loop_pp``)::
+
+    scheduling loop: for each new request, on the critical path: probe/pin/commit over NATS,
+                 retrying until the reservation fits (head of line waits)
+                 --> static planner (``chunk_tokens`` per micro-batch)
+                 --> publish plan (stages prepare after their activations arrive)
+
+Both keep at most ``max_inflight`` (default S) micro-batches in the pipeline. The last stage's
+``MicroBatchDone`` frees a slot and carries the first tokens of finished requests; a request's
+pins and reservations are released once no micro-batch holding one of its chunks is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from wavepp.api.messages import MicroBatchDone, MicroBatchPlan, PlannedChunk
+from wavepp.runtime.agreement import AdmissionController, AgreementRefused, PromptRequest, Ticket
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.planner import ChunkPlanner, RequestProgress
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutcome:
+    """What a caller gets back for one request. Times are ``time.time()`` seconds."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    first_token_id: int | None = None
+    logits: list[float] | None = None
+    error: str = ""
+    arrival_s: float = 0.0
+    admitted_s: float = 0.0
+    first_scheduled_s: float = 0.0
+    finished_s: float = 0.0
+    agreement_s: float = 0.0
+    num_refusals: int = 0
+    stage_hits: tuple[int, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    @property
+    def ttft_s(self) -> float:
+        return self.finished_s - self.arrival_s
+
+
+@dataclass
+class _Live:
+    ticket: Ticket
+    progress: RequestProgress
+    future: asyncio.Future[RequestOutcome]
+    outcome: RequestOutcome
+    num_inflight_microbatches: int = 0
+    planned_all: bool = False
+    finished: bool = False
+
+
+@dataclass
+class StageSpan:
+    """One stage's work on one micro-batch (for wave-fill accounting and timelines)."""
+
+    rank: int
+    microbatch_id: int
+    num_tokens: int
+    prepare_start_s: float
+    prepare_end_s: float
+    execute_start_s: float
+    execute_end_s: float
+
+
+@dataclass
+class WaveStats:
+    spans: list[StageSpan] = field(default_factory=list)
+    num_microbatches: int = 0
+    microbatch_tokens: list[int] = field(default_factory=list)
+
+    def wave_fill(self, num_stages: int) -> float:
+        """Busy time of all stages / (S x wall time) over the spans' window (DESIGN.md terms)."""
+        if not self.spans:
+            return 0.0
+        start = min(s.execute_start_s for s in self.spans)
+        end = max(s.execute_end_s for s in self.spans)
+        busy = sum(s.execute_end_s - s.execute_start_s for s in self.spans)
+        return busy / (num_stages * (end - start)) if end > start else 0.0
+
+    def busy_s_by_stage(self, num_stages: int) -> list[float]:
+        busy = [0.0] * num_stages
+        for s in self.spans:
+            busy[s.rank] += s.execute_end_s - s.execute_start_s
+        return busy
+
+
+class WaveScheduler:
+    """Drives one pipeline: intake, admission, planning, publishing plans, collecting results."""
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        nc: NATS,
+        controller: AdmissionController,
+        planner: ChunkPlanner,
+        *,
+        on_outcome: Callable[[RequestOutcome], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.nc = nc
+        self.controller = controller
+        self.planner = planner
+        self.on_outcome = on_outcome
+        self.num_stages = config.num_stages
+        self.prefix = config.subject_prefix
+        self.intake: asyncio.Queue[tuple[PromptRequest, asyncio.Future[RequestOutcome]]] = (
+            asyncio.Queue()
+        )
+        self.prepared: asyncio.Queue[_Live] = asyncio.Queue(maxsize=config.max_prepared)
+        self.active: list[_Live] = []
+        self.by_id: dict[str, _Live] = {}
+        self.inflight: dict[int, list[str]] = {}
+        self.stats = WaveStats()
+        self._next_microbatch_id = 0
+        self._slot_freed = asyncio.Event()
+        self._capacity_generation = 0
+        self._capacity_changed = asyncio.Condition()
+        self._agreements = asyncio.Semaphore(config.max_agreements_in_flight)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._admissions: set[asyncio.Task[None]] = set()
+        self._sub = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(f"{self.prefix}.done", cb=self._on_done)
+        await self.nc.flush()
+        if self.config.resolved_async_agreement:
+            self._tasks.append(asyncio.create_task(self._admission_loop(), name="admission"))
+        self._tasks.append(asyncio.create_task(self._scheduling_loop(), name="scheduling"))
+        self._tasks.append(asyncio.create_task(self._renew_loop(), name="renew"))
+
+    async def stop(self) -> None:
+        for task in [*self._tasks, *self._admissions]:
+            task.cancel()
+        for task in [*self._tasks, *self._admissions]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def submit(self, request: PromptRequest) -> RequestOutcome:
+        """Queue a request and wait for its outcome (never raises for request errors)."""
+        future: asyncio.Future[RequestOutcome] = asyncio.get_running_loop().create_future()
+        self.intake.put_nowait((request, future))
+        return await future
+
+    # ---- admission -----------------------------------------------------------------------
+
+    def _fail(
+        self, request: PromptRequest, future: asyncio.Future[RequestOutcome], error: str
+    ) -> None:
+        outcome = RequestOutcome(
+            request_id=request.request_id,
+            num_prompt_tokens=request.num_tokens,
+            error=error,
+            arrival_s=request.arrival_s,
+            finished_s=time.time(),
+        )
+        self._complete(future, outcome)
+
+    def _complete(self, future: asyncio.Future[RequestOutcome], outcome: RequestOutcome) -> None:
+        if self.on_outcome is not None:
+            self.on_outcome(outcome)
+        if not future.done():
+            future.set_result(outcome)
+
+    async def _agree_until_admitted(self, request: PromptRequest) -> Ticket:
+        """Agree; on refusal wait until some request releases blocks, then retry."""
+        num_refusals = 0
+        while True:
+            generation = self._capacity_generation
+            ticket = await self.controller.agree(request)
+            if ticket is not None:
+                ticket.num_refusals = num_refusals
+                return ticket
+            num_refusals += 1
+            async with self._capacity_changed:
+                if generation == self._capacity_generation and not self._all_idle():
+                    await self._capacity_changed.wait()
+                elif self._all_idle():
+                    # Nothing in flight will free blocks: only lease expiry can. Back off.
+                    await asyncio.sleep(0.05)
+
+    def _all_idle(self) -> bool:
+        return not self.by_id
+
+    def _admitted(
+        self, request: PromptRequest, future: asyncio.Future[RequestOutcome], ticket: Ticket
+    ) -> _Live:
+        outcome = RequestOutcome(
+            request_id=request.request_id,
+            num_prompt_tokens=request.num_tokens,
+            num_cached_tokens=ticket.num_cached_tokens,
+            arrival_s=request.arrival_s,
+            admitted_s=ticket.admitted_at_s,
+            agreement_s=ticket.agreement_s,
+            num_refusals=ticket.num_refusals,
+            stage_hits=ticket.stage_hits,
+        )
+        live = _Live(
+            ticket=ticket,
+            progress=RequestProgress(
+                request_id=request.request_id,
+                num_prompt_tokens=request.num_tokens,
+                num_computed_tokens=ticket.num_cached_tokens,
+                arrival_s=request.arrival_s,
+            ),
+            future=future,
+            outcome=outcome,
+        )
+        self.by_id[request.request_id] = live
+        return live
+
+    async def _admit_one(
+        self, request: PromptRequest, future: asyncio.Future[RequestOutcome]
+    ) -> _Live | None:
+        if request.request_id in self.by_id:
+            self._fail(request, future, f"request_id {request.request_id!r} is already in flight")
+            return None
+        try:
+            ticket = await self._agree_until_admitted(request)
+        except AgreementRefused as exc:
+            self._fail(request, future, str(exc))
+            return None
+        except Exception as exc:
+            log.exception("agreement for %s failed", request.request_id)
+            self._fail(request, future, f"agreement failed: {exc}")
+            return None
+        return self._admitted(request, future, ticket)
+
+    async def _admission_loop(self) -> None:
+        while True:
+            request, future = await self.intake.get()
+            await self._agreements.acquire()
+            task = asyncio.create_task(self._admit_async(request, future))
+            self._admissions.add(task)
+            task.add_done_callback(self._admissions.discard)
+
+    async def _admit_async(
+        self, request: PromptRequest, future: asyncio.Future[RequestOutcome]
+    ) -> None:
+        try:
+            live = await self._admit_one(request, future)
+            if live is not None:
+                await self.prepared.put(live)
+        finally:
+            self._agreements.release()
+
+    # ---- scheduling ----------------------------------------------------------------------
+
+    def _remaining_new_tokens(self) -> int:
+        return sum(
+            live.progress.num_prompt_tokens - live.progress.num_computed_tokens
+            for live in self.active
+        )
+
+    async def _wait_for_slot(self) -> None:
+        while len(self.inflight) >= self.config.resolved_max_inflight:
+            self._slot_freed.clear()
+            await self._slot_freed.wait()
+
+    async def _gather_work_async(self) -> None:
+        while True:
+            try:
+                self.active.append(self.prepared.get_nowait())
+            except asyncio.QueueEmpty:
+                break
+        if not self.active:
+            self.active.append(await self.prepared.get())
+
+    async def _gather_work_sync(self) -> None:
+        # TensorRT-LLM's PP loop: the first rank schedules; new requests get their KV resources
+        # on the critical path, and a request that does not fit is retried until it does.
+        while self._remaining_new_tokens() < self.config.chunk_tokens:
+            if self.active and self.intake.empty():
+                return
+            request, future = await self.intake.get()
+            live = await self._admit_one(request, future)
+            if live is not None:
+                self.active.append(live)
+
+    async def _scheduling_loop(self) -> None:
+        gather = (
+            self._gather_work_async
+            if self.config.resolved_async_agreement
+            else self._gather_work_sync
+        )
+        while True:
+            await self._wait_for_slot()
+            await gather()
+            progress = [live.progress for live in self.active]
+            chunks = self.planner.plan_microbatch(
+                progress, num_stages=self.num_stages, num_inflight=len(self.inflight)
+            )
+            if not chunks:
+                self.active = [live for live in self.active if not live.planned_all]
+                if not self.active:
+                    continue
+                await asyncio.sleep(0)
+                continue
+            await self._publish(chunks)
+            self.active = [live for live in self.active if not live.planned_all]
+
+    async def _publish(self, chunks: list) -> None:  # list[Chunk]
+        microbatch_id = self._next_microbatch_id
+        self._next_microbatch_id += 1
+        now = time.time()
+        planned: list[PlannedChunk] = []
+        request_ids: list[str] = []
+        for chunk in chunks:
+            live = self.by_id[chunk.request_id]
+            tokens = live.ticket.request.token_ids[
+                chunk.context_offset : chunk.context_offset + chunk.num_tokens
+            ]
+            planned.append(
+                PlannedChunk(
+                    request_id=chunk.request_id,
+                    chunk_index=chunk.chunk_index,
+                    context_offset=chunk.context_offset,
+                    token_ids=tokens,
+                    is_last=chunk.is_last,
+                    return_logits=live.ticket.request.return_logits and chunk.is_last,
+                )
+            )
+            if chunk.request_id not in request_ids:
+                request_ids.append(chunk.request_id)
+                live.num_inflight_microbatches += 1
+            if not live.outcome.first_scheduled_s:
+                live.outcome.first_scheduled_s = now
+            if chunk.is_last:
+                live.planned_all = True
+        self.inflight[microbatch_id] = request_ids
+        self.stats.num_microbatches += 1
+        self.stats.microbatch_tokens.append(sum(c.num_tokens for c in chunks))
+        plan = MicroBatchPlan(microbatch_id=microbatch_id, chunks=planned, published_at_s=now)
+        await self.nc.publish(f"{self.prefix}.plan", plan.model_dump_json().encode())
+
+    # ---- completion ----------------------------------------------------------------------
+
+    async def _on_done(self, msg: Msg) -> None:
+        try:
+            done = MicroBatchDone.model_validate_json(msg.data)
+        except ValueError as exc:
+            log.error("invalid done message dropped: %s", exc)
+            return
+        self.stats.spans.append(
+            StageSpan(
+                rank=done.rank,
+                microbatch_id=done.microbatch_id,
+                num_tokens=done.num_tokens,
+                prepare_start_s=done.prepare_start_s,
+                prepare_end_s=done.prepare_end_s,
+                execute_start_s=done.execute_start_s,
+                execute_end_s=done.execute_end_s,
+            )
+        )
+        if done.error:
+            self._fail_microbatch(done.microbatch_id, done.error)
+        if done.rank != self.num_stages - 1:
+            return
+        request_ids = self.inflight.pop(done.microbatch_id, [])
+        self._slot_freed.set()
+        now = time.time()
+        for result in done.results:
+            live = self.by_id.get(result.request_id)
+            if live is None or live.finished:
+                continue
+            live.finished = True
+            live.outcome.first_token_id = result.first_token_id
+            live.outcome.logits = result.logits
+            live.outcome.finished_s = now
+            self._complete(live.future, live.outcome)
+        to_release = []
+        for request_id in request_ids:
+            live = self.by_id.get(request_id)
+            if live is None:
+                continue
+            live.num_inflight_microbatches -= 1
+            if live.num_inflight_microbatches == 0 and (live.finished or live.planned_all):
+                if not live.finished:  # last chunk ran without a result: report, never hang
+                    live.finished = True
+                    live.outcome.error = live.outcome.error or "no result from the last stage"
+                    live.outcome.finished_s = now
+                    self._complete(live.future, live.outcome)
+                del self.by_id[request_id]
+                to_release.append(request_id)
+        if to_release:
+            await self.controller.release(to_release)
+            async with self._capacity_changed:
+                self._capacity_generation += 1
+                self._capacity_changed.notify_all()
+
+    def _fail_microbatch(self, microbatch_id: int, error: str) -> None:
+        for request_id in self.inflight.get(microbatch_id, []):
+            live = self.by_id.get(request_id)
+            if live is None or live.finished:
+                continue
+            live.finished = True
+            live.planned_all = True
+            live.outcome.error = error
+            live.outcome.finished_s = time.time()
+            self._complete(live.future, live.outcome)
+        self.active = [live for live in self.active if not live.finished]
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.lease_s / 3)
+            try:
+                await self.controller.renew_leases()
+            except Exception as exc:
+                log.warning("lease renewal failed: %s", exc)

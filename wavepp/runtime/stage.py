@@ -1,0 +1,303 @@
+"""The stage worker: one process per pipeline stage.
+
+Threads and ownership::
+
+    asyncio loop thread (owns the StageKVManager)        compute thread (owns torch.distributed)
+    ---------------------------------------------        ---------------------------------------
+    {p}.stage.{r}.kv  -> handle_kv_request -> reply       take (plan, chunks, prepared) in order
+    {p}.plan          -> block tables from the manager    recv activations from rank r-1
+                         -> prepare() when local_prepare   prepare() here when not local_prepare
+                         -> hand over to compute            execute() the stage's layers
+    after a micro-batch: mark_computed, KV events,   <-    isend activations to rank r+1
+                         publish {p}.done                   (last stage: first token, logits)
+
+Plans arrive from one publisher on one subject, so every stage sees them in the same order; the
+compute thread processes them in that order, so the activations of micro-batch m on the wire
+between two stages always belong to m. A micro-batch whose block tables cannot be built (a lease
+expired, a bad plan) still moves zeros of the right shape through the pipeline, so no stage
+waits forever, and its ``MicroBatchDone`` carries the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from wavepp.api.messages import KVEventBatch, MicroBatchDone, MicroBatchPlan, RequestResult
+from wavepp.runtime.agreement import handle_kv_request
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.engine import ChunkSpec, make_engine
+from wavepp.runtime.kvcache import BlockPool, StageKVManager
+from wavepp.runtime.natsutil import connect
+
+log = logging.getLogger(__name__)
+
+_MAX_PENDING_SENDS = 16
+
+
+@dataclass
+class _Work:
+    plan: MicroBatchPlan
+    chunks: list[ChunkSpec]
+    prepared: object | None
+    prepare_start_s: float
+    prepare_end_s: float
+    error: str
+
+
+def build_engine(config: RuntimeConfig, rank: int):  # noqa: ANN201 - StageEngine protocol
+    """The stage's engine for its layer range (torch or emulated), with its KV allocated."""
+    first, last = config.layers_of(rank)
+    cost_model = None
+    extra: dict[str, object] = {}
+    if config.engine == "emulated":
+        from wavepp.runtime.planner import CostModel
+
+        cost_model = CostModel.from_dict(config.cost_model or {})
+        extra["time_scale"] = config.time_scale
+    engine = make_engine(
+        config.engine,
+        model=config.model,
+        first_layer=first,
+        last_layer=last,
+        num_layers_total=config.model.num_layers,
+        device=config.device,
+        cost_model=cost_model,
+        **extra,
+    )
+    engine.allocate_kv(config.kv_blocks_of(rank), config.block_size)
+    return engine
+
+
+class StageWorker:
+    """Serves one stage: KV ops over NATS, plans, activations over torch.distributed."""
+
+    def __init__(self, config: RuntimeConfig, rank: int, nc: NATS, engine: object) -> None:
+        self.config = config
+        self.rank = rank
+        self.nc = nc
+        self.engine = engine
+        self.manager = StageKVManager(BlockPool(config.kv_blocks_of(rank), config.block_size))
+        self.hashes: dict[str, list[bytes]] = {}
+        self.is_first = rank == 0
+        self.is_last = rank == config.num_stages - 1
+        self.prefix = config.subject_prefix
+        self._work: queue.Queue[_Work | None] = queue.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.num_microbatches = 0
+
+    # ---- loop thread ---------------------------------------------------------------------
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._compute_loop, name="compute", daemon=True)
+        self._thread.start()
+        await self.nc.subscribe(f"{self.prefix}.stage.{self.rank}.kv", cb=self._on_kv)
+        await self.nc.subscribe(f"{self.prefix}.plan", cb=self._on_plan)
+        await self.nc.flush()
+        log.info("stage %d serving layers %s", self.rank, self.config.layers_of(self.rank))
+        expiry = asyncio.create_task(self._expire_loop())
+        try:
+            await stop.wait()
+        finally:
+            expiry.cancel()
+            self._work.put(None)
+
+    async def _on_kv(self, msg: Msg) -> None:
+        reply = handle_kv_request(self.manager, self.rank, msg.data, self.hashes)
+        await msg.respond(reply.model_dump_json().encode())
+        await self._publish_events()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.config.lease_s / 4))
+            for request_id in self.manager.expire():
+                self.hashes.pop(request_id, None)
+                log.warning("stage %d: lease of %s expired; released", self.rank, request_id)
+            await self._publish_events()
+
+    async def _publish_events(self) -> None:
+        events = self.manager.take_events()
+        if not events:
+            return
+        batch = KVEventBatch(
+            rank=self.rank,
+            stored=[[h.hex() for h in e.block_hashes] for e in events if e.kind == "stored"],
+            removed=[[h.hex() for h in e.block_hashes] for e in events if e.kind == "removed"],
+        )
+        await self.nc.publish(
+            f"{self.prefix}.kv_events.{self.rank}", batch.model_dump_json().encode()
+        )
+
+    async def _on_plan(self, msg: Msg) -> None:
+        prepare_start = time.time()
+        error = ""
+        chunks: list[ChunkSpec] = []
+        try:
+            plan = MicroBatchPlan.model_validate_json(msg.data)
+        except ValueError as exc:
+            log.error("stage %d: invalid plan dropped: %s", self.rank, exc)
+            return
+        try:
+            for c in plan.chunks:
+                chunks.append(
+                    ChunkSpec(
+                        request_id=c.request_id,
+                        context_offset=c.context_offset,
+                        num_tokens=len(c.token_ids),
+                        block_ids=tuple(self.manager.block_table(c.request_id)),
+                        token_ids=tuple(c.token_ids) if self.is_first else None,
+                        is_last=c.is_last,
+                    )
+                )
+        except (KeyError, ValueError) as exc:
+            error = f"stage {self.rank}: cannot build block tables: {exc!r}"
+        prepared = None
+        if not error and self.config.resolved_local_prepare:
+            try:
+                prepared = self.engine.prepare(chunks)  # type: ignore[attr-defined]
+            except ValueError as exc:
+                error = f"stage {self.rank}: prepare failed: {exc}"
+        self._work.put(_Work(plan, chunks, prepared, prepare_start, time.time(), error))
+
+    def _after_microbatch(self, work: _Work, done: MicroBatchDone) -> None:
+        if not done.error:
+            for chunk in work.chunks:
+                hashes = self.hashes.get(chunk.request_id)
+                if hashes is None:
+                    continue
+                try:
+                    self.manager.mark_computed(
+                        chunk.request_id, chunk.context_offset + chunk.num_tokens, hashes
+                    )
+                except KeyError:
+                    pass  # released meanwhile (lease expiry): nothing to cache
+        self.num_microbatches += 1
+        asyncio.ensure_future(self._publish_done(done))
+
+    async def _publish_done(self, done: MicroBatchDone) -> None:
+        await self.nc.publish(f"{self.prefix}.done", done.model_dump_json().encode())
+        await self._publish_events()
+
+    # ---- compute thread ------------------------------------------------------------------
+
+    def _compute_loop(self) -> None:
+        torch.set_num_threads(self.config.torch_threads)
+        pending_sends: deque[object] = deque()
+        engine = self.engine
+        while True:
+            work = self._work.get()
+            if work is None:
+                break
+            num_tokens = sum(len(c.token_ids) for c in work.plan.chunks)
+            hidden_in = None
+            if not self.is_first:
+                hidden_in = torch.empty(
+                    num_tokens,
+                    engine.hidden_size,  # type: ignore[attr-defined]
+                    dtype=engine.activation_dtype,  # type: ignore[attr-defined]
+                )
+                dist.recv(hidden_in, src=self.rank - 1)
+            error = work.error
+            prepare_start, prepare_end = work.prepare_start_s, work.prepare_end_s
+            results: list[RequestResult] = []
+            hidden_out = None
+            exec_start = exec_end = time.time()
+            if not error:
+                try:
+                    prepared = work.prepared
+                    if prepared is None:
+                        prepare_start = time.time()
+                        prepared = engine.prepare(work.chunks)  # type: ignore[attr-defined]
+                        prepare_end = time.time()
+                    exec_start = time.time()
+                    out = engine.execute(prepared, hidden_in)  # type: ignore[attr-defined]
+                    exec_end = time.time()
+                    hidden_out = out.hidden
+                    if self.is_last:
+                        results = self._results(work, out.last_token_logits)
+                except Exception as exc:  # keep the pipeline moving; report the error
+                    log.exception(
+                        "stage %d: micro-batch %d failed", self.rank, work.plan.microbatch_id
+                    )
+                    error = f"stage {self.rank}: execute failed: {exc!r}"
+            if not self.is_last:
+                if hidden_out is None or error:
+                    hidden_out = torch.zeros(
+                        num_tokens,
+                        engine.hidden_size,  # type: ignore[attr-defined]
+                        dtype=engine.activation_dtype,  # type: ignore[attr-defined]
+                    )
+                pending_sends.append(
+                    (dist.isend(hidden_out.contiguous(), dst=self.rank + 1), hidden_out)
+                )
+                while len(pending_sends) > _MAX_PENDING_SENDS:
+                    pending_sends.popleft()[0].wait()  # type: ignore[index]
+            done = MicroBatchDone(
+                rank=self.rank,
+                microbatch_id=work.plan.microbatch_id,
+                num_tokens=num_tokens,
+                prepare_start_s=prepare_start,
+                prepare_end_s=prepare_end,
+                execute_start_s=exec_start,
+                execute_end_s=exec_end,
+                results=results,
+                error=error,
+            )
+            assert self._loop is not None, "compute thread started before serve()"
+            self._loop.call_soon_threadsafe(self._after_microbatch, work, done)
+        for handle, _ in pending_sends:  # type: ignore[misc]
+            handle.wait()
+
+    def _results(self, work: _Work, logits: dict[str, torch.Tensor]) -> list[RequestResult]:
+        results = []
+        for chunk in work.plan.chunks:
+            if not chunk.is_last:
+                continue
+            row = logits[chunk.request_id]
+            results.append(
+                RequestResult(
+                    request_id=chunk.request_id,
+                    first_token_id=int(torch.argmax(row).item()),
+                    logits=[float(v) for v in row.tolist()] if chunk.return_logits else None,
+                )
+            )
+        return results
+
+
+def init_distributed(config: RuntimeConfig, rank: int, dist_url: str) -> None:
+    """Join the stages' process group (gloo on CPU, NCCL on CUDA) for activations."""
+    backend = "nccl" if config.device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=dist_url, rank=rank, world_size=config.num_stages)
+
+
+async def run_stage(config: RuntimeConfig, rank: int, nats_url: str, dist_url: str) -> None:
+    """Process main of ``wavepp stage``: form, serve until SIGTERM/SIGINT, drain, leave."""
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s stage{rank} %(levelname)s %(name)s: %(message)s"
+    )
+    torch.set_num_threads(config.torch_threads)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await asyncio.to_thread(init_distributed, config, rank, dist_url)
+    engine = await asyncio.to_thread(build_engine, config, rank)
+    nc = await connect(nats_url, name=f"{config.pipeline}-stage-{rank}")
+    try:
+        worker = StageWorker(config, rank, nc, engine)
+        await worker.serve(stop)
+    finally:
+        await nc.drain()
