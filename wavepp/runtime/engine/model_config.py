@@ -1,0 +1,170 @@
+"""Model shapes for the stage engines, and how the layers are split into pipeline stages.
+
+A :class:`ModelConfig` describes a Llama-style decoder (RMSNorm, RoPE, grouped-query attention,
+SwiGLU, no biases, untied ``lm_head``). It carries no weights: the torch engine builds seeded
+random weights from it (see ``torch_engine.build_full_state_dict``) or loads local safetensors
+with Hugging Face ``LlamaForCausalLM`` names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import pydantic
+
+__all__ = ["PRESETS", "ModelConfig", "get_preset", "partition_layers"]
+
+
+class ModelConfig(pydantic.BaseModel):
+    """Shape of a Llama-style decoder (frozen).
+
+    NOTE: ``hidden_size == num_heads * head_dim`` is not required (as in HF ``LlamaConfig``
+    with an explicit ``head_dim``): q/k/v project ``hidden_size -> heads * head_dim`` and
+    ``o_proj`` projects back.
+    """
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+
+    name: str = pydantic.Field(default="tiny-llama", min_length=1)
+    vocab_size: int = pydantic.Field(default=1024, gt=0)
+    hidden_size: int = pydantic.Field(default=128, gt=0)
+    intermediate_size: int = pydantic.Field(default=352, gt=0)
+    num_layers: int = pydantic.Field(default=8, gt=0)
+    num_heads: int = pydantic.Field(default=4, gt=0)
+    num_kv_heads: int = pydantic.Field(default=2, gt=0)
+    head_dim: int = pydantic.Field(default=32, gt=0)
+    rope_theta: float = pydantic.Field(default=10000.0, gt=0)
+    rms_norm_eps: float = pydantic.Field(default=1e-5, gt=0)
+    max_position: int = pydantic.Field(default=131072, gt=0)
+    seed: int = pydantic.Field(default=0, ge=0)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @pydantic.model_validator(mode="after")
+    def _check_shapes(self) -> ModelConfig:
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of "
+                f"num_kv_heads={self.num_kv_heads} (grouped-query attention); "
+                "choose num_kv_heads among the divisors of num_heads"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(
+                f"head_dim={self.head_dim} must be even (RoPE rotates pairs of dimensions)"
+            )
+        return self
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        """Query heads sharing one KV head (the GQA group size)."""
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """KV cache bytes one token takes in one layer (K and V) at ``dtype``."""
+        elem_bytes = 4 if self.dtype == "float32" else 2
+        return 2 * self.num_kv_heads * self.head_dim * elem_bytes
+
+    def to_hf_llama_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``transformers.LlamaConfig`` describing the same model.
+
+        Returns:
+            A dict for ``LlamaConfig(**kwargs)`` (transformers 5.x names: ``rope_parameters``),
+            untied embeddings, no attention/MLP biases, SiLU activation.
+        """
+        return {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+        }
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny-llama": ModelConfig(),
+    "small-llama": ModelConfig(
+        name="small-llama",
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=704,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=32,
+    ),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """Return the preset model config called ``name``.
+
+    Raises:
+        ValueError: ``name`` is not a key of :data:`PRESETS`.
+    """
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"model name={name!r} is not a preset; choose one of {sorted(PRESETS)}"
+        ) from None
+
+
+def partition_layers(
+    num_layers: int, num_stages: int, partition: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
+    """Split ``num_layers`` decoder layers into contiguous per-stage ranges.
+
+    Without ``partition`` the split is balanced: every stage gets ``num_layers // num_stages``
+    layers and the first ``num_layers % num_stages`` stages one more (the last stage already
+    carries the final norm and ``lm_head``).
+
+    Args:
+        num_layers: total decoder layers of the model (>= num_stages).
+        num_stages: pipeline stages S (>= 1).
+        partition: optional explicit layer counts per stage, length S, each >= 1, summing to
+            ``num_layers``.
+
+    Returns:
+        ``[(first_layer, last_layer), ...]`` of length S; stage r holds ``[first, last)``.
+
+    Raises:
+        ValueError: a count is out of range, or ``partition`` has the wrong length or sum.
+    """
+    if num_stages < 1:
+        raise ValueError(f"num_stages={num_stages} must be >= 1")
+    if num_layers < num_stages:
+        raise ValueError(
+            f"num_layers={num_layers} must be >= num_stages={num_stages} "
+            "(every stage holds at least one layer)"
+        )
+    if partition is None:
+        base, extra = divmod(num_layers, num_stages)
+        counts = [base + (1 if r < extra else 0) for r in range(num_stages)]
+    else:
+        counts = [int(c) for c in partition]
+        if len(counts) != num_stages:
+            raise ValueError(
+                f"partition={list(partition)} has {len(counts)} entries; "
+                f"it needs one per stage (num_stages={num_stages})"
+            )
+        if any(c < 1 for c in counts):
+            raise ValueError(f"partition={counts}: every stage needs >= 1 layer")
+        if sum(counts) != num_layers:
+            raise ValueError(
+                f"partition={counts} sums to {sum(counts)}; it must sum to num_layers={num_layers}"
+            )
+    ranges: list[tuple[int, int]] = []
+    first = 0
+    for count in counts:
+        ranges.append((first, first + count))
+        first += count
+    return ranges
