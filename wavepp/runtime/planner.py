@@ -156,7 +156,8 @@ class CostModel:
             if num_tokens_cap is None:
                 raise ValueError("budget_s=inf: unbounded; pass num_tokens_cap")
             return num_tokens_cap
-        root = -2.0 * const / (lin + math.sqrt(lin * lin - 4.0 * quad * const))
+        denominator = lin + math.sqrt(lin * lin - 4.0 * quad * const)
+        root = 0.0 if const == 0.0 else -2.0 * const / denominator
         num_tokens = int(math.floor(root))
         if num_tokens_cap is not None:
             num_tokens = min(num_tokens, num_tokens_cap)
