@@ -627,8 +627,9 @@ def get_model(model: str) -> ModelSpec:
 def stage_layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     """Even split of num_layers decoder layers over num_stages stages.
 
-    Sizes differ by at most one; the extra layers go to the stages before the last, counting
-    back from the second-to-last (the last stage also holds the lm_head).
+    Sizes differ by at most one; the first num_layers % num_stages stages get one more layer
+    (the last stage also holds the lm_head). Same rule as the engines' balanced split
+    (wavepp.runtime.engine.model_config.partition_layers).
 
     Returns:
         [first, last) per stage, in stage order, contiguous and covering [0, num_layers).
@@ -641,9 +642,8 @@ def stage_layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]
             f"num_stages={num_stages}: must be in [1, num_layers={num_layers}] (a stage holds "
             "at least one layer)"
         )
-    sizes = [num_layers // num_stages] * num_stages
-    for offset in range(num_layers % num_stages):
-        sizes[-2 - offset if num_stages > 1 else 0] += 1
+    base, extra = divmod(num_layers, num_stages)
+    sizes = [base + (1 if stage < extra else 0) for stage in range(num_stages)]
     ranges = []
     first = 0
     for size in sizes:
