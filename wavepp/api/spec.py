@@ -1,0 +1,611 @@
+"""WavePipeline spec and status: the one model behind the CRD, the operator and ``wavepp up``.
+
+The custom resource ``WavePipeline`` (group ``wavepp.dev``, version ``v1alpha1``) has
+``spec: WavePipelineSpec`` and ``status: WavePipelineStatus``. The CRD in ``crds/`` is generated
+from these classes (``python -m wavepp.operator.crdgen``); a test fails when the two drift.
+``wavepp up --config FILE`` reads the same ``WavePipelineSpec`` from JSON or YAML.
+
+Field names: Python attributes are snake_case, the wire format (CRD, JSON, YAML) is camelCase as
+Kubernetes objects are; both are accepted on input, camelCase is written. A few wire names differ
+from the attribute so that counts and units are named (``stages`` <-> ``num_stages``,
+``windowSeconds`` <-> ``window_s``).
+
+Validation happens in three places, each catching what it can:
+
+1. the CRD's openAPIV3Schema (types, enums, minimums, a few CEL rules): the API server rejects;
+2. :class:`WavePipelineSpec` itself (cross-field checks that need the layer count, e.g. a
+   partition that does not sum to the model's layers): :class:`SpecError` names the field;
+3. :meth:`WavePipelineSpec.resolved`: defaults that come from the operator (image, NATS URL).
+
+:func:`check_spec` runs 2 and 3 and returns every problem as a :class:`SpecIssue` with the field
+path (``spec.layerPartition``), which the operator writes into the pipeline's conditions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+__all__ = [
+    "API_GROUP",
+    "API_VERSION",
+    "KIND",
+    "MODEL_PRESET_NUM_LAYERS",
+    "PLURAL",
+    "AutoscalingSpec",
+    "CacheSpec",
+    "Condition",
+    "ModelConfigSpec",
+    "ModelSpec",
+    "NatsSpec",
+    "PVCSource",
+    "ReplicaStatus",
+    "ResourcesSpec",
+    "RestartBudgetSpec",
+    "RolloutSpec",
+    "SchedulerSpec",
+    "SpecError",
+    "SpecIssue",
+    "StageStatus",
+    "TelemetrySpec",
+    "TenantSpec",
+    "Toleration",
+    "WavePipelineSpec",
+    "WavePipelineStatus",
+    "check_spec",
+    "split_layers",
+]
+
+API_GROUP = "wavepp.dev"
+API_VERSION = "v1alpha1"
+KIND = "WavePipeline"
+PLURAL = "wavepipelines"
+
+MODEL_PRESET_NUM_LAYERS: dict[str, int] = {
+    "tiny-llama": 8,
+    "small-llama": 8,
+    "glm-5.2": 78,
+    "minimax-m2.7": 62,
+    "kimi-k3": 93,
+    "deepseek-v3.2": 61,
+}
+"""Decoder layers of the models a spec may name without ``model.config.numLayers``.
+
+NOTE: tiny-llama and small-llama are the torch engine's presets
+(``wavepp.runtime.engine.model_config.PRESETS``; api may not import runtime, a test checks the
+two agree). The others are ``num_hidden_layers`` of the paper's models, without MTP layers
+(shared/models.md, architecture table), used with the emulated engine.
+"""
+
+_QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class SpecError(ValueError):
+    """A spec value that cannot work, with the field that holds it.
+
+    Attributes:
+        field: dotted camelCase path below ``spec`` (``layerPartition``, ``model.config.numLayers``).
+        message: what is wrong and how to fix it.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"spec.{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class SpecIssue(BaseModel):
+    """One problem found in a spec: ``field`` is the full path (``spec.stages``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+        extra="forbid",
+    )
+
+
+class PVCSource(_Spec):
+    """A PersistentVolumeClaim that holds the model weights, mounted into every stage pod."""
+
+    claim_name: str = Field(min_length=1, description="Name of the PVC (same namespace).")
+    sub_path: str | None = Field(None, description="Directory inside the volume to mount.")
+    mount_path: str = Field("/models", description="Where the volume appears in the container.")
+
+
+class ModelConfigSpec(_Spec):
+    """Model shape; unknown keys pass through to the engine (e.g. ``ropeTheta``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    num_layers: int | None = Field(None, ge=1, description="Decoder layers of the model.")
+    hidden_size: int | None = Field(None, ge=1)
+    intermediate_size: int | None = Field(None, ge=1)
+    num_heads: int | None = Field(None, ge=1, description="Query heads.")
+    num_kv_heads: int | None = Field(None, ge=1, description="Key/value heads (GQA).")
+    head_dim: int | None = Field(None, ge=1)
+    vocab_size: int | None = Field(None, ge=1)
+
+
+class ModelSpec(_Spec):
+    """Which model the pipeline serves and where its weights are."""
+
+    name: str = Field(
+        min_length=1,
+        description=(
+            "Model id: a preset (tiny-llama, small-llama, glm-5.2, ...) or any name when "
+            "config.numLayers is given. Also seeds the block-hash chain."
+        ),
+    )
+    path: str | None = Field(
+        None,
+        description=(
+            "Directory of safetensors + config.json inside the container; defaults to the "
+            "PVC's mountPath when pvc is set. Without path and pvc the torch engine uses seeded "
+            "random weights."
+        ),
+    )
+    pvc: PVCSource | None = None
+    config: ModelConfigSpec | None = None
+    dtype: Literal["float32", "float16", "bfloat16"] = "bfloat16"
+
+    def num_layers(self) -> int | None:
+        """Layer count from ``config.numLayers``, else from the preset table; None if unknown."""
+        if self.config is not None and self.config.num_layers is not None:
+            return self.config.num_layers
+        return MODEL_PRESET_NUM_LAYERS.get(self.name)
+
+
+class ResourcesSpec(_Spec):
+    """Per stage pod resources."""
+
+    gpus_per_stage: int | None = Field(
+        None, ge=0, description="GPUs requested by each stage pod (default: tensorParallelSize)."
+    )
+    gpu_resource_name: str = Field("nvidia.com/gpu", min_length=1)
+    cpu: str | None = Field(None, pattern=_QUANTITY, description="CPU request and limit.")
+    memory: str | None = Field(None, pattern=_QUANTITY, description="Memory request and limit.")
+    shared_memory: str = Field(
+        "1Gi", pattern=_QUANTITY, description="Size of /dev/shm (NCCL and gloo use it)."
+    )
+
+
+class Toleration(_Spec):
+    """A Kubernetes toleration (core/v1 Toleration)."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class CacheSpec(_Spec):
+    """KV cache geometry."""
+
+    block_size: int = Field(16, ge=1, le=4096, description="Tokens per KV block.")
+    memory_per_stage_bytes: int | None = Field(
+        None, ge=1, description="KV cache memory of each stage in bytes (default: engine's)."
+    )
+
+
+class SchedulerSpec(_Spec):
+    """Admission and chunking policy."""
+
+    mode: Literal["wave", "sync"] = Field(
+        "wave", description="wave: WavePP (agreement off the critical path); sync: baseline."
+    )
+    chunk_policy: Literal["dynamic", "static"] | None = Field(
+        None, description="dynamic: equal cost per micro-batch; static: chunkTokens each."
+    )
+    chunk_tokens: int = Field(8192, ge=1, description="Static chunk budget in tokens.")
+
+
+class NatsSpec(_Spec):
+    """NATS connection of the pipeline's processes."""
+
+    url: str | None = Field(
+        None, description="nats://host:port; default: the operator's --default-nats-url."
+    )
+    credentials_secret: str | None = Field(
+        None, pattern=_DNS_LABEL, description="Secret with key 'creds' (a NATS .creds file)."
+    )
+
+
+class TenantSpec(_Spec):
+    """One tenant of the gateway."""
+
+    name: str = Field(pattern=_DNS_LABEL)
+    cache_salt: str | None = Field(
+        None, description="Seed of the tenant's block hashes; equal salts share cached blocks."
+    )
+    weight: int = Field(1, ge=1, description="Share of admissions under contention.")
+
+
+class AutoscalingSpec(_Spec):
+    """HorizontalPodAutoscaler on the pipeline's scale subresource."""
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(ge=1)
+    metric: Literal["wave_fill", "queue_depth", "cpu"] = Field(
+        "wave_fill",
+        description=(
+            "wave_fill and queue_depth are per-pod metrics wavepp_wave_fill / "
+            "wavepp_queue_depth (needs a custom metrics adapter); cpu is utilisation in percent."
+        ),
+    )
+    target: float = Field(gt=0, description="Target average: fraction, requests, or percent.")
+
+
+class TelemetrySpec(_Spec):
+    """OpenTelemetry export."""
+
+    otlp_endpoint: str | None = Field(
+        None, description="OTLP endpoint; default: the operator's --default-otlp-endpoint."
+    )
+    sampling_ratio: float = Field(0.1, ge=0, le=1, description="Trace sampling ratio.")
+    metrics_port: int = Field(9400, ge=1, le=65535, description="Prometheus port of each pod.")
+
+
+class RestartBudgetSpec(_Spec):
+    """How many re-formations a replica may need before the operator stops it."""
+
+    max_restarts: int = Field(3, ge=0, description="Re-formations allowed within the window.")
+    window_s: float = Field(600.0, gt=0, alias="windowSeconds", description="Window in seconds.")
+
+
+class RolloutSpec(_Spec):
+    """Replacement of replicas on spec changes and scale-down."""
+
+    drain_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        alias="drainTimeoutSeconds",
+        description=(
+            "Grace period of a leaving replica's admission controller (seconds): admitted "
+            "requests finish within it, then the replica is replaced."
+        ),
+    )
+
+
+class WavePipelineSpec(_Spec):
+    """Desired state of a WavePipeline: a pool of ``replicas`` identical pipelines of ``stages``.
+
+    Stage r holds a contiguous range of layers: ``layerPartition[r]`` layers, or by default a
+    balanced split in which the first (layers mod stages) stages hold one more layer.
+    """
+
+    model: ModelSpec
+    engine: Literal["torch", "emulated", "tensorrt_llm"] = "torch"
+    engine_options: dict[str, Any] = Field(
+        default_factory=dict, description="Engine-specific options (free-form)."
+    )
+    num_stages: int = Field(alias="stages", ge=1, le=64, description="Pipeline stages S.")
+    layer_partition: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None,
+        max_length=64,
+        description="Layers per stage; length = stages, sum = the model's layers.",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per stage for TP.")
+    num_replicas: int = Field(
+        1, alias="replicas", ge=0, description="Pipeline copies in the pool (scale subresource)."
+    )
+    image: str | None = Field(None, description="Container image; default: the operator's.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    image_pull_secrets: list[str] = Field(default_factory=list)
+    service_account_name: str | None = Field(None, description="For stage and admission pods.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = Field(None, description="core/v1 Affinity of stage pods.")
+    topology_spread_constraints: list[dict[str, Any]] = Field(
+        default_factory=list, description="core/v1 TopologySpreadConstraint list of stage pods."
+    )
+    cache: CacheSpec = Field(default_factory=CacheSpec)
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+    nats: NatsSpec = Field(default_factory=NatsSpec)
+    tenants: list[TenantSpec] = Field(default_factory=list)
+    autoscaling: AutoscalingSpec | None = None
+    telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
+    restart_budget: RestartBudgetSpec = Field(default_factory=RestartBudgetSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> WavePipelineSpec:
+        _check_cross_fields(self)
+        return self
+
+    # ---- derived views ------------------------------------------------------------------
+
+    def num_layers(self) -> int:
+        """Decoder layers of the model (``model.config.numLayers`` or the preset table).
+
+        Raises:
+            SpecError: neither is known.
+        """
+        num_layers = self.model.num_layers()
+        if num_layers is None:
+            raise SpecError(
+                "model.config.numLayers",
+                f"layer count unknown: model.name={self.model.name!r} is not a preset "
+                f"({', '.join(sorted(MODEL_PRESET_NUM_LAYERS))}); set model.config.numLayers",
+            )
+        return num_layers
+
+    def stage_layer_ranges(self) -> list[tuple[int, int]]:
+        """``[(first, last), ...]`` per stage; stage r holds layers ``[first, last)``."""
+        return split_layers(self.num_layers(), self.num_stages, self.layer_partition)
+
+    def gpus_per_stage(self) -> int:
+        """GPUs each stage pod requests (``resources.gpusPerStage``, else the TP size)."""
+        if self.resources.gpus_per_stage is not None:
+            return self.resources.gpus_per_stage
+        return self.tensor_parallel_size
+
+    def resolved(
+        self,
+        *,
+        default_image: str | None = None,
+        default_nats_url: str | None = None,
+        default_otlp_endpoint: str | None = None,
+    ) -> WavePipelineSpec:
+        """A copy with every default filled in: what the pipeline's processes read.
+
+        Fills ``model.config.numLayers``, ``layerPartition``, ``model.path`` (from the PVC),
+        ``resources.gpusPerStage``, and the image, NATS URL and OTLP endpoint from the given
+        defaults when the spec leaves them out.
+
+        Args:
+            default_image: image when ``spec.image`` is unset (the operator's default).
+            default_nats_url: NATS URL when ``spec.nats.url`` is unset.
+            default_otlp_endpoint: OTLP endpoint when ``spec.telemetry.otlpEndpoint`` is unset.
+
+        Returns:
+            A new, validated :class:`WavePipelineSpec`; ``self`` is unchanged.
+
+        Raises:
+            SpecError: the layer count is unknown, or no image / NATS URL is given anywhere.
+        """
+        ranges = self.stage_layer_ranges()
+        image = self.image or default_image
+        if not image:
+            raise SpecError("image", "no image: set spec.image or the operator's default image")
+        nats_url = self.nats.url or default_nats_url
+        if not nats_url:
+            raise SpecError("nats.url", "no NATS URL: set spec.nats.url or the operator default")
+        model_config = (self.model.config or ModelConfigSpec()).model_copy(
+            update={"num_layers": self.num_layers()}
+        )
+        model_path = self.model.path
+        if model_path is None and self.model.pvc is not None:
+            model_path = self.model.pvc.mount_path
+        return self.model_copy(
+            deep=True,
+            update={
+                "image": image,
+                "layer_partition": [last - first for first, last in ranges],
+                "model": self.model.model_copy(update={"config": model_config, "path": model_path}),
+                "resources": self.resources.model_copy(
+                    update={"gpus_per_stage": self.gpus_per_stage()}
+                ),
+                "nats": self.nats.model_copy(update={"url": nats_url}),
+                "telemetry": self.telemetry.model_copy(
+                    update={"otlp_endpoint": self.telemetry.otlp_endpoint or default_otlp_endpoint}
+                ),
+            },
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """JSON-ready dict with camelCase keys and without unset optional fields."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def split_layers(
+    num_layers: int, num_stages: int, layer_partition: list[int] | None = None
+) -> list[tuple[int, int]]:
+    """Split ``num_layers`` into contiguous per-stage ranges (same rule as the runtime).
+
+    Args:
+        num_layers: decoder layers of the model (>= num_stages).
+        num_stages: stages S (>= 1).
+        layer_partition: optional layers per stage (length S, each >= 1, sum num_layers).
+
+    Returns:
+        ``[(first, last), ...]`` of length S; the balanced split gives the first
+        ``num_layers % S`` stages one more layer.
+
+    Raises:
+        SpecError: naming ``stages`` or ``layerPartition``.
+    """
+    if num_stages > num_layers:
+        raise SpecError(
+            "stages",
+            f"stages={num_stages} exceeds the model's {num_layers} layers; every stage needs "
+            f"at least one layer: use stages <= {num_layers}",
+        )
+    if layer_partition is None:
+        base, extra = divmod(num_layers, num_stages)
+        counts = [base + (1 if r < extra else 0) for r in range(num_stages)]
+    else:
+        counts = list(layer_partition)
+        if len(counts) != num_stages:
+            raise SpecError(
+                "layerPartition",
+                f"has {len(counts)} entries for stages={num_stages}; give one count per stage",
+            )
+        if any(c < 1 for c in counts):
+            raise SpecError("layerPartition", f"{counts}: every stage needs >= 1 layer")
+        if sum(counts) != num_layers:
+            raise SpecError(
+                "layerPartition",
+                f"{counts} sums to {sum(counts)} layers; the model has {num_layers}",
+            )
+    ranges = []
+    first = 0
+    for count in counts:
+        ranges.append((first, first + count))
+        first += count
+    return ranges
+
+
+def _check_cross_fields(spec: WavePipelineSpec) -> None:
+    """Checks that need several fields; raises :class:`SpecError` naming the first bad one."""
+    num_layers = spec.model.num_layers()
+    if num_layers is not None:
+        split_layers(num_layers, spec.num_stages, spec.layer_partition)
+    elif spec.layer_partition is not None and len(spec.layer_partition) != spec.num_stages:
+        raise SpecError(
+            "layerPartition",
+            f"has {len(spec.layer_partition)} entries for stages={spec.num_stages}",
+        )
+    gpus = spec.resources.gpus_per_stage
+    if gpus is not None and 0 < gpus < spec.tensor_parallel_size:
+        raise SpecError(
+            "resources.gpusPerStage",
+            f"{gpus} GPUs cannot hold tensorParallelSize={spec.tensor_parallel_size}; "
+            "use 0 (CPU) or >= tensorParallelSize",
+        )
+    if spec.model.path is not None and spec.model.pvc is not None:
+        if not spec.model.path.startswith(spec.model.pvc.mount_path):
+            raise SpecError(
+                "model.path",
+                f"{spec.model.path!r} is outside the PVC's mountPath {spec.model.pvc.mount_path!r}",
+            )
+    names = [t.name for t in spec.tenants]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise SpecError("tenants", f"duplicate tenant names {duplicates}")
+    if spec.autoscaling is not None:
+        if spec.autoscaling.min_replicas > spec.autoscaling.max_replicas:
+            raise SpecError(
+                "autoscaling.minReplicas",
+                f"{spec.autoscaling.min_replicas} > maxReplicas={spec.autoscaling.max_replicas}",
+            )
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    path = "spec"
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return path
+
+
+def check_spec(
+    raw: Mapping[str, Any] | None,
+    *,
+    default_image: str | None = None,
+    default_nats_url: str | None = None,
+    default_otlp_endpoint: str | None = None,
+) -> tuple[WavePipelineSpec | None, list[SpecIssue]]:
+    """Validate and resolve a raw ``spec`` dict; never raises on bad input.
+
+    Args:
+        raw: the object's ``spec`` as read from the API (camelCase) or a config file.
+        default_image, default_nats_url, default_otlp_endpoint: see
+            :meth:`WavePipelineSpec.resolved`.
+
+    Returns:
+        ``(resolved spec, [])`` when valid, else ``(None, issues)``, each issue naming the field
+        (``spec.layerPartition``) and what to change.
+    """
+    try:
+        spec = WavePipelineSpec.model_validate(dict(raw or {}))
+    except ValidationError as exc:
+        issues = []
+        for err in exc.errors():
+            cause = (err.get("ctx") or {}).get("error")
+            if isinstance(cause, SpecError):
+                issues.append(SpecIssue(field=f"spec.{cause.field}", message=cause.message))
+            else:
+                issues.append(SpecIssue(field=_field_path(err["loc"]), message=err["msg"]))
+        return None, issues
+    try:
+        resolved = spec.resolved(
+            default_image=default_image,
+            default_nats_url=default_nats_url,
+            default_otlp_endpoint=default_otlp_endpoint,
+        )
+    except SpecError as exc:
+        return None, [SpecIssue(field=f"spec.{exc.field}", message=exc.message)]
+    return resolved, []
+
+
+# ---- status -----------------------------------------------------------------------------
+
+StagePhase = Literal["pending", "scheduled", "formed", "warm", "serving", "failed", "stopped"]
+ReplicaPhase = Literal["Pending", "Forming", "Serving", "Draining", "Degraded"]
+
+
+class StageStatus(_Spec):
+    """One stage of one replica.
+
+    Phases, in order: pending (no pod, or not scheduled) -> scheduled (on a node, group not
+    formed) -> formed (startup probe passed: torch.distributed group formed) -> warm (readiness
+    probe passed: weights loaded, warmed up) -> serving (warm, and the replica admits requests).
+    failed: the pod failed or its container restarted; stopped: the replica is stopped by its
+    restart budget.
+    """
+
+    replica: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    first_layer: int = Field(ge=0, description="First layer held (inclusive).")
+    last_layer: int = Field(ge=1, description="Last layer held (exclusive).")
+    pod: str | None = None
+    phase: StagePhase
+
+
+class ReplicaStatus(_Spec):
+    """One pipeline replica (one StatefulSet, one admission controller)."""
+
+    replica: int = Field(ge=0)
+    phase: ReplicaPhase
+    spec_hash: str | None = Field(None, description="Spec hash the replica runs.")
+    admitting: bool = Field(False, description="In the pool: the gateway sends it requests.")
+    num_restarts: int = Field(0, ge=0, description="Re-formations within the budget window.")
+    wave_fill: float | None = Field(None, description="Reported by the admission controller.")
+    reason: str | None = None
+    message: str | None = None
+
+
+class Condition(_Spec):
+    """A standard Kubernetes condition (metav1.Condition fields)."""
+
+    type: Literal["Ready", "Progressing", "Degraded"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class WavePipelineStatus(_Spec):
+    """Observed state, written by the operator only."""
+
+    model_config = ConfigDict(extra="allow")
+
+    observed_generation: int | None = None
+    phase: Literal["Pending", "Progressing", "Ready", "Degraded", "Invalid"] | None = None
+    replicas: int = Field(0, ge=0, description="Replicas that exist (scale subresource).")
+    ready_replicas: int = Field(0, ge=0, description="Replicas whose every stage serves.")
+    updated_replicas: int = Field(0, ge=0, description="Replicas running the current spec.")
+    selector: str | None = Field(None, description="Label selector of the stage pods (HPA).")
+    spec_hash: str | None = None
+    wave_fill: float | None = Field(None, description="Mean wave fill of serving replicas.")
+    stages: list[StageStatus] = Field(default_factory=list)
+    replica_statuses: list[ReplicaStatus] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list)
