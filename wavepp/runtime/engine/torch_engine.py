@@ -103,7 +103,7 @@ def build_layer_state_dict(config: ModelConfig, layer_index: int) -> dict[str, t
     The generator is seeded by ``(config.seed, layer_index)`` only, so layer i is identical
     whichever stage holds it. Linear weights are N(0, 1/fan_in) (unit-scale activations, so
     attention is far from uniform and every term of the layer shows in the output); norm
-    weights are 1 + N(0, 0.01).
+    weights are 1 + N(0, 0.1^2).
 
     Args:
         config: the model.
@@ -216,7 +216,7 @@ def _load_safetensors(
     out: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+            for key in f.keys():
                 if key in wanted:
                     out[key] = f.get_tensor(key)
     missing = [n for n in names if n not in out]
