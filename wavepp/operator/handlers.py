@@ -1,0 +1,301 @@
+"""kopf handlers of the WavePipeline operator: thin, they only list, apply and report.
+
+One daemon per WavePipeline runs the reconcile loop: list the children, ask
+:func:`wavepp.operator.reconcile.plan` what to do, apply the actions in order, write the status.
+It wakes up on any event of the pipeline or of its pods (a pod became ready, failed, went away),
+when a drain timeout is due, and every ``resync_s`` seconds. Only the daemon writes, under a
+per-pipeline lock that the delete handler shares, so two writers never race.
+
+Settings live in one startup handler; the API client is opened there and closed at cleanup
+(STYLE.md, kopf handlers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import kopf
+
+from wavepp.api.spec import API_GROUP, API_VERSION, PLURAL
+from wavepp.operator import builders as b
+from wavepp.operator import kube
+from wavepp.operator.reconcile import Apply, Create, Defaults, Delete, Observed, Patch, plan
+
+FINALIZER = "wavepp.dev/operator"
+CHILD_KINDS = ("StatefulSet", "Deployment", "Service", "ConfigMap", "HorizontalPodAutoscaler")
+
+
+@dataclass
+class OperatorOptions:
+    """Operator-wide settings (CLI flags / Helm values)."""
+
+    default_image: str | None = None
+    default_nats_url: str | None = None
+    default_otlp_endpoint: str | None = None
+    resync_s: float = 10.0
+    post_events: bool = True
+    fast_exit: bool = False  # tests: short kopf idle timeouts so that the operator stops quickly
+
+    @classmethod
+    def from_env(cls) -> OperatorOptions:
+        """Defaults from ``WAVEPP_DEFAULT_IMAGE``, ``..._NATS_URL``, ``..._OTLP_ENDPOINT``."""
+        return cls(
+            default_image=os.environ.get("WAVEPP_DEFAULT_IMAGE") or None,
+            default_nats_url=os.environ.get("WAVEPP_DEFAULT_NATS_URL") or None,
+            default_otlp_endpoint=os.environ.get("WAVEPP_DEFAULT_OTLP_ENDPOINT") or None,
+        )
+
+
+@dataclass
+class OperatorState:
+    """Shared by all handlers through kopf's memo (shallow-copied per object, so shared)."""
+
+    options: OperatorOptions
+    client: kube.KubeClient | None = None
+    wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+    locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    unexpected_errors: list[str] = field(default_factory=list)
+    last_phase: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def wakeup(self, namespace: str, name: str) -> asyncio.Event:
+        return self.wakeups.setdefault((namespace, name), asyncio.Event())
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self.locks.setdefault((namespace, name), asyncio.Lock())
+
+    def wake(self, namespace: str | None, name: str | None) -> None:
+        if namespace and name and (namespace, name) in self.wakeups:
+            self.wakeups[(namespace, name)].set()
+
+
+def connection_info(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In-cluster service account, else kubeconfig (kopf's parsers; exec plugins via client)."""
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    has_secret = info is not None and (
+        info.token or info.certificate_path or info.certificate_data or info.password
+    )
+    if info is not None and not has_secret and info.server.startswith("https"):
+        try:
+            return kopf.login_via_client(**kwargs) or info
+        except Exception:  # noqa: BLE001 - fall back to what kopf parsed
+            return info
+    return info
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """Credentials for kopf itself; the operator's own client uses the same."""
+    return connection_info(**kwargs)
+
+
+def _state(memo: Any) -> OperatorState:
+    state = getattr(memo, "state", None)
+    if state is None:
+        raise kopf.PermanentError("operator state missing: the startup handler did not run")
+    return state
+
+
+@kopf.on.startup()
+async def startup(
+    settings: kopf.OperatorSettings, memo: Any, logger: logging.Logger, **_: Any
+) -> None:
+    """Configure kopf, open the API client."""
+    options = getattr(memo, "options", None) or OperatorOptions.from_env()
+    settings.posting.enabled = options.post_events
+    settings.posting.reporting_component = "wavepp-operator"
+    settings.scanning.disabled = True  # resources are known; no CRD/namespace watching (RBAC)
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="wavepp.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="wavepp.dev", key="last-handled-configuration"
+    )
+    settings.watching.server_timeout = 300
+    if options.fast_exit:
+        settings.queueing.idle_timeout = 0.2
+        settings.queueing.exit_timeout = 0.5
+        settings.watching.reconnect_backoff = 0.05
+    info = connection_info(settings=settings, logger=logger)
+    if info is None:
+        raise kopf.PermanentError("no Kubernetes credentials: no service account, no kubeconfig")
+
+    def relogin() -> kube.Credentials:
+        fresh = connection_info(settings=settings, logger=logger)
+        return kube.credentials_from_kopf(fresh or info)
+
+    memo.state = OperatorState(
+        options=options,
+        client=kube.KubeClient(kube.credentials_from_kopf(info), relogin=relogin),
+    )
+    logger.info(
+        "wavepp operator: defaults image=%s nats=%s",
+        options.default_image,
+        options.default_nats_url,
+    )
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: Any, **_: Any) -> None:
+    state = getattr(memo, "state", None)
+    if state is not None and state.client is not None:
+        await state.client.close()
+
+
+# ---- reconcile ----------------------------------------------------------------------------
+
+
+async def _observe(client: kube.KubeClient, namespace: str, name: str) -> Observed:
+    selector = f"{b.LABEL_PIPELINE}={name}"
+    sts, deps, pods, cms, hpas = await asyncio.gather(
+        client.list("StatefulSet", namespace, selector),
+        client.list("Deployment", namespace, selector),
+        client.list("Pod", namespace, selector),
+        client.list("ConfigMap", namespace, selector),
+        client.list("HorizontalPodAutoscaler", namespace, selector),
+    )
+    return Observed(statefulsets=sts, deployments=deps, pods=pods, configmaps=cms, hpas=hpas)
+
+
+async def _execute(client: kube.KubeClient, namespace: str, action: Any) -> None:
+    if isinstance(action, Apply):
+        await kube.apply(client, action.manifest)
+    elif isinstance(action, Create):
+        meta = action.manifest["metadata"]
+        if await client.get(action.manifest["kind"], namespace, meta["name"]) is None:
+            try:
+                await client.create(kube.with_last_applied(action.manifest))
+            except kube.KubeError as exc:
+                if exc.status != 409:
+                    raise
+    elif isinstance(action, Patch):
+        try:
+            await client.patch(action.kind, namespace, action.name, action.patch)
+        except kube.KubeError as exc:
+            if exc.status != 404:
+                raise
+    elif isinstance(action, Delete):
+        await client.delete(action.kind, namespace, action.name)
+    else:  # pragma: no cover - plan() returns only the four kinds
+        raise AssertionError(f"unknown action {action!r}")
+
+
+def _status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """Keys of ``new`` that differ from ``old``; ``None`` values delete (merge-patch)."""
+    return {k: v for k, v in new.items() if old.get(k) != v and not (v is None and k not in old)}
+
+
+async def reconcile_pipeline(
+    state: OperatorState, namespace: str, name: str, logger: logging.Logger
+) -> float | None:
+    """One pass: observe, plan, act, report. Returns seconds until a timed step is due."""
+    client = state.client
+    assert client is not None, "startup opens the client before any daemon runs"
+    body = await client.get("WavePipeline", namespace, name)
+    if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+        return None
+    opts = state.options
+    result = plan(
+        body,
+        await _observe(client, namespace, name),
+        time.time(),
+        Defaults(opts.default_image, opts.default_nats_url, opts.default_otlp_endpoint),
+    )
+    for action in result.actions:
+        await _execute(client, namespace, action)
+    patch = _status_patch(body.get("status") or {}, result.status)
+    if patch:
+        await client.patch("WavePipeline", namespace, name, {"status": patch}, subresource="status")
+    phase = result.status.get("phase", "")
+    if state.last_phase.get((namespace, name)) != phase:
+        state.last_phase[(namespace, name)] = phase
+        message = "; ".join(str(i) for i in result.issues) or f"phase {phase}"
+        if result.issues:
+            logger.warning("invalid spec: %s", message)
+            kopf.warn(body, reason="InvalidSpec", message=message)
+        else:
+            logger.info("phase %s", phase)
+            kopf.info(body, reason=phase or "Unknown", message=message)
+    return result.requeue_after_s
+
+
+@kopf.daemon(API_GROUP, API_VERSION, PLURAL, cancellation_timeout=5.0)
+async def pipeline_daemon(
+    name: str,
+    namespace: str,
+    memo: Any,
+    stopped: kopf.DaemonStopped,
+    logger: logging.Logger,
+    **_: Any,
+) -> None:
+    """Reconcile loop of one pipeline; never raises on API errors, backs off instead."""
+    state = _state(memo)
+    wake = state.wakeup(namespace, name)
+    backoff_s = 0.5
+    try:
+        while not stopped:
+            wake.clear()
+            try:
+                async with state.lock(namespace, name):
+                    due_s = await reconcile_pipeline(state, namespace, name, logger)
+                backoff_s = 0.5
+            except (kube.KubeError, aiohttp.ClientError, TimeoutError) as exc:
+                logger.warning(
+                    "reconcile of %s/%s failed, retrying in %.1f s: %s",
+                    namespace,
+                    name,
+                    backoff_s,
+                    exc,
+                )
+                due_s, backoff_s = backoff_s, min(backoff_s * 2, 30.0)
+            except Exception as exc:  # noqa: BLE001 - a bug must not stop the other pipelines
+                logger.exception("unexpected error reconciling %s/%s", namespace, name)
+                state.unexpected_errors.append(f"{namespace}/{name}: {exc!r}")
+                due_s, backoff_s = backoff_s, min(backoff_s * 2, 30.0)
+            timeout_s = min(t for t in (state.options.resync_s, due_s) if t is not None)
+            waiters = [
+                asyncio.ensure_future(wake.wait()),
+                asyncio.ensure_future(stopped.wait(timeout_s)),
+            ]
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
+    finally:
+        state.wakeups.pop((namespace, name), None)
+
+
+@kopf.on.event(API_GROUP, API_VERSION, PLURAL)
+def pipeline_event(name: str, namespace: str, memo: Any, **_: Any) -> None:
+    """Spec edits, scale-subresource writes, deletion marks: reconcile now."""
+    state = getattr(memo, "state", None)
+    if state is not None:
+        state.wake(namespace, name)
+
+
+@kopf.on.event("v1", "pods", labels={b.LABEL_PIPELINE: kopf.PRESENT})
+def pod_event(labels: dict[str, str], namespace: str, memo: Any, **_: Any) -> None:
+    """A stage or admission pod changed: reconcile its pipeline now."""
+    state = getattr(memo, "state", None)
+    if state is not None:
+        state.wake(namespace, labels.get(b.LABEL_PIPELINE))
+
+
+@kopf.on.delete(API_GROUP, API_VERSION, PLURAL)
+async def pipeline_deleted(
+    name: str, namespace: str, memo: Any, logger: logging.Logger, **_: Any
+) -> None:
+    """Delete the children now (owner references let the garbage collector do it too)."""
+    state = _state(memo)
+    assert state.client is not None, "startup opens the client"
+    selector = f"{b.LABEL_PIPELINE}={name}"
+    async with state.lock(namespace, name):
+        for kind in CHILD_KINDS:
+            for obj in await state.client.list(kind, namespace, selector):
+                await state.client.delete(kind, namespace, obj["metadata"]["name"])
+    logger.info("deleted the children of %s/%s", namespace, name)
