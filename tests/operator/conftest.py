@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import itertools
+import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -49,6 +50,10 @@ def _jsonpath(obj: dict[str, Any], path: str) -> Any:
     return node
 
 
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _age(timestamp: str | None) -> str:
     if not timestamp:
         return "<unknown>"
@@ -60,6 +65,16 @@ def _age(timestamp: str | None) -> str:
 @attrs.define(kw_only=True)
 class WaveEmulator(kmock.KubernetesEmulator):
     """kmock's emulator plus list kinds and server-side tables for custom resources."""
+
+    async def _handle(self, request: Any) -> Any:
+        """Set what a real API server sets on create: uid, resourceVersion, generation, time."""
+        if request.action == kmock.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            meta.setdefault("uid", f"uid-{meta.get('name')}-{next(_uids)}")
+            meta.setdefault("resourceVersion", "1")
+            meta.setdefault("generation", 1)
+            meta.setdefault("creationTimestamp", _now())
+        return await super()._handle(request)
 
     async def _serve_list(self, request: Any) -> Any:
         payload = await super()._serve_list(request)
@@ -118,14 +133,7 @@ class Cluster:
         body = {
             "apiVersion": "wavepp.dev/v1alpha1",
             "kind": "WavePipeline",
-            "metadata": {
-                "name": name,
-                "namespace": NAMESPACE,
-                "uid": f"uid-{name}-{next(_uids)}",
-                "resourceVersion": "1",
-                "generation": 1,
-                "creationTimestamp": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            },
+            "metadata": {"name": name, "namespace": NAMESPACE},
             "spec": spec,
         }
         return await self.client.create(body)
@@ -174,13 +182,7 @@ class Cluster:
                 {
                     "apiVersion": "v1",
                     "kind": "Pod",
-                    "metadata": {
-                        "name": pod_name,
-                        "namespace": NAMESPACE,
-                        "uid": f"uid-{pod_name}-{next(_uids)}",
-                        "resourceVersion": "1",
-                        "labels": labels,
-                    },
+                    "metadata": {"name": pod_name, "namespace": NAMESPACE, "labels": labels},
                     "spec": template["spec"],
                     "status": pod_status(phase),
                 }
@@ -201,8 +203,6 @@ class Cluster:
                 "metadata": {
                     "name": pod_name,
                     "namespace": NAMESPACE,
-                    "uid": f"uid-{pod_name}",
-                    "resourceVersion": "1",
                     "labels": dict(dep["spec"]["template"]["metadata"]["labels"]),
                 },
                 "spec": dep["spec"]["template"]["spec"],
@@ -210,6 +210,14 @@ class Cluster:
             }
         )
         return pod_name
+
+    async def pool(self, pipeline: str) -> dict[int, bool]:
+        """Replica -> admitting, from the pool ConfigMap the gateway reads."""
+        cm = await self.get("ConfigMap", b.pool_configmap_name(pipeline))
+        if cm is None:
+            return {}
+        entries = json.loads(cm["data"]["pool.json"])["replicas"]
+        return {e["replica"]: e["admitting"] for e in entries}
 
     async def admission_pods(self, pipeline: str, replica: int) -> list[dict[str, Any]]:
         pods = await self.list("Pod", pipeline)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from conftest import NAMESPACE, Cluster, tiny_spec, wait_for
+from conftest import NAMESPACE, REPO, Cluster, tiny_spec, wait_for
 
 from wavepp.operator import builders as b
 
@@ -56,3 +56,259 @@ async def _status_is(cluster: Cluster, name: str, **expected: Any) -> dict[str, 
     body = await cluster.pipeline(name)
     status = (body or {}).get("status") or {}
     return body if all(status.get(k) == v for k, v in expected.items()) else None
+
+
+async def _stage_phases(cluster: Cluster, name: str) -> list[str]:
+    body = await cluster.pipeline(name)
+    return [s["phase"] for s in ((body or {}).get("status") or {}).get("stages") or []]
+
+
+async def _wait_status(cluster: Cluster, name: str, what: str = "", **expected: Any) -> dict:
+    return await wait_for(
+        lambda: _status_is(cluster, name, **expected), what=what or f"status {expected}"
+    )
+
+
+async def _wait_condition(
+    cluster: Cluster, name: str, type_: str, status: str, reason: str
+) -> dict:
+    async def check() -> dict[str, Any] | None:
+        body = await cluster.pipeline(name)
+        c = _condition(body, type_)
+        return body if c.get("status") == status and c.get("reason") == reason else None
+
+    return await wait_for(check, what=f"{type_}={status} ({reason})")
+
+
+async def test_stage_pod_status_drives_phases_and_conditions(
+    cluster: Cluster, operator: Any
+) -> None:
+    await cluster.create_pipeline("demo", tiny_spec(replicas=1))
+    await wait_for(lambda: cluster.get("StatefulSet", "demo-r0"), what="StatefulSet demo-r0")
+    pods = await cluster.run_statefulset("demo-r0", phase="pending")
+    assert pods == [f"demo-r0-{rank}" for rank in range(4)]
+    for phase in ("scheduled", "formed", "warm"):
+        for pod in pods:
+            await cluster.set_pod_phase(pod, phase)
+        await wait_for(lambda p=phase: _stages_all(cluster, "demo", p), what=f"all stages {phase}")
+        body = await cluster.pipeline("demo")
+        assert _condition(body, "Ready")["status"] == "False"
+        assert body["status"]["readyReplicas"] == 0
+    # Stages are warm, but the replica serves only once its admission controller is ready.
+    assert await cluster.pool("demo") == {0: False}
+    await cluster.run_admission("demo", 0)
+    body = await _wait_condition(cluster, "demo", "Ready", "True", "AllReplicasServing")
+    assert body["status"]["phase"] == "Ready"
+    assert body["status"]["readyReplicas"] == 1
+    assert await _stage_phases(cluster, "demo") == ["serving"] * 4
+    assert await wait_for(lambda: _pool_is(cluster, "demo", {0: True}), what="pool admits r0")
+    # One stage loses readiness: the replica stops serving, the condition says which stage.
+    await cluster.set_pod_phase("demo-r0-2", "formed")
+    body = await _wait_condition(cluster, "demo", "Ready", "False", "ReplicasNotServing")
+    assert "replica 0: stage 2 formed" in _condition(body, "Ready")["message"]
+    assert await _stage_phases(cluster, "demo") == ["warm", "warm", "formed", "warm"]
+    assert await wait_for(lambda: _pool_is(cluster, "demo", {0: False}), what="pool drops r0")
+
+
+async def _stages_all(cluster: Cluster, name: str, phase: str) -> bool:
+    phases = await _stage_phases(cluster, name)
+    return bool(phases) and all(p == phase for p in phases)
+
+
+async def _pool_is(cluster: Cluster, name: str, expected: dict[int, bool]) -> bool:
+    return await cluster.pool(name) == expected
+
+
+async def _spec_hash(cluster: Cluster, sts_name: str) -> str | None:
+    sts = await cluster.get("StatefulSet", sts_name)
+    return (sts or {}).get("metadata", {}).get("annotations", {}).get(b.ANNOTATION_SPEC_HASH)
+
+
+async def _admission_replicas(cluster: Cluster, name: str, replica: int) -> int | None:
+    dep = await cluster.get("Deployment", b.admission_name(name, replica))
+    return None if dep is None else dep["spec"]["replicas"]
+
+
+async def test_spec_change_rolls_one_replica_at_a_time(cluster: Cluster, operator: Any) -> None:
+    await cluster.create_pipeline("demo", tiny_spec(replicas=2))
+    for replica in (0, 1):
+        await wait_for(lambda r=replica: cluster.get("StatefulSet", f"demo-r{r}"), what="sts")
+        await cluster.serve_replica("demo", replica)
+    body = await _wait_condition(cluster, "demo", "Ready", "True", "AllReplicasServing")
+    old_hash = body["status"]["specHash"]
+
+    await cluster.edit_spec("demo", {"scheduler": {"chunkTokens": 4096}})
+    body = await _wait_condition(cluster, "demo", "Progressing", "True", "RollingUpdate")
+    new_hash = body["status"]["specHash"]
+    assert new_hash != old_hash
+    # Replica 0 leaves the pool first (its admission controller drains); replica 1 keeps serving.
+    await wait_for(lambda: _pool_is(cluster, "demo", {0: False, 1: True}), what="r0 leaves")
+    assert await _admission_replicas(cluster, "demo", 0) == 0
+    assert await _admission_replicas(cluster, "demo", 1) == 1
+    # Not replaced while its admission pod still finishes admitted requests.
+    assert await _spec_hash(cluster, "demo-r0") == old_hash
+    assert await cluster.get("Pod", "demo-r0-0") is not None
+    await cluster.stop_admission("demo", 0)
+    await wait_for(lambda: _hash_is(cluster, "demo-r0", new_hash), what="demo-r0 on the new spec")
+    # Its stages are restarted together on the new template; replica 1 is untouched.
+    await wait_for(lambda: _gone(cluster, "Pod", "demo-r0-0"), what="old r0 pods deleted")
+    assert await _spec_hash(cluster, "demo-r1") == old_hash
+    assert await _admission_replicas(cluster, "demo", 1) == 1
+    assert await cluster.pool("demo") == {0: False, 1: True}
+    await cluster.serve_replica("demo", 0)
+    # Only when replica 0 serves again does replica 1 leave the pool.
+    await wait_for(lambda: _pool_is(cluster, "demo", {0: True, 1: False}), what="r1 leaves")
+    assert await _admission_replicas(cluster, "demo", 1) == 0
+    await cluster.stop_admission("demo", 1)
+    await wait_for(lambda: _hash_is(cluster, "demo-r1", new_hash), what="demo-r1 on new spec")
+    await wait_for(lambda: _gone(cluster, "Pod", "demo-r1-0"), what="old r1 pods deleted")
+    await cluster.serve_replica("demo", 1)
+    body = await _wait_condition(cluster, "demo", "Progressing", "False", "Complete")
+    assert body["status"]["updatedReplicas"] == 2
+    assert _condition(body, "Ready")["status"] == "True"
+    assert body["status"]["observedGeneration"] == 2
+    # The old spec ConfigMap is collected once no replica runs it.
+    await wait_for(
+        lambda: _gone(cluster, "ConfigMap", b.spec_configmap_name("demo", old_hash)),
+        what="old spec ConfigMap deleted",
+    )
+    cm = await cluster.get("ConfigMap", b.spec_configmap_name("demo", new_hash))
+    assert '"chunkTokens": 4096' in cm["data"]["spec.json"]
+
+
+async def _hash_is(cluster: Cluster, sts_name: str, expected: str) -> bool:
+    return await _spec_hash(cluster, sts_name) == expected
+
+
+async def _gone(cluster: Cluster, kind: str, name: str) -> bool:
+    return await cluster.get(kind, name) is None
+
+
+async def test_scale_via_spec_replicas(cluster: Cluster, operator: Any) -> None:
+    await cluster.create_pipeline("demo", tiny_spec(replicas=1))
+    await wait_for(lambda: cluster.get("StatefulSet", "demo-r0"), what="sts r0")
+    await cluster.serve_replica("demo", 0)
+    await _wait_status(cluster, "demo", readyReplicas=1, replicas=1)
+
+    await cluster.edit_spec("demo", {"replicas": 3})
+    for replica in (1, 2):
+        await wait_for(lambda r=replica: cluster.get("StatefulSet", f"demo-r{r}"), what="new sts")
+        await cluster.serve_replica("demo", replica)
+    body = await _wait_status(cluster, "demo", readyReplicas=3, replicas=3)
+    assert _condition(body, "Ready")["status"] == "True"
+
+    await cluster.edit_spec("demo", {"replicas": 1})
+    body = await _wait_condition(cluster, "demo", "Progressing", "True", "ScalingDown")
+    await wait_for(lambda: _pool_is(cluster, "demo", {0: True, 1: False, 2: False}), what="pool")
+    assert await _admission_replicas(cluster, "demo", 2) == 0
+    assert await cluster.get("StatefulSet", "demo-r2") is not None  # still draining
+    await cluster.stop_admission("demo", 1)
+    await cluster.stop_admission("demo", 2)
+    for name in ("demo-r1", "demo-r2"):
+        await wait_for(lambda n=name: _gone(cluster, "StatefulSet", n), what=f"{name} deleted")
+        assert await cluster.get("Service", name) is None
+    assert await cluster.get("Deployment", "demo-r2-admission") is None
+    body = await _wait_status(cluster, "demo", replicas=1, readyReplicas=1)
+    assert _condition(body, "Progressing")["reason"] == "Complete"
+
+
+async def test_delete_removes_children_and_releases_finalizer(
+    cluster: Cluster, operator: Any
+) -> None:
+    await cluster.create_pipeline("demo", tiny_spec(replicas=1))
+    await wait_for(lambda: cluster.get("Deployment", "demo-gateway"), what="gateway")
+    body = await cluster.pipeline("demo")
+    assert "wavepp.dev/operator" in body["metadata"]["finalizers"]
+    await cluster.client.delete("WavePipeline", NAMESPACE, "demo")
+    await wait_for(lambda: _gone(cluster, "WavePipeline", "demo"), what="pipeline gone")
+    for kind in ("StatefulSet", "Deployment", "Service", "ConfigMap"):
+        assert await cluster.list(kind, "demo") == [], kind
+
+
+async def test_crash_loop_exhausts_restart_budget_then_degraded(
+    cluster: Cluster, operator: Any
+) -> None:
+    await cluster.create_pipeline("demo", tiny_spec(replicas=1))  # maxRestarts 2
+    await wait_for(lambda: cluster.get("StatefulSet", "demo-r0"), what="sts")
+    await cluster.serve_replica("demo", 0)
+    await _wait_condition(cluster, "demo", "Ready", "True", "AllReplicasServing")
+    for attempt in (1, 2):
+        await cluster.set_pod_phase("demo-r0-2", "crashed", restarts=1)
+        # The group re-forms: every stage pod is deleted, the admission controller drains.
+        for rank in range(4):
+            await wait_for(lambda r=rank: _gone(cluster, "Pod", f"demo-r0-{r}"), what="re-form")
+        body = await _wait_status(cluster, "demo", phase="Progressing")
+        replica = body["status"]["replicaStatuses"][0]
+        assert (replica["numRestarts"], replica["phase"]) == (attempt, "Draining")
+        assert await _admission_replicas(cluster, "demo", 0) == 0
+        await cluster.stop_admission("demo", 0)
+        await wait_for(lambda: _admission_is(cluster, "demo", 0, 1), what="admission back")
+        await cluster.serve_replica("demo", 0)
+        await _wait_condition(cluster, "demo", "Ready", "True", "AllReplicasServing")
+    # The third failure within the window exceeds maxRestarts=2: the replica is stopped.
+    await cluster.set_pod_phase("demo-r0-1", "crashed", restarts=1, exit_code=137)
+    body = await _wait_condition(cluster, "demo", "Degraded", "True", "RestartBudgetExceeded")
+    message = _condition(body, "Degraded")["message"]
+    assert (
+        "3 re-formations" in message and "maxRestarts=2" in message and "exit code 137" in message
+    )
+    assert body["status"]["phase"] == "Degraded"
+    sts = await cluster.get("StatefulSet", "demo-r0")
+    assert sts["spec"]["replicas"] == 0
+    assert await _admission_replicas(cluster, "demo", 0) == 0
+    assert await _stage_phases(cluster, "demo") == ["stopped"] * 4
+    # It stays stopped (no restart loop) until the spec changes.
+    assert await cluster.get("Pod", "demo-r0-0") is None
+    await cluster.edit_spec("demo", {"image": "registry.example/wavepp:fixed"})
+    await _wait_condition(cluster, "demo", "Degraded", "False", "AsExpected")
+    sts = await cluster.get("StatefulSet", "demo-r0")
+    assert sts["spec"]["replicas"] == 4
+    assert (
+        sts["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example/wavepp:fixed"
+    )
+
+
+async def _admission_is(cluster: Cluster, name: str, replica: int, count: int) -> bool:
+    return await _admission_replicas(cluster, name, replica) == count
+
+
+async def test_invalid_spec_is_reported_with_the_field_and_recovers(
+    cluster: Cluster, operator: Any
+) -> None:
+    await cluster.create_pipeline("bad", tiny_spec(replicas=1, layerPartition=[3, 3, 3, 3]))
+    body = await _wait_condition(cluster, "bad", "Degraded", "True", "InvalidSpec")
+    assert "spec.layerPartition" in _condition(body, "Degraded")["message"]
+    assert "sums to 12" in _condition(body, "Degraded")["message"]
+    assert body["status"]["phase"] == "Invalid"
+    assert await cluster.list("StatefulSet", "bad") == []
+    # An engine the CRD enum would reject on a real server: the operator names the field too.
+    await cluster.edit_spec("bad", {"engine": "vllm", "layerPartition": None})
+    body = await wait_for(
+        lambda: _condition_mentions(cluster, "bad", "Degraded", "spec.engine"), what="spec.engine"
+    )
+    await cluster.edit_spec("bad", {"engine": "torch"})
+    await _wait_condition(cluster, "bad", "Degraded", "False", "AsExpected")
+    await wait_for(lambda: cluster.get("StatefulSet", "bad-r0"), what="sts after the fix")
+
+
+async def _condition_mentions(cluster: Cluster, name: str, type_: str, text: str) -> bool:
+    return text in _condition(await cluster.pipeline(name), type_).get("message", "")
+
+
+async def test_kubectl_apply_example_and_get_printer_columns(
+    cluster: Cluster, operator: Any
+) -> None:
+    example = REPO / "examples" / "wavepipeline.yaml"
+    rc, out, err = await cluster.kubectl("apply", "--validate=false", "-f", str(example))
+    assert rc == 0, err
+    assert "wavepipeline.wavepp.dev/tiny created" in out
+    await wait_for(lambda: cluster.get("StatefulSet", "tiny-r1"), what="children of tiny")
+    await cluster.serve_replica("tiny", 0)
+    await _wait_status(cluster, "tiny", readyReplicas=1)
+    rc, out, err = await cluster.kubectl("get", "wavepipelines")
+    assert rc == 0, err
+    header, row = out.strip().splitlines()
+    assert header.split() == ["NAME", "STAGES", "READY", "REPLICAS", "WAVE", "FILL", "AGE"]
+    assert row.split()[:4] == ["tiny", "4", "1", "2"]
+    rc, out, err = await cluster.kubectl("get", "wpp", "tiny", "-o", "jsonpath={.status.phase}")
+    assert (rc, out) == (0, "Progressing"), err
