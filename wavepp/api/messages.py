@@ -146,6 +146,7 @@ class MicroBatchDone(_Message):
     execute_end_s: float
     results: list[RequestResult] = []
     error: str = ""
+    num_agreed_blocks: list[int] = []  # per plan chunk: the L* this stage committed (-1: none)
 
 
 class KVEventBatch(_Message):

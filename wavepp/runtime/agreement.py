@@ -51,11 +51,19 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- stage side (pure)
 
 
+@dataclass
+class StageRequest:
+    """What a stage remembers of a request between probe and release."""
+
+    block_hashes: list[bytes]
+    num_agreed_blocks: int = -1  # L* once committed
+
+
 def handle_kv_request(
     manager: StageKVManager,
     rank: int,
     payload: bytes,
-    hashes_by_request: dict[str, list[bytes]] | None = None,
+    requests: dict[str, StageRequest] | None = None,
 ) -> KVReply:
     """Apply one KV op to a stage's manager and return the reply. Never raises on bad input.
 
@@ -63,8 +71,9 @@ def handle_kv_request(
         manager: the stage's KV manager (its single owner calls this).
         rank: the stage's rank, echoed in the reply.
         payload: a JSON ``KVRequest``.
-        hashes_by_request: if given, the prompt's block hashes are kept here from ``probe_pin``
-            until ``release`` (the stage needs them to cache blocks once they are computed).
+        requests: if given, the stage's record of each request (the prompt's block hashes from
+            ``probe_pin``, L* from ``commit``) is kept here until ``release``; the stage needs
+            the hashes to cache blocks once they are computed.
 
     Returns:
         ``KVReply`` with ``ok=False`` and ``error`` naming the field for an invalid message or a
@@ -81,8 +90,8 @@ def handle_kv_request(
         if isinstance(msg, ProbePin):
             hashes = [bytes.fromhex(h) for h in msg.block_hashes]
             num_hit = manager.probe_pin(msg.request_id, hashes, msg.lease_s)
-            if hashes_by_request is not None:
-                hashes_by_request[msg.request_id] = hashes
+            if requests is not None and msg.request_id not in requests:
+                requests[msg.request_id] = StageRequest(block_hashes=hashes)
             return KVReply(
                 rank=rank,
                 num_hit_blocks=num_hit,
@@ -94,8 +103,8 @@ def handle_kv_request(
                 msg.request_id, msg.num_agreed_blocks, msg.num_total_blocks, msg.lease_s
             )
             if table is None:
-                if hashes_by_request is not None:
-                    hashes_by_request.pop(msg.request_id, None)
+                if requests is not None:
+                    requests.pop(msg.request_id, None)
                 return KVReply(
                     rank=rank,
                     ok=False,
@@ -106,6 +115,8 @@ def handle_kv_request(
                     num_free_blocks=pool.num_free_blocks,
                     num_blocks=pool.num_blocks,
                 )
+            if requests is not None and msg.request_id in requests:
+                requests[msg.request_id].num_agreed_blocks = msg.num_agreed_blocks
             return KVReply(
                 rank=rank,
                 num_reserved_blocks=len(table) - msg.num_agreed_blocks,
@@ -115,8 +126,8 @@ def handle_kv_request(
         if isinstance(msg, Release):
             for request_id in msg.request_ids:
                 manager.release(request_id)
-                if hashes_by_request is not None:
-                    hashes_by_request.pop(request_id, None)
+                if requests is not None:
+                    requests.pop(request_id, None)
         elif isinstance(msg, Renew):
             manager.renew(msg.request_ids, msg.lease_s)
         elif isinstance(msg, Health):

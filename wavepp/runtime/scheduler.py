@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,6 +40,8 @@ from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planner import ChunkPlanner, RequestProgress
 
 log = logging.getLogger(__name__)
+
+_RECENT_OUTCOMES = 4096
 
 
 @dataclass
@@ -58,6 +61,8 @@ class RequestOutcome:
     agreement_s: float = 0.0
     num_refusals: int = 0
     stage_hits: tuple[int, ...] = ()
+    # (rank, L*) as each stage reported it for each of the request's chunks
+    stage_agreed_blocks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -140,12 +145,20 @@ class WaveScheduler:
         self.active: list[_Live] = []
         self.by_id: dict[str, _Live] = {}
         self.inflight: dict[int, list[str]] = {}
+        # micro-batch id -> (request id of each chunk, number of stages that reported it)
+        self.chunk_owners: dict[int, tuple[list[str], int]] = {}
+        # Stages report in any order: keep recent outcomes a while after release.
+        self._recent: OrderedDict[str, RequestOutcome] = OrderedDict()
         self.stats = WaveStats()
         self._next_microbatch_id = 0
         self._slot_freed = asyncio.Event()
         self._capacity_generation = 0
         self._capacity_changed = asyncio.Condition()
         self._agreements = asyncio.Semaphore(config.max_agreements_in_flight)
+        self._retry_lock = asyncio.Lock()
+        self._admission_open = asyncio.Event()
+        self._admission_open.set()
+        self._sync_head: tuple[PromptRequest, asyncio.Future[RequestOutcome], int] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._admissions: set[asyncio.Task[None]] = set()
         self._sub = None
@@ -197,24 +210,27 @@ class WaveScheduler:
             future.set_result(outcome)
 
     async def _agree_until_admitted(self, request: PromptRequest) -> Ticket:
-        """Agree; on refusal wait until some request releases blocks, then retry."""
-        num_refusals = 0
-        while True:
-            generation = self._capacity_generation
-            ticket = await self.controller.agree(request)
-            if ticket is not None:
-                ticket.num_refusals = num_refusals
-                return ticket
-            num_refusals += 1
-            async with self._capacity_changed:
-                if generation == self._capacity_generation and not self._all_idle():
-                    await self._capacity_changed.wait()
-                elif self._all_idle():
-                    # Nothing in flight will free blocks: only lease expiry can. Back off.
-                    await asyncio.sleep(0.05)
+        """Agree; on refusal wait until some request releases blocks, then retry.
 
-    def _all_idle(self) -> bool:
-        return not self.by_id
+        Refused requests retry one at a time, in order (a FIFO lock), and no new agreement
+        starts while one waits: backpressure instead of rounds of probe/commit/release that
+        cannot fit.
+        """
+        ticket = await self.controller.agree(request)
+        if ticket is not None:
+            return ticket
+        num_refusals = 1
+        async with self._retry_lock:
+            while True:
+                self._admission_open.clear()
+                generation = self._capacity_generation
+                await self._wait_for_capacity(generation)
+                ticket = await self.controller.agree(request)
+                if ticket is not None:
+                    ticket.num_refusals = num_refusals
+                    self._admission_open.set()
+                    return ticket
+                num_refusals += 1
 
     def _admitted(
         self, request: PromptRequest, future: asyncio.Future[RequestOutcome], ticket: Ticket
@@ -241,6 +257,9 @@ class WaveScheduler:
             outcome=outcome,
         )
         self.by_id[request.request_id] = live
+        self._recent[request.request_id] = outcome
+        while len(self._recent) > _RECENT_OUTCOMES:
+            self._recent.popitem(last=False)
         return live
 
     async def _admit_one(
@@ -263,6 +282,7 @@ class WaveScheduler:
     async def _admission_loop(self) -> None:
         while True:
             request, future = await self.intake.get()
+            await self._admission_open.wait()
             await self._agreements.acquire()
             task = asyncio.create_task(self._admit_async(request, future))
             self._admissions.add(task)
@@ -302,14 +322,44 @@ class WaveScheduler:
 
     async def _gather_work_sync(self) -> None:
         # TensorRT-LLM's PP loop: the first rank schedules; new requests get their KV resources
-        # on the critical path, and a request that does not fit is retried until it does.
+        # on the critical path, one at a time. A request that does not fit is retried until it
+        # does; meanwhile the loop runs what it already has (never waits on blocks that only
+        # its own unscheduled requests hold).
         while self._remaining_new_tokens() < self.config.chunk_tokens:
-            if self.active and self.intake.empty():
+            if self._sync_head is None:
+                if self.active and self.intake.empty():
+                    return
+                self._sync_head = (*await self.intake.get(), 0)
+            request, future, num_refusals = self._sync_head
+            generation = self._capacity_generation
+            try:
+                ticket = await self.controller.agree(request)
+            except AgreementRefused as exc:
+                self._sync_head = None
+                self._fail(request, future, str(exc))
+                continue
+            except Exception as exc:
+                log.exception("agreement for %s failed", request.request_id)
+                self._sync_head = None
+                self._fail(request, future, f"agreement failed: {exc}")
+                continue
+            if ticket is None:
+                self._sync_head = (request, future, num_refusals + 1)
+                if self.active:
+                    return
+                await self._wait_for_capacity(generation)
+                continue
+            self._sync_head = None
+            ticket.num_refusals = num_refusals
+            self.active.append(self._admitted(request, future, ticket))
+
+    async def _wait_for_capacity(self, generation: int) -> None:
+        async with self._capacity_changed:
+            if generation == self._capacity_generation and self.inflight:
+                await self._capacity_changed.wait()
                 return
-            request, future = await self.intake.get()
-            live = await self._admit_one(request, future)
-            if live is not None:
-                self.active.append(live)
+        # Nothing in flight will free blocks: only lease expiry can. Back off.
+        await asyncio.sleep(0.05)
 
     async def _scheduling_loop(self) -> None:
         gather = (
@@ -362,6 +412,7 @@ class WaveScheduler:
             if chunk.is_last:
                 live.planned_all = True
         self.inflight[microbatch_id] = request_ids
+        self.chunk_owners[microbatch_id] = ([c.request_id for c in chunks], 0)
         self.stats.num_microbatches += 1
         self.stats.microbatch_tokens.append(sum(c.num_tokens for c in chunks))
         plan = MicroBatchPlan(microbatch_id=microbatch_id, chunks=planned, published_at_s=now)
@@ -386,6 +437,15 @@ class WaveScheduler:
                 execute_end_s=done.execute_end_s,
             )
         )
+        owners, num_reports = self.chunk_owners.get(done.microbatch_id, ([], 0))
+        if num_reports + 1 >= self.num_stages:
+            self.chunk_owners.pop(done.microbatch_id, None)
+        elif owners:
+            self.chunk_owners[done.microbatch_id] = (owners, num_reports + 1)
+        for request_id, num_agreed in zip(owners, done.num_agreed_blocks, strict=False):
+            recent = self._recent.get(request_id)
+            if recent is not None:
+                recent.stage_agreed_blocks.append((done.rank, num_agreed))
         if done.error:
             self._fail_microbatch(done.microbatch_id, done.error)
         if done.rank != self.num_stages - 1:
@@ -421,6 +481,7 @@ class WaveScheduler:
             async with self._capacity_changed:
                 self._capacity_generation += 1
                 self._capacity_changed.notify_all()
+            self._admission_open.set()
 
     def _fail_microbatch(self, microbatch_id: int, error: str) -> None:
         for request_id in self.inflight.get(microbatch_id, []):

@@ -35,7 +35,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from wavepp.api.messages import KVEventBatch, MicroBatchDone, MicroBatchPlan, RequestResult
-from wavepp.runtime.agreement import handle_kv_request
+from wavepp.runtime.agreement import StageRequest, handle_kv_request
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.engine import ChunkSpec, make_engine
 from wavepp.runtime.kvcache import BlockPool, StageKVManager
@@ -54,6 +54,7 @@ class _Work:
     prepare_start_s: float
     prepare_end_s: float
     error: str
+    num_agreed_blocks: list[int]
 
 
 def build_engine(config: RuntimeConfig, rank: int):  # noqa: ANN201 - StageEngine protocol
@@ -89,7 +90,7 @@ class StageWorker:
         self.nc = nc
         self.engine = engine
         self.manager = StageKVManager(BlockPool(config.kv_blocks_of(rank), config.block_size))
-        self.hashes: dict[str, list[bytes]] = {}
+        self.requests: dict[str, StageRequest] = {}
         self.is_first = rank == 0
         self.is_last = rank == config.num_stages - 1
         self.prefix = config.subject_prefix
@@ -116,7 +117,7 @@ class StageWorker:
             self._work.put(None)
 
     async def _on_kv(self, msg: Msg) -> None:
-        reply = handle_kv_request(self.manager, self.rank, msg.data, self.hashes)
+        reply = handle_kv_request(self.manager, self.rank, msg.data, self.requests)
         await msg.respond(reply.model_dump_json().encode())
         await self._publish_events()
 
@@ -124,7 +125,7 @@ class StageWorker:
         while True:
             await asyncio.sleep(min(1.0, self.config.lease_s / 4))
             for request_id in self.manager.expire():
-                self.hashes.pop(request_id, None)
+                self.requests.pop(request_id, None)
                 log.warning("stage %d: lease of %s expired; released", self.rank, request_id)
             await self._publish_events()
 
@@ -170,17 +171,23 @@ class StageWorker:
                 prepared = self.engine.prepare(chunks)  # type: ignore[attr-defined]
             except ValueError as exc:
                 error = f"stage {self.rank}: prepare failed: {exc}"
-        self._work.put(_Work(plan, chunks, prepared, prepare_start, time.time(), error))
+        agreed = [
+            self.requests[c.request_id].num_agreed_blocks if c.request_id in self.requests else -1
+            for c in plan.chunks
+        ]
+        self._work.put(_Work(plan, chunks, prepared, prepare_start, time.time(), error, agreed))
 
     def _after_microbatch(self, work: _Work, done: MicroBatchDone) -> None:
         if not done.error:
             for chunk in work.chunks:
-                hashes = self.hashes.get(chunk.request_id)
-                if hashes is None:
+                record = self.requests.get(chunk.request_id)
+                if record is None:
                     continue
                 try:
                     self.manager.mark_computed(
-                        chunk.request_id, chunk.context_offset + chunk.num_tokens, hashes
+                        chunk.request_id,
+                        chunk.context_offset + chunk.num_tokens,
+                        record.block_hashes,
                     )
                 except KeyError:
                     pass  # released meanwhile (lease expiry): nothing to cache
@@ -233,6 +240,22 @@ class StageWorker:
                         "stage %d: micro-batch %d failed", self.rank, work.plan.microbatch_id
                     )
                     error = f"stage {self.rank}: execute failed: {exc!r}"
+            done = MicroBatchDone(
+                rank=self.rank,
+                microbatch_id=work.plan.microbatch_id,
+                num_tokens=num_tokens,
+                prepare_start_s=prepare_start,
+                prepare_end_s=prepare_end,
+                execute_start_s=exec_start,
+                execute_end_s=exec_end,
+                results=results,
+                error=error,
+                num_agreed_blocks=work.num_agreed_blocks,
+            )
+            # Cache the computed blocks before the activations leave: a release for this
+            # request can only follow the last stage's result, hence this send.
+            assert self._loop is not None, "compute thread started before serve()"
+            self._loop.call_soon_threadsafe(self._after_microbatch, work, done)
             if not self.is_last:
                 if hidden_out is None or error:
                     hidden_out = torch.zeros(
@@ -245,19 +268,6 @@ class StageWorker:
                 )
                 while len(pending_sends) > _MAX_PENDING_SENDS:
                     pending_sends.popleft()[0].wait()  # type: ignore[index]
-            done = MicroBatchDone(
-                rank=self.rank,
-                microbatch_id=work.plan.microbatch_id,
-                num_tokens=num_tokens,
-                prepare_start_s=prepare_start,
-                prepare_end_s=prepare_end,
-                execute_start_s=exec_start,
-                execute_end_s=exec_end,
-                results=results,
-                error=error,
-            )
-            assert self._loop is not None, "compute thread started before serve()"
-            self._loop.call_soon_threadsafe(self._after_microbatch, work, done)
         for handle, _ in pending_sends:  # type: ignore[misc]
             handle.wait()
 

@@ -1,0 +1,107 @@
+"""WavePP (--mode wave) against the synchronous baseline (--mode sync), side by side.
+
+Both runs replay the same trace slice through the emulated engine (stages sleep the derived
+H200 cost of the named model; NATS, agreement, planning and activations are real), one after the
+other in this process, and the script prints the throughput ratio wave / sync.
+
+    python benchmarks/wave_vs_sync.py ../shared/traces/conversation_trace.jsonl \
+        --limit 200 --concurrency 64 --emulate glm-5.2
+
+This is a benchmark, not a test: it measures and prints; it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from wavepp.bench.replay import replay_records
+from wavepp.bench.trace import TokenMapper, load_trace
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.costmodels import derived_cost_model
+from wavepp.runtime.engine.model_config import get_preset
+
+COLUMNS = [
+    "throughput_tokens_per_s",
+    "wave_fill",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "agreement_p50_s",
+    "reservation_refusals",
+    "microbatches",
+    "cached_tokens",
+    "completed",
+    "failed",
+    "wall_s",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace")
+    parser.add_argument("--limit", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--emulate", default="glm-5.2")
+    parser.add_argument("--tokens-per-block", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--kv-blocks", type=int, default=16384, help="per stage")
+    parser.add_argument("--time-scale", type=float, default=0.25, help="sleep multiplier")
+    parser.add_argument("--chunk-tokens", type=int, default=8192)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    records, invalid = load_trace(args.trace, args.limit)
+    model = get_preset("tiny-llama")
+    mapper = TokenMapper(args.tokens_per_block, model.vocab_size)
+    stage_cost = derived_cost_model(args.emulate, num_stages=args.stages)
+    results = {}
+    for mode in ("wave", "sync"):
+        config = RuntimeConfig(
+            model=model,
+            engine="emulated",
+            cost_model=stage_cost.to_dict(),
+            time_scale=args.time_scale,
+            num_stages=args.stages,
+            block_size=args.block_size,
+            num_kv_blocks=[args.kv_blocks],
+            mode=mode,
+            chunk_tokens=args.chunk_tokens,
+        )
+        # The planner budgets with the stages' own (scaled) cost model.
+        report = asyncio.run(
+            replay_records(
+                records,
+                mapper,
+                config,
+                stage_cost.scaled(args.time_scale),
+                concurrency=args.concurrency,
+                invalid=invalid,
+            )
+        )
+        results[mode] = report.summary()
+    ratio = results["wave"]["throughput_tokens_per_s"] / results["sync"]["throughput_tokens_per_s"]
+    table = Table(
+        title=(
+            f"wave vs sync: {len(records)} requests, {args.stages} stages emulating "
+            f"{args.emulate} @ H200 (time x{args.time_scale}), concurrency {args.concurrency}"
+        )
+    )
+    table.add_column("metric")
+    table.add_column("wave", justify="right")
+    table.add_column("sync", justify="right")
+    for key in COLUMNS:
+        table.add_row(key, str(results["wave"][key]), str(results["sync"][key]))
+    console = Console()
+    console.print(table)
+    console.print(f"throughput ratio wave / sync: [bold]{ratio:.3f}[/]")
+    if args.json:
+        print(json.dumps({"ratio": round(ratio, 4), **{m: results[m] for m in results}}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Prefix agreement: the controller over in-process stages and over a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from wavepp.api.messages import Commit, KVReply, ProbePin
+from wavepp.runtime.agreement import (
+    AdmissionController,
+    AgreementRefused,
+    LocalStageClient,
+    NatsStageClient,
+    PromptRequest,
+    StageRequest,
+    StageUnavailableError,
+    handle_kv_request,
+)
+from wavepp.runtime.kvcache import BlockPool, StageKVManager
+
+BLOCK = 4
+MODEL_ID = "tiny-llama:seed=0"
+
+
+def make_stages(capacities: list[int]) -> tuple[list[StageKVManager], AdmissionController]:
+    managers = [StageKVManager(BlockPool(c, BLOCK)) for c in capacities]
+    clients = [LocalStageClient(m, r) for r, m in enumerate(managers)]
+    controller = AdmissionController(
+        clients, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0, stage_capacities=capacities
+    )
+    return managers, controller
+
+
+def compute_all(managers: list[StageKVManager], controller: AdmissionController, req: PromptRequest) -> None:
+    """What the stages do once the request's chunks ran: cache its full blocks."""
+    hashes = controller.block_hashes(req)
+    for manager in managers:
+        manager.mark_computed(req.request_id, req.num_tokens, hashes)
+
+
+async def test_agreed_prefix_is_min_over_stages_and_capped_one_token_short() -> None:
+    managers, controller = make_stages([32, 32, 32])
+    prompt = list(range(20))  # 5 full blocks
+    first = await controller.agree(PromptRequest("a", prompt))
+    assert first is not None and first.num_agreed_blocks == 0
+    compute_all(managers, controller, first.request)
+    await controller.release(["a"])
+    # Evict the tail of the chain on stage 1 only: the local hits now differ.
+    hashes = controller.block_hashes(PromptRequest("x", prompt))
+    managers[1].pool.check_invariants()
+    assert managers[1].probe_pin("probe", hashes, 5.0) == 5
+    managers[1].release("probe")
+    filler = managers[1].pool.allocate(32 - 3)  # evicts LRU cached blocks: the chain's tail first
+    assert filler is not None
+    managers[1].pool.free(filler)
+    hit1 = len(managers[1].pool.find_longest_cache_hit(hashes))
+    assert 0 < hit1 < 5
+    same = await controller.agree(PromptRequest("b", prompt))
+    assert same is not None
+    assert same.stage_hits[0] == 5 and same.stage_hits[2] == 5 and same.stage_hits[1] == hit1
+    # Capped one token short: a fully cached prompt still computes its last block.
+    assert same.num_agreed_blocks == min(hit1, (len(prompt) - 1) // BLOCK)
+    for manager in managers:
+        assert len(manager.block_table("b")) == 5
+    await controller.release(["b"])
+    for manager in managers:
+        assert manager.pool.num_pinned_blocks == 0
+
+
+async def test_refused_reservation_leaves_no_pins_anywhere() -> None:
+    managers, controller = make_stages([16, 6, 16])
+    hog = await controller.agree(PromptRequest("hog", list(range(16))))  # 4 blocks each
+    assert hog is not None
+    refused = await controller.agree(PromptRequest("big", list(range(100, 112))))  # 3 blocks
+    assert refused is None
+    assert controller.num_refusals == 1
+    for manager in managers:
+        assert manager.num_requests == 1  # only "hog"
+    assert managers[0].pool.num_pinned_blocks == 4
+    await controller.release(["hog"])
+    retried = await controller.agree(PromptRequest("big", list(range(100, 112))))
+    assert retried is not None
+
+
+async def test_prompt_larger_than_a_stage_is_refused_with_the_numbers() -> None:
+    _, controller = make_stages([64, 8])
+    with pytest.raises(AgreementRefused, match=r"needs 9 blocks of 4; stage 1 holds 8"):
+        await controller.agree(PromptRequest("huge", list(range(33))))
+
+
+def test_bad_kv_message_gets_a_clear_error_and_changes_nothing() -> None:
+    manager = StageKVManager(BlockPool(8, BLOCK))
+    requests: dict[str, StageRequest] = {}
+    reply = handle_kv_request(manager, 3, b'{"op": "probe_pin", "request_id": "r", "block_hashes": ["zz"], "lease_s": 1}', requests)
+    assert not reply.ok and reply.rank == 3 and "block_hashes" in reply.error
+    reply = handle_kv_request(manager, 3, b"not json", requests)
+    assert not reply.ok and "invalid KV request" in reply.error
+    reply = handle_kv_request(manager, 3, b'{"v": 2, "op": "health"}', requests)
+    assert not reply.ok and "v" in reply.error
+    commit = Commit(request_id="never-probed", num_agreed_blocks=0, num_total_blocks=2, lease_s=5)
+    reply = handle_kv_request(manager, 3, commit.model_dump_json().encode(), requests)
+    assert not reply.ok
+    assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0 and not requests
+
+
+prompts = st.lists(
+    st.tuples(
+        st.integers(0, 3),  # which shared prefix
+        st.integers(1, 24),  # suffix length
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    capacities=st.lists(st.integers(8, 40), min_size=2, max_size=4),
+    workload=prompts,
+    release_every=st.integers(1, 4),
+)
+def test_agreement_properties(capacities: list[int], workload: list[tuple[int, int]], release_every: int) -> None:
+    """L* never exceeds a stage's hit; a refusal leaves no pins; nothing leaks after release."""
+
+    async def scenario() -> None:
+        managers, controller = make_stages(capacities)
+        live: list[PromptRequest] = []
+        for i, (prefix_id, suffix_len) in enumerate(workload):
+            tokens = [prefix_id * 1000 + t for t in range(12)] + [i * 100 + t for t in range(suffix_len)]
+            request = PromptRequest(f"r{i}", tokens)
+            try:
+                ticket = await controller.agree(request)
+            except AgreementRefused:
+                continue
+            if ticket is None:
+                for manager in managers:  # refused: this request holds nothing anywhere
+                    assert request.request_id not in manager._requests  # noqa: SLF001
+            else:
+                assert ticket.num_agreed_blocks <= min(ticket.stage_hits)
+                assert ticket.num_agreed_blocks * BLOCK < request.num_tokens
+                compute_all(managers, controller, request)
+                live.append(request)
+            if len(live) >= release_every:
+                await controller.release([r.request_id for r in live])
+                live.clear()
+            for manager in managers:
+                manager.pool.check_invariants()
+        await controller.release([r.request_id for r in live])
+        for manager in managers:
+            assert manager.num_requests == 0
+            assert manager.pool.num_pinned_blocks == 0
+            assert manager.pool.num_free_blocks == manager.pool.num_blocks
+
+    asyncio.run(scenario())
+
+
+# --------------------------------------------------------------------------- over real NATS
+
+
+async def serve_stage(nc, prefix: str, rank: int, manager: StageKVManager) -> None:  # noqa: ANN001
+    async def on_kv(msg) -> None:  # noqa: ANN001
+        reply = handle_kv_request(manager, rank, msg.data)
+        await msg.respond(reply.model_dump_json().encode())
+
+    await nc.subscribe(f"{prefix}.stage.{rank}.kv", cb=on_kv)
+
+
+async def test_agreement_over_a_real_nats_server(nc) -> None:  # noqa: ANN001
+    managers = [StageKVManager(BlockPool(c, BLOCK)) for c in (32, 12, 32)]
+    for rank, manager in enumerate(managers):
+        await serve_stage(nc, "wavepp.t", rank, manager)
+    await nc.flush()
+    clients = [NatsStageClient(nc, "wavepp.t", r, timeout_s=2.0) for r in range(3)]
+    controller = AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID)
+    prompt = list(range(16))
+    ticket = await controller.agree(PromptRequest("a", prompt))
+    assert ticket is not None and ticket.stage_hits == (0, 0, 0)
+    hashes = controller.block_hashes(ticket.request)
+    for manager in managers:
+        manager.mark_computed("a", 16, hashes)
+    await controller.release(["a"])
+    again = await controller.agree(PromptRequest("b", prompt + [99]))
+    assert again is not None and again.num_agreed_blocks == 4 and again.stage_hits == (4, 4, 4)
+    too_big = await controller.agree(PromptRequest("c", list(range(500, 540))))  # 10 blocks
+    assert too_big is None  # stage 1 has 12 - 5 (pinned by "b") free
+    assert all(m.num_requests == 1 for m in managers)
+    replies = await controller.health()
+    assert [r.rank for r in replies] == [0, 1, 2] and all(isinstance(r, KVReply) for r in replies)
+
+
+async def test_no_responders_and_timeouts_are_reported_apart(nc) -> None:  # noqa: ANN001
+    nobody = NatsStageClient(nc, "wavepp.none", 0, timeout_s=0.5)
+    probe = ProbePin(request_id="r", block_hashes=[], lease_s=1.0)
+    with pytest.raises(StageUnavailableError, match="no stage listens"):
+        await nobody.call(probe)
+
+    async def silent(msg) -> None:  # noqa: ANN001
+        return None
+
+    await nc.subscribe("wavepp.slow.stage.0.kv", cb=silent)
+    await nc.flush()
+    slow = NatsStageClient(nc, "wavepp.slow", 0, timeout_s=0.3)
+    with pytest.raises(StageUnavailableError, match="no reply"):
+        await slow.call(probe)
