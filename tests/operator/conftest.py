@@ -18,6 +18,9 @@ import asyncio
 import datetime as dt
 import itertools
 import json
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -36,6 +39,7 @@ from wavepp.operator.crdgen import CRD_PATHS
 
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "default"
+TEST_USER_AGENT = "wavepp-tests"
 CRD = yaml.safe_load(CRD_PATHS[0].read_text())
 PRINTER_COLUMNS = CRD["spec"]["versions"][0]["additionalPrinterColumns"]
 _uids = itertools.count(1)
@@ -292,7 +296,7 @@ async def wait_for(
         last = await check()
         if last:
             return last
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; last: {last!r}")
 
 
@@ -330,7 +334,7 @@ async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
         monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
         creds = kube.Credentials(server=str(server.url).rstrip("/"), headers={}, ssl_context=True)
-        async with kube.KubeClient(creds) as client:
+        async with kube.KubeClient(creds, user_agent=TEST_USER_AGENT) as client:
             yield Cluster(emulator, client, kubeconfig)
 
 
@@ -403,3 +407,39 @@ def tiny_spec(**overrides: Any) -> dict[str, Any]:
     }
     spec.update(overrides)
     return spec
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    """Path of helm: .venv/bin/helm, else on PATH, else installed by scripts/install-helm.sh."""
+    candidates = [REPO / ".venv" / "bin" / "helm", shutil.which("helm")]
+    for candidate in candidates:
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    result = subprocess.run(
+        ["bash", str(REPO / "scripts" / "install-helm.sh")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, f"scripts/install-helm.sh failed:\n{result.stderr}"
+    return str(REPO / ".venv" / "bin" / "helm")
+
+
+def render_chart(helm: str, *set_values: str) -> list[dict[str, Any]]:
+    """``helm template`` of charts/wavepp (CRDs included) as a list of objects."""
+    args = [helm, "template", "wavepp", str(REPO / "charts" / "wavepp")]
+    args += ["--namespace", "wavepp-system", "--include-crds"]
+    for value in set_values:
+        args += ["--set", value]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def kubernetes_validate(objects: list[dict[str, Any]], tmp_path: Path) -> tuple[int, str]:
+    """Run ``kubernetes-validate --strict`` on the objects; returns (exit status, output)."""
+    path = tmp_path / "manifests.yaml"
+    path.write_text(yaml.safe_dump_all(objects))
+    exe = Path(sys.executable).parent / "kubernetes-validate"
+    result = subprocess.run(
+        [str(exe), "--strict", "--quiet", str(path)], capture_output=True, text=True, timeout=120
+    )
+    return result.returncode, result.stdout + result.stderr

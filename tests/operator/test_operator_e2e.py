@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from conftest import NAMESPACE, REPO, Cluster, tiny_spec, wait_for
+from conftest import NAMESPACE, REPO, TEST_USER_AGENT, Cluster, render_chart, tiny_spec, wait_for
 
 from wavepp.operator import builders as b
 
@@ -312,3 +312,64 @@ async def test_kubectl_apply_example_and_get_printer_columns(
     assert row.split()[:4] == ["tiny", "4", "1", "2"]
     rc, out, err = await cluster.kubectl("get", "wpp", "tiny", "-o", "jsonpath={.status.phase}")
     assert (rc, out) == (0, "Progressing"), err
+
+
+def _rbac_verb(request: Any) -> str:
+    method = str(request.method.value if hasattr(request.method, "value") else request.method)
+    method = method.upper()
+    if method == "GET":
+        if request.params.get("watch") in ("true", "1"):
+            return "watch"
+        return "get" if request.name else "list"
+    return {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[method]
+
+
+async def test_every_operator_request_is_allowed_by_the_charts_role(
+    cluster: Cluster, operator: Any, helm: str
+) -> None:
+    """Least privilege, checked from behaviour: each API call the operator made in a scenario
+    that touches every path (HPA, re-form, scale-down, delete) is granted by the chart's role."""
+    spec = tiny_spec(
+        replicas=2, autoscaling={"minReplicas": 1, "maxReplicas": 3, "metric": "cpu", "target": 70}
+    )
+    await cluster.create_pipeline("demo", spec)
+    await wait_for(lambda: cluster.get("HorizontalPodAutoscaler", "demo"), what="HPA")
+    for replica in (0, 1):
+        await wait_for(lambda r=replica: cluster.get("StatefulSet", f"demo-r{r}"), what="sts")
+        await cluster.serve_replica("demo", replica)
+    await _wait_condition(cluster, "demo", "Ready", "True", "AllReplicasServing")
+    await cluster.set_pod_phase("demo-r0-3", "crashed")
+    await wait_for(lambda: _gone(cluster, "Pod", "demo-r0-3"), what="re-form")
+    await cluster.edit_spec("demo", {"autoscaling": None, "replicas": 1})
+    await wait_for(lambda: _gone(cluster, "HorizontalPodAutoscaler", "demo"), what="HPA deleted")
+    await cluster.stop_admission("demo", 1)
+    await wait_for(lambda: _gone(cluster, "StatefulSet", "demo-r1"), what="scale-down")
+    await cluster.client.delete("WavePipeline", NAMESPACE, "demo")
+    await wait_for(lambda: _gone(cluster, "WavePipeline", "demo"), what="pipeline gone")
+
+    role = next(
+        o
+        for o in render_chart(helm)
+        if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "wavepp"
+    )
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    used = set()
+    for request in list(cluster.emulator):
+        agent = request.headers.get("User-Agent", "")
+        if request.resource is None or request.resource.plural is None:
+            continue  # discovery: granted to every authenticated user
+        if agent.startswith((TEST_USER_AGENT, "kubectl")):
+            continue
+        resource = request.resource.plural
+        if request.subresource:
+            resource += f"/{request.subresource}"
+        used.add((request.resource.group, resource, _rbac_verb(request)))
+    assert ("apps", "statefulsets", "delete") in used and ("", "pods", "delete") in used
+    assert ("autoscaling", "horizontalpodautoscalers", "create") in used
+    assert used - granted == set()

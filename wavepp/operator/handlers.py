@@ -62,6 +62,7 @@ class OperatorState:
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     unexpected_errors: list[str] = field(default_factory=list)
     last_phase: dict[tuple[str, str], str] = field(default_factory=dict)
+    reconciled_specs: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     def wakeup(self, namespace: str, name: str) -> asyncio.Event:
         return self.wakeups.setdefault((namespace, name), asyncio.Event())
@@ -116,6 +117,7 @@ async def startup(
         prefix="wavepp.dev", key="last-handled-configuration"
     )
     settings.watching.server_timeout = 300
+    settings.background.instant_exit_timeout = 0.2  # the daemon exits on `stopped` at once
     if options.fast_exit:
         settings.queueing.idle_timeout = 0.2
         settings.queueing.exit_timeout = 0.5
@@ -151,22 +153,33 @@ async def cleanup(memo: Any, **_: Any) -> None:
 
 async def _observe(client: kube.KubeClient, namespace: str, name: str) -> Observed:
     selector = f"{b.LABEL_PIPELINE}={name}"
-    sts, deps, pods, cms, hpas = await asyncio.gather(
+    sts, deps, pods, cms, hpas, svcs = await asyncio.gather(
         client.list("StatefulSet", namespace, selector),
         client.list("Deployment", namespace, selector),
         client.list("Pod", namespace, selector),
         client.list("ConfigMap", namespace, selector),
         client.list("HorizontalPodAutoscaler", namespace, selector),
+        client.list("Service", namespace, selector),
     )
-    return Observed(statefulsets=sts, deployments=deps, pods=pods, configmaps=cms, hpas=hpas)
+    return Observed(
+        statefulsets=sts, deployments=deps, pods=pods, configmaps=cms, hpas=hpas, services=svcs
+    )
 
 
-async def _execute(client: kube.KubeClient, namespace: str, action: Any) -> None:
+async def _execute(
+    client: kube.KubeClient,
+    namespace: str,
+    action: Any,
+    listed: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    """Carry out one action; ``listed`` holds the children as just listed (saves a GET each)."""
     if isinstance(action, Apply):
-        await kube.apply(client, action.manifest)
+        key = (action.manifest["kind"], action.manifest["metadata"]["name"])
+        await kube.apply(client, action.manifest, listed.get(key))
+        listed.pop(key, None)  # a second Apply of the same object in one plan re-reads it
     elif isinstance(action, Create):
         meta = action.manifest["metadata"]
-        if await client.get(action.manifest["kind"], namespace, meta["name"]) is None:
+        if (action.manifest["kind"], meta["name"]) not in listed:
             try:
                 await client.create(kube.with_last_applied(action.manifest))
             except kube.KubeError as exc:
@@ -199,14 +212,17 @@ async def reconcile_pipeline(
     if body is None or body.get("metadata", {}).get("deletionTimestamp"):
         return None
     opts = state.options
+    observed = await _observe(client, namespace, name)
     result = plan(
         body,
-        await _observe(client, namespace, name),
+        observed,
         time.time(),
         Defaults(opts.default_image, opts.default_nats_url, opts.default_otlp_endpoint),
     )
+    listed = observed.index()
     for action in result.actions:
-        await _execute(client, namespace, action)
+        await _execute(client, namespace, action, listed)
+    state.reconciled_specs[(namespace, name)] = body.get("spec")
     patch = _status_patch(body.get("status") or {}, result.status)
     if patch:
         await client.patch("WavePipeline", namespace, name, {"status": patch}, subresource="status")
@@ -223,7 +239,7 @@ async def reconcile_pipeline(
     return result.requeue_after_s
 
 
-@kopf.daemon(API_GROUP, API_VERSION, PLURAL, cancellation_timeout=5.0)
+@kopf.daemon(API_GROUP, API_VERSION, PLURAL, cancellation_backoff=2.0, cancellation_timeout=5.0)
 async def pipeline_daemon(
     name: str,
     namespace: str,
@@ -268,13 +284,21 @@ async def pipeline_daemon(
                     waiter.cancel()
     finally:
         state.wakeups.pop((namespace, name), None)
+        state.reconciled_specs.pop((namespace, name), None)
 
 
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL)
-def pipeline_event(name: str, namespace: str, memo: Any, **_: Any) -> None:
-    """Spec edits, scale-subresource writes, deletion marks: reconcile now."""
+def pipeline_event(name: str, namespace: str, spec: Any, meta: Any, memo: Any, **_: Any) -> None:
+    """Spec edits (scale subresource included): reconcile now.
+
+    NOTE: events of the operator's own status writes are skipped (spec unchanged since the
+    last reconcile), else every status write would cost one more reconcile. A deletion mark
+    stops the daemon (kopf sets ``stopped``) and runs :func:`pipeline_deleted`.
+    """
     state = getattr(memo, "state", None)
-    if state is not None:
+    if state is None:
+        return
+    if state.reconciled_specs.get((namespace, name)) != dict(spec):
         state.wake(namespace, name)
 
 

@@ -149,6 +149,7 @@ class KubeClient:
         *,
         relogin: Callable[[], Credentials] | None = None,
         timeout_s: float = 30.0,
+        user_agent: str = "wavepp-operator",
     ) -> None:
         """Open a session (no request yet).
 
@@ -156,10 +157,13 @@ class KubeClient:
             credentials: server, auth headers, TLS.
             relogin: called once on HTTP 401 to fetch fresh credentials (rotated tokens).
             timeout_s: total time limit of one request, in seconds.
+            user_agent: User-Agent header (audit logs tell the operator's writes apart).
         """
         self._credentials = credentials
         self._relogin = relogin
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=timeout_s), headers={"User-Agent": user_agent}
+        )
 
     async def __aenter__(self) -> KubeClient:
         return self
@@ -336,17 +340,34 @@ def apply_patch(existing: dict[str, Any], desired: dict[str, Any]) -> dict[str, 
     return _deep_merge(patch, _scalar_drift(existing, desired_full))
 
 
-async def apply(client: KubeClient, desired: dict[str, Any]) -> str:
+_UNKNOWN: Any = object()
+
+
+async def apply(client: KubeClient, desired: dict[str, Any], existing: Any = _UNKNOWN) -> str:
     """Create ``desired`` or patch the existing object towards it.
+
+    Args:
+        client: the API client.
+        desired: the manifest.
+        existing: the live object if the caller has just listed it (None: absent); omitted,
+            it is fetched. A stale "absent" is corrected: a 409 on create falls back to a GET.
 
     Returns:
         "created", "patched" or "unchanged".
     """
     meta = desired["metadata"]
-    existing = await client.get(desired["kind"], meta.get("namespace"), meta["name"])
+    if existing is _UNKNOWN:
+        existing = await client.get(desired["kind"], meta.get("namespace"), meta["name"])
     if existing is None:
-        await client.create(with_last_applied(desired))
-        return "created"
+        try:
+            await client.create(with_last_applied(desired))
+            return "created"
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+        existing = await client.get(desired["kind"], meta.get("namespace"), meta["name"])
+        if existing is None:
+            raise KubeError(409, "Conflict", f"{meta['name']} exists and does not")
     patch = apply_patch(existing, desired)
     if not patch:
         return "unchanged"

@@ -100,6 +100,18 @@ class Observed:
     pods: list[dict[str, Any]] = field(default_factory=list)
     configmaps: list[dict[str, Any]] = field(default_factory=list)
     hpas: list[dict[str, Any]] = field(default_factory=list)
+    services: list[dict[str, Any]] = field(default_factory=list)
+
+    def index(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """(kind, name) -> object, for every listed child (pods excluded)."""
+        kinds = (
+            ("StatefulSet", self.statefulsets),
+            ("Deployment", self.deployments),
+            ("ConfigMap", self.configmaps),
+            ("HorizontalPodAutoscaler", self.hpas),
+            ("Service", self.services),
+        )
+        return {(kind, _meta(obj).get("name", "")): obj for kind, objs in kinds for obj in objs}
 
 
 @dataclass(frozen=True)
