@@ -34,7 +34,9 @@ def make_stages(capacities: list[int]) -> tuple[list[StageKVManager], AdmissionC
     return managers, controller
 
 
-def compute_all(managers: list[StageKVManager], controller: AdmissionController, req: PromptRequest) -> None:
+def compute_all(
+    managers: list[StageKVManager], controller: AdmissionController, req: PromptRequest
+) -> None:
     """What the stages do once the request's chunks ran: cache its full blocks."""
     hashes = controller.block_hashes(req)
     for manager in managers:
@@ -94,7 +96,12 @@ async def test_prompt_larger_than_a_stage_is_refused_with_the_numbers() -> None:
 def test_bad_kv_message_gets_a_clear_error_and_changes_nothing() -> None:
     manager = StageKVManager(BlockPool(8, BLOCK))
     requests: dict[str, StageRequest] = {}
-    reply = handle_kv_request(manager, 3, b'{"op": "probe_pin", "request_id": "r", "block_hashes": ["zz"], "lease_s": 1}', requests)
+    reply = handle_kv_request(
+        manager,
+        3,
+        b'{"op": "probe_pin", "request_id": "r", "block_hashes": ["zz"], "lease_s": 1}',
+        requests,
+    )
     assert not reply.ok and reply.rank == 3 and "block_hashes" in reply.error
     reply = handle_kv_request(manager, 3, b"not json", requests)
     assert not reply.ok and "invalid KV request" in reply.error
@@ -122,14 +129,18 @@ prompts = st.lists(
     workload=prompts,
     release_every=st.integers(1, 4),
 )
-def test_agreement_properties(capacities: list[int], workload: list[tuple[int, int]], release_every: int) -> None:
+def test_agreement_properties(
+    capacities: list[int], workload: list[tuple[int, int]], release_every: int
+) -> None:
     """L* never exceeds a stage's hit; a refusal leaves no pins; nothing leaks after release."""
 
     async def scenario() -> None:
         managers, controller = make_stages(capacities)
         live: list[PromptRequest] = []
         for i, (prefix_id, suffix_len) in enumerate(workload):
-            tokens = [prefix_id * 1000 + t for t in range(12)] + [i * 100 + t for t in range(suffix_len)]
+            tokens = [prefix_id * 1000 + t for t in range(12)] + [
+                i * 100 + t for t in range(suffix_len)
+            ]
             request = PromptRequest(f"r{i}", tokens)
             try:
                 ticket = await controller.agree(request)

@@ -69,13 +69,19 @@ async def test_pipelined_prefix_reuse_matches_monolithic_forward(mode: str, tmp_
         scheduler = pipeline.scheduler
         first = await scheduler.submit(PromptRequest("a", prompt(9), return_logits=True))
         # Fillers (one at a time) push stage 1 (26 blocks) to evict the shared chain's tail.
-        fillers = [await scheduler.submit(PromptRequest(f"f{i}", [rng.randrange(256) for _ in range(40)])) for i in range(2)]
+        fillers = [
+            await scheduler.submit(PromptRequest(f"f{i}", [rng.randrange(256) for _ in range(40)]))
+            for i in range(2)
+        ]
         # Then concurrent requests sharing the prefix: packed micro-batches, reuse on all stages.
         import asyncio
 
         prompts = {f"b{i}": prompt(5 + 7 * i) for i in range(3)}
         reused = await asyncio.gather(
-            *(scheduler.submit(PromptRequest(rid, toks, return_logits=True)) for rid, toks in prompts.items())
+            *(
+                scheduler.submit(PromptRequest(rid, toks, return_logits=True))
+                for rid, toks in prompts.items()
+            )
         )
     outcomes = [first, *reused]
     assert all(o.ok for o in [first, *fillers, *reused]), [o.error for o in outcomes]

@@ -1,0 +1,100 @@
+"""`wavepp replay` as a user runs it: real processes, the --json contract, bad trace lines."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+CONTRACT_KEYS = {
+    "requests",
+    "completed",
+    "failed",
+    "prompt_tokens",
+    "cached_tokens",
+    "throughput_tokens_per_s",
+    "wave_fill",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "mode",
+    "stages",
+    "engine",
+}
+
+
+def run_replay(*args: str, timeout_s: float = 240) -> tuple[dict, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "wavepp.cli", "replay", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    return json.loads(last), proc.stderr
+
+
+@pytest.fixture
+def small_trace(tmp_path: Path) -> Path:
+    lines = TRACE.read_text().splitlines()[:12]
+    bad = [
+        '{"timestamp": 0, "input_length": 1000, "hash_ids": [0]}',  # needs 2 ids
+        "{not json",
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines[:5] + bad + lines[5:]) + "\n")
+    return path
+
+
+def test_invalid_lines_are_reported_by_line_and_field_and_the_rest_run(small_trace: Path) -> None:
+    summary, stderr = run_replay(
+        str(small_trace), "--stages", "2", "--tokens-per-block", "8", "--engine", "torch"
+    )
+    assert CONTRACT_KEYS <= summary.keys()
+    assert summary["requests"] == 14 and summary["completed"] == 12 and summary["failed"] == 2
+    assert "line 6: field 'hash_ids'" in stderr and "line 7: field '<line>'" in stderr
+    assert summary["mode"] == "wave" and summary["stages"] == 2 and summary["engine"] == "torch"
+
+
+def test_sync_mode_on_the_emulated_engine(small_trace: Path) -> None:
+    summary, _ = run_replay(
+        str(small_trace),
+        "--stages",
+        "3",
+        "--mode",
+        "sync",
+        "--engine",
+        "emulated",
+        "--emulate",
+        "tiny-llama",
+        "--tokens-per-block",
+        "32",
+        "--concurrency",
+        "4",
+    )
+    assert summary["completed"] == 12 and summary["mode"] == "sync"
+    assert 0.0 < summary["wave_fill"] <= 1.0
+
+
+def test_readme_first_command_replays_200_requests() -> None:
+    """The README's first command (minus the install step), exactly as written."""
+    readme = (ROOT / "README.md").read_text()
+    first = next(line for line in readme.splitlines() if "wavepp replay" in line)
+    replay = re.search(r"\.venv/bin/wavepp (replay .*)$", first)
+    assert replay, first
+    args = shlex.split(replay.group(1))[1:]
+    summary, _ = run_replay(*args, timeout_s=280)
+    assert summary["requests"] == 200
+    assert summary["completed"] == 200 and summary["failed"] == 0
+    assert summary["cached_tokens"] > 0
+    assert summary["stages"] == 4 and summary["engine"] == "torch"
