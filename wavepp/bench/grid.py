@@ -1,0 +1,380 @@
+"""``wavepp bench grid``: WavePP (--mode wave) against the synchronous baseline, side by side.
+
+For every setting (model x concurrency x reuse) both modes run back to back, each on a fresh
+local pipeline (real nats-server, real ``wavepp stage`` processes, emulated engine sleeping
+``time_scale`` x the derived H200 cost of the model's slowest stage). One run::
+
+    start pipeline -> warm-up prompts (one per shared prefix, sequential, not measured)
+                   -> closed loop at concurrency C over the workload's prompts (measured)
+                   -> summary (throughput, TTFT p50/p99, wave fill, hit ratio, stage idle)
+
+Ablations switch one WavePP mechanism to its baseline form (agreement sync, chunking static,
+local preparation off) in wave mode; each adds a row.
+
+Stage idle (``idle_by_stage``): within the measured window [first execute start, last execute
+end], the time each stage is not executing, and its largest single gap; this is how the report
+says which stage idles and when.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from wavepp.bench.replay import ReplayReport
+from wavepp.bench.workloads import Workload, ideal_hit_ratio, preset_workload
+from wavepp.runtime.agreement import PromptRequest
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.costmodels import derived_cost_model
+from wavepp.runtime.engine.model_config import get_preset
+from wavepp.runtime.local import LocalPipeline
+from wavepp.runtime.scheduler import RequestOutcome, WaveStats
+
+__all__ = [
+    "ABLATIONS",
+    "GridSpec",
+    "Setting",
+    "grid_settings",
+    "idle_by_stage",
+    "markdown_table",
+    "run_grid",
+    "run_setting",
+    "write_csv",
+]
+
+# name -> RuntimeConfig overrides applied in wave mode (one mechanism reverted to the baseline)
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "agreement-sync": {"async_agreement": False},
+    "chunking-static": {"chunk_policy": "static"},
+    "local-prepare-off": {"local_prepare": False},
+}
+
+CSV_COLUMNS = [
+    "model",
+    "concurrency",
+    "reuse",
+    "mode",
+    "ablation",
+    "requests",
+    "completed",
+    "failed",
+    "ideal_hit_ratio",
+    "cache_hit_ratio",
+    "throughput_tokens_per_s",
+    "new_tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "wave_fill",
+    "agreement_p50_s",
+    "agreement_p99_s",
+    "microbatches",
+    "idle_s_by_stage",
+    "max_gap_s_by_stage",
+    "wall_s",
+    "time_scale",
+    "ratio_vs_sync",
+]
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    """What the grid runs. Defaults: the issue's grid at time scale 0.1."""
+
+    models: tuple[str, ...] = ("glm-5.2", "minimax-m2.7")
+    concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256)
+    reuses: tuple[str, ...] = ("low", "high")
+    ablations: tuple[str, ...] = tuple(ABLATIONS)
+    ablation_concurrency: int = 128
+    ablation_reuse: str = "high"
+    num_stages: int = 4
+    time_scale: float = 0.1
+    block_size: int = 64
+    num_kv_blocks: int = 16384
+    chunk_tokens: int = 8192
+    min_requests: int = 32
+    requests_per_concurrency: float = 1.0
+    seed: int = 0
+
+    def num_requests(self, concurrency: int) -> int:
+        """Measured requests of a setting: max(min_requests, concurrency x factor)."""
+        return max(self.min_requests, int(round(concurrency * self.requests_per_concurrency)))
+
+
+@dataclass(frozen=True)
+class Setting:
+    model: str
+    concurrency: int
+    reuse: str
+    mode: str
+    ablation: str = ""
+
+    @property
+    def label(self) -> str:
+        extra = f" [{self.ablation}]" if self.ablation else ""
+        return f"{self.model} C={self.concurrency} {self.reuse} {self.mode}{extra}"
+
+
+def grid_settings(spec: GridSpec) -> list[Setting]:
+    """Every run of the grid in order: per setting wave then sync; ablations last."""
+    runs = [
+        Setting(model, c, reuse, mode)
+        for model in spec.models
+        for reuse in spec.reuses
+        for c in spec.concurrencies
+        for mode in ("wave", "sync")
+    ]
+    for model in spec.models:
+        for name in spec.ablations:
+            if name not in ABLATIONS:
+                raise ValueError(f"ablation={name!r}: choose from {sorted(ABLATIONS)}")
+            runs.append(
+                Setting(model, spec.ablation_concurrency, spec.ablation_reuse, "wave", name)
+            )
+    return runs
+
+
+def runtime_config(spec: GridSpec, setting: Setting) -> tuple[RuntimeConfig, Any]:
+    """The stages' RuntimeConfig and the planner's cost model (scaled by time_scale)."""
+    stage_cost = derived_cost_model(setting.model, num_stages=spec.num_stages)
+    overrides = ABLATIONS.get(setting.ablation, {})
+    config = RuntimeConfig(
+        model=get_preset("tiny-llama"),
+        engine="emulated",
+        cost_model=stage_cost.to_dict(),
+        time_scale=spec.time_scale,
+        num_stages=spec.num_stages,
+        block_size=spec.block_size,
+        num_kv_blocks=[spec.num_kv_blocks],
+        mode=setting.mode,  # type: ignore[arg-type]
+        chunk_tokens=spec.chunk_tokens,
+        **overrides,
+    )
+    # The planner budgets with the stages' own cost, at the stages' time scale.
+    return config, stage_cost.scaled(spec.time_scale)
+
+
+def idle_by_stage(stats: WaveStats, num_stages: int) -> tuple[list[float], list[float]]:
+    """Per stage: idle seconds and the largest idle gap within the execution window.
+
+    Window: first execute start to last execute end over all stages (as wave fill).
+
+    Returns:
+        (idle_s, max_gap_s), one entry per stage, seconds.
+    """
+    if not stats.spans:
+        return [0.0] * num_stages, [0.0] * num_stages
+    start = min(s.execute_start_s for s in stats.spans)
+    end = max(s.execute_end_s for s in stats.spans)
+    idle, gaps = [], []
+    for rank in range(num_stages):
+        spans = sorted((s.execute_start_s, s.execute_end_s) for s in stats.spans if s.rank == rank)
+        cursor, total, largest = start, 0.0, 0.0
+        for begin, finish in spans:
+            gap = max(0.0, begin - cursor)
+            total += gap
+            largest = max(largest, gap)
+            cursor = max(cursor, finish)
+        tail = max(0.0, end - cursor)
+        idle.append(total + tail)
+        gaps.append(max(largest, tail))
+    return idle, gaps
+
+
+async def run_workload(
+    config: RuntimeConfig,
+    planner_cost_model: Any,
+    workload: Workload,
+    *,
+    concurrency: int,
+) -> ReplayReport:
+    """Warm up, then replay ``workload`` closed-loop at ``concurrency`` on a fresh pipeline.
+
+    Raises:
+        ValueError: concurrency < 1.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency={concurrency}: must be >= 1")
+    async with LocalPipeline(config, planner_cost_model) as pipeline:
+        scheduler = pipeline.scheduler
+        assert scheduler is not None, "pipeline started without a scheduler"
+        for index, prompt in enumerate(workload.warmup):
+            await scheduler.submit(PromptRequest(f"warmup-{index}", prompt))
+        scheduler.stats = WaveStats()  # the measured window starts here
+        limiter = asyncio.Semaphore(concurrency)
+        outcomes: list[RequestOutcome] = []
+        start = time.time()
+
+        async def one(request_id: str, prompt: list[int]) -> None:
+            async with limiter:
+                outcome = await scheduler.submit(
+                    PromptRequest(request_id, prompt, arrival_s=time.time())
+                )
+            outcomes.append(outcome)
+
+        await asyncio.gather(
+            *(one(rid, p) for rid, p in zip(workload.request_ids, workload.prompts, strict=True))
+        )
+        wall_s = time.time() - start
+        stats = scheduler.stats
+    return ReplayReport(
+        config=config,
+        outcomes=outcomes,
+        invalid=[],
+        wall_s=wall_s,
+        stats=stats,
+        tokens_per_block=config.block_size,
+        concurrency=concurrency,
+    )
+
+
+def run_setting(spec: GridSpec, setting: Setting) -> dict[str, Any]:
+    """Run one setting on a fresh pipeline; returns one CSV row (CSV_COLUMNS, no ratio yet)."""
+    config, planner_cost = runtime_config(spec, setting)
+    workload = preset_workload(
+        setting.reuse,
+        spec.num_requests(setting.concurrency),
+        vocab_size=config.model.vocab_size,
+        seed=spec.seed,
+    )
+    report = asyncio.run(
+        run_workload(config, planner_cost, workload, concurrency=setting.concurrency)
+    )
+    summary = report.summary()
+    idle, gaps = idle_by_stage(report.stats, spec.num_stages)
+    row = {key: summary.get(key, "") for key in CSV_COLUMNS}
+    row.update(
+        model=setting.model,
+        concurrency=setting.concurrency,
+        reuse=setting.reuse,
+        mode=setting.mode,
+        ablation=setting.ablation,
+        ideal_hit_ratio=round(
+            ideal_hit_ratio(workload.prompts, spec.block_size, workload.warmup), 4
+        ),
+        idle_s_by_stage=" ".join(f"{v:.3f}" for v in idle),
+        max_gap_s_by_stage=" ".join(f"{v:.3f}" for v in gaps),
+        time_scale=spec.time_scale,
+        ratio_vs_sync="",
+    )
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Set ratio_vs_sync = throughput / the sync row's throughput of the same setting."""
+    sync = {
+        (r["model"], r["concurrency"], r["reuse"]): float(r["throughput_tokens_per_s"])
+        for r in rows
+        if r["mode"] == "sync" and not r["ablation"]
+    }
+    for row in rows:
+        base = sync.get((row["model"], row["concurrency"], row["reuse"]))
+        if base:
+            row["ratio_vs_sync"] = round(float(row["throughput_tokens_per_s"]) / base, 4)
+
+
+def run_grid(
+    spec: GridSpec,
+    *,
+    on_row: Callable[[Setting, dict[str, Any]], None] | None = None,
+    settings: Sequence[Setting] | None = None,
+) -> list[dict[str, Any]]:
+    """Run every setting of the grid (or ``settings``); returns the rows with ratios."""
+    rows = []
+    for setting in settings if settings is not None else grid_settings(spec):
+        row = run_setting(spec, setting)
+        rows.append(row)
+        if on_row is not None:
+            on_row(setting, row)
+    add_ratios(rows)
+    return rows
+
+
+def write_csv(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def read_csv(path: str | Path) -> list[dict[str, Any]]:
+    with open(path, newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    try:
+        return f"{float(value):.{digits}f}"
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], spec: GridSpec, command: str = "") -> str:
+    """The grid as Markdown: one line per setting (wave and sync side by side), then ablations,
+    then the win count. Throughput in prompt tokens per second of *emulated* wall time at
+    ``time_scale`` (divide by 1/time_scale for H200-scale figures; ratios are unaffected)."""
+    out = io.StringIO()
+    out.write(
+        f"Emulated engine: each of {spec.num_stages} stages sleeps time_scale={spec.time_scale}"
+        " x the derived H200 cost of the model's slowest stage; NATS, agreement, planning,"
+        " stage processes and activations are real. Block size "
+        f"{spec.block_size}, {spec.num_kv_blocks} KV blocks per stage, chunk_tokens "
+        f"{spec.chunk_tokens}. Throughput: prompt tokens/s of wall time (x{spec.time_scale} "
+        "scale). hit: measured cached/prompt tokens.\n\n"
+    )
+    if command:
+        out.write(f"Command: `{command}`\n\n")
+    by_key: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    for r in rows:
+        by_key[(r["model"], str(r["concurrency"]), r["reuse"], r["mode"] + r["ablation"])] = r
+    out.write(
+        "| model | C | reuse | hit wave/sync | tok/s wave | tok/s sync | ratio | "
+        "TTFT p50 wave/sync (s) | TTFT p99 wave/sync (s) | wave fill wave/sync |\n"
+    )
+    out.write("| --- | ---: | --- | --- | ---: | ---: | ---: | --- | --- | --- |\n")
+    wins = total = 0
+    seen = []
+    for r in rows:
+        key = (r["model"], str(r["concurrency"]), r["reuse"])
+        if r["ablation"] or key in seen:
+            continue
+        seen.append(key)
+        w, s = by_key.get((*key, "wave")), by_key.get((*key, "sync"))
+        if w is None or s is None:
+            continue
+        ratio = float(w["throughput_tokens_per_s"]) / max(float(s["throughput_tokens_per_s"]), 1e-9)
+        total += 1
+        wins += ratio > 1.0
+        out.write(
+            f"| {key[0]} | {key[1]} | {key[2]} | {_fmt(w['cache_hit_ratio'], 2)}/"
+            f"{_fmt(s['cache_hit_ratio'], 2)} | {_fmt(w['throughput_tokens_per_s'], 0)} | "
+            f"{_fmt(s['throughput_tokens_per_s'], 0)} | **{ratio:.2f}** | "
+            f"{_fmt(w['ttft_p50_s'])}/{_fmt(s['ttft_p50_s'])} | "
+            f"{_fmt(w['ttft_p99_s'])}/{_fmt(s['ttft_p99_s'])} | "
+            f"{_fmt(w['wave_fill'], 2)}/{_fmt(s['wave_fill'], 2)} |\n"
+        )
+    out.write(f"\nWavePP wins {wins} of {total} settings (ratio > 1.00).\n")
+    ablations = [r for r in rows if r["ablation"]]
+    if ablations:
+        out.write(
+            "\nAblations (wave mode with one mechanism reverted to the baseline's):\n\n"
+            "| model | C | reuse | variant | tok/s | vs sync | vs full wave | TTFT p50 (s) | "
+            "wave fill |\n| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |\n"
+        )
+        for r in ablations:
+            key = (r["model"], str(r["concurrency"]), r["reuse"])
+            w, s = by_key.get((*key, "wave")), by_key.get((*key, "sync"))
+            thr = float(r["throughput_tokens_per_s"])
+            vs_sync = thr / float(s["throughput_tokens_per_s"]) if s else float("nan")
+            vs_wave = thr / float(w["throughput_tokens_per_s"]) if w else float("nan")
+            out.write(
+                f"| {key[0]} | {key[1]} | {key[2]} | {r['ablation']} | {thr:.0f} | "
+                f"{vs_sync:.2f} | {vs_wave:.2f} | {_fmt(r['ttft_p50_s'])} | "
+                f"{_fmt(r['wave_fill'], 2)} |\n"
+            )
+    return out.getvalue()

@@ -1,0 +1,64 @@
+"""PNG plots of a grid: throughput vs concurrency (both modes) and wave fill, per model and reuse.
+
+matplotlib with the Agg backend (no display). Input: the rows of ``grid.csv``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plot_grid"]
+
+
+def plot_grid(rows: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]:
+    """Write throughput.png and wave_fill.png into ``out_dir``.
+
+    One panel per (model, reuse); x = concurrency (log2), one line per mode. Ablation rows are
+    left out.
+
+    Returns:
+        The paths written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base = [r for r in rows if not r.get("ablation")]
+    panels = sorted({(r["model"], r["reuse"]) for r in base})
+    if not panels:
+        return []
+    written = []
+    for metric, ylabel, name in (
+        ("throughput_tokens_per_s", "prompt tokens/s (emulated wall time)", "throughput.png"),
+        ("wave_fill", "wave fill (busy / S x wall)", "wave_fill.png"),
+    ):
+        fig, axes = plt.subplots(
+            1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False, sharey=False
+        )
+        for ax, (model, reuse) in zip(axes[0], panels, strict=True):
+            for mode, style in (("wave", "o-"), ("sync", "s--")):
+                points = sorted(
+                    (int(r["concurrency"]), float(r[metric]))
+                    for r in base
+                    if r["model"] == model and r["reuse"] == reuse and r["mode"] == mode
+                )
+                if points:
+                    xs, ys = zip(*points, strict=True)
+                    ax.plot(xs, ys, style, label=mode)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{model}, {reuse} reuse", fontsize=10)
+            ax.set_xlabel("concurrency")
+            ax.grid(True, alpha=0.3)
+        axes[0][0].set_ylabel(ylabel)
+        axes[0][0].legend()
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written

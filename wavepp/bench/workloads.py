@@ -1,0 +1,256 @@
+"""Benchmark workloads: the Mooncake trace, and a generator with controlled prefix reuse.
+
+Pure logic: no I/O except reading a trace file in ``mooncake_workload``.
+
+Controlled reuse (``shared_prefix_workload``): ``num_prefixes`` shared prefixes (system prompts,
+documents) of ``num_prefix_tokens`` each; every request is one prefix (round-robin) followed by a
+unique suffix of ``num_suffix_tokens``::
+
+    request i:  [ prefix[i % num_prefixes] (shared) | suffix_i (unique) ]
+                 num_prefix_tokens                    num_suffix_tokens
+
+Reuse is *defined by the measured token hit ratio*, not by the knobs: ``ideal_hit_ratio`` replays
+the prompts through an unbounded cache in order (block-granular, whole blocks only, at least one
+token computed per request) and counts the cached tokens; a run's measured ratio is
+``cached_tokens / prompt_tokens`` from the replay summary. The presets ``REUSE_PRESETS`` give
+"low" (ideal ~0.2) and "high" (ideal ~0.85); ``classify_reuse`` names a measured ratio.
+
+A workload may carry warm-up prompts (one per shared prefix): a server under steady reuse already
+holds its popular prefixes, so the benchmark runs them first, outside the measured window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from wavepp.bench.trace import TokenMapper, load_trace
+
+__all__ = [
+    "REUSE_PRESETS",
+    "ReusePreset",
+    "Workload",
+    "classify_reuse",
+    "ideal_hit_ratio",
+    "mooncake_workload",
+    "preset_workload",
+    "shared_prefix_workload",
+]
+
+LOW_REUSE_MAX = 0.4  # measured token hit ratio below this: "low"
+HIGH_REUSE_MIN = 0.6  # at or above this: "high"
+
+
+@dataclass(frozen=True)
+class ReusePreset:
+    """Knobs of ``shared_prefix_workload`` for one reuse level (token counts)."""
+
+    num_prefix_tokens: int
+    num_suffix_tokens: int
+    num_prefixes: int
+
+
+# Prompt length 4096 tokens in both: only the shared fraction differs.
+REUSE_PRESETS: dict[str, ReusePreset] = {
+    "low": ReusePreset(num_prefix_tokens=1024, num_suffix_tokens=3072, num_prefixes=8),
+    "high": ReusePreset(num_prefix_tokens=3584, num_suffix_tokens=512, num_prefixes=8),
+}
+
+
+@dataclass
+class Workload:
+    """Prompts to replay, in order.
+
+    Attributes:
+        name: what it is ("shared-prefix high", "mooncake 200").
+        prompts: token ids per request.
+        warmup: prompts run before the measured window (not counted).
+        request_ids: one per prompt (unique).
+    """
+
+    name: str
+    prompts: list[list[int]]
+    warmup: list[list[int]] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.request_ids:
+            self.request_ids = [f"req-{i}" for i in range(len(self.prompts))]
+        if len(self.request_ids) != len(self.prompts):
+            raise ValueError(
+                f"request_ids has {len(self.request_ids)} entries; prompts has {len(self.prompts)}"
+            )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def _random_tokens(rng: np.random.Generator, num_tokens: int, vocab_size: int) -> list[int]:
+    return rng.integers(0, vocab_size, num_tokens).tolist()
+
+
+def shared_prefix_workload(
+    num_requests: int,
+    *,
+    num_prefix_tokens: int,
+    num_suffix_tokens: int,
+    num_prefixes: int,
+    vocab_size: int = 32000,
+    seed: int = 0,
+    warm: bool = True,
+    name: str = "",
+) -> Workload:
+    """Shared prefixes plus unique suffixes (module docstring).
+
+    Args:
+        num_requests: measured requests (>= 1).
+        num_prefix_tokens: tokens of each shared prefix (>= 0).
+        num_suffix_tokens: tokens of each request's unique suffix (>= 1).
+        num_prefixes: distinct shared prefixes, used round-robin (>= 1).
+        vocab_size: token ids drawn from [0, vocab_size) (>= 2).
+        seed: seeds every token (same seed, same workload).
+        warm: add one warm-up prompt per prefix (the prefix plus one token).
+        name: label; default names the knobs.
+
+    Returns:
+        The workload; ``len(prompts) == num_requests``, each of num_prefix + num_suffix tokens.
+
+    Raises:
+        ValueError: a count outside its range (the message names it).
+    """
+    for label, value, low in (
+        ("num_requests", num_requests, 1),
+        ("num_prefix_tokens", num_prefix_tokens, 0),
+        ("num_suffix_tokens", num_suffix_tokens, 1),
+        ("num_prefixes", num_prefixes, 1),
+        ("vocab_size", vocab_size, 2),
+    ):
+        if value < low:
+            raise ValueError(f"{label}={value}: must be >= {low}")
+    rng = np.random.Generator(np.random.PCG64([seed, 0x5EED]))
+    prefixes = [_random_tokens(rng, num_prefix_tokens, vocab_size) for _ in range(num_prefixes)]
+    prompts = [
+        prefixes[i % num_prefixes] + _random_tokens(rng, num_suffix_tokens, vocab_size)
+        for i in range(num_requests)
+    ]
+    warmup = [p + _random_tokens(rng, 1, vocab_size) for p in prefixes] if warm else []
+    return Workload(
+        name=name
+        or f"shared-prefix {num_prefixes}x{num_prefix_tokens} + unique {num_suffix_tokens}",
+        prompts=prompts,
+        warmup=warmup if num_prefix_tokens else [],
+        request_ids=[f"sp-{seed}-{i}" for i in range(num_requests)],
+    )
+
+
+def preset_workload(
+    reuse: str, num_requests: int, *, vocab_size: int = 32000, seed: int = 0
+) -> Workload:
+    """``shared_prefix_workload`` with the knobs of ``REUSE_PRESETS[reuse]``.
+
+    Raises:
+        ValueError: unknown reuse level.
+    """
+    if reuse not in REUSE_PRESETS:
+        raise ValueError(f"reuse={reuse!r}: choose one of {sorted(REUSE_PRESETS)}")
+    p = REUSE_PRESETS[reuse]
+    return shared_prefix_workload(
+        num_requests,
+        num_prefix_tokens=p.num_prefix_tokens,
+        num_suffix_tokens=p.num_suffix_tokens,
+        num_prefixes=p.num_prefixes,
+        vocab_size=vocab_size,
+        seed=seed,
+        name=f"{reuse} reuse: {p.num_prefixes} prefixes x {p.num_prefix_tokens} + unique "
+        f"{p.num_suffix_tokens} tokens",
+    )
+
+
+def mooncake_workload(
+    path: str | Path,
+    limit: int,
+    *,
+    tokens_per_block: int = 512,
+    vocab_size: int = 32000,
+    seed: int = 0,
+) -> Workload:
+    """The first ``limit`` valid requests of a Mooncake trace (no warm-up: the trace's own reuse).
+
+    Raises:
+        FileNotFoundError: no such trace.
+        ValueError: limit < 1 or a bad tokens_per_block.
+    """
+    records, _invalid = load_trace(path, limit)
+    mapper = TokenMapper(tokens_per_block, vocab_size, seed=seed)
+    return Workload(
+        name=f"mooncake {Path(path).name} first {limit}",
+        prompts=[mapper.prompt(r) for r in records],
+        request_ids=[f"trace-{r.line_no}" for r in records],
+    )
+
+
+def ideal_hit_ratio(
+    prompts: Sequence[Sequence[int]], block_size: int, warmup: Sequence[Sequence[int]] = ()
+) -> float:
+    """Token hit ratio of ``prompts`` replayed in order through an unbounded prefix cache.
+
+    Block-granular (whole blocks only, like the runtime) and capped one token short of each
+    prompt (at least one token is computed). Warm-up prompts fill the cache first, uncounted.
+    Prefix identity is the token sequence itself (equivalent to the chained block hash).
+
+    Args:
+        prompts: token ids per request.
+        block_size: tokens per block (>= 1).
+        warmup: prompts cached before the first counted one.
+
+    Returns:
+        cached tokens / prompt tokens in [0, 1); 0.0 for no tokens.
+
+    Raises:
+        ValueError: block_size < 1.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size}: must be >= 1")
+    ids: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent id, block tokens) -> id
+    cached: set[int] = set()
+
+    def blocks(prompt: Sequence[int]) -> list[int]:
+        parent, keys = -1, []
+        for start in range(0, len(prompt) - block_size + 1, block_size):
+            parent = ids.setdefault((parent, tuple(prompt[start : start + block_size])), len(ids))
+            keys.append(parent)
+        return keys
+
+    for prompt in warmup:
+        cached.update(blocks(prompt))
+    num_cached = num_total = 0
+    for prompt in prompts:
+        keys = blocks(prompt)
+        num_hit = 0
+        for key in keys:
+            if key not in cached:
+                break
+            num_hit += 1
+        num_hit = min(num_hit, (len(prompt) - 1) // block_size)
+        num_cached += num_hit * block_size
+        num_total += len(prompt)
+        cached.update(keys)
+    return num_cached / num_total if num_total else 0.0
+
+
+def classify_reuse(hit_ratio: float) -> str:
+    """ "low" below LOW_REUSE_MAX, "high" at or above HIGH_REUSE_MIN, else "medium".
+
+    Raises:
+        ValueError: hit_ratio outside [0, 1] or NaN.
+    """
+    if not (0.0 <= hit_ratio <= 1.0) or math.isnan(hit_ratio):
+        raise ValueError(f"hit_ratio={hit_ratio}: must be in [0, 1]")
+    if hit_ratio < LOW_REUSE_MAX:
+        return "low"
+    return "high" if hit_ratio >= HIGH_REUSE_MIN else "medium"

@@ -1,0 +1,180 @@
+"""``wavepp bench grid|admission|plot``: the side-by-side benchmark, its microbenchmark, plots.
+
+wavepp bench grid --out docs/bench            # models x concurrency x reuse, wave vs sync
+wavepp bench admission --stages 2,4,8         # agreements/s and latency over real NATS
+wavepp bench plot docs/bench/grid.csv         # PNG plots from a grid CSV
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    grid = sub.add_parser("grid", help="wave vs sync over models x concurrency x reuse")
+    grid.add_argument("--models", default="glm-5.2,minimax-m2.7")
+    grid.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,192,256")
+    grid.add_argument("--reuse", default="low,high")
+    grid.add_argument("--ablations", default="agreement-sync,chunking-static,local-prepare-off")
+    grid.add_argument("--ablation-concurrency", type=int, default=128)
+    grid.add_argument("--ablation-reuse", default="high")
+    grid.add_argument("--stages", type=int, default=4)
+    grid.add_argument("--time-scale", type=float, default=0.1, help="emulated sleep multiplier")
+    grid.add_argument("--block-size", type=int, default=64)
+    grid.add_argument("--kv-blocks", type=int, default=16384, help="per stage")
+    grid.add_argument("--chunk-tokens", type=int, default=8192)
+    grid.add_argument("--min-requests", type=int, default=32)
+    grid.add_argument("--requests-per-concurrency", type=float, default=1.0)
+    grid.add_argument("--out", default="docs/bench", help="folder for grid.csv and grid.md")
+    grid.add_argument("--no-plots", action="store_true")
+    adm = sub.add_parser("admission", help="agreements/s and latency over real NATS")
+    adm.add_argument("--stages", default="2,4,8")
+    adm.add_argument("--requests", type=int, default=400)
+    adm.add_argument("--in-flight", default="1,16", help="concurrent agreements")
+    adm.add_argument("--prompt-tokens", type=int, default=4096)
+    adm.add_argument("--block-size", type=int, default=64)
+    adm.add_argument("--json", action="store_true")
+    plot = sub.add_parser("plot", help="PNG plots from a grid CSV")
+    plot.add_argument("csv")
+    plot.add_argument("--out", default=None, help="folder (default: beside the CSV)")
+
+
+def _fail(flag: str, message: str) -> int:
+    print(f"wavepp bench: {flag}: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench_command == "grid":
+        return _run_grid(args)
+    if args.bench_command == "admission":
+        return _run_admission(args)
+    return _run_plot(args)
+
+
+def _run_grid(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from wavepp.bench.grid import (
+        ABLATIONS,
+        GridSpec,
+        add_ratios,
+        grid_settings,
+        markdown_table,
+        run_setting,
+        write_csv,
+    )
+    from wavepp.bench.workloads import REUSE_PRESETS
+    from wavepp.runtime.costmodels import list_models
+
+    try:
+        spec = GridSpec(
+            models=tuple(m for m in args.models.split(",") if m),
+            concurrencies=_ints(args.concurrency),
+            reuses=tuple(r for r in args.reuse.split(",") if r),
+            ablations=tuple(a for a in args.ablations.split(",") if a),
+            ablation_concurrency=args.ablation_concurrency,
+            ablation_reuse=args.ablation_reuse,
+            num_stages=args.stages,
+            time_scale=args.time_scale,
+            block_size=args.block_size,
+            num_kv_blocks=args.kv_blocks,
+            chunk_tokens=args.chunk_tokens,
+            min_requests=args.min_requests,
+            requests_per_concurrency=args.requests_per_concurrency,
+        )
+    except ValueError as exc:
+        return _fail("--concurrency", str(exc))
+    for model in spec.models:
+        if model not in list_models():
+            return _fail("--models", f"{model!r}: choose from {list_models()}")
+    for reuse in (*spec.reuses, spec.ablation_reuse):
+        if reuse not in REUSE_PRESETS:
+            return _fail("--reuse", f"{reuse!r}: choose from {sorted(REUSE_PRESETS)}")
+    for name in spec.ablations:
+        if name not in ABLATIONS:
+            return _fail("--ablations", f"{name!r}: choose from {sorted(ABLATIONS)}")
+    if not spec.concurrencies or min(spec.concurrencies) < 1:
+        return _fail("--concurrency", f"{args.concurrency!r}: need integers >= 1")
+    if args.time_scale <= 0:
+        return _fail("--time-scale", f"{args.time_scale}: must be > 0")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "wavepp bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    settings = grid_settings(spec)
+    err = Console(stderr=True)
+    rows = []
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+    ) as progress:
+        task = progress.add_task("grid", total=len(settings))
+        for setting in settings:
+            progress.update(task, description=setting.label)
+            rows.append(run_setting(spec, setting))
+            add_ratios(rows)
+            write_csv(rows, out / "grid.csv")  # partial results survive an interruption
+            progress.advance(task)
+    table = markdown_table(rows, spec, command)
+    (out / "grid.md").write_text(table, encoding="utf-8")
+    print(table)
+    if not args.no_plots:
+        from wavepp.bench.plots import plot_grid
+
+        for path in plot_grid(rows, out):
+            err.print(f"wrote {path}")
+    return 0
+
+
+def _run_admission(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from wavepp.bench.admission import format_table, run_admission_bench
+
+    try:
+        stages = _ints(args.stages)
+        in_flight = _ints(args.in_flight)
+    except ValueError as exc:
+        return _fail("--stages/--in-flight", str(exc))
+    if not stages or min(stages) < 1:
+        return _fail("--stages", f"{args.stages!r}: need integers >= 1")
+    if args.requests < 1:
+        return _fail("--requests", f"{args.requests}: must be >= 1")
+    results = asyncio.run(
+        run_admission_bench(
+            stages,
+            in_flight,
+            num_requests=args.requests,
+            num_prompt_tokens=args.prompt_tokens,
+            block_size=args.block_size,
+        )
+    )
+    print(format_table(results))
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from wavepp.bench.grid import read_csv
+    from wavepp.bench.plots import plot_grid
+
+    path = Path(args.csv)
+    if not path.is_file():
+        return _fail("CSV", f"{args.csv}: no such file")
+    for written in plot_grid(read_csv(path), Path(args.out) if args.out else path.parent):
+        print(f"wrote {written}")
+    return 0
