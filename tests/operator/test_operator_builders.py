@@ -1,0 +1,212 @@
+"""Pure manifest builders: valid Kubernetes objects, the container contract, the spec hash."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import kubernetes_validate
+
+from wavepp.api.spec import WavePipelineSpec, check_spec
+from wavepp.operator import builders as b
+
+REF = b.PipelineRef(name="big", namespace="llm", uid="0b4c-uid")
+
+
+def _spec(**raw: Any) -> WavePipelineSpec:
+    base: dict[str, Any] = {"model": {"name": "glm-5.2"}, "engine": "emulated", "stages": 4}
+    spec, issues = check_spec(
+        base | raw, default_image="img:1", default_nats_url="nats://nats:4222"
+    )
+    assert spec is not None, issues
+    return spec
+
+
+FULL = _spec(
+    replicas=3,
+    tensorParallelSize=8,
+    model={"name": "glm-5.2", "pvc": {"claimName": "glm", "subPath": "glm-5.2"}},
+    resources={"cpu": "16", "memory": "256Gi", "sharedMemory": "32Gi"},
+    nodeSelector={"nvidia.com/gpu.product": "H200"},
+    tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    affinity={
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}
+                ]
+            }
+        }
+    },
+    topologySpreadConstraints=[
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "DoNotSchedule",
+        }
+    ],
+    nats={"url": "nats://nats.infra:4222", "credentialsSecret": "nats-creds"},
+    telemetry={"otlpEndpoint": "http://otel:4317", "samplingRatio": 0.05},
+    imagePullSecrets=["regcred"],
+    serviceAccountName="wavepp-stage",
+    autoscaling={"minReplicas": 1, "maxReplicas": 4, "metric": "wave_fill", "target": 0.8},
+)
+
+
+def _all_children(spec: WavePipelineSpec) -> list[dict[str, Any]]:
+    h = b.spec_hash(spec)
+    objects = [
+        b.build_spec_configmap(REF, spec, h),
+        b.build_pool_configmap(REF, [b.PoolEntry(0, h, True), b.PoolEntry(1, h, False)]),
+        b.build_gateway_deployment(REF, spec, h),
+        b.build_gateway_service(REF),
+    ]
+    for replica in range(2):
+        objects += [
+            b.build_stage_service(REF, replica),
+            b.build_stage_statefulset(REF, spec, h, replica, stopped=replica == 1),
+            b.build_admission_deployment(REF, spec, h, replica, running=replica == 0),
+            b.build_admission_service(REF, replica),
+        ]
+    hpa = b.build_hpa(REF, spec)
+    return objects + ([hpa] if hpa else [])
+
+
+def test_every_child_passes_kubernetes_validate_strict(tmp_path: Path) -> None:
+    objects = _all_children(FULL) + _all_children(_spec(resources={"gpusPerStage": 0}))
+    for metric, target in (("cpu", 70.0), ("queue_depth", 12.5)):
+        auto = {"minReplicas": 1, "maxReplicas": 2, "metric": metric, "target": target}
+        objects.append(b.build_hpa(REF, _spec(autoscaling=auto)))
+    rc, output = kubernetes_validate(objects, tmp_path)
+    assert rc == 0, output
+
+
+def test_children_are_owned_and_labelled() -> None:
+    for obj in _all_children(FULL):
+        meta = obj["metadata"]
+        assert meta["namespace"] == "llm"
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "wavepp.dev/v1alpha1",
+                "kind": "WavePipeline",
+                "name": "big",
+                "uid": "0b4c-uid",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+        assert meta["labels"][b.LABEL_PIPELINE] == "big"
+
+
+def _stage_container(sts: dict[str, Any]) -> dict[str, Any]:
+    return sts["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_stage_statefulset_contract() -> None:
+    h = b.spec_hash(FULL)
+    sts = b.build_stage_statefulset(REF, FULL, h, 2)
+    assert sts["metadata"]["name"] == "big-r2"
+    assert sts["spec"]["replicas"] == 4  # one pod per stage; ordinal = rank
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert sts["spec"]["serviceName"] == "big-r2"
+    container = _stage_container(sts)
+    assert container["command"] == ["wavepp"]
+    assert container["args"] == [
+        "stage", "--config", "/etc/wavepp/spec.json", "--nats-url", "nats://nats.infra:4222",
+        "--nats-creds", "/etc/wavepp-nats/creds", "--replica", "2", "--rank", "$(WAVEPP_RANK)",
+        "--dist-url", "tcp://big-r2-0.big-r2:29500", "--health-port", "8081",
+    ]  # fmt: skip
+    rank_env = container["env"][0]
+    assert rank_env == {
+        "name": "WAVEPP_RANK",
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}},
+    }
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel:4317"
+    assert env["OTEL_TRACES_SAMPLER_ARG"] == "0.05"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"  # TP size by default
+    assert container["startupProbe"]["httpGet"]["path"] == "/startupz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H200"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    # A spread constraint without a selector counts this pipeline's stage pods.
+    assert pod["topologySpreadConstraints"][0]["labelSelector"] == {
+        "matchLabels": {b.LABEL_PIPELINE: "big", b.LABEL_COMPONENT: "stage"}
+    }
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == f"big-spec-{h}"
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "glm", "readOnly": True}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["model"]["subPath"] == "glm-5.2" and mounts["model"]["mountPath"] == "/models"
+    assert b.build_stage_statefulset(REF, FULL, h, 2, stopped=True)["spec"]["replicas"] == 0
+
+
+def test_cpu_stages_request_no_gpu() -> None:
+    spec = _spec(resources={"gpusPerStage": 0})
+    container = _stage_container(b.build_stage_statefulset(REF, spec, b.spec_hash(spec), 0))
+    assert container["resources"] == {}
+
+
+def test_admission_drains_within_the_rollout_timeout() -> None:
+    spec = _spec(rollout={"drainTimeoutSeconds": 42.5})
+    dep = b.build_admission_deployment(REF, spec, b.spec_hash(spec), 1, running=False)
+    assert dep["spec"]["replicas"] == 0
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 43
+    assert dep["spec"]["template"]["spec"]["containers"][0]["args"][-4:] == [
+        "--replica", "1", "--port", "8080",
+    ]  # fmt: skip
+
+
+def test_pool_configmap_lists_admitting_replicas() -> None:
+    cm = b.build_pool_configmap(REF, [b.PoolEntry(1, "h1", False), b.PoolEntry(0, "h0", True)])
+    pool = json.loads(cm["data"]["pool.json"])
+    assert pool["replicas"] == [
+        {"replica": 0, "specHash": "h0", "admitting": True,
+         "admissionUrl": "http://big-r0-admission.llm.svc:8080"},
+        {"replica": 1, "specHash": "h1", "admitting": False,
+         "admissionUrl": "http://big-r1-admission.llm.svc:8080"},
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "rolls"),
+    [
+        ({"scheduler": {"chunkTokens": 1024}}, True),
+        ({"image": "img:2"}, True),
+        ({"layerPartition": [21, 19, 19, 19]}, True),
+        ({"layerPartition": [20, 20, 19, 19]}, False),  # spells out the default split
+        ({"replicas": 7}, False),
+        ({"autoscaling": {"minReplicas": 1, "maxReplicas": 9, "target": 0.5}}, False),
+        ({"restartBudget": {"maxRestarts": 9}}, False),
+        ({"rollout": {"drainTimeoutSeconds": 5}}, False),
+    ],
+)
+def test_spec_hash_changes_only_with_what_replicas_run(change: dict[str, Any], rolls: bool) -> None:
+    assert (b.spec_hash(_spec(**change)) != b.spec_hash(_spec())) is rolls
+
+
+def test_hpa_targets_the_scale_subresource() -> None:
+    hpa = b.build_hpa(REF, FULL)
+    assert hpa is not None
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "wavepp.dev/v1alpha1", "kind": "WavePipeline", "name": "big",
+    }  # fmt: skip
+    assert hpa["spec"]["metrics"] == [
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": "wavepp_wave_fill"},
+                "target": {"type": "AverageValue", "averageValue": "800m"},
+            },
+        }
+    ]
+    assert b.build_hpa(REF, _spec()) is None
+
+
+def test_container_args_needs_a_replica_for_stages() -> None:
+    with pytest.raises(ValueError, match="replica is required"):
+        b.container_args("stage", FULL, REF)

@@ -1,0 +1,132 @@
+"""The generated CRD: no drift from the models, a structural schema, examples validate."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from conftest import REPO, kubernetes_validate
+
+from wavepp.operator import crdgen
+
+CRD = crdgen.build_crd()
+VERSION = CRD["spec"]["versions"][0]
+SCHEMA = VERSION["schema"]["openAPIV3Schema"]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+def test_checked_in_crds_match_the_models() -> None:
+    """Fails when wavepp/api/spec.py changed and `python -m wavepp.operator.crdgen` was not run."""
+    text = crdgen.render_crd()
+    for path in crdgen.CRD_PATHS:
+        assert path.read_text() == text, f"{path} is stale: run python -m wavepp.operator.crdgen"
+    assert crdgen.main(["--check"]) == 0
+
+
+def test_crd_passes_kubernetes_validate(tmp_path: Path) -> None:
+    rc, output = kubernetes_validate([CRD], tmp_path)
+    assert rc == 0, output
+
+
+def _walk(node: Any, path: str = "") -> Any:
+    if isinstance(node, dict):
+        yield path, node
+        for key, value in node.get("properties", {}).items():
+            yield from _walk(value, f"{path}.{key}")
+        if "items" in node:
+            yield from _walk(node["items"], f"{path}[]")
+        if isinstance(node.get("additionalProperties"), dict):
+            yield from _walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_schema_is_structural() -> None:
+    """The rules of a structural schema (apiextensions v1): typed nodes, no refs or unions."""
+    for path, node in _walk(SCHEMA):
+        assert "type" in node or node.get("x-kubernetes-int-or-string"), path
+        for banned in ("$ref", "anyOf", "oneOf", "allOf", "title", "const", "$defs"):
+            assert banned not in node, f"{path}: {banned}"
+        if "properties" in node:
+            assert "additionalProperties" not in node, path
+        for bound in ("exclusiveMinimum", "exclusiveMaximum"):
+            assert isinstance(node.get(bound, True), bool), path
+        if "default" in node:
+            jsonschema.Draft4Validator(_openapi_to_jsonschema(node)).validate(node["default"])
+
+
+def test_subresources_and_printer_columns() -> None:
+    assert VERSION["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    assert VERSION["subresources"]["status"] == {}
+    columns = {c["name"]: c for c in VERSION["additionalPrinterColumns"]}
+    assert list(columns)[:4] == ["Stages", "Ready", "Replicas", "Wave Fill"]
+    assert columns["Age"]["jsonPath"] == ".metadata.creationTimestamp"
+    # Every column and scale path points at a field the schema declares, with the same type.
+    paths = [(c["jsonPath"], c["type"]) for c in columns.values() if c["name"] != "Age"]
+    paths += [(".spec.replicas", "integer"), (".status.replicas", "integer")]
+    paths += [(".status.selector", "string")]
+    for path, type_ in paths:
+        node = SCHEMA
+        for part in path.strip(".").split("."):
+            node = node["properties"][part]
+        assert node["type"] == type_, path
+
+
+def _openapi_to_jsonschema(node: Any) -> Any:
+    """OpenAPI v3.0 -> JSON Schema draft 4 (its base): ``nullable`` becomes a type list."""
+    if isinstance(node, list):
+        return [_openapi_to_jsonschema(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _openapi_to_jsonschema(v) for k, v in node.items() if not k.startswith("x-")}
+    if out.pop("nullable", False) and "type" in out:
+        out["type"] = [out["type"], "null"]
+    if node.get("x-kubernetes-preserve-unknown-fields"):
+        out.setdefault("additionalProperties", True)
+    elif out.get("type") == "object" and "properties" in out:
+        out["additionalProperties"] = False  # what the API server prunes, we reject
+    return out
+
+
+VALIDATOR = jsonschema.Draft4Validator(_openapi_to_jsonschema(SCHEMA))  # OpenAPI 3.0 base
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_examples_pass_the_crd_schema(path: Path) -> None:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == "WavePipeline"]
+    assert docs, f"{path} holds no WavePipeline"
+    for doc in docs:
+        errors = [e.message for e in VALIDATOR.iter_errors(doc)]
+        assert errors == [], errors
+
+
+@pytest.mark.parametrize(
+    ("patch", "text"),
+    [
+        ({"stages": 0}, "less than the minimum"),
+        ({"engine": "vllm"}, "is not one of"),
+        ({"layerPartition": [2, 0]}, "less than the minimum"),
+        ({"model": {"dtype": "fp4"}}, "'name' is a required property"),
+        ({"replicas": "two"}, "is not of type"),
+    ],
+)
+def test_schema_rejects_what_it_can(patch: dict[str, Any], text: str) -> None:
+    doc = yaml.safe_load((REPO / "examples" / "wavepipeline.yaml").read_text())
+    doc = copy.deepcopy(doc)
+    doc["spec"].update(patch)
+    errors = [e.message for e in VALIDATOR.iter_errors(doc)]
+    assert any(text in e for e in errors), errors
+
+
+def test_cel_rules_cover_partition_length_and_autoscaling_bounds() -> None:
+    rules = {
+        r["fieldPath"]: r["rule"] for r in SCHEMA["properties"]["spec"]["x-kubernetes-validations"]
+    }
+    assert "size(self.layerPartition) == self.stages" in rules[".layerPartition"]
+    assert "minReplicas <= self.autoscaling.maxReplicas" in rules[".autoscaling.minReplicas"]

@@ -1,0 +1,276 @@
+"""The pure planner with a fake clock and an in-memory object store (no API server)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+from conftest import pod_status
+
+from wavepp.operator import builders as b
+from wavepp.operator import kube
+from wavepp.operator.reconcile import (
+    DRAIN_GRACE_S,
+    Apply,
+    Create,
+    Defaults,
+    Delete,
+    Observed,
+    Patch,
+    plan,
+    pod_failure,
+    stage_phase,
+)
+
+DEFAULTS = Defaults(image="img:1", nats_url="nats://n:4222")
+
+
+def _merge(target: Any, patch: Any) -> Any:
+    """RFC 7386 merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merge(result.get(key), value)
+    return result
+
+
+class World:
+    """One pipeline, its children in a dict, and the planner run against them."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.body: dict[str, Any] = {
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u1", "generation": 1},
+            "spec": spec,
+        }
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.now = 1_000_000.0
+        self.last_actions: list[Any] = []
+
+    def step(self, advance_s: float = 0.0) -> Any:
+        self.now += advance_s
+        by_kind: dict[str, list[dict[str, Any]]] = {}
+        for (kind, _), obj in sorted(self.objects.items()):
+            by_kind.setdefault(kind, []).append(copy.deepcopy(obj))
+        observed = Observed(
+            statefulsets=by_kind.get("StatefulSet", []),
+            deployments=by_kind.get("Deployment", []),
+            pods=by_kind.get("Pod", []),
+            configmaps=by_kind.get("ConfigMap", []),
+            hpas=by_kind.get("HorizontalPodAutoscaler", []),
+            services=by_kind.get("Service", []),
+        )
+        result = plan(self.body, observed, self.now, DEFAULTS)
+        for action in result.actions:
+            if isinstance(action, Apply | Create):
+                key = (action.manifest["kind"], action.manifest["metadata"]["name"])
+                if key not in self.objects:
+                    self.objects[key] = kube.with_last_applied(action.manifest)
+                elif isinstance(action, Apply):
+                    patch = kube.apply_patch(self.objects[key], action.manifest)
+                    self.objects[key] = _merge(self.objects[key], patch)
+            elif isinstance(action, Patch):
+                key = (action.kind, action.name)
+                if key in self.objects:
+                    self.objects[key] = _merge(self.objects[key], action.patch)
+            elif isinstance(action, Delete):
+                self.objects.pop((action.kind, action.name), None)
+        self.body["status"] = result.status
+        self.last_actions = result.actions
+        return result
+
+    # -- the controllers' part ------------------------------------------------------------
+
+    def run_pods(self, replica: int, phase: str = "warm", admission: bool = True) -> None:
+        sts = self.objects[("StatefulSet", f"p-r{replica}")]
+        labels = sts["spec"]["template"]["metadata"]["labels"]
+        for rank in range(sts["spec"]["replicas"]):
+            name = f"p-r{replica}-{rank}"
+            self.objects[("Pod", name)] = {
+                "metadata": {"name": name, "labels": labels | {b.POD_INDEX_LABEL: str(rank)}},
+                "status": pod_status(phase),
+            }
+        dep = self.objects[("Deployment", f"p-r{replica}-admission")]
+        if admission and dep["spec"]["replicas"] == 1:
+            name = f"p-r{replica}-admission-x"
+            self.objects[("Pod", name)] = {
+                "metadata": {"name": name, "labels": dep["spec"]["template"]["metadata"]["labels"]},
+                "status": pod_status("warm"),
+            }
+
+    def crash(self, pod: str) -> None:
+        self.objects[("Pod", pod)]["status"] = pod_status("crashed")
+
+    def stop_admission(self, replica: int) -> None:
+        self.objects.pop(("Pod", f"p-r{replica}-admission-x"), None)
+
+    def hash_of(self, replica: int) -> str:
+        sts = self.objects[("StatefulSet", f"p-r{replica}")]
+        return sts["metadata"]["annotations"][b.ANNOTATION_SPEC_HASH]
+
+    def admission_replicas(self, replica: int) -> int:
+        return self.objects[("Deployment", f"p-r{replica}-admission")]["spec"]["replicas"]
+
+    def condition(self, type_: str) -> dict[str, Any]:
+        return next(c for c in self.body["status"]["conditions"] if c["type"] == type_)
+
+    def serve_all(self, replicas: int) -> None:
+        self.step()
+        for replica in range(replicas):
+            self.run_pods(replica)
+        self.step()
+        assert self.condition("Ready")["status"] == "True"
+
+
+def spec(**raw: Any) -> dict[str, Any]:
+    base = {"model": {"name": "tiny-llama"}, "stages": 2, "replicas": 1}
+    return base | raw
+
+
+def test_first_plan_creates_config_then_replicas_then_pool() -> None:
+    world = World(spec(replicas=2))
+    result = world.step()
+    kinds = [(type(a).__name__, a.manifest["kind"]) for a in result.actions]
+    assert kinds[0] == ("Create", "ConfigMap")  # the spec ConfigMap before any pod mounts it
+    assert kinds.count(("Apply", "StatefulSet")) == 2
+    assert result.status["phase"] == "Progressing"
+    assert [r["phase"] for r in result.status["replicaStatuses"]] == ["Pending", "Pending"]
+    assert world.step().actions[-3:] == result.actions[-3:]  # idempotent: same pool/gateway
+
+
+def test_restart_budget_counts_only_failures_inside_the_window() -> None:
+    world = World(spec(restartBudget={"maxRestarts": 1, "windowSeconds": 100}))
+    world.serve_all(1)
+    world.crash("p-r0-1")
+    world.step()
+    assert world.body["status"]["replicaStatuses"][0]["numRestarts"] == 1
+    assert ("Pod", "p-r0-0") not in world.objects  # the whole group re-forms
+    world.stop_admission(0)
+    world.step()
+    world.run_pods(0)
+    world.step(150.0)  # the first failure leaves the window
+    world.crash("p-r0-0")
+    world.step()
+    assert world.condition("Degraded")["status"] == "False"
+    assert world.body["status"]["replicaStatuses"][0]["numRestarts"] == 1
+    world.stop_admission(0)
+    world.step()
+    world.run_pods(0)
+    world.step(50.0)  # the second failure is still inside the window: 2 > maxRestarts=1
+    world.crash("p-r0-1")
+    world.step()
+    assert world.condition("Degraded")["reason"] == "RestartBudgetExceeded"
+    assert world.objects[("StatefulSet", "p-r0")]["spec"]["replicas"] == 0
+    # Stopped replicas stay stopped: later plans neither restart nor count again.
+    world.step(10.0)
+    assert world.objects[("StatefulSet", "p-r0")]["spec"]["replicas"] == 0
+    assert world.body["status"]["phase"] == "Degraded"
+    assert {s["phase"] for s in world.body["status"]["stages"]} == {"stopped"}
+
+
+def test_drain_falls_back_to_the_timeout_when_the_admission_pod_hangs() -> None:
+    world = World(spec(rollout={"drainTimeoutSeconds": 60}))
+    world.serve_all(1)
+    old = world.hash_of(0)
+    world.body["spec"]["image"] = "img:2"
+    result = world.step()
+    assert world.admission_replicas(0) == 0 and world.hash_of(0) == old
+    assert result.requeue_after_s == pytest.approx(60 + DRAIN_GRACE_S)
+    world.step(60 + DRAIN_GRACE_S - 1)  # the admission pod never exits
+    assert world.hash_of(0) == old
+    world.step(1.0)
+    assert world.hash_of(0) != old
+    assert ("Pod", "p-r0-0") not in world.objects
+
+
+def test_rollout_replaces_a_broken_replica_first_and_keeps_the_serving_one() -> None:
+    world = World(spec(replicas=2))
+    world.serve_all(2)
+    world.objects[("Pod", "p-r1-1")]["status"] = pod_status("formed")  # r1 stops serving
+    world.body["spec"]["image"] = "img:2"
+    world.step()
+    new = world.body["status"]["specHash"]
+    assert world.hash_of(1) == new  # not serving: replaced at once, nothing to drain
+    assert world.hash_of(0) != new and world.admission_replicas(0) == 1  # r0 keeps serving
+    world.step(5.0)
+    assert world.hash_of(0) != new and world.admission_replicas(0) == 1  # r1 not serving yet
+    world.run_pods(1)
+    world.step()
+    assert world.admission_replicas(0) == 0  # now r0 leaves the pool
+    pool = json.loads(world.objects[("ConfigMap", "p-pool")]["data"]["pool.json"])
+    assert [(r["replica"], r["admitting"]) for r in pool["replicas"]] == [(0, False), (1, True)]
+
+
+def test_invalid_spec_changes_nothing_and_keeps_transition_times() -> None:
+    world = World(spec())
+    world.serve_all(1)
+    before = copy.deepcopy(world.objects)
+    world.body["spec"]["layerPartition"] = [1, 1]
+    result = world.step(5.0)
+    assert result.actions == [] and world.objects == before
+    assert result.status["phase"] == "Invalid"
+    degraded = world.condition("Degraded")
+    assert degraded["reason"] == "InvalidSpec" and "spec.layerPartition" in degraded["message"]
+    first_time = degraded["lastTransitionTime"]
+    world.step(120.0)
+    assert world.condition("Degraded")["lastTransitionTime"] == first_time
+
+
+def test_scale_to_zero_drains_then_deletes() -> None:
+    world = World(spec())
+    world.serve_all(1)
+    world.body["spec"]["replicas"] = 0
+    world.step()
+    assert world.condition("Ready")["reason"] == "ScaledToZero"
+    assert world.admission_replicas(0) == 0 and ("StatefulSet", "p-r0") in world.objects
+    world.stop_admission(0)
+    world.step()
+    assert ("StatefulSet", "p-r0") not in world.objects
+    assert ("Deployment", "p-r0-admission") not in world.objects
+
+
+@pytest.mark.parametrize(
+    ("status", "admitting", "phase"),
+    [
+        (None, False, "pending"),
+        (pod_status("pending"), False, "pending"),
+        (pod_status("scheduled"), False, "scheduled"),
+        (pod_status("formed"), False, "formed"),
+        (pod_status("warm"), False, "warm"),
+        (pod_status("warm"), True, "serving"),
+        (pod_status("crashed"), True, "failed"),
+        ({"phase": "Failed"}, False, "failed"),
+    ],
+)
+def test_stage_phase(status: dict[str, Any] | None, admitting: bool, phase: str) -> None:
+    pod = None if status is None else {"metadata": {"name": "x"}, "status": status}
+    assert stage_phase(pod, admitting=admitting, stopped=False) == phase
+    assert stage_phase(pod, admitting=admitting, stopped=True) == "stopped"
+
+
+def test_pod_failure_reports_exit_code() -> None:
+    pod = {"metadata": {"name": "p-r0-1"}, "status": pod_status("crashed", exit_code=139)}
+    assert "p-r0-1" in pod_failure(pod) and "exit code 139" in pod_failure(pod)
+    assert pod_failure({"metadata": {"name": "ok"}, "status": pod_status("warm")}) is None
+
+
+def test_merge_patch_and_three_way_apply() -> None:
+    assert kube.merge_patch({"a": 1, "b": {"c": 2, "d": 3}}, {"b": {"c": 2}, "e": [1]}) == {
+        "a": None,
+        "b": {"d": None},
+        "e": [1],
+    }
+    desired = {"kind": "X", "metadata": {"name": "x"}, "spec": {"replicas": 2, "sel": {"k": "v"}}}
+    live = copy.deepcopy(kube.with_last_applied(desired))
+    live["spec"]["defaulted"] = "by-server"
+    assert kube.apply_patch(live, desired) == {}  # server defaults are not fought
+    live["spec"]["replicas"] = 0  # someone scaled it directly
+    assert kube.apply_patch(live, desired) == {"spec": {"replicas": 2}}
+    changed = {"kind": "X", "metadata": {"name": "x"}, "spec": {"replicas": 2}}
+    patch = kube.apply_patch(kube.with_last_applied(desired), changed)
+    assert patch["spec"] == {"sel": None}

@@ -1,0 +1,124 @@
+"""WavePipelineSpec: defaults, resolution, and validation that names the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+from conftest import REPO
+
+from wavepp.api.spec import (
+    MODEL_PRESET_NUM_LAYERS,
+    SpecError,
+    WavePipelineSpec,
+    check_spec,
+    split_layers,
+)
+
+BASE: dict[str, Any] = {"model": {"name": "tiny-llama"}, "stages": 4}
+DEFAULTS = {"default_image": "img:1", "default_nats_url": "nats://n:4222"}
+
+
+def test_resolved_fills_layers_partition_and_defaults() -> None:
+    spec, issues = check_spec(BASE | {"stages": 3}, **DEFAULTS)
+    assert issues == [] and spec is not None
+    assert spec.layer_partition == [3, 3, 2]  # 8 layers: the first 8 % 3 stages get one more
+    assert spec.stage_layer_ranges() == [(0, 3), (3, 6), (6, 8)]
+    assert spec.model.config is not None and spec.model.config.num_layers == 8
+    assert (spec.image, spec.nats.url) == ("img:1", "nats://n:4222")
+    assert spec.gpus_per_stage() == 1  # tensorParallelSize
+    wire = spec.to_wire()
+    assert wire["layerPartition"] == [3, 3, 2] and wire["stages"] == 3
+    # The resolved wire form is itself a valid spec (what `wavepp up --config` reads back).
+    assert WavePipelineSpec.model_validate(wire) == spec
+
+
+def test_spec_values_win_over_operator_defaults() -> None:
+    raw = BASE | {"image": "mine:2", "nats": {"url": "nats://own:4222"}}
+    spec, _ = check_spec(raw, **DEFAULTS)
+    assert spec is not None and (spec.image, spec.nats.url) == ("mine:2", "nats://own:4222")
+
+
+def test_pvc_mount_becomes_the_model_path() -> None:
+    raw = BASE | {"model": {"name": "tiny-llama", "pvc": {"claimName": "weights"}}}
+    spec, _ = check_spec(raw, **DEFAULTS)
+    assert spec is not None and spec.model.path == "/models"
+
+
+@pytest.mark.parametrize(
+    ("patch", "field", "text"),
+    [
+        ({"stages": 0}, "spec.stages", "greater than or equal to 1"),
+        ({"stages": 9}, "spec.stages", "exceeds the model's 8 layers"),
+        ({"layerPartition": [2, 2, 2, 1]}, "spec.layerPartition", "sums to 7"),
+        ({"layerPartition": [4, 4]}, "spec.layerPartition", "2 entries for stages=4"),
+        ({"layerPartition": [0, 4, 2, 2]}, "spec.layerPartition[0]", "greater than or equal"),
+        ({"engine": "vllm"}, "spec.engine", "'torch', 'emulated' or 'tensorrt_llm'"),
+        ({"model": {"name": "my-llama"}}, "spec.model.config.numLayers", "not a preset"),
+        ({"tenants": [{"name": "a"}, {"name": "a"}]}, "spec.tenants", "duplicate"),
+        (
+            {"autoscaling": {"minReplicas": 3, "maxReplicas": 2, "target": 0.8}},
+            "spec.autoscaling.minReplicas",
+            "> maxReplicas=2",
+        ),
+        (
+            {"tensorParallelSize": 4, "resources": {"gpusPerStage": 2}},
+            "spec.resources.gpusPerStage",
+            "tensorParallelSize=4",
+        ),
+        ({"replicas": -1}, "spec.replicas", "greater than or equal to 0"),
+        ({"stagez": 4}, "spec.stagez", "Extra inputs"),
+    ],
+)
+def test_invalid_specs_name_the_field(patch: dict[str, Any], field: str, text: str) -> None:
+    spec, issues = check_spec(BASE | patch, **DEFAULTS)
+    assert spec is None
+    assert any(i.field == field and text in i.message for i in issues), issues
+
+
+def test_layer_count_from_config_overrides_the_preset() -> None:
+    raw = BASE | {"model": {"name": "tiny-llama", "config": {"numLayers": 12}}, "stages": 6}
+    spec, issues = check_spec(raw, **DEFAULTS)
+    assert issues == [] and spec is not None and spec.layer_partition == [2] * 6
+
+
+@pytest.mark.parametrize("raw", [None, {}, {"stages": "four"}, {"model": "tiny"}])
+def test_check_spec_reports_instead_of_raising(raw: Any) -> None:
+    spec, issues = check_spec(raw, **DEFAULTS)
+    assert spec is None and issues
+
+
+def test_missing_operator_defaults_are_reported() -> None:
+    _, issues = check_spec(BASE)
+    assert [i.field for i in issues] == ["spec.image"]
+    _, issues = check_spec(BASE, default_image="img")
+    assert [i.field for i in issues] == ["spec.nats.url"]
+
+
+def test_resolved_raises_spec_error_with_field() -> None:
+    spec = WavePipelineSpec.model_validate(BASE)
+    with pytest.raises(SpecError) as info:
+        spec.resolved(default_nats_url="nats://x")
+    assert info.value.field == "image"
+
+
+def test_presets_agree_with_the_runtime() -> None:
+    from wavepp.runtime.engine.model_config import PRESETS
+
+    for name, config in PRESETS.items():
+        assert MODEL_PRESET_NUM_LAYERS[name] == config.num_layers
+
+
+@pytest.mark.parametrize(("num_layers", "num_stages"), [(8, 1), (8, 3), (8, 8), (61, 4), (93, 7)])
+def test_split_matches_the_runtime_partition(num_layers: int, num_stages: int) -> None:
+    from wavepp.runtime.engine.model_config import partition_layers
+
+    assert split_layers(num_layers, num_stages) == partition_layers(num_layers, num_stages)
+
+
+def test_example_is_a_valid_spec() -> None:
+    body = yaml.safe_load((REPO / "examples" / "wavepipeline.yaml").read_text())
+    spec, issues = check_spec(body["spec"], **DEFAULTS)
+    assert issues == [] and spec is not None
+    assert spec.num_stages == 4 and spec.num_replicas == 2 and spec.gpus_per_stage() == 0
