@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from conftest import NAMESPACE, REPO, TEST_USER_AGENT, Cluster, render_chart, tiny_spec, wait_for
@@ -373,3 +374,44 @@ async def test_every_operator_request_is_allowed_by_the_charts_role(
     assert ("apps", "statefulsets", "delete") in used and ("", "pods", "delete") in used
     assert ("autoscaling", "horizontalpodautoscalers", "create") in used
     assert used - granted == set()
+
+
+async def test_wavepp_operator_command_runs_as_a_process(cluster: Cluster) -> None:
+    """`wavepp operator` (what the chart's Deployment runs): reconciles, serves /healthz,
+    exits 0 on SIGTERM."""
+    import os
+    import signal
+    import socket
+    import sys
+
+    import aiohttp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = os.environ | {
+        "KUBECONFIG": str(cluster.kubeconfig),
+        "WAVEPP_DEFAULT_IMAGE": "registry.example/wavepp:proc",
+        "WAVEPP_DEFAULT_NATS_URL": "nats://nats:4222",
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "wavepp.cli", "operator", "--no-events", "--resync-s", "1",
+        "--liveness-port", str(port),
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        await cluster.create_pipeline("proc", tiny_spec(replicas=1))
+        sts = await wait_for(
+            lambda: cluster.get("StatefulSet", "proc-r0"), timeout_s=30, what="sts"
+        )
+        image = sts["spec"]["template"]["spec"]["containers"][0]["image"]
+        assert image == "registry.example/wavepp:proc"
+        await _wait_status(cluster, "proc", replicas=1)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{port}/healthz") as response:
+                assert response.status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output, _ = await asyncio.wait_for(proc.communicate(), timeout=30)
+    assert proc.returncode == 0, output.decode()[-3000:]
+    assert b"Traceback" not in output, output.decode()[-3000:]
