@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -125,8 +127,22 @@ def test_schema_rejects_what_it_can(patch: dict[str, Any], text: str) -> None:
 
 
 def test_cel_rules_cover_partition_length_and_autoscaling_bounds() -> None:
-    rules = {
-        r["fieldPath"]: r["rule"] for r in SCHEMA["properties"]["spec"]["x-kubernetes-validations"]
-    }
+    spec = SCHEMA["properties"]["spec"]
+    rules = {r["fieldPath"]: r["rule"] for r in spec["x-kubernetes-validations"]}
     assert "size(self.layerPartition) == self.stages" in rules[".layerPartition"]
-    assert "minReplicas <= self.autoscaling.maxReplicas" in rules[".autoscaling.minReplicas"]
+    auto = spec["properties"]["autoscaling"]["x-kubernetes-validations"]
+    assert [r["rule"] for r in auto] == ["self.minReplicas <= self.maxReplicas"]
+
+
+def test_yaml_files_pass_yamllint() -> None:
+    paths = [REPO / "examples", REPO / "crds", REPO / "charts" / "wavepp" / "crds"]
+    paths += [REPO / "charts" / "wavepp" / "values.yaml", REPO / "charts" / "wavepp" / "Chart.yaml"]
+    config = (
+        "{extends: default, rules: {line-length: {max: 100}, document-start: disable, "
+        "indentation: {indent-sequences: whatever}, comments: {min-spaces-from-content: 1}}}"
+    )
+    exe = Path(sys.executable).parent / "yamllint"
+    result = subprocess.run(
+        [str(exe), "-f", "parsable", "-d", config, *map(str, paths)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -55,11 +55,12 @@ SPEC_VALIDATIONS: list[dict[str, str]] = [
         "message": "layerPartition needs one entry per stage (size == stages)",
         "fieldPath": ".layerPartition",
     },
+]
+AUTOSCALING_VALIDATIONS: list[dict[str, str]] = [
     {
-        "rule": "!has(self.autoscaling) || self.autoscaling.minReplicas <= "
-        "self.autoscaling.maxReplicas",
-        "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
-        "fieldPath": ".autoscaling.minReplicas",
+        "rule": "self.minReplicas <= self.maxReplicas",
+        "message": "minReplicas must be <= maxReplicas",
+        "fieldPath": ".minReplicas",
     },
 ]
 
@@ -142,6 +143,7 @@ def build_crd() -> dict[str, Any]:
     """The WavePipeline CRD as a dict (apiextensions.k8s.io/v1)."""
     spec_schema = to_structural(WavePipelineSpec.model_json_schema(by_alias=True))
     spec_schema["x-kubernetes-validations"] = SPEC_VALIDATIONS
+    spec_schema["properties"]["autoscaling"]["x-kubernetes-validations"] = AUTOSCALING_VALIDATIONS
     status_schema = to_structural(WavePipelineStatus.model_json_schema(by_alias=True))
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
@@ -197,7 +199,7 @@ def build_crd() -> dict[str, Any]:
 
 def render_crd() -> str:
     """The CRD as the YAML text checked into ``crds/``."""
-    return HEADER + yaml.safe_dump(build_crd(), sort_keys=False, width=100)
+    return HEADER + yaml.safe_dump(build_crd(), sort_keys=False, width=80)
 
 
 def main(argv: list[str] | None = None) -> int:
