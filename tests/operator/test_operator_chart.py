@@ -90,3 +90,14 @@ def test_operator_role_is_least_privilege(helm: str) -> None:
         "secrets",
     ) not in granted  # pipelines name their NATS Secret; the operator never reads it
     assert not any(r.startswith("roles") or r.startswith("clusterroles") for _, r in granted)
+
+
+def test_install_helm_is_idempotent(helm: str) -> None:
+    """A second run finds the checked binary and does nothing (no download)."""
+    if Path(helm) != REPO / ".venv" / "bin" / "helm":
+        pytest.skip(f"helm comes from {helm}, not from scripts/install-helm.sh")
+    result = subprocess.run(
+        ["bash", str(REPO / "scripts" / "install-helm.sh")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert "already at" in result.stdout and "fetching" not in result.stdout
