@@ -13,12 +13,20 @@ import pytest
 import yaml
 from conftest import REPO, kubernetes_validate
 
+from wavepp.api.spec import check_spec
 from wavepp.operator import crdgen
 
 CRD = crdgen.build_crd()
 VERSION = CRD["spec"]["versions"][0]
 SCHEMA = VERSION["schema"]["openAPIV3Schema"]
-EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+def _custom_resources(path: Path) -> list[dict[str, Any]]:
+    docs = yaml.safe_load_all(path.read_text())
+    return [d for d in docs if isinstance(d, dict) and d.get("kind") == "WavePipeline"]
+
+
+EXAMPLES = [p for p in sorted((REPO / "examples").glob("*.y*ml")) if _custom_resources(p)]
 
 
 def test_checked_in_crds_match_the_models() -> None:
@@ -99,13 +107,17 @@ def _openapi_to_jsonschema(node: Any) -> Any:
 VALIDATOR = jsonschema.Draft4Validator(_openapi_to_jsonschema(SCHEMA))  # OpenAPI 3.0 base
 
 
+def test_the_examples_are_found() -> None:
+    assert {p.name for p in EXAMPLES} >= {"wavepipeline.yaml", "wavepipeline-gpu.yaml"}
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_examples_pass_the_crd_schema(path: Path) -> None:
-    docs = [d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == "WavePipeline"]
-    assert docs, f"{path} holds no WavePipeline"
-    for doc in docs:
+def test_examples_pass_the_crd_schema_and_the_operator(path: Path) -> None:
+    for doc in _custom_resources(path):
         errors = [e.message for e in VALIDATOR.iter_errors(doc)]
         assert errors == [], errors
+        spec, issues = check_spec(doc["spec"], default_image="i", default_nats_url="nats://n")
+        assert issues == [], issues
 
 
 @pytest.mark.parametrize(
