@@ -44,6 +44,7 @@ from wavepp.api.messages import (
     Renew,
 )
 from wavepp.runtime.kvcache import StageKVManager, hash_prompt_blocks
+from wavepp.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +288,24 @@ class AdmissionController:
     async def agree(self, request: PromptRequest) -> Ticket | None:
         """Probe-and-pin on every stage, agree on L*, commit. See the module docstring.
 
+        Traced as an ``agreement`` span (children ``agreement.probe``, ``agreement.commit``)
+        under the current span, when tracing is on. Returns and raises as ``_agree``.
+        """
+        if not tracing.is_enabled():
+            return await self._agree(request)
+        with tracing.span("agreement", **{"request.id": request.request_id}) as span:
+            ticket = await self._agree(request)
+            if span is not None:
+                span.set_attribute("agreement.refused", ticket is None)
+                if ticket is not None:
+                    span.set_attribute("prefix.agreed_blocks", ticket.num_agreed_blocks)
+                    span.set_attribute("tokens.cached", ticket.num_cached_tokens)
+                    span.set_attribute("prefix.stage_hits", list(ticket.stage_hits))
+            return ticket
+
+    async def _agree(self, request: PromptRequest) -> Ticket | None:
+        """Probe-and-pin on every stage, agree on L*, commit (untraced).
+
         Returns:
             The ticket, or None when a stage refused the reservation (nothing is held then).
 
@@ -302,7 +321,8 @@ class AdmissionController:
             request_id=rid, block_hashes=[h.hex() for h in hashes], lease_s=self.lease_s
         )
         try:
-            replies = await self._all(probe)
+            with tracing.span("agreement.probe", **{"prefix.num_blocks": len(hashes)}):
+                replies = await self._all(probe)
             for reply in replies:
                 if not reply.ok:
                     raise AgreementRefused(f"request {rid}: stage {reply.rank}: {reply.error}")
@@ -314,7 +334,14 @@ class AdmissionController:
                 num_total_blocks=self.num_total_blocks(request),
                 lease_s=self.lease_s,
             )
-            replies = await self._all(commit)
+            with tracing.span(
+                "agreement.commit",
+                **{
+                    "prefix.agreed_blocks": num_agreed,
+                    "reservation.num_blocks": commit.num_total_blocks - num_agreed,
+                },
+            ):
+                replies = await self._all(commit)
         except BaseException:
             await self._release_quietly([rid])
             raise

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from wavepp.runtime.engine.model_config import ModelConfig, partition_layers
+from wavepp.telemetry.settings import TelemetrySettings
 
 Mode = Literal["wave", "sync"]
 
@@ -51,6 +52,7 @@ class RuntimeConfig(BaseModel):
     request_timeout_s: float = Field(10.0, gt=0)
     device: str = "cpu"
     torch_threads: int = Field(1, ge=1)
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
 
     @model_validator(mode="after")
     def _check(self) -> RuntimeConfig:

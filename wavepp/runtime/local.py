@@ -29,6 +29,8 @@ from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.natsutil import EmbeddedNatsServer, connect, free_port
 from wavepp.runtime.planner import ChunkPlanner, CostModel
 from wavepp.runtime.scheduler import WaveScheduler
+from wavepp.telemetry import tracing
+from wavepp.telemetry.metrics import get_metrics, setup_metrics, shutdown_metrics
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,9 @@ class LocalPipeline:
         self.controller: AdmissionController | None = None
         self.scheduler: WaveScheduler | None = None
         self._config_path = self.log_dir / "runtime-config.json"
+        # Telemetry of this (scheduler) process, unless the caller set it up already (tests).
+        self._owns_tracing = False
+        self._owns_metrics = False
 
     @property
     def nats_url(self) -> str:
@@ -111,6 +116,12 @@ class LocalPipeline:
     async def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._config_path.write_text(self.config.model_dump_json())
+        if not tracing.is_enabled():
+            self._owns_tracing = tracing.setup(self.config.telemetry, "wavepp-scheduler")
+        if get_metrics() is None:
+            self._owns_metrics = (
+                setup_metrics(self.config.telemetry, "wavepp-scheduler") is not None
+            )
         if not self.external_nats_url:
             self.server = EmbeddedNatsServer()
             self.server.start()
@@ -187,3 +198,9 @@ class LocalPipeline:
         if self.server is not None:
             self.server.stop()
             self.server = None
+        if self._owns_tracing:
+            tracing.shutdown()
+            self._owns_tracing = False
+        if self._owns_metrics:
+            shutdown_metrics()
+            self._owns_metrics = False

@@ -38,6 +38,8 @@ from wavepp.api.messages import MicroBatchDone, MicroBatchPlan, PlannedChunk
 from wavepp.runtime.agreement import AdmissionController, AgreementRefused, PromptRequest, Ticket
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planner import ChunkPlanner, RequestProgress
+from wavepp.telemetry import tracing
+from wavepp.telemetry.pipeline import ChunkInfo, PipelineTelemetry, tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -162,11 +164,19 @@ class WaveScheduler:
         self._tasks: list[asyncio.Task[None]] = []
         self._admissions: set[asyncio.Task[None]] = set()
         self._sub = None
+        self._planning_started_s = 0.0
+        self.telemetry = PipelineTelemetry(
+            config.pipeline,
+            self.num_stages,
+            self.stats,
+            lambda: {"intake": self.intake.qsize(), "prepared": self.prepared.qsize()},
+        )
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(f"{self.prefix}.done", cb=self._on_done)
+        await self.telemetry.start(self.nc, self.prefix)
         await self.nc.flush()
         if self.config.resolved_async_agreement:
             self._tasks.append(asyncio.create_task(self._admission_loop(), name="admission"))
@@ -182,10 +192,17 @@ class WaveScheduler:
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
+        await self.telemetry.close()
 
     async def submit(self, request: PromptRequest) -> RequestOutcome:
         """Queue a request and wait for its outcome (never raises for request errors)."""
         future: asyncio.Future[RequestOutcome] = asyncio.get_running_loop().create_future()
+        self.telemetry.request_arrived(
+            request.request_id,
+            request.arrival_s,
+            request.num_tokens,
+            tenant_of(getattr(request, "tenant", ""), request.cache_salt),
+        )
         self.intake.put_nowait((request, future))
         return await future
 
@@ -204,6 +221,12 @@ class WaveScheduler:
         self._complete(future, outcome)
 
     def _complete(self, future: asyncio.Future[RequestOutcome], outcome: RequestOutcome) -> None:
+        self.telemetry.completed(
+            outcome.request_id,
+            ttft_s=outcome.ttft_s,
+            finished_s=outcome.finished_s,
+            error=outcome.error,
+        )
         if self.on_outcome is not None:
             self.on_outcome(outcome)
         if not future.done():
@@ -224,7 +247,8 @@ class WaveScheduler:
             while True:
                 self._admission_open.clear()
                 generation = self._capacity_generation
-                await self._wait_for_capacity(generation)
+                with tracing.span("reservation.wait", **{"reservation.refusals": num_refusals}):
+                    await self._wait_for_capacity(generation)
                 ticket = await self.controller.agree(request)
                 if ticket is not None:
                     ticket.num_refusals = num_refusals
@@ -244,6 +268,13 @@ class WaveScheduler:
             agreement_s=ticket.agreement_s,
             num_refusals=ticket.num_refusals,
             stage_hits=ticket.stage_hits,
+        )
+        self.telemetry.admitted(
+            request.request_id,
+            num_prompt_tokens=request.num_tokens,
+            num_cached_tokens=ticket.num_cached_tokens,
+            agreement_s=ticket.agreement_s,
+            num_refusals=ticket.num_refusals,
         )
         live = _Live(
             ticket=ticket,
@@ -269,7 +300,8 @@ class WaveScheduler:
             self._fail(request, future, f"request_id {request.request_id!r} is already in flight")
             return None
         try:
-            ticket = await self._agree_until_admitted(request)
+            with self.telemetry.request_context(request.request_id):
+                ticket = await self._agree_until_admitted(request)
         except AgreementRefused as exc:
             self._fail(request, future, str(exc))
             return None
@@ -333,7 +365,8 @@ class WaveScheduler:
             request, future, num_refusals = self._sync_head
             generation = self._capacity_generation
             try:
-                ticket = await self.controller.agree(request)
+                with self.telemetry.request_context(request.request_id):
+                    ticket = await self.controller.agree(request)
             except AgreementRefused as exc:
                 self._sync_head = None
                 self._fail(request, future, str(exc))
@@ -371,6 +404,7 @@ class WaveScheduler:
             await self._wait_for_slot()
             await gather()
             progress = [live.progress for live in self.active]
+            self._planning_started_s = time.time()
             chunks = self.planner.plan_microbatch(
                 progress, num_stages=self.num_stages, num_inflight=len(self.inflight)
             )
@@ -415,8 +449,21 @@ class WaveScheduler:
         self.chunk_owners[microbatch_id] = ([c.request_id for c in chunks], 0)
         self.stats.num_microbatches += 1
         self.stats.microbatch_tokens.append(sum(c.num_tokens for c in chunks))
-        plan = MicroBatchPlan(microbatch_id=microbatch_id, chunks=planned, published_at_s=now)
-        await self.nc.publish(f"{self.prefix}.plan", plan.model_dump_json().encode())
+        traceparent, headers = self.telemetry.microbatch_published(
+            microbatch_id,
+            [
+                ChunkInfo(c.request_id, c.chunk_index, c.num_tokens, c.context_offset)
+                for c in chunks
+            ],
+            self._planning_started_s or now,
+            now,
+        )
+        plan = MicroBatchPlan(
+            microbatch_id=microbatch_id, chunks=planned, published_at_s=now, traceparent=traceparent
+        )
+        await self.nc.publish(
+            f"{self.prefix}.plan", plan.model_dump_json().encode(), headers=headers
+        )
 
     # ---- completion ----------------------------------------------------------------------
 
@@ -437,6 +484,7 @@ class WaveScheduler:
                 execute_end_s=done.execute_end_s,
             )
         )
+        self.telemetry.stage_done(done)
         owners, num_reports = self.chunk_owners.get(done.microbatch_id, ([], 0))
         if num_reports + 1 >= self.num_stages:
             self.chunk_owners.pop(done.microbatch_id, None)

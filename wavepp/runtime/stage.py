@@ -40,6 +40,8 @@ from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.engine import ChunkSpec, make_engine
 from wavepp.runtime.kvcache import BlockPool, StageKVManager
 from wavepp.runtime.natsutil import connect
+from wavepp.telemetry import tracing
+from wavepp.telemetry.pipeline import StageTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,7 @@ class StageWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.num_microbatches = 0
+        self.telemetry = StageTelemetry(rank)
 
     # ---- loop thread ---------------------------------------------------------------------
 
@@ -151,6 +154,7 @@ class StageWorker:
         except ValueError as exc:
             log.error("stage %d: invalid plan dropped: %s", self.rank, exc)
             return
+        self.telemetry.plan_received(plan, msg.headers)
         try:
             for c in plan.chunks:
                 chunks.append(
@@ -178,6 +182,7 @@ class StageWorker:
         self._work.put(_Work(plan, chunks, prepared, prepare_start, time.time(), error, agreed))
 
     def _after_microbatch(self, work: _Work, done: MicroBatchDone) -> None:
+        self.telemetry.microbatch_done(work.plan, done)
         if not done.error:
             for chunk in work.chunks:
                 record = self.requests.get(chunk.request_id)
@@ -299,6 +304,7 @@ async def run_stage(config: RuntimeConfig, rank: int, nats_url: str, dist_url: s
         level=logging.INFO, format=f"%(asctime)s stage{rank} %(levelname)s %(name)s: %(message)s"
     )
     torch.set_num_threads(config.torch_threads)
+    tracing.setup(config.telemetry, f"wavepp-stage-{rank}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -311,3 +317,4 @@ async def run_stage(config: RuntimeConfig, rank: int, nats_url: str, dist_url: s
         await worker.serve(stop)
     finally:
         await nc.drain()
+        tracing.shutdown()

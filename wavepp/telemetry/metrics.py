@@ -1,0 +1,248 @@
+"""Runtime metrics: OpenTelemetry instruments, exposed for Prometheus scraping on ``/metrics``.
+
+Instrument names follow OTel conventions (dotted, unit in ``unit``); the Prometheus exporter
+turns them into Prometheus names with the unit and ``_total`` suffixes. ``PROMETHEUS_NAMES``
+lists the resulting series (the dashboards' test checks every panel query against what a scrape
+actually returns):
+
+| OTel instrument                | kind        | unit          | Prometheus series                          |
+| ------------------------------ | ----------- | ------------- | ------------------------------------------ |
+| wavepp.wave_fill.ratio         | obs. gauge  | 1             | wavepp_wave_fill_ratio{pipeline}           |
+| wavepp.bubble.ratio            | obs. gauge  | 1             | wavepp_bubble_ratio{pipeline}              |
+| wavepp.stage.busy              | counter     | s             | wavepp_stage_busy_seconds_total{stage_rank}|
+| wavepp.stage.idle              | obs. gauge  | s             | wavepp_stage_idle_seconds{stage_rank}      |
+| wavepp.microbatches            | counter     | {microbatch}  | wavepp_microbatches_total                  |
+| wavepp.admissions              | counter     | {request}     | wavepp_admissions_total{tenant}            |
+| wavepp.agreement.duration      | histogram   | s             | wavepp_agreement_duration_seconds_*        |
+| wavepp.reservation.refusals    | counter     | {refusal}     | wavepp_reservation_refusals_total{tenant}  |
+| wavepp.prompt.tokens           | counter     | {token}       | wavepp_prompt_tokens_total{kind,tenant}    |
+| wavepp.kv.evictions            | counter     | {block}       | wavepp_kv_evictions_total{stage_rank}      |
+| wavepp.queue.depth             | obs. gauge  | {request}     | wavepp_queue_depth{queue}                  |
+| wavepp.ttft                    | histogram   | s             | wavepp_ttft_seconds_*{tenant}              |
+| wavepp.requests.completed      | counter     | {request}     | wavepp_requests_completed_total{outcome,tenant} |
+
+Every series also carries ``pipeline``. ``kind`` is ``cached`` or ``new``; ``queue`` is
+``intake`` (waiting for agreement) or ``prepared`` (admitted, not yet planned).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader
+from opentelemetry.sdk.resources import Resource
+
+from wavepp.telemetry.settings import TelemetrySettings
+
+log = logging.getLogger(__name__)
+
+PROMETHEUS_NAMES: tuple[str, ...] = (
+    "wavepp_wave_fill_ratio",
+    "wavepp_bubble_ratio",
+    "wavepp_stage_busy_seconds_total",
+    "wavepp_stage_idle_seconds",
+    "wavepp_microbatches_total",
+    "wavepp_admissions_total",
+    "wavepp_agreement_duration_seconds",
+    "wavepp_reservation_refusals_total",
+    "wavepp_prompt_tokens_total",
+    "wavepp_kv_evictions_total",
+    "wavepp_queue_depth",
+    "wavepp_ttft_seconds",
+    "wavepp_requests_completed_total",
+)
+
+# Bucket bounds in seconds: agreement is a NATS round trip or two (sub-ms to 1 s); TTFT spans
+# a short prompt on an idle pipeline to a long one behind a queue.
+AGREEMENT_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class PipelineSource:
+    """What the observable instruments read from one live pipeline, on each collection.
+
+    ``wave_fill()``: in [0, 1]; ``stage_idle_s()``: per stage rank, seconds idle in the
+    execution window; ``queue_depths()``: queue name -> number of requests.
+    """
+
+    pipeline: str
+    wave_fill: Callable[[], float]
+    stage_idle_s: Callable[[], list[float]]
+    queue_depths: Callable[[], dict[str, int]]
+
+
+@dataclass
+class RuntimeMetrics:
+    """The instruments of one process. Record through the methods of ``PipelineTelemetry``."""
+
+    provider: MeterProvider
+    sources: dict[str, PipelineSource] = field(default_factory=dict)
+    port: int | None = None
+    _server: object | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        meter = self.provider.get_meter("wavepp")
+        self.stage_busy = meter.create_counter(
+            "wavepp.stage.busy", unit="s", description="Time stages spent executing micro-batches"
+        )
+        self.microbatches = meter.create_counter(
+            "wavepp.microbatches", unit="{microbatch}", description="Micro-batches published"
+        )
+        self.admissions = meter.create_counter(
+            "wavepp.admissions", unit="{request}", description="Requests admitted (L* agreed)"
+        )
+        self.agreement_duration = meter.create_histogram(
+            "wavepp.agreement.duration",
+            unit="s",
+            description="Probe-pin + commit round trips of one admission",
+            explicit_bucket_boundaries_advisory=list(AGREEMENT_BUCKETS_S),
+        )
+        self.reservation_refusals = meter.create_counter(
+            "wavepp.reservation.refusals",
+            unit="{refusal}",
+            description="Reservations a stage refused (the request waited and retried)",
+        )
+        self.prompt_tokens = meter.create_counter(
+            "wavepp.prompt.tokens",
+            unit="{token}",
+            description="Prompt tokens of admitted requests, by kind (cached: reused prefix)",
+        )
+        self.kv_evictions = meter.create_counter(
+            "wavepp.kv.evictions", unit="{block}", description="Cached KV blocks evicted"
+        )
+        self.ttft = meter.create_histogram(
+            "wavepp.ttft",
+            unit="s",
+            description="Time to first token: arrival to the last stage's result",
+            explicit_bucket_boundaries_advisory=list(TTFT_BUCKETS_S),
+        )
+        self.requests_completed = meter.create_counter(
+            "wavepp.requests.completed", unit="{request}", description="Requests finished"
+        )
+        meter.create_observable_gauge(
+            "wavepp.wave_fill.ratio",
+            callbacks=[self._observe_wave_fill],
+            unit="1",
+            description="Busy time of all stages / (S x wall time of the execution window)",
+        )
+        meter.create_observable_gauge(
+            "wavepp.bubble.ratio",
+            callbacks=[self._observe_bubble],
+            unit="1",
+            description="1 - wave fill: the bubble fraction",
+        )
+        meter.create_observable_gauge(
+            "wavepp.stage.idle",
+            callbacks=[self._observe_idle],
+            unit="s",
+            description="Time each stage was idle in the execution window",
+        )
+        meter.create_observable_gauge(
+            "wavepp.queue.depth",
+            callbacks=[self._observe_queues],
+            unit="{request}",
+            description="Requests waiting, by queue (intake: before agreement; prepared: admitted)",
+        )
+
+    def _snapshot(self) -> list[PipelineSource]:
+        with self._lock:
+            return list(self.sources.values())
+
+    def _observe_wave_fill(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(s.wave_fill(), {"pipeline": s.pipeline}) for s in self._snapshot()]
+
+    def _observe_bubble(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(1.0 - s.wave_fill(), {"pipeline": s.pipeline}) for s in self._snapshot()
+        ]
+
+    def _observe_idle(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(idle, {"pipeline": s.pipeline, "stage.rank": rank})
+            for s in self._snapshot()
+            for rank, idle in enumerate(s.stage_idle_s())
+        ]
+
+    def _observe_queues(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(depth, {"pipeline": s.pipeline, "queue": queue})
+            for s in self._snapshot()
+            for queue, depth in s.queue_depths().items()
+        ]
+
+    def register(self, source: PipelineSource) -> None:
+        with self._lock:
+            self.sources[source.pipeline] = source
+
+    def unregister(self, pipeline: str) -> None:
+        with self._lock:
+            self.sources.pop(pipeline, None)
+
+
+_metrics: RuntimeMetrics | None = None
+
+
+def setup_metrics(
+    settings: TelemetrySettings,
+    service_name: str,
+    *,
+    reader: MetricReader | None = None,
+) -> RuntimeMetrics | None:
+    """Configure this process's metrics (replacing any earlier setup).
+
+    Args:
+        settings: ``metrics_port`` None and no ``reader``: metrics off (returns None).
+        service_name: the OTel ``service.name`` resource attribute.
+        reader: collect with this reader (tests pass an ``InMemoryMetricReader``) instead of
+            serving Prometheus ``/metrics``.
+
+    Returns:
+        The instruments, or None when metrics are off. ``port`` is the port actually bound.
+    """
+    shutdown_metrics()
+    if reader is None and settings.metrics_port is None:
+        return None
+    global _metrics
+    server = None
+    port = None
+    if reader is None:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        registry = CollectorRegistry()
+        reader = PrometheusMetricReader(registry=registry)
+        assert settings.metrics_port is not None
+        server, _thread = start_http_server(settings.metrics_port, registry=registry)
+        port = int(server.server_port)
+        log.info("Prometheus metrics on http://0.0.0.0:%d/metrics", port)
+    provider = MeterProvider(
+        metric_readers=[reader], resource=Resource.create({"service.name": service_name})
+    )
+    _metrics = RuntimeMetrics(provider=provider, port=port, _server=server)
+    return _metrics
+
+
+def get_metrics() -> RuntimeMetrics | None:
+    return _metrics
+
+
+def shutdown_metrics() -> None:
+    """Stop the HTTP server and the meter provider (a no-op when metrics are off)."""
+    global _metrics
+    metrics, _metrics = _metrics, None
+    if metrics is None:
+        return
+    if metrics._server is not None:
+        metrics._server.shutdown()  # type: ignore[attr-defined]
+        metrics._server.server_close()  # type: ignore[attr-defined]
+    try:
+        metrics.provider.shutdown()
+    except Exception as exc:
+        log.warning("metrics shutdown: %s", exc)
