@@ -234,6 +234,18 @@ def test_scale_to_zero_drains_then_deletes() -> None:
     assert ("Deployment", "p-r0-admission") not in world.objects
 
 
+def test_leftovers_of_a_half_deleted_replica_are_removed() -> None:
+    world = World(spec(replicas=2))
+    world.serve_all(2)
+    world.body["spec"]["replicas"] = 1
+    del world.objects[("StatefulSet", "p-r1")]  # deleted, the rest not (operator restarted)
+    world.step()
+    assert ("Deployment", "p-r1-admission") not in world.objects
+    assert ("Service", "p-r1") not in world.objects
+    assert ("Service", "p-r1-admission") not in world.objects
+    assert ("Deployment", "p-r0-admission") in world.objects
+
+
 @pytest.mark.parametrize(
     ("status", "admitting", "phase"),
     [

@@ -622,6 +622,13 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         hash_ = _labels(cm).get(b.LABEL_SPEC_HASH)
         if hash_ and hash_ not in in_use:
             actions.append(Delete("ConfigMap", _meta(cm)["name"]))
+    # Leftovers of a replica whose StatefulSet is gone (a scale-down interrupted half-way).
+    kept = desired | set(views)
+    for kind, objs in (("Deployment", observed.deployments), ("Service", observed.services)):
+        for obj in objs:
+            replica = _labels(obj).get(b.LABEL_REPLICA)
+            if replica is not None and replica.isdigit() and int(replica) not in kept:
+                actions.append(Delete(kind, _meta(obj)["name"]))
 
     status = _status(body, spec, views, desired, serving, current_hash, notes, now)
     due = [max(0.5, t) for t in requeue]
