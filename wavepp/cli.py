@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "stage": ("wavepp.cmd.stage", "run one pipeline stage process (what each pod runs)"),
     "calibrate": ("wavepp.cmd.calibrate", "measure the torch engine and fit the cost model"),
     "operator": ("wavepp.operator.cli", "run the Kubernetes operator (kopf)"),
+    "trace-view": ("wavepp.cmd.trace_view", "summarise a span file; draw the per-stage timeline"),
     "bench": ("wavepp.cmd.bench", "benchmarks: wave vs sync grid, admission cadence, plots"),
     "sim": ("wavepp.cmd.sim", "discrete-event simulator (virtual clock) of wave vs sync"),
 }

@@ -56,6 +56,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-inflight", type=int, default=None, help="default: S")
     parser.add_argument("--seed", type=int, default=0, help="token mapping and weight seed")
     parser.add_argument("--cache-salt", default="", help="cache salt (tenant) of every request")
+    telemetry = parser.add_argument_group("telemetry")
+    telemetry.add_argument(
+        "--trace-exporter",
+        choices=["none", "console", "jsonl", "otlp-grpc", "otlp-http"],
+        default=None,
+        help="span exporter (default: none; jsonl when --trace-out or --timeline is given)",
+    )
+    telemetry.add_argument("--trace-out", default="", help="JSON-lines span file (all processes)")
+    telemetry.add_argument("--otlp-endpoint", default="", help="OTLP collector endpoint")
+    telemetry.add_argument(
+        "--trace-sampling", type=float, default=1.0, help="fraction of requests traced [0, 1]"
+    )
+    telemetry.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port"
+    )
+    telemetry.add_argument(
+        "--timeline",
+        default="",
+        help="draw the per-stage timeline of micro-batches (from the spans) into this PNG",
+    )
 
 
 def _fail(flag: str, message: str) -> int:
@@ -66,6 +86,33 @@ def _fail(flag: str, message: str) -> int:
 def _packaged_cost_model(name: str) -> dict[str, object]:
     path = resources.files("wavepp.runtime") / "calibration" / name
     return json.loads(path.read_text())
+
+
+def _telemetry_settings(args: argparse.Namespace):  # noqa: ANN202 - TelemetrySettings
+    """Telemetry flags -> settings; --timeline needs the spans in a JSON-lines file."""
+    import tempfile
+
+    from wavepp.telemetry.settings import TelemetrySettings
+
+    exporter = args.trace_exporter
+    path = args.trace_out
+    if exporter is None:
+        exporter = "jsonl" if (path or args.timeline) else "none"
+    if args.timeline and exporter != "jsonl":
+        raise ValueError(
+            f"--timeline reads a JSON-lines span file; got --trace-exporter {exporter}"
+        )
+    if exporter == "jsonl" and not path:
+        path = str(Path(tempfile.mkdtemp(prefix="wavepp-trace-")) / "spans.jsonl")
+    if path and Path(path).exists():
+        Path(path).unlink()  # one run per file: the timeline and trace-view read all of it
+    return TelemetrySettings(
+        exporter=exporter,
+        endpoint=args.otlp_endpoint,
+        sampling_ratio=args.trace_sampling,
+        jsonl_path=path,
+        metrics_port=args.metrics_port,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,6 +129,10 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.runtime.planner import CostModel
 
     err = Console(stderr=True)
+    try:
+        telemetry = _telemetry_settings(args)
+    except ValueError as exc:
+        return _fail("--trace-exporter/--trace-out/--timeline", str(exc))
     if not Path(args.trace).is_file():
         return _fail("TRACE", f"{args.trace}: no such file")
     if args.limit is not None and args.limit < 1:
@@ -113,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
             async_agreement=None if args.agreement is None else args.agreement == "async",
             local_prepare=None if args.local_prepare is None else args.local_prepare == "on",
             max_inflight=args.max_inflight,
+            telemetry=telemetry,
         )
         mapper = TokenMapper(args.tokens_per_block, model.vocab_size, seed=args.seed)
     except (ValidationError, ValueError) as exc:
@@ -166,6 +218,20 @@ def run(args: argparse.Namespace) -> int:
     for key, value in summary.items():
         table.add_row(key, str(value))
     Console().print(table)
+    if args.timeline:
+        from wavepp.telemetry.spans import read_span_records
+        from wavepp.telemetry.timeline import draw_timeline
+
+        drawn = draw_timeline(
+            read_span_records([telemetry.jsonl_path]),
+            args.timeline,
+            num_stages=config.num_stages,
+            title=f"wavepp replay --mode {config.mode}",
+        )
+        err.print(
+            f"timeline: {args.timeline} (wave fill from spans {drawn['wave_fill']:.4f}, "
+            f"runtime {summary['wave_fill']:.4f})"
+        )
     if args.json:
         print(json.dumps(summary), flush=True)
     return 0 if summary["completed"] + summary["failed"] == summary["requests"] else 1
