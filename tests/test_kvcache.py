@@ -469,6 +469,25 @@ def test_refused_commit_releases_all_pins_and_forgets_the_request() -> None:
     pool.check_invariants()
 
 
+def test_commit_can_reserve_the_blocks_it_unpins() -> None:
+    manager, _ = _manager(4)
+    pool = manager.pool
+    prompt_hashes = PROMPT_HASHES[:3]
+    manager.probe_pin("r1", prompt_hashes, lease_s=10)
+    manager.commit("r1", 0, 3, lease_s=10)
+    manager.mark_computed("r1", 6, prompt_hashes)
+    manager.release("r1")
+    assert manager.probe_pin("r2", prompt_hashes, lease_s=10) == 3
+    manager.probe_pin("r3", [], lease_s=10)
+    assert manager.commit("r3", 0, 1, lease_s=10) == [3]
+    assert pool.num_free_blocks == 0
+    # L* = 0 (another stage misses): the 3 unpinned blocks are evicted for the reservation
+    manager.take_events()
+    assert manager.commit("r2", 0, 3, lease_s=10) == [2, 1, 0]
+    assert manager.take_events() == [KVEvent("removed", tuple(reversed(prompt_hashes)), None)]
+    pool.check_invariants()
+
+
 def test_probe_and_commit_are_idempotent_by_request_id() -> None:
     manager, clock = _manager(8)
     pool = manager.pool
@@ -521,7 +540,8 @@ def test_leases_expire_probed_and_committed_requests() -> None:
     clock.now_s = 15.0
     assert manager.expire() == []
     assert manager.num_requests == 1 and pool.num_pinned_blocks == 4
-    clock.now_s = 19.0
+    manager.renew(["r2"], lease_s=2)  # a renewal sets the lease, also to an earlier time: 17
+    clock.now_s = 17.0
     assert manager.expire() == ["r2"]
     assert manager.num_requests == 0
     assert pool.num_free_blocks == pool.num_blocks and pool.num_pinned_blocks == 0
