@@ -231,7 +231,7 @@ class PipelineTelemetry:
         for chunk in chunks:
             root = self._roots.get(chunk.request_id)
             span = None
-            if root is not None:
+            if root is not None and root.is_recording():  # unsampled: no stage spans either
                 span = tracing.start_span(
                     "microbatch",
                     parent=tracing.context_of(root),
