@@ -83,26 +83,32 @@ def spec_hash(spec: WavePipelineSpec) -> str:
 
 
 def spec_configmap_name(pipeline: str, hash_: str) -> str:
+    """``{p}-spec-{hash}``: the resolved spec of one spec hash."""
     return f"{pipeline}-spec-{hash_}"
 
 
 def pool_configmap_name(pipeline: str) -> str:
+    """``{p}-pool``: the replicas the gateway may send requests to."""
     return f"{pipeline}-pool"
 
 
 def statefulset_name(pipeline: str, replica: int) -> str:
+    """``{p}-r{i}``: the StatefulSet (and headless Service) of replica i."""
     return f"{pipeline}-r{replica}"
 
 
 def stage_pod_name(pipeline: str, replica: int, rank: int) -> str:
+    """``{p}-r{i}-{rank}``: the pod of one stage (StatefulSet ordinal = rank)."""
     return f"{statefulset_name(pipeline, replica)}-{rank}"
 
 
 def admission_name(pipeline: str, replica: int) -> str:
+    """``{p}-r{i}-admission``: Deployment and Service of replica i's admission controller."""
     return f"{pipeline}-r{replica}-admission"
 
 
 def gateway_name(pipeline: str) -> str:
+    """``{p}-gateway``: Deployment and Service of the pipeline's gateway."""
     return f"{pipeline}-gateway"
 
 
@@ -124,6 +130,7 @@ def stage_selector(pipeline: str) -> str:
 
 
 def owner_reference(ref: PipelineRef) -> dict[str, Any]:
+    """The controller owner reference to the pipeline (garbage collection, kopf adoption)."""
     return {
         "apiVersion": f"{API_GROUP}/{API_VERSION}",
         "kind": KIND,

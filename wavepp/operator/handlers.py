@@ -65,12 +65,15 @@ class OperatorState:
     reconciled_specs: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     def wakeup(self, namespace: str, name: str) -> asyncio.Event:
+        """The event that wakes the daemon of one pipeline (created on first use)."""
         return self.wakeups.setdefault((namespace, name), asyncio.Event())
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        """The lock that serialises writes to one pipeline's children."""
         return self.locks.setdefault((namespace, name), asyncio.Lock())
 
     def wake(self, namespace: str | None, name: str | None) -> None:
+        """Wake the daemon of a pipeline, if it runs."""
         if namespace and name and (namespace, name) in self.wakeups:
             self.wakeups[(namespace, name)].set()
 
@@ -143,6 +146,7 @@ async def startup(
 
 @kopf.on.cleanup()
 async def cleanup(memo: Any, **_: Any) -> None:
+    """Close the API client."""
     state = getattr(memo, "state", None)
     if state is not None and state.client is not None:
         await state.client.close()

@@ -172,6 +172,7 @@ class KubeClient:
         await self.close()
 
     async def close(self) -> None:
+        """Close the HTTP session."""
         await self._session.close()
 
     async def _request(

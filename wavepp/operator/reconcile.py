@@ -230,6 +230,7 @@ class ReplicaView:
 
     @property
     def num_stages(self) -> int:
+        """Stages of the spec the replica runs."""
         return len(self.ranges)
 
     def current_pods(self) -> dict[int, dict[str, Any]]:
@@ -247,6 +248,7 @@ class ReplicaView:
         ]
 
     def stages_warm(self) -> bool:
+        """Every rank has a pod of the current template that is Ready and not failed."""
         pods = self.current_pods()
         return self.num_stages > 0 and all(
             rank in pods and _condition(pods[rank], "Ready") and not pod_failure(pods[rank])
@@ -254,6 +256,7 @@ class ReplicaView:
         )
 
     def admission_ready(self) -> bool:
+        """A live admission pod of the current template is Ready."""
         return any(
             not _is_terminating(p)
             and _labels(p).get(b.LABEL_SPEC_HASH) == self.hash
@@ -272,6 +275,7 @@ class ReplicaView:
         )
 
     def failure(self) -> str | None:
+        """Why the first failed stage pod (lowest rank) failed, or None."""
         for rank in sorted(self.current_pods()):
             reason = pod_failure(self.current_pods()[rank])
             if reason:
@@ -286,6 +290,7 @@ class ReplicaView:
         return now - since >= drain_timeout_s + DRAIN_GRACE_S
 
     def wave_fill(self) -> float | None:
+        """Wave fill the admission controller reported on its pod, or None."""
         for pod in self.admission_pods:
             try:
                 return float(_annotations(pod)[ANNOTATION_WAVE_FILL])
