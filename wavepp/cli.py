@@ -20,6 +20,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("wavepp.cmd.calibrate", "measure the torch engine and fit the cost model"),
     "operator": ("wavepp.operator.cli", "run the Kubernetes operator (kopf)"),
     "trace-view": ("wavepp.cmd.trace_view", "summarise a span file; draw the per-stage timeline"),
+    "up": ("wavepp.cmd.up", "run the whole service here: nats, stages, admission, gateway"),
+    "admission": ("wavepp.cmd.admission", "run one replica's admission controller (a pod)"),
+    "gateway": ("wavepp.cmd.gateway", "run the prefill gateway: HTTP and NATS API (a pod)"),
     "bench": ("wavepp.cmd.bench", "benchmarks: wave vs sync grid, admission cadence, plots"),
     "sim": ("wavepp.cmd.sim", "discrete-event simulator (virtual clock) of wave vs sync"),
 }

@@ -1,0 +1,227 @@
+"""`wavepp up` over HTTP with real processes: tenants, bad input, APIs, and an admission restart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from tests.serving.conftest import UpService
+from wavepp.runtime.natsutil import connect
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def prompt(seed: int, num_tokens: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1024) for _ in range(num_tokens)]
+
+
+async def post(
+    session: aiohttp.ClientSession, url: str, body: object, **kwargs: object
+) -> tuple[int, dict, dict]:
+    data = body if isinstance(body, str) else json.dumps(body)
+    async with session.post(url, data=data, **kwargs) as response:
+        return response.status, await response.json(), dict(response.headers)
+
+
+async def test_same_prompt_two_tenants_no_cross_tenant_hit(up_service: UpService) -> None:
+    url = f"{up_service.endpoint}/v1/prefill"
+    tokens = prompt(1, 80)  # 5 full blocks of 16
+    async with aiohttp.ClientSession() as session:
+        first_alice = await post(session, url, {"tenant": "alice", "token_ids": tokens})
+        first_bob = await post(session, url, {"tenant": "bob", "token_ids": tokens})
+        again_alice = await post(session, url, {"tenant": "alice", "token_ids": tokens})
+        again_bob = await post(session, url, {"tenant": "bob", "token_ids": tokens})
+    for status, body, _ in (first_alice, first_bob, again_alice, again_bob):
+        assert status == 200, body
+        assert body["num_prompt_tokens"] == 80
+    # bob's first request follows alice's identical prompt: no hit across tenants
+    assert first_alice[1]["num_cached_tokens"] == 0
+    assert first_bob[1]["num_cached_tokens"] == 0
+    # each tenant's repeat hits its own blocks (at most 4: L* is capped one token short)
+    assert 0 < again_alice[1]["num_cached_tokens"] <= 64
+    assert 0 < again_bob[1]["num_cached_tokens"] <= 64
+    # same model, same tokens: same first token for both tenants
+    assert first_alice[1]["first_token_id"] == first_bob[1]["first_token_id"]
+    stages = again_alice[1]["stages"]
+    assert [s["rank"] for s in stages] == [0, 1]
+    assert all(s["execute_s"] > 0 for s in stages)
+    assert again_alice[1]["ttft_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "status", "field"),
+    [
+        ("prefill", {"tenant": "alice", "token_ids": []}, 400, "token_ids"),
+        ("prefill", {"tenant": "alice", "token_ids": [1] * 8193}, 400, "token_ids"),
+        ("prefill", {"tenant": "alice", "token_ids": [1, 1024]}, 400, "token_ids[1]"),
+        ("prefill", {"tenant": "alice", "token_ids": [1, -1]}, 400, "token_ids[1]"),
+        ("prefill", {"tenant": "mallory", "token_ids": [1]}, 403, "tenant"),
+        ("prefill", '{"tenant": "alice", "token_ids": [1,', 400, "body"),
+        ("prefill", {"tenant": "alice", "token_ids": [1], "request_id": "a b"}, 400, "request_id"),
+        ("prefill", {"tenant": "alice", "token_ids": [1], "text": "w1"}, 400, "token_ids"),
+        ("completions", {"prompt": [1, 2], "max_tokens": 16, "user": "alice"}, 400, "max_tokens"),
+        ("completions", {"prompt": [1, 2], "model": "gpt-4", "user": "alice"}, 404, "model"),
+    ],
+)
+async def test_bad_input_is_a_4xx_naming_the_field(
+    up_service: UpService, route: str, body: object, status: int, field: str
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        # an admitted request in flight is unaffected by the bad one
+        good = asyncio.create_task(
+            post(
+                session,
+                f"{up_service.endpoint}/v1/prefill",
+                {"tenant": "alice", "token_ids": prompt(7, 40)},
+            )
+        )
+        got_status, got, _ = await post(session, f"{up_service.endpoint}/v1/{route}", body)
+        good_status, good_body, _ = await good
+    assert got_status == status, got
+    assert got["error"]["field"] == field
+    assert field.split("[")[0] in got["error"]["message"]
+    assert good_status == 200 and good_body["num_prompt_tokens"] == 40
+
+
+async def test_over_long_prompt_names_the_limit(up_service: UpService) -> None:
+    async with aiohttp.ClientSession() as session:
+        status, body, _ = await post(
+            session,
+            f"{up_service.endpoint}/v1/prefill",
+            {"tenant": "alice", "token_ids": [1] * 8193},
+        )
+    assert status == 400
+    assert body["error"]["limit"] == 512 * 16  # kvBlocks x blockSize
+
+
+async def test_text_prompt_completions_and_duplicate_request_id(up_service: UpService) -> None:
+    text = " ".join(f"w{i % 150}" for i in range(40))
+    async with aiohttp.ClientSession() as session:
+        status, first, headers = await post(
+            session,
+            f"{up_service.endpoint}/v1/prefill",
+            {"tenant": "bob", "text": text, "request_id": "dup-1"},
+        )
+        assert status == 200 and first["num_prompt_tokens"] == 40
+        assert "X-WavePP-Duplicate" not in headers
+        status, again, headers = await post(
+            session,
+            f"{up_service.endpoint}/v1/prefill",
+            {"tenant": "bob", "text": text + " w3 w4", "request_id": "dup-1"},
+        )
+        assert status == 200 and headers.get("X-WavePP-Duplicate") == "true"
+        assert again == first  # answered once: the stored answer, not a second run
+        status, completion, _ = await post(
+            session,
+            f"{up_service.endpoint}/v1/completions",
+            {"model": "tiny-llama", "prompt": text, "max_tokens": 1},
+            headers={"X-WavePP-Tenant": "bob"},
+        )
+    assert status == 200, completion
+    assert completion["object"] == "text_completion"
+    assert completion["usage"]["prompt_tokens"] == 40
+    # the text's 2 full blocks were cached by the first request (same tenant)
+    assert completion["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, completion
+    assert completion["choices"][0]["token_ids"] == [first["first_token_id"]]
+
+
+async def test_nats_prefill_subject(up_service: UpService) -> None:
+    nc = await connect(up_service.processes()["nats_url"], name="test-client")
+    try:
+        body = {"tenant": "alice", "token_ids": prompt(3, 33)}
+        reply = await nc.request("wavepp.default.prefill", json.dumps(body).encode(), timeout=30)
+        bad = await nc.request("wavepp.default.prefill", b"{", timeout=30)
+    finally:
+        await nc.drain()
+    answer = json.loads(reply.data)
+    assert answer["status"] == 200 and answer["body"]["num_prompt_tokens"] == 33
+    assert json.loads(bad.data)["status"] == 400
+
+
+async def test_token_rate_limit_is_429_with_retry_after(up_service: UpService) -> None:
+    url = f"{up_service.endpoint}/v1/prefill"
+    async with aiohttp.ClientSession() as session:
+        ok = await post(session, url, {"tenant": "carol", "token_ids": prompt(5, 64)})
+        limited = await post(session, url, {"tenant": "carol", "token_ids": prompt(6, 64)})
+        other = await post(session, url, {"tenant": "alice", "token_ids": prompt(6, 64)})
+    assert ok[0] == 200
+    status, body, headers = limited
+    assert status == 429, body
+    assert body["error"]["field"] == "tokens_per_s" and body["error"]["limit"] == 10
+    # 100-token burst, 64 taken: 28 more at 10 tokens/s
+    assert 1 <= int(headers["Retry-After"]) <= 3
+    assert other[0] == 200  # another tenant is not limited
+
+
+async def test_probes_and_per_tenant_metrics(up_service: UpService) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{up_service.endpoint}/healthz") as r:
+            assert r.status == 200
+        async with session.get(f"{up_service.endpoint}/readyz") as r:
+            ready = await r.json()
+            assert r.status == 200 and ready["replicas"]["default-r0"]["ready"]
+        await post(
+            session, f"{up_service.endpoint}/v1/prefill", {"tenant": "bob", "token_ids": [1, 2]}
+        )
+        async with session.get(f"{up_service.endpoint}/metrics") as r:
+            text = await r.text()
+    assert 'wavepp_gateway_requests_total{code="200",tenant="bob"}' in text
+    assert 'wavepp_gateway_ttft_seconds_count{tenant="bob"}' in text
+    assert 'wavepp_gateway_cached_tokens_total{tenant="alice"}' in text
+
+
+@pytest.mark.slow
+async def test_admission_restart_mid_load_answers_every_request_once(
+    up_service: UpService,
+) -> None:
+    """SIGKILL the admission service while 24 requests are in flight; `up` restarts it, the
+    unacked requests are redelivered from JetStream, and every request is answered once."""
+    url = f"{up_service.endpoint}/v1/prefill"
+    num_requests = 24
+    ids = [f"restart-{i}" for i in range(num_requests)]
+    answered: list[float] = []
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=150)) as session:
+
+        async def one(i: int) -> tuple[int, dict, dict]:
+            result = await post(
+                session,
+                url,
+                {"tenant": "alice", "token_ids": prompt(100 + i, 400), "request_id": ids[i]},
+            )
+            answered.append(time.monotonic())
+            return result
+
+        tasks = [asyncio.create_task(one(i)) for i in range(num_requests)]
+        deadline = time.monotonic() + 60
+        while len(answered) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        num_before_kill = len(answered)
+        before = up_service.processes()
+        os.kill(before["pids"]["admission-default-r0"], signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+        after = up_service.processes()
+        # the same ids again: every one is answered from the stored result, none runs twice
+        repeats = await asyncio.gather(
+            *(
+                post(session, url, {"tenant": "alice", "token_ids": [1], "request_id": rid})
+                for rid in ids
+            )
+        )
+    assert 0 < num_before_kill < num_requests, "kill must land mid-load"
+    assert after["restarts"].get("admission-default-r0", 0) >= 1
+    assert after["pids"]["admission-default-r0"] != before["pids"]["admission-default-r0"]
+    assert [r[0] for r in results] == [200] * num_requests, [r[1] for r in results if r[0] != 200]
+    assert sorted(r[1]["request_id"] for r in results) == sorted(ids)
+    assert all(r[1]["num_prompt_tokens"] == 400 for r in results)
+    for (status, body, headers), (_, first, _) in zip(repeats, results, strict=True):
+        assert status == 200 and headers.get("X-WavePP-Duplicate") == "true"
+        assert body == first

@@ -1,0 +1,145 @@
+"""WavePipeline spec -> the RuntimeConfig of each pipeline replica (``wavepp up``, pods).
+
+The spec (``wavepp.api.spec.WavePipelineSpec``) is the operator's and ``wavepp up``'s single
+source of truth; this module is the one place that turns it into what the runtime's processes
+read. The api layer may not import the runtime, hence this lives here.
+
+``spec.engineOptions`` (free-form in the CRD) is read for runtime knobs the spec has no field for:
+
+| key            | meaning                                                       | default            |
+| -------------- | ------------------------------------------------------------- | ------------------ |
+| ``kvBlocks``   | KV capacity per stage in blocks: int, or one per stage        | 4096               |
+| ``timeScale``  | emulated engine: sleep multiplier                             | 1.0                |
+| ``emulate``    | emulated engine: cost model name (``wavepp.runtime.costmodels``) | model.name      |
+| ``device``     | ``cpu`` or ``cuda[:N]``                                       | cpu                |
+| ``torchThreads`` | torch threads per stage                                     | 1                  |
+| ``seed``       | weight seed of the torch engine                               | 0                  |
+| ``maxInflight`` | micro-batches in flight                                      | S                  |
+| ``leaseSeconds`` | pin and reservation lease                                   | 30                 |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wavepp.api.spec import SpecError, WavePipelineSpec
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.costmodels import derived_cost_model, list_models
+from wavepp.runtime.engine.model_config import PRESETS, ModelConfig
+
+__all__ = ["model_config_from_spec", "replica_pipeline_name", "runtime_configs_from_spec"]
+
+_MODEL_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab_size",
+)
+
+
+def replica_pipeline_name(pool: str, replica: int) -> str:
+    """Pipeline name (and NATS subject token) of replica ``replica`` of pool ``pool``."""
+    return f"{pool}-r{replica}"
+
+
+def model_config_from_spec(spec: WavePipelineSpec) -> ModelConfig:
+    """The engine's ModelConfig: the preset of ``model.name`` (if any) with ``model.config``
+    fields laid over it; ``model.dtype`` applies only when the spec sets it.
+
+    Raises:
+        SpecError: the layer count is unknown, or the shape is invalid (names the field).
+    """
+    base = PRESETS.get(spec.model.name, ModelConfig(name=spec.model.name))
+    update: dict[str, Any] = {"name": spec.model.name, "num_layers": spec.num_layers()}
+    if spec.model.config is not None:
+        for name in _MODEL_FIELDS:
+            value = getattr(spec.model.config, name)
+            if value is not None:
+                update[name] = value
+        for key, value in (spec.model.config.model_extra or {}).items():
+            snake = "".join("_" + c.lower() if c.isupper() else c for c in key)
+            if snake in ModelConfig.model_fields:
+                update[snake] = value
+    if "dtype" in spec.model.model_fields_set:
+        update["dtype"] = spec.model.dtype
+    seed = spec.engine_options.get("seed")
+    if seed is not None:
+        update["seed"] = int(seed)
+    try:
+        return ModelConfig.model_validate({**base.model_dump(), **update})
+    except ValueError as exc:
+        raise SpecError("model.config", str(exc)) from exc
+
+
+def _kv_blocks(spec: WavePipelineSpec, model: ModelConfig) -> list[int]:
+    if spec.cache.memory_per_stage_bytes is not None:
+        blocks = []
+        for first, last in spec.stage_layer_ranges():
+            block_bytes = (
+                (last - first) * model.kv_bytes_per_token_per_layer() * spec.cache.block_size
+            )
+            blocks.append(max(1, spec.cache.memory_per_stage_bytes // block_bytes))
+        return blocks
+    raw = spec.engine_options.get("kvBlocks", 4096)
+    values = raw if isinstance(raw, list) else [raw]
+    try:
+        return [int(v) for v in values]
+    except (TypeError, ValueError):
+        raise SpecError("engineOptions.kvBlocks", f"{raw!r}: give an int or a list") from None
+
+
+def runtime_configs_from_spec(spec: WavePipelineSpec, *, pool: str) -> list[RuntimeConfig]:
+    """One RuntimeConfig per replica (``spec.replicas``; at least one), pipeline names
+    ``{pool}-r{i}``.
+
+    Args:
+        spec: a validated WavePipelineSpec.
+        pool: the pool's name (the custom resource's name; ``wavepp up --name``).
+
+    Returns:
+        ``max(1, spec.replicas)`` configs that differ only in ``pipeline``.
+
+    Raises:
+        SpecError: a value the runtime cannot run (engine tensorrt_llm, an unknown emulated
+            cost model, a bad kvBlocks or model shape), naming the field.
+    """
+    if spec.engine == "tensorrt_llm":
+        raise SpecError("engine", "tensorrt_llm cannot run here; use torch or emulated")
+    model = model_config_from_spec(spec)
+    options = spec.engine_options
+    cost_model = None
+    if spec.engine == "emulated":
+        emulate = str(options.get("emulate", spec.model.name))
+        if emulate not in list_models():
+            raise SpecError(
+                "engineOptions.emulate",
+                f"{emulate!r} has no cost model; choose one of {list_models()}",
+            )
+        cost_model = derived_cost_model(emulate, num_stages=spec.num_stages).to_dict()
+    base: dict[str, Any] = {
+        "model": model,
+        "engine": spec.engine,
+        "cost_model": cost_model,
+        "time_scale": float(options.get("timeScale", 1.0)),
+        "num_stages": spec.num_stages,
+        "partition": spec.layer_partition,
+        "block_size": spec.cache.block_size,
+        "num_kv_blocks": _kv_blocks(spec, model),
+        "mode": spec.scheduler.mode,
+        "chunk_tokens": spec.scheduler.chunk_tokens,
+        "chunk_policy": spec.scheduler.chunk_policy,
+        "device": str(options.get("device", "cpu")),
+        "torch_threads": int(options.get("torchThreads", 1)),
+        "max_inflight": options.get("maxInflight"),
+        "lease_s": float(options.get("leaseSeconds", 30.0)),
+    }
+    configs = []
+    for replica in range(max(1, spec.num_replicas)):
+        try:
+            configs.append(RuntimeConfig(pipeline=replica_pipeline_name(pool, replica), **base))
+        except ValueError as exc:
+            raise SpecError("engineOptions", str(exc)) from exc
+    return configs

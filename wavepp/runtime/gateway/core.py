@@ -1,0 +1,376 @@
+"""The gateway's engine: tenant limits, fair-share queue, routing, durable intake, results.
+
+One ``Gateway`` per process, over one NATS connection. ``prefill`` is the whole path of one
+request after validation::
+
+    limits (429) -> stored result? (duplicate: the stored answer) -> same key pending? (join it)
+    -> fair-share queue (a slot among max_outstanding_per_replica x replicas in the pool)
+    -> router: replica with the longest reusable prefix (ties: least loaded)
+    -> JetStream publish {p}.intake, Nats-Msg-Id = key -> wait for wavepp.{pool}.result.{key}
+       (the replica leaves the pool meanwhile: publish to another replica)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.errors import KeyNotFoundError
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import BaseModel, ConfigDict, Field
+
+from wavepp.api.messages import KVEventBatch
+from wavepp.runtime.gateway.protocol import (
+    Heartbeat,
+    IntakeRequest,
+    PrefillResult,
+    heartbeat_subject,
+    intake_stream,
+    intake_subject,
+    result_subject,
+)
+from wavepp.runtime.gateway.validation import ParsedRequest, PromptLimits
+from wavepp.runtime.kvcache import hash_prompt_blocks
+from wavepp.runtime.router import PoolRouter, RoutingPolicy
+from wavepp.runtime.service import ensure_intake, ensure_results
+from wavepp.runtime.tenants import FairShareQueue, LimitExceeded, TenantLimiter, TenantPolicy
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pipeline: str
+    num_stages: int = Field(ge=1)
+
+
+class GatewayConfig(BaseModel):
+    """Everything the gateway process needs (``wavepp up`` writes it from the spec)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pool: str
+    replicas: list[ReplicaInfo] = Field(min_length=1)
+    model_name: str
+    model_id: str
+    block_size: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    max_prompt_tokens: int = Field(ge=1)
+    tenants: list[TenantPolicy] = Field(min_length=1)
+    routing: RoutingPolicy = "prefix"
+    max_outstanding_per_replica: int = Field(8, ge=1)
+    request_timeout_s: float = Field(120.0, gt=0)
+    replica_timeout_s: float = Field(3.0, gt=0)
+    tokenizer: str | None = None
+
+    @property
+    def limits(self) -> PromptLimits:
+        return PromptLimits(
+            vocab_size=self.vocab_size,
+            max_prompt_tokens=self.max_prompt_tokens,
+            tenants=frozenset(t.name for t in self.tenants),
+        )
+
+
+class GatewayMetrics:
+    """Per-tenant Prometheus metrics of one gateway (own registry)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "wavepp_gateway_requests",
+            "Requests by tenant and HTTP status",
+            ["tenant", "code"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "wavepp_gateway_prompt_tokens", "Prompt tokens served", ["tenant"], registry=r
+        )
+        self.cached_tokens = Counter(
+            "wavepp_gateway_cached_tokens",
+            "Prompt tokens served from cache",
+            ["tenant"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "wavepp_gateway_ttft_seconds",
+            "Time to first token",
+            ["tenant"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.queued = Gauge(
+            "wavepp_gateway_queue_depth", "Requests in the fair-share queue", ["tenant"], registry=r
+        )
+        self.active = Gauge(
+            "wavepp_gateway_active_requests", "Requests queued or running", ["tenant"], registry=r
+        )
+        self.replica_up = Gauge(
+            "wavepp_gateway_replica_up", "Replica in the pool (heartbeat)", ["replica"], registry=r
+        )
+        self.routed_reusable = Counter(
+            "wavepp_gateway_routed_reusable_blocks",
+            "Reusable blocks the router expected at the chosen replica",
+            ["replica"],
+            registry=r,
+        )
+
+
+class Gateway:
+    """See the module docstring. ``clock`` is monotonic seconds (tests may pass a fake)."""
+
+    def __init__(
+        self, config: GatewayConfig, nc: NATS, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.clock = clock
+        self.tenants = {t.name: t for t in config.tenants}
+        self.limiter = TenantLimiter(config.tenants, max_prompt_tokens=config.max_prompt_tokens)
+        self.fair: FairShareQueue[asyncio.Future[None]] = FairShareQueue(
+            {t.name: t.weight for t in config.tenants}
+        )
+        self.router = PoolRouter(
+            [(r.pipeline, r.num_stages) for r in config.replicas],
+            policy=config.routing,
+            timeout_s=config.replica_timeout_s,
+        )
+        self.metrics = GatewayMetrics()
+        self.num_outstanding = 0
+        self._pending: dict[str, asyncio.Future[PrefillResult]] = {}
+        self._waiters: dict[str, asyncio.Future[PrefillResult]] = {}
+        self._kv = None
+        self._subs: list[object] = []
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for replica in self.config.replicas:
+            await ensure_intake(self.js, replica.pipeline)
+        self._kv = await ensure_results(self.js, self.config.pool)
+        self._subs.append(
+            await self.nc.subscribe(
+                result_subject(self.config.pool, "*.*").replace("*.*", ">"), cb=self._on_result
+            )
+        )
+        for replica in self.config.replicas:
+            self._subs.append(
+                await self.nc.subscribe(heartbeat_subject(replica.pipeline), cb=self._on_heartbeat)
+            )
+            self._subs.append(
+                await self.nc.subscribe(
+                    f"wavepp.{replica.pipeline}.kv_events.*", cb=self._on_kv_events
+                )
+            )
+        await self.nc.flush()
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()  # type: ignore[attr-defined]
+        self._subs = []
+
+    # ---- subscriptions -------------------------------------------------------------------
+
+    async def _on_result(self, msg: Msg) -> None:
+        try:
+            result = PrefillResult.model_validate_json(msg.data)
+        except ValueError:
+            return
+        waiter = self._waiters.get(f"{result.tenant}.{result.request_id}")
+        if waiter is not None and not waiter.done():
+            waiter.set_result(result)
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            beat = Heartbeat.model_validate_json(msg.data)
+        except ValueError:
+            return
+        if beat.pipeline in self.router.by_name:
+            self.router.on_heartbeat(beat.pipeline, self.clock(), is_ready=beat.ready)
+            self._dispatch()
+
+    async def _on_kv_events(self, msg: Msg) -> None:
+        replica = msg.subject.split(".")[1]
+        try:
+            batch = KVEventBatch.model_validate_json(msg.data)
+            self.router.on_kv_events(
+                replica,
+                batch.rank,
+                [[bytes.fromhex(h) for h in hashes] for hashes in batch.stored],
+                [[bytes.fromhex(h) for h in hashes] for hashes in batch.removed],
+            )
+        except (ValueError, KeyError) as exc:
+            log.warning("bad KV event batch from %s: %s", msg.subject, exc)
+
+    # ---- state views ---------------------------------------------------------------------
+
+    def is_ready(self) -> bool:
+        """Every replica heartbeats and reports every stage formed."""
+        now = self.clock()
+        return all(self.router.is_alive(r.name, now) and r.is_ready for r in self.router.replicas)
+
+    def capacity(self) -> int:
+        num_alive = len(self.router.pool(self.clock()))
+        return self.config.max_outstanding_per_replica * max(1, num_alive)
+
+    def update_gauges(self) -> None:
+        now = self.clock()
+        for replica in self.router.replicas:
+            self.metrics.replica_up.labels(replica.name).set(
+                1 if self.router.is_alive(replica.name, now) else 0
+            )
+        for tenant in self.tenants:
+            self.metrics.queued.labels(tenant).set(self.fair.num_queued(tenant))
+            self.metrics.active.labels(tenant).set(self.limiter.num_active[tenant])
+
+    # ---- the request path ----------------------------------------------------------------
+
+    async def stored_result(self, key: str) -> PrefillResult | None:
+        assert self._kv is not None, "gateway not started"
+        try:
+            entry = await self._kv.get(key)
+        except KeyNotFoundError:
+            return None
+        return PrefillResult.model_validate_json(entry.value)
+
+    async def prefill(self, request: ParsedRequest) -> tuple[PrefillResult, bool]:
+        """Serve one validated request.
+
+        Returns:
+            (result, is_duplicate): a duplicate gets the stored or pending answer of the first
+            request with the same tenant and request id, which ran once.
+
+        Raises:
+            LimitExceeded: over a tenant limit (HTTP 429).
+            TimeoutError: no answer within ``request_timeout_s`` (HTTP 504).
+        """
+        key = f"{request.tenant}.{request.request_id}"
+        stored = await self.stored_result(key)
+        if stored is not None:
+            return stored, True
+        pending = self._pending.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending), True
+        self.limiter.acquire(request.tenant, len(request.token_ids), self.clock())
+        future: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
+        self._pending[key] = future
+        arrival_s = time.time()
+        try:
+            queued_at = self.clock()
+            await self._wait_turn(request)
+            try:
+                intake = IntakeRequest(
+                    key=key,
+                    request_id=request.request_id,
+                    tenant=request.tenant,
+                    cache_salt=self.tenants[request.tenant].cache_salt,
+                    token_ids=request.token_ids,
+                    priority=request.priority,
+                    arrival_s=arrival_s,
+                    queued_s=self.clock() - queued_at,
+                )
+                result = await self._run(intake)
+            finally:
+                self.num_outstanding -= 1
+                self._dispatch()
+            future.set_result(result)
+            self._observe(result)
+            return result, False
+        except BaseException as exc:
+            if not future.done():
+                future.set_exception(exc)
+                future.exception()  # retrieved: joined duplicates get it, nobody else must
+            raise
+        finally:
+            self._pending.pop(key, None)
+            self.limiter.release(request.tenant)
+
+    def _observe(self, result: PrefillResult) -> None:
+        self.metrics.prompt_tokens.labels(result.tenant).inc(result.num_prompt_tokens)
+        self.metrics.cached_tokens.labels(result.tenant).inc(result.num_cached_tokens)
+        self.metrics.ttft.labels(result.tenant).observe(result.ttft_s)
+
+    async def _wait_turn(self, request: ParsedRequest) -> None:
+        ticket: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.fair.push(
+            request.tenant, ticket, cost=len(request.token_ids), priority=request.priority
+        )
+        self._dispatch()
+        try:
+            await ticket
+        except asyncio.CancelledError:
+            if not self.fair.remove(request.tenant, ticket) and ticket.done():
+                self.num_outstanding -= 1  # granted, then cancelled: give the slot back
+                self._dispatch()
+            raise
+
+    def _dispatch(self) -> None:
+        while self.num_outstanding < self.capacity() and len(self.fair):
+            _, ticket = self.fair.pop()
+            if ticket.done():
+                continue
+            self.num_outstanding += 1
+            ticket.set_result(None)
+
+    async def _run(self, intake: IntakeRequest) -> PrefillResult:
+        hashes = hash_prompt_blocks(
+            intake.token_ids, self.config.block_size, self.config.model_id, intake.cache_salt
+        )
+        waiter: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
+        self._waiters[intake.key] = waiter
+        deadline = self.clock() + self.config.request_timeout_s
+        excluded: list[str] = []
+        data = intake.model_dump_json().encode()
+        try:
+            while True:
+                try:
+                    replica, num_reusable = self.router.choose(
+                        hashes, self.clock(), exclude=excluded
+                    )
+                except LookupError:
+                    excluded = []
+                    replica, num_reusable = self.router.choose(hashes, self.clock())
+                self.metrics.routed_reusable.labels(replica.name).inc(num_reusable)
+                replica.num_outstanding += 1
+                try:
+                    await self.js.publish(
+                        intake_subject(replica.name),
+                        data,
+                        stream=intake_stream(replica.name),
+                        headers={"Nats-Msg-Id": intake.key},
+                    )
+                    while True:
+                        done, _ = await asyncio.wait({waiter}, timeout=0.5)
+                        if done:
+                            return waiter.result()
+                        now = self.clock()
+                        if now > deadline:
+                            stored = await self.stored_result(intake.key)
+                            if stored is not None:
+                                return stored
+                            raise TimeoutError(
+                                f"no answer for {intake.key} in {self.config.request_timeout_s}s"
+                            )
+                        others = [r for r in self.router.pool(now) if r.name != replica.name]
+                        if not self.router.is_alive(replica.name, now) and others:
+                            log.warning(
+                                "replica %s left the pool; re-routing %s", replica.name, intake.key
+                            )
+                            excluded.append(replica.name)
+                            break
+                finally:
+                    replica.num_outstanding -= 1
+        finally:
+            self._waiters.pop(intake.key, None)
+
+
+__all__ = ["Gateway", "GatewayConfig", "GatewayMetrics", "LimitExceeded", "ReplicaInfo"]

@@ -1,0 +1,101 @@
+"""Messages and names shared by the gateway and the admission service (``wavepp admission``).
+
+Subjects and JetStream objects (``{p}`` = a replica's subject prefix ``wavepp.{pipeline}``,
+``{pool}`` = the pool's name, ``{key}`` = ``{tenant}.{request_id}``):
+
+| name                                  | kind                  | payload / use                       |
+| ------------------------------------- | --------------------- | ----------------------------------- |
+| ``{p}.intake``                        | JetStream stream      | ``IntakeRequest``; Nats-Msg-Id=key  |
+| stream ``WAVEPP_INTAKE_{pipeline}``   | work queue, file      | dedup window = duplicates answered once |
+| consumer ``admission``                | durable pull          | ack after the result is stored      |
+| KV bucket ``WAVEPP_RESULTS_{pool}``   | JetStream KV, TTL     | key -> ``PrefillResult`` (idempotence) |
+| ``wavepp.{pool}.result.{key}``        | publish               | ``PrefillResult`` to the waiting gateway |
+| ``{p}.admission.heartbeat``           | publish (every 0.5 s) | ``Heartbeat``                       |
+| ``wavepp.{pool}.prefill``             | request-reply, queue  | the NATS prefill API of the gateway |
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9_=-][A-Za-z0-9_.=-]{0,127}$"
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    v: int = 1
+
+
+class IntakeRequest(_Msg):
+    """A validated, admitted-by-the-gateway prefill request on its way to a replica."""
+
+    key: str
+    request_id: str
+    tenant: str
+    cache_salt: str
+    token_ids: list[int]
+    priority: int = 0
+    arrival_s: float
+    queued_s: float = 0.0  # time spent in the gateway's fair-share queue
+
+
+class StageTiming(BaseModel):
+    """One stage's share of a request: summed over the micro-batches holding its chunks."""
+
+    rank: int
+    prepare_s: float = 0.0
+    execute_s: float = 0.0
+    num_agreed_blocks: int = -1
+
+
+class PrefillResult(_Msg):
+    """The answer to one prefill request (HTTP body of ``POST /v1/prefill``)."""
+
+    request_id: str
+    tenant: str
+    replica: str = ""
+    first_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    ttft_s: float = 0.0
+    queue_s: float = 0.0
+    agreement_s: float = 0.0
+    admission_s: float = 0.0
+    execute_s: float = 0.0
+    stage_hits: list[int] = Field(default_factory=list)
+    stages: list[StageTiming] = Field(default_factory=list)
+    error: str = ""
+
+
+class Heartbeat(_Msg):
+    """An admission service's liveness: ``ready`` when every stage answered its last probe."""
+
+    pipeline: str
+    ready: bool
+    num_stages_formed: int
+    num_inflight: int
+    instance: str
+
+
+def intake_subject(pipeline: str) -> str:
+    return f"wavepp.{pipeline}.intake"
+
+
+def intake_stream(pipeline: str) -> str:
+    return f"WAVEPP_INTAKE_{pipeline}"
+
+
+def results_bucket(pool: str) -> str:
+    return f"WAVEPP_RESULTS_{pool}"
+
+
+def result_subject(pool: str, key: str) -> str:
+    return f"wavepp.{pool}.result.{key}"
+
+
+def heartbeat_subject(pipeline: str) -> str:
+    return f"wavepp.{pipeline}.admission.heartbeat"
+
+
+def prefill_subject(pool: str) -> str:
+    return f"wavepp.{pool}.prefill"

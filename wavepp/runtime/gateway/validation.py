@@ -1,0 +1,205 @@
+"""Validation of prefill request bodies (pure): every rejection names the field and the limit.
+
+Two request shapes are accepted:
+
+- ``POST /v1/prefill`` (and the NATS prefill subject)::
+
+      {"tenant": "acme", "token_ids": [1, 2, 3] | "text": "...", "request_id": "r1",
+       "priority": 0}
+
+- ``POST /v1/completions`` (OpenAI-compatible; prefill only, so ``max_tokens`` must be 1, and
+  1 when absent)::
+
+      {"model": "tiny-llama", "prompt": "..." | [1, 2, 3], "max_tokens": 1, "user": "acme"}
+
+  The tenant is the ``X-WavePP-Tenant`` header, else ``user``, else the tenant ``default``.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from wavepp.runtime.gateway.protocol import REQUEST_ID_PATTERN
+
+__all__ = ["BadRequest", "ParsedRequest", "PromptLimits", "parse_completion", "parse_prefill"]
+
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+MAX_PRIORITY = 100
+
+
+class BadRequest(ValueError):
+    """A request that cannot be served: ``field`` names the part, ``limit`` the bound (if any)."""
+
+    def __init__(self, field: str, message: str, limit: object = None, status: int = 400) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+        self.limit = limit
+        self.status = status
+
+    def to_json(self) -> dict[str, object]:
+        error: dict[str, object] = {
+            "type": "invalid_request_error",
+            "field": self.field,
+            "param": self.field,
+            "message": str(self),
+        }
+        if self.limit is not None:
+            error["limit"] = self.limit
+        return {"error": error}
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """Bounds of a prompt: ``vocab_size`` (ids in [0, vocab_size)), ``max_prompt_tokens``
+    (what every stage's KV cache holds), and the tenants that exist."""
+
+    vocab_size: int
+    max_prompt_tokens: int
+    tenants: frozenset[str]
+
+
+@dataclass
+class ParsedRequest:
+    tenant: str
+    request_id: str
+    token_ids: list[int]
+    priority: int = 0
+    model: str = ""
+
+
+Tokenize = Callable[[str], list[int]]
+
+
+def _check_tokens(token_ids: object, field: str, limits: PromptLimits) -> list[int]:
+    if not isinstance(token_ids, list):
+        raise BadRequest(field, f"must be a list of token ids, got {type(token_ids).__name__}")
+    if not token_ids:
+        raise BadRequest(field, "prompt is empty; send at least 1 token", limit=1)
+    if len(token_ids) > limits.max_prompt_tokens:
+        raise BadRequest(
+            field,
+            f"prompt has {len(token_ids)} tokens; the pipeline holds at most "
+            f"{limits.max_prompt_tokens}",
+            limit=limits.max_prompt_tokens,
+        )
+    for i, tid in enumerate(token_ids):
+        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < limits.vocab_size:
+            raise BadRequest(
+                f"{field}[{i}]",
+                f"{tid!r} is not a token id in [0, {limits.vocab_size})",
+                limit=limits.vocab_size,
+            )
+    return list(token_ids)
+
+
+def _check_tenant(tenant: object, limits: PromptLimits) -> str:
+    if not isinstance(tenant, str) or not tenant:
+        raise BadRequest("tenant", "required: a tenant name")
+    if tenant not in limits.tenants:
+        raise BadRequest(
+            "tenant", f"unknown tenant {tenant!r}; known: {sorted(limits.tenants)}", status=403
+        )
+    return tenant
+
+
+def _check_request_id(request_id: object) -> str:
+    if request_id is None:
+        return uuid.uuid4().hex
+    if not isinstance(request_id, str) or not _REQUEST_ID.match(request_id):
+        raise BadRequest(
+            "request_id",
+            f"{request_id!r} must match {REQUEST_ID_PATTERN} (letters, digits, _ = - .; "
+            "at most 128)",
+            limit=128,
+        )
+    return request_id
+
+
+def _text_tokens(text: object, field: str, tokenize: Tokenize | None) -> list[int]:
+    if not isinstance(text, str):
+        raise BadRequest(field, f"must be a string, got {type(text).__name__}")
+    if not text:
+        raise BadRequest(field, "prompt is empty; send at least 1 token", limit=1)
+    if tokenize is None:
+        raise BadRequest(
+            field, "text needs a tokenizer: start the gateway with --tokenizer PATH", status=422
+        )
+    return tokenize(text)
+
+
+def parse_prefill(
+    body: object, limits: PromptLimits, tokenize: Tokenize | None = None
+) -> ParsedRequest:
+    """Validate a ``/v1/prefill`` body.
+
+    Raises:
+        BadRequest: naming the field (and limit) of the first problem.
+    """
+    if not isinstance(body, Mapping):
+        raise BadRequest("body", "must be a JSON object")
+    unknown = sorted(set(body) - {"tenant", "token_ids", "text", "request_id", "priority"})
+    if unknown:
+        raise BadRequest(unknown[0], "unknown field")
+    tenant = _check_tenant(body.get("tenant"), limits)
+    has_ids, has_text = "token_ids" in body, "text" in body
+    if has_ids == has_text:
+        raise BadRequest("token_ids", "give exactly one of token_ids and text")
+    if has_ids:
+        token_ids = _check_tokens(body["token_ids"], "token_ids", limits)
+    else:
+        token_ids = _check_tokens(_text_tokens(body["text"], "text", tokenize), "text", limits)
+    priority = body.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
+        raise BadRequest(
+            "priority",
+            f"{priority!r} must be an int in [-{MAX_PRIORITY}, {MAX_PRIORITY}]",
+            limit=MAX_PRIORITY,
+        )
+    return ParsedRequest(tenant, _check_request_id(body.get("request_id")), token_ids, priority)
+
+
+def parse_completion(
+    body: object,
+    limits: PromptLimits,
+    tokenize: Tokenize | None = None,
+    *,
+    tenant_header: str | None = None,
+    model_name: str = "",
+) -> ParsedRequest:
+    """Validate an OpenAI ``/v1/completions`` body (prefill only: ``max_tokens`` = 1).
+
+    Raises:
+        BadRequest: naming the field (and limit) of the first problem.
+    """
+    if not isinstance(body, Mapping):
+        raise BadRequest("body", "must be a JSON object")
+    max_tokens = body.get("max_tokens", 1)
+    if max_tokens != 1 or isinstance(max_tokens, bool):
+        raise BadRequest(
+            "max_tokens",
+            f"{max_tokens!r}: this service runs prefill only and returns the first token; "
+            "max_tokens must be 1",
+            limit=1,
+        )
+    model = body.get("model", model_name)
+    if model_name and model not in (model_name, None):
+        raise BadRequest("model", f"{model!r}: this service serves {model_name!r}", status=404)
+    if body.get("n", 1) != 1:
+        raise BadRequest("n", "only n=1 is supported", limit=1)
+    tenant = _check_tenant(tenant_header or body.get("user") or "default", limits)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise BadRequest("prompt", "required: a string or a list of token ids")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise BadRequest("prompt", "batches are not supported: send one prompt", limit=1)
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        token_ids = _check_tokens(_text_tokens(prompt, "prompt", tokenize), "prompt", limits)
+    else:
+        token_ids = _check_tokens(prompt, "prompt", limits)
+    return ParsedRequest(tenant, uuid.uuid4().hex, token_ids, 0, str(model or model_name))

@@ -1,0 +1,151 @@
+"""Pool router: which pipeline replica gets a request (pure; the gateway owns the I/O).
+
+Each replica's stages publish KV events (``{p}.kv_events.{rank}``: block hashes stored and
+removed). The router keeps, per replica and stage, the set of block hashes the stage holds (a
+shadow index), so it can estimate a replica's reusable prefix for a prompt the same way the
+admission controller computes L*: the number of leading block hashes held on *every* stage.
+
+    choose(hashes): replicas in the pool
+        -> longest reusable prefix (blocks), ties -> fewest requests outstanding,
+           ties -> the replica after the last chosen one (round-robin among equals)
+
+A replica is in the pool while it sends heartbeats (its admission controller's) within
+``timeout_s``; one that stops leaves the pool, and the gateway re-routes its pending requests.
+Policies ``round_robin`` and ``least_loaded`` ignore the index (for comparison and fallback).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["PoolRouter", "ReplicaState", "RoutingPolicy"]
+
+RoutingPolicy = Literal["prefix", "round_robin", "least_loaded"]
+
+
+@dataclass
+class ReplicaState:
+    """What the router knows of one replica: per-stage held block hashes, load, liveness."""
+
+    name: str
+    num_stages: int
+    held: list[set[bytes]] = field(default_factory=list)
+    num_outstanding: int = 0
+    last_heartbeat_s: float = -1.0
+    is_ready: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.held:
+            self.held = [set() for _ in range(self.num_stages)]
+
+    def num_reusable_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        """Leading blocks of ``block_hashes`` held on every stage (the shadow L*)."""
+        num = 0
+        for block_hash in block_hashes:
+            if not all(block_hash in held for held in self.held):
+                break
+            num += 1
+        return num
+
+
+class PoolRouter:
+    """Chooses a replica per request; see the module docstring.
+
+    Args:
+        replicas: (name, num_stages) of each replica, in pool order.
+        policy: ``prefix`` (default), ``round_robin`` or ``least_loaded``.
+        timeout_s: a replica without a heartbeat for this long is out of the pool.
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[tuple[str, int]],
+        *,
+        policy: RoutingPolicy = "prefix",
+        timeout_s: float = 3.0,
+    ) -> None:
+        if not replicas:
+            raise ValueError("replicas: the pool needs at least one replica")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s}: must be > 0")
+        self.replicas = [ReplicaState(name, num_stages) for name, num_stages in replicas]
+        self.by_name = {r.name: r for r in self.replicas}
+        self.policy: RoutingPolicy = policy
+        self.timeout_s = timeout_s
+        self._next = 0
+
+    # ---- inputs --------------------------------------------------------------------------
+
+    def on_kv_events(
+        self,
+        replica: str,
+        rank: int,
+        stored: Sequence[Sequence[bytes]],
+        removed: Sequence[Sequence[bytes]],
+    ) -> None:
+        """Apply one stage's KV event batch (stored first, then removed, as the pool emits).
+
+        Raises:
+            KeyError: unknown replica. ValueError: rank out of range.
+        """
+        state = self.by_name[replica]
+        if not 0 <= rank < state.num_stages:
+            raise ValueError(f"rank={rank}: replica {replica} has {state.num_stages} stages")
+        held = state.held[rank]
+        for hashes in stored:
+            held.update(hashes)
+        for hashes in removed:
+            held.difference_update(hashes)
+
+    def on_heartbeat(self, replica: str, now_s: float, *, is_ready: bool) -> None:
+        state = self.by_name[replica]
+        state.last_heartbeat_s = now_s
+        state.is_ready = is_ready
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def is_alive(self, replica: str, now_s: float) -> bool:
+        state = self.by_name[replica]
+        return state.last_heartbeat_s >= 0 and now_s - state.last_heartbeat_s <= self.timeout_s
+
+    def pool(self, now_s: float) -> list[ReplicaState]:
+        """Replicas in the pool now (heartbeat within ``timeout_s``)."""
+        return [r for r in self.replicas if self.is_alive(r.name, now_s)]
+
+    def choose(
+        self, block_hashes: Sequence[bytes], now_s: float, *, exclude: Sequence[str] = ()
+    ) -> tuple[ReplicaState, int]:
+        """The replica for a prompt with ``block_hashes`` (chained, the tenant's salt).
+
+        Falls back to every replica not excluded when none is alive (intake is durable: the
+        request waits in that replica's stream).
+
+        Returns:
+            (replica, its reusable prefix in blocks by the shadow index).
+
+        Raises:
+            LookupError: every replica is excluded.
+        """
+        candidates = [r for r in self.pool(now_s) if r.name not in exclude]
+        if not candidates:
+            candidates = [r for r in self.replicas if r.name not in exclude]
+        if not candidates:
+            raise LookupError(f"no replica left to route to (excluded {list(exclude)})")
+        order = {r.name: (i - self._next) % len(self.replicas) for i, r in enumerate(self.replicas)}
+        if self.policy == "round_robin":
+            chosen = min(candidates, key=lambda r: order[r.name])
+        elif self.policy == "least_loaded":
+            chosen = min(candidates, key=lambda r: (r.num_outstanding, order[r.name]))
+        else:
+            chosen = min(
+                candidates,
+                key=lambda r: (
+                    -r.num_reusable_blocks(block_hashes),
+                    r.num_outstanding,
+                    order[r.name],
+                ),
+            )
+        self._next = (self.replicas.index(chosen) + 1) % len(self.replicas)
+        return chosen, chosen.num_reusable_blocks(block_hashes)

@@ -1,0 +1,369 @@
+"""The admission service (``wavepp admission``): one pipeline replica's admission controller and
+wave scheduler, serving requests from its durable JetStream intake.
+
+    gateway --js publish {p}.intake (Nats-Msg-Id = key)--> stream WAVEPP_INTAKE_{pipeline}
+    admission: durable pull consumer "admission"
+        result already in KV?  -> republish it, ack (a redelivery or a duplicate: answered once)
+        else submit to the WaveScheduler (in_progress() keeps the message while it runs)
+             -> PrefillResult -> KV put -> publish wavepp.{pool}.result.{key} -> ack
+
+Delivery is at-least-once: a service killed mid-request leaves its messages unacked; JetStream
+redelivers them after ``ack_wait_s`` to the next service, which finds no stored result and runs
+them. Scheduler request ids are ``{key}@{instance}``, so a rerun never collides with the pins a
+dead instance left behind (their leases expire).
+
+The service also publishes a heartbeat (``{p}.admission.heartbeat``, every 0.5 s) with whether
+every stage answered its last health probe; the gateway's router uses it for pool membership
+and ``/readyz``. It subscribes to the pipeline's plans and done messages to report per-stage
+timings of each request (prepare and execute seconds, summed over the request's micro-batches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import defaultdict
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import KeyNotFoundError, NotFoundError
+
+from wavepp.api.messages import MicroBatchDone, MicroBatchPlan
+from wavepp.runtime.agreement import AdmissionController, NatsStageClient, PromptRequest
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.gateway.protocol import (
+    Heartbeat,
+    IntakeRequest,
+    PrefillResult,
+    StageTiming,
+    heartbeat_subject,
+    intake_stream,
+    intake_subject,
+    result_subject,
+    results_bucket,
+)
+from wavepp.runtime.planner import ChunkPlanner, CostModel
+from wavepp.runtime.scheduler import RequestOutcome, WaveScheduler
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+async def ensure_intake(js, pipeline: str, *, duplicate_window_s: float = 120.0) -> None:  # noqa: ANN001 - JetStreamContext
+    """Create the replica's intake stream if it does not exist (idempotent)."""
+    name = intake_stream(pipeline)
+    try:
+        await js.stream_info(name)
+    except NotFoundError:
+        await js.add_stream(
+            StreamConfig(
+                name=name,
+                subjects=[intake_subject(pipeline)],
+                retention=RetentionPolicy.WORK_QUEUE,
+                storage=StorageType.FILE,
+                duplicate_window=duplicate_window_s,
+            )
+        )
+
+
+async def ensure_results(js, pool: str, *, ttl_s: float = 3600.0):  # noqa: ANN001, ANN201
+    """The pool's results KV bucket (key -> PrefillResult JSON), created if absent."""
+    try:
+        return await js.key_value(results_bucket(pool))
+    except (NotFoundError, Exception):  # nats-py raises BucketNotFoundError (a NotFoundError)
+        return await js.create_key_value(KeyValueConfig(bucket=results_bucket(pool), ttl=ttl_s))
+
+
+def result_from_outcome(
+    request: IntakeRequest,
+    outcome: RequestOutcome,
+    *,
+    replica: str,
+    stages: list[StageTiming],
+) -> PrefillResult:
+    """The client's answer from a scheduler outcome. Times in seconds; TTFT from the gateway's
+    arrival (``request.arrival_s``, wall clock) to the first token."""
+    return PrefillResult(
+        request_id=request.request_id,
+        tenant=request.tenant,
+        replica=replica,
+        first_token_id=outcome.first_token_id,
+        num_prompt_tokens=outcome.num_prompt_tokens,
+        num_cached_tokens=outcome.num_cached_tokens,
+        ttft_s=max(0.0, outcome.finished_s - request.arrival_s),
+        queue_s=request.queued_s,
+        agreement_s=outcome.agreement_s,
+        admission_s=max(0.0, (outcome.admitted_s or outcome.finished_s) - outcome.arrival_s),
+        execute_s=max(0.0, outcome.finished_s - (outcome.first_scheduled_s or outcome.finished_s)),
+        stage_hits=list(outcome.stage_hits),
+        stages=stages,
+        error=outcome.error,
+    )
+
+
+class AdmissionService:
+    """Serves one replica's intake; see the module docstring.
+
+    Args:
+        config: the replica's RuntimeConfig (its ``pipeline`` names the replica).
+        nc: the process's NATS connection (owned by the caller).
+        planner_cost_model: the chunk planner's cost model.
+        pool: the pool's name (results bucket and result subjects).
+        ack_wait_s: JetStream redelivers a message unacked for this long (a dead service).
+        max_concurrent: requests taken from the stream and not yet answered, at most.
+        startup_timeout_s: how long to wait for every stage to answer a health probe.
+    """
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        nc: NATS,
+        planner_cost_model: CostModel,
+        *,
+        pool: str,
+        ack_wait_s: float = 10.0,
+        max_concurrent: int = 64,
+        startup_timeout_s: float = 300.0,
+    ) -> None:
+        self.config = config
+        self.nc = nc
+        self.pool = pool
+        self.ack_wait_s = ack_wait_s
+        self.max_concurrent = max_concurrent
+        self.startup_timeout_s = startup_timeout_s
+        self.instance = uuid.uuid4().hex[:8]
+        self.js = nc.jetstream()
+        stages = [
+            NatsStageClient(nc, config.subject_prefix, rank, config.request_timeout_s)
+            for rank in range(config.num_stages)
+        ]
+        self.controller = AdmissionController(
+            stages,
+            block_size=config.block_size,
+            model_id=config.model_id,
+            lease_s=config.lease_s,
+            stage_capacities=[config.kv_blocks_of(r) for r in range(config.num_stages)],
+        )
+        planner = ChunkPlanner(
+            planner_cost_model,
+            policy=config.resolved_chunk_policy,
+            chunk_tokens=config.chunk_tokens,
+            block_size=config.block_size,
+        )
+        self.scheduler = WaveScheduler(config, nc, self.controller, planner)
+        # NOTE: micro-batch ids must not repeat those of a previous instance whose micro-batches
+        # may still be in the pipeline (their done messages reach us too): start at wall-clock ms.
+        self.scheduler._next_microbatch_id = int(time.time() * 1000)
+        self.num_stages_formed = 0
+        self.num_answered = 0
+        self.num_duplicates = 0
+        self._running: dict[str, asyncio.Task[PrefillResult]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self._mb_requests: dict[int, list[str]] = {}
+        self._timings: dict[str, dict[int, StageTiming]] = defaultdict(dict)
+        self._kv = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def wait_formed(self) -> None:
+        """Wait until every stage answers a health probe (deadline ``startup_timeout_s``)."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not await self._probe_stages():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.config.pipeline}: {self.num_stages_formed}/{self.config.num_stages} "
+                    f"stages formed after {self.startup_timeout_s}s"
+                )
+            await asyncio.sleep(0.2)
+
+    async def _probe_stages(self) -> bool:
+        try:
+            replies = await asyncio.wait_for(self.controller.health(), 2.0)
+            self.num_stages_formed = sum(1 for r in replies if r.ok)
+        except Exception:  # noqa: BLE001 - any stage silent: not formed
+            self.num_stages_formed = 0
+        return self.num_stages_formed == self.config.num_stages
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Form, serve the intake until ``stop`` is set, then drain in-flight requests."""
+        heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+        try:
+            await self.wait_formed()
+            prefix = self.config.subject_prefix
+            await self.nc.subscribe(f"{prefix}.plan", cb=self._on_plan)
+            await self.nc.subscribe(f"{prefix}.done", cb=self._on_done)
+            await self.scheduler.start()
+            await ensure_intake(self.js, self.config.pipeline)
+            self._kv = await ensure_results(self.js, self.pool)
+            psub = await self.js.pull_subscribe(
+                intake_subject(self.config.pipeline),
+                durable="admission",
+                stream=intake_stream(self.config.pipeline),
+                config=ConsumerConfig(
+                    ack_policy=AckPolicy.EXPLICIT,
+                    ack_wait=self.ack_wait_s,
+                    max_ack_pending=self.max_concurrent * 4,
+                ),
+            )
+            log.info("%s: admission %s serving", self.config.pipeline, self.instance)
+            fetcher = asyncio.create_task(self._fetch_loop(psub), name="fetch")
+            await stop.wait()
+            fetcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await fetcher
+            if self._tasks:
+                await asyncio.wait(self._tasks, timeout=10.0)
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+            await self.scheduler.stop()
+
+    async def _heartbeat_loop(self) -> None:
+        subject = heartbeat_subject(self.config.pipeline)
+        num_beats = 0
+        while True:
+            if num_beats % 2 == 0 and self.scheduler._tasks:  # probe once a second once serving
+                await self._probe_stages()
+            beat = Heartbeat(
+                pipeline=self.config.pipeline,
+                ready=bool(self.scheduler._tasks)
+                and self.num_stages_formed == self.config.num_stages,
+                num_stages_formed=self.num_stages_formed,
+                num_inflight=len(self._running),
+                instance=self.instance,
+            )
+            with contextlib.suppress(Exception):
+                await self.nc.publish(subject, beat.model_dump_json().encode())
+            num_beats += 1
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    # ---- intake --------------------------------------------------------------------------
+
+    async def _fetch_loop(self, psub) -> None:  # noqa: ANN001 - PullSubscription
+        while True:
+            await self._slots.acquire()
+            try:
+                msgs = await psub.fetch(batch=1, timeout=1.0)
+            except (NatsTimeoutError, TimeoutError):
+                self._slots.release()
+                continue
+            except Exception as exc:  # noqa: BLE001 - server restarting: retry
+                self._slots.release()
+                log.warning("intake fetch failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                task = asyncio.create_task(self._handle(msg))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _handle(self, msg: Msg) -> None:
+        try:
+            try:
+                request = IntakeRequest.model_validate_json(msg.data)
+            except ValueError as exc:
+                log.error("invalid intake message terminated: %s", exc)
+                await msg.term()
+                return
+            stored = await self._stored(request.key)
+            if stored is not None:
+                self.num_duplicates += 1
+                await self.nc.publish(result_subject(self.pool, request.key), stored)
+                await msg.ack()
+                return
+            running = self._running.get(request.key)
+            if running is None:
+                running = asyncio.create_task(self._execute(request))
+                self._running[request.key] = running
+                running.add_done_callback(lambda _t, k=request.key: self._running.pop(k, None))
+            keepalive = asyncio.create_task(self._keep_in_progress(msg))
+            try:
+                result = await asyncio.shield(running)
+            finally:
+                keepalive.cancel()
+            data = result.model_dump_json().encode()
+            assert self._kv is not None, "results bucket opened before serving"
+            await self._kv.put(request.key, data)
+            await self.nc.publish(result_subject(self.pool, request.key), data)
+            await msg.ack()
+            self.num_answered += 1
+        except Exception:
+            log.exception("intake message failed; it will be redelivered")
+        finally:
+            self._slots.release()
+
+    async def _stored(self, key: str) -> bytes | None:
+        assert self._kv is not None, "results bucket opened before serving"
+        try:
+            entry = await self._kv.get(key)
+        except KeyNotFoundError:
+            return None
+        return entry.value
+
+    async def _keep_in_progress(self, msg: Msg) -> None:
+        while True:
+            await asyncio.sleep(self.ack_wait_s / 3)
+            with contextlib.suppress(Exception):
+                await msg.in_progress()
+
+    async def _execute(self, request: IntakeRequest) -> PrefillResult:
+        scheduler_id = f"{request.key}@{self.instance}"
+        outcome = await self.scheduler.submit(
+            PromptRequest(
+                request_id=scheduler_id,
+                token_ids=request.token_ids,
+                cache_salt=request.cache_salt,
+                arrival_s=time.time(),
+            )
+        )
+        with contextlib.suppress(Exception):
+            await self.nc.flush(timeout=1)  # lets our own done subscription catch up
+        timings = self._timings.pop(scheduler_id, {})
+        return result_from_outcome(
+            request,
+            outcome,
+            replica=self.config.pipeline,
+            stages=[timings[r] for r in sorted(timings)],
+        )
+
+    # ---- per-stage timings ---------------------------------------------------------------
+
+    async def _on_plan(self, msg: Msg) -> None:
+        try:
+            plan = MicroBatchPlan.model_validate_json(msg.data)
+        except ValueError:
+            return
+        self._mb_requests[plan.microbatch_id] = [c.request_id for c in plan.chunks]
+
+    async def _on_done(self, msg: Msg) -> None:
+        try:
+            done = MicroBatchDone.model_validate_json(msg.data)
+        except ValueError:
+            return
+        owners = self._mb_requests.get(done.microbatch_id, [])
+        agreed = list(done.num_agreed_blocks) + [-1] * len(owners)
+        for request_id, num_agreed in zip(owners, agreed, strict=False):
+            key, _, instance = request_id.rpartition("@")
+            if instance != self.instance or key not in self._running:
+                continue
+            timing = self._timings[request_id].setdefault(done.rank, StageTiming(rank=done.rank))
+            timing.prepare_s += done.prepare_end_s - done.prepare_start_s
+            timing.execute_s += done.execute_end_s - done.execute_start_s
+            timing.num_agreed_blocks = num_agreed
+        if done.rank == self.config.num_stages - 1:
+            self._mb_requests.pop(done.microbatch_id, None)
