@@ -466,10 +466,14 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
     notes: dict[int, tuple[str, str]] = {}  # replica -> (reason, message) for its status
 
     def sts_annotations(index: int, **values: Any) -> Patch:
+        """Patch the replica's memory (drain=, restarts=, degraded=; None removes)."""
+        keys = {
+            "drain": ANNOTATION_DRAIN,
+            "restarts": ANNOTATION_RESTARTS,
+            "degraded": ANNOTATION_DEGRADED,
+        }
         encoded = {
-            {"drain": ANNOTATION_DRAIN, "restarts": ANNOTATION_RESTARTS}.get(
-                k, ANNOTATION_DEGRADED
-            ): (None if v is None else v if isinstance(v, str) else json.dumps(v))
+            keys[k]: None if v is None else v if isinstance(v, str) else json.dumps(v)
             for k, v in values.items()
         }
         return Patch(
