@@ -37,7 +37,7 @@ from hypothesis.stateful import (
 from wavepp.runtime.kvcache import BlockPool, KVEvent, StageKVManager, hash_prompt_blocks
 
 _SETTINGS = settings(
-    max_examples=200,
+    max_examples=150,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
