@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ from wavepp.api.spec import (
     SpecError,
     WavePipelineSpec,
     check_spec,
+    load_spec_file,
     split_layers,
 )
 
@@ -122,3 +125,18 @@ def test_example_is_a_valid_spec() -> None:
     spec, issues = check_spec(body["spec"], **DEFAULTS)
     assert issues == [] and spec is not None
     assert spec.num_stages == 4 and spec.num_replicas == 2 and spec.gpus_per_stage() == 0
+
+
+def test_load_spec_file_reads_objects_and_bare_specs(tmp_path: Path) -> None:
+    spec = load_spec_file(REPO / "examples" / "wavepipeline.yaml")
+    assert spec.num_stages == 4 and spec.model.name == "tiny-llama"
+    bare = tmp_path / "spec.json"
+    bare.write_text(json.dumps(spec.to_wire()))
+    assert load_spec_file(bare) == spec
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {name: tiny-llama}\nstages: 9\n")
+    with pytest.raises(ValueError, match="exceeds the model's 8 layers"):
+        load_spec_file(bad)
+    with pytest.raises(ValueError, match="expected a mapping"):
+        bad.write_text("- 1\n")
+        load_spec_file(bad)

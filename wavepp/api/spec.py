@@ -24,6 +24,7 @@ path (``spec.layerPartition``), which the operator writes into the pipeline's co
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -56,6 +57,7 @@ __all__ = [
     "WavePipelineSpec",
     "WavePipelineStatus",
     "check_spec",
+    "load_spec_file",
     "split_layers",
 ]
 
@@ -496,6 +498,35 @@ def _check_cross_fields(spec: WavePipelineSpec) -> None:
                 "autoscaling.minReplicas",
                 f"{spec.autoscaling.min_replicas} > maxReplicas={spec.autoscaling.max_replicas}",
             )
+
+
+def load_spec_file(path: str | Path) -> WavePipelineSpec:
+    """Read a spec from YAML or JSON: a bare spec, or a whole WavePipeline object.
+
+    Args:
+        path: file with either the ``spec`` mapping itself or ``{kind: WavePipeline, spec: ...}``
+            (so ``examples/wavepipeline.yaml`` works as ``wavepp up --config``).
+
+    Returns:
+        The validated (not yet resolved) spec.
+
+    Raises:
+        ValueError: unreadable file, not a mapping, or an invalid spec (pydantic's
+            ValidationError, a ValueError, names the fields).
+    """
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--config {path}: {exc}") from exc
+    if isinstance(data, dict) and data.get("kind") == KIND:
+        data = data.get("spec")
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"--config {path}: expected a mapping (a spec or a {KIND}), got {data!r:.80}"
+        )
+    return WavePipelineSpec.model_validate(data)
 
 
 def _field_path(loc: tuple[int | str, ...]) -> str:
