@@ -289,6 +289,7 @@ async def pipeline_daemon(
     finally:
         state.wakeups.pop((namespace, name), None)
         state.reconciled_specs.pop((namespace, name), None)
+        state.last_phase.pop((namespace, name), None)
 
 
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL)
