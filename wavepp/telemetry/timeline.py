@@ -21,7 +21,7 @@ def draw_timeline(
     *,
     num_stages: int | None = None,
     title: str = "",
-    num_bins: int = 40,
+    num_bins: int | None = None,
 ) -> dict[str, float]:
     """Write the timeline PNG of ``records`` to ``path``.
 
@@ -30,7 +30,7 @@ def draw_timeline(
         path: output PNG.
         num_stages: S; None: from the spans.
         title: prefix of the figure title.
-        num_bins: bins of the throughput plot.
+        num_bins: bins of the throughput plot (None: half the micro-batches, in [5, 40]).
 
     Returns:
         ``{"wave_fill", "num_stages", "num_microbatches", "window_s"}`` of what was drawn.
@@ -43,13 +43,16 @@ def draw_timeline(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if num_bins < 1:
+    if num_bins is not None and num_bins < 1:
         raise ValueError(f"num_bins={num_bins}: must be >= 1")
     records = list(records)
     intervals = stage_intervals(records)
     execute = [i for i in intervals if i.phase == "execute"]
     if not execute:
         raise ValueError("no stage.execute spans to draw (was tracing on and sampled?)")
+    num_microbatches = len({i.microbatch_id for i in execute})
+    if num_bins is None:
+        num_bins = max(5, min(40, num_microbatches // 2))
     stages = num_stages or num_stages_of(execute)
     fill = wave_fill_from_spans(records, stages)
     t0 = min(i.start_s for i in intervals)
@@ -75,12 +78,14 @@ def draw_timeline(
             ax.broken_barh([x], (row - 0.42, 0.1), facecolors="0.45")
     ax.set_yticks(range(stages), [f"stage {stages - 1 - r}" for r in range(stages)])
     ax.set_xlim(0, window_s)
-    ax.set_xlabel("time since first stage span (s)")
+    ax.set_xlabel(
+        "time since the first stage span (s); bars: execute, coloured by micro-batch; "
+        "grey ticks below: prepare; gaps: bubbles"
+    )
     heading = f"{title}: " if title else ""
     ax.set_title(
         f"{heading}wave fill {fill:.1%} (bubbles {1 - fill:.1%}), {stages} stages, "
-        f"{len({i.microbatch_id for i in execute})} micro-batches  "
-        "(bars: execute, coloured by micro-batch; grey ticks: prepare)"
+        f"{num_microbatches} micro-batches"
     )
 
     last = [i for i in execute if i.rank == stages - 1]
@@ -101,6 +106,6 @@ def draw_timeline(
     return {
         "wave_fill": fill,
         "num_stages": float(stages),
-        "num_microbatches": float(len({i.microbatch_id for i in execute})),
+        "num_microbatches": float(num_microbatches),
         "window_s": window_s,
     }
