@@ -287,7 +287,7 @@ def pod_status(phase: str, *, restarts: int = 0, exit_code: int = 1) -> dict[str
 
 
 async def wait_for(
-    check: Callable[[], Any], *, timeout_s: float = 10.0, what: str = "condition"
+    check: Callable[[], Any], *, timeout_s: float = 30.0, what: str = "condition"
 ) -> Any:
     """Poll the async ``check`` until it returns a truthy value; fail with ``what`` at timeout."""
     deadline = time.monotonic() + timeout_s
