@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -171,3 +172,41 @@ def test_metrics_agree_with_the_replay_summary(run: Run) -> None:
     assert [busy[r] for r in range(NUM_STAGES)] == pytest.approx(expected)
     microbatches = run.counter_by("wavepp.microbatches", "pipeline")
     assert sum(microbatches.values()) == summary["microbatches"]
+
+
+def test_replay_cli_draws_the_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from telemetry_support import short_records
+
+    from wavepp.cli import main
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {"timestamp": r.timestamp_ms, "input_length": r.input_length,
+                 "output_length": r.output_length, "hash_ids": list(r.hash_ids)}
+            ) + "\n"
+            for r in short_records(12)
+        )
+    )  # fmt: skip
+    png, spans = tmp_path / "timeline.png", tmp_path / "spans.jsonl"
+    argv = [
+        "replay",
+        str(trace),
+        "--stages",
+        "4",
+        "--engine",
+        "emulated",
+        "--tokens-per-block",
+        "16",
+    ]
+    argv += ["--time-scale", "0.05", "--trace-out", str(spans), "--timeline", str(png), "--json"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["completed"] == 12
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    records = read_span_records([spans])  # every process appended to the one file
+    assert {r.service for r in records} == {"wavepp-scheduler"} | {
+        f"wavepp-stage-{r}" for r in range(4)
+    }
+    assert wave_fill_from_spans(records, 4) == pytest.approx(summary["wave_fill"], abs=1e-4)
