@@ -51,6 +51,7 @@ def start_up(
     tmp: Path, spec: dict, extra_args: list[str] = (), timeout_s: float = 120.0
 ) -> UpService:
     """Start `wavepp up`; wait for its 'serving' line; fail fast (with the output) if it exits."""
+    tmp.mkdir(parents=True, exist_ok=True)
     config = tmp / "pipeline.yaml"
     config.write_text(yaml.safe_dump(spec))
     port = free_port()

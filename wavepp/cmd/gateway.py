@@ -14,6 +14,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-url", required=True, help="NATS server URL (with JetStream)")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    parser.add_argument(
+        "--routing",
+        choices=["prefix", "round_robin", "least_loaded"],
+        default=None,
+        help="override the config's routing policy",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"wavepp gateway: --gateway-config {args.gateway_config}: {exc}", file=sys.stderr)
         return 2
+    if args.routing:
+        config = config.model_copy(update={"routing": args.routing})
     if not 0 < args.port < 65536:
         print(f"wavepp gateway: --port {args.port}: must be in [1, 65535]", file=sys.stderr)
         return 2
