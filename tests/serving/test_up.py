@@ -225,3 +225,29 @@ async def test_admission_restart_mid_load_answers_every_request_once(
     for (status, body, headers), (_, first, _) in zip(repeats, results, strict=True):
         assert status == 200 and headers.get("X-WavePP-Duplicate") == "true"
         assert body == first
+
+
+@pytest.mark.slow
+async def test_heavy_tenant_does_not_starve_light_tenant(up_service: UpService) -> None:
+    """alice floods 48 concurrent 400-token prompts; bob sends 6 short prompts one after the
+    other meanwhile. The gateway's fair-share queue (8 outstanding per replica) lets each of
+    bob's requests pass alice's backlog: bob's p99 TTFT stays below alice's median."""
+    url = f"{up_service.endpoint}/v1/prefill"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=150)) as session:
+
+        async def timed(tenant: str, tokens: list[int]) -> float:
+            start = time.monotonic()
+            status, body, _ = await post(session, url, {"tenant": tenant, "token_ids": tokens})
+            assert status == 200, body
+            return time.monotonic() - start
+
+        heavy = [asyncio.create_task(timed("alice", prompt(500 + i, 400))) for i in range(48)]
+        await asyncio.sleep(0.3)  # alice's backlog is queued
+        light = [await timed("bob", prompt(900 + i, 32)) for i in range(6)]
+        heavy_ttft = await asyncio.gather(*heavy)
+    heavy_p50 = sorted(heavy_ttft)[len(heavy_ttft) // 2]
+    light_p99 = max(light)  # 6 samples: p99 is the max
+    print(
+        f"light p99 TTFT {light_p99:.3f} s, heavy p50 {heavy_p50:.3f} s, max {max(heavy_ttft):.3f} s"
+    )
+    assert light_p99 < heavy_p50
