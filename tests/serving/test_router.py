@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -87,6 +89,7 @@ async def test_prefix_routing_beats_round_robin(tmp_path: Path) -> None:
         await _wait_ready(rr_endpoint, rr_gateway, 60)
         prefix = await _run(service.endpoint, "alice")
         round_robin = await _run(rr_endpoint, "bob")
+        rerouted = await _stop_answering(service, prefix)
     finally:
         rr_gateway.terminate()
         rr_gateway.wait(30)
@@ -105,3 +108,37 @@ async def test_prefix_routing_beats_round_robin(tmp_path: Path) -> None:
     assert len({a["replica"] for a in prefix}) == 2
     # after its first request, every repeat of a document hits under prefix routing
     assert all(a["num_cached_tokens"] > 0 for a in prefix[3:])
+    # a replica that stops answering leaves the pool; its requests are answered by the other
+    stopped, answers, pool_after = rerouted
+    assert [a["replica"] for a in answers] == [_other(stopped)] * len(answers)
+    assert pool_after[stopped]["in_pool"] is False
+
+
+def _other(replica: str) -> str:
+    return "default-r1" if replica == "default-r0" else "default-r0"
+
+
+async def _stop_answering(service, prefix: list[dict]) -> tuple[str, list[dict], dict]:  # noqa: ANN001
+    """SIGSTOP the admission of the replica holding document 0, then ask for document 0 again
+    (the router still prefers that replica until its heartbeat times out, 3 s)."""
+    replica = next(a["replica"] for a in prefix if a["doc"] == 0)
+    pid = service.processes()["pids"][f"admission-{replica}"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        _, tokens = workload()[0]
+        async with aiohttp.ClientSession() as session:
+
+            async def ask(i: int) -> dict:
+                body = {"tenant": "alice", "token_ids": tokens + [i + 1]}
+                async with session.post(
+                    f"{service.endpoint}/v1/prefill", data=json.dumps(body)
+                ) as response:
+                    assert response.status == 200, await response.text()
+                    return await response.json()
+
+            answers = await asyncio.gather(*(ask(i) for i in range(4)))
+            async with session.get(f"{service.endpoint}/readyz") as response:
+                pool_after = (await response.json())["replicas"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    return replica, list(answers), pool_after
