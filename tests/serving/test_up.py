@@ -251,3 +251,55 @@ async def test_heavy_tenant_does_not_starve_light_tenant(up_service: UpService) 
         f"light p99 TTFT {light_p99:.3f} s, heavy p50 {heavy_p50:.3f} s, max {max(heavy_ttft):.3f} s"
     )
     assert light_p99 < heavy_p50
+
+
+@pytest.mark.slow
+async def test_gateway_restart_mid_load_loses_no_request(up_service: UpService) -> None:
+    """SIGKILL the gateway while 16 requests are in flight; `up` restarts it. Clients retry
+    with the same request id (their connection broke): each request, already in JetStream, is
+    answered, and every later ask of the same id gets that same answer."""
+    url = f"{up_service.endpoint}/v1/prefill"
+    num_requests = 16
+    answered: list[str] = []
+    num_retries = [0]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=150)) as session:
+
+        async def one(i: int) -> dict:
+            body = {"tenant": "bob", "token_ids": prompt(700 + i, 400), "request_id": f"gw-{i}"}
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    status, answer, _ = await post(session, url, body)
+                except (TimeoutError, aiohttp.ClientError):
+                    num_retries[0] += 1
+                    await asyncio.sleep(0.2)
+                    continue
+                if status == 200:
+                    answered.append(answer["request_id"])
+                    return answer
+                assert status == 503, answer  # only while the new gateway starts
+                await asyncio.sleep(0.2)
+            raise AssertionError(f"gw-{i} not answered")
+
+        tasks = [asyncio.create_task(one(i)) for i in range(num_requests)]
+        deadline = time.monotonic() + 60
+        while len(answered) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        num_before_kill = len(answered)
+        before = up_service.processes()
+        os.kill(before["pids"]["gateway"], signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+        repeats = await asyncio.gather(
+            *(
+                post(session, url, {"tenant": "bob", "token_ids": [1], "request_id": f"gw-{i}"})
+                for i in range(num_requests)
+            )
+        )
+    after = up_service.processes()
+    assert 0 < num_before_kill < num_requests, "kill must land mid-load"
+    assert num_retries[0] > 0, "some clients lost their connection and retried"
+    assert after["restarts"].get("gateway", 0) >= 1
+    assert sorted(r["request_id"] for r in results) == sorted(f"gw-{i}" for i in range(16))
+    for (status, body, headers), first in zip(repeats, results, strict=True):
+        assert status == 200 and headers.get("X-WavePP-Duplicate") == "true"
+        assert body == first

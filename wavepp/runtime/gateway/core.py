@@ -342,12 +342,18 @@ class Gateway:
                 self.metrics.routed_reusable.labels(replica.name).inc(num_reusable)
                 replica.num_outstanding += 1
                 try:
-                    await self.js.publish(
+                    ack = await self.js.publish(
                         intake_subject(replica.name),
                         data,
                         stream=intake_stream(replica.name),
                         headers={"Nats-Msg-Id": intake.key},
                     )
+                    if ack.duplicate:
+                        # Accepted before (a client retry after a gateway restart): its answer
+                        # may have been published before our waiter existed; the KV has it.
+                        stored = await self.stored_result(intake.key)
+                        if stored is not None:
+                            return stored
                     while True:
                         done, _ = await asyncio.wait({waiter}, timeout=0.5)
                         if done:
