@@ -1,0 +1,114 @@
+"""Grid bookkeeping (no processes): settings, stage idle, ratios, the Markdown table, the CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from wavepp.bench.grid import (
+    GridSpec,
+    add_ratios,
+    grid_settings,
+    idle_by_stage,
+    markdown_table,
+    read_csv,
+    runtime_config,
+    write_csv,
+)
+from wavepp.cli import main
+from wavepp.runtime.scheduler import StageSpan, WaveStats
+
+
+def test_grid_has_every_setting_in_both_modes_and_the_ablations() -> None:
+    settings = grid_settings(GridSpec())
+    base = [s for s in settings if not s.ablation]
+    assert len(base) == 2 * 10 * 2 * 2
+    assert {(s.mode) for s in base} == {"wave", "sync"}
+    assert [s.ablation for s in settings if s.ablation] == [
+        "agreement-sync",
+        "chunking-static",
+        "local-prepare-off",
+    ] * 2
+    assert GridSpec().num_requests(1) == 32 and GridSpec().num_requests(256) == 256
+
+
+def test_ablation_reverts_exactly_one_mechanism() -> None:
+    spec = GridSpec(time_scale=0.2)
+    (setting,) = [s for s in grid_settings(spec) if s.ablation == "chunking-static"][:1]
+    config, planner = runtime_config(spec, setting)
+    assert config.mode == "wave"
+    assert config.resolved_chunk_policy == "static"
+    assert config.resolved_async_agreement and config.resolved_local_prepare
+    stage = config.cost_model or {}
+    assert planner.c == pytest.approx(0.2 * float(stage["c"]))  # planner gets the scaled model
+
+
+def _span(rank: int, start: float, end: float) -> StageSpan:
+    return StageSpan(rank, 0, 1, start, start, start, end)
+
+
+def test_idle_by_stage_finds_gaps_and_the_tail() -> None:
+    stats = WaveStats(
+        spans=[_span(0, 0.0, 1.0), _span(0, 3.0, 4.0), _span(1, 1.0, 2.0), _span(1, 2.0, 5.0)]
+    )
+    idle, gaps = idle_by_stage(stats, 2)
+    assert idle == pytest.approx([3.0, 1.0])  # stage 0: gap 1-3 and tail 4-5; stage 1: head 0-1
+    assert gaps == pytest.approx([2.0, 1.0])
+
+
+def _row(model: str, c: int, mode: str, thr: float, ablation: str = "") -> dict:
+    return {
+        "model": model,
+        "concurrency": c,
+        "reuse": "high",
+        "mode": mode,
+        "ablation": ablation,
+        "throughput_tokens_per_s": thr,
+        "cache_hit_ratio": 0.8,
+        "ttft_p50_s": 0.1,
+        "ttft_p99_s": 0.2,
+        "wave_fill": 0.5,
+    }
+
+
+def test_ratios_wins_and_table(tmp_path) -> None:  # noqa: ANN001
+    rows = [
+        _row("m", 1, "wave", 300.0),
+        _row("m", 1, "sync", 100.0),
+        _row("m", 2, "wave", 90.0),
+        _row("m", 2, "sync", 100.0),
+        _row("m", 2, "wave", 150.0, ablation="chunking-static"),
+    ]
+    add_ratios(rows)
+    assert [r["ratio_vs_sync"] for r in rows] == [3.0, 1.0, 0.9, 1.0, 1.5]
+    table = markdown_table(rows, GridSpec(), "wavepp bench grid --x")
+    assert "**3.00**" in table and "**0.90**" in table
+    assert "WavePP wins 1 of 2 settings" in table
+    assert "| m | 2 | high | chunking-static | 150 | 1.50 | 1.67 |" in table
+    assert "`wavepp bench grid --x`" in table and "time_scale=0.1" in table
+    write_csv(rows, tmp_path / "g.csv")
+    back = read_csv(tmp_path / "g.csv")
+    assert [float(r["ratio_vs_sync"]) for r in back] == [3.0, 1.0, 0.9, 1.0, 1.5]
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["bench", "grid", "--models", "nope"], "--models"),
+        (["bench", "grid", "--reuse", "medium"], "--reuse"),
+        (["bench", "grid", "--concurrency", "0"], "--concurrency"),
+        (["bench", "grid", "--ablations", "x"], "--ablations"),
+        (["bench", "plot", "/no/such.csv"], "CSV"),
+    ],
+)
+def test_cli_rejects_bad_flags(argv: list[str], flag: str, capsys, tmp_path) -> None:  # noqa: ANN001
+    assert main([*argv, *(["--out", str(tmp_path)] if "grid" in argv else [])]) == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_plot_cli_writes_pngs(tmp_path) -> None:  # noqa: ANN001
+    rows = [_row("m", c, mode, 100.0 * c) for c in (1, 2, 4) for mode in ("wave", "sync")]
+    add_ratios(rows)
+    write_csv(rows, tmp_path / "grid.csv")
+    assert main(["bench", "plot", str(tmp_path / "grid.csv")]) == 0
+    for name in ("throughput.png", "wave_fill.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,110 @@
+"""The simulator: virtual clock, real runtime objects, and agreement with the emulated run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from wavepp.bench.grid import GridSpec, Setting, run_workload, runtime_config
+from wavepp.bench.workloads import ideal_hit_ratio, preset_workload, shared_prefix_workload
+from wavepp.runtime.agreement import AdmissionController
+from wavepp.runtime.kvcache import StageKVManager
+from wavepp.runtime.planner import CostModel
+from wavepp.runtime.scheduler import WaveScheduler
+from wavepp.sim.clock import SimDeadlockError, VirtualClockLoop
+from wavepp.sim.pipeline import SimLatencies, SimPipeline
+from wavepp.sim.run import simulate
+
+
+def _run(coro_fn):  # noqa: ANN001, ANN202
+    loop = VirtualClockLoop(start_s=100.0)
+    try:
+        return loop.run_until_complete(coro_fn(loop))
+    finally:
+        loop.close()
+
+
+def test_virtual_clock_runs_timers_in_order_without_waiting() -> None:
+    async def main(loop: VirtualClockLoop) -> list[tuple[str, float]]:
+        order: list[tuple[str, float]] = []
+
+        async def sleeper(tag: str, delay_s: float) -> None:
+            await asyncio.sleep(delay_s)
+            order.append((tag, loop.time()))
+
+        await asyncio.gather(sleeper("late", 3600.0), sleeper("early", 0.5), sleeper("mid", 7.0))
+        return order
+
+    wall = time.monotonic()
+    order = _run(main)
+    assert time.monotonic() - wall < 1.0
+    assert order == [("early", 100.5), ("mid", 107.0), ("late", 3700.0)]
+
+
+def test_virtual_clock_reports_deadlock_instead_of_hanging() -> None:
+    async def main(loop: VirtualClockLoop) -> None:
+        await asyncio.Event().wait()  # nobody sets it and no timer is pending
+
+    with pytest.raises(SimDeadlockError, match="no timer pending"):
+        _run(main)
+
+
+def _spec(time_scale: float = 0.5) -> GridSpec:
+    return GridSpec(time_scale=time_scale, num_kv_blocks=4096)
+
+
+def test_sim_drives_the_real_runtime_objects() -> None:
+    config, planner_cost = runtime_config(_spec(), Setting("glm-5.2", 2, "low", "wave"))
+
+    async def main(loop: VirtualClockLoop) -> None:
+        async with SimPipeline(config, planner_cost) as pipeline:
+            assert isinstance(pipeline.scheduler, WaveScheduler)
+            assert isinstance(pipeline.controller, AdmissionController)
+            assert all(isinstance(s.manager, StageKVManager) for s in pipeline.stages)
+
+    _run(main)
+
+
+def test_sync_sim_at_concurrency_1_hits_exactly_the_ideal_ratio() -> None:
+    # One request at a time, ample KV: every shared prefix block is cached when the next
+    # request agrees, so the measured hit ratio equals the unbounded-cache replay's.
+    workload = shared_prefix_workload(
+        10, num_prefix_tokens=640, num_suffix_tokens=200, num_prefixes=3, vocab_size=1024
+    )
+    config, planner_cost = runtime_config(_spec(), Setting("glm-5.2", 1, "high", "sync"))
+    summary = simulate(config, planner_cost, workload, concurrency=1).summary()
+    assert summary["completed"] == 10 and summary["failed"] == 0
+    expected = ideal_hit_ratio(workload.prompts, config.block_size, workload.warmup)
+    assert summary["cache_hit_ratio"] == pytest.approx(expected, abs=1e-4)
+    assert expected > 0.6
+
+
+def test_sim_time_is_the_cost_model_time() -> None:
+    # One request, one stage, no transport costs: wall = time_scale * t(0, x) exactly.
+    spec = GridSpec(time_scale=0.5, num_stages=1, num_kv_blocks=1024)
+    config, planner_cost = runtime_config(spec, Setting("glm-5.2", 1, "low", "sync"))
+    config = config.model_copy(update={"num_stages": 1})
+    workload = shared_prefix_workload(
+        1, num_prefix_tokens=0, num_suffix_tokens=2048, num_prefixes=1, vocab_size=1024
+    )
+    zero = SimLatencies(kv_rtt_s=0.0, bus_latency_s=0.0, hop_s=0.0, prepare_s=0.0)
+    report = simulate(config, planner_cost, workload, concurrency=1, latencies=zero)
+    stage_cost = CostModel.from_dict(config.cost_model or {})
+    assert report.wall_s == pytest.approx(0.5 * stage_cost.microbatch_cost_s([(0, 2048)]))
+
+
+@pytest.mark.parametrize("mode", ["wave", pytest.param("sync", marks=pytest.mark.slow)])
+def test_sim_matches_the_emulated_run_within_10_percent(mode: str) -> None:
+    """The issue's check: same setting, real stage processes vs the simulator."""
+    spec = _spec(time_scale=0.5)
+    setting = Setting("glm-5.2", 4, "low", mode)
+    config, planner_cost = runtime_config(spec, setting)
+    workload = preset_workload("low", 12, vocab_size=config.model.vocab_size)
+    emulated = asyncio.run(run_workload(config, planner_cost, workload, concurrency=4)).summary()
+    simulated = simulate(config, planner_cost, workload, concurrency=4).summary()
+    assert emulated["completed"] == simulated["completed"] == 12
+    ratio = simulated["throughput_tokens_per_s"] / emulated["throughput_tokens_per_s"]
+    assert 0.9 <= ratio <= 1.1, (ratio, emulated, simulated)
+    assert simulated["cache_hit_ratio"] == pytest.approx(emulated["cache_hit_ratio"], abs=0.02)

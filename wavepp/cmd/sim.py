@@ -1,0 +1,117 @@
+"""``wavepp sim``: wave vs sync on the discrete-event simulator (virtual clock).
+
+The real scheduler, admission controller, planner and per-stage BlockPools run; stages, NATS and
+activations are simulated (``wavepp.sim.pipeline``). For settings too big or too slow to run in
+real time: PP 8, long contexts, time scale 1.
+
+    wavepp sim --model glm-5.2 --stages 8 --concurrency 32,128 --reuse high --prompt-tokens 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="glm-5.2", help="derived H200 cost model")
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--concurrency", default="128", help="comma-separated")
+    parser.add_argument("--reuse", choices=["low", "high"], default="high")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="scale the reuse preset to this prompt length (0: preset's 4096)",
+    )
+    parser.add_argument("--requests", type=int, default=0, help="default: max(32, concurrency)")
+    parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--kv-blocks", type=int, default=65536, help="per stage")
+    parser.add_argument("--chunk-tokens", type=int, default=8192)
+    parser.add_argument("--kv-rtt-ms", type=float, default=1.0, help="KV request-reply RTT")
+    parser.add_argument("--bus-ms", type=float, default=0.5, help="plan/done publish latency")
+    parser.add_argument("--hop-ms", type=float, default=0.2, help="activation hop latency")
+    parser.add_argument("--json", action="store_true", help="last stdout line: JSON results")
+
+
+def _fail(flag: str, message: str) -> int:
+    print(f"wavepp sim: {flag}: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from wavepp.bench.grid import GridSpec, Setting, runtime_config
+    from wavepp.bench.workloads import REUSE_PRESETS, shared_prefix_workload
+    from wavepp.runtime.costmodels import list_models
+    from wavepp.sim.pipeline import SimLatencies
+    from wavepp.sim.run import simulate
+
+    if args.model not in list_models():
+        return _fail("--model", f"{args.model!r}: choose from {list_models()}")
+    try:
+        concurrencies = [int(v) for v in args.concurrency.split(",") if v]
+    except ValueError as exc:
+        return _fail("--concurrency", str(exc))
+    if not concurrencies or min(concurrencies) < 1:
+        return _fail("--concurrency", f"{args.concurrency!r}: need integers >= 1")
+    if args.time_scale <= 0:
+        return _fail("--time-scale", f"{args.time_scale}: must be > 0")
+    try:
+        latencies = SimLatencies(
+            kv_rtt_s=args.kv_rtt_ms / 1e3, bus_latency_s=args.bus_ms / 1e3, hop_s=args.hop_ms / 1e3
+        )
+        spec = GridSpec(
+            models=(args.model,),
+            num_stages=args.stages,
+            time_scale=args.time_scale,
+            block_size=args.block_size,
+            num_kv_blocks=args.kv_blocks,
+            chunk_tokens=args.chunk_tokens,
+        )
+    except ValueError as exc:
+        return _fail("--kv-rtt-ms/--bus-ms/--hop-ms", str(exc))
+    preset = REUSE_PRESETS[args.reuse]
+    factor = args.prompt_tokens / 4096 if args.prompt_tokens else 1.0
+    results = []
+    print(
+        "| model | S | C | reuse | prompt tokens | tok/s wave | tok/s sync | ratio | "
+        "TTFT p50 wave/sync (s) | wave fill wave/sync |\n"
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- |"
+    )
+    for concurrency in concurrencies:
+        num_requests = args.requests or max(32, concurrency)
+        summaries = {}
+        for mode in ("wave", "sync"):
+            try:
+                config, planner_cost = runtime_config(
+                    spec, Setting(args.model, concurrency, args.reuse, mode)
+                )
+            except ValueError as exc:
+                return _fail("configuration", str(exc))
+            workload = shared_prefix_workload(
+                num_requests,
+                num_prefix_tokens=int(preset.num_prefix_tokens * factor),
+                num_suffix_tokens=max(1, int(preset.num_suffix_tokens * factor)),
+                num_prefixes=preset.num_prefixes,
+                vocab_size=config.model.vocab_size,
+            )
+            report = simulate(
+                config, planner_cost, workload, concurrency=concurrency, latencies=latencies
+            )
+            summaries[mode] = report.summary()
+        w, s = summaries["wave"], summaries["sync"]
+        ratio = w["throughput_tokens_per_s"] / max(s["throughput_tokens_per_s"], 1e-9)
+        print(
+            f"| {args.model} | {args.stages} | {concurrency} | {args.reuse} | "
+            f"{len(workload.prompts[0])} | {w['throughput_tokens_per_s']:.0f} | "
+            f"{s['throughput_tokens_per_s']:.0f} | **{ratio:.2f}** | "
+            f"{w['ttft_p50_s']:.3f}/{s['ttft_p50_s']:.3f} | "
+            f"{w['wave_fill']:.2f}/{s['wave_fill']:.2f} |",
+            flush=True,
+        )
+        results.append({"concurrency": concurrency, "ratio": round(ratio, 4), **summaries})
+    if args.json:
+        print(json.dumps(results))
+    return 0
