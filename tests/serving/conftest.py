@@ -103,6 +103,7 @@ TENANT_SPEC = {
     "engineOptions": {"kvBlocks": 512},
     "cache": {"blockSize": 16},
     "tenants": [
+        {"name": "default"},
         {"name": "alice", "weight": 1},
         {"name": "bob", "weight": 1},
         {"name": "carol", "weight": 1},
@@ -110,7 +111,7 @@ TENANT_SPEC = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def up_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpService]:
     tmp = tmp_path_factory.mktemp("up")
     tokenizer = build_tokenizer(tmp / "tokenizer")

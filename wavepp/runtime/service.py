@@ -60,6 +60,7 @@ from wavepp.runtime.scheduler import RequestOutcome, WaveScheduler
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
+_MAX_EARLY_DONE = 1024
 
 
 async def ensure_intake(js, pipeline: str, *, duplicate_window_s: float = 120.0) -> None:  # noqa: ANN001 - JetStreamContext
@@ -175,6 +176,8 @@ class AdmissionService:
         self._slots = asyncio.Semaphore(max_concurrent)
         self._mb_requests: dict[int, list[str]] = {}
         self._timings: dict[str, dict[int, StageTiming]] = defaultdict(dict)
+        self._early_done: dict[int, list[MicroBatchDone]] = {}
+        self._mb_reports: dict[int, int] = {}
         self._kv = None
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -349,12 +352,24 @@ class AdmissionService:
         except ValueError:
             return
         self._mb_requests[plan.microbatch_id] = [c.request_id for c in plan.chunks]
+        for done in self._early_done.pop(plan.microbatch_id, []):
+            self._apply_done(done)
 
     async def _on_done(self, msg: Msg) -> None:
         try:
             done = MicroBatchDone.model_validate_json(msg.data)
         except ValueError:
             return
+        if done.microbatch_id not in self._mb_requests:
+            # Our plan echo and the stages' done messages travel on different subscriptions:
+            # a done may come first. Keep it (bounded) until its plan arrives.
+            self._early_done.setdefault(done.microbatch_id, []).append(done)
+            while len(self._early_done) > _MAX_EARLY_DONE:
+                self._early_done.pop(next(iter(self._early_done)))
+            return
+        self._apply_done(done)
+
+    def _apply_done(self, done: MicroBatchDone) -> None:
         owners = self._mb_requests.get(done.microbatch_id, [])
         agreed = list(done.num_agreed_blocks) + [-1] * len(owners)
         for request_id, num_agreed in zip(owners, agreed, strict=False):
@@ -365,5 +380,9 @@ class AdmissionService:
             timing.prepare_s += done.prepare_end_s - done.prepare_start_s
             timing.execute_s += done.execute_end_s - done.execute_start_s
             timing.num_agreed_blocks = num_agreed
-        if done.rank == self.config.num_stages - 1:
+        num_reports = self._mb_reports.get(done.microbatch_id, 0) + 1
+        if num_reports >= self.config.num_stages:
             self._mb_requests.pop(done.microbatch_id, None)
+            self._mb_reports.pop(done.microbatch_id, None)
+        else:
+            self._mb_reports[done.microbatch_id] = num_reports
