@@ -437,8 +437,10 @@ class ChunkPlanner:
       of the prompt), even if c + g*L alone exceeds the target.
     - At least S in flight (dynamic by default; `fill_idle_stages`): with idle = num_stages -
       num_inflight > 0 and W = the cost of all remaining work without c, the target becomes
-      min(target, c + W / idle) so the remaining work spreads over the stages that would
-      otherwise idle (the progress rule keeps it >= one block per micro-batch). For "static"
+      min(target, c + W / k) so the remaining work spreads over the stages that would
+      otherwise idle (the progress rule keeps it >= one block per micro-batch); k <= idle is
+      the count that minimises (S - 1 + k) * (c + W / k), so a short request is not cut into
+      micro-batches that each pay c when that would finish later (``_best_num_splits``). For "static"
       with fill_idle_stages=True the token budget becomes min(chunk_tokens, ceil(remaining
       tokens / idle) rounded up to a block).
     - At most max_chunks_per_microbatch chunks per micro-batch.
@@ -562,7 +564,7 @@ class ChunkPlanner:
         num_idle_stages = num_stages - num_inflight if self.fill_idle_stages else 0
         if self.policy == "static":
             return self._plan_static(pending, num_idle_stages)
-        return self._plan_dynamic(pending, num_idle_stages)
+        return self._plan_dynamic(pending, num_idle_stages, num_stages)
 
     # -- policies ---------------------------------------------------------------------------
 
@@ -585,7 +587,9 @@ class ChunkPlanner:
             budget_tokens -= num_tokens
         return chunks
 
-    def _plan_dynamic(self, pending: list[RequestProgress], num_idle_stages: int) -> list[Chunk]:
+    def _plan_dynamic(
+        self, pending: list[RequestProgress], num_idle_stages: int, num_stages: int = 1
+    ) -> list[Chunk]:
         target_s = self.target_cost_s()
         if num_idle_stages > 0:
             shares = []
@@ -594,7 +598,9 @@ class ChunkPlanner:
                     model.chunk_cost_s(request.num_computed_tokens, request.num_remaining_tokens)
                     for request in pending
                 )
-                shares.append(model.c + work_s / num_idle_stages)
+                num_splits = _best_num_splits(model.c, work_s, num_stages, num_idle_stages)
+                # k = 1: no cut. (c + W) - c may round below W and cut a block off the end.
+                shares.append(model.c + work_s / num_splits if num_splits > 1 else math.inf)
             target_s = min(target_s, max(shares))
         budgets = _StageBudgets(self._models, [target_s - model.c for model in self._models])
         chunks: list[Chunk] = []
@@ -644,6 +650,21 @@ class ChunkPlanner:
         request.num_computed_tokens += num_tokens
         request.num_planned_chunks += 1
         return chunk
+
+
+def _best_num_splits(fixed_s: float, work_s: float, num_stages: int, max_splits: int) -> int:
+    """Micro-batches k in [1, max_splits] that finish W seconds of work soonest on S stages.
+
+    Cutting W into k equal micro-batches that each pay the fixed cost c, an otherwise empty
+    pipeline finishes after (S - 1 + k) * (c + W / k) seconds (fill and drain of a synchronous
+    pipeline, GPipe: Huang et al. 2019, section 2.3). More micro-batches fill more stages but pay
+    c more often: with c = 0 the answer is max_splits; with c large next to W, 1. Ties go to
+    the larger k.
+    """
+    return min(
+        range(1, max_splits + 1),
+        key=lambda k: ((num_stages - 1 + k) * (fixed_s + work_s / k), -k),
+    )
 
 
 def _round_up(value: int, multiple: int) -> int:
