@@ -108,3 +108,26 @@ def test_sim_matches_the_emulated_run_within_10_percent(mode: str) -> None:
     ratio = simulated["throughput_tokens_per_s"] / emulated["throughput_tokens_per_s"]
     assert 0.9 <= ratio <= 1.1, (ratio, emulated, simulated)
     assert simulated["cache_hit_ratio"] == pytest.approx(emulated["cache_hit_ratio"], abs=0.02)
+
+
+def test_planner_splits_short_work_only_when_it_finishes_sooner() -> None:
+    """The at-least-S rule as the simulator exercises it: k minimises (S-1+k)(c+W/k)."""
+    from wavepp.runtime.planner import ChunkPlanner, RequestProgress
+
+    def num_microbatches(model: CostModel) -> int:
+        planner = ChunkPlanner(model, policy="dynamic", chunk_tokens=8192, block_size=16)
+        request = RequestProgress("A", 512, 0)
+        count = 0
+        while not request.is_fully_planned:
+            planner.plan_microbatch([request], num_stages=4, num_inflight=count)
+            count += 1
+        return count
+
+    # c = 0: cutting is free, fill all 4 stages.
+    assert num_microbatches(CostModel(c=0.0, g=0.0, b=1e-4, a=0.0)) == 4
+    # W = 25.6 ms, c = 52 ms (GLM-5.2's weight read): 4 (c + W) = 310 ms < 5 (c + W/2) = 324.
+    assert num_microbatches(CostModel(c=0.052, g=0.0, b=5e-5, a=0.0)) == 1
+    # W = 51.2 ms: 4 (c + W) = 413 ms > 5 (c + W/2) = 388 ms < 6 (c + W/3) = 414: two.
+    assert num_microbatches(CostModel(c=0.052, g=0.0, b=1e-4, a=0.0)) == 2
+    # W = 512 ms, c = 52 ms: k* = argmin -> 4 (sqrt(3 W / c) ~ 5.4, capped at idle = 4).
+    assert num_microbatches(CostModel(c=0.052, g=0.0, b=1e-3, a=0.0)) == 4
