@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -139,3 +140,10 @@ def _is_zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except OSError:
         return True
+
+
+@pytest.fixture(scope="session")
+def serving() -> SimpleNamespace:
+    """Helpers for tests that start their own process trees (test files cannot import this
+    conftest: tests/ is not a package)."""
+    return SimpleNamespace(REPO=REPO, start_up=start_up, stop_up=stop_up)

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import yaml
 
-from tests.serving.conftest import REPO, UpService
 from wavepp.api.spec import check_spec
 from wavepp.runtime.from_spec import runtime_configs_from_spec
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _serving_section() -> str:
@@ -21,7 +22,7 @@ def _serving_section() -> str:
     return readme[readme.index("## Serving") :]
 
 
-def test_readme_curl_runs_against_wavepp_up(up_service: UpService) -> None:
+def test_readme_curl_runs_against_wavepp_up(up_service) -> None:
     command = next(line for line in _serving_section().splitlines() if line.startswith("curl "))
     port = re.search(r":(\d+)$", up_service.endpoint).group(1)
     argv = [arg.replace("localhost:8000", f"localhost:{port}") for arg in shlex.split(command)]

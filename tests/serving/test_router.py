@@ -21,7 +21,6 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.serving.conftest import start_up, stop_up
 from wavepp.runtime.natsutil import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -74,8 +73,8 @@ async def _wait_ready(endpoint: str, proc: subprocess.Popen[bytes], timeout_s: f
     pytest.fail(f"gateway {endpoint} not ready in {timeout_s}s")
 
 
-async def test_prefix_routing_beats_round_robin(tmp_path: Path) -> None:
-    service = start_up(tmp_path, POOL_SPEC, ["--routing", "prefix"])
+async def test_prefix_routing_beats_round_robin(tmp_path: Path, serving) -> None:  # noqa: ANN001
+    service = serving.start_up(tmp_path, POOL_SPEC, ["--routing", "prefix"])
     port = free_port()
     rr_gateway = subprocess.Popen(
         [sys.executable, "-m", "wavepp.cli", "gateway",
@@ -93,7 +92,7 @@ async def test_prefix_routing_beats_round_robin(tmp_path: Path) -> None:
     finally:
         rr_gateway.terminate()
         rr_gateway.wait(30)
-        assert stop_up(service.proc) == 0
+        assert serving.stop_up(service.proc) == 0
     cached_prefix = sum(a["num_cached_tokens"] for a in prefix)
     cached_rr = sum(a["num_cached_tokens"] for a in round_robin)
     print(

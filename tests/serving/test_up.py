@@ -12,7 +12,6 @@ import time
 import aiohttp
 import pytest
 
-from tests.serving.conftest import UpService
 from wavepp.runtime.natsutil import connect
 
 pytestmark = pytest.mark.timeout(240)
@@ -31,7 +30,7 @@ async def post(
         return response.status, await response.json(), dict(response.headers)
 
 
-async def test_same_prompt_two_tenants_no_cross_tenant_hit(up_service: UpService) -> None:
+async def test_same_prompt_two_tenants_no_cross_tenant_hit(up_service) -> None:
     url = f"{up_service.endpoint}/v1/prefill"
     tokens = prompt(1, 80)  # 5 full blocks of 16
     async with aiohttp.ClientSession() as session:
@@ -72,7 +71,7 @@ async def test_same_prompt_two_tenants_no_cross_tenant_hit(up_service: UpService
     ],
 )
 async def test_bad_input_is_a_4xx_naming_the_field(
-    up_service: UpService, route: str, body: object, status: int, field: str
+    up_service, route: str, body: object, status: int, field: str
 ) -> None:
     async with aiohttp.ClientSession() as session:
         # an admitted request in flight is unaffected by the bad one
@@ -91,7 +90,7 @@ async def test_bad_input_is_a_4xx_naming_the_field(
     assert good_status == 200 and good_body["num_prompt_tokens"] == 40
 
 
-async def test_over_long_prompt_names_the_limit(up_service: UpService) -> None:
+async def test_over_long_prompt_names_the_limit(up_service) -> None:
     async with aiohttp.ClientSession() as session:
         status, body, _ = await post(
             session,
@@ -102,7 +101,7 @@ async def test_over_long_prompt_names_the_limit(up_service: UpService) -> None:
     assert body["error"]["limit"] == 512 * 16  # kvBlocks x blockSize
 
 
-async def test_text_prompt_completions_and_duplicate_request_id(up_service: UpService) -> None:
+async def test_text_prompt_completions_and_duplicate_request_id(up_service) -> None:
     text = " ".join(f"w{i % 150}" for i in range(40))
     async with aiohttp.ClientSession() as session:
         status, first, headers = await post(
@@ -133,7 +132,7 @@ async def test_text_prompt_completions_and_duplicate_request_id(up_service: UpSe
     assert completion["choices"][0]["token_ids"] == [first["first_token_id"]]
 
 
-async def test_nats_prefill_subject(up_service: UpService) -> None:
+async def test_nats_prefill_subject(up_service) -> None:
     nc = await connect(up_service.processes()["nats_url"], name="test-client")
     try:
         body = {"tenant": "alice", "token_ids": prompt(3, 33)}
@@ -146,7 +145,7 @@ async def test_nats_prefill_subject(up_service: UpService) -> None:
     assert json.loads(bad.data)["status"] == 400
 
 
-async def test_token_rate_limit_is_429_with_retry_after(up_service: UpService) -> None:
+async def test_token_rate_limit_is_429_with_retry_after(up_service) -> None:
     url = f"{up_service.endpoint}/v1/prefill"
     async with aiohttp.ClientSession() as session:
         ok = await post(session, url, {"tenant": "carol", "token_ids": prompt(5, 64)})
@@ -161,7 +160,7 @@ async def test_token_rate_limit_is_429_with_retry_after(up_service: UpService) -
     assert other[0] == 200  # another tenant is not limited
 
 
-async def test_probes_and_per_tenant_metrics(up_service: UpService) -> None:
+async def test_probes_and_per_tenant_metrics(up_service) -> None:
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{up_service.endpoint}/healthz") as r:
             assert r.status == 200
@@ -180,7 +179,7 @@ async def test_probes_and_per_tenant_metrics(up_service: UpService) -> None:
 
 @pytest.mark.slow
 async def test_admission_restart_mid_load_answers_every_request_once(
-    up_service: UpService,
+    up_service,
 ) -> None:
     """SIGKILL the admission service while 24 requests are in flight; `up` restarts it, the
     unacked requests are redelivered from JetStream, and every request is answered once."""
@@ -228,7 +227,7 @@ async def test_admission_restart_mid_load_answers_every_request_once(
 
 
 @pytest.mark.slow
-async def test_heavy_tenant_does_not_starve_light_tenant(up_service: UpService) -> None:
+async def test_heavy_tenant_does_not_starve_light_tenant(up_service) -> None:
     """alice floods 48 concurrent 400-token prompts; bob sends 6 short prompts one after the
     other meanwhile. The gateway's fair-share queue (8 outstanding per replica) lets each of
     bob's requests pass alice's backlog: bob's p99 TTFT stays below alice's median."""
@@ -254,7 +253,7 @@ async def test_heavy_tenant_does_not_starve_light_tenant(up_service: UpService) 
 
 
 @pytest.mark.slow
-async def test_gateway_restart_mid_load_loses_no_request(up_service: UpService) -> None:
+async def test_gateway_restart_mid_load_loses_no_request(up_service) -> None:
     """SIGKILL the gateway while 16 requests are in flight; `up` restarts it. Clients retry
     with the same request id (their connection broke): each request, already in JetStream, is
     answered, and every later ask of the same id gets that same answer."""
