@@ -62,7 +62,9 @@ def parse_trace_line(line: str, line_no: int) -> TraceRecord | TraceError:
         if name not in obj:
             return TraceError(line_no, name, "missing")
     timestamp = obj["timestamp"]
-    if not (_is_int(timestamp) or isinstance(timestamp, float)) or timestamp < 0:
+    # NOTE: json.loads accepts NaN and Infinity; int() of either raises, so refuse them here.
+    is_number = _is_int(timestamp) or (isinstance(timestamp, float) and math.isfinite(timestamp))
+    if not is_number or timestamp < 0:
         return TraceError(line_no, "timestamp", f"must be a number >= 0 (ms), got {timestamp!r}")
     input_length = obj["input_length"]
     if not _is_int(input_length) or input_length < 1:
