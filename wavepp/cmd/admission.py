@@ -1,5 +1,13 @@
 """``wavepp admission``: one replica's admission controller + wave scheduler, serving its
-durable JetStream intake (what each replica's admission pod runs)."""
+durable JetStream intake (what each replica's admission pod runs).
+
+The configuration comes from ``--runtime-config F`` (``wavepp up``) or ``--config SPEC --replica
+I`` (the operator: the replica's RuntimeConfig from the spec, see ``wavepp stage``). The pool name
+is ``--pool`` or ``$WAVEPP_PIPELINE``. ``--port P`` serves ``/healthz`` (NATS connected) and
+``/readyz`` (every stage formed, intake open, not stopping: SIGTERM turns it 503 at once while
+admitted requests finish). Tracing (``tracing.setup``) and Prometheus metrics (``setup_metrics``)
+follow the config's telemetry settings and are shut down at exit.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +15,35 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from wavepp.runtime.service import AdmissionService
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--runtime-config", required=True, help="the replica's RuntimeConfig JSON")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--runtime-config", help="the replica's RuntimeConfig JSON")
+    source.add_argument(
+        "--config", help="WavePipeline spec (YAML/JSON, e.g. /etc/wavepp/spec.json); with --replica"
+    )
+    parser.add_argument("--replica", type=int, default=None, help="replica index (with --config)")
     parser.add_argument("--nats-url", required=True, help="NATS server URL (with JetStream)")
-    parser.add_argument("--pool", required=True, help="pool name (results bucket and subjects)")
+    parser.add_argument("--nats-creds", default=None, help="NATS credentials file (.creds)")
+    parser.add_argument(
+        "--pool",
+        default=None,
+        help="pool name (results bucket and subjects); default: $WAVEPP_PIPELINE",
+    )
+    parser.add_argument(
+        "--port", type=int, default=None, help="serve /healthz and /readyz on this port"
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="bind address of --port")
     parser.add_argument(
         "--ack-wait-s", type=float, default=10.0, help="redelivery delay of unacked requests"
     )
@@ -24,16 +51,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--planner-cost-model", default="", help="CostModel JSON for the planner")
 
 
+def _is_admitting(service: AdmissionService, stop: asyncio.Event) -> bool:
+    """/readyz: every stage answered its probe, the intake is open, and no stop was asked.
+
+    NOTE: the results bucket is opened right before the intake subscription (service.run).
+    """
+    return (
+        not stop.is_set()
+        and service._kv is not None
+        and service.num_stages_formed == service.config.num_stages
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    from wavepp.runtime.config import RuntimeConfig
+    from wavepp.cmd.stage import (
+        POOL_ENV,
+        ArgError,
+        check_creds,
+        check_port,
+        runtime_config_from_args,
+        start_health_server,
+    )
     from wavepp.runtime.natsutil import connect
     from wavepp.runtime.planner import CostModel
     from wavepp.runtime.service import AdmissionService
+    from wavepp.telemetry import tracing
+    from wavepp.telemetry.metrics import setup_metrics, shutdown_metrics
 
     try:
-        config = RuntimeConfig.model_validate_json(Path(args.runtime_config).read_text())
-    except (OSError, ValueError) as exc:
-        print(f"wavepp admission: --runtime-config {args.runtime_config}: {exc}", file=sys.stderr)
+        config = runtime_config_from_args(args, os.environ)
+        pool = args.pool or os.environ.get(POOL_ENV)
+        if not pool:
+            raise ArgError(f"--pool: give the pool name, or set ${POOL_ENV}")
+        check_creds(args.nats_creds)
+        check_port("--port", args.port)
+    except ArgError as exc:
+        print(f"wavepp admission: {exc}", file=sys.stderr)
         return 2
     if args.ack_wait_s <= 0:
         print(f"wavepp admission: --ack-wait-s {args.ack_wait_s}: must be > 0", file=sys.stderr)
@@ -61,19 +114,40 @@ def run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        nc = await connect(args.nats_url, name=f"{config.pipeline}-admission")
+        tracing.setup(config.telemetry, "wavepp-admission")
+        setup_metrics(config.telemetry, "wavepp-admission")
+        runner = None
+        nc = None
         try:
+            nc = await connect(
+                args.nats_url, name=f"{config.pipeline}-admission", creds=args.nats_creds
+            )
             service = AdmissionService(
                 config,
                 nc,
                 cost,
-                pool=args.pool,
+                pool=pool,
                 ack_wait_s=args.ack_wait_s,
                 max_concurrent=args.max_concurrent,
             )
+            if args.port is not None:
+                runner, port = await start_health_server(
+                    args.host,
+                    args.port,
+                    {
+                        "/healthz": lambda: nc is not None and nc.is_connected,
+                        "/readyz": lambda: _is_admitting(service, stop),
+                    },
+                )
+                logging.getLogger(__name__).info("health on port %d", port)
             await service.run(stop)
         finally:
-            await nc.drain()
+            if runner is not None:
+                await runner.cleanup()
+            if nc is not None:
+                await nc.drain()
+            shutdown_metrics()
+            tracing.shutdown()
 
     asyncio.run(main())
     return 0

@@ -1,18 +1,43 @@
-"""``wavepp gateway``: the prefill API over HTTP and NATS (what the gateway pod runs)."""
+"""``wavepp gateway``: the prefill API over HTTP and NATS (what the gateway pod runs).
+
+The configuration comes from ``--gateway-config F`` (a GatewayConfig JSON, ``wavepp up`` writes
+it) or from ``--config SPEC --pool POOL_JSON`` (the operator's ``spec.json`` and ``pool.json``):
+see :func:`gateway_config_from_spec`. ``--host`` defaults to 127.0.0.1 with ``--gateway-config``
+and to 0.0.0.0 (a pod) with ``--config``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from wavepp.api.spec import WavePipelineSpec
+    from wavepp.runtime.gateway.core import GatewayConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gateway-config", required=True, help="GatewayConfig JSON")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gateway-config", help="GatewayConfig JSON")
+    source.add_argument(
+        "--config", help="WavePipeline spec (YAML/JSON, e.g. /etc/wavepp/spec.json); with --pool"
+    )
+    parser.add_argument(
+        "--pool", default=None, help="the operator's pool.json (with --config): pool name, replicas"
+    )
     parser.add_argument("--nats-url", required=True, help="NATS server URL (with JetStream)")
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    parser.add_argument("--nats-creds", default=None, help="NATS credentials file (.creds)")
+    parser.add_argument(
+        "--host",
+        default=None,
+        help="HTTP bind address (default 127.0.0.1; 0.0.0.0 with --config)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
     parser.add_argument(
         "--routing",
@@ -22,22 +47,147 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def pool_replicas(pool_doc: dict[str, Any], num_spec_replicas: int) -> list[int]:
+    """The replica indices the gateway routes to, from the operator's ``pool.json``.
+
+    ``pool.json`` is ``{"pipeline": p, "replicas": [{"replica": i, "admitting": b, ...}]}``
+    (``builders.build_pool_configmap``). The admitting replicas; when none admits yet (a new
+    pipeline: the file is written before any replica serves), every listed one; an empty list
+    means ``range(max(1, spec.replicas))``. Replicas that do not answer are left out by the
+    router at run time (heartbeats), so listing a forming replica is harmless.
+
+    Args:
+        pool_doc: the parsed ``pool.json``.
+        num_spec_replicas: ``spec.replicas``.
+
+    Returns:
+        Sorted, distinct replica indices (at least one).
+
+    Raises:
+        ValueError: ``replicas`` is not a list of objects with an integer ``replica`` >= 0.
+    """
+    entries = pool_doc.get("replicas", [])
+    if not isinstance(entries, list):
+        raise ValueError(f"pool.json replicas: {entries!r:.80} is not a list")
+    listed: list[int] = []
+    admitting: list[int] = []
+    for entry in entries:
+        index = entry.get("replica") if isinstance(entry, dict) else None
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise ValueError(f"pool.json replicas[]: {entry!r:.80} has no integer replica >= 0")
+        listed.append(index)
+        if entry.get("admitting"):
+            admitting.append(index)
+    chosen = admitting or listed or list(range(max(1, num_spec_replicas)))
+    return sorted(set(chosen))
+
+
+def gateway_config_from_spec(
+    spec: WavePipelineSpec, pool_doc: dict[str, Any], *, routing: str | None = None
+) -> GatewayConfig:
+    """The gateway's configuration from the resolved spec and the operator's ``pool.json``.
+
+    Pool name: ``pool_doc["pipeline"]`` (the WavePipeline's name); replicas: :func:`pool_replicas`,
+    each ``{pool}-r{i}`` with ``spec.stages`` stages; model, block size and vocabulary from the
+    replica's RuntimeConfig; ``max_prompt_tokens`` = min(smallest stage KV capacity x block_size,
+    the model's max position) as ``wavepp up`` does; tenants from ``spec.tenants`` (salt: the
+    spec's, else ``tenant:{name}``), or one ``default`` tenant.
+
+    Args:
+        spec: the resolved spec.
+        pool_doc: the parsed ``pool.json``.
+        routing: routing policy override (None: ``prefix``).
+
+    Returns:
+        A validated GatewayConfig.
+
+    Raises:
+        ValueError: no pool name in ``pool_doc``, a malformed replica list, or a spec the
+            runtime cannot run (SpecError is a ValueError).
+    """
+    from wavepp.runtime.from_spec import replica_pipeline_name, runtime_configs_from_spec
+    from wavepp.runtime.gateway.core import GatewayConfig, ReplicaInfo
+    from wavepp.runtime.tenants import TenantPolicy, default_cache_salt
+
+    pool = pool_doc.get("pipeline")
+    if not isinstance(pool, str) or not pool:
+        raise ValueError(f"pool.json pipeline: {pool!r} is not a pool name")
+    replicas = pool_replicas(pool_doc, spec.num_replicas)
+    first = runtime_configs_from_spec(spec, pool=pool)[0]
+    max_prompt_tokens = min(
+        min(first.kv_blocks_of(r) for r in range(first.num_stages)) * first.block_size,
+        first.model.max_position,
+    )
+    tenants = [
+        TenantPolicy(
+            name=t.name, cache_salt=t.cache_salt or default_cache_salt(t.name), weight=t.weight
+        )
+        for t in spec.tenants
+    ] or [TenantPolicy(name="default", cache_salt=default_cache_salt("default"))]
+    extra = {"routing": routing} if routing else {}
+    return GatewayConfig(
+        pool=pool,
+        replicas=[
+            ReplicaInfo(pipeline=replica_pipeline_name(pool, i), num_stages=first.num_stages)
+            for i in replicas
+        ],
+        model_name=first.model.name,
+        model_id=first.model_id,
+        block_size=first.block_size,
+        vocab_size=first.model.vocab_size,
+        max_prompt_tokens=max_prompt_tokens,
+        tenants=tenants,
+        **extra,
+    )
+
+
+def _config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    from wavepp.api.spec import load_spec_file
+    from wavepp.cmd.stage import ArgError
     from wavepp.runtime.gateway.core import GatewayConfig
+
+    if args.gateway_config:
+        try:
+            config = GatewayConfig.model_validate_json(Path(args.gateway_config).read_text())
+        except (OSError, ValueError) as exc:
+            raise ArgError(f"--gateway-config {args.gateway_config}: {exc}") from exc
+        return config.model_copy(update={"routing": args.routing}) if args.routing else config
+    if not args.pool:
+        raise ArgError(f"--pool: required with --config {args.config} (the pool.json file)")
+    try:
+        pool_doc = json.loads(Path(args.pool).read_text())
+        if not isinstance(pool_doc, dict):
+            raise ValueError("expected a JSON object")
+    except (OSError, ValueError) as exc:
+        raise ArgError(f"--pool {args.pool}: {exc}") from exc
+    try:
+        spec = load_spec_file(args.config).resolved(
+            default_image="local", default_nats_url=args.nats_url
+        )
+        return gateway_config_from_spec(spec, pool_doc, routing=args.routing)
+    except ValueError as exc:
+        raise ArgError(f"--config {args.config} / --pool {args.pool}: {exc}") from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    from wavepp.cmd.stage import ArgError, check_creds
     from wavepp.runtime.gateway.http import run_gateway
 
     try:
-        config = GatewayConfig.model_validate_json(Path(args.gateway_config).read_text())
-    except (OSError, ValueError) as exc:
-        print(f"wavepp gateway: --gateway-config {args.gateway_config}: {exc}", file=sys.stderr)
+        config = _config_from_args(args)
+        check_creds(args.nats_creds)
+    except ArgError as exc:
+        print(f"wavepp gateway: {exc}", file=sys.stderr)
         return 2
-    if args.routing:
-        config = config.model_copy(update={"routing": args.routing})
     if not 0 < args.port < 65536:
         print(f"wavepp gateway: --port {args.port}: must be in [1, 65535]", file=sys.stderr)
         return 2
+    host = args.host or ("0.0.0.0" if args.config else "127.0.0.1")
+    if args.nats_creds:
+        # NOTE: run_gateway opens its connection with natsutil.connect, which reads this.
+        os.environ["WAVEPP_NATS_CREDS"] = args.nats_creds
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(run_gateway(config, args.nats_url, args.host, args.port))
+    asyncio.run(run_gateway(config, args.nats_url, host, args.port))
     return 0

@@ -1,4 +1,25 @@
-"""``wavepp stage``: one pipeline stage process (what each stage pod runs)."""
+"""``wavepp stage``: one pipeline stage process (what each stage pod runs).
+
+Two ways to name the configuration:
+
+- ``--runtime-config F``: a resolved RuntimeConfig JSON (``wavepp up`` writes one per replica);
+- ``--config SPEC --replica I``: the WavePipeline spec (the operator's ``spec.json``) and the
+  replica index; the RuntimeConfig is ``runtime_configs_from_spec(spec, pool=P)[I]``, with P from
+  ``--pool`` or the environment variable ``WAVEPP_PIPELINE`` (the operator sets it).
+
+``--rank`` may be an integer or the unexpanded ``$(WAVEPP_RANK)``; absent or unexpanded, the
+environment variable ``WAVEPP_RANK`` gives the rank. ``--health-port P`` serves, on the stage's
+event loop (aiohttp):
+
+| path        | 200 when                                                              |
+| ----------- | --------------------------------------------------------------------- |
+| /healthz    | the process is up                                                     |
+| /startupz   | the torch.distributed group has formed and the engine is built        |
+| /readyz     | subscribed to its plans and KV requests (serving), not stopping       |
+
+otherwise 503. This module also holds the helpers ``wavepp admission`` shares (spec -> config,
+health server); it imports nothing heavy at module level.
+"""
 
 from __future__ import annotations
 
@@ -6,40 +27,268 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from wavepp.api.spec import WavePipelineSpec
+    from wavepp.runtime.config import RuntimeConfig
+    from wavepp.telemetry.settings import TelemetrySettings
+
+RANK_ENV = "WAVEPP_RANK"
+POOL_ENV = "WAVEPP_PIPELINE"
+METRICS_PORT_ENV = "WAVEPP_METRICS_PORT"
+_UNEXPANDED = re.compile(r"^\$\([A-Za-z_][A-Za-z0-9_]*\)$")
+
+
+class ArgError(ValueError):
+    """A bad command-line value; the message names the flag."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--runtime-config", required=True, help="path of the resolved RuntimeConfig JSON"
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--runtime-config", help="path of the resolved RuntimeConfig JSON")
+    source.add_argument(
+        "--config", help="WavePipeline spec (YAML/JSON, e.g. /etc/wavepp/spec.json); with --replica"
     )
-    parser.add_argument("--rank", type=int, required=True, help="stage rank r in [0, S)")
+    parser.add_argument("--replica", type=int, default=None, help="replica index (with --config)")
+    parser.add_argument(
+        "--pool",
+        default=None,
+        help=f"pool name (with --config); default: ${POOL_ENV} (set by the operator)",
+    )
+    parser.add_argument(
+        "--rank",
+        default=None,
+        help=f"stage rank r in [0, S); absent or an unexpanded $({RANK_ENV}): ${RANK_ENV}",
+    )
     parser.add_argument("--nats-url", required=True, help="NATS server URL, e.g. nats://host:4222")
+    parser.add_argument("--nats-creds", default=None, help="NATS credentials file (.creds)")
     parser.add_argument(
         "--dist-url",
         required=True,
         help="torch.distributed init method, e.g. tcp://stage-0.pipeline:29500",
     )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="serve /healthz, /startupz, /readyz on this port (default: none)",
+    )
+    parser.add_argument("--health-host", default="0.0.0.0", help="bind address of --health-port")
+
+
+# ---- helpers shared with `wavepp admission` -------------------------------------------------
+
+
+def resolve_rank(value: str | None, env: dict[str, str] | os._Environ[str]) -> int:
+    """The stage rank from ``--rank`` or, when absent or unexpanded, ``$WAVEPP_RANK``.
+
+    Args:
+        value: the ``--rank`` argument: an integer, ``$(WAVEPP_RANK)`` left unexpanded (a pod
+            without that variable), or None.
+        env: the process environment.
+
+    Returns:
+        The rank (not yet checked against the stage count).
+
+    Raises:
+        ArgError: neither gives an integer (names the flag and the value).
+    """
+    if value is not None and not _UNEXPANDED.match(value.strip()):
+        source, raw = "--rank", value
+    elif env.get(RANK_ENV):
+        source, raw = f"${RANK_ENV}", env[RANK_ENV]
+    else:
+        raise ArgError(f"--rank {value}: give an integer, or set ${RANK_ENV}")
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ArgError(f"{source} {raw!r}: must be an integer") from None
+
+
+def check_port(flag: str, port: int | None) -> None:
+    """Raise ArgError naming ``flag`` unless ``port`` is None or in [0, 65535] (0: any free)."""
+    if port is not None and not 0 <= port <= 65535:
+        raise ArgError(f"{flag} {port}: must be in [0, 65535]")
+
+
+def check_creds(path: str | None) -> None:
+    """Raise ArgError when ``--nats-creds`` names no readable file."""
+    if path is not None and not Path(path).is_file():
+        raise ArgError(f"--nats-creds {path}: no such file")
+
+
+def telemetry_from_spec(
+    spec: WavePipelineSpec, env: dict[str, str] | os._Environ[str]
+) -> TelemetrySettings:
+    """The processes' TelemetrySettings from ``spec.telemetry`` (what the pods' env says too).
+
+    ``otlpEndpoint`` set: OTLP export (HTTP when the endpoint is on port 4318 or ends in
+    ``/v1/traces``, else gRPC) at ``samplingRatio``; unset: no tracing. ``metricsPort``: the
+    Prometheus port, overridden by ``$WAVEPP_METRICS_PORT`` (the operator sets both alike).
+
+    Raises:
+        ArgError: ``$WAVEPP_METRICS_PORT`` is not an integer in [0, 65535].
+    """
+    from wavepp.telemetry.settings import TelemetrySettings
+
+    endpoint = spec.telemetry.otlp_endpoint or ""
+    is_http = ":4318" in endpoint or endpoint.rstrip("/").endswith("/v1/traces")
+    metrics_port: int = spec.telemetry.metrics_port
+    if env.get(METRICS_PORT_ENV):
+        try:
+            metrics_port = int(env[METRICS_PORT_ENV])
+        except ValueError:
+            raise ArgError(
+                f"${METRICS_PORT_ENV} {env[METRICS_PORT_ENV]!r}: must be an integer"
+            ) from None
+        check_port(f"${METRICS_PORT_ENV}", metrics_port)
+    return TelemetrySettings(
+        exporter=("otlp-http" if is_http else "otlp-grpc") if endpoint else "none",
+        endpoint=endpoint,
+        sampling_ratio=spec.telemetry.sampling_ratio,
+        metrics_port=metrics_port,
+    )
+
+
+def runtime_config_from_args(
+    args: argparse.Namespace, env: dict[str, str] | os._Environ[str]
+) -> RuntimeConfig:
+    """The process's RuntimeConfig from ``--runtime-config`` or ``--config/--replica/--pool``.
+
+    Args:
+        args: parsed flags with ``runtime_config``, ``config``, ``replica``, ``pool``,
+            ``nats_url``.
+        env: the process environment (``WAVEPP_PIPELINE``, ``WAVEPP_METRICS_PORT``).
+
+    Returns:
+        The RuntimeConfig; from a spec, with ``telemetry`` from :func:`telemetry_from_spec`.
+
+    Raises:
+        ArgError: unreadable or invalid file, replica out of range, no pool name (names the
+            flag).
+    """
+    from wavepp.api.spec import SpecError, load_spec_file
+    from wavepp.runtime.config import RuntimeConfig
+    from wavepp.runtime.from_spec import runtime_configs_from_spec
+
+    if args.runtime_config:
+        try:
+            return RuntimeConfig.model_validate_json(Path(args.runtime_config).read_text())
+        except (OSError, ValueError) as exc:
+            raise ArgError(f"--runtime-config {args.runtime_config}: {exc}") from exc
+    if args.replica is None:
+        raise ArgError(f"--replica: required with --config {args.config}")
+    pool = args.pool or env.get(POOL_ENV)
+    if not pool:
+        raise ArgError(f"--pool: required with --config unless ${POOL_ENV} is set")
+    try:
+        spec = load_spec_file(args.config).resolved(
+            default_image="local", default_nats_url=args.nats_url
+        )
+        configs = runtime_configs_from_spec(spec, pool=pool)
+    except (SpecError, ValueError) as exc:
+        raise ArgError(f"--config {args.config}: {exc}") from exc
+    if not 0 <= args.replica < len(configs):
+        raise ArgError(
+            f"--replica {args.replica}: must be in [0, {len(configs)}) "
+            f"(spec.replicas of --config {args.config})"
+        )
+    config = configs[args.replica]
+    return config.model_copy(update={"telemetry": telemetry_from_spec(spec, env)})
+
+
+async def start_health_server(
+    host: str, port: int, checks: dict[str, Callable[[], bool]]
+) -> tuple[web.AppRunner, int]:
+    """Serve ``GET path`` -> 200 ``ok`` when ``checks[path]()`` is true, else 503.
+
+    Runs on the caller's event loop; the checks must be cheap and never block.
+
+    Args:
+        host: bind address.
+        port: TCP port (0: any free port).
+        checks: path (e.g. ``/readyz``) -> predicate.
+
+    Returns:
+        ``(runner, bound port)``; ``await runner.cleanup()`` stops it.
+    """
+    from aiohttp import web
+
+    def handler(check: Callable[[], bool]) -> Callable[[web.Request], object]:
+        async def answer(_request: web.Request) -> web.Response:
+            is_ok = check()
+            return web.Response(text="ok" if is_ok else "not ready", status=200 if is_ok else 503)
+
+        return answer
+
+    app = web.Application()
+    for path, check in checks.items():
+        app.router.add_get(path, handler(check))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = site._server  # NOTE: aiohttp exposes the bound port only through the server
+    bound = port
+    if server is not None and getattr(server, "sockets", None):
+        bound = int(server.sockets[0].getsockname()[1])
+    return runner, bound
+
+
+# ---- the command ----------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace) -> int:
-    from wavepp.runtime.config import RuntimeConfig
-    from wavepp.runtime.stage import run_stage
+    from wavepp.runtime.stage import StageReadiness, run_stage
 
     try:
-        config = RuntimeConfig.model_validate_json(Path(args.runtime_config).read_text())
-    except (OSError, ValueError) as exc:
-        print(f"wavepp stage: --runtime-config {args.runtime_config}: {exc}", file=sys.stderr)
+        config = runtime_config_from_args(args, os.environ)
+        rank = resolve_rank(args.rank, os.environ)
+        check_creds(args.nats_creds)
+        check_port("--health-port", args.health_port)
+    except ArgError as exc:
+        print(f"wavepp stage: {exc}", file=sys.stderr)
         return 2
-    if not 0 <= args.rank < config.num_stages:
-        print(
-            f"wavepp stage: --rank {args.rank}: must be in [0, {config.num_stages})",
-            file=sys.stderr,
-        )
+    if not 0 <= rank < config.num_stages:
+        print(f"wavepp stage: --rank {rank}: must be in [0, {config.num_stages})", file=sys.stderr)
         return 2
+
+    async def main() -> None:
+        readiness = StageReadiness()
+        runner = None
+        if args.health_port is not None:
+            runner, port = await start_health_server(
+                args.health_host,
+                args.health_port,
+                {
+                    "/healthz": lambda: True,
+                    "/startupz": lambda: readiness.is_formed,
+                    "/readyz": lambda: readiness.is_serving,
+                },
+            )
+            print(f"wavepp stage {rank}: health on port {port}", file=sys.stderr, flush=True)
+        try:
+            await run_stage(
+                config,
+                rank,
+                args.nats_url,
+                args.dist_url,
+                nats_creds=args.nats_creds,
+                readiness=readiness,
+            )
+        finally:
+            if runner is not None:
+                await runner.cleanup()
+
     try:
-        asyncio.run(run_stage(config, args.rank, args.nats_url, args.dist_url))
+        asyncio.run(main())
     except KeyboardInterrupt:
         pass
     logging.shutdown()

@@ -114,8 +114,19 @@ class EmbeddedNatsServer:
             shutil.rmtree(self.store_dir, ignore_errors=True)
 
 
-async def connect(url: str, *, name: str, **kwargs: object) -> NATS:
-    """Open the process's NATS connection with logging callbacks and unlimited reconnects."""
+async def connect(url: str, *, name: str, creds: str | None = None, **kwargs: object) -> NATS:
+    """Open the process's NATS connection with logging callbacks and unlimited reconnects.
+
+    Args:
+        url: NATS server URL, e.g. ``nats://host:4222``.
+        name: the connection's name (shown by the server).
+        creds: a NATS credentials file (``.creds``: user JWT and NKey seed); None falls back
+            to the environment variable ``WAVEPP_NATS_CREDS``, and without it no credentials.
+        kwargs: further ``nats.connect`` options (they win over the defaults here).
+
+    Returns:
+        The connected client; the caller owns it (drain at exit).
+    """
 
     async def _on_error(exc: Exception) -> None:
         log.warning("nats %s: %s", name, exc)
@@ -135,7 +146,7 @@ async def connect(url: str, *, name: str, **kwargs: object) -> NATS:
         "reconnected_cb": _on_reconnected,
         "pending_size": 64 * 1024 * 1024,
     }
-    user = os.environ.get("WAVEPP_NATS_CREDS")
+    user = creds or os.environ.get("WAVEPP_NATS_CREDS")
     if user:
         options["user_credentials"] = user
     options.update(kwargs)

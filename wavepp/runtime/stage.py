@@ -101,6 +101,8 @@ class StageWorker:
         self._thread: threading.Thread | None = None
         self.num_microbatches = 0
         self.telemetry = StageTelemetry(rank)
+        # NOTE: the readiness probe (/readyz): True between subscribing and the stop request.
+        self.is_serving = False
 
     # ---- loop thread ---------------------------------------------------------------------
 
@@ -113,9 +115,11 @@ class StageWorker:
         await self.nc.flush()
         log.info("stage %d serving layers %s", self.rank, self.config.layers_of(self.rank))
         expiry = asyncio.create_task(self._expire_loop())
+        self.is_serving = True
         try:
             await stop.wait()
         finally:
+            self.is_serving = False
             expiry.cancel()
             self._work.put(None)
 
@@ -298,8 +302,41 @@ def init_distributed(config: RuntimeConfig, rank: int, dist_url: str) -> None:
     dist.init_process_group(backend, init_method=dist_url, rank=rank, world_size=config.num_stages)
 
 
-async def run_stage(config: RuntimeConfig, rank: int, nats_url: str, dist_url: str) -> None:
-    """Process main of ``wavepp stage``: form, serve until SIGTERM/SIGINT, drain, leave."""
+@dataclass
+class StageReadiness:
+    """What a stage's health endpoints report (``wavepp stage --health-port``).
+
+    ``is_formed``: the torch.distributed group has formed and the engine is built (/startupz).
+    ``is_serving``: subscribed to its plans and KV requests, not stopping (/readyz).
+    """
+
+    is_formed: bool = False
+    worker: StageWorker | None = None
+
+    @property
+    def is_serving(self) -> bool:
+        return self.worker is not None and self.worker.is_serving
+
+
+async def run_stage(
+    config: RuntimeConfig,
+    rank: int,
+    nats_url: str,
+    dist_url: str,
+    *,
+    nats_creds: str | None = None,
+    readiness: StageReadiness | None = None,
+) -> None:
+    """Process main of ``wavepp stage``: form, serve until SIGTERM/SIGINT, drain, leave.
+
+    Args:
+        config: the replica's RuntimeConfig.
+        rank: this stage's rank in [0, S).
+        nats_url: NATS server URL.
+        dist_url: torch.distributed init method (``tcp://host:port`` of rank 0).
+        nats_creds: NATS credentials file (None: ``WAVEPP_NATS_CREDS`` or none).
+        readiness: updated as the stage forms and serves (for health endpoints), if given.
+    """
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s stage{rank} %(levelname)s %(name)s: %(message)s"
     )
@@ -311,9 +348,13 @@ async def run_stage(config: RuntimeConfig, rank: int, nats_url: str, dist_url: s
         loop.add_signal_handler(sig, stop.set)
     await asyncio.to_thread(init_distributed, config, rank, dist_url)
     engine = await asyncio.to_thread(build_engine, config, rank)
-    nc = await connect(nats_url, name=f"{config.pipeline}-stage-{rank}")
+    if readiness is not None:
+        readiness.is_formed = True
+    nc = await connect(nats_url, name=f"{config.pipeline}-stage-{rank}", creds=nats_creds)
     try:
         worker = StageWorker(config, rank, nc, engine)
+        if readiness is not None:
+            readiness.worker = worker
         await worker.serve(stop)
     finally:
         await nc.drain()

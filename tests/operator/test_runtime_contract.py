@@ -1,0 +1,334 @@
+"""The operator's container args start the real runtime processes (docs/operator.md, contract).
+
+The manifests come from the operator's own builders (StatefulSet, admission and gateway
+Deployments, the spec and pool ConfigMaps). Only what a cluster provides is replaced by local
+equivalents: the mounted files (spec.json, pool.json) by files in tmp, the NATS URL by a local
+nats-server with JetStream, the rendezvous and container ports by free local ports, and the
+downward-API env values by what the kubelet would fill in. Each process then runs with exactly
+the rendered ``args`` and ``env``, and is probed on the rendered probe paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from wavepp.api.spec import check_spec, load_spec_file
+from wavepp.cli import main as cli_main
+from wavepp.cmd.gateway import gateway_config_from_spec, pool_replicas
+from wavepp.cmd.stage import ArgError, resolve_rank, runtime_config_from_args
+from wavepp.operator import builders as b
+from wavepp.runtime.from_spec import runtime_configs_from_spec
+from wavepp.runtime.natsutil import EmbeddedNatsServer, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+REF = b.PipelineRef(name="tiny", namespace="ml", uid="uid-contract")
+CLUSTER_NATS_URL = "nats://nats.wavepp-system:4222"
+RAW_SPEC: dict[str, Any] = {
+    "model": {"name": "tiny-llama"},
+    "stages": 2,
+    "replicas": 1,
+    "engine": "emulated",
+    "engineOptions": {"timeScale": 0.05, "kvBlocks": 256},
+}
+WAIT_S = 30.0
+
+
+def _resolved_spec(metrics_port: int = 9400) -> Any:
+    raw = json.loads(json.dumps(RAW_SPEC)) | {"telemetry": {"metricsPort": metrics_port}}
+    spec, issues = check_spec(raw, default_image="wavepp:test", default_nats_url=CLUSTER_NATS_URL)
+    assert spec is not None, issues
+    return spec
+
+
+# ---- pure parts --------------------------------------------------------------------------
+
+
+def test_rank_from_flag_or_env() -> None:
+    assert resolve_rank("3", {}) == 3
+    assert resolve_rank("$(WAVEPP_RANK)", {"WAVEPP_RANK": "1"}) == 1
+    assert resolve_rank(None, {"WAVEPP_RANK": "2"}) == 2
+    with pytest.raises(ArgError, match=r"--rank \$\(WAVEPP_RANK\)"):
+        resolve_rank("$(WAVEPP_RANK)", {})
+    with pytest.raises(ArgError, match="--rank 'x'"):
+        resolve_rank("x", {"WAVEPP_RANK": "1"})
+
+
+def test_pool_replicas_admitting_first_then_listed_then_spec() -> None:
+    doc = {
+        "pipeline": "p",
+        "replicas": [
+            {"replica": 0, "admitting": False},
+            {"replica": 1, "admitting": True},
+            {"replica": 2, "admitting": True},
+        ],
+    }
+    assert pool_replicas(doc, 3) == [1, 2]
+    doc["replicas"] = [{"replica": 1, "admitting": False}, {"replica": 0, "admitting": False}]
+    assert pool_replicas(doc, 3) == [0, 1]
+    assert pool_replicas({"pipeline": "p", "replicas": []}, 2) == [0, 1]
+    with pytest.raises(ValueError, match="replicas"):
+        pool_replicas({"pipeline": "p", "replicas": [{"replica": "0"}]}, 1)
+
+
+def test_configs_from_the_operator_files_match_the_spec(tmp_path: Path) -> None:
+    spec = _resolved_spec()
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(b.build_spec_configmap(REF, spec, b.spec_hash(spec))["data"]["spec.json"])
+    args = argparse.Namespace(
+        runtime_config=None, config=str(spec_path), replica=0, pool=None, nats_url="nats://x"
+    )
+    with pytest.raises(ArgError, match="--pool"):
+        runtime_config_from_args(args, {})
+    config = runtime_config_from_args(args, {"WAVEPP_PIPELINE": REF.name})
+    # NOTE: from the file, not from ``spec``: spec.json states every default (model.dtype
+    # too), which from_spec reads as set (reported to the lead).
+    expected = runtime_configs_from_spec(load_spec_file(spec_path), pool=REF.name)[0]
+    assert config.model_copy(update={"telemetry": expected.telemetry}) == expected
+    assert config.telemetry.metrics_port == spec.telemetry.metrics_port
+    args.replica = 1
+    with pytest.raises(ArgError, match=r"--replica 1: must be in \[0, 1\)"):
+        runtime_config_from_args(args, {"WAVEPP_PIPELINE": REF.name})
+
+    pool_doc = json.loads(
+        b.build_pool_configmap(REF, [b.PoolEntry(0, b.spec_hash(spec), admitting=False)])["data"][
+            "pool.json"
+        ]
+    )
+    gateway = gateway_config_from_spec(spec, pool_doc)
+    assert gateway.pool == REF.name
+    assert [r.pipeline for r in gateway.replicas] == [expected.pipeline]
+    assert gateway.model_id == expected.model_id
+    assert gateway.max_prompt_tokens == min(256 * expected.block_size, expected.model.max_position)
+
+
+def test_bad_operator_args_exit_2_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = _resolved_spec()
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec.to_wire()))
+    base = ["--config", str(spec_path), "--nats-url", "nats://127.0.0.1:1"]
+    stage = ["stage", *base, "--dist-url", "tcp://127.0.0.1:1", "--pool", "p"]
+    assert cli_main([*stage, "--rank", "0"]) == 2
+    assert "--replica" in capsys.readouterr().err
+    assert cli_main([*stage, "--replica", "0", "--rank", "2"]) == 2
+    assert "--rank 2: must be in [0, 2)" in capsys.readouterr().err
+    missing = str(tmp_path / "nope.creds")
+    assert cli_main([*stage, "--replica", "0", "--rank", "0", "--nats-creds", missing]) == 2
+    assert "--nats-creds" in capsys.readouterr().err
+    assert cli_main(["gateway", *base, "--port", "8080"]) == 2
+    assert "--pool" in capsys.readouterr().err
+
+
+# ---- the processes ----------------------------------------------------------------------
+
+
+def _container(manifest: dict[str, Any]) -> dict[str, Any]:
+    (container,) = manifest["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _kubelet_env(container: dict[str, Any], pod_name: str, labels: dict[str, str]) -> dict:
+    """The container's env as the kubelet resolves it (values and downward-API fieldRefs)."""
+    env: dict[str, str] = {}
+    for item in container["env"]:
+        if "value" in item:
+            env[item["name"]] = item["value"]
+            continue
+        path = item["valueFrom"]["fieldRef"]["fieldPath"]
+        if path == "metadata.namespace":
+            env[item["name"]] = REF.namespace
+        elif path == "metadata.name":
+            env[item["name"]] = pod_name
+        else:
+            label = re.fullmatch(r"metadata\.labels\['(.+)'\]", path)
+            assert label, f"unknown fieldRef {path}"
+            env[item["name"]] = labels[label.group(1)]
+    return env
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in args: defined variables only, others left as they are."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
+
+
+def _localize(args: list[str], local: dict[str, str], cluster: dict[str, str]) -> list[str]:
+    """Replace the value after each flag in ``local``; it must be the cluster value in
+    ``cluster`` (a path, host or port), so nothing but those is rewritten."""
+    out = list(args)
+    for i, flag in enumerate(args[:-1]):
+        if flag in local:
+            assert args[i + 1] == cluster[flag], (flag, args[i + 1])
+            out[i + 1] = local[flag]
+    return out
+
+
+def _probe_path(container: dict[str, Any], probe: str) -> str:
+    return container[probe]["httpGet"]["path"]
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def _log_tail(path: Path) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-25:]) if path.exists() else ""
+
+
+def _wait_200(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while _status(url) != 200:
+        if proc.poll() is not None:
+            pytest.fail(f"{proc.args[3]} exited with {proc.returncode}:\n{_log_tail(log)}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{url} not 200 in {WAIT_S}s:\n{_log_tail(log)}")
+        time.sleep(0.1)
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30.0) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def test_container_args_start_the_runtime(tmp_path: Path) -> None:
+    spec = _resolved_spec(metrics_port=free_port())
+    hash_ = b.spec_hash(spec)
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(b.build_spec_configmap(REF, spec, hash_)["data"]["spec.json"])
+    pool_path = tmp_path / "pool.json"
+    # A new pipeline: the pool lists replica 0, which does not admit yet.
+    pool_cm = b.build_pool_configmap(REF, [b.PoolEntry(0, hash_, admitting=False)])
+    pool_path.write_text(pool_cm["data"]["pool.json"])
+    sts = b.build_stage_statefulset(REF, spec, hash_, 0)
+    stage_c = _container(sts)
+    admission_c = _container(b.build_admission_deployment(REF, spec, hash_, 0, running=True))
+    gateway_c = _container(b.build_gateway_deployment(REF, spec, hash_))
+    assert stage_c["command"] == admission_c["command"] == gateway_c["command"] == ["wavepp"]
+    for c in (stage_c, admission_c, gateway_c):
+        assert c["args"] == b.container_args(
+            c["name"], spec, REF, None if c["name"] == "gateway" else 0
+        )
+
+    cluster = {
+        "--config": b.SPEC_FILE,
+        "--nats-url": CLUSTER_NATS_URL,
+        "--pool": b.POOL_FILE,
+        "--dist-url": f"tcp://{sts['metadata']['name']}-0.{sts['metadata']['name']}:29500",
+        "--health-port": str(b.HEALTH_PORT),
+        "--port": str(b.HTTP_PORT),
+    }
+    procs: list[subprocess.Popen[bytes]] = []
+    with EmbeddedNatsServer(jetstream=True, store_dir=str(tmp_path / "js")) as nats:
+        common = {"--config": str(spec_path), "--nats-url": nats.url, "--pool": str(pool_path)}
+        dist_url = f"tcp://127.0.0.1:{free_port()}"
+
+        def start(name: str, container: dict, local: dict[str, str], env: dict) -> Any:
+            args = [_expand(a, env) for a in container["args"]]
+            if name == "stage-1":
+                # As a pod whose args were not expanded: the stage reads $WAVEPP_RANK itself.
+                args = list(container["args"])
+            command = [
+                sys.executable,
+                "-m",
+                "wavepp.cli",
+                *_localize(args, common | local, cluster),
+            ]
+            log = tmp_path / f"{name}.log"
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(
+                    command,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO,
+                    env=os.environ | env | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+                    start_new_session=True,
+                )
+            procs.append(proc)
+            return proc, log
+
+        try:
+            stages = []
+            for rank in range(spec.num_stages):
+                pod = b.stage_pod_name(REF.name, 0, rank)
+                labels = sts["spec"]["template"]["metadata"]["labels"] | {
+                    b.POD_INDEX_LABEL: str(rank)
+                }
+                port = free_port()
+                local = {"--dist-url": dist_url, "--health-port": str(port)}
+                proc, log = start(
+                    f"stage-{rank}", stage_c, local, _kubelet_env(stage_c, pod, labels)
+                )
+                stages.append((proc, log, f"http://127.0.0.1:{port}"))
+                if rank == 0:
+                    # Alone, the group cannot form: alive, but not started.
+                    _wait_200(f"{stages[0][2]}{_probe_path(stage_c, 'livenessProbe')}", proc, log)
+                    startup = f"{stages[0][2]}{_probe_path(stage_c, 'startupProbe')}"
+                    assert _status(startup) == 503
+            admission_port, gateway_port = free_port(), free_port()
+            adm_env = _kubelet_env(admission_c, "tiny-r0-admission-x", {})
+            adm, adm_log = start("admission", admission_c, {"--port": str(admission_port)}, adm_env)
+            gw_env = _kubelet_env(gateway_c, "tiny-gateway-x", {})
+            gw, gw_log = start("gateway", gateway_c, {"--port": str(gateway_port)}, gw_env)
+
+            for proc, log, base in stages:
+                _wait_200(f"{base}{_probe_path(stage_c, 'startupProbe')}", proc, log)
+                _wait_200(f"{base}{_probe_path(stage_c, 'readinessProbe')}", proc, log)
+                assert _status(f"{base}{_probe_path(stage_c, 'livenessProbe')}") == 200
+            admission = f"http://127.0.0.1:{admission_port}"
+            _wait_200(f"{admission}{_probe_path(admission_c, 'readinessProbe')}", adm, adm_log)
+            assert _status(f"{admission}{_probe_path(admission_c, 'livenessProbe')}") == 200
+            # The admission process serves Prometheus metrics on the spec's port.
+            assert _status(f"http://127.0.0.1:{spec.telemetry.metrics_port}/metrics") == 200
+            gateway = f"http://127.0.0.1:{gateway_port}"
+            _wait_200(f"{gateway}{_probe_path(gateway_c, 'readinessProbe')}", gw, gw_log)
+
+            block_size = spec.cache.block_size
+            token_ids = [(7 * i) % 200 + 1 for i in range(3 * block_size + 5)]
+            status, first = _post(
+                f"{gateway}/v1/prefill", {"tenant": "default", "token_ids": token_ids}
+            )
+            assert status == 200, first
+            assert first["num_prompt_tokens"] == len(token_ids)
+            assert first["replica"] == f"{REF.name}-r0"
+            assert not first["error"], first
+            # The same prompt again: its full blocks are cached on both stages.
+            status, second = _post(
+                f"{gateway}/v1/prefill", {"tenant": "default", "token_ids": token_ids}
+            )
+            assert status == 200, second
+            assert second["num_cached_tokens"] == 3 * block_size
+            assert second["first_token_id"] == first["first_token_id"]
+        finally:
+            for proc in reversed(procs):
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in reversed(procs):
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
