@@ -211,6 +211,9 @@ class PromptRequest:
     cache_salt: str = ""
     arrival_s: float = field(default_factory=time.time)
     return_logits: bool = False
+    # NOTE: memo of the prompt's block hashes (a pure function of the fields above), so the
+    # scheduler and the controller hash each prompt once.
+    block_hashes: list[bytes] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -263,9 +266,12 @@ class AdmissionController:
         self.num_refusals = 0
 
     def block_hashes(self, request: PromptRequest) -> list[bytes]:
-        return hash_prompt_blocks(
-            request.token_ids, self.block_size, self.model_id, request.cache_salt
-        )
+        """The prompt's full-block hashes (computed once, memoised on the request)."""
+        if request.block_hashes is None:
+            request.block_hashes = hash_prompt_blocks(
+                request.token_ids, self.block_size, self.model_id, request.cache_salt
+            )
+        return request.block_hashes
 
     def num_total_blocks(self, request: PromptRequest) -> int:
         return math.ceil(request.num_tokens / self.block_size)

@@ -45,11 +45,18 @@ class RuntimeConfig(BaseModel):
     chunk_policy: Literal["dynamic", "static"] | None = None
     async_agreement: bool | None = None
     local_prepare: bool | None = None
+    prefix_wait: bool | None = None
+    prefix_wait_min_fraction: float = Field(0.25, ge=0.0, le=1.0)
+    admission_lookahead_tokens: int | None = Field(None, ge=1)
     max_inflight: int | None = Field(None, ge=1)
     max_prepared: int = Field(64, ge=1)
     max_agreements_in_flight: int = Field(16, ge=1)
     lease_s: float = Field(30.0, gt=0)
     request_timeout_s: float = Field(10.0, gt=0)
+    # NOTE: a micro-batch the last stage has not finished this long after its plan went out
+    # (a stage died, or lost the plan) fails its requests with a clear error and releases their
+    # pins on every stage that answers; seconds of wall time, far above any normal micro-batch.
+    microbatch_deadline_s: float = Field(300.0, gt=0)
     device: str = "cpu"
     torch_threads: int = Field(1, ge=1)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
@@ -98,6 +105,22 @@ class RuntimeConfig(BaseModel):
     @property
     def resolved_local_prepare(self) -> bool:
         return self.local_prepare if self.local_prepare is not None else self.mode == "wave"
+
+    @property
+    def resolved_admission_lookahead_tokens(self) -> int:
+        """Async admission stops agreeing ahead once this many new tokens are admitted but not
+        yet planned (default: (max_inflight + 1) x chunk_tokens, enough to keep every stage
+        busy): reserving far ahead only takes blocks from the prefix cache."""
+        if self.admission_lookahead_tokens is not None:
+            return self.admission_lookahead_tokens
+        return (self.resolved_max_inflight + 1) * self.chunk_tokens
+
+    @property
+    def resolved_prefix_wait(self) -> bool:
+        """Wave mode: a request whose prefix a live request is computing waits for it (only
+        with async agreement; the sync loop agrees late enough on its own)."""
+        wait = self.prefix_wait if self.prefix_wait is not None else self.mode == "wave"
+        return wait and self.resolved_async_agreement
 
     @property
     def resolved_max_inflight(self) -> int:

@@ -37,6 +37,7 @@ from nats.aio.msg import Msg
 from wavepp.api.messages import MicroBatchDone, MicroBatchPlan, PlannedChunk
 from wavepp.runtime.agreement import AdmissionController, AgreementRefused, PromptRequest, Ticket
 from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.inflight import InflightPrefixIndex
 from wavepp.runtime.planner import ChunkPlanner, RequestProgress
 from wavepp.telemetry import tracing
 from wavepp.telemetry.pipeline import ChunkInfo, PipelineTelemetry, tenant_of
@@ -147,6 +148,7 @@ class WaveScheduler:
         self.active: list[_Live] = []
         self.by_id: dict[str, _Live] = {}
         self.inflight: dict[int, list[str]] = {}
+        self._published_at_s: dict[int, float] = {}  # micro-batch id -> time.monotonic()
         # micro-batch id -> (request id of each chunk, number of stages that reported it)
         self.chunk_owners: dict[int, tuple[list[str], int]] = {}
         # Stages report in any order: keep recent outcomes a while after release.
@@ -160,6 +162,11 @@ class WaveScheduler:
         self._retry_lock = asyncio.Lock()
         self._admission_open = asyncio.Event()
         self._admission_open.set()
+        self.inflight_prefixes = InflightPrefixIndex()
+        self._prefixes_changed = asyncio.Condition()
+        self._lookahead_changed = asyncio.Condition()
+        self._agreeing_tokens = 0
+        self.num_prefix_waits = 0
         self._sync_head: tuple[PromptRequest, asyncio.Future[RequestOutcome], int] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._admissions: set[asyncio.Task[None]] = set()
@@ -182,6 +189,7 @@ class WaveScheduler:
             self._tasks.append(asyncio.create_task(self._admission_loop(), name="admission"))
         self._tasks.append(asyncio.create_task(self._scheduling_loop(), name="scheduling"))
         self._tasks.append(asyncio.create_task(self._renew_loop(), name="renew"))
+        self._tasks.append(asyncio.create_task(self._deadline_loop(), name="deadline"))
 
     async def stop(self) -> None:
         for task in [*self._tasks, *self._admissions]:
@@ -288,6 +296,11 @@ class WaveScheduler:
             outcome=outcome,
         )
         self.by_id[request.request_id] = live
+        if self.config.resolved_prefix_wait:
+            # Narrow the claim made before agreeing to the blocks it really computes.
+            hashes = self.controller.block_hashes(request)
+            self.inflight_prefixes.remove(request.request_id)
+            self.inflight_prefixes.add(request.request_id, hashes[ticket.num_agreed_blocks :])
         self._recent[request.request_id] = outcome
         while len(self._recent) > _RECENT_OUTCOMES:
             self._recent.popitem(last=False)
@@ -315,7 +328,8 @@ class WaveScheduler:
         while True:
             request, future = await self.intake.get()
             await self._admission_open.wait()
-            await self._agreements.acquire()
+            await self._wait_for_lookahead_room()
+            self._agreeing_tokens += request.num_tokens
             task = asyncio.create_task(self._admit_async(request, future))
             self._admissions.add(task)
             task.add_done_callback(self._admissions.discard)
@@ -323,12 +337,74 @@ class WaveScheduler:
     async def _admit_async(
         self, request: PromptRequest, future: asyncio.Future[RequestOutcome]
     ) -> None:
+        if self.config.resolved_prefix_wait:
+            await self._wait_for_prefix_owner(request)
+        live = None
+        await self._agreements.acquire()
         try:
             live = await self._admit_one(request, future)
             if live is not None:
                 await self.prepared.put(live)
         finally:
             self._agreements.release()
+            self._agreeing_tokens -= request.num_tokens
+            await self._notify(self._lookahead_changed)
+            if self.config.resolved_prefix_wait:
+                if live is None:
+                    self.inflight_prefixes.remove(request.request_id)
+                async with self._prefixes_changed:
+                    self._prefixes_changed.notify_all()
+
+    def _lookahead_tokens(self) -> int:
+        """New tokens admitted (or being agreed) but not yet planned into a micro-batch."""
+        planned_pending = sum(
+            live.progress.num_prompt_tokens - live.progress.num_computed_tokens
+            for live in self.by_id.values()
+            if not live.planned_all
+        )
+        return planned_pending + self._agreeing_tokens
+
+    async def _wait_for_lookahead_room(self) -> None:
+        budget = self.config.resolved_admission_lookahead_tokens
+        async with self._lookahead_changed:
+            while self._lookahead_tokens() >= budget:
+                await self._lookahead_changed.wait()
+
+    @staticmethod
+    async def _notify(condition: asyncio.Condition) -> None:
+        async with condition:
+            condition.notify_all()
+
+    async def _wait_for_prefix_owner(self, request: PromptRequest) -> None:
+        """Wait while a live request computes a large enough part of this prompt's prefix,
+        then claim this prompt's blocks (until its agreement narrows the claim).
+
+        "Large enough": at least one block and ``prefix_wait_min_fraction`` of the prompt, so a
+        short shared system prompt never serialises requests. Bounded by the lease. The check
+        and the claim run without an await between them, so requests admitted in order see
+        each other's claims in order.
+        """
+        try:
+            hashes = self.controller.block_hashes(request)
+        except ValueError:
+            return  # a bad prompt fails in the agreement with its own error
+        min_blocks = max(1, int(self.config.prefix_wait_min_fraction * len(hashes)))
+        deadline = time.monotonic() + self.config.lease_s
+        waited = False
+        while True:
+            owner, num_blocks = self.inflight_prefixes.deepest_overlap(hashes)
+            if owner is None or num_blocks < min_blocks or time.monotonic() > deadline:
+                break
+            waited = True
+            async with self._prefixes_changed:
+                try:
+                    await asyncio.wait_for(
+                        self._prefixes_changed.wait(), max(0.0, deadline - time.monotonic())
+                    )
+                except TimeoutError:
+                    break
+        self.num_prefix_waits += int(waited)
+        self.inflight_prefixes.add(request.request_id, hashes)
 
     # ---- scheduling ----------------------------------------------------------------------
 
@@ -446,8 +522,10 @@ class WaveScheduler:
             if chunk.is_last:
                 live.planned_all = True
         self.inflight[microbatch_id] = request_ids
+        self._published_at_s[microbatch_id] = time.monotonic()
         self.chunk_owners[microbatch_id] = ([c.request_id for c in chunks], 0)
         self.stats.num_microbatches += 1
+        await self._notify(self._lookahead_changed)
         self.stats.microbatch_tokens.append(sum(c.num_tokens for c in chunks))
         traceparent, headers = self.telemetry.microbatch_published(
             microbatch_id,
@@ -499,6 +577,7 @@ class WaveScheduler:
         if done.rank != self.num_stages - 1:
             return
         request_ids = self.inflight.pop(done.microbatch_id, [])
+        self._published_at_s.pop(done.microbatch_id, None)
         self._slot_freed.set()
         now = time.time()
         for result in done.results:
@@ -526,6 +605,11 @@ class WaveScheduler:
                 to_release.append(request_id)
         if to_release:
             await self.controller.release(to_release)
+            if self.config.resolved_prefix_wait:
+                for request_id in to_release:
+                    self.inflight_prefixes.remove(request_id)
+                async with self._prefixes_changed:
+                    self._prefixes_changed.notify_all()
             async with self._capacity_changed:
                 self._capacity_generation += 1
                 self._capacity_changed.notify_all()
@@ -542,6 +626,62 @@ class WaveScheduler:
             live.outcome.finished_s = time.time()
             self._complete(live.future, live.outcome)
         self.active = [live for live in self.active if not live.finished]
+
+    async def _deadline_loop(self) -> None:
+        """Every quarter deadline (at most 1 s), expire the micro-batches past their deadline."""
+        deadline_s = self.config.microbatch_deadline_s
+        while True:
+            await asyncio.sleep(min(1.0, deadline_s / 4))
+            now = time.monotonic()
+            for microbatch_id, published_s in list(self._published_at_s.items()):
+                if now - published_s > deadline_s:
+                    await self._expire_microbatch(microbatch_id)
+
+    async def _expire_microbatch(self, microbatch_id: int) -> None:
+        """Fail the unfinished requests of a micro-batch past ``microbatch_deadline_s``.
+
+        Each request is answered once, with an error naming the micro-batch and how many stages
+        reported it; a result arriving later is dropped (the request is no longer live). Pins
+        and reservations are released on every stage that answers; a dead stage's go with it.
+        """
+        self._published_at_s.pop(microbatch_id, None)
+        request_ids = self.inflight.pop(microbatch_id, [])
+        _, num_reports = self.chunk_owners.pop(microbatch_id, ([], 0))
+        error = (
+            f"micro-batch {microbatch_id} not finished within microbatch_deadline_s="
+            f"{self.config.microbatch_deadline_s} s ({num_reports} of {self.num_stages} stages "
+            "reported it): a stage died or lost the plan"
+        )
+        log.error("%s; failing requests %s", error, request_ids)
+        self._slot_freed.set()
+        to_release = []
+        for request_id in request_ids:
+            live = self.by_id.pop(request_id, None)
+            if live is None:
+                continue
+            if not live.finished:
+                live.finished = True
+                live.planned_all = True
+                live.outcome.error = error
+                live.outcome.finished_s = time.time()
+                self._complete(live.future, live.outcome)
+            to_release.append(request_id)
+        self.active = [live for live in self.active if not live.finished]
+        if not to_release:
+            return
+        try:
+            await self.controller.release(to_release)
+        except Exception as exc:  # a dead stage: the others got the release; leases do the rest
+            log.warning("release of expired %s: %s", to_release, exc)
+        if self.config.resolved_prefix_wait:
+            for request_id in to_release:
+                self.inflight_prefixes.remove(request_id)
+            async with self._prefixes_changed:
+                self._prefixes_changed.notify_all()
+        async with self._capacity_changed:
+            self._capacity_generation += 1
+            self._capacity_changed.notify_all()
+        self._admission_open.set()
 
     async def _renew_loop(self) -> None:
         while True:
