@@ -21,20 +21,19 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from wavepp.bench.replay import ReplayReport
+from wavepp.bench.replay import ReplayReport, run_closed_loop
 from wavepp.bench.workloads import Workload, ideal_hit_ratio, preset_workload
 from wavepp.runtime.agreement import PromptRequest
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.costmodels import derived_cost_model
 from wavepp.runtime.engine.model_config import get_preset
 from wavepp.runtime.local import LocalPipeline
-from wavepp.runtime.scheduler import RequestOutcome, WaveStats
+from wavepp.runtime.scheduler import WaveStats
 
 __all__ = [
     "ABLATIONS",
@@ -205,32 +204,12 @@ async def run_workload(
         assert scheduler is not None, "pipeline started without a scheduler"
         for index, prompt in enumerate(workload.warmup):
             await scheduler.submit(PromptRequest(f"warmup-{index}", prompt))
-        scheduler.stats = WaveStats()  # the measured window starts here
-        limiter = asyncio.Semaphore(concurrency)
-        outcomes: list[RequestOutcome] = []
-        start = time.time()
-
-        async def one(request_id: str, prompt: list[int]) -> None:
-            async with limiter:
-                outcome = await scheduler.submit(
-                    PromptRequest(request_id, prompt, arrival_s=time.time())
-                )
-            outcomes.append(outcome)
-
-        await asyncio.gather(
-            *(one(rid, p) for rid, p in zip(workload.request_ids, workload.prompts, strict=True))
+        return await run_closed_loop(
+            scheduler,
+            config,
+            list(zip(workload.request_ids, workload.prompts, strict=True)),
+            concurrency=concurrency,
         )
-        wall_s = time.time() - start
-        stats = scheduler.stats
-    return ReplayReport(
-        config=config,
-        outcomes=outcomes,
-        invalid=[],
-        wall_s=wall_s,
-        stats=stats,
-        tokens_per_block=config.block_size,
-        concurrency=concurrency,
-    )
 
 
 def run_setting(spec: GridSpec, setting: Setting) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from wavepp.runtime.agreement import PromptRequest
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.local import LocalPipeline
 from wavepp.runtime.planner import CostModel
-from wavepp.runtime.scheduler import RequestOutcome, WaveStats
+from wavepp.runtime.scheduler import RequestOutcome, WaveScheduler, WaveStats
 
 
 @dataclass
@@ -140,4 +140,46 @@ async def replay_records(
         stats=stats,
         tokens_per_block=mapper.tokens_per_block,
         concurrency=concurrency,
+    )
+
+
+async def run_closed_loop(
+    scheduler: WaveScheduler,
+    config: RuntimeConfig,
+    requests: Sequence[tuple[str, list[int]]],
+    *,
+    concurrency: int,
+    clock: Callable[[], float] = time.time,
+    finished_at: Callable[[str], float | None] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> ReplayReport:
+    """Submit ``(request_id, prompt)`` pairs closed-loop at ``concurrency`` and report.
+
+    The measured window starts here (the scheduler's stats are reset), so warm-up requests
+    submitted before do not count. ``clock`` stamps arrivals and the wall time (a simulator
+    passes its virtual clock); ``finished_at`` (if given) overrides each outcome's finish time.
+    """
+    scheduler.stats = WaveStats()
+    limiter = asyncio.Semaphore(concurrency)
+    outcomes: list[RequestOutcome] = []
+    start = clock()
+
+    async def one(request_id: str, prompt: list[int]) -> None:
+        async with limiter:
+            outcome = await scheduler.submit(PromptRequest(request_id, prompt, arrival_s=clock()))
+        if finished_at is not None:
+            finished = finished_at(request_id)
+            outcome.finished_s = finished if finished is not None else clock()
+        outcomes.append(outcome)
+
+    await asyncio.gather(*(one(rid, prompt) for rid, prompt in requests))
+    return ReplayReport(
+        config=config,
+        outcomes=outcomes,
+        invalid=[],
+        wall_s=clock() - start,
+        stats=scheduler.stats,
+        tokens_per_block=config.block_size,
+        concurrency=concurrency,
+        extra=dict(extra or {}),
     )

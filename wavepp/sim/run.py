@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from wavepp.bench.replay import ReplayReport
+from wavepp.bench.replay import ReplayReport, run_closed_loop
 from wavepp.bench.workloads import Workload
 from wavepp.runtime.agreement import PromptRequest
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planner import CostModel
-from wavepp.runtime.scheduler import RequestOutcome, WaveStats
 from wavepp.sim.clock import VirtualClockLoop
 from wavepp.sim.pipeline import SimLatencies, SimPipeline
 
@@ -39,36 +38,16 @@ async def _simulate(
         assert scheduler is not None, "pipeline started without a scheduler"
         for index, prompt in enumerate(workload.warmup):
             await scheduler.submit(PromptRequest(f"warmup-{index}", prompt, arrival_s=loop.time()))
-        scheduler.stats = WaveStats()
-        limiter = asyncio.Semaphore(concurrency)
-        outcomes: list[RequestOutcome] = []
-        start = loop.time()
-
-        async def one(request_id: str, prompt: list[int]) -> None:
-            async with limiter:
-                outcome = await scheduler.submit(
-                    PromptRequest(request_id, prompt, arrival_s=loop.time())
-                )
-            # The scheduler stamps finish times with time.time(); use the virtual clock's.
-            finished = pipeline.finished_at_s(request_id)
-            outcome.finished_s = finished if finished is not None else loop.time()
-            outcomes.append(outcome)
-
-        await asyncio.gather(
-            *(one(rid, p) for rid, p in zip(workload.request_ids, workload.prompts, strict=True))
+        # The scheduler stamps finish times with time.time(); use the virtual clock's.
+        return await run_closed_loop(
+            scheduler,
+            config,
+            list(zip(workload.request_ids, workload.prompts, strict=True)),
+            concurrency=concurrency,
+            clock=loop.time,
+            finished_at=pipeline.finished_at_s,
+            extra={"engine": "sim", "virtual_clock": True},
         )
-        wall_s = loop.time() - start
-        stats = scheduler.stats
-    return ReplayReport(
-        config=config,
-        outcomes=outcomes,
-        invalid=[],
-        wall_s=wall_s,
-        stats=stats,
-        tokens_per_block=config.block_size,
-        concurrency=concurrency,
-        extra={"engine": "sim", "virtual_clock": True},
-    )
 
 
 def simulate(
