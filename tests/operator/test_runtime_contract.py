@@ -132,6 +132,26 @@ def test_bad_operator_args_exit_2_naming_the_flag(
     assert "--pool" in capsys.readouterr().err
 
 
+async def test_nats_creds_reach_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    import nats
+
+    from wavepp.runtime import natsutil
+
+    seen: list[dict[str, Any]] = []
+
+    async def fake_connect(url: str, **options: Any) -> str:
+        seen.append(options)
+        return url
+
+    monkeypatch.setattr(nats, "connect", fake_connect)
+    monkeypatch.setenv("WAVEPP_NATS_CREDS", "/env.creds")
+    await natsutil.connect("nats://h:4222", name="t", creds="/flag.creds")
+    await natsutil.connect("nats://h:4222", name="t")
+    monkeypatch.delenv("WAVEPP_NATS_CREDS")
+    await natsutil.connect("nats://h:4222", name="t")
+    assert [o.get("user_credentials") for o in seen] == ["/flag.creds", "/env.creds", None]
+
+
 # ---- the processes ----------------------------------------------------------------------
 
 
