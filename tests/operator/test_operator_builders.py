@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import kubernetes_validate
+from operator_support import kubernetes_validate
 
 from wavepp.api.spec import WavePipelineSpec, check_spec
 from wavepp.operator import builders as b

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, kubernetes_validate, render_chart
+from operator_support import REPO, kubernetes_validate, render_chart
 
 from wavepp.operator.crdgen import render_crd
 

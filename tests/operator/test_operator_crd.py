@@ -11,7 +11,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from conftest import REPO, kubernetes_validate
+from operator_support import REPO, kubernetes_validate
 
 from wavepp.api.spec import check_spec
 from wavepp.operator import crdgen

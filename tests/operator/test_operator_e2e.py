@@ -5,7 +5,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from conftest import NAMESPACE, REPO, TEST_USER_AGENT, Cluster, render_chart, tiny_spec, wait_for
+from operator_support import (
+    NAMESPACE,
+    REPO,
+    TEST_USER_AGENT,
+    Cluster,
+    render_chart,
+    tiny_spec,
+    wait_for,
+)
 
 from wavepp.operator import builders as b
 

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from conftest import pod_status
+from operator_support import pod_status
 
 from wavepp.operator import builders as b
 from wavepp.operator import kube

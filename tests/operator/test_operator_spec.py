@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import REPO
+from operator_support import REPO
 
 from wavepp.api.spec import (
     MODEL_PRESET_NUM_LAYERS,

@@ -1,0 +1,445 @@
+"""Fixtures for the operator tests: kmock's Kubernetes emulator, kopf in a thread, kubectl.
+
+The emulator serves in the test's event loop. kopf runs in its own thread and loop, as in
+production: at exit kopf cancels every task created after it started in its loop, which would
+include the emulator's request handlers if both shared one.
+
+What the emulator lacks (see shared/k8s-testing.md) and how this file fills it in:
+- list responses get ``kind``/``apiVersion`` (kubectl needs them);
+- ``kubectl get`` asks for a server-side Table: :class:`WaveEmulator` renders it from the CRD's
+  additionalPrinterColumns, as the API server does;
+- no controllers: :class:`Cluster` plays the StatefulSet and Deployment controllers' part
+  explicitly (tests create pods and write their status).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import itertools
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import kmock
+import kopf
+import pytest
+import yaml
+
+from wavepp.operator import builders as b
+from wavepp.operator import kube
+from wavepp.operator.crdgen import CRD_PATHS
+
+REPO = Path(__file__).resolve().parents[2]
+NAMESPACE = "default"
+TEST_USER_AGENT = "wavepp-tests"
+CRD = yaml.safe_load(CRD_PATHS[0].read_text())
+PRINTER_COLUMNS = CRD["spec"]["versions"][0]["additionalPrinterColumns"]
+_uids = itertools.count(1)
+
+
+def _jsonpath(obj: dict[str, Any], path: str) -> Any:
+    node: Any = obj
+    for part in path.strip(".").split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _age(timestamp: str | None) -> str:
+    if not timestamp:
+        return "<unknown>"
+    then = dt.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    seconds = int((dt.datetime.now(dt.UTC) - then).total_seconds())
+    return f"{seconds}s" if seconds < 120 else f"{seconds // 60}m"
+
+
+@attrs.define(kw_only=True)
+class WaveEmulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus list kinds and server-side tables for custom resources."""
+
+    async def _handle(self, request: Any) -> Any:
+        """Set what a real API server sets on create: uid, resourceVersion, generation, time."""
+        if request.action == kmock.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            meta.setdefault("uid", f"uid-{meta.get('name')}-{next(_uids)}")
+            meta.setdefault("resourceVersion", "1")
+            meta.setdefault("generation", 1)
+            meta.setdefault("creationTimestamp", _now())
+        return await super()._handle(request)
+
+    async def _serve_list(self, request: Any) -> Any:
+        payload = await super()._serve_list(request)
+        resource = request.resource
+        info = self.resources[resource]
+        group_version = f"{resource.group}/{resource.version}".lstrip("/")
+        accept = request.headers.get("Accept", "")
+        if "as=Table" in accept and resource.plural == "wavepipelines":
+            return self._table(payload["items"])
+        kind = info.kind or resource.plural.capitalize()
+        return {"kind": f"{kind}List", "apiVersion": group_version, **payload}
+
+    def _table(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        columns = [{"name": "Name", "type": "string", "format": "name", "priority": 0}]
+        columns += [
+            {"name": c["name"], "type": c["type"], "format": "", "priority": c.get("priority", 0)}
+            for c in PRINTER_COLUMNS
+        ]
+        rows = []
+        for item in items:
+            cells: list[Any] = [item["metadata"]["name"]]
+            for c in PRINTER_COLUMNS:
+                value = _jsonpath(item, c["jsonPath"])
+                cells.append(_age(value) if c["type"] == "date" else value)
+            meta = {k: item["metadata"][k] for k in ("name", "namespace") if k in item["metadata"]}
+            rows.append(
+                {
+                    "cells": cells,
+                    "object": {
+                        "kind": "PartialObjectMetadata",
+                        "apiVersion": "meta.k8s.io/v1",
+                        "metadata": meta,
+                    },
+                }
+            )
+        return {
+            "kind": "Table",
+            "apiVersion": "meta.k8s.io/v1",
+            "metadata": {"resourceVersion": "1"},
+            "columnDefinitions": columns,
+            "rows": rows,
+        }
+
+
+class Cluster:
+    """Test-side API access to the emulator, and the controllers' part of the work."""
+
+    def __init__(self, emulator: WaveEmulator, client: kube.KubeClient, kubeconfig: Path) -> None:
+        self.emulator = emulator
+        self.client = client
+        self.kubeconfig = kubeconfig
+
+    # -- objects --------------------------------------------------------------------------
+
+    async def create_pipeline(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        body = {
+            "apiVersion": "wavepp.dev/v1alpha1",
+            "kind": "WavePipeline",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": spec,
+        }
+        return await self.client.create(body)
+
+    async def pipeline(self, name: str) -> dict[str, Any] | None:
+        return await self.client.get("WavePipeline", NAMESPACE, name)
+
+    async def edit_spec(self, name: str, spec_patch: dict[str, Any]) -> None:
+        """A spec edit as the API server records it: merge the spec, bump the generation."""
+        body = await self.pipeline(name)
+        assert body is not None
+        generation = int(body["metadata"].get("generation", 1)) + 1
+        await self.client.patch(
+            "WavePipeline",
+            NAMESPACE,
+            name,
+            {"metadata": {"generation": generation}, "spec": spec_patch},
+        )
+
+    async def get(self, kind: str, name: str) -> dict[str, Any] | None:
+        return await self.client.get(kind, NAMESPACE, name)
+
+    async def list(self, kind: str, pipeline: str) -> list[dict[str, Any]]:
+        return await self.client.list(kind, NAMESPACE, f"{b.LABEL_PIPELINE}={pipeline}")
+
+    # -- the controllers' part ------------------------------------------------------------
+
+    async def run_statefulset(
+        self, name: str, *, phase: str = "warm", ranks: list[int] | None = None
+    ) -> list[str]:
+        """Create the pods of StatefulSet ``name`` (as its controller would) in ``phase``.
+
+        Returns:
+            The pod names created (existing pods are left alone).
+        """
+        sts = await self.get("StatefulSet", name)
+        assert sts is not None, f"StatefulSet {name} does not exist"
+        template = sts["spec"]["template"]
+        created = []
+        for rank in ranks if ranks is not None else range(sts["spec"]["replicas"]):
+            pod_name = f"{name}-{rank}"
+            if await self.get("Pod", pod_name) is not None:
+                continue
+            labels = dict(template["metadata"]["labels"]) | {b.POD_INDEX_LABEL: str(rank)}
+            await self.client.create(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": pod_name, "namespace": NAMESPACE, "labels": labels},
+                    "spec": template["spec"],
+                    "status": pod_status(phase),
+                }
+            )
+            created.append(pod_name)
+        return created
+
+    async def run_admission(self, pipeline: str, replica: int, *, ready: bool = True) -> str:
+        """Create the admission pod of ``replica`` from its Deployment's template."""
+        dep = await self.get("Deployment", b.admission_name(pipeline, replica))
+        assert dep is not None
+        assert dep["spec"]["replicas"] == 1, "the operator scaled this admission controller to 0"
+        pod_name = f"{b.admission_name(pipeline, replica)}-{next(_uids)}"
+        await self.client.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": pod_name,
+                    "namespace": NAMESPACE,
+                    "labels": dict(dep["spec"]["template"]["metadata"]["labels"]),
+                },
+                "spec": dep["spec"]["template"]["spec"],
+                "status": pod_status("warm" if ready else "scheduled"),
+            }
+        )
+        return pod_name
+
+    async def pool(self, pipeline: str) -> dict[int, bool]:
+        """Replica -> admitting, from the pool ConfigMap the gateway reads."""
+        cm = await self.get("ConfigMap", b.pool_configmap_name(pipeline))
+        if cm is None:
+            return {}
+        entries = json.loads(cm["data"]["pool.json"])["replicas"]
+        return {e["replica"]: e["admitting"] for e in entries}
+
+    async def admission_pods(self, pipeline: str, replica: int) -> list[dict[str, Any]]:
+        pods = await self.list("Pod", pipeline)
+        return [
+            p
+            for p in pods
+            if p["metadata"]["labels"].get(b.LABEL_COMPONENT) == "admission"
+            and p["metadata"]["labels"].get(b.LABEL_REPLICA) == str(replica)
+        ]
+
+    async def stop_admission(self, pipeline: str, replica: int) -> None:
+        """The admission pod finished draining and exited (what SIGTERM leads to)."""
+        for pod in await self.admission_pods(pipeline, replica):
+            await self.client.delete("Pod", NAMESPACE, pod["metadata"]["name"])
+
+    async def set_pod_phase(self, name: str, phase: str, **extra: Any) -> None:
+        await self.client.patch(
+            "Pod", NAMESPACE, name, {"status": pod_status(phase, **extra)}, subresource="status"
+        )
+
+    async def serve_replica(self, pipeline: str, replica: int) -> None:
+        """Stage pods warm and the admission controller ready: the replica can serve."""
+        await self.run_statefulset(b.statefulset_name(pipeline, replica))
+        if not await self.admission_pods(pipeline, replica):
+            await self.run_admission(pipeline, replica)
+
+    async def kubectl(self, *args: str, stdin: bytes | None = None) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(
+            "kubectl",
+            "--kubeconfig",
+            str(self.kubeconfig),
+            *args,
+            stdin=asyncio.subprocess.PIPE if stdin is not None else None,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(stdin), timeout=30)
+        return proc.returncode or 0, out.decode(), err.decode()
+
+
+def pod_status(phase: str, *, restarts: int = 0, exit_code: int = 1) -> dict[str, Any]:
+    """A pod ``status`` as the kubelet reports it for a stage phase (or "crashed")."""
+    scheduled = {"type": "PodScheduled", "status": "True"}
+    ready = {"type": "Ready", "status": "True" if phase == "warm" else "False"}
+    container: dict[str, Any] = {
+        "name": "stage",
+        "ready": phase == "warm",
+        "started": phase in ("formed", "warm"),
+        "restartCount": restarts,
+        "state": {"running": {}} if phase in ("formed", "warm") else {"waiting": {}},
+    }
+    if phase == "crashed":
+        container["restartCount"] = max(restarts, 1)
+        container["state"] = {"waiting": {"reason": "CrashLoopBackOff"}}
+        container["lastState"] = {"terminated": {"exitCode": exit_code, "reason": "Error"}}
+    if phase == "pending":
+        return {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False"}]}
+    return {
+        "phase": "Running" if phase != "scheduled" else "Pending",
+        "conditions": [scheduled, ready],
+        "containerStatuses": [container],
+    }
+
+
+async def wait_for(
+    check: Callable[[], Any], *, timeout_s: float = 30.0, what: str = "condition"
+) -> Any:
+    """Poll the async ``check`` until it returns a truthy value; fail with ``what`` at timeout."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; last: {last!r}")
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Cluster]:
+    """An emulated API server with the WavePipeline resource declared, and a kubeconfig."""
+    async with WaveEmulator() as emulator, kmock.Server(emulator) as server:
+        emulator.resources.load_bundled()
+        emulator.resources["wavepp.dev/v1alpha1/wavepipelines"] = kmock.ResourceInfo(
+            kind="WavePipeline",
+            singular="wavepipeline",
+            namespaced=True,
+            shortnames={"wpp"},
+            verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+            subresources={"status", "scale"},
+        )
+        kubeconfig = tmp_path / "kubeconfig.yaml"
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "kmock", "cluster": {"server": str(server.url)}}],
+                    "users": [{"name": "test", "user": {}}],
+                    "contexts": [
+                        {
+                            "name": "kmock",
+                            "context": {"cluster": "kmock", "user": "test", "namespace": NAMESPACE},
+                        }
+                    ],
+                    "current-context": "kmock",
+                }
+            )
+        )
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        creds = kube.Credentials(server=str(server.url).rstrip("/"), headers={}, ssl_context=True)
+        async with kube.KubeClient(creds, user_agent=TEST_USER_AGENT) as client:
+            yield Cluster(emulator, client, kubeconfig)
+
+
+class OperatorThread:
+    """kopf's operator running the wavepp handlers in a thread with its own event loop."""
+
+    def __init__(self, options: Any) -> None:
+        self.memo = kopf.Memo(options=options)
+        self.stop_flag = threading.Event()
+        self.ready_flag = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="kopf", daemon=True)
+
+    def _run(self) -> None:
+        import wavepp.operator.handlers  # noqa: F401 - registers the handlers
+
+        try:
+            asyncio.run(
+                kopf.operator(
+                    clusterwide=True,
+                    standalone=True,
+                    stop_flag=self.stop_flag,
+                    ready_flag=self.ready_flag,
+                    memo=self.memo,
+                )
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported by the fixture
+            self.error = exc
+
+    @property
+    def unexpected_errors(self) -> list[str]:
+        state = getattr(self.memo, "state", None)
+        return list(state.unexpected_errors) if state is not None else []
+
+
+@pytest.fixture
+async def operator(cluster: Cluster) -> AsyncIterator[OperatorThread]:
+    """The operator against ``cluster``; on teardown it must stop cleanly with no errors."""
+    from wavepp.operator.handlers import OperatorOptions
+
+    options = OperatorOptions(
+        default_image="registry.example/wavepp:test",
+        default_nats_url="nats://nats.wavepp:4222",
+        resync_s=0.5,
+        post_events=False,
+        fast_exit=True,
+    )
+    runner = OperatorThread(options)
+    runner.thread.start()
+    assert await asyncio.to_thread(runner.ready_flag.wait, 15), "kopf did not become ready"
+    try:
+        yield runner
+    finally:
+        runner.stop_flag.set()
+        await asyncio.to_thread(runner.thread.join, 20)
+    assert not runner.thread.is_alive(), "kopf did not stop within 20 s"
+    assert runner.error is None, f"kopf exited with {runner.error!r}"
+    assert runner.unexpected_errors == [], runner.unexpected_errors
+
+
+def tiny_spec(**overrides: Any) -> dict[str, Any]:
+    """A small valid spec: tiny-llama (8 layers) in 4 stages, 2 replicas."""
+    spec: dict[str, Any] = {
+        "model": {"name": "tiny-llama"},
+        "stages": 4,
+        "replicas": 2,
+        "resources": {"gpusPerStage": 0},
+        "restartBudget": {"maxRestarts": 2, "windowSeconds": 600},
+        "rollout": {"drainTimeoutSeconds": 30},
+    }
+    spec.update(overrides)
+    return spec
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    """Path of helm: .venv/bin/helm, else on PATH, else installed by scripts/install-helm.sh."""
+    candidates = [REPO / ".venv" / "bin" / "helm", shutil.which("helm")]
+    for candidate in candidates:
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    result = subprocess.run(
+        ["bash", str(REPO / "scripts" / "install-helm.sh")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, f"scripts/install-helm.sh failed:\n{result.stderr}"
+    return str(REPO / ".venv" / "bin" / "helm")
+
+
+def render_chart(helm: str, *set_values: str) -> list[dict[str, Any]]:
+    """``helm template`` of charts/wavepp (CRDs included) as a list of objects."""
+    args = [helm, "template", "wavepp", str(REPO / "charts" / "wavepp")]
+    args += ["--namespace", "wavepp-system", "--include-crds"]
+    for value in set_values:
+        args += ["--set", value]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def kubernetes_validate(objects: list[dict[str, Any]], tmp_path: Path) -> tuple[int, str]:
+    """Run ``kubernetes-validate --strict`` on the objects; returns (exit status, output)."""
+    path = tmp_path / "manifests.yaml"
+    path.write_text(yaml.safe_dump_all(objects))
+    exe = Path(sys.executable).parent / "kubernetes-validate"
+    result = subprocess.run(
+        [str(exe), "--strict", "--quiet", str(path)], capture_output=True, text=True, timeout=120
+    )
+    return result.returncode, result.stdout + result.stderr
