@@ -92,9 +92,10 @@ def test_configs_from_the_operator_files_match_the_spec(tmp_path: Path) -> None:
     with pytest.raises(ArgError, match="--pool"):
         runtime_config_from_args(args, {})
     config = runtime_config_from_args(args, {"WAVEPP_PIPELINE": REF.name})
-    # NOTE: from the file, not from ``spec``: spec.json states every default (model.dtype
-    # too), which from_spec reads as set (reported to the lead).
-    expected = runtime_configs_from_spec(load_spec_file(spec_path), pool=REF.name)[0]
+    # spec.json states every default (model.dtype too); a pod must still get the same
+    # RuntimeConfig as `wavepp up --config` with the spec as the user wrote it.
+    expected = runtime_configs_from_spec(spec, pool=REF.name)[0]
+    assert expected == runtime_configs_from_spec(load_spec_file(spec_path), pool=REF.name)[0]
     assert config.model_copy(update={"telemetry": expected.telemetry}) == expected
     assert config.telemetry.metrics_port == spec.telemetry.metrics_port
     args.replica = 1

@@ -47,7 +47,10 @@ def replica_pipeline_name(pool: str, replica: int) -> str:
 
 def model_config_from_spec(spec: WavePipelineSpec) -> ModelConfig:
     """The engine's ModelConfig: the preset of ``model.name`` (if any) with ``model.config``
-    fields laid over it; ``model.dtype`` applies only when the spec sets it.
+    fields laid over it. ``model.dtype`` applies on CUDA; on the CPU (``engineOptions.device``
+    unset or ``cpu``) the torch engine computes in float32, whatever the spec says, so a spec
+    gives the same model whether it reaches a process through ``wavepp up`` or through the
+    operator's spec.json (which writes every default).
 
     Raises:
         SpecError: the layer count is unknown, or the shape is invalid (names the field).
@@ -63,8 +66,8 @@ def model_config_from_spec(spec: WavePipelineSpec) -> ModelConfig:
             snake = "".join("_" + c.lower() if c.isupper() else c for c in key)
             if snake in ModelConfig.model_fields:
                 update[snake] = value
-    if "dtype" in spec.model.model_fields_set:
-        update["dtype"] = spec.model.dtype
+    device = str(spec.engine_options.get("device", "cpu"))
+    update["dtype"] = spec.model.dtype if device.startswith("cuda") else "float32"
     seed = spec.engine_options.get("seed")
     if seed is not None:
         update["seed"] = int(seed)
