@@ -133,6 +133,11 @@ def up_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpService]:
         pids = service.processes()["pids"].values()
         for pid in pids:
             assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid), f"child {pid} left"
+        # Each child left on SIGTERM by closing its own NATS connection (the callback logs
+        # "disconnected"), not by the supervisor's kill after its timeout.
+        for log_path in sorted((service.state_dir / "logs").glob("*.log")):
+            tail = log_path.read_text(errors="replace").splitlines()[-5:]
+            assert any(": disconnected" in line for line in tail), (log_path.name, tail)
 
 
 def _is_zombie(pid: int) -> bool:

@@ -145,7 +145,12 @@ def run(args: argparse.Namespace) -> int:
             if runner is not None:
                 await runner.cleanup()
             if nc is not None:
-                await nc.drain()
+                # A drain that does not finish (seen when the JetStream pull subscription's
+                # fetch was cancelled at stop) must not hold SIGTERM for the kill timeout.
+                try:
+                    await asyncio.wait_for(nc.drain(), timeout=3.0)
+                except (TimeoutError, Exception):  # noqa: BLE001 - closing anyway
+                    await nc.close()
             shutdown_metrics()
             tracing.shutdown()
 

@@ -228,6 +228,10 @@ class AdmissionService:
             fetcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await fetcher
+            # A cancelled fetch leaves the pull subscription waiting; drop it so that the
+            # connection's drain does not wait on it.
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
             if self._tasks:
                 await asyncio.wait(self._tasks, timeout=10.0)
         finally:
