@@ -98,3 +98,26 @@ def test_readme_first_command_replays_200_requests() -> None:
     assert summary["completed"] == 200 and summary["failed"] == 0
     assert summary["cached_tokens"] > 0
     assert summary["stages"] == 4 and summary["engine"] == "torch"
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--engine", "emulated", "--stages", "0"], "--stages"),
+        (["--engine", "emulated", "--stages", "100"], "--stages"),
+        (["--stages", "9"], "num_stages=9"),
+        (["--kv-blocks", "10,20"], "num_kv_blocks"),
+        (["--concurrency", "0"], "--concurrency"),
+    ],
+)
+def test_bad_flags_exit_2_with_the_flag_named_and_no_traceback(args: list[str], flag: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "wavepp.cli", "replay", str(TRACE), "--limit", "5", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert flag in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "errors.pydantic.dev" not in proc.stderr

@@ -37,7 +37,12 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
         if name == chosen:
             module = importlib.import_module(module_name)
             module.add_arguments(p)

@@ -83,6 +83,15 @@ def _fail(flag: str, message: str) -> int:
     return 2
 
 
+def _validation_summary(exc: object) -> str:
+    """One line per error: the field path and pydantic's message, without input dumps."""
+    lines = []
+    for error in exc.errors():  # type: ignore[attr-defined]
+        where = ".".join(str(p) for p in error.get("loc", ())) or "<config>"
+        lines.append(f"{where}: {error['msg']}")
+    return "; ".join(lines)
+
+
 def _packaged_cost_model(name: str) -> dict[str, object]:
     path = resources.files("wavepp.runtime") / "calibration" / name
     return json.loads(path.read_text())
@@ -148,7 +157,10 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "emulated":
         if args.emulate not in list_models():
             return _fail("--emulate", f"{args.emulate!r}: choose one of {list_models()}")
-        stage_cost = derived_cost_model(args.emulate, num_stages=args.stages)
+        try:
+            stage_cost = derived_cost_model(args.emulate, num_stages=args.stages)
+        except ValueError as exc:
+            return _fail("--stages", str(exc))
     try:
         config = RuntimeConfig(
             model=model,
@@ -167,7 +179,9 @@ def run(args: argparse.Namespace) -> int:
             telemetry=telemetry,
         )
         mapper = TokenMapper(args.tokens_per_block, model.vocab_size, seed=args.seed)
-    except (ValidationError, ValueError) as exc:
+    except ValidationError as exc:
+        return _fail("configuration", _validation_summary(exc))
+    except ValueError as exc:
         return _fail("configuration", str(exc))
     if args.cost_model:
         planner_model = CostModel.from_dict(json.loads(Path(args.cost_model).read_text()))
@@ -211,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     summary = report.summary()
+    if args.engine == "emulated":
+        summary["emulate"] = args.emulate
     summary["planner_cost_model"] = planner_model.source or planner_model.label
     table = Table(title=f"wavepp replay: {Path(args.trace).name}")
     table.add_column("metric")
