@@ -64,6 +64,9 @@ def _is_admitting(service: AdmissionService, stop: asyncio.Event) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    from wavepp.runtime.lifecycle import exit_with_parent
+
+    exit_with_parent()
     from wavepp.cmd.stage import (
         POOL_ENV,
         ArgError,

@@ -170,6 +170,9 @@ def _config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from wavepp.runtime.lifecycle import exit_with_parent
+
+    exit_with_parent()
     from wavepp.cmd.stage import ArgError, check_creds
     from wavepp.runtime.gateway.http import run_gateway
 

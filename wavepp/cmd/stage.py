@@ -246,6 +246,9 @@ async def start_health_server(
 
 
 def run(args: argparse.Namespace) -> int:
+    from wavepp.runtime.lifecycle import exit_with_parent
+
+    exit_with_parent()
     from wavepp.runtime.stage import StageReadiness, run_stage
 
     try:

@@ -25,6 +25,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from wavepp.runtime.lifecycle import child_env
+
 DEFAULT_SPEC = {"model": {"name": "tiny-llama"}, "stages": 2}
 
 
@@ -92,7 +94,11 @@ class Supervisor:
         self.commands[name] = command
         out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         self.procs[name] = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=child_env(),
         )
         self.write_state()
 

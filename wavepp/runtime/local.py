@@ -26,6 +26,7 @@ from nats.aio.client import Client as NATS
 from wavepp.api.messages import Health
 from wavepp.runtime.agreement import AdmissionController, NatsStageClient, StageUnavailableError
 from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.lifecycle import child_env
 from wavepp.runtime.natsutil import EmbeddedNatsServer, connect, free_port
 from wavepp.runtime.planner import ChunkPlanner, CostModel
 from wavepp.runtime.scheduler import WaveScheduler
@@ -87,7 +88,7 @@ class LocalPipeline:
 
     def start_stage(self, rank: int, dist_url: str) -> subprocess.Popen[bytes]:
         out = open(self.log_dir / f"stage{rank}.log", "ab")  # noqa: SIM115 - owned by the child
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.config.torch_threads))
+        env = child_env(dict(os.environ, OMP_NUM_THREADS=str(self.config.torch_threads)))
         return subprocess.Popen(
             self.stage_command(rank, dist_url),
             stdout=out,
