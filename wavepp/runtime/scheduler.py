@@ -604,7 +604,10 @@ class WaveScheduler:
                 del self.by_id[request_id]
                 to_release.append(request_id)
         if to_release:
-            await self.controller.release(to_release)
+            try:
+                await self.controller.release(to_release)
+            except Exception as exc:  # e.g. its reply lost in a NATS reconnect: leases free them
+                log.warning("release of %s failed (%s); leases will expire", to_release, exc)
             if self.config.resolved_prefix_wait:
                 for request_id in to_release:
                     self.inflight_prefixes.remove(request_id)
