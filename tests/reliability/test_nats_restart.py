@@ -44,7 +44,7 @@ async def test_nats_restart_between_waves_every_client_reconnects(tmp_path) -> N
 
 
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,  # passes when no plan was in flight at the restart (1 run in 3 here)
     reason="plans and done messages are core NATS (at most once): a plan published while a "
     "stage reconnects is lost for that stage, the stages' activation streams desynchronise",
 )
