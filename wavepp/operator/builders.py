@@ -213,6 +213,7 @@ def container_args(
 def _env(component: Component, spec: WavePipelineSpec, ref: PipelineRef) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "WAVEPP_PIPELINE", "value": ref.name},
+        {"name": "HOME", "value": "/tmp"},  # non-root user, read-only root filesystem
         {
             "name": "WAVEPP_NAMESPACE",
             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
@@ -281,7 +282,7 @@ def _container(
         + [{"name": "metrics", "containerPort": spec.telemetry.metrics_port, "protocol": "TCP"}],
         "resources": resources,
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False},
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
         **_probes(component),
     }
     if spec.image_pull_policy:
@@ -296,6 +297,9 @@ def _config_volumes(
         {"name": "config", "configMap": {"name": spec_configmap_name(ref.name, hash_)}}
     ]
     mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    # The root filesystem is read-only: Python, torch and the tracer write only under /tmp.
+    volumes.append({"name": "tmp", "emptyDir": {}})
+    mounts.append({"name": "tmp", "mountPath": "/tmp"})
     if spec.nats.credentials_secret:
         volumes.append(
             {"name": "nats-creds", "secret": {"secretName": spec.nats.credentials_secret}}
@@ -304,8 +308,25 @@ def _config_volumes(
     return volumes, mounts
 
 
+# Every pipeline pod runs as a non-root user with a read-only root filesystem and no
+# capabilities (the chart's operator Deployment does the same).
+POD_SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": 65532,
+    "runAsGroup": 65532,
+    "fsGroup": 65532,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
 def _pod_spec_common(spec: WavePipelineSpec) -> dict[str, Any]:
-    pod: dict[str, Any] = {}
+    pod: dict[str, Any] = {"securityContext": dict(POD_SECURITY_CONTEXT)}
     if spec.service_account_name:
         pod["serviceAccountName"] = spec.service_account_name
     if spec.image_pull_secrets:
