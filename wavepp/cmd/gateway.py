@@ -45,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="override the config's routing policy",
     )
+    parser.add_argument(
+        "--max-queued",
+        type=int,
+        default=None,
+        help="override the config's max_queued_requests (default 1024): requests queued or "
+        "running in the gateway, all tenants; past it: 429",
+    )
 
 
 def pool_replicas(pool_doc: dict[str, Any], num_spec_replicas: int) -> list[int]:
@@ -151,7 +158,7 @@ def _config_from_args(args: argparse.Namespace) -> GatewayConfig:
             config = GatewayConfig.model_validate_json(Path(args.gateway_config).read_text())
         except (OSError, ValueError) as exc:
             raise ArgError(f"--gateway-config {args.gateway_config}: {exc}") from exc
-        return config.model_copy(update={"routing": args.routing}) if args.routing else config
+        return _override(config, args)
     if not args.pool:
         raise ArgError(f"--pool: required with --config {args.config} (the pool.json file)")
     try:
@@ -164,9 +171,24 @@ def _config_from_args(args: argparse.Namespace) -> GatewayConfig:
         spec = load_spec_file(args.config).resolved(
             default_image="local", default_nats_url=args.nats_url
         )
-        return gateway_config_from_spec(spec, pool_doc, routing=args.routing)
+        config = gateway_config_from_spec(spec, pool_doc, routing=args.routing)
     except ValueError as exc:
         raise ArgError(f"--config {args.config} / --pool {args.pool}: {exc}") from exc
+    return _override(config, args)
+
+
+def _override(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
+    """``config`` with the flags that override it (``--routing``, ``--max-queued``)."""
+    from wavepp.cmd.stage import ArgError
+
+    update: dict[str, object] = {}
+    if args.routing:
+        update["routing"] = args.routing
+    if args.max_queued is not None:
+        if args.max_queued < 1:
+            raise ArgError(f"--max-queued {args.max_queued}: must be >= 1")
+        update["max_queued_requests"] = args.max_queued
+    return config.model_copy(update=update) if update else config
 
 
 def run(args: argparse.Namespace) -> int:

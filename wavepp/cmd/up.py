@@ -44,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-outstanding", type=int, default=8, help="requests per replica past the gateway"
     )
     parser.add_argument(
+        "--max-queued",
+        type=int,
+        default=1024,
+        help="requests queued or running in the gateway, all tenants; past it: 429",
+    )
+    parser.add_argument(
         "--tenant-max-concurrency", type=int, default=None, help="per tenant, queued or running"
     )
     parser.add_argument(
@@ -167,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--config", str(exc))
     if args.max_outstanding < 1:
         return _fail("--max-outstanding", f"{args.max_outstanding}: must be >= 1")
+    if args.max_queued < 1:
+        return _fail("--max-queued", f"{args.max_queued}: must be >= 1")
     port = args.port or free_port()
     try:
         overrides = json.loads(args.tenant_limits) if args.tenant_limits else {}
@@ -212,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         tenants=tenants,
         routing=args.routing,
         max_outstanding_per_replica=args.max_outstanding,
+        max_queued_requests=args.max_queued,
         request_timeout_s=args.request_timeout_s,
         replica_timeout_s=args.replica_timeout_s,
         tokenizer=str(Path(args.tokenizer).resolve()) if args.tokenizer else None,

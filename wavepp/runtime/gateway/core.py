@@ -3,7 +3,9 @@
 One ``Gateway`` per process, over one NATS connection. ``prefill`` is the whole path of one
 request after validation::
 
-    limits (429) -> stored result? (duplicate: the stored answer) -> same key pending? (join it)
+    stored result? (duplicate: the stored answer) -> same key pending? (join it)
+    -> queue limit: max_queued_requests queued or running in this gateway (429)
+    -> tenant limits (429)
     -> fair-share queue (a slot among max_outstanding_per_replica x replicas in the pool)
     -> router: replica with the longest reusable prefix (ties: least loaded)
     -> JetStream publish {p}.intake, Nats-Msg-Id = key -> wait for wavepp.{pool}.result.{key}
@@ -65,6 +67,11 @@ class GatewayConfig(BaseModel):
     tenants: list[TenantPolicy] = Field(min_length=1)
     routing: RoutingPolicy = "prefix"
     max_outstanding_per_replica: int = Field(8, ge=1)
+    # NOTE: a global bound on requests queued or running in this gateway. Past it a request is
+    # refused at once (429, field "queue") instead of waiting: when the stages cannot reserve
+    # (memory pressure) the fair-share queue would otherwise grow without bound.
+    max_queued_requests: int = Field(1024, ge=1)
+    queue_retry_after_s: float = Field(1.0, gt=0)
     request_timeout_s: float = Field(120.0, gt=0)
     replica_timeout_s: float = Field(3.0, gt=0)
     tokenizer: str | None = None
@@ -111,6 +118,16 @@ class GatewayMetrics:
         )
         self.active = Gauge(
             "wavepp_gateway_active_requests", "Requests queued or running", ["tenant"], registry=r
+        )
+        self.num_requests_in_gateway = Gauge(
+            "wavepp_gateway_requests_in_gateway",
+            "Requests queued or running in the gateway, all tenants (the queue limit counts these)",
+            registry=r,
+        )
+        self.max_queued_requests = Gauge(
+            "wavepp_gateway_max_queued_requests",
+            "The queue limit: past it requests get 429 (field queue)",
+            registry=r,
         )
         self.replica_up = Gauge(
             "wavepp_gateway_replica_up", "Replica in the pool (heartbeat)", ["replica"], registry=r
@@ -228,9 +245,35 @@ class Gateway:
             self.metrics.replica_up.labels(replica.name).set(
                 1 if self.router.is_alive(replica.name, now) else 0
             )
+        self.metrics.num_requests_in_gateway.set(self.num_requests_in_gateway)
+        self.metrics.max_queued_requests.set(self.config.max_queued_requests)
         for tenant in self.tenants:
             self.metrics.queued.labels(tenant).set(self.fair.num_queued(tenant))
             self.metrics.active.labels(tenant).set(self.limiter.num_active[tenant])
+
+    @property
+    def num_requests_in_gateway(self) -> int:
+        """Requests queued or running here, all tenants (joined duplicates not counted)."""
+        return len(self._pending)
+
+    def check_queue_limit(self) -> None:
+        """Refuse a new request when ``max_queued_requests`` are already queued or running.
+
+        Raises:
+            LimitExceeded: field ``queue``, limit ``max_queued_requests`` (HTTP 429 with
+                Retry-After ``queue_retry_after_s``).
+        """
+        limit = self.config.max_queued_requests
+        num_requests = self.num_requests_in_gateway
+        if num_requests >= limit:
+            raise LimitExceeded(
+                "queue",
+                limit,
+                self.config.queue_retry_after_s,
+                f"queue: {num_requests} requests are queued or running in the gateway, the "
+                f"limit is {limit} (max_queued_requests); retry after "
+                f"{self.config.queue_retry_after_s:g} s",
+            )
 
     # ---- the request path ----------------------------------------------------------------
 
@@ -250,7 +293,7 @@ class Gateway:
             request with the same tenant and request id, which ran once.
 
         Raises:
-            LimitExceeded: over a tenant limit (HTTP 429).
+            LimitExceeded: over the gateway's queue limit or a tenant limit (HTTP 429).
             TimeoutError: no answer within ``request_timeout_s`` (HTTP 504).
         """
         key = f"{request.tenant}.{request.request_id}"
@@ -260,6 +303,7 @@ class Gateway:
         pending = self._pending.get(key)
         if pending is not None:
             return await asyncio.shield(pending), True
+        self.check_queue_limit()
         self.limiter.acquire(request.tenant, len(request.token_ids), self.clock())
         future: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
         self._pending[key] = future

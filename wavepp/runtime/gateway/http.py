@@ -6,11 +6,12 @@
 | ``POST /v1/completions`` | OpenAI text completion, prefill only (``max_tokens`` = 1)       |
 | ``GET /healthz``         | 200 while the process and its NATS connection are up           |
 | ``GET /readyz``          | 200 only when every stage of every replica is formed            |
-| ``GET /metrics``         | Prometheus text, per-tenant counters and TTFT histogram         |
+| ``GET /metrics``         | Prometheus text, per-tenant counters and TTFT histogram, queue depth |
 
 Errors are JSON ``{"error": {"field", "message", "limit"?}}``: 400 malformed or out of range,
-403 unknown tenant, 404 wrong model, 422 text without a tokenizer, 429 over a tenant limit (with
-``Retry-After``), 503 intake unavailable, 504 no answer in time. The NATS API on
+403 unknown tenant, 404 wrong model, 422 text without a tokenizer, 429 over a tenant limit or
+past the gateway's queue limit (``field`` ``queue``, ``limit`` = ``max_queued_requests``; both
+with ``Retry-After``), 503 intake unavailable, 504 no answer in time. The NATS API on
 ``wavepp.{pool}.prefill`` (queue group ``gateway``) takes the ``/v1/prefill`` body and answers
 ``{"status": code, "body": ...}``.
 """
