@@ -3,8 +3,9 @@
 What the runtime does today: the micro-batches in flight fail after ``microbatch_deadline_s``
 with an error naming the micro-batch; requests admitted later fail at agreement (the dead stage
 does not answer); no request is answered twice; the surviving stages hold no pin or
-reservation. Not done yet: re-forming the replica (a broken gloo group needs every stage
-restarted with a new dist url) and re-admitting the failed requests."""
+reservation. Recovery: restarting every stage process with a new dist url (a broken gloo group
+cannot be rejoined) re-forms the replica under the same scheduler; new requests and the failed
+ones, resubmitted, are answered correctly."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 from collections import Counter
 
 import pytest
-from reliability_support import emulated_config, make_pipeline, random_tokens
+from reliability_support import emulated_config, make_pipeline, random_tokens, stage_block_counts
 
 from wavepp.api.messages import Health
 from wavepp.runtime.agreement import NatsStageClient, PromptRequest, StageUnavailableError
@@ -72,4 +73,76 @@ async def test_stage_killed_mid_wave_fails_inflight_once_and_leaves_no_pins(
         f"stage kill: {num_before_kill} done before, {len(outcomes) - len(failed)} ok, "
         f"{len(expired)} expired, {len(failed) - len(expired)} refused at agreement; all "
         f"answered {all_answered_s:.2f} s after the kill"
+    )
+
+
+async def test_replica_reformed_after_stage_kill_answers_new_and_resubmitted_requests(
+    tmp_path,  # noqa: ANN001
+) -> None:
+    """Kill stage 1 mid-wave, restart all stages with a new dist url, same scheduler: a new
+    request (the prompt of one answered before the kill) gets the same first token, and every
+    failed request, resubmitted, is answered once and correctly. Times kill -> first answer.
+
+    Found here: the scheduling loop's ``self.active.append(await prepared.get())`` bound the
+    list before the await; the deadline expiry rebinds ``self.active`` meanwhile, so the next
+    admitted request went onto the discarded list and was never planned.
+    """
+    config = emulated_config([256], microbatch_deadline_s=DEADLINE_S, time_scale=4.0)
+    async with make_pipeline(config, str(tmp_path)) as pipeline:
+        scheduler = pipeline.scheduler
+        answers: Counter[str] = Counter()
+        previous = scheduler.on_outcome
+        scheduler.on_outcome = lambda o: (answers.update([o.request_id]), previous and previous(o))
+        prompts = {f"k{i}": random_tokens(i, 400) for i in range(12)}
+        finished: list[str] = []
+        gate = asyncio.Semaphore(4)
+
+        async def one(request_id: str):  # noqa: ANN202
+            async with gate:
+                outcome = await scheduler.submit(PromptRequest(request_id, prompts[request_id]))
+                finished.append(request_id)
+                return outcome
+
+        tasks = [asyncio.create_task(one(request_id)) for request_id in prompts]
+        deadline = time.monotonic() + 30
+        while len(finished) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        os.kill(pipeline.procs[1].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        await pipeline.restart_stages()
+        formed_s = time.monotonic() - killed
+        reference_id = finished[0]  # answered before the kill
+        fresh = await asyncio.wait_for(
+            scheduler.submit(PromptRequest("after", prompts[reference_id])), timeout=20
+        )
+        first_answer_s = time.monotonic() - killed
+        outcomes = await asyncio.wait_for(asyncio.gather(*tasks), timeout=DEADLINE_S + 20)
+        reference = next(o for o in outcomes if o.request_id == reference_id)
+        # The state the first re-form attempt hung in: every old request answered, then one more.
+        settled = await asyncio.wait_for(
+            scheduler.submit(PromptRequest("settled", prompts[reference_id])), timeout=10
+        )
+        failed = [o for o in outcomes if not o.ok]
+        again = await asyncio.wait_for(
+            asyncio.gather(*(one(o.request_id) for o in failed)), timeout=20
+        )
+        counts = await stage_block_counts(pipeline)
+    assert reference.ok, reference.error
+    assert fresh.ok, fresh.error
+    assert fresh.first_token_id == reference.first_token_id
+    assert fresh.num_cached_tokens == 0, "the restarted stages start with empty caches"
+    assert settled.ok, settled.error
+    assert settled.first_token_id == reference.first_token_id
+    assert failed, "the kill must fail some requests"
+    assert all(o.ok for o in again), [o.error for o in again]
+    by_id = {o.request_id: o for o in again}
+    assert sorted(by_id) == sorted(o.request_id for o in failed)
+    assert answers["after"] == answers["settled"] == 1
+    assert all(n == 2 for rid, n in answers.items() if rid in by_id), answers
+    assert all(n == 1 for rid, n in answers.items() if rid not in by_id), answers
+    for num_free_blocks, num_blocks in counts:
+        assert num_free_blocks == num_blocks, counts
+    print(
+        f"stage kill recovery: stages re-formed {formed_s:.2f} s after the kill, first answer "
+        f"{first_answer_s:.2f} s after it; {len(failed)} failed requests resubmitted, all ok"
     )

@@ -178,6 +178,35 @@ class LocalPipeline:
                     )
                 await asyncio.sleep(0.1)
 
+    async def restart_stages(self) -> None:
+        """Re-form the replica: kill every stage process, start all S again with a new dist url.
+
+        A torch.distributed group cannot be rejoined once a member died, so every stage restarts
+        (empty KV caches) and forms a new group. The scheduler and the admission controller stay;
+        the scheduler publishes no plan meanwhile (``pause_plans``). Returns once every new
+        stage answers a health probe (``wait_formed``), i.e. has subscribed to the plans.
+
+        Raises:
+            RuntimeError: a new stage process exited during startup.
+            TimeoutError: a new stage did not answer within ``startup_timeout_s``.
+        """
+        if self.scheduler is not None:
+            self.scheduler.pause_plans()  # a plan must reach all new stages or none
+        try:
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.kill()
+            for proc in self.procs:
+                await asyncio.to_thread(proc.wait, 10)
+            dist_url = f"tcp://127.0.0.1:{free_port()}"
+            self.procs = [
+                self.start_stage(rank, dist_url) for rank in range(self.config.num_stages)
+            ]
+            await self.wait_formed()
+        finally:
+            if self.scheduler is not None:
+                self.scheduler.resume_plans()
+
     async def stop(self) -> None:
         if self.scheduler is not None:
             await self.scheduler.stop()

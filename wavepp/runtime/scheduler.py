@@ -162,6 +162,8 @@ class WaveScheduler:
         self._retry_lock = asyncio.Lock()
         self._admission_open = asyncio.Event()
         self._admission_open.set()
+        self._plans_open = asyncio.Event()  # cleared while the replica re-forms
+        self._plans_open.set()
         self.inflight_prefixes = InflightPrefixIndex()
         self._prefixes_changed = asyncio.Condition()
         self._lookahead_changed = asyncio.Condition()
@@ -201,6 +203,19 @@ class WaveScheduler:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
         await self.telemetry.close()
+
+    def pause_plans(self) -> None:
+        """Publish no micro-batch plan until :meth:`resume_plans` (the stages re-form).
+
+        Plans are core NATS: one published while only some restarted stages have subscribed
+        reaches a subset of them, and their activation streams desynchronise for good.
+        Admission, deadlines and results go on meanwhile.
+        """
+        self._plans_open.clear()
+
+    def resume_plans(self) -> None:
+        """Publish plans again (every stage subscribed); see :meth:`pause_plans`."""
+        self._plans_open.set()
 
     async def submit(self, request: PromptRequest) -> RequestOutcome:
         """Queue a request and wait for its outcome (never raises for request errors)."""
@@ -426,7 +441,11 @@ class WaveScheduler:
             except asyncio.QueueEmpty:
                 break
         if not self.active:
-            self.active.append(await self.prepared.get())
+            # Await first, then look up self.active: the failure paths (_fail_microbatch,
+            # _expire_microbatch) rebind it meanwhile, and an append bound before the await
+            # would put the request on the discarded list (admitted, never planned).
+            live = await self.prepared.get()
+            self.active.append(live)
 
     async def _gather_work_sync(self) -> None:
         # TensorRT-LLM's PP loop: the first rank schedules; new requests get their KV resources
@@ -479,6 +498,7 @@ class WaveScheduler:
         while True:
             await self._wait_for_slot()
             await gather()
+            await self._plans_open.wait()
             progress = [live.progress for live in self.active]
             self._planning_started_s = time.time()
             chunks = self.planner.plan_microbatch(
