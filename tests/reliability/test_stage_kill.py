@@ -1,8 +1,8 @@
 """A stage process SIGKILLed mid-wave (real processes, real nats-server, emulated engine).
 
 What the runtime does today: the micro-batches in flight fail after ``microbatch_deadline_s``
-with an error naming the micro-batch; requests admitted later fail at agreement (the dead stage
-does not answer); no request is answered twice; the surviving stages hold no pin or
+with an error naming the micro-batch; requests admitted later retry their agreement for
+``agreement_retry_s`` and then fail naming the dead stage; no request is answered twice; the surviving stages hold no pin or
 reservation. Recovery: restarting every stage process with a new dist url (a broken gloo group
 cannot be rejoined) re-forms the replica under the same scheduler; new requests and the failed
 ones, resubmitted, are answered correctly."""
@@ -29,7 +29,9 @@ DEADLINE_S = 2.0
 async def test_stage_killed_mid_wave_fails_inflight_once_and_leaves_no_pins(
     tmp_path,  # noqa: ANN001
 ) -> None:
-    config = emulated_config([256], microbatch_deadline_s=DEADLINE_S, time_scale=4.0)
+    config = emulated_config(
+        [256], microbatch_deadline_s=DEADLINE_S, time_scale=4.0, agreement_retry_s=DEADLINE_S
+    )
     async with make_pipeline(config, str(tmp_path)) as pipeline:
         scheduler = pipeline.scheduler
         answers: Counter[str] = Counter()

@@ -12,6 +12,12 @@ Subjects (``{p}`` is the pipeline's subject prefix, e.g. ``wavepp.default``):
 | ``{p}.plan``                    | publish        | ``MicroBatchPlan`` (all stages)  |
 | ``{p}.done``                    | publish        | ``MicroBatchDone`` (every stage) |
 | ``{p}.kv_events.{rank}``        | publish        | ``KVEventBatch``                 |
+| ``{p}.plan.replay``             | request-reply  | ``PlanReplay`` -> ``PlanReplayReply`` |
+| ``{p}.stage.{rank}.dones``      | request-reply  | ``DoneReplay`` -> ``DoneReplayReply`` |
+| ``{p}.resync``                  | publish        | ``StageResync`` (a stage reconnected) |
+
+Plans and done messages are core NATS (at most once); the replay subjects make their delivery
+gap-free across a NATS reconnect (see ``wavepp.runtime.sequencing``).
 """
 
 from __future__ import annotations
@@ -124,6 +130,8 @@ class MicroBatchPlan(_Message):
     chunks: list[PlannedChunk]
     published_at_s: float = 0.0
     traceparent: str = ""
+    # The publishing scheduler instance; ids grow by one per plan within an epoch.
+    epoch: str = Field(default="", max_length=64)
 
 
 class RequestResult(_Message):
@@ -147,6 +155,7 @@ class MicroBatchDone(_Message):
     results: list[RequestResult] = []
     error: str = ""
     num_agreed_blocks: list[int] = []  # per plan chunk: the L* this stage committed (-1: none)
+    epoch: str = Field(default="", max_length=64)  # the plan's epoch
 
 
 class KVEventBatch(_Message):
@@ -155,3 +164,45 @@ class KVEventBatch(_Message):
     rank: int
     stored: list[list[HexHash]] = []
     removed: list[list[HexHash]] = []
+
+
+# --------------------------------------------------------------------------- gap-free delivery
+
+
+class PlanReplay(_Message):
+    """A stage asks the scheduler for the plans of ``epoch`` with ids in ``[from_id, to_id)``
+    (``to_id`` None: no upper bound) that it missed."""
+
+    epoch: str = Field(max_length=64)
+    from_id: int = Field(ge=0)
+    to_id: int | None = Field(default=None, ge=0)
+    rank: int = Field(default=-1, ge=-1)
+
+
+class PlanReplayReply(_Message):
+    """Every plan the scheduler still holds in the asked range, in id order. Any other id in
+    the range below ``next_id`` is gone (it expired); ``epoch`` is the scheduler's own."""
+
+    epoch: str = Field(max_length=64)
+    next_id: int = Field(ge=0)
+    plans: list[MicroBatchPlan] = []
+
+
+class DoneReplay(_Message):
+    """The scheduler asks a stage for its done messages of ``microbatch_ids`` (lost ones)."""
+
+    epoch: str = Field(max_length=64)
+    microbatch_ids: list[int] = Field(max_length=4096)
+
+
+class DoneReplayReply(_Message):
+    """The done messages the stage still has among those asked (the rest are not done yet)."""
+
+    rank: int
+    dones: list[MicroBatchDone] = []
+
+
+class StageResync(_Message):
+    """A stage reconnected to NATS: the scheduler asks it for done messages it may have lost."""
+
+    rank: int

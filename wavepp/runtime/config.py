@@ -53,6 +53,10 @@ class RuntimeConfig(BaseModel):
     max_agreements_in_flight: int = Field(16, ge=1)
     lease_s: float = Field(30.0, gt=0)
     request_timeout_s: float = Field(10.0, gt=0)
+    # NOTE: an agreement a stage did not answer (NATS reconnecting, a stage restarting) is
+    # retried (release, then probe again; both idempotent) for this many seconds of wall time
+    # before its request fails; 0 fails at once.
+    agreement_retry_s: float = Field(30.0, ge=0)
     # NOTE: a micro-batch the last stage has not finished this long after its plan went out
     # (a stage died, or lost the plan) fails its requests with a clear error and releases their
     # pins on every stage that answers; seconds of wall time, far above any normal micro-batch.

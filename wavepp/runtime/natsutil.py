@@ -11,16 +11,25 @@ import logging
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
+import weakref
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import nats
 from nats.aio.client import Client as NATS
 
 log = logging.getLogger(__name__)
+
+# Per connection made by ``connect``: coroutine functions to run after each reconnect.
+_reconnect_listeners: weakref.WeakKeyDictionary[NATS, list[Callable[[], Awaitable[None]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def free_port() -> int:
@@ -47,6 +56,59 @@ def nats_server_binary() -> str:
     )
 
 
+TLS_ENV = {"ca": "WAVEPP_NATS_TLS_CA", "cert": "WAVEPP_NATS_TLS_CERT", "key": "WAVEPP_NATS_TLS_KEY"}
+
+
+@dataclass(frozen=True)
+class NatsTLS:
+    """TLS to the NATS server: the CA to verify it, and an optional client certificate.
+
+    Paths are PEM files. ``from_env`` reads ``WAVEPP_NATS_TLS_CA``, ``WAVEPP_NATS_TLS_CERT``
+    and ``WAVEPP_NATS_TLS_KEY`` (what the ``--nats-tls-*`` flags set for a process and its
+    children).
+    """
+
+    ca: str
+    cert: str | None = None
+    key: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> NatsTLS | None:
+        env = os.environ if env is None else env
+        ca = env.get(TLS_ENV["ca"])
+        cert, key = env.get(TLS_ENV["cert"]), env.get(TLS_ENV["key"])
+        if not ca:
+            if cert or key:
+                raise ValueError(f"{TLS_ENV['cert']}/{TLS_ENV['key']} need {TLS_ENV['ca']}")
+            return None
+        return cls(ca=ca, cert=cert or None, key=key or None)
+
+    def check(self) -> None:
+        """Raise ValueError naming the flag when a file is missing or cert/key come alone."""
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("--nats-tls-cert and --nats-tls-key go together")
+        for flag, path in (("ca", self.ca), ("cert", self.cert), ("key", self.key)):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"--nats-tls-{flag} {path}: no such file")
+
+    def to_env(self) -> dict[str, str]:
+        env = {TLS_ENV["ca"]: self.ca}
+        if self.cert and self.key:
+            env |= {TLS_ENV["cert"]: self.cert, TLS_ENV["key"]: self.key}
+        return env
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A client context that verifies the server against ``ca`` (hostname included).
+
+        Raises:
+            ssl.SSLError, OSError: unreadable or invalid PEM files.
+        """
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca)
+        if self.cert and self.key:
+            context.load_cert_chain(self.cert, self.key)
+        return context
+
+
 class EmbeddedNatsServer:
     """A nats-server child process on 127.0.0.1, optionally with JetStream.
 
@@ -55,22 +117,32 @@ class EmbeddedNatsServer:
     """
 
     def __init__(
-        self, *, port: int | None = None, jetstream: bool = False, store_dir: str | None = None
+        self,
+        *,
+        port: int | None = None,
+        jetstream: bool = False,
+        store_dir: str | None = None,
+        tls: tuple[str, str, str] | None = None,
     ) -> None:
         self.port = port or free_port()
         self.jetstream = jetstream
+        # (server cert, server key, CA that signs client certs): TLS required, clients verified
+        self.tls = tls
         self._own_store = store_dir is None and jetstream
         self.store_dir = store_dir or (tempfile.mkdtemp(prefix="wavepp-js-") if jetstream else "")
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> None:
         args = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
         if self.jetstream:
             args += ["-js", "-sd", self.store_dir]
+        if self.tls:
+            cert, key, ca = self.tls
+            args += ["--tlsverify", "--tlscert", cert, "--tlskey", key, "--tlscacert", ca]
         self._proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
@@ -114,7 +186,14 @@ class EmbeddedNatsServer:
             shutil.rmtree(self.store_dir, ignore_errors=True)
 
 
-async def connect(url: str, *, name: str, creds: str | None = None, **kwargs: object) -> NATS:
+async def connect(
+    url: str,
+    *,
+    name: str,
+    creds: str | None = None,
+    tls: NatsTLS | None = None,
+    **kwargs: object,
+) -> NATS:
     """Open the process's NATS connection with logging callbacks and unlimited reconnects.
 
     Args:
@@ -122,6 +201,8 @@ async def connect(url: str, *, name: str, creds: str | None = None, **kwargs: ob
         name: the connection's name (shown by the server).
         creds: a NATS credentials file (``.creds``: user JWT and NKey seed); None falls back
             to the environment variable ``WAVEPP_NATS_CREDS``, and without it no credentials.
+        tls: TLS to the server; None falls back to ``NatsTLS.from_env()``, and without it
+            plain TCP (unless the URL says ``tls://``, then the system's CAs).
         kwargs: further ``nats.connect`` options (they win over the defaults here).
 
     Returns:
@@ -134,8 +215,14 @@ async def connect(url: str, *, name: str, creds: str | None = None, **kwargs: ob
     async def _on_disconnected() -> None:
         log.info("nats %s: disconnected", name)
 
+    client: list[NATS] = []
+
     async def _on_reconnected() -> None:
         log.info("nats %s: reconnected", name)
+        for listener in list(_reconnect_listeners.get(client[0], ())) if client else ():
+            task = asyncio.ensure_future(listener())
+            _listener_tasks.add(task)
+            task.add_done_callback(_listener_done)
 
     options: dict[str, object] = {
         "name": name,
@@ -149,8 +236,32 @@ async def connect(url: str, *, name: str, creds: str | None = None, **kwargs: ob
     user = creds or os.environ.get("WAVEPP_NATS_CREDS")
     if user:
         options["user_credentials"] = user
+    tls = tls or NatsTLS.from_env()
+    if tls is not None:
+        options["tls"] = tls.ssl_context()
     options.update(kwargs)
-    return await nats.connect(url, **options)  # type: ignore[arg-type]
+    nc = await nats.connect(url, **options)  # type: ignore[arg-type]
+    client.append(nc)
+    return nc
+
+
+_listener_tasks: set[asyncio.Future[None]] = set()
+
+
+def _listener_done(task: asyncio.Future[None]) -> None:
+    _listener_tasks.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("reconnect listener failed: %r", task.exception())
+
+
+def on_reconnect(nc: object, listener: Callable[[], Awaitable[None]]) -> None:
+    """Run ``await listener()`` (as a task) after every reconnect of ``nc``.
+
+    Only connections made by :func:`connect` report reconnects; for any other client (e.g. the
+    simulator's bus) this does nothing. Listeners are kept as long as the client lives.
+    """
+    if isinstance(nc, NATS):
+        _reconnect_listeners.setdefault(nc, []).append(listener)
 
 
 async def wait_until(predicate, *, timeout_s: float, interval_s: float = 0.05) -> None:  # noqa: ANN001

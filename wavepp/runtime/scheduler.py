@@ -19,6 +19,14 @@ sync (baseline, mirrors TensorRT-LLM's ``_executor_loop_pp``)::
 Both keep at most ``max_inflight`` (default S) micro-batches in the pipeline. The last stage's
 ``MicroBatchDone`` frees a slot and carries the first tokens of finished requests; a request's
 pins and reservations are released once no micro-batch holding one of its chunks is in flight.
+
+Delivery across NATS reconnects: plans carry this scheduler's ``epoch`` and consecutive ids and
+stay in a ``PlanLedger`` until every stage reported them done. Stages ask for plans they missed
+(``{p}.plan.replay``); after a reconnect the scheduler republishes the outstanding plans and
+asks each stage for the done messages it has not seen (``{p}.stage.{r}.dones``), also when a
+stage says it reconnected (``{p}.resync``) or reports a later micro-batch first. Done messages
+count once per (micro-batch, stage). An agreement a stage did not answer is retried for
+``agreement_retry_s``.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,10 +43,27 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from wavepp.api.messages import MicroBatchDone, MicroBatchPlan, PlannedChunk
-from wavepp.runtime.agreement import AdmissionController, AgreementRefused, PromptRequest, Ticket
+from wavepp.api.messages import (
+    DoneReplay,
+    DoneReplayReply,
+    MicroBatchDone,
+    MicroBatchPlan,
+    PlannedChunk,
+    PlanReplay,
+    PlanReplayReply,
+    StageResync,
+)
+from wavepp.runtime.agreement import (
+    AdmissionController,
+    AgreementRefused,
+    PromptRequest,
+    StageUnavailableError,
+    Ticket,
+)
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.inflight import InflightPrefixIndex
+from wavepp.runtime.ledger import PlanLedger, Report
+from wavepp.runtime.natsutil import on_reconnect
 from wavepp.runtime.planner import ChunkPlanner, RequestProgress
 from wavepp.telemetry import tracing
 from wavepp.telemetry.pipeline import ChunkInfo, PipelineTelemetry, tenant_of
@@ -133,12 +159,15 @@ class WaveScheduler:
         planner: ChunkPlanner,
         *,
         on_outcome: Callable[[RequestOutcome], None] | None = None,
+        on_stage_done: Callable[[MicroBatchDone, list[str]], None] | None = None,
+        first_microbatch_id: int = 0,
     ) -> None:
         self.config = config
         self.nc = nc
         self.controller = controller
         self.planner = planner
         self.on_outcome = on_outcome
+        self.on_stage_done = on_stage_done  # each (micro-batch, stage) once, with chunk owners
         self.num_stages = config.num_stages
         self.prefix = config.subject_prefix
         self.intake: asyncio.Queue[tuple[PromptRequest, asyncio.Future[RequestOutcome]]] = (
@@ -149,12 +178,18 @@ class WaveScheduler:
         self.by_id: dict[str, _Live] = {}
         self.inflight: dict[int, list[str]] = {}
         self._published_at_s: dict[int, float] = {}  # micro-batch id -> time.monotonic()
-        # micro-batch id -> (request id of each chunk, number of stages that reported it)
-        self.chunk_owners: dict[int, tuple[list[str], int]] = {}
+        self.epoch = uuid.uuid4().hex[:16]
+        self.ledger: PlanLedger[MicroBatchPlan] = PlanLedger(config.num_stages)
+        self._pulls: set[asyncio.Task[None]] = set()
+        # Recovery counters (a NATS reconnect): plans replayed or republished to stages, done
+        # messages recovered from stages, agreements retried after a stage did not answer.
+        self.num_plans_resent = 0
+        self.num_dones_recovered = 0
+        self.num_agreement_retries = 0
         # Stages report in any order: keep recent outcomes a while after release.
         self._recent: OrderedDict[str, RequestOutcome] = OrderedDict()
         self.stats = WaveStats()
-        self._next_microbatch_id = 0
+        self._next_microbatch_id = first_microbatch_id
         self._slot_freed = asyncio.Event()
         self._capacity_generation = 0
         self._capacity_changed = asyncio.Condition()
@@ -173,6 +208,7 @@ class WaveScheduler:
         self._tasks: list[asyncio.Task[None]] = []
         self._admissions: set[asyncio.Task[None]] = set()
         self._sub = None
+        self._subs: list[object] = []
         self._planning_started_s = 0.0
         self.telemetry = PipelineTelemetry(
             config.pipeline,
@@ -185,6 +221,11 @@ class WaveScheduler:
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(f"{self.prefix}.done", cb=self._on_done)
+        self._subs = [
+            await self.nc.subscribe(f"{self.prefix}.plan.replay", cb=self._on_plan_replay),
+            await self.nc.subscribe(f"{self.prefix}.resync", cb=self._on_resync),
+        ]
+        on_reconnect(self.nc, self._on_reconnected)
         await self.telemetry.start(self.nc, self.prefix)
         await self.nc.flush()
         if self.config.resolved_async_agreement:
@@ -194,14 +235,16 @@ class WaveScheduler:
         self._tasks.append(asyncio.create_task(self._deadline_loop(), name="deadline"))
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *self._admissions]:
+        tasks = [*self._tasks, *self._admissions, *self._pulls]
+        for task in tasks:
             task.cancel()
-        for task in [*self._tasks, *self._admissions]:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+        for sub in [self._sub, *self._subs]:
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()  # type: ignore[attr-defined]
         await self.telemetry.close()
 
     def pause_plans(self) -> None:
@@ -214,7 +257,12 @@ class WaveScheduler:
         self._plans_open.clear()
 
     def resume_plans(self) -> None:
-        """Publish plans again (every stage subscribed); see :meth:`pause_plans`."""
+        """Publish plans again (every stage subscribed); see :meth:`pause_plans`.
+
+        The outstanding plans are forgotten (no replay to the new stages: the stages that held
+        their requests are gone); their requests fail at ``microbatch_deadline_s``.
+        """
+        self.ledger.clear()
         self._plans_open.set()
 
     async def submit(self, request: PromptRequest) -> RequestOutcome:
@@ -262,7 +310,7 @@ class WaveScheduler:
         starts while one waits: backpressure instead of rounds of probe/commit/release that
         cannot fit.
         """
-        ticket = await self.controller.agree(request)
+        ticket = await self._agree_through_outages(request)
         if ticket is not None:
             return ticket
         num_refusals = 1
@@ -272,12 +320,35 @@ class WaveScheduler:
                 generation = self._capacity_generation
                 with tracing.span("reservation.wait", **{"reservation.refusals": num_refusals}):
                     await self._wait_for_capacity(generation)
-                ticket = await self.controller.agree(request)
+                ticket = await self._agree_through_outages(request)
                 if ticket is not None:
                     ticket.num_refusals = num_refusals
                     self._admission_open.set()
                     return ticket
                 num_refusals += 1
+
+    async def _agree_through_outages(self, request: PromptRequest) -> Ticket | None:
+        """``controller.agree``, retried while a stage does not answer (NATS reconnecting, a
+        stage restarting), for ``agreement_retry_s``; each retry first releases what the failed
+        attempt may have left (probe and commit are idempotent per request id).
+
+        Raises:
+            StageUnavailableError: a stage still did not answer when the retry time ran out.
+        """
+        deadline = time.monotonic() + self.config.agreement_retry_s
+        delay_s = 0.1
+        while True:
+            try:
+                return await self.controller.agree(request)
+            except StageUnavailableError as exc:
+                if time.monotonic() + delay_s > deadline:
+                    raise
+                log.warning("agreement for %s: %s; retrying", request.request_id, exc)
+                self.num_agreement_retries += 1
+            await asyncio.sleep(delay_s)
+            delay_s = min(1.0, 2 * delay_s)
+            with contextlib.suppress(Exception):
+                await self.controller.release([request.request_id])
 
     def _admitted(
         self, request: PromptRequest, future: asyncio.Future[RequestOutcome], ticket: Ticket
@@ -543,7 +614,6 @@ class WaveScheduler:
                 live.planned_all = True
         self.inflight[microbatch_id] = request_ids
         self._published_at_s[microbatch_id] = time.monotonic()
-        self.chunk_owners[microbatch_id] = ([c.request_id for c in chunks], 0)
         self.stats.num_microbatches += 1
         await self._notify(self._lookahead_changed)
         self.stats.microbatch_tokens.append(sum(c.num_tokens for c in chunks))
@@ -557,8 +627,13 @@ class WaveScheduler:
             now,
         )
         plan = MicroBatchPlan(
-            microbatch_id=microbatch_id, chunks=planned, published_at_s=now, traceparent=traceparent
+            microbatch_id=microbatch_id,
+            chunks=planned,
+            published_at_s=now,
+            traceparent=traceparent,
+            epoch=self.epoch,
         )
+        self.ledger.published(microbatch_id, plan, [c.request_id for c in chunks])
         await self.nc.publish(
             f"{self.prefix}.plan", plan.model_dump_json().encode(), headers=headers
         )
@@ -571,6 +646,23 @@ class WaveScheduler:
         except ValueError as exc:
             log.error("invalid done message dropped: %s", exc)
             return
+        await self._handle_done(done)
+
+    async def _handle_done(self, done: MicroBatchDone) -> None:
+        """Apply one stage's done message, once per (micro-batch, stage)."""
+        if done.epoch and done.epoch != self.epoch:
+            return  # a previous scheduler's micro-batch
+        if not 0 <= done.rank < self.num_stages:
+            log.error("done message from rank %d dropped (S=%d)", done.rank, self.num_stages)
+            return
+        owners = self.ledger.owners(done.microbatch_id)
+        if self.ledger.report(done.microbatch_id, done.rank) in (Report.DUPLICATE, Report.UNKNOWN):
+            return
+        missing = self.ledger.missing_before(done.rank, done.microbatch_id)
+        if missing:  # stages report in order: earlier done messages of this rank were lost
+            self._pull_dones_soon(done.rank, missing)
+        if self.on_stage_done is not None:
+            self.on_stage_done(done, owners)
         self.stats.spans.append(
             StageSpan(
                 rank=done.rank,
@@ -583,11 +675,6 @@ class WaveScheduler:
             )
         )
         self.telemetry.stage_done(done)
-        owners, num_reports = self.chunk_owners.get(done.microbatch_id, ([], 0))
-        if num_reports + 1 >= self.num_stages:
-            self.chunk_owners.pop(done.microbatch_id, None)
-        elif owners:
-            self.chunk_owners[done.microbatch_id] = (owners, num_reports + 1)
         for request_id, num_agreed in zip(owners, done.num_agreed_blocks, strict=False):
             recent = self._recent.get(request_id)
             if recent is not None:
@@ -624,10 +711,7 @@ class WaveScheduler:
                 del self.by_id[request_id]
                 to_release.append(request_id)
         if to_release:
-            try:
-                await self.controller.release(to_release)
-            except Exception as exc:  # e.g. its reply lost in a NATS reconnect: leases free them
-                log.warning("release of %s failed (%s); leases will expire", to_release, exc)
+            await self._release(to_release)
             if self.config.resolved_prefix_wait:
                 for request_id in to_release:
                     self.inflight_prefixes.remove(request_id)
@@ -669,7 +753,8 @@ class WaveScheduler:
         """
         self._published_at_s.pop(microbatch_id, None)
         request_ids = self.inflight.pop(microbatch_id, [])
-        _, num_reports = self.chunk_owners.pop(microbatch_id, ([], 0))
+        num_reports = self.ledger.num_reports(microbatch_id)
+        self.ledger.drop(microbatch_id)
         error = (
             f"micro-batch {microbatch_id} not finished within microbatch_deadline_s="
             f"{self.config.microbatch_deadline_s} s ({num_reports} of {self.num_stages} stages "
@@ -692,10 +777,7 @@ class WaveScheduler:
         self.active = [live for live in self.active if not live.finished]
         if not to_release:
             return
-        try:
-            await self.controller.release(to_release)
-        except Exception as exc:  # a dead stage: the others got the release; leases do the rest
-            log.warning("release of expired %s: %s", to_release, exc)
+        await self._release(to_release)
         if self.config.resolved_prefix_wait:
             for request_id in to_release:
                 self.inflight_prefixes.remove(request_id)
@@ -705,6 +787,95 @@ class WaveScheduler:
             self._capacity_generation += 1
             self._capacity_changed.notify_all()
         self._admission_open.set()
+
+    async def _release(self, request_ids: list[str]) -> None:
+        """Release on every stage; if a stage does not answer (its reply lost in a reconnect, a
+        dead stage), retry in the background for up to ``lease_s``, after which leases free
+        the pins anyway. Release is idempotent; a request id live again is not retried."""
+        try:
+            await self.controller.release(request_ids)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("release of %s failed (%r); retrying", request_ids, exc)
+            task = asyncio.ensure_future(self._retry_release(request_ids))
+            self._pulls.add(task)
+            task.add_done_callback(self._pulls.discard)
+
+    async def _retry_release(self, request_ids: list[str]) -> None:
+        deadline = time.monotonic() + self.config.lease_s
+        delay_s = 0.2
+        while time.monotonic() < deadline:
+            await asyncio.sleep(delay_s)
+            ids = [r for r in request_ids if r not in self.by_id]
+            if not ids:
+                return
+            try:
+                await self.controller.release(ids)
+                return
+            except Exception as exc:  # noqa: BLE001
+                log.warning("release of %s failed again (%r)", ids, exc)
+            delay_s = min(2.0, 2 * delay_s)
+
+    # ---- gap-free delivery across reconnects ----------------------------------------------
+
+    async def _on_plan_replay(self, msg: Msg) -> None:
+        try:
+            ask = PlanReplay.model_validate_json(msg.data)
+        except ValueError as exc:
+            log.error("invalid plan replay ask dropped: %s", exc)
+            return
+        plans = (
+            [plan for _, plan in self.ledger.replay(ask.from_id, ask.to_id)]
+            if ask.epoch == self.epoch
+            else []
+        )
+        if plans:
+            log.warning(
+                "replaying plans %s to stage %d", [p.microbatch_id for p in plans], ask.rank
+            )
+        self.num_plans_resent += len(plans)
+        reply = PlanReplayReply(epoch=self.epoch, next_id=self._next_microbatch_id, plans=plans)
+        await msg.respond(reply.model_dump_json().encode())
+
+    async def _on_resync(self, msg: Msg) -> None:
+        try:
+            notice = StageResync.model_validate_json(msg.data)
+        except ValueError as exc:
+            log.error("invalid resync notice dropped: %s", exc)
+            return
+        if 0 <= notice.rank < self.num_stages:
+            self._pull_dones_soon(notice.rank, self.ledger.unreported(notice.rank))
+
+    async def _on_reconnected(self) -> None:
+        """Republish the outstanding plans (stages drop the ones they have) and ask every stage
+        for the done messages this side has not seen."""
+        for _, plan in self.ledger.replay(0):
+            await self.nc.publish(f"{self.prefix}.plan", plan.model_dump_json().encode())
+            self.num_plans_resent += 1
+        for rank in range(self.num_stages):
+            self._pull_dones_soon(rank, self.ledger.unreported(rank))
+
+    def _pull_dones_soon(self, rank: int, microbatch_ids: list[int]) -> None:
+        if microbatch_ids:
+            task = asyncio.ensure_future(self._pull_dones(rank, microbatch_ids))
+            self._pulls.add(task)
+            task.add_done_callback(self._pulls.discard)
+
+    async def _pull_dones(self, rank: int, microbatch_ids: list[int]) -> None:
+        ask = DoneReplay(epoch=self.epoch, microbatch_ids=microbatch_ids[:4096])
+        try:
+            msg = await self.nc.request(
+                f"{self.prefix}.stage.{rank}.dones",
+                ask.model_dump_json().encode(),
+                timeout=min(2.0, self.config.request_timeout_s),
+            )
+            reply = DoneReplayReply.model_validate_json(msg.data)
+        except Exception as exc:  # noqa: BLE001 - it resyncs when it reconnects
+            log.warning("done replay from stage %d failed: %r", rank, exc)
+            return
+        for done in reply.dones:
+            if done.rank == rank and self.ledger.report_pending(done.microbatch_id, rank):
+                self.num_dones_recovered += 1
+                await self._handle_done(done)
 
     async def _renew_loop(self) -> None:
         while True:

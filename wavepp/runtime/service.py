@@ -40,7 +40,7 @@ from nats.js.api import (
 )
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from wavepp.api.messages import MicroBatchDone, MicroBatchPlan
+from wavepp.api.messages import MicroBatchDone
 from wavepp.runtime.agreement import AdmissionController, NatsStageClient, PromptRequest
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.gateway.protocol import (
@@ -60,7 +60,6 @@ from wavepp.runtime.scheduler import RequestOutcome, WaveScheduler
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
-_MAX_EARLY_DONE = 1024
 
 
 async def ensure_intake(js, pipeline: str, *, duplicate_window_s: float = 120.0) -> None:  # noqa: ANN001 - JetStreamContext
@@ -164,20 +163,23 @@ class AdmissionService:
             chunk_tokens=config.chunk_tokens,
             block_size=config.block_size,
         )
-        self.scheduler = WaveScheduler(config, nc, self.controller, planner)
-        # NOTE: micro-batch ids must not repeat those of a previous instance whose micro-batches
-        # may still be in the pipeline (their done messages reach us too): start at wall-clock ms.
-        self.scheduler._next_microbatch_id = int(time.time() * 1000)
+        # Micro-batch ids start at wall-clock ms: logs and traces of successive instances do
+        # not repeat ids (the plans' epoch already keeps their done messages apart).
+        self.scheduler = WaveScheduler(
+            config,
+            nc,
+            self.controller,
+            planner,
+            on_stage_done=self._on_stage_done,
+            first_microbatch_id=int(time.time() * 1000),
+        )
         self.num_stages_formed = 0
         self.num_answered = 0
         self.num_duplicates = 0
         self._running: dict[str, asyncio.Task[PrefillResult]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(max_concurrent)
-        self._mb_requests: dict[int, list[str]] = {}
         self._timings: dict[str, dict[int, StageTiming]] = defaultdict(dict)
-        self._early_done: dict[int, list[MicroBatchDone]] = {}
-        self._mb_reports: dict[int, int] = {}
         self._kv = None
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -206,9 +208,6 @@ class AdmissionService:
         heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
         try:
             await self.wait_formed()
-            prefix = self.config.subject_prefix
-            await self.nc.subscribe(f"{prefix}.plan", cb=self._on_plan)
-            await self.nc.subscribe(f"{prefix}.done", cb=self._on_done)
             await self.scheduler.start()
             await ensure_intake(self.js, self.config.pipeline)
             self._kv = await ensure_results(self.js, self.pool)
@@ -338,8 +337,6 @@ class AdmissionService:
                 arrival_s=time.time(),
             )
         )
-        with contextlib.suppress(Exception):
-            await self.nc.flush(timeout=1)  # lets our own done subscription catch up
         timings = self._timings.pop(scheduler_id, {})
         return result_from_outcome(
             request,
@@ -350,31 +347,9 @@ class AdmissionService:
 
     # ---- per-stage timings ---------------------------------------------------------------
 
-    async def _on_plan(self, msg: Msg) -> None:
-        try:
-            plan = MicroBatchPlan.model_validate_json(msg.data)
-        except ValueError:
-            return
-        self._mb_requests[plan.microbatch_id] = [c.request_id for c in plan.chunks]
-        for done in self._early_done.pop(plan.microbatch_id, []):
-            self._apply_done(done)
-
-    async def _on_done(self, msg: Msg) -> None:
-        try:
-            done = MicroBatchDone.model_validate_json(msg.data)
-        except ValueError:
-            return
-        if done.microbatch_id not in self._mb_requests:
-            # Our plan echo and the stages' done messages travel on different subscriptions:
-            # a done may come first. Keep it (bounded) until its plan arrives.
-            self._early_done.setdefault(done.microbatch_id, []).append(done)
-            while len(self._early_done) > _MAX_EARLY_DONE:
-                self._early_done.pop(next(iter(self._early_done)))
-            return
-        self._apply_done(done)
-
-    def _apply_done(self, done: MicroBatchDone) -> None:
-        owners = self._mb_requests.get(done.microbatch_id, [])
+    def _on_stage_done(self, done: MicroBatchDone, owners: list[str]) -> None:
+        """Sum each stage's prepare/execute time per request (the scheduler calls this once per
+        micro-batch and stage, with the request id of each chunk)."""
         agreed = list(done.num_agreed_blocks) + [-1] * len(owners)
         for request_id, num_agreed in zip(owners, agreed, strict=False):
             key, _, instance = request_id.rpartition("@")
@@ -384,9 +359,3 @@ class AdmissionService:
             timing.prepare_s += done.prepare_end_s - done.prepare_start_s
             timing.execute_s += done.execute_end_s - done.execute_start_s
             timing.num_agreed_blocks = num_agreed
-        num_reports = self._mb_reports.get(done.microbatch_id, 0) + 1
-        if num_reports >= self.config.num_stages:
-            self._mb_requests.pop(done.microbatch_id, None)
-            self._mb_reports.pop(done.microbatch_id, None)
-        else:
-            self._mb_reports[done.microbatch_id] = num_reports

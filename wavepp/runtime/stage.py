@@ -11,9 +11,11 @@ Threads and ownership::
     after a micro-batch: mark_computed, KV events,   <-    isend activations to rank r+1
                          publish {p}.done                   (last stage: first token, logits)
 
-Plans arrive from one publisher on one subject, so every stage sees them in the same order; the
-compute thread processes them in that order, so the activations of micro-batch m on the wire
-between two stages always belong to m. A micro-batch whose block tables cannot be built (a lease
+Plans arrive from one publisher on one subject; a ``PlanSequencer`` hands them to the compute
+thread in id order, exactly once, and fills a hole left by a NATS reconnect from the scheduler's
+replay (``{p}.plan.replay``), so the activations of micro-batch m on the wire between two stages
+always belong to m. Done messages are kept a while and resent on the scheduler's ask
+(``{p}.stage.{r}.dones``); after its own reconnect a stage says so on ``{p}.resync``. A micro-batch whose block tables cannot be built (a lease
 expired, a bad plan) still moves zeros of the right shape through the pipeline, so no stage
 waits forever, and its ``MicroBatchDone`` carries the error.
 """
@@ -26,7 +28,7 @@ import queue
 import signal
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
@@ -34,18 +36,30 @@ import torch.distributed as dist
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from wavepp.api.messages import KVEventBatch, MicroBatchDone, MicroBatchPlan, RequestResult
+from wavepp.api.messages import (
+    DoneReplay,
+    DoneReplayReply,
+    KVEventBatch,
+    MicroBatchDone,
+    MicroBatchPlan,
+    PlanReplay,
+    PlanReplayReply,
+    RequestResult,
+    StageResync,
+)
 from wavepp.runtime.agreement import StageRequest, handle_kv_request
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.engine import ChunkSpec, make_engine
 from wavepp.runtime.kvcache import BlockPool, StageKVManager
-from wavepp.runtime.natsutil import connect
+from wavepp.runtime.natsutil import connect, on_reconnect
+from wavepp.runtime.sequencing import PlanSequencer
 from wavepp.telemetry import tracing
 from wavepp.telemetry.pipeline import StageTelemetry
 
 log = logging.getLogger(__name__)
 
 _MAX_PENDING_SENDS = 16
+_DONE_LOG = 1024  # done messages kept for the scheduler's replay asks
 
 
 @dataclass
@@ -103,6 +117,10 @@ class StageWorker:
         self.telemetry = StageTelemetry(rank)
         # NOTE: the readiness probe (/readyz): True between subscribing and the stop request.
         self.is_serving = False
+        self.sequencer: PlanSequencer[tuple[MicroBatchPlan, object]] = PlanSequencer()
+        self._done_log: OrderedDict[tuple[str, int], MicroBatchDone] = OrderedDict()
+        self._replay_task: asyncio.Task[None] | None = None
+        self._open_replay = False  # the next replay asks for every plan from next_id on
 
     # ---- loop thread ---------------------------------------------------------------------
 
@@ -112,6 +130,8 @@ class StageWorker:
         self._thread.start()
         await self.nc.subscribe(f"{self.prefix}.stage.{self.rank}.kv", cb=self._on_kv)
         await self.nc.subscribe(f"{self.prefix}.plan", cb=self._on_plan)
+        await self.nc.subscribe(f"{self.prefix}.stage.{self.rank}.dones", cb=self._on_done_replay)
+        on_reconnect(self.nc, self._on_reconnected)
         await self.nc.flush()
         log.info("stage %d serving layers %s", self.rank, self.config.layers_of(self.rank))
         expiry = asyncio.create_task(self._expire_loop())
@@ -150,15 +170,109 @@ class StageWorker:
         )
 
     async def _on_plan(self, msg: Msg) -> None:
-        prepare_start = time.time()
-        error = ""
-        chunks: list[ChunkSpec] = []
         try:
             plan = MicroBatchPlan.model_validate_json(msg.data)
         except ValueError as exc:
             log.error("stage %d: invalid plan dropped: %s", self.rank, exc)
             return
-        self.telemetry.plan_received(plan, msg.headers)
+        for ready, headers in self.sequencer.offer(
+            plan.epoch, plan.microbatch_id, (plan, msg.headers)
+        ):
+            self._accept_plan(ready, headers)
+        self._fill_gaps()
+
+    # ---- gap-free plan delivery ----------------------------------------------------------
+
+    def _fill_gaps(self) -> None:
+        """Start the replay task when plans wait on a hole (or after a reconnect)."""
+        wanted = self._open_replay or self.sequencer.gap() is not None
+        if wanted and (self._replay_task is None or self._replay_task.done()):
+            self._replay_task = asyncio.ensure_future(self._replay_loop())
+
+    async def _replay_loop(self) -> None:
+        """Ask the scheduler for missed plans until no hole is left; back off while it is away."""
+        delay_s = 0.05
+        while True:
+            epoch = self.sequencer.epoch
+            if self._open_replay and epoch:
+                span: tuple[int, int | None] | None = (self.sequencer.next_id, None)
+            else:
+                span = self.sequencer.gap()
+            self._open_replay = False
+            if span is None:
+                return
+            ask = PlanReplay(epoch=epoch, from_id=span[0], to_id=span[1], rank=self.rank)
+            try:
+                msg = await self.nc.request(
+                    f"{self.prefix}.plan.replay",
+                    ask.model_dump_json().encode(),
+                    timeout=min(2.0, self.config.request_timeout_s),
+                )
+                reply = PlanReplayReply.model_validate_json(msg.data)
+            except Exception as exc:  # noqa: BLE001 - no responder yet, timeout, a bad reply
+                log.warning("stage %d: plan replay %s failed: %r", self.rank, span, exc)
+                if span[1] is None:
+                    self._open_replay = True
+                await asyncio.sleep(delay_s)
+                delay_s = min(1.0, delay_s * 2)
+                continue
+            if reply.epoch != epoch:
+                # The scheduler that published the held plans is gone: run what we hold, in
+                # order, rather than wait for plans nobody can replay.
+                log.warning(
+                    "stage %d: replay answered by epoch %s, held plans are of %s; running them",
+                    self.rank,
+                    reply.epoch,
+                    epoch,
+                )
+                for ready, headers in self.sequencer.flush_held():
+                    self._accept_plan(ready, headers)
+                return
+            limit = reply.next_id if span[1] is None else min(span[1], reply.next_id)
+            items = [(p.microbatch_id, (p, None)) for p in reply.plans]
+            skipped = self.sequencer.num_skipped
+            for ready, headers in self.sequencer.settle(epoch, limit, items):
+                self._accept_plan(ready, headers)
+            if self.sequencer.num_skipped > skipped:
+                log.warning(
+                    "stage %d: %d plan(s) expired before they reached this stage; skipped",
+                    self.rank,
+                    self.sequencer.num_skipped - skipped,
+                )
+            delay_s = 0.05
+
+    async def _on_reconnected(self) -> None:
+        """After a NATS reconnect: fetch plans published meanwhile, let the scheduler ask for
+        done messages it may have lost."""
+        self._open_replay = True
+        self._fill_gaps()
+        try:
+            await self.nc.publish(
+                f"{self.prefix}.resync", StageResync(rank=self.rank).model_dump_json().encode()
+            )
+        except Exception as exc:  # noqa: BLE001 - the scheduler's own reconnect asks anyway
+            log.warning("stage %d: resync notice failed: %r", self.rank, exc)
+
+    async def _on_done_replay(self, msg: Msg) -> None:
+        try:
+            ask = DoneReplay.model_validate_json(msg.data)
+        except ValueError as exc:
+            log.error("stage %d: invalid done replay ask dropped: %s", self.rank, exc)
+            return
+        dones = [
+            self._done_log[(ask.epoch, mb)]
+            for mb in ask.microbatch_ids
+            if (ask.epoch, mb) in self._done_log
+        ]
+        reply = DoneReplayReply(rank=self.rank, dones=dones)
+        await msg.respond(reply.model_dump_json().encode())
+
+    def _accept_plan(self, plan: MicroBatchPlan, headers: object) -> None:
+        """Build the block tables (and prepare, in wave mode) and queue the plan for compute."""
+        prepare_start = time.time()
+        error = ""
+        chunks: list[ChunkSpec] = []
+        self.telemetry.plan_received(plan, headers)  # type: ignore[arg-type]
         try:
             for c in plan.chunks:
                 chunks.append(
@@ -187,6 +301,9 @@ class StageWorker:
 
     def _after_microbatch(self, work: _Work, done: MicroBatchDone) -> None:
         self.telemetry.microbatch_done(work.plan, done)
+        self._done_log[(work.plan.epoch, done.microbatch_id)] = done
+        while len(self._done_log) > _DONE_LOG:
+            self._done_log.popitem(last=False)
         if not done.error:
             for chunk in work.chunks:
                 record = self.requests.get(chunk.request_id)
@@ -260,6 +377,7 @@ class StageWorker:
                 results=results,
                 error=error,
                 num_agreed_blocks=work.num_agreed_blocks,
+                epoch=work.plan.epoch,
             )
             # Cache the computed blocks before the activations leave: a release for this
             # request can only follow the last stage's result, hence this send.

@@ -267,6 +267,7 @@ class SimStage:
                 results=results,
                 error=work.error,
                 num_agreed_blocks=work.num_agreed_blocks,
+                epoch=work.plan.epoch,
             )
             await self.bus.publish(
                 f"{self.config.subject_prefix}.done", done.model_dump_json().encode()
