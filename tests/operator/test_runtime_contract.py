@@ -45,8 +45,10 @@ RAW_SPEC: dict[str, Any] = {
 WAIT_S = 30.0
 
 
-def _resolved_spec(metrics_port: int = 9400) -> Any:
+def _resolved_spec(metrics_port: int = 9400, *, tls: bool = False) -> Any:
     raw = json.loads(json.dumps(RAW_SPEC)) | {"telemetry": {"metricsPort": metrics_port}}
+    if tls:
+        raw["nats"] = {"tlsSecret": "nats-client-tls"}
     spec, issues = check_spec(raw, default_image="wavepp:test", default_nats_url=CLUSTER_NATS_URL)
     assert spec is not None, issues
     return spec
@@ -235,8 +237,11 @@ def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         return exc.code, json.loads(exc.read() or b"{}")
 
 
-def test_container_args_start_the_runtime(tmp_path: Path) -> None:
-    spec = _resolved_spec(metrics_port=free_port())
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "mutual-tls"])
+def test_container_args_start_the_runtime(tmp_path: Path, tls: bool) -> None:
+    """With ``nats.tlsSecret``, the same pods talk to a nats-server that requires TLS and
+    verifies client certificates, using the files mounted from the Secret."""
+    spec = _resolved_spec(metrics_port=free_port(), tls=tls)
     hash_ = b.spec_hash(spec)
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(b.build_spec_configmap(REF, spec, hash_)["data"]["spec.json"])
@@ -262,9 +267,38 @@ def test_container_args_start_the_runtime(tmp_path: Path) -> None:
         "--health-port": str(b.HEALTH_PORT),
         "--port": str(b.HTTP_PORT),
     }
+    server_tls = None
+    local_tls: dict[str, str] = {}
+    if tls:
+        sys.path.insert(0, str(REPO / "tests"))
+        from nats_tls_support import make_tls_files
+
+        files = make_tls_files(tmp_path / "tls")
+        server_tls = (files.server_cert, files.server_key, files.ca)
+        local_tls = {
+            "--nats-tls-ca": files.ca,
+            "--nats-tls-cert": files.client_cert,
+            "--nats-tls-key": files.client_key,
+        }
+        cluster |= {
+            flag: f"{b.NATS_TLS_DIR}/{name}"
+            for flag, name in zip(local_tls, ["ca.crt", "tls.crt", "tls.key"], strict=True)
+        }
+        for c in (stage_c, admission_c, gateway_c):
+            assert set(local_tls) <= set(c["args"]), c["args"]
+            mount = next(m for m in c["volumeMounts"] if m["mountPath"] == b.NATS_TLS_DIR)
+            assert mount["readOnly"] is True
+        volumes = sts["spec"]["template"]["spec"]["volumes"]
+        assert {"name": "nats-tls", "secret": {"secretName": "nats-client-tls"}} in volumes
     procs: list[subprocess.Popen[bytes]] = []
-    with EmbeddedNatsServer(jetstream=True, store_dir=str(tmp_path / "js")) as nats:
-        common = {"--config": str(spec_path), "--nats-url": nats.url, "--pool": str(pool_path)}
+    with EmbeddedNatsServer(jetstream=True, store_dir=str(tmp_path / "js"), tls=server_tls) as nats:
+        nats_url = nats.url.replace("tls://", "nats://")  # as the spec's URL: TLS from the CA
+        common = {
+            "--config": str(spec_path),
+            "--nats-url": nats_url,
+            "--pool": str(pool_path),
+            **local_tls,
+        }
         dist_url = f"tcp://127.0.0.1:{free_port()}"
 
         def start(name: str, container: dict, local: dict[str, str], env: dict) -> Any:

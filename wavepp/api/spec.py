@@ -227,6 +227,18 @@ class NatsSpec(_Spec):
     credentials_secret: str | None = Field(
         None, pattern=_DNS_LABEL, description="Secret with key 'creds' (a NATS .creds file)."
     )
+    tls_secret: str | None = Field(
+        None,
+        pattern=_DNS_LABEL,
+        description=(
+            "Secret with 'ca.crt' (the CA that signed the NATS server's certificate) and, for "
+            "mutual TLS, 'tls.crt' and 'tls.key' (the layout cert-manager writes). Set: every "
+            "pipeline process connects over TLS and verifies the server."
+        ),
+    )
+    tls_client_cert: bool = Field(
+        True, description="With tlsSecret: present tls.crt/tls.key to the server (mutual TLS)."
+    )
 
 
 class TenantSpec(_Spec):

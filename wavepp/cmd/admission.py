@@ -22,6 +22,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from wavepp.cmd.stage import add_nats_tls_args
+
 if TYPE_CHECKING:
     from wavepp.runtime.service import AdmissionService
 
@@ -35,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica", type=int, default=None, help="replica index (with --config)")
     parser.add_argument("--nats-url", required=True, help="NATS server URL (with JetStream)")
     parser.add_argument("--nats-creds", default=None, help="NATS credentials file (.creds)")
+    add_nats_tls_args(parser)
     parser.add_argument(
         "--pool",
         default=None,
@@ -70,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.cmd.stage import (
         POOL_ENV,
         ArgError,
+        apply_nats_tls,
         check_creds,
         check_port,
         runtime_config_from_args,
@@ -87,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         if not pool:
             raise ArgError(f"--pool: give the pool name, or set ${POOL_ENV}")
         check_creds(args.nats_creds)
+        apply_nats_tls(args)
         check_port("--port", args.port)
     except ArgError as exc:
         print(f"wavepp admission: {exc}", file=sys.stderr)

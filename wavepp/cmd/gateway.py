@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from wavepp.cmd.stage import add_nats_tls_args
+
 if TYPE_CHECKING:
     from wavepp.api.spec import WavePipelineSpec
     from wavepp.runtime.gateway.core import GatewayConfig
@@ -33,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--nats-url", required=True, help="NATS server URL (with JetStream)")
     parser.add_argument("--nats-creds", default=None, help="NATS credentials file (.creds)")
+    add_nats_tls_args(parser)
     parser.add_argument(
         "--host",
         default=None,
@@ -195,12 +198,13 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.runtime.lifecycle import exit_with_parent
 
     exit_with_parent()
-    from wavepp.cmd.stage import ArgError, check_creds
+    from wavepp.cmd.stage import ArgError, apply_nats_tls, check_creds
     from wavepp.runtime.gateway.http import run_gateway
 
     try:
         config = _config_from_args(args)
         check_creds(args.nats_creds)
+        apply_nats_tls(args)
     except ArgError as exc:
         print(f"wavepp gateway: {exc}", file=sys.stderr)
         return 2

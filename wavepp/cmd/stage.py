@@ -28,6 +28,7 @@ import asyncio
 import logging
 import os
 import re
+import ssl
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -69,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--nats-url", required=True, help="NATS server URL, e.g. nats://host:4222")
     parser.add_argument("--nats-creds", default=None, help="NATS credentials file (.creds)")
+    add_nats_tls_args(parser)
     parser.add_argument(
         "--dist-url",
         required=True,
@@ -116,6 +118,40 @@ def check_port(flag: str, port: int | None) -> None:
     """Raise ArgError naming ``flag`` unless ``port`` is None or in [0, 65535] (0: any free)."""
     if port is not None and not 0 <= port <= 65535:
         raise ArgError(f"{flag} {port}: must be in [0, 65535]")
+
+
+def add_nats_tls_args(parser: argparse.ArgumentParser) -> None:
+    """``--nats-tls-ca/--nats-tls-cert/--nats-tls-key`` (PEM files; see ``NatsTLS``)."""
+    parser.add_argument(
+        "--nats-tls-ca", default=None, help="CA of the NATS server's certificate: connect over TLS"
+    )
+    parser.add_argument("--nats-tls-cert", default=None, help="client certificate (mutual TLS)")
+    parser.add_argument("--nats-tls-key", default=None, help="client key (mutual TLS)")
+
+
+def apply_nats_tls(args: argparse.Namespace) -> None:
+    """Check the ``--nats-tls-*`` files and export them for ``natsutil.connect`` and children.
+
+    Raises:
+        ArgError: cert/key without a CA, one of cert/key alone, a missing file, or PEM files
+            that do not load (the flag is named).
+    """
+    from wavepp.runtime.natsutil import NatsTLS
+
+    ca, cert, key = args.nats_tls_ca, args.nats_tls_cert, args.nats_tls_key
+    if ca is None:
+        if cert or key:
+            raise ArgError("--nats-tls-cert/--nats-tls-key need --nats-tls-ca")
+        return
+    tls = NatsTLS(ca=ca, cert=cert, key=key)
+    try:
+        tls.check()
+        tls.ssl_context()
+    except ValueError as exc:
+        raise ArgError(str(exc)) from exc
+    except (OSError, ssl.SSLError) as exc:
+        raise ArgError(f"--nats-tls-ca/--nats-tls-cert/--nats-tls-key: cannot load: {exc}") from exc
+    os.environ.update(tls.to_env())
 
 
 def check_creds(path: str | None) -> None:
@@ -255,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
         config = runtime_config_from_args(args, os.environ)
         rank = resolve_rank(args.rank, os.environ)
         check_creds(args.nats_creds)
+        apply_nats_tls(args)
         check_port("--health-port", args.health_port)
     except ArgError as exc:
         print(f"wavepp stage: {exc}", file=sys.stderr)

@@ -43,6 +43,7 @@ SPEC_FILE = f"{CONFIG_DIR}/spec.json"
 POOL_DIR = "/etc/wavepp-pool"
 POOL_FILE = f"{POOL_DIR}/pool.json"
 NATS_CREDS_DIR = "/etc/wavepp-nats"
+NATS_TLS_DIR = "/etc/wavepp-nats-tls"
 HTTP_PORT = 8080  # admission and gateway API
 HEALTH_PORT = 8081  # stage: /startupz /readyz /healthz
 RENDEZVOUS_PORT = 29500  # torch.distributed init (tcp://{rank-0 pod}:29500)
@@ -189,6 +190,15 @@ def container_args(
     args = [component, "--config", SPEC_FILE, "--nats-url", str(spec.nats.url)]
     if spec.nats.credentials_secret:
         args += ["--nats-creds", f"{NATS_CREDS_DIR}/creds"]
+    if spec.nats.tls_secret:
+        args += ["--nats-tls-ca", f"{NATS_TLS_DIR}/ca.crt"]
+        if spec.nats.tls_client_cert:
+            args += [
+                "--nats-tls-cert",
+                f"{NATS_TLS_DIR}/tls.crt",
+                "--nats-tls-key",
+                f"{NATS_TLS_DIR}/tls.key",
+            ]
     if component in ("stage", "admission"):
         if replica is None:
             raise ValueError(f"container_args({component!r}): replica is required")
@@ -305,6 +315,9 @@ def _config_volumes(
             {"name": "nats-creds", "secret": {"secretName": spec.nats.credentials_secret}}
         )
         mounts.append({"name": "nats-creds", "mountPath": NATS_CREDS_DIR, "readOnly": True})
+    if spec.nats.tls_secret:
+        volumes.append({"name": "nats-tls", "secret": {"secretName": spec.nats.tls_secret}})
+        mounts.append({"name": "nats-tls", "mountPath": NATS_TLS_DIR, "readOnly": True})
     return volumes, mounts
 
 
