@@ -10,6 +10,7 @@ from wavepp.bench.grid import (
     grid_settings,
     idle_by_stage,
     markdown_table,
+    median_rows,
     read_csv,
     runtime_config,
     write_csv,
@@ -55,13 +56,14 @@ def test_idle_by_stage_finds_gaps_and_the_tail() -> None:
     assert gaps == pytest.approx([2.0, 1.0])
 
 
-def _row(model: str, c: int, mode: str, thr: float, ablation: str = "") -> dict:
+def _row(model: str, c: int, mode: str, thr: float, ablation: str = "", repeat: int = 0) -> dict:
     return {
         "model": model,
         "concurrency": c,
         "reuse": "high",
         "mode": mode,
         "ablation": ablation,
+        "repeat": repeat,
         "throughput_tokens_per_s": thr,
         "cache_hit_ratio": 0.8,
         "ttft_p50_s": 0.1,
@@ -90,6 +92,38 @@ def test_ratios_wins_and_table(tmp_path) -> None:  # noqa: ANN001
     assert [float(r["ratio_vs_sync"]) for r in back] == [3.0, 1.0, 0.9, 1.0, 1.5]
 
 
+def test_repeats_pair_each_wave_run_with_its_sync_run_and_report_medians() -> None:
+    spec = GridSpec(models=("m",), concurrencies=(4,), reuses=("high",), ablations=(), repeats=3)
+    assert [(s.mode, s.repeat) for s in grid_settings(spec)] == [
+        ("wave", 0),
+        ("sync", 0),
+        ("wave", 1),
+        ("sync", 1),
+        ("wave", 2),
+        ("sync", 2),
+    ]
+    # Repeat 1's sync run was slow (noise): its pair's ratio is high, the median is not.
+    thr = {
+        ("wave", 0): 110.0,
+        ("sync", 0): 100.0,
+        ("wave", 1): 100.0,
+        ("sync", 1): 50.0,
+        ("wave", 2): 90.0,
+        ("sync", 2): 100.0,
+    }
+    rows = [_row("m", 4, mode, v, repeat=r) for (mode, r), v in thr.items()]
+    add_ratios(rows)
+    assert [r["ratio_vs_sync"] for r in rows if r["mode"] == "wave"] == [1.1, 2.0, 0.9]
+    wave, sync = median_rows(rows)
+    assert (wave["throughput_tokens_per_s"], sync["throughput_tokens_per_s"]) == (100.0, 100.0)
+    assert (wave["ratio_vs_sync"], wave["ratio_min"], wave["ratio_max"]) == (1.1, 0.9, 2.0)
+    assert wave["repeats"] == 3
+    table = markdown_table(rows, spec)
+    assert "**1.10** [0.90-2.00]" in table and "WavePP wins 1 of 1" in table
+    with pytest.raises(ValueError, match="repeats"):
+        GridSpec(repeats=0)
+
+
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
@@ -97,6 +131,7 @@ def test_ratios_wins_and_table(tmp_path) -> None:  # noqa: ANN001
         (["bench", "grid", "--reuse", "medium"], "--reuse"),
         (["bench", "grid", "--concurrency", "0"], "--concurrency"),
         (["bench", "grid", "--ablations", "x"], "--ablations"),
+        (["bench", "grid", "--repeats", "0"], "--repeats"),
         (["bench", "plot", "/no/such.csv"], "CSV"),
     ],
 )

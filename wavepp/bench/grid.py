@@ -11,6 +11,10 @@ local pipeline (real nats-server, real ``wavepp stage`` processes, emulated engi
 Ablations switch one WavePP mechanism to its baseline form (agreement sync, chunking static,
 local preparation off) in wave mode; each adds a row.
 
+Repeats (``GridSpec.repeats``): each setting runs wave then sync ``repeats`` times in a row;
+the CSV keeps every run (column ``repeat``) with its paired ratio, and the table and plots use
+the median over repeats (``median_rows``), with the smallest and largest paired ratio.
+
 Stage idle (``idle_by_stage``): within the measured window [first execute start, last execute
 end], the time each stage is not executing, and its largest single gap; this is how the report
 says which stage idles and when.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +47,7 @@ __all__ = [
     "grid_settings",
     "idle_by_stage",
     "markdown_table",
+    "median_rows",
     "run_grid",
     "run_setting",
     "write_csv",
@@ -60,6 +66,7 @@ CSV_COLUMNS = [
     "reuse",
     "mode",
     "ablation",
+    "repeat",
     "requests",
     "completed",
     "failed",
@@ -98,7 +105,12 @@ class GridSpec:
     chunk_tokens: int = 8192
     min_requests: int = 32
     requests_per_concurrency: float = 1.0
+    repeats: int = 1
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats}: must be >= 1")
 
     def num_requests(self, concurrency: int) -> int:
         """Measured requests of a setting: max(min_requests, concurrency x factor)."""
@@ -112,29 +124,32 @@ class Setting:
     reuse: str
     mode: str
     ablation: str = ""
+    repeat: int = 0
 
     @property
     def label(self) -> str:
         extra = f" [{self.ablation}]" if self.ablation else ""
-        return f"{self.model} C={self.concurrency} {self.reuse} {self.mode}{extra}"
+        return f"{self.model} C={self.concurrency} {self.reuse} {self.mode}{extra} #{self.repeat}"
 
 
 def grid_settings(spec: GridSpec) -> list[Setting]:
-    """Every run of the grid in order: per setting wave then sync; ablations last."""
+    """Every run of the grid in order: per setting (wave, sync) x repeats; ablations last."""
     runs = [
-        Setting(model, c, reuse, mode)
+        Setting(model, c, reuse, mode, repeat=r)
         for model in spec.models
         for reuse in spec.reuses
         for c in spec.concurrencies
+        for r in range(spec.repeats)
         for mode in ("wave", "sync")
     ]
     for model in spec.models:
         for name in spec.ablations:
             if name not in ABLATIONS:
                 raise ValueError(f"ablation={name!r}: choose from {sorted(ABLATIONS)}")
-            runs.append(
-                Setting(model, spec.ablation_concurrency, spec.ablation_reuse, "wave", name)
-            )
+            for r in range(spec.repeats):
+                runs.append(
+                    Setting(model, spec.ablation_concurrency, spec.ablation_reuse, "wave", name, r)
+                )
     return runs
 
 
@@ -233,6 +248,7 @@ def run_setting(spec: GridSpec, setting: Setting) -> dict[str, Any]:
         reuse=setting.reuse,
         mode=setting.mode,
         ablation=setting.ablation,
+        repeat=setting.repeat,
         ideal_hit_ratio=round(
             ideal_hit_ratio(workload.prompts, spec.block_size, workload.warmup), 4
         ),
@@ -244,17 +260,64 @@ def run_setting(spec: GridSpec, setting: Setting) -> dict[str, Any]:
     return row
 
 
+def _key(row: dict[str, Any]) -> tuple[str, str, str, str]:
+    return (row["model"], str(row["concurrency"]), row["reuse"], str(row.get("repeat", 0) or 0))
+
+
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Set ratio_vs_sync = throughput / the sync row's throughput of the same setting."""
+    """Set ratio_vs_sync = throughput / the throughput of the sync row of the same setting and
+    repeat."""
     sync = {
-        (r["model"], r["concurrency"], r["reuse"]): float(r["throughput_tokens_per_s"])
+        _key(r): float(r["throughput_tokens_per_s"])
         for r in rows
         if r["mode"] == "sync" and not r["ablation"]
     }
     for row in rows:
-        base = sync.get((row["model"], row["concurrency"], row["reuse"]))
+        base = sync.get(_key(row))
         if base:
             row["ratio_vs_sync"] = round(float(row["throughput_tokens_per_s"]) / base, 4)
+
+
+_MEDIAN_FIELDS = (
+    "completed",
+    "failed",
+    "cache_hit_ratio",
+    "throughput_tokens_per_s",
+    "new_tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "wave_fill",
+    "agreement_p50_s",
+    "agreement_p99_s",
+    "microbatches",
+    "wall_s",
+    "ratio_vs_sync",
+)
+
+
+def median_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (model, C, reuse, mode, ablation): the median of each metric over repeats.
+
+    Adds ``repeats`` (runs aggregated), ``ratio_min`` and ``ratio_max`` (the extreme paired
+    ratios). Rows keep their first-seen order; the per-stage idle strings are the first run's.
+    """
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        key = (r["model"], str(r["concurrency"]), r["reuse"], r["mode"], r["ablation"] or "")
+        groups.setdefault(key, []).append(r)
+    out = []
+    for members in groups.values():
+        row = dict(members[0])
+        for name in _MEDIAN_FIELDS:
+            values = [float(m[name]) for m in members if m.get(name) not in ("", None)]
+            if values:
+                row[name] = statistics.median(values)
+        ratios = [float(m["ratio_vs_sync"]) for m in members if m.get("ratio_vs_sync") != ""]
+        row["repeats"] = len(members)
+        row["ratio_min"] = min(ratios) if ratios else ""
+        row["ratio_max"] = max(ratios) if ratios else ""
+        out.append(row)
+    return out
 
 
 def run_grid(
@@ -296,7 +359,10 @@ def _fmt(value: Any, digits: int = 3) -> str:
 def markdown_table(rows: Sequence[dict[str, Any]], spec: GridSpec, command: str = "") -> str:
     """The grid as Markdown: one line per setting (wave and sync side by side), then ablations,
     then the win count. Throughput in prompt tokens per second of *emulated* wall time at
-    ``time_scale`` (divide by 1/time_scale for H200-scale figures; ratios are unaffected)."""
+    ``time_scale`` (divide by 1/time_scale for H200-scale figures; ratios are unaffected).
+    With repeats, every figure is the median over repeats; the ratio is the median of the
+    paired (same repeat) ratios, with their range."""
+    rows = median_rows(rows)
     out = io.StringIO()
     out.write(
         f"Emulated engine: each of {spec.num_stages} stages sleeps time_scale={spec.time_scale}"
@@ -306,6 +372,11 @@ def markdown_table(rows: Sequence[dict[str, Any]], spec: GridSpec, command: str 
         f"{spec.chunk_tokens}. Throughput: prompt tokens/s of wall time (x{spec.time_scale} "
         "scale). hit: measured cached/prompt tokens.\n\n"
     )
+    if spec.repeats > 1:
+        out.write(
+            f"Each setting ran {spec.repeats} times (wave, sync, wave, sync, ...); figures are "
+            "medians, the ratio is the median of the paired ratios [min-max].\n\n"
+        )
     if command:
         out.write(f"Command: `{command}`\n\n")
     by_key: dict[tuple[str, str, str, str], dict[str, Any]] = {}
@@ -326,13 +397,24 @@ def markdown_table(rows: Sequence[dict[str, Any]], spec: GridSpec, command: str 
         w, s = by_key.get((*key, "wave")), by_key.get((*key, "sync"))
         if w is None or s is None:
             continue
-        ratio = float(w["throughput_tokens_per_s"]) / max(float(s["throughput_tokens_per_s"]), 1e-9)
+        ratio = (
+            float(w["ratio_vs_sync"])
+            if w.get("ratio_vs_sync") not in ("", None)
+            else (
+                float(w["throughput_tokens_per_s"]) / max(float(s["throughput_tokens_per_s"]), 1e-9)
+            )
+        )
+        spread = (
+            f" [{float(w['ratio_min']):.2f}-{float(w['ratio_max']):.2f}]"
+            if w.get("repeats", 1) > 1 and w.get("ratio_min") != ""
+            else ""
+        )
         total += 1
         wins += ratio > 1.0
         out.write(
             f"| {key[0]} | {key[1]} | {key[2]} | {_fmt(w['cache_hit_ratio'], 2)}/"
             f"{_fmt(s['cache_hit_ratio'], 2)} | {_fmt(w['throughput_tokens_per_s'], 0)} | "
-            f"{_fmt(s['throughput_tokens_per_s'], 0)} | **{ratio:.2f}** | "
+            f"{_fmt(s['throughput_tokens_per_s'], 0)} | **{ratio:.2f}**{spread} | "
             f"{_fmt(w['ttft_p50_s'])}/{_fmt(s['ttft_p50_s'])} | "
             f"{_fmt(w['ttft_p99_s'])}/{_fmt(s['ttft_p99_s'])} | "
             f"{_fmt(w['wave_fill'], 2)}/{_fmt(s['wave_fill'], 2)} |\n"

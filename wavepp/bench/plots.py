@@ -15,8 +15,8 @@ __all__ = ["plot_grid"]
 def plot_grid(rows: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]:
     """Write throughput.png and wave_fill.png into ``out_dir``.
 
-    One panel per (model, reuse); x = concurrency (log2), one line per mode. Ablation rows are
-    left out.
+    One panel per (model, reuse); x = concurrency (log2), one line per mode; the median over
+    repeats. Ablation rows are left out.
 
     Returns:
         The paths written.
@@ -26,9 +26,11 @@ def plot_grid(rows: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from wavepp.bench.grid import median_rows
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    base = [r for r in rows if not r.get("ablation")]
+    base = [r for r in median_rows(rows) if not r.get("ablation")]
     panels = sorted({(r["model"], r["reuse"]) for r in base})
     if not panels:
         return []

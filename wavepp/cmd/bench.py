@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid.add_argument("--chunk-tokens", type=int, default=8192)
     grid.add_argument("--min-requests", type=int, default=32)
     grid.add_argument("--requests-per-concurrency", type=float, default=1.0)
+    grid.add_argument(
+        "--repeats", type=int, default=1, help="runs per setting (table: medians, ratio range)"
+    )
     grid.add_argument("--out", default="docs/bench", help="folder for grid.csv and grid.md")
     grid.add_argument("--no-plots", action="store_true")
     adm = sub.add_parser("admission", help="agreements/s and latency over real NATS")
@@ -92,9 +95,10 @@ def _run_grid(args: argparse.Namespace) -> int:
             chunk_tokens=args.chunk_tokens,
             min_requests=args.min_requests,
             requests_per_concurrency=args.requests_per_concurrency,
+            repeats=args.repeats,
         )
     except ValueError as exc:
-        return _fail("--concurrency", str(exc))
+        return _fail("--repeats" if "repeats" in str(exc) else "--concurrency", str(exc))
     for model in spec.models:
         if model not in list_models():
             return _fail("--models", f"{model!r}: choose from {list_models()}")
