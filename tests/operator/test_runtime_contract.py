@@ -45,10 +45,12 @@ RAW_SPEC: dict[str, Any] = {
 WAIT_S = 30.0
 
 
-def _resolved_spec(metrics_port: int = 9400, *, tls: bool = False) -> Any:
+def _resolved_spec(metrics_port: int = 9400, *, nats: str = "plain") -> Any:
     raw = json.loads(json.dumps(RAW_SPEC)) | {"telemetry": {"metricsPort": metrics_port}}
-    if tls:
+    if nats == "mutual-tls":
         raw["nats"] = {"tlsSecret": "nats-client-tls"}
+    elif nats == "jwt-creds":
+        raw["nats"] = {"credentialsSecret": "nats-user-creds"}
     spec, issues = check_spec(raw, default_image="wavepp:test", default_nats_url=CLUSTER_NATS_URL)
     assert spec is not None, issues
     return spec
@@ -237,11 +239,14 @@ def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         return exc.code, json.loads(exc.read() or b"{}")
 
 
-@pytest.mark.parametrize("tls", [False, True], ids=["plain", "mutual-tls"])
-def test_container_args_start_the_runtime(tmp_path: Path, tls: bool) -> None:
+@pytest.mark.parametrize("nats_security", ["plain", "mutual-tls", "jwt-creds"])
+def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) -> None:
     """With ``nats.tlsSecret``, the same pods talk to a nats-server that requires TLS and
-    verifies client certificates, using the files mounted from the Secret."""
-    spec = _resolved_spec(metrics_port=free_port(), tls=tls)
+    verifies client certificates, using the files mounted from the Secret. With
+    ``nats.credentialsSecret``, to a server in operator mode (JWT auth) with the user's
+    ``.creds`` file mounted from the Secret."""
+    tls = nats_security == "mutual-tls"
+    spec = _resolved_spec(metrics_port=free_port(), nats=nats_security)
     hash_ = b.spec_hash(spec)
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(b.build_spec_configmap(REF, spec, hash_)["data"]["spec.json"])
@@ -290,8 +295,24 @@ def test_container_args_start_the_runtime(tmp_path: Path, tls: bool) -> None:
             assert mount["readOnly"] is True
         volumes = sts["spec"]["template"]["spec"]["volumes"]
         assert {"name": "nats-tls", "secret": {"secretName": "nats-client-tls"}} in volumes
+    server_config = None
+    if nats_security == "jwt-creds":
+        sys.path.insert(0, str(REPO / "tests"))
+        from nats_auth_support import make_auth_files
+
+        auth = make_auth_files(tmp_path / "auth", tmp_path / "js")
+        server_config = auth.server_config
+        local_tls = {"--nats-creds": auth.creds}  # the Secret's file, made local
+        cluster["--nats-creds"] = f"{b.NATS_CREDS_DIR}/creds"
+        for c in (stage_c, admission_c, gateway_c):
+            assert "--nats-creds" in c["args"], c["args"]
     procs: list[subprocess.Popen[bytes]] = []
-    with EmbeddedNatsServer(jetstream=True, store_dir=str(tmp_path / "js"), tls=server_tls) as nats:
+    with EmbeddedNatsServer(
+        jetstream=server_config is None,
+        store_dir=str(tmp_path / "js"),
+        tls=server_tls,
+        config_file=server_config,
+    ) as nats:
         nats_url = nats.url.replace("tls://", "nats://")  # as the spec's URL: TLS from the CA
         common = {
             "--config": str(spec_path),

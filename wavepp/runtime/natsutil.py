@@ -123,11 +123,13 @@ class EmbeddedNatsServer:
         jetstream: bool = False,
         store_dir: str | None = None,
         tls: tuple[str, str, str] | None = None,
+        config_file: str | None = None,
     ) -> None:
         self.port = port or free_port()
         self.jetstream = jetstream
         # (server cert, server key, CA that signs client certs): TLS required, clients verified
         self.tls = tls
+        self.config_file = config_file  # a nats-server config (-c), e.g. operator-mode auth
         self._own_store = store_dir is None and jetstream
         self.store_dir = store_dir or (tempfile.mkdtemp(prefix="wavepp-js-") if jetstream else "")
         self._proc: subprocess.Popen[bytes] | None = None
@@ -138,6 +140,8 @@ class EmbeddedNatsServer:
 
     def start(self, timeout_s: float = 10.0) -> None:
         args = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
+        if self.config_file:
+            args += ["-c", self.config_file]
         if self.jetstream:
             args += ["-js", "-sd", self.store_dir]
         if self.tls:
