@@ -132,6 +132,8 @@ def test_repeats_pair_each_wave_run_with_its_sync_run_and_report_medians() -> No
         (["bench", "grid", "--concurrency", "0"], "--concurrency"),
         (["bench", "grid", "--ablations", "x"], "--ablations"),
         (["bench", "grid", "--repeats", "0"], "--repeats"),
+        (["bench", "grid", "--reuse", "mooncake"], "--trace"),
+        (["bench", "grid", "--reuse", "mooncake", "--trace", "/no/such.jsonl"], "--trace"),
         (["bench", "plot", "/no/such.csv"], "CSV"),
     ],
 )

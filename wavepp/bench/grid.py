@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from wavepp.bench.replay import ReplayReport, run_closed_loop
-from wavepp.bench.workloads import Workload, ideal_hit_ratio, preset_workload
+from wavepp.bench.workloads import Workload, ideal_hit_ratio, mooncake_workload, preset_workload
 from wavepp.runtime.agreement import PromptRequest
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.costmodels import derived_cost_model
@@ -107,10 +107,15 @@ class GridSpec:
     requests_per_concurrency: float = 1.0
     repeats: int = 1
     seed: int = 0
+    # reuse "mooncake": the first trace_requests requests of this Mooncake trace (its own reuse)
+    trace: str | None = None
+    trace_requests: int = 200
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
             raise ValueError(f"repeats={self.repeats}: must be >= 1")
+        if "mooncake" in self.reuses and not self.trace:
+            raise ValueError("reuse 'mooncake' needs a trace (--trace PATH)")
 
     def num_requests(self, concurrency: int) -> int:
         """Measured requests of a setting: max(min_requests, concurrency x factor)."""
@@ -230,12 +235,19 @@ async def run_workload(
 def run_setting(spec: GridSpec, setting: Setting) -> dict[str, Any]:
     """Run one setting on a fresh pipeline; returns one CSV row (CSV_COLUMNS, no ratio yet)."""
     config, planner_cost = runtime_config(spec, setting)
-    workload = preset_workload(
-        setting.reuse,
-        spec.num_requests(setting.concurrency),
-        vocab_size=config.model.vocab_size,
-        seed=spec.seed,
-    )
+    if setting.reuse == "mooncake":
+        if not spec.trace:
+            raise ValueError("reuse 'mooncake' needs GridSpec.trace")
+        workload = mooncake_workload(
+            spec.trace, spec.trace_requests, vocab_size=config.model.vocab_size, seed=spec.seed
+        )
+    else:
+        workload = preset_workload(
+            setting.reuse,
+            spec.num_requests(setting.concurrency),
+            vocab_size=config.model.vocab_size,
+            seed=spec.seed,
+        )
     report = asyncio.run(
         run_workload(config, planner_cost, workload, concurrency=setting.concurrency)
     )
@@ -372,6 +384,12 @@ def markdown_table(rows: Sequence[dict[str, Any]], spec: GridSpec, command: str 
         f"{spec.chunk_tokens}. Throughput: prompt tokens/s of wall time (x{spec.time_scale} "
         "scale). hit: measured cached/prompt tokens.\n\n"
     )
+    if spec.trace and "mooncake" in spec.reuses:
+        out.write(
+            f"reuse `mooncake`: the first {spec.trace_requests} requests of `{spec.trace}` "
+            "(each hash id a 512-token block of seeded tokens; the trace's own reuse, no "
+            "warm-up).\n\n"
+        )
     if spec.repeats > 1:
         out.write(
             f"Each setting ran {spec.repeats} times (wave, sync, wave, sync, ...); figures are "

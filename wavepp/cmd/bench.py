@@ -23,7 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid = sub.add_parser("grid", help="wave vs sync over models x concurrency x reuse")
     grid.add_argument("--models", default="glm-5.2,minimax-m2.7")
     grid.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,192,256")
-    grid.add_argument("--reuse", default="low,high")
+    grid.add_argument(
+        "--reuse", default="low,high", help="low, high (generated), mooncake (needs --trace)"
+    )
+    grid.add_argument("--trace", default=None, help="Mooncake trace JSONL for reuse 'mooncake'")
+    grid.add_argument("--trace-requests", type=int, default=200, help="first N trace requests")
     grid.add_argument("--ablations", default="agreement-sync,chunking-static,local-prepare-off")
     grid.add_argument("--ablation-concurrency", type=int, default=128)
     grid.add_argument("--ablation-reuse", default="high")
@@ -96,14 +100,25 @@ def _run_grid(args: argparse.Namespace) -> int:
             min_requests=args.min_requests,
             requests_per_concurrency=args.requests_per_concurrency,
             repeats=args.repeats,
+            trace=args.trace,
+            trace_requests=args.trace_requests,
         )
     except ValueError as exc:
-        return _fail("--repeats" if "repeats" in str(exc) else "--concurrency", str(exc))
+        flag = "--concurrency"
+        if "repeats" in str(exc):
+            flag = "--repeats"
+        elif "trace" in str(exc):
+            flag = "--trace"
+        return _fail(flag, str(exc))
     for model in spec.models:
         if model not in list_models():
             return _fail("--models", f"{model!r}: choose from {list_models()}")
+    if spec.trace and not Path(spec.trace).is_file():
+        return _fail("--trace", f"{spec.trace}: no such file")
+    if spec.trace_requests < 1:
+        return _fail("--trace-requests", f"{spec.trace_requests}: must be >= 1")
     for reuse in (*spec.reuses, spec.ablation_reuse):
-        if reuse not in REUSE_PRESETS:
+        if reuse not in REUSE_PRESETS and reuse != "mooncake":
             return _fail("--reuse", f"{reuse!r}: choose from {sorted(REUSE_PRESETS)}")
     for name in spec.ablations:
         if name not in ABLATIONS:
