@@ -321,6 +321,15 @@ def test_at_least_num_stages_microbatches_when_work_is_short() -> None:
     assert [[c.num_tokens for c in mb] for mb in microbatches] == [[16], [16], [16], [16]]
 
 
+def test_at_least_rule_off_while_more_work_is_queued() -> None:
+    """Requests on their way to admission will fill the idle stages: no cut (each cut pays c,
+    and in a closed loop the cut persists)."""
+    planner = ChunkPlanner(LINEAR, policy="dynamic", chunk_tokens=8192, block_size=16)
+    request = RequestProgress("A", 64, 0)
+    chunks = planner.plan_microbatch([request], num_stages=4, num_inflight=0, more_work_queued=True)
+    assert [c.num_tokens for c in chunks] == [64]
+
+
 def test_at_least_rule_off_when_pipeline_is_full() -> None:
     planner = ChunkPlanner(LINEAR, policy="dynamic", chunk_tokens=8192, block_size=16)
     request = RequestProgress("A", 64, 0)

@@ -131,3 +131,21 @@ def test_planner_splits_short_work_only_when_it_finishes_sooner() -> None:
     assert num_microbatches(CostModel(c=0.052, g=0.0, b=1e-4, a=0.0)) == 2
     # W = 512 ms, c = 52 ms: k* = argmin -> 4 (sqrt(3 W / c) ~ 5.4, capped at idle = 4).
     assert num_microbatches(CostModel(c=0.052, g=0.0, b=1e-3, a=0.0)) == 4
+
+
+def test_a_burst_is_planned_in_full_microbatches_not_cut_to_fill_idle_stages() -> None:
+    """32 high-reuse requests (512 new tokens each) arrive at once on an idle 4-stage GLM-5.2
+    pipeline (H200 time). Before, the first admitted requests were cut into 4 small
+    micro-batches to fill the idle stages while 28 more were still agreeing; each paid the
+    fixed cost c and, in the closed loop, the cut persisted. Now the under-full micro-batch
+    waits for the agreements under way and is not cut while work is queued."""
+    spec = GridSpec(time_scale=1.0)
+    config, planner_cost = runtime_config(spec, Setting("glm-5.2", 32, "high", "wave"))
+    workload = preset_workload("high", 32, vocab_size=config.model.vocab_size)
+    report = simulate(config, planner_cost, workload, concurrency=32)
+    tokens = report.stats.microbatch_tokens
+    assert sum(tokens) == 32 * 512
+    # The first micro-batch is a full cost budget (8128 of GLM's 8192-token target at this
+    # context); only the tail, when nothing is queued any more, is cut over the idle stages.
+    assert tokens[0] >= 7680, tokens
+    assert len(tokens) <= 4, tokens

@@ -525,6 +525,7 @@ class ChunkPlanner:
         *,
         num_stages: int,
         num_inflight: int,
+        more_work_queued: bool = False,
     ) -> list[Chunk]:
         """Plan the next micro-batch; see the class docstring for the rules.
 
@@ -535,6 +536,11 @@ class ChunkPlanner:
             requests: admitted requests in FIFO order (fully planned ones are skipped).
             num_stages: S, pipeline stages (>= 1).
             num_inflight: micro-batches planned and not yet finished on the last stage (>= 0).
+            more_work_queued: requests are on their way to admission (queued, agreeing): the
+                idle stages will get that work, so the at-least-S rule does not cut the admitted
+                work into small micro-batches to fill them (each would pay the fixed cost c, and
+                in a closed loop the cut persists: requests finishing together come back
+                together).
 
         Returns:
             The micro-batch's chunks, in request FIFO order; [] when there is no work.
@@ -561,7 +567,9 @@ class ChunkPlanner:
         pending = [request for request in requests if not request.is_fully_planned]
         if not pending:
             return []
-        num_idle_stages = num_stages - num_inflight if self.fill_idle_stages else 0
+        num_idle_stages = (
+            num_stages - num_inflight if self.fill_idle_stages and not more_work_queued else 0
+        )
         if self.policy == "static":
             return self._plan_static(pending, num_idle_stages)
         return self._plan_dynamic(pending, num_idle_stages, num_stages)

@@ -71,6 +71,9 @@ from wavepp.telemetry.pipeline import ChunkInfo, PipelineTelemetry, tenant_of
 log = logging.getLogger(__name__)
 
 _RECENT_OUTCOMES = 4096
+# Wave mode: an under-full micro-batch waits at most this fraction of the planner's target
+# micro-batch cost for requests still before their agreement (see _gather_work_async).
+UNDERFULL_WAIT_FRACTION = 0.05
 
 
 @dataclass
@@ -203,6 +206,11 @@ class WaveScheduler:
         self._prefixes_changed = asyncio.Condition()
         self._lookahead_changed = asyncio.Condition()
         self._agreeing_tokens = 0
+        # Agreements whose RPC is under way or that succeeded and are not in `prepared` yet;
+        # an under-full micro-batch waits for them (see _gather_work_async).
+        self._num_agreeing = 0
+        self._agreeing_changed = asyncio.Event()
+        self._target_cost_s = planner.target_cost_s()
         self.num_prefix_waits = 0
         self._sync_head: tuple[PromptRequest, asyncio.Future[RequestOutcome], int] | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -338,17 +346,29 @@ class WaveScheduler:
         deadline = time.monotonic() + self.config.agreement_retry_s
         delay_s = 0.1
         while True:
+            self._num_agreeing += 1
             try:
-                return await self.controller.agree(request)
-            except StageUnavailableError as exc:
+                ticket = await self.controller.agree(request)
+            except BaseException as exc:
+                self._agreement_ended()
+                if not isinstance(exc, StageUnavailableError):
+                    raise
                 if time.monotonic() + delay_s > deadline:
                     raise
                 log.warning("agreement for %s: %s; retrying", request.request_id, exc)
                 self.num_agreement_retries += 1
+            else:
+                if ticket is None:  # refused: the caller waits for capacity, not counted
+                    self._agreement_ended()
+                return ticket  # counted until it is in `prepared` (_admit_async)
             await asyncio.sleep(delay_s)
             delay_s = min(1.0, 2 * delay_s)
             with contextlib.suppress(Exception):
                 await self.controller.release([request.request_id])
+
+    def _agreement_ended(self) -> None:
+        self._num_agreeing -= 1
+        self._agreeing_changed.set()
 
     def _admitted(
         self, request: PromptRequest, future: asyncio.Future[RequestOutcome], ticket: Ticket
@@ -430,7 +450,10 @@ class WaveScheduler:
         try:
             live = await self._admit_one(request, future)
             if live is not None:
-                await self.prepared.put(live)
+                try:
+                    await self.prepared.put(live)
+                finally:
+                    self._agreement_ended()
         finally:
             self._agreements.release()
             self._agreeing_tokens -= request.num_tokens
@@ -500,6 +523,13 @@ class WaveScheduler:
             for live in self.active
         )
 
+    def _more_work_queued(self) -> bool:
+        """Requests on their way to admission (wave mode): in the intake, or admission tasks
+        not yet in ``prepared`` (agreeing, waiting for a prefix owner or for capacity)."""
+        if not self.config.resolved_async_agreement:
+            return False
+        return not self.intake.empty() or any(not t.done() for t in self._admissions)
+
     async def _wait_for_slot(self) -> None:
         while len(self.inflight) >= self.config.resolved_max_inflight:
             self._slot_freed.clear()
@@ -517,6 +547,33 @@ class WaveScheduler:
             # would put the request on the discarded list (admitted, never planned).
             live = await self.prepared.get()
             self.active.append(live)
+        # An under-full micro-batch waits for work on its way: requests that finished
+        # together are resubmitted together, and planning the first one admitted alone would
+        # spend a pipeline slot on a sliver of work while the rest waits a whole micro-batch
+        # for the next slot. It waits for agreements under way (an RPC: bounded), and for at
+        # most UNDERFULL_WAIT_FRACTION x the target micro-batch cost for requests still before
+        # their agreement (those may wait on capacity or a prefix owner that only this
+        # micro-batch's requests can free, so an unbounded wait could deadlock).
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        while self._remaining_new_tokens() < self.config.chunk_tokens:
+            self._agreeing_changed.clear()
+            if self._num_agreeing > 0:
+                await self._agreeing_changed.wait()
+            elif self._more_work_queued():
+                if deadline is None:
+                    deadline = loop.time() + UNDERFULL_WAIT_FRACTION * self._target_cost_s
+                if loop.time() >= deadline:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._agreeing_changed.wait(), deadline - loop.time())
+            else:
+                break
+            while True:
+                try:
+                    self.active.append(self.prepared.get_nowait())
+                except asyncio.QueueEmpty:
+                    break
 
     async def _gather_work_sync(self) -> None:
         # TensorRT-LLM's PP loop: the first rank schedules; new requests get their KV resources
@@ -573,7 +630,10 @@ class WaveScheduler:
             progress = [live.progress for live in self.active]
             self._planning_started_s = time.time()
             chunks = self.planner.plan_microbatch(
-                progress, num_stages=self.num_stages, num_inflight=len(self.inflight)
+                progress,
+                num_stages=self.num_stages,
+                num_inflight=len(self.inflight),
+                more_work_queued=self._more_work_queued(),
             )
             if not chunks:
                 self.active = [live for live in self.active if not live.planned_all]
