@@ -32,7 +32,7 @@ def main() -> None:
     print(f"Simulator, time scale {args.time_scale}: wave / sync throughput (ratio)\n")
     print("| model | reuse | " + " | ".join(f"C={c}" for c in concurrencies) + " |")
     print("| --- | --- | " + " | ".join("---:" for _ in concurrencies) + " |")
-    wins = total = 0
+    wins = ties = total = 0
     for model in args.models.split(","):
         for reuse in args.reuse.split(","):
             cells = []
@@ -48,11 +48,15 @@ def main() -> None:
                     report = simulate(config, planner_cost, workload, concurrency=concurrency)
                     throughput[mode] = report.summary()["throughput_tokens_per_s"]
                 ratio = throughput["wave"] / throughput["sync"]
-                wins += ratio > 1.0
+                wins += round(ratio, 2) > 1.0
+                ties += round(ratio, 2) == 1.0
                 total += 1
                 cells.append(f"{ratio:.2f}")
             print(f"| {model} | {reuse} | " + " | ".join(cells) + " |", flush=True)
-    print(f"\nwave > sync in {wins} of {total} settings")
+    print(
+        f"\nwave > sync (ratio > 1.00 at two decimals) in {wins} of {total} settings; "
+        f"{ties} equal at two decimals; {total - wins - ties} below"
+    )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,11 @@ from pathlib import Path
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(",") if v)
+    """Comma-separated integers; ValueError naming the text otherwise."""
+    try:
+        return tuple(int(v) for v in text.split(",") if v)
+    except ValueError:
+        raise ValueError(f"{text!r}: need comma-separated integers, e.g. 1,16,128") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,7 +123,8 @@ def _run_grid(args: argparse.Namespace) -> int:
         return _fail("--trace-requests", f"{spec.trace_requests}: must be >= 1")
     for reuse in (*spec.reuses, spec.ablation_reuse):
         if reuse not in REUSE_PRESETS and reuse != "mooncake":
-            return _fail("--reuse", f"{reuse!r}: choose from {sorted(REUSE_PRESETS)}")
+            choices = [*sorted(REUSE_PRESETS), "mooncake (with --trace)"]
+            return _fail("--reuse", f"{reuse!r}: choose from {choices}")
     for name in spec.ablations:
         if name not in ABLATIONS:
             return _fail("--ablations", f"{name!r}: choose from {sorted(ABLATIONS)}")
