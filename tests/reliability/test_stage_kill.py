@@ -87,7 +87,11 @@ async def test_replica_reformed_after_stage_kill_answers_new_and_resubmitted_req
 
     Found here: the scheduling loop's ``self.active.append(await prepared.get())`` bound the
     list before the await; the deadline expiry rebinds ``self.active`` meanwhile, so the next
-    admitted request went onto the discarded list and was never planned.
+    admitted request went onto the discarded list and was never planned. And (CI, under load):
+    a request admitted on the old stages but not yet planned was planned after the re-form
+    together with the new request, on stages that had never heard of it ("request 'k7' is not
+    committed on this stage"), failing both; the re-form now sends every admitted, unanswered
+    request back to admission (``resume_plans(readmit=True)``).
     """
     config = emulated_config([256], microbatch_deadline_s=DEADLINE_S, time_scale=4.0)
     async with make_pipeline(config, str(tmp_path)) as pipeline:
@@ -135,7 +139,8 @@ async def test_replica_reformed_after_stage_kill_answers_new_and_resubmitted_req
     assert fresh.num_cached_tokens == 0, "the restarted stages start with empty caches"
     assert settled.ok, settled.error
     assert settled.first_token_id == reference.first_token_id
-    assert failed, "the kill must fail some requests"
+    for outcome in failed:  # only micro-batches in flight past the deadline fail
+        assert "microbatch_deadline_s" in outcome.error, outcome.error
     assert all(o.ok for o in again), [o.error for o in again]
     by_id = {o.request_id: o for o in again}
     assert sorted(by_id) == sorted(o.request_id for o in failed)
@@ -146,5 +151,6 @@ async def test_replica_reformed_after_stage_kill_answers_new_and_resubmitted_req
         assert num_free_blocks == num_blocks, counts
     print(
         f"stage kill recovery: stages re-formed {formed_s:.2f} s after the kill, first answer "
-        f"{first_answer_s:.2f} s after it; {len(failed)} failed requests resubmitted, all ok"
+        f"{first_answer_s:.2f} s after it; {scheduler.num_readmitted} admitted requests "
+        f"re-admitted on the new stages; {len(failed)} failed requests resubmitted, all ok"
     )

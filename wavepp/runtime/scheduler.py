@@ -189,6 +189,7 @@ class WaveScheduler:
         self.num_plans_resent = 0
         self.num_dones_recovered = 0
         self.num_agreement_retries = 0
+        self.num_readmitted = 0  # admitted requests sent back to admission by a re-form
         # Stages report in any order: keep recent outcomes a while after release.
         self._recent: OrderedDict[str, RequestOutcome] = OrderedDict()
         self.stats = WaveStats()
@@ -264,14 +265,47 @@ class WaveScheduler:
         """
         self._plans_open.clear()
 
-    def resume_plans(self) -> None:
+    def resume_plans(self, *, readmit: bool = True) -> None:
         """Publish plans again (every stage subscribed); see :meth:`pause_plans`.
 
         The outstanding plans are forgotten (no replay to the new stages: the stages that held
-        their requests are gone); their requests fail at ``microbatch_deadline_s``.
+        their requests are gone). With ``readmit`` (after a re-form: the new stages hold no
+        KV state of anything admitted before), every admitted request not yet answered goes
+        back to admission and is agreed and computed again on the new stages; its
+        micro-batches in flight are forgotten, not failed. Requests already failed by the
+        deadline stay failed (they were answered).
         """
+        if readmit:
+            self._readmit_live()
         self.ledger.clear()
         self._plans_open.set()
+
+    def _readmit_live(self) -> None:
+        lives = list(self.by_id.values())
+        while True:
+            try:
+                lives.append(self.prepared.get_nowait())
+            except asyncio.QueueEmpty:
+                break
+        seen: set[str] = set()
+        for live in lives:
+            request = live.ticket.request
+            if live.finished or request.request_id in seen:
+                continue
+            seen.add(request.request_id)
+            self.by_id.pop(request.request_id, None)
+            self.controller.live.discard(request.request_id)
+            if self.config.resolved_prefix_wait:
+                self.inflight_prefixes.remove(request.request_id)
+            self.intake.put_nowait((request, live.future))
+        self.num_readmitted += len(seen)
+        if seen:
+            log.warning("re-form: %d admitted requests go back to admission", len(seen))
+        self.active = []
+        self.inflight.clear()
+        self._published_at_s.clear()
+        self._slot_freed.set()
+        self._admission_open.set()
 
     async def submit(self, request: PromptRequest) -> RequestOutcome:
         """Queue a request and wait for its outcome (never raises for request errors)."""
