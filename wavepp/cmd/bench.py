@@ -24,29 +24,46 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
-    grid = sub.add_parser("grid", help="wave vs sync over models x concurrency x reuse")
-    grid.add_argument("--models", default="glm-5.2,minimax-m2.7")
-    grid.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,192,256")
+    grid = sub.add_parser(
+        "grid",
+        help="wave vs sync over models x concurrency x reuse",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    grid.add_argument("--models", default="glm-5.2,minimax-m2.7", help="derived cost models")
+    grid.add_argument(
+        "--concurrency", default="1,2,4,8,16,32,64,128,192,256", help="closed-loop C values"
+    )
     grid.add_argument(
         "--reuse", default="low,high", help="low, high (generated), mooncake (needs --trace)"
     )
     grid.add_argument("--trace", default=None, help="Mooncake trace JSONL for reuse 'mooncake'")
     grid.add_argument("--trace-requests", type=int, default=200, help="first N trace requests")
-    grid.add_argument("--ablations", default="agreement-sync,chunking-static,local-prepare-off")
-    grid.add_argument("--ablation-concurrency", type=int, default=128)
-    grid.add_argument("--ablation-reuse", default="high")
-    grid.add_argument("--stages", type=int, default=4)
+    grid.add_argument(
+        "--ablations",
+        default="agreement-sync,chunking-static,local-prepare-off",
+        help='wave with one mechanism reverted ("" for none)',
+    )
+    grid.add_argument("--ablation-concurrency", type=int, default=128, help="C of the ablations")
+    grid.add_argument("--ablation-reuse", default="high", help="reuse of the ablations")
+    grid.add_argument("--stages", type=int, default=4, help="pipeline stages S")
     grid.add_argument("--time-scale", type=float, default=0.1, help="emulated sleep multiplier")
-    grid.add_argument("--block-size", type=int, default=64)
-    grid.add_argument("--kv-blocks", type=int, default=16384, help="per stage")
-    grid.add_argument("--chunk-tokens", type=int, default=8192)
-    grid.add_argument("--min-requests", type=int, default=32)
-    grid.add_argument("--requests-per-concurrency", type=float, default=1.0)
+    grid.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    grid.add_argument("--kv-blocks", type=int, default=16384, help="KV blocks per stage")
+    grid.add_argument("--chunk-tokens", type=int, default=8192, help="micro-batch token budget")
+    grid.add_argument(
+        "--min-requests", type=int, default=32, help="requests per setting: at least this"
+    )
+    grid.add_argument(
+        "--requests-per-concurrency",
+        type=float,
+        default=1.0,
+        help="requests per setting: max(--min-requests, C x this)",
+    )
     grid.add_argument(
         "--repeats", type=int, default=1, help="runs per setting (table: medians, ratio range)"
     )
     grid.add_argument("--out", default="docs/bench", help="folder for grid.csv and grid.md")
-    grid.add_argument("--no-plots", action="store_true")
+    grid.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     adm = sub.add_parser("admission", help="agreements/s and latency over real NATS")
     adm.add_argument("--stages", default="2,4,8")
     adm.add_argument("--requests", type=int, default=400)

@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--health-port",
         type=int,
         default=None,
-        help="serve /healthz, /startupz, /readyz on this port (default: none)",
+        help="serve /healthz, /startupz, /readyz on this port (none: no health server)",
     )
     parser.add_argument("--health-host", default="0.0.0.0", help="bind address of --health-port")
 
