@@ -805,16 +805,7 @@ class WaveScheduler:
                 del self.by_id[request_id]
                 to_release.append(request_id)
         if to_release:
-            await self._release(to_release)
-            if self.config.resolved_prefix_wait:
-                for request_id in to_release:
-                    self.inflight_prefixes.remove(request_id)
-                async with self._prefixes_changed:
-                    self._prefixes_changed.notify_all()
-            async with self._capacity_changed:
-                self._capacity_generation += 1
-                self._capacity_changed.notify_all()
-            self._admission_open.set()
+            await self._release_and_wake(to_release)
 
     def _fail_microbatch(self, microbatch_id: int, error: str) -> None:
         for request_id in self.inflight.get(microbatch_id, []):
@@ -869,11 +860,15 @@ class WaveScheduler:
                 self._complete(live.future, live.outcome)
             to_release.append(request_id)
         self.active = [live for live in self.active if not live.finished]
-        if not to_release:
-            return
-        await self._release(to_release)
+        if to_release:
+            await self._release_and_wake(to_release)
+
+    async def _release_and_wake(self, request_ids: list[str]) -> None:
+        """Release finished (or failed) requests, then wake the admissions waiting for their
+        prefix or for the capacity they held."""
+        await self._release(request_ids)
         if self.config.resolved_prefix_wait:
-            for request_id in to_release:
+            for request_id in request_ids:
                 self.inflight_prefixes.remove(request_id)
             async with self._prefixes_changed:
                 self._prefixes_changed.notify_all()
