@@ -290,21 +290,22 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             row["ratio_vs_sync"] = round(float(row["throughput_tokens_per_s"]) / base, 4)
 
 
-_MEDIAN_FIELDS = (
-    "completed",
-    "failed",
-    "cache_hit_ratio",
-    "throughput_tokens_per_s",
-    "new_tokens_per_s",
-    "ttft_p50_s",
-    "ttft_p99_s",
-    "wave_fill",
-    "agreement_p50_s",
-    "agreement_p99_s",
-    "microbatches",
-    "wall_s",
-    "ratio_vs_sync",
-)
+# Per-run metrics aggregated over repeats; the rest of CSV_COLUMNS name the setting, repeat
+# the same value, or are per-stage strings.
+_NOT_MEDIAN = {
+    "model",
+    "concurrency",
+    "reuse",
+    "mode",
+    "ablation",
+    "repeat",
+    "requests",
+    "ideal_hit_ratio",
+    "idle_s_by_stage",
+    "max_gap_s_by_stage",
+    "time_scale",
+}
+_MEDIAN_FIELDS = tuple(c for c in CSV_COLUMNS if c not in _NOT_MEDIAN)
 
 
 def median_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -281,12 +281,7 @@ class WaveScheduler:
         self._plans_open.set()
 
     def _readmit_live(self) -> None:
-        lives = list(self.by_id.values())
-        while True:
-            try:
-                lives.append(self.prepared.get_nowait())
-            except asyncio.QueueEmpty:
-                break
+        lives = [*self.by_id.values(), *self._take_prepared()]
         seen: set[str] = set()
         for live in lives:
             request = live.ticket.request
@@ -569,12 +564,17 @@ class WaveScheduler:
             self._slot_freed.clear()
             await self._slot_freed.wait()
 
-    async def _gather_work_async(self) -> None:
+    def _take_prepared(self) -> list[_Live]:
+        """Everything admitted and waiting in ``prepared``, in order (without waiting)."""
+        taken = []
         while True:
             try:
-                self.active.append(self.prepared.get_nowait())
+                taken.append(self.prepared.get_nowait())
             except asyncio.QueueEmpty:
-                break
+                return taken
+
+    async def _gather_work_async(self) -> None:
+        self.active.extend(self._take_prepared())
         if not self.active:
             # Await first, then look up self.active: the failure paths (_fail_microbatch,
             # _expire_microbatch) rebind it meanwhile, and an append bound before the await
@@ -603,11 +603,7 @@ class WaveScheduler:
                     await asyncio.wait_for(self._agreeing_changed.wait(), deadline - loop.time())
             else:
                 break
-            while True:
-                try:
-                    self.active.append(self.prepared.get_nowait())
-                except asyncio.QueueEmpty:
-                    break
+            self.active.extend(self._take_prepared())
 
     async def _gather_work_sync(self) -> None:
         # TensorRT-LLM's PP loop: the first rank schedules; new requests get their KV resources
