@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 
 from wavepp.bench.trace import TokenMapper, load_trace
-from wavepp.runtime.agreement import PromptRequest
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.engine.model_config import ModelConfig
-from wavepp.runtime.local import LocalPipeline
-from wavepp.runtime.planner import CostModel
+from wavepp.runtime.model_config import ModelConfig
+from wavepp.runtime.planning import CostModel
+from wavepp.runtime.request import PromptRequest
+from wavepp.runtime.serving.local import LocalPipeline
 
 # ~2 ms + 2 us per new token per stage: fast enough for 10,000 requests in minutes on 2 cores.
 COST = CostModel(c=2e-3, g=1e-8, b=2e-6, a=0.0, label="derived", source="soak benchmark")

@@ -21,8 +21,8 @@ from pathlib import Path
 from wavepp.bench.replay import replay_records
 from wavepp.bench.trace import TokenMapper, load_trace
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.costmodels import derived_cost_model
-from wavepp.runtime.engine.model_config import get_preset
+from wavepp.runtime.model_config import get_preset
+from wavepp.runtime.planning.catalogue import derived_cost_model
 from wavepp.telemetry.settings import TelemetrySettings
 from wavepp.telemetry.spans import read_span_records
 

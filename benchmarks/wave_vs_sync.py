@@ -22,8 +22,8 @@ from rich.table import Table
 from wavepp.bench.replay import replay_records
 from wavepp.bench.trace import TokenMapper, load_trace
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.costmodels import derived_cost_model
-from wavepp.runtime.engine.model_config import get_preset
+from wavepp.runtime.model_config import get_preset
+from wavepp.runtime.planning.catalogue import derived_cost_model
 
 COLUMNS = [
     "throughput_tokens_per_s",

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from wavepp.runtime.natsutil import EmbeddedNatsServer, connect
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
 
 
 @pytest.fixture

@@ -13,13 +13,13 @@ from wavepp.runtime.agreement import (
     AdmissionController,
     AgreementRefused,
     LocalStageClient,
-    NatsStageClient,
-    PromptRequest,
     StageRequest,
     StageUnavailableError,
     handle_kv_request,
 )
-from wavepp.runtime.kvcache import BlockPool, StageKVManager
+from wavepp.runtime.agreement.nats_client import NatsStageClient
+from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.request import PromptRequest
 
 BLOCK = 4
 MODEL_ID = "tiny-llama:seed=0"

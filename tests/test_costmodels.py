@@ -1,4 +1,4 @@
-"""Tests for wavepp.runtime.costmodels: derived cost models from /work/shared/models.md.
+"""Tests for wavepp.runtime.planning.catalogue: derived cost models from /work/shared/models.md.
 
 Reference numbers are models.md's "Derived per-token compute and KV" table and its parameter
 cross-check, typed in here from that page (not from the code under test).
@@ -10,7 +10,8 @@ import dataclasses
 
 import pytest
 
-from wavepp.runtime.costmodels import (
+from wavepp.runtime.planning import ChunkPlanner, CostModel, RequestProgress
+from wavepp.runtime.planning.catalogue import (
     CPU,
     H200,
     MODELS,
@@ -21,7 +22,6 @@ from wavepp.runtime.costmodels import (
     list_models,
     stage_layer_ranges,
 )
-from wavepp.runtime.planner import ChunkPlanner, CostModel, RequestProgress
 
 PAPER_MODELS = ["glm-5.2", "minimax-m2.7", "kimi-k3", "deepseek-v3.2"]
 
@@ -243,7 +243,7 @@ def test_bad_layer_range_is_rejected() -> None:
 
 
 def test_tiny_llama_matches_the_engine_preset() -> None:
-    model_config = pytest.importorskip("wavepp.runtime.engine.model_config")
+    model_config = pytest.importorskip("wavepp.runtime.model_config")
     preset = model_config.get_preset("tiny-llama")
     spec = get_model("tiny-llama")
     assert spec.num_layers == preset.num_layers

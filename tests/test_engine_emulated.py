@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from wavepp.runtime.engine import ChunkSpec, ModelConfig, make_engine
-from wavepp.runtime.engine.emulated import EmulatedStageEngine, fake_logits
-from wavepp.runtime.planner import CostModel
+from wavepp.runtime.planning import CostModel
+from wavepp.runtime.stage.engine import ChunkSpec, ModelConfig, make_engine
+from wavepp.runtime.stage.engine.emulated import EmulatedStageEngine, fake_logits
 
 pytestmark = pytest.mark.timeout(60)
 

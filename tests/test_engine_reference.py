@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from wavepp.runtime.engine import ChunkSpec, ModelConfig, make_engine, partition_layers
-from wavepp.runtime.engine.torch_engine import TorchStageEngine, build_full_state_dict
+from wavepp.runtime.stage.engine import ChunkSpec, ModelConfig, make_engine, partition_layers
+from wavepp.runtime.stage.engine.torch_engine import TorchStageEngine, build_full_state_dict
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,7 +6,7 @@ import pydantic
 import pytest
 import torch
 
-from wavepp.runtime.engine import (
+from wavepp.runtime.stage.engine import (
     PRESETS,
     ChunkSpec,
     ModelConfig,
@@ -15,7 +15,7 @@ from wavepp.runtime.engine import (
     make_engine,
     partition_layers,
 )
-from wavepp.runtime.engine.torch_engine import (
+from wavepp.runtime.stage.engine.torch_engine import (
     TorchStageEngine,
     build_full_state_dict,
     build_layer_state_dict,
@@ -322,7 +322,7 @@ def test_constructor_errors() -> None:
 
 
 def test_measure_stage_costs_shapes_and_errors() -> None:
-    from wavepp.runtime.calibrate import default_grid, measure_stage_costs
+    from wavepp.runtime.stage.calibrate import default_grid, measure_stage_costs
 
     grid = [(0, 8), (40, 4), (0, 64)]
     samples = measure_stage_costs(CONFIG, num_layers=1, grid=grid, repeats=1, block_size=8)

@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from wavepp.runtime.agreement import PromptRequest
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.inflight import InflightPrefixIndex
-from wavepp.runtime.local import LocalPipeline
-from wavepp.runtime.planner import CostModel
+from wavepp.runtime.kv.inflight import InflightPrefixIndex
+from wavepp.runtime.planning import CostModel
+from wavepp.runtime.request import PromptRequest
+from wavepp.runtime.serving.local import LocalPipeline
 
 
 def test_index_reports_the_deepest_owner_and_forgets_on_remove() -> None:

@@ -1,4 +1,4 @@
-"""Unit tests for wavepp.runtime.kvcache: hashing, BlockPool on tiny pools, StageKVManager."""
+"""Unit tests for wavepp.runtime.kv: hashing, BlockPool on tiny pools, StageKVManager."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from wavepp.runtime.kvcache import (
+from wavepp.runtime.kv import (
     BlockPool,
     KVEvent,
     PinReceipt,
@@ -94,7 +94,7 @@ def test_cache_salt_and_model_separate_hashes() -> None:
 
 
 _SUBPROCESS_SNIPPET = (
-    "from wavepp.runtime.kvcache import hash_prompt_blocks;"
+    "from wavepp.runtime.kv import hash_prompt_blocks;"
     "print(','.join(h.hex() for h in hash_prompt_blocks(list(range(40)), 16, 'm', 'salt')))"
 )
 

@@ -34,7 +34,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from wavepp.runtime.kvcache import BlockPool, KVEvent, StageKVManager, hash_prompt_blocks
+from wavepp.runtime.kv import BlockPool, KVEvent, StageKVManager, hash_prompt_blocks
 
 _SETTINGS = settings(
     max_examples=150,

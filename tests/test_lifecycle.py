@@ -9,11 +9,11 @@ import sys
 import time
 
 CHILD = (
-    "from wavepp.runtime.lifecycle import exit_with_parent; import time; "
+    "from wavepp.runtime.serving.lifecycle import exit_with_parent; import time; "
     "assert exit_with_parent(0.05); time.sleep(60)"
 )
 PARENT = (
-    "import subprocess, sys, time; from wavepp.runtime.lifecycle import child_env; "
+    "import subprocess, sys, time; from wavepp.runtime.serving.lifecycle import child_env; "
     f"c = subprocess.Popen([sys.executable, '-c', {CHILD!r}], env=child_env(), "
     "start_new_session=True); print(c.pid, flush=True); time.sleep(60)"
 )
@@ -45,7 +45,7 @@ def test_child_exits_after_its_parent_is_killed() -> None:
 
 
 def test_without_the_variable_nothing_watches(monkeypatch) -> None:  # noqa: ANN001
-    from wavepp.runtime.lifecycle import PARENT_PID_ENV, exit_with_parent
+    from wavepp.runtime.serving.lifecycle import PARENT_PID_ENV, exit_with_parent
 
     monkeypatch.delenv(PARENT_PID_ENV, raising=False)
     assert exit_with_parent() is False

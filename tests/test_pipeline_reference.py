@@ -14,12 +14,12 @@ import pytest
 import torch
 import transformers
 
-from wavepp.runtime.agreement import PromptRequest
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.engine.model_config import ModelConfig
-from wavepp.runtime.engine.torch_engine import build_full_state_dict
-from wavepp.runtime.local import LocalPipeline
-from wavepp.runtime.planner import CostModel
+from wavepp.runtime.model_config import ModelConfig
+from wavepp.runtime.planning import CostModel
+from wavepp.runtime.request import PromptRequest
+from wavepp.runtime.serving.local import LocalPipeline
+from wavepp.runtime.stage.engine.torch_engine import build_full_state_dict
 
 pytestmark = pytest.mark.slow
 

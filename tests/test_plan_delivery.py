@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wavepp.runtime.ledger import PlanLedger, Report
-from wavepp.runtime.sequencing import PlanSequencer
+from wavepp.runtime.scheduling.ledger import PlanLedger, Report
+from wavepp.runtime.stage.sequencing import PlanSequencer
 
 
 @st.composite

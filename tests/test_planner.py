@@ -1,4 +1,4 @@
-"""Tests for wavepp.runtime.planner: CostModel, fit_cost_model, ChunkPlanner.
+"""Tests for wavepp.runtime.planning: CostModel, fit_cost_model, ChunkPlanner.
 
 Expected chunk lists below are derived by hand from the rules in the ChunkPlanner docstring;
 the derivation sits next to each case.
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wavepp.runtime.planner import (
+from wavepp.runtime.planning import (
     Chunk,
     ChunkPlanner,
     CostModel,

@@ -16,7 +16,7 @@ from wavepp.bench.grid import (
     write_csv,
 )
 from wavepp.cli import main
-from wavepp.runtime.scheduler import StageSpan, WaveStats
+from wavepp.runtime.scheduling.scheduler import StageSpan, WaveStats
 
 
 def test_grid_has_every_setting_in_both_modes_and_the_ablations() -> None:

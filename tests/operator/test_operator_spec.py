@@ -107,7 +107,7 @@ def test_resolved_raises_spec_error_with_field() -> None:
 
 
 def test_presets_agree_with_the_runtime() -> None:
-    from wavepp.runtime.engine.model_config import PRESETS
+    from wavepp.runtime.model_config import PRESETS
 
     for name, config in PRESETS.items():
         assert MODEL_PRESET_NUM_LAYERS[name] == config.num_layers
@@ -115,7 +115,7 @@ def test_presets_agree_with_the_runtime() -> None:
 
 @pytest.mark.parametrize(("num_layers", "num_stages"), [(8, 1), (8, 3), (8, 8), (61, 4), (93, 7)])
 def test_split_matches_the_runtime_partition(num_layers: int, num_stages: int) -> None:
-    from wavepp.runtime.engine.model_config import partition_layers
+    from wavepp.runtime.model_config import partition_layers
 
     assert split_layers(num_layers, num_stages) == partition_layers(num_layers, num_stages)
 

@@ -29,8 +29,8 @@ from wavepp.cli import main as cli_main
 from wavepp.cmd.gateway import gateway_config_from_spec, pool_replicas
 from wavepp.cmd.stage import ArgError, resolve_rank, runtime_config_from_args
 from wavepp.operator import builders as b
-from wavepp.runtime.from_spec import runtime_configs_from_spec
-from wavepp.runtime.natsutil import EmbeddedNatsServer, free_port
+from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 REF = b.PipelineRef(name="tiny", namespace="ml", uid="uid-contract")
@@ -140,7 +140,7 @@ def test_bad_operator_args_exit_2_naming_the_flag(
 async def test_nats_creds_reach_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
     import nats
 
-    from wavepp.runtime import natsutil
+    from wavepp.runtime.transport import natsio as natsutil
 
     seen: list[dict[str, Any]] = []
 

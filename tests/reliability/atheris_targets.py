@@ -10,9 +10,9 @@ import atheris
 with atheris.instrument_imports():
     from wavepp.api.spec import check_spec
     from wavepp.bench.trace import parse_trace_line
+    from wavepp.gateway.validation import BadRequest, PromptLimits, parse_prefill
     from wavepp.runtime.agreement import handle_kv_request
-    from wavepp.runtime.gateway.validation import BadRequest, PromptLimits, parse_prefill
-    from wavepp.runtime.kvcache import BlockPool, StageKVManager
+    from wavepp.runtime.kv import BlockPool, StageKVManager
 
 import json
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.engine.model_config import ModelConfig
-from wavepp.runtime.local import LocalPipeline
-from wavepp.runtime.planner import CostModel
+from wavepp.runtime.model_config import ModelConfig
+from wavepp.runtime.planning import CostModel
+from wavepp.runtime.serving.local import LocalPipeline
 
 BLOCK_SIZE = 16
 NUM_STAGES = 3

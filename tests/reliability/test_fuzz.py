@@ -18,15 +18,15 @@ from pydantic import BaseModel, ValidationError
 from wavepp.api import messages as m
 from wavepp.api.spec import check_spec
 from wavepp.bench.trace import TraceError, TraceRecord, parse_trace_line
-from wavepp.runtime.agreement import StageRequest, handle_kv_request
-from wavepp.runtime.gateway.validation import (
+from wavepp.gateway.validation import (
     BadRequest,
     ParsedRequest,
     PromptLimits,
     parse_completion,
     parse_prefill,
 )
-from wavepp.runtime.kvcache import BlockPool, StageKVManager, hash_prompt_blocks
+from wavepp.runtime.agreement import StageRequest, handle_kv_request
+from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16

@@ -16,8 +16,10 @@ from reliability_support import (
     stage_block_counts,
 )
 
-from wavepp.runtime.agreement import AdmissionController, NatsStageClient, PromptRequest
-from wavepp.runtime.natsutil import connect
+from wavepp.runtime.agreement import AdmissionController
+from wavepp.runtime.agreement.nats_client import NatsStageClient
+from wavepp.runtime.request import PromptRequest
+from wavepp.runtime.transport.natsio import connect
 
 
 async def _no_pins_left(pipeline, timeout_s: float = 5.0) -> list[tuple[int, int]]:  # noqa: ANN001

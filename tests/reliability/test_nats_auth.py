@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nats_auth_support import AuthFiles, make_auth_files  # noqa: E402
 
-from wavepp.runtime.natsutil import EmbeddedNatsServer, connect  # noqa: E402
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect  # noqa: E402
 
 
 @pytest.fixture(scope="module")

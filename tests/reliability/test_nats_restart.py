@@ -8,7 +8,7 @@ import time
 import pytest
 from reliability_support import emulated_config, make_pipeline, random_tokens, stage_block_counts
 
-from wavepp.runtime.agreement import PromptRequest
+from wavepp.runtime.request import PromptRequest
 
 pytestmark = pytest.mark.slow
 

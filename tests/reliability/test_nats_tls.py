@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nats_tls_support import TLSFiles, make_tls_files  # noqa: E402
 
 from wavepp.cli import main as cli_main  # noqa: E402
-from wavepp.runtime.natsutil import TLS_ENV, EmbeddedNatsServer, NatsTLS, connect  # noqa: E402
+from wavepp.runtime.transport.natsio import TLS_ENV, EmbeddedNatsServer, NatsTLS, connect  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,9 @@ import pytest
 from reliability_support import emulated_config, make_pipeline, random_tokens, stage_block_counts
 
 from wavepp.api.messages import Health
-from wavepp.runtime.agreement import NatsStageClient, PromptRequest, StageUnavailableError
+from wavepp.runtime.agreement import StageUnavailableError
+from wavepp.runtime.agreement.nats_client import NatsStageClient
+from wavepp.runtime.request import PromptRequest
 
 pytestmark = pytest.mark.slow
 

@@ -9,13 +9,9 @@ import asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wavepp.runtime.agreement import (
-    AdmissionController,
-    AgreementRefused,
-    LocalStageClient,
-    PromptRequest,
-)
-from wavepp.runtime.kvcache import BlockPool, StageKVManager
+from wavepp.runtime.agreement import AdmissionController, AgreementRefused, LocalStageClient
+from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.request import PromptRequest
 
 BLOCK_SIZE = 4
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from wavepp.runtime.natsutil import free_port
+from wavepp.runtime.transport.natsio import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

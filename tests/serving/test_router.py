@@ -21,7 +21,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from wavepp.runtime.natsutil import free_port
+from wavepp.runtime.transport.natsio import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -9,16 +9,8 @@ from collections import deque
 import pytest
 
 from wavepp.api.spec import SpecError, WavePipelineSpec
-from wavepp.runtime.from_spec import runtime_configs_from_spec
-from wavepp.runtime.gateway.validation import (
-    BadRequest,
-    PromptLimits,
-    parse_completion,
-    parse_prefill,
-)
-from wavepp.runtime.kvcache import hash_prompt_blocks
-from wavepp.runtime.router import PoolRouter
-from wavepp.runtime.tenants import (
+from wavepp.gateway.router import PoolRouter
+from wavepp.gateway.tenants import (
     FairShareQueue,
     LimitExceeded,
     TenantLimiter,
@@ -26,6 +18,14 @@ from wavepp.runtime.tenants import (
     TokenBucket,
     default_cache_salt,
 )
+from wavepp.gateway.validation import (
+    BadRequest,
+    PromptLimits,
+    parse_completion,
+    parse_prefill,
+)
+from wavepp.runtime.kv import hash_prompt_blocks
+from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 
 # ---------------------------------------------------------------------------- fair share
 

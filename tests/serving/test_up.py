@@ -12,7 +12,7 @@ import time
 import aiohttp
 import pytest
 
-from wavepp.runtime.natsutil import connect
+from wavepp.runtime.transport.natsio import connect
 
 pytestmark = pytest.mark.timeout(240)
 

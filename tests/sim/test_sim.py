@@ -10,9 +10,9 @@ import pytest
 from wavepp.bench.grid import GridSpec, Setting, run_workload, runtime_config
 from wavepp.bench.workloads import ideal_hit_ratio, preset_workload, shared_prefix_workload
 from wavepp.runtime.agreement import AdmissionController
-from wavepp.runtime.kvcache import StageKVManager
-from wavepp.runtime.planner import CostModel
-from wavepp.runtime.scheduler import WaveScheduler
+from wavepp.runtime.kv import StageKVManager
+from wavepp.runtime.planning import CostModel
+from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.sim.clock import SimDeadlockError, VirtualClockLoop
 from wavepp.sim.pipeline import SimLatencies, SimPipeline
 from wavepp.sim.run import simulate
@@ -112,7 +112,7 @@ def test_sim_matches_the_emulated_run_within_10_percent(mode: str) -> None:
 
 def test_planner_splits_short_work_only_when_it_finishes_sooner() -> None:
     """The at-least-S rule as the simulator exercises it: k minimises (S-1+k)(c+W/k)."""
-    from wavepp.runtime.planner import ChunkPlanner, RequestProgress
+    from wavepp.runtime.planning import ChunkPlanner, RequestProgress
 
     def num_microbatches(model: CostModel) -> int:
         planner = ChunkPlanner(model, policy="dynamic", chunk_tokens=8192, block_size=16)

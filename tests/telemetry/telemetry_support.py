@@ -5,8 +5,8 @@ from __future__ import annotations
 from wavepp.bench.replay import ReplayReport, replay_records
 from wavepp.bench.trace import TokenMapper, TraceRecord
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.engine.model_config import ModelConfig
-from wavepp.runtime.planner import CostModel
+from wavepp.runtime.model_config import ModelConfig
+from wavepp.runtime.planning import CostModel
 from wavepp.telemetry.settings import TelemetrySettings
 
 NUM_STAGES = 4

@@ -17,7 +17,7 @@ Subjects (``{p}`` is the pipeline's subject prefix, e.g. ``wavepp.default``):
 | ``{p}.resync``                  | publish        | ``StageResync`` (a stage reconnected) |
 
 Plans and done messages are core NATS (at most once); the replay subjects make their delivery
-gap-free across a NATS reconnect (see ``wavepp.runtime.sequencing``).
+gap-free across a NATS reconnect (see ``wavepp.runtime.stage.sequencing``).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ MODEL_PRESET_NUM_LAYERS: dict[str, int] = {
 """Decoder layers of the models a spec may name without ``model.config.numLayers``.
 
 NOTE: tiny-llama and small-llama are the torch engine's presets
-(``wavepp.runtime.engine.model_config.PRESETS``; api may not import runtime, a test checks the
+(``wavepp.runtime.model_config.PRESETS``; api may not import runtime, a test checks the
 two agree). The others are ``num_hidden_layers`` of the paper's models, without MTP layers
 (shared/models.md, architecture table), used with the emulated engine.
 """

@@ -21,9 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from wavepp.runtime.agreement import AdmissionController, NatsStageClient, handle_kv_request
-from wavepp.runtime.kvcache import BlockPool, StageKVManager
-from wavepp.runtime.natsutil import EmbeddedNatsServer, connect
+from wavepp.api.subjects import ReplicaSubjects, replica_prefix
+from wavepp.runtime.agreement import AdmissionController, handle_kv_request
+from wavepp.runtime.agreement.nats_client import NatsStageClient
+from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
 
 __all__ = ["format_table", "run_admission_bench"]
 
@@ -38,7 +40,7 @@ async def _one_setting(
     block_size: int,
     tag: str,
 ) -> dict[str, Any]:
-    prefix = f"wavepp.admbench{tag}"
+    prefix = replica_prefix(f"admbench{tag}")
     num_blocks = 4 * num_requests * (num_prompt_tokens // block_size + 1)
     async with contextlib.AsyncExitStack() as stack:
         stage_conns = []
@@ -51,7 +53,7 @@ async def _one_setting(
                 reply = handle_kv_request(manager, rank, msg.data)
                 await msg.respond(reply.model_dump_json().encode())
 
-            await nc.subscribe(f"{prefix}.stage.{rank}.kv", cb=serve)
+            await nc.subscribe(ReplicaSubjects(prefix).stage_kv(rank), cb=serve)
             await nc.flush()
             stage_conns.append(nc)
         nc = await connect(url, name="admbench-controller")
@@ -63,7 +65,7 @@ async def _one_setting(
         )
         rng = np.random.Generator(np.random.PCG64(num_stages * 1000 + num_in_flight))
         shared = rng.integers(0, 32000, num_prompt_tokens // 2).tolist()
-        from wavepp.runtime.agreement import PromptRequest
+        from wavepp.runtime.request import PromptRequest
 
         prompts = [
             (shared if i % 2 else [])

@@ -33,12 +33,12 @@ from typing import Any
 
 from wavepp.bench.replay import ReplayReport, run_closed_loop
 from wavepp.bench.workloads import Workload, ideal_hit_ratio, mooncake_workload, preset_workload
-from wavepp.runtime.agreement import PromptRequest
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.costmodels import derived_cost_model
-from wavepp.runtime.engine.model_config import get_preset
-from wavepp.runtime.local import LocalPipeline
-from wavepp.runtime.scheduler import WaveStats
+from wavepp.runtime.model_config import get_preset
+from wavepp.runtime.planning.catalogue import derived_cost_model
+from wavepp.runtime.request import PromptRequest
+from wavepp.runtime.scheduling.scheduler import WaveStats
+from wavepp.runtime.serving.local import LocalPipeline
 
 __all__ = [
     "ABLATIONS",

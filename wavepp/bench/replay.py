@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from wavepp.bench.trace import TokenMapper, TraceError, TraceRecord
-from wavepp.runtime.agreement import PromptRequest
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.local import LocalPipeline
-from wavepp.runtime.planner import CostModel
-from wavepp.runtime.scheduler import RequestOutcome, WaveScheduler, WaveStats
+from wavepp.runtime.planning import CostModel
+from wavepp.runtime.request import PromptRequest
+from wavepp.runtime.scheduling.scheduler import RequestOutcome, WaveScheduler, WaveStats
+from wavepp.runtime.serving.local import LocalPipeline
 
 
 @dataclass

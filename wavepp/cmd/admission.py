@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from wavepp.cmd.stage import add_nats_tls_args
 
 if TYPE_CHECKING:
-    from wavepp.runtime.service import AdmissionService
+    from wavepp.runtime.serving.service import AdmissionService
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +67,7 @@ def _is_admitting(service: AdmissionService, stop: asyncio.Event) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wavepp.runtime.lifecycle import exit_with_parent
+    from wavepp.runtime.serving.lifecycle import exit_with_parent
 
     exit_with_parent()
     from wavepp.cmd.stage import (
@@ -79,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
         runtime_config_from_args,
         start_health_server,
     )
-    from wavepp.runtime.natsutil import connect
-    from wavepp.runtime.planner import CostModel
-    from wavepp.runtime.service import AdmissionService
+    from wavepp.runtime.planning import CostModel
+    from wavepp.runtime.serving.service import AdmissionService
+    from wavepp.runtime.transport.natsio import connect
     from wavepp.telemetry import tracing
     from wavepp.telemetry.metrics import setup_metrics, shutdown_metrics
 
@@ -110,7 +110,11 @@ def run(args: argparse.Namespace) -> int:
     elif config.cost_model is not None:
         cost = CostModel.from_dict(config.cost_model)
     else:
-        path = resources.files("wavepp.runtime") / "calibration" / "tiny-llama-cpu-2layers.json"
+        path = (
+            resources.files("wavepp.runtime.planning")
+            / "calibration"
+            / "tiny-llama-cpu-2layers.json"
+        )
         cost = CostModel.from_dict(json.loads(path.read_text()))
     logging.basicConfig(
         level=logging.INFO,

@@ -103,7 +103,7 @@ def _run_grid(args: argparse.Namespace) -> int:
         write_csv,
     )
     from wavepp.bench.workloads import REUSE_PRESETS
-    from wavepp.runtime.costmodels import list_models
+    from wavepp.runtime.planning.catalogue import list_models
 
     try:
         spec = GridSpec(

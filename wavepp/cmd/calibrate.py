@@ -25,9 +25,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from wavepp.runtime.calibrate import default_grid, measure_stage_costs
-    from wavepp.runtime.engine.model_config import get_preset
-    from wavepp.runtime.planner import fit_cost_model
+    from wavepp.runtime.model_config import get_preset
+    from wavepp.runtime.planning import fit_cost_model
+    from wavepp.runtime.stage.calibrate import default_grid, measure_stage_costs
 
     console = Console()
     try:

@@ -21,7 +21,7 @@ from wavepp.cmd.stage import add_nats_tls_args
 
 if TYPE_CHECKING:
     from wavepp.api.spec import WavePipelineSpec
-    from wavepp.runtime.gateway.core import GatewayConfig
+    from wavepp.gateway.core import GatewayConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,9 +115,9 @@ def gateway_config_from_spec(
         ValueError: no pool name in ``pool_doc``, a malformed replica list, or a spec the
             runtime cannot run (SpecError is a ValueError).
     """
-    from wavepp.runtime.from_spec import replica_pipeline_name, runtime_configs_from_spec
-    from wavepp.runtime.gateway.core import GatewayConfig, ReplicaInfo
-    from wavepp.runtime.tenants import TenantPolicy, default_cache_salt
+    from wavepp.gateway.core import GatewayConfig, ReplicaInfo
+    from wavepp.gateway.tenants import TenantPolicy, default_cache_salt
+    from wavepp.runtime.serving.from_spec import replica_pipeline_name, runtime_configs_from_spec
 
     pool = pool_doc.get("pipeline")
     if not isinstance(pool, str) or not pool:
@@ -154,7 +154,7 @@ def gateway_config_from_spec(
 def _config_from_args(args: argparse.Namespace) -> GatewayConfig:
     from wavepp.api.spec import load_spec_file
     from wavepp.cmd.stage import ArgError
-    from wavepp.runtime.gateway.core import GatewayConfig
+    from wavepp.gateway.core import GatewayConfig
 
     if args.gateway_config:
         try:
@@ -195,11 +195,11 @@ def _override(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wavepp.runtime.lifecycle import exit_with_parent
+    from wavepp.runtime.serving.lifecycle import exit_with_parent
 
     exit_with_parent()
     from wavepp.cmd.stage import ArgError, apply_nats_tls, check_creds
-    from wavepp.runtime.gateway.http import run_gateway
+    from wavepp.gateway.http import run_gateway
 
     try:
         config = _config_from_args(args)

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--emulate",
         default="glm-5.2",
-        help="emulated engine: cost model of this model at H200 (see `wavepp.runtime.costmodels`)",
+        help="emulated engine: cost model of this model at H200 (see `wavepp.runtime.planning.catalogue`)",
     )
     parser.add_argument("--time-scale", type=float, default=1.0, help="emulated: sleep multiplier")
     parser.add_argument(
@@ -93,7 +93,7 @@ def _validation_summary(exc: object) -> str:
 
 
 def _packaged_cost_model(name: str) -> dict[str, object]:
-    path = resources.files("wavepp.runtime") / "calibration" / name
+    path = resources.files("wavepp.runtime.planning") / "calibration" / name
     return json.loads(path.read_text())
 
 
@@ -133,9 +133,9 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.bench.replay import replay_records
     from wavepp.bench.trace import TokenMapper, load_trace
     from wavepp.runtime.config import RuntimeConfig
-    from wavepp.runtime.costmodels import derived_cost_model, list_models
-    from wavepp.runtime.engine.model_config import get_preset
-    from wavepp.runtime.planner import CostModel
+    from wavepp.runtime.model_config import get_preset
+    from wavepp.runtime.planning import CostModel
+    from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
 
     err = Console(stderr=True)
     try:

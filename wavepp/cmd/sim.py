@@ -44,7 +44,7 @@ def _fail(flag: str, message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from wavepp.bench.grid import GridSpec, Setting, runtime_config
     from wavepp.bench.workloads import REUSE_PRESETS, shared_prefix_workload
-    from wavepp.runtime.costmodels import list_models
+    from wavepp.runtime.planning.catalogue import list_models
     from wavepp.sim.pipeline import SimLatencies
     from wavepp.sim.run import simulate
 

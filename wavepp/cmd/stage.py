@@ -136,7 +136,7 @@ def apply_nats_tls(args: argparse.Namespace) -> None:
         ArgError: cert/key without a CA, one of cert/key alone, a missing file, or PEM files
             that do not load (the flag is named).
     """
-    from wavepp.runtime.natsutil import NatsTLS
+    from wavepp.runtime.transport.natsio import NatsTLS
 
     ca, cert, key = args.nats_tls_ca, args.nats_tls_cert, args.nats_tls_key
     if ca is None:
@@ -212,7 +212,7 @@ def runtime_config_from_args(
     """
     from wavepp.api.spec import SpecError, load_spec_file
     from wavepp.runtime.config import RuntimeConfig
-    from wavepp.runtime.from_spec import runtime_configs_from_spec
+    from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 
     if args.runtime_config:
         try:
@@ -282,10 +282,10 @@ async def start_health_server(
 
 
 def run(args: argparse.Namespace) -> int:
-    from wavepp.runtime.lifecycle import exit_with_parent
+    from wavepp.runtime.serving.lifecycle import exit_with_parent
 
     exit_with_parent()
-    from wavepp.runtime.stage import StageReadiness, run_stage
+    from wavepp.runtime.stage.worker import StageReadiness, run_stage
 
     try:
         config = runtime_config_from_args(args, os.environ)

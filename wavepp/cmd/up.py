@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from wavepp.runtime.lifecycle import child_env
+from wavepp.runtime.serving.lifecycle import child_env
 
 DEFAULT_SPEC = {"model": {"name": "tiny-llama"}, "stages": 2}
 
@@ -155,10 +155,10 @@ def _is_ready(url: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from wavepp.api.spec import SpecError, check_spec
-    from wavepp.runtime.from_spec import runtime_configs_from_spec
-    from wavepp.runtime.gateway.core import GatewayConfig, ReplicaInfo
-    from wavepp.runtime.natsutil import EmbeddedNatsServer, free_port
-    from wavepp.runtime.tenants import TenantPolicy, default_cache_salt
+    from wavepp.gateway.core import GatewayConfig, ReplicaInfo
+    from wavepp.gateway.tenants import TenantPolicy, default_cache_salt
+    from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
+    from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
     try:
         raw = load_spec_file(args.config) if args.config else dict(DEFAULT_SPEC)

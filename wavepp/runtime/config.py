@@ -10,7 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from wavepp.runtime.engine.model_config import ModelConfig, partition_layers
+from wavepp.api.subjects import ReplicaSubjects, replica_prefix
+from wavepp.runtime.model_config import ModelConfig, partition_layers
 from wavepp.telemetry.settings import TelemetrySettings
 
 Mode = Literal["wave", "sync"]
@@ -83,7 +84,12 @@ class RuntimeConfig(BaseModel):
 
     @property
     def subject_prefix(self) -> str:
-        return f"wavepp.{self.pipeline}"
+        return replica_prefix(self.pipeline)
+
+    @property
+    def subjects(self) -> ReplicaSubjects:
+        """This replica's NATS subjects (``wavepp.api.subjects``)."""
+        return ReplicaSubjects(self.subject_prefix)
 
     @property
     def model_id(self) -> str:

@@ -46,9 +46,9 @@ from wavepp.api.messages import (
 )
 from wavepp.runtime.agreement import AdmissionController, StageRequest, handle_kv_request
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.kvcache import BlockPool, StageKVManager
-from wavepp.runtime.planner import ChunkPlanner, CostModel
-from wavepp.runtime.scheduler import WaveScheduler
+from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.planning import ChunkPlanner, CostModel
+from wavepp.runtime.scheduling.scheduler import WaveScheduler
 
 log = logging.getLogger(__name__)
 
@@ -269,9 +269,7 @@ class SimStage:
                 num_agreed_blocks=work.num_agreed_blocks,
                 epoch=work.plan.epoch,
             )
-            await self.bus.publish(
-                f"{self.config.subject_prefix}.done", done.model_dump_json().encode()
-            )
+            await self.bus.publish(self.config.subjects.done, done.model_dump_json().encode())
             if self.next_stage is not None:
                 self.next_stage.activations.put_nowait(
                     (work.plan.microbatch_id, exec_end + self.latencies.hop_s)
@@ -344,7 +342,7 @@ class SimPipeline:
             if self.stages:
                 self.stages[-1].next_stage = stage
             self.stages.append(stage)
-            await self.bus.subscribe(f"{config.subject_prefix}.plan", cb=stage.on_plan)
+            await self.bus.subscribe(config.subjects.plan, cb=stage.on_plan)
             self._tasks.append(asyncio.create_task(stage.compute_loop()))
         self.controller = AdmissionController(
             [SimStageClient(stage, self.latencies.kv_rtt_s) for stage in self.stages],

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 from wavepp.bench.replay import ReplayReport, run_closed_loop
 from wavepp.bench.workloads import Workload
-from wavepp.runtime.agreement import PromptRequest
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.planner import CostModel
+from wavepp.runtime.planning import CostModel
+from wavepp.runtime.request import PromptRequest
 from wavepp.sim.clock import VirtualClockLoop
 from wavepp.sim.pipeline import SimLatencies, SimPipeline
 

@@ -38,6 +38,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 
 from wavepp.api.messages import KVEventBatch, MicroBatchDone, MicroBatchPlan
+from wavepp.api.subjects import ReplicaSubjects
 from wavepp.telemetry import tracing
 from wavepp.telemetry.metrics import PipelineSource, get_metrics
 
@@ -281,7 +282,9 @@ class PipelineTelemetry:
         """Count evictions from the stages' KV events (only when metrics are on)."""
         if self.metrics is None:
             return
-        self._sub = await nc.subscribe(f"{subject_prefix}.kv_events.*", cb=self._on_kv_events)
+        self._sub = await nc.subscribe(
+            ReplicaSubjects(subject_prefix).kv_events("*"), cb=self._on_kv_events
+        )
 
     async def _on_kv_events(self, msg: Any) -> None:
         try:

@@ -27,20 +27,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict, Field
 
 from wavepp.api.messages import KVEventBatch
-from wavepp.runtime.gateway.protocol import (
-    Heartbeat,
-    IntakeRequest,
-    PrefillResult,
+from wavepp.api.prefill import Heartbeat, IntakeRequest, PrefillResult
+from wavepp.api.subjects import (
+    ReplicaSubjects,
     heartbeat_subject,
     intake_stream,
     intake_subject,
+    replica_prefix,
     result_subject,
 )
-from wavepp.runtime.gateway.validation import ParsedRequest, PromptLimits
-from wavepp.runtime.kvcache import hash_prompt_blocks
-from wavepp.runtime.router import PoolRouter, RoutingPolicy
-from wavepp.runtime.service import ensure_intake, ensure_results
-from wavepp.runtime.tenants import FairShareQueue, LimitExceeded, TenantLimiter, TenantPolicy
+from wavepp.gateway.router import PoolRouter, RoutingPolicy
+from wavepp.gateway.tenants import FairShareQueue, LimitExceeded, TenantLimiter, TenantPolicy
+from wavepp.gateway.validation import ParsedRequest, PromptLimits
+from wavepp.runtime.kv import hash_prompt_blocks
+from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,8 @@ class Gateway:
             )
             self._subs.append(
                 await self.nc.subscribe(
-                    f"wavepp.{replica.pipeline}.kv_events.*", cb=self._on_kv_events
+                    ReplicaSubjects(replica_prefix(replica.pipeline)).kv_events("*"),
+                    cb=self._on_kv_events,
                 )
             )
         await self.nc.flush()

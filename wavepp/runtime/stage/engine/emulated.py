@@ -22,19 +22,19 @@ from typing import Any, Protocol
 
 import torch
 
-from wavepp.runtime.engine.base import (
+from wavepp.runtime.model_config import ModelConfig
+from wavepp.runtime.stage.engine.base import (
     ChunkSpec,
     PagedStageEngineBase,
     PreparedBatch,
     StageOutput,
 )
-from wavepp.runtime.engine.model_config import ModelConfig
 
 __all__ = ["CostModelLike", "EmulatedStageEngine", "fake_logits"]
 
 
 class CostModelLike(Protocol):
-    """Duck type of ``wavepp.runtime.planner.CostModel`` used here."""
+    """Duck type of ``wavepp.runtime.planning.CostModel`` used here."""
 
     def microbatch_cost_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         """Seconds one stage takes for chunks given as (context_offset L, num_tokens x)."""
@@ -95,7 +95,7 @@ class EmulatedStageEngine(PagedStageEngineBase):
         if cost_model is None or not callable(getattr(cost_model, "microbatch_cost_s", None)):
             raise ValueError(
                 f"cost_model={cost_model!r} must have microbatch_cost_s(seq of (L, x)) -> "
-                "seconds (wavepp.runtime.planner.CostModel); the emulated engine needs one"
+                "seconds (wavepp.runtime.planning.CostModel); the emulated engine needs one"
             )
         if not time_scale > 0:
             raise ValueError(f"time_scale={time_scale} must be > 0")

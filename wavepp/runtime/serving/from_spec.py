@@ -10,7 +10,7 @@ read. The api layer may not import the runtime, hence this lives here.
 | -------------- | ------------------------------------------------------------- | ------------------ |
 | ``kvBlocks``   | KV capacity per stage in blocks: int, or one per stage        | 4096               |
 | ``timeScale``  | emulated engine: sleep multiplier                             | 1.0                |
-| ``emulate``    | emulated engine: cost model name (``wavepp.runtime.costmodels``) | model.name      |
+| ``emulate``    | emulated engine: cost model name (``wavepp.runtime.planning.catalogue``) | model.name      |
 | ``device``     | ``cpu`` or ``cuda[:N]``                                       | cpu                |
 | ``torchThreads`` | torch threads per stage                                     | 1                  |
 | ``seed``       | weight seed of the torch engine                               | 0                  |
@@ -24,8 +24,8 @@ from typing import Any
 
 from wavepp.api.spec import SpecError, WavePipelineSpec
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.costmodels import derived_cost_model, list_models
-from wavepp.runtime.engine.model_config import PRESETS, ModelConfig
+from wavepp.runtime.model_config import PRESETS, ModelConfig
+from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
 
 __all__ = ["model_config_from_spec", "replica_pipeline_name", "runtime_configs_from_spec"]
 

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from wavepp.runtime.gateway.protocol import REQUEST_ID_PATTERN
+from wavepp.api.prefill import REQUEST_ID_PATTERN
 
 __all__ = ["BadRequest", "ParsedRequest", "PromptLimits", "parse_completion", "parse_prefill"]
 

@@ -57,7 +57,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from wavepp.runtime.planner import CostModel
+from wavepp.runtime.planning import CostModel
 
 __all__ = [
     "CPU",
@@ -73,7 +73,8 @@ __all__ = [
     "stage_layer_ranges",
 ]
 
-MODELS_MD = "/work/shared/models.md"
+# NOTE: named, not opened: the shapes below were transcribed from the project's shared models.md.
+MODELS_MD = "shared/models.md"
 
 # Bytes per weight of the served dtypes.
 _BF16_BYTES = 2.0
@@ -566,7 +567,7 @@ def _kimi_k3() -> ModelSpec:
 
 
 def _tiny_llama() -> ModelSpec:
-    """The project's "tiny-llama" preset (wavepp.runtime.engine.model_config), fp32 on CPU.
+    """The project's "tiny-llama" preset (wavepp.runtime.stage.worker.engine.model_config), fp32 on CPU.
 
     Llama-style: hidden 128, 8 layers, 4 heads, 2 KV heads, head_dim 32, SwiGLU 352, vocab 1024.
     """
@@ -629,7 +630,7 @@ def stage_layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]
 
     Sizes differ by at most one; the first num_layers % num_stages stages get one more layer
     (the last stage also holds the lm_head). Same rule as the engines' balanced split
-    (wavepp.runtime.engine.model_config.partition_layers).
+    (wavepp.runtime.stage.worker.engine.model_config.partition_layers).
 
     Returns:
         [first, last) per stage, in stage order, contiguous and covering [0, num_layers).

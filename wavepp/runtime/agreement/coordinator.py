@@ -26,16 +26,9 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
-
-from nats.aio.client import Client as NATS
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
-from pydantic import ValidationError
+from dataclasses import dataclass
 
 from wavepp.api.messages import (
-    KV_REQUEST_ADAPTER,
     Commit,
     Health,
     KVReply,
@@ -43,181 +36,16 @@ from wavepp.api.messages import (
     Release,
     Renew,
 )
-from wavepp.runtime.kvcache import StageKVManager, hash_prompt_blocks
+from wavepp.runtime.agreement.clients import StageClient
+from wavepp.runtime.kv import hash_prompt_blocks
+from wavepp.runtime.request import PromptRequest
 from wavepp.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------- stage side (pure)
-
-
-@dataclass
-class StageRequest:
-    """What a stage remembers of a request between probe and release."""
-
-    block_hashes: list[bytes]
-    num_agreed_blocks: int = -1  # L* once committed
-
-
-def handle_kv_request(
-    manager: StageKVManager,
-    rank: int,
-    payload: bytes,
-    requests: dict[str, StageRequest] | None = None,
-) -> KVReply:
-    """Apply one KV op to a stage's manager and return the reply. Never raises on bad input.
-
-    Args:
-        manager: the stage's KV manager (its single owner calls this).
-        rank: the stage's rank, echoed in the reply.
-        payload: a JSON ``KVRequest``.
-        requests: if given, the stage's record of each request (the prompt's block hashes from
-            ``probe_pin``, L* from ``commit``) is kept here until ``release``; the stage needs
-            the hashes to cache blocks once they are computed.
-
-    Returns:
-        ``KVReply`` with ``ok=False`` and ``error`` naming the field for an invalid message or a
-        refused reservation; the manager's state is unchanged by a rejected message.
-    """
-    pool = manager.pool
-    try:
-        msg = KV_REQUEST_ADAPTER.validate_json(payload)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        return KVReply(rank=rank, ok=False, error=f"invalid KV request: {where}: {first['msg']}")
-    try:
-        if isinstance(msg, ProbePin):
-            hashes = [bytes.fromhex(h) for h in msg.block_hashes]
-            num_hit = manager.probe_pin(msg.request_id, hashes, msg.lease_s)
-            if requests is not None and msg.request_id not in requests:
-                requests[msg.request_id] = StageRequest(block_hashes=hashes)
-            return KVReply(
-                rank=rank,
-                num_hit_blocks=num_hit,
-                num_free_blocks=pool.num_free_blocks,
-                num_blocks=pool.num_blocks,
-            )
-        if isinstance(msg, Commit):
-            table = manager.commit(
-                msg.request_id, msg.num_agreed_blocks, msg.num_total_blocks, msg.lease_s
-            )
-            if table is None:
-                if requests is not None:
-                    requests.pop(msg.request_id, None)
-                return KVReply(
-                    rank=rank,
-                    ok=False,
-                    error=(
-                        f"reservation refused: needs {msg.num_total_blocks - msg.num_agreed_blocks}"
-                        f" blocks, {pool.num_free_blocks} free of {pool.num_blocks}"
-                    ),
-                    num_free_blocks=pool.num_free_blocks,
-                    num_blocks=pool.num_blocks,
-                )
-            if requests is not None and msg.request_id in requests:
-                requests[msg.request_id].num_agreed_blocks = msg.num_agreed_blocks
-            return KVReply(
-                rank=rank,
-                num_reserved_blocks=len(table) - msg.num_agreed_blocks,
-                num_free_blocks=pool.num_free_blocks,
-                num_blocks=pool.num_blocks,
-            )
-        if isinstance(msg, Release):
-            for request_id in msg.request_ids:
-                manager.release(request_id)
-                if requests is not None:
-                    requests.pop(request_id, None)
-        elif isinstance(msg, Renew):
-            manager.renew(msg.request_ids, msg.lease_s)
-        elif isinstance(msg, Health):
-            pass
-        return KVReply(rank=rank, num_free_blocks=pool.num_free_blocks, num_blocks=pool.num_blocks)
-    except (ValueError, KeyError) as exc:
-        return KVReply(rank=rank, ok=False, error=f"{type(msg).__name__}: {exc}")
-
-
-# --------------------------------------------------------------------------- controller side
-
-
-class StageClient(Protocol):
-    """How the controller reaches one stage's KV manager (NATS, or in-process for tests/sim)."""
-
-    rank: int
-
-    async def call(self, msg: ProbePin | Commit | Release | Renew | Health) -> KVReply: ...
-
-
-class NatsStageClient:
-    """Request-reply to ``{prefix}.stage.{rank}.kv`` with a timeout.
-
-    Raises:
-        StageUnavailableError: nobody listens on the subject (a configuration fault), or no reply
-            within ``timeout_s`` (a slow or dead stage).
-    """
-
-    def __init__(self, nc: NATS, subject_prefix: str, rank: int, timeout_s: float = 10.0) -> None:
-        self.nc = nc
-        self.rank = rank
-        self.subject = f"{subject_prefix}.stage.{rank}.kv"
-        self.timeout_s = timeout_s
-
-    async def call(self, msg: ProbePin | Commit | Release | Renew | Health) -> KVReply:
-        try:
-            reply = await self.nc.request(
-                self.subject, msg.model_dump_json().encode(), timeout=self.timeout_s
-            )
-        except NoRespondersError as exc:
-            raise StageUnavailableError(self.rank, f"no stage listens on {self.subject}") from exc
-        except (TimeoutError, NatsTimeoutError) as exc:
-            raise StageUnavailableError(
-                self.rank, f"no reply on {self.subject} within {self.timeout_s}s"
-            ) from exc
-        return KVReply.model_validate_json(reply.data)
-
-
-class LocalStageClient:
-    """In-process stage client over a ``StageKVManager`` (tests, simulator)."""
-
-    def __init__(self, manager: StageKVManager, rank: int) -> None:
-        self.manager = manager
-        self.rank = rank
-
-    async def call(self, msg: ProbePin | Commit | Release | Renew | Health) -> KVReply:
-        return handle_kv_request(self.manager, self.rank, msg.model_dump_json().encode())
-
-
-class StageUnavailableError(RuntimeError):
-    def __init__(self, rank: int, detail: str) -> None:
-        super().__init__(f"stage {rank}: {detail}")
-        self.rank = rank
-
-
 class AgreementRefused(RuntimeError):
     """A request that can never be admitted (it needs more blocks than a stage holds)."""
-
-
-@dataclass
-class PromptRequest:
-    """A prefill request as the runtime sees it.
-
-    ``token_ids``: the prompt, ``num_tokens >= 1``. ``cache_salt``: per tenant; requests with
-    different salts never share cached blocks. ``arrival_s``: ``time.time()`` at arrival.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    cache_salt: str = ""
-    arrival_s: float = field(default_factory=time.time)
-    return_logits: bool = False
-    # NOTE: memo of the prompt's block hashes (a pure function of the fields above), so the
-    # scheduler and the controller hash each prompt once.
-    block_hashes: list[bytes] | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
 
 
 @dataclass

@@ -33,58 +33,28 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
-    KeyValueConfig,
-    RetentionPolicy,
-    StorageType,
-    StreamConfig,
 )
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import KeyNotFoundError
 
 from wavepp.api.messages import MicroBatchDone
-from wavepp.runtime.agreement import AdmissionController, NatsStageClient, PromptRequest
-from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.gateway.protocol import (
-    Heartbeat,
-    IntakeRequest,
-    PrefillResult,
-    StageTiming,
+from wavepp.api.prefill import Heartbeat, IntakeRequest, PrefillResult, StageTiming
+from wavepp.api.subjects import (
     heartbeat_subject,
     intake_stream,
     intake_subject,
     result_subject,
-    results_bucket,
 )
-from wavepp.runtime.planner import ChunkPlanner, CostModel
-from wavepp.runtime.scheduler import RequestOutcome, WaveScheduler
+from wavepp.runtime.agreement import AdmissionController
+from wavepp.runtime.agreement.nats_client import NatsStageClient
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.planning import ChunkPlanner, CostModel
+from wavepp.runtime.request import PromptRequest
+from wavepp.runtime.scheduling.scheduler import RequestOutcome, WaveScheduler
+from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
-
-
-async def ensure_intake(js, pipeline: str, *, duplicate_window_s: float = 120.0) -> None:  # noqa: ANN001 - JetStreamContext
-    """Create the replica's intake stream if it does not exist (idempotent)."""
-    name = intake_stream(pipeline)
-    try:
-        await js.stream_info(name)
-    except NotFoundError:
-        await js.add_stream(
-            StreamConfig(
-                name=name,
-                subjects=[intake_subject(pipeline)],
-                retention=RetentionPolicy.WORK_QUEUE,
-                storage=StorageType.FILE,
-                duplicate_window=duplicate_window_s,
-            )
-        )
-
-
-async def ensure_results(js, pool: str, *, ttl_s: float = 3600.0):  # noqa: ANN001, ANN201
-    """The pool's results KV bucket (key -> PrefillResult JSON), created if absent."""
-    try:
-        return await js.key_value(results_bucket(pool))
-    except (NotFoundError, Exception):  # nats-py raises BucketNotFoundError (a NotFoundError)
-        return await js.create_key_value(KeyValueConfig(bucket=results_bucket(pool), ttl=ttl_s))
 
 
 def result_from_outcome(

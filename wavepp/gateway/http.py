@@ -32,16 +32,17 @@ from aiohttp import web
 from nats.aio.msg import Msg
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from wavepp.runtime.gateway.core import Gateway, GatewayConfig
-from wavepp.runtime.gateway.protocol import PrefillResult, prefill_subject
-from wavepp.runtime.gateway.validation import (
+from wavepp.api.prefill import PrefillResult
+from wavepp.api.subjects import prefill_subject
+from wavepp.gateway.core import Gateway, GatewayConfig
+from wavepp.gateway.tenants import LimitExceeded
+from wavepp.gateway.validation import (
     BadRequest,
     ParsedRequest,
     parse_completion,
     parse_prefill,
 )
-from wavepp.runtime.natsutil import connect
-from wavepp.runtime.tenants import LimitExceeded
+from wavepp.runtime.transport.natsio import connect
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ prefills L context tokens into its KV cache, then runs the x-token chunk at cont
 The stage measured is a middle stage (no embedding, no ``lm_head``): the last stage's extra
 cost is one norm and one [hidden x vocab] product per finished request, negligible at these
 shapes. The fit t(L, x) = c + g*L + b*x + a*(2*L*x + x^2) (DESIGN.md "Cost model") lives in
-``wavepp.runtime.planner.fit_cost_model``; this module only measures.
+``wavepp.runtime.planning.fit_cost_model``; this module only measures.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from wavepp.runtime.engine.base import ChunkSpec
-from wavepp.runtime.engine.model_config import ModelConfig
-from wavepp.runtime.engine.torch_engine import TorchStageEngine
+from wavepp.runtime.model_config import ModelConfig
+from wavepp.runtime.stage.engine.base import ChunkSpec
+from wavepp.runtime.stage.engine.torch_engine import TorchStageEngine
 
 __all__ = ["default_grid", "measure_stage_costs"]
 

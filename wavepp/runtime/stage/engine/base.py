@@ -27,12 +27,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:
-    from wavepp.runtime.engine.model_config import ModelConfig
+    pass
 
 __all__ = [
     "ChunkSpec",
@@ -41,7 +41,6 @@ __all__ = [
     "StageEngine",
     "StageOutput",
     "build_prepared_batch",
-    "make_engine",
 ]
 
 
@@ -384,59 +383,3 @@ class PagedStageEngineBase:
                 f"hidden_in has shape {tuple(hidden_in.shape)}; expected [num_tokens, "
                 f"hidden_size] = {list(expected)}"
             )
-
-
-def make_engine(
-    kind: Literal["torch", "emulated"],
-    *,
-    model: ModelConfig,
-    first_layer: int,
-    last_layer: int,
-    num_layers_total: int,
-    device: torch.device | str = "cpu",
-    cost_model: Any = None,
-    **kw: Any,
-) -> StageEngine:
-    """Build a stage engine for layers ``[first_layer, last_layer)``.
-
-    Args:
-        kind: ``"torch"`` (real layers) or ``"emulated"`` (sleeps the cost model's time).
-        model: the model config.
-        first_layer, last_layer: this stage's layer range.
-        num_layers_total: layers of the whole model (decides is_last).
-        device: torch device for tensors.
-        cost_model: emulated only: an object with ``microbatch_cost_s(seq of (L, x)) -> s``;
-            ignored by the torch engine.
-        **kw: torch: ``weights_path``; emulated: ``time_scale``, ``emulated_hidden_size``,
-            ``clock``, ``sleep``.
-
-    Returns:
-        The engine (its KV cache is allocated by ``allocate_kv``).
-
-    Raises:
-        ValueError: unknown kind, or the engine's own argument checks.
-    """
-    if kind == "torch":
-        from wavepp.runtime.engine.torch_engine import TorchStageEngine
-
-        return TorchStageEngine(
-            model=model,
-            first_layer=first_layer,
-            last_layer=last_layer,
-            num_layers_total=num_layers_total,
-            device=device,
-            **kw,
-        )
-    if kind == "emulated":
-        from wavepp.runtime.engine.emulated import EmulatedStageEngine
-
-        return EmulatedStageEngine(
-            model=model,
-            first_layer=first_layer,
-            last_layer=last_layer,
-            num_layers_total=num_layers_total,
-            device=device,
-            cost_model=cost_model,
-            **kw,
-        )
-    raise ValueError(f"kind={kind!r} is not an engine; choose 'torch' or 'emulated'")

@@ -49,10 +49,10 @@ from wavepp.api.messages import (
 )
 from wavepp.runtime.agreement import StageRequest, handle_kv_request
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.engine import ChunkSpec, make_engine
-from wavepp.runtime.kvcache import BlockPool, StageKVManager
-from wavepp.runtime.natsutil import connect, on_reconnect
-from wavepp.runtime.sequencing import PlanSequencer
+from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.stage.engine import ChunkSpec, make_engine
+from wavepp.runtime.stage.sequencing import PlanSequencer
+from wavepp.runtime.transport.natsio import connect, on_reconnect
 from wavepp.telemetry import tracing
 from wavepp.telemetry.pipeline import StageTelemetry
 
@@ -79,7 +79,7 @@ def build_engine(config: RuntimeConfig, rank: int):  # noqa: ANN201 - StageEngin
     cost_model = None
     extra: dict[str, object] = {}
     if config.engine == "emulated":
-        from wavepp.runtime.planner import CostModel
+        from wavepp.runtime.planning import CostModel
 
         cost_model = CostModel.from_dict(config.cost_model or {})
         extra["time_scale"] = config.time_scale
@@ -110,6 +110,7 @@ class StageWorker:
         self.is_first = rank == 0
         self.is_last = rank == config.num_stages - 1
         self.prefix = config.subject_prefix
+        self.subjects = config.subjects
         self._work: queue.Queue[_Work | None] = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -128,9 +129,9 @@ class StageWorker:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._compute_loop, name="compute", daemon=True)
         self._thread.start()
-        await self.nc.subscribe(f"{self.prefix}.stage.{self.rank}.kv", cb=self._on_kv)
-        await self.nc.subscribe(f"{self.prefix}.plan", cb=self._on_plan)
-        await self.nc.subscribe(f"{self.prefix}.stage.{self.rank}.dones", cb=self._on_done_replay)
+        await self.nc.subscribe(self.subjects.stage_kv(self.rank), cb=self._on_kv)
+        await self.nc.subscribe(self.subjects.plan, cb=self._on_plan)
+        await self.nc.subscribe(self.subjects.stage_dones(self.rank), cb=self._on_done_replay)
         on_reconnect(self.nc, self._on_reconnected)
         await self.nc.flush()
         log.info("stage %d serving layers %s", self.rank, self.config.layers_of(self.rank))
@@ -165,9 +166,7 @@ class StageWorker:
             stored=[[h.hex() for h in e.block_hashes] for e in events if e.kind == "stored"],
             removed=[[h.hex() for h in e.block_hashes] for e in events if e.kind == "removed"],
         )
-        await self.nc.publish(
-            f"{self.prefix}.kv_events.{self.rank}", batch.model_dump_json().encode()
-        )
+        await self.nc.publish(self.subjects.kv_events(self.rank), batch.model_dump_json().encode())
 
     async def _on_plan(self, msg: Msg) -> None:
         try:
@@ -204,7 +203,7 @@ class StageWorker:
             ask = PlanReplay(epoch=epoch, from_id=span[0], to_id=span[1], rank=self.rank)
             try:
                 msg = await self.nc.request(
-                    f"{self.prefix}.plan.replay",
+                    self.subjects.plan_replay,
                     ask.model_dump_json().encode(),
                     timeout=min(2.0, self.config.request_timeout_s),
                 )
@@ -248,7 +247,7 @@ class StageWorker:
         self._fill_gaps()
         try:
             await self.nc.publish(
-                f"{self.prefix}.resync", StageResync(rank=self.rank).model_dump_json().encode()
+                self.subjects.resync, StageResync(rank=self.rank).model_dump_json().encode()
             )
         except Exception as exc:  # noqa: BLE001 - the scheduler's own reconnect asks anyway
             log.warning("stage %d: resync notice failed: %r", self.rank, exc)
@@ -321,7 +320,7 @@ class StageWorker:
         asyncio.ensure_future(self._publish_done(done))
 
     async def _publish_done(self, done: MicroBatchDone) -> None:
-        await self.nc.publish(f"{self.prefix}.done", done.model_dump_json().encode())
+        await self.nc.publish(self.subjects.done, done.model_dump_json().encode())
         await self._publish_events()
 
     # ---- compute thread ------------------------------------------------------------------

@@ -75,27 +75,3 @@ class Heartbeat(_Msg):
     num_stages_formed: int
     num_inflight: int
     instance: str
-
-
-def intake_subject(pipeline: str) -> str:
-    return f"wavepp.{pipeline}.intake"
-
-
-def intake_stream(pipeline: str) -> str:
-    return f"WAVEPP_INTAKE_{pipeline}"
-
-
-def results_bucket(pool: str) -> str:
-    return f"WAVEPP_RESULTS_{pool}"
-
-
-def result_subject(pool: str, key: str) -> str:
-    return f"wavepp.{pool}.result.{key}"
-
-
-def heartbeat_subject(pipeline: str) -> str:
-    return f"wavepp.{pipeline}.admission.heartbeat"
-
-
-def prefill_subject(pool: str) -> str:
-    return f"wavepp.{pool}.prefill"

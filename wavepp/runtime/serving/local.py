@@ -24,12 +24,13 @@ from pathlib import Path
 from nats.aio.client import Client as NATS
 
 from wavepp.api.messages import Health
-from wavepp.runtime.agreement import AdmissionController, NatsStageClient, StageUnavailableError
+from wavepp.runtime.agreement import AdmissionController, StageUnavailableError
+from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.lifecycle import child_env
-from wavepp.runtime.natsutil import EmbeddedNatsServer, connect, free_port
-from wavepp.runtime.planner import ChunkPlanner, CostModel
-from wavepp.runtime.scheduler import WaveScheduler
+from wavepp.runtime.planning import ChunkPlanner, CostModel
+from wavepp.runtime.scheduling.scheduler import WaveScheduler
+from wavepp.runtime.serving.lifecycle import child_env
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
 from wavepp.telemetry import tracing
 from wavepp.telemetry.metrics import get_metrics, setup_metrics, shutdown_metrics
 

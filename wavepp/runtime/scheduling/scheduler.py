@@ -56,15 +56,15 @@ from wavepp.api.messages import (
 from wavepp.runtime.agreement import (
     AdmissionController,
     AgreementRefused,
-    PromptRequest,
     StageUnavailableError,
     Ticket,
 )
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.inflight import InflightPrefixIndex
-from wavepp.runtime.ledger import PlanLedger, Report
-from wavepp.runtime.natsutil import on_reconnect
-from wavepp.runtime.planner import ChunkPlanner, RequestProgress
+from wavepp.runtime.kv.inflight import InflightPrefixIndex
+from wavepp.runtime.planning import ChunkPlanner, RequestProgress
+from wavepp.runtime.request import PromptRequest
+from wavepp.runtime.scheduling.ledger import PlanLedger, Report
+from wavepp.runtime.transport.natsio import on_reconnect
 from wavepp.telemetry import tracing
 from wavepp.telemetry.pipeline import ChunkInfo, PipelineTelemetry, tenant_of
 
@@ -173,6 +173,7 @@ class WaveScheduler:
         self.on_stage_done = on_stage_done  # each (micro-batch, stage) once, with chunk owners
         self.num_stages = config.num_stages
         self.prefix = config.subject_prefix
+        self.subjects = config.subjects
         self.intake: asyncio.Queue[tuple[PromptRequest, asyncio.Future[RequestOutcome]]] = (
             asyncio.Queue()
         )
@@ -229,10 +230,10 @@ class WaveScheduler:
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._sub = await self.nc.subscribe(f"{self.prefix}.done", cb=self._on_done)
+        self._sub = await self.nc.subscribe(self.subjects.done, cb=self._on_done)
         self._subs = [
-            await self.nc.subscribe(f"{self.prefix}.plan.replay", cb=self._on_plan_replay),
-            await self.nc.subscribe(f"{self.prefix}.resync", cb=self._on_resync),
+            await self.nc.subscribe(self.subjects.plan_replay, cb=self._on_plan_replay),
+            await self.nc.subscribe(self.subjects.resync, cb=self._on_resync),
         ]
         on_reconnect(self.nc, self._on_reconnected)
         await self.telemetry.start(self.nc, self.prefix)
@@ -724,9 +725,7 @@ class WaveScheduler:
             epoch=self.epoch,
         )
         self.ledger.published(microbatch_id, plan, [c.request_id for c in chunks])
-        await self.nc.publish(
-            f"{self.prefix}.plan", plan.model_dump_json().encode(), headers=headers
-        )
+        await self.nc.publish(self.subjects.plan, plan.model_dump_json().encode(), headers=headers)
 
     # ---- completion ----------------------------------------------------------------------
 
@@ -934,7 +933,7 @@ class WaveScheduler:
         """Republish the outstanding plans (stages drop the ones they have) and ask every stage
         for the done messages this side has not seen."""
         for _, plan in self.ledger.replay(0):
-            await self.nc.publish(f"{self.prefix}.plan", plan.model_dump_json().encode())
+            await self.nc.publish(self.subjects.plan, plan.model_dump_json().encode())
             self.num_plans_resent += 1
         for rank in range(self.num_stages):
             self._pull_dones_soon(rank, self.ledger.unreported(rank))
@@ -949,7 +948,7 @@ class WaveScheduler:
         ask = DoneReplay(epoch=self.epoch, microbatch_ids=microbatch_ids[:4096])
         try:
             msg = await self.nc.request(
-                f"{self.prefix}.stage.{rank}.dones",
+                self.subjects.stage_dones(rank),
                 ask.model_dump_json().encode(),
                 timeout=min(2.0, self.config.request_timeout_s),
             )

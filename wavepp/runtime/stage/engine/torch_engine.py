@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from wavepp.runtime.engine.base import (
+from wavepp.runtime.model_config import ModelConfig
+from wavepp.runtime.stage.engine.base import (
     ChunkSpec,
     PagedStageEngineBase,
     PreparedBatch,
     StageOutput,
 )
-from wavepp.runtime.engine.model_config import ModelConfig
 
 __all__ = [
     "TorchPreparedBatch",

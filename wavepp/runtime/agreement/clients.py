@@ -1,0 +1,44 @@
+"""How the coordinator reaches one stage's KV manager: the ``StageClient`` protocol, an in-process
+client (tests, simulator) and the error a transport raises. The NATS client lives in
+``wavepp.runtime.agreement.nats_client`` so that importing this package pulls in no NATS module.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from wavepp.api.messages import (
+    Commit,
+    Health,
+    KVReply,
+    ProbePin,
+    Release,
+    Renew,
+)
+from wavepp.runtime.agreement.stage_handler import handle_kv_request
+from wavepp.runtime.kv import StageKVManager
+
+
+class StageClient(Protocol):
+    """How the controller reaches one stage's KV manager (NATS, or in-process for tests/sim)."""
+
+    rank: int
+
+    async def call(self, msg: ProbePin | Commit | Release | Renew | Health) -> KVReply: ...
+
+
+class LocalStageClient:
+    """In-process stage client over a ``StageKVManager`` (tests, simulator)."""
+
+    def __init__(self, manager: StageKVManager, rank: int) -> None:
+        self.manager = manager
+        self.rank = rank
+
+    async def call(self, msg: ProbePin | Commit | Release | Renew | Health) -> KVReply:
+        return handle_kv_request(self.manager, self.rank, msg.model_dump_json().encode())
+
+
+class StageUnavailableError(RuntimeError):
+    def __init__(self, rank: int, detail: str) -> None:
+        super().__init__(f"stage {rank}: {detail}")
+        self.rank = rank

@@ -1,0 +1,33 @@
+"""KV cache bookkeeping, per stage: block hashing, the block pool, the request-level manager.
+
+Layers, each pure (no I/O, no torch, no NATS; the clock is injected)::
+
+    hashing   root_block_hash, hash_block_tokens, hash_prompt_blocks  (chained sha256)
+    pool      BlockPool: capacity, block hash -> block map, ref counts, LRU; queues KVEvents
+    manager   StageKVManager: probe/pin, commit/reserve, mark computed, release, leases
+    inflight  InflightPrefixIndex: prefixes being computed right now (admission side)
+
+Callers import from this package; the modules are its internals.
+"""
+
+from wavepp.runtime.kv.hashing import (
+    BLOCK_HASH_NUM_BYTES,
+    BlockHash,
+    hash_block_tokens,
+    hash_prompt_blocks,
+    root_block_hash,
+)
+from wavepp.runtime.kv.manager import PinReceipt, StageKVManager
+from wavepp.runtime.kv.pool import BlockPool, KVEvent
+
+__all__ = [
+    "BLOCK_HASH_NUM_BYTES",
+    "BlockHash",
+    "BlockPool",
+    "KVEvent",
+    "PinReceipt",
+    "StageKVManager",
+    "hash_block_tokens",
+    "hash_prompt_blocks",
+    "root_block_hash",
+]

@@ -1,0 +1,302 @@
+"""The per-stage KV manager (policy): speaks in requests, calls the pool.
+
+``StageKVManager`` turns admission steps (probe/pin, commit/reserve, mark computed, release,
+lease expiry) into ``BlockPool`` calls, keyed by request id. Pure: no I/O, no torch; the clock is
+injected. Ideas follow vLLM (vllm/v1/core/kv_cache_manager.py); no code is copied.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from wavepp.runtime.kv.hashing import BlockHash
+from wavepp.runtime.kv.pool import BlockPool, KVEvent
+
+
+@dataclass(frozen=True)
+class PinReceipt:
+    """What one request holds on one stage; ``StageKVManager.release`` accepts it.
+
+    The defaults mean "held nothing": releasing a default (lost) receipt releases nothing and
+    returns False, so a lost receipt leaks visibly instead of freeing another holder's pin.
+
+    Attributes:
+        request_id: The holder; "" for none.
+        block_ids: Blocks held when the receipt was issued, block order (informational).
+    """
+
+    request_id: str = ""
+    block_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class _HeldRequest:
+    request_id: str
+    hit_block_ids: list[int]  # pinned cached prefix from probe_pin (length = local hit)
+    lease_expiry_s: float  # clock() time after which expire() releases the request
+    seq: int  # admission order, breaks ties between equal expiries
+    block_table: list[int] | None = None  # after commit: L* cached ids, then fresh ids
+    num_agreed_blocks: int = 0  # L*, after commit
+    num_hashed_blocks: int = 0  # leading table blocks already passed to cache_full_blocks
+
+
+def _check_lease(lease_s: float) -> None:
+    if not isinstance(lease_s, int | float) or not math.isfinite(lease_s) or lease_s <= 0:
+        raise ValueError(f"lease_s must be a finite number of seconds > 0, got {lease_s!r}")
+
+
+class StageKVManager:
+    """Per-stage admission state: pins, reservations, leases, per-request block tables.
+
+    A request moves probed -> committed -> released (or probed -> released). Block table of a
+    committed request, L* = num_agreed_blocks::
+
+        [ cached_0 ... cached_{L*-1} | fresh_{L*} ... fresh_{num_total_blocks-1} ]
+          pinned by probe_pin          allocated by commit (the reservation)
+
+    Every held request has a lease (``clock()`` seconds); ``expire`` releases any request
+    whose lease passed, committed or not, so a dead controller leaks no pins.
+
+    Args:
+        pool: The stage's block pool; this manager is its only user.
+        clock: Monotonic time in seconds (inject a fake in tests).
+    """
+
+    def __init__(self, pool: BlockPool, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self._clock = clock
+        self._requests: dict[str, _HeldRequest] = {}
+        self._num_admitted = 0
+
+    @property
+    def num_requests(self) -> int:
+        """Requests holding blocks (probed or committed)."""
+        return len(self._requests)
+
+    def probe_pin(self, request_id: str, block_hashes: Sequence[BlockHash], lease_s: float) -> int:
+        """Pin the longest cached prefix of ``block_hashes`` for ``request_id``.
+
+        Idempotent by request id: for a request already held it pins nothing more and returns
+        the held length (L* once committed); the lease is extended to at least
+        ``clock() + lease_s``.
+
+        Args:
+            request_id: Non-empty id ("" is the receipt placeholder).
+            block_hashes: The prompt's full-block hashes (``hash_prompt_blocks``).
+            lease_s: Seconds until ``expire`` may release the request, > 0.
+
+        Returns:
+            The local hit in blocks: number of leading hashes this stage holds, now pinned.
+
+        Raises:
+            ValueError: on an empty ``request_id`` or a bad ``lease_s``.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        _check_lease(lease_s)
+        held = self._requests.get(request_id)
+        if held is not None:
+            held.lease_expiry_s = max(held.lease_expiry_s, self._clock() + lease_s)
+            return len(held.hit_block_ids)
+        hit_block_ids = self.pool.find_longest_cache_hit(block_hashes)
+        self.pool.pin(hit_block_ids)
+        self._num_admitted += 1
+        self._requests[request_id] = _HeldRequest(
+            request_id, hit_block_ids, self._clock() + lease_s, self._num_admitted
+        )
+        return len(hit_block_ids)
+
+    def commit(
+        self, request_id: str, num_agreed_blocks: int, num_total_blocks: int, lease_s: float
+    ) -> list[int] | None:
+        """Keep the first L* pinned blocks, unpin the rest, reserve the blocks after L*.
+
+        Args:
+            request_id: A probed request.
+            num_agreed_blocks: L*, the prefix agreed across stages; 0 <= L* <= local hit.
+            num_total_blocks: Blocks the whole prompt needs (ceil(num_tokens / block_size)),
+                >= L*. The controller keeps L* below it when the last token must be computed.
+            lease_s: New lease, seconds from now, > 0.
+
+        Returns:
+            The block table (L* cached ids, then num_total_blocks - L* fresh ids), or None
+            when the pool cannot reserve the fresh blocks: then all of this request's pins
+            are released and it is forgotten (a refused reservation leaves no pins).
+            Idempotent: a committed request returns the same table again.
+
+        Raises:
+            KeyError: if ``request_id`` is not held (never probed, released or expired).
+            ValueError: if L* > local hit, L* < 0, num_total_blocks < L*, a bad ``lease_s``,
+                or a repeated commit with different block counts.
+        """
+        _check_lease(lease_s)
+        held = self._held(request_id)
+        if held.block_table is not None:
+            if (num_agreed_blocks, num_total_blocks) != (
+                held.num_agreed_blocks,
+                len(held.block_table),
+            ):
+                raise ValueError(
+                    f"request {request_id!r} is already committed with num_agreed_blocks="
+                    f"{held.num_agreed_blocks}, num_total_blocks={len(held.block_table)}; got "
+                    f"{num_agreed_blocks}, {num_total_blocks}"
+                )
+            held.lease_expiry_s = max(held.lease_expiry_s, self._clock() + lease_s)
+            return list(held.block_table)
+        num_hit_blocks = len(held.hit_block_ids)
+        if not isinstance(num_agreed_blocks, int) or not 0 <= num_agreed_blocks <= num_hit_blocks:
+            raise ValueError(
+                f"num_agreed_blocks = {num_agreed_blocks!r} must be in [0, {num_hit_blocks}] "
+                f"(request {request_id!r}'s local hit on this stage); L* is the minimum over "
+                "stages of their hits"
+            )
+        if not isinstance(num_total_blocks, int) or num_total_blocks < num_agreed_blocks:
+            raise ValueError(
+                f"num_total_blocks = {num_total_blocks!r} must be an int >= num_agreed_blocks "
+                f"= {num_agreed_blocks}"
+            )
+        # Unpin past L* first: those blocks become evictable and may serve this reservation.
+        self.pool.free(held.hit_block_ids[num_agreed_blocks:])
+        del held.hit_block_ids[num_agreed_blocks:]
+        fresh_block_ids = self.pool.allocate(num_total_blocks - num_agreed_blocks)
+        if fresh_block_ids is None:
+            self.pool.free(held.hit_block_ids)
+            del self._requests[request_id]
+            return None
+        held.block_table = held.hit_block_ids + fresh_block_ids
+        held.num_agreed_blocks = held.num_hashed_blocks = num_agreed_blocks
+        held.lease_expiry_s = self._clock() + lease_s
+        return list(held.block_table)
+
+    def mark_computed(
+        self, request_id: str, num_computed_tokens: int, block_hashes: Sequence[BlockHash]
+    ) -> None:
+        """After a chunk ran, give hashes to the request's blocks that are now full and computed.
+
+        Block i (i >= L*) is full and computed when num_computed_tokens >= (i + 1) * block_size.
+        Calls with a smaller or equal count than before change nothing.
+
+        Args:
+            request_id: A committed request.
+            num_computed_tokens: Prompt tokens whose KV is now in this stage's blocks
+                (cached prefix included), in [0, num_total_blocks * block_size].
+            block_hashes: The prompt's full-block hashes (``hash_prompt_blocks``).
+
+        Raises:
+            KeyError: if ``request_id`` is not held.
+            ValueError: if the request is not committed, ``num_computed_tokens`` is out of
+                range, or ``block_hashes`` has fewer hashes than there are full computed blocks.
+        """
+        held = self._held(request_id)
+        if held.block_table is None:
+            raise ValueError(f"request {request_id!r} is not committed; commit before computing")
+        block_size = self.pool.block_size
+        num_table_tokens = len(held.block_table) * block_size
+        if not isinstance(num_computed_tokens, int) or not (
+            0 <= num_computed_tokens <= num_table_tokens
+        ):
+            raise ValueError(
+                f"num_computed_tokens = {num_computed_tokens!r} must be in "
+                f"[0, {num_table_tokens}] (request {request_id!r}'s block table, in tokens)"
+            )
+        num_full_blocks = num_computed_tokens // block_size
+        if num_full_blocks <= held.num_hashed_blocks:
+            return
+        if len(block_hashes) < num_full_blocks:
+            raise ValueError(
+                f"block_hashes has {len(block_hashes)} hashes but {num_full_blocks} blocks are "
+                f"full and computed ({num_computed_tokens} tokens); pass the prompt's "
+                "full-block hashes"
+            )
+        first = held.num_hashed_blocks
+        parent_block_hash = block_hashes[first - 1] if first > 0 else None
+        self.pool.cache_full_blocks(
+            held.block_table[first:num_full_blocks],
+            block_hashes[first:num_full_blocks],
+            parent_block_hash,
+        )
+        held.num_hashed_blocks = num_full_blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The committed request's block table (a copy).
+
+        Raises:
+            KeyError: if ``request_id`` is not committed.
+        """
+        held = self._requests.get(request_id)
+        if held is None or held.block_table is None:
+            raise KeyError(f"request {request_id!r} is not committed on this stage")
+        return list(held.block_table)
+
+    def receipt(self, request_id: str) -> PinReceipt:
+        """What ``request_id`` holds now; ``PinReceipt()`` (held nothing) if not held."""
+        held = self._requests.get(request_id)
+        if held is None:
+            return PinReceipt()
+        return PinReceipt(request_id, tuple(self._held_block_ids(held)))
+
+    def release(self, request_id: str | PinReceipt) -> bool:
+        """Drop everything the request holds, tail first; cached blocks stay cached for reuse.
+
+        Args:
+            request_id: The request's id, or a ``PinReceipt`` (the default receipt names no
+                request and releases nothing).
+
+        Returns:
+            True if the request was held (now released), False otherwise (no effect).
+        """
+        if isinstance(request_id, PinReceipt):
+            request_id = request_id.request_id
+        held = self._requests.pop(request_id, None)
+        if held is None:
+            return False
+        self.pool.free(self._held_block_ids(held))
+        return True
+
+    def renew(self, request_ids: Iterable[str], lease_s: float) -> None:
+        """Set the lease of each held request to ``clock() + lease_s``; unknown ids are skipped.
+
+        Raises:
+            ValueError: on a bad ``lease_s``.
+        """
+        _check_lease(lease_s)
+        lease_expiry_s = self._clock() + lease_s
+        for request_id in request_ids:
+            held = self._requests.get(request_id)
+            if held is not None:
+                held.lease_expiry_s = lease_expiry_s
+
+    def expire(self) -> list[str]:
+        """Release every request whose lease passed (expiry <= clock()), committed or not.
+
+        Returns:
+            Their ids, earliest expiry first.
+        """
+        now_s = self._clock()
+        expired = sorted(
+            (held for held in self._requests.values() if held.lease_expiry_s <= now_s),
+            key=lambda held: (held.lease_expiry_s, held.seq),
+        )
+        for held in expired:
+            self.release(held.request_id)
+        return [held.request_id for held in expired]
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the pool's pending events (see ``BlockPool.take_events``)."""
+        return self.pool.take_events()
+
+    def _held(self, request_id: str) -> _HeldRequest:
+        held = self._requests.get(request_id)
+        if held is None:
+            raise KeyError(
+                f"request {request_id!r} holds nothing on this stage (never probed, released, "
+                "or its lease expired); probe_pin first"
+            )
+        return held
+
+    @staticmethod
+    def _held_block_ids(held: _HeldRequest) -> list[int]:
+        return held.block_table if held.block_table is not None else held.hit_block_ids

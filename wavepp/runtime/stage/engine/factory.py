@@ -1,0 +1,64 @@
+"""Build a stage engine by kind. The one module that knows every concrete engine."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from wavepp.runtime.model_config import ModelConfig
+from wavepp.runtime.stage.engine.base import StageEngine
+from wavepp.runtime.stage.engine.emulated import EmulatedStageEngine
+from wavepp.runtime.stage.engine.torch_engine import TorchStageEngine
+
+
+def make_engine(
+    kind: Literal["torch", "emulated"],
+    *,
+    model: ModelConfig,
+    first_layer: int,
+    last_layer: int,
+    num_layers_total: int,
+    device: torch.device | str = "cpu",
+    cost_model: Any = None,
+    **kw: Any,
+) -> StageEngine:
+    """Build a stage engine for layers ``[first_layer, last_layer)``.
+
+    Args:
+        kind: ``"torch"`` (real layers) or ``"emulated"`` (sleeps the cost model's time).
+        model: the model config.
+        first_layer, last_layer: this stage's layer range.
+        num_layers_total: layers of the whole model (decides is_last).
+        device: torch device for tensors.
+        cost_model: emulated only: an object with ``microbatch_cost_s(seq of (L, x)) -> s``;
+            ignored by the torch engine.
+        **kw: torch: ``weights_path``; emulated: ``time_scale``, ``emulated_hidden_size``,
+            ``clock``, ``sleep``.
+
+    Returns:
+        The engine (its KV cache is allocated by ``allocate_kv``).
+
+    Raises:
+        ValueError: unknown kind, or the engine's own argument checks.
+    """
+    if kind == "torch":
+        return TorchStageEngine(
+            model=model,
+            first_layer=first_layer,
+            last_layer=last_layer,
+            num_layers_total=num_layers_total,
+            device=device,
+            **kw,
+        )
+    if kind == "emulated":
+        return EmulatedStageEngine(
+            model=model,
+            first_layer=first_layer,
+            last_layer=last_layer,
+            num_layers_total=num_layers_total,
+            device=device,
+            cost_model=cost_model,
+            **kw,
+        )
+    raise ValueError(f"kind={kind!r} is not an engine; choose 'torch' or 'emulated'")
