@@ -13,8 +13,9 @@ from wavepp.runtime.agreement import AdmissionController
 from wavepp.runtime.kv import StageKVManager
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
+from wavepp.sim.bus import SimLatencies
 from wavepp.sim.clock import SimDeadlockError, VirtualClockLoop
-from wavepp.sim.pipeline import SimLatencies, SimPipeline
+from wavepp.sim.pipeline import SimPipeline
 from wavepp.sim.run import simulate
 
 

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.bench.grid import GridSpec, Setting, runtime_config
     from wavepp.bench.workloads import REUSE_PRESETS, shared_prefix_workload
     from wavepp.runtime.planning.catalogue import list_models
-    from wavepp.sim.pipeline import SimLatencies
+    from wavepp.sim.bus import SimLatencies
     from wavepp.sim.run import simulate
 
     if args.model not in list_models():

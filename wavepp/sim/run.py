@@ -15,8 +15,9 @@ from wavepp.bench.workloads import Workload
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.request import PromptRequest
+from wavepp.sim.bus import SimLatencies
 from wavepp.sim.clock import VirtualClockLoop
-from wavepp.sim.pipeline import SimLatencies, SimPipeline
+from wavepp.sim.pipeline import SimPipeline
 
 __all__ = ["simulate"]
 
