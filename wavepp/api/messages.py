@@ -80,10 +80,11 @@ class Health(_Message):
     op: Literal["health"] = "health"
 
 
-KVRequest = Annotated[ProbePin | Commit | Release | Renew | Health, Field(discriminator="op")]
-KV_REQUEST_ADAPTER: TypeAdapter[ProbePin | Commit | Release | Renew | Health] = TypeAdapter(
-    KVRequest
-)
+KVRequestMessage = ProbePin | Commit | Release | Renew | Health
+"""Any message a stage's KV endpoint accepts (``{p}.stage.{rank}.kv``)."""
+
+KVRequest = Annotated[KVRequestMessage, Field(discriminator="op")]
+KV_REQUEST_ADAPTER: TypeAdapter[KVRequestMessage] = TypeAdapter(KVRequest)
 
 
 class KVReply(_Message):

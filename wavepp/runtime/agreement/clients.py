@@ -8,12 +8,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from wavepp.api.messages import (
-    Commit,
-    Health,
     KVReply,
-    ProbePin,
-    Release,
-    Renew,
+    KVRequestMessage,
 )
 from wavepp.runtime.agreement.stage_handler import handle_kv_request
 from wavepp.runtime.kv import StageKVManager
@@ -24,7 +20,7 @@ class StageClient(Protocol):
 
     rank: int
 
-    async def call(self, msg: ProbePin | Commit | Release | Renew | Health) -> KVReply: ...
+    async def call(self, msg: KVRequestMessage) -> KVReply: ...
 
 
 class LocalStageClient:
@@ -34,7 +30,7 @@ class LocalStageClient:
         self.manager = manager
         self.rank = rank
 
-    async def call(self, msg: ProbePin | Commit | Release | Renew | Health) -> KVReply:
+    async def call(self, msg: KVRequestMessage) -> KVReply:
         return handle_kv_request(self.manager, self.rank, msg.model_dump_json().encode())
 
 

@@ -32,6 +32,7 @@ from wavepp.api.messages import (
     Commit,
     Health,
     KVReply,
+    KVRequestMessage,
     ProbePin,
     Release,
     Renew,
@@ -116,7 +117,7 @@ class AdmissionController:
                     f"{need} blocks of {self.block_size}; stage {rank} holds {capacity}"
                 )
 
-    async def _all(self, msg: ProbePin | Commit | Release | Renew | Health) -> list[KVReply]:
+    async def _all(self, msg: KVRequestMessage) -> list[KVReply]:
         return list(await asyncio.gather(*(stage.call(msg) for stage in self.stages)))
 
     async def agree(self, request: PromptRequest) -> Ticket | None:

@@ -7,12 +7,8 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from wavepp.api.messages import (
-    Commit,
-    Health,
     KVReply,
-    ProbePin,
-    Release,
-    Renew,
+    KVRequestMessage,
 )
 from wavepp.api.subjects import ReplicaSubjects
 from wavepp.runtime.agreement.clients import StageUnavailableError
@@ -32,7 +28,7 @@ class NatsStageClient:
         self.subject = ReplicaSubjects(subject_prefix).stage_kv(rank)
         self.timeout_s = timeout_s
 
-    async def call(self, msg: ProbePin | Commit | Release | Renew | Health) -> KVReply:
+    async def call(self, msg: KVRequestMessage) -> KVReply:
         try:
             reply = await self.nc.request(
                 self.subject, msg.model_dump_json().encode(), timeout=self.timeout_s
