@@ -1,4 +1,4 @@
-"""Tests for wavepp.runtime.planning.catalogue: derived cost models from /work/shared/models.md.
+"""Tests for wavepp.runtime.planning.catalogue: derived cost models from shared/models.md.
 
 Reference numbers are models.md's "Derived per-token compute and KV" table and its parameter
 cross-check, typed in here from that page (not from the code under test).
