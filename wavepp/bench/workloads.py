@@ -35,6 +35,7 @@ __all__ = [
     "ReusePreset",
     "Workload",
     "classify_reuse",
+    "ideal_cached_tokens",
     "ideal_hit_ratio",
     "mooncake_workload",
     "preset_workload",
@@ -194,22 +195,22 @@ def mooncake_workload(
     )
 
 
-def ideal_hit_ratio(
+def ideal_cached_tokens(
     prompts: Sequence[Sequence[int]], block_size: int, warmup: Sequence[Sequence[int]] = ()
-) -> float:
-    """Token hit ratio of ``prompts`` replayed in order through an unbounded prefix cache.
+) -> list[int]:
+    """Cached tokens of each prompt replayed in order through an unbounded prefix cache.
 
     Block-granular (whole blocks only, like the runtime) and capped one token short of each
-    prompt (at least one token is computed). Warm-up prompts fill the cache first, uncounted.
-    Prefix identity is the token sequence itself (equivalent to the chained block hash).
+    prompt (at least one token is computed). Warm-up prompts fill the cache first. Prefix
+    identity is the token sequence itself (equivalent to the chained block hash).
 
     Args:
         prompts: token ids per request.
         block_size: tokens per block (>= 1).
-        warmup: prompts cached before the first counted one.
+        warmup: prompts cached before the first one.
 
     Returns:
-        cached tokens / prompt tokens in [0, 1); 0.0 for no tokens.
+        One count per prompt, tokens, each in [0, len(prompt)).
 
     Raises:
         ValueError: block_size < 1.
@@ -228,7 +229,7 @@ def ideal_hit_ratio(
 
     for prompt in warmup:
         cached.update(blocks(prompt))
-    num_cached = num_total = 0
+    result = []
     for prompt in prompts:
         keys = blocks(prompt)
         num_hit = 0
@@ -236,11 +237,30 @@ def ideal_hit_ratio(
             if key not in cached:
                 break
             num_hit += 1
-        num_hit = min(num_hit, (len(prompt) - 1) // block_size)
-        num_cached += num_hit * block_size
-        num_total += len(prompt)
+        num_hit = min(num_hit, max(0, (len(prompt) - 1) // block_size))
+        result.append(num_hit * block_size)
         cached.update(keys)
-    return num_cached / num_total if num_total else 0.0
+    return result
+
+
+def ideal_hit_ratio(
+    prompts: Sequence[Sequence[int]], block_size: int, warmup: Sequence[Sequence[int]] = ()
+) -> float:
+    """Token hit ratio of ``prompts`` replayed in order through an unbounded prefix cache
+    (``ideal_cached_tokens`` over the prompt tokens).
+
+    Returns:
+        cached tokens / prompt tokens in [0, 1); 0.0 for no tokens.
+
+    Raises:
+        ValueError: block_size < 1.
+    """
+    num_total = sum(len(p) for p in prompts)
+    if not num_total:
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size}: must be >= 1")
+        return 0.0
+    return sum(ideal_cached_tokens(prompts, block_size, warmup)) / num_total
 
 
 def classify_reuse(hit_ratio: float) -> str:
