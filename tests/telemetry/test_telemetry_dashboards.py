@@ -1,6 +1,6 @@
 """The Grafana dashboards load as valid dashboard JSON, and every series and label a panel
-queries is one the runtime exports: checked against a real scrape of ``/metrics`` after each
-instrument recorded a value."""
+queries is one the runtime or the gateway exports: checked against real scrapes of both
+``/metrics`` endpoints after each instrument recorded a value."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from wavepp.gateway.metrics import GATEWAY_PROMETHEUS_NAMES, GatewayLoad, GatewayMetrics
 from wavepp.telemetry.metrics import (
     PROMETHEUS_NAMES,
     setup_metrics,
@@ -56,6 +57,32 @@ def exported() -> dict[str, set[str]]:
             text = r.read().decode()
     finally:
         shutdown_metrics()
+    return _series(text)
+
+
+@pytest.fixture(scope="module")
+def gateway_exported() -> dict[str, set[str]]:
+    """The same, from the gateway's ``/metrics`` text (``GatewayMetrics.scrape``)."""
+    load = GatewayLoad(
+        num_queued_by_tenant={"acme": 1},
+        num_active_by_tenant={"acme": 2},
+        num_requests_in_gateway=2,
+        max_queued_requests=1024,
+        is_replica_up={"p-r0": True},
+    )
+    metrics = GatewayMetrics(lambda: load)
+    try:
+        metrics.request_answered("acme", 200)
+        metrics.result_served("acme", num_prompt_tokens=32, num_cached_tokens=16, ttft_s=0.2)
+        metrics.routed("p-r0", 2)
+        body, content_type = metrics.scrape()
+    finally:
+        metrics.shutdown()
+    assert content_type.startswith("text/plain")
+    return _series(body.decode())
+
+
+def _series(text: str) -> dict[str, set[str]]:
     series: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -77,6 +104,27 @@ def test_prometheus_names_are_what_a_scrape_returns(exported: dict[str, set[str]
     assert {n for n in exported if n.startswith("wavepp_")} <= {
         f"{n}{suffix}" for n in PROMETHEUS_NAMES for suffix in ("", "_bucket", "_count", "_sum")
     }
+
+
+def test_gateway_series_and_labels(gateway_exported: dict[str, set[str]]) -> None:
+    # The names and labels the gateway exported when it used prometheus_client directly (its
+    # `*_created` series aside); nothing else, no OTel scope labels, no target_info.
+    assert gateway_exported == {
+        "wavepp_gateway_requests_total": {"tenant", "code"},
+        "wavepp_gateway_prompt_tokens_total": {"tenant"},
+        "wavepp_gateway_cached_tokens_total": {"tenant"},
+        "wavepp_gateway_ttft_seconds_bucket": {"tenant", "le"},
+        "wavepp_gateway_ttft_seconds_count": {"tenant"},
+        "wavepp_gateway_ttft_seconds_sum": {"tenant"},
+        "wavepp_gateway_queue_depth": {"tenant"},
+        "wavepp_gateway_active_requests": {"tenant"},
+        "wavepp_gateway_requests_in_gateway": set(),
+        "wavepp_gateway_max_queued_requests": set(),
+        "wavepp_gateway_replica_up": {"replica"},
+        "wavepp_gateway_routed_reusable_blocks_total": {"replica"},
+    }
+    for name in GATEWAY_PROMETHEUS_NAMES:
+        assert name in gateway_exported or f"{name}_bucket" in gateway_exported, name
 
 
 def test_three_dashboards() -> None:
@@ -118,8 +166,10 @@ def test_dashboard_is_valid_grafana_json(path: Path) -> None:
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
 def test_every_queried_series_and_label_is_exported(
-    path: Path, exported: dict[str, set[str]]
+    path: Path, exported: dict[str, set[str]], gateway_exported: dict[str, set[str]]
 ) -> None:
+    assert not exported.keys() & gateway_exported.keys()
+    exported = {**exported, **gateway_exported}  # Prometheus scrapes both endpoints
     dashboard = json.loads(path.read_text())
     queries = [t["expr"] for p in _panels(dashboard) for t in p["targets"]]
     queries += [

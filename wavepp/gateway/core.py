@@ -23,7 +23,6 @@ from collections.abc import Callable
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict, Field
 
 from wavepp.api.messages import KVEventBatch
@@ -36,6 +35,7 @@ from wavepp.api.subjects import (
     replica_prefix,
     result_subject,
 )
+from wavepp.gateway.metrics import GatewayLoad, GatewayMetrics
 from wavepp.gateway.router import PoolRouter, RoutingPolicy
 from wavepp.gateway.tenants import FairShareQueue, LimitExceeded, TenantLimiter, TenantPolicy
 from wavepp.gateway.validation import ParsedRequest, PromptLimits
@@ -85,61 +85,6 @@ class GatewayConfig(BaseModel):
         )
 
 
-class GatewayMetrics:
-    """Per-tenant Prometheus metrics of one gateway (own registry)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "wavepp_gateway_requests",
-            "Requests by tenant and HTTP status",
-            ["tenant", "code"],
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "wavepp_gateway_prompt_tokens", "Prompt tokens served", ["tenant"], registry=r
-        )
-        self.cached_tokens = Counter(
-            "wavepp_gateway_cached_tokens",
-            "Prompt tokens served from cache",
-            ["tenant"],
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "wavepp_gateway_ttft_seconds",
-            "Time to first token",
-            ["tenant"],
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=r,
-        )
-        self.queued = Gauge(
-            "wavepp_gateway_queue_depth", "Requests in the fair-share queue", ["tenant"], registry=r
-        )
-        self.active = Gauge(
-            "wavepp_gateway_active_requests", "Requests queued or running", ["tenant"], registry=r
-        )
-        self.num_requests_in_gateway = Gauge(
-            "wavepp_gateway_requests_in_gateway",
-            "Requests queued or running in the gateway, all tenants (the queue limit counts these)",
-            registry=r,
-        )
-        self.max_queued_requests = Gauge(
-            "wavepp_gateway_max_queued_requests",
-            "The queue limit: past it requests get 429 (field queue)",
-            registry=r,
-        )
-        self.replica_up = Gauge(
-            "wavepp_gateway_replica_up", "Replica in the pool (heartbeat)", ["replica"], registry=r
-        )
-        self.routed_reusable = Counter(
-            "wavepp_gateway_routed_reusable_blocks",
-            "Reusable blocks the router expected at the chosen replica",
-            ["replica"],
-            registry=r,
-        )
-
-
 class Gateway:
     """See the module docstring. ``clock`` is monotonic seconds (tests may pass a fake)."""
 
@@ -160,7 +105,7 @@ class Gateway:
             policy=config.routing,
             timeout_s=config.replica_timeout_s,
         )
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(self.load)
         self.num_outstanding = 0
         self._pending: dict[str, asyncio.Future[PrefillResult]] = {}
         self._waiters: dict[str, asyncio.Future[PrefillResult]] = {}
@@ -195,6 +140,7 @@ class Gateway:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()  # type: ignore[attr-defined]
         self._subs = []
+        self.metrics.shutdown()
 
     # ---- subscriptions -------------------------------------------------------------------
 
@@ -240,17 +186,16 @@ class Gateway:
         num_alive = len(self.router.pool(self.clock()))
         return self.config.max_outstanding_per_replica * max(1, num_alive)
 
-    def update_gauges(self) -> None:
+    def load(self) -> GatewayLoad:
+        """The queues and the pool now (what the gateway's gauges report on a scrape)."""
         now = self.clock()
-        for replica in self.router.replicas:
-            self.metrics.replica_up.labels(replica.name).set(
-                1 if self.router.is_alive(replica.name, now) else 0
-            )
-        self.metrics.num_requests_in_gateway.set(self.num_requests_in_gateway)
-        self.metrics.max_queued_requests.set(self.config.max_queued_requests)
-        for tenant in self.tenants:
-            self.metrics.queued.labels(tenant).set(self.fair.num_queued(tenant))
-            self.metrics.active.labels(tenant).set(self.limiter.num_active[tenant])
+        return GatewayLoad(
+            num_queued_by_tenant={t: self.fair.num_queued(t) for t in self.tenants},
+            num_active_by_tenant={t: self.limiter.num_active[t] for t in self.tenants},
+            num_requests_in_gateway=self.num_requests_in_gateway,
+            max_queued_requests=self.config.max_queued_requests,
+            is_replica_up={r.name: self.router.is_alive(r.name, now) for r in self.router.replicas},
+        )
 
     @property
     def num_requests_in_gateway(self) -> int:
@@ -340,9 +285,9 @@ class Gateway:
             self.limiter.release(request.tenant)
 
     def _observe(self, result: PrefillResult) -> None:
-        self.metrics.prompt_tokens.labels(result.tenant).inc(result.num_prompt_tokens)
-        self.metrics.cached_tokens.labels(result.tenant).inc(result.num_cached_tokens)
-        self.metrics.ttft.labels(result.tenant).observe(result.ttft_s)
+        self.metrics.result_served(
+            result.tenant, result.num_prompt_tokens, result.num_cached_tokens, result.ttft_s
+        )
 
     async def _wait_turn(self, request: ParsedRequest) -> None:
         ticket: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -384,7 +329,7 @@ class Gateway:
                 except LookupError:
                     excluded = []
                     replica, num_reusable = self.router.choose(hashes, self.clock())
-                self.metrics.routed_reusable.labels(replica.name).inc(num_reusable)
+                self.metrics.routed(replica.name, num_reusable)
                 replica.num_outstanding += 1
                 try:
                     ack = await self.js.publish(

@@ -30,7 +30,6 @@ from pathlib import Path
 
 from aiohttp import web
 from nats.aio.msg import Msg
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from wavepp.api.prefill import PrefillResult
 from wavepp.api.subjects import prefill_subject
@@ -138,7 +137,7 @@ class GatewayServer:
             log.exception("prefill failed")
             status, payload = 503, {"error": {"type": "unavailable", "message": str(exc)}}
         tenant = tenant if tenant in self.gateway.tenants else "unknown"
-        self.gateway.metrics.requests.labels(tenant, str(status)).inc()
+        self.gateway.metrics.request_answered(tenant, status)
         return status, payload, headers
 
     async def _json_body(self, request: web.Request) -> object:
@@ -151,7 +150,7 @@ class GatewayServer:
         try:
             body = await self._json_body(request)
         except BadRequest as exc:
-            self.gateway.metrics.requests.labels("unknown", str(exc.status)).inc()
+            self.gateway.metrics.request_answered("unknown", exc.status)
             return _error(exc, 400)
         limits = self.gateway.config.limits
         status, payload, headers = await self.serve(
@@ -222,9 +221,8 @@ class GatewayServer:
         )
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
-        self.gateway.update_gauges()
-        data = generate_latest(self.gateway.metrics.registry)
-        return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        body, content_type = self.gateway.metrics.scrape()
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     # ---- NATS API ------------------------------------------------------------------------
 

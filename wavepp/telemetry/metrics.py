@@ -1,5 +1,11 @@
 """Runtime metrics: OpenTelemetry instruments, exposed for Prometheus scraping on ``/metrics``.
 
+This module is the project's one metrics stack (``docs/architecture.md``, "Metrics"): every
+instrument is an OpenTelemetry instrument on a ``MeterProvider`` read by the OpenTelemetry
+Prometheus exporter, through ``PrometheusExport``; it is also the only wavepp module that
+imports ``prometheus_client`` (for the exporter's registry, the text format and the HTTP server).
+The gateway's instruments (``wavepp.gateway.metrics``) use the same ``PrometheusExport``.
+
 Instrument names follow OTel conventions (dotted, unit in ``unit``); the Prometheus exporter
 turns them into Prometheus names with the unit and ``_total`` suffixes. ``PROMETHEUS_NAMES``
 lists the resulting series (the dashboards' test checks every panel query against what a scrape
@@ -22,7 +28,9 @@ actually returns):
 | wavepp.requests.completed      | counter     | {request}     | wavepp_requests_completed_total{outcome,tenant} |
 
 Every series also carries ``pipeline``. ``kind`` is ``cached`` or ``new``; ``queue`` is
-``intake`` (waiting for agreement) or ``prepared`` (admitted, not yet planned).
+``intake`` (waiting for agreement) or ``prepared`` (admitted, not yet planned). The exporter adds
+``otel_scope_name``/``otel_scope_version``/``otel_scope_schema_url`` labels to each series and a
+``target_info`` series (the process's OTel resource).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
@@ -63,6 +71,71 @@ AGREEMENT_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+class PrometheusExport:
+    """An OpenTelemetry ``MeterProvider`` whose instruments a Prometheus scrape reads.
+
+    Stores the provider, its ``PrometheusMetricReader`` and that reader's own
+    ``prometheus_client`` registry, so that two exports in one process (tests; a gateway beside
+    a scheduler) never share series. A scrape runs the provider's collection, observable-gauge
+    callbacks included, in the scraping thread.
+
+    Args:
+        service_name: the OTel ``service.name`` resource attribute.
+        scope_labels: add the exporter's ``otel_scope_*`` labels to every series.
+        target_info: export a ``target_info`` series holding the OTel resource.
+    """
+
+    def __init__(
+        self, service_name: str, *, scope_labels: bool = True, target_info: bool = True
+    ) -> None:
+        # NOTE: imported here, not at module top: only a process that exports pays for them.
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import CollectorRegistry
+
+        self.registry = CollectorRegistry()
+        reader = PrometheusMetricReader(
+            disable_target_info=not target_info,
+            scope_info_enabled=scope_labels,
+            registry=self.registry,
+        )
+        self.provider = MeterProvider(
+            metric_readers=[reader], resource=Resource.create({"service.name": service_name})
+        )
+        self._server: object | None = None
+
+    def meter(self) -> Meter:
+        return self.provider.get_meter("wavepp")
+
+    def scrape(self) -> tuple[bytes, str]:
+        """Collect now; returns (body in the Prometheus text format, its Content-Type)."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def serve(self, port: int) -> int:
+        """Serve ``GET /metrics`` on ``port`` (0: any free port) in a daemon thread.
+
+        Returns:
+            The port actually bound.
+        """
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(port, registry=self.registry)
+        self._server = server
+        return int(server.server_port)
+
+    def shutdown(self) -> None:
+        """Stop the HTTP server (if serving) and the provider; a later scrape is empty."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()  # type: ignore[attr-defined]
+            server.server_close()  # type: ignore[attr-defined]
+        try:
+            self.provider.shutdown()
+        except Exception as exc:
+            log.warning("metrics shutdown: %s", exc)
+
+
 @dataclass
 class PipelineSource:
     """What the observable instruments read from one live pipeline, on each collection.
@@ -84,7 +157,7 @@ class RuntimeMetrics:
     provider: MeterProvider
     sources: dict[str, PipelineSource] = field(default_factory=dict)
     port: int | None = None
-    _server: object | None = None
+    _export: PrometheusExport | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -210,22 +283,17 @@ def setup_metrics(
     if reader is None and settings.metrics_port is None:
         return None
     global _metrics
-    server = None
-    port = None
     if reader is None:
-        from opentelemetry.exporter.prometheus import PrometheusMetricReader
-        from prometheus_client import CollectorRegistry, start_http_server
-
-        registry = CollectorRegistry()
-        reader = PrometheusMetricReader(registry=registry)
         assert settings.metrics_port is not None
-        server, _thread = start_http_server(settings.metrics_port, registry=registry)
-        port = int(server.server_port)
+        export = PrometheusExport(service_name)
+        port = export.serve(settings.metrics_port)
         log.info("Prometheus metrics on http://0.0.0.0:%d/metrics", port)
-    provider = MeterProvider(
-        metric_readers=[reader], resource=Resource.create({"service.name": service_name})
-    )
-    _metrics = RuntimeMetrics(provider=provider, port=port, _server=server)
+        _metrics = RuntimeMetrics(provider=export.provider, port=port, _export=export)
+    else:
+        provider = MeterProvider(
+            metric_readers=[reader], resource=Resource.create({"service.name": service_name})
+        )
+        _metrics = RuntimeMetrics(provider=provider)
     return _metrics
 
 
@@ -239,9 +307,9 @@ def shutdown_metrics() -> None:
     metrics, _metrics = _metrics, None
     if metrics is None:
         return
-    if metrics._server is not None:
-        metrics._server.shutdown()  # type: ignore[attr-defined]
-        metrics._server.server_close()  # type: ignore[attr-defined]
+    if metrics._export is not None:
+        metrics._export.shutdown()
+        return
     try:
         metrics.provider.shutdown()
     except Exception as exc:

@@ -1,0 +1,183 @@
+"""The gateway's metrics: OpenTelemetry instruments, scraped on the gateway's ``GET /metrics``.
+
+The same stack as the runtime's metrics (``wavepp.telemetry.metrics``): instruments on an
+OpenTelemetry ``MeterProvider``, rendered by the OpenTelemetry Prometheus exporter through a
+``PrometheusExport``. Each ``Gateway`` has its own provider and registry. The series keep the
+names and labels they had when the gateway used ``prometheus_client`` directly; the export adds
+no ``otel_scope_*`` labels and no ``target_info`` series (neither was there before), and, as the
+exporter never does, no ``*_created`` series.
+
+| OTel instrument                      | kind       | unit       | Prometheus series                                   |
+| ------------------------------------ | ---------- | ---------- | --------------------------------------------------- |
+| wavepp.gateway.requests              | counter    | {request}  | wavepp_gateway_requests_total{tenant,code}          |
+| wavepp.gateway.prompt_tokens         | counter    | {token}    | wavepp_gateway_prompt_tokens_total{tenant}          |
+| wavepp.gateway.cached_tokens         | counter    | {token}    | wavepp_gateway_cached_tokens_total{tenant}          |
+| wavepp.gateway.ttft                  | histogram  | s          | wavepp_gateway_ttft_seconds_*{tenant}               |
+| wavepp.gateway.queue_depth           | obs. gauge | {request}  | wavepp_gateway_queue_depth{tenant}                  |
+| wavepp.gateway.active_requests       | obs. gauge | {request}  | wavepp_gateway_active_requests{tenant}              |
+| wavepp.gateway.requests_in_gateway   | obs. gauge | {request}  | wavepp_gateway_requests_in_gateway                  |
+| wavepp.gateway.max_queued_requests   | obs. gauge | {request}  | wavepp_gateway_max_queued_requests                  |
+| wavepp.gateway.replica_up            | obs. gauge | (none)     | wavepp_gateway_replica_up{replica}                  |
+| wavepp.gateway.routed_reusable_blocks| counter    | {block}    | wavepp_gateway_routed_reusable_blocks_total{replica}|
+
+``code`` is the HTTP status answered (the NATS API counts the status it puts in its reply);
+``tenant`` is ``unknown`` for a request whose tenant could not be read or is not configured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from wavepp.telemetry.metrics import PrometheusExport
+
+GATEWAY_PROMETHEUS_NAMES: tuple[str, ...] = (
+    "wavepp_gateway_requests_total",
+    "wavepp_gateway_prompt_tokens_total",
+    "wavepp_gateway_cached_tokens_total",
+    "wavepp_gateway_ttft_seconds",
+    "wavepp_gateway_queue_depth",
+    "wavepp_gateway_active_requests",
+    "wavepp_gateway_requests_in_gateway",
+    "wavepp_gateway_max_queued_requests",
+    "wavepp_gateway_replica_up",
+    "wavepp_gateway_routed_reusable_blocks_total",
+)
+
+# Bucket bounds in seconds, as before the move to OpenTelemetry (no 60 s bucket, unlike the
+# runtime's TTFT histogram).
+GATEWAY_TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(frozen=True)
+class GatewayLoad:
+    """What the gateway's gauges read, once per scrape per gauge.
+
+    ``num_queued_by_tenant``: requests in the fair-share queue; ``num_active_by_tenant``:
+    requests queued or running; ``num_requests_in_gateway``: all tenants (what the queue limit
+    counts); ``max_queued_requests``: that limit; ``is_replica_up``: replica -> in the pool.
+    """
+
+    num_queued_by_tenant: Mapping[str, int]
+    num_active_by_tenant: Mapping[str, int]
+    num_requests_in_gateway: int
+    max_queued_requests: int
+    is_replica_up: Mapping[str, bool]
+
+
+class GatewayMetrics:
+    """The instruments of one gateway, on their own provider and registry (see the module doc).
+
+    ``read_load`` is called on each scrape; the gateway's ``/metrics`` handler scrapes on the
+    event loop, so it reads the gateway's state from the thread that owns it.
+    """
+
+    def __init__(self, read_load: Callable[[], GatewayLoad]) -> None:
+        self._read_load = read_load
+        self.export = PrometheusExport("wavepp-gateway", scope_labels=False, target_info=False)
+        meter = self.export.meter()
+        self._requests = meter.create_counter(
+            "wavepp.gateway.requests",
+            unit="{request}",
+            description="Requests by tenant and HTTP status",
+        )
+        self._prompt_tokens = meter.create_counter(
+            "wavepp.gateway.prompt_tokens", unit="{token}", description="Prompt tokens served"
+        )
+        self._cached_tokens = meter.create_counter(
+            "wavepp.gateway.cached_tokens",
+            unit="{token}",
+            description="Prompt tokens served from cache",
+        )
+        self._ttft = meter.create_histogram(
+            "wavepp.gateway.ttft",
+            unit="s",
+            description="Time to first token",
+            explicit_bucket_boundaries_advisory=list(GATEWAY_TTFT_BUCKETS_S),
+        )
+        self._routed_reusable = meter.create_counter(
+            "wavepp.gateway.routed_reusable_blocks",
+            unit="{block}",
+            description="Reusable blocks the router expected at the chosen replica",
+        )
+        meter.create_observable_gauge(
+            "wavepp.gateway.queue_depth",
+            callbacks=[self._observe_queued],
+            unit="{request}",
+            description="Requests in the fair-share queue",
+        )
+        meter.create_observable_gauge(
+            "wavepp.gateway.active_requests",
+            callbacks=[self._observe_active],
+            unit="{request}",
+            description="Requests queued or running",
+        )
+        meter.create_observable_gauge(
+            "wavepp.gateway.requests_in_gateway",
+            callbacks=[self._observe_in_gateway],
+            unit="{request}",
+            description="Requests queued or running in the gateway, all tenants "
+            "(the queue limit counts these)",
+        )
+        meter.create_observable_gauge(
+            "wavepp.gateway.max_queued_requests",
+            callbacks=[self._observe_max_queued],
+            unit="{request}",
+            description="The queue limit: past it requests get 429 (field queue)",
+        )
+        meter.create_observable_gauge(
+            "wavepp.gateway.replica_up",
+            callbacks=[self._observe_replica_up],
+            description="Replica in the pool (heartbeat)",
+        )
+
+    # ---- recording -----------------------------------------------------------------------
+
+    def request_answered(self, tenant: str, status: int) -> None:
+        """Count one answered request (``status``: the HTTP status code)."""
+        self._requests.add(1, {"tenant": tenant, "code": str(status)})
+
+    def result_served(
+        self, tenant: str, num_prompt_tokens: int, num_cached_tokens: int, ttft_s: float
+    ) -> None:
+        """Count a served result's prompt and cached tokens and record its TTFT (seconds)."""
+        attrs = {"tenant": tenant}
+        self._prompt_tokens.add(num_prompt_tokens, attrs)
+        self._cached_tokens.add(num_cached_tokens, attrs)
+        self._ttft.record(ttft_s, attrs)
+
+    def routed(self, replica: str, num_reusable_blocks: int) -> None:
+        """Count the reusable blocks the router expected at the replica it chose."""
+        self._routed_reusable.add(num_reusable_blocks, {"replica": replica})
+
+    def scrape(self) -> tuple[bytes, str]:
+        """(Prometheus text, Content-Type) of every instrument, gauges read now."""
+        return self.export.scrape()
+
+    def shutdown(self) -> None:
+        self.export.shutdown()
+
+    # ---- gauges --------------------------------------------------------------------------
+
+    def _observe_queued(self, _options: CallbackOptions) -> Iterable[Observation]:
+        load = self._read_load()
+        return [Observation(n, {"tenant": t}) for t, n in load.num_queued_by_tenant.items()]
+
+    def _observe_active(self, _options: CallbackOptions) -> Iterable[Observation]:
+        load = self._read_load()
+        return [Observation(n, {"tenant": t}) for t, n in load.num_active_by_tenant.items()]
+
+    def _observe_in_gateway(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(self._read_load().num_requests_in_gateway)]
+
+    def _observe_max_queued(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(self._read_load().max_queued_requests)]
+
+    def _observe_replica_up(self, _options: CallbackOptions) -> Iterable[Observation]:
+        load = self._read_load()
+        return [Observation(int(up), {"replica": r}) for r, up in load.is_replica_up.items()]
+
+
+__all__ = ["GATEWAY_PROMETHEUS_NAMES", "GatewayLoad", "GatewayMetrics"]
