@@ -199,3 +199,26 @@ def test_trace_view_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert summary["stages"] == 2 and summary["stage_busy_s"] == [2.0, 2.5]
     assert out.stat().st_size > 0
     assert main(["trace-view", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_prometheus_exports_keep_their_series_apart() -> None:
+    from wavepp.telemetry.metrics import PrometheusExport
+
+    one = PrometheusExport("one")
+    two = PrometheusExport("two", scope_labels=False, target_info=False)
+    try:
+        one.meter().create_counter("wavepp.one", unit="{x}").add(2, {"tenant": "a"})
+        two.meter().create_counter("wavepp.two", unit="s").add(1.5)
+        text_one, content_type = one.scrape()
+        text_two, _ = two.scrape()
+    finally:
+        one.shutdown()
+        two.shutdown()
+    assert content_type.startswith("text/plain")
+    assert b"wavepp_one_total{" in text_one and b'tenant="a"' in text_one
+    assert b"otel_scope_name" in text_one and b"target_info" in text_one
+    assert b"wavepp_two" not in text_one
+    assert b"wavepp_two_seconds_total 1.5" in text_two
+    assert b"wavepp_one" not in text_two and b"otel_scope" not in text_two
+    assert b"target_info" not in text_two
+    assert b"wavepp_one" not in one.scrape()[0]  # shut down: nothing left to scrape
