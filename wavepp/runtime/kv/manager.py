@@ -38,6 +38,9 @@ class _HeldRequest:
     hit_block_ids: list[int]  # pinned cached prefix from probe_pin (length = local hit)
     lease_expiry_s: float  # clock() time after which expire() releases the request
     seq: int  # admission order, breaks ties between equal expiries
+    # NOTE: the prompt's full-block hashes from the first probe_pin; mark_computed caches the
+    # computed blocks under them. Kept here so the stage has one record per request.
+    block_hashes: tuple[BlockHash, ...]
     block_table: list[int] | None = None  # after commit: L* cached ids, then fresh ids
     num_agreed_blocks: int = 0  # L*, after commit
     num_hashed_blocks: int = 0  # leading table blocks already passed to cache_full_blocks
@@ -50,6 +53,9 @@ def _check_lease(lease_s: float) -> None:
 
 class StageKVManager:
     """Per-stage admission state: pins, reservations, leases, per-request block tables.
+
+    The one owner of a stage's per-request state: what each held request pinned and reserved,
+    its prompt's block hashes (from ``probe_pin``) and its L* (from ``commit``).
 
     A request moves probed -> committed -> released (or probed -> released). Block table of a
     committed request, L* = num_agreed_blocks::
@@ -81,11 +87,12 @@ class StageKVManager:
 
         Idempotent by request id: for a request already held it pins nothing more and returns
         the held length (L* once committed); the lease is extended to at least
-        ``clock() + lease_s``.
+        ``clock() + lease_s``, and the hashes of the first probe are kept.
 
         Args:
             request_id: Non-empty id ("" is the receipt placeholder).
-            block_hashes: The prompt's full-block hashes (``hash_prompt_blocks``).
+            block_hashes: The prompt's full-block hashes (``hash_prompt_blocks``); kept for
+                ``mark_computed``.
             lease_s: Seconds until ``expire`` may release the request, > 0.
 
         Returns:
@@ -105,7 +112,11 @@ class StageKVManager:
         self.pool.pin(hit_block_ids)
         self._num_admitted += 1
         self._requests[request_id] = _HeldRequest(
-            request_id, hit_block_ids, self._clock() + lease_s, self._num_admitted
+            request_id,
+            hit_block_ids,
+            self._clock() + lease_s,
+            self._num_admitted,
+            tuple(block_hashes),
         )
         return len(hit_block_ids)
 
@@ -172,7 +183,10 @@ class StageKVManager:
         return list(held.block_table)
 
     def mark_computed(
-        self, request_id: str, num_computed_tokens: int, block_hashes: Sequence[BlockHash]
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        block_hashes: Sequence[BlockHash] | None = None,
     ) -> None:
         """After a chunk ran, give hashes to the request's blocks that are now full and computed.
 
@@ -183,7 +197,8 @@ class StageKVManager:
             request_id: A committed request.
             num_computed_tokens: Prompt tokens whose KV is now in this stage's blocks
                 (cached prefix included), in [0, num_total_blocks * block_size].
-            block_hashes: The prompt's full-block hashes (``hash_prompt_blocks``).
+            block_hashes: The prompt's full-block hashes (``hash_prompt_blocks``); None: the
+                hashes given to ``probe_pin``.
 
         Raises:
             KeyError: if ``request_id`` is not held.
@@ -205,6 +220,8 @@ class StageKVManager:
         num_full_blocks = num_computed_tokens // block_size
         if num_full_blocks <= held.num_hashed_blocks:
             return
+        if block_hashes is None:
+            block_hashes = held.block_hashes
         if len(block_hashes) < num_full_blocks:
             raise ValueError(
                 f"block_hashes has {len(block_hashes)} hashes but {num_full_blocks} blocks are "
@@ -230,6 +247,22 @@ class StageKVManager:
         if held is None or held.block_table is None:
             raise KeyError(f"request {request_id!r} is not committed on this stage")
         return list(held.block_table)
+
+    def num_agreed_blocks(self, request_id: str) -> int:
+        """L* of a committed request on this stage; -1 if not held or not committed yet."""
+        held = self._requests.get(request_id)
+        if held is None or held.block_table is None:
+            return -1
+        return held.num_agreed_blocks
+
+    def block_hashes(self, request_id: str) -> tuple[BlockHash, ...]:
+        """The prompt's full-block hashes given to ``probe_pin``; () if not held."""
+        held = self._requests.get(request_id)
+        return held.block_hashes if held is not None else ()
+
+    def request_ids(self) -> list[str]:
+        """The held requests (probed or committed), in admission order."""
+        return list(self._requests)
 
     def receipt(self, request_id: str) -> PinReceipt:
         """What ``request_id`` holds now; ``PinReceipt()`` (held nothing) if not held."""
