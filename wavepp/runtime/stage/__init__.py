@@ -1,6 +1,10 @@
-"""One pipeline stage: the worker process's logic, plan sequencing, engines, calibration.
+"""One pipeline stage: its decisions, the worker process's I/O, plan sequencing, engines.
 
-    worker      StageWorker: plans in, local preparation, engine run, activations on, dones out
+    core        StageCore: what a stage decides (plan order, block tables, results, done
+                messages, caching computed blocks), no I/O; the worker and the simulator drive it
+    chunk       ChunkSpec: a chunk as an engine sees it (no torch)
+    worker      StageWorker: the stage process's I/O around the core (NATS, torch.distributed,
+                the compute thread)
     sequencing  PlanSequencer: plans applied in id order, gaps detected and replayed
     engine/     StageEngine backends (torch, emulated) and their shared paged-KV base
     calibrate   measure an engine on an (L, x) grid and fit the cost model

@@ -27,12 +27,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-if TYPE_CHECKING:
-    pass
+from wavepp.runtime.stage.chunk import ChunkSpec
 
 __all__ = [
     "ChunkSpec",
@@ -42,34 +41,6 @@ __all__ = [
     "StageOutput",
     "build_prepared_batch",
 ]
-
-
-@dataclass(frozen=True)
-class ChunkSpec:
-    """One chunk of one request inside a micro-batch.
-
-    Attributes:
-        request_id: the request this chunk belongs to (unique within a micro-batch).
-        context_offset: L, tokens of this request already in this stage's KV cache
-            (positions ``[0, L)``), from earlier chunks or a reused prefix.
-        num_tokens: x >= 1, new tokens at positions ``[L, L + x)``.
-        block_ids: this stage's block table for the request, covering at least ``L + x``
-            tokens (``ceil((L + x) / block_size)`` blocks); extra trailing blocks are ignored.
-        token_ids: the x new token ids; needed by the first stage only (None elsewhere is fine).
-        is_last: last chunk of the prompt: the last stage returns this request's logits.
-    """
-
-    request_id: str
-    context_offset: int
-    num_tokens: int
-    block_ids: tuple[int, ...]
-    token_ids: tuple[int, ...] | None = None
-    is_last: bool = False
-
-    @property
-    def context_end(self) -> int:
-        """L + x: tokens of the request in the cache once this chunk has run."""
-        return self.context_offset + self.num_tokens
 
 
 @dataclass(frozen=True, eq=False)

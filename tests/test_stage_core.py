@@ -1,0 +1,222 @@
+"""The stage core: a stage's decisions with no NATS, no torch, and a fake clock."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from wavepp.api.messages import (
+    Commit,
+    MicroBatchPlan,
+    PlannedChunk,
+    ProbePin,
+    Release,
+    RequestResult,
+)
+from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
+from wavepp.runtime.stage.core import StageCore, StageWork
+
+BLOCK = 4
+MODEL_ID = "core-test"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def make_core(rank: int = 0, num_stages: int = 1, *, num_blocks: int = 32) -> StageCore:
+    clock = FakeClock()
+    return StageCore(
+        StageKVManager(BlockPool(num_blocks, BLOCK), clock=clock),
+        rank=rank,
+        num_stages=num_stages,
+        local_prepare=True,
+        clock=clock,
+    )
+
+
+def hashes(token_ids: list[int]) -> list[str]:
+    return [h.hex() for h in hash_prompt_blocks(token_ids, BLOCK, model_id=MODEL_ID)]
+
+
+def admit(core: StageCore, request_id: str, token_ids: list[int], num_agreed: int = 0) -> None:
+    """Probe-pin and commit ``request_id`` on the core, over its KV wire handler."""
+    probe = ProbePin(request_id=request_id, block_hashes=hashes(token_ids), lease_s=30.0)
+    assert core.handle_kv(probe.model_dump_json().encode()).ok
+    num_total_blocks = -(-len(token_ids) // BLOCK)
+    commit = Commit(
+        request_id=request_id,
+        num_agreed_blocks=num_agreed,
+        num_total_blocks=num_total_blocks,
+        lease_s=30.0,
+    )
+    assert core.handle_kv(commit.model_dump_json().encode()).ok
+
+
+def chunk(
+    request_id: str, token_ids: list[int], offset: int, *, is_last: bool, index: int = 0
+) -> PlannedChunk:
+    return PlannedChunk(
+        request_id=request_id,
+        chunk_index=index,
+        context_offset=offset,
+        token_ids=token_ids,
+        is_last=is_last,
+    )
+
+
+def plan(microbatch_id: int, *chunks: PlannedChunk, epoch: str = "e1") -> MicroBatchPlan:
+    return MicroBatchPlan(microbatch_id=microbatch_id, chunks=list(chunks), epoch=epoch)
+
+
+def run(core: StageCore, work: StageWork, first_token_id: int = 7) -> Any:
+    """What a driver does after execution: results, done message, complete."""
+    results = core.results(work, lambda request_id: first_token_id)
+    done = core.done_message(work, execute_start_s=1.0, execute_end_s=2.0, results=results)
+    core.complete(work, done)
+    return done
+
+
+PROMPT = list(range(1, 13))  # 12 tokens = 3 full blocks of 4
+
+
+def test_importing_the_core_loads_neither_nats_nor_torch() -> None:
+    code = (
+        "import sys, wavepp.runtime.stage.core; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'nats', 'torch'}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_plan_for_a_request_not_held_moves_on_with_the_error_in_its_done() -> None:
+    core = make_core(rank=0, num_stages=1)
+    admit(core, "held", PROMPT)
+    work = core.accept(
+        plan(
+            0, chunk("held", PROMPT[:4], 0, is_last=False), chunk("ghost", [1, 2], 0, is_last=True)
+        )
+    )
+    assert "stage 0: cannot build block tables" in work.error and "ghost" in work.error
+    assert work.chunks == () and not work.prepare_on_arrival
+    assert work.num_agreed_blocks == [0, -1]  # per plan chunk; -1: not committed here
+    done = run(core, work)
+    assert done.error == work.error
+    assert done.results == []  # the last stage answers nothing for a micro-batch that failed
+    assert done.num_tokens == 6 and done.num_agreed_blocks == [0, -1]
+    # nothing was marked computed: the held request's blocks got no hash
+    assert core.manager.pool.num_cached_blocks == 0
+
+
+def test_results_only_on_the_last_stage_and_only_for_last_chunks() -> None:
+    cores = [make_core(rank=r, num_stages=2) for r in range(2)]
+    the_plan = plan(
+        0, chunk("a", PROMPT[:8], 0, is_last=False), chunk("b", PROMPT[:5], 0, is_last=True)
+    )
+    dones = []
+    for core in cores:
+        admit(core, "a", PROMPT)
+        admit(core, "b", PROMPT[:5])
+        work = core.accept(the_plan)
+        assert work.error == "" and work.prepare_on_arrival
+        # block tables from this stage's manager; token ids only on the first stage
+        assert [c.block_ids for c in work.chunks] == [
+            tuple(core.manager.block_table("a")),
+            tuple(core.manager.block_table("b")),
+        ]
+        assert [c.token_ids is not None for c in work.chunks] == [core.is_first] * 2
+        dones.append(run(core, work))
+    assert dones[0].results == []
+    assert dones[1].results == [RequestResult(request_id="b", first_token_id=7)]
+    assert [d.rank for d in dones] == [0, 1]
+    assert all(d.prepare_start_s == 100.0 and d.execute_end_s == 2.0 for d in dones)
+
+
+def test_logits_only_for_chunks_that_ask_for_them() -> None:
+    core = make_core()
+    admit(core, "a", PROMPT[:4])
+    admit(core, "b", PROMPT[:4])
+    asks = chunk("a", PROMPT[:4], 0, is_last=True).model_copy(update={"return_logits": True})
+    work = core.accept(plan(0, asks, chunk("b", PROMPT[:4], 0, is_last=True)))
+    results = core.results(work, lambda rid: 3, lambda rid: [0.5, 1.5])
+    assert [(r.request_id, r.logits) for r in results] == [("a", [0.5, 1.5]), ("b", None)]
+
+
+def test_complete_marks_computed_blocks_cached_for_the_next_request() -> None:
+    core = make_core()
+    admit(core, "a", PROMPT)
+    core.take_kv_events()
+    # chunk 1: tokens [0, 6) -> one full block computed
+    run(core, core.accept(plan(0, chunk("a", PROMPT[:6], 0, is_last=False))))
+    assert core.manager.pool.num_cached_blocks == 1
+    batch = core.take_kv_events()
+    assert batch is not None and batch.rank == 0
+    assert batch.stored == [hashes(PROMPT)[:1]] and batch.removed == []
+    # chunk 2: tokens [6, 12) -> all three blocks
+    run(core, core.accept(plan(1, chunk("a", PROMPT[6:], 6, is_last=True, index=1))))
+    assert core.manager.pool.num_cached_blocks == 3
+    assert core.take_kv_events() is not None and core.take_kv_events() is None
+    assert core.num_microbatches == 2
+    # released, the blocks stay cached: a new request with the same prompt hits all three
+    assert core.handle_kv(Release(request_ids=["a"]).model_dump_json().encode()).ok
+    probe = ProbePin(request_id="a2", block_hashes=hashes(PROMPT), lease_s=30.0)
+    assert core.handle_kv(probe.model_dump_json().encode()).num_hit_blocks == 3
+
+
+def test_a_request_released_before_its_chunk_completes_caches_nothing() -> None:
+    core = make_core()
+    admit(core, "a", PROMPT)
+    work = core.accept(plan(0, chunk("a", PROMPT, 0, is_last=True)))
+    assert core.handle_kv(Release(request_ids=["a"]).model_dump_json().encode()).ok
+    done = run(core, work)
+    assert done.error == "" and core.manager.pool.num_cached_blocks == 0
+
+
+def test_the_manager_is_the_one_record_of_a_request() -> None:
+    core = make_core()
+    admit(core, "a", PROMPT, num_agreed=0)
+    manager = core.manager
+    assert manager.request_ids() == ["a"]
+    assert [h.hex() for h in manager.block_hashes("a")] == hashes(PROMPT)
+    assert manager.num_agreed_blocks("a") == 0
+    probe = ProbePin(request_id="p", block_hashes=hashes(PROMPT), lease_s=30.0)
+    assert core.handle_kv(probe.model_dump_json().encode()).ok
+    assert manager.num_agreed_blocks("p") == -1  # probed, not committed
+    assert core.handle_kv(Release(request_ids=["a", "p"]).model_dump_json().encode()).ok
+    assert manager.request_ids() == [] and manager.block_hashes("a") == ()
+
+
+def test_plans_are_due_in_id_order_once_and_dones_are_kept_for_replay() -> None:
+    core = StageCore(
+        StageKVManager(BlockPool(8, BLOCK)),
+        rank=0,
+        num_stages=1,
+        local_prepare=False,
+        clock=FakeClock(),
+        done_log_size=2,
+    )
+    admit(core, "a", PROMPT[:4])
+    plans = [plan(i, chunk("a", PROMPT[:4], 0, is_last=True)) for i in range(4)]
+    assert core.receive_plan(plans[1]) == []  # waits on the hole [0, 1)
+    assert core.sequencer.gap() == (0, 1)
+    due = core.receive_plan(plans[0], {"h": "v"})
+    assert [(p.microbatch_id, headers) for p, headers in due] == [(0, {"h": "v"}), (1, None)]
+    assert core.receive_plan(plans[1]) == []  # a duplicate
+    dones = [run(core, core.accept(p)) for p in plans[:3]]
+    assert not core.accept(plans[0]).prepare_on_arrival  # local_prepare off
+    assert core.dones("e1", [0, 1, 2, 3]) == dones[1:]  # bounded: the oldest went first
+    assert core.dones("other", [1, 2]) == []
+
+
+def test_bad_rank_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"rank=2 must be in \[0, num_stages=2\)"):
+        make_core(rank=2, num_stages=2)

@@ -1,0 +1,266 @@
+"""The stage core: everything one pipeline stage decides, with no I/O.
+
+No NATS, no torch, no torch.distributed, no clock but the injected one. The stage process
+(``worker.StageWorker``) and the simulator (``wavepp.sim.stage.SimStage``) drive the same
+``StageCore``; they differ only in their I/O (NATS vs the simulated bus, torch.distributed
+activations vs a virtual hop, an engine vs a sleep of the cost model's time).
+
+One micro-batch through one stage, and who calls what::
+
+    KV request -> handle_kv(payload) -> KVReply          pins and reservations, in the KV manager
+    plan       -> receive_plan(plan) -> plans in id order, each once (PlanSequencer; the caller
+                  fills holes from the scheduler's replay through ``sequencer``)
+               -> accept(plan) -> StageWork: block tables from the KV manager, L* per chunk,
+                  an error when a request is not committed here, prepare on arrival or later
+    [caller]      prepare, wait for the previous stage's activations, execute (or sleep)
+               -> results(work, ...) -> one RequestResult per last chunk (last stage only)
+               -> done_message(work, ...) -> MicroBatchDone
+    after      -> complete(work, done): done kept for replay, computed blocks cached, counted
+               -> take_kv_events() -> KVEventBatch of blocks stored/removed, to publish
+    lease timer-> expire() -> ids of requests whose lease passed (released)
+
+State: the KV manager (the one record of each request on this stage: pins, block table, prompt
+block hashes, L*), the plan sequencer, and the last ``done_log_size`` done messages. In the stage
+process, everything but ``results`` and ``done_message`` (pure functions of a ``StageWork``) runs
+on the asyncio loop thread, the manager's single owner.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from wavepp.api.messages import KVEventBatch, KVReply, MicroBatchDone, MicroBatchPlan, RequestResult
+from wavepp.runtime.agreement.stage_handler import handle_kv_request
+from wavepp.runtime.kv import StageKVManager
+from wavepp.runtime.stage.chunk import ChunkSpec
+from wavepp.runtime.stage.sequencing import PlanSequencer
+
+__all__ = ["PlanHeaders", "StageCore", "StageWork"]
+
+PlanHeaders = Mapping[str, str] | None
+"""The headers a plan arrived with (per-chunk trace context), passed through the sequencer."""
+
+
+@dataclass
+class StageWork:
+    """One accepted plan on its way through this stage.
+
+    Attributes:
+        plan: the micro-batch plan.
+        chunks: the engine's view, one ``ChunkSpec`` per plan chunk with this stage's block
+            table (token ids on the first stage only); () when ``error`` is set.
+        num_agreed_blocks: per plan chunk, L* its request committed on this stage (-1: none).
+        prepare_on_arrival: local preparation runs when the plan arrives (wave mode), not once
+            its activations have arrived.
+        prepare_start_s, prepare_end_s: clock seconds of the preparation; the caller moves
+            them when it prepares.
+        error: "" or why the micro-batch cannot run on this stage; it then moves zeros of the
+            right shape through the pipeline and its done message carries the error. The
+            caller sets it when its engine fails.
+    """
+
+    plan: MicroBatchPlan
+    chunks: tuple[ChunkSpec, ...]
+    num_agreed_blocks: list[int]
+    prepare_on_arrival: bool
+    prepare_start_s: float
+    prepare_end_s: float
+    error: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens of the micro-batch: activation rows in and out of the stage."""
+        return sum(len(c.token_ids) for c in self.plan.chunks)
+
+    @property
+    def chunk_shapes(self) -> list[tuple[int, int]]:
+        """``(context_offset L, num_tokens x)`` per chunk: the cost model's input."""
+        return [(c.context_offset, len(c.token_ids)) for c in self.plan.chunks]
+
+
+class StageCore:
+    """The decisions of one pipeline stage over its KV manager; see the module docstring.
+
+    Args:
+        manager: the stage's KV manager; this core is its only user.
+        rank: this stage's rank r in [0, num_stages).
+        num_stages: S, stages of the pipeline.
+        local_prepare: prepare a micro-batch when its plan arrives (off the critical path).
+        clock: seconds stamped on preparation (``time.time`` in the stage process: done
+            messages cross processes; the virtual clock in the simulator).
+        done_log_size: done messages kept for the scheduler's replay asks, > 0.
+
+    Raises:
+        ValueError: rank outside [0, num_stages), or done_log_size < 1.
+    """
+
+    def __init__(
+        self,
+        manager: StageKVManager,
+        *,
+        rank: int,
+        num_stages: int,
+        local_prepare: bool,
+        clock: Callable[[], float],
+        done_log_size: int = 1024,
+    ) -> None:
+        if not 0 <= rank < num_stages:
+            raise ValueError(f"rank={rank} must be in [0, num_stages={num_stages})")
+        if done_log_size < 1:
+            raise ValueError(f"done_log_size={done_log_size} must be >= 1")
+        self.manager = manager
+        self.rank = rank
+        self.num_stages = num_stages
+        self.is_first = rank == 0
+        self.is_last = rank == num_stages - 1
+        self.local_prepare = local_prepare
+        self.clock = clock
+        self.sequencer: PlanSequencer[tuple[MicroBatchPlan, PlanHeaders]] = PlanSequencer()
+        self.num_microbatches = 0  # completed (complete() calls)
+        self._done_log_size = done_log_size
+        self._done_log: OrderedDict[tuple[str, int], MicroBatchDone] = OrderedDict()
+
+    # ---- KV requests ---------------------------------------------------------------------
+
+    def handle_kv(self, payload: bytes) -> KVReply:
+        """Answer one KV request (probe_pin, commit, release, renew, health); never raises."""
+        return handle_kv_request(self.manager, self.rank, payload)
+
+    def expire(self) -> list[str]:
+        """Release every request whose lease passed; their ids, earliest expiry first."""
+        return self.manager.expire()
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """Drain the KV manager's events into one message; None when there were none."""
+        events = self.manager.take_events()
+        if not events:
+            return None
+        return KVEventBatch(
+            rank=self.rank,
+            stored=[[h.hex() for h in e.block_hashes] for e in events if e.kind == "stored"],
+            removed=[[h.hex() for h in e.block_hashes] for e in events if e.kind == "removed"],
+        )
+
+    # ---- plans ---------------------------------------------------------------------------
+
+    def receive_plan(
+        self, plan: MicroBatchPlan, headers: PlanHeaders = None
+    ) -> list[tuple[MicroBatchPlan, PlanHeaders]]:
+        """Take a plan from the bus; return the plans now due, in id order, each once.
+
+        A plan after a hole is held until the hole is settled through ``sequencer``.
+        """
+        return self.sequencer.offer(plan.epoch, plan.microbatch_id, (plan, headers))
+
+    def accept(self, plan: MicroBatchPlan) -> StageWork:
+        """Build the block tables of a due plan and decide where it is prepared.
+
+        A plan naming a request this stage does not hold committed (never committed here, its
+        lease expired, a bad plan) is accepted with ``error`` set, never raised: the
+        micro-batch still travels the pipeline so that no stage waits for it forever.
+        """
+        start_s = self.clock()
+        error = ""
+        chunks: list[ChunkSpec] = []
+        try:
+            for c in plan.chunks:
+                chunks.append(
+                    ChunkSpec(
+                        request_id=c.request_id,
+                        context_offset=c.context_offset,
+                        num_tokens=len(c.token_ids),
+                        block_ids=tuple(self.manager.block_table(c.request_id)),
+                        token_ids=tuple(c.token_ids) if self.is_first else None,
+                        is_last=c.is_last,
+                    )
+                )
+        except (KeyError, ValueError) as exc:
+            error = f"stage {self.rank}: cannot build block tables: {exc!r}"
+            chunks = []
+        return StageWork(
+            plan=plan,
+            chunks=tuple(chunks),
+            num_agreed_blocks=[self.manager.num_agreed_blocks(c.request_id) for c in plan.chunks],
+            prepare_on_arrival=not error and self.local_prepare,
+            prepare_start_s=start_s,
+            prepare_end_s=start_s,
+            error=error,
+        )
+
+    # ---- after execution -----------------------------------------------------------------
+
+    def results(
+        self,
+        work: StageWork,
+        first_token_id: Callable[[str], int],
+        logits: Callable[[str], list[float]] | None = None,
+    ) -> list[RequestResult]:
+        """The answers of a micro-batch that ran: one per request whose last chunk it held.
+
+        Only the last stage answers, and only when the micro-batch ran (no ``error``).
+
+        Args:
+            work: the micro-batch.
+            first_token_id: request id -> the first output token (argmax of its logits).
+            logits: request id -> its last token's logits, for chunks that ask for them
+                (``return_logits``); None: never returned.
+        """
+        if not self.is_last or work.error:
+            return []
+        return [
+            RequestResult(
+                request_id=c.request_id,
+                first_token_id=first_token_id(c.request_id),
+                logits=logits(c.request_id) if c.return_logits and logits is not None else None,
+            )
+            for c in work.plan.chunks
+            if c.is_last
+        ]
+
+    def done_message(
+        self,
+        work: StageWork,
+        *,
+        execute_start_s: float,
+        execute_end_s: float,
+        results: Iterable[RequestResult] = (),
+    ) -> MicroBatchDone:
+        """What this stage reports for a micro-batch (carries ``work.error``, if any)."""
+        return MicroBatchDone(
+            rank=self.rank,
+            microbatch_id=work.plan.microbatch_id,
+            num_tokens=work.num_tokens,
+            prepare_start_s=work.prepare_start_s,
+            prepare_end_s=work.prepare_end_s,
+            execute_start_s=execute_start_s,
+            execute_end_s=execute_end_s,
+            results=list(results),
+            error=work.error,
+            num_agreed_blocks=work.num_agreed_blocks,
+            epoch=work.plan.epoch,
+        )
+
+    def complete(self, work: StageWork, done: MicroBatchDone) -> None:
+        """Record a finished micro-batch: keep its done message, cache the blocks it computed.
+
+        Call it before the done message is published: a release of a request can only follow
+        the last stage's result, so its computed blocks are cached by then.
+        """
+        self._done_log[(work.plan.epoch, done.microbatch_id)] = done
+        while len(self._done_log) > self._done_log_size:
+            self._done_log.popitem(last=False)
+        if not done.error:
+            for c in work.plan.chunks:
+                try:
+                    self.manager.mark_computed(c.request_id, c.context_offset + len(c.token_ids))
+                except KeyError:
+                    pass  # released meanwhile (lease expiry): nothing to cache
+        self.num_microbatches += 1
+
+    def dones(self, epoch: str, microbatch_ids: Iterable[int]) -> list[MicroBatchDone]:
+        """The kept done messages of ``epoch`` among ``microbatch_ids`` (a replay ask)."""
+        return [
+            self._done_log[(epoch, mb)] for mb in microbatch_ids if (epoch, mb) in self._done_log
+        ]
