@@ -13,7 +13,6 @@ from wavepp.runtime.agreement import (
     AdmissionController,
     AgreementRefused,
     LocalStageClient,
-    StageRequest,
     StageUnavailableError,
     handle_kv_request,
 )
@@ -95,22 +94,21 @@ async def test_prompt_larger_than_a_stage_is_refused_with_the_numbers() -> None:
 
 def test_bad_kv_message_gets_a_clear_error_and_changes_nothing() -> None:
     manager = StageKVManager(BlockPool(8, BLOCK))
-    requests: dict[str, StageRequest] = {}
     reply = handle_kv_request(
         manager,
         3,
         b'{"op": "probe_pin", "request_id": "r", "block_hashes": ["zz"], "lease_s": 1}',
-        requests,
     )
     assert not reply.ok and reply.rank == 3 and "block_hashes" in reply.error
-    reply = handle_kv_request(manager, 3, b"not json", requests)
+    reply = handle_kv_request(manager, 3, b"not json")
     assert not reply.ok and "invalid KV request" in reply.error
-    reply = handle_kv_request(manager, 3, b'{"v": 2, "op": "health"}', requests)
+    reply = handle_kv_request(manager, 3, b'{"v": 2, "op": "health"}')
     assert not reply.ok and "v" in reply.error
     commit = Commit(request_id="never-probed", num_agreed_blocks=0, num_total_blocks=2, lease_s=5)
-    reply = handle_kv_request(manager, 3, commit.model_dump_json().encode(), requests)
+    reply = handle_kv_request(manager, 3, commit.model_dump_json().encode())
     assert not reply.ok
-    assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0 and not requests
+    assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0
+    assert not manager.request_ids()
 
 
 prompts = st.lists(

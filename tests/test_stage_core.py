@@ -1,10 +1,15 @@
-"""The stage core: a stage's decisions with no NATS, no torch, and a fake clock."""
+"""The stage core: a stage's decisions with no NATS, no torch, and a fake clock.
+
+The stage process (``StageWorker``) and the simulator (``SimStage``) drive the same core; the
+last tests check that neither keeps a copy of its logic.
+"""
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -89,7 +94,7 @@ PROMPT = list(range(1, 13))  # 12 tokens = 3 full blocks of 4
 
 def test_importing_the_core_loads_neither_nats_nor_torch() -> None:
     code = (
-        "import sys, wavepp.runtime.stage.core; "
+        "import sys, wavepp.runtime.stage.core, wavepp.sim.stage; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'nats', 'torch'}))"
     )
     out = subprocess.run(
@@ -220,3 +225,27 @@ def test_plans_are_due_in_id_order_once_and_dones_are_kept_for_replay() -> None:
 def test_bad_rank_is_refused() -> None:
     with pytest.raises(ValueError, match=r"rank=2 must be in \[0, num_stages=2\)"):
         make_core(rank=2, num_stages=2)
+
+
+def test_the_simulator_and_the_worker_drive_the_same_core() -> None:
+    """Both construct ``StageCore``; the simulated stage keeps no copy of its logic."""
+    import wavepp.sim.stage as sim_stage
+    from wavepp.bench.grid import GridSpec, Setting, runtime_config
+    from wavepp.runtime.planning import CostModel
+    from wavepp.runtime.stage.worker import StageWorker
+    from wavepp.sim.bus import SimBus, SimLatencies
+
+    config, _ = runtime_config(GridSpec(num_kv_blocks=64), Setting("glm-5.2", 2, "low", "wave"))
+    manager = StageKVManager(BlockPool(config.kv_blocks_of(1), config.block_size))
+    cost_model = CostModel.from_dict(config.cost_model or {})
+    sim = sim_stage.SimStage(1, config, cost_model, SimLatencies(), SimBus(0.0), manager)
+    worker = StageWorker(config, 1, cast(Any, None), cast(Any, None))
+    assert type(sim.core) is StageCore and type(worker.core) is StageCore
+    assert sim.core.manager is manager and sim.manager is manager
+    is_last = config.num_stages == 2
+    assert (
+        (sim.core.rank, sim.core.is_last) == (worker.core.rank, worker.core.is_last) == (1, is_last)
+    )
+    source = inspect.getsource(sim_stage)
+    for decision in ("block_table", "mark_computed", "MicroBatchDone(", "RequestResult("):
+        assert decision not in source, f"sim/stage.py decides {decision} itself"

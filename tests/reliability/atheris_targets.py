@@ -22,7 +22,7 @@ LIMITS = PromptLimits(vocab_size=256, max_prompt_tokens=64, tenants=frozenset({"
 def kv(data: bytes) -> None:
     manager = StageKVManager(BlockPool(8, 4))
     for payload in data.split(b"\n")[:8]:
-        reply = handle_kv_request(manager, 0, payload, {})
+        reply = handle_kv_request(manager, 0, payload)
         assert reply.ok or reply.error
     manager.pool.check_invariants()
 

@@ -25,7 +25,7 @@ from wavepp.gateway.validation import (
     parse_completion,
     parse_prefill,
 )
-from wavepp.runtime.agreement import StageRequest, handle_kv_request
+from wavepp.runtime.agreement import handle_kv_request
 from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
 
 BLOCK_SIZE = 4
@@ -113,48 +113,50 @@ bad_payloads = st.one_of(
 )
 
 
-def _state(manager: StageKVManager, requests: dict[str, StageRequest]) -> tuple:
+def _state(manager: StageKVManager) -> tuple:
     pool = manager.pool
     return (
         pool.num_free_blocks,
         tuple(pool.ref_cnt(i) for i in range(pool.num_blocks)),
         tuple(pool.block_hash(i) for i in range(pool.num_blocks)),
         manager.num_requests,
-        {rid: (tuple(r.block_hashes), r.num_agreed_blocks) for rid, r in requests.items()},
+        {
+            rid: (manager.block_hashes(rid), manager.num_agreed_blocks(rid))
+            for rid in manager.request_ids()
+        },
     )
 
 
-def _warm_manager() -> tuple[StageKVManager, dict[str, StageRequest]]:
+def _warm_manager() -> StageKVManager:
     """A stage with one request computed and released (cached blocks) and one held."""
     manager = StageKVManager(BlockPool(NUM_BLOCKS, BLOCK_SIZE))
-    requests: dict[str, StageRequest] = {}
     hashes = _hashes(0, 4)
     for rid in ("warm", "held"):
         probe = {"op": "probe_pin", "request_id": rid, "block_hashes": hashes, "lease_s": 30.0}
         commit = {"op": "commit", "request_id": rid, "num_agreed_blocks": 0,
                   "num_total_blocks": 4, "lease_s": 30.0}  # fmt: skip
         for op in (probe, commit):
-            assert handle_kv_request(manager, 0, json.dumps(op).encode(), requests).ok
+            assert handle_kv_request(manager, 0, json.dumps(op).encode()).ok
         if rid == "warm":
-            manager.mark_computed(rid, 4 * BLOCK_SIZE, requests[rid].block_hashes)
+            manager.mark_computed(rid, 4 * BLOCK_SIZE, manager.block_hashes(rid))
             release = {"op": "release", "request_ids": [rid]}
-            assert handle_kv_request(manager, 0, json.dumps(release).encode(), requests).ok
-    return manager, requests
+            assert handle_kv_request(manager, 0, json.dumps(release).encode()).ok
+    return manager
 
 
 @FUZZ
 @given(payload=bad_payloads)
 def test_a_rejected_kv_message_changes_nothing(payload: bytes) -> None:
-    manager, requests = _warm_manager()
-    before = _state(manager, requests)
-    reply = handle_kv_request(manager, 1, payload, requests)
+    manager = _warm_manager()
+    before = _state(manager)
+    reply = handle_kv_request(manager, 1, payload)
     assert reply.rank == 1
     if reply.ok:
         return  # a mutation that is still a valid op (e.g. another request id): applied
     assert reply.error, "a refusal must say why"
     if reply.error.startswith("reservation refused"):
         return  # a valid commit that does not fit: the request's own pins drop by design
-    assert _state(manager, requests) == before, reply.error
+    assert _state(manager) == before, reply.error
     manager.pool.check_invariants()
 
 
@@ -165,13 +167,12 @@ def test_any_sequence_of_kv_messages_keeps_the_pool_sound(ops: list[bytes]) -> N
     """Valid and invalid ops interleaved: invariants hold after each; releasing all leaves no
     pin and no reservation behind."""
     manager = StageKVManager(BlockPool(NUM_BLOCKS, BLOCK_SIZE))
-    requests: dict[str, StageRequest] = {}
     for payload in ops:
-        reply = handle_kv_request(manager, 0, payload, requests)
+        reply = handle_kv_request(manager, 0, payload)
         assert reply.ok or reply.error
         manager.pool.check_invariants()
     release = {"op": "release", "request_ids": ["r0", "r1", "r2", "r3"]}
-    assert handle_kv_request(manager, 0, json.dumps(release).encode(), requests).ok
+    assert handle_kv_request(manager, 0, json.dumps(release).encode()).ok
     assert manager.num_requests == 0
     assert manager.pool.num_pinned_blocks == 0
     assert manager.pool.num_free_blocks == NUM_BLOCKS

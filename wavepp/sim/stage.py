@@ -1,34 +1,31 @@
-"""A simulated pipeline stage and its KV client: the real StageKVManager and handle_kv_request, virtual
-compute (the stage's CostModel time on the virtual clock).
+"""A simulated pipeline stage and its KV client: the real ``StageCore`` (the stage worker's own
+decisions, over a real StageKVManager) with virtual I/O and compute (the stage's CostModel time on
+the virtual clock). No copy of the stage logic lives here, and no NATS module is imported.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from dataclasses import dataclass, field
 from typing import Any
 
 from wavepp.api.messages import (
     Commit,
     Health,
     KVReply,
-    MicroBatchDone,
     MicroBatchPlan,
     ProbePin,
     Release,
     Renew,
-    RequestResult,
 )
-from wavepp.runtime.agreement import StageRequest, handle_kv_request
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import StageKVManager
 from wavepp.runtime.planning import CostModel
+from wavepp.runtime.stage.core import StageCore, StageWork
 from wavepp.sim.bus import SimBus, SimLatencies
 
 
 class SimStageClient:
-    """StageClient of one simulated stage: the real handle_kv_request after half an RTT."""
+    """StageClient of one simulated stage: the stage core's KV handler after half an RTT."""
 
     def __init__(self, stage: SimStage, kv_rtt_s: float) -> None:
         self.stage = stage
@@ -37,73 +34,102 @@ class SimStageClient:
 
     async def call(self, msg: ProbePin | Commit | Release | Renew | Health) -> KVReply:
         await asyncio.sleep(self.kv_rtt_s / 2)
-        reply = handle_kv_request(
-            self.stage.manager, self.rank, msg.model_dump_json().encode(), self.stage.requests
-        )
+        reply = self.stage.core.handle_kv(msg.model_dump_json().encode())
         await asyncio.sleep(self.kv_rtt_s / 2)
         return reply
 
 
-@dataclass
-class _SimWork:
-    plan: MicroBatchPlan
-    pairs: list[tuple[int, int]]  # (context_offset L, num_tokens x) per chunk
-    error: str
-    prepared: bool
-    prepare_start_s: float
-    prepare_end_s: float
-    num_agreed_blocks: list[int]
+def _loop_time() -> float:
+    return asyncio.get_running_loop().time()
 
 
-@dataclass
+def _no_logits_token(request_id: str) -> int:
+    """The simulator computes no logits: every first token is 0."""
+    return 0
+
+
 class SimStage:
-    """One simulated stage: a real StageKVManager, a plan queue, and virtual compute."""
+    """One simulated stage: the real ``StageCore`` over a real ``StageKVManager``.
 
-    rank: int
-    config: RuntimeConfig
-    cost_model: CostModel
-    latencies: SimLatencies
-    bus: SimBus
-    manager: StageKVManager
-    requests: dict[str, StageRequest] = field(default_factory=dict)
-    # virtual time the last stage produced each request's result
-    finished_at_s: dict[str, float] = field(default_factory=dict)
-    inbox: asyncio.Queue[_SimWork] = field(default_factory=asyncio.Queue)
-    activations: asyncio.Queue[tuple[int, float]] = field(default_factory=asyncio.Queue)
-    next_stage: SimStage | None = None
+    The core decides everything a stage decides (plan order, block tables, results, the done
+    message, caching computed blocks), exactly as in ``StageWorker``; this class only stands
+    in for the stage's I/O on the virtual clock:
+
+    * plans arrive from the ``SimBus`` (``on_plan``, subscribed to ``config.subjects.plan``);
+    * preparation is a sleep of ``latencies.prepare_s`` (on arrival in wave mode, else on the
+      critical path), execution a sleep of ``time_scale`` x the stage's cost-model time;
+    * activations reach ``next_stage`` ``latencies.hop_s`` after execution;
+    * ``MicroBatchDone`` goes out on ``config.subjects.done``; KV events are drained and
+      dropped (nothing subscribes to them in the simulator).
+
+    Args:
+        rank: the stage's rank.
+        config: the runtime configuration.
+        cost_model: this stage's cost model (unscaled; multiplied by ``config.time_scale``).
+        latencies: simulated transport and preparation costs.
+        bus: the simulated bus the done messages go out on.
+        manager: the stage's KV manager (its clock should be the loop's).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        config: RuntimeConfig,
+        cost_model: CostModel,
+        latencies: SimLatencies,
+        bus: SimBus,
+        manager: StageKVManager,
+    ) -> None:
+        self.rank = rank
+        self.config = config
+        self.cost_model = cost_model
+        self.latencies = latencies
+        self.bus = bus
+        self.core = StageCore(
+            manager,
+            rank=rank,
+            num_stages=config.num_stages,
+            local_prepare=config.resolved_local_prepare,
+            clock=_loop_time,
+        )
+        # virtual time the last stage produced each request's result
+        self.finished_at_s: dict[str, float] = {}
+        self.inbox: asyncio.Queue[StageWork] = asyncio.Queue()
+        self.activations: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
+        self.next_stage: SimStage | None = None
+
+    @property
+    def manager(self) -> StageKVManager:
+        return self.core.manager
 
     @property
     def is_first(self) -> bool:
-        return self.rank == 0
+        return self.core.is_first
 
     @property
     def is_last(self) -> bool:
-        return self.rank == self.config.num_stages - 1
+        return self.core.is_last
 
     async def on_plan(self, msg: Any) -> None:
-        now = asyncio.get_running_loop().time()
         plan = MicroBatchPlan.model_validate_json(msg.data)
-        error = ""
-        pairs: list[tuple[int, int]] = []
-        try:
-            for c in plan.chunks:
-                self.manager.block_table(c.request_id)  # as StageWorker: fails if not held
-                pairs.append((c.context_offset, len(c.token_ids)))
-        except (KeyError, ValueError) as exc:
-            error = f"stage {self.rank}: cannot build block tables: {exc!r}"
-        agreed = [
-            self.requests[c.request_id].num_agreed_blocks if c.request_id in self.requests else -1
-            for c in plan.chunks
-        ]
-        prepared = not error and self.config.resolved_local_prepare
-        end = now + (self.latencies.prepare_s if prepared else 0.0)
-        self.inbox.put_nowait(_SimWork(plan, pairs, error, prepared, now, end, agreed))
+        core = self.core
+        due = core.receive_plan(plan)
+        if core.sequencer.gap() is not None:
+            # The simulated bus loses no plan: a hole can only be the ids before this epoch's
+            # first plan, which no stage ever got (the worker learns that from a replay).
+            due += core.sequencer.flush_held()
+        for ready, _ in due:
+            work = core.accept(ready)
+            if work.prepare_on_arrival:
+                work.prepare_end_s = work.prepare_start_s + self.latencies.prepare_s
+            self.inbox.put_nowait(work)
 
     async def compute_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        core = self.core
         while True:
             work = await self.inbox.get()
-            if work.prepared and work.prepare_end_s > loop.time():
+            if work.prepare_on_arrival and work.prepare_end_s > loop.time():
                 await asyncio.sleep(work.prepare_end_s - loop.time())
             if not self.is_first:
                 microbatch_id, ready_at = await self.activations.get()
@@ -113,45 +139,25 @@ class SimStage:
                 )
                 if ready_at > loop.time():
                     await asyncio.sleep(ready_at - loop.time())
-            prepare_start, prepare_end = work.prepare_start_s, work.prepare_end_s
-            if not work.prepared and not work.error:
-                prepare_start = loop.time()
+            if not work.prepare_on_arrival and not work.error:
+                work.prepare_start_s = loop.time()
                 await asyncio.sleep(self.latencies.prepare_s)
-                prepare_end = loop.time()
+                work.prepare_end_s = loop.time()
             exec_start = loop.time()
             if not work.error:
-                cost_s = self.config.time_scale * self.cost_model.microbatch_cost_s(work.pairs)
+                cost_s = self.config.time_scale * self.cost_model.microbatch_cost_s(
+                    work.chunk_shapes
+                )
                 await asyncio.sleep(cost_s)
             exec_end = loop.time()
-            results = []
-            if self.is_last and not work.error:
-                for c in work.plan.chunks:
-                    if c.is_last:
-                        results.append(RequestResult(request_id=c.request_id, first_token_id=0))
-                        self.finished_at_s[c.request_id] = exec_end
-            if not work.error:
-                for c in work.plan.chunks:
-                    record = self.requests.get(c.request_id)
-                    if record is None:
-                        continue
-                    with contextlib.suppress(KeyError):
-                        self.manager.mark_computed(
-                            c.request_id, c.context_offset + len(c.token_ids), record.block_hashes
-                        )
-            self.manager.take_events()
-            done = MicroBatchDone(
-                rank=self.rank,
-                microbatch_id=work.plan.microbatch_id,
-                num_tokens=sum(x for _, x in work.pairs),
-                prepare_start_s=prepare_start,
-                prepare_end_s=prepare_end,
-                execute_start_s=exec_start,
-                execute_end_s=exec_end,
-                results=results,
-                error=work.error,
-                num_agreed_blocks=work.num_agreed_blocks,
-                epoch=work.plan.epoch,
+            results = core.results(work, _no_logits_token)
+            for result in results:
+                self.finished_at_s[result.request_id] = exec_end
+            done = core.done_message(
+                work, execute_start_s=exec_start, execute_end_s=exec_end, results=results
             )
+            core.complete(work, done)
+            core.manager.take_events()  # nothing subscribes to KV events in the simulator
             await self.bus.publish(self.config.subjects.done, done.model_dump_json().encode())
             if self.next_stage is not None:
                 self.next_stage.activations.put_nowait(

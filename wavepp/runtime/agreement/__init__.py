@@ -14,14 +14,13 @@ from wavepp.runtime.agreement.clients import (
     StageUnavailableError,
 )
 from wavepp.runtime.agreement.coordinator import AdmissionController, AgreementRefused, Ticket
-from wavepp.runtime.agreement.stage_handler import StageRequest, handle_kv_request
+from wavepp.runtime.agreement.stage_handler import handle_kv_request
 
 __all__ = [
     "AdmissionController",
     "AgreementRefused",
     "LocalStageClient",
     "StageClient",
-    "StageRequest",
     "StageUnavailableError",
     "Ticket",
     "handle_kv_request",

@@ -1,12 +1,12 @@
 """The stage side of prefix agreement: a pure handler over one stage's ``StageKVManager``.
 
 ``handle_kv_request`` answers ProbePin, Commit, Release, Renew and Health messages (wire types in
-``wavepp.api.messages``); the stage process owns the NATS I/O around it. No I/O here.
+``wavepp.api.messages``); the stage process owns the NATS I/O around it. No I/O here. The
+manager is the one record of each request on the stage (its pins, block table, prompt hashes
+and L*); this handler keeps no state of its own.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from pydantic import ValidationError
 
@@ -22,29 +22,15 @@ from wavepp.api.messages import (
 from wavepp.runtime.kv import StageKVManager
 
 
-@dataclass
-class StageRequest:
-    """What a stage remembers of a request between probe and release."""
-
-    block_hashes: list[bytes]
-    num_agreed_blocks: int = -1  # L* once committed
-
-
-def handle_kv_request(
-    manager: StageKVManager,
-    rank: int,
-    payload: bytes,
-    requests: dict[str, StageRequest] | None = None,
-) -> KVReply:
+def handle_kv_request(manager: StageKVManager, rank: int, payload: bytes) -> KVReply:
     """Apply one KV op to a stage's manager and return the reply. Never raises on bad input.
 
     Args:
         manager: the stage's KV manager (its single owner calls this).
         rank: the stage's rank, echoed in the reply.
-        payload: a JSON ``KVRequest``.
-        requests: if given, the stage's record of each request (the prompt's block hashes from
-            ``probe_pin``, L* from ``commit``) is kept here until ``release``; the stage needs
-            the hashes to cache blocks once they are computed.
+        payload: a JSON ``KVRequest``. ``probe_pin`` hands the prompt's block hashes to the
+            manager, which keeps them (with L* from ``commit``) until ``release``; the stage
+            needs them to cache blocks once they are computed.
 
     Returns:
         ``KVReply`` with ``ok=False`` and ``error`` naming the field for an invalid message or a
@@ -61,8 +47,6 @@ def handle_kv_request(
         if isinstance(msg, ProbePin):
             hashes = [bytes.fromhex(h) for h in msg.block_hashes]
             num_hit = manager.probe_pin(msg.request_id, hashes, msg.lease_s)
-            if requests is not None and msg.request_id not in requests:
-                requests[msg.request_id] = StageRequest(block_hashes=hashes)
             return KVReply(
                 rank=rank,
                 num_hit_blocks=num_hit,
@@ -74,8 +58,6 @@ def handle_kv_request(
                 msg.request_id, msg.num_agreed_blocks, msg.num_total_blocks, msg.lease_s
             )
             if table is None:
-                if requests is not None:
-                    requests.pop(msg.request_id, None)
                 return KVReply(
                     rank=rank,
                     ok=False,
@@ -86,8 +68,6 @@ def handle_kv_request(
                     num_free_blocks=pool.num_free_blocks,
                     num_blocks=pool.num_blocks,
                 )
-            if requests is not None and msg.request_id in requests:
-                requests[msg.request_id].num_agreed_blocks = msg.num_agreed_blocks
             return KVReply(
                 rank=rank,
                 num_reserved_blocks=len(table) - msg.num_agreed_blocks,
@@ -97,8 +77,6 @@ def handle_kv_request(
         if isinstance(msg, Release):
             for request_id in msg.request_ids:
                 manager.release(request_id)
-                if requests is not None:
-                    requests.pop(request_id, None)
         elif isinstance(msg, Renew):
             manager.renew(msg.request_ids, msg.lease_s)
         elif isinstance(msg, Health):

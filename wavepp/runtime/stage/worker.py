@@ -1,23 +1,29 @@
-"""The stage worker: one process per pipeline stage.
+"""The stage worker: one process per pipeline stage; the I/O around its ``StageCore``.
+
+The decisions (plan order, block tables, results, done messages, caching computed blocks) are
+the core's (``wavepp.runtime.stage.core``), shared with the simulator. This module moves bytes:
+NATS subscriptions, activations over torch.distributed, the compute thread, lease expiry.
 
 Threads and ownership::
 
-    asyncio loop thread (owns the StageKVManager)        compute thread (owns torch.distributed)
+    asyncio loop thread (owns the StageCore)             compute thread (owns torch.distributed)
     ---------------------------------------------        ---------------------------------------
-    {p}.stage.{r}.kv  -> handle_kv_request -> reply       take (plan, chunks, prepared) in order
-    {p}.plan          -> block tables from the manager    recv activations from rank r-1
+    {p}.stage.{r}.kv  -> core.handle_kv -> reply          take (work, prepared) in order
+    {p}.plan          -> core.receive_plan, core.accept   recv activations from rank r-1
                          -> prepare() when local_prepare   prepare() here when not local_prepare
                          -> hand over to compute            execute() the stage's layers
-    after a micro-batch: mark_computed, KV events,   <-    isend activations to rank r+1
-                         publish {p}.done                   (last stage: first token, logits)
+    after a micro-batch: core.complete (mark         <-    core.results (last stage), done_message
+                         computed), KV events,             isend activations to rank r+1
+                         publish {p}.done
 
-Plans arrive from one publisher on one subject; a ``PlanSequencer`` hands them to the compute
-thread in id order, exactly once, and fills a hole left by a NATS reconnect from the scheduler's
-replay (``{p}.plan.replay``), so the activations of micro-batch m on the wire between two stages
-always belong to m. Done messages are kept a while and resent on the scheduler's ask
-(``{p}.stage.{r}.dones``); after its own reconnect a stage says so on ``{p}.resync``. A micro-batch whose block tables cannot be built (a lease
-expired, a bad plan) still moves zeros of the right shape through the pipeline, so no stage
-waits forever, and its ``MicroBatchDone`` carries the error.
+Plans arrive from one publisher on one subject; the core's ``PlanSequencer`` hands them to the
+compute thread in id order, exactly once; this worker fills a hole left by a NATS reconnect from
+the scheduler's replay (``{p}.plan.replay``), so the activations of micro-batch m on the wire
+between two stages always belong to m. Done messages are kept a while (by the core) and resent
+on the scheduler's ask (``{p}.stage.{r}.dones``); after its own reconnect a stage says so on
+``{p}.resync``. A micro-batch whose block tables cannot be built (a lease expired, a bad plan)
+still moves zeros of the right shape through the pipeline, so no stage waits forever, and its
+``MicroBatchDone`` carries the error.
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ import queue
 import signal
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -39,7 +47,6 @@ from nats.aio.msg import Msg
 from wavepp.api.messages import (
     DoneReplay,
     DoneReplayReply,
-    KVEventBatch,
     MicroBatchDone,
     MicroBatchPlan,
     PlanReplay,
@@ -47,11 +54,10 @@ from wavepp.api.messages import (
     RequestResult,
     StageResync,
 )
-from wavepp.runtime.agreement import StageRequest, handle_kv_request
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import BlockPool, StageKVManager
-from wavepp.runtime.stage.engine import ChunkSpec, make_engine
-from wavepp.runtime.stage.sequencing import PlanSequencer
+from wavepp.runtime.stage.core import StageCore, StageWork
+from wavepp.runtime.stage.engine import PreparedBatch, StageEngine, make_engine
 from wavepp.runtime.transport.natsio import connect, on_reconnect
 from wavepp.telemetry import tracing
 from wavepp.telemetry.pipeline import StageTelemetry
@@ -62,18 +68,7 @@ _MAX_PENDING_SENDS = 16
 _DONE_LOG = 1024  # done messages kept for the scheduler's replay asks
 
 
-@dataclass
-class _Work:
-    plan: MicroBatchPlan
-    chunks: list[ChunkSpec]
-    prepared: object | None
-    prepare_start_s: float
-    prepare_end_s: float
-    error: str
-    num_agreed_blocks: list[int]
-
-
-def build_engine(config: RuntimeConfig, rank: int):  # noqa: ANN201 - StageEngine protocol
+def build_engine(config: RuntimeConfig, rank: int) -> StageEngine:
     """The stage's engine for its layer range (torch or emulated), with its KV allocated."""
     first, last = config.layers_of(rank)
     cost_model = None
@@ -100,26 +95,30 @@ def build_engine(config: RuntimeConfig, rank: int):  # noqa: ANN201 - StageEngin
 class StageWorker:
     """Serves one stage: KV ops over NATS, plans, activations over torch.distributed."""
 
-    def __init__(self, config: RuntimeConfig, rank: int, nc: NATS, engine: object) -> None:
+    def __init__(self, config: RuntimeConfig, rank: int, nc: NATS, engine: StageEngine) -> None:
         self.config = config
         self.rank = rank
         self.nc = nc
         self.engine = engine
-        self.manager = StageKVManager(BlockPool(config.kv_blocks_of(rank), config.block_size))
-        self.requests: dict[str, StageRequest] = {}
+        # NOTE: done messages carry wall-clock seconds (time.time()): they cross processes.
+        self.core = StageCore(
+            StageKVManager(BlockPool(config.kv_blocks_of(rank), config.block_size)),
+            rank=rank,
+            num_stages=config.num_stages,
+            local_prepare=config.resolved_local_prepare,
+            clock=time.time,
+            done_log_size=_DONE_LOG,
+        )
         self.is_first = rank == 0
         self.is_last = rank == config.num_stages - 1
         self.prefix = config.subject_prefix
         self.subjects = config.subjects
-        self._work: queue.Queue[_Work | None] = queue.Queue()
+        self._work: queue.Queue[tuple[StageWork, PreparedBatch | None] | None] = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.num_microbatches = 0
         self.telemetry = StageTelemetry(rank)
         # NOTE: the readiness probe (/readyz): True between subscribing and the stop request.
         self.is_serving = False
-        self.sequencer: PlanSequencer[tuple[MicroBatchPlan, object]] = PlanSequencer()
-        self._done_log: OrderedDict[tuple[str, int], MicroBatchDone] = OrderedDict()
         self._replay_task: asyncio.Task[None] | None = None
         self._open_replay = False  # the next replay asks for every plan from next_id on
 
@@ -144,28 +143,27 @@ class StageWorker:
             expiry.cancel()
             self._work.put(None)
 
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches this stage finished."""
+        return self.core.num_microbatches
+
     async def _on_kv(self, msg: Msg) -> None:
-        reply = handle_kv_request(self.manager, self.rank, msg.data, self.requests)
+        reply = self.core.handle_kv(msg.data)
         await msg.respond(reply.model_dump_json().encode())
         await self._publish_events()
 
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.config.lease_s / 4))
-            for request_id in self.manager.expire():
-                self.requests.pop(request_id, None)
+            for request_id in self.core.expire():
                 log.warning("stage %d: lease of %s expired; released", self.rank, request_id)
             await self._publish_events()
 
     async def _publish_events(self) -> None:
-        events = self.manager.take_events()
-        if not events:
+        batch = self.core.take_kv_events()
+        if batch is None:
             return
-        batch = KVEventBatch(
-            rank=self.rank,
-            stored=[[h.hex() for h in e.block_hashes] for e in events if e.kind == "stored"],
-            removed=[[h.hex() for h in e.block_hashes] for e in events if e.kind == "removed"],
-        )
         await self.nc.publish(self.subjects.kv_events(self.rank), batch.model_dump_json().encode())
 
     async def _on_plan(self, msg: Msg) -> None:
@@ -174,9 +172,7 @@ class StageWorker:
         except ValueError as exc:
             log.error("stage %d: invalid plan dropped: %s", self.rank, exc)
             return
-        for ready, headers in self.sequencer.offer(
-            plan.epoch, plan.microbatch_id, (plan, msg.headers)
-        ):
+        for ready, headers in self.core.receive_plan(plan, msg.headers):
             self._accept_plan(ready, headers)
         self._fill_gaps()
 
@@ -184,7 +180,7 @@ class StageWorker:
 
     def _fill_gaps(self) -> None:
         """Start the replay task when plans wait on a hole (or after a reconnect)."""
-        wanted = self._open_replay or self.sequencer.gap() is not None
+        wanted = self._open_replay or self.core.sequencer.gap() is not None
         if wanted and (self._replay_task is None or self._replay_task.done()):
             self._replay_task = asyncio.ensure_future(self._replay_loop())
 
@@ -192,11 +188,11 @@ class StageWorker:
         """Ask the scheduler for missed plans until no hole is left; back off while it is away."""
         delay_s = 0.05
         while True:
-            epoch = self.sequencer.epoch
+            epoch = self.core.sequencer.epoch
             if self._open_replay and epoch:
-                span: tuple[int, int | None] | None = (self.sequencer.next_id, None)
+                span: tuple[int, int | None] | None = (self.core.sequencer.next_id, None)
             else:
-                span = self.sequencer.gap()
+                span = self.core.sequencer.gap()
             self._open_replay = False
             if span is None:
                 return
@@ -224,19 +220,19 @@ class StageWorker:
                     reply.epoch,
                     epoch,
                 )
-                for ready, headers in self.sequencer.flush_held():
+                for ready, headers in self.core.sequencer.flush_held():
                     self._accept_plan(ready, headers)
                 return
             limit = reply.next_id if span[1] is None else min(span[1], reply.next_id)
             items = [(p.microbatch_id, (p, None)) for p in reply.plans]
-            skipped = self.sequencer.num_skipped
-            for ready, headers in self.sequencer.settle(epoch, limit, items):
+            skipped = self.core.sequencer.num_skipped
+            for ready, headers in self.core.sequencer.settle(epoch, limit, items):
                 self._accept_plan(ready, headers)
-            if self.sequencer.num_skipped > skipped:
+            if self.core.sequencer.num_skipped > skipped:
                 log.warning(
                     "stage %d: %d plan(s) expired before they reached this stage; skipped",
                     self.rank,
-                    self.sequencer.num_skipped - skipped,
+                    self.core.sequencer.num_skipped - skipped,
                 )
             delay_s = 0.05
 
@@ -258,65 +254,27 @@ class StageWorker:
         except ValueError as exc:
             log.error("stage %d: invalid done replay ask dropped: %s", self.rank, exc)
             return
-        dones = [
-            self._done_log[(ask.epoch, mb)]
-            for mb in ask.microbatch_ids
-            if (ask.epoch, mb) in self._done_log
-        ]
-        reply = DoneReplayReply(rank=self.rank, dones=dones)
+        reply = DoneReplayReply(
+            rank=self.rank, dones=self.core.dones(ask.epoch, ask.microbatch_ids)
+        )
         await msg.respond(reply.model_dump_json().encode())
 
-    def _accept_plan(self, plan: MicroBatchPlan, headers: object) -> None:
-        """Build the block tables (and prepare, in wave mode) and queue the plan for compute."""
-        prepare_start = time.time()
-        error = ""
-        chunks: list[ChunkSpec] = []
-        self.telemetry.plan_received(plan, headers)  # type: ignore[arg-type]
-        try:
-            for c in plan.chunks:
-                chunks.append(
-                    ChunkSpec(
-                        request_id=c.request_id,
-                        context_offset=c.context_offset,
-                        num_tokens=len(c.token_ids),
-                        block_ids=tuple(self.manager.block_table(c.request_id)),
-                        token_ids=tuple(c.token_ids) if self.is_first else None,
-                        is_last=c.is_last,
-                    )
-                )
-        except (KeyError, ValueError) as exc:
-            error = f"stage {self.rank}: cannot build block tables: {exc!r}"
+    def _accept_plan(self, plan: MicroBatchPlan, headers: Mapping[str, str] | None) -> None:
+        """Let the core build the block tables, prepare in wave mode, queue for compute."""
+        self.telemetry.plan_received(plan, headers)
+        work = self.core.accept(plan)
         prepared = None
-        if not error and self.config.resolved_local_prepare:
+        if work.prepare_on_arrival:
             try:
-                prepared = self.engine.prepare(chunks)  # type: ignore[attr-defined]
+                prepared = self.engine.prepare(work.chunks)
             except ValueError as exc:
-                error = f"stage {self.rank}: prepare failed: {exc}"
-        agreed = [
-            self.requests[c.request_id].num_agreed_blocks if c.request_id in self.requests else -1
-            for c in plan.chunks
-        ]
-        self._work.put(_Work(plan, chunks, prepared, prepare_start, time.time(), error, agreed))
+                work.error = f"stage {self.rank}: prepare failed: {exc}"
+        work.prepare_end_s = time.time()
+        self._work.put((work, prepared))
 
-    def _after_microbatch(self, work: _Work, done: MicroBatchDone) -> None:
+    def _after_microbatch(self, work: StageWork, done: MicroBatchDone) -> None:
         self.telemetry.microbatch_done(work.plan, done)
-        self._done_log[(work.plan.epoch, done.microbatch_id)] = done
-        while len(self._done_log) > _DONE_LOG:
-            self._done_log.popitem(last=False)
-        if not done.error:
-            for chunk in work.chunks:
-                record = self.requests.get(chunk.request_id)
-                if record is None:
-                    continue
-                try:
-                    self.manager.mark_computed(
-                        chunk.request_id,
-                        chunk.context_offset + chunk.num_tokens,
-                        record.block_hashes,
-                    )
-                except KeyError:
-                    pass  # released meanwhile (lease expiry): nothing to cache
-        self.num_microbatches += 1
+        self.core.complete(work, done)
         asyncio.ensure_future(self._publish_done(done))
 
     async def _publish_done(self, done: MicroBatchDone) -> None:
@@ -327,90 +285,77 @@ class StageWorker:
 
     def _compute_loop(self) -> None:
         torch.set_num_threads(self.config.torch_threads)
-        pending_sends: deque[object] = deque()
+        pending_sends: deque[tuple[dist.Work | None, torch.Tensor]] = deque()
         engine = self.engine
+        core = self.core
         while True:
-            work = self._work.get()
-            if work is None:
+            item = self._work.get()
+            if item is None:
                 break
-            num_tokens = sum(len(c.token_ids) for c in work.plan.chunks)
+            work, prepared = item
+            num_tokens = work.num_tokens
             hidden_in = None
             if not self.is_first:
                 hidden_in = torch.empty(
-                    num_tokens,
-                    engine.hidden_size,  # type: ignore[attr-defined]
-                    dtype=engine.activation_dtype,  # type: ignore[attr-defined]
+                    num_tokens, engine.hidden_size, dtype=engine.activation_dtype
                 )
                 dist.recv(hidden_in, src=self.rank - 1)
-            error = work.error
-            prepare_start, prepare_end = work.prepare_start_s, work.prepare_end_s
             results: list[RequestResult] = []
             hidden_out = None
             exec_start = exec_end = time.time()
-            if not error:
+            if not work.error:
                 try:
-                    prepared = work.prepared
                     if prepared is None:
-                        prepare_start = time.time()
-                        prepared = engine.prepare(work.chunks)  # type: ignore[attr-defined]
-                        prepare_end = time.time()
+                        work.prepare_start_s = time.time()
+                        prepared = engine.prepare(work.chunks)
+                        work.prepare_end_s = time.time()
                     exec_start = time.time()
-                    out = engine.execute(prepared, hidden_in)  # type: ignore[attr-defined]
+                    out = engine.execute(prepared, hidden_in)
                     exec_end = time.time()
                     hidden_out = out.hidden
-                    if self.is_last:
-                        results = self._results(work, out.last_token_logits)
+                    logits = out.last_token_logits
+                    results = core.results(
+                        work, partial(_first_token_id, logits), partial(_logits_list, logits)
+                    )
                 except Exception as exc:  # keep the pipeline moving; report the error
                     log.exception(
                         "stage %d: micro-batch %d failed", self.rank, work.plan.microbatch_id
                     )
-                    error = f"stage {self.rank}: execute failed: {exc!r}"
-            done = MicroBatchDone(
-                rank=self.rank,
-                microbatch_id=work.plan.microbatch_id,
-                num_tokens=num_tokens,
-                prepare_start_s=prepare_start,
-                prepare_end_s=prepare_end,
-                execute_start_s=exec_start,
-                execute_end_s=exec_end,
-                results=results,
-                error=error,
-                num_agreed_blocks=work.num_agreed_blocks,
-                epoch=work.plan.epoch,
+                    work.error = f"stage {self.rank}: execute failed: {exc!r}"
+            done = core.done_message(
+                work, execute_start_s=exec_start, execute_end_s=exec_end, results=results
             )
             # Cache the computed blocks before the activations leave: a release for this
             # request can only follow the last stage's result, hence this send.
             assert self._loop is not None, "compute thread started before serve()"
             self._loop.call_soon_threadsafe(self._after_microbatch, work, done)
             if not self.is_last:
-                if hidden_out is None or error:
+                if hidden_out is None or work.error:
                     hidden_out = torch.zeros(
-                        num_tokens,
-                        engine.hidden_size,  # type: ignore[attr-defined]
-                        dtype=engine.activation_dtype,  # type: ignore[attr-defined]
+                        num_tokens, engine.hidden_size, dtype=engine.activation_dtype
                     )
                 pending_sends.append(
                     (dist.isend(hidden_out.contiguous(), dst=self.rank + 1), hidden_out)
                 )
                 while len(pending_sends) > _MAX_PENDING_SENDS:
-                    pending_sends.popleft()[0].wait()  # type: ignore[index]
-        for handle, _ in pending_sends:  # type: ignore[misc]
-            handle.wait()
+                    _wait(pending_sends.popleft()[0])
+        for handle, _ in pending_sends:
+            _wait(handle)
 
-    def _results(self, work: _Work, logits: dict[str, torch.Tensor]) -> list[RequestResult]:
-        results = []
-        for chunk in work.plan.chunks:
-            if not chunk.is_last:
-                continue
-            row = logits[chunk.request_id]
-            results.append(
-                RequestResult(
-                    request_id=chunk.request_id,
-                    first_token_id=int(torch.argmax(row).item()),
-                    logits=[float(v) for v in row.tolist()] if chunk.return_logits else None,
-                )
-            )
-        return results
+
+def _first_token_id(logits: Mapping[str, torch.Tensor], request_id: str) -> int:
+    """The greedy first output token: argmax of the request's last-token logits."""
+    return int(torch.argmax(logits[request_id]).item())
+
+
+def _logits_list(logits: Mapping[str, torch.Tensor], request_id: str) -> list[float]:
+    return [float(v) for v in logits[request_id].tolist()]
+
+
+def _wait(handle: dist.Work | None) -> None:
+    """Wait for an ``isend`` (None: torch.distributed sent nothing; this rank is in no group)."""
+    if handle is not None:
+        handle.wait()
 
 
 def init_distributed(config: RuntimeConfig, rank: int, dist_url: str) -> None:
