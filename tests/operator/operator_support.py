@@ -5,6 +5,14 @@ production: at exit kopf cancels every task created after it started in its loop
 include the emulator's request handlers if both shared one.
 
 What the emulator lacks (see shared/k8s-testing.md) and how this file fills it in:
+- server-side apply (``PATCH`` with ``application/apply-patch+yaml``, the operator's write path
+  for children): kmock 0.8 treats every PATCH as a merge of an existing object and answers 404
+  for an absent one. :class:`WaveEmulator` turns an apply of an absent object into a create;
+  an apply of an existing one stays kmock's recursive merge. That approximates server-side apply
+  only: kmock keeps no field ownership (``managedFields``), so a field the operator stops sending
+  is not removed and conflicts do not exist. ``scripts/kind-e2e.sh`` runs the real thing;
+- list requests honour equality ``labelSelector`` terms (kmock ignores the selector);
+- every write sets a new ``metadata.resourceVersion`` (kmock keeps the one it was given);
 - list responses get ``kind``/``apiVersion`` (kubectl needs them);
 - ``kubectl get`` asks for a server-side Table: :class:`WaveEmulator` renders it from the CRD's
   additionalPrinterColumns, as the API server does;
@@ -28,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx2
 import kmock
 import kopf
 import pytest
@@ -43,6 +52,7 @@ TEST_USER_AGENT = "wavepp-tests"
 CRD = yaml.safe_load(CRD_PATHS[0].read_text())
 PRINTER_COLUMNS = CRD["spec"]["versions"][0]["additionalPrinterColumns"]
 _uids = itertools.count(1)
+_resource_versions = itertools.count(2)
 
 
 def _jsonpath(obj: dict[str, Any], path: str) -> Any:
@@ -66,22 +76,72 @@ def _age(timestamp: str | None) -> str:
     return f"{seconds}s" if seconds < 120 else f"{seconds // 60}m"
 
 
+APPLY_PATCH = "application/apply-patch+yaml"
+
+
+def _is_apply_of_absent(emulator: kmock.KubernetesEmulator, request: Any) -> bool:
+    if request.action != kmock.action.UPDATE or request.subresource is not None:
+        return False
+    if not request.headers.get("Content-Type", "").startswith(APPLY_PATCH):
+        return False
+    key = (request.resource, request.namespace, request.name)
+    return key not in emulator.objects or emulator.objects[key].deleted
+
+
 @attrs.define(kw_only=True)
 class WaveEmulator(kmock.KubernetesEmulator):
-    """kmock's emulator plus list kinds and server-side tables for custom resources."""
+    """kmock's emulator plus create-on-apply, label selectors, list kinds and server-side tables.
+
+    NOTE (test-side approximation of server-side apply): an apply-patch of an absent object is
+    served as a create; of an existing object, as kmock's merge. kmock keeps no field ownership.
+    ``created_by_apply`` holds the ids of the apply requests that created an object (a real API
+    server authorizes those as ``create`` too).
+    """
+
+    created_by_apply: set[int] = attrs.field(factory=set)
 
     async def _handle(self, request: Any) -> Any:
-        """Set what a real API server sets on create: uid, resourceVersion, generation, time."""
+        """Create on apply; set what a real API server sets on create (uid, resourceVersion,
+        generation, time)."""
+        if _is_apply_of_absent(self, request):
+            # Store an empty object with the server-set fields; kmock's merge of the PATCH below
+            # fills it in. NOTE: watchers see MODIFIED for it, not ADDED (kopf watches only
+            # pipelines and pods, which are never applied).
+            key = (request.resource, request.namespace, request.name)
+            self.objects[key] = {"metadata": self._server_set(request.name)}
+            self.created_by_apply.add(request.id)
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
-            meta.setdefault("uid", f"uid-{meta.get('name')}-{next(_uids)}")
-            meta.setdefault("resourceVersion", "1")
-            meta.setdefault("generation", 1)
-            meta.setdefault("creationTimestamp", _now())
+            for field_name, value in self._server_set(meta.get("name")).items():
+                meta.setdefault(field_name, value)
+        elif request.action == kmock.action.UPDATE and isinstance(request.data, dict):
+            # kmock stores the parsed body (request.body keeps the bytes as sent).
+            meta = request.data.setdefault("metadata", {})
+            meta["resourceVersion"] = str(next(_resource_versions))
         return await super()._handle(request)
+
+    @staticmethod
+    def _server_set(name: str | None) -> dict[str, Any]:
+        return {
+            "uid": f"uid-{name}-{next(_uids)}",
+            "resourceVersion": "1",
+            "generation": 1,
+            "creationTimestamp": _now(),
+        }
 
     async def _serve_list(self, request: Any) -> Any:
         payload = await super()._serve_list(request)
+        selector = request.params.get("labelSelector")
+        if selector:
+            wanted = dict(term.split("=", 1) for term in selector.split(","))
+            payload["items"] = [
+                item
+                for item in payload["items"]
+                if all(
+                    (item.get("metadata", {}).get("labels") or {}).get(k) == v
+                    for k, v in wanted.items()
+                )
+            ]
         resource = request.resource
         info = self.resources[resource]
         group_version = f"{resource.group}/{resource.version}".lstrip("/")
@@ -126,10 +186,13 @@ class WaveEmulator(kmock.KubernetesEmulator):
 class Cluster:
     """Test-side API access to the emulator, and the controllers' part of the work."""
 
-    def __init__(self, emulator: WaveEmulator, client: kube.KubeClient, kubeconfig: Path) -> None:
+    def __init__(
+        self, emulator: WaveEmulator, client: kube.KubeClient, kubeconfig: Path, server: str
+    ) -> None:
         self.emulator = emulator
         self.client = client
         self.kubeconfig = kubeconfig
+        self.server = server  # the emulator's URL
 
     # -- objects --------------------------------------------------------------------------
 
@@ -161,7 +224,7 @@ class Cluster:
         return await self.client.get(kind, NAMESPACE, name)
 
     async def list(self, kind: str, pipeline: str) -> list[dict[str, Any]]:
-        return await self.client.list(kind, NAMESPACE, f"{b.LABEL_PIPELINE}={pipeline}")
+        return await self.client.list(kind, NAMESPACE, {b.LABEL_PIPELINE: pipeline})
 
     # -- the controllers' part ------------------------------------------------------------
 
@@ -333,9 +396,24 @@ async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
         )
         monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-        creds = kube.Credentials(server=str(server.url).rstrip("/"), headers={}, ssl_context=True)
-        async with kube.KubeClient(creds, user_agent=TEST_USER_AGENT) as client:
-            yield Cluster(emulator, client, kubeconfig)
+        url = str(server.url).rstrip("/")
+        info = kopf.ConnectionInfo(server=url)
+        async with kube.KubeClient(info, transport=UserAgentTransport) as client:
+            yield Cluster(emulator, client, kubeconfig, url)
+
+
+class UserAgentTransport(httpx2.AsyncBaseTransport):
+    """HTTP with the tests' User-Agent, so that the RBAC test can tell their requests apart."""
+
+    def __init__(self) -> None:
+        self._inner = httpx2.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        request.headers["User-Agent"] = TEST_USER_AGENT
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 class OperatorThread:

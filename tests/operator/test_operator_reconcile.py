@@ -10,7 +10,6 @@ import pytest
 from operator_support import pod_status
 
 from wavepp.operator import builders as b
-from wavepp.operator import kube
 from wavepp.operator.reconcile import (
     DRAIN_GRACE_S,
     Apply,
@@ -41,7 +40,11 @@ def _merge(target: Any, patch: Any) -> Any:
 
 
 class World:
-    """One pipeline, its children in a dict, and the planner run against them."""
+    """One pipeline, its children in a dict, and the planner run against them.
+
+    An Apply creates the object or merges the manifest into it (as the test emulator does: an
+    approximation of server-side apply without field ownership, see operator_support.py).
+    """
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.body: dict[str, Any] = {
@@ -70,10 +73,9 @@ class World:
             if isinstance(action, Apply | Create):
                 key = (action.manifest["kind"], action.manifest["metadata"]["name"])
                 if key not in self.objects:
-                    self.objects[key] = kube.with_last_applied(action.manifest)
+                    self.objects[key] = copy.deepcopy(action.manifest)
                 elif isinstance(action, Apply):
-                    patch = kube.apply_patch(self.objects[key], action.manifest)
-                    self.objects[key] = _merge(self.objects[key], patch)
+                    self.objects[key] = _merge(self.objects[key], action.manifest)
             elif isinstance(action, Patch):
                 key = (action.kind, action.name)
                 if key in self.objects:
@@ -269,20 +271,3 @@ def test_pod_failure_reports_exit_code() -> None:
     pod = {"metadata": {"name": "p-r0-1"}, "status": pod_status("crashed", exit_code=139)}
     assert "p-r0-1" in pod_failure(pod) and "exit code 139" in pod_failure(pod)
     assert pod_failure({"metadata": {"name": "ok"}, "status": pod_status("warm")}) is None
-
-
-def test_merge_patch_and_three_way_apply() -> None:
-    assert kube.merge_patch({"a": 1, "b": {"c": 2, "d": 3}}, {"b": {"c": 2}, "e": [1]}) == {
-        "a": None,
-        "b": {"d": None},
-        "e": [1],
-    }
-    desired = {"kind": "X", "metadata": {"name": "x"}, "spec": {"replicas": 2, "sel": {"k": "v"}}}
-    live = copy.deepcopy(kube.with_last_applied(desired))
-    live["spec"]["defaulted"] = "by-server"
-    assert kube.apply_patch(live, desired) == {}  # server defaults are not fought
-    live["spec"]["replicas"] = 0  # someone scaled it directly
-    assert kube.apply_patch(live, desired) == {"spec": {"replicas": 2}}
-    changed = {"kind": "X", "metadata": {"name": "x"}, "spec": {"replicas": 2}}
-    patch = kube.apply_patch(kube.with_last_applied(desired), changed)
-    assert patch["spec"] == {"sel": None}

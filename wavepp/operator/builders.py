@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import kopf
+
 from wavepp.api.spec import API_GROUP, API_VERSION, KIND, WavePipelineSpec
 
 LABEL_PIPELINE = "wavepp.dev/pipeline"
@@ -131,15 +133,17 @@ def stage_selector(pipeline: str) -> str:
 
 
 def owner_reference(ref: PipelineRef) -> dict[str, Any]:
-    """The controller owner reference to the pipeline (garbage collection, kopf adoption)."""
-    return {
+    """The controller owner reference to the pipeline (garbage collection), built by kopf.
+
+    NOTE: kopf's ``build_owner_reference`` is the reference part of ``kopf.adopt``; adopt itself
+    would also copy the pipeline's labels onto every child, which the children do not carry.
+    """
+    owner = {
         "apiVersion": f"{API_GROUP}/{API_VERSION}",
         "kind": KIND,
-        "name": ref.name,
-        "uid": ref.uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
+        "metadata": {"name": ref.name, "uid": ref.uid},
     }
+    return dict(kopf.build_owner_reference(owner, controller=True, block_owner_deletion=True))
 
 
 def _metadata(

@@ -1,10 +1,12 @@
 """kopf handlers of the WavePipeline operator: thin, they only list, apply and report.
 
 One daemon per WavePipeline runs the reconcile loop: list the children, ask
-:func:`wavepp.operator.reconcile.plan` what to do, apply the actions in order, write the status.
-It wakes up on any event of the pipeline or of its pods (a pod became ready, failed, went away),
-when a drain timeout is due, and every ``resync_s`` seconds. Only the daemon writes, under a
-per-pipeline lock that the delete handler shares, so two writers never race.
+:func:`wavepp.operator.reconcile.plan` what to do, apply the actions in order (children by
+server-side apply, :mod:`wavepp.operator.kube`), write the status. It wakes up on any event of
+the pipeline or of its pods (a pod became ready, failed, went away), when a drain timeout is due,
+and every ``resync_s`` seconds. Only the daemon writes, under a per-pipeline lock that the delete
+handler shares, so two writers never race. A failed pass raises :class:`kopf.TemporaryError`:
+kopf calls the daemon again after the delay.
 
 Settings live in one startup handler; the API client is opened there and closed at cleanup
 (STYLE.md, kopf handlers).
@@ -13,13 +15,13 @@ Settings live in one startup handler; the API client is opened there and closed 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import kopf
 
 from wavepp.api.spec import API_GROUP, API_VERSION, PLURAL
@@ -29,6 +31,8 @@ from wavepp.operator.reconcile import Apply, Create, Defaults, Delete, Observed,
 
 FINALIZER = "wavepp.dev/operator"
 CHILD_KINDS = ("StatefulSet", "Deployment", "Service", "ConfigMap", "HorizontalPodAutoscaler")
+RETRY_FIRST_S = 0.5  # delay after the first failed pass; doubles per failure in a row
+RETRY_MAX_S = 30.0
 
 
 @dataclass
@@ -63,6 +67,11 @@ class OperatorState:
     unexpected_errors: list[str] = field(default_factory=list)
     last_phase: dict[tuple[str, str], str] = field(default_factory=dict)
     reconciled_specs: dict[tuple[str, str], Any] = field(default_factory=dict)
+    failures: dict[tuple[str, str], int] = field(default_factory=dict)  # failed passes in a row
+    # pipeline -> (kind, name) -> (manifest as canonical JSON, resourceVersion after our apply)
+    applied: dict[tuple[str, str], dict[tuple[str, str], tuple[str, str]]] = field(
+        default_factory=dict
+    )
 
     def wakeup(self, namespace: str, name: str) -> asyncio.Event:
         """The event that wakes the daemon of one pipeline (created on first use)."""
@@ -76,6 +85,18 @@ class OperatorState:
         """Wake the daemon of a pipeline, if it runs."""
         if namespace and name and (namespace, name) in self.wakeups:
             self.wakeups[(namespace, name)].set()
+
+    def retry_delay(self, namespace: str, name: str) -> float:
+        """Count one more failed pass; seconds until the next (0.5, 1, 2, ... 30)."""
+        count = self.failures.get((namespace, name), 0)
+        self.failures[(namespace, name)] = count + 1
+        return min(RETRY_FIRST_S * 2**count, RETRY_MAX_S)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop what is kept about a pipeline whose daemon stopped for good."""
+        tables = (self.wakeups, self.reconciled_specs, self.last_phase, self.failures, self.applied)
+        for table in tables:
+            table.pop((namespace, name), None)
 
 
 def connection_info(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -129,14 +150,10 @@ async def startup(
     if info is None:
         raise kopf.PermanentError("no Kubernetes credentials: no service account, no kubeconfig")
 
-    def relogin() -> kube.Credentials:
-        fresh = connection_info(settings=settings, logger=logger)
-        return kube.credentials_from_kopf(fresh or info)
+    def relogin() -> kopf.ConnectionInfo:
+        return connection_info(settings=settings, logger=logger) or info
 
-    memo.state = OperatorState(
-        options=options,
-        client=kube.KubeClient(kube.credentials_from_kopf(info), relogin=relogin),
-    )
+    memo.state = OperatorState(options=options, client=kube.KubeClient(info, relogin=relogin))
     logger.info(
         "wavepp operator: defaults image=%s nats=%s",
         options.default_image,
@@ -156,7 +173,7 @@ async def cleanup(memo: Any, **_: Any) -> None:
 
 
 async def _observe(client: kube.KubeClient, namespace: str, name: str) -> Observed:
-    selector = f"{b.LABEL_PIPELINE}={name}"
+    selector = {b.LABEL_PIPELINE: name}
     sts, deps, pods, cms, hpas, svcs = await asyncio.gather(
         client.list("StatefulSet", namespace, selector),
         client.list("Deployment", namespace, selector),
@@ -170,32 +187,55 @@ async def _observe(client: kube.KubeClient, namespace: str, name: str) -> Observ
     )
 
 
+def _resource_version(obj: dict[str, Any] | None) -> str | None:
+    return ((obj or {}).get("metadata") or {}).get("resourceVersion")
+
+
 async def _execute(
     client: kube.KubeClient,
     namespace: str,
     action: Any,
     listed: dict[tuple[str, str], dict[str, Any]],
+    applied: dict[tuple[str, str], tuple[str, str]],
 ) -> None:
-    """Carry out one action; ``listed`` holds the children as just listed (saves a GET each)."""
+    """Carry out one action.
+
+    Args:
+        listed: the children as just listed, by (kind, name) (Create skips those).
+        applied: what this process last applied to each child and the resourceVersion the
+            server answered. NOTE: an Apply is skipped when the manifest is the same and the
+            listed object still has that resourceVersion (nobody wrote it since, so the apply
+            would change nothing): an unchanged pipeline costs no writes.
+    """
     if isinstance(action, Apply):
         key = (action.manifest["kind"], action.manifest["metadata"]["name"])
-        await kube.apply(client, action.manifest, listed.get(key))
-        listed.pop(key, None)  # a second Apply of the same object in one plan re-reads it
+        manifest = json.dumps(action.manifest, sort_keys=True, separators=(",", ":"))
+        last = applied.get(key)
+        if last is not None and last == (manifest, _resource_version(listed.get(key))):
+            return
+        result = await client.apply(action.manifest)
+        version = _resource_version(result)
+        if version is None:
+            applied.pop(key, None)
+        else:
+            applied[key] = (manifest, version)
     elif isinstance(action, Create):
         meta = action.manifest["metadata"]
         if (action.manifest["kind"], meta["name"]) not in listed:
             try:
-                await client.create(kube.with_last_applied(action.manifest))
-            except kube.KubeError as exc:
-                if exc.status != 409:
+                await client.create(action.manifest)
+            except kube.API_ERRORS as exc:
+                if kube.status_code(exc) != 409:
                     raise
     elif isinstance(action, Patch):
+        applied.pop((action.kind, action.name), None)  # a later Apply in this pass writes
         try:
             await client.patch(action.kind, namespace, action.name, action.patch)
-        except kube.KubeError as exc:
-            if exc.status != 404:
+        except kube.API_ERRORS as exc:
+            if kube.status_code(exc) != 404:
                 raise
     elif isinstance(action, Delete):
+        applied.pop((action.kind, action.name), None)
         await client.delete(action.kind, namespace, action.name)
     else:  # pragma: no cover - plan() returns only the four kinds
         raise AssertionError(f"unknown action {action!r}")
@@ -224,8 +264,9 @@ async def reconcile_pipeline(
         Defaults(opts.default_image, opts.default_nats_url, opts.default_otlp_endpoint),
     )
     listed = observed.index()
+    applied = state.applied.setdefault((namespace, name), {})
     for action in result.actions:
-        await _execute(client, namespace, action, listed)
+        await _execute(client, namespace, action, listed, applied)
     state.reconciled_specs[(namespace, name)] = body.get("spec")
     patch = _status_patch(body.get("status") or {}, result.status)
     if patch:
@@ -252,44 +293,41 @@ async def pipeline_daemon(
     logger: logging.Logger,
     **_: Any,
 ) -> None:
-    """Reconcile loop of one pipeline; never raises on API errors, backs off instead."""
+    """Reconcile loop of one pipeline.
+
+    A failed pass (API error, or a bug: logged and recorded) raises :class:`kopf.TemporaryError`
+    with a delay of 0.5 s doubling to 30 s over failures in a row (a pass that succeeds resets
+    it); kopf calls the daemon again after it. The state kept about the pipeline survives the
+    retry and is dropped when the daemon stops (or by :func:`pipeline_deleted`).
+    """
     state = _state(memo)
     wake = state.wakeup(namespace, name)
-    backoff_s = 0.5
-    try:
-        while not stopped:
-            wake.clear()
-            try:
-                async with state.lock(namespace, name):
-                    due_s = await reconcile_pipeline(state, namespace, name, logger)
-                backoff_s = 0.5
-            except (kube.KubeError, aiohttp.ClientError, TimeoutError) as exc:
-                logger.warning(
-                    "reconcile of %s/%s failed, retrying in %.1f s: %s",
-                    namespace,
-                    name,
-                    backoff_s,
-                    exc,
-                )
-                due_s, backoff_s = backoff_s, min(backoff_s * 2, 30.0)
-            except Exception as exc:  # noqa: BLE001 - a bug must not stop the other pipelines
+    while not stopped:
+        wake.clear()
+        try:
+            async with state.lock(namespace, name):
+                due_s = await reconcile_pipeline(state, namespace, name, logger)
+        except Exception as exc:
+            if not isinstance(exc, kube.API_ERRORS):  # a bug must not stop the other pipelines
                 logger.exception("unexpected error reconciling %s/%s", namespace, name)
                 state.unexpected_errors.append(f"{namespace}/{name}: {exc!r}")
-                due_s, backoff_s = backoff_s, min(backoff_s * 2, 30.0)
-            timeout_s = min(t for t in (state.options.resync_s, due_s) if t is not None)
-            waiters = [
-                asyncio.ensure_future(wake.wait()),
-                asyncio.ensure_future(stopped.wait(timeout_s)),
-            ]
-            try:
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiter in waiters:
-                    waiter.cancel()
-    finally:
-        state.wakeups.pop((namespace, name), None)
-        state.reconciled_specs.pop((namespace, name), None)
-        state.last_phase.pop((namespace, name), None)
+            delay_s = state.retry_delay(namespace, name)
+            raise kopf.TemporaryError(
+                f"reconcile of {namespace}/{name} failed, retrying in {delay_s:.1f} s: {exc}",
+                delay=delay_s,
+            ) from exc
+        state.failures.pop((namespace, name), None)
+        timeout_s = min(t for t in (state.options.resync_s, due_s) if t is not None)
+        waiters = [
+            asyncio.ensure_future(wake.wait()),
+            asyncio.ensure_future(stopped.wait(timeout_s)),
+        ]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+    state.forget(namespace, name)
 
 
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL)
@@ -322,9 +360,10 @@ async def pipeline_deleted(
     """Delete the children now (owner references let the garbage collector do it too)."""
     state = _state(memo)
     assert state.client is not None, "startup opens the client"
-    selector = f"{b.LABEL_PIPELINE}={name}"
+    selector = {b.LABEL_PIPELINE: name}
     async with state.lock(namespace, name):
         for kind in CHILD_KINDS:
             for obj in await state.client.list(kind, namespace, selector):
                 await state.client.delete(kind, namespace, obj["metadata"]["name"])
+    state.forget(namespace, name)  # the daemon may have been stopped while kopf delayed a retry
     logger.info("deleted the children of %s/%s", namespace, name)

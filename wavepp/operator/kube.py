@@ -1,168 +1,161 @@
-"""A small async Kubernetes API client (aiohttp) for the operator's handlers.
+"""The operator's Kubernetes API access: lightkube's async client, logged in as kopf is.
 
-Why not the ``kubernetes`` package: it is synchronous, and its generated PATCH picks the
-JSON-patch content type for dict bodies. The operator needs five verbs (get, list, create,
-merge-patch, delete) on a handful of kinds; this client does those with the same credentials
-kopf logged in with (:class:`kopf.ConnectionInfo`).
+Children are written with **server-side apply** (``PATCH``, ``application/apply-patch+yaml``,
+``fieldManager=wavepp-operator``, ``force=true``): the API server creates an absent object,
+records which fields the operator owns, removes fields the operator stopped sending, takes back
+fields another writer changed (``spec.replicas`` set by hand) and leaves alone the fields only
+others own (defaults, annotations the operator merge-patches). No client-side diff, no
+last-applied annotation.
 
-:func:`apply` is the handlers' one write path for children: create when absent, else a JSON
-merge patch (RFC 7386) computed against the last applied manifest, which is kept in an
-annotation as ``kubectl apply`` does, so that a field removed from the desired manifest is
-removed from the object too, and an unchanged manifest costs no write.
+Objects travel as plain dicts (lightkube's generic resources): the builders write dicts and the
+planner reads them, and a dict decodes whatever the server sends (lightkube's typed models reject
+an object that lacks a field the schema requires, and drop fields newer than the models).
+
+Login: :func:`kubeconfig_from_kopf` turns the :class:`kopf.ConnectionInfo` that kopf logged in
+with (service account, kubeconfig, or the ``kubernetes`` client's parsing for exec plugins) into
+a lightkube configuration, so both clients use one set of credentials. lightkube builds the TLS
+context: inline certificate data passes through a ``NamedTemporaryFile`` that is deleted as soon
+as the context has loaded it, so nothing is left in the temp directory.
 """
 
 from __future__ import annotations
 
-import base64
-import json
-import ssl
-import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-import aiohttp
+import httpx2
+import kopf
+from lightkube import AsyncClient, KubeConfig
+from lightkube.config.models import Cluster, User
+from lightkube.generic_resource import GenericNamespacedResource, create_namespaced_resource
+from lightkube.types import CascadeType, PatchType
 
-LAST_APPLIED = "wavepp.dev/last-applied"
+FIELD_MANAGER = "wavepp-operator"
 
-# kind -> (apiVersion, plural); the kinds the operator reads or writes.
-KINDS: dict[str, tuple[str, str]] = {
-    "ConfigMap": ("v1", "configmaps"),
-    "Service": ("v1", "services"),
-    "Pod": ("v1", "pods"),
-    "StatefulSet": ("apps/v1", "statefulsets"),
-    "Deployment": ("apps/v1", "deployments"),
-    "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
-    "WavePipeline": ("wavepp.dev/v1alpha1", "wavepipelines"),
+# What a failed call raises: HTTP status errors (lightkube's ApiError is one; an error body whose
+# content type is not exactly application/json comes as the plain httpx error), transport errors.
+API_ERRORS: tuple[type[BaseException], ...] = (httpx2.HTTPError, TimeoutError)
+
+# kind -> generic (dict-backed) resource class; the kinds the operator reads or writes.
+# NOTE: lightkube registers these classes by (apiVersion, kind); nothing in the operator loads
+# lightkube's typed models for the same kinds, which would conflict.
+RESOURCES: dict[str, type[GenericNamespacedResource]] = {
+    kind: create_namespaced_resource(group, version, kind, plural)
+    for kind, group, version, plural in (
+        ("ConfigMap", "", "v1", "configmaps"),
+        ("Service", "", "v1", "services"),
+        ("Pod", "", "v1", "pods"),
+        ("StatefulSet", "apps", "v1", "statefulsets"),
+        ("Deployment", "apps", "v1", "deployments"),
+        ("HorizontalPodAutoscaler", "autoscaling", "v2", "horizontalpodautoscalers"),
+        ("WavePipeline", "wavepp.dev", "v1alpha1", "wavepipelines"),
+    )
 }
 
-
-class KubeError(Exception):
-    """A failed API call: HTTP status, Kubernetes reason, message."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(f"HTTP {status} {reason}: {message}")
-        self.status = status
-        self.reason = reason
-        self.message = message
+T = TypeVar("T")
 
 
-def resource_path(
-    kind: str, namespace: str | None, name: str | None = None, subresource: str | None = None
-) -> str:
-    """URL path of a collection or object, e.g. ``/apis/apps/v1/namespaces/ns/statefulsets/x``.
+def resource(kind: str) -> type[GenericNamespacedResource]:
+    """The lightkube resource class of ``kind``.
 
     Raises:
         ValueError: unknown kind.
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind={kind!r} is not one of {sorted(KINDS)}")
-    api_version, plural = KINDS[kind]
-    path = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
-    if namespace:
-        path += f"/namespaces/{namespace}"
-    path += f"/{plural}"
-    if name:
-        path += f"/{name}"
-    if subresource:
-        path += f"/{subresource}"
-    return path
+    if kind not in RESOURCES:
+        raise ValueError(f"kind={kind!r} is not one of {sorted(RESOURCES)}")
+    return RESOURCES[kind]
 
 
-def merge_patch(old: Any, new: Any) -> Any:
-    """The RFC 7386 merge patch that turns ``old`` into ``new``; ``{}`` when they are equal.
-
-    Keys absent from ``new`` become ``None`` (delete); dicts recurse; anything else (lists
-    included) is replaced whole.
-    """
-    if not isinstance(old, dict) or not isinstance(new, dict):
-        return new
-    patch: dict[str, Any] = {}
-    for key in old.keys() - new.keys():
-        patch[key] = None
-    for key, value in new.items():
-        if key not in old:
-            patch[key] = value
-        elif isinstance(old[key], dict) and isinstance(value, dict):
-            sub = merge_patch(old[key], value)
-            if sub != {}:
-                patch[key] = sub
-        elif old[key] != value:
-            patch[key] = value
-    return patch
+def status_code(exc: BaseException) -> int | None:
+    """The HTTP status of a failed call, None for a transport error."""
+    response = getattr(exc, "response", None)
+    return None if response is None else response.status_code
 
 
-@dataclass
-class Credentials:
-    """What the client needs from kopf's ConnectionInfo."""
+def _text(value: str | bytes | os.PathLike[Any] | None) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value.decode()
+    return os.fspath(value) if not isinstance(value, str) else value
 
-    server: str
-    headers: dict[str, str]
-    ssl_context: ssl.SSLContext | bool
 
-
-def credentials_from_kopf(info: Any) -> Credentials:
-    """Build :class:`Credentials` from a :class:`kopf.ConnectionInfo`.
+def kubeconfig_from_kopf(info: kopf.ConnectionInfo) -> KubeConfig:
+    """The lightkube configuration of the credentials kopf logged in with.
 
     Args:
-        info: a ConnectionInfo (server, CA, client certificate, token or basic auth).
+        info: server, CA (path or base64 data), ``insecure``, client certificate and key (paths or
+            base64 data), bearer token or basic auth, default namespace.
 
     Returns:
-        Credentials with an SSL context honouring the CA, client certificate and ``insecure``.
+        A one-context KubeConfig.
+
+    Raises:
+        ValueError: an authorization scheme other than Bearer (lightkube sends tokens as Bearer).
     """
-    context: ssl.SSLContext | bool = True
-    if info.server.startswith("https"):
-        context = ssl.create_default_context()
-        if info.insecure:
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        if info.ca_path:
-            context.load_verify_locations(cafile=info.ca_path)
-        elif info.ca_data:
-            data = info.ca_data
-            pem = base64.b64decode(data).decode() if isinstance(data, str | bytes) else data
-            context.load_verify_locations(cadata=pem)
-        cert = info.certificate_path
-        key = info.private_key_path
-        if info.certificate_data and info.private_key_data:
-            cert = _write_temp(base64.b64decode(info.certificate_data))
-            key = _write_temp(base64.b64decode(info.private_key_data))
-        if cert:
-            context.load_cert_chain(certfile=cert, keyfile=key)
-    return Credentials(
-        server=info.server.rstrip("/"), headers=info.as_http_headers(), ssl_context=context
+    if info.token and info.scheme and info.scheme.lower() != "bearer":
+        raise ValueError(
+            f"authorization scheme {info.scheme!r} is not supported: only Bearer tokens "
+            "(fix: use a token, a client certificate or basic auth in the kubeconfig)"
+        )
+    cluster = Cluster(
+        server=info.server,
+        certificate_auth=_text(info.ca_path),
+        certificate_auth_data=_text(info.ca_data),
+        insecure=bool(info.insecure),
     )
-
-
-def _write_temp(data: bytes) -> str:
-    with tempfile.NamedTemporaryFile(prefix="wavepp-", suffix=".pem", delete=False) as f:
-        f.write(data)
-        return f.name
+    user = User(
+        token=info.token,
+        username=info.username,
+        password=info.password,
+        client_cert=_text(info.certificate_path),
+        client_cert_data=_text(info.certificate_data),
+        client_key=_text(info.private_key_path),
+        client_key_data=_text(info.private_key_data),
+    )
+    return KubeConfig.from_one(cluster=cluster, user=user, namespace=info.default_namespace)
 
 
 class KubeClient:
-    """Async client over one aiohttp session; open with ``async with`` or call :meth:`close`."""
+    """lightkube's AsyncClient for the operator's verbs; objects are dicts.
+
+    Holds the current client and the clients replaced by a re-login (closed at the next re-login
+    or at :meth:`close`, so that requests still running on them can finish).
+    """
 
     def __init__(
         self,
-        credentials: Credentials,
+        info: kopf.ConnectionInfo,
         *,
-        relogin: Callable[[], Credentials] | None = None,
+        relogin: Callable[[], kopf.ConnectionInfo] | None = None,
         timeout_s: float = 30.0,
-        user_agent: str = "wavepp-operator",
+        transport: Callable[[], httpx2.AsyncBaseTransport] | None = None,
     ) -> None:
-        """Open a session (no request yet).
+        """Open the client (no request yet).
 
         Args:
-            credentials: server, auth headers, TLS.
-            relogin: called once on HTTP 401 to fetch fresh credentials (rotated tokens).
-            timeout_s: total time limit of one request, in seconds.
-            user_agent: User-Agent header (audit logs tell the operator's writes apart).
+            info: the credentials (see :func:`kubeconfig_from_kopf`).
+            relogin: called on HTTP 401 for fresh credentials (rotated tokens); the request is
+                then repeated once.
+            timeout_s: time limit of one request, in seconds.
+            transport: makes an httpx transport for each client opened, instead of lightkube's
+                default (tests: a User-Agent).
         """
-        self._credentials = credentials
         self._relogin = relogin
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=timeout_s), headers={"User-Agent": user_agent}
+        self._timeout = httpx2.Timeout(timeout_s)
+        self._transport = transport
+        self._client = self._open(info)
+        self._retired: list[AsyncClient] = []
+
+    def _open(self, info: kopf.ConnectionInfo) -> AsyncClient:
+        return AsyncClient(
+            kubeconfig_from_kopf(info),
+            timeout=self._timeout,
+            field_manager=FIELD_MANAGER,
+            trust_env=info.trust_env,  # kopf's settings.networking.trust_env (default False)
+            proxy=info.proxy_url,
+            transport=None if self._transport is None else self._transport(),
         )
 
     async def __aenter__(self) -> KubeClient:
@@ -172,205 +165,102 @@ class KubeClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the HTTP session."""
-        await self._session.close()
+        """Close the HTTP client(s)."""
+        for client in [*self._retired, self._client]:
+            await client.close()
+        self._retired.clear()
 
-    async def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: Any = None,
-        params: dict[str, str] | None = None,
-        content_type: str = "application/json",
-        retry_auth: bool = True,
-    ) -> dict[str, Any]:
-        data = None if body is None else json.dumps(body)
-        creds = self._credentials
-        async with self._session.request(
-            method,
-            creds.server + path,
-            data=data,
-            params=params,
-            headers=creds.headers | {"Content-Type": content_type, "Accept": "application/json"},
-            ssl=creds.ssl_context,
-        ) as response:
-            text = await response.text()
-            payload = json.loads(text) if text else {}
-            if response.status == 401 and retry_auth and self._relogin is not None:
-                self._credentials = self._relogin()
-                return await self._request(
-                    method,
-                    path,
-                    body=body,
-                    params=params,
-                    content_type=content_type,
-                    retry_auth=False,
-                )
-            if response.status >= 400:
-                raise KubeError(
-                    response.status,
-                    str(payload.get("reason", response.reason)),
-                    str(payload.get("message", text[:200])),
-                )
-            return payload
-
-    async def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
-        """The object, or None when it does not exist (404)."""
+    async def _call(self, request: Callable[[AsyncClient], Awaitable[T]]) -> T:
+        client = self._client
         try:
-            return await self._request("GET", resource_path(kind, namespace, name))
-        except KubeError as exc:
-            if exc.status == 404:
+            return await request(client)
+        except httpx2.HTTPStatusError as exc:
+            if status_code(exc) != 401 or self._relogin is None:
+                raise
+        if self._client is client:  # the first caller to see the 401 logs in again
+            for old in self._retired:
+                await old.close()
+            self._retired = [client]
+            self._client = self._open(self._relogin())
+        return await request(self._client)
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object, or None when it does not exist (404)."""
+        res = resource(kind)
+        try:
+            obj = await self._call(lambda c: c.get(res, name, namespace=namespace))
+        except httpx2.HTTPStatusError as exc:
+            if status_code(exc) == 404:
                 return None
             raise
+        return obj.to_dict()
 
     async def list(
-        self, kind: str, namespace: str | None, label_selector: str | None = None
+        self, kind: str, namespace: str, labels: dict[str, str] | None = None
     ) -> list[dict[str, Any]]:
-        """Objects of ``kind`` in ``namespace`` (all namespaces when None) matching the selector.
+        """Objects of ``kind`` in ``namespace`` whose labels equal ``labels``."""
+        res = resource(kind)
 
-        NOTE: the selector is also applied here (equality terms only), so a server that ignores
-        ``labelSelector`` (the test emulator) returns the same answer as a real one.
-        """
-        params = {"labelSelector": label_selector} if label_selector else None
-        payload = await self._request("GET", resource_path(kind, namespace), params=params)
-        items = payload.get("items") or []
-        if label_selector:
-            wanted = dict(term.split("=", 1) for term in label_selector.split(","))
-            items = [
-                item
-                for item in items
-                if all(
-                    (item.get("metadata", {}).get("labels") or {}).get(k) == v
-                    for k, v in wanted.items()
-                )
-            ]
-        return items
+        async def request(client: AsyncClient) -> list[dict[str, Any]]:
+            return [o.to_dict() async for o in client.list(res, namespace=namespace, labels=labels)]
+
+        return await self._call(request)
 
     async def create(self, body: dict[str, Any]) -> dict[str, Any]:
         """Create ``body`` (its kind and namespace name the collection)."""
-        meta = body["metadata"]
-        return await self._request(
-            "POST", resource_path(body["kind"], meta.get("namespace")), body=body
+        obj = resource(body["kind"])(body)
+        return (await self._call(lambda c: c.create(obj))).to_dict()
+
+    async def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply of ``manifest`` as :data:`FIELD_MANAGER`, forcing conflicts.
+
+        NOTE: a dict body goes out as it is (lightkube's ``apply`` takes typed objects only, and
+        ``patch`` with the apply type is the same request), so no model drops a field.
+        """
+        meta = manifest["metadata"]
+        res = resource(manifest["kind"])
+        applied = await self._call(
+            lambda c: c.patch(
+                res,
+                meta["name"],
+                manifest,
+                namespace=meta["namespace"],
+                patch_type=PatchType.APPLY,
+                field_manager=FIELD_MANAGER,
+                force=True,
+            )
         )
+        return applied.to_dict()
 
     async def patch(
         self,
         kind: str,
-        namespace: str | None,
+        namespace: str,
         name: str,
         patch: dict[str, Any],
         *,
         subresource: str | None = None,
     ) -> dict[str, Any]:
-        """JSON merge patch (``application/merge-patch+json``) of an object or a subresource."""
-        return await self._request(
-            "PATCH",
-            resource_path(kind, namespace, name, subresource),
-            body=patch,
-            content_type="application/merge-patch+json",
+        """JSON merge patch (RFC 7386) of an object, or of its ``status`` subresource."""
+        res: Any = resource(kind)
+        if subresource == "status":
+            res = res.Status
+        elif subresource is not None:
+            raise ValueError(f"subresource={subresource!r}: only 'status' is patched")
+        patched = await self._call(
+            lambda c: c.patch(res, name, patch, namespace=namespace, patch_type=PatchType.MERGE)
         )
+        return patched.to_dict()
 
-    async def delete(self, kind: str, namespace: str | None, name: str) -> bool:
+    async def delete(self, kind: str, namespace: str, name: str) -> bool:
         """Delete with background propagation; False when it was already gone."""
+        res = resource(kind)
         try:
-            await self._request(
-                "DELETE",
-                resource_path(kind, namespace, name),
-                body={
-                    "kind": "DeleteOptions",
-                    "apiVersion": "v1",
-                    "propagationPolicy": "Background",
-                },
+            await self._call(
+                lambda c: c.delete(res, name, namespace=namespace, cascade=CascadeType.BACKGROUND)
             )
-        except KubeError as exc:
-            if exc.status == 404:
+        except httpx2.HTTPStatusError as exc:
+            if status_code(exc) == 404:
                 return False
             raise
         return True
-
-
-def with_last_applied(desired: dict[str, Any]) -> dict[str, Any]:
-    """``desired`` plus the annotation that records it (canonical JSON, sorted keys)."""
-    record = json.dumps(desired, sort_keys=True, separators=(",", ":"))
-    meta = dict(desired["metadata"])
-    meta["annotations"] = dict(meta.get("annotations") or {}) | {LAST_APPLIED: record}
-    return desired | {"metadata": meta}
-
-
-def _scalar_drift(live: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
-    """Scalars of ``desired`` (in nested dicts, not in lists) whose live value differs."""
-    drift: dict[str, Any] = {}
-    for key, value in desired.items():
-        current = live.get(key)
-        if isinstance(value, dict):
-            sub = _scalar_drift(current if isinstance(current, dict) else {}, value)
-            if sub:
-                drift[key] = sub
-        elif not isinstance(value, list) and current != value:
-            drift[key] = value
-    return drift
-
-
-def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(a)
-    for key, value in b.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def apply_patch(existing: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
-    """The merge patch that brings ``existing`` to ``desired``; ``{}`` when nothing changes.
-
-    Three-way, as ``kubectl apply``: fields that left the desired manifest since the last apply
-    are deleted; fields that changed are set; scalars that someone else changed on the live
-    object (``spec.replicas`` set by a direct patch) are set back. Lists are compared with the
-    last applied manifest only: the server adds defaults inside them (containers, ports).
-    An object without the annotation (created by someone else) gets the whole manifest.
-    """
-    desired_full = with_last_applied(desired)
-    annotations = existing.get("metadata", {}).get("annotations") or {}
-    try:
-        last = json.loads(annotations[LAST_APPLIED])
-    except (KeyError, ValueError):
-        return desired_full
-    patch = merge_patch(with_last_applied(last), desired_full) if last != desired else {}
-    return _deep_merge(patch, _scalar_drift(existing, desired_full))
-
-
-_UNKNOWN: Any = object()
-
-
-async def apply(client: KubeClient, desired: dict[str, Any], existing: Any = _UNKNOWN) -> str:
-    """Create ``desired`` or patch the existing object towards it.
-
-    Args:
-        client: the API client.
-        desired: the manifest.
-        existing: the live object if the caller has just listed it (None: absent); omitted,
-            it is fetched. A stale "absent" is corrected: a 409 on create falls back to a GET.
-
-    Returns:
-        "created", "patched" or "unchanged".
-    """
-    meta = desired["metadata"]
-    if existing is _UNKNOWN:
-        existing = await client.get(desired["kind"], meta.get("namespace"), meta["name"])
-    if existing is None:
-        try:
-            await client.create(with_last_applied(desired))
-            return "created"
-        except KubeError as exc:
-            if exc.status != 409:
-                raise
-        existing = await client.get(desired["kind"], meta.get("namespace"), meta["name"])
-        if existing is None:
-            raise KubeError(409, "Conflict", f"{meta['name']} exists and does not")
-    patch = apply_patch(existing, desired)
-    if not patch:
-        return "unchanged"
-    await client.patch(desired["kind"], meta.get("namespace"), meta["name"], patch)
-    return "patched"

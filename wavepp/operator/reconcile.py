@@ -59,7 +59,7 @@ DrainReason = Literal["rollout", "failure", "scale-down"]
 
 @dataclass(frozen=True)
 class Apply:
-    """Create or three-way patch the object towards ``manifest``."""
+    """Server-side apply of ``manifest`` (created when absent; fields the operator owns follow it)."""
 
     manifest: dict[str, Any]
 
