@@ -88,6 +88,25 @@ fi
 kubectl get wavepipelines
 kubectl get wavepipeline tiny -o jsonpath='{range .status.stages[*]}{.replica}/{.rank}: {.phase}{"\n"}{end}'
 
+# Children are written by server-side apply (the unit tests' emulator only approximates it):
+# the API server records the operator as the Apply manager of its fields.
+for child in statefulset/tiny-r0 deployment/tiny-gateway configmap/tiny-pool; do
+  ops=$(kubectl get "$child" -o jsonpath='{.metadata.managedFields[?(@.manager=="wavepp-operator")].operation}')
+  case " $ops " in
+    *" Apply "*) ;;
+    *) dump; die "$child is not server-side applied by wavepp-operator (managedFields: '$ops')" ;;
+  esac
+done
+# A field the operator owns, changed by someone else, is taken back on a later pass (force).
+pool_json() { kubectl get configmap tiny-pool -o jsonpath='{.data.pool\.json}'; }
+want=$(pool_json)
+kubectl patch configmap tiny-pool --type merge -p '{"data":{"pool.json":"{}"}}' >/dev/null
+for _ in $(seq 30); do
+  [ "$(pool_json)" = "$want" ] && break
+  sleep 2
+done
+[ "$(pool_json)" = "$want" ] || { dump; die "configmap/tiny-pool was not set back by the operator"; }
+
 # Delete: the children go with their owner (garbage collection by owner references).
 kubectl delete -f examples/wavepipeline.yaml --wait --timeout=2m
 if kubectl get statefulsets -l wavepp.dev/pipeline=tiny -o name | grep -q .; then
