@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from wavepp.bench.replay import ReplayReport, run_closed_loop
+from wavepp.bench.report import ReplayReport, run_closed_loop
 from wavepp.bench.workloads import Workload, ideal_hit_ratio, mooncake_workload, preset_workload
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.model_config import get_preset
 from wavepp.runtime.planning.catalogue import derived_cost_model
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.scheduling.scheduler import WaveStats
+from wavepp.runtime.scheduling.stats import WaveStats
 from wavepp.runtime.serving.local import LocalPipeline
 
 __all__ = [
@@ -181,7 +181,8 @@ def runtime_config(spec: GridSpec, setting: Setting) -> tuple[RuntimeConfig, Any
 def idle_by_stage(stats: WaveStats, num_stages: int) -> tuple[list[float], list[float]]:
     """Per stage: idle seconds and the largest idle gap within the execution window.
 
-    Window: first execute start to last execute end over all stages (as wave fill).
+    Window: first execute start to last execute end over all stages (as wave fill), over the
+    stats' recent spans (every span of a grid run: ``WaveStats.window`` holds more).
 
     Returns:
         (idle_s, max_gap_s), one entry per stage, seconds.

@@ -55,13 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _is_admitting(service: AdmissionService, stop: asyncio.Event) -> bool:
-    """/readyz: every stage answered its probe, the intake is open, and no stop was asked.
-
-    NOTE: the results bucket is opened right before the intake subscription (service.run).
-    """
+    """/readyz: every stage answered its probe, the intake is open, and no stop was asked."""
     return (
         not stop.is_set()
-        and service._kv is not None
+        and service.is_intake_open
         and service.num_stages_formed == service.config.num_stages
     )
 

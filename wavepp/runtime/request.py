@@ -1,7 +1,9 @@
-"""The request type the runtime passes around: ``PromptRequest``."""
+"""The request type the runtime passes around (``PromptRequest``), its lifecycle on a scheduler
+(``RequestStatus``) and what its caller gets back (``RequestOutcome``)."""
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 
@@ -26,3 +28,60 @@ class PromptRequest:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life on one scheduler; one value at a time, moving forward.
+
+    ``WAITING`` (in the intake) -> ``AGREEING`` (prefix wait, probe/pin/commit) -> ``ADMITTED``
+    (L* pinned, the rest reserved; nothing planned) -> ``RUNNING`` (some chunks published) ->
+    ``PLANNED`` (every chunk published; waiting for the last stage) -> ``FINISHED_*``.
+    A re-form sends an admitted request back to ``WAITING`` (its stages are gone).
+    """
+
+    WAITING = enum.auto()
+    AGREEING = enum.auto()
+    ADMITTED = enum.auto()
+    RUNNING = enum.auto()
+    PLANNED = enum.auto()
+    FINISHED_OK = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        """Answered (a first token or an error); nothing more is planned for it."""
+        return self >= RequestStatus.FINISHED_OK
+
+    @property
+    def is_fully_planned(self) -> bool:
+        """No chunk of it will be planned any more (every chunk published, or answered)."""
+        return self >= RequestStatus.PLANNED
+
+
+@dataclass
+class RequestOutcome:
+    """What a caller gets back for one request. Times are ``time.time()`` seconds."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    first_token_id: int | None = None
+    logits: list[float] | None = None
+    error: str = ""
+    arrival_s: float = 0.0
+    admitted_s: float = 0.0
+    first_scheduled_s: float = 0.0
+    finished_s: float = 0.0
+    agreement_s: float = 0.0
+    num_refusals: int = 0
+    stage_hits: tuple[int, ...] = ()
+    # (rank, L*) as each stage reported it for each of the request's chunks
+    stage_agreed_blocks: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    @property
+    def ttft_s(self) -> float:
+        return self.finished_s - self.arrival_s

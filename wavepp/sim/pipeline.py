@@ -36,6 +36,7 @@ from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.planning import ChunkPlanner, CostModel
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
+from wavepp.runtime.scheduling.transport import BusPlanTransport
 from wavepp.sim.bus import SimBus, SimLatencies
 from wavepp.sim.stage import SimStage, SimStageClient
 
@@ -123,7 +124,8 @@ class SimPipeline:
             chunk_tokens=config.chunk_tokens,
             block_size=config.block_size,
         )
-        self.scheduler = WaveScheduler(config, self.bus, self.controller, planner)  # type: ignore[arg-type]
+        transport = BusPlanTransport(self.bus, config.subjects)  # the bus speaks nats.py's API
+        self.scheduler = WaveScheduler(config, transport, self.controller, planner)
         await self.scheduler.start()
 
     async def stop(self) -> None:

@@ -48,7 +48,13 @@ CHUNK_TRACEPARENTS_HEADER = "wavepp-chunk-traceparents"
 
 
 class _Stats(Protocol):
-    """The runtime's wave statistics (``WaveStats``), read by the observable gauges."""
+    """The runtime's wave statistics (``WaveStats``), read by the observable gauges.
+
+    NOTE: the gauges hold this object for the pipeline's life; a new measured window resets it
+    in place (``WaveStats.reset``), so a scrape always reads the current run. ``spans`` may be
+    a window of the recent ones; an ``execution_window()`` method, where present, gives the
+    bounds over every span recorded.
+    """
 
     spans: Sequence[Any]
 
@@ -79,10 +85,19 @@ def tenant_of(tenant: str, cache_salt: str) -> str:
 
 def stage_idle_s(stats: _Stats, num_stages: int) -> list[float]:
     """Per stage: execution window (first execute start to last execute end) minus busy time."""
-    if not stats.spans:
+    execution_window = getattr(stats, "execution_window", None)
+    if execution_window is not None:
+        window = execution_window()
+    elif stats.spans:
+        window = (
+            min(s.execute_start_s for s in stats.spans),
+            max(s.execute_end_s for s in stats.spans),
+        )
+    else:
+        window = None
+    if window is None:
         return [0.0] * num_stages
-    start = min(s.execute_start_s for s in stats.spans)
-    end = max(s.execute_end_s for s in stats.spans)
+    start, end = window
     return [max(0.0, (end - start) - busy) for busy in stats.busy_s_by_stage(num_stages)]
 
 
@@ -278,12 +293,17 @@ class PipelineTelemetry:
 
     # ---- KV events -----------------------------------------------------------------------
 
-    async def start(self, nc: Any, subject_prefix: str) -> None:
-        """Count evictions from the stages' KV events (only when metrics are on)."""
+    async def start(self, transport: Any, subject_prefix: str) -> None:
+        """Count evictions from the stages' KV events (only when metrics are on).
+
+        Args:
+            transport: the scheduler's ``PlanTransport`` (its ``subscribe(subject, cb)``).
+            subject_prefix: the replica's subject prefix.
+        """
         if self.metrics is None:
             return
-        self._sub = await nc.subscribe(
-            ReplicaSubjects(subject_prefix).kv_events("*"), cb=self._on_kv_events
+        self._sub = await transport.subscribe(
+            ReplicaSubjects(subject_prefix).kv_events("*"), self._on_kv_events
         )
 
     async def _on_kv_events(self, msg: Any) -> None:

@@ -90,7 +90,7 @@ class AdmissionController:
         self.model_id = model_id
         self.lease_s = lease_s
         self.stage_capacities = list(stage_capacities) if stage_capacities else None
-        self.live: set[str] = set()
+        self._live: set[str] = set()  # admitted, not released: their leases are renewed
         self.num_agreements = 0
         self.num_refusals = 0
 
@@ -185,7 +185,7 @@ class AdmissionController:
             self.num_refusals += 1
             await self._release_quietly([rid])
             return None
-        self.live.add(rid)
+        self._live.add(rid)
         return Ticket(
             request=request,
             num_agreed_blocks=num_agreed,
@@ -199,7 +199,7 @@ class AdmissionController:
         """Drop pins and reservations on every stage; the blocks stay cached for reuse."""
         if not request_ids:
             return
-        self.live.difference_update(request_ids)
+        self._live.difference_update(request_ids)
         await self._all(Release(request_ids=list(request_ids)))
 
     async def _release_quietly(self, request_ids: list[str]) -> None:
@@ -208,9 +208,19 @@ class AdmissionController:
         except Exception as exc:  # the lease frees what we could not
             log.warning("release of %s failed (%s); leases will expire", request_ids, exc)
 
+    @property
+    def num_live(self) -> int:
+        """Admitted requests not yet released (their leases are renewed)."""
+        return len(self._live)
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Stop renewing the leases of requests without releasing them: the stages that held
+        their pins are gone (a re-form); nothing is sent."""
+        self._live.difference_update(request_ids)
+
     async def renew_leases(self) -> None:
-        if self.live:
-            await self._all(Renew(request_ids=sorted(self.live), lease_s=self.lease_s))
+        if self._live:
+            await self._all(Renew(request_ids=sorted(self._live), lease_s=self.lease_s))
 
     async def health(self) -> list[KVReply]:
         return await self._all(Health())

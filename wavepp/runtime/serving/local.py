@@ -28,6 +28,7 @@ from wavepp.runtime.agreement import AdmissionController, StageUnavailableError
 from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import ChunkPlanner, CostModel
+from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.serving.lifecycle import child_env
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
@@ -150,7 +151,12 @@ class LocalPipeline:
             chunk_tokens=self.config.chunk_tokens,
             block_size=self.config.block_size,
         )
-        self.scheduler = WaveScheduler(self.config, self.nc, self.controller, planner)
+        self.scheduler = WaveScheduler(
+            self.config,
+            NatsPlanTransport(self.nc, self.config.subjects),
+            self.controller,
+            planner,
+        )
         await self.scheduler.start()
 
     async def wait_formed(self) -> None:

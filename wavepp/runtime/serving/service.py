@@ -48,8 +48,9 @@ from wavepp.runtime.agreement import AdmissionController
 from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import ChunkPlanner, CostModel
-from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.scheduling.scheduler import RequestOutcome, WaveScheduler
+from wavepp.runtime.request import PromptRequest, RequestOutcome
+from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
+from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class AdmissionService:
         # not repeat ids (the plans' epoch already keeps their done messages apart).
         self.scheduler = WaveScheduler(
             config,
-            nc,
+            NatsPlanTransport(nc, config.subjects),
             self.controller,
             planner,
             on_stage_done=self._on_stage_done,
@@ -150,7 +151,12 @@ class AdmissionService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(max_concurrent)
         self._timings: dict[str, dict[int, StageTiming]] = defaultdict(dict)
-        self._kv = None
+        self._kv = None  # the results bucket, opened right before the intake subscription
+
+    @property
+    def is_intake_open(self) -> bool:
+        """The results bucket is open and the intake about to be (or being) served."""
+        return self._kv is not None
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -213,11 +219,11 @@ class AdmissionService:
         subject = heartbeat_subject(self.config.pipeline)
         num_beats = 0
         while True:
-            if num_beats % 2 == 0 and self.scheduler._tasks:  # probe once a second once serving
+            if num_beats % 2 == 0 and self.scheduler.is_serving:  # probe once a second once serving
                 await self._probe_stages()
             beat = Heartbeat(
                 pipeline=self.config.pipeline,
-                ready=bool(self.scheduler._tasks)
+                ready=self.scheduler.is_serving
                 and self.num_stages_formed == self.config.num_stages,
                 num_stages_formed=self.num_stages_formed,
                 num_inflight=len(self._running),

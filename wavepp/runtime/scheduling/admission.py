@@ -1,0 +1,422 @@
+"""Admission strategies: how a request gets from the intake to the planning set.
+
+wave (``AsyncAdmission``, WavePP)::
+
+    intake --> admission tasks (<= max_agreements_in_flight, concurrent with execution;
+               lookahead-bounded; optionally waiting for a live request computing its prefix)
+               probe/pin/commit --> prepared queue (bounded, max_prepared) --> planning set
+
+sync (``SyncAdmission``, the baseline; mirrors TensorRT-LLM's ``_executor_loop_pp``)::
+
+    scheduling loop, on the critical path: for each new request probe/pin/commit, retrying
+    until the reservation fits (head of line waits) --> planning set
+
+Both call the admission controller (agreement over the stage clients) and hand the result to
+the scheduler's ``SchedulerCore``; neither touches the transport. ``WaveScheduler`` picks one
+from ``RuntimeConfig.resolved_async_agreement``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Protocol
+
+from wavepp.runtime.agreement import (
+    AdmissionController,
+    AgreementRefused,
+    StageUnavailableError,
+    Ticket,
+)
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.request import RequestStatus
+from wavepp.runtime.scheduling.core import RequestRecord, SchedulerCore
+from wavepp.telemetry import tracing
+from wavepp.telemetry.pipeline import PipelineTelemetry
+
+log = logging.getLogger(__name__)
+
+# Wave mode: an under-full micro-batch waits at most this fraction of the planner's target
+# micro-batch cost for requests still before their agreement (see AsyncAdmission.gather).
+UNDERFULL_WAIT_FRACTION = 0.05
+
+
+class AdmissionHost(Protocol):
+    """What a strategy needs of its scheduler (``WaveScheduler``)."""
+
+    config: RuntimeConfig
+    core: SchedulerCore
+    controller: AdmissionController
+    telemetry: PipelineTelemetry
+    intake: asyncio.Queue[RequestRecord]
+
+    def deliver_finished(self) -> None:
+        """Tell the callers of the requests the core answered."""
+        ...
+
+
+class _Admission:
+    """What both strategies share: the scheduler they feed, and the capacity signal that a
+    release raises (a refused reservation waits for it)."""
+
+    def __init__(self, scheduler: AdmissionHost) -> None:
+        self.scheduler = scheduler
+        self.core = scheduler.core
+        self.config = scheduler.config
+        self.controller = scheduler.controller
+        self.telemetry = scheduler.telemetry
+        self.num_agreement_retries = 0
+        self.num_prefix_waits = 0
+        self._capacity_generation = 0
+        self._capacity_changed = asyncio.Condition()
+
+    def start(self) -> list[asyncio.Task[None]]:
+        """Background tasks of the strategy (the scheduler cancels them at stop)."""
+        return []
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """Tasks under way now (cancelled at stop)."""
+        return []
+
+    def more_work_queued(self) -> bool:
+        """Requests on their way to the planning set that the planner should wait for."""
+        return False
+
+    def take_queued(self) -> list[RequestRecord]:
+        """Admitted records not yet in the planning set (a re-form re-admits them)."""
+        return []
+
+    def reopen(self) -> None:
+        """A re-form ended: admit again."""
+
+    async def released(self) -> None:
+        """Requests released their pins and reservations: wake what waits on capacity."""
+        async with self._capacity_changed:
+            self._capacity_generation += 1
+            self._capacity_changed.notify_all()
+
+    async def _wait_for_capacity(self, generation: int) -> None:
+        async with self._capacity_changed:
+            if generation == self._capacity_generation and self.core.num_inflight:
+                await self._capacity_changed.wait()
+                return
+        # Nothing in flight will free blocks: only lease expiry can. Back off.
+        await asyncio.sleep(0.05)
+
+    def _fail(self, record: RequestRecord, error: str) -> None:
+        self.core.fail(record, error)
+        self.scheduler.deliver_finished()
+
+    def _admitted(self, record: RequestRecord, ticket: Ticket) -> None:
+        request = record.request
+        self.telemetry.admitted(
+            request.request_id,
+            num_prompt_tokens=request.num_tokens,
+            num_cached_tokens=ticket.num_cached_tokens,
+            agreement_s=ticket.agreement_s,
+            num_refusals=ticket.num_refusals,
+        )
+        self.core.admitted(record, ticket)
+
+
+class AsyncAdmission(_Admission):
+    """Agreements run concurrently with execution, off the critical path (wave mode)."""
+
+    def __init__(self, scheduler: AdmissionHost) -> None:
+        super().__init__(scheduler)
+        self.prepared: asyncio.Queue[RequestRecord] = asyncio.Queue(
+            maxsize=self.config.max_prepared
+        )
+        self._admissions: set[asyncio.Task[None]] = set()
+        self._agreements = asyncio.Semaphore(self.config.max_agreements_in_flight)
+        self._retry_lock = asyncio.Lock()
+        self._open = asyncio.Event()  # cleared while a refused request waits for capacity
+        self._open.set()
+        self._prefixes_changed = asyncio.Condition()
+        self._lookahead_changed = asyncio.Condition()
+        self._agreeing_tokens = 0
+        # Agreements whose RPC is under way or that succeeded and are not in `prepared` yet;
+        # an under-full micro-batch waits for them (see gather).
+        self._num_agreeing = 0
+        self._agreeing_changed = asyncio.Event()
+        self._target_cost_s = scheduler.core.planner.target_cost_s()
+
+    def start(self) -> list[asyncio.Task[None]]:
+        return [asyncio.create_task(self._admission_loop(), name="admission")]
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        return list(self._admissions)
+
+    def more_work_queued(self) -> bool:
+        """Requests in the intake, or admission tasks not yet in ``prepared`` (agreeing,
+        waiting for a prefix owner or for capacity)."""
+        return not self.scheduler.intake.empty() or any(not t.done() for t in self._admissions)
+
+    def take_queued(self) -> list[RequestRecord]:
+        """Everything admitted and waiting in ``prepared``, in order (without waiting)."""
+        taken = []
+        while True:
+            try:
+                taken.append(self.prepared.get_nowait())
+            except asyncio.QueueEmpty:
+                return taken
+
+    def reopen(self) -> None:
+        self._open.set()
+
+    async def released(self) -> None:
+        if self.config.resolved_prefix_wait:
+            await _notify(self._prefixes_changed)
+        await super().released()
+        self._open.set()
+
+    async def microbatch_published(self) -> None:
+        """A plan went out: the lookahead has room again."""
+        await _notify(self._lookahead_changed)
+
+    # ---- intake -> admission tasks --------------------------------------------------------
+
+    async def _admission_loop(self) -> None:
+        intake = self.scheduler.intake
+        while True:
+            record = await intake.get()
+            await self._open.wait()
+            await self._wait_for_lookahead_room()
+            self._agreeing_tokens += record.request.num_tokens
+            record.status = RequestStatus.AGREEING
+            task = asyncio.create_task(self._admit(record))
+            self._admissions.add(task)
+            task.add_done_callback(self._admissions.discard)
+
+    async def _wait_for_lookahead_room(self) -> None:
+        budget = self.config.resolved_admission_lookahead_tokens
+        async with self._lookahead_changed:
+            while self.core.unplanned_tokens() + self._agreeing_tokens >= budget:
+                await self._lookahead_changed.wait()
+
+    async def _admit(self, record: RequestRecord) -> None:
+        request = record.request
+        if self.config.resolved_prefix_wait:
+            await self._wait_for_prefix_owner(record)
+        admitted = False
+        await self._agreements.acquire()
+        try:
+            admitted = await self._agree(record)
+            if admitted:
+                try:
+                    await self.prepared.put(record)
+                finally:
+                    self._agreement_ended()
+        finally:
+            self._agreements.release()
+            self._agreeing_tokens -= request.num_tokens
+            await _notify(self._lookahead_changed)
+            if self.config.resolved_prefix_wait:
+                if not admitted:
+                    self.core.inflight_prefixes.remove(request.request_id)
+                await _notify(self._prefixes_changed)
+
+    async def _agree(self, record: RequestRecord) -> bool:
+        """Agree and admit; False when the request failed (answered already)."""
+        if self.core.reject_if_live(record):
+            self.scheduler.deliver_finished()
+            return False
+        request = record.request
+        try:
+            with self.telemetry.request_context(request.request_id):
+                ticket = await self._agree_until_admitted(record)
+        except AgreementRefused as exc:
+            self._fail(record, str(exc))
+            return False
+        except Exception as exc:
+            log.exception("agreement for %s failed", request.request_id)
+            self._fail(record, f"agreement failed: {exc}")
+            return False
+        self._admitted(record, ticket)
+        return True
+
+    async def _agree_until_admitted(self, record: RequestRecord) -> Ticket:
+        """Agree; on refusal wait until some request releases blocks, then retry.
+
+        Refused requests retry one at a time, in order (a FIFO lock), and no new agreement
+        starts while one waits: backpressure instead of rounds of probe/commit/release that
+        cannot fit.
+        """
+        ticket = await self._agree_through_outages(record)
+        if ticket is not None:
+            return ticket
+        num_refusals = 1
+        async with self._retry_lock:
+            while True:
+                self._open.clear()
+                generation = self._capacity_generation
+                with tracing.span("reservation.wait", **{"reservation.refusals": num_refusals}):
+                    await self._wait_for_capacity(generation)
+                ticket = await self._agree_through_outages(record)
+                if ticket is not None:
+                    ticket.num_refusals = num_refusals
+                    self._open.set()
+                    return ticket
+                num_refusals += 1
+
+    async def _agree_through_outages(self, record: RequestRecord) -> Ticket | None:
+        """``controller.agree``, retried while a stage does not answer (NATS reconnecting, a
+        stage restarting), for ``agreement_retry_s``; each retry first releases what the failed
+        attempt may have left (probe and commit are idempotent per request id).
+
+        Raises:
+            StageUnavailableError: a stage still did not answer when the retry time ran out.
+        """
+        request = record.request
+        deadline = time.monotonic() + self.config.agreement_retry_s
+        delay_s = 0.1
+        while True:
+            self._num_agreeing += 1
+            try:
+                ticket = await self.controller.agree(request)
+            except BaseException as exc:
+                self._agreement_ended()
+                if not isinstance(exc, StageUnavailableError):
+                    raise
+                if time.monotonic() + delay_s > deadline:
+                    raise
+                log.warning("agreement for %s: %s; retrying", request.request_id, exc)
+                self.num_agreement_retries += 1
+            else:
+                if ticket is None:  # refused: the caller waits for capacity, not counted
+                    self._agreement_ended()
+                return ticket  # counted until it is in `prepared` (_admit)
+            await asyncio.sleep(delay_s)
+            delay_s = min(1.0, 2 * delay_s)
+            with contextlib.suppress(Exception):
+                await self.controller.release([request.request_id])
+
+    def _agreement_ended(self) -> None:
+        self._num_agreeing -= 1
+        self._agreeing_changed.set()
+
+    async def _wait_for_prefix_owner(self, record: RequestRecord) -> None:
+        """Wait while a live request computes a large enough part of this prompt's prefix,
+        then claim this prompt's blocks (until its agreement narrows the claim).
+
+        "Large enough": at least one block and ``prefix_wait_min_fraction`` of the prompt, so a
+        short shared system prompt never serialises requests. Bounded by the lease. The check
+        and the claim run without an await between them, so requests admitted in order see
+        each other's claims in order.
+        """
+        request = record.request
+        try:
+            hashes = self.controller.block_hashes(request)
+        except ValueError:
+            return  # a bad prompt fails in the agreement with its own error
+        prefixes = self.core.inflight_prefixes
+        min_blocks = max(1, int(self.config.prefix_wait_min_fraction * len(hashes)))
+        deadline = time.monotonic() + self.config.lease_s
+        waited = False
+        while True:
+            owner, num_blocks = prefixes.deepest_overlap(hashes)
+            if owner is None or num_blocks < min_blocks or time.monotonic() > deadline:
+                break
+            waited = True
+            async with self._prefixes_changed:
+                try:
+                    await asyncio.wait_for(
+                        self._prefixes_changed.wait(), max(0.0, deadline - time.monotonic())
+                    )
+                except TimeoutError:
+                    break
+        self.num_prefix_waits += int(waited)
+        prefixes.add(request.request_id, hashes)
+
+    # ---- prepared -> planning set ---------------------------------------------------------
+
+    async def gather(self) -> None:
+        """Move admitted requests into the planning set; wait while it is under-full."""
+        core = self.core
+        core.activate(self.take_queued())
+        if not core.active:
+            core.activate([await self.prepared.get()])
+        # An under-full micro-batch waits for work on its way: requests that finished
+        # together are resubmitted together, and planning the first one admitted alone would
+        # spend a pipeline slot on a sliver of work while the rest waits a whole micro-batch
+        # for the next slot. It waits for agreements under way (an RPC: bounded), and for at
+        # most UNDERFULL_WAIT_FRACTION x the target micro-batch cost for requests still before
+        # their agreement (those may wait on capacity or a prefix owner that only this
+        # micro-batch's requests can free, so an unbounded wait could deadlock).
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        while core.remaining_new_tokens() < self.config.chunk_tokens:
+            self._agreeing_changed.clear()
+            if self._num_agreeing > 0:
+                await self._agreeing_changed.wait()
+            elif self.more_work_queued():
+                if deadline is None:
+                    deadline = loop.time() + UNDERFULL_WAIT_FRACTION * self._target_cost_s
+                if loop.time() >= deadline:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._agreeing_changed.wait(), deadline - loop.time())
+            else:
+                break
+            core.activate(self.take_queued())
+
+
+class SyncAdmission(_Admission):
+    """Agreement on the critical path, one request at a time (the baseline).
+
+    TensorRT-LLM's PP loop: the first rank schedules; new requests get their KV resources on
+    the critical path, one at a time. A request that does not fit is retried until it does;
+    meanwhile the loop runs what it already has (never waits on blocks that only its own
+    unscheduled requests hold).
+    """
+
+    def __init__(self, scheduler: AdmissionHost) -> None:
+        super().__init__(scheduler)
+        self._head: RequestRecord | None = None  # the request being agreed, refused so far
+        self._head_refusals = 0
+
+    async def microbatch_published(self) -> None:
+        return None
+
+    async def gather(self) -> None:
+        core = self.core
+        intake = self.scheduler.intake
+        while core.remaining_new_tokens() < self.config.chunk_tokens:
+            if self._head is None:
+                if core.active and intake.empty():
+                    return
+                self._head = await intake.get()
+                self._head.status = RequestStatus.AGREEING
+                self._head_refusals = 0
+            record = self._head
+            request = record.request
+            generation = self._capacity_generation
+            try:
+                with self.telemetry.request_context(request.request_id):
+                    ticket = await self.controller.agree(request)
+            except AgreementRefused as exc:
+                self._head = None
+                self._fail(record, str(exc))
+                continue
+            except Exception as exc:
+                log.exception("agreement for %s failed", request.request_id)
+                self._head = None
+                self._fail(record, f"agreement failed: {exc}")
+                continue
+            if ticket is None:
+                self._head_refusals += 1
+                if core.active:
+                    return
+                await self._wait_for_capacity(generation)
+                continue
+            self._head = None
+            ticket.num_refusals = self._head_refusals
+            self._admitted(record, ticket)
+            core.activate([record])
+
+
+async def _notify(condition: asyncio.Condition) -> None:
+    async with condition:
+        condition.notify_all()

@@ -1,0 +1,466 @@
+"""The wave scheduler's decisions, without I/O: one owner of every request's state.
+
+``SchedulerCore`` is what the driver (``WaveScheduler``: asyncio, the transport, the admission
+controller) and the simulator share. It never awaits, publishes or sleeps; it takes the facts
+(an agreement's ticket, a stage's done message, the clock) and answers with decisions::
+
+    driver                                   SchedulerCore
+    ------                                   -------------
+    submit(request)                   -----> add_request          -> RequestRecord (WAITING)
+    admission strategy agreed         -----> admitted(record, ticket)            (ADMITTED)
+    scheduling loop, a slot free      -----> schedule(...)        -> ScheduledMicroBatch
+      telemetry gives a traceparent   -----> plan_of(scheduled)   -> MicroBatchPlan (ledger)
+    a stage's MicroBatchDone          -----> update_from_done     -> DoneUpdate
+    deadline tick                     -----> overdue / expire     -> ids to release
+    the replica re-forms              -----> reform               -> records to re-admit
+    after each call                   -----> take_finished        -> records answered
+
+A request's state lives in its ``RequestRecord`` (status, ticket, progress, outcome, chunks in
+flight); the core indexes the admitted, unreleased ones by id (``live``). Every way a request
+ends (a result, a stage error, a deadline, no result from the last stage, a refusal before
+admission) goes through ``_finish``, which queues the record for ``take_finished``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from wavepp.api.messages import MicroBatchDone, MicroBatchPlan, PlannedChunk
+from wavepp.runtime.agreement import Ticket
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.kv.inflight import InflightPrefixIndex
+from wavepp.runtime.planning import Chunk, ChunkPlanner, RequestProgress
+from wavepp.runtime.request import PromptRequest, RequestOutcome, RequestStatus
+from wavepp.runtime.scheduling.ledger import PlanLedger, Report
+from wavepp.runtime.scheduling.stats import StageSpan, WaveStats
+
+log = logging.getLogger(__name__)
+
+_RECENT_OUTCOMES = 4096  # stages report in any order: outcomes kept a while after release
+
+
+@dataclass(eq=False)
+class RequestRecord:
+    """One request on one scheduler: the only place its state lives.
+
+    ``waiter`` is the caller's handle (the driver's future), handed back untouched with the
+    outcome. ``ticket`` and ``progress`` exist from admission on. ``num_inflight_microbatches``:
+    published micro-batches holding a chunk of it that the last stage has not reported.
+    """
+
+    request: PromptRequest
+    waiter: Any
+    status: RequestStatus = RequestStatus.WAITING
+    outcome: RequestOutcome | None = None
+    ticket: Ticket | None = None
+    progress: RequestProgress | None = None
+    num_inflight_microbatches: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_unplanned_tokens(self) -> int:
+        """New tokens admitted but not yet planned into a micro-batch."""
+        if self.progress is None:
+            return 0
+        return self.progress.num_prompt_tokens - self.progress.num_computed_tokens
+
+
+@dataclass
+class ScheduledMicroBatch:
+    """What ``schedule`` decided: the chunks of the next micro-batch, not yet a plan."""
+
+    microbatch_id: int
+    chunks: list[Chunk]
+    planning_started_s: float
+    published_s: float
+    planned: list[PlannedChunk] = field(default_factory=list)
+
+
+@dataclass
+class DoneUpdate:
+    """What one stage's done message meant. ``counted`` False: a duplicate or stale one."""
+
+    counted: bool = False
+    owners: list[str] = field(default_factory=list)  # request id of each chunk, plan order
+    missing: list[int] = field(default_factory=list)  # this rank's earlier dones not seen
+    slot_freed: bool = False  # the last stage reported: one micro-batch fewer in flight
+    to_release: list[str] = field(default_factory=list)
+
+
+class SchedulerCore:
+    """Request records, micro-batches in flight, the plan ledger, the stats. No I/O.
+
+    Args:
+        config: the replica's RuntimeConfig (S, deadlines, prefix wait, max in flight).
+        planner: the chunk planner.
+        block_hashes: a prompt's full-block hashes (the admission controller's memo).
+        first_microbatch_id: the first plan's id.
+        clock: wall-clock seconds (outcome times, plan publish times).
+        monotonic: seconds for deadlines.
+        stats: where micro-batch statistics accumulate (default: a new WaveStats).
+    """
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        planner: ChunkPlanner,
+        *,
+        block_hashes: Callable[[PromptRequest], list[bytes]],
+        first_microbatch_id: int = 0,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        stats: WaveStats | None = None,
+    ) -> None:
+        self.config = config
+        self.planner = planner
+        self.num_stages = config.num_stages
+        self.block_hashes = block_hashes
+        self.clock = clock
+        self.monotonic = monotonic
+        self.stats = stats if stats is not None else WaveStats()
+        self.epoch = uuid.uuid4().hex[:16]
+        self.ledger: PlanLedger[MicroBatchPlan] = PlanLedger(config.num_stages)
+        self.next_microbatch_id = first_microbatch_id
+        self.inflight_prefixes = InflightPrefixIndex()
+        # Admitted and not yet released, by request id; `active`: those the planner may cut
+        # (admitted, not fully planned), in admission order.
+        self.live: dict[str, RequestRecord] = {}
+        self.active: list[RequestRecord] = []
+        # Micro-batches published and not reported by the last stage: chunk owners (each
+        # request once, plan order) and monotonic publish time (deadlines).
+        self.inflight: dict[int, list[str]] = {}
+        self._published_at_s: dict[int, float] = {}
+        self._recent: OrderedDict[str, RequestOutcome] = OrderedDict()
+        self._finished: list[RequestRecord] = []
+
+    # ---- intake and admission ------------------------------------------------------------
+
+    def add_request(self, request: PromptRequest, waiter: Any) -> RequestRecord:
+        """A new request (WAITING); nothing is indexed until it is admitted."""
+        return RequestRecord(request=request, waiter=waiter)
+
+    def reject_if_live(self, record: RequestRecord) -> bool:
+        """Fail a request whose id is admitted and unreleased already; True if it was."""
+        if record.request_id not in self.live:
+            return False
+        self._finish(record, error=f"request_id {record.request_id!r} is already in flight")
+        return True
+
+    def fail(self, record: RequestRecord, error: str) -> None:
+        """A request that ends before admission (its prompt can never fit, an agreement
+        error)."""
+        self._finish(record, error=error)
+
+    def admitted(self, record: RequestRecord, ticket: Ticket) -> None:
+        """The agreement succeeded: index the record (ADMITTED); the planner sees it once the
+        driver ``activate``s it."""
+        request = record.request
+        record.ticket = ticket
+        record.status = RequestStatus.ADMITTED
+        record.num_inflight_microbatches = 0
+        record.outcome = RequestOutcome(
+            request_id=request.request_id,
+            num_prompt_tokens=request.num_tokens,
+            num_cached_tokens=ticket.num_cached_tokens,
+            arrival_s=request.arrival_s,
+            admitted_s=ticket.admitted_at_s,
+            agreement_s=ticket.agreement_s,
+            num_refusals=ticket.num_refusals,
+            stage_hits=ticket.stage_hits,
+        )
+        record.progress = RequestProgress(
+            request_id=request.request_id,
+            num_prompt_tokens=request.num_tokens,
+            num_computed_tokens=ticket.num_cached_tokens,
+            arrival_s=request.arrival_s,
+        )
+        self.live[request.request_id] = record
+        if self.config.resolved_prefix_wait:
+            # Narrow the claim made before agreeing to the blocks it really computes.
+            hashes = self.block_hashes(request)
+            self.inflight_prefixes.remove(request.request_id)
+            self.inflight_prefixes.add(request.request_id, hashes[ticket.num_agreed_blocks :])
+        self._recent[request.request_id] = record.outcome
+        while len(self._recent) > _RECENT_OUTCOMES:
+            self._recent.popitem(last=False)
+
+    def activate(self, records: Sequence[RequestRecord]) -> None:
+        """Admitted records join the planning set, in order."""
+        self.active.extend(records)
+
+    # ---- queries the admission strategies ask ---------------------------------------------
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self.live
+
+    @property
+    def num_inflight(self) -> int:
+        """Micro-batches published and not reported by the last stage."""
+        return len(self.inflight)
+
+    def has_free_slot(self) -> bool:
+        return len(self.inflight) < self.config.resolved_max_inflight
+
+    def remaining_new_tokens(self) -> int:
+        """New tokens of the planning set not yet planned."""
+        return sum(record.num_unplanned_tokens for record in self.active)
+
+    def unplanned_tokens(self) -> int:
+        """New tokens of every admitted request not yet planned (the lookahead's measure)."""
+        return sum(
+            record.num_unplanned_tokens
+            for record in self.live.values()
+            if not record.status.is_fully_planned
+        )
+
+    # ---- planning ------------------------------------------------------------------------
+
+    def schedule(
+        self, *, more_work_queued: bool, planning_started_s: float
+    ) -> ScheduledMicroBatch | None:
+        """Cut the next micro-batch from the planning set; None when the planner made none.
+
+        Marks each chunk's request RUNNING (PLANNED with its last chunk), counts it in flight,
+        and takes the micro-batch's id. The plan itself comes from ``plan_of``.
+        """
+        chunks = self.planner.plan_microbatch(
+            [record.progress for record in self.active if record.progress is not None],
+            num_stages=self.num_stages,
+            num_inflight=len(self.inflight),
+            more_work_queued=more_work_queued,
+        )
+        if not chunks:
+            self._prune_active()
+            return None
+        microbatch_id = self.next_microbatch_id
+        self.next_microbatch_id += 1
+        now = self.clock()
+        scheduled = ScheduledMicroBatch(microbatch_id, chunks, planning_started_s or now, now)
+        request_ids: list[str] = []
+        for chunk in chunks:
+            record = self.live[chunk.request_id]
+            request = record.request
+            scheduled.planned.append(
+                PlannedChunk(
+                    request_id=chunk.request_id,
+                    chunk_index=chunk.chunk_index,
+                    context_offset=chunk.context_offset,
+                    token_ids=request.token_ids[
+                        chunk.context_offset : chunk.context_offset + chunk.num_tokens
+                    ],
+                    is_last=chunk.is_last,
+                    return_logits=request.return_logits and chunk.is_last,
+                )
+            )
+            if chunk.request_id not in request_ids:
+                request_ids.append(chunk.request_id)
+                record.num_inflight_microbatches += 1
+            assert record.outcome is not None, f"{chunk.request_id}: planned before admission"
+            if not record.outcome.first_scheduled_s:
+                record.outcome.first_scheduled_s = now
+            if chunk.is_last:
+                record.status = RequestStatus.PLANNED
+            elif record.status == RequestStatus.ADMITTED:
+                record.status = RequestStatus.RUNNING
+        self.inflight[microbatch_id] = request_ids
+        self._published_at_s[microbatch_id] = self.monotonic()
+        self.stats.record_microbatch(sum(c.num_tokens for c in chunks))
+        self._prune_active()
+        return scheduled
+
+    def plan_of(self, scheduled: ScheduledMicroBatch, traceparent: str = "") -> MicroBatchPlan:
+        """The plan every stage runs for ``scheduled``; kept in the ledger until all S report it."""
+        plan = MicroBatchPlan(
+            microbatch_id=scheduled.microbatch_id,
+            chunks=scheduled.planned,
+            published_at_s=scheduled.published_s,
+            traceparent=traceparent,
+            epoch=self.epoch,
+        )
+        self.ledger.published(
+            scheduled.microbatch_id, plan, [c.request_id for c in scheduled.chunks]
+        )
+        return plan
+
+    def _prune_active(self) -> None:
+        self.active = [r for r in self.active if not r.status.is_fully_planned]
+
+    # ---- outputs -------------------------------------------------------------------------
+
+    def update_from_done(self, done: MicroBatchDone) -> DoneUpdate:
+        """Apply one stage's done message, once per (micro-batch, stage).
+
+        A stage error fails the micro-batch's unanswered requests; the last stage's report
+        answers requests with a result, frees the slot, and names the requests to release
+        (none of their micro-batches left in flight, every chunk planned or answered).
+        """
+        update = DoneUpdate()
+        if done.epoch and done.epoch != self.epoch:
+            return update  # a previous scheduler's micro-batch
+        if not 0 <= done.rank < self.num_stages:
+            log.error("done message from rank %d dropped (S=%d)", done.rank, self.num_stages)
+            return update
+        owners = self.ledger.owners(done.microbatch_id)
+        if self.ledger.report(done.microbatch_id, done.rank) in (Report.DUPLICATE, Report.UNKNOWN):
+            return update
+        update.counted = True
+        update.owners = owners
+        # Stages report in order: earlier done messages of this rank were lost.
+        update.missing = self.ledger.missing_before(done.rank, done.microbatch_id)
+        self.stats.record_span(
+            StageSpan(
+                rank=done.rank,
+                microbatch_id=done.microbatch_id,
+                num_tokens=done.num_tokens,
+                prepare_start_s=done.prepare_start_s,
+                prepare_end_s=done.prepare_end_s,
+                execute_start_s=done.execute_start_s,
+                execute_end_s=done.execute_end_s,
+            )
+        )
+        for request_id, num_agreed in zip(owners, done.num_agreed_blocks, strict=False):
+            recent = self._recent.get(request_id)
+            if recent is not None:
+                recent.stage_agreed_blocks.append((done.rank, num_agreed))
+        if done.error:
+            for request_id in self.inflight.get(done.microbatch_id, []):
+                record = self.live.get(request_id)
+                if record is not None and not record.status.is_finished:
+                    self._finish(record, error=done.error)
+            self._prune_active()
+        if done.rank != self.num_stages - 1:
+            return update
+        request_ids = self.inflight.pop(done.microbatch_id, [])
+        self._published_at_s.pop(done.microbatch_id, None)
+        update.slot_freed = True
+        for result in done.results:
+            record = self.live.get(result.request_id)
+            if record is None or record.status.is_finished:
+                continue
+            self._finish(record, first_token_id=result.first_token_id, logits=result.logits)
+        for request_id in request_ids:
+            record = self.live.get(request_id)
+            if record is None:
+                continue
+            record.num_inflight_microbatches -= 1
+            if record.num_inflight_microbatches == 0 and record.status.is_fully_planned:
+                if not record.status.is_finished:  # last chunk ran without a result: report
+                    self._finish(record, error="no result from the last stage")
+                del self.live[request_id]
+                update.to_release.append(request_id)
+        return update
+
+    def overdue(self) -> list[int]:
+        """Micro-batches in flight longer than ``microbatch_deadline_s``, in publish order."""
+        now = self.monotonic()
+        deadline_s = self.config.microbatch_deadline_s
+        return [
+            mb for mb, published in self._published_at_s.items() if now - published > deadline_s
+        ]
+
+    def expire(self, microbatch_id: int) -> list[str]:
+        """Fail the unfinished requests of a micro-batch past ``microbatch_deadline_s``.
+
+        Each request is answered once, with an error naming the micro-batch and how many stages
+        reported it; a result arriving later is dropped (the request is no longer live).
+
+        Returns:
+            The request ids to release on every stage.
+        """
+        self._published_at_s.pop(microbatch_id, None)
+        request_ids = self.inflight.pop(microbatch_id, [])
+        num_reports = self.ledger.num_reports(microbatch_id)
+        self.ledger.drop(microbatch_id)
+        error = (
+            f"micro-batch {microbatch_id} not finished within microbatch_deadline_s="
+            f"{self.config.microbatch_deadline_s} s ({num_reports} of {self.num_stages} stages "
+            "reported it): a stage died or lost the plan"
+        )
+        log.error("%s; failing requests %s", error, request_ids)
+        to_release = []
+        for request_id in request_ids:
+            record = self.live.pop(request_id, None)
+            if record is None:
+                continue
+            if not record.status.is_finished:
+                self._finish(record, error=error)
+            to_release.append(request_id)
+        self._prune_active()
+        return to_release
+
+    def released(self, request_ids: Sequence[str]) -> None:
+        """The requests' pins are gone: drop their claims on in-flight prefixes."""
+        if self.config.resolved_prefix_wait:
+            for request_id in request_ids:
+                self.inflight_prefixes.remove(request_id)
+
+    def reform(self, queued: Sequence[RequestRecord]) -> list[RequestRecord]:
+        """The replica re-forms (new stages hold no KV state): every admitted, unanswered
+        request goes back to WAITING, its micro-batches in flight forgotten, not failed.
+
+        Args:
+            queued: admitted records not yet in the planning set (the driver's queue).
+
+        Returns:
+            The records to admit again, each once, in order.
+        """
+        readmit: list[RequestRecord] = []
+        seen: set[str] = set()
+        for record in [*self.live.values(), *queued]:
+            if record.status.is_finished or record.request_id in seen:
+                continue
+            seen.add(record.request_id)
+            self.live.pop(record.request_id, None)
+            if self.config.resolved_prefix_wait:
+                self.inflight_prefixes.remove(record.request_id)
+            record.status = RequestStatus.WAITING
+            record.ticket = None
+            record.progress = None
+            record.outcome = None
+            record.num_inflight_microbatches = 0
+            readmit.append(record)
+        self.active = []
+        self.inflight.clear()
+        self._published_at_s.clear()
+        return readmit
+
+    # ---- the one way a request ends --------------------------------------------------------
+
+    def _finish(
+        self,
+        record: RequestRecord,
+        *,
+        error: str = "",
+        first_token_id: int | None = None,
+        logits: list[float] | None = None,
+    ) -> None:
+        request = record.request
+        if record.outcome is None:  # never admitted
+            record.outcome = RequestOutcome(
+                request_id=request.request_id,
+                num_prompt_tokens=request.num_tokens,
+                arrival_s=request.arrival_s,
+            )
+        outcome = record.outcome
+        if error:
+            outcome.error = outcome.error or error
+        else:
+            outcome.first_token_id = first_token_id
+            outcome.logits = logits
+        outcome.finished_s = self.clock()
+        record.status = RequestStatus.FINISHED_ERROR if outcome.error else RequestStatus.FINISHED_OK
+        self._finished.append(record)
+
+    def take_finished(self) -> list[RequestRecord]:
+        """The records answered since the last call, in order (the driver tells their callers)."""
+        finished, self._finished = self._finished, []
+        return finished
