@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from wavepp.bench.replay import ReplayReport, run_closed_loop
+from wavepp.bench.report import ReplayReport, run_closed_loop
 from wavepp.bench.workloads import Workload
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
