@@ -18,11 +18,13 @@ from wavepp.runtime.planning.shapes import (
     MXFP4_BYTES,
     ModelSpec,
     MoE,
+    activation_bytes_per_token,
     gqa_weights,
     indexer_weights,
     kda_weights,
     make_layer,
     mla_weights,
+    mlp_activation_width,
     mlp_weights,
     moe_weight_bytes,
 )
@@ -94,6 +96,11 @@ def _dsa_model(
             f"pair in {len(indexer_layers)} layers (in a)"
         ),
         default_gpu=H200,
+        activation_bytes_per_token=activation_bytes_per_token(
+            d,
+            attention_width=heads * max(nope + rope, v),
+            mlp_width=max(moe.activation_width(), mlp_activation_width(dense_ffn)),
+        ),
     )
 
 
@@ -181,6 +188,7 @@ def _minimax_m2_7() -> ModelSpec:
         mlp_params=moe.router() + moe.all_routed(),
         pair_flops=float(4 * heads * head_dim),  # models.md: GQA 4*H*d_h*P
         kv_bytes_per_token=2 * kv_heads * head_dim * BF16_BYTES,
+        num_kv_heads=kv_heads,
     )
     return ModelSpec(
         name="minimax-m2.7",
@@ -190,6 +198,9 @@ def _minimax_m2_7() -> ModelSpec:
         lm_head_weight_bytes=d * vocab * BF16_BYTES,
         attention_note="full softmax GQA in all 62 layers, 4*H*d_h FLOPs per pair",
         default_gpu=H200,
+        activation_bytes_per_token=activation_bytes_per_token(
+            d, attention_width=(heads + 2 * kv_heads) * head_dim, mlp_width=moe.activation_width()
+        ),
     )
 
 
@@ -261,6 +272,12 @@ def _kimi_k3() -> ModelSpec:
             f"in b)"
         ),
         default_gpu=H200,
+        activation_bytes_per_token=activation_bytes_per_token(
+            d,
+            # KDA: q, k, v and the output gate, 4*H*d_k; wider than MLA's H*(nope + rope).
+            attention_width=max(4 * kda_heads * kda_dim, heads * (nope + rope)),
+            mlp_width=max(moe.activation_width(), mlp_activation_width(33792)),
+        ),
     )
 
 
@@ -281,6 +298,7 @@ def _tiny_llama() -> ModelSpec:
         mlp_params=mlp,
         pair_flops=float(4 * heads * head_dim),
         kv_bytes_per_token=2 * kv_heads * head_dim * FP32_BYTES,
+        num_kv_heads=kv_heads,
     )
     return ModelSpec(
         name="tiny-llama",
@@ -290,6 +308,13 @@ def _tiny_llama() -> ModelSpec:
         lm_head_weight_bytes=d * vocab * FP32_BYTES,
         attention_note="GQA 4/2 heads x 32, fp32",
         default_gpu=CPU,
+        # fp32 on CPU: twice the BF16 estimate.
+        activation_bytes_per_token=2.0
+        * activation_bytes_per_token(
+            d,
+            attention_width=(heads + 2 * kv_heads) * head_dim,
+            mlp_width=mlp_activation_width(d_ff),
+        ),
     )
 
 

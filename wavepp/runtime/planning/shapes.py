@@ -46,6 +46,8 @@ class GPUSpec:
         mfu: achieved fraction of peak_flops in prefill (0, 1].
         mbu: achieved fraction of hbm_bytes_per_s (0, 1].
         overhead_s: fixed cost per micro-batch per stage, seconds (launches, sync).
+        memory_bytes: device memory of one GPU, bytes; None when the roofline has no memory
+            figure (then no KV capacity is derived for it: ``planning.memory``).
 
     Raises:
         ValueError: a figure is not positive, or a fraction is outside (0, 1].
@@ -57,6 +59,7 @@ class GPUSpec:
     mfu: float = 0.5
     mbu: float = 0.8
     overhead_s: float = 1e-3
+    memory_bytes: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "hbm_bytes_per_s"):
@@ -69,6 +72,12 @@ class GPUSpec:
                 raise ValueError(f"GPUSpec.{name}={value!r}: must be in (0, 1]")
         if not math.isfinite(self.overhead_s) or self.overhead_s < 0:
             raise ValueError(f"GPUSpec.overhead_s={self.overhead_s!r}: must be finite and >= 0")
+        if self.memory_bytes is not None and (
+            not math.isfinite(self.memory_bytes) or self.memory_bytes <= 0
+        ):
+            raise ValueError(
+                f"GPUSpec.memory_bytes={self.memory_bytes!r}: must be finite and > 0, or None"
+            )
 
     @property
     def flops_per_s(self) -> float:
@@ -81,10 +90,20 @@ class GPUSpec:
         return self.hbm_bytes_per_s * self.mbu
 
 
-H200 = GPUSpec("H200", peak_flops=989e12, hbm_bytes_per_s=4.8e12, mfu=0.5, mbu=0.8, overhead_s=1e-3)
+H200 = GPUSpec(
+    "H200",
+    peak_flops=989e12,
+    hbm_bytes_per_s=4.8e12,
+    mfu=0.5,
+    mbu=0.8,
+    overhead_s=1e-3,
+    memory_bytes=141e9,
+)
 
 
-"""NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 4.8 TB/s HBM3e."""
+"""NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 4.8 TB/s HBM3e,
+141 GB HBM3e (taken as 141e9 bytes; the driver reports a little more, so this is the lower
+figure)."""
 
 
 CPU = GPUSpec(
@@ -94,7 +113,7 @@ CPU = GPUSpec(
 
 """A CPU-ish roofline for tiny-llama: 2 AVX-512 cores x ~3 GHz x 32 fp32 FLOP/cycle ~ 190
 GFLOP/s peak, ~20 GB/s DRAM. Assumed, not measured; `wavepp calibrate` + `fit_cost_model` give
-real numbers."""
+real numbers. No memory figure: tiny-llama's KV capacity stays a fixed default."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +132,9 @@ class LayerCost:
         kv_bytes_per_token: KV bytes per context token, read once per chunk.
         num_params: weights in the layer (all experts).
         weight_bytes: bytes of those weights at the served dtype.
+        num_kv_heads: how many ways tensor parallelism can split the layer's per-token KV:
+            GQA's K KV heads; 1 for MLA, whose compressed latent (and DSA indexer key) every
+            rank holds whole (vLLM's MLA backends use one KV head, replicated per TP rank).
     """
 
     kind: str
@@ -123,6 +145,7 @@ class LayerCost:
     kv_bytes_per_token: float
     num_params: float
     weight_bytes: float
+    num_kv_heads: int = 1
 
 
 @dataclass(frozen=True)
@@ -137,6 +160,9 @@ class ModelSpec:
         lm_head_weight_bytes: lm_head bytes at the served dtype (read by the last stage).
         attention_note: the attention mode the derivation uses, in words.
         default_gpu: the roofline derived_cost_model uses when none is given.
+        activation_bytes_per_token: peak activation bytes per new token of a micro-batch
+            inside one layer's forward (``activation_bytes_per_token()``); sizes the
+            activation workspace in ``planning.memory``.
     """
 
     name: str
@@ -146,6 +172,7 @@ class ModelSpec:
     lm_head_weight_bytes: float
     attention_note: str
     default_gpu: GPUSpec
+    activation_bytes_per_token: float
 
     @property
     def num_layers(self) -> int:
@@ -246,6 +273,29 @@ class MoE:
     def all_routed(self) -> int:
         return self.num_experts * mlp_weights(self.expert_dim, self.expert_ffn)
 
+    def activation_width(self) -> int:
+        """Elements per token live in a fused MoE forward: per routed copy (k per token) the
+        gate/up output 2f, the activated f and the down output d_e (vLLM ``fused_moe``'s
+        intermediate caches 1-3), plus the shared experts' 2*f_s."""
+        routed = self.experts_per_token * (3 * self.expert_ffn + self.expert_dim)
+        return routed + self.num_shared * mlp_activation_width(self.shared_ffn)
+
+
+def activation_bytes_per_token(d: int, attention_width: int, mlp_width: int) -> float:
+    """Peak activation bytes per new token inside one layer's forward, BF16.
+
+    Live at once: the residual stream, the normed layer input and the received (or next sent)
+    hidden state, 3*d, plus the widest intermediate of the layer: attention (projected
+    queries / attention output) or MLP (``mlp_activation_width``). An estimate of what vLLM's
+    profiling forward at the largest token budget would measure, not a measurement.
+    """
+    return BF16_BYTES * (3 * d + max(attention_width, mlp_width))
+
+
+def mlp_activation_width(d_ff: int) -> int:
+    """Dense GLU MLP: gate and up outputs, 2*d_ff elements per token."""
+    return 2 * d_ff
+
 
 def make_layer(
     kind: str,
@@ -259,6 +309,7 @@ def make_layer(
     pair_flops: float = 0.0,
     context_flops_per_token: float = 0.0,
     kv_bytes_per_token: float = 0.0,
+    num_kv_heads: int = 1,
 ) -> LayerCost:
     return LayerCost(
         kind=kind,
@@ -269,6 +320,7 @@ def make_layer(
         kv_bytes_per_token=kv_bytes_per_token,
         num_params=float(attention_weights + mlp_params),
         weight_bytes=attention_weights * attention_bytes_per_weight + mlp_bytes,
+        num_kv_heads=num_kv_heads,
     )
 
 
