@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.planning.memory import derived_kv_blocks
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,6 +87,71 @@ def test_sync_mode_on_the_emulated_engine(small_trace: Path) -> None:
     )
     assert summary["completed"] == 12 and summary["mode"] == "sync"
     assert 0.0 < summary["wave_fill"] <= 1.0
+    # tiny-llama's roofline has no memory figure: it keeps the fixed default.
+    assert summary["kv_blocks_per_stage"] == [4096] * 3
+    assert summary["kv_blocks_source"].startswith("fixed default 4096")
+
+
+def test_emulated_default_kv_capacity_replays_the_first_300_trace_requests() -> None:
+    """Issue 12, item 4: the capacity derived from GLM-5.2 on 4 H200 stages holds the trace's
+    longest prompts; the old default (4,096 blocks of 16) failed 12 of these 300."""
+    summary, stderr = run_replay(
+        str(TRACE),
+        "--limit",
+        "300",
+        "--engine",
+        "emulated",
+        "--emulate",
+        "glm-5.2",
+        "--stages",
+        "4",
+        "--time-scale",
+        "0.01",
+    )
+    assert summary["requests"] == 300
+    assert summary["completed"] == 300 and summary["failed"] == 0, summary["errors"]
+    # The engine's largest micro-batch: the scheduler's cap where the config has one.
+    largest = max(getattr(RuntimeConfig(), "max_microbatch_tokens", 8192), 8192)
+    assert summary["kv_blocks_per_stage"] == derived_kv_blocks(
+        "glm-5.2", num_stages=4, block_size=16, max_microbatch_tokens=largest
+    )
+    assert summary["kv_blocks_source"].startswith("derived: glm-5.2, 4 stages of 2 x H200")
+    assert "kv-blocks=[" in stderr and "(derived: glm-5.2" in stderr
+
+
+def test_explicit_kv_blocks_win_over_the_derived_default(small_trace: Path) -> None:
+    summary, _ = run_replay(
+        str(small_trace),
+        "--engine",
+        "emulated",
+        "--emulate",
+        "glm-5.2",
+        "--stages",
+        "2",
+        "--kv-blocks",
+        "700,600",
+        "--tokens-per-block",
+        "16",
+        "--time-scale",
+        "0.01",
+    )
+    assert summary["kv_blocks_per_stage"] == [700, 600]
+    assert summary["kv_blocks_source"] == "--kv-blocks"
+    assert summary["completed"] == 12
+
+
+def test_replay_help_says_where_the_kv_default_comes_from() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "wavepp.cli", "replay", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=True,
+    )
+    text = " ".join(proc.stdout.split())
+    assert "Unset (None): torch engine 4096; emulated engine derived per stage" in text
+    assert "H200 memory (141 GB x 0.9" in text
 
 
 def test_readme_first_command_replays_200_requests() -> None:

@@ -37,8 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     parser.add_argument(
         "--kv-blocks",
-        default="4096",
-        help="KV capacity per stage in blocks: one number, or S comma-separated (unequal stages)",
+        default=None,
+        help="KV capacity per stage in blocks: one number, or S comma-separated (unequal "
+        "stages). Unset (%(default)s): torch engine 4096; emulated engine derived per stage from --emulate's "
+        "weights, activations of the largest micro-batch and KV bytes per token at H200 memory (141 GB x "
+        "0.9; wavepp.runtime.planning.memory), 4096 for tiny-llama",
     )
     parser.add_argument("--chunk-tokens", type=int, default=8192, help="static chunk budget")
     parser.add_argument(
@@ -136,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.runtime.model_config import get_preset
     from wavepp.runtime.planning import CostModel
     from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
+    from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS
+    from wavepp.runtime.serving.from_spec import default_emulated_kv_blocks
 
     err = Console(stderr=True)
     try:
@@ -150,9 +155,12 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--concurrency", f"{args.concurrency}: must be >= 1")
     try:
         model = get_preset(args.model).model_copy(update={"seed": args.seed})
-        kv_blocks = [int(v) for v in str(args.kv_blocks).split(",")]
+        kv_blocks = (
+            [int(v) for v in str(args.kv_blocks).split(",")] if args.kv_blocks is not None else []
+        )
     except ValueError as exc:
         return _fail("--model/--kv-blocks", str(exc))
+    kv_blocks_source = "--kv-blocks" if kv_blocks else f"fixed default {FIXED_KV_BLOCKS}"
     stage_cost: CostModel | None = None
     if args.engine == "emulated":
         if args.emulate not in list_models():
@@ -169,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
             time_scale=args.time_scale,
             num_stages=args.stages,
             block_size=args.block_size,
-            num_kv_blocks=kv_blocks,
+            num_kv_blocks=kv_blocks or [FIXED_KV_BLOCKS],
             mode=args.mode,
             chunk_tokens=args.chunk_tokens,
             chunk_policy=args.chunk_policy,
@@ -183,6 +191,13 @@ def run(args: argparse.Namespace) -> int:
         return _fail("configuration", _validation_summary(exc))
     except ValueError as exc:
         return _fail("configuration", str(exc))
+    if args.engine == "emulated" and not kv_blocks:
+        try:
+            derived, kv_blocks_source = default_emulated_kv_blocks(config, args.emulate)
+        except ValueError as exc:
+            return _fail("--kv-blocks (default)", str(exc))
+        config = RuntimeConfig.model_validate(config.model_dump() | {"num_kv_blocks": derived})
+    kv_blocks = config.num_kv_blocks
     if args.cost_model:
         planner_model = CostModel.from_dict(json.loads(Path(args.cost_model).read_text()))
     elif stage_cost is not None:
@@ -197,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
         f"replaying {len(records)} requests: {config.num_stages} {config.engine} stages "
         f"({model.name}, {model.num_layers} layers), mode={config.mode}, "
         f"tokens-per-block={args.tokens_per_block}, block-size={config.block_size}, "
-        f"kv-blocks={kv_blocks}, concurrency={args.concurrency}"
+        f"kv-blocks={kv_blocks} ({kv_blocks_source}), concurrency={args.concurrency}"
         + (f", emulating {args.emulate} @ H200" if args.engine == "emulated" else "")
     )
     progress = Progress(
@@ -227,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
     summary = report.summary()
     if args.engine == "emulated":
         summary["emulate"] = args.emulate
+    summary["kv_blocks_source"] = kv_blocks_source
     summary["planner_cost_model"] = planner_model.source or planner_model.label
     table = Table(title=f"wavepp replay: {Path(args.trace).name}")
     table.add_column("metric")

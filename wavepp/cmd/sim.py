@@ -28,7 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=0, help="default: max(32, concurrency)")
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--kv-blocks", type=int, default=65536, help="per stage")
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="KV capacity per stage in blocks (unset, %(default)s: derived per stage from --model's "
+        "weights, activations of the largest micro-batch and KV bytes per token at H200 memory, 141 GB x "
+        "0.9; wavepp.runtime.planning.memory)",
+    )
     parser.add_argument("--chunk-tokens", type=int, default=8192)
     parser.add_argument("--kv-rtt-ms", type=float, default=1.0, help="KV request-reply RTT")
     parser.add_argument("--bus-ms", type=float, default=0.5, help="plan/done publish latency")
@@ -44,7 +51,10 @@ def _fail(flag: str, message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from wavepp.bench.grid import GridSpec, Setting, runtime_config
     from wavepp.bench.workloads import REUSE_PRESETS, shared_prefix_workload
+    from wavepp.runtime.config import RuntimeConfig
     from wavepp.runtime.planning.catalogue import list_models
+    from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS
+    from wavepp.runtime.serving.from_spec import default_emulated_kv_blocks
     from wavepp.sim.bus import SimLatencies
     from wavepp.sim.run import simulate
 
@@ -58,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--concurrency", f"{args.concurrency!r}: need integers >= 1")
     if args.time_scale <= 0:
         return _fail("--time-scale", f"{args.time_scale}: must be > 0")
+    if args.kv_blocks is not None and args.kv_blocks < 1:
+        return _fail("--kv-blocks", f"{args.kv_blocks}: must be >= 1")
     try:
         latencies = SimLatencies(
             kv_rtt_s=args.kv_rtt_ms / 1e3, bus_latency_s=args.bus_ms / 1e3, hop_s=args.hop_ms / 1e3
@@ -67,11 +79,21 @@ def run(args: argparse.Namespace) -> int:
             num_stages=args.stages,
             time_scale=args.time_scale,
             block_size=args.block_size,
-            num_kv_blocks=args.kv_blocks,
+            num_kv_blocks=args.kv_blocks or FIXED_KV_BLOCKS,  # the default: per stage below
             chunk_tokens=args.chunk_tokens,
         )
     except ValueError as exc:
         return _fail("--kv-rtt-ms/--bus-ms/--hop-ms", str(exc))
+    try:
+        config, _ = runtime_config(spec, Setting(args.model, 1, args.reuse, "wave"))
+        if args.kv_blocks is not None:
+            kv_blocks = [config.kv_blocks_of(rank) for rank in range(config.num_stages)]
+            kv_blocks_source = "--kv-blocks"
+        else:
+            kv_blocks, kv_blocks_source = default_emulated_kv_blocks(config, args.model)
+    except ValueError as exc:
+        return _fail("--kv-blocks (default)", str(exc))
+    print(f"kv blocks per stage: {kv_blocks} ({kv_blocks_source})", file=sys.stderr)
     preset = REUSE_PRESETS[args.reuse]
     factor = args.prompt_tokens / 4096 if args.prompt_tokens else 1.0
     results = []
@@ -87,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
             try:
                 config, planner_cost = runtime_config(
                     spec, Setting(args.model, concurrency, args.reuse, mode)
+                )
+                config = RuntimeConfig.model_validate(
+                    {**config.model_dump(), "num_kv_blocks": kv_blocks}
                 )
             except ValueError as exc:
                 return _fail("configuration", str(exc))
@@ -111,7 +136,15 @@ def run(args: argparse.Namespace) -> int:
             f"{w['wave_fill']:.2f}/{s['wave_fill']:.2f} |",
             flush=True,
         )
-        results.append({"concurrency": concurrency, "ratio": round(ratio, 4), **summaries})
+        results.append(
+            {
+                "concurrency": concurrency,
+                "ratio": round(ratio, 4),
+                "kv_blocks_per_stage": kv_blocks,
+                "kv_blocks_source": kv_blocks_source,
+                **summaries,
+            }
+        )
     if args.json:
         print(json.dumps(results))
     return 0

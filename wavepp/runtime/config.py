@@ -40,6 +40,11 @@ class RuntimeConfig(BaseModel):
     num_stages: int = Field(4, ge=1, le=64)
     partition: list[int] | None = None
     block_size: int = Field(16, ge=1, le=4096)
+    # NOTE: KV capacity per stage in blocks of block_size tokens: one entry (all stages) or one
+    # per stage. The default 4096 is for the torch engine's tiny models; callers that build an
+    # emulated engine's config without an explicit capacity (replay, sim, the spec path) fill in
+    # the capacity derived from the emulated model and device
+    # (wavepp.runtime.planning.memory.default_kv_blocks), which this room cannot import.
     num_kv_blocks: list[int] = Field(default_factory=lambda: [4096])
     mode: Mode = "wave"
     chunk_tokens: int = Field(8192, ge=1)

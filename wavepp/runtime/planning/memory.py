@@ -30,12 +30,13 @@ Assumptions, with their sources:
   embedding is counted at ``lm_head_weight_bytes``. MTP layers are not loaded (prefill only).
   Weights split evenly over the t GPUs of a stage (tensor or expert parallelism alike).
 - **Activations**: one micro-batch of ``max_microbatch_tokens`` new tokens (the engine's largest:
-  the planner never puts more than ``chunk_tokens`` new tokens in one) at the model's
+  the caller passes the scheduler's cap, ``RuntimeConfig.max_microbatch_tokens``, 16,384 by
+  default, or ``chunk_tokens`` if larger) at the model's
   ``activation_bytes_per_token`` (``shapes.activation_bytes_per_token``: residual, normed input
   and received hidden state, 3*d, plus the widest intermediate; for MoE vLLM ``fused_moe``'s
   per-copy caches k*(3f + d)), BF16, not split over the t GPUs (an over-estimate). It is an
   estimate of what vLLM's profiling forward measures, not a measurement; it is a few GB
-  (GLM-5.2: 242 kB/token, 2.0 GB at 8,192 tokens), small next to the weights.
+  (GLM-5.2: 242 kB/token, 4.0 GB at 16,384 tokens), small next to the weights.
 - **KV bytes per token** of each layer from the architecture (models.md "KV bytes per token",
   BF16 latent / K,V plus the FP8 DSA indexer key; an FP8 KV cache would double the capacity).
   Under tensor parallelism GQA's KV heads split over min(t, K) GPUs; MLA's latent has one

@@ -8,7 +8,7 @@ read. The api layer may not import the runtime, hence this lives here.
 
 | key            | meaning                                                       | default            |
 | -------------- | ------------------------------------------------------------- | ------------------ |
-| ``kvBlocks``   | KV capacity per stage in blocks: int, or one per stage        | 4096               |
+| ``kvBlocks``   | KV capacity per stage in blocks: int, or one per stage        | see below          |
 | ``timeScale``  | emulated engine: sleep multiplier                             | 1.0                |
 | ``emulate``    | emulated engine: cost model name (``wavepp.runtime.planning.catalogue``) | model.name      |
 | ``device``     | ``cpu`` or ``cuda[:N]``                                       | cpu                |
@@ -16,6 +16,12 @@ read. The api layer may not import the runtime, hence this lives here.
 | ``seed``       | weight seed of the torch engine                               | 0                  |
 | ``maxInflight`` | micro-batches in flight                                      | S                  |
 | ``leaseSeconds`` | pin and reservation lease                                   | 30                 |
+
+KV capacity, first that applies: ``cache.memoryPerStageBytes`` over the KV bytes of the stage's
+layers; ``engineOptions.kvBlocks``; for the emulated engine, derived per stage from the emulated
+model and device (``wavepp.runtime.planning.memory.default_kv_blocks``: H200 memory x 0.9 minus
+the stage's weights and the activations of the largest micro-batch, over the KV bytes per token
+of its layers; 4096 for tiny-llama); otherwise (torch engine) 4096.
 """
 
 from __future__ import annotations
@@ -26,8 +32,14 @@ from wavepp.api.spec import SpecError, WavePipelineSpec
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.model_config import PRESETS, ModelConfig
 from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
+from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_kv_blocks
 
-__all__ = ["model_config_from_spec", "replica_pipeline_name", "runtime_configs_from_spec"]
+__all__ = [
+    "default_emulated_kv_blocks",
+    "model_config_from_spec",
+    "replica_pipeline_name",
+    "runtime_configs_from_spec",
+]
 
 _MODEL_FIELDS = (
     "num_layers",
@@ -77,7 +89,36 @@ def model_config_from_spec(spec: WavePipelineSpec) -> ModelConfig:
         raise SpecError("model.config", str(exc)) from exc
 
 
-def _kv_blocks(spec: WavePipelineSpec, model: ModelConfig) -> list[int]:
+def default_emulated_kv_blocks(config: RuntimeConfig, emulate: str) -> tuple[list[int], str]:
+    """The emulated engine's KV capacity when none is given: derived per stage from the
+    emulated model and device (``planning.memory.default_kv_blocks``) for ``config``'s stages,
+    block size and largest micro-batch.
+
+    Args:
+        config: the replica's config (num_stages, block_size, the largest micro-batch).
+        emulate: the emulated model's name (``catalogue.list_models()``).
+
+    Returns:
+        (blocks per stage, a one-line source to show the user).
+
+    Raises:
+        ValueError: the model's weights fit no stage (names model, stages, memory needed).
+    """
+    # NOTE: the activation workspace is sized for the engine's largest micro-batch: the
+    # larger of the scheduler's max_microbatch_tokens cap (where the config has the field) and
+    # chunk_tokens (the static policy's budget).
+    largest = getattr(config, "max_microbatch_tokens", config.chunk_tokens)
+    return default_kv_blocks(
+        emulate,
+        num_stages=config.num_stages,
+        block_size=config.block_size,
+        max_microbatch_tokens=max(largest, config.chunk_tokens),
+    )
+
+
+def _kv_blocks(spec: WavePipelineSpec, model: ModelConfig, emulate: str | None) -> list[int] | None:
+    """Explicit capacity (memoryPerStageBytes, kvBlocks); None: the emulated engine's default
+    (``default_emulated_kv_blocks``); FIXED_KV_BLOCKS for the torch engine."""
     if spec.cache.memory_per_stage_bytes is not None:
         blocks = []
         for first, last in spec.stage_layer_ranges():
@@ -86,7 +127,11 @@ def _kv_blocks(spec: WavePipelineSpec, model: ModelConfig) -> list[int]:
             )
             blocks.append(max(1, spec.cache.memory_per_stage_bytes // block_bytes))
         return blocks
-    raw = spec.engine_options.get("kvBlocks", 4096)
+    raw = spec.engine_options.get("kvBlocks")
+    if raw is None and emulate is not None:
+        return None
+    if raw is None:
+        raw = FIXED_KV_BLOCKS
     values = raw if isinstance(raw, list) else [raw]
     try:
         return [int(v) for v in values]
@@ -114,6 +159,7 @@ def runtime_configs_from_spec(spec: WavePipelineSpec, *, pool: str) -> list[Runt
     model = model_config_from_spec(spec)
     options = spec.engine_options
     cost_model = None
+    emulate: str | None = None
     if spec.engine == "emulated":
         emulate = str(options.get("emulate", spec.model.name))
         if emulate not in list_models():
@@ -130,7 +176,7 @@ def runtime_configs_from_spec(spec: WavePipelineSpec, *, pool: str) -> list[Runt
         "num_stages": spec.num_stages,
         "partition": spec.layer_partition,
         "block_size": spec.cache.block_size,
-        "num_kv_blocks": _kv_blocks(spec, model),
+        "num_kv_blocks": _kv_blocks(spec, model, emulate),
         "mode": spec.scheduler.mode,
         "chunk_tokens": spec.scheduler.chunk_tokens,
         "chunk_policy": spec.scheduler.chunk_policy,
@@ -139,6 +185,13 @@ def runtime_configs_from_spec(spec: WavePipelineSpec, *, pool: str) -> list[Runt
         "max_inflight": options.get("maxInflight"),
         "lease_s": float(options.get("leaseSeconds", 30.0)),
     }
+    if base["num_kv_blocks"] is None:
+        assert emulate is not None, "only the emulated engine derives its KV capacity"
+        try:
+            probe = RuntimeConfig(**(base | {"num_kv_blocks": [FIXED_KV_BLOCKS]}))
+            base["num_kv_blocks"], _source = default_emulated_kv_blocks(probe, emulate)
+        except ValueError as exc:
+            raise SpecError("engineOptions.kvBlocks", f"unset, and its default: {exc}") from None
     configs = []
     for replica in range(max(1, spec.num_replicas)):
         try:
