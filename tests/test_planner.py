@@ -506,3 +506,50 @@ def _assert_fifo_starts(microbatches: list[list[Chunk]]) -> None:
             if chunk.chunk_index == 0:
                 first_seen.append(int(chunk.request_id[1:]))
     assert first_seen == sorted(first_seen)
+
+
+# ---- closed-loop target, largest micro-batch, slivers ---------------------------------------
+
+
+def test_the_closed_loop_target_replaces_chunk_tokens_and_the_at_least_s_rule() -> None:
+    # LINEAR: a budget in seconds reads as tokens. chunk_tokens 8192 would take all 4 x 512;
+    # a target of 1024 (c = 0) takes two requests per micro-batch.
+    planner = ChunkPlanner(LINEAR, policy="dynamic", chunk_tokens=8192, block_size=16)
+    requests = [RequestProgress(f"r{i}", 512, 0) for i in range(4)]
+    chunks = planner.plan_microbatch(
+        requests, num_stages=4, num_inflight=0, more_work_queued=True, target_cost_s=1024.0
+    )
+    assert [(c.request_id, c.num_tokens) for c in chunks] == [("r0", 512), ("r1", 512)]
+    with pytest.raises(ValueError, match="target_cost_s"):
+        planner.plan_microbatch(requests, num_stages=4, num_inflight=0, target_cost_s=0.0)
+
+
+def test_a_small_leftover_rides_along_instead_of_travelling_alone() -> None:
+    planner = ChunkPlanner(LINEAR, policy="dynamic", chunk_tokens=8192, block_size=16)
+    # Target 1000 tokens: r0 takes 512, r1 would be cut to 480 leaving 32 (3% of the budget,
+    # under SLIVER_FRACTION): it rides along whole.
+    requests = [RequestProgress("r0", 512, 0), RequestProgress("r1", 512, 0)]
+    chunks = planner.plan_microbatch(requests, num_stages=4, num_inflight=0, target_cost_s=1000.0)
+    assert [(c.request_id, c.num_tokens) for c in chunks] == [("r0", 512), ("r1", 512)]
+    # A large leftover is still cut at a block boundary.
+    requests = [RequestProgress("r0", 512, 0), RequestProgress("r1", 2048, 0)]
+    chunks = planner.plan_microbatch(requests, num_stages=4, num_inflight=0, target_cost_s=1000.0)
+    assert [(c.request_id, c.num_tokens) for c in chunks] == [("r0", 512), ("r1", 480)]
+
+
+@pytest.mark.parametrize("policy", ["dynamic", "static"])
+def test_no_microbatch_exceeds_the_engines_largest(policy: str) -> None:
+    planner = ChunkPlanner(
+        LINEAR, policy=policy, chunk_tokens=8192, block_size=16, max_microbatch_tokens=1024
+    )
+    requests = [RequestProgress(f"r{i}", 700, 0) for i in range(4)]
+    microbatches: list[list[Chunk]] = []
+    while not all(r.is_fully_planned for r in requests):
+        chunks = planner.plan_microbatch(
+            requests, num_stages=4, num_inflight=0, more_work_queued=True, target_cost_s=1e9
+        )
+        microbatches.append(chunks)
+    assert all(sum(c.num_tokens for c in mb) <= 1024 for mb in microbatches)
+    assert sum(c.num_tokens for mb in microbatches for c in mb) == 4 * 700
+    with pytest.raises(ValueError, match="max_microbatch_tokens"):
+        ChunkPlanner(LINEAR, policy=policy, block_size=16, max_microbatch_tokens=8)

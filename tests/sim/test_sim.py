@@ -142,6 +142,7 @@ def test_a_burst_is_planned_in_full_microbatches_not_cut_to_fill_idle_stages() -
     waits for the agreements under way and is not cut while work is queued."""
     spec = GridSpec(time_scale=1.0)
     config, planner_cost = runtime_config(spec, Setting("glm-5.2", 32, "high", "wave"))
+    config = config.model_copy(update={"closed_loop_fill": False})  # chunk_tokens target
     workload = preset_workload("high", 32, vocab_size=config.model.vocab_size)
     report = simulate(config, planner_cost, workload, concurrency=32)
     tokens = report.stats.microbatch_tokens
@@ -150,3 +151,15 @@ def test_a_burst_is_planned_in_full_microbatches_not_cut_to_fill_idle_stages() -
     # context); only the tail, when nothing is queued any more, is cut over the idle stages.
     assert tokens[0] >= 7680, tokens
     assert len(tokens) <= 4, tokens
+
+
+def test_a_burst_is_split_into_s_equal_microbatches_by_the_closed_loop_target() -> None:
+    """The same burst with the closed-loop target (the wave default): the work of all 32
+    requests in the system, split S ways, so every stage gets an equal micro-batch at once.
+    Before, the chunk_tokens target made two 8k micro-batches and left two stages idle."""
+    spec = GridSpec(time_scale=1.0)
+    config, planner_cost = runtime_config(spec, Setting("glm-5.2", 32, "high", "wave"))
+    assert config.resolved_closed_loop_fill
+    workload = preset_workload("high", 32, vocab_size=config.model.vocab_size)
+    report = simulate(config, planner_cost, workload, concurrency=32)
+    assert list(report.stats.microbatch_tokens) == [4096] * 4

@@ -48,6 +48,12 @@ class RuntimeConfig(BaseModel):
     num_kv_blocks: list[int] = Field(default_factory=lambda: [4096])
     mode: Mode = "wave"
     chunk_tokens: int = Field(8192, ge=1)
+    # NOTE: the engine's largest micro-batch, new tokens; both policies stay within it, and the
+    # physical bound (docs/bench/bound.md) uses it.
+    max_microbatch_tokens: int = Field(16384, ge=1)
+    # NOTE: wave mode sizes each micro-batch from the work of every request in the system
+    # (c + W / S, docs/bench/bound.md) instead of from chunk_tokens; False for the ablation.
+    closed_loop_fill: bool | None = None
     chunk_policy: Literal["dynamic", "static"] | None = None
     async_agreement: bool | None = None
     local_prepare: bool | None = None
@@ -83,6 +89,11 @@ class RuntimeConfig(BaseModel):
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: every entry must be >= 1")
         if self.engine == "emulated" and self.cost_model is None:
             raise ValueError("engine=emulated needs cost_model (a CostModel.to_dict())")
+        if self.max_microbatch_tokens < self.block_size:
+            raise ValueError(
+                f"max_microbatch_tokens={self.max_microbatch_tokens}: must be >= "
+                f"block_size={self.block_size} (a micro-batch holds at least one block)"
+            )
         return self
 
     # ---- resolved views -----------------------------------------------------------------
@@ -112,6 +123,13 @@ class RuntimeConfig(BaseModel):
         if self.chunk_policy is not None:
             return self.chunk_policy
         return "dynamic" if self.mode == "wave" else "static"
+
+    @property
+    def resolved_closed_loop_fill(self) -> bool:
+        """Closed-loop micro-batch target: default on in wave mode with the dynamic policy."""
+        if self.resolved_chunk_policy != "dynamic":
+            return False
+        return self.closed_loop_fill if self.closed_loop_fill is not None else self.mode == "wave"
 
     @property
     def resolved_async_agreement(self) -> bool:

@@ -34,7 +34,8 @@ from collections.abc import Sequence
 from wavepp.runtime.agreement import AdmissionController
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import BlockPool, StageKVManager
-from wavepp.runtime.planning import ChunkPlanner, CostModel
+from wavepp.runtime.planning import CostModel
+from wavepp.runtime.scheduling.core import planner_for
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.scheduling.transport import BusPlanTransport
 from wavepp.sim.bus import SimBus, SimLatencies
@@ -118,12 +119,7 @@ class SimPipeline:
             lease_s=config.lease_s,
             stage_capacities=[config.kv_blocks_of(r) for r in range(config.num_stages)],
         )
-        planner = ChunkPlanner(
-            self.planner_cost_model,
-            policy=config.resolved_chunk_policy,
-            chunk_tokens=config.chunk_tokens,
-            block_size=config.block_size,
-        )
+        planner = planner_for(config, self.planner_cost_model)
         transport = BusPlanTransport(self.bus, config.subjects)  # the bus speaks nats.py's API
         self.scheduler = WaveScheduler(config, transport, self.controller, planner)
         await self.scheduler.start()

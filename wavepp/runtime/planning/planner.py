@@ -24,6 +24,13 @@ from typing import Literal
 
 from wavepp.runtime.planning.cost_model import CostModel, check_non_negative
 
+# NOTE: a request's leftover that costs at most this fraction of the micro-batch budget rides
+# along (the micro-batch overshoots its target) instead of travelling alone later as a sliver
+# that pays the fixed cost c for little work (closed-loop target only; never past the token cap).
+SLIVER_FRACTION = 0.15
+
+DEFAULT_MAX_MICROBATCH_TOKENS = 16384
+
 
 @dataclass
 class RequestProgress:
@@ -158,7 +165,13 @@ class ChunkPlanner:
       micro-batches that each pay c when that would finish later (``_best_num_splits``). For "static"
       with fill_idle_stages=True the token budget becomes min(chunk_tokens, ceil(remaining
       tokens / idle) rounded up to a block).
-    - At most max_chunks_per_microbatch chunks per micro-batch.
+    - Closed-loop target (``target_cost_s`` given, WavePP): the caller knows the work of every
+      request in the system and passes c + W / S, so S equal micro-batches hold it all
+      (docs/bench/bound.md). The target replaces the chunk_tokens cost and the at-least-S rule;
+      a leftover costing at most SLIVER_FRACTION of the budget rides along rather than travel
+      alone as a sliver.
+    - At most max_microbatch_tokens new tokens (the engine's largest micro-batch) and at most
+      max_chunks_per_microbatch chunks per micro-batch, whatever the policy.
     - Returns [] when no request has tokens left.
 
     "Slowest stage": the planner takes one CostModel (use the slowest stage's) or one per stage;
@@ -174,6 +187,7 @@ class ChunkPlanner:
         block_size: int = 16,
         max_chunks_per_microbatch: int = 256,
         fill_idle_stages: bool | None = None,
+        max_microbatch_tokens: int = DEFAULT_MAX_MICROBATCH_TOKENS,
     ) -> None:
         """Create a planner.
 
@@ -186,6 +200,7 @@ class ChunkPlanner:
             max_chunks_per_microbatch: cap on chunks (hence requests) in one micro-batch.
             fill_idle_stages: apply the at-least-S rule; default True for dynamic, False for
                 static (TRT-LLM does not shrink chunks).
+            max_microbatch_tokens: the engine's largest micro-batch, new tokens (>= block_size).
 
         Raises:
             ValueError: on an unknown policy, non-positive sizes, or chunk_tokens not a
@@ -205,6 +220,10 @@ class ChunkPlanner:
                 f"chunk_tokens={chunk_tokens}: must be a positive multiple of "
                 f"block_size={block_size}"
             )
+        if max_microbatch_tokens < block_size:
+            raise ValueError(
+                f"max_microbatch_tokens={max_microbatch_tokens}: must be >= block_size={block_size}"
+            )
         if max_chunks_per_microbatch < 1:
             raise ValueError(f"max_chunks_per_microbatch={max_chunks_per_microbatch}: must be >= 1")
         self._models = models
@@ -212,6 +231,7 @@ class ChunkPlanner:
         self.chunk_tokens = chunk_tokens
         self.block_size = block_size
         self.max_chunks_per_microbatch = max_chunks_per_microbatch
+        self.max_microbatch_tokens = max_microbatch_tokens
         self.fill_idle_stages = (
             policy == "dynamic" if fill_idle_stages is None else fill_idle_stages
         )
@@ -241,6 +261,7 @@ class ChunkPlanner:
         num_stages: int,
         num_inflight: int,
         more_work_queued: bool = False,
+        target_cost_s: float | None = None,
     ) -> list[Chunk]:
         """Plan the next micro-batch; see the class docstring for the rules.
 
@@ -256,6 +277,9 @@ class ChunkPlanner:
                 work into small micro-batches to fill them (each would pay the fixed cost c, and
                 in a closed loop the cut persists: requests finishing together come back
                 together).
+            target_cost_s: dynamic only: the closed-loop target, seconds on the slowest stage
+                per micro-batch (c included); None: the chunk_tokens cost and the at-least-S
+                rule.
 
         Returns:
             The micro-batch's chunks, in request FIFO order; [] when there is no work.
@@ -282,17 +306,21 @@ class ChunkPlanner:
         pending = [request for request in requests if not request.is_fully_planned]
         if not pending:
             return []
+        if target_cost_s is not None and not target_cost_s > 0:
+            raise ValueError(f"target_cost_s={target_cost_s}: must be > 0 seconds")
         num_idle_stages = (
-            num_stages - num_inflight if self.fill_idle_stages and not more_work_queued else 0
+            num_stages - num_inflight
+            if self.fill_idle_stages and not more_work_queued and target_cost_s is None
+            else 0
         )
         if self.policy == "static":
             return self._plan_static(pending, num_idle_stages)
-        return self._plan_dynamic(pending, num_idle_stages, num_stages)
+        return self._plan_dynamic(pending, num_idle_stages, num_stages, target_cost_s)
 
     # -- policies ---------------------------------------------------------------------------
 
     def _plan_static(self, pending: list[RequestProgress], num_idle_stages: int) -> list[Chunk]:
-        budget_tokens = self.chunk_tokens
+        budget_tokens = min(self.chunk_tokens, self.max_microbatch_tokens)
         if num_idle_stages > 0:
             total = sum(request.num_remaining_tokens for request in pending)
             share = _round_up(-(-total // num_idle_stages), self.block_size)
@@ -311,9 +339,13 @@ class ChunkPlanner:
         return chunks
 
     def _plan_dynamic(
-        self, pending: list[RequestProgress], num_idle_stages: int, num_stages: int = 1
+        self,
+        pending: list[RequestProgress],
+        num_idle_stages: int,
+        num_stages: int = 1,
+        target_cost_s: float | None = None,
     ) -> list[Chunk]:
-        target_s = self.target_cost_s()
+        target_s = self.target_cost_s() if target_cost_s is None else target_cost_s
         if num_idle_stages > 0:
             shares = []
             for model in self._models:
@@ -326,24 +358,55 @@ class ChunkPlanner:
                 shares.append(model.c + work_s / num_splits if num_splits > 1 else math.inf)
             target_s = min(target_s, max(shares))
         budgets = _StageBudgets(self._models, [target_s - model.c for model in self._models])
+        sliver_s = SLIVER_FRACTION * max(target_s - model.c for model in self._models)
+        tokens_left = self.max_microbatch_tokens
         chunks: list[Chunk] = []
         for request in pending:
-            if len(chunks) >= self.max_chunks_per_microbatch:
+            if len(chunks) >= self.max_chunks_per_microbatch or tokens_left <= 0:
                 break
             remaining = request.num_remaining_tokens
-            fit = budgets.max_tokens(request.num_computed_tokens, remaining)
+            fit = min(budgets.max_tokens(request.num_computed_tokens, remaining), tokens_left)
             num_tokens = remaining if fit >= remaining else self._cut(request, fit)
+            if (
+                target_cost_s is not None
+                and num_tokens < remaining <= tokens_left
+                and self._cost_s(request.num_computed_tokens + num_tokens, remaining - num_tokens)
+                <= sliver_s
+            ):
+                num_tokens = remaining  # the leftover rides along (SLIVER_FRACTION)
             if num_tokens == 0:
                 if chunks:
                     break
-                num_tokens = self._min_progress(request)
+                num_tokens = self._min_progress(request)  # first chunk: tokens_left = cap >= B
             budgets.spend(request.num_computed_tokens, num_tokens)
+            tokens_left -= num_tokens
             chunks.append(self._advance(request, num_tokens))
             if num_tokens < remaining:
                 break  # the chunk was cut: the micro-batch is full
         return chunks
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _cost_s(self, num_context_tokens: int, num_new_tokens: int) -> float:
+        """One chunk's cost without c on the slowest stage, seconds."""
+        return max(model.chunk_cost_s(num_context_tokens, num_new_tokens) for model in self._models)
+
+    def request_work_s(self, num_cached_tokens: int, num_prompt_tokens: int) -> float:
+        """A whole request's chunk work (one chunk, without c) on the slowest stage, seconds."""
+        return self._cost_s(num_cached_tokens, num_prompt_tokens - num_cached_tokens)
+
+    def remaining_work_s(self, requests: Sequence[RequestProgress]) -> float:
+        """Chunk work not yet planned of ``requests`` (one chunk each, without c), seconds."""
+        return sum(
+            self._cost_s(r.num_computed_tokens, r.num_remaining_tokens)
+            for r in requests
+            if not r.is_fully_planned
+        )
+
+    @property
+    def fixed_cost_s(self) -> float:
+        """c on the slowest stage, seconds per micro-batch."""
+        return max(model.c for model in self._models)
 
     def _cut(self, request: RequestProgress, num_tokens: int) -> int:
         """num_tokens, or fewer so the chunk ends on a block boundary unless it ends the prompt."""

@@ -338,20 +338,27 @@ class AsyncAdmission(_Admission):
         core.activate(self.take_queued())
         if not core.active:
             core.activate([await self.prepared.get()])
+            # NOTE: requests admitted together sit in `prepared` together; take them all before
+            # judging the set under-full (else the first one alone looks like a sliver's worth
+            # and the under-full wait sleeps to its deadline, or plans it alone).
+            core.activate(self.take_queued())
         # An under-full micro-batch waits for work on its way: requests that finished
         # together are resubmitted together, and planning the first one admitted alone would
         # spend a pipeline slot on a sliver of work while the rest waits a whole micro-batch
         # for the next slot. It waits for agreements under way (an RPC: bounded), and for at
         # most UNDERFULL_WAIT_FRACTION x the target micro-batch cost for requests still before
         # their agreement (those may wait on capacity or a prefix owner that only this
-        # micro-batch's requests can free, so an unbounded wait could deadlock).
+        # micro-batch's requests can free, so an unbounded wait could deadlock). With the
+        # closed-loop target it also waits that long for requests not submitted yet: the open
+        # population says they are coming back (a finished micro-batch's requests return
+        # together), and a slot spent on a sliver now costs a whole micro-batch of fill.
         loop = asyncio.get_running_loop()
         deadline: float | None = None
-        while core.remaining_new_tokens() < self.config.chunk_tokens:
+        while core.is_underfull():
             self._agreeing_changed.clear()
             if self._num_agreeing > 0:
                 await self._agreeing_changed.wait()
-            elif self.more_work_queued():
+            elif self.more_work_queued() or core.closed_loop_target_s() is not None:
                 if deadline is None:
                     deadline = loop.time() + UNDERFULL_WAIT_FRACTION * self._target_cost_s
                 if loop.time() >= deadline:

@@ -35,7 +35,7 @@ from wavepp.api.messages import MicroBatchDone, MicroBatchPlan, PlannedChunk
 from wavepp.runtime.agreement import Ticket
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv.inflight import InflightPrefixIndex
-from wavepp.runtime.planning import Chunk, ChunkPlanner, RequestProgress
+from wavepp.runtime.planning import Chunk, ChunkPlanner, CostModel, RequestProgress
 from wavepp.runtime.request import PromptRequest, RequestOutcome, RequestStatus
 from wavepp.runtime.scheduling.ledger import PlanLedger, Report
 from wavepp.runtime.scheduling.stats import StageSpan, WaveStats
@@ -43,6 +43,9 @@ from wavepp.runtime.scheduling.stats import StageSpan, WaveStats
 log = logging.getLogger(__name__)
 
 _RECENT_OUTCOMES = 4096  # stages report in any order: outcomes kept a while after release
+# A planning set within this fraction of the closed-loop target counts as a full micro-batch
+# (agreements of requests returning together end a few microseconds apart).
+_FULL_FRACTION = 0.98
 
 
 @dataclass(eq=False)
@@ -141,11 +144,16 @@ class SchedulerCore:
         self._published_at_s: dict[int, float] = {}
         self._recent: OrderedDict[str, RequestOutcome] = OrderedDict()
         self._finished: list[RequestRecord] = []
+        # Requests added and not yet finished (queued, agreeing, admitted, in flight): the
+        # closed loop's population, whose work sizes each micro-batch.
+        self.num_open = 0
+        self._mean_work_s: float | None = None
 
     # ---- intake and admission ------------------------------------------------------------
 
     def add_request(self, request: PromptRequest, waiter: Any) -> RequestRecord:
         """A new request (WAITING); nothing is indexed until it is admitted."""
+        self.num_open += 1
         return RequestRecord(request=request, waiter=waiter)
 
     def reject_if_live(self, record: RequestRecord) -> bool:
@@ -224,6 +232,61 @@ class SchedulerCore:
 
     # ---- planning ------------------------------------------------------------------------
 
+    def closed_loop_target_s(self) -> float | None:
+        """Seconds per micro-batch on the slowest stage so that m micro-batches hold the work of
+        every open request: c + W / m, m in [1, S] the count that finishes a round soonest
+        (m = S once W is large next to c; docs/bench/bound.md), capped by the engine's largest
+        micro-batch in the planner. None when off (``resolved_closed_loop_fill``) or before any
+        request was admitted.
+
+        W sums each admitted, unfinished request's whole chunk work (once per round, however far
+        it got) and, for open requests not admitted yet, the mean work of the admitted ones.
+        """
+        if not self.config.resolved_closed_loop_fill:
+            return None
+        works = [
+            self.planner.request_work_s(record.ticket.num_cached_tokens, record.request.num_tokens)
+            for record in self.live.values()
+            if record.ticket is not None and not record.status.is_finished
+        ]
+        if works:
+            self._mean_work_s = sum(works) / len(works)
+        if self._mean_work_s is None:
+            return None
+        num_unadmitted = max(0, self.num_open - len(works))
+        total_s = sum(works) + num_unadmitted * self._mean_work_s
+        fixed_s = self.planner.fixed_cost_s
+        # m micro-batches per round: a round lasts at least m*c + W (the busiest stage) and
+        # (S - 1 + k)(c + W/m), k = max(1, m / open requests) micro-batches per request, (its
+        # chunks cross the pipeline one behind the other: GPipe's fill and drain, Huang et al.
+        # 2019, section 2.3). With little work in the system (W small next to c) fewer than S
+        # micro-batches finish a round sooner.
+        num_open = max(1, self.num_open)
+        num_microbatches = min(
+            range(1, self.num_stages + 1),
+            key=lambda m: (
+                max(
+                    m * fixed_s + total_s,
+                    (self.num_stages - 1 + max(1.0, m / num_open)) * (fixed_s + total_s / m),
+                ),
+                -m,
+            ),
+        )
+        return fixed_s + total_s / num_microbatches
+
+    def is_underfull(self) -> bool:
+        """The planning set holds less than one micro-batch's worth: the closed-loop target
+        (capped by the engine's largest micro-batch), else ``chunk_tokens`` new tokens."""
+        target_s = self.closed_loop_target_s()
+        if target_s is None:
+            return self.remaining_new_tokens() < self.config.chunk_tokens
+        if self.remaining_new_tokens() >= self.planner.max_microbatch_tokens:
+            return False
+        pending_s = self.planner.remaining_work_s(
+            [record.progress for record in self.active if record.progress is not None]
+        )
+        return pending_s < _FULL_FRACTION * (target_s - self.planner.fixed_cost_s)
+
     def schedule(
         self, *, more_work_queued: bool, planning_started_s: float
     ) -> ScheduledMicroBatch | None:
@@ -237,6 +300,7 @@ class SchedulerCore:
             num_stages=self.num_stages,
             num_inflight=len(self.inflight),
             more_work_queued=more_work_queued,
+            target_cost_s=self.closed_loop_target_s(),
         )
         if not chunks:
             self._prune_active()
@@ -457,6 +521,8 @@ class SchedulerCore:
             outcome.first_token_id = first_token_id
             outcome.logits = logits
         outcome.finished_s = self.clock()
+        if not record.status.is_finished:
+            self.num_open -= 1
         record.status = RequestStatus.FINISHED_ERROR if outcome.error else RequestStatus.FINISHED_OK
         self._finished.append(record)
 
@@ -464,3 +530,15 @@ class SchedulerCore:
         """The records answered since the last call, in order (the driver tells their callers)."""
         finished, self._finished = self._finished, []
         return finished
+
+
+def planner_for(config: RuntimeConfig, cost_model: CostModel | Sequence[CostModel]) -> ChunkPlanner:
+    """The replica's chunk planner: policy, chunk size, block size and largest micro-batch from
+    ``config``; ``cost_model`` is the slowest stage's (or one per stage)."""
+    return ChunkPlanner(
+        cost_model,
+        policy=config.resolved_chunk_policy,
+        chunk_tokens=config.chunk_tokens,
+        block_size=config.block_size,
+        max_microbatch_tokens=config.max_microbatch_tokens,
+    )

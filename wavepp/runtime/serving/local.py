@@ -27,7 +27,8 @@ from wavepp.api.messages import Health
 from wavepp.runtime.agreement import AdmissionController, StageUnavailableError
 from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.planning import ChunkPlanner, CostModel
+from wavepp.runtime.planning import CostModel
+from wavepp.runtime.scheduling.core import planner_for
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.serving.lifecycle import child_env
@@ -145,12 +146,7 @@ class LocalPipeline:
             stage_capacities=[self.config.kv_blocks_of(r) for r in range(self.config.num_stages)],
         )
         await self.wait_formed()
-        planner = ChunkPlanner(
-            self.planner_cost_model,
-            policy=self.config.resolved_chunk_policy,
-            chunk_tokens=self.config.chunk_tokens,
-            block_size=self.config.block_size,
-        )
+        planner = planner_for(self.config, self.planner_cost_model)
         self.scheduler = WaveScheduler(
             self.config,
             NatsPlanTransport(self.nc, self.config.subjects),

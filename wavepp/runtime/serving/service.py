@@ -47,8 +47,9 @@ from wavepp.api.subjects import (
 from wavepp.runtime.agreement import AdmissionController
 from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.planning import ChunkPlanner, CostModel
+from wavepp.runtime.planning import CostModel
 from wavepp.runtime.request import PromptRequest, RequestOutcome
+from wavepp.runtime.scheduling.core import planner_for
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
@@ -128,12 +129,7 @@ class AdmissionService:
             lease_s=config.lease_s,
             stage_capacities=[config.kv_blocks_of(r) for r in range(config.num_stages)],
         )
-        planner = ChunkPlanner(
-            planner_cost_model,
-            policy=config.resolved_chunk_policy,
-            chunk_tokens=config.chunk_tokens,
-            block_size=config.block_size,
-        )
+        planner = planner_for(config, planner_cost_model)
         # Micro-batch ids start at wall-clock ms: logs and traces of successive instances do
         # not repeat ids (the plans' epoch already keeps their done messages apart).
         self.scheduler = WaveScheduler(
