@@ -77,6 +77,8 @@ CSV_COLUMNS = [
     "ttft_p50_s",
     "ttft_p99_s",
     "wave_fill",
+    "bound_tokens_per_s",
+    "efficiency",
     "agreement_p50_s",
     "agreement_p99_s",
     "microbatches",
@@ -230,6 +232,7 @@ async def run_workload(
             config,
             list(zip(workload.request_ids, workload.prompts, strict=True)),
             concurrency=concurrency,
+            warmup=workload.warmup,
         )
 
 
@@ -404,9 +407,10 @@ def markdown_table(rows: Sequence[dict[str, Any]], spec: GridSpec, command: str 
         by_key[(r["model"], str(r["concurrency"]), r["reuse"], r["mode"] + r["ablation"])] = r
     out.write(
         "| model | C | reuse | hit wave/sync | tok/s wave | tok/s sync | ratio | "
+        "bound tok/s | efficiency wave/sync | "
         "TTFT p50 wave/sync (s) | TTFT p99 wave/sync (s) | wave fill wave/sync |\n"
     )
-    out.write("| --- | ---: | --- | --- | ---: | ---: | ---: | --- | --- | --- |\n")
+    out.write("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- |\n")
     wins = total = 0
     seen = []
     for r in rows:
@@ -435,6 +439,8 @@ def markdown_table(rows: Sequence[dict[str, Any]], spec: GridSpec, command: str 
             f"| {key[0]} | {key[1]} | {key[2]} | {_fmt(w['cache_hit_ratio'], 2)}/"
             f"{_fmt(s['cache_hit_ratio'], 2)} | {_fmt(w['throughput_tokens_per_s'], 0)} | "
             f"{_fmt(s['throughput_tokens_per_s'], 0)} | **{ratio:.2f}**{spread} | "
+            f"{_fmt(w.get('bound_tokens_per_s', ''), 0)} | "
+            f"{_fmt(w.get('efficiency', ''), 2)}/{_fmt(s.get('efficiency', ''), 2)} | "
             f"{_fmt(w['ttft_p50_s'])}/{_fmt(s['ttft_p50_s'])} | "
             f"{_fmt(w['ttft_p99_s'])}/{_fmt(s['ttft_p99_s'])} | "
             f"{_fmt(w['wave_fill'], 2)}/{_fmt(s['wave_fill'], 2)} |\n"

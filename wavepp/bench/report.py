@@ -15,7 +15,10 @@ from typing import Any
 import numpy as np
 
 from wavepp.bench.trace import TraceError
+from wavepp.bench.workloads import ideal_cached_tokens
 from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.planning import CostModel
+from wavepp.runtime.planning.bound import RequestWork, pipeline_bound
 from wavepp.runtime.request import PromptRequest, RequestOutcome
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.scheduling.stats import WaveStats
@@ -31,6 +34,9 @@ class ReplayReport:
     tokens_per_block: int
     concurrency: int
     extra: dict[str, Any] = field(default_factory=dict)
+    # NOTE: the physical bound of this run's workload on its stages (docs/bench/bound.md),
+    # prompt tokens per second; None when the stages' cost is unknown (the torch engine).
+    bound_tokens_per_s: float | None = None
 
     def summary(self) -> dict[str, Any]:
         """The replay contract's JSON object (see issue 'Runtime core': Contract)."""
@@ -40,6 +46,7 @@ class ReplayReport:
         cached_tokens = sum(o.num_cached_tokens for o in done)
         agreement = np.array([o.agreement_s for o in done]) if done else np.array([0.0])
         busy = self.stats.busy_s_by_stage(self.config.num_stages)
+        throughput = prompt_tokens / self.wall_s if self.wall_s else 0.0
         return {
             "requests": len(self.outcomes) + len(self.invalid),
             "completed": len(done),
@@ -55,6 +62,12 @@ class ReplayReport:
             "new_tokens_per_s": round((prompt_tokens - cached_tokens) / self.wall_s, 2)
             if self.wall_s
             else 0.0,
+            "bound_tokens_per_s": round(self.bound_tokens_per_s, 2)
+            if self.bound_tokens_per_s
+            else None,
+            "efficiency": round(throughput / self.bound_tokens_per_s, 4)
+            if self.bound_tokens_per_s
+            else None,
             "wave_fill": round(self.stats.wave_fill(self.config.num_stages), 4),
             "stage_busy_s": [round(b, 3) for b in busy],
             "ttft_p50_s": round(float(np.percentile(ttfts, 50)), 4),
@@ -80,6 +93,43 @@ class ReplayReport:
         }
 
 
+def stage_cost_models_of(config: RuntimeConfig) -> list[CostModel] | None:
+    """Each stage's cost as it runs (the emulated engine's model x time_scale), or None when
+    the stages run real layers (the torch engine: their cost is measured, not known)."""
+    if config.engine != "emulated" or config.cost_model is None:
+        return None
+    model = CostModel.from_dict(config.cost_model).scaled(config.time_scale)
+    return [model] * config.num_stages
+
+
+def bound_tokens_per_s(
+    config: RuntimeConfig,
+    prompts: Sequence[Sequence[int]],
+    *,
+    concurrency: int,
+    warmup: Sequence[Sequence[int]] = (),
+    stage_cost_models: Sequence[CostModel] | None = None,
+) -> float | None:
+    """The physical bound (``planning.bound.pipeline_bound``) of replaying ``prompts``
+    closed-loop at ``concurrency`` on the config's stages, prompt tokens per second.
+
+    Reuse is what an unbounded prefix cache gives in arrival order after ``warmup``
+    (``ideal_cached_tokens``); stage costs are ``stage_cost_models`` (seconds as the stages
+    run them) or the emulated engine's; None when neither is known.
+    """
+    models = list(stage_cost_models) if stage_cost_models else stage_cost_models_of(config)
+    if not models or not prompts:
+        return None
+    cached = ideal_cached_tokens(prompts, config.block_size, warmup)
+    bound = pipeline_bound(
+        models,
+        [RequestWork(len(p), c) for p, c in zip(prompts, cached, strict=True)],
+        concurrency=concurrency,
+        max_microbatch_tokens=config.max_microbatch_tokens,
+    )
+    return bound.tokens_per_s
+
+
 async def run_closed_loop(
     scheduler: WaveScheduler,
     config: RuntimeConfig,
@@ -89,12 +139,16 @@ async def run_closed_loop(
     clock: Callable[[], float] = time.time,
     finished_at: Callable[[str], float | None] | None = None,
     extra: dict[str, Any] | None = None,
+    warmup: Sequence[Sequence[int]] = (),
+    stage_cost_models: Sequence[CostModel] | None = None,
 ) -> ReplayReport:
     """Submit ``(request_id, prompt)`` pairs closed-loop at ``concurrency`` and report.
 
     The measured window starts here (the scheduler's stats are reset in place, so its metrics
     report this run), and warm-up requests submitted before do not count. ``clock`` stamps arrivals and the wall time (a simulator
     passes its virtual clock); ``finished_at`` (if given) overrides each outcome's finish time.
+    The report carries the physical bound (``bound_tokens_per_s``) when the stages' cost is
+    known: ``stage_cost_models``, or the emulated engine's; ``warmup`` is what was cached before.
     """
     scheduler.reset_stats()
     limiter = asyncio.Semaphore(concurrency)
@@ -119,4 +173,11 @@ async def run_closed_loop(
         tokens_per_block=config.block_size,
         concurrency=concurrency,
         extra=dict(extra or {}),
+        bound_tokens_per_s=bound_tokens_per_s(
+            config,
+            [prompt for _, prompt in requests],
+            concurrency=concurrency,
+            warmup=warmup,
+            stage_cost_models=stage_cost_models,
+        ),
     )

@@ -48,6 +48,10 @@ async def _simulate(
             clock=loop.time,
             finished_at=pipeline.finished_at_s,
             extra={"engine": "sim", "virtual_clock": True},
+            warmup=workload.warmup,
+            stage_cost_models=[m.scaled(config.time_scale) for m in stage_cost_models]
+            if stage_cost_models
+            else None,
         )
 
 
