@@ -1,12 +1,15 @@
-"""The grid's settings on the simulator (virtual clock), wave / sync at a chosen time scale.
+"""The simulator sweep at H200 time: wave and sync against the physical bound, per setting.
 
-Same settings as ``wavepp bench grid`` (models x concurrency x reuse, 4 stages, block 64,
-8192-token chunks, max(64, 2 C) requests per setting, closed loop at C), but stages, NATS and
-activations are simulated: no CPU overhead, only the derived H200 cost (x time scale) and the
-simulated latencies (KV RTT 1 ms, plan/done 0.5 ms, activation hop 0.2 ms). At time scale 1 the
-ratios are those of H200 time; at 0.1 they are comparable with the emulated grid.
+Models x reuse x stages x concurrency, block 64, closed loop at C with ``--requests-per-c`` x C
+requests (32 by default, so ramp-up and drain weigh little), the derived H200 cost of each
+model's slowest stage x ``--time-scale``, KV capacity per stage derived from the model and the
+H200 (``planning.memory``). Stages, NATS and activations are simulated (virtual clock; KV RTT
+1 ms, plan/done 0.5 ms, activation hop 0.2 ms); the scheduler, planner, agreement and KV
+managers are the runtime's own objects. Each cell: efficiency wave/sync (throughput / the
+physical bound, docs/bench/bound.md) and the ratio wave/sync.
 
-    python benchmarks/sim_sweep.py --time-scale 1
+    python benchmarks/sim_sweep.py                 # the whole sweep (about 20 min on 2 cores)
+    python benchmarks/sim_sweep.py --stages 4 --concurrency 8,32,128
 
 This is a benchmark, not a test: it measures and prints a Markdown table; it asserts nothing.
 """
@@ -14,50 +17,76 @@ This is a benchmark, not a test: it measures and prints a Markdown table; it ass
 from __future__ import annotations
 
 import argparse
+import time
 
 from wavepp.bench.grid import GridSpec, Setting, runtime_config
 from wavepp.bench.workloads import preset_workload
 from wavepp.sim.run import simulate
 
 
+def _run(model: str, stages: int, reuse: str, concurrency: int, mode: str, per_c: int) -> dict:
+    spec = GridSpec(time_scale=ARGS.time_scale, num_stages=stages)
+    config, planner_cost = runtime_config(spec, Setting(model, concurrency, reuse, mode))
+    workload = preset_workload(reuse, per_c * concurrency, vocab_size=config.model.vocab_size)
+    return simulate(config, planner_cost, workload, concurrency=concurrency).summary()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--time-scale", type=float, default=1.0)
-    parser.add_argument("--models", default="glm-5.2,minimax-m2.7")
-    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
-    parser.add_argument("--reuse", default="low,high")
-    args = parser.parse_args()
-    spec = GridSpec(time_scale=args.time_scale)
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
-    print(f"Simulator, time scale {args.time_scale}: wave / sync throughput (ratio)\n")
-    print("| model | reuse | " + " | ".join(f"C={c}" for c in concurrencies) + " |")
-    print("| --- | --- | " + " | ".join("---:" for _ in concurrencies) + " |")
-    wins = ties = total = 0
-    for model in args.models.split(","):
-        for reuse in args.reuse.split(","):
-            cells = []
-            for concurrency in concurrencies:
-                throughput = {}
-                for mode in ("wave", "sync"):
-                    config, planner_cost = runtime_config(
-                        spec, Setting(model, concurrency, reuse, mode)
-                    )
-                    workload = preset_workload(
-                        reuse, max(64, 2 * concurrency), vocab_size=config.model.vocab_size
-                    )
-                    report = simulate(config, planner_cost, workload, concurrency=concurrency)
-                    throughput[mode] = report.summary()["throughput_tokens_per_s"]
-                ratio = throughput["wave"] / throughput["sync"]
-                wins += round(ratio, 2) > 1.0
-                ties += round(ratio, 2) == 1.0
-                total += 1
-                cells.append(f"{ratio:.2f}")
-            print(f"| {model} | {reuse} | " + " | ".join(cells) + " |", flush=True)
+    parser.add_argument("--time-scale", type=float, default=1.0, help="default: %(default)s")
+    parser.add_argument("--models", default="glm-5.2,minimax-m2.7", help="default: %(default)s")
+    parser.add_argument("--stages", default="4,8", help="default: %(default)s")
+    parser.add_argument(
+        "--concurrency", default="1,2,4,8,16,32,64,128,256", help="default: %(default)s"
+    )
+    parser.add_argument("--reuse", default="low,high", help="default: %(default)s")
+    parser.add_argument(
+        "--requests-per-c", type=int, default=32, help="requests per cell / C; default: %(default)s"
+    )
+    global ARGS
+    ARGS = parser.parse_args()
+    concurrencies = [int(c) for c in ARGS.concurrency.split(",")]
+    started = time.monotonic()
     print(
-        f"\nwave > sync (ratio > 1.00 at two decimals) in {wins} of {total} settings; "
-        f"{ties} equal at two decimals; {total - wins - ties} below"
+        f"Simulator, time scale {ARGS.time_scale}, {ARGS.requests_per_c} x C requests per cell: "
+        "efficiency wave/sync (throughput / physical bound), and the ratio wave/sync\n"
+    )
+    print("| model | reuse | S | " + " | ".join(f"C={c}" for c in concurrencies) + " |")
+    print("| --- | --- | ---: | " + " | ".join("---" for _ in concurrencies) + " |")
+    num_cells = num_at_bound = num_wave_ge_sync = 0
+    worst = (2.0, "")
+    for model in ARGS.models.split(","):
+        for reuse in ARGS.reuse.split(","):
+            for stages in (int(s) for s in ARGS.stages.split(",")):
+                cells = []
+                for concurrency in concurrencies:
+                    wave, sync = (
+                        _run(model, stages, reuse, concurrency, mode, ARGS.requests_per_c)
+                        for mode in ("wave", "sync")
+                    )
+                    ratio = wave["throughput_tokens_per_s"] / sync["throughput_tokens_per_s"]
+                    num_wave_ge_sync += round(ratio, 2) >= 1.0
+                    if concurrency >= stages:
+                        num_cells += 1
+                        num_at_bound += wave["efficiency"] >= 0.95
+                        label = f"{model} {reuse} S={stages} C={concurrency}"
+                        worst = min(worst, (wave["efficiency"], label))
+                    cells.append(f"{wave['efficiency']:.2f}/{sync['efficiency']:.2f} x{ratio:.2f}")
+                print(f"| {model} | {reuse} | {stages} | " + " | ".join(cells) + " |", flush=True)
+    total = (
+        len(ARGS.models.split(","))
+        * len(ARGS.reuse.split(","))
+        * len(ARGS.stages.split(","))
+        * len(concurrencies)
+    )
+    print(
+        f"\nC >= S: wave efficiency >= 0.95 in {num_at_bound} of {num_cells} cells "
+        f"(lowest {worst[0]:.3f}, {worst[1]}); wave >= sync (at two decimals) in "
+        f"{num_wave_ge_sync} of {total} cells. {time.monotonic() - started:.0f} s."
     )
 
+
+ARGS: argparse.Namespace
 
 if __name__ == "__main__":
     main()

@@ -111,7 +111,7 @@ def test_emulated_default_kv_capacity_replays_the_first_300_trace_requests() -> 
     assert summary["requests"] == 300
     assert summary["completed"] == 300 and summary["failed"] == 0, summary["errors"]
     # The engine's largest micro-batch: the scheduler's cap where the config has one.
-    largest = max(getattr(RuntimeConfig(), "max_microbatch_tokens", 8192), 8192)
+    largest = max(RuntimeConfig().max_microbatch_tokens, 8192)
     assert summary["kv_blocks_per_stage"] == derived_kv_blocks(
         "glm-5.2", num_stages=4, block_size=16, max_microbatch_tokens=largest
     )

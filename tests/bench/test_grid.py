@@ -82,7 +82,7 @@ def test_ratios_wins_and_table(tmp_path) -> None:  # noqa: ANN001
     ]
     add_ratios(rows)
     assert [r["ratio_vs_sync"] for r in rows] == [3.0, 1.0, 0.9, 1.0, 1.5]
-    table = markdown_table(rows, GridSpec(), "wavepp bench grid --x")
+    table = markdown_table(rows, GridSpec(time_scale=0.1), "wavepp bench grid --x")
     assert "**3.00**" in table and "**0.90**" in table
     assert "WavePP wins 1 of 2 settings" in table
     assert "| m | 2 | high | chunking-static | 150 | 1.50 | 1.67 |" in table

@@ -38,6 +38,7 @@ from wavepp.runtime.model_config import get_preset
 from wavepp.runtime.planning.catalogue import derived_cost_model
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.scheduling.stats import WaveStats
+from wavepp.runtime.serving.from_spec import default_emulated_kv_blocks
 from wavepp.runtime.serving.local import LocalPipeline
 
 __all__ = [
@@ -92,7 +93,9 @@ CSV_COLUMNS = [
 
 @dataclass(frozen=True)
 class GridSpec:
-    """What the grid runs. Defaults: the issue's grid at time scale 0.1."""
+    """What the grid runs. Defaults: H200 time (time scale 1.0). A smaller time scale shrinks the
+    stages' compute but not the control plane's costs (NATS, agreement, planning): use it as a
+    stress test of the control plane, not as a measure of WavePP against its baseline."""
 
     models: tuple[str, ...] = ("glm-5.2", "minimax-m2.7")
     concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256)
@@ -101,9 +104,10 @@ class GridSpec:
     ablation_concurrency: int = 128
     ablation_reuse: str = "high"
     num_stages: int = 4
-    time_scale: float = 0.1
+    time_scale: float = 1.0
     block_size: int = 64
-    num_kv_blocks: int = 16384
+    # NOTE: None: each stage's capacity derived from the model and the H200 (planning.memory)
+    num_kv_blocks: int | None = None
     chunk_tokens: int = 8192
     min_requests: int = 32
     requests_per_concurrency: float = 1.0
@@ -171,11 +175,14 @@ def runtime_config(spec: GridSpec, setting: Setting) -> tuple[RuntimeConfig, Any
         time_scale=spec.time_scale,
         num_stages=spec.num_stages,
         block_size=spec.block_size,
-        num_kv_blocks=[spec.num_kv_blocks],
+        num_kv_blocks=[spec.num_kv_blocks or 4096],
         mode=setting.mode,  # type: ignore[arg-type]
         chunk_tokens=spec.chunk_tokens,
         **overrides,
     )
+    if spec.num_kv_blocks is None:
+        blocks, _ = default_emulated_kv_blocks(config, setting.model)
+        config = RuntimeConfig.model_validate(config.model_dump() | {"num_kv_blocks": blocks})
     # The planner budgets with the stages' own cost, at the stages' time scale.
     return config, stage_cost.scaled(spec.time_scale)
 
@@ -385,7 +392,9 @@ def markdown_table(rows: Sequence[dict[str, Any]], spec: GridSpec, command: str 
         f"Emulated engine: each of {spec.num_stages} stages sleeps time_scale={spec.time_scale}"
         " x the derived H200 cost of the model's slowest stage; NATS, agreement, planning,"
         " stage processes and activations are real. Block size "
-        f"{spec.block_size}, {spec.num_kv_blocks} KV blocks per stage, chunk_tokens "
+        f"{spec.block_size}, "
+        f"{spec.num_kv_blocks or 'derived (model and H200 memory, planning.memory)'} KV blocks "
+        "per stage, chunk_tokens "
         f"{spec.chunk_tokens}. Throughput: prompt tokens/s of wall time (x{spec.time_scale} "
         "scale). hit: measured cached/prompt tokens.\n\n"
     )

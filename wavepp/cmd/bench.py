@@ -46,9 +46,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid.add_argument("--ablation-concurrency", type=int, default=128, help="C of the ablations")
     grid.add_argument("--ablation-reuse", default="high", help="reuse of the ablations")
     grid.add_argument("--stages", type=int, default=4, help="pipeline stages S")
-    grid.add_argument("--time-scale", type=float, default=0.1, help="emulated sleep multiplier")
+    grid.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="emulated sleep multiplier: 1.0 = H200 time; below 1 stresses the control plane "
+        "(its costs do not shrink) and is no measure of WavePP against the baseline",
+    )
     grid.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
-    grid.add_argument("--kv-blocks", type=int, default=16384, help="KV blocks per stage")
+    grid.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per stage (default: derived per stage from the model and H200 memory)",
+    )
     grid.add_argument("--chunk-tokens", type=int, default=8192, help="micro-batch token budget")
     grid.add_argument(
         "--min-requests", type=int, default=32, help="requests per setting: at least this"

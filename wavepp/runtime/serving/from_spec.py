@@ -105,14 +105,12 @@ def default_emulated_kv_blocks(config: RuntimeConfig, emulate: str) -> tuple[lis
         ValueError: the model's weights fit no stage (names model, stages, memory needed).
     """
     # NOTE: the activation workspace is sized for the engine's largest micro-batch: the
-    # larger of the scheduler's max_microbatch_tokens cap (where the config has the field) and
-    # chunk_tokens (the static policy's budget).
-    largest = getattr(config, "max_microbatch_tokens", config.chunk_tokens)
+    # larger of max_microbatch_tokens and chunk_tokens (the static policy's budget).
     return default_kv_blocks(
         emulate,
         num_stages=config.num_stages,
         block_size=config.block_size,
-        max_microbatch_tokens=max(largest, config.chunk_tokens),
+        max_microbatch_tokens=max(config.max_microbatch_tokens, config.chunk_tokens),
     )
 
 
