@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
 import attrs
 import httpx2
 import kmock
@@ -102,7 +103,21 @@ class WaveEmulator(kmock.KubernetesEmulator):
 
     async def _handle(self, request: Any) -> Any:
         """Create on apply; set what a real API server sets on create (uid, resourceVersion,
-        generation, time)."""
+        generation, time); refuse a JSON patch whose resourceVersion test fails with 422, as a
+        real API server does (kmock raised, answering 500, and kopf retried the stale patch
+        instead of re-reading: found as a flaky e2e test once writes bumped resourceVersion)."""
+        if self._fails_resource_version_test(request):
+            return aiohttp.web.json_response(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Status",
+                    "status": "Failure",
+                    "reason": "Invalid",
+                    "code": 422,
+                    "message": "the JSON patch's resourceVersion test failed",
+                },
+                status=422,
+            )
         if _is_apply_of_absent(self, request):
             # Store an empty object with the server-set fields; kmock's merge of the PATCH below
             # fills it in. NOTE: watchers see MODIFIED for it, not ADDED (kopf watches only
@@ -119,6 +134,21 @@ class WaveEmulator(kmock.KubernetesEmulator):
             meta = request.data.setdefault("metadata", {})
             meta["resourceVersion"] = str(next(_resource_versions))
         return await super()._handle(request)
+
+    def _fails_resource_version_test(self, request: Any) -> bool:
+        if request.action != kmock.action.UPDATE or not isinstance(request.data, list):
+            return False
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            return False
+        current = self.objects[key].get("metadata", {}).get("resourceVersion")
+        return any(
+            op.get("op") == "test"
+            and op.get("path") == "/metadata/resourceVersion"
+            and op.get("value") != current
+            for op in request.data
+            if isinstance(op, dict)
+        )
 
     @staticmethod
     def _server_set(name: str | None) -> dict[str, Any]:
