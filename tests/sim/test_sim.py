@@ -86,7 +86,8 @@ def test_sim_time_is_the_cost_model_time() -> None:
     # One request, one stage, no transport costs: wall = time_scale * t(0, x) exactly.
     spec = GridSpec(time_scale=0.5, num_stages=1, num_kv_blocks=1024)
     config, planner_cost = runtime_config(spec, Setting("glm-5.2", 1, "low", "sync"))
-    config = config.model_copy(update={"num_stages": 1})
+    # no modelled host loop either (tests/sim/test_baseline.py checks that one)
+    config = config.model_copy(update={"num_stages": 1, "baseline_iteration_overhead_s": 0.0})
     workload = shared_prefix_workload(
         1, num_prefix_tokens=0, num_suffix_tokens=2048, num_prefixes=1, vocab_size=1024
     )

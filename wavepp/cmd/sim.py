@@ -40,6 +40,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-rtt-ms", type=float, default=1.0, help="KV request-reply RTT")
     parser.add_argument("--bus-ms", type=float, default=0.5, help="plan/done publish latency")
     parser.add_argument("--hop-ms", type=float, default=0.2, help="activation hop latency")
+    parser.add_argument(
+        "--schedule-ms",
+        type=float,
+        default=2.7,
+        help="scheduler host time per micro-batch on the critical path, both modes (default "
+        "%(default)s: the control overhead per micro-batch measured on this machine)",
+    )
+    baseline = parser.add_argument_group(
+        "baseline (--mode sync) fidelity, docs/bench/baseline.md; wave mode ignores these"
+    )
+    baseline.add_argument(
+        "--baseline-budget",
+        choices=["none", "estimated", "exact"],
+        default="none",
+        help="what a first chunk is charged against --chunk-tokens before its cached prefix is "
+        "known: none = the whole prompt (TRT-LLM before PR 11637), estimated = minus the prefix "
+        "live requests hold (PR 11637 under MAX_UTILIZATION, before PR 15066), exact = new "
+        "tokens only (default %(default)s)",
+    )
+    baseline.add_argument(
+        "--baseline-overhead-ms",
+        type=float,
+        default=5.0,
+        help="TRT-LLM host loop per micro-batch (fetch, schedule, prepare resources and "
+        "inputs), ms on the critical path; range 5/10/15 (default %(default)s)",
+    )
+    baseline.add_argument(
+        "--baseline-one-chunk",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="at most one chunk of a request in flight (TRT-LLM _add_inflight_ids; default "
+        "%(default)s)",
+    )
+    baseline.add_argument(
+        "--baseline-lockstep",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="lockstep admission: no KV round trips, every stage the smallest capacity "
+        "(default %(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help="last stdout line: JSON results")
 
 
@@ -72,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--kv-blocks", f"{args.kv_blocks}: must be >= 1")
     try:
         latencies = SimLatencies(
-            kv_rtt_s=args.kv_rtt_ms / 1e3, bus_latency_s=args.bus_ms / 1e3, hop_s=args.hop_ms / 1e3
+            kv_rtt_s=args.kv_rtt_ms / 1e3,
+            bus_latency_s=args.bus_ms / 1e3,
+            hop_s=args.hop_ms / 1e3,
+            schedule_s=args.schedule_ms / 1e3,
         )
         spec = GridSpec(
             models=(args.model,),
@@ -83,7 +126,15 @@ def run(args: argparse.Namespace) -> int:
             chunk_tokens=args.chunk_tokens,
         )
     except ValueError as exc:
-        return _fail("--kv-rtt-ms/--bus-ms/--hop-ms", str(exc))
+        return _fail("--kv-rtt-ms/--bus-ms/--hop-ms/--schedule-ms", str(exc))
+    if not 0 <= args.baseline_overhead_ms <= 1000:
+        return _fail("--baseline-overhead-ms", f"{args.baseline_overhead_ms}: must be in [0, 1000]")
+    baseline_fields = {
+        "baseline_budget_accounting": args.baseline_budget,
+        "baseline_iteration_overhead_s": args.baseline_overhead_ms / 1e3,
+        "baseline_one_chunk_inflight": args.baseline_one_chunk,
+        "baseline_lockstep_admission": args.baseline_lockstep,
+    }
     try:
         config, _ = runtime_config(spec, Setting(args.model, 1, args.reuse, "wave"))
         if args.kv_blocks is not None:
@@ -111,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
                     spec, Setting(args.model, concurrency, args.reuse, mode)
                 )
                 config = RuntimeConfig.model_validate(
-                    {**config.model_dump(), "num_kv_blocks": kv_blocks}
+                    {**config.model_dump(), "num_kv_blocks": kv_blocks, **baseline_fields}
                 )
             except ValueError as exc:
                 return _fail("configuration", str(exc))
@@ -142,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
                 "ratio": round(ratio, 4),
                 "kv_blocks_per_stage": kv_blocks,
                 "kv_blocks_source": kv_blocks_source,
+                "baseline": baseline_fields,
+                "schedule_s": latencies.schedule_s,
                 **summaries,
             }
         )

@@ -55,6 +55,27 @@ class RuntimeConfig(BaseModel):
     # (c + W / S, docs/bench/bound.md) instead of from chunk_tokens; False for the ablation.
     closed_loop_fill: bool | None = None
     chunk_policy: Literal["dynamic", "static"] | None = None
+    # NOTE: the baseline's fidelity switches (docs/bench/baseline.md): each models one way
+    # TensorRT-LLM's PP executor behaves, and each applies in mode="sync" only (wave mode never
+    # reads them). budget_accounting: what the static policy charges a request's first chunk
+    # against chunk_tokens (TRT-LLM's max_num_tokens) before its cached prefix is known: "none"
+    # the whole remaining prompt (before PR 11637), "estimated" the prompt minus the prefix that
+    # live requests hold (PR 11637's estimate under MAX_UTILIZATION, before PR 15066), "exact"
+    # only the new tokens.
+    baseline_budget_accounting: Literal["none", "estimated", "exact"] = "none"
+    # NOTE: a request's next chunk waits until its previous one came back from the last stage
+    # (TRT-LLM _add_inflight_ids; the micro-batch scheduler skips requests in execution).
+    baseline_one_chunk_inflight: bool = True
+    # NOTE: the simulator agrees on prefixes without KV round trips and gives every stage the
+    # smallest stage's capacity (TRT-LLM ranks stay in lockstep: equal pools, identical
+    # operations in identical order). The real runtime still agrees over NATS.
+    baseline_lockstep_admission: bool = True
+    # NOTE: TRT-LLM rank 0's host loop between the oldest micro-batch's return and the next
+    # launch (fetch, schedule, prepare resources, prepare inputs), seconds; the sync scheduler's
+    # own time from a free slot to the publish counts toward it (it tops up, never adds).
+    # 0.005 / 0.010 / 0.015: PR 15584's context-phase host stages after / before that PR
+    # (4.8 / 9.3 ms), and above them (PR 17257: 12.5 ms per generation iteration).
+    baseline_iteration_overhead_s: float = Field(0.005, ge=0.0, le=1.0)
     async_agreement: bool | None = None
     local_prepare: bool | None = None
     prefix_wait: bool | None = None
@@ -130,6 +151,25 @@ class RuntimeConfig(BaseModel):
         if self.resolved_chunk_policy != "dynamic":
             return False
         return self.closed_loop_fill if self.closed_loop_fill is not None else self.mode == "wave"
+
+    @property
+    def resolved_budget_accounting(self) -> Literal["none", "estimated", "exact"]:
+        """How the static policy charges a first chunk; "exact" outside sync mode."""
+        is_baseline = self.mode == "sync" and self.resolved_chunk_policy == "static"
+        return self.baseline_budget_accounting if is_baseline else "exact"
+
+    @property
+    def resolved_one_chunk_inflight(self) -> bool:
+        return self.mode == "sync" and self.baseline_one_chunk_inflight
+
+    @property
+    def resolved_lockstep_admission(self) -> bool:
+        return self.mode == "sync" and self.baseline_lockstep_admission
+
+    @property
+    def resolved_iteration_overhead_s(self) -> float:
+        """Least host time from a free slot to a plan's publish, seconds (0 outside sync)."""
+        return self.baseline_iteration_overhead_s if self.mode == "sync" else 0.0
 
     @property
     def resolved_async_agreement(self) -> bool:

@@ -22,15 +22,22 @@ class SimLatencies:
 
     Defaults: the order of what ``wavepp bench admission`` and the emulated runs measure on this
     machine (a NATS request-reply ~1 ms, a publish ~0.5 ms); change them to model a network.
+
+    ``schedule_s``: the scheduler's own host time per micro-batch on the critical path (done
+    handling, planning, plan serialisation), which the virtual clock otherwise gets for free;
+    both modes pay it (sync mode at least ``RuntimeConfig.baseline_iteration_overhead_s``).
+    Default 0 here so that unit tests isolate what they test; ``wavepp sim`` charges 2.7 ms,
+    the control overhead per micro-batch measured on this machine (docs/bench/baseline.md).
     """
 
     kv_rtt_s: float = 1e-3
     bus_latency_s: float = 5e-4
     hop_s: float = 2e-4
     prepare_s: float = 2e-4
+    schedule_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("kv_rtt_s", "bus_latency_s", "hop_s", "prepare_s"):
+        for name in ("kv_rtt_s", "bus_latency_s", "hop_s", "prepare_s", "schedule_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"SimLatencies.{name}={value}: must be >= 0 seconds")

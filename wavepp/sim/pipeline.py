@@ -14,6 +14,11 @@ What is real and what is simulated::
     handle_kv_request (the stage's KV server)          activations: hop_s between stages
                                                        preparation: prepare_s on the critical
                                                          path when local_prepare is off
+                                                       scheduler host time: schedule_s per
+                                                         micro-batch (sync: at least the
+                                                         baseline's iteration overhead)
+                                                       sync lockstep admission: no KV RTT,
+                                                         every pool the smallest stage's
 
 Everything runs on a ``VirtualClockLoop``: sleeps take no wall time, so PP 8 or 128k-token
 contexts at time scale 1 take seconds. CPU time of the real scheduling code is free in virtual
@@ -100,9 +105,16 @@ class SimPipeline:
         loop = asyncio.get_running_loop()
         config = self.config
         self.bus = SimBus(self.latencies.bus_latency_s)
+        capacities = [config.kv_blocks_of(rank) for rank in range(config.num_stages)]
+        kv_rtt_s = self.latencies.kv_rtt_s
+        if config.resolved_lockstep_admission:
+            # TRT-LLM's ranks take the smallest pool (an allreduce MIN) and stay in lockstep
+            # by identical operations: agreement is free of round trips (baseline.md).
+            capacities = [min(capacities)] * config.num_stages
+            kv_rtt_s = 0.0
         for rank in range(config.num_stages):
             manager = StageKVManager(
-                BlockPool(config.kv_blocks_of(rank), config.block_size), clock=loop.time
+                BlockPool(capacities[rank], config.block_size), clock=loop.time
             )
             stage = SimStage(
                 rank, config, self.stage_cost_models[rank], self.latencies, self.bus, manager
@@ -113,15 +125,21 @@ class SimPipeline:
             await self.bus.subscribe(config.subjects.plan, cb=stage.on_plan)
             self._tasks.append(asyncio.create_task(stage.compute_loop()))
         self.controller = AdmissionController(
-            [SimStageClient(stage, self.latencies.kv_rtt_s) for stage in self.stages],
+            [SimStageClient(stage, kv_rtt_s) for stage in self.stages],
             block_size=config.block_size,
             model_id=config.model_id,
             lease_s=config.lease_s,
-            stage_capacities=[config.kv_blocks_of(r) for r in range(config.num_stages)],
+            stage_capacities=capacities,
         )
         planner = planner_for(config, self.planner_cost_model)
         transport = BusPlanTransport(self.bus, config.subjects)  # the bus speaks nats.py's API
-        self.scheduler = WaveScheduler(config, transport, self.controller, planner)
+        self.scheduler = WaveScheduler(
+            config,
+            transport,
+            self.controller,
+            planner,
+            host_overhead_s=self.latencies.schedule_s,
+        )
         await self.scheduler.start()
 
     async def stop(self) -> None:

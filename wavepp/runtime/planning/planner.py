@@ -47,6 +47,10 @@ class RequestProgress:
         arrival_s: arrival time, seconds on the caller's clock (for TTFT; the planner keeps FIFO
             order of the sequence it is given and does not sort by this).
         num_planned_chunks: chunks planned so far; the next chunk's chunk_index.
+        num_credited_tokens: static policy only: of the cached tokens (the
+            num_computed_tokens at admission), how many the token budget knows of before the
+            first chunk; the rest is charged as if it were computed (TensorRT-LLM fixes the
+            budget before it finds the cached prefix; docs/bench/baseline.md). None: all.
     """
 
     request_id: str
@@ -54,6 +58,7 @@ class RequestProgress:
     num_computed_tokens: int
     arrival_s: float = 0.0
     num_planned_chunks: int = 0
+    num_credited_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 1:
@@ -68,6 +73,20 @@ class RequestProgress:
                 f"{self.num_prompt_tokens}]"
             )
         check_non_negative("num_planned_chunks", self.num_planned_chunks)
+        if self.num_credited_tokens is not None:
+            check_non_negative("num_credited_tokens", self.num_credited_tokens)
+
+    @property
+    def num_uncredited_tokens(self) -> int:
+        """Cached tokens the static budget charges with the first chunk (0 after it)."""
+        if self.num_credited_tokens is None or self.num_planned_chunks > 0:
+            return 0
+        return max(0, self.num_computed_tokens - self.num_credited_tokens)
+
+    @property
+    def num_charged_tokens(self) -> int:
+        """What the static budget charges to plan the rest of the prompt in one chunk."""
+        return self.num_remaining_tokens + self.num_uncredited_tokens
 
     @property
     def num_remaining_tokens(self) -> int:
@@ -148,7 +167,11 @@ class ChunkPlanner:
       tokens per micro-batch; each request's chunk = min(remaining, budget left), rounded down
       to a multiple of block_size unless it finishes the prompt (TRT-LLM's chunk unit). A
       request that gets 0 tokens is skipped and later ones still get a chance (a short prompt
-      end may still fit).
+      end may still fit). Budget accounting (``RequestProgress.num_credited_tokens``): a first
+      chunk is charged its new tokens plus the cached tokens the budget was not told of; one
+      that does not fit whole gets k = the budget left, rounded down to a block, and is charged
+      k; it computes min(k, new tokens), since TensorRT-LLM shifts the chunk's window past the
+      cached prefix it finds afterwards (``LlmRequest::setPrepopulatedPromptLen``).
     - "dynamic" (WavePP): a cost budget. target = cost on the slowest stage of a micro-batch
       of chunk_tokens new tokens at L = 0 (target_cost_s). Chunks are added in FIFO order while
       the micro-batch's cost on every stage stays <= target; the chunk that would overshoot is
@@ -329,13 +352,22 @@ class ChunkPlanner:
         for request in pending:
             if len(chunks) >= self.max_chunks_per_microbatch or budget_tokens <= 0:
                 break
-            num_tokens = self._cut(request, min(request.num_remaining_tokens, budget_tokens))
+            charged = request.num_charged_tokens
+            if request.num_uncredited_tokens and charged > budget_tokens:
+                # TRT-LLM FCFS cuts the chunk from the budget left (block units), charges all of
+                # it, then shifts the window past the cached prefix: it computes min(k, new).
+                charged = budget_tokens // self.block_size * self.block_size
+                num_tokens = self._cut(request, min(request.num_remaining_tokens, charged))
+            else:
+                num_tokens = self._cut(request, min(request.num_remaining_tokens, budget_tokens))
+                charged = num_tokens + request.num_uncredited_tokens
             if num_tokens == 0:
                 if chunks:
                     continue  # TRT-LLM FCFS: chunk size 0, request not scheduled this time
                 num_tokens = self._min_progress(request)
+                charged = num_tokens
             chunks.append(self._advance(request, num_tokens))
-            budget_tokens -= num_tokens
+            budget_tokens -= charged
         return chunks
 
     def _plan_dynamic(

@@ -390,7 +390,9 @@ class SyncAdmission(_Admission):
     async def gather(self) -> None:
         core = self.core
         intake = self.scheduler.intake
-        while core.remaining_new_tokens() < self.config.chunk_tokens:
+        # NOTE: fills to chunk_tokens of what the static budget charges for the requests the
+        # planner may cut now (the baseline switches: budget accounting, one chunk in flight).
+        while core.plannable_budget_tokens() < self.config.chunk_tokens:
             if self._head is None:
                 if core.active and intake.empty():
                     return

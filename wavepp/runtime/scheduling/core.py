@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,6 +148,11 @@ class SchedulerCore:
         # closed loop's population, whose work sizes each micro-batch.
         self.num_open = 0
         self._mean_work_s: float | None = None
+        # Baseline, budget accounting "estimated": the block hashes of every live request whose
+        # first chunk was planned (it holds references on them), each hash counted once per
+        # holder; a new request's estimate is how many of its leading blocks they hold.
+        self._started_blocks: Counter[bytes] = Counter()
+        self._started_hashes: dict[str, list[bytes]] = {}
 
     # ---- intake and admission ------------------------------------------------------------
 
@@ -185,12 +190,16 @@ class SchedulerCore:
             num_refusals=ticket.num_refusals,
             stage_hits=ticket.stage_hits,
         )
+        accounting = self.config.resolved_budget_accounting
         record.progress = RequestProgress(
             request_id=request.request_id,
             num_prompt_tokens=request.num_tokens,
             num_computed_tokens=ticket.num_cached_tokens,
             arrival_s=request.arrival_s,
+            num_credited_tokens=None if accounting == "exact" else 0,
         )
+        if accounting == "estimated":
+            self._estimate_credit(record)
         self.live[request.request_id] = record
         if self.config.resolved_prefix_wait:
             # Narrow the claim made before agreeing to the blocks it really computes.
@@ -221,6 +230,62 @@ class SchedulerCore:
     def remaining_new_tokens(self) -> int:
         """New tokens of the planning set not yet planned."""
         return sum(record.num_unplanned_tokens for record in self.active)
+
+    def is_plannable(self, record: RequestRecord) -> bool:
+        """The planner may cut ``record`` now: not a baseline request with a chunk in flight
+        (``RuntimeConfig.baseline_one_chunk_inflight``, TRT-LLM's ``_add_inflight_ids``)."""
+        if record.progress is None:
+            return False
+        return not (self.config.resolved_one_chunk_inflight and record.num_inflight_microbatches)
+
+    def plannable_budget_tokens(self) -> int:
+        """Tokens the static budget would charge to plan every plannable request of the
+        planning set whole (the sync admission fills up to ``chunk_tokens`` of it); equals
+        ``remaining_new_tokens`` when the baseline switches are off."""
+        return sum(
+            record.progress.num_charged_tokens
+            for record in self.active
+            if record.progress is not None and self.is_plannable(record)
+        )
+
+    def _estimate_credits(self) -> None:
+        """Budget accounting "estimated": credit each unstarted request with the leading
+        blocks of its prompt that started live requests hold, capped by its agreed prefix
+        (PR 11637's estimate as MAX_UTILIZATION computed it before PR 15066: blocks with live
+        references only; docs/bench/baseline.md)."""
+        if self.config.resolved_budget_accounting != "estimated":
+            return
+        for record in self.active:
+            self._estimate_credit(record)
+
+    def _estimate_credit(self, record: RequestRecord) -> None:
+        progress, ticket = record.progress, record.ticket
+        if progress is None or ticket is None or progress.num_planned_chunks:
+            return
+        num_held = 0
+        for block_hash in self.block_hashes(record.request)[: ticket.num_agreed_blocks]:
+            if not self._started_blocks[block_hash]:
+                break
+            num_held += 1
+        progress.num_credited_tokens = num_held * self.config.block_size
+
+    def _started(self, record: RequestRecord) -> None:
+        if self.config.resolved_budget_accounting != "estimated":
+            return
+        if record.request_id in self._started_hashes:
+            return
+        hashes = self.block_hashes(record.request)
+        self._started_hashes[record.request_id] = hashes
+        self._started_blocks.update(hashes)
+
+    def _forget_started(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            hashes = self._started_hashes.pop(request_id, None)
+            if hashes is not None:
+                self._started_blocks.subtract(hashes)
+                for block_hash in hashes:
+                    if self._started_blocks[block_hash] <= 0:
+                        del self._started_blocks[block_hash]
 
     def unplanned_tokens(self) -> int:
         """New tokens of every admitted request not yet planned (the lookahead's measure)."""
@@ -295,8 +360,9 @@ class SchedulerCore:
         Marks each chunk's request RUNNING (PLANNED with its last chunk), counts it in flight,
         and takes the micro-batch's id. The plan itself comes from ``plan_of``.
         """
+        self._estimate_credits()
         chunks = self.planner.plan_microbatch(
-            [record.progress for record in self.active if record.progress is not None],
+            [record.progress for record in self.active if self.is_plannable(record)],
             num_stages=self.num_stages,
             num_inflight=len(self.inflight),
             more_work_queued=more_work_queued,
@@ -331,6 +397,7 @@ class SchedulerCore:
             assert record.outcome is not None, f"{chunk.request_id}: planned before admission"
             if not record.outcome.first_scheduled_s:
                 record.outcome.first_scheduled_s = now
+                self._started(record)
             if chunk.is_last:
                 record.status = RequestStatus.PLANNED
             elif record.status == RequestStatus.ADMITTED:
@@ -463,6 +530,7 @@ class SchedulerCore:
 
     def released(self, request_ids: Sequence[str]) -> None:
         """The requests' pins are gone: drop their claims on in-flight prefixes."""
+        self._forget_started(request_ids)
         if self.config.resolved_prefix_wait:
             for request_id in request_ids:
                 self.inflight_prefixes.remove(request_id)
@@ -494,6 +562,7 @@ class SchedulerCore:
             readmit.append(record)
         self.active = []
         self.inflight.clear()
+        self._forget_started(list(self._started_hashes))
         self._published_at_s.clear()
         return readmit
 

@@ -80,6 +80,7 @@ class WaveScheduler:
         on_stage_done: Callable[[MicroBatchDone, list[str]], None] | None = None,
         first_microbatch_id: int = 0,
         stats: WaveStats | None = None,
+        host_overhead_s: float = 0.0,
     ) -> None:
         self.config = config
         self.transport = transport
@@ -114,6 +115,12 @@ class WaveScheduler:
         self._plans_open.set()
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()  # done pulls, release retries
+        # NOTE: the least host time before each plan's publish, on the critical path: the
+        # caller's model of this scheduler's own cost (the simulator, where CPU is free), and
+        # in sync mode at least TRT-LLM's host loop (baseline_iteration_overhead_s). Sync counts
+        # from the free slot (its agreement is TRT-LLM's fetch and prepare_resources); wave
+        # from the end of gather (its agreements ran ahead, off the critical path).
+        self._host_floor_s = max(host_overhead_s, config.resolved_iteration_overhead_s)
 
     # ---- public views --------------------------------------------------------------------
 
@@ -238,18 +245,34 @@ class WaveScheduler:
 
     async def _scheduling_loop(self) -> None:
         core = self.core
+        loop = asyncio.get_running_loop()
         while True:
             while not core.has_free_slot():
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
+            started_s = loop.time()
             await self.admission.gather()
             await self._plans_open.wait()
+            if self._host_floor_s > 0 and any(core.is_plannable(r) for r in core.active):
+                if self.config.mode != "sync":
+                    started_s = loop.time()
+                host_s = self._host_floor_s - (loop.time() - started_s)
+                if host_s > 0:
+                    await asyncio.sleep(host_s)
             scheduled = core.schedule(
                 more_work_queued=self.admission.more_work_queued(),
                 planning_started_s=time.time(),
             )
             if scheduled is None:
-                if core.active:
+                if core.active and self.config.resolved_one_chunk_inflight and core.num_inflight:
+                    # Every request left has a chunk in flight: wait for one to come back
+                    # (or for the next host iteration, which may find new requests).
+                    self._slot_freed.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(
+                            self._slot_freed.wait(), max(self._host_floor_s, 1e-3)
+                        )
+                elif core.active:
                     await asyncio.sleep(0)
                 continue
             await self.admission.microbatch_published()
