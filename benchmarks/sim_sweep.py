@@ -21,14 +21,24 @@ import time
 
 from wavepp.bench.grid import GridSpec, Setting, runtime_config
 from wavepp.bench.workloads import preset_workload
+from wavepp.sim.bus import SimLatencies
 from wavepp.sim.run import simulate
 
 
 def _run(model: str, stages: int, reuse: str, concurrency: int, mode: str, per_c: int) -> dict:
     spec = GridSpec(time_scale=ARGS.time_scale, num_stages=stages)
     config, planner_cost = runtime_config(spec, Setting(model, concurrency, reuse, mode))
+    config = config.model_copy(
+        update={
+            "baseline_budget_accounting": ARGS.baseline_budget,
+            "baseline_iteration_overhead_s": ARGS.baseline_overhead_ms / 1e3,
+        }
+    )
     workload = preset_workload(reuse, per_c * concurrency, vocab_size=config.model.vocab_size)
-    return simulate(config, planner_cost, workload, concurrency=concurrency).summary()
+    latencies = SimLatencies(schedule_s=ARGS.schedule_ms / 1e3)
+    return simulate(
+        config, planner_cost, workload, concurrency=concurrency, latencies=latencies
+    ).summary()
 
 
 def main() -> None:
@@ -43,13 +53,35 @@ def main() -> None:
     parser.add_argument(
         "--requests-per-c", type=int, default=32, help="requests per cell / C; default: %(default)s"
     )
+    parser.add_argument(
+        "--schedule-ms",
+        type=float,
+        default=2.7,
+        help="the scheduler's host time per micro-batch, both modes (measured on this machine); "
+        "default: %(default)s",
+    )
+    parser.add_argument(
+        "--baseline-budget",
+        choices=("none", "estimated", "exact"),
+        default="none",
+        help="sync mode's token-budget accounting (docs/bench/baseline.md); default: %(default)s",
+    )
+    parser.add_argument(
+        "--baseline-overhead-ms",
+        type=float,
+        default=5.0,
+        help="sync mode's host loop per iteration (docs/bench/baseline.md); default: %(default)s",
+    )
     global ARGS
     ARGS = parser.parse_args()
     concurrencies = [int(c) for c in ARGS.concurrency.split(",")]
     started = time.monotonic()
     print(
-        f"Simulator, time scale {ARGS.time_scale}, {ARGS.requests_per_c} x C requests per cell: "
-        "efficiency wave/sync (throughput / physical bound), and the ratio wave/sync\n"
+        f"Simulator, time scale {ARGS.time_scale}, {ARGS.requests_per_c} x C requests per cell, "
+        f"scheduler host time {ARGS.schedule_ms} ms per micro-batch (both modes); baseline: "
+        f"budget accounting {ARGS.baseline_budget}, host loop {ARGS.baseline_overhead_ms} ms, one "
+        "chunk per request in flight, lockstep admission. Cells: efficiency wave/sync "
+        "(throughput / physical bound), and the ratio wave/sync\n"
     )
     print("| model | reuse | S | " + " | ".join(f"C={c}" for c in concurrencies) + " |")
     print("| --- | --- | ---: | " + " | ".join("---" for _ in concurrencies) + " |")
