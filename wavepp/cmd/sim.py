@@ -149,9 +149,9 @@ def run(args: argparse.Namespace) -> int:
     factor = args.prompt_tokens / 4096 if args.prompt_tokens else 1.0
     results = []
     print(
-        "| model | S | C | reuse | prompt tokens | tok/s wave | tok/s sync | ratio | "
-        "TTFT p50 wave/sync (s) | wave fill wave/sync |\n"
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- |"
+        "| model | S | C | reuse | prompt tokens | tok/s wave | tok/s sync | ratio | bound tok/s | "
+        "efficiency wave/sync | TTFT p50 wave/sync (s) | wave fill wave/sync |\n"
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"
     )
     for concurrency in concurrencies:
         num_requests = args.requests or max(32, concurrency)
@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             f"| {args.model} | {args.stages} | {concurrency} | {args.reuse} | "
             f"{len(workload.prompts[0])} | {w['throughput_tokens_per_s']:.0f} | "
             f"{s['throughput_tokens_per_s']:.0f} | **{ratio:.2f}** | "
+            f"{w['bound_tokens_per_s']:.0f} | {w['efficiency']:.2f}/{s['efficiency']:.2f} | "
             f"{w['ttft_p50_s']:.3f}/{s['ttft_p50_s']:.3f} | "
             f"{w['wave_fill']:.2f}/{s['wave_fill']:.2f} |",
             flush=True,
