@@ -19,6 +19,14 @@ A request's state lives in its ``RequestRecord`` (status, ticket, progress, outc
 flight); the core indexes the admitted, unreleased ones by id (``live``). Every way a request
 ends (a result, a stage error, a deadline, no result from the last stage, a refusal before
 admission) goes through ``_finish``, which queues the record for ``take_finished``.
+
+A result is answered once every stage reported the micro-batch that carried it: a middle stage
+publishes its done after sending its activations on, so the last stage's done (with the result)
+can arrive first. The answer promises every stage's report (``stage_agreed_blocks``, the
+service's per-stage timings), so the result waits in ``_held_results`` for the late done; the
+slot and the pins are freed at the last stage's report as before. A done lost for good is
+replayed on a gap or a resync; failing that, the micro-batch's deadline answers the held
+results as they are (``expire``).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from wavepp.api.messages import MicroBatchDone, MicroBatchPlan, PlannedChunk
+from wavepp.api.messages import MicroBatchDone, MicroBatchPlan, PlannedChunk, RequestResult
 from wavepp.runtime.agreement import Ticket
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv.inflight import InflightPrefixIndex
@@ -141,7 +149,12 @@ class SchedulerCore:
         # Micro-batches published and not reported by the last stage: chunk owners (each
         # request once, plan order) and monotonic publish time (deadlines).
         self.inflight: dict[int, list[str]] = {}
+        # NOTE: kept past the last stage's report while results are held (the deadline bounds
+        # the wait for a late done).
         self._published_at_s: dict[int, float] = {}
+        # Results the last stage reported for a micro-batch some stage has not reported yet,
+        # answered when the ledger completes it (every stage reported) or it expires.
+        self._held_results: dict[int, list[tuple[RequestRecord, RequestResult]]] = {}
         self._recent: OrderedDict[str, RequestOutcome] = OrderedDict()
         self._finished: list[RequestRecord] = []
         # Requests added and not yet finished (queued, agreeing, admitted, in flight): the
@@ -441,7 +454,8 @@ class SchedulerCore:
             log.error("done message from rank %d dropped (S=%d)", done.rank, self.num_stages)
             return update
         owners = self.ledger.owners(done.microbatch_id)
-        if self.ledger.report(done.microbatch_id, done.rank) in (Report.DUPLICATE, Report.UNKNOWN):
+        report = self.ledger.report(done.microbatch_id, done.rank)
+        if report in (Report.DUPLICATE, Report.UNKNOWN):
             return update
         update.counted = True
         update.owners = owners
@@ -468,30 +482,54 @@ class SchedulerCore:
                 if record is not None and not record.status.is_finished:
                     self._finish(record, error=done.error)
             self._prune_active()
+        if report is Report.LAST:  # every stage reported: answer what waited for this one
+            self._answer_held(done.microbatch_id)
         if done.rank != self.num_stages - 1:
             return update
         request_ids = self.inflight.pop(done.microbatch_id, [])
-        self._published_at_s.pop(done.microbatch_id, None)
         update.slot_freed = True
+        held: list[tuple[RequestRecord, RequestResult]] = []
         for result in done.results:
             record = self.live.get(result.request_id)
             if record is None or record.status.is_finished:
                 continue
-            self._finish(record, first_token_id=result.first_token_id, logits=result.logits)
+            held.append((record, result))
+        if held and report is not Report.LAST:
+            self._held_results[done.microbatch_id] = held
+        else:
+            self._published_at_s.pop(done.microbatch_id, None)
+            for record, result in held:
+                self._answer(record, result)
+        held_ids = {record.request_id for record, _ in held}
         for request_id in request_ids:
             record = self.live.get(request_id)
             if record is None:
                 continue
             record.num_inflight_microbatches -= 1
             if record.num_inflight_microbatches == 0 and record.status.is_fully_planned:
-                if not record.status.is_finished:  # last chunk ran without a result: report
+                if not record.status.is_finished and request_id not in held_ids:
+                    # last chunk ran without a result: report
                     self._finish(record, error="no result from the last stage")
                 del self.live[request_id]
                 update.to_release.append(request_id)
         return update
 
+    def _answer(self, record: RequestRecord, result: RequestResult) -> None:
+        if not record.status.is_finished:
+            self._finish(record, first_token_id=result.first_token_id, logits=result.logits)
+
+    def _answer_held(self, microbatch_id: int) -> None:
+        """Answer the results held for ``microbatch_id`` (none: nothing happens)."""
+        held = self._held_results.pop(microbatch_id, None)
+        if held is None:
+            return
+        self._published_at_s.pop(microbatch_id, None)
+        for record, result in held:
+            self._answer(record, result)
+
     def overdue(self) -> list[int]:
-        """Micro-batches in flight longer than ``microbatch_deadline_s``, in publish order."""
+        """Micro-batches in flight longer than ``microbatch_deadline_s``, in publish order
+        (also those whose results wait for a stage's done)."""
         now = self.monotonic()
         deadline_s = self.config.microbatch_deadline_s
         return [
@@ -502,7 +540,9 @@ class SchedulerCore:
         """Fail the unfinished requests of a micro-batch past ``microbatch_deadline_s``.
 
         Each request is answered once, with an error naming the micro-batch and how many stages
-        reported it; a result arriving later is dropped (the request is no longer live).
+        reported it; a result arriving later is dropped (the request is no longer live). Results
+        the last stage reported while another stage's done never came are answered as they are
+        (their ``stage_agreed_blocks`` lack that stage).
 
         Returns:
             The request ids to release on every stage.
@@ -511,6 +551,18 @@ class SchedulerCore:
         request_ids = self.inflight.pop(microbatch_id, [])
         num_reports = self.ledger.num_reports(microbatch_id)
         self.ledger.drop(microbatch_id)
+        if microbatch_id in self._held_results:
+            log.warning(
+                "micro-batch %d: %d of %d stages reported it within microbatch_deadline_s=%s s;"
+                " answering its results without the others' reports",
+                microbatch_id,
+                num_reports,
+                self.num_stages,
+                self.config.microbatch_deadline_s,
+            )
+            self._answer_held(microbatch_id)
+        if not request_ids:
+            return []
         error = (
             f"micro-batch {microbatch_id} not finished within microbatch_deadline_s="
             f"{self.config.microbatch_deadline_s} s ({num_reports} of {self.num_stages} stages "
@@ -563,6 +615,8 @@ class SchedulerCore:
         self.active = []
         self.inflight.clear()
         self._forget_started(list(self._started_hashes))
+        for microbatch_id in list(self._held_results):  # computed: the results stand
+            self._answer_held(microbatch_id)
         self._published_at_s.clear()
         return readmit
 

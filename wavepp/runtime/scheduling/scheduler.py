@@ -11,7 +11,8 @@ calls three parts that hold no I/O of their own::
                               (NATS: nats_transport.py; the simulator: its bus)
 
 Both modes keep at most ``max_inflight`` (default S) micro-batches in the pipeline. The last
-stage's ``MicroBatchDone`` frees a slot and carries the first tokens of finished requests; a
+stage's ``MicroBatchDone`` frees a slot and carries the first tokens of finished requests, which
+are answered once every stage reported that micro-batch (its deadline bounds the wait); a
 request's pins and reservations are released once no micro-batch holding one of its chunks is
 in flight.
 
@@ -209,6 +210,7 @@ class WaveScheduler:
             if records:
                 log.warning("re-form: %d admitted requests go back to admission", len(records))
             self._slot_freed.set()
+            self.deliver_finished()  # results that waited for a stage's done (core.reform)
             self.admission.reopen()
         self.core.ledger.clear()
         self._plans_open.set()
