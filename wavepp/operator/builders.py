@@ -1,354 +1,100 @@
 """Pure manifest builders: a resolved WavePipelineSpec in, Kubernetes objects (dicts) out.
 
-No I/O here; handlers.py applies what these functions return. Every child carries an owner
-reference to its pipeline and the labels below, and has a deterministic name:
-
-| object                     | name                     | per      |
-| -------------------------- | ------------------------ | -------- |
-| ConfigMap (resolved spec)  | {p}-spec-{hash}          | spec     |
-| ConfigMap (pool)           | {p}-pool                 | pipeline |
-| StatefulSet (stages)       | {p}-r{i}                 | replica  |
-| Service (headless)         | {p}-r{i}                 | replica  |
-| Deployment + Service       | {p}-r{i}-admission       | replica  |
-| Deployment + Service       | {p}-gateway              | pipeline |
-| HorizontalPodAutoscaler    | {p}                      | pipeline |
-
-Stage pods are ``{p}-r{i}-{rank}``: the StatefulSet ordinal is the stage rank. The spec
-ConfigMap's name carries the spec hash, so replicas on the old and the new spec coexist during a
-rolling update (each mounts its own) and a ConfigMap never changes under a running pod.
-
-The contract with the runtime's processes (``wavepp stage|admission|gateway``) is all in
-:func:`container_args` and :func:`_probes`: flags, ports, and the HTTP endpoints the kubelet polls.
+No I/O here; handlers.py applies what these functions return. One builder per kind of child;
+the names, labels and owner reference come from ``naming.py``, the container contract with the
+runtime's processes from ``containers.py`` (both re-exported here, so callers keep
+``from wavepp.operator import builders as b``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import kopf
+from typing import Any
 
 from wavepp.api.spec import API_GROUP, API_VERSION, KIND, WavePipelineSpec
+from wavepp.operator.containers import (
+    CONFIG_DIR,
+    CONTAINER_SECURITY_CONTEXT,
+    HEALTH_PORT,
+    HTTP_PORT,
+    NATS_CREDS_DIR,
+    NATS_TLS_DIR,
+    POD_SECURITY_CONTEXT,
+    POOL_DIR,
+    POOL_FILE,
+    RENDEZVOUS_PORT,
+    SPEC_FILE,
+    Component,
+    config_volumes,
+    container_args,
+    pod_container,
+    pod_spec_common,
+)
+from wavepp.operator.naming import (
+    ANNOTATION_SPEC_HASH,
+    LABEL_COMPONENT,
+    LABEL_PIPELINE,
+    LABEL_REPLICA,
+    LABEL_SPEC_HASH,
+    POD_INDEX_LABEL,
+    PipelineRef,
+    admission_name,
+    base_labels,
+    child_metadata,
+    gateway_name,
+    owner_reference,
+    pool_configmap_name,
+    spec_configmap_name,
+    spec_hash,
+    stage_pod_name,
+    stage_selector,
+    statefulset_name,
+)
 
-LABEL_PIPELINE = "wavepp.dev/pipeline"
-LABEL_REPLICA = "wavepp.dev/replica"
-LABEL_COMPONENT = "wavepp.dev/component"
-LABEL_SPEC_HASH = "wavepp.dev/spec-hash"
-ANNOTATION_SPEC_HASH = "wavepp.dev/spec-hash"
-POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (k8s >= 1.28)
-
-CONFIG_DIR = "/etc/wavepp"
-SPEC_FILE = f"{CONFIG_DIR}/spec.json"
-POOL_DIR = "/etc/wavepp-pool"
-POOL_FILE = f"{POOL_DIR}/pool.json"
-NATS_CREDS_DIR = "/etc/wavepp-nats"
-NATS_TLS_DIR = "/etc/wavepp-nats-tls"
-HTTP_PORT = 8080  # admission and gateway API
-HEALTH_PORT = 8081  # stage: /startupz /readyz /healthz
-RENDEZVOUS_PORT = 29500  # torch.distributed init (tcp://{rank-0 pod}:29500)
-
-Component = Literal["stage", "admission", "gateway"]
-
-# Spec fields that do not change what a replica's processes run: editing them never rolls.
-_NOT_HASHED = ("replicas", "autoscaling", "restartBudget", "rollout")
-
-
-@dataclass(frozen=True)
-class PipelineRef:
-    """Identity of the owning WavePipeline object."""
-
-    name: str
-    namespace: str
-    uid: str
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> PipelineRef:
-        """Read name, namespace and uid from a WavePipeline object."""
-        meta = body["metadata"]
-        return cls(name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta["uid"])
-
-
-# ---- names and labels ---------------------------------------------------------------------
-
-
-def spec_hash(spec: WavePipelineSpec) -> str:
-    """Hash of what a replica runs: the resolved spec without replicas/autoscaling/budget/rollout.
-
-    Returns:
-        10 lowercase hex characters of sha256 over canonical JSON (sorted keys).
-    """
-    wire = {k: v for k, v in spec.to_wire().items() if k not in _NOT_HASHED}
-    canonical = json.dumps(wire, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:10]
-
-
-def spec_configmap_name(pipeline: str, hash_: str) -> str:
-    """``{p}-spec-{hash}``: the resolved spec of one spec hash."""
-    return f"{pipeline}-spec-{hash_}"
-
-
-def pool_configmap_name(pipeline: str) -> str:
-    """``{p}-pool``: the replicas the gateway may send requests to."""
-    return f"{pipeline}-pool"
-
-
-def statefulset_name(pipeline: str, replica: int) -> str:
-    """``{p}-r{i}``: the StatefulSet (and headless Service) of replica i."""
-    return f"{pipeline}-r{replica}"
-
-
-def stage_pod_name(pipeline: str, replica: int, rank: int) -> str:
-    """``{p}-r{i}-{rank}``: the pod of one stage (StatefulSet ordinal = rank)."""
-    return f"{statefulset_name(pipeline, replica)}-{rank}"
-
-
-def admission_name(pipeline: str, replica: int) -> str:
-    """``{p}-r{i}-admission``: Deployment and Service of replica i's admission controller."""
-    return f"{pipeline}-r{replica}-admission"
-
-
-def gateway_name(pipeline: str) -> str:
-    """``{p}-gateway``: Deployment and Service of the pipeline's gateway."""
-    return f"{pipeline}-gateway"
-
-
-def base_labels(pipeline: str, component: str) -> dict[str, str]:
-    """Labels on every child (and its pods): selectable by pipeline and component."""
-    return {
-        "app.kubernetes.io/name": "wavepp",
-        "app.kubernetes.io/instance": pipeline,
-        "app.kubernetes.io/component": component,
-        "app.kubernetes.io/managed-by": "wavepp-operator",
-        LABEL_PIPELINE: pipeline,
-        LABEL_COMPONENT: component,
-    }
-
-
-def stage_selector(pipeline: str) -> str:
-    """Label selector of all stage pods of a pipeline (``status.selector``, used by the HPA)."""
-    return f"{LABEL_PIPELINE}={pipeline},{LABEL_COMPONENT}=stage"
-
-
-def owner_reference(ref: PipelineRef) -> dict[str, Any]:
-    """The controller owner reference to the pipeline (garbage collection), built by kopf.
-
-    NOTE: kopf's ``build_owner_reference`` is the reference part of ``kopf.adopt``; adopt itself
-    would also copy the pipeline's labels onto every child, which the children do not carry.
-    """
-    owner = {
-        "apiVersion": f"{API_GROUP}/{API_VERSION}",
-        "kind": KIND,
-        "metadata": {"name": ref.name, "uid": ref.uid},
-    }
-    return dict(kopf.build_owner_reference(owner, controller=True, block_owner_deletion=True))
-
-
-def _metadata(
-    ref: PipelineRef,
-    name: str,
-    component: str,
-    *,
-    replica: int | None = None,
-    annotations: dict[str, str] | None = None,
-    extra_labels: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    labels = base_labels(ref.name, component) | (extra_labels or {})
-    if replica is not None:
-        labels[LABEL_REPLICA] = str(replica)
-    meta: dict[str, Any] = {
-        "name": name,
-        "namespace": ref.namespace,
-        "labels": labels,
-        "ownerReferences": [owner_reference(ref)],
-    }
-    if annotations:
-        meta["annotations"] = dict(annotations)
-    return meta
-
-
-# ---- container contract -------------------------------------------------------------------
-
-
-def container_args(
-    component: Component, spec: WavePipelineSpec, ref: PipelineRef, replica: int | None = None
-) -> list[str]:
-    """Arguments of ``wavepp <component>``: the one place that knows the runtime's flags.
-
-    Args:
-        component: stage, admission or gateway.
-        spec: the resolved spec (NATS URL filled in).
-        ref: the owning pipeline.
-        replica: the pipeline replica (stage and admission only).
-
-    Returns:
-        ``args`` for a container whose ``command`` is ``["wavepp"]``. The stage's rank comes
-        from ``$(WAVEPP_RANK)``, which Kubernetes expands from the env var set by the
-        downward API (the pod's StatefulSet ordinal).
-
-    Raises:
-        ValueError: replica missing for stage/admission.
-    """
-    args = [component, "--config", SPEC_FILE, "--nats-url", str(spec.nats.url)]
-    if spec.nats.credentials_secret:
-        args += ["--nats-creds", f"{NATS_CREDS_DIR}/creds"]
-    if spec.nats.tls_secret:
-        args += ["--nats-tls-ca", f"{NATS_TLS_DIR}/ca.crt"]
-        if spec.nats.tls_client_cert:
-            args += [
-                "--nats-tls-cert",
-                f"{NATS_TLS_DIR}/tls.crt",
-                "--nats-tls-key",
-                f"{NATS_TLS_DIR}/tls.key",
-            ]
-    if component in ("stage", "admission"):
-        if replica is None:
-            raise ValueError(f"container_args({component!r}): replica is required")
-        args += ["--replica", str(replica)]
-    if component == "stage":
-        sts = statefulset_name(ref.name, replica or 0)
-        args += [
-            "--rank",
-            "$(WAVEPP_RANK)",
-            "--dist-url",
-            f"tcp://{sts}-0.{sts}:{RENDEZVOUS_PORT}",
-            "--health-port",
-            str(HEALTH_PORT),
-        ]
-    elif component == "admission":
-        args += ["--port", str(HTTP_PORT)]
-    else:
-        args += ["--pool", POOL_FILE, "--port", str(HTTP_PORT)]
-    return args
-
-
-def _env(component: Component, spec: WavePipelineSpec, ref: PipelineRef) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [
-        {"name": "WAVEPP_PIPELINE", "value": ref.name},
-        {"name": "HOME", "value": "/tmp"},  # non-root user, read-only root filesystem
-        {
-            "name": "WAVEPP_NAMESPACE",
-            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
-        },
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "OTEL_SERVICE_NAME", "value": f"wavepp-{component}"},
-        {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
-        {"name": "OTEL_TRACES_SAMPLER_ARG", "value": str(spec.telemetry.sampling_ratio)},
-        {"name": "WAVEPP_METRICS_PORT", "value": str(spec.telemetry.metrics_port)},
-    ]
-    if spec.telemetry.otlp_endpoint:
-        env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": spec.telemetry.otlp_endpoint})
-    if component == "stage":
-        env.insert(
-            0,
-            {
-                "name": "WAVEPP_RANK",
-                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}},
-            },
-        )
-    return env
-
-
-def _probes(component: Component) -> dict[str, Any]:
-    """Kubelet probes; they define the stage phases the operator reports.
-
-    stage: /startupz answers 200 once the torch.distributed group has formed (phase formed),
-    /readyz once weights are loaded and warmed up (phase warm), /healthz while alive.
-    admission and gateway: /readyz when ready to take requests, /healthz while alive.
-    """
-    port = HEALTH_PORT if component == "stage" else HTTP_PORT
-
-    def get(path: str, period_s: int, failures: int) -> dict[str, Any]:
-        return {
-            "httpGet": {"path": path, "port": port},
-            "periodSeconds": period_s,
-            "failureThreshold": failures,
-        }
-
-    probes = {
-        "readinessProbe": get("/readyz", 5, 3),
-        "livenessProbe": get("/healthz", 10, 6),
-    }
-    if component == "stage":
-        # Loading weights and forming the group may take long: up to 30 min before liveness.
-        probes["startupProbe"] = get("/startupz", 5, 360)
-    return probes
-
-
-def _container(
-    component: Component,
-    spec: WavePipelineSpec,
-    ref: PipelineRef,
-    replica: int | None,
-    ports: list[dict[str, Any]],
-    resources: dict[str, Any],
-    mounts: list[dict[str, Any]],
-) -> dict[str, Any]:
-    container: dict[str, Any] = {
-        "name": component,
-        "image": spec.image,
-        "command": ["wavepp"],
-        "args": container_args(component, spec, ref, replica),
-        "env": _env(component, spec, ref),
-        "ports": ports
-        + [{"name": "metrics", "containerPort": spec.telemetry.metrics_port, "protocol": "TCP"}],
-        "resources": resources,
-        "volumeMounts": mounts,
-        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
-        **_probes(component),
-    }
-    if spec.image_pull_policy:
-        container["imagePullPolicy"] = spec.image_pull_policy
-    return container
-
-
-def _config_volumes(
-    spec: WavePipelineSpec, ref: PipelineRef, hash_: str
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    volumes: list[dict[str, Any]] = [
-        {"name": "config", "configMap": {"name": spec_configmap_name(ref.name, hash_)}}
-    ]
-    mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
-    # The root filesystem is read-only: Python, torch and the tracer write only under /tmp.
-    volumes.append({"name": "tmp", "emptyDir": {}})
-    mounts.append({"name": "tmp", "mountPath": "/tmp"})
-    if spec.nats.credentials_secret:
-        volumes.append(
-            {"name": "nats-creds", "secret": {"secretName": spec.nats.credentials_secret}}
-        )
-        mounts.append({"name": "nats-creds", "mountPath": NATS_CREDS_DIR, "readOnly": True})
-    if spec.nats.tls_secret:
-        volumes.append({"name": "nats-tls", "secret": {"secretName": spec.nats.tls_secret}})
-        mounts.append({"name": "nats-tls", "mountPath": NATS_TLS_DIR, "readOnly": True})
-    return volumes, mounts
-
-
-# Every pipeline pod runs as a non-root user with a read-only root filesystem and no
-# capabilities (the chart's operator Deployment does the same).
-POD_SECURITY_CONTEXT: dict[str, Any] = {
-    "runAsNonRoot": True,
-    "runAsUser": 65532,
-    "runAsGroup": 65532,
-    "fsGroup": 65532,
-    "seccompProfile": {"type": "RuntimeDefault"},
-}
-CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
-    "allowPrivilegeEscalation": False,
-    "readOnlyRootFilesystem": True,
-    "runAsNonRoot": True,
-    "capabilities": {"drop": ["ALL"]},
-}
-
-
-def _pod_spec_common(spec: WavePipelineSpec) -> dict[str, Any]:
-    pod: dict[str, Any] = {"securityContext": dict(POD_SECURITY_CONTEXT)}
-    if spec.service_account_name:
-        pod["serviceAccountName"] = spec.service_account_name
-    if spec.image_pull_secrets:
-        pod["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
-    return pod
+__all__ = [
+    "ANNOTATION_SPEC_HASH",
+    "CONFIG_DIR",
+    "CONTAINER_SECURITY_CONTEXT",
+    "HEALTH_PORT",
+    "HTTP_PORT",
+    "LABEL_COMPONENT",
+    "LABEL_PIPELINE",
+    "LABEL_REPLICA",
+    "LABEL_SPEC_HASH",
+    "NATS_CREDS_DIR",
+    "NATS_TLS_DIR",
+    "POD_INDEX_LABEL",
+    "POD_SECURITY_CONTEXT",
+    "POOL_DIR",
+    "POOL_FILE",
+    "RENDEZVOUS_PORT",
+    "SPEC_FILE",
+    "Component",
+    "PipelineRef",
+    "PoolEntry",
+    "admission_name",
+    "base_labels",
+    "build_admission_deployment",
+    "build_admission_service",
+    "build_gateway_deployment",
+    "build_gateway_service",
+    "build_hpa",
+    "build_pool_configmap",
+    "build_spec_configmap",
+    "build_stage_service",
+    "build_stage_statefulset",
+    "container_args",
+    "gateway_name",
+    "owner_reference",
+    "pool_configmap_name",
+    "spec_configmap_name",
+    "spec_hash",
+    "stage_pod_name",
+    "stage_selector",
+    "statefulset_name",
+]
 
 
 # ---- children -----------------------------------------------------------------------------
@@ -359,7 +105,7 @@ def build_spec_configmap(ref: PipelineRef, spec: WavePipelineSpec, hash_: str) -
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(
+        "metadata": child_metadata(
             ref,
             spec_configmap_name(ref.name, hash_),
             "config",
@@ -403,7 +149,7 @@ def build_pool_configmap(ref: PipelineRef, entries: list[PoolEntry]) -> dict[str
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(ref, pool_configmap_name(ref.name), "pool"),
+        "metadata": child_metadata(ref, pool_configmap_name(ref.name), "pool"),
         "data": {"pool.json": json.dumps(pool, indent=2, sort_keys=True)},
     }
 
@@ -417,7 +163,7 @@ def build_stage_service(ref: PipelineRef, replica: int) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(ref, name, "stage", replica=replica),
+        "metadata": child_metadata(ref, name, "stage", replica=replica),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
@@ -475,7 +221,7 @@ def build_stage_statefulset(
     """
     name = statefulset_name(ref.name, replica)
     selector = {LABEL_PIPELINE: ref.name, LABEL_REPLICA: str(replica), LABEL_COMPONENT: "stage"}
-    volumes, mounts = _config_volumes(spec, ref, hash_)
+    volumes, mounts = config_volumes(spec, ref, hash_)
     volumes.append(
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shared_memory}}
     )
@@ -499,9 +245,9 @@ def build_stage_statefulset(
         {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"},
         {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"},
     ]
-    pod_spec: dict[str, Any] = _pod_spec_common(spec) | {
+    pod_spec: dict[str, Any] = pod_spec_common(spec) | {
         "containers": [
-            _container("stage", spec, ref, replica, ports, _stage_resources(spec), mounts)
+            pod_container("stage", spec, ref, replica, ports, _stage_resources(spec), mounts)
         ],
         "volumes": volumes,
         "terminationGracePeriodSeconds": 30,
@@ -519,7 +265,7 @@ def build_stage_statefulset(
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": _metadata(
+        "metadata": child_metadata(
             ref, name, "stage", replica=replica, annotations={ANNOTATION_SPEC_HASH: hash_}
         ),
         "spec": {
@@ -551,17 +297,17 @@ def build_admission_deployment(
     """
     name = admission_name(ref.name, replica)
     selector = {LABEL_PIPELINE: ref.name, LABEL_REPLICA: str(replica), LABEL_COMPONENT: "admission"}
-    volumes, mounts = _config_volumes(spec, ref, hash_)
+    volumes, mounts = config_volumes(spec, ref, hash_)
     ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
-    pod_spec = _pod_spec_common(spec) | {
-        "containers": [_container("admission", spec, ref, replica, ports, {}, mounts)],
+    pod_spec = pod_spec_common(spec) | {
+        "containers": [pod_container("admission", spec, ref, replica, ports, {}, mounts)],
         "volumes": volumes,
         "terminationGracePeriodSeconds": math.ceil(spec.rollout.drain_timeout_s),
     }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(
+        "metadata": child_metadata(
             ref, name, "admission", replica=replica, annotations={ANNOTATION_SPEC_HASH: hash_}
         ),
         "spec": {
@@ -587,7 +333,7 @@ def _http_service(ref: PipelineRef, name: str, component: str, replica: int | No
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(ref, name, component, replica=replica),
+        "metadata": child_metadata(ref, name, component, replica=replica),
         "spec": {
             "selector": selector,
             "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http"}],
@@ -602,14 +348,14 @@ def build_admission_service(ref: PipelineRef, replica: int) -> dict[str, Any]:
 
 def build_gateway_deployment(ref: PipelineRef, spec: WavePipelineSpec, hash_: str) -> dict:
     """The gateway (prefill API, tenants): routes to the admitting replicas of ``pool.json``."""
-    volumes, mounts = _config_volumes(spec, ref, hash_)
+    volumes, mounts = config_volumes(spec, ref, hash_)
     volumes.append({"name": "pool", "configMap": {"name": pool_configmap_name(ref.name)}})
     mounts.append({"name": "pool", "mountPath": POOL_DIR, "readOnly": True})
     ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(
+        "metadata": child_metadata(
             ref, gateway_name(ref.name), "gateway", annotations={ANNOTATION_SPEC_HASH: hash_}
         ),
         "spec": {
@@ -619,9 +365,9 @@ def build_gateway_deployment(ref: PipelineRef, spec: WavePipelineSpec, hash_: st
                 "metadata": {
                     "labels": base_labels(ref.name, "gateway") | {LABEL_SPEC_HASH: hash_},
                 },
-                "spec": _pod_spec_common(spec)
+                "spec": pod_spec_common(spec)
                 | {
-                    "containers": [_container("gateway", spec, ref, None, ports, {}, mounts)],
+                    "containers": [pod_container("gateway", spec, ref, None, ports, {}, mounts)],
                     "volumes": volumes,
                 },
             },
@@ -669,7 +415,7 @@ def build_hpa(ref: PipelineRef, spec: WavePipelineSpec) -> dict[str, Any] | None
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
-        "metadata": _metadata(ref, ref.name, "autoscaler"),
+        "metadata": child_metadata(ref, ref.name, "autoscaler"),
         "spec": {
             "scaleTargetRef": {
                 "apiVersion": f"{API_GROUP}/{API_VERSION}",

@@ -1,0 +1,212 @@
+"""The container contract with the runtime's processes (``wavepp stage|admission|gateway``).
+
+All of it is here: :func:`container_args` (flags), :func:`_probes` (ports and the HTTP endpoints
+the kubelet polls), the environment, the config volumes and the security contexts every pipeline
+pod runs with. The per-kind builders (``builders.py``) put these containers into objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from wavepp.api.spec import WavePipelineSpec
+from wavepp.operator.naming import (
+    POD_INDEX_LABEL,
+    PipelineRef,
+    spec_configmap_name,
+    statefulset_name,
+)
+
+CONFIG_DIR = "/etc/wavepp"
+SPEC_FILE = f"{CONFIG_DIR}/spec.json"
+POOL_DIR = "/etc/wavepp-pool"
+POOL_FILE = f"{POOL_DIR}/pool.json"
+NATS_CREDS_DIR = "/etc/wavepp-nats"
+NATS_TLS_DIR = "/etc/wavepp-nats-tls"
+HTTP_PORT = 8080  # admission and gateway API
+HEALTH_PORT = 8081  # stage: /startupz /readyz /healthz
+RENDEZVOUS_PORT = 29500  # torch.distributed init (tcp://{rank-0 pod}:29500)
+
+Component = Literal["stage", "admission", "gateway"]
+
+
+# ---- container contract -------------------------------------------------------------------
+
+
+def container_args(
+    component: Component, spec: WavePipelineSpec, ref: PipelineRef, replica: int | None = None
+) -> list[str]:
+    """Arguments of ``wavepp <component>``: the one place that knows the runtime's flags.
+
+    Args:
+        component: stage, admission or gateway.
+        spec: the resolved spec (NATS URL filled in).
+        ref: the owning pipeline.
+        replica: the pipeline replica (stage and admission only).
+
+    Returns:
+        ``args`` for a container whose ``command`` is ``["wavepp"]``. The stage's rank comes
+        from ``$(WAVEPP_RANK)``, which Kubernetes expands from the env var set by the
+        downward API (the pod's StatefulSet ordinal).
+
+    Raises:
+        ValueError: replica missing for stage/admission.
+    """
+    args = [component, "--config", SPEC_FILE, "--nats-url", str(spec.nats.url)]
+    if spec.nats.credentials_secret:
+        args += ["--nats-creds", f"{NATS_CREDS_DIR}/creds"]
+    if spec.nats.tls_secret:
+        args += ["--nats-tls-ca", f"{NATS_TLS_DIR}/ca.crt"]
+        if spec.nats.tls_client_cert:
+            args += [
+                "--nats-tls-cert",
+                f"{NATS_TLS_DIR}/tls.crt",
+                "--nats-tls-key",
+                f"{NATS_TLS_DIR}/tls.key",
+            ]
+    if component in ("stage", "admission"):
+        if replica is None:
+            raise ValueError(f"container_args({component!r}): replica is required")
+        args += ["--replica", str(replica)]
+    if component == "stage":
+        sts = statefulset_name(ref.name, replica or 0)
+        args += [
+            "--rank",
+            "$(WAVEPP_RANK)",
+            "--dist-url",
+            f"tcp://{sts}-0.{sts}:{RENDEZVOUS_PORT}",
+            "--health-port",
+            str(HEALTH_PORT),
+        ]
+    elif component == "admission":
+        args += ["--port", str(HTTP_PORT)]
+    else:
+        args += ["--pool", POOL_FILE, "--port", str(HTTP_PORT)]
+    return args
+
+
+def _env(component: Component, spec: WavePipelineSpec, ref: PipelineRef) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "WAVEPP_PIPELINE", "value": ref.name},
+        {"name": "HOME", "value": "/tmp"},  # non-root user, read-only root filesystem
+        {
+            "name": "WAVEPP_NAMESPACE",
+            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+        },
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "OTEL_SERVICE_NAME", "value": f"wavepp-{component}"},
+        {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
+        {"name": "OTEL_TRACES_SAMPLER_ARG", "value": str(spec.telemetry.sampling_ratio)},
+        {"name": "WAVEPP_METRICS_PORT", "value": str(spec.telemetry.metrics_port)},
+    ]
+    if spec.telemetry.otlp_endpoint:
+        env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": spec.telemetry.otlp_endpoint})
+    if component == "stage":
+        env.insert(
+            0,
+            {
+                "name": "WAVEPP_RANK",
+                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}},
+            },
+        )
+    return env
+
+
+def _probes(component: Component) -> dict[str, Any]:
+    """Kubelet probes; they define the stage phases the operator reports.
+
+    stage: /startupz answers 200 once the torch.distributed group has formed (phase formed),
+    /readyz once weights are loaded and warmed up (phase warm), /healthz while alive.
+    admission and gateway: /readyz when ready to take requests, /healthz while alive.
+    """
+    port = HEALTH_PORT if component == "stage" else HTTP_PORT
+
+    def get(path: str, period_s: int, failures: int) -> dict[str, Any]:
+        return {
+            "httpGet": {"path": path, "port": port},
+            "periodSeconds": period_s,
+            "failureThreshold": failures,
+        }
+
+    probes = {
+        "readinessProbe": get("/readyz", 5, 3),
+        "livenessProbe": get("/healthz", 10, 6),
+    }
+    if component == "stage":
+        # Loading weights and forming the group may take long: up to 30 min before liveness.
+        probes["startupProbe"] = get("/startupz", 5, 360)
+    return probes
+
+
+def pod_container(
+    component: Component,
+    spec: WavePipelineSpec,
+    ref: PipelineRef,
+    replica: int | None,
+    ports: list[dict[str, Any]],
+    resources: dict[str, Any],
+    mounts: list[dict[str, Any]],
+) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": component,
+        "image": spec.image,
+        "command": ["wavepp"],
+        "args": container_args(component, spec, ref, replica),
+        "env": _env(component, spec, ref),
+        "ports": ports
+        + [{"name": "metrics", "containerPort": spec.telemetry.metrics_port, "protocol": "TCP"}],
+        "resources": resources,
+        "volumeMounts": mounts,
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
+        **_probes(component),
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    return container
+
+
+def config_volumes(
+    spec: WavePipelineSpec, ref: PipelineRef, hash_: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": spec_configmap_name(ref.name, hash_)}}
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    # The root filesystem is read-only: Python, torch and the tracer write only under /tmp.
+    volumes.append({"name": "tmp", "emptyDir": {}})
+    mounts.append({"name": "tmp", "mountPath": "/tmp"})
+    if spec.nats.credentials_secret:
+        volumes.append(
+            {"name": "nats-creds", "secret": {"secretName": spec.nats.credentials_secret}}
+        )
+        mounts.append({"name": "nats-creds", "mountPath": NATS_CREDS_DIR, "readOnly": True})
+    if spec.nats.tls_secret:
+        volumes.append({"name": "nats-tls", "secret": {"secretName": spec.nats.tls_secret}})
+        mounts.append({"name": "nats-tls", "mountPath": NATS_TLS_DIR, "readOnly": True})
+    return volumes, mounts
+
+
+# Every pipeline pod runs as a non-root user with a read-only root filesystem and no
+# capabilities (the chart's operator Deployment does the same).
+POD_SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": 65532,
+    "runAsGroup": 65532,
+    "fsGroup": 65532,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
+def pod_spec_common(spec: WavePipelineSpec) -> dict[str, Any]:
+    pod: dict[str, Any] = {"securityContext": dict(POD_SECURITY_CONTEXT)}
+    if spec.service_account_name:
+        pod["serviceAccountName"] = spec.service_account_name
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    return pod
