@@ -27,31 +27,55 @@ A replica leaves the pool by scaling its admission controller to 0: the pod gets
 admitting, lets admitted requests finish (terminationGracePeriodSeconds = drain timeout) and
 exits; the replica is replaced only once that pod is gone (or the timeout plus a grace of
 :data:`DRAIN_GRACE_S` passed, for a pod stuck on a lost node).
+
+Reading the children is ``observe.py``; the status and its conditions are ``status.py``.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from wavepp.api.spec import (
-    ReplicaStatus,
-    SpecIssue,
-    StageStatus,
-    WavePipelineSpec,
-    check_spec,
-)
+from wavepp.api.spec import SpecIssue, check_spec
 from wavepp.operator import builders as b
+from wavepp.operator.observe import (
+    ANNOTATION_DEGRADED,
+    ANNOTATION_DRAIN,
+    ANNOTATION_RESTARTS,
+    ANNOTATION_WAVE_FILL,
+    DRAIN_GRACE_S,
+    DrainReason,
+    Observed,
+    ReplicaView,
+    labels_of,
+    meta_of,
+    pod_failure,
+    replica_views,
+    stage_phase,
+)
+from wavepp.operator.status import invalid_status, pipeline_status
 
-ANNOTATION_DRAIN = "wavepp.dev/drain"
-ANNOTATION_RESTARTS = "wavepp.dev/restarts"
-ANNOTATION_DEGRADED = "wavepp.dev/degraded"
-ANNOTATION_WAVE_FILL = "wavepp.dev/wave-fill"  # written on its pod by the admission controller
-DRAIN_GRACE_S = 30.0
-
-DrainReason = Literal["rollout", "failure", "scale-down"]
+__all__ = [
+    "ANNOTATION_DEGRADED",
+    "ANNOTATION_DRAIN",
+    "ANNOTATION_RESTARTS",
+    "ANNOTATION_WAVE_FILL",
+    "DRAIN_GRACE_S",
+    "Action",
+    "Apply",
+    "Create",
+    "Defaults",
+    "Delete",
+    "DrainReason",
+    "Observed",
+    "Patch",
+    "Plan",
+    "invalid_status",
+    "plan",
+    "pod_failure",
+    "stage_phase",
+]
 
 
 # ---- actions ------------------------------------------------------------------------------
@@ -91,29 +115,6 @@ class Delete:
 Action = Apply | Create | Patch | Delete
 
 
-@dataclass
-class Observed:
-    """Children of one pipeline as listed by label ``wavepp.dev/pipeline``."""
-
-    statefulsets: list[dict[str, Any]] = field(default_factory=list)
-    deployments: list[dict[str, Any]] = field(default_factory=list)
-    pods: list[dict[str, Any]] = field(default_factory=list)
-    configmaps: list[dict[str, Any]] = field(default_factory=list)
-    hpas: list[dict[str, Any]] = field(default_factory=list)
-    services: list[dict[str, Any]] = field(default_factory=list)
-
-    def index(self) -> dict[tuple[str, str], dict[str, Any]]:
-        """(kind, name) -> object, for every listed child (pods excluded)."""
-        kinds = (
-            ("StatefulSet", self.statefulsets),
-            ("Deployment", self.deployments),
-            ("ConfigMap", self.configmaps),
-            ("HorizontalPodAutoscaler", self.hpas),
-            ("Service", self.services),
-        )
-        return {(kind, _meta(obj).get("name", "")): obj for kind, objs in kinds for obj in objs}
-
-
 @dataclass(frozen=True)
 class Defaults:
     """Operator-wide defaults for what a spec leaves out."""
@@ -131,306 +132,6 @@ class Plan:
     status: dict[str, Any]
     requeue_after_s: float | None = None
     issues: list[SpecIssue] = field(default_factory=list)
-
-
-# ---- reading pods -------------------------------------------------------------------------
-
-
-def _meta(obj: dict[str, Any]) -> dict[str, Any]:
-    return obj.get("metadata") or {}
-
-
-def _labels(obj: dict[str, Any]) -> dict[str, str]:
-    return _meta(obj).get("labels") or {}
-
-
-def _annotations(obj: dict[str, Any]) -> dict[str, str]:
-    return _meta(obj).get("annotations") or {}
-
-
-def _is_terminating(obj: dict[str, Any]) -> bool:
-    return bool(_meta(obj).get("deletionTimestamp"))
-
-
-def _condition(pod: dict[str, Any], type_: str) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == type_ and c.get("status") == "True" for c in conditions)
-
-
-def pod_failure(pod: dict[str, Any]) -> str | None:
-    """Why a stage pod counts as failed, or None.
-
-    Failed: pod phase Failed; a container that restarted (the kubelet restarts a crashed
-    container in place, which a torch.distributed group does not survive); a container that
-    terminated with a non-zero exit code.
-    """
-    name = _meta(pod).get("name", "?")
-    status = pod.get("status") or {}
-    if status.get("phase") == "Failed":
-        return f"pod {name} failed ({status.get('reason') or 'phase Failed'})"
-    for cs in status.get("containerStatuses") or []:
-        restarts = int(cs.get("restartCount") or 0)
-        if restarts > 0:
-            last = (cs.get("lastState") or {}).get("terminated") or {}
-            return (
-                f"pod {name}: container {cs.get('name')} restarted {restarts}x "
-                f"(last exit code {last.get('exitCode', '?')}, {last.get('reason') or 'no reason'})"
-            )
-        terminated = (cs.get("state") or {}).get("terminated")
-        if terminated and int(terminated.get("exitCode") or 0) != 0:
-            return f"pod {name}: container {cs.get('name')} exited {terminated.get('exitCode')}"
-    return None
-
-
-def stage_phase(pod: dict[str, Any] | None, *, admitting: bool, stopped: bool) -> str:
-    """The phase of one stage from its pod (see :class:`wavepp.api.spec.StageStatus`)."""
-    if stopped:
-        return "stopped"
-    if pod is None:
-        return "pending"
-    if pod_failure(pod):
-        return "failed"
-    if _condition(pod, "Ready"):
-        return "serving" if admitting else "warm"
-    statuses = (pod.get("status") or {}).get("containerStatuses") or []
-    if statuses and all(cs.get("started") for cs in statuses):
-        return "formed"
-    if _condition(pod, "PodScheduled") or (pod.get("spec") or {}).get("nodeName"):
-        return "scheduled"
-    return "pending"
-
-
-def _rank(pod: dict[str, Any]) -> int | None:
-    index = _labels(pod).get(b.POD_INDEX_LABEL)
-    if index is None:
-        index = _meta(pod).get("name", "").rsplit("-", 1)[-1]
-    try:
-        return int(index)
-    except ValueError:
-        return None
-
-
-# ---- one replica --------------------------------------------------------------------------
-
-
-@dataclass
-class ReplicaView:
-    """Everything observed about replica ``index``, and what it means."""
-
-    index: int
-    sts: dict[str, Any] | None
-    admission: dict[str, Any] | None
-    stage_pods: dict[int, dict[str, Any]]  # rank -> live (not terminating) pod
-    admission_pods: list[dict[str, Any]]  # all, terminating included
-    hash: str | None
-    drain: dict[str, Any] | None
-    restarts: list[float]
-    degraded: str | None
-    ranges: list[tuple[int, int]]
-
-    @property
-    def num_stages(self) -> int:
-        """Stages of the spec the replica runs."""
-        return len(self.ranges)
-
-    def current_pods(self) -> dict[int, dict[str, Any]]:
-        """Stage pods created from the replica's current template."""
-        return {
-            rank: pod
-            for rank, pod in self.stage_pods.items()
-            if _labels(pod).get(b.LABEL_SPEC_HASH) == self.hash
-        }
-
-    def stale_pods(self) -> list[dict[str, Any]]:
-        """Live stage pods of another template: they must be restarted (re-form)."""
-        return [
-            p for p in self.stage_pods.values() if _labels(p).get(b.LABEL_SPEC_HASH) != self.hash
-        ]
-
-    def stages_warm(self) -> bool:
-        """Every rank has a pod of the current template that is Ready and not failed."""
-        pods = self.current_pods()
-        return self.num_stages > 0 and all(
-            rank in pods and _condition(pods[rank], "Ready") and not pod_failure(pods[rank])
-            for rank in range(self.num_stages)
-        )
-
-    def admission_ready(self) -> bool:
-        """A live admission pod of the current template is Ready."""
-        return any(
-            not _is_terminating(p)
-            and _labels(p).get(b.LABEL_SPEC_HASH) == self.hash
-            and _condition(p, "Ready")
-            for p in self.admission_pods
-        )
-
-    def admitting(self) -> bool:
-        """In the pool: every stage warm, admission ready, not leaving, not stopped."""
-        return (
-            self.sts is not None
-            and self.degraded is None
-            and self.drain is None
-            and self.stages_warm()
-            and self.admission_ready()
-        )
-
-    def failure(self) -> str | None:
-        """Why the first failed stage pod (lowest rank) failed, or None."""
-        for rank in sorted(self.current_pods()):
-            reason = pod_failure(self.current_pods()[rank])
-            if reason:
-                return reason
-        return None
-
-    def drained(self, now: float, drain_timeout_s: float) -> bool:
-        """The admission pod is gone (or stuck past timeout + grace): nothing admitted remains."""
-        if not self.admission_pods:
-            return True
-        since = float((self.drain or {}).get("since", now))
-        return now - since >= drain_timeout_s + DRAIN_GRACE_S
-
-    def wave_fill(self) -> float | None:
-        """Wave fill the admission controller reported on its pod, or None."""
-        for pod in self.admission_pods:
-            try:
-                return float(_annotations(pod)[ANNOTATION_WAVE_FILL])
-            except (KeyError, ValueError):
-                continue
-        return None
-
-
-def _json_annotation(obj: dict[str, Any] | None, key: str, default: Any) -> Any:
-    if obj is None:
-        return default
-    try:
-        return json.loads(_annotations(obj)[key])
-    except (KeyError, ValueError):
-        return default
-
-
-def _spec_ranges(configmaps: list[dict[str, Any]]) -> dict[str, list[tuple[int, int]]]:
-    """Layer ranges of every spec ConfigMap, by spec hash (what old replicas run)."""
-    ranges = {}
-    for cm in configmaps:
-        hash_ = _labels(cm).get(b.LABEL_SPEC_HASH)
-        if not hash_:
-            continue
-        try:
-            spec = WavePipelineSpec.model_validate_json((cm.get("data") or {})["spec.json"])
-            ranges[hash_] = spec.stage_layer_ranges()
-        except (KeyError, ValueError):
-            continue
-    return ranges
-
-
-def _views(
-    pipeline: str,
-    observed: Observed,
-    current_hash: str,
-    current_ranges: list[tuple[int, int]],
-    window_s: float,
-    now: float,
-) -> dict[int, ReplicaView]:
-    def replica_of(obj: dict[str, Any]) -> int | None:
-        try:
-            return int(_labels(obj)[b.LABEL_REPLICA])
-        except (KeyError, ValueError):
-            return None
-
-    ranges_by_hash = _spec_ranges(observed.configmaps)
-    views: dict[int, ReplicaView] = {}
-
-    def view(index: int) -> ReplicaView:
-        if index not in views:
-            views[index] = ReplicaView(index, None, None, {}, [], None, None, [], None, [])
-        return views[index]
-
-    for sts in observed.statefulsets:
-        index = replica_of(sts)
-        if index is None or _labels(sts).get(b.LABEL_COMPONENT) != "stage":
-            continue
-        v = view(index)
-        v.sts = sts
-        v.hash = _annotations(sts).get(b.ANNOTATION_SPEC_HASH)
-        v.drain = _json_annotation(sts, ANNOTATION_DRAIN, None)
-        v.restarts = [
-            float(t) for t in _json_annotation(sts, ANNOTATION_RESTARTS, []) if now - t < window_s
-        ]
-        v.degraded = _annotations(sts).get(ANNOTATION_DEGRADED)
-        v.ranges = ranges_by_hash.get(v.hash or "", current_ranges)
-        if v.hash == current_hash:
-            v.ranges = current_ranges
-    for dep in observed.deployments:
-        index = replica_of(dep)
-        if index is not None and _labels(dep).get(b.LABEL_COMPONENT) == "admission":
-            view(index).admission = dep
-    for pod in observed.pods:
-        index = replica_of(pod)
-        if index is None:
-            continue
-        component = _labels(pod).get(b.LABEL_COMPONENT)
-        if component == "admission":
-            view(index).admission_pods.append(pod)
-        elif component == "stage" and not _is_terminating(pod):
-            rank = _rank(pod)
-            if rank is not None:
-                view(index).stage_pods[rank] = pod
-    for v in views.values():
-        if not v.ranges:
-            v.ranges = current_ranges
-    return {i: v for i, v in views.items() if v.sts is not None}
-
-
-# ---- the plan -----------------------------------------------------------------------------
-
-
-def _iso(now: float) -> str:
-    return dt.datetime.fromtimestamp(now, tz=dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _condition_entry(
-    type_: str,
-    status: bool,
-    reason: str,
-    message: str,
-    previous: list[dict[str, Any]],
-    now: float,
-    generation: int | None,
-) -> dict[str, Any]:
-    """A condition; lastTransitionTime is kept from ``previous`` while the status holds."""
-    status_text = "True" if status else "False"
-    since = _iso(now)
-    for old in previous:
-        if old.get("type") == type_ and old.get("status") == status_text:
-            since = old.get("lastTransitionTime") or since
-    entry = {
-        "type": type_,
-        "status": status_text,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": since,
-    }
-    if generation is not None:
-        entry["observedGeneration"] = generation
-    return entry
-
-
-def invalid_status(body: dict[str, Any], issues: list[SpecIssue], now: float) -> dict[str, Any]:
-    """Status for a spec the operator cannot run: conditions name the fields; children kept."""
-    previous = (body.get("status") or {}).get("conditions") or []
-    generation = _meta(body).get("generation")
-    message = "; ".join(str(i) for i in issues)
-    return {
-        "observedGeneration": generation,
-        "phase": "Invalid",
-        "conditions": [
-            _condition_entry("Ready", False, "InvalidSpec", message, previous, now, generation),
-            _condition_entry(
-                "Progressing", False, "InvalidSpec", message, previous, now, generation
-            ),
-            _condition_entry("Degraded", True, "InvalidSpec", message, previous, now, generation),
-        ],
-    }
 
 
 def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Defaults) -> Plan:
@@ -459,7 +160,7 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
     ranges = spec.stage_layer_ranges()
     budget = spec.restart_budget
     drain_timeout_s = spec.rollout.drain_timeout_s
-    views = _views(ref.name, observed, current_hash, ranges, budget.window_s, now)
+    views = replica_views(ref.name, observed, current_hash, ranges, budget.window_s, now)
     desired = set(range(spec.num_replicas))
     actions: list[Action] = []
     requeue: list[float] = []
@@ -507,7 +208,7 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         ]
 
     def delete_pods(pods: list[dict[str, Any]]) -> list[Action]:
-        return [Delete("Pod", _meta(p)["name"]) for p in pods]
+        return [Delete("Pod", meta_of(p)["name"]) for p in pods]
 
     def replace(v: ReplicaView) -> list[Action]:
         """Put replica v on the current spec: new template, fresh memory, stages re-formed."""
@@ -517,7 +218,7 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         return out
 
     # The spec ConfigMap first: every pod created below mounts it.
-    if not any(_labels(cm).get(b.LABEL_SPEC_HASH) == current_hash for cm in observed.configmaps):
+    if not any(labels_of(cm).get(b.LABEL_SPEC_HASH) == current_hash for cm in observed.configmaps):
         actions.append(Create(b.build_spec_configmap(ref, spec, current_hash)))
 
     # Snapshot of who serves now, before any decision below changes the views.
@@ -628,176 +329,17 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         actions.append(Delete("HorizontalPodAutoscaler", ref.name))
     in_use = {current_hash} | {v.hash for v in views.values() if v.hash}
     for cm in observed.configmaps:
-        hash_ = _labels(cm).get(b.LABEL_SPEC_HASH)
+        hash_ = labels_of(cm).get(b.LABEL_SPEC_HASH)
         if hash_ and hash_ not in in_use:
-            actions.append(Delete("ConfigMap", _meta(cm)["name"]))
+            actions.append(Delete("ConfigMap", meta_of(cm)["name"]))
     # Leftovers of a replica whose StatefulSet is gone (a scale-down interrupted half-way).
     kept = desired | set(views)
     for kind, objs in (("Deployment", observed.deployments), ("Service", observed.services)):
         for obj in objs:
-            replica = _labels(obj).get(b.LABEL_REPLICA)
+            replica = labels_of(obj).get(b.LABEL_REPLICA)
             if replica is not None and replica.isdigit() and int(replica) not in kept:
-                actions.append(Delete(kind, _meta(obj)["name"]))
+                actions.append(Delete(kind, meta_of(obj)["name"]))
 
-    status = _status(body, spec, views, desired, serving, current_hash, notes, now)
+    status = pipeline_status(body, spec, views, desired, serving, current_hash, notes, now)
     due = [max(0.5, t) for t in requeue]
     return Plan(actions=actions, status=status, requeue_after_s=min(due) if due else None)
-
-
-def _status(
-    body: dict[str, Any],
-    spec: WavePipelineSpec,
-    views: dict[int, ReplicaView],
-    desired: set[int],
-    serving: set[int],
-    current_hash: str,
-    notes: dict[int, tuple[str, str]],
-    now: float,
-) -> dict[str, Any]:
-    """The observed state, with the drains this plan starts or ends already applied."""
-    ref = b.PipelineRef.from_body(body)
-    previous = (body.get("status") or {}).get("conditions") or []
-    generation = _meta(body).get("generation")
-    stages: list[StageStatus] = []
-    replicas: list[ReplicaStatus] = []
-    for index in sorted(desired | set(views)):
-        v = views.get(index)
-        if v is None:
-            ranges = spec.stage_layer_ranges()
-            for rank, (first, last) in enumerate(ranges):
-                stages.append(
-                    StageStatus(
-                        replica=index,
-                        rank=rank,
-                        first_layer=first,
-                        last_layer=last,
-                        phase="pending",
-                    )
-                )
-            replicas.append(
-                ReplicaStatus(
-                    replica=index, phase="Pending", spec_hash=current_hash, reason="Creating"
-                )
-            )
-            continue
-        admitting = index in serving and v.drain is None
-        pods = v.current_pods()
-        for rank, (first, last) in enumerate(v.ranges):
-            pod = pods.get(rank)
-            stages.append(
-                StageStatus(
-                    replica=index,
-                    rank=rank,
-                    first_layer=first,
-                    last_layer=last,
-                    pod=_meta(pod).get("name") if pod else b.stage_pod_name(ref.name, index, rank),
-                    phase=stage_phase(pod, admitting=admitting, stopped=v.degraded is not None),  # type: ignore[arg-type]
-                )
-            )
-        reason, message = notes.get(index, (None, None))
-        if v.degraded is not None:
-            phase, reason, message = "Degraded", "RestartBudgetExceeded", v.degraded
-        elif v.drain is not None:
-            phase = "Draining"
-            reason = (
-                reason
-                or {
-                    "rollout": "RollingUpdate",
-                    "failure": "StageFailed",
-                    "scale-down": "ScalingDown",
-                }[v.drain.get("reason", "rollout")]
-            )
-        elif admitting:
-            phase = "Serving"
-        elif not pods:
-            phase = "Pending"
-        else:
-            phase = "Forming"
-        replicas.append(
-            ReplicaStatus(
-                replica=index,
-                phase=phase,  # type: ignore[arg-type]
-                spec_hash=v.hash,
-                admitting=admitting,
-                num_restarts=len(v.restarts),
-                wave_fill=v.wave_fill(),
-                reason=reason,
-                message=message,
-            )
-        )
-
-    num_desired = spec.num_replicas
-    ready = sorted(i for i in desired if i in serving and views[i].drain is None)
-    updated = [i for i, v in views.items() if v.hash == current_hash]
-    outdated = [i for i in desired if i in views and views[i].hash != current_hash]
-    leaving = [i for i in views if i not in desired]
-    degraded = [r for r in replicas if r.phase == "Degraded"]
-    reforming = [i for i, v in views.items() if v.drain and v.drain.get("reason") == "failure"]
-    not_serving = [i for i in sorted(desired) if i not in ready]
-
-    def describe(index: int) -> str:
-        phases = [s for s in stages if s.replica == index and s.phase not in ("serving", "warm")]
-        detail = ", ".join(f"stage {s.rank} {s.phase}" for s in phases) or "admission not ready"
-        return f"replica {index}: {detail}"
-
-    if num_desired == 0:
-        ready_cond = (False, "ScaledToZero", "spec.replicas is 0")
-    elif not not_serving:
-        ready_cond = (True, "AllReplicasServing", f"{len(ready)}/{num_desired} replicas serve")
-    else:
-        ready_cond = (
-            False,
-            "ReplicasNotServing",
-            f"{len(ready)}/{num_desired} replicas serve; "
-            + "; ".join(describe(i) for i in not_serving),
-        )
-    if outdated:
-        progressing = (
-            True,
-            "RollingUpdate",
-            f"{num_desired - len(outdated)}/{num_desired} replicas on spec {current_hash}",
-        )
-    elif leaving:
-        progressing = (True, "ScalingDown", f"replicas {leaving} leave the pool")
-    elif reforming:
-        progressing = (True, "Reforming", f"replicas {reforming} re-form after a stage failure")
-    elif any(i not in ready and not any(r.replica == i for r in degraded) for i in desired):
-        progressing = (True, "Forming", f"{len(ready)}/{num_desired} replicas serve")
-    else:
-        progressing = (False, "Complete", f"{len(ready)}/{num_desired} replicas serve")
-    if degraded:
-        degraded_cond = (
-            True,
-            "RestartBudgetExceeded",
-            "; ".join(f"replica {r.replica}: {r.message}" for r in degraded),
-        )
-    else:
-        degraded_cond = (False, "AsExpected", "no replica is stopped")
-
-    conditions = [
-        _condition_entry("Ready", *ready_cond, previous, now, generation),
-        _condition_entry("Progressing", *progressing, previous, now, generation),
-        _condition_entry("Degraded", *degraded_cond, previous, now, generation),
-    ]
-    if degraded:
-        phase = "Degraded"
-    elif ready_cond[0]:
-        phase = "Ready"
-    elif progressing[0]:
-        phase = "Progressing"
-    else:
-        phase = "Pending"
-    fills = [r.wave_fill for r in replicas if r.admitting and r.wave_fill is not None]
-    return {
-        "observedGeneration": generation,
-        "phase": phase,
-        "replicas": len(views),
-        "readyReplicas": len(ready),
-        "updatedReplicas": len(updated),
-        "selector": b.stage_selector(ref.name),
-        "specHash": current_hash,
-        "waveFill": round(sum(fills) / len(fills), 4) if fills else None,
-        "stages": [s.model_dump(by_alias=True, exclude_none=True) for s in stages],
-        "replicaStatuses": [r.model_dump(by_alias=True, exclude_none=True) for r in replicas],
-        "conditions": conditions,
-    }

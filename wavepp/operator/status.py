@@ -1,0 +1,225 @@
+"""The WavePipeline's status: phase, per-replica and per-stage states, conditions.
+
+Pure: the planner (``reconcile.plan``) hands over what it observed and decided; the status says
+it, with the drains that plan starts or ends already applied. A condition keeps its
+``lastTransitionTime`` while its status holds.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from wavepp.api.spec import ReplicaStatus, SpecIssue, StageStatus, WavePipelineSpec
+from wavepp.operator import builders as b
+from wavepp.operator.observe import ReplicaView, meta_of, stage_phase
+
+
+def iso_time(now: float) -> str:
+    return dt.datetime.fromtimestamp(now, tz=dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition_entry(
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    previous: list[dict[str, Any]],
+    now: float,
+    generation: int | None,
+) -> dict[str, Any]:
+    """A condition; lastTransitionTime is kept from ``previous`` while the status holds."""
+    status_text = "True" if status else "False"
+    since = iso_time(now)
+    for old in previous:
+        if old.get("type") == type_ and old.get("status") == status_text:
+            since = old.get("lastTransitionTime") or since
+    entry = {
+        "type": type_,
+        "status": status_text,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+    }
+    if generation is not None:
+        entry["observedGeneration"] = generation
+    return entry
+
+
+def invalid_status(body: dict[str, Any], issues: list[SpecIssue], now: float) -> dict[str, Any]:
+    """Status for a spec the operator cannot run: conditions name the fields; children kept."""
+    previous = (body.get("status") or {}).get("conditions") or []
+    generation = meta_of(body).get("generation")
+    message = "; ".join(str(i) for i in issues)
+    return {
+        "observedGeneration": generation,
+        "phase": "Invalid",
+        "conditions": [
+            condition_entry("Ready", False, "InvalidSpec", message, previous, now, generation),
+            condition_entry(
+                "Progressing", False, "InvalidSpec", message, previous, now, generation
+            ),
+            condition_entry("Degraded", True, "InvalidSpec", message, previous, now, generation),
+        ],
+    }
+
+
+def pipeline_status(
+    body: dict[str, Any],
+    spec: WavePipelineSpec,
+    views: dict[int, ReplicaView],
+    desired: set[int],
+    serving: set[int],
+    current_hash: str,
+    notes: dict[int, tuple[str, str]],
+    now: float,
+) -> dict[str, Any]:
+    """The observed state, with the drains this plan starts or ends already applied."""
+    ref = b.PipelineRef.from_body(body)
+    previous = (body.get("status") or {}).get("conditions") or []
+    generation = meta_of(body).get("generation")
+    stages: list[StageStatus] = []
+    replicas: list[ReplicaStatus] = []
+    for index in sorted(desired | set(views)):
+        v = views.get(index)
+        if v is None:
+            ranges = spec.stage_layer_ranges()
+            for rank, (first, last) in enumerate(ranges):
+                stages.append(
+                    StageStatus(
+                        replica=index,
+                        rank=rank,
+                        first_layer=first,
+                        last_layer=last,
+                        phase="pending",
+                    )
+                )
+            replicas.append(
+                ReplicaStatus(
+                    replica=index, phase="Pending", spec_hash=current_hash, reason="Creating"
+                )
+            )
+            continue
+        admitting = index in serving and v.drain is None
+        pods = v.current_pods()
+        for rank, (first, last) in enumerate(v.ranges):
+            pod = pods.get(rank)
+            stages.append(
+                StageStatus(
+                    replica=index,
+                    rank=rank,
+                    first_layer=first,
+                    last_layer=last,
+                    pod=meta_of(pod).get("name")
+                    if pod
+                    else b.stage_pod_name(ref.name, index, rank),
+                    phase=stage_phase(pod, admitting=admitting, stopped=v.degraded is not None),  # type: ignore[arg-type]
+                )
+            )
+        reason, message = notes.get(index, (None, None))
+        if v.degraded is not None:
+            phase, reason, message = "Degraded", "RestartBudgetExceeded", v.degraded
+        elif v.drain is not None:
+            phase = "Draining"
+            reason = (
+                reason
+                or {
+                    "rollout": "RollingUpdate",
+                    "failure": "StageFailed",
+                    "scale-down": "ScalingDown",
+                }[v.drain.get("reason", "rollout")]
+            )
+        elif admitting:
+            phase = "Serving"
+        elif not pods:
+            phase = "Pending"
+        else:
+            phase = "Forming"
+        replicas.append(
+            ReplicaStatus(
+                replica=index,
+                phase=phase,  # type: ignore[arg-type]
+                spec_hash=v.hash,
+                admitting=admitting,
+                num_restarts=len(v.restarts),
+                wave_fill=v.wave_fill(),
+                reason=reason,
+                message=message,
+            )
+        )
+
+    num_desired = spec.num_replicas
+    ready = sorted(i for i in desired if i in serving and views[i].drain is None)
+    updated = [i for i, v in views.items() if v.hash == current_hash]
+    outdated = [i for i in desired if i in views and views[i].hash != current_hash]
+    leaving = [i for i in views if i not in desired]
+    degraded = [r for r in replicas if r.phase == "Degraded"]
+    reforming = [i for i, v in views.items() if v.drain and v.drain.get("reason") == "failure"]
+    not_serving = [i for i in sorted(desired) if i not in ready]
+
+    def describe(index: int) -> str:
+        phases = [s for s in stages if s.replica == index and s.phase not in ("serving", "warm")]
+        detail = ", ".join(f"stage {s.rank} {s.phase}" for s in phases) or "admission not ready"
+        return f"replica {index}: {detail}"
+
+    if num_desired == 0:
+        ready_cond = (False, "ScaledToZero", "spec.replicas is 0")
+    elif not not_serving:
+        ready_cond = (True, "AllReplicasServing", f"{len(ready)}/{num_desired} replicas serve")
+    else:
+        ready_cond = (
+            False,
+            "ReplicasNotServing",
+            f"{len(ready)}/{num_desired} replicas serve; "
+            + "; ".join(describe(i) for i in not_serving),
+        )
+    if outdated:
+        progressing = (
+            True,
+            "RollingUpdate",
+            f"{num_desired - len(outdated)}/{num_desired} replicas on spec {current_hash}",
+        )
+    elif leaving:
+        progressing = (True, "ScalingDown", f"replicas {leaving} leave the pool")
+    elif reforming:
+        progressing = (True, "Reforming", f"replicas {reforming} re-form after a stage failure")
+    elif any(i not in ready and not any(r.replica == i for r in degraded) for i in desired):
+        progressing = (True, "Forming", f"{len(ready)}/{num_desired} replicas serve")
+    else:
+        progressing = (False, "Complete", f"{len(ready)}/{num_desired} replicas serve")
+    if degraded:
+        degraded_cond = (
+            True,
+            "RestartBudgetExceeded",
+            "; ".join(f"replica {r.replica}: {r.message}" for r in degraded),
+        )
+    else:
+        degraded_cond = (False, "AsExpected", "no replica is stopped")
+
+    conditions = [
+        condition_entry("Ready", *ready_cond, previous, now, generation),
+        condition_entry("Progressing", *progressing, previous, now, generation),
+        condition_entry("Degraded", *degraded_cond, previous, now, generation),
+    ]
+    if degraded:
+        phase = "Degraded"
+    elif ready_cond[0]:
+        phase = "Ready"
+    elif progressing[0]:
+        phase = "Progressing"
+    else:
+        phase = "Pending"
+    fills = [r.wave_fill for r in replicas if r.admitting and r.wave_fill is not None]
+    return {
+        "observedGeneration": generation,
+        "phase": phase,
+        "replicas": len(views),
+        "readyReplicas": len(ready),
+        "updatedReplicas": len(updated),
+        "selector": b.stage_selector(ref.name),
+        "specHash": current_hash,
+        "waveFill": round(sum(fills) / len(fills), 4) if fills else None,
+        "stages": [s.model_dump(by_alias=True, exclude_none=True) for s in stages],
+        "replicaStatuses": [r.model_dump(by_alias=True, exclude_none=True) for r in replicas],
+        "conditions": conditions,
+    }
