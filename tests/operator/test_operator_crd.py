@@ -30,7 +30,7 @@ EXAMPLES = [p for p in sorted((REPO / "examples").glob("*.y*ml")) if _custom_res
 
 
 def test_checked_in_crds_match_the_models() -> None:
-    """Fails when wavepp/api/spec.py changed and `python -m wavepp.operator.crdgen` was not run."""
+    """Fails when wavepp/api/spec/ changed and `python -m wavepp.operator.crdgen` was not run."""
     text = crdgen.render_crd()
     for path in crdgen.CRD_PATHS:
         assert path.read_text() == text, f"{path} is stale: run python -m wavepp.operator.crdgen"

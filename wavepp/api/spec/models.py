@@ -1,65 +1,17 @@
-"""WavePipeline spec and status: the one model behind the CRD, the operator and ``wavepp up``.
-
-The custom resource ``WavePipeline`` (group ``wavepp.dev``, version ``v1alpha1``) has
-``spec: WavePipelineSpec`` and ``status: WavePipelineStatus``. The CRD in ``crds/`` is generated
-from these classes (``python -m wavepp.operator.crdgen``); a test fails when the two drift.
-``wavepp up --config FILE`` reads the same ``WavePipelineSpec`` from JSON or YAML.
+"""The WavePipeline spec models: ``WavePipelineSpec`` and its parts, and the layer split.
 
 Field names: Python attributes are snake_case, the wire format (CRD, JSON, YAML) is camelCase as
 Kubernetes objects are; both are accepted on input, camelCase is written. A few wire names differ
 from the attribute so that counts and units are named (``stages`` <-> ``num_stages``,
-``windowSeconds`` <-> ``window_s``).
-
-Validation happens in three places, each catching what it can:
-
-1. the CRD's openAPIV3Schema (types, enums, minimums, a few CEL rules): the API server rejects;
-2. :class:`WavePipelineSpec` itself (cross-field checks that need the layer count, e.g. a
-   partition that does not sum to the model's layers): :class:`SpecError` names the field;
-3. :meth:`WavePipelineSpec.resolved`: defaults that come from the operator (image, NATS URL).
-
-:func:`check_spec` runs 2 and 3 and returns every problem as a :class:`SpecIssue` with the field
-path (``spec.layerPartition``), which the operator writes into the pipeline's conditions.
+``windowSeconds`` <-> ``window_s``). Cross-field checks raise :class:`SpecError` naming the field.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
-
-__all__ = [
-    "API_GROUP",
-    "API_VERSION",
-    "KIND",
-    "MODEL_PRESET_NUM_LAYERS",
-    "PLURAL",
-    "AutoscalingSpec",
-    "CacheSpec",
-    "Condition",
-    "ModelConfigSpec",
-    "ModelSpec",
-    "NatsSpec",
-    "PVCSource",
-    "ReplicaStatus",
-    "ResourcesSpec",
-    "RestartBudgetSpec",
-    "RolloutSpec",
-    "SchedulerSpec",
-    "SpecError",
-    "SpecIssue",
-    "StageStatus",
-    "TelemetrySpec",
-    "TenantSpec",
-    "Toleration",
-    "WavePipelineSpec",
-    "WavePipelineStatus",
-    "check_spec",
-    "load_spec_file",
-    "split_layers",
-]
 
 API_GROUP = "wavepp.dev"
 API_VERSION = "v1alpha1"
@@ -100,19 +52,10 @@ class SpecError(ValueError):
         self.message = message
 
 
-class SpecIssue(BaseModel):
-    """One problem found in a spec: ``field`` is the full path (``spec.stages``)."""
+class WireModel(BaseModel):
+    """Base of the spec and status models: camelCase on the wire, snake_case in Python, both
+    accepted on input; unknown fields refused."""
 
-    model_config = ConfigDict(frozen=True)
-
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
-
-
-class _Spec(BaseModel):
     model_config = ConfigDict(
         alias_generator=to_camel,
         validate_by_name=True,
@@ -122,7 +65,7 @@ class _Spec(BaseModel):
     )
 
 
-class PVCSource(_Spec):
+class PVCSource(WireModel):
     """A PersistentVolumeClaim that holds the model weights, mounted into every stage pod."""
 
     claim_name: str = Field(min_length=1, description="Name of the PVC (same namespace).")
@@ -130,7 +73,7 @@ class PVCSource(_Spec):
     mount_path: str = Field("/models", description="Where the volume appears in the container.")
 
 
-class ModelConfigSpec(_Spec):
+class ModelConfigSpec(WireModel):
     """Model shape; unknown keys pass through to the engine (e.g. ``ropeTheta``)."""
 
     model_config = ConfigDict(extra="allow")
@@ -144,7 +87,7 @@ class ModelConfigSpec(_Spec):
     vocab_size: int | None = Field(None, ge=1)
 
 
-class ModelSpec(_Spec):
+class ModelSpec(WireModel):
     """Which model the pipeline serves and where its weights are."""
 
     name: str = Field(
@@ -173,7 +116,7 @@ class ModelSpec(_Spec):
         return MODEL_PRESET_NUM_LAYERS.get(self.name)
 
 
-class ResourcesSpec(_Spec):
+class ResourcesSpec(WireModel):
     """Per stage pod resources."""
 
     gpus_per_stage: int | None = Field(
@@ -187,7 +130,7 @@ class ResourcesSpec(_Spec):
     )
 
 
-class Toleration(_Spec):
+class Toleration(WireModel):
     """A Kubernetes toleration (core/v1 Toleration)."""
 
     key: str | None = None
@@ -197,7 +140,7 @@ class Toleration(_Spec):
     toleration_seconds: int | None = None
 
 
-class CacheSpec(_Spec):
+class CacheSpec(WireModel):
     """KV cache geometry."""
 
     block_size: int = Field(16, ge=1, le=4096, description="Tokens per KV block.")
@@ -206,7 +149,7 @@ class CacheSpec(_Spec):
     )
 
 
-class SchedulerSpec(_Spec):
+class SchedulerSpec(WireModel):
     """Admission and chunking policy."""
 
     mode: Literal["wave", "sync"] = Field(
@@ -218,7 +161,7 @@ class SchedulerSpec(_Spec):
     chunk_tokens: int = Field(8192, ge=1, description="Static chunk budget in tokens.")
 
 
-class NatsSpec(_Spec):
+class NatsSpec(WireModel):
     """NATS connection of the pipeline's processes."""
 
     url: str | None = Field(
@@ -241,7 +184,7 @@ class NatsSpec(_Spec):
     )
 
 
-class TenantSpec(_Spec):
+class TenantSpec(WireModel):
     """One tenant of the gateway."""
 
     name: str = Field(pattern=_DNS_LABEL)
@@ -251,7 +194,7 @@ class TenantSpec(_Spec):
     weight: int = Field(1, ge=1, description="Share of admissions under contention.")
 
 
-class AutoscalingSpec(_Spec):
+class AutoscalingSpec(WireModel):
     """HorizontalPodAutoscaler on the pipeline's scale subresource."""
 
     min_replicas: int = Field(1, ge=1)
@@ -266,7 +209,7 @@ class AutoscalingSpec(_Spec):
     target: float = Field(gt=0, description="Target average: fraction, requests, or percent.")
 
 
-class TelemetrySpec(_Spec):
+class TelemetrySpec(WireModel):
     """OpenTelemetry export."""
 
     otlp_endpoint: str | None = Field(
@@ -276,14 +219,14 @@ class TelemetrySpec(_Spec):
     metrics_port: int = Field(9400, ge=1, le=65535, description="Prometheus port of each pod.")
 
 
-class RestartBudgetSpec(_Spec):
+class RestartBudgetSpec(WireModel):
     """How many re-formations a replica may need before the operator stops it."""
 
     max_restarts: int = Field(3, ge=0, description="Re-formations allowed within the window.")
     window_s: float = Field(600.0, gt=0, alias="windowSeconds", description="Window in seconds.")
 
 
-class RolloutSpec(_Spec):
+class RolloutSpec(WireModel):
     """Replacement of replicas on spec changes and scale-down."""
 
     drain_timeout_s: float = Field(
@@ -297,7 +240,7 @@ class RolloutSpec(_Spec):
     )
 
 
-class WavePipelineSpec(_Spec):
+class WavePipelineSpec(WireModel):
     """Desired state of a WavePipeline: a pool of ``replicas`` identical pipelines of ``stages``.
 
     Stage r holds a contiguous range of layers: ``layerPartition[r]`` layers, or by default a
@@ -510,145 +453,3 @@ def _check_cross_fields(spec: WavePipelineSpec) -> None:
                 "autoscaling.minReplicas",
                 f"{spec.autoscaling.min_replicas} > maxReplicas={spec.autoscaling.max_replicas}",
             )
-
-
-def load_spec_file(path: str | Path) -> WavePipelineSpec:
-    """Read a spec from YAML or JSON: a bare spec, or a whole WavePipeline object.
-
-    Args:
-        path: file with either the ``spec`` mapping itself or ``{kind: WavePipeline, spec: ...}``
-            (so ``examples/wavepipeline.yaml`` works as ``wavepp up --config``).
-
-    Returns:
-        The validated (not yet resolved) spec.
-
-    Raises:
-        ValueError: unreadable file, not a mapping, or an invalid spec (pydantic's
-            ValidationError, a ValueError, names the fields).
-    """
-    import yaml
-
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"--config {path}: {exc}") from exc
-    if isinstance(data, dict) and data.get("kind") == KIND:
-        data = data.get("spec")
-    if not isinstance(data, dict):
-        raise ValueError(
-            f"--config {path}: expected a mapping (a spec or a {KIND}), got {data!r:.80}"
-        )
-    return WavePipelineSpec.model_validate(data)
-
-
-def _field_path(loc: tuple[int | str, ...]) -> str:
-    path = "spec"
-    for part in loc:
-        path += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return path
-
-
-def check_spec(
-    raw: Mapping[str, Any] | None,
-    *,
-    default_image: str | None = None,
-    default_nats_url: str | None = None,
-    default_otlp_endpoint: str | None = None,
-) -> tuple[WavePipelineSpec | None, list[SpecIssue]]:
-    """Validate and resolve a raw ``spec`` dict; never raises on bad input.
-
-    Args:
-        raw: the object's ``spec`` as read from the API (camelCase) or a config file.
-        default_image, default_nats_url, default_otlp_endpoint: see
-            :meth:`WavePipelineSpec.resolved`.
-
-    Returns:
-        ``(resolved spec, [])`` when valid, else ``(None, issues)``, each issue naming the field
-        (``spec.layerPartition``) and what to change.
-    """
-    try:
-        spec = WavePipelineSpec.model_validate(dict(raw or {}))
-    except ValidationError as exc:
-        issues = []
-        for err in exc.errors():
-            cause = (err.get("ctx") or {}).get("error")
-            if isinstance(cause, SpecError):
-                issues.append(SpecIssue(field=f"spec.{cause.field}", message=cause.message))
-            else:
-                issues.append(SpecIssue(field=_field_path(err["loc"]), message=err["msg"]))
-        return None, issues
-    try:
-        resolved = spec.resolved(
-            default_image=default_image,
-            default_nats_url=default_nats_url,
-            default_otlp_endpoint=default_otlp_endpoint,
-        )
-    except SpecError as exc:
-        return None, [SpecIssue(field=f"spec.{exc.field}", message=exc.message)]
-    return resolved, []
-
-
-# ---- status -----------------------------------------------------------------------------
-
-StagePhase = Literal["pending", "scheduled", "formed", "warm", "serving", "failed", "stopped"]
-ReplicaPhase = Literal["Pending", "Forming", "Serving", "Draining", "Degraded"]
-
-
-class StageStatus(_Spec):
-    """One stage of one replica.
-
-    Phases, in order: pending (no pod, or not scheduled) -> scheduled (on a node, group not
-    formed) -> formed (startup probe passed: torch.distributed group formed) -> warm (readiness
-    probe passed: weights loaded, warmed up) -> serving (warm, and the replica admits requests).
-    failed: the pod failed or its container restarted; stopped: the replica is stopped by its
-    restart budget.
-    """
-
-    replica: int = Field(ge=0)
-    rank: int = Field(ge=0)
-    first_layer: int = Field(ge=0, description="First layer held (inclusive).")
-    last_layer: int = Field(ge=1, description="Last layer held (exclusive).")
-    pod: str | None = None
-    phase: StagePhase
-
-
-class ReplicaStatus(_Spec):
-    """One pipeline replica (one StatefulSet, one admission controller)."""
-
-    replica: int = Field(ge=0)
-    phase: ReplicaPhase
-    spec_hash: str | None = Field(None, description="Spec hash the replica runs.")
-    admitting: bool = Field(False, description="In the pool: the gateway sends it requests.")
-    num_restarts: int = Field(0, ge=0, description="Re-formations within the budget window.")
-    wave_fill: float | None = Field(None, description="Reported by the admission controller.")
-    reason: str | None = None
-    message: str | None = None
-
-
-class Condition(_Spec):
-    """A standard Kubernetes condition (metav1.Condition fields)."""
-
-    type: Literal["Ready", "Progressing", "Degraded"]
-    status: Literal["True", "False", "Unknown"]
-    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
-    message: str = ""
-    last_transition_time: str | None = None
-    observed_generation: int | None = None
-
-
-class WavePipelineStatus(_Spec):
-    """Observed state, written by the operator only."""
-
-    model_config = ConfigDict(extra="allow")
-
-    observed_generation: int | None = None
-    phase: Literal["Pending", "Progressing", "Ready", "Degraded", "Invalid"] | None = None
-    replicas: int = Field(0, ge=0, description="Replicas that exist (scale subresource).")
-    ready_replicas: int = Field(0, ge=0, description="Replicas whose every stage serves.")
-    updated_replicas: int = Field(0, ge=0, description="Replicas running the current spec.")
-    selector: str | None = Field(None, description="Label selector of the stage pods (HPA).")
-    spec_hash: str | None = None
-    wave_fill: float | None = Field(None, description="Mean wave fill of serving replicas.")
-    stages: list[StageStatus] = Field(default_factory=list)
-    replica_statuses: list[ReplicaStatus] = Field(default_factory=list)
-    conditions: list[Condition] = Field(default_factory=list)
