@@ -553,3 +553,14 @@ def test_no_microbatch_exceeds_the_engines_largest(policy: str) -> None:
     assert sum(c.num_tokens for mb in microbatches for c in mb) == 4 * 700
     with pytest.raises(ValueError, match="max_microbatch_tokens"):
         ChunkPlanner(LINEAR, policy=policy, block_size=16, max_microbatch_tokens=8)
+
+
+def test_only_a_cut_request_rides_along_and_the_microbatch_then_closes() -> None:
+    # Target 1000 tokens (LINEAR: seconds read as tokens), requests of 100 tokens: each whole
+    # request costs 10% of the budget, under SLIVER_FRACTION. Ten fill the micro-batch; the
+    # eleventh gets no tokens and must wait, not ride along (found: a ramp-up micro-batch took
+    # 15 requests of a target of 8, each "leftover" being a whole request).
+    planner = ChunkPlanner(LINEAR, policy="dynamic", chunk_tokens=8192, block_size=4)
+    requests = [RequestProgress(f"r{i}", 100, 0) for i in range(20)]
+    chunks = planner.plan_microbatch(requests, num_stages=4, num_inflight=0, target_cost_s=1000.0)
+    assert [c.num_tokens for c in chunks] == [100] * 10

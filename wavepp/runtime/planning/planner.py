@@ -399,13 +399,16 @@ class ChunkPlanner:
             remaining = request.num_remaining_tokens
             fit = min(budgets.max_tokens(request.num_computed_tokens, remaining), tokens_left)
             num_tokens = remaining if fit >= remaining else self._cut(request, fit)
+            is_full = num_tokens < remaining  # the chunk is cut: the micro-batch is full
             if (
                 target_cost_s is not None
-                and num_tokens < remaining <= tokens_left
+                and 0 < num_tokens < remaining <= tokens_left
                 and self._cost_s(request.num_computed_tokens + num_tokens, remaining - num_tokens)
                 <= sliver_s
             ):
-                num_tokens = remaining  # the leftover rides along (SLIVER_FRACTION)
+                # NOTE: only the leftover of a request cut here rides along, once per
+                # micro-batch; a request that got no tokens waits for the next one.
+                num_tokens = remaining
             if num_tokens == 0:
                 if chunks:
                     break
@@ -413,8 +416,8 @@ class ChunkPlanner:
             budgets.spend(request.num_computed_tokens, num_tokens)
             tokens_left -= num_tokens
             chunks.append(self._advance(request, num_tokens))
-            if num_tokens < remaining:
-                break  # the chunk was cut: the micro-batch is full
+            if is_full:
+                break
         return chunks
 
     # -- helpers ----------------------------------------------------------------------------
