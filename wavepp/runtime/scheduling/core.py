@@ -20,13 +20,9 @@ flight); the core indexes the admitted, unreleased ones by id (``live``). Every 
 ends (a result, a stage error, a deadline, no result from the last stage, a refusal before
 admission) goes through ``_finish``, which queues the record for ``take_finished``.
 
-A result is answered once every stage reported the micro-batch that carried it: a middle stage
-publishes its done after sending its activations on, so the last stage's done (with the result)
-can arrive first. The answer promises every stage's report (``stage_agreed_blocks``, the
-service's per-stage timings), so the result waits in ``_held_results`` for the late done; the
-slot and the pins are freed at the last stage's report as before. A done lost for good is
-replayed on a gap or a resync; failing that, the micro-batch's deadline answers the held
-results as they are (``expire``).
+Done messages and deadlines are ``DoneAccounting`` (outputs.py), mixed in: a result is answered
+once every stage reported the micro-batch that carried it. The records the core and the driver
+hand each other are in records.py.
 """
 
 from __future__ import annotations
@@ -36,17 +32,26 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from wavepp.api.messages import MicroBatchDone, MicroBatchPlan, PlannedChunk, RequestResult
+from wavepp.api.messages import MicroBatchPlan, PlannedChunk, RequestResult
 from wavepp.runtime.agreement import Ticket
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv.inflight import InflightPrefixIndex
-from wavepp.runtime.planning import Chunk, ChunkPlanner, CostModel, RequestProgress
+from wavepp.runtime.planning import ChunkPlanner, CostModel, RequestProgress
 from wavepp.runtime.request import PromptRequest, RequestOutcome, RequestStatus
-from wavepp.runtime.scheduling.ledger import PlanLedger, Report
-from wavepp.runtime.scheduling.stats import StageSpan, WaveStats
+from wavepp.runtime.scheduling.ledger import PlanLedger
+from wavepp.runtime.scheduling.outputs import DoneAccounting
+from wavepp.runtime.scheduling.records import DoneUpdate, RequestRecord, ScheduledMicroBatch
+from wavepp.runtime.scheduling.stats import WaveStats
+
+__all__ = [
+    "DoneUpdate",
+    "RequestRecord",
+    "ScheduledMicroBatch",
+    "SchedulerCore",
+    "planner_for",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,58 +61,7 @@ _RECENT_OUTCOMES = 4096  # stages report in any order: outcomes kept a while aft
 _FULL_FRACTION = 0.98
 
 
-@dataclass(eq=False)
-class RequestRecord:
-    """One request on one scheduler: the only place its state lives.
-
-    ``waiter`` is the caller's handle (the driver's future), handed back untouched with the
-    outcome. ``ticket`` and ``progress`` exist from admission on. ``num_inflight_microbatches``:
-    published micro-batches holding a chunk of it that the last stage has not reported.
-    """
-
-    request: PromptRequest
-    waiter: Any
-    status: RequestStatus = RequestStatus.WAITING
-    outcome: RequestOutcome | None = None
-    ticket: Ticket | None = None
-    progress: RequestProgress | None = None
-    num_inflight_microbatches: int = 0
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def num_unplanned_tokens(self) -> int:
-        """New tokens admitted but not yet planned into a micro-batch."""
-        if self.progress is None:
-            return 0
-        return self.progress.num_prompt_tokens - self.progress.num_computed_tokens
-
-
-@dataclass
-class ScheduledMicroBatch:
-    """What ``schedule`` decided: the chunks of the next micro-batch, not yet a plan."""
-
-    microbatch_id: int
-    chunks: list[Chunk]
-    planning_started_s: float
-    published_s: float
-    planned: list[PlannedChunk] = field(default_factory=list)
-
-
-@dataclass
-class DoneUpdate:
-    """What one stage's done message meant. ``counted`` False: a duplicate or stale one."""
-
-    counted: bool = False
-    owners: list[str] = field(default_factory=list)  # request id of each chunk, plan order
-    missing: list[int] = field(default_factory=list)  # this rank's earlier dones not seen
-    slot_freed: bool = False  # the last stage reported: one micro-batch fewer in flight
-    to_release: list[str] = field(default_factory=list)
-
-
-class SchedulerCore:
+class SchedulerCore(DoneAccounting):
     """Request records, micro-batches in flight, the plan ledger, the stats. No I/O.
 
     Args:
@@ -437,148 +391,6 @@ class SchedulerCore:
 
     def _prune_active(self) -> None:
         self.active = [r for r in self.active if not r.status.is_fully_planned]
-
-    # ---- outputs -------------------------------------------------------------------------
-
-    def update_from_done(self, done: MicroBatchDone) -> DoneUpdate:
-        """Apply one stage's done message, once per (micro-batch, stage).
-
-        A stage error fails the micro-batch's unanswered requests; the last stage's report
-        answers requests with a result, frees the slot, and names the requests to release
-        (none of their micro-batches left in flight, every chunk planned or answered).
-        """
-        update = DoneUpdate()
-        if done.epoch and done.epoch != self.epoch:
-            return update  # a previous scheduler's micro-batch
-        if not 0 <= done.rank < self.num_stages:
-            log.error("done message from rank %d dropped (S=%d)", done.rank, self.num_stages)
-            return update
-        owners = self.ledger.owners(done.microbatch_id)
-        report = self.ledger.report(done.microbatch_id, done.rank)
-        if report in (Report.DUPLICATE, Report.UNKNOWN):
-            return update
-        update.counted = True
-        update.owners = owners
-        # Stages report in order: earlier done messages of this rank were lost.
-        update.missing = self.ledger.missing_before(done.rank, done.microbatch_id)
-        self.stats.record_span(
-            StageSpan(
-                rank=done.rank,
-                microbatch_id=done.microbatch_id,
-                num_tokens=done.num_tokens,
-                prepare_start_s=done.prepare_start_s,
-                prepare_end_s=done.prepare_end_s,
-                execute_start_s=done.execute_start_s,
-                execute_end_s=done.execute_end_s,
-            )
-        )
-        for request_id, num_agreed in zip(owners, done.num_agreed_blocks, strict=False):
-            recent = self._recent.get(request_id)
-            if recent is not None:
-                recent.stage_agreed_blocks.append((done.rank, num_agreed))
-        if done.error:
-            for request_id in self.inflight.get(done.microbatch_id, []):
-                record = self.live.get(request_id)
-                if record is not None and not record.status.is_finished:
-                    self._finish(record, error=done.error)
-            self._prune_active()
-        if report is Report.LAST:  # every stage reported: answer what waited for this one
-            self._answer_held(done.microbatch_id)
-        if done.rank != self.num_stages - 1:
-            return update
-        request_ids = self.inflight.pop(done.microbatch_id, [])
-        update.slot_freed = True
-        held: list[tuple[RequestRecord, RequestResult]] = []
-        for result in done.results:
-            record = self.live.get(result.request_id)
-            if record is None or record.status.is_finished:
-                continue
-            held.append((record, result))
-        if held and report is not Report.LAST:
-            self._held_results[done.microbatch_id] = held
-        else:
-            self._published_at_s.pop(done.microbatch_id, None)
-            for record, result in held:
-                self._answer(record, result)
-        held_ids = {record.request_id for record, _ in held}
-        for request_id in request_ids:
-            record = self.live.get(request_id)
-            if record is None:
-                continue
-            record.num_inflight_microbatches -= 1
-            if record.num_inflight_microbatches == 0 and record.status.is_fully_planned:
-                if not record.status.is_finished and request_id not in held_ids:
-                    # last chunk ran without a result: report
-                    self._finish(record, error="no result from the last stage")
-                del self.live[request_id]
-                update.to_release.append(request_id)
-        return update
-
-    def _answer(self, record: RequestRecord, result: RequestResult) -> None:
-        if not record.status.is_finished:
-            self._finish(record, first_token_id=result.first_token_id, logits=result.logits)
-
-    def _answer_held(self, microbatch_id: int) -> None:
-        """Answer the results held for ``microbatch_id`` (none: nothing happens)."""
-        held = self._held_results.pop(microbatch_id, None)
-        if held is None:
-            return
-        self._published_at_s.pop(microbatch_id, None)
-        for record, result in held:
-            self._answer(record, result)
-
-    def overdue(self) -> list[int]:
-        """Micro-batches in flight longer than ``microbatch_deadline_s``, in publish order
-        (also those whose results wait for a stage's done)."""
-        now = self.monotonic()
-        deadline_s = self.config.microbatch_deadline_s
-        return [
-            mb for mb, published in self._published_at_s.items() if now - published > deadline_s
-        ]
-
-    def expire(self, microbatch_id: int) -> list[str]:
-        """Fail the unfinished requests of a micro-batch past ``microbatch_deadline_s``.
-
-        Each request is answered once, with an error naming the micro-batch and how many stages
-        reported it; a result arriving later is dropped (the request is no longer live). Results
-        the last stage reported while another stage's done never came are answered as they are
-        (their ``stage_agreed_blocks`` lack that stage).
-
-        Returns:
-            The request ids to release on every stage.
-        """
-        self._published_at_s.pop(microbatch_id, None)
-        request_ids = self.inflight.pop(microbatch_id, [])
-        num_reports = self.ledger.num_reports(microbatch_id)
-        self.ledger.drop(microbatch_id)
-        if microbatch_id in self._held_results:
-            log.warning(
-                "micro-batch %d: %d of %d stages reported it within microbatch_deadline_s=%s s;"
-                " answering its results without the others' reports",
-                microbatch_id,
-                num_reports,
-                self.num_stages,
-                self.config.microbatch_deadline_s,
-            )
-            self._answer_held(microbatch_id)
-        if not request_ids:
-            return []
-        error = (
-            f"micro-batch {microbatch_id} not finished within microbatch_deadline_s="
-            f"{self.config.microbatch_deadline_s} s ({num_reports} of {self.num_stages} stages "
-            "reported it): a stage died or lost the plan"
-        )
-        log.error("%s; failing requests %s", error, request_ids)
-        to_release = []
-        for request_id in request_ids:
-            record = self.live.pop(request_id, None)
-            if record is None:
-                continue
-            if not record.status.is_finished:
-                self._finish(record, error=error)
-            to_release.append(request_id)
-        self._prune_active()
-        return to_release
 
     def released(self, request_ids: Sequence[str]) -> None:
         """The requests' pins are gone: drop their claims on in-flight prefixes."""
