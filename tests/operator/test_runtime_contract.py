@@ -140,7 +140,7 @@ def test_bad_operator_args_exit_2_naming_the_flag(
 async def test_nats_creds_reach_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
     import nats
 
-    from wavepp.runtime.transport import natsio as natsutil
+    from wavepp.runtime.transport import natsio
 
     seen: list[dict[str, Any]] = []
 
@@ -150,10 +150,10 @@ async def test_nats_creds_reach_the_connection(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(nats, "connect", fake_connect)
     monkeypatch.setenv("WAVEPP_NATS_CREDS", "/env.creds")
-    await natsutil.connect("nats://h:4222", name="t", creds="/flag.creds")
-    await natsutil.connect("nats://h:4222", name="t")
+    await natsio.connect("nats://h:4222", name="t", creds="/flag.creds")
+    await natsio.connect("nats://h:4222", name="t")
     monkeypatch.delenv("WAVEPP_NATS_CREDS")
-    await natsutil.connect("nats://h:4222", name="t")
+    await natsio.connect("nats://h:4222", name="t")
     assert [o.get("user_credentials") for o in seen] == ["/flag.creds", "/env.creds", None]
 
 

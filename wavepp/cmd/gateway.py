@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     host = args.host or ("0.0.0.0" if args.config else "127.0.0.1")
     if args.nats_creds:
-        # NOTE: run_gateway opens its connection with natsutil.connect, which reads this.
+        # NOTE: run_gateway opens its connection with natsio.connect, which reads this.
         os.environ["WAVEPP_NATS_CREDS"] = args.nats_creds
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s"

@@ -130,7 +130,7 @@ def add_nats_tls_args(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_nats_tls(args: argparse.Namespace) -> None:
-    """Check the ``--nats-tls-*`` files and export them for ``natsutil.connect`` and children.
+    """Check the ``--nats-tls-*`` files and export them for ``natsio.connect`` and children.
 
     Raises:
         ArgError: cert/key without a CA, one of cert/key alone, a missing file, or PEM files

@@ -24,9 +24,10 @@ Everything runs on a ``VirtualClockLoop``: sleeps take no wall time, so PP 8 or 
 contexts at time scale 1 take seconds. CPU time of the real scheduling code is free in virtual
 time (the emulated run pays it), which is the main difference from ``wavepp bench grid``.
 
-A simulated stage mirrors ``StageWorker``: on a plan it builds block tables from its manager
-(and prepares then, if local_prepare), executes plans in order once the previous stage's
-activations arrive, marks computed blocks cached, publishes ``MicroBatchDone``.
+A simulated stage (``sim.stage.SimStage``) drives the same ``StageCore`` as ``StageWorker``: on
+a plan the core builds block tables from the stage's manager (prepared then, if local_prepare),
+runs plans in order once the previous stage's activations arrive, marks computed blocks cached;
+the simulated stage publishes its ``MicroBatchDone`` on the bus.
 """
 
 from __future__ import annotations
