@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from wavepp.api.messages import MicroBatchDone, MicroBatchPlan, RequestResult
 from wavepp.runtime.config import RuntimeConfig
@@ -44,19 +43,8 @@ class DoneAccounting:
     _published_at_s: dict[int, float]
     _held_results: dict[int, list[tuple[RequestRecord, RequestResult]]]
     _recent: OrderedDict[str, RequestOutcome]
-
-    if TYPE_CHECKING:
-
-        def _finish(
-            self,
-            record: RequestRecord,
-            *,
-            error: str = "",
-            first_token_id: int | None = None,
-            logits: list[float] | None = None,
-        ) -> None: ...
-
-        def _prune_active(self) -> None: ...
+    _finish: Callable[..., None]  # SchedulerCore._finish: the one way a request ends
+    _prune_active: Callable[[], None]
 
     def update_from_done(self, done: MicroBatchDone) -> DoneUpdate:
         """Apply one stage's done message, once per (micro-batch, stage).
