@@ -40,9 +40,17 @@ class MiddleStageLate:
     arrive rank 0, rank 2, then rank 1 (the middle stage's last), or rank 1's never
     (``lose_middle``: lost, and not in the stage's replay log either)."""
 
-    def __init__(self, managers: list[StageKVManager], *, lose_middle: bool = False) -> None:
+    def __init__(
+        self,
+        managers: list[StageKVManager],
+        *,
+        lose_middle: bool = False,
+        replay_middle: bool = False,
+    ) -> None:
         self.managers = managers
         self.lose_middle = lose_middle
+        self.replay_middle = replay_middle  # the lost done is in the stage's replay log
+        self.plans: dict[int, MicroBatchPlan] = {}
         self.handlers: PlanHandlers | None = None
         self.queue: asyncio.Queue[MicroBatchDone] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
@@ -77,6 +85,7 @@ class MiddleStageLate:
         )
 
     async def publish_plan(self, plan: MicroBatchPlan, headers: dict[str, str] | None) -> None:
+        self.plans[plan.microbatch_id] = plan
         for manager in self.managers:
             manager.take_events()
         for rank in (0, NUM_STAGES - 1, MIDDLE):
@@ -85,7 +94,10 @@ class MiddleStageLate:
             self.queue.put_nowait(self._done(plan, rank))
 
     async def request_dones(self, rank: int, ask: DoneReplay, timeout_s: float) -> DoneReplayReply:
-        return DoneReplayReply(epoch=ask.epoch, dones=[])
+        if not (self.replay_middle and rank == MIDDLE):
+            return DoneReplayReply(rank=rank, dones=[])
+        dones = [self._done(self.plans[i], rank) for i in ask.microbatch_ids if i in self.plans]
+        return DoneReplayReply(rank=rank, dones=dones)
 
     async def subscribe(self, subject: str, cb: Any) -> None:
         return None
@@ -96,7 +108,7 @@ class MiddleStageLate:
 
 
 def _scheduler(
-    *, lose_middle: bool = False, deadline_s: float = 300.0
+    *, lose_middle: bool = False, replay_middle: bool = False, deadline_s: float = 300.0
 ) -> tuple[WaveScheduler, dict[str, list[tuple[int, int]]]]:
     """A real scheduler over in-process stage KV managers; the returned dict gets, for each
     request, its ``stage_agreed_blocks`` as they were when it was answered."""
@@ -116,7 +128,7 @@ def _scheduler(
     def on_outcome(outcome: RequestOutcome) -> None:
         answered[outcome.request_id] = list(outcome.stage_agreed_blocks)
 
-    transport = MiddleStageLate(managers, lose_middle=lose_middle)
+    transport = MiddleStageLate(managers, lose_middle=lose_middle, replay_middle=replay_middle)
     scheduler = WaveScheduler(config, transport, controller, planner, on_outcome=on_outcome)
     return scheduler, answered
 
@@ -170,3 +182,28 @@ def test_a_lost_middle_done_cannot_hold_a_result_past_the_deadline() -> None:
     outcome, stage_agreed = asyncio.run(main())
     assert outcome.ok and outcome.first_token_id == 1, outcome.error
     assert {rank for rank, _ in stage_agreed} == {0, NUM_STAGES - 1}
+
+
+def test_a_lost_middle_done_is_pulled_soon_instead_of_waiting_for_the_deadline() -> None:
+    """Rank 1's done is lost on the bus but kept in its replay log: the held result asks rank 1
+    for it after HELD_PULL_DELAY_S and is answered with every stage's report, long before the
+    300 s micro-batch deadline (found in review: a done lost in a quiet moment held the answer
+    until the deadline)."""
+
+    async def main() -> tuple[RequestOutcome, list[tuple[int, int]], float]:
+        scheduler, answered = _scheduler(lose_middle=True, replay_middle=True)
+        await scheduler.start()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            outcome = await asyncio.wait_for(
+                scheduler.submit(PromptRequest("pulled", _prompt(0, 40))), timeout=30
+            )
+        finally:
+            await scheduler.stop()
+        return outcome, answered["pulled"], loop.time() - started
+
+    outcome, stage_agreed, elapsed_s = asyncio.run(main())
+    assert outcome.ok and outcome.first_token_id == 1, outcome.error
+    assert {rank for rank, _ in stage_agreed} == set(range(NUM_STAGES))
+    assert elapsed_s < 10.0

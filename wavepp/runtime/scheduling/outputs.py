@@ -102,6 +102,7 @@ class DoneAccounting:
             held.append((record, result))
         if held and report is not Report.LAST:
             self._held_results[done.microbatch_id] = held
+            update.held = True
         else:
             self._published_at_s.pop(done.microbatch_id, None)
             for record, result in held:

@@ -60,4 +60,5 @@ class DoneUpdate:
     owners: list[str] = field(default_factory=list)  # request id of each chunk, plan order
     missing: list[int] = field(default_factory=list)  # this rank's earlier dones not seen
     slot_freed: bool = False  # the last stage reported: one micro-batch fewer in flight
+    held: bool = False  # results of this micro-batch wait for a stage that has not reported
     to_release: list[str] = field(default_factory=list)

@@ -54,6 +54,9 @@ __all__ = ["RequestOutcome", "StageSpan", "WaveScheduler", "WaveStats"]
 
 log = logging.getLogger(__name__)
 
+# A result held for a stage's late done asks that stage for it after this long (seconds).
+HELD_PULL_DELAY_S = 0.25
+
 
 class WaveScheduler:
     """Drives one pipeline: intake, admission, planning, publishing plans, collecting results.
@@ -299,6 +302,8 @@ class WaveScheduler:
             return
         if update.missing:
             self._pull_dones_soon(done.rank, update.missing)
+        if update.held:
+            self._in_background(self._pull_held(done.microbatch_id))
         if self.on_stage_done is not None:
             self.on_stage_done(done, update.owners)
         self.telemetry.stage_done(done)
@@ -385,6 +390,15 @@ class WaveScheduler:
             self.num_plans_resent += 1
         for rank in range(self.num_stages):
             self._pull_dones_soon(rank, self.core.ledger.unreported(rank))
+
+    async def _pull_held(self, microbatch_id: int) -> None:
+        """A result waits for a stage's done that has not come: after HELD_PULL_DELAY_S (a
+        done normally follows within milliseconds) ask each stage still missing for it, so a
+        done lost in a quiet moment costs that delay, not the micro-batch deadline."""
+        await asyncio.sleep(HELD_PULL_DELAY_S)
+        for rank in range(self.num_stages):
+            if self.core.ledger.report_pending(microbatch_id, rank):
+                await self._pull_dones(rank, [microbatch_id])
 
     def _pull_dones_soon(self, rank: int, microbatch_ids: list[int]) -> None:
         if microbatch_ids:
