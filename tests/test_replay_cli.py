@@ -90,6 +90,10 @@ def test_sync_mode_on_the_emulated_engine(small_trace: Path) -> None:
     # tiny-llama's roofline has no memory figure: it keeps the fixed default.
     assert summary["kv_blocks_per_stage"] == [4096] * 3
     assert summary["kv_blocks_source"].startswith("fixed default 4096")
+    # The emulated stages' cost is known, so the replay reports the physical bound (a run can
+    # only come under it); the torch engine's is measured, not known: no bound there.
+    assert summary["bound_tokens_per_s"] > 0
+    assert 0.0 < summary["efficiency"] <= 1.0
 
 
 def test_emulated_default_kv_capacity_replays_the_first_300_trace_requests() -> None:

@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
-from wavepp.bench.report import ReplayReport, run_closed_loop
+from wavepp.bench.report import ReplayReport, bound_tokens_per_s, run_closed_loop
 from wavepp.bench.trace import TokenMapper, TraceError, TraceRecord
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
@@ -79,4 +79,5 @@ async def replay_records(
         stats=stats,
         tokens_per_block=mapper.tokens_per_block,
         concurrency=concurrency,
+        bound_tokens_per_s=bound_tokens_per_s(config, prompts, concurrency=concurrency),
     )

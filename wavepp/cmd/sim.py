@@ -145,6 +145,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail("--kv-blocks (default)", str(exc))
     print(f"kv blocks per stage: {kv_blocks} ({kv_blocks_source})", file=sys.stderr)
+    print(
+        f"baseline (sync): {baseline_fields}; scheduler host time {latencies.schedule_s * 1e3:g} "
+        f"ms per micro-batch (both modes); requests per setting: "
+        f"{args.requests or 'max(32, C)'} (docs/bench/bound.md: 32 x C keeps ramp-up and drain "
+        "small)",
+        file=sys.stderr,
+    )
     preset = REUSE_PRESETS[args.reuse]
     factor = args.prompt_tokens / 4096 if args.prompt_tokens else 1.0
     results = []
