@@ -1,18 +1,11 @@
-"""Prefill cost model and chunk / micro-batch planner.
+"""The chunk / micro-batch planner.
 
-Pure logic: no I/O, no torch. The cost model is DESIGN.md 'Cost model'; the planner is the third
-step of admission (DESIGN.md 'The problem'): cut admitted requests into chunks so that every
-micro-batch costs about the same on the slowest stage, which keeps the pipeline full.
-
-Cost model, per stage, for a chunk of x new tokens over L cached context tokens::
-
-    t(L, x) = c + g*L + b*x + a*(2*L*x + x^2)      seconds
-
-c is paid once per micro-batch per stage (weight reads, launches); the other terms once per chunk.
-a*(2*L*x + x^2) is the causal attention term: the chunk has P = x*L + x*(x+1)/2 (query, key)
-pairs, and 2*P = 2*L*x + x^2 + x, so a is half the cost of one pair (the +x is folded into b).
-Since (L + x)^2 - L^2 = 2*L*x + x^2, the attention term of a prompt does not depend on how it is
-cut into chunks; only c and g*L do.
+Pure logic: no I/O, no torch. The planner is the third step of admission (DESIGN.md 'The
+problem'): cut admitted requests into chunks so that every micro-batch costs about the same on
+the slowest stage, which keeps the pipeline full. Costs come from ``cost_model.CostModel``
+(t(L, x) = c + g*L + b*x + a*(2*L*x + x^2), DESIGN.md 'Cost model'); since the attention term
+of a prompt does not depend on how it is cut, only c and g*L do, which is what the chunking
+trades against filling the stages.
 """
 
 from __future__ import annotations
