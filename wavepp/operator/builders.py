@@ -373,6 +373,8 @@ def build_gateway_deployment(ref: PipelineRef, spec: WavePipelineSpec, hash_: st
                 | {
                     "containers": [pod_container("gateway", spec, ref, None, ports, {}, mounts)],
                     "volumes": volumes,
+                    # it holds the tenants' keys and needs no Kubernetes API: no token
+                    "automountServiceAccountToken": False,
                 },
             },
         },
