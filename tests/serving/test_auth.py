@@ -363,3 +363,24 @@ def test_tenant_queue_limit_refuses_only_a_request_that_would_wait() -> None:
         gateway.check_tenant_queue("a")
     assert (info.value.field, info.value.limit) == ("max_queued", 1)
     gateway.check_tenant_queue("b")  # no limit for b
+
+
+@pytest.mark.parametrize("name", ["wavepipeline.yaml", "wavepipeline-gpu.yaml"])
+def test_the_wavepipeline_examples_turn_keys_on_and_mount_them_in_the_gateway(name: str) -> None:
+    from wavepp.api.spec import load_spec_file
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = load_spec_file(repo / "examples" / name).resolved(
+        default_image="i", default_nats_url="nats://n"
+    )
+    assert spec.tenants and all(t.api_key_secret for t in spec.tenants)
+    ref = PipelineRef(name="tiny", namespace="default", uid="u")
+    pod = builders.build_gateway_deployment(ref, spec, "h")["spec"]["template"]["spec"]
+    mounted = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    assert mounted == {t.api_key_secret for t in spec.tenants}
+    assert pod["automountServiceAccountToken"] is False
+    config = gateway_config_from_spec(spec, {"pipeline": "tiny"})
+    paths = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    for policy in config.tenants:  # the gateway reads each key file where the Secret is mounted
+        assert policy.api_keys_file is not None
+        assert str(Path(policy.api_keys_file).parent) in paths
