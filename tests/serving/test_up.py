@@ -63,6 +63,7 @@ async def test_same_prompt_two_tenants_no_cross_tenant_hit(up_service) -> None:
         ("prefill", {"tenant": "alice", "token_ids": [1, 1024]}, 400, "token_ids[1]"),
         ("prefill", {"tenant": "alice", "token_ids": [1, -1]}, 400, "token_ids[1]"),
         ("prefill", {"tenant": "mallory", "token_ids": [1]}, 403, "tenant"),
+        ("prefill", {"tenant": ["alice"], "token_ids": [1]}, 400, "tenant"),
         ("prefill", '{"tenant": "alice", "token_ids": [1,', 400, "body"),
         ("prefill", {"tenant": "alice", "token_ids": [1], "request_id": "a b"}, 400, "request_id"),
         ("prefill", {"tenant": "alice", "token_ids": [1], "text": "w1"}, 400, "token_ids"),

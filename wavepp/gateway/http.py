@@ -156,8 +156,8 @@ class GatewayServer:
         except Exception as exc:  # noqa: BLE001 - intake (JetStream) unavailable
             log.exception("prefill failed")
             status, payload = 503, {"error": {"type": "unavailable", "message": str(exc)}}
-        tenant = tenant if tenant in self.gateway.tenants else "unknown"
-        self.gateway.metrics.request_answered(str(tenant), status)
+        tenant = tenant if isinstance(tenant, str) and tenant in self.gateway.tenants else "unknown"
+        self.gateway.metrics.request_answered(tenant, status)
         return status, payload, headers
 
     def authenticate(self, authorization: str | None, client: str) -> str | None:
