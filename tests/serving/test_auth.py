@@ -384,3 +384,17 @@ def test_the_wavepipeline_examples_turn_keys_on_and_mount_them_in_the_gateway(na
     for policy in config.tenants:  # the gateway reads each key file where the Secret is mounted
         assert policy.api_keys_file is not None
         assert str(Path(policy.api_keys_file).parent) in paths
+
+
+def test_the_crd_refuses_a_key_file_at_apply_time() -> None:
+    """CEL on each tenant (the API server evaluates it; no CEL library here to run it)."""
+    from wavepp.operator.crdgen import build_crd
+
+    (version,) = build_crd()["spec"]["versions"]
+    tenant = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["tenants"]
+    rules = tenant["items"]["x-kubernetes-validations"]
+    assert [(r["rule"], r["fieldPath"]) for r in rules] == [
+        ("!has(self.apiKeysFile)", ".apiKeysFile")
+    ]
+    props = tenant["items"]["properties"]
+    assert props["apiKeySecret"]["pattern"] and props["tokensPerSecond"]["type"] == "number"
