@@ -16,7 +16,8 @@ field is then only the end user's id, not a tenant; a client past its budget of 
 429. Without key files the gateway is open: the request names its tenant.
 
 Errors are JSON ``{"error": {"field", "message", "limit"?}}``: 400 malformed or out of range,
-401 no valid API key, 403 unknown tenant or another tenant than the key's, 404 wrong model, 422 text without a tokenizer, 429 over a tenant limit or
+401 no valid API key, 403 unknown tenant or another tenant than the key's, 404 wrong model,
+422 text without a tokenizer, 429 over a tenant limit, too many failed keys, or
 past the gateway's queue limit (``field`` ``queue``, ``limit`` = ``max_queued_requests``; both
 with ``Retry-After``), 503 intake unavailable, 504 no answer in time. The NATS API on
 ``wavepp.{pool}.prefill`` (queue group ``gateway``) takes the ``/v1/prefill`` body and answers
@@ -329,7 +330,9 @@ class GatewayServer:
             try:
                 self.bind_tenant(key_tenant, body.get("tenant"))
             except AuthError as exc:
-                await msg.respond(json.dumps({"status": 403, "body": exc.to_json()}).encode())
+                await msg.respond(
+                    json.dumps({"status": exc.status, "body": exc.to_json()}).encode()
+                )
                 return
             body = {**body, "tenant": key_tenant}
 
