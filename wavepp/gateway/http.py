@@ -8,8 +8,16 @@
 | ``GET /readyz``          | 200 only when every stage of every replica is formed            |
 | ``GET /metrics``         | Prometheus text, per-tenant counters and TTFT histogram, queue depth |
 
+API keys (``wavepp.gateway.auth``): when any tenant has a key file, every ``/v1/*`` request and
+every NATS request needs ``Authorization: Bearer <key>`` (an HTTP header, or a NATS message
+header) and is served as the key's tenant: no valid key is 401 (``WWW-Authenticate: Bearer``);
+a ``tenant`` field or ``X-WavePP-Tenant`` header naming another tenant is 403; the OpenAI ``user``
+field is then only the end user's id, not a tenant; a client past its budget of failures is
+429. Without key files the gateway is open: the request names its tenant.
+
 Errors are JSON ``{"error": {"field", "message", "limit"?}}``: 400 malformed or out of range,
-403 unknown tenant, 404 wrong model, 422 text without a tokenizer, 429 over a tenant limit or
+401 no valid API key, 403 unknown tenant or another tenant than the key's, 404 wrong model,
+422 text without a tokenizer, 429 over a tenant limit, too many failed keys, or
 past the gateway's queue limit (``field`` ``queue``, ``limit`` = ``max_queued_requests``; both
 with ``Retry-After``), 503 intake unavailable, 504 no answer in time. The NATS API on
 ``wavepp.{pool}.prefill`` (queue group ``gateway``) takes the ``/v1/prefill`` body and answers
@@ -33,6 +41,7 @@ from nats.aio.msg import Msg
 
 from wavepp.api.prefill import PrefillResult
 from wavepp.api.subjects import prefill_subject
+from wavepp.gateway.auth import AuthError, authenticator_for
 from wavepp.gateway.core import Gateway, GatewayConfig
 from wavepp.gateway.tenants import LimitExceeded
 from wavepp.gateway.validation import (
@@ -96,8 +105,18 @@ class GatewayServer:
     """The HTTP app and NATS API over a started :class:`Gateway`."""
 
     def __init__(self, gateway: Gateway, tokenizer: Tokenizer | None = None) -> None:
+        """Raises KeyFileError: a tenant's key file is missing or malformed."""
         self.gateway = gateway
         self.tokenizer = tokenizer
+        config = gateway.config
+        self.auth = authenticator_for(
+            {t.name: t.api_keys_file for t in config.tenants if t.api_keys_file},
+            poll_s=config.auth_poll_s,
+            failure_burst=config.auth_failure_burst,
+            failures_per_s=config.auth_failures_per_s,
+            clock=gateway.clock,
+            wall_clock=time.time,
+        )
         self._tasks: set[asyncio.Task[None]] = set()
         self.app = web.Application(client_max_size=16 * 1024 * 1024)
         self.app.add_routes(
@@ -114,12 +133,14 @@ class GatewayServer:
     def _encode(self) -> Callable[[str], list[int]] | None:
         return self.tokenizer[0] if self.tokenizer else None
 
-    async def serve(self, parse: Callable[[], ParsedRequest]) -> tuple[int, object, dict]:
+    async def serve(
+        self, parse: Callable[[], ParsedRequest], tenant: object = "unknown"
+    ) -> tuple[int, object, dict]:
         """Run one request; returns (status, JSON body or PrefillResult, headers).
 
-        ``parse`` validates the body and may raise BadRequest. Counts the request per tenant.
+        ``parse`` validates the body and may raise BadRequest. Counts the request per tenant
+        (``tenant``: the key's or the named one, used when ``parse`` fails).
         """
-        tenant = "unknown"
         status, payload, headers = 500, {}, {}
         try:
             request = parse()
@@ -136,9 +157,34 @@ class GatewayServer:
         except Exception as exc:  # noqa: BLE001 - intake (JetStream) unavailable
             log.exception("prefill failed")
             status, payload = 503, {"error": {"type": "unavailable", "message": str(exc)}}
-        tenant = tenant if tenant in self.gateway.tenants else "unknown"
+        tenant = tenant if isinstance(tenant, str) and tenant in self.gateway.tenants else "unknown"
         self.gateway.metrics.request_answered(tenant, status)
         return status, payload, headers
+
+    def authenticate(self, authorization: str | None, client: str) -> str | None:
+        """The key's tenant; None in open mode. Raises AuthError (counted in the metrics)."""
+        try:
+            return self.auth.authenticate(authorization, client)
+        except AuthError as exc:
+            self.gateway.metrics.auth_failed(exc.reason)
+            self.gateway.metrics.request_answered("unknown", exc.status)
+            raise
+
+    def bind_tenant(self, key_tenant: str, claimed: object) -> None:
+        """Refuse a request naming another tenant than its key's. Raises AuthError (counted)."""
+        try:
+            self.auth.check_claim(key_tenant, claimed)
+        except AuthError as exc:
+            self.gateway.metrics.auth_failed(exc.reason)
+            self.gateway.metrics.request_answered(key_tenant, exc.status)
+            raise
+
+    @staticmethod
+    def _auth_error(exc: AuthError) -> web.Response:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+        if exc.status == 429:
+            headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        return web.json_response(exc.to_json(), status=exc.status, headers=headers)
 
     async def _json_body(self, request: web.Request) -> object:
         try:
@@ -148,13 +194,26 @@ class GatewayServer:
 
     async def handle_prefill(self, request: web.Request) -> web.Response:
         try:
+            key_tenant = self.authenticate(
+                request.headers.get("Authorization"), request.remote or ""
+            )
+        except AuthError as exc:
+            return self._auth_error(exc)
+        try:
             body = await self._json_body(request)
         except BadRequest as exc:
-            self.gateway.metrics.request_answered("unknown", exc.status)
+            self.gateway.metrics.request_answered(key_tenant or "unknown", exc.status)
             return _error(exc, 400)
+        claimed = body.get("tenant") if isinstance(body, dict) else None
+        if key_tenant is not None and isinstance(body, dict):
+            try:
+                self.bind_tenant(key_tenant, claimed)
+            except AuthError as exc:
+                return self._auth_error(exc)
+            body = {**body, "tenant": key_tenant}
         limits = self.gateway.config.limits
         status, payload, headers = await self.serve(
-            lambda: parse_prefill(body, limits, self._encode)
+            lambda: parse_prefill(body, limits, self._encode), key_tenant or claimed
         )
         if isinstance(payload, PrefillResult):
             payload = payload.model_dump(mode="json")
@@ -162,11 +221,25 @@ class GatewayServer:
 
     async def handle_completions(self, request: web.Request) -> web.Response:
         try:
+            key_tenant = self.authenticate(
+                request.headers.get("Authorization"), request.remote or ""
+            )
+        except AuthError as exc:
+            return self._auth_error(exc)
+        try:
             body = await self._json_body(request)
         except BadRequest as exc:
+            self.gateway.metrics.request_answered(key_tenant or "unknown", exc.status)
             return _error(exc, 400)
         config = self.gateway.config
         tenant_header = request.headers.get("X-WavePP-Tenant")
+        if key_tenant is not None:
+            try:
+                self.bind_tenant(key_tenant, tenant_header)
+            except AuthError as exc:
+                return self._auth_error(exc)
+            tenant_header = key_tenant  # the key's tenant; `user` is the end user's id then
+        hint = tenant_header or (body.get("user") if isinstance(body, dict) else None)
         status, payload, headers = await self.serve(
             lambda: parse_completion(
                 body,
@@ -174,7 +247,8 @@ class GatewayServer:
                 self._encode,
                 tenant_header=tenant_header,
                 model_name=config.model_name,
-            )
+            ),
+            hint or "default",
         )
         if not isinstance(payload, PrefillResult):
             return web.json_response(payload, status=status, headers=headers)
@@ -238,15 +312,37 @@ class GatewayServer:
 
     async def _serve_nats(self, msg: Msg) -> None:
         limits = self.gateway.config.limits
+        # A NATS client is known by its reply inbox (one per connection): _INBOX.<id>.<n>
+        client = "nats:" + ".".join((msg.reply or "").split(".")[:2])
+        try:
+            key_tenant = self.authenticate((msg.headers or {}).get("Authorization"), client)
+        except AuthError as exc:
+            await msg.respond(json.dumps({"status": exc.status, "body": exc.to_json()}).encode())
+            return
+
+        body: object = None
+        malformed: BadRequest | None = None
+        try:
+            body = json.loads(msg.data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            malformed = BadRequest("body", f"malformed JSON: {exc}")
+        if key_tenant is not None and isinstance(body, dict):
+            try:
+                self.bind_tenant(key_tenant, body.get("tenant"))
+            except AuthError as exc:
+                await msg.respond(
+                    json.dumps({"status": exc.status, "body": exc.to_json()}).encode()
+                )
+                return
+            body = {**body, "tenant": key_tenant}
 
         def parse() -> ParsedRequest:
-            try:
-                body = json.loads(msg.data)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise BadRequest("body", f"malformed JSON: {exc}") from exc
+            if malformed is not None:
+                raise malformed
             return parse_prefill(body, limits, self._encode)
 
-        status, payload, _ = await self.serve(parse)
+        claimed = body.get("tenant") if isinstance(body, dict) else None
+        status, payload, _ = await self.serve(parse, key_tenant or claimed)
         if isinstance(payload, PrefillResult):
             payload = payload.model_dump(mode="json")
         await msg.respond(json.dumps({"status": status, "body": payload}).encode())
@@ -265,8 +361,20 @@ async def run_gateway(
     gateway = Gateway(config, nc)
     runner = None
     try:
-        await gateway.start()
         server = GatewayServer(gateway, tokenizer)
+        if server.auth.enabled:
+            keyless = sorted(t.name for t in config.tenants if not t.api_keys_file)
+            log.info(
+                "authentication on: API keys of %d tenant(s)%s",
+                len(config.tenants) - len(keyless),
+                f"; tenants without keys cannot be reached: {keyless}" if keyless else "",
+            )
+        else:
+            log.warning(
+                "authentication off (open local mode): no tenant has API keys; any caller may "
+                "name any tenant"
+            )
+        await gateway.start()
         await server.subscribe_nats()
         runner = web.AppRunner(server.app, access_log=None)
         await runner.setup()
