@@ -21,14 +21,24 @@ def test_many_in_flight_is_s_equal_microbatches_back_to_back() -> None:
     per_request = MODEL.b * 512 + MODEL.a * (4096**2 - 3584**2) + MODEL.g * 3584
     round_s = 4 * MODEL.c + 64 * per_request
     assert bound.num_microbatches == 4
-    assert bound.round_s == pytest.approx(round_s)
-    assert bound.tokens_per_s == pytest.approx(64 * 4096 / round_s)
+    # One round (C = N), plus the pipeline's fill and drain: c on each of the 3 other stages.
+    assert bound.round_s == pytest.approx(round_s + 3 * MODEL.c)
+    assert bound.tokens_per_s == pytest.approx(64 * 4096 / (round_s + 3 * MODEL.c))
+
+
+def test_fill_and_drain_are_paid_once_per_run_not_per_round() -> None:
+    one_round = pipeline_bound([MODEL] * 4, _work(64), concurrency=64, max_microbatch_tokens=16384)
+    many = pipeline_bound([MODEL] * 4, _work(64 * 32), concurrency=64, max_microbatch_tokens=16384)
+    busy = one_round.busy_s[0]
+    assert one_round.round_s == pytest.approx(busy + 3 * MODEL.c)
+    assert many.round_s == pytest.approx(busy + 3 * MODEL.c / 32)
+    assert many.tokens_per_s > one_round.tokens_per_s
 
 
 def test_the_cap_forces_more_microbatches_and_each_pays_c() -> None:
     bound = pipeline_bound([MODEL] * 4, _work(256), concurrency=256, max_microbatch_tokens=16384)
     assert bound.num_microbatches == 8  # 256 x 512 = 128k new tokens / 16k
-    assert bound.busy_s[0] == pytest.approx(bound.round_s)
+    assert bound.round_s == pytest.approx(bound.busy_s[0] + 3 * MODEL.c)  # one round
 
 
 def test_fewer_requests_than_stages_pay_for_splitting() -> None:
@@ -46,7 +56,11 @@ def test_the_slowest_stage_binds() -> None:
         [MODEL, MODEL, MODEL, slow], _work(64), concurrency=64, max_microbatch_tokens=16384
     )
     assert uneven.tokens_per_s < even.tokens_per_s
-    assert uneven.round_s == pytest.approx(max(uneven.busy_s))
+    fill_drain = [3 * MODEL.c] * 3 + [3 * MODEL.c]  # every stage: the c of the 3 others
+    fill_drain[:3] = [2 * MODEL.c + slow.c] * 3
+    assert uneven.round_s == pytest.approx(
+        max(b + f for b, f in zip(uneven.busy_s, fill_drain, strict=True))
+    )
 
 
 def test_bad_arguments_name_the_field() -> None:

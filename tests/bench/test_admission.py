@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
-from wavepp.bench.admission import format_table, run_admission_bench
+import pytest
+
+from wavepp.bench.admission import AdmissionSetting, format_table, run_admission_bench
 
 
 async def test_admission_bench_measures_each_setting() -> None:
+    settings = [
+        AdmissionSetting(1, 1),
+        AdmissionSetting(3, 4, batch_limit=2),
+        AdmissionSetting(2, 4, replicas=2, workload="short-suffix"),
+    ]
     results = await run_admission_bench(
-        [1, 3], [1, 4], num_requests=12, num_prompt_tokens=256, block_size=16
+        settings, num_requests=12, num_prompt_tokens=256, suffix_tokens=32, block_size=16
     )
-    assert [(r["stages"], r["in_flight"]) for r in results] == [(1, 1), (1, 4), (3, 1), (3, 4)]
+    assert [(r["stages"], r["in_flight"], r["replicas"]) for r in results] == [
+        (1, 1, 1),
+        (3, 4, 1),
+        (2, 4, 2),
+    ]
     for r in results:
         assert r["agreements_per_s"] > 0
         assert 0 < r["latency_p50_ms"] <= r["latency_p99_ms"]
+        assert len(r["replica_p99_ms"]) == r["replicas"]
+        assert r["cpu_us_per_agreement"] > 0
+    assert results[0]["rounds"] == 12  # one at a time: one request per round
+    assert results[1]["rounds"] >= 6  # at most 2 per round
     table = format_table(results)
-    assert table.count("\n") == 5 and "| 3 | 4 |" in table
+    assert table.count("\n") == 4 and "short-suffix" in table
+
+
+async def test_bad_settings_name_the_field() -> None:
+    with pytest.raises(ValueError, match="workload"):
+        await run_admission_bench([AdmissionSetting(1, 1, workload="nope")])
+    with pytest.raises(ValueError, match="suffix_tokens"):
+        await run_admission_bench([AdmissionSetting(1, 1)], num_prompt_tokens=8, suffix_tokens=9)

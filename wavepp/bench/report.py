@@ -75,6 +75,8 @@ class ReplayReport:
             "agreement_p50_s": round(float(np.percentile(agreement, 50)), 5),
             "agreement_p99_s": round(float(np.percentile(agreement, 99)), 5),
             "reservation_refusals": sum(o.num_refusals for o in self.outcomes),
+            "scheduler_host_ms_p50": _ms_percentile(self.stats.host_s, 50),
+            "scheduler_host_ms_p99": _ms_percentile(self.stats.host_s, 99),
             "microbatches": self.stats.num_microbatches,
             "wall_s": round(self.wall_s, 3),
             "mode": self.config.mode,
@@ -91,6 +93,10 @@ class ReplayReport:
             + [str(e) for e in self.invalid[:5]],
             **self.extra,
         }
+
+
+def _ms_percentile(seconds: Sequence[float], q: float) -> float | None:
+    return round(float(np.percentile(list(seconds), q)) * 1e3, 3) if seconds else None
 
 
 def stage_cost_models_of(config: RuntimeConfig) -> list[CostModel] | None:

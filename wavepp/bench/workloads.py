@@ -55,10 +55,15 @@ class ReusePreset:
     num_prefixes: int
 
 
-# Prompt length 4096 tokens in both: only the shared fraction differs.
+# "low" and "high": prompt length 4096 tokens, only the shared fraction differs. "agentic" and
+# "chat": where admission cadence binds (long shared prefixes, short new suffixes): an agent's
+# 32k-token context (tools, history) at 95 % reuse, and 8k-token chat turns at 97 %, each new
+# token costing little next to the attention over the cached context.
 REUSE_PRESETS: dict[str, ReusePreset] = {
     "low": ReusePreset(num_prefix_tokens=1024, num_suffix_tokens=3072, num_prefixes=8),
     "high": ReusePreset(num_prefix_tokens=3584, num_suffix_tokens=512, num_prefixes=8),
+    "agentic": ReusePreset(num_prefix_tokens=31232, num_suffix_tokens=1536, num_prefixes=8),
+    "chat": ReusePreset(num_prefix_tokens=7936, num_suffix_tokens=256, num_prefixes=32),
 }
 
 

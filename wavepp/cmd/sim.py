@@ -18,7 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="glm-5.2", help="derived H200 cost model")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--concurrency", default="128", help="comma-separated")
-    parser.add_argument("--reuse", choices=["low", "high"], default="high")
+    parser.add_argument(
+        "--reuse",
+        choices=["low", "high", "agentic", "chat"],
+        default="high",
+        help="workload preset (bench.workloads.REUSE_PRESETS)",
+    )
     parser.add_argument(
         "--prompt-tokens",
         type=int,

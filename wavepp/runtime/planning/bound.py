@@ -17,7 +17,11 @@ new, and stage s costing t_s(L, x) = c_s + g_s*L + b_s*x + a_s*(2*L*x + x^2) per
   of the busiest stage). A request's last micro-batch crosses all S stages after the round's
   other work entered the pipe, so a round also takes at least sum_s (c_s + W_s(m) / m) (one
   average micro-batch through every stage).
-- T >= R * min over m >= m_min of max(both). Throughput <= sum_i P_i / T.
+- Fill and drain: stage s works only after a micro-batch crossed the stages before it, and its
+  last micro-batch then crosses the stages after it, at least c on each: T >= R * busy_s +
+  sum_{s' != s} c_s'.
+- T >= min over m >= m_min of max(max_s (R * busy_s(m) + fill/drain_s), R * crossing(m)).
+  Throughput <= sum_i P_i / T.
 
 With m = S and C*n large this is the picture of DESIGN.md: S equal micro-batches that hold all
 in-flight new tokens, back to back on every stage. Control costs (NATS, agreement, planning)
@@ -69,7 +73,8 @@ class PipelineBound:
 
     Attributes:
         tokens_per_s: prompt tokens (cached and new) per second, the bound.
-        round_s: seconds per round (every in-flight request prefilled once).
+        round_s: seconds per round (every in-flight request prefilled once), fill and drain
+            spread over the rounds (T / R).
         num_microbatches: m, micro-batches per round at the bound.
         busy_s: per stage, busy seconds per round at the bound.
     """
@@ -123,6 +128,13 @@ def pipeline_bound(
     min_cached = min(r.num_cached_tokens for r in requests)
     work_s = [share * sum(_request_work_s(m, r) for r in requests) for m in stage_cost_models]
     m_min = max(1, math.ceil(num_new_round / max_microbatch_tokens - 1e-9))
+    num_rounds = num_requests / in_flight
+    # Pipeline fill and drain: stage s starts only after some micro-batch crossed the stages
+    # before it, and its last micro-batch still crosses the stages after it; each micro-batch
+    # costs at least c on every stage, so the run lasts at least R x busy_s + sum of the other
+    # stages' c.
+    fixed = [model.c for model in stage_cost_models]
+    fill_drain = [sum(fixed) - c for c in fixed]
     best: tuple[float, int, tuple[float, ...]] | None = None
     for m in range(m_min, max(m_min, len(stage_cost_models)) + 1):
         extra = max(0, m - in_flight)
@@ -136,11 +148,13 @@ def pipeline_bound(
         crossing = sum(
             model.c + w / m for w, model in zip(round_work, stage_cost_models, strict=True)
         )
-        round_s = max(max(busy), crossing)
-        if best is None or round_s < best[0]:
-            best = (round_s, m, busy)
+        run_s = max(
+            max(num_rounds * b + f for b, f in zip(busy, fill_drain, strict=True)),
+            num_rounds * crossing,
+        )
+        if best is None or run_s < best[0]:
+            best = (run_s, m, busy)
     assert best is not None, "the range of m is never empty"
-    round_s, m, busy = best
-    num_rounds = num_requests / in_flight
+    run_s, m, busy = best
     total_tokens = sum(r.num_prompt_tokens for r in requests)
-    return PipelineBound(total_tokens / (num_rounds * round_s), round_s, m, busy)
+    return PipelineBound(total_tokens / run_s, run_s / num_rounds, m, busy)

@@ -258,12 +258,16 @@ class WaveScheduler:
             started_s = loop.time()
             await self.admission.gather()
             await self._plans_open.wait()
+            slept_s = 0.0
+            host_started_s = time.perf_counter()
             if self._host_floor_s > 0 and any(core.is_plannable(r) for r in core.active):
                 if self.config.mode != "sync":
                     started_s = loop.time()
                 host_s = self._host_floor_s - (loop.time() - started_s)
                 if host_s > 0:
+                    before_s = time.perf_counter()
                     await asyncio.sleep(host_s)
+                    slept_s = time.perf_counter() - before_s
             scheduled = core.schedule(
                 more_work_queued=self.admission.more_work_queued(),
                 planning_started_s=time.time(),
@@ -292,6 +296,7 @@ class WaveScheduler:
             )
             plan = core.plan_of(scheduled, traceparent)
             await self.transport.publish_plan(plan, headers)
+            self.stats.record_host_time(time.perf_counter() - host_started_s - slept_s)
 
     # ---- completion (PlanHandlers) -------------------------------------------------------
 

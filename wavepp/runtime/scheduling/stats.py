@@ -80,6 +80,9 @@ class WaveStats:
         self.num_spans = 0
         self.spans: deque[StageSpan] = deque(maxlen=self.window)
         self.microbatch_tokens: deque[int] = deque(maxlen=self.window)
+        # NOTE: the scheduler's own host time per micro-batch (after the planning set is
+        # gathered until the plan is handed to the bus), seconds; deliberate sleeps excluded.
+        self.host_s: deque[float] = deque(maxlen=self.window)
         self._busy_s: dict[int, float] = {}
         self._busy_total_s = 0.0
         self._first_start_s = float("inf")
@@ -96,6 +99,10 @@ class WaveStats:
         self.num_microbatches += 1
         self.num_microbatch_tokens += num_tokens
         self.microbatch_tokens.append(num_tokens)
+
+    def record_host_time(self, seconds: float) -> None:
+        """The scheduler's host time for one published micro-batch (see ``host_s``)."""
+        self.host_s.append(seconds)
 
     def record_span(self, span: StageSpan) -> None:
         """One stage's report of one micro-batch (each (micro-batch, stage) once)."""
