@@ -1,6 +1,6 @@
 """``wavepp bench grid|admission|plot``: the side-by-side benchmark, its microbenchmark, plots.
 
-wavepp bench grid --out docs/bench            # models x concurrency x reuse, wave vs sync
+wavepp bench grid --concurrency 8,32       # models x concurrency x reuse, wave vs sync
 wavepp bench admission --stages 2,4,8         # agreements/s and latency over real NATS
 wavepp bench plot docs/bench/grid.csv         # PNG plots from a grid CSV
 """
@@ -12,6 +12,10 @@ import json
 import shlex
 import sys
 from pathlib import Path
+
+from wavepp.cmd.common import HelpFormatter, add_deprecated_alias, fresh_out_dir
+
+BARE_IS_USAGE = [("grid",)]
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -27,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid = sub.add_parser(
         "grid",
         help="wave vs sync over models x concurrency x reuse",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="wave vs sync over models x concurrency x reuse (hours at the defaults: "
+        "give at least one flag)",
+        formatter_class=HelpFormatter,
     )
     grid.add_argument("--models", default="glm-5.2,minimax-m2.7", help="derived cost models")
     grid.add_argument(
@@ -73,17 +79,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid.add_argument(
         "--repeats", type=int, default=1, help="runs per setting (table: medians, ratio range)"
     )
-    grid.add_argument("--out", default="docs/bench", help="folder for grid.csv and grid.md")
+    grid.add_argument(
+        "--out",
+        default=None,
+        help="folder for grid.csv, grid.md and the plots (default: a fresh wavepp-grid-* "
+        "folder under the system's temporary directory, named on stderr)",
+    )
     grid.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    adm = sub.add_parser("admission", help="agreements/s and latency over real NATS")
-    adm.add_argument("--stages", default="2,4,8")
-    adm.add_argument("--requests", type=int, default=400)
-    adm.add_argument("--in-flight", default="1,16", help="concurrent agreements")
-    adm.add_argument("--prompt-tokens", type=int, default=4096)
-    adm.add_argument("--block-size", type=int, default=64)
-    adm.add_argument("--json", action="store_true")
-    plot = sub.add_parser("plot", help="PNG plots from a grid CSV")
-    plot.add_argument("csv")
+    adm = sub.add_parser(
+        "admission",
+        help="agreements/s and latency over real NATS",
+        description="agreements/s and latency over real NATS",
+        formatter_class=HelpFormatter,
+    )
+    adm.add_argument("--stages", default="2,4,8", help="pipeline stages S, comma-separated")
+    adm.add_argument("--requests", type=int, default=400, help="agreements per setting")
+    adm.add_argument(
+        "--concurrency", default="1,16", help="agreements in flight at once, comma-separated"
+    )
+    add_deprecated_alias(adm, "--in-flight", "--concurrency", "concurrency")
+    adm.add_argument("--prompt-tokens", type=int, default=4096, help="tokens per prompt")
+    adm.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    adm.add_argument(
+        "--json", action="store_true", help="stdout: one JSON line only (the table on stderr)"
+    )
+    plot = sub.add_parser(
+        "plot",
+        help="PNG plots from a grid CSV",
+        description="PNG plots from a grid CSV",
+        formatter_class=HelpFormatter,
+    )
+    plot.add_argument("csv", help="grid.csv of a bench grid run")
     plot.add_argument("--out", default=None, help="folder (default: beside the CSV)")
 
 
@@ -160,8 +186,9 @@ def _run_grid(args: argparse.Namespace) -> int:
         return _fail("--concurrency", f"{args.concurrency!r}: need integers >= 1")
     if args.time_scale <= 0:
         return _fail("--time-scale", f"{args.time_scale}: must be > 0")
-    out = Path(args.out)
+    out = Path(args.out or fresh_out_dir("grid"))
     out.mkdir(parents=True, exist_ok=True)
+    print(f"wavepp bench grid: writing into {out}", file=sys.stderr)
     command = "wavepp bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     settings = grid_settings(spec)
     err = Console(stderr=True)
@@ -198,9 +225,9 @@ def _run_admission(args: argparse.Namespace) -> int:
 
     try:
         stages = _ints(args.stages)
-        in_flight = _ints(args.in_flight)
+        in_flight = _ints(args.concurrency)
     except ValueError as exc:
-        return _fail("--stages/--in-flight", str(exc))
+        return _fail("--stages/--concurrency", str(exc))
     if not stages or min(stages) < 1:
         return _fail("--stages", f"{args.stages!r}: need integers >= 1")
     if args.requests < 1:
@@ -214,7 +241,7 @@ def _run_admission(args: argparse.Namespace) -> int:
             block_size=args.block_size,
         )
     )
-    print(format_table(results))
+    print(format_table(results), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(results))
     return 0

@@ -18,9 +18,19 @@ from pathlib import Path
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="Mooncake trace (JSON lines)")
     parser.add_argument("--limit", type=int, default=None, help="first N trace lines only")
-    parser.add_argument("--stages", type=int, default=4, help="pipeline stages S (default 4)")
-    parser.add_argument("--mode", choices=["wave", "sync"], default="wave")
-    parser.add_argument("--engine", choices=["torch", "emulated"], default="torch")
+    parser.add_argument("--stages", type=int, default=4, help="pipeline stages S")
+    parser.add_argument(
+        "--mode",
+        choices=["wave", "sync"],
+        default="wave",
+        help="wave: WavePP; sync: the TensorRT-LLM-like baseline",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["torch", "emulated"],
+        default="torch",
+        help="torch: real layers on the CPU; emulated: sleep the --emulate cost model",
+    )
     parser.add_argument(
         "--concurrency", type=int, default=32, help="closed-loop requests in flight"
     )
@@ -30,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=512,
         help="tokens per trace hash id (512 = the trace's own; smaller scales prompts down)",
     )
-    parser.add_argument("--json", action="store_true", help="last stdout line: summary JSON")
+    parser.add_argument(
+        "--json", action="store_true", help="stdout: the summary JSON only (the table on stderr)"
+    )
     parser.add_argument("--timed", action="store_true", help="arrive at the trace's timestamps")
     parser.add_argument("--speedup", type=float, default=1.0, help="with --timed: time compression")
     parser.add_argument("--model", default="tiny-llama", help="model preset (torch engine weights)")
@@ -39,11 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-blocks",
         default=None,
         help="KV capacity per stage in blocks: one number, or S comma-separated (unequal "
-        "stages). Unset (%(default)s): torch engine 4096; emulated engine derived per stage from --emulate's "
+        "stages). Default: torch engine 4096; emulated engine derived per stage from --emulate's "
         "weights, activations of the largest micro-batch and KV bytes per token at H200 memory (141 GB x "
         "0.9; wavepp.runtime.planning.memory), 4096 for tiny-llama",
     )
-    parser.add_argument("--chunk-tokens", type=int, default=8192, help="static chunk budget")
+    parser.add_argument(
+        "--chunk-tokens", type=int, default=8192, help="static chunk budget (new tokens)"
+    )
     parser.add_argument(
         "--emulate",
         default="glm-5.2",
@@ -51,12 +65,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--time-scale", type=float, default=1.0, help="emulated: sleep multiplier")
     parser.add_argument(
-        "--cost-model", default="", help="planner cost model JSON (calibrate --out)"
+        "--cost-model",
+        default="",
+        help="planner cost model JSON (calibrate --out; default: the emulated model's, or the "
+        "packaged tiny-llama CPU fit)",
     )
-    parser.add_argument("--chunk-policy", choices=["dynamic", "static"], default=None)
-    parser.add_argument("--agreement", choices=["async", "sync"], default=None)
-    parser.add_argument("--local-prepare", choices=["on", "off"], default=None)
-    parser.add_argument("--max-inflight", type=int, default=None, help="default: S")
+    parser.add_argument(
+        "--chunk-policy",
+        choices=["dynamic", "static"],
+        default=None,
+        help="ablation (default: from --mode: wave dynamic, sync static)",
+    )
+    parser.add_argument(
+        "--agreement",
+        choices=["async", "sync"],
+        default=None,
+        help="ablation (default: from --mode: wave async, sync sync)",
+    )
+    parser.add_argument(
+        "--local-prepare",
+        choices=["on", "off"],
+        default=None,
+        help="ablation (default: from --mode: wave on, sync off)",
+    )
+    parser.add_argument(
+        "--max-inflight", type=int, default=None, help="micro-batches in flight (default: S)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="token mapping and weight seed")
     parser.add_argument("--cache-salt", default="", help="cache salt (tenant) of every request")
     telemetry = parser.add_argument_group("telemetry")

@@ -13,12 +13,18 @@ import argparse
 import json
 import sys
 
+BARE_IS_USAGE = [()]
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="glm-5.2", help="derived H200 cost model")
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--concurrency", default="128", help="comma-separated")
-    parser.add_argument("--reuse", choices=["low", "high"], default="high")
+    parser.add_argument("--stages", type=int, default=4, help="pipeline stages S")
+    parser.add_argument(
+        "--concurrency", default="128", help="closed-loop requests in flight, comma-separated"
+    )
+    parser.add_argument(
+        "--reuse", choices=["low", "high"], default="high", help="prefix reuse preset"
+    )
     parser.add_argument(
         "--prompt-tokens",
         type=int,
@@ -26,17 +32,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="scale the reuse preset to this prompt length (0: preset's 4096)",
     )
     parser.add_argument("--requests", type=int, default=0, help="default: max(32, concurrency)")
-    parser.add_argument("--time-scale", type=float, default=1.0)
-    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0, help="stage time multiplier (1.0 = H200 time)"
+    )
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     parser.add_argument(
         "--kv-blocks",
         type=int,
         default=None,
-        help="KV capacity per stage in blocks (unset, %(default)s: derived per stage from --model's "
+        help="KV capacity per stage in blocks (default: derived per stage from --model's "
         "weights, activations of the largest micro-batch and KV bytes per token at H200 memory, 141 GB x "
         "0.9; wavepp.runtime.planning.memory)",
     )
-    parser.add_argument("--chunk-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--chunk-tokens", type=int, default=8192, help="static chunk budget (baseline), tokens"
+    )
     parser.add_argument("--kv-rtt-ms", type=float, default=1.0, help="KV request-reply RTT")
     parser.add_argument("--bus-ms", type=float, default=0.5, help="plan/done publish latency")
     parser.add_argument("--hop-ms", type=float, default=0.2, help="activation hop latency")

@@ -17,7 +17,9 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("traces", nargs="+", help="JSON-lines span file(s) of one run")
-    parser.add_argument("--out", default="", help="write the timeline PNG here")
+    parser.add_argument(
+        "--out", default="", help="write the timeline PNG here (default: no picture)"
+    )
     parser.add_argument("--stages", type=int, default=None, help="S (default: from the spans)")
     parser.add_argument("--title", default="", help="title prefix of the picture")
     parser.add_argument("--json", action="store_true", help="last stdout line: summary JSON")

@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from wavepp.cmd.common import add_deprecated_alias
 from wavepp.runtime.serving.lifecycle import child_env
 
 DEFAULT_SPEC = {"model": {"name": "tiny-llama"}, "stages": 2}
@@ -34,13 +35,20 @@ MAX_LOCAL_PROCESSES = 256
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="", help="WavePipeline spec (YAML or JSON)")
-    parser.add_argument("--name", default="default", help="pool name (NATS subjects, results)")
+    parser.add_argument("--pool", default="default", help="pool name (NATS subjects, results)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     parser.add_argument("--port", type=int, default=8000, help="gateway port (0: a free one)")
-    parser.add_argument("--state-dir", default="", help="logs, configs, JetStream store")
+    parser.add_argument(
+        "--state-dir",
+        default="",
+        help="logs, configs, JetStream store (default: a fresh wavepp-up-* temporary folder)",
+    )
     parser.add_argument("--tokenizer", default="", help="local tokenizer path (for text prompts)")
     parser.add_argument(
-        "--routing", choices=["prefix", "round_robin", "least_loaded"], default="prefix"
+        "--routing",
+        choices=["prefix", "round_robin", "least_loaded"],
+        default="prefix",
+        help="which replica a request goes to",
     )
     parser.add_argument(
         "--max-outstanding", type=int, default=8, help="requests per replica past the gateway"
@@ -64,9 +72,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '"burst_tokens": 20000}}; overrides the two flags above',
     )
     parser.add_argument("--ack-wait-s", type=float, default=10.0, help="intake redelivery delay")
-    parser.add_argument("--request-timeout-s", type=float, default=120.0)
-    parser.add_argument("--replica-timeout-s", type=float, default=3.0)
-    parser.add_argument("--startup-timeout-s", type=float, default=300.0)
+    parser.add_argument(
+        "--request-timeout-s", type=float, default=120.0, help="a request unanswered this long: 504"
+    )
+    parser.add_argument(
+        "--replica-timeout-s",
+        type=float,
+        default=3.0,
+        help="a replica without a heartbeat this long leaves the pool",
+    )
+    parser.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=300.0,
+        help="not serving this long after start: stop everything, exit 2",
+    )
+    add_deprecated_alias(parser, "--name", "--pool", "pool")
 
 
 def _fail(flag: str, message: str) -> int:
@@ -183,7 +204,7 @@ def _start_children(
         sup.start(
             name,
             [*cli, "admission", "--runtime-config", str(path), "--nats-url", nats_url,
-             "--pool", args.name, "--ack-wait-s", str(args.ack_wait_s)],
+             "--pool", args.pool, "--ack-wait-s", str(args.ack_wait_s)],
         )  # fmt: skip
     service_names.append("gateway")
     sup.start(
@@ -209,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     if spec is None:
         return _fail("--config", f"{args.config}: " + "; ".join(str(i) for i in issues))
     try:
-        configs = runtime_configs_from_spec(spec, pool=args.name)
+        configs = runtime_configs_from_spec(spec, pool=args.pool)
     except SpecError as exc:
         return _fail("--config", str(exc))
     num_processes = sum(c.num_stages + 1 for c in configs) + 2
@@ -263,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
         first.model.max_position,
     )
     gateway_config = GatewayConfig(
-        pool=args.name,
+        pool=args.pool,
         replicas=[ReplicaInfo(pipeline=c.pipeline, num_stages=c.num_stages) for c in configs],
         model_name=first.model.name,
         model_id=first.model_id,
@@ -335,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
                 if _is_ready(f"http://127.0.0.1:{port}/readyz"):
                     is_serving = True
                     print(
-                        f"wavepp up: serving {endpoint} (pool {args.name}: {len(configs)} "
+                        f"wavepp up: serving {endpoint} (pool {args.pool}: {len(configs)} "
                         f"replica(s) x {first.num_stages} {first.engine} stages of "
                         f"{first.model.name}; NATS {server.url}; logs {sup.log_dir})",
                         flush=True,

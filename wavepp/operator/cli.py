@@ -18,7 +18,11 @@ from typing import Any
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``operator`` subcommand's flags (and its ``run`` / ``crd`` actions)."""
     parser.add_argument(
-        "action", nargs="?", choices=["run", "crd"], default="run", help="run (default) or crd"
+        "action",
+        nargs="?",
+        choices=["run", "crd"],
+        default="run",
+        help="run the operator, or print the CRD (default: run)",
     )
     parser.add_argument(
         "--default-image",
@@ -39,13 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resync-s",
         type=float,
         default=10.0,
-        help="seconds between reconciles of an idle pipeline (default 10)",
+        help="seconds between reconciles of an idle pipeline",
     )
     parser.add_argument(
         "--liveness-port",
         type=int,
         default=8080,
-        help="port of kopf's /healthz liveness endpoint; 0 disables (default 8080)",
+        help="port of kopf's /healthz liveness endpoint; 0 disables",
     )
     parser.add_argument("--no-events", action="store_true", help="post no Kubernetes Events")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
