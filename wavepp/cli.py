@@ -63,7 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     rest = tuple(argv[argv.index(args.command) + 1 :])
     if rest in getattr(args._module, "BARE_IS_USAGE", ()):
-        args._parser.print_usage(sys.stderr)
+        usage_of = args._parser
+        for word in rest:  # the nested subcommand's own parser (``bench grid``)
+            subs = [a for a in usage_of._actions if isinstance(a, argparse._SubParsersAction)]
+            usage_of = subs[0].choices[word] if subs else usage_of
+        usage_of.print_usage(sys.stderr)
         print(
             f"wavepp {' '.join((args.command, *rest))}: give its inputs (see --help); "
             "nothing was run",
