@@ -1,8 +1,10 @@
 """``wavepp replay TRACE``: replay a Mooncake trace through a local pipeline.
 
 Starts its own nats-server and S stage processes, replays (closed loop at ``--concurrency``, or
-at the trace's timestamps with ``--timed``), prints a progress bar (stderr) and a summary table;
-with ``--json`` the last line of stdout is one JSON object (the replay contract).
+at the trace's timestamps with ``--timed``), prints a progress bar (stderr) and the summary:
+each number with its unit and meaning, and per stage the local hit against the agreed prefix
+(``wavepp.bench.summary_text``); with ``--json`` stdout is one JSON object only (the replay
+contract) and the tables go to stderr.
 """
 
 from __future__ import annotations
@@ -168,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from wavepp.bench.replay import replay_records
+    from wavepp.bench.summary_text import clean_source, stage_rows, summary_rows
     from wavepp.bench.trace import TokenMapper, load_trace
     from wavepp.runtime.config import RuntimeConfig
     from wavepp.runtime.model_config import get_preset
@@ -242,12 +245,16 @@ def run(args: argparse.Namespace) -> int:
     records, invalid = load_trace(args.trace, args.limit)
     for error in invalid:
         err.print(f"[yellow]skipped invalid trace line[/]: {error}")
+    served = (
+        f"{args.emulate} (emulated at H200 speed)"
+        if args.engine == "emulated"
+        else f"{model.name} ({model.num_layers} layers in all)"
+    )
     err.print(
-        f"replaying {len(records)} requests: {config.num_stages} {config.engine} stages "
-        f"({model.name}, {model.num_layers} layers), mode={config.mode}, "
-        f"tokens-per-block={args.tokens_per_block}, block-size={config.block_size}, "
-        f"kv-blocks={kv_blocks} ({kv_blocks_source}), concurrency={args.concurrency}"
-        + (f", emulating {args.emulate} @ H200" if args.engine == "emulated" else "")
+        f"replaying {len(records)} requests: {served} on {config.num_stages} {config.engine} "
+        f"stages, mode={config.mode}, {args.tokens_per_block} tokens per trace block, "
+        f"block size {config.block_size} tokens, KV capacity {kv_blocks} blocks per stage "
+        f"({kv_blocks_source}), concurrency {args.concurrency}"
     )
     progress = Progress(
         "[progress.description]{task.description}",
@@ -275,15 +282,29 @@ def run(args: argparse.Namespace) -> int:
         )
     summary = report.summary()
     if args.engine == "emulated":
-        summary["emulate"] = args.emulate
-    summary["kv_blocks_source"] = kv_blocks_source
-    summary["planner_cost_model"] = planner_model.source or planner_model.label
+        summary["model"] = args.emulate  # the torch preset only lends its vocabulary here
+    summary["kv_blocks_source"] = clean_source(kv_blocks_source)
+    summary["planner_cost_model"] = clean_source(planner_model.source or planner_model.label)
+    # NOTE: with --json, stdout holds the JSON line only; the tables go to stderr.
+    out = err if args.json else Console()
     table = Table(title=f"wavepp replay: {Path(args.trace).name}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key, value in summary.items():
-        table.add_row(key, str(value))
-    Console().print(table)
+    for column, justify in (("metric", "left"), ("value", "right"), ("meaning", "left")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for row in summary_rows(summary):
+        table.add_row(*row)
+    out.print(table)
+    stages = Table(title=f"per stage (blocks of {config.block_size} tokens, summed over requests)")
+    for column in ("stage", "layers", "KV capacity", "local hit", "agreed prefix",
+                   "held, not shared", "busy (s)"):  # fmt: skip
+        stages.add_column(column, justify="right")
+    for row in stage_rows(summary):
+        stages.add_row(*row)
+    out.print(stages)
+    out.print(
+        "local hit: blocks of each prompt the stage held; agreed prefix: the blocks every "
+        "stage held (min over stages), the only ones reused; held, not shared: recomputed "
+        "although that stage had them (unequal --kv-blocks evict differently)."
+    )
     if args.timeline:
         from wavepp.telemetry.spans import read_span_records
         from wavepp.telemetry.timeline import draw_timeline
