@@ -244,6 +244,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--max-outstanding", f"{args.max_outstanding}: must be >= 1")
     if args.max_queued < 1:
         return _fail("--max-queued", f"{args.max_queued}: must be >= 1")
+    if args.tokenizer and not Path(args.tokenizer).exists():
+        return _fail("--tokenizer", f"{args.tokenizer}: no such file or folder")
     if not 0 <= args.port <= 65535:
         return _fail("--port", f"{args.port}: must be in [0, 65535]")
     busy = check_port_free(args.host, args.port)
