@@ -90,7 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lockstep admission: no KV round trips, every stage the smallest capacity "
         "(default %(default)s)",
     )
-    parser.add_argument("--json", action="store_true", help="last stdout line: JSON results")
+    parser.add_argument(
+        "--json", action="store_true", help="stdout: the JSON results only (the table on stderr)"
+    )
 
 
 def _fail(flag: str, message: str) -> int:
@@ -165,10 +167,12 @@ def run(args: argparse.Namespace) -> int:
     preset = REUSE_PRESETS[args.reuse]
     factor = args.prompt_tokens / 4096 if args.prompt_tokens else 1.0
     results = []
+    table_out = sys.stderr if args.json else sys.stdout  # --json: stdout holds JSON only
     print(
         "| model | S | C | reuse | prompt tokens | tok/s wave | tok/s sync | ratio | bound tok/s | "
         "efficiency wave/sync | TTFT p50 wave/sync (s) | wave fill wave/sync |\n"
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
+        file=table_out,
     )
     for concurrency in concurrencies:
         num_requests = args.requests or max(32, concurrency)
@@ -203,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
             f"{w['bound_tokens_per_s']:.0f} | {w['efficiency']:.2f}/{s['efficiency']:.2f} | "
             f"{w['ttft_p50_s']:.3f}/{s['ttft_p50_s']:.3f} | "
             f"{w['wave_fill']:.2f}/{s['wave_fill']:.2f} |",
+            file=table_out,
             flush=True,
         )
         results.append(

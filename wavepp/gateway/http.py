@@ -265,15 +265,18 @@ class GatewayServer:
 
     async def _serve_nats(self, msg: Msg) -> None:
         limits = self.gateway.config.limits
+        try:
+            body: object = json.loads(msg.data)
+            error = None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body, error = None, BadRequest("body", f"malformed JSON: {exc}")
 
         def parse() -> ParsedRequest:
-            try:
-                body = json.loads(msg.data)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise BadRequest("body", f"malformed JSON: {exc}") from exc
+            if error is not None:
+                raise error
             return parse_prefill(body, limits, self._encode)
 
-        status, payload, _ = await self.serve(parse)
+        status, payload, _ = await self.serve(parse, tenant_hint(body, completion=False))
         if isinstance(payload, PrefillResult):
             payload = payload.model_dump(mode="json")
         await msg.respond(json.dumps({"status": status, "body": payload}).encode())
