@@ -133,3 +133,23 @@ def test_valid_config_validates(tmp_path: Path, capsys: pytest.CaptureFixture[st
     )
     assert cli.main(["validate", str(config)]) == 0
     assert "ok (1 replica(s) x 2 torch stages of tiny-llama" in capsys.readouterr().out
+
+
+def test_runtime_and_gateway_config_files_refuse_infinity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The files `wavepp up` hands its children: JSON's Infinity is refused naming the field."""
+    from wavepp.runtime.config import RuntimeConfig
+
+    runtime = json.loads(RuntimeConfig(num_stages=2).model_dump_json())
+    path = tmp_path / "runtime.json"
+    path.write_text(json.dumps(runtime | {"lease_s": float("inf")}))
+    argv = ["admission", "--runtime-config", str(path), "--nats-url", "nats://127.0.0.1:1",
+            "--pool", "p"]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "lease_s" in err, err
+    with pytest.raises(SystemExit) as info:
+        cli.main(["up", "--tenant-tokens-per-s", "nan"])
+    assert info.value.code == 2
+    assert "--tenant-tokens-per-s" in capsys.readouterr().err

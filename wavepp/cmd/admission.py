@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wavepp.cmd.common import add_deprecated_alias, add_nats_wait_arg
+from wavepp.cmd.common import add_deprecated_alias, add_nats_wait_arg, finite_float
 from wavepp.cmd.stage import add_nats_tls_args
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--health-host", default="0.0.0.0", help="bind address of --health-port")
     parser.add_argument(
-        "--ack-wait-s", type=float, default=10.0, help="redelivery delay of unacked requests"
+        "--ack-wait-s", type=finite_float, default=10.0, help="redelivery delay of unacked requests"
     )
     parser.add_argument(
         "--max-outstanding",

@@ -13,7 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from wavepp.cmd.common import HelpFormatter, add_deprecated_alias, fresh_out_dir
+from wavepp.cmd.common import HelpFormatter, add_deprecated_alias, finite_float, fresh_out_dir
 
 BARE_IS_USAGE = [("grid",)]
 
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid.add_argument("--stages", type=int, default=4, help="pipeline stages S")
     grid.add_argument(
         "--time-scale",
-        type=float,
+        type=finite_float,
         default=1.0,
         help="emulated sleep multiplier: 1.0 = H200 time; below 1 stresses the control plane "
         "(its costs do not shrink) and is no measure of WavePP against the baseline",
@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     grid.add_argument(
         "--requests-per-concurrency",
-        type=float,
+        type=finite_float,
         default=1.0,
         help="requests per setting: max(--min-requests, C x this)",
     )

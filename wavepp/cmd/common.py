@@ -21,6 +21,7 @@ works and prints one line on stderr naming the new flag.
 from __future__ import annotations
 
 import argparse
+import math
 import socket
 import sys
 import tempfile
@@ -36,6 +37,7 @@ __all__ = [
     "check_nats_reachable",
     "check_port_free",
     "describe_error",
+    "finite_float",
     "fresh_out_dir",
 ]
 
@@ -110,6 +112,18 @@ def add_deprecated_alias(
         default=argparse.SUPPRESS,
         **kwargs,
     )
+
+
+def finite_float(text: str) -> float:
+    """argparse ``type`` of every float flag: a finite number (``inf``/``nan`` are refused,
+    naming the flag, exit 2, as argparse does for any bad value)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number")
+    return value
 
 
 def fresh_out_dir(prefix: str) -> str:

@@ -16,6 +16,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from wavepp.cmd.common import finite_float
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="Mooncake trace (JSON lines)")
@@ -46,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json", action="store_true", help="stdout: the summary JSON only (the table on stderr)"
     )
     parser.add_argument("--timed", action="store_true", help="arrive at the trace's timestamps")
-    parser.add_argument("--speedup", type=float, default=1.0, help="with --timed: time compression")
+    parser.add_argument(
+        "--speedup", type=finite_float, default=1.0, help="with --timed: time compression"
+    )
     parser.add_argument("--model", default="tiny-llama", help="model preset (torch engine weights)")
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     parser.add_argument(
@@ -65,7 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="glm-5.2",
         help="emulated engine: cost model of this model at H200 (see `wavepp.runtime.planning.catalogue`)",
     )
-    parser.add_argument("--time-scale", type=float, default=1.0, help="emulated: sleep multiplier")
+    parser.add_argument(
+        "--time-scale", type=finite_float, default=1.0, help="emulated: sleep multiplier"
+    )
     parser.add_argument(
         "--cost-model",
         default="",
@@ -105,7 +111,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     telemetry.add_argument("--trace-out", default="", help="JSON-lines span file (all processes)")
     telemetry.add_argument("--otlp-endpoint", default="", help="OTLP collector endpoint")
     telemetry.add_argument(
-        "--trace-sampling", type=float, default=1.0, help="fraction of requests traced [0, 1]"
+        "--trace-sampling",
+        type=finite_float,
+        default=1.0,
+        help="fraction of requests traced [0, 1]",
     )
     telemetry.add_argument(
         "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port"

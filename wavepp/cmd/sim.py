@@ -13,6 +13,8 @@ import argparse
 import json
 import sys
 
+from wavepp.cmd.common import finite_float
+
 BARE_IS_USAGE = [()]
 
 
@@ -33,7 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--requests", type=int, default=0, help="default: max(32, concurrency)")
     parser.add_argument(
-        "--time-scale", type=float, default=1.0, help="stage time multiplier (1.0 = H200 time)"
+        "--time-scale",
+        type=finite_float,
+        default=1.0,
+        help="stage time multiplier (1.0 = H200 time)",
     )
     parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     parser.add_argument(
@@ -47,12 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chunk-tokens", type=int, default=8192, help="static chunk budget (baseline), tokens"
     )
-    parser.add_argument("--kv-rtt-ms", type=float, default=1.0, help="KV request-reply RTT")
-    parser.add_argument("--bus-ms", type=float, default=0.5, help="plan/done publish latency")
-    parser.add_argument("--hop-ms", type=float, default=0.2, help="activation hop latency")
+    parser.add_argument("--kv-rtt-ms", type=finite_float, default=1.0, help="KV request-reply RTT")
+    parser.add_argument(
+        "--bus-ms", type=finite_float, default=0.5, help="plan/done publish latency"
+    )
+    parser.add_argument("--hop-ms", type=finite_float, default=0.2, help="activation hop latency")
     parser.add_argument(
         "--schedule-ms",
-        type=float,
+        type=finite_float,
         default=2.7,
         help="scheduler host time per micro-batch on the critical path, both modes (default "
         "%(default)s: the control overhead per micro-batch measured on this machine)",
@@ -71,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     baseline.add_argument(
         "--baseline-overhead-ms",
-        type=float,
+        type=finite_float,
         default=5.0,
         help="TRT-LLM host loop per micro-batch (fetch, schedule, prepare resources and "
         "inputs), ms on the critical path; range 5/10/15 (default %(default)s)",

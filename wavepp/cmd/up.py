@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from wavepp.cmd.common import add_deprecated_alias
+from wavepp.cmd.common import add_deprecated_alias, finite_float
 from wavepp.runtime.serving.lifecycle import child_env
 
 DEFAULT_SPEC = {"model": {"name": "tiny-llama"}, "stages": 2}
@@ -63,7 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tenant-max-concurrency", type=int, default=None, help="per tenant, queued or running"
     )
     parser.add_argument(
-        "--tenant-tokens-per-s", type=float, default=None, help="per tenant prompt-token rate"
+        "--tenant-tokens-per-s",
+        type=finite_float,
+        default=None,
+        help="per tenant prompt-token rate",
     )
     parser.add_argument(
         "--tenant-limits",
@@ -71,19 +74,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='JSON per tenant, e.g. {"acme": {"max_concurrency": 4, "tokens_per_s": 5000, '
         '"burst_tokens": 20000}}; overrides the two flags above',
     )
-    parser.add_argument("--ack-wait-s", type=float, default=10.0, help="intake redelivery delay")
     parser.add_argument(
-        "--request-timeout-s", type=float, default=120.0, help="a request unanswered this long: 504"
+        "--ack-wait-s", type=finite_float, default=10.0, help="intake redelivery delay"
+    )
+    parser.add_argument(
+        "--request-timeout-s",
+        type=finite_float,
+        default=120.0,
+        help="a request unanswered this long: 504",
     )
     parser.add_argument(
         "--replica-timeout-s",
-        type=float,
+        type=finite_float,
         default=3.0,
         help="a replica without a heartbeat this long leaves the pool",
     )
     parser.add_argument(
         "--startup-timeout-s",
-        type=float,
+        type=finite_float,
         default=300.0,
         help="not serving this long after start: stop everything, exit 2",
     )

@@ -72,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
         sys.stdout.write(render_crd())
         return 0
-    if args.resync_s <= 0:
-        print(f"wavepp operator: --resync-s {args.resync_s}: must be > 0", file=sys.stderr)
+    if not 0 < args.resync_s < float("inf"):
+        print(f"wavepp operator: --resync-s {args.resync_s}: must be > 0, finite", file=sys.stderr)
         return 2
     if not 0 <= args.liveness_port <= 65535:
         print(f"wavepp operator: --liveness-port {args.liveness_port}: not a port", file=sys.stderr)
