@@ -79,6 +79,13 @@ trap dump ERR
 kubectl -n "$NAMESPACE" rollout status deploy/wavepp-operator --timeout=2m
 kubectl -n "$NAMESPACE" rollout status deploy/wavepp-nats --timeout=2m
 
+# The example's tenants have API keys (apiKeySecret): one new key each; the Secret keeps its hash.
+for tenant in chat batch; do
+  key="wpp-$(head -c 32 /dev/urandom | base64 | tr -d '/+=\n' | head -c 43)"
+  kubectl create secret generic "tiny-$tenant-api-keys" \
+    --from-literal=keys="sha256:$(printf %s "$key" | sha256sum | cut -d' ' -f1)" \
+    --dry-run=client -o yaml | kubectl apply -f -
+done
 kubectl apply -f examples/wavepipeline.yaml
 kubectl get wavepipelines
 if ! kubectl wait wavepipeline/tiny --for=condition=Ready --timeout="$TIMEOUT"; then

@@ -16,7 +16,7 @@ from wavepp.runtime.agreement import (
     StageUnavailableError,
     handle_kv_request,
 )
-from wavepp.runtime.agreement.nats_client import NatsStageClient
+from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.request import PromptRequest
 
@@ -170,11 +170,7 @@ def test_agreement_properties(
 
 
 async def serve_stage(nc, prefix: str, rank: int, manager: StageKVManager) -> None:  # noqa: ANN001
-    async def on_kv(msg) -> None:  # noqa: ANN001
-        reply = handle_kv_request(manager, rank, msg.data)
-        await msg.respond(reply.model_dump_json().encode())
-
-    await nc.subscribe(f"{prefix}.stage.{rank}.kv", cb=on_kv)
+    await serve_stage_kv(nc, prefix, rank, manager)
 
 
 async def test_agreement_over_a_real_nats_server(nc) -> None:  # noqa: ANN001

@@ -29,6 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("wavepp.cmd.gateway", "run the prefill gateway: HTTP and NATS API (a pod)"),
     "bench": ("wavepp.cmd.bench", "benchmarks: wave vs sync grid, admission cadence, plots"),
     "sim": ("wavepp.cmd.sim", "discrete-event simulator (virtual clock) of wave vs sync"),
+    "api-key": ("wavepp.cmd.api_key", "new API key for a tenant: print it, store its hash"),
 }
 
 

@@ -63,6 +63,7 @@ async def test_same_prompt_two_tenants_no_cross_tenant_hit(up_service) -> None:
         ("prefill", {"tenant": "alice", "token_ids": [1, 1024]}, 400, "token_ids[1]"),
         ("prefill", {"tenant": "alice", "token_ids": [1, -1]}, 400, "token_ids[1]"),
         ("prefill", {"tenant": "mallory", "token_ids": [1]}, 403, "tenant"),
+        ("prefill", {"tenant": ["alice"], "token_ids": [1]}, 400, "tenant"),
         ("prefill", '{"tenant": "alice", "token_ids": [1,', 400, "body"),
         ("prefill", {"tenant": "alice", "token_ids": [1], "request_id": "a b"}, 400, "request_id"),
         ("prefill", {"tenant": "alice", "token_ids": [1], "text": "w1"}, 400, "token_ids"),
@@ -302,3 +303,18 @@ async def test_gateway_restart_mid_load_loses_no_request(up_service) -> None:
     for (status, body, headers), first in zip(repeats, results, strict=True):
         assert status == 200 and headers.get("X-WavePP-Duplicate") == "true"
         assert body == first
+
+
+async def test_open_mode_says_so_and_a_4xx_counts_under_the_named_tenant(up_service) -> None:
+    """Without API keys `wavepp up` says it is open; a 400 of a known tenant is that tenant's."""
+    assert any("authentication off (open local mode)" in line for line in up_service.lines)
+    async with aiohttp.ClientSession() as session:
+        status, _, _ = await post(
+            session,
+            f"{up_service.endpoint}/v1/prefill",
+            {"tenant": "carol", "token_ids": [1, 10**6]},
+        )
+        async with session.get(f"{up_service.endpoint}/metrics") as r:
+            text = await r.text()
+    assert status == 400
+    assert 'wavepp_gateway_requests_total{code="400",tenant="carol"}' in text

@@ -75,6 +75,7 @@ def gateway_exported() -> dict[str, set[str]]:
         metrics.request_answered("acme", 200)
         metrics.result_served("acme", num_prompt_tokens=32, num_cached_tokens=16, ttft_s=0.2)
         metrics.routed("p-r0", 2)
+        metrics.auth_failed("invalid")
         body, content_type = metrics.scrape()
     finally:
         metrics.shutdown()
@@ -122,6 +123,7 @@ def test_gateway_series_and_labels(gateway_exported: dict[str, set[str]]) -> Non
         "wavepp_gateway_max_queued_requests": set(),
         "wavepp_gateway_replica_up": {"replica"},
         "wavepp_gateway_routed_reusable_blocks_total": {"replica"},
+        "wavepp_gateway_auth_failures_total": {"reason"},
     }
     for name in GATEWAY_PROMETHEUS_NAMES:
         assert name in gateway_exported or f"{name}_bucket" in gateway_exported, name

@@ -42,6 +42,11 @@ class ReplicaSubjects:
         """``{p}.stage.{r}.kv``: the stage's agreement endpoint (request-reply)."""
         return f"{self.prefix}.stage.{rank}.kv"
 
+    def stage_kv_batch(self, rank: int) -> str:
+        """``{p}.stage.{r}.kvb``: the stage's batched agreement endpoint (request-reply, binary
+        ``wavepp.api.kv_batch``)."""
+        return f"{self.prefix}.stage.{rank}.kvb"
+
     def stage_dones(self, rank: int) -> str:
         """``{p}.stage.{r}.dones``: replay of a stage's done messages (request-reply)."""
         return f"{self.prefix}.stage.{rank}.dones"

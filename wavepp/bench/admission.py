@@ -1,145 +1,258 @@
 """Admission cadence microbenchmark: agreements per second and latency over real NATS.
 
-An embedded nats-server and S stage KV servers (each a ``StageKVManager`` answering
-``{prefix}.stage.{r}.kv`` with ``handle_kv_request``, exactly as a stage process does; here all S
-share this process's event loop, one NATS connection each). The real ``AdmissionController``
-runs probe-pin / commit for ``num_requests`` prompts (half sharing a prefix), then releases.
+An embedded nats-server, R replicas of S stage KV servers (each a ``StageKVManager`` answering
+the stage's agreement subjects with the stage process's own handlers, ``serve_stage_kv``; here
+all R x S share this process's event loop, one NATS connection each) and R real
+``AdmissionController``s, one per replica, running probe-pin / commit in batched rounds of at
+most ``batch_limit`` requests. Each replica keeps ``in_flight`` agreements outstanding.
 
-Measured per (S, agreements in flight): agreements/s over the whole run, and the p50/p99 latency
-of one ``agree`` call. Compare with the pipeline's consumption rate: a micro-batch of
-``chunk_tokens`` new tokens takes t_mb seconds per stage, so the pipeline consumes about
-(chunk_tokens / new tokens per request) / t_mb agreements per second.
+Workloads (``num_prompt_tokens`` per prompt):
+
+* ``mixed``: half the prompts share a prefix of half the prompt, nothing cached beforehand
+  (every probe misses: the reservation covers the whole prompt).
+* ``short-suffix``: agentic / chat reuse: 8 long shared prefixes, each cached on every stage
+  before the run, and a new suffix of ``suffix_tokens`` per prompt (95 % reuse at 4,096 tokens
+  with the default 192-token suffix).
+
+Measured per setting: agreements/s over the run (all replicas), p50/p99 latency of one ``agree``
+call (prompt hashing included), each replica's p99, rounds and mean batch size, and the CPU time
+per agreement of this process plus the nats-server (on a shared machine, CPU per agreement is the
+figure that contention does not distort). Compare with the pipeline's consumption rate: a
+micro-batch of ``chunk_tokens`` new tokens takes t_mb seconds per stage, so the pipeline consumes
+about (chunk_tokens / new tokens per request) / t_mb agreements per second.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from wavepp.api.subjects import ReplicaSubjects, replica_prefix
-from wavepp.runtime.agreement import AdmissionController, handle_kv_request
-from wavepp.runtime.agreement.nats_client import NatsStageClient
+from wavepp.api.subjects import replica_prefix
+from wavepp.runtime.agreement import AdmissionController
+from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
 
-__all__ = ["format_table", "run_admission_bench"]
+__all__ = ["WORKLOADS", "AdmissionSetting", "format_table", "run_admission_bench"]
+
+WORKLOADS = ("mixed", "short-suffix")
+_NUM_SHARED_PREFIXES = 8
+_MODEL_ID = "admbench"
 
 
-async def _one_setting(
-    url: str,
-    num_stages: int,
-    num_in_flight: int,
-    *,
-    num_requests: int,
-    num_prompt_tokens: int,
-    block_size: int,
-    tag: str,
-) -> dict[str, Any]:
-    prefix = replica_prefix(f"admbench{tag}")
-    num_blocks = 4 * num_requests * (num_prompt_tokens // block_size + 1)
-    async with contextlib.AsyncExitStack() as stack:
-        stage_conns = []
-        for rank in range(num_stages):
-            nc = await connect(url, name=f"admbench-stage-{rank}")
-            stack.push_async_callback(nc.drain)
-            manager = StageKVManager(BlockPool(num_blocks, block_size))
+@dataclass(frozen=True)
+class AdmissionSetting:
+    """One row: S stages x R replicas, ``in_flight`` agreements outstanding per replica."""
 
-            async def serve(msg: Any, manager: StageKVManager = manager, rank: int = rank) -> None:
-                reply = handle_kv_request(manager, rank, msg.data)
-                await msg.respond(reply.model_dump_json().encode())
+    stages: int
+    in_flight: int
+    batch_limit: int = 512
+    replicas: int = 1
+    workload: str = "mixed"
 
-            await nc.subscribe(ReplicaSubjects(prefix).stage_kv(rank), cb=serve)
-            await nc.flush()
-            stage_conns.append(nc)
-        nc = await connect(url, name="admbench-controller")
-        stack.push_async_callback(nc.drain)
-        controller = AdmissionController(
-            [NatsStageClient(nc, prefix, r, 10.0) for r in range(num_stages)],
-            block_size=block_size,
-            model_id="admbench",
-        )
-        rng = np.random.Generator(np.random.PCG64(num_stages * 1000 + num_in_flight))
+
+def _prompts(
+    workload: str, num_requests: int, num_prompt_tokens: int, suffix_tokens: int, seed: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, prefixes to cache on every stage first)."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    if workload == "mixed":
         shared = rng.integers(0, 32000, num_prompt_tokens // 2).tolist()
-        from wavepp.runtime.request import PromptRequest
-
         prompts = [
             (shared if i % 2 else [])
             + rng.integers(0, 32000, num_prompt_tokens - (len(shared) if i % 2 else 0)).tolist()
             for i in range(num_requests)
         ]
-        latencies: list[float] = []
-        limiter = asyncio.Semaphore(num_in_flight)
+        return prompts, []
+    prefix_tokens = max(0, num_prompt_tokens - suffix_tokens)
+    prefixes = [rng.integers(0, 32000, prefix_tokens).tolist() for _ in range(_NUM_SHARED_PREFIXES)]
+    prompts = [
+        prefixes[i % len(prefixes)] + rng.integers(0, 32000, suffix_tokens).tolist()
+        for i in range(num_requests)
+    ]
+    return prompts, prefixes
 
-        async def agree(index: int) -> None:
+
+def _server_cpu_s(server: EmbeddedNatsServer) -> float | None:
+    """CPU seconds (user + system) the nats-server process used so far; None off Linux."""
+    pid = server.pid
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _one_setting(
+    server: EmbeddedNatsServer,
+    setting: AdmissionSetting,
+    *,
+    num_requests: int,
+    num_prompt_tokens: int,
+    suffix_tokens: int,
+    block_size: int,
+    tag: str,
+) -> dict[str, Any]:
+    prompts, prefixes = _prompts(
+        setting.workload,
+        num_requests,
+        num_prompt_tokens,
+        suffix_tokens,
+        seed=setting.stages * 1000 + setting.in_flight,
+    )
+    blocks_per_prompt = num_prompt_tokens // block_size + 1
+    num_blocks = (num_requests + len(prefixes)) * blocks_per_prompt + 64
+    controllers: list[AdmissionController] = []
+    async with contextlib.AsyncExitStack() as stack:
+        for replica in range(setting.replicas):
+            prefix = replica_prefix(f"admbench{tag}r{replica}")
+            managers = []
+            for rank in range(setting.stages):
+                nc = await connect(server.url, name=f"admbench-r{replica}-stage-{rank}")
+                stack.push_async_callback(nc.drain)
+                manager = StageKVManager(BlockPool(num_blocks, block_size))
+                await serve_stage_kv(nc, prefix, rank, manager)
+                await nc.flush()
+                managers.append(manager)
+            nc = await connect(server.url, name=f"admbench-r{replica}-controller")
+            stack.push_async_callback(nc.drain)
+            controller = AdmissionController(
+                [NatsStageClient(nc, prefix, r, 10.0) for r in range(setting.stages)],
+                block_size=block_size,
+                model_id=_MODEL_ID,
+                max_batch=setting.batch_limit,
+            )
+            await _cache_prefixes(controller, managers, prefixes, tag=f"{tag}r{replica}")
+            controllers.append(controller)
+
+        latencies: list[list[float]] = [[] for _ in controllers]
+
+        async def agree(replica: int, index: int, limiter: asyncio.Semaphore) -> None:
             async with limiter:
                 started = time.perf_counter()
-                ticket = await controller.agree(PromptRequest(f"a{tag}-{index}", prompts[index]))
-                latencies.append(time.perf_counter() - started)
-                assert ticket is not None, "admission bench pool too small"
+                request = PromptRequest(f"a{tag}-{replica}-{index}", prompts[index])
+                ticket = await controllers[replica].agree(request)
+                latencies[replica].append(time.perf_counter() - started)
+                if ticket is None:
+                    raise RuntimeError("admission bench pool too small: a reservation was refused")
 
+        limiters = [asyncio.Semaphore(setting.in_flight) for _ in controllers]
+        per_replica = [range(r, num_requests, setting.replicas) for r in range(len(controllers))]
+        rounds_before = [c.num_rounds for c in controllers]
+        cpu_before, server_before = time.process_time(), _server_cpu_s(server)
         start = time.perf_counter()
-        await asyncio.gather(*(agree(i) for i in range(num_requests)))
+        await asyncio.gather(
+            *(
+                agree(replica, index, limiters[replica])
+                for replica, indices in enumerate(per_replica)
+                for index in indices
+            )
+        )
         wall_s = time.perf_counter() - start
-        await controller.release([f"a{tag}-{i}" for i in range(num_requests)])
-    lat = np.array(latencies)
+        cpu_s = time.process_time() - cpu_before
+        server_after = _server_cpu_s(server)
+        if server_before is not None and server_after is not None:
+            cpu_s += server_after - server_before
+        num_rounds = sum(c.num_rounds - b for c, b in zip(controllers, rounds_before, strict=True))
+        for replica, controller in enumerate(controllers):
+            await controller.release([f"a{tag}-{replica}-{i}" for i in per_replica[replica]])
+    everything = np.array([x for replica in latencies for x in replica])
     return {
-        "stages": num_stages,
-        "in_flight": num_in_flight,
+        "stages": setting.stages,
+        "in_flight": setting.in_flight,
+        "batch_limit": setting.batch_limit,
+        "replicas": setting.replicas,
+        "workload": setting.workload,
         "requests": num_requests,
         "prompt_tokens": num_prompt_tokens,
         "agreements_per_s": round(num_requests / wall_s, 1),
-        "latency_p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
-        "latency_p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
+        "latency_p50_ms": round(float(np.percentile(everything, 50)) * 1e3, 3),
+        "latency_p99_ms": round(float(np.percentile(everything, 99)) * 1e3, 3),
+        "replica_p99_ms": [round(float(np.percentile(x, 99)) * 1e3, 3) for x in latencies],
+        "rounds": num_rounds,
+        "mean_batch": round(num_requests / max(1, num_rounds), 1),
+        "cpu_us_per_agreement": round(cpu_s / num_requests * 1e6, 1),
     }
 
 
+async def _cache_prefixes(
+    controller: AdmissionController,
+    managers: Sequence[StageKVManager],
+    prefixes: Sequence[Sequence[int]],
+    *,
+    tag: str,
+) -> None:
+    """Admit each shared prefix once, mark it computed on every stage, release it: the blocks
+    stay cached, as after a first request served them."""
+    for index, prefix in enumerate(prefixes):
+        request = PromptRequest(f"warm{tag}-{index}", list(prefix) + [0])
+        ticket = await controller.agree(request)
+        if ticket is None:
+            raise RuntimeError("admission bench pool too small for the shared prefixes")
+        hashes = controller.block_hashes(request)
+        for manager in managers:
+            manager.mark_computed(request.request_id, len(prefix), hashes)
+        await controller.release([request.request_id])
+
+
 async def run_admission_bench(
-    stages: Sequence[int],
-    in_flight: Sequence[int] = (1, 16),
+    settings: Sequence[AdmissionSetting],
     *,
     num_requests: int = 400,
     num_prompt_tokens: int = 4096,
+    suffix_tokens: int = 192,
     block_size: int = 64,
 ) -> list[dict[str, Any]]:
-    """Measure agreements/s and latency for each S in ``stages`` and each in-flight count.
+    """Measure agreements/s, latency and CPU per agreement for each setting.
 
     Returns:
-        One dict per (S, in_flight): stages, in_flight, requests, prompt_tokens,
-        agreements_per_s, latency_p50_ms, latency_p99_ms.
+        One dict per setting: stages, in_flight, batch_limit, replicas, workload, requests,
+        prompt_tokens, agreements_per_s, latency_p50_ms, latency_p99_ms, replica_p99_ms (one per
+        replica), rounds, mean_batch, cpu_us_per_agreement.
 
     Raises:
-        ValueError: a count < 1.
+        ValueError: a count < 1, a suffix longer than the prompt, or an unknown workload.
     """
     if num_requests < 1 or num_prompt_tokens < 1 or block_size < 1:
         raise ValueError(
             f"num_requests={num_requests}, num_prompt_tokens={num_prompt_tokens}, "
             f"block_size={block_size}: each must be >= 1"
         )
-    for value in (*stages, *in_flight):
-        if value < 1:
-            raise ValueError(f"stages/in_flight value {value}: must be >= 1")
+    if not 1 <= suffix_tokens <= num_prompt_tokens:
+        raise ValueError(f"suffix_tokens={suffix_tokens}: must be in [1, {num_prompt_tokens}]")
+    for setting in settings:
+        for name in ("stages", "in_flight", "batch_limit", "replicas"):
+            if getattr(setting, name) < 1:
+                raise ValueError(f"{name}={getattr(setting, name)}: must be >= 1")
+        if setting.workload not in WORKLOADS:
+            raise ValueError(f"workload={setting.workload!r}: choose from {list(WORKLOADS)}")
     server = EmbeddedNatsServer()
     server.start()
     try:
         results = []
-        for s in stages:
-            for k in in_flight:
-                results.append(
-                    await _one_setting(
-                        server.url,
-                        s,
-                        k,
-                        num_requests=num_requests,
-                        num_prompt_tokens=num_prompt_tokens,
-                        block_size=block_size,
-                        tag=f"{s}x{k}",
-                    )
+        for index, setting in enumerate(settings):
+            results.append(
+                await _one_setting(
+                    server,
+                    setting,
+                    num_requests=num_requests,
+                    num_prompt_tokens=num_prompt_tokens,
+                    suffix_tokens=suffix_tokens,
+                    block_size=block_size,
+                    tag=str(index),
                 )
+            )
         return results
     finally:
         server.stop()
@@ -148,12 +261,15 @@ async def run_admission_bench(
 def format_table(results: Sequence[dict[str, Any]]) -> str:
     """Markdown table of ``run_admission_bench`` results."""
     lines = [
-        "| stages S | agreements in flight | agreements/s | p50 latency (ms) | p99 latency (ms) |",
-        "| ---: | ---: | ---: | ---: | ---: |",
+        "| workload | S | R | in flight / replica | batch limit | agreements/s | p50 ms | "
+        "p99 ms | replica p99 ms | mean batch | CPU us / agreement |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     for r in results:
         lines.append(
-            f"| {r['stages']} | {r['in_flight']} | {r['agreements_per_s']} | "
-            f"{r['latency_p50_ms']} | {r['latency_p99_ms']} |"
+            f"| {r['workload']} | {r['stages']} | {r['replicas']} | {r['in_flight']} | "
+            f"{r['batch_limit']} | {r['agreements_per_s']} | {r['latency_p50_ms']} | "
+            f"{r['latency_p99_ms']} | {' '.join(str(x) for x in r['replica_p99_ms'])} | "
+            f"{r['mean_batch']} | {r['cpu_us_per_agreement']} |"
         )
     return "\n".join(lines)

@@ -92,17 +92,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="agreements/s and latency over real NATS",
         formatter_class=HelpFormatter,
     )
-    adm.add_argument("--stages", default="2,4,8", help="pipeline stages S, comma-separated")
+    adm.add_argument("--stages", default="2,4,8", help="stages S per replica")
     adm.add_argument("--requests", type=int, default=400, help="agreements per setting")
     adm.add_argument(
-        "--concurrency", default="1,16", help="agreements in flight at once, comma-separated"
+        "--concurrency",
+        dest="in_flight",
+        default="1,16,64",
+        help="agreements in flight at once per replica, comma-separated",
     )
-    add_deprecated_alias(adm, "--in-flight", "--concurrency", "concurrency")
-    adm.add_argument("--prompt-tokens", type=int, default=4096, help="tokens per prompt")
-    adm.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    add_deprecated_alias(adm, "--in-flight", "--concurrency", "in_flight")
     adm.add_argument(
-        "--json", action="store_true", help="stdout: one JSON line only (the table on stderr)"
+        "--batch-limits", default="512", help="most requests per admission round (1: unbatched)"
     )
+    adm.add_argument("--replicas", default="1", help="replicas R sharing one nats-server")
+    adm.add_argument(
+        "--workload",
+        default="mixed",
+        help="mixed (half share a prefix, nothing cached) or short-suffix (8 cached long "
+        "prefixes, a short new suffix each); comma-separated for both",
+    )
+    adm.add_argument("--prompt-tokens", type=int, default=4096, help="tokens per prompt")
+    adm.add_argument(
+        "--suffix-tokens", type=int, default=192, help="new tokens per prompt (short-suffix)"
+    )
+    adm.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    adm.add_argument("--json", action="store_true", help="stdout: the rows as one JSON line only")
     plot = sub.add_parser(
         "plot",
         help="PNG plots from a grid CSV",
@@ -221,29 +235,49 @@ def _run_grid(args: argparse.Namespace) -> int:
 def _run_admission(args: argparse.Namespace) -> int:
     import asyncio
 
-    from wavepp.bench.admission import format_table, run_admission_bench
+    from wavepp.bench.admission import (
+        WORKLOADS,
+        AdmissionSetting,
+        format_table,
+        run_admission_bench,
+    )
 
-    try:
-        stages = _ints(args.stages)
-        in_flight = _ints(args.concurrency)
-    except ValueError as exc:
-        return _fail("--stages/--concurrency", str(exc))
-    if not stages or min(stages) < 1:
-        return _fail("--stages", f"{args.stages!r}: need integers >= 1")
+    lists = {}
+    flags = {"stages": "--stages", "in_flight": "--concurrency",
+             "batch_limits": "--batch-limits", "replicas": "--replicas"}  # fmt: skip
+    for flag, name in flags.items():
+        try:
+            lists[flag] = _ints(getattr(args, flag))
+        except ValueError as exc:
+            return _fail(name, str(exc))
+        if not lists[flag] or min(lists[flag]) < 1:
+            return _fail(name, f"{getattr(args, flag)!r}: need integers >= 1")
+    workloads = [w for w in args.workload.split(",") if w]
+    for workload in workloads:
+        if workload not in WORKLOADS:
+            return _fail("--workload", f"{workload!r}: choose from {list(WORKLOADS)}")
     if args.requests < 1:
         return _fail("--requests", f"{args.requests}: must be >= 1")
+    if not 1 <= args.suffix_tokens <= args.prompt_tokens:
+        return _fail("--suffix-tokens", f"{args.suffix_tokens}: must be in [1, --prompt-tokens]")
+    settings = [
+        AdmissionSetting(s, k, b, r, w)
+        for w in workloads
+        for r in lists["replicas"]
+        for s in lists["stages"]
+        for b in lists["batch_limits"]
+        for k in lists["in_flight"]
+    ]
     results = asyncio.run(
         run_admission_bench(
-            stages,
-            in_flight,
+            settings,
             num_requests=args.requests,
             num_prompt_tokens=args.prompt_tokens,
+            suffix_tokens=args.suffix_tokens,
             block_size=args.block_size,
         )
     )
-    print(format_table(results), file=sys.stderr if args.json else sys.stdout)
-    if args.json:
-        print(json.dumps(results))
+    print(json.dumps(results) if args.json else format_table(results))
     return 0
 
 

@@ -107,8 +107,9 @@ def gateway_config_from_spec(
     Pool name: ``pool_doc["pipeline"]`` (the WavePipeline's name); replicas: :func:`pool_replicas`,
     each ``{pool}-r{i}`` with ``spec.stages`` stages; model, block size and vocabulary from the
     replica's RuntimeConfig; ``max_prompt_tokens`` = min(smallest stage KV capacity x block_size,
-    the model's max position) as ``wavepp up`` does; tenants from ``spec.tenants`` (salt: the
-    spec's, else ``tenant:{name}``), or one ``default`` tenant.
+    the model's max position) as ``wavepp up`` does; tenants from ``spec.tenants`` with every
+    limit the spec sets (salt: the spec's, else ``tenant:{name}``), or one ``default`` tenant;
+    a tenant's ``apiKeySecret`` is read from its mount, ``{API_KEYS_DIR}/{tenant}/keys``.
 
     Args:
         spec: the resolved spec.
@@ -119,11 +120,14 @@ def gateway_config_from_spec(
         A validated GatewayConfig.
 
     Raises:
-        ValueError: no pool name in ``pool_doc``, a malformed replica list, or a spec the
-            runtime cannot run (SpecError is a ValueError).
+        ValueError: no pool name in ``pool_doc``, a malformed replica list, a tenant with
+            ``apiKeysFile`` (``wavepp up`` only), or a spec the runtime cannot run (SpecError
+            is a ValueError).
     """
+    from wavepp.api.spec import SpecError
     from wavepp.gateway.core import GatewayConfig, ReplicaInfo
-    from wavepp.gateway.tenants import TenantPolicy, default_cache_salt
+    from wavepp.gateway.tenants import TenantPolicy, default_cache_salt, policy_from_spec
+    from wavepp.operator.containers import api_keys_path
     from wavepp.runtime.serving.from_spec import replica_pipeline_name, runtime_configs_from_spec
 
     pool = pool_doc.get("pipeline")
@@ -135,10 +139,14 @@ def gateway_config_from_spec(
         min(first.kv_blocks_of(r) for r in range(first.num_stages)) * first.block_size,
         first.model.max_position,
     )
+    for t in spec.tenants:
+        if t.api_keys_file:
+            raise SpecError(
+                "tenants.apiKeysFile",
+                f"tenant {t.name!r}: apiKeysFile is for wavepp up; in Kubernetes use apiKeySecret",
+            )
     tenants = [
-        TenantPolicy(
-            name=t.name, cache_salt=t.cache_salt or default_cache_salt(t.name), weight=t.weight
-        )
+        policy_from_spec(t, api_keys_file=api_keys_path(t.name) if t.api_key_secret else None)
         for t in spec.tenants
     ] or [TenantPolicy(name="default", cache_salt=default_cache_salt("default"))]
     extra = {"routing": routing} if routing else {}

@@ -223,10 +223,17 @@ def _start_children(
 
 
 def run(args: argparse.Namespace) -> int:
-    from wavepp.api.spec import SpecError, SpecFileError, check_spec, read_spec_mapping
+    from wavepp.api.spec import (
+        SpecError,
+        SpecFileError,
+        TenantSpec,
+        check_spec,
+        read_spec_mapping,
+    )
     from wavepp.cmd.common import check_port_free, describe_error
+    from wavepp.gateway.auth import KeyFileError, authenticator_for
     from wavepp.gateway.core import GatewayConfig, ReplicaInfo
-    from wavepp.gateway.tenants import TenantPolicy, default_cache_salt
+    from wavepp.gateway.tenants import TenantPolicy, policy_from_spec
     from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
     from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
@@ -266,28 +273,53 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("must be a JSON object: tenant -> limits")
     except ValueError as exc:
         return _fail("--tenant-limits", str(exc))
-    tenant_specs = [(t.name, t.cache_salt, t.weight) for t in spec.tenants] or [
-        ("default", None, 1)
-    ]
-    unknown = sorted(set(overrides) - {name for name, _, _ in tenant_specs})
+    tenant_specs = spec.tenants or [TenantSpec(name="default")]
+    names = [t.name for t in tenant_specs]
+    unknown = sorted(set(overrides) - set(names))
     if unknown:
-        return _fail("--tenant-limits", f"unknown tenants {unknown}; the spec has {tenant_specs}")
-    try:
-        tenants = [
-            TenantPolicy(
-                name=name,
-                cache_salt=salt or default_cache_salt(name),
-                weight=weight,
-                **{
-                    "max_concurrency": args.tenant_max_concurrency,
-                    "tokens_per_s": args.tenant_tokens_per_s,
-                    **overrides.get(name, {}),
-                },
+        return _fail("--tenant-limits", f"unknown tenants {unknown}; the spec has {names}")
+    spec_dir = Path(args.config).resolve().parent if args.config else Path.cwd()
+    tenants = []
+    for t in tenant_specs:
+        if t.api_key_secret:
+            return _fail(
+                "--config",
+                f"spec.tenants[{t.name}].apiKeySecret names a Kubernetes Secret; for wavepp up "
+                "give apiKeysFile (the same format as the Secret's 'keys')",
             )
-            for name, salt, weight in tenant_specs
-        ]
-    except (ValueError, TypeError) as exc:
-        return _fail("--tenant-limits", str(exc))
+        keys_file = str(spec_dir / t.api_keys_file) if t.api_keys_file else None
+        base = policy_from_spec(t, api_keys_file=keys_file).model_dump()
+        # the flags fill what the spec leaves unset; --tenant-limits overrides both
+        if base["max_concurrency"] is None:
+            base["max_concurrency"] = args.tenant_max_concurrency
+        if base["tokens_per_s"] is None:
+            base["tokens_per_s"] = args.tenant_tokens_per_s
+        try:
+            tenants.append(TenantPolicy.model_validate({**base, **overrides.get(t.name, {})}))
+        except ValueError as exc:
+            return _fail("--tenant-limits", str(exc))
+    key_files = {t.name: t.api_keys_file for t in tenants if t.api_keys_file}
+    try:
+        authenticator_for(
+            key_files,
+            poll_s=1.0,
+            failure_burst=1,
+            failures_per_s=1.0,
+            clock=time.monotonic,
+            wall_clock=time.time,
+        )
+    except KeyFileError as exc:
+        return _fail("--config", f"apiKeysFile: {exc}")
+    if key_files:
+        keyless = sorted(t.name for t in tenants if not t.api_keys_file)
+        auth_line = f"authentication on: API keys of tenants {sorted(key_files)}" + (
+            f"; tenants without keys cannot be reached: {keyless}" if keyless else ""
+        )
+    else:
+        auth_line = (
+            "authentication off (open local mode): no tenant has API keys (apiKeysFile), any "
+            "caller may name any tenant"
+        )
     first = configs[0]
     max_prompt_tokens = min(
         min(first.kv_blocks_of(r) for r in range(first.num_stages)) * first.block_size,
@@ -365,6 +397,7 @@ def run(args: argparse.Namespace) -> int:
             if not is_serving and not stopping["flag"]:
                 if _is_ready(f"http://127.0.0.1:{port}/readyz"):
                     is_serving = True
+                    print(f"wavepp up: {auth_line}", flush=True)
                     print(
                         f"wavepp up: serving {endpoint} (pool {args.pool}: {len(configs)} "
                         f"replica(s) x {first.num_stages} {first.engine} stages of "

@@ -5,7 +5,7 @@ request after validation::
 
     stored result? (duplicate: the stored answer) -> same key pending? (join it)
     -> queue limit: max_queued_requests queued or running in this gateway (429)
-    -> tenant limits (429)
+    -> tenant limits (429): max_queued waiting, max_concurrency, tokens_per_s
     -> fair-share queue (a slot among max_outstanding_per_replica x replicas in the pool)
     -> router: replica with the longest reusable prefix (ties: least loaded)
     -> JetStream publish {p}.intake, Nats-Msg-Id = key -> wait for wavepp.{pool}.result.{key}
@@ -75,6 +75,10 @@ class GatewayConfig(BaseModel):
     request_timeout_s: float = Field(120.0, gt=0)
     replica_timeout_s: float = Field(3.0, gt=0)
     tokenizer: str | None = None
+    # API keys (wavepp.gateway.auth): on when any tenant has api_keys_file.
+    auth_poll_s: float = Field(1.0, ge=0)
+    auth_failure_burst: int = Field(10, ge=1)
+    auth_failures_per_s: float = Field(0.2, gt=0)
 
     @property
     def limits(self) -> PromptLimits:
@@ -98,7 +102,8 @@ class Gateway:
         self.tenants = {t.name: t for t in config.tenants}
         self.limiter = TenantLimiter(config.tenants, max_prompt_tokens=config.max_prompt_tokens)
         self.fair: FairShareQueue[asyncio.Future[None]] = FairShareQueue(
-            {t.name: t.weight for t in config.tenants}
+            {t.name: t.weight for t in config.tenants},
+            {t.name: t.priority for t in config.tenants},
         )
         self.router = PoolRouter(
             [(r.pipeline, r.num_stages) for r in config.replicas],
@@ -221,6 +226,26 @@ class Gateway:
                 f"{self.config.queue_retry_after_s:g} s",
             )
 
+    def check_tenant_queue(self, tenant: str) -> None:
+        """Refuse a request that would wait while ``tenant`` has ``max_queued`` waiting.
+
+        Raises:
+            LimitExceeded: field ``max_queued`` (HTTP 429 with Retry-After).
+        """
+        limit = self.tenants[tenant].max_queued
+        if limit is None:
+            return
+        must_wait = len(self.fair) > 0 or self.num_outstanding >= self.capacity()
+        num_queued = self.fair.num_queued(tenant)
+        if must_wait and num_queued >= limit:
+            raise LimitExceeded(
+                "max_queued",
+                limit,
+                self.config.queue_retry_after_s,
+                f"tenant {tenant!r} has {num_queued} requests waiting for a slot; limit "
+                f"max_queued={limit}",
+            )
+
     # ---- the request path ----------------------------------------------------------------
 
     async def stored_result(self, key: str) -> PrefillResult | None:
@@ -250,6 +275,7 @@ class Gateway:
         if pending is not None:
             return await asyncio.shield(pending), True
         self.check_queue_limit()
+        self.check_tenant_queue(request.tenant)
         self.limiter.acquire(request.tenant, len(request.token_ids), self.clock())
         future: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
         self._pending[key] = future

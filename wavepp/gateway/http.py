@@ -9,13 +9,21 @@
 | ``GET /readyz``          | 200 only when every stage of every replica is formed            |
 | ``GET /metrics``         | Prometheus text, per-tenant counters and TTFT histogram, queue depth |
 
+API keys (``wavepp.gateway.auth``): when any tenant has a key file, every ``/v1/*`` request and
+every NATS request needs ``Authorization: Bearer <key>`` (an HTTP header, or a NATS message
+header) and is served as the key's tenant: no valid key is 401 (``WWW-Authenticate: Bearer``);
+a ``tenant`` field or ``X-WavePP-Tenant`` header naming another tenant is 403; the OpenAI ``user``
+field is then only the end user's id, not a tenant; a client past its budget of failures is
+429. Without key files the gateway is open: the request names its tenant.
+
 Every error is JSON ``{"error": {"type", "field", "param", "message", "limit"?}}`` and is
-counted per tenant: 400 malformed or out of range, 403 unknown tenant (the configured tenants
-are never listed), 404 wrong model or no such route, 405 wrong method, 413 body over
-``errors.MAX_BODY_BYTES`` (``limit``), 422 text without a tokenizer, 429 over a tenant limit or
-past the gateway's queue limit (``field`` ``queue``, ``limit`` = ``max_queued_requests``; both
-with ``Retry-After``), 500 the pipeline failed the request, 503 intake unavailable, 504 no
-answer in time. aiohttp's own errors (413, 404, 405) are rewritten by ``errors.error_middleware``. The NATS API on
+counted per tenant: 400 malformed or out of range, 401 no valid API key, 403 unknown tenant
+(the configured tenants are never listed) or another tenant than the key's, 404 wrong model or
+no such route, 405 wrong method, 413 body over ``errors.MAX_BODY_BYTES`` (``limit``), 422 text
+without a tokenizer, 429 over a tenant limit, too many failed keys, or past the gateway's queue
+limit (``field`` ``queue``, ``limit`` = ``max_queued_requests``; both with ``Retry-After``), 500
+the pipeline failed the request, 503 intake unavailable, 504 no answer in time. aiohttp's own
+errors (413, 404, 405) are rewritten by ``errors.error_middleware``. The NATS API on
 ``wavepp.{pool}.prefill`` (queue group ``gateway``) takes the ``/v1/prefill`` body and answers
 ``{"status": code, "body": ...}``.
 """
@@ -37,6 +45,7 @@ from nats.aio.msg import Msg
 
 from wavepp.api.prefill import PrefillResult
 from wavepp.api.subjects import prefill_subject
+from wavepp.gateway.auth import AuthError, authenticator_for
 from wavepp.gateway.core import Gateway, GatewayConfig
 from wavepp.gateway.errors import MAX_BODY_BYTES, error_body, error_middleware, metrics_tenant
 from wavepp.gateway.openai_api import completion_body, models_body, sse_events
@@ -102,8 +111,18 @@ class GatewayServer:
     """The HTTP app and NATS API over a started :class:`Gateway`."""
 
     def __init__(self, gateway: Gateway, tokenizer: Tokenizer | None = None) -> None:
+        """Raises KeyFileError: a tenant's key file is missing or malformed."""
         self.gateway = gateway
         self.tokenizer = tokenizer
+        config = gateway.config
+        self.auth = authenticator_for(
+            {t.name: t.api_keys_file for t in config.tenants if t.api_keys_file},
+            poll_s=config.auth_poll_s,
+            failure_burst=config.auth_failure_burst,
+            failures_per_s=config.auth_failures_per_s,
+            clock=gateway.clock,
+            wall_clock=time.time,
+        )
         self._tasks: set[asyncio.Task[None]] = set()
         self.started = int(time.time())
         self.app = web.Application(
@@ -126,15 +145,13 @@ class GatewayServer:
         return self.tokenizer[0] if self.tokenizer else None
 
     async def serve(
-        self, parse: Callable[[], ParsedRequest], hint: str = ""
+        self, parse: Callable[[], ParsedRequest], tenant: object = "unknown"
     ) -> tuple[int, object, dict]:
         """Run one request; returns (status, JSON body or PrefillResult, headers).
 
-        ``parse`` validates the body and may raise BadRequest; ``hint`` is the tenant the body
-        names (the metrics label when the body is refused before its tenant is checked).
-        Counts the request per tenant.
+        ``parse`` validates the body and may raise BadRequest. Counts the request per tenant
+        (``tenant``: the key's or the named one, used when ``parse`` fails).
         """
-        tenant = hint
         status, payload, headers = 500, {}, {}
         try:
             request = parse()
@@ -142,7 +159,8 @@ class GatewayServer:
             status, payload, headers = await self._prefill(request)
         except (BadRequest, LimitExceeded) as exc:
             status, payload, headers = self._refusal(exc)
-        self.gateway.metrics.request_answered(metrics_tenant(tenant, self.gateway.tenants), status)
+        label = metrics_tenant(tenant if isinstance(tenant, str) else None, self.gateway.tenants)
+        self.gateway.metrics.request_answered(label, status)
         return status, payload, headers
 
     def _refusal(self, exc: BadRequest | LimitExceeded) -> tuple[int, object, dict]:
@@ -165,6 +183,31 @@ class GatewayServer:
             return 500, error_body("request", result.error, kind="server_error"), {}
         return 200, result, ({"X-WavePP-Duplicate": "true"} if is_duplicate else {})
 
+    def authenticate(self, authorization: str | None, client: str) -> str | None:
+        """The key's tenant; None in open mode. Raises AuthError (counted in the metrics)."""
+        try:
+            return self.auth.authenticate(authorization, client)
+        except AuthError as exc:
+            self.gateway.metrics.auth_failed(exc.reason)
+            self.gateway.metrics.request_answered("unknown", exc.status)
+            raise
+
+    def bind_tenant(self, key_tenant: str, claimed: object) -> None:
+        """Refuse a request naming another tenant than its key's. Raises AuthError (counted)."""
+        try:
+            self.auth.check_claim(key_tenant, claimed)
+        except AuthError as exc:
+            self.gateway.metrics.auth_failed(exc.reason)
+            self.gateway.metrics.request_answered(key_tenant, exc.status)
+            raise
+
+    @staticmethod
+    def _auth_error(exc: AuthError) -> web.Response:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+        if exc.status == 429:
+            headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        return web.json_response(exc.to_json(), status=exc.status, headers=headers)
+
     async def _json_body(self, request: web.Request) -> object:
         try:
             return json.loads(await request.read())
@@ -173,44 +216,73 @@ class GatewayServer:
 
     async def handle_prefill(self, request: web.Request) -> web.Response:
         try:
+            key_tenant = self.authenticate(
+                request.headers.get("Authorization"), request.remote or ""
+            )
+        except AuthError as exc:
+            return self._auth_error(exc)
+        try:
             body = await self._json_body(request)
         except BadRequest as exc:
-            self.gateway.metrics.request_answered("unknown", exc.status)
+            self.gateway.metrics.request_answered(key_tenant or "unknown", exc.status)
             return _error(exc, 400)
+        claimed = body.get("tenant") if isinstance(body, dict) else None
+        if key_tenant is not None and isinstance(body, dict):
+            try:
+                self.bind_tenant(key_tenant, claimed)
+            except AuthError as exc:
+                return self._auth_error(exc)
+            body = {**body, "tenant": key_tenant}
         limits = self.gateway.config.limits
         status, payload, headers = await self.serve(
-            lambda: parse_prefill(body, limits, self._encode),
-            tenant_hint(body, completion=False),
+            lambda: parse_prefill(body, limits, self._encode), key_tenant or claimed
         )
         if isinstance(payload, PrefillResult):
             payload = payload.model_dump(mode="json")
         return web.json_response(payload, status=status, headers=headers)
 
     async def handle_models(self, request: web.Request) -> web.Response:
+        try:
+            self.authenticate(request.headers.get("Authorization"), request.remote or "")
+        except AuthError as exc:
+            return self._auth_error(exc)
         return web.json_response(models_body(self.gateway.config.model_name, self.started))
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
         """OpenAI ``/v1/completions``: every prompt of the body prefilled (concurrently), one
         choice each; the first refused prompt's error answers the whole request."""
-        header = request.headers.get("X-WavePP-Tenant")
         metrics = self.gateway.metrics
+        try:
+            key_tenant = self.authenticate(
+                request.headers.get("Authorization"), request.remote or ""
+            )
+        except AuthError as exc:
+            return self._auth_error(exc)
+        tenant_header = request.headers.get("X-WavePP-Tenant")
         try:
             body = await self._json_body(request)
         except BadRequest as exc:
-            metrics.request_answered(metrics_tenant(header, self.gateway.tenants), exc.status)
+            label = key_tenant or metrics_tenant(tenant_header, self.gateway.tenants)
+            metrics.request_answered(label, exc.status)
             return _error(exc, 400)
         config = self.gateway.config
-        hint = metrics_tenant(tenant_hint(body, header, completion=True), self.gateway.tenants)
+        if key_tenant is not None:
+            try:
+                self.bind_tenant(key_tenant, tenant_header)
+            except AuthError as exc:
+                return self._auth_error(exc)
+            tenant_header = key_tenant  # the key's tenant; `user` is the end user's id then
+        hint = tenant_hint(body, tenant_header, completion=True)
         try:
             batch: CompletionRequest = parse_completion_batch(
                 body,
                 config.limits,
                 self._encode,
-                tenant_header=header,
+                tenant_header=tenant_header,
                 model_name=config.model_name,
             )
         except BadRequest as exc:
-            metrics.request_answered(hint, exc.status)
+            metrics.request_answered(metrics_tenant(hint, self.gateway.tenants), exc.status)
             return _error(exc, 400)
         answers = await asyncio.gather(*(self._prefill(p) for p in batch.prompts))
         for status, _payload, _headers in answers:
@@ -265,18 +337,37 @@ class GatewayServer:
 
     async def _serve_nats(self, msg: Msg) -> None:
         limits = self.gateway.config.limits
+        # A NATS client is known by its reply inbox (one per connection): _INBOX.<id>.<n>
+        client = "nats:" + ".".join((msg.reply or "").split(".")[:2])
         try:
-            body: object = json.loads(msg.data)
-            error = None
+            key_tenant = self.authenticate((msg.headers or {}).get("Authorization"), client)
+        except AuthError as exc:
+            await msg.respond(json.dumps({"status": exc.status, "body": exc.to_json()}).encode())
+            return
+
+        body: object = None
+        malformed: BadRequest | None = None
+        try:
+            body = json.loads(msg.data)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            body, error = None, BadRequest("body", f"malformed JSON: {exc}")
+            malformed = BadRequest("body", f"malformed JSON: {exc}")
+        if key_tenant is not None and isinstance(body, dict):
+            try:
+                self.bind_tenant(key_tenant, body.get("tenant"))
+            except AuthError as exc:
+                await msg.respond(
+                    json.dumps({"status": exc.status, "body": exc.to_json()}).encode()
+                )
+                return
+            body = {**body, "tenant": key_tenant}
 
         def parse() -> ParsedRequest:
-            if error is not None:
-                raise error
+            if malformed is not None:
+                raise malformed
             return parse_prefill(body, limits, self._encode)
 
-        status, payload, _ = await self.serve(parse, tenant_hint(body, completion=False))
+        claimed = body.get("tenant") if isinstance(body, dict) else None
+        status, payload, _ = await self.serve(parse, key_tenant or claimed)
         if isinstance(payload, PrefillResult):
             payload = payload.model_dump(mode="json")
         await msg.respond(json.dumps({"status": status, "body": payload}).encode())
@@ -295,8 +386,20 @@ async def run_gateway(
     gateway = Gateway(config, nc)
     runner = None
     try:
-        await gateway.start()
         server = GatewayServer(gateway, tokenizer)
+        if server.auth.enabled:
+            keyless = sorted(t.name for t in config.tenants if not t.api_keys_file)
+            log.info(
+                "authentication on: API keys of %d tenant(s)%s",
+                len(config.tenants) - len(keyless),
+                f"; tenants without keys cannot be reached: {keyless}" if keyless else "",
+            )
+        else:
+            log.warning(
+                "authentication off (open local mode): no tenant has API keys; any caller may "
+                "name any tenant"
+            )
+        await gateway.start()
         await server.subscribe_nats()
         runner = web.AppRunner(server.app, access_log=None)
         await runner.setup()

@@ -19,9 +19,13 @@ exporter never does, no ``*_created`` series.
 | wavepp.gateway.max_queued_requests   | obs. gauge | {request}  | wavepp_gateway_max_queued_requests                  |
 | wavepp.gateway.replica_up            | obs. gauge | (none)     | wavepp_gateway_replica_up{replica}                  |
 | wavepp.gateway.routed_reusable_blocks| counter    | {block}    | wavepp_gateway_routed_reusable_blocks_total{replica}|
+| wavepp.gateway.auth_failures         | counter    | {request}  | wavepp_gateway_auth_failures_total{reason}          |
 
 ``code`` is the HTTP status answered (the NATS API counts the status it puts in its reply);
-``tenant`` is ``unknown`` for a request whose tenant could not be read or is not configured.
+``tenant`` is ``unknown`` for a request whose tenant could not be read or is not configured
+(with API keys: the key's tenant, whenever the key was valid). ``reason`` of an authentication
+failure: ``missing``, ``invalid``, ``tenant_mismatch``, ``rate_limited`` (never key material,
+never the client's address).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ GATEWAY_PROMETHEUS_NAMES: tuple[str, ...] = (
     "wavepp_gateway_max_queued_requests",
     "wavepp_gateway_replica_up",
     "wavepp_gateway_routed_reusable_blocks_total",
+    "wavepp_gateway_auth_failures_total",
 )
 
 # Bucket bounds in seconds, as before the move to OpenTelemetry (no 60 s bucket, unlike the
@@ -102,6 +107,11 @@ class GatewayMetrics:
             unit="{block}",
             description="Reusable blocks the router expected at the chosen replica",
         )
+        self._auth_failures = meter.create_counter(
+            "wavepp.gateway.auth_failures",
+            unit="{request}",
+            description="Requests refused by authentication, by reason",
+        )
         meter.create_observable_gauge(
             "wavepp.gateway.queue_depth",
             callbacks=[self._observe_queued],
@@ -147,6 +157,10 @@ class GatewayMetrics:
         self._prompt_tokens.add(num_prompt_tokens, attrs)
         self._cached_tokens.add(num_cached_tokens, attrs)
         self._ttft.record(ttft_s, attrs)
+
+    def auth_failed(self, reason: str) -> None:
+        """Count one request refused by authentication (``reason``: see the module doc)."""
+        self._auth_failures.add(1, {"reason": reason})
 
     def routed(self, replica: str, num_reusable_blocks: int) -> None:
         """Count the reusable blocks the router expected at the replica it chose."""

@@ -13,7 +13,13 @@ tests drive it with a fake clock.
   virtual time v_t; the queue serves the tenant with the smallest v_t and advances it by
   cost / weight_t. A tenant that becomes backlogged starts at max(v_t, V), V = the virtual time
   of the last served request, so idling earns no credit (Goyal et al., SFQ, SIGCOMM'96).
-  Within a tenant: higher ``priority`` first, then arrival order.
+  Within a tenant: higher request ``priority`` first, then arrival order.
+- Tenant priority: strict between tenants. A backlogged tenant of higher ``priority`` is
+  served before any tenant of lower priority (an interactive tenant over a batch one); tenants
+  of equal priority share by weight as above. A low-priority tenant can wait as long as
+  higher-priority ones keep the gateway busy: that is the point of the setting.
+- Queue limit: at most ``max_queued`` requests of a tenant wait for a slot (the gateway checks
+  it, :meth:`FairShareQueue.num_queued`); past it 429.
 """
 
 from __future__ import annotations
@@ -27,8 +33,11 @@ from typing import Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from wavepp.api.spec import TenantSpec
+
 __all__ = [
     "FairShareQueue",
+    "policy_from_spec",
     "LimitExceeded",
     "TenantLimiter",
     "TenantPolicy",
@@ -48,8 +57,11 @@ class TenantPolicy(BaseModel):
     """One tenant as the gateway enforces it.
 
     ``max_concurrency``: requests queued or running at once (None: unlimited).
+    ``max_queued``: requests waiting for a slot (None: unlimited; 0: never wait).
     ``tokens_per_s`` / ``burst_tokens``: prompt-token rate limit (None: unlimited); the burst
     defaults to one second's worth, at least ``max_prompt_tokens`` of the gateway.
+    ``priority``: strict priority between tenants (higher first; module docstring).
+    ``api_keys_file``: the tenant's key file (``wavepp.gateway.auth``); None: no keys.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -60,6 +72,28 @@ class TenantPolicy(BaseModel):
     max_concurrency: int | None = Field(None, ge=1)
     tokens_per_s: float | None = Field(None, gt=0)
     burst_tokens: int | None = Field(None, ge=1)
+    max_queued: int | None = Field(None, ge=0)
+    priority: int = Field(0, ge=-100, le=100)
+    api_keys_file: str | None = None
+
+
+def policy_from_spec(tenant: TenantSpec, *, api_keys_file: str | None = None) -> TenantPolicy:
+    """The policy the gateway enforces for a spec's tenant (every limit the spec sets).
+
+    ``api_keys_file``: where the gateway reads the tenant's keys (the Secret's mount or the
+    ``wavepp up`` file); the spec's own key fields are not read here.
+    """
+    return TenantPolicy(
+        name=tenant.name,
+        cache_salt=tenant.cache_salt or default_cache_salt(tenant.name),
+        weight=tenant.weight,
+        priority=tenant.priority,
+        max_concurrency=tenant.max_concurrency,
+        max_queued=tenant.max_queued,
+        tokens_per_s=tenant.tokens_per_s,
+        burst_tokens=tenant.burst_tokens,
+        api_keys_file=api_keys_file,
+    )
 
 
 class LimitExceeded(Exception):
@@ -159,14 +193,16 @@ class FairShareQueue(Generic[T]):
     """Weighted fair queue over tenants (start-time fair queuing; module docstring).
 
     Stores, per tenant, a heap of entries ordered by (-priority, arrival) and the tenant's
-    virtual time. ``pop`` serves the backlogged tenant with the smallest virtual time (ties:
-    the tenant whose head arrived first).
+    virtual time. ``pop`` serves, among the backlogged tenants of the highest tenant priority
+    (``priorities``, default 0), the one with the smallest virtual time (ties: the tenant whose
+    head arrived first).
     """
 
-    def __init__(self, weights: dict[str, int]) -> None:
+    def __init__(self, weights: dict[str, int], priorities: dict[str, int] | None = None) -> None:
         if any(w < 1 for w in weights.values()):
             raise ValueError(f"weights={weights}: every weight must be >= 1")
         self.weights = dict(weights)
+        self.priorities = {t: (priorities or {}).get(t, 0) for t in weights}
         self._queues: dict[str, list[_Entry[T]]] = {t: [] for t in weights}
         self._vtime: dict[str, float] = dict.fromkeys(weights, 0.0)
         self._virtual_now = 0.0
@@ -197,12 +233,14 @@ class FairShareQueue(Generic[T]):
         Raises:
             IndexError: the queue is empty.
         """
-        backlogged = [(self._vtime[t], q[0].seq, t) for t, q in self._queues.items() if q]
+        backlogged = [
+            (-self.priorities[t], self._vtime[t], q[0].seq, t) for t, q in self._queues.items() if q
+        ]
         if not backlogged:
             raise IndexError("pop from an empty FairShareQueue")
-        vtime, _, tenant = min(backlogged)
+        _, vtime, _, tenant = min(backlogged)
         entry = heapq.heappop(self._queues[tenant])
-        self._virtual_now = vtime
+        self._virtual_now = max(self._virtual_now, vtime)
         self._vtime[tenant] = vtime + entry.cost / self.weights[tenant]
         return tenant, entry.item
 

@@ -27,6 +27,7 @@ from wavepp.operator.containers import (
     RENDEZVOUS_PORT,
     SPEC_FILE,
     Component,
+    api_key_volumes,
     config_volumes,
     container_args,
     pod_container,
@@ -351,6 +352,9 @@ def build_gateway_deployment(ref: PipelineRef, spec: WavePipelineSpec, hash_: st
     volumes, mounts = config_volumes(spec, ref, hash_)
     volumes.append({"name": "pool", "configMap": {"name": pool_configmap_name(ref.name)}})
     mounts.append({"name": "pool", "mountPath": POOL_DIR, "readOnly": True})
+    key_volumes, key_mounts = api_key_volumes(spec)
+    volumes += key_volumes
+    mounts += key_mounts
     ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
     return {
         "apiVersion": "apps/v1",
@@ -369,6 +373,8 @@ def build_gateway_deployment(ref: PipelineRef, spec: WavePipelineSpec, hash_: st
                 | {
                     "containers": [pod_container("gateway", spec, ref, None, ports, {}, mounts)],
                     "volumes": volumes,
+                    # it holds the tenants' keys and needs no Kubernetes API: no token
+                    "automountServiceAccountToken": False,
                 },
             },
         },

@@ -23,6 +23,8 @@ POOL_DIR = "/etc/wavepp-pool"
 POOL_FILE = f"{POOL_DIR}/pool.json"
 NATS_CREDS_DIR = "/etc/wavepp-nats"
 NATS_TLS_DIR = "/etc/wavepp-nats-tls"
+API_KEYS_DIR = "/etc/wavepp-keys"  # gateway only: {API_KEYS_DIR}/{tenant}/keys, a Secret each
+API_KEYS_ENTRY = "keys"  # the entry of a tenant's apiKeySecret that lists its keys
 HTTP_PORT = 8080  # admission and gateway API
 HEALTH_PORT = 8081  # stage: /startupz /readyz /healthz
 RENDEZVOUS_PORT = 29500  # torch.distributed init (tcp://{rank-0 pod}:29500)
@@ -183,6 +185,40 @@ def config_volumes(
     if spec.nats.tls_secret:
         volumes.append({"name": "nats-tls", "secret": {"secretName": spec.nats.tls_secret}})
         mounts.append({"name": "nats-tls", "mountPath": NATS_TLS_DIR, "readOnly": True})
+    return volumes, mounts
+
+
+def api_keys_path(tenant: str) -> str:
+    """Where the gateway reads ``tenant``'s keys: its ``apiKeySecret``'s mount."""
+    return f"{API_KEYS_DIR}/{tenant}/{API_KEYS_ENTRY}"
+
+
+def api_key_volumes(spec: WavePipelineSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The gateway's volumes and mounts of the tenants' ``apiKeySecret``s.
+
+    Each Secret is mounted whole (no ``subPath``: the kubelet then updates the files when the
+    Secret changes, and the gateway re-reads them), read-only, only its ``keys`` entry, mode 0440 (group: the pod's fsGroup).
+    No other pod mounts them.
+    """
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    for tenant in spec.tenants:
+        if not tenant.api_key_secret:
+            continue
+        name = f"api-keys-{tenant.name}"[:63].rstrip("-")
+        volumes.append(
+            {
+                "name": name,
+                "secret": {
+                    "secretName": tenant.api_key_secret,
+                    "items": [{"key": API_KEYS_ENTRY, "path": API_KEYS_ENTRY}],
+                    "defaultMode": 0o440,  # owner root, group fsGroup (the pod's user)
+                },
+            }
+        )
+        mounts.append(
+            {"name": name, "mountPath": f"{API_KEYS_DIR}/{tenant.name}", "readOnly": True}
+        )
     return volumes, mounts
 
 

@@ -64,6 +64,14 @@ AUTOSCALING_VALIDATIONS: list[dict[str, str]] = [
     },
 ]
 
+TENANT_VALIDATIONS: list[dict[str, str]] = [
+    {
+        "rule": "!has(self.apiKeysFile)",
+        "message": "apiKeysFile is for wavepp up; in Kubernetes use apiKeySecret",
+        "fieldPath": ".apiKeysFile",
+    },
+]
+
 
 def _resolve(node: Any, defs: dict[str, Any]) -> Any:
     """Inline ``$ref``s (merging sibling keys), recursively."""
@@ -144,6 +152,7 @@ def build_crd() -> dict[str, Any]:
     spec_schema = to_structural(WavePipelineSpec.model_json_schema(by_alias=True))
     spec_schema["x-kubernetes-validations"] = SPEC_VALIDATIONS
     spec_schema["properties"]["autoscaling"]["x-kubernetes-validations"] = AUTOSCALING_VALIDATIONS
+    spec_schema["properties"]["tenants"]["items"]["x-kubernetes-validations"] = TENANT_VALIDATIONS
     status_schema = to_structural(WavePipelineStatus.model_json_schema(by_alias=True))
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

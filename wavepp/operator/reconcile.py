@@ -152,6 +152,17 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         default_nats_url=defaults.nats_url,
         default_otlp_endpoint=defaults.otlp_endpoint,
     )
+    with_files = [t.name for t in spec.tenants if t.api_keys_file] if spec else []
+    if with_files:  # a pod cannot read a file of the machine that applied the spec
+        spec, issues = (
+            None,
+            [
+                SpecIssue(
+                    field="spec.tenants.apiKeysFile",
+                    message=f"tenants {with_files}: apiKeysFile is for wavepp up; use apiKeySecret",
+                )
+            ],
+        )
     if spec is None:
         return Plan(actions=[], status=invalid_status(body, issues, now), issues=issues)
 

@@ -38,6 +38,12 @@ class SimStageClient:
         await asyncio.sleep(self.kv_rtt_s / 2)
         return reply
 
+    async def call_batch(self, payload: bytes) -> bytes:
+        await asyncio.sleep(self.kv_rtt_s / 2)
+        reply = self.stage.core.handle_kv_batch(payload)
+        await asyncio.sleep(self.kv_rtt_s / 2)
+        return reply
+
 
 def _loop_time() -> float:
     return asyncio.get_running_loop().time()

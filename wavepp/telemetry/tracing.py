@@ -122,6 +122,11 @@ def is_enabled() -> bool:
     return _tracer is not None
 
 
+def current_context() -> Context | None:
+    """The current context (for spans recorded later under it); None when tracing is off."""
+    return otel_context.get_current() if _tracer is not None else None
+
+
 def _ns(seconds: float | None) -> int | None:
     return None if seconds is None else int(seconds * 1e9)
 

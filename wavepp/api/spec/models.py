@@ -180,13 +180,70 @@ class NatsSpec(WireModel):
 
 
 class TenantSpec(WireModel):
-    """One tenant of the gateway."""
+    """One tenant of the gateway: cache salt, share, limits, and its API keys.
+
+    The gateway enforces every field (``wavepp.gateway.tenants``, ``wavepp.gateway.auth``). When
+    any tenant has API keys, every request needs a key and is served as the key's tenant.
+    """
 
     name: str = Field(pattern=_DNS_LABEL)
     cache_salt: str | None = Field(
         None, description="Seed of the tenant's block hashes; equal salts share cached blocks."
     )
     weight: int = Field(1, ge=1, description="Share of admissions under contention.")
+    priority: int = Field(
+        0,
+        ge=-100,
+        le=100,
+        description=(
+            "Strict priority between tenants: a waiting request of a higher-priority tenant is "
+            "served before any of a lower one; equal priorities share by weight."
+        ),
+    )
+    max_concurrency: int | None = Field(
+        None, ge=1, description="Requests queued or running at once; past it 429."
+    )
+    max_queued: int | None = Field(
+        None, ge=0, description="Requests waiting for a slot in the gateway; past it 429."
+    )
+    tokens_per_s: float | None = Field(
+        None,
+        gt=0,
+        alias="tokensPerSecond",
+        description="Prompt tokens per second (token bucket); past it 429 with Retry-After.",
+    )
+    burst_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Token bucket size (default: one second's worth, at least one prompt).",
+    )
+    api_key_secret: str | None = Field(
+        None,
+        pattern=_DNS_LABEL,
+        description=(
+            "Secret whose 'keys' entry lists the tenant's API keys (one per line, "
+            "'sha256:<hex>' or the key; optional 'not-after=<time>'); mounted into the gateway "
+            "pod, re-read when it changes. Kubernetes only."
+        ),
+    )
+    api_keys_file: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "File with the tenant's API keys, same format as the Secret's 'keys'; relative to "
+            "the spec file. wavepp up only (the operator refuses it: use apiKeySecret)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> TenantSpec:
+        if self.api_key_secret is not None and self.api_keys_file is not None:
+            raise SpecError(
+                "tenants.apiKeySecret",
+                f"tenant {self.name!r}: give apiKeySecret (Kubernetes) or apiKeysFile "
+                "(wavepp up), not both",
+            )
+        return self
 
 
 class AutoscalingSpec(WireModel):
@@ -447,6 +504,13 @@ def _check_cross_fields(spec: WavePipelineSpec) -> None:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise SpecError("tenants", f"duplicate tenant names {duplicates}")
+    secrets = [t.api_key_secret for t in spec.tenants if t.api_key_secret]
+    shared = sorted({n for n in secrets if secrets.count(n) > 1})
+    if shared:
+        raise SpecError(
+            "tenants.apiKeySecret",
+            f"Secrets {shared} are named by more than one tenant; a key belongs to one tenant",
+        )
     if spec.autoscaling is not None:
         if spec.autoscaling.min_replicas > spec.autoscaling.max_replicas:
             raise SpecError(

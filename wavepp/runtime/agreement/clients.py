@@ -11,7 +11,7 @@ from wavepp.api.messages import (
     KVReply,
     KVRequestMessage,
 )
-from wavepp.runtime.agreement.stage_handler import handle_kv_request
+from wavepp.runtime.agreement.stage_handler import handle_kv_batch, handle_kv_request
 from wavepp.runtime.kv import StageKVManager
 
 
@@ -21,6 +21,10 @@ class StageClient(Protocol):
     rank: int
 
     async def call(self, msg: KVRequestMessage) -> KVReply: ...
+
+    async def call_batch(self, payload: bytes) -> bytes:
+        """Send one encoded ``KVBatch``; return the stage's encoded ``KVBatchReply``."""
+        ...
 
 
 class LocalStageClient:
@@ -32,6 +36,9 @@ class LocalStageClient:
 
     async def call(self, msg: KVRequestMessage) -> KVReply:
         return handle_kv_request(self.manager, self.rank, msg.model_dump_json().encode())
+
+    async def call_batch(self, payload: bytes) -> bytes:
+        return handle_kv_batch(self.manager, self.rank, payload)
 
 
 class StageUnavailableError(RuntimeError):

@@ -11,6 +11,10 @@ Protocol (DESIGN.md 'Data flow', step 2), for one request with full-block hashes
     ...execution...
     ---------- release([ids]) --------------->  drop pins and reservations; blocks stay cached
 
+The messages travel batched: every request waiting when a round starts shares that round's one
+probe message and one commit message per stage (``rounds.AgreementRounds``, binary
+``wavepp.api.kv_batch``), and rounds are pipelined. Per request, the steps above are unchanged.
+
 L* is capped one token short of the prompt so that at least one token is computed (its logits
 are the prefill's output). Pins and reservations carry a lease; the controller renews the leases
 of live requests, so a vanished controller leaks nothing.
@@ -29,15 +33,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from wavepp.api.messages import (
-    Commit,
     Health,
     KVReply,
     KVRequestMessage,
-    ProbePin,
-    Release,
     Renew,
 )
 from wavepp.runtime.agreement.clients import StageClient
+from wavepp.runtime.agreement.rounds import AgreementRounds, PendingAgreement
 from wavepp.runtime.kv import hash_prompt_blocks
 from wavepp.runtime.request import PromptRequest
 from wavepp.telemetry import tracing
@@ -82,6 +84,7 @@ class AdmissionController:
         model_id: str,
         lease_s: float = 30.0,
         stage_capacities: Sequence[int] | None = None,
+        max_batch: int = 512,
     ) -> None:
         if not stages:
             raise ValueError("stages: need at least one stage client")
@@ -91,8 +94,14 @@ class AdmissionController:
         self.lease_s = lease_s
         self.stage_capacities = list(stage_capacities) if stage_capacities else None
         self._live: set[str] = set()  # admitted, not released: their leases are renewed
-        self.num_agreements = 0
-        self.num_refusals = 0
+        self._rounds = AgreementRounds(
+            self.stages,
+            block_size=block_size,
+            lease_s=lease_s,
+            admitted=self._on_admitted,
+            refusal=self._on_refused,
+            max_batch=max_batch,
+        )
 
     def block_hashes(self, request: PromptRequest) -> list[bytes]:
         """The prompt's full-block hashes (computed once, memoised on the request)."""
@@ -139,72 +148,59 @@ class AdmissionController:
             return ticket
 
     async def _agree(self, request: PromptRequest) -> Ticket | None:
-        """Probe-and-pin on every stage, agree on L*, commit (untraced).
+        """Probe-and-pin on every stage, agree on L*, commit (untraced), in the next batched
+        round (``rounds.AgreementRounds``).
 
         Returns:
             The ticket, or None when a stage refused the reservation (nothing is held then).
 
         Raises:
-            AgreementRefused: the prompt can never fit.
+            AgreementRefused: the prompt can never fit, or a stage refused its probe.
             StageUnavailableError: a stage did not answer (its pins expire with the lease).
         """
         self.check_fits(request)
-        started = time.monotonic()
-        hashes = self.block_hashes(request)
-        rid = request.request_id
-        probe = ProbePin(
-            request_id=rid, block_hashes=[h.hex() for h in hashes], lease_s=self.lease_s
-        )
-        try:
-            with tracing.span("agreement.probe", **{"prefix.num_blocks": len(hashes)}):
-                replies = await self._all(probe)
-            for reply in replies:
-                if not reply.ok:
-                    raise AgreementRefused(f"request {rid}: stage {reply.rank}: {reply.error}")
-            hits = tuple(reply.num_hit_blocks for reply in replies)
-            num_agreed = min(min(hits), (request.num_tokens - 1) // self.block_size)
-            commit = Commit(
-                request_id=rid,
-                num_agreed_blocks=num_agreed,
-                num_total_blocks=self.num_total_blocks(request),
-                lease_s=self.lease_s,
-            )
-            with tracing.span(
-                "agreement.commit",
-                **{
-                    "prefix.agreed_blocks": num_agreed,
-                    "reservation.num_blocks": commit.num_total_blocks - num_agreed,
-                },
-            ):
-                replies = await self._all(commit)
-        except BaseException:
-            await self._release_quietly([rid])
-            raise
-        self.num_agreements += 1
-        if not all(reply.ok for reply in replies):
-            self.num_refusals += 1
-            await self._release_quietly([rid])
-            return None
-        self._live.add(rid)
+        return await self._rounds.submit(request, self.block_hashes(request))
+
+    def _on_admitted(self, pending: PendingAgreement) -> Ticket:
+        self._live.add(pending.request_id)
         return Ticket(
-            request=request,
-            num_agreed_blocks=num_agreed,
+            request=pending.request,
+            num_agreed_blocks=pending.num_agreed_blocks,
             block_size=self.block_size,
-            agreement_s=time.monotonic() - started,
+            agreement_s=time.monotonic() - pending.started_s,
             admitted_at_s=time.time(),
-            stage_hits=hits,
+            stage_hits=pending.stage_hits,
         )
+
+    @staticmethod
+    def _on_refused(pending: PendingAgreement, error: str) -> BaseException:
+        return AgreementRefused(f"request {pending.request_id}: {error}")
+
+    @property
+    def num_agreements(self) -> int:
+        """Requests that reached a commit (refused or not)."""
+        return self._rounds.num_agreements
+
+    @property
+    def num_refusals(self) -> int:
+        """Commits that some stage refused (the request waited and retried)."""
+        return self._rounds.num_refusals
+
+    @property
+    def num_rounds(self) -> int:
+        """Batched admission rounds sent (one probe message per stage each)."""
+        return self._rounds.num_rounds
 
     async def release(self, request_ids: Sequence[str]) -> None:
         """Drop pins and reservations on every stage; the blocks stay cached for reuse."""
         if not request_ids:
             return
         self._live.difference_update(request_ids)
-        await self._all(Release(request_ids=list(request_ids)))
+        await self._rounds.release(request_ids)
 
     async def _release_quietly(self, request_ids: list[str]) -> None:
         try:
-            await asyncio.shield(self._all(Release(request_ids=request_ids)))
+            await asyncio.shield(self._rounds.release(request_ids))
         except Exception as exc:  # the lease frees what we could not
             log.warning("release of %s failed (%s); leases will expire", request_ids, exc)
 

@@ -1,7 +1,9 @@
 """The stage side of prefix agreement: a pure handler over one stage's ``StageKVManager``.
 
 ``handle_kv_request`` answers ProbePin, Commit, Release, Renew and Health messages (wire types in
-``wavepp.api.messages``); the stage process owns the NATS I/O around it. No I/O here. The
+``wavepp.api.messages``); ``handle_kv_batch`` answers one admission round's probes, commits or
+releases in one binary message (``wavepp.api.kv_batch``). The stage process owns the NATS I/O
+around both. No I/O here. The
 manager is the one record of each request on the stage (its pins, block table, prompt hashes
 and L*); this handler keeps no state of its own.
 """
@@ -10,6 +12,17 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
+from wavepp.api.kv_batch import (
+    BatchOp,
+    CommitEntry,
+    EntryResult,
+    EntryStatus,
+    KVBatchReply,
+    KVWireError,
+    ProbeEntry,
+    decode_batch,
+    encode_reply,
+)
 from wavepp.api.messages import (
     KV_REQUEST_ADAPTER,
     Commit,
@@ -84,3 +97,67 @@ def handle_kv_request(manager: StageKVManager, rank: int, payload: bytes) -> KVR
         return KVReply(rank=rank, num_free_blocks=pool.num_free_blocks, num_blocks=pool.num_blocks)
     except (ValueError, KeyError) as exc:
         return KVReply(rank=rank, ok=False, error=f"{type(msg).__name__}: {exc}")
+
+
+def handle_kv_batch(manager: StageKVManager, rank: int, payload: bytes) -> bytes:
+    """Apply one admission round (a binary ``KVBatch``) to a stage's manager, in one pass, and
+    return the encoded ``KVBatchReply``. Never raises on bad input.
+
+    Entries are applied in order, each exactly as its single-request counterpart in
+    ``handle_kv_request`` (probe: pin the local hit; commit: unpin past L*, reserve the rest, or
+    refuse and hold nothing; release). A malformed batch changes nothing and is answered with the
+    batch-level ``error``; a bad entry is answered INVALID and changes nothing for that request,
+    the other entries are applied.
+
+    Args:
+        manager: the stage's KV manager (its single owner calls this).
+        rank: the stage's rank, echoed in the reply.
+        payload: ``wavepp.api.kv_batch.encode_batch`` bytes.
+    """
+    pool = manager.pool
+    try:
+        batch = decode_batch(payload)
+    except KVWireError as exc:
+        reply = KVBatchReply(
+            BatchOp.PROBE,
+            rank,
+            pool.num_free_blocks,
+            pool.num_blocks,
+            error=f"invalid batch: {exc}",
+        )
+        return encode_reply(reply)
+    results: list[EntryResult] = []
+    for entry in batch.entries:
+        try:
+            if isinstance(entry, ProbeEntry):
+                hit = manager.probe_pin(entry.request_id, entry.block_hashes, batch.lease_s)
+                results.append(EntryResult(EntryStatus.OK, hit))
+            elif isinstance(entry, CommitEntry):
+                table = manager.commit(
+                    entry.request_id,
+                    entry.num_agreed_blocks,
+                    entry.num_total_blocks,
+                    batch.lease_s,
+                )
+                if table is None:
+                    need = entry.num_total_blocks - entry.num_agreed_blocks
+                    results.append(
+                        EntryResult(
+                            EntryStatus.REFUSED,
+                            0,
+                            f"reservation refused: needs {need} blocks, "
+                            f"{pool.num_free_blocks} free of {pool.num_blocks}",
+                        )
+                    )
+                else:
+                    results.append(
+                        EntryResult(EntryStatus.OK, len(table) - entry.num_agreed_blocks)
+                    )
+            else:
+                manager.release(entry)
+                results.append(EntryResult(EntryStatus.OK))
+        except (ValueError, KeyError) as exc:
+            results.append(EntryResult(EntryStatus.INVALID, 0, f"{batch.op.name.lower()}: {exc}"))
+    return encode_reply(
+        KVBatchReply(batch.op, rank, pool.num_free_blocks, pool.num_blocks, tuple(results))
+    )

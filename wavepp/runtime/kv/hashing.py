@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import operator
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 BlockHash = bytes
@@ -138,8 +140,34 @@ def hash_prompt_blocks(
     if not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be an int > 0, got {block_size!r}")
     parent = root_block_hash(model_id, cache_salt)
-    block_hashes: list[BlockHash] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
-        block_hashes.append(parent)
-    return block_hashes
+    num_blocks = len(token_ids) // block_size
+    encoded = _encode_tokens(token_ids, num_blocks * block_size)
+    if encoded is None:  # not plain ints in range: the per-block path names the bad token
+        block_hashes: list[BlockHash] = []
+        for start in range(0, num_blocks * block_size, block_size):
+            parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+            block_hashes.append(parent)
+        return block_hashes
+    # Same bytes as hash_block_tokens, encoded once for the whole prompt (about 10x faster).
+    header = struct.pack("<I", block_size)
+    width = 4 * block_size
+    sha256 = hashlib.sha256
+    hashes = []
+    for start in range(0, num_blocks * width, width):
+        parent = sha256(parent + header + encoded[start : start + width]).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def _encode_tokens(token_ids: Sequence[int], num_tokens: int) -> bytes | None:
+    """The first ``num_tokens`` ids as little-endian u32 bytes; None unless every one is an int
+    in [0, 2**32)."""
+    try:
+        encoded = array("I", token_ids[:num_tokens])
+    except (TypeError, OverflowError, ValueError):
+        return None
+    if encoded.itemsize != 4:  # pragma: no cover - no such platform in use
+        return None
+    if sys.byteorder != "little":  # pragma: no cover
+        encoded.byteswap()
+    return encoded.tobytes()

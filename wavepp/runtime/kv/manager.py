@@ -108,8 +108,7 @@ class StageKVManager:
         if held is not None:
             held.lease_expiry_s = max(held.lease_expiry_s, self._clock() + lease_s)
             return len(held.hit_block_ids)
-        hit_block_ids = self.pool.find_longest_cache_hit(block_hashes)
-        self.pool.pin(hit_block_ids)
+        hit_block_ids = self.pool.pin_longest_cache_hit(block_hashes)
         self._num_admitted += 1
         self._requests[request_id] = _HeldRequest(
             request_id,

@@ -230,6 +230,28 @@ class BlockPool:
             block_ids.append(block.block_id)
         return block_ids
 
+    def pin_longest_cache_hit(self, block_hashes: Sequence[BlockHash]) -> list[int]:
+        """``find_longest_cache_hit`` and ``pin`` of its result in one pass (the probe's hot
+        path: one dict lookup and one ref count per block).
+
+        Returns:
+            The pinned block ids, block order (as ``find_longest_cache_hit``).
+        """
+        hash_to_block = self._hash_to_block
+        free_queue = self._free_queue
+        block_ids: list[int] = []
+        for block_hash in block_hashes:
+            block = hash_to_block.get(block_hash)
+            if block is None:
+                break
+            if block.ref_cnt == 0:
+                free_queue.remove(block)
+                self._num_pinned_blocks += 1
+                self._num_evictable_blocks -= 1  # in the map, so it holds a hash
+            block.ref_cnt += 1
+            block_ids.append(block.block_id)
+        return block_ids
+
     def pin(self, block_ids: Sequence[int]) -> None:
         """Add one reference to each block; a block at ref count 0 leaves the free queue.
 
@@ -354,15 +376,24 @@ class BlockPool:
                 Nothing changes then.
         """
         blocks = [self._block_at(block_id, "block_ids") for block_id in block_ids]
-        for block_id, num_releases in Counter(block_ids).items():
+        if len(set(block_ids)) == len(blocks):  # the usual case: each id once
+            releases: dict[int, int] | Counter[int] = {}
+            for block in blocks:
+                if block.ref_cnt < 1:
+                    releases = Counter(block_ids)
+                    break
+        else:
+            releases = Counter(block_ids)
+        for block_id, num_releases in releases.items():
             ref_cnt = self._blocks[block_id].ref_cnt
             if num_releases > ref_cnt:
                 raise ValueError(
                     f"block_ids: block {block_id} released {num_releases} time(s) but its ref "
                     f"count is {ref_cnt}; free only blocks you pinned or allocated, once each"
                 )
+        decr_ref = self._decr_ref
         for block in reversed(blocks):
-            self._decr_ref(block)
+            decr_ref(block)
 
     def take_events(self) -> list[KVEvent]:
         """Drain the pending events (oldest first); the pool's queue is empty afterwards."""
@@ -418,6 +449,8 @@ class BlockPool:
     # ---- internals: the only places ref counts and counters move -------------------------
 
     def _block_at(self, block_id: int, field: str) -> _Block:
+        if type(block_id) is int and 0 <= block_id < self.num_blocks:
+            return self._blocks[block_id]
         if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
             raise ValueError(
                 f"{field}: block id {block_id!r} is not in [0, {self.num_blocks}) "

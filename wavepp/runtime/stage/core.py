@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from wavepp.api.messages import KVEventBatch, KVReply, MicroBatchDone, MicroBatchPlan, RequestResult
-from wavepp.runtime.agreement.stage_handler import handle_kv_request
+from wavepp.runtime.agreement.stage_handler import handle_kv_batch, handle_kv_request
 from wavepp.runtime.kv import StageKVManager
 from wavepp.runtime.stage.chunk import ChunkSpec
 from wavepp.runtime.stage.sequencing import PlanSequencer
@@ -127,6 +127,10 @@ class StageCore:
     def handle_kv(self, payload: bytes) -> KVReply:
         """Answer one KV request (probe_pin, commit, release, renew, health); never raises."""
         return handle_kv_request(self.manager, self.rank, payload)
+
+    def handle_kv_batch(self, payload: bytes) -> bytes:
+        """Answer one admission round (binary ``KVBatch``); never raises."""
+        return handle_kv_batch(self.manager, self.rank, payload)
 
     def expire(self) -> list[str]:
         """Release every request whose lease passed; their ids, earliest expiry first."""

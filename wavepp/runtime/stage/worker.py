@@ -129,6 +129,7 @@ class StageWorker:
         self._thread = threading.Thread(target=self._compute_loop, name="compute", daemon=True)
         self._thread.start()
         await self.nc.subscribe(self.subjects.stage_kv(self.rank), cb=self._on_kv)
+        await self.nc.subscribe(self.subjects.stage_kv_batch(self.rank), cb=self._on_kv_batch)
         await self.nc.subscribe(self.subjects.plan, cb=self._on_plan)
         await self.nc.subscribe(self.subjects.stage_dones(self.rank), cb=self._on_done_replay)
         on_reconnect(self.nc, self._on_reconnected)
@@ -151,6 +152,10 @@ class StageWorker:
     async def _on_kv(self, msg: Msg) -> None:
         reply = self.core.handle_kv(msg.data)
         await msg.respond(reply.model_dump_json().encode())
+        await self._publish_events()
+
+    async def _on_kv_batch(self, msg: Msg) -> None:
+        await msg.respond(self.core.handle_kv_batch(msg.data))
         await self._publish_events()
 
     async def _expire_loop(self) -> None:

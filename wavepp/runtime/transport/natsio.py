@@ -135,6 +135,12 @@ class EmbeddedNatsServer:
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
+    def pid(self) -> int | None:
+        """The nats-server's process id while it runs."""
+        proc = getattr(self, "_proc", None)
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    @property
     def url(self) -> str:
         return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
 

@@ -1,0 +1,294 @@
+"""Batched agreement: the wire format, the stage's one-pass handler, and rounds of many requests
+(the same guarantees as one request at a time: L* = min over stages, refusals hold nothing)."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from wavepp.api.kv_batch import (
+    BatchOp,
+    CommitEntry,
+    EntryStatus,
+    KVBatch,
+    KVWireError,
+    ProbeEntry,
+    decode_batch,
+    decode_reply,
+    encode_batch,
+)
+from wavepp.runtime.agreement import AdmissionController, AgreementRefused, LocalStageClient
+from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
+from wavepp.runtime.agreement.stage_handler import handle_kv_batch
+from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.request import PromptRequest
+
+BLOCK = 4
+MODEL_ID = "tiny-llama:seed=0"
+HASH = bytes(range(32))
+
+
+def make_stages(
+    capacities: list[int], *, max_batch: int = 512
+) -> tuple[list[StageKVManager], AdmissionController]:
+    managers = [StageKVManager(BlockPool(c, BLOCK)) for c in capacities]
+    clients = [LocalStageClient(m, r) for r, m in enumerate(managers)]
+    controller = AdmissionController(
+        clients, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0, max_batch=max_batch
+    )
+    return managers, controller
+
+
+# --------------------------------------------------------------------------- wire format
+
+
+def test_batches_round_trip_with_raw_hashes() -> None:
+    probe = KVBatch(BatchOp.PROBE, (ProbeEntry("a", (HASH, HASH[::-1])), ProbeEntry("b", ())), 5.0)
+    payload = encode_batch(probe)
+    assert decode_batch(payload) == probe
+    # 32 bytes per hash on the wire, not 64 hex characters plus JSON quoting.
+    assert len(payload) < 17 + 2 * (2 + 1 + 4) + 2 * 32 + 8
+    commit = KVBatch(BatchOp.COMMIT, (CommitEntry("a", 1, 3),), 5.0)
+    assert decode_batch(encode_batch(commit)) == commit
+    release = KVBatch(BatchOp.RELEASE, ("a", "b"))
+    assert decode_batch(encode_batch(release)) == release
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        (b"", "header"),
+        (b"XYZ" + bytes(14), "bad magic"),
+        (struct.pack("<3sBBdI", b"WKB", 9, 1, 1.0, 0), "version"),
+        (struct.pack("<3sBBdI", b"WKB", 1, 7, 1.0, 0), "op"),
+        (struct.pack("<3sBBdI", b"WKB", 1, 1, float("inf"), 0), "lease_s"),
+        (struct.pack("<3sBBdI", b"WKB", 1, 1, 1.0, 10**6), "count"),
+        (struct.pack("<3sBBdI", b"WKB", 1, 1, 1.0, 1) + struct.pack("<H", 0), "request_id"),
+        (
+            struct.pack("<3sBBdI", b"WKB", 1, 1, 1.0, 1)
+            + struct.pack("<H", 1)
+            + b"a"
+            # claims a million hashes, sends none: rejected before any allocation
+            + struct.pack("<I", 10**6),
+            "block_hashes",
+        ),
+        (
+            struct.pack("<3sBBdI", b"WKB", 1, 2, 1.0, 1)
+            + struct.pack("<H", 1)
+            + b"a"
+            + struct.pack("<II", 5, 3),
+            "num_agreed_blocks",
+        ),
+        (encode_batch(KVBatch(BatchOp.RELEASE, ("a",))) + b"x", "after the last entry"),
+    ],
+)
+def test_malformed_batches_name_the_field(payload: bytes, field: str) -> None:
+    with pytest.raises(KVWireError, match=field):
+        decode_batch(payload)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    garbage=st.binary(max_size=200), prefix=st.sampled_from([b"", b"WKB\x01\x01", b"WKB\x01\x03"])
+)
+def test_the_stage_handler_never_raises_and_changes_nothing_on_garbage(
+    garbage: bytes, prefix: bytes
+) -> None:
+    manager = StageKVManager(BlockPool(8, BLOCK))
+    reply = decode_reply(handle_kv_batch(manager, 2, prefix + garbage))
+    assert reply.rank == 2
+    if reply.error:
+        assert not reply.results
+    assert manager.num_requests == 0 and manager.pool.num_free_blocks == 8
+
+
+def test_a_bad_entry_is_answered_alone_and_the_others_apply() -> None:
+    manager = StageKVManager(BlockPool(8, BLOCK))
+    probe = KVBatch(BatchOp.PROBE, (ProbeEntry("a", ()), ProbeEntry("b", ())), 5.0)
+    decode_reply(handle_kv_batch(manager, 0, encode_batch(probe)))
+    commit = KVBatch(
+        BatchOp.COMMIT,
+        (CommitEntry("a", 0, 2), CommitEntry("ghost", 0, 1), CommitEntry("b", 0, 100)),
+        5.0,
+    )
+    reply = decode_reply(handle_kv_batch(manager, 0, encode_batch(commit)))
+    assert [r.status for r in reply.results] == [
+        EntryStatus.OK,
+        EntryStatus.INVALID,  # never probed: named, nothing held
+        EntryStatus.REFUSED,  # does not fit: nothing held
+    ]
+    assert "ghost" in reply.results[1].error and "needs 100 blocks" in reply.results[2].error
+    assert manager.request_ids() == ["a"] and manager.pool.num_pinned_blocks == 2
+
+
+# --------------------------------------------------------------------------- rounds
+
+
+class CountingClient(LocalStageClient):
+    """An in-process client that yields to the loop and records the batches it carried."""
+
+    def __init__(self, manager: StageKVManager, rank: int, log: list[tuple[int, str, int]]):
+        super().__init__(manager, rank)
+        self.log = log
+
+    async def call_batch(self, payload: bytes) -> bytes:
+        batch = decode_batch(payload)
+        self.log.append((self.rank, batch.op.name, len(batch.entries)))
+        await asyncio.sleep(0.001)
+        return await super().call_batch(payload)
+
+
+async def test_concurrent_requests_share_rounds_and_commits_overlap_the_next_probe() -> None:
+    managers = [StageKVManager(BlockPool(256, BLOCK)) for _ in range(3)]
+    log: list[tuple[int, str, int]] = []
+    controller = AdmissionController(
+        [CountingClient(m, r, log) for r, m in enumerate(managers)],
+        block_size=BLOCK,
+        model_id=MODEL_ID,
+    )
+    requests = [PromptRequest(f"r{i}", list(range(i, i + 9))) for i in range(40)]
+    first = asyncio.gather(*(controller.agree(r) for r in requests[:20]))
+    await asyncio.sleep(0.0015)  # the first round's probe is on the wire
+    tickets = await asyncio.gather(first, *(controller.agree(r) for r in requests[20:]))
+    assert all(t is not None for t in tickets[0]) and all(t is not None for t in tickets[1:])
+    # 40 requests in far fewer rounds than 40: one message per stage per phase per round.
+    assert controller.num_rounds < 10
+    stage0 = [(op, n) for rank, op, n in log if rank == 0]
+    assert sum(n for op, n in stage0 if op == "PROBE") == 40
+    # Pipelined: some probe went out before the previous round's commit was sent back.
+    ops = [op for op, _ in stage0]
+    assert ops.index("COMMIT") < len(ops) - 1 and "PROBE" in ops[ops.index("COMMIT") - 1 :]
+    await controller.release([r.request_id for r in requests])
+    for manager in managers:
+        assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0
+
+
+async def test_one_stage_of_eight_refuses_mid_batch_and_nothing_leaks_elsewhere() -> None:
+    capacities = [64] * 8
+    capacities[5] = 10  # stage 5 holds 10 blocks: three 3-block prompts fit, the rest do not
+    managers, controller = make_stages(capacities)
+    requests = [PromptRequest(f"r{i}", list(range(100 * i, 100 * i + 12))) for i in range(6)]
+    tickets = await asyncio.gather(*(controller.agree(r) for r in requests))
+    assert controller.num_rounds == 1
+    admitted = [r.request_id for r, t in zip(requests, tickets, strict=True) if t is not None]
+    refused = [r.request_id for r, t in zip(requests, tickets, strict=True) if t is None]
+    assert len(admitted) == 3 and len(refused) == 3
+    for manager in managers:
+        assert sorted(manager.request_ids()) == sorted(admitted)
+        assert manager.pool.num_pinned_blocks == 9
+        manager.pool.check_invariants()
+    await controller.release(admitted)
+    for manager in managers:
+        assert manager.num_requests == 0 and manager.pool.num_free_blocks == manager.pool.num_blocks
+
+
+async def test_a_probe_error_fails_only_its_request() -> None:
+    managers, controller = make_stages([32, 32])
+    good = PromptRequest("good", list(range(9)))
+    empty = PromptRequest("empty", [])
+    results = await asyncio.gather(
+        controller.agree(good), controller.agree(empty), return_exceptions=True
+    )
+    assert results[0] is not None and not isinstance(results[0], BaseException)
+    assert isinstance(results[1], AgreementRefused)
+    assert all(m.request_ids() == ["good"] for m in managers)
+
+
+async def test_a_cancelled_caller_leaves_nothing_held() -> None:
+    managers, controller = make_stages([32, 32])
+    waiter = asyncio.ensure_future(controller.agree(PromptRequest("gone", list(range(9)))))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    ticket = await controller.agree(PromptRequest("next", list(range(50, 59))))
+    assert ticket is not None
+    for _ in range(5):
+        await asyncio.sleep(0)  # the background release of "gone", if it was admitted
+    assert all(m.request_ids() == ["next"] for m in managers)
+
+
+prompts = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(1, 24)),  # (which shared prefix, suffix length)
+    min_size=1,
+    max_size=16,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    capacities=st.lists(st.integers(8, 40), min_size=2, max_size=4),
+    workload=prompts,
+    group=st.integers(1, 6),
+    max_batch=st.integers(1, 4),
+)
+def test_batched_agreement_properties(
+    capacities: list[int], workload: list[tuple[int, int]], group: int, max_batch: int
+) -> None:
+    """Requests agreed ``group`` at a time, rounds of at most ``max_batch``: L* never exceeds a
+    stage's hit, a refusal leaves no pins, nothing leaks after release."""
+
+    async def scenario() -> None:
+        managers, controller = make_stages(capacities, max_batch=max_batch)
+        for start in range(0, len(workload), group):
+            requests = [
+                PromptRequest(
+                    f"r{i}",
+                    [prefix_id * 1000 + t for t in range(12)] + [i * 100 + t for t in range(n)],
+                )
+                for i, (prefix_id, n) in enumerate(workload[start : start + group], start)
+            ]
+            results = await asyncio.gather(
+                *(controller.agree(r) for r in requests), return_exceptions=True
+            )
+            live = []
+            for request, ticket in zip(requests, results, strict=True):
+                if isinstance(ticket, AgreementRefused):
+                    continue
+                assert not isinstance(ticket, BaseException), ticket
+                if ticket is None:
+                    for manager in managers:
+                        assert request.request_id not in manager.request_ids()
+                    continue
+                assert ticket.num_agreed_blocks <= min(ticket.stage_hits)
+                assert ticket.num_agreed_blocks * BLOCK < request.num_tokens
+                hashes = controller.block_hashes(request)
+                for manager in managers:
+                    assert (
+                        len(manager.block_table(request.request_id)) * BLOCK >= request.num_tokens
+                    )
+                    manager.mark_computed(request.request_id, request.num_tokens, hashes)
+                live.append(request.request_id)
+            for manager in managers:
+                manager.pool.check_invariants()
+            await controller.release(live)
+        for manager in managers:
+            assert manager.num_requests == 0
+            assert manager.pool.num_pinned_blocks == 0
+            assert manager.pool.num_free_blocks == manager.pool.num_blocks
+
+    asyncio.run(scenario())
+
+
+async def test_rounds_over_a_real_nats_server(nc) -> None:  # noqa: ANN001
+    managers = [StageKVManager(BlockPool(1024, BLOCK)) for _ in range(4)]
+    for rank, manager in enumerate(managers):
+        await serve_stage_kv(nc, "wavepp.tb", rank, manager)
+    await nc.flush()
+    controller = AdmissionController(
+        [NatsStageClient(nc, "wavepp.tb", r, timeout_s=5.0) for r in range(4)],
+        block_size=BLOCK,
+        model_id=MODEL_ID,
+    )
+    shared = list(range(40))
+    requests = [PromptRequest(f"n{i}", shared + [1000 + i] * 5) for i in range(64)]
+    tickets = await asyncio.gather(*(controller.agree(r) for r in requests))
+    assert all(t is not None for t in tickets)
+    assert controller.num_rounds < 64
+    assert all(m.num_requests == 64 for m in managers)
+    await controller.release([r.request_id for r in requests])
+    assert all(m.num_requests == 0 and m.pool.num_pinned_blocks == 0 for m in managers)

@@ -1,0 +1,308 @@
+"""Batched, pipelined admission rounds: the controller's side of ``wavepp.api.kv_batch``.
+
+Every ``agree`` call joins the next round. A round sends one probe batch to each stage, carrying
+the block hashes of every request waiting when it starts; from the replies it takes each
+request's L* = min(min over stages of the local hit, (num_tokens - 1) // block_size) and sends
+one commit batch per stage. Requests that a stage refused (or that do not fit now) are released
+on every stage in one release batch before their callers hear None, so nothing stays pinned.
+
+Rounds are pipelined: once a round's probe replies are in, its commit goes out in a task of its
+own and the next round's probe starts at once (at most ``max_commits_in_flight`` commits
+outstanding). Requests arriving while a probe is on the wire wait for the next round, so the
+batch grows with the load: one request per round when they come one at a time, hundreds when
+they come faster than a round trip. A stage handles its messages in order, so a later round's
+probe may pin blocks before an earlier round's commit reserves; a reservation that no longer
+fits is refused (the request retries), never half-admitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from wavepp.api.kv_batch import (
+    MAX_BATCH_ENTRIES,
+    BatchOp,
+    CommitEntry,
+    KVBatch,
+    KVBatchReply,
+    ProbeEntry,
+    decode_reply,
+    encode_batch,
+)
+from wavepp.runtime.request import PromptRequest
+from wavepp.telemetry import tracing
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
+    from wavepp.runtime.agreement.clients import StageClient
+
+__all__ = ["AgreementRounds", "PendingAgreement", "StageProtocolError"]
+
+
+class StageProtocolError(RuntimeError):
+    """A stage answered a batch with a batch-level error or the wrong number of results."""
+
+
+@dataclass(eq=False)
+class PendingAgreement:
+    """One ``agree`` call waiting for its round."""
+
+    request: PromptRequest
+    block_hashes: Sequence[bytes]
+    future: asyncio.Future[Any]
+    started_s: float
+    trace_context: Context | None = None
+    abandoned: bool = False  # the caller was cancelled: release whatever the round admits
+    stage_hits: tuple[int, ...] = field(default=())
+    num_agreed_blocks: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+OnAdmitted = Callable[[PendingAgreement], Any]
+OnRefused = Callable[[PendingAgreement, str], BaseException]
+
+
+class AgreementRounds:
+    """The round engine behind ``AdmissionController.agree`` (one per controller, one event
+    loop). ``submit`` queues a request; ``admitted`` and ``refusal`` are the controller's
+    callbacks that build the caller's result (a ``Ticket``) and its error."""
+
+    def __init__(
+        self,
+        stages: Sequence[StageClient],
+        *,
+        block_size: int,
+        lease_s: float,
+        admitted: OnAdmitted,
+        refusal: OnRefused,
+        max_batch: int = 512,
+        max_commits_in_flight: int = 2,
+    ) -> None:
+        if not 1 <= max_batch <= MAX_BATCH_ENTRIES:
+            raise ValueError(f"max_batch: {max_batch}; must be in [1, {MAX_BATCH_ENTRIES}]")
+        if max_commits_in_flight < 1:
+            raise ValueError(f"max_commits_in_flight: {max_commits_in_flight}; must be >= 1")
+        self.stages = list(stages)
+        self.block_size = block_size
+        self.lease_s = lease_s
+        self.max_batch = max_batch
+        self.max_commits_in_flight = max_commits_in_flight
+        self._admitted = admitted
+        self._refusal = refusal
+        self._pending: deque[PendingAgreement] = deque()
+        self._runner: asyncio.Task[None] | None = None
+        self._commits: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Future[None]] = set()
+        self.num_rounds = 0
+        self.num_agreements = 0  # requests that reached a commit
+        self.num_refusals = 0  # of those, refused by some stage
+
+    # ---- the caller's side -------------------------------------------------------------------
+
+    async def submit(self, request: PromptRequest, block_hashes: Sequence[bytes]) -> Any:
+        """Join the next round; the controller's ``admitted`` result, or None when a stage
+        refused the reservation (nothing held then). Raises what the round raised for it
+        (``StageUnavailableError``, ``StageProtocolError``, the controller's refusal error)."""
+        loop = asyncio.get_running_loop()
+        pending = PendingAgreement(
+            request, block_hashes, loop.create_future(), time.monotonic(), tracing.current_context()
+        )
+        self._pending.append(pending)
+        if self._runner is None or self._runner.done():
+            self._runner = loop.create_task(self._run(), name="agreement-rounds")
+        try:
+            return await asyncio.shield(pending.future)
+        except asyncio.CancelledError:
+            pending.abandoned = True
+            if pending.future.done() and not pending.future.cancelled():
+                if pending.future.exception() is None and pending.future.result() is not None:
+                    self._in_background(self.release([pending.request_id]))
+            raise
+
+    async def release(self, request_ids: Sequence[str]) -> None:
+        """Release batches (at most ``max_batch`` ids each) to every stage."""
+        ids = list(request_ids)
+        for at in range(0, len(ids), self.max_batch):
+            batch = KVBatch(BatchOp.RELEASE, tuple(ids[at : at + self.max_batch]))
+            await self._call_all(batch)
+
+    async def release_quietly(self, request_ids: Sequence[str]) -> None:
+        """``release``, shielded from the caller's cancellation; a failure is left to the
+        leases (logged by the caller's logger)."""
+        if request_ids:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.release(request_ids))
+
+    # ---- rounds ------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while self._pending:
+            batch: list[PendingAgreement] = []
+            while self._pending and len(batch) < self.max_batch:
+                pending = self._pending.popleft()
+                if pending.abandoned:
+                    pending.future.cancel()
+                else:
+                    batch.append(pending)
+            if not batch:
+                continue
+            self.num_rounds += 1
+            probe_started = time.time()
+            probe = KVBatch(
+                BatchOp.PROBE,
+                tuple(ProbeEntry(p.request_id, tuple(p.block_hashes)) for p in batch),
+                self.lease_s,
+            )
+            try:
+                replies = await self._call_all(probe)
+            except BaseException as exc:
+                await self.release_quietly([p.request_id for p in batch])
+                for p in batch:
+                    _settle(p, exc=exc)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                continue
+            self._trace(batch, "agreement.probe", probe_started)
+            to_commit, failed = self._agree_on_prefixes(batch, replies)
+            task = asyncio.create_task(self._commit(to_commit, failed))
+            self._commits.add(task)
+            task.add_done_callback(self._commits.discard)
+            while len(self._commits) >= self.max_commits_in_flight:
+                await asyncio.wait(self._commits, return_when=asyncio.FIRST_COMPLETED)
+
+    def _agree_on_prefixes(
+        self, batch: list[PendingAgreement], replies: list[KVBatchReply]
+    ) -> tuple[list[PendingAgreement], list[tuple[PendingAgreement, BaseException]]]:
+        to_commit: list[PendingAgreement] = []
+        failed: list[tuple[PendingAgreement, BaseException]] = []
+        for index, pending in enumerate(batch):
+            errors = [
+                (reply.rank, reply.results[index].error)
+                for reply in replies
+                if not reply.results[index].ok
+            ]
+            if errors:
+                rank, error = errors[0]
+                failed.append((pending, self._refusal(pending, f"stage {rank}: {error}")))
+                continue
+            hits = tuple(reply.results[index].value for reply in replies)
+            pending.stage_hits = hits
+            pending.num_agreed_blocks = min(
+                min(hits), (pending.request.num_tokens - 1) // self.block_size
+            )
+            to_commit.append(pending)
+        return to_commit, failed
+
+    async def _commit(
+        self,
+        batch: list[PendingAgreement],
+        failed: list[tuple[PendingAgreement, BaseException]],
+    ) -> None:
+        """Commit one round; release what was refused or failed; settle every caller."""
+        commit_started = time.time()
+        refused: list[PendingAgreement] = []
+        if batch:
+            commit = KVBatch(
+                BatchOp.COMMIT,
+                tuple(
+                    CommitEntry(
+                        p.request_id,
+                        p.num_agreed_blocks,
+                        -(-p.request.num_tokens // self.block_size),
+                    )
+                    for p in batch
+                ),
+                self.lease_s,
+            )
+            try:
+                replies = await self._call_all(commit)
+            except BaseException as exc:
+                await self.release_quietly([p.request_id for p in batch + [f[0] for f in failed]])
+                for p in batch:
+                    _settle(p, exc=exc)
+                for p, error in failed:
+                    _settle(p, exc=error)
+                return
+            self.num_agreements += len(batch)
+            self._trace(batch, "agreement.commit", commit_started)
+            for index, pending in enumerate(batch):
+                if all(reply.results[index].ok for reply in replies):
+                    if pending.abandoned:
+                        refused.append(pending)
+                else:
+                    self.num_refusals += 1
+                    refused.append(pending)
+        to_release = [p.request_id for p in refused] + [p.request_id for p, _ in failed]
+        await self.release_quietly(to_release)
+        refused_ids = {p.request_id for p in refused}
+        for pending in batch:
+            if pending.request_id in refused_ids:
+                _settle(pending, result=None)
+            else:
+                _settle(pending, result=self._admitted(pending))
+        for pending, error in failed:
+            _settle(pending, exc=error)
+
+    async def _call_all(self, batch: KVBatch) -> list[KVBatchReply]:
+        payload = encode_batch(batch)
+        raw = await asyncio.gather(*(stage.call_batch(payload) for stage in self.stages))
+        replies = []
+        for stage, data in zip(self.stages, raw, strict=True):
+            reply = decode_reply(data)
+            if reply.error or len(reply.results) != len(batch.entries):
+                raise StageProtocolError(
+                    f"stage {stage.rank}: {reply.error or 'wrong number of results'} "
+                    f"({len(reply.results)} for {len(batch.entries)} entries)"
+                )
+            replies.append(reply)
+        return replies
+
+    def _trace(self, batch: list[PendingAgreement], name: str, start_s: float) -> None:
+        """One span per request under its ``agreement`` span, covering the round's phase."""
+        if not tracing.is_enabled():
+            return
+        end_s = time.time()
+        for pending in batch:
+            attributes: dict[str, Any] = {
+                "agreement.batch_size": len(batch),
+                "prefix.num_blocks": len(pending.block_hashes),
+            }
+            if name == "agreement.commit":
+                total = -(-pending.request.num_tokens // self.block_size)
+                attributes["prefix.agreed_blocks"] = pending.num_agreed_blocks
+                attributes["reservation.num_blocks"] = total - pending.num_agreed_blocks
+            tracing.record_span(
+                name, start_s, end_s, parent=pending.trace_context, attributes=attributes
+            )
+
+    def _in_background(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)  # kept referenced until done
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def _settle(
+    pending: PendingAgreement, *, result: Any = None, exc: BaseException | None = None
+) -> None:
+    if pending.future.done():
+        return
+    if pending.abandoned and exc is not None:
+        pending.future.cancel()  # nobody awaits it: no "exception never retrieved"
+    elif exc is not None:
+        if isinstance(exc, asyncio.CancelledError):
+            pending.future.cancel()
+        else:
+            pending.future.set_exception(exc)
+    else:
+        pending.future.set_result(result)
