@@ -8,6 +8,7 @@ HTTP app, validation, error middleware and metrics are the real ones.
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 from aiohttp.test_utils import TestClient, TestServer
@@ -38,7 +39,11 @@ async def test_failed_request_is_500_in_the_error_shape_and_405_too() -> None:
 
     metrics = GatewayMetrics(lambda: GatewayLoad({}, {}, 0, 1, {}))
     gateway = SimpleNamespace(
-        config=CONFIG, metrics=metrics, tenants={"alice": None}, prefill=prefill
+        config=CONFIG,
+        metrics=metrics,
+        tenants={"alice": None},
+        prefill=prefill,
+        clock=time.monotonic,
     )
     server = GatewayServer(gateway)  # type: ignore[arg-type]
     async with TestClient(TestServer(server.app)) as client:
