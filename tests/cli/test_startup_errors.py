@@ -109,3 +109,14 @@ def test_up_stops_everything_when_a_child_dies_starting(tmp_path: Path) -> None:
     for pid in pids:
         stat = Path(f"/proc/{pid}/stat")
         assert not stat.exists() or stat.read_text().split()[2] == "Z", f"child {pid} left"
+
+
+def test_operator_without_credentials_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: kopf logged a traceback per login retry and never served nor exited."""
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing-kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert cli.main(["operator", "--liveness-port", "0"]) == 2
+    line = _one_line(capsys)
+    assert line.startswith("wavepp operator: no Kubernetes credentials:"), line

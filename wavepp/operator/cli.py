@@ -79,11 +79,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"wavepp operator: --liveness-port {args.liveness_port}: not a port", file=sys.stderr)
         return 2
 
+    import logging
+
     import kopf
 
     import wavepp.operator.handlers  # noqa: F401 - registers the handlers
-    from wavepp.operator.handlers import OperatorOptions
+    from wavepp.operator.handlers import OperatorOptions, connection_info
 
+    # Start-up check: credentials kopf would log in with (else kopf logs a traceback per retry
+    # and never serves).
+    try:
+        info = connection_info(
+            settings=kopf.OperatorSettings(), logger=logging.getLogger("wavepp.operator")
+        )
+    except Exception as exc:  # noqa: BLE001 - any failure to read the credentials
+        info, reason = None, " ".join(f"{type(exc).__name__}: {exc}".split())
+    else:
+        reason = "no in-cluster service account and no kubeconfig"
+    if info is None:
+        print(f"wavepp operator: no Kubernetes credentials: {reason}", file=sys.stderr)
+        return 2
     kopf.configure(verbose=args.verbose)
     options = OperatorOptions(
         default_image=args.default_image,
