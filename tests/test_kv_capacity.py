@@ -209,7 +209,9 @@ def test_sim_uses_the_derived_capacity_unless_given() -> None:
             cwd=ROOT,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])[0]
+        lines = proc.stdout.strip().splitlines()
+        assert len(lines) == 1, "with --json stdout holds the JSON only"
+        return json.loads(lines[0])[0]
 
     derived = derived_kv_blocks(
         "minimax-m2.7",

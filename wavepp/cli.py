@@ -1,7 +1,9 @@
 """``wavepp``: one console script; each subcommand adds its args, validates, runs.
 
 Only the chosen subcommand's module is imported (``--help`` stays fast and imports no torch).
-Errors in arguments name the flag and exit with status 2.
+Errors in arguments name the flag and exit with status 2. ``--help`` shows every default once
+(``wavepp.cmd.common.HelpFormatter``). A module may list in ``BARE_IS_USAGE`` the argument
+tuples after its name that print its usage instead of running (``wavepp sim`` alone).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from wavepp import __version__
+from wavepp.cmd.common import HelpFormatter
 
 # subcommand -> (module, help). Each module has add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -21,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("wavepp.operator.cli", "run the Kubernetes operator (kopf)"),
     "trace-view": ("wavepp.cmd.trace_view", "summarise a span file; draw the per-stage timeline"),
     "up": ("wavepp.cmd.up", "run the whole service here: nats, stages, admission, gateway"),
+    "validate": ("wavepp.cmd.validate", "check a WavePipeline spec file; start nothing"),
     "admission": ("wavepp.cmd.admission", "run one replica's admission controller (a pod)"),
     "gateway": ("wavepp.cmd.gateway", "run the prefill gateway: HTTP and NATS API (a pod)"),
     "bench": ("wavepp.cmd.bench", "benchmarks: wave vs sync grid, admission cadence, plots"),
@@ -42,12 +46,12 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
             name,
             help=help_text,
             description=help_text,
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            formatter_class=HelpFormatter,
         )
         if name == chosen:
             module = importlib.import_module(module_name)
             module.add_arguments(p)
-            p.set_defaults(_run=module.run)
+            p.set_defaults(_run=module.run, _parser=p, _module=module)
     return parser
 
 
@@ -57,6 +61,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()
+        return 2
+    rest = tuple(argv[argv.index(args.command) + 1 :])
+    if rest in getattr(args._module, "BARE_IS_USAGE", ()):
+        usage_of = args._parser
+        for word in rest:  # the nested subcommand's own parser (``bench grid``)
+            subs = [a for a in usage_of._actions if isinstance(a, argparse._SubParsersAction)]
+            usage_of = subs[0].choices[word] if subs else usage_of
+        usage_of.print_usage(sys.stderr)
+        print(
+            f"wavepp {' '.join((args.command, *rest))}: give its inputs (see --help); "
+            "nothing was run",
+            file=sys.stderr,
+        )
         return 2
     return int(args._run(args) or 0)
 

@@ -157,7 +157,7 @@ def test_admission_drains_within_the_rollout_timeout() -> None:
     assert dep["spec"]["replicas"] == 0
     assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 43
     assert dep["spec"]["template"]["spec"]["containers"][0]["args"][-4:] == [
-        "--replica", "1", "--port", "8080",
+        "--replica", "1", "--health-port", "8080",
     ]  # fmt: skip
 
 

@@ -134,7 +134,7 @@ def test_bad_operator_args_exit_2_naming_the_flag(
     assert cli_main([*stage, "--replica", "0", "--rank", "0", "--nats-creds", missing]) == 2
     assert "--nats-creds" in capsys.readouterr().err
     assert cli_main(["gateway", *base, "--port", "8080"]) == 2
-    assert "--pool" in capsys.readouterr().err
+    assert "--pool-file" in capsys.readouterr().err
 
 
 async def test_nats_creds_reach_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -189,13 +189,15 @@ def _expand(arg: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
 
 
-def _localize(args: list[str], local: dict[str, str], cluster: dict[str, str]) -> list[str]:
+def _localize(args: list[str], local: dict[str, str], cluster: dict[str, Any]) -> list[str]:
     """Replace the value after each flag in ``local``; it must be the cluster value in
-    ``cluster`` (a path, host or port), so nothing but those is rewritten."""
+    ``cluster`` (a path, host or port, or a set of them), so nothing but those is rewritten."""
     out = list(args)
     for i, flag in enumerate(args[:-1]):
         if flag in local:
-            assert args[i + 1] == cluster[flag], (flag, args[i + 1])
+            expected = cluster[flag]
+            expected = expected if isinstance(expected, set) else {expected}
+            assert args[i + 1] in expected, (flag, args[i + 1])
             out[i + 1] = local[flag]
     return out
 
@@ -267,9 +269,10 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
     cluster = {
         "--config": b.SPEC_FILE,
         "--nats-url": CLUSTER_NATS_URL,
-        "--pool": b.POOL_FILE,
+        "--pool-file": b.POOL_FILE,
         "--dist-url": f"tcp://{sts['metadata']['name']}-0.{sts['metadata']['name']}:29500",
-        "--health-port": str(b.HEALTH_PORT),
+        # the stage's health port, the admission's (its probes' port)
+        "--health-port": {str(b.HEALTH_PORT), str(b.HTTP_PORT)},
         "--port": str(b.HTTP_PORT),
     }
     server_tls = None
@@ -317,7 +320,7 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
         common = {
             "--config": str(spec_path),
             "--nats-url": nats_url,
-            "--pool": str(pool_path),
+            "--pool-file": str(pool_path),
             **local_tls,
         }
         dist_url = f"tcp://127.0.0.1:{free_port()}"
@@ -366,7 +369,9 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
                     assert _status(startup) == 503
             admission_port, gateway_port = free_port(), free_port()
             adm_env = _kubelet_env(admission_c, "tiny-r0-admission-x", {})
-            adm, adm_log = start("admission", admission_c, {"--port": str(admission_port)}, adm_env)
+            adm, adm_log = start(
+                "admission", admission_c, {"--health-port": str(admission_port)}, adm_env
+            )
             gw_env = _kubelet_env(gateway_c, "tiny-gateway-x", {})
             gw, gw_log = start("gateway", gateway_c, {"--port": str(gateway_port)}, gw_env)
 

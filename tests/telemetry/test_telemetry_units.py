@@ -194,7 +194,9 @@ def test_trace_view_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     _write_trace(tmp_path / "t.jsonl")
     out = tmp_path / "view.png"
     assert main(["trace-view", str(tmp_path / "t.jsonl"), "--out", str(out), "--json"]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1, "with --json stdout holds the JSON only"
+    summary = json.loads(lines[0])
     assert summary["wave_fill"] == pytest.approx(4.5 / 7, abs=1e-4)
     assert summary["stages"] == 2 and summary["stage_busy_s"] == [2.0, 2.5]
     assert out.stat().st_size > 0

@@ -47,6 +47,12 @@ class ReplayReport:
         agreement = np.array([o.agreement_s for o in done]) if done else np.array([0.0])
         busy = self.stats.busy_s_by_stage(self.config.num_stages)
         throughput = prompt_tokens / self.wall_s if self.wall_s else 0.0
+        num_stages = self.config.num_stages
+        # NOTE: blocks of block_size tokens, summed over completed requests: what each stage
+        # held locally at agreement, and the prefix all stages agreed on (L*, what was reused).
+        local_hits = [sum(o.stage_hits[r] for o in done if len(o.stage_hits) > r)
+                      for r in range(num_stages)]  # fmt: skip
+        agreed_blocks = sum(o.num_cached_tokens // self.config.block_size for o in done)
         return {
             "requests": len(self.outcomes) + len(self.invalid),
             "completed": len(done),
@@ -89,6 +95,11 @@ class ReplayReport:
             "kv_blocks_per_stage": [
                 self.config.kv_blocks_of(r) for r in range(self.config.num_stages)
             ],
+            "stage_local_hit_blocks": local_hits,
+            "agreed_prefix_blocks": agreed_blocks,
+            "layers_per_stage": None
+            if self.config.engine == "emulated"
+            else [last - first for first, last in map(self.config.layers_of, range(num_stages))],
             "errors": sorted({o.error for o in self.outcomes if o.error})[:5]
             + [str(e) for e in self.invalid[:5]],
             **self.extra,

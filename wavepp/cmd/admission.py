@@ -3,7 +3,7 @@ durable JetStream intake (what each replica's admission pod runs).
 
 The configuration comes from ``--runtime-config F`` (``wavepp up``) or ``--config SPEC --replica
 I`` (the operator: the replica's RuntimeConfig from the spec, see ``wavepp stage``). The pool name
-is ``--pool`` or ``$WAVEPP_PIPELINE``. ``--port P`` serves ``/healthz`` (NATS connected) and
+is ``--pool`` or ``$WAVEPP_PIPELINE``. ``--health-port P`` serves ``/healthz`` (NATS connected) and
 ``/readyz`` (every stage formed, intake open, not stopping: SIGTERM turns it 503 at once while
 admitted requests finish). Tracing (``tracing.setup``) and Prometheus metrics (``setup_metrics``)
 follow the config's telemetry settings and are shut down at exit.
@@ -22,6 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from wavepp.cmd.common import add_deprecated_alias, add_nats_wait_arg, finite_float
 from wavepp.cmd.stage import add_nats_tls_args
 
 if TYPE_CHECKING:
@@ -38,20 +39,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-url", required=True, help="NATS server URL (with JetStream)")
     parser.add_argument("--nats-creds", default=None, help="NATS credentials file (.creds)")
     add_nats_tls_args(parser)
+    add_nats_wait_arg(parser)
     parser.add_argument(
         "--pool",
         default=None,
         help="pool name (results bucket and subjects); default: $WAVEPP_PIPELINE",
     )
     parser.add_argument(
-        "--port", type=int, default=None, help="serve /healthz and /readyz on this port"
+        "--health-port",
+        type=int,
+        default=None,
+        help="serve /healthz and /readyz on this port (default: no health server)",
     )
-    parser.add_argument("--host", default="0.0.0.0", help="bind address of --port")
+    parser.add_argument("--health-host", default="0.0.0.0", help="bind address of --health-port")
     parser.add_argument(
-        "--ack-wait-s", type=float, default=10.0, help="redelivery delay of unacked requests"
+        "--ack-wait-s", type=finite_float, default=10.0, help="redelivery delay of unacked requests"
     )
-    parser.add_argument("--max-concurrent", type=int, default=64, help="requests taken at once")
-    parser.add_argument("--planner-cost-model", default="", help="CostModel JSON for the planner")
+    parser.add_argument(
+        "--max-outstanding",
+        type=int,
+        default=64,
+        help="requests of this replica taken from the intake and not yet answered",
+    )
+    parser.add_argument(
+        "--planner-cost-model",
+        default="",
+        help="CostModel JSON for the planner (default: the config's, else the packaged "
+        "tiny-llama CPU fit)",
+    )
+    add_deprecated_alias(parser, "--port", "--health-port", "health_port", type=int)
+    add_deprecated_alias(parser, "--host", "--health-host", "health_host")
+    add_deprecated_alias(
+        parser, "--max-concurrent", "--max-outstanding", "max_outstanding", type=int
+    )
 
 
 def _is_admitting(service: AdmissionService, stop: asyncio.Event) -> bool:
@@ -67,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.runtime.serving.lifecycle import exit_with_parent
 
     exit_with_parent()
+    from wavepp.cmd.common import check_nats_reachable, check_port_free
     from wavepp.cmd.stage import (
         POOL_ENV,
         ArgError,
@@ -89,18 +110,28 @@ def run(args: argparse.Namespace) -> int:
             raise ArgError(f"--pool: give the pool name, or set ${POOL_ENV}")
         check_creds(args.nats_creds)
         apply_nats_tls(args)
-        check_port("--port", args.port)
+        check_port("--health-port", args.health_port)
     except ArgError as exc:
         print(f"wavepp admission: {exc}", file=sys.stderr)
         return 2
     if args.ack_wait_s <= 0:
         print(f"wavepp admission: --ack-wait-s {args.ack_wait_s}: must be > 0", file=sys.stderr)
         return 2
-    if args.max_concurrent < 1:
+    if args.max_outstanding < 1:
         print(
-            f"wavepp admission: --max-concurrent {args.max_concurrent}: must be >= 1",
+            f"wavepp admission: --max-outstanding {args.max_outstanding}: must be >= 1",
             file=sys.stderr,
         )
+        return 2
+    failure = None
+    if args.health_port is not None:
+        busy = check_port_free(args.health_host, args.health_port)
+        failure = f"--health-port: {busy}" if busy else None
+    if failure is None:
+        unreachable = check_nats_reachable(args.nats_url, args.nats_connect_timeout_s)
+        failure = f"--nats-url {unreachable}" if unreachable else None
+    if failure is not None:
+        print(f"wavepp admission: {failure}", file=sys.stderr)
         return 2
     if args.planner_cost_model:
         cost = CostModel.from_dict(json.loads(Path(args.planner_cost_model).read_text()))
@@ -137,12 +168,12 @@ def run(args: argparse.Namespace) -> int:
                 cost,
                 pool=pool,
                 ack_wait_s=args.ack_wait_s,
-                max_concurrent=args.max_concurrent,
+                max_concurrent=args.max_outstanding,
             )
-            if args.port is not None:
+            if args.health_port is not None:
                 runner, port = await start_health_server(
-                    args.host,
-                    args.port,
+                    args.health_host,
+                    args.health_port,
                     {
                         "/healthz": lambda: nc is not None and nc.is_connected,
                         "/readyz": lambda: _is_admitting(service, stop),

@@ -1,6 +1,6 @@
 """``wavepp bench grid|admission|plot``: the side-by-side benchmark, its microbenchmark, plots.
 
-wavepp bench grid --out docs/bench            # models x concurrency x reuse, wave vs sync
+wavepp bench grid --concurrency 8,32       # models x concurrency x reuse, wave vs sync
 wavepp bench admission --stages 2,4,8         # agreements/s and latency over real NATS
 wavepp bench plot docs/bench/grid.csv         # PNG plots from a grid CSV
 """
@@ -12,6 +12,10 @@ import json
 import shlex
 import sys
 from pathlib import Path
+
+from wavepp.cmd.common import HelpFormatter, add_deprecated_alias, finite_float, fresh_out_dir
+
+BARE_IS_USAGE = [("grid",)]
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -27,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid = sub.add_parser(
         "grid",
         help="wave vs sync over models x concurrency x reuse",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="wave vs sync over models x concurrency x reuse (hours at the defaults: "
+        "give at least one flag)",
+        formatter_class=HelpFormatter,
     )
     grid.add_argument("--models", default="glm-5.2,minimax-m2.7", help="derived cost models")
     grid.add_argument(
@@ -48,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid.add_argument("--stages", type=int, default=4, help="pipeline stages S")
     grid.add_argument(
         "--time-scale",
-        type=float,
+        type=finite_float,
         default=1.0,
         help="emulated sleep multiplier: 1.0 = H200 time; below 1 stresses the control plane "
         "(its costs do not shrink) and is no measure of WavePP against the baseline",
@@ -66,23 +72,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     grid.add_argument(
         "--requests-per-concurrency",
-        type=float,
+        type=finite_float,
         default=1.0,
         help="requests per setting: max(--min-requests, C x this)",
     )
     grid.add_argument(
         "--repeats", type=int, default=1, help="runs per setting (table: medians, ratio range)"
     )
-    grid.add_argument("--out", default="docs/bench", help="folder for grid.csv and grid.md")
+    grid.add_argument(
+        "--out",
+        default=None,
+        help="folder for grid.csv, grid.md and the plots (default: a fresh wavepp-grid-* "
+        "folder under the system's temporary directory, named on stderr)",
+    )
     grid.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     adm = sub.add_parser(
         "admission",
         help="agreements/s and latency over real NATS",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="agreements/s and latency over real NATS",
+        formatter_class=HelpFormatter,
     )
     adm.add_argument("--stages", default="2,4,8", help="stages S per replica")
     adm.add_argument("--requests", type=int, default=400, help="agreements per setting")
-    adm.add_argument("--in-flight", default="1,16,64", help="concurrent agreements per replica")
+    adm.add_argument(
+        "--concurrency",
+        dest="in_flight",
+        default="1,16,64",
+        help="agreements in flight at once per replica, comma-separated",
+    )
+    add_deprecated_alias(adm, "--in-flight", "--concurrency", "in_flight")
     adm.add_argument(
         "--batch-limits", default="512", help="most requests per admission round (1: unbatched)"
     )
@@ -98,9 +116,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--suffix-tokens", type=int, default=192, help="new tokens per prompt (short-suffix)"
     )
     adm.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
-    adm.add_argument("--json", action="store_true", help="print the rows as JSON (only)")
-    plot = sub.add_parser("plot", help="PNG plots from a grid CSV")
-    plot.add_argument("csv")
+    adm.add_argument("--json", action="store_true", help="stdout: the rows as one JSON line only")
+    plot = sub.add_parser(
+        "plot",
+        help="PNG plots from a grid CSV",
+        description="PNG plots from a grid CSV",
+        formatter_class=HelpFormatter,
+    )
+    plot.add_argument("csv", help="grid.csv of a bench grid run")
     plot.add_argument("--out", default=None, help="folder (default: beside the CSV)")
 
 
@@ -177,8 +200,9 @@ def _run_grid(args: argparse.Namespace) -> int:
         return _fail("--concurrency", f"{args.concurrency!r}: need integers >= 1")
     if args.time_scale <= 0:
         return _fail("--time-scale", f"{args.time_scale}: must be > 0")
-    out = Path(args.out)
+    out = Path(args.out or fresh_out_dir("grid"))
     out.mkdir(parents=True, exist_ok=True)
+    print(f"wavepp bench grid: writing into {out}", file=sys.stderr)
     command = "wavepp bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     settings = grid_settings(spec)
     err = Console(stderr=True)
@@ -219,15 +243,15 @@ def _run_admission(args: argparse.Namespace) -> int:
     )
 
     lists = {}
-    for flag in ("stages", "in_flight", "batch_limits", "replicas"):
+    flags = {"stages": "--stages", "in_flight": "--concurrency",
+             "batch_limits": "--batch-limits", "replicas": "--replicas"}  # fmt: skip
+    for flag, name in flags.items():
         try:
             lists[flag] = _ints(getattr(args, flag))
         except ValueError as exc:
-            return _fail("--" + flag.replace("_", "-"), str(exc))
+            return _fail(name, str(exc))
         if not lists[flag] or min(lists[flag]) < 1:
-            return _fail(
-                "--" + flag.replace("_", "-"), f"{getattr(args, flag)!r}: need integers >= 1"
-            )
+            return _fail(name, f"{getattr(args, flag)!r}: need integers >= 1")
     workloads = [w for w in args.workload.split(",") if w]
     for workload in workloads:
         if workload not in WORKLOADS:

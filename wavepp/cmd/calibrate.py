@@ -10,14 +10,14 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny-llama", help="model preset (default tiny-llama)")
-    parser.add_argument(
-        "--layers", type=int, default=2, help="layers held by the measured stage (default 2)"
-    )
+    parser.add_argument("--model", default="tiny-llama", help="model preset")
+    parser.add_argument("--layers", type=int, default=2, help="layers held by the measured stage")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per grid point")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
-    parser.add_argument("--out", default="", help="write the fitted CostModel JSON here")
+    parser.add_argument(
+        "--out", default="", help="write the fitted CostModel JSON here (default: print only)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """``wavepp gateway``: the prefill API over HTTP and NATS (what the gateway pod runs).
 
 The configuration comes from ``--gateway-config F`` (a GatewayConfig JSON, ``wavepp up`` writes
-it) or from ``--config SPEC --pool POOL_JSON`` (the operator's ``spec.json`` and ``pool.json``):
+it) or from ``--config SPEC --pool-file POOL_JSON`` (the operator's ``spec.json`` and ``pool.json``):
 see :func:`gateway_config_from_spec`. ``--host`` defaults to 127.0.0.1 with ``--gateway-config``
 and to 0.0.0.0 (a pod) with ``--config``.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from wavepp.cmd.common import add_deprecated_alias, add_nats_wait_arg
 from wavepp.cmd.stage import add_nats_tls_args
 
 if TYPE_CHECKING:
@@ -28,14 +30,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--gateway-config", help="GatewayConfig JSON")
     source.add_argument(
-        "--config", help="WavePipeline spec (YAML/JSON, e.g. /etc/wavepp/spec.json); with --pool"
+        "--config",
+        help="WavePipeline spec (YAML/JSON, e.g. /etc/wavepp/spec.json); with --pool-file",
     )
     parser.add_argument(
-        "--pool", default=None, help="the operator's pool.json (with --config): pool name, replicas"
+        "--pool-file",
+        default=None,
+        help="the operator's pool.json (with --config): pool name, replicas",
     )
+    add_deprecated_alias(parser, "--pool", "--pool-file", "pool_file")
     parser.add_argument("--nats-url", required=True, help="NATS server URL (with JetStream)")
     parser.add_argument("--nats-creds", default=None, help="NATS credentials file (.creds)")
     add_nats_tls_args(parser)
+    add_nats_wait_arg(parser)
     parser.add_argument(
         "--host",
         default=None,
@@ -160,7 +167,8 @@ def gateway_config_from_spec(
 
 
 def _config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    from wavepp.api.spec import load_spec_file
+    from wavepp.api.spec import SpecFileError, load_spec_file
+    from wavepp.cmd.common import describe_error
     from wavepp.cmd.stage import ArgError
     from wavepp.gateway.core import GatewayConfig
 
@@ -168,23 +176,29 @@ def _config_from_args(args: argparse.Namespace) -> GatewayConfig:
         try:
             config = GatewayConfig.model_validate_json(Path(args.gateway_config).read_text())
         except (OSError, ValueError) as exc:
-            raise ArgError(f"--gateway-config {args.gateway_config}: {exc}") from exc
+            raise ArgError(
+                f"--gateway-config {args.gateway_config}: {describe_error(exc)}"
+            ) from None
         return _override(config, args)
-    if not args.pool:
-        raise ArgError(f"--pool: required with --config {args.config} (the pool.json file)")
+    if not args.pool_file:
+        raise ArgError(f"--pool-file: required with --config {args.config} (the pool.json file)")
     try:
-        pool_doc = json.loads(Path(args.pool).read_text())
+        pool_doc = json.loads(Path(args.pool_file).read_text())
         if not isinstance(pool_doc, dict):
             raise ValueError("expected a JSON object")
     except (OSError, ValueError) as exc:
-        raise ArgError(f"--pool {args.pool}: {exc}") from exc
+        raise ArgError(f"--pool-file {args.pool_file}: {describe_error(exc)}") from None
     try:
         spec = load_spec_file(args.config).resolved(
             default_image="local", default_nats_url=args.nats_url
         )
         config = gateway_config_from_spec(spec, pool_doc, routing=args.routing)
+    except SpecFileError as exc:
+        raise ArgError(f"--config {exc}") from None
     except ValueError as exc:
-        raise ArgError(f"--config {args.config} / --pool {args.pool}: {exc}") from exc
+        raise ArgError(
+            f"--config {args.config} / --pool-file {args.pool_file}: {describe_error(exc)}"
+        ) from None
     return _override(config, args)
 
 
@@ -206,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.runtime.serving.lifecycle import exit_with_parent
 
     exit_with_parent()
+    from wavepp.cmd.common import check_nats_reachable, check_port_free, describe_error
     from wavepp.cmd.stage import ArgError, apply_nats_tls, check_creds
     from wavepp.gateway.http import run_gateway
 
@@ -220,11 +235,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"wavepp gateway: --port {args.port}: must be in [1, 65535]", file=sys.stderr)
         return 2
     host = args.host or ("0.0.0.0" if args.config else "127.0.0.1")
+    busy = check_port_free(host, args.port)
+    if busy is not None:
+        print(f"wavepp gateway: --port: {busy}", file=sys.stderr)
+        return 2
+    unreachable = check_nats_reachable(args.nats_url, args.nats_connect_timeout_s)
+    if unreachable is not None:
+        print(f"wavepp gateway: --nats-url {unreachable}", file=sys.stderr)
+        return 2
     if args.nats_creds:
         # NOTE: run_gateway opens its connection with natsio.connect, which reads this.
         os.environ["WAVEPP_NATS_CREDS"] = args.nats_creds
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(run_gateway(config, args.nats_url, host, args.port))
+    try:
+        asyncio.run(run_gateway(config, args.nats_url, host, args.port))
+    except OSError as exc:
+        if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            raise
+        # NOTE: the port was free at the check above and taken before the bind.
+        print(f"wavepp gateway: --port {host}:{args.port}: {describe_error(exc)}", file=sys.stderr)
+        return 2
     return 0

@@ -1,8 +1,10 @@
 """``wavepp replay TRACE``: replay a Mooncake trace through a local pipeline.
 
 Starts its own nats-server and S stage processes, replays (closed loop at ``--concurrency``, or
-at the trace's timestamps with ``--timed``), prints a progress bar (stderr) and a summary table;
-with ``--json`` the last line of stdout is one JSON object (the replay contract).
+at the trace's timestamps with ``--timed``), prints a progress bar (stderr) and the summary:
+each number with its unit and meaning, and per stage the local hit against the agreed prefix
+(``wavepp.bench.summary_text``); with ``--json`` stdout is one JSON object only (the replay
+contract) and the tables go to stderr.
 """
 
 from __future__ import annotations
@@ -14,13 +16,25 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from wavepp.cmd.common import finite_float
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="Mooncake trace (JSON lines)")
     parser.add_argument("--limit", type=int, default=None, help="first N trace lines only")
-    parser.add_argument("--stages", type=int, default=4, help="pipeline stages S (default 4)")
-    parser.add_argument("--mode", choices=["wave", "sync"], default="wave")
-    parser.add_argument("--engine", choices=["torch", "emulated"], default="torch")
+    parser.add_argument("--stages", type=int, default=4, help="pipeline stages S")
+    parser.add_argument(
+        "--mode",
+        choices=["wave", "sync"],
+        default="wave",
+        help="wave: WavePP; sync: the TensorRT-LLM-like baseline",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["torch", "emulated"],
+        default="torch",
+        help="torch: real layers on the CPU; emulated: sleep the --emulate cost model",
+    )
     parser.add_argument(
         "--concurrency", type=int, default=32, help="closed-loop requests in flight"
     )
@@ -30,33 +44,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=512,
         help="tokens per trace hash id (512 = the trace's own; smaller scales prompts down)",
     )
-    parser.add_argument("--json", action="store_true", help="last stdout line: summary JSON")
+    parser.add_argument(
+        "--json", action="store_true", help="stdout: the summary JSON only (the table on stderr)"
+    )
     parser.add_argument("--timed", action="store_true", help="arrive at the trace's timestamps")
-    parser.add_argument("--speedup", type=float, default=1.0, help="with --timed: time compression")
+    parser.add_argument(
+        "--speedup", type=finite_float, default=1.0, help="with --timed: time compression"
+    )
     parser.add_argument("--model", default="tiny-llama", help="model preset (torch engine weights)")
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     parser.add_argument(
         "--kv-blocks",
         default=None,
         help="KV capacity per stage in blocks: one number, or S comma-separated (unequal "
-        "stages). Unset (%(default)s): torch engine 4096; emulated engine derived per stage from --emulate's "
+        "stages). Default: torch engine 4096; emulated engine derived per stage from --emulate's "
         "weights, activations of the largest micro-batch and KV bytes per token at H200 memory (141 GB x "
         "0.9; wavepp.runtime.planning.memory), 4096 for tiny-llama",
     )
-    parser.add_argument("--chunk-tokens", type=int, default=8192, help="static chunk budget")
+    parser.add_argument(
+        "--chunk-tokens", type=int, default=8192, help="static chunk budget (new tokens)"
+    )
     parser.add_argument(
         "--emulate",
         default="glm-5.2",
         help="emulated engine: cost model of this model at H200 (see `wavepp.runtime.planning.catalogue`)",
     )
-    parser.add_argument("--time-scale", type=float, default=1.0, help="emulated: sleep multiplier")
     parser.add_argument(
-        "--cost-model", default="", help="planner cost model JSON (calibrate --out)"
+        "--time-scale", type=finite_float, default=1.0, help="emulated: sleep multiplier"
     )
-    parser.add_argument("--chunk-policy", choices=["dynamic", "static"], default=None)
-    parser.add_argument("--agreement", choices=["async", "sync"], default=None)
-    parser.add_argument("--local-prepare", choices=["on", "off"], default=None)
-    parser.add_argument("--max-inflight", type=int, default=None, help="default: S")
+    parser.add_argument(
+        "--cost-model",
+        default="",
+        help="planner cost model JSON (calibrate --out; default: the emulated model's, or the "
+        "packaged tiny-llama CPU fit)",
+    )
+    parser.add_argument(
+        "--chunk-policy",
+        choices=["dynamic", "static"],
+        default=None,
+        help="ablation (default: from --mode: wave dynamic, sync static)",
+    )
+    parser.add_argument(
+        "--agreement",
+        choices=["async", "sync"],
+        default=None,
+        help="ablation (default: from --mode: wave async, sync sync)",
+    )
+    parser.add_argument(
+        "--local-prepare",
+        choices=["on", "off"],
+        default=None,
+        help="ablation (default: from --mode: wave on, sync off)",
+    )
+    parser.add_argument(
+        "--max-inflight", type=int, default=None, help="micro-batches in flight (default: S)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="token mapping and weight seed")
     parser.add_argument("--cache-salt", default="", help="cache salt (tenant) of every request")
     telemetry = parser.add_argument_group("telemetry")
@@ -69,7 +111,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     telemetry.add_argument("--trace-out", default="", help="JSON-lines span file (all processes)")
     telemetry.add_argument("--otlp-endpoint", default="", help="OTLP collector endpoint")
     telemetry.add_argument(
-        "--trace-sampling", type=float, default=1.0, help="fraction of requests traced [0, 1]"
+        "--trace-sampling",
+        type=finite_float,
+        default=1.0,
+        help="fraction of requests traced [0, 1]",
     )
     telemetry.add_argument(
         "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port"
@@ -134,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from wavepp.bench.replay import replay_records
+    from wavepp.bench.summary_text import clean_source, stage_rows, summary_rows
     from wavepp.bench.trace import TokenMapper, load_trace
     from wavepp.runtime.config import RuntimeConfig
     from wavepp.runtime.model_config import get_preset
@@ -208,12 +254,16 @@ def run(args: argparse.Namespace) -> int:
     records, invalid = load_trace(args.trace, args.limit)
     for error in invalid:
         err.print(f"[yellow]skipped invalid trace line[/]: {error}")
+    served = (
+        f"{args.emulate} (emulated at H200 speed)"
+        if args.engine == "emulated"
+        else f"{model.name} ({model.num_layers} layers in all)"
+    )
     err.print(
-        f"replaying {len(records)} requests: {config.num_stages} {config.engine} stages "
-        f"({model.name}, {model.num_layers} layers), mode={config.mode}, "
-        f"tokens-per-block={args.tokens_per_block}, block-size={config.block_size}, "
-        f"kv-blocks={kv_blocks} ({kv_blocks_source}), concurrency={args.concurrency}"
-        + (f", emulating {args.emulate} @ H200" if args.engine == "emulated" else "")
+        f"replaying {len(records)} requests: {served} on {config.num_stages} {config.engine} "
+        f"stages, mode={config.mode}, {args.tokens_per_block} tokens per trace block, "
+        f"block size {config.block_size} tokens, KV capacity {kv_blocks} blocks per stage "
+        f"({kv_blocks_source}), concurrency {args.concurrency}"
     )
     progress = Progress(
         "[progress.description]{task.description}",
@@ -241,15 +291,29 @@ def run(args: argparse.Namespace) -> int:
         )
     summary = report.summary()
     if args.engine == "emulated":
-        summary["emulate"] = args.emulate
-    summary["kv_blocks_source"] = kv_blocks_source
-    summary["planner_cost_model"] = planner_model.source or planner_model.label
+        summary["model"] = args.emulate  # the torch preset only lends its vocabulary here
+    summary["kv_blocks_source"] = clean_source(kv_blocks_source)
+    summary["planner_cost_model"] = clean_source(planner_model.source or planner_model.label)
+    # NOTE: with --json, stdout holds the JSON line only; the tables go to stderr.
+    out = err if args.json else Console()
     table = Table(title=f"wavepp replay: {Path(args.trace).name}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key, value in summary.items():
-        table.add_row(key, str(value))
-    Console().print(table)
+    for column, justify in (("metric", "left"), ("value", "right"), ("meaning", "left")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for row in summary_rows(summary):
+        table.add_row(*row)
+    out.print(table)
+    stages = Table(title=f"per stage (blocks of {config.block_size} tokens, summed over requests)")
+    for column in ("stage", "layers", "KV capacity", "local hit", "agreed prefix",
+                   "held, not shared", "busy (s)"):  # fmt: skip
+        stages.add_column(column, justify="right")
+    for row in stage_rows(summary):
+        stages.add_row(*row)
+    out.print(stages)
+    out.print(
+        "local hit: blocks of each prompt the stage held; agreed prefix: the blocks every "
+        "stage held (min over stages), the only ones reused; held, not shared: recomputed "
+        "although that stage had them (unequal --kv-blocks evict differently)."
+    )
     if args.timeline:
         from wavepp.telemetry.spans import read_span_records
         from wavepp.telemetry.timeline import draw_timeline

@@ -13,11 +13,17 @@ import argparse
 import json
 import sys
 
+from wavepp.cmd.common import finite_float
+
+BARE_IS_USAGE = [()]
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="glm-5.2", help="derived H200 cost model")
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--concurrency", default="128", help="comma-separated")
+    parser.add_argument("--stages", type=int, default=4, help="pipeline stages S")
+    parser.add_argument(
+        "--concurrency", default="128", help="closed-loop requests in flight, comma-separated"
+    )
     parser.add_argument(
         "--reuse",
         choices=["low", "high", "agentic", "chat"],
@@ -31,23 +37,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="scale the reuse preset to this prompt length (0: preset's 4096)",
     )
     parser.add_argument("--requests", type=int, default=0, help="default: max(32, concurrency)")
-    parser.add_argument("--time-scale", type=float, default=1.0)
-    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument(
+        "--time-scale",
+        type=finite_float,
+        default=1.0,
+        help="stage time multiplier (1.0 = H200 time)",
+    )
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     parser.add_argument(
         "--kv-blocks",
         type=int,
         default=None,
-        help="KV capacity per stage in blocks (unset, %(default)s: derived per stage from --model's "
+        help="KV capacity per stage in blocks (default: derived per stage from --model's "
         "weights, activations of the largest micro-batch and KV bytes per token at H200 memory, 141 GB x "
         "0.9; wavepp.runtime.planning.memory)",
     )
-    parser.add_argument("--chunk-tokens", type=int, default=8192)
-    parser.add_argument("--kv-rtt-ms", type=float, default=1.0, help="KV request-reply RTT")
-    parser.add_argument("--bus-ms", type=float, default=0.5, help="plan/done publish latency")
-    parser.add_argument("--hop-ms", type=float, default=0.2, help="activation hop latency")
+    parser.add_argument(
+        "--chunk-tokens", type=int, default=8192, help="static chunk budget (baseline), tokens"
+    )
+    parser.add_argument("--kv-rtt-ms", type=finite_float, default=1.0, help="KV request-reply RTT")
+    parser.add_argument(
+        "--bus-ms", type=finite_float, default=0.5, help="plan/done publish latency"
+    )
+    parser.add_argument("--hop-ms", type=finite_float, default=0.2, help="activation hop latency")
     parser.add_argument(
         "--schedule-ms",
-        type=float,
+        type=finite_float,
         default=2.7,
         help="scheduler host time per micro-batch on the critical path, both modes (default "
         "%(default)s: the control overhead per micro-batch measured on this machine)",
@@ -66,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     baseline.add_argument(
         "--baseline-overhead-ms",
-        type=float,
+        type=finite_float,
         default=5.0,
         help="TRT-LLM host loop per micro-batch (fetch, schedule, prepare resources and "
         "inputs), ms on the critical path; range 5/10/15 (default %(default)s)",
@@ -85,7 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lockstep admission: no KV round trips, every stage the smallest capacity "
         "(default %(default)s)",
     )
-    parser.add_argument("--json", action="store_true", help="last stdout line: JSON results")
+    parser.add_argument(
+        "--json", action="store_true", help="stdout: the JSON results only (the table on stderr)"
+    )
 
 
 def _fail(flag: str, message: str) -> int:
@@ -160,10 +177,12 @@ def run(args: argparse.Namespace) -> int:
     preset = REUSE_PRESETS[args.reuse]
     factor = args.prompt_tokens / 4096 if args.prompt_tokens else 1.0
     results = []
+    table_out = sys.stderr if args.json else sys.stdout  # --json: stdout holds JSON only
     print(
         "| model | S | C | reuse | prompt tokens | tok/s wave | tok/s sync | ratio | bound tok/s | "
         "efficiency wave/sync | TTFT p50 wave/sync (s) | wave fill wave/sync |\n"
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
+        file=table_out,
     )
     for concurrency in concurrencies:
         num_requests = args.requests or max(32, concurrency)
@@ -198,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
             f"{w['bound_tokens_per_s']:.0f} | {w['efficiency']:.2f}/{s['efficiency']:.2f} | "
             f"{w['ttft_p50_s']:.3f}/{s['ttft_p50_s']:.3f} | "
             f"{w['wave_fill']:.2f}/{s['wave_fill']:.2f} |",
+            file=table_out,
             flush=True,
         )
         results.append(

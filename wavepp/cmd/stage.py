@@ -34,6 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from wavepp.cmd.common import add_nats_wait_arg
+
 if TYPE_CHECKING:
     from aiohttp import web
 
@@ -71,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-url", required=True, help="NATS server URL, e.g. nats://host:4222")
     parser.add_argument("--nats-creds", default=None, help="NATS credentials file (.creds)")
     add_nats_tls_args(parser)
+    add_nats_wait_arg(parser)
     parser.add_argument(
         "--dist-url",
         required=True,
@@ -210,7 +213,8 @@ def runtime_config_from_args(
         ArgError: unreadable or invalid file, replica out of range, no pool name (names the
             flag).
     """
-    from wavepp.api.spec import SpecError, load_spec_file
+    from wavepp.api.spec import SpecError, SpecFileError, load_spec_file
+    from wavepp.cmd.common import describe_error
     from wavepp.runtime.config import RuntimeConfig
     from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 
@@ -218,7 +222,9 @@ def runtime_config_from_args(
         try:
             return RuntimeConfig.model_validate_json(Path(args.runtime_config).read_text())
         except (OSError, ValueError) as exc:
-            raise ArgError(f"--runtime-config {args.runtime_config}: {exc}") from exc
+            raise ArgError(
+                f"--runtime-config {args.runtime_config}: {describe_error(exc)}"
+            ) from None
     if args.replica is None:
         raise ArgError(f"--replica: required with --config {args.config}")
     pool = args.pool or env.get(POOL_ENV)
@@ -229,8 +235,10 @@ def runtime_config_from_args(
             default_image="local", default_nats_url=args.nats_url
         )
         configs = runtime_configs_from_spec(spec, pool=pool)
+    except SpecFileError as exc:
+        raise ArgError(f"--config {exc}") from None
     except (SpecError, ValueError) as exc:
-        raise ArgError(f"--config {args.config}: {exc}") from exc
+        raise ArgError(f"--config {args.config}: {describe_error(exc)}") from None
     if not 0 <= args.replica < len(configs):
         raise ArgError(
             f"--replica {args.replica}: must be in [0, {len(configs)}) "
@@ -285,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.runtime.serving.lifecycle import exit_with_parent
 
     exit_with_parent()
+    from wavepp.cmd.common import check_nats_reachable, check_port_free
     from wavepp.runtime.stage.worker import StageReadiness, run_stage
 
     try:
@@ -298,6 +307,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not 0 <= rank < config.num_stages:
         print(f"wavepp stage: --rank {rank}: must be in [0, {config.num_stages})", file=sys.stderr)
+        return 2
+    failure = None
+    if args.health_port is not None:
+        busy = check_port_free(args.health_host, args.health_port)
+        failure = f"--health-port: {busy}" if busy else None
+    if failure is None:
+        unreachable = check_nats_reachable(args.nats_url, args.nats_connect_timeout_s)
+        failure = f"--nats-url {unreachable}" if unreachable else None
+    if failure is not None:
+        print(f"wavepp stage: {failure}", file=sys.stderr)
         return 2
 
     async def main() -> None:

@@ -17,10 +17,14 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("traces", nargs="+", help="JSON-lines span file(s) of one run")
-    parser.add_argument("--out", default="", help="write the timeline PNG here")
+    parser.add_argument(
+        "--out", default="", help="write the timeline PNG here (default: no picture)"
+    )
     parser.add_argument("--stages", type=int, default=None, help="S (default: from the spans)")
     parser.add_argument("--title", default="", help="title prefix of the picture")
-    parser.add_argument("--json", action="store_true", help="last stdout line: summary JSON")
+    parser.add_argument(
+        "--json", action="store_true", help="stdout: the summary JSON only (the rest on stderr)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,8 +58,9 @@ def run(args: argparse.Namespace) -> int:
         "stage_busy_s": [round(b, 4) for b in busy],
         "wave_fill": round(fill, 4),
     }
+    text_out = sys.stderr if args.json else sys.stdout  # --json: stdout holds JSON only
     for key, value in summary.items():
-        print(f"{key:>14}: {value}")
+        print(f"{key:>14}: {value}", file=text_out)
     if args.out:
         from wavepp.telemetry.timeline import draw_timeline
 
@@ -64,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"wavepp trace-view: --out: {exc}", file=sys.stderr)
             return 2
-        print(f"{'timeline':>14}: {args.out}")
+        print(f"{'timeline':>14}: {args.out}", file=text_out)
     if args.json:
         print(json.dumps(summary), flush=True)
     return 0

@@ -25,20 +25,30 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from wavepp.cmd.common import add_deprecated_alias, finite_float
 from wavepp.runtime.serving.lifecycle import child_env
 
 DEFAULT_SPEC = {"model": {"name": "tiny-llama"}, "stages": 2}
+MAX_LOCAL_PROCESSES = 256
+"""Processes ``wavepp up`` starts at most: replicas x (stages + 1) + gateway + nats-server."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="", help="WavePipeline spec (YAML or JSON)")
-    parser.add_argument("--name", default="default", help="pool name (NATS subjects, results)")
+    parser.add_argument("--pool", default="default", help="pool name (NATS subjects, results)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     parser.add_argument("--port", type=int, default=8000, help="gateway port (0: a free one)")
-    parser.add_argument("--state-dir", default="", help="logs, configs, JetStream store")
+    parser.add_argument(
+        "--state-dir",
+        default="",
+        help="logs, configs, JetStream store (default: a fresh wavepp-up-* temporary folder)",
+    )
     parser.add_argument("--tokenizer", default="", help="local tokenizer path (for text prompts)")
     parser.add_argument(
-        "--routing", choices=["prefix", "round_robin", "least_loaded"], default="prefix"
+        "--routing",
+        choices=["prefix", "round_robin", "least_loaded"],
+        default="prefix",
+        help="which replica a request goes to",
     )
     parser.add_argument(
         "--max-outstanding", type=int, default=8, help="requests per replica past the gateway"
@@ -53,7 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tenant-max-concurrency", type=int, default=None, help="per tenant, queued or running"
     )
     parser.add_argument(
-        "--tenant-tokens-per-s", type=float, default=None, help="per tenant prompt-token rate"
+        "--tenant-tokens-per-s",
+        type=finite_float,
+        default=None,
+        help="per tenant prompt-token rate",
     )
     parser.add_argument(
         "--tenant-limits",
@@ -61,27 +74,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='JSON per tenant, e.g. {"acme": {"max_concurrency": 4, "tokens_per_s": 5000, '
         '"burst_tokens": 20000}}; overrides the two flags above',
     )
-    parser.add_argument("--ack-wait-s", type=float, default=10.0, help="intake redelivery delay")
-    parser.add_argument("--request-timeout-s", type=float, default=120.0)
-    parser.add_argument("--replica-timeout-s", type=float, default=3.0)
-    parser.add_argument("--startup-timeout-s", type=float, default=300.0)
+    parser.add_argument(
+        "--ack-wait-s", type=finite_float, default=10.0, help="intake redelivery delay"
+    )
+    parser.add_argument(
+        "--request-timeout-s",
+        type=finite_float,
+        default=120.0,
+        help="a request unanswered this long: 504",
+    )
+    parser.add_argument(
+        "--replica-timeout-s",
+        type=finite_float,
+        default=3.0,
+        help="a replica without a heartbeat this long leaves the pool",
+    )
+    parser.add_argument(
+        "--startup-timeout-s",
+        type=finite_float,
+        default=300.0,
+        help="not serving this long after start: stop everything, exit 2",
+    )
+    add_deprecated_alias(parser, "--name", "--pool", "pool")
 
 
 def _fail(flag: str, message: str) -> int:
     print(f"wavepp up: {flag}: {message}", file=sys.stderr)
     return 2
-
-
-def load_spec_file(path: str) -> dict:
-    """The spec mapping of a YAML/JSON file holding a spec or a whole WavePipeline resource."""
-    import yaml
-
-    raw = yaml.safe_load(Path(path).read_text())
-    if isinstance(raw, dict) and "spec" in raw and "kind" in raw:
-        raw = raw["spec"]
-    if not isinstance(raw, dict):
-        raise ValueError("the file holds no mapping")
-    return raw
 
 
 class Supervisor:
@@ -129,6 +148,14 @@ class Supervisor:
         lines = path.read_text(errors="replace").splitlines() if path.exists() else []
         return "\n".join(lines[-num_lines:])
 
+    def last_error(self, name: str) -> str:
+        """The child's last log line that looks like an error (else its last line), one line."""
+        lines = [ln.strip() for ln in self.log_tail(name, 60).splitlines() if ln.strip()]
+        for line in reversed(lines):
+            if "Error" in line or "error" in line or line.startswith("wavepp"):
+                return line
+        return lines[-1] if lines else "no output"
+
     def stop(self, names: list[str]) -> None:
         for name in names:
             proc = self.procs.get(name)
@@ -153,8 +180,57 @@ def _is_ready(url: str) -> bool:
         return False
 
 
+def _start_children(
+    sup: Supervisor,
+    args: argparse.Namespace,
+    configs: list,
+    state_dir: Path,
+    nats_url: str,
+    port: int,
+    stage_names: list[str],
+    service_names: list[str],
+) -> None:
+    """Start every replica's stages and admission, then the gateway; names are appended to
+    ``stage_names`` / ``service_names`` as each starts (so a failure stops those started)."""
+    from wavepp.runtime.transport.natsio import free_port
+
+    cli = [sys.executable, "-m", "wavepp.cli"]
+    for config in configs:
+        path = state_dir / f"{config.pipeline}.json"
+        path.write_text(config.model_dump_json(indent=2))
+        dist_url = f"tcp://127.0.0.1:{free_port()}"
+        for rank in range(config.num_stages):
+            name = f"stage-{config.pipeline}-{rank}"
+            stage_names.append(name)
+            sup.start(
+                name,
+                [*cli, "stage", "--runtime-config", str(path), "--rank", str(rank),
+                 "--nats-url", nats_url, "--dist-url", dist_url],
+            )  # fmt: skip
+        name = f"admission-{config.pipeline}"
+        service_names.append(name)
+        sup.start(
+            name,
+            [*cli, "admission", "--runtime-config", str(path), "--nats-url", nats_url,
+             "--pool", args.pool, "--ack-wait-s", str(args.ack_wait_s)],
+        )  # fmt: skip
+    service_names.append("gateway")
+    sup.start(
+        "gateway",
+        [*cli, "gateway", "--gateway-config", str(state_dir / "gateway.json"),
+         "--nats-url", nats_url, "--host", args.host, "--port", str(port)],
+    )  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
-    from wavepp.api.spec import SpecError, TenantSpec, check_spec
+    from wavepp.api.spec import (
+        SpecError,
+        SpecFileError,
+        TenantSpec,
+        check_spec,
+        read_spec_mapping,
+    )
+    from wavepp.cmd.common import check_port_free, describe_error
     from wavepp.gateway.auth import KeyFileError, authenticator_for
     from wavepp.gateway.core import GatewayConfig, ReplicaInfo
     from wavepp.gateway.tenants import TenantPolicy, policy_from_spec
@@ -162,20 +238,34 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
     try:
-        raw = load_spec_file(args.config) if args.config else dict(DEFAULT_SPEC)
-    except (OSError, ValueError) as exc:
-        return _fail("--config", f"{args.config}: {exc}")
+        raw = read_spec_mapping(args.config) if args.config else dict(DEFAULT_SPEC)
+    except SpecFileError as exc:
+        return _fail("--config", str(exc))
     spec, issues = check_spec(raw, default_image="local", default_nats_url="nats://embedded")
     if spec is None:
-        return _fail("--config", "; ".join(str(i) for i in issues))
+        return _fail("--config", f"{args.config}: " + "; ".join(str(i) for i in issues))
     try:
-        configs = runtime_configs_from_spec(spec, pool=args.name)
+        configs = runtime_configs_from_spec(spec, pool=args.pool)
     except SpecError as exc:
         return _fail("--config", str(exc))
+    num_processes = sum(c.num_stages + 1 for c in configs) + 2
+    if num_processes > MAX_LOCAL_PROCESSES:
+        return _fail(
+            "--config",
+            f"{args.config}: spec.replicas x (spec.stages + 1) + 2 = {num_processes} local "
+            f"processes; wavepp up runs at most {MAX_LOCAL_PROCESSES} (use the operator)",
+        )
     if args.max_outstanding < 1:
         return _fail("--max-outstanding", f"{args.max_outstanding}: must be >= 1")
     if args.max_queued < 1:
         return _fail("--max-queued", f"{args.max_queued}: must be >= 1")
+    if args.tokenizer and not Path(args.tokenizer).exists():
+        return _fail("--tokenizer", f"{args.tokenizer}: no such file or folder")
+    if not 0 <= args.port <= 65535:
+        return _fail("--port", f"{args.port}: must be in [0, 65535]")
+    busy = check_port_free(args.host, args.port)
+    if busy is not None:
+        return _fail("--port", f"{busy}; choose another port (0: a free one)")
     port = args.port or free_port()
     try:
         overrides = json.loads(args.tenant_limits) if args.tenant_limits else {}
@@ -236,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
         first.model.max_position,
     )
     gateway_config = GatewayConfig(
-        pool=args.name,
+        pool=args.pool,
         replicas=[ReplicaInfo(pipeline=c.pipeline, num_stages=c.num_stages) for c in configs],
         model_name=first.model.name,
         model_id=first.model_id,
@@ -262,38 +352,21 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     server = EmbeddedNatsServer(jetstream=True, store_dir=str(state_dir / "jetstream"))
-    server.start()
+    try:
+        server.start()
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        server.stop()
+        return _fail("nats-server", f"did not start: {describe_error(exc)}")
     endpoint = f"http://{args.host}:{port}"
     sup.info = {"endpoint": endpoint, "nats_url": server.url, "state_dir": str(state_dir)}
-    cli = [sys.executable, "-m", "wavepp.cli"]
     stage_names: list[str] = []
     service_names: list[str] = []
-    for config in configs:
-        path = state_dir / f"{config.pipeline}.json"
-        path.write_text(config.model_dump_json(indent=2))
-        dist_url = f"tcp://127.0.0.1:{free_port()}"
-        for rank in range(config.num_stages):
-            name = f"stage-{config.pipeline}-{rank}"
-            stage_names.append(name)
-            sup.start(
-                name,
-                [*cli, "stage", "--runtime-config", str(path), "--rank", str(rank),
-                 "--nats-url", server.url, "--dist-url", dist_url],
-            )  # fmt: skip
-        name = f"admission-{config.pipeline}"
-        service_names.append(name)
-        sup.start(
-            name,
-            [*cli, "admission", "--runtime-config", str(path), "--nats-url", server.url,
-             "--pool", args.name, "--ack-wait-s", str(args.ack_wait_s)],
-        )  # fmt: skip
-    service_names.append("gateway")
-    sup.start(
-        "gateway",
-        [*cli, "gateway", "--gateway-config", str(state_dir / "gateway.json"),
-         "--nats-url", server.url, "--host", args.host, "--port", str(port)],
-    )  # fmt: skip
     code = 0
+    try:
+        _start_children(sup, args, configs, state_dir, server.url, port, stage_names, service_names)
+    except OSError as exc:
+        print(f"wavepp up: starting a child failed: {describe_error(exc)}", file=sys.stderr)
+        stopping["flag"], code = True, 2
     is_serving = False
     deadline = time.monotonic() + args.startup_timeout_s
     try:
@@ -301,22 +374,24 @@ def run(args: argparse.Namespace) -> int:
             dead_stage = next((n for n in stage_names if sup.procs[n].poll() is not None), None)
             if dead_stage is not None:
                 print(
-                    f"wavepp up: {dead_stage} exited with code {sup.procs[dead_stage].returncode}; "
-                    f"stopping\n{sup.log_tail(dead_stage)}",
+                    f"wavepp up: {dead_stage} exited with code {sup.procs[dead_stage].returncode}"
+                    f"{'' if is_serving else ' during start-up'}: {sup.last_error(dead_stage)} "
+                    f"(log: {sup.log_dir / dead_stage}.log); stopping",
                     file=sys.stderr,
                     flush=True,
                 )
-                code = 1
+                code = 1 if is_serving else 2
                 break
             for name in service_names:
                 if sup.procs[name].poll() is not None:
                     if not is_serving:
                         print(
-                            f"wavepp up: {name} exited during startup\n{sup.log_tail(name)}",
+                            f"wavepp up: {name} exited during start-up: {sup.last_error(name)} "
+                            f"(log: {sup.log_dir / name}.log); stopping",
                             file=sys.stderr,
                             flush=True,
                         )
-                        stopping["flag"], code = True, 1
+                        stopping["flag"], code = True, 2
                         break
                     sup.restart(name)
             if not is_serving and not stopping["flag"]:
@@ -324,14 +399,17 @@ def run(args: argparse.Namespace) -> int:
                     is_serving = True
                     print(f"wavepp up: {auth_line}", flush=True)
                     print(
-                        f"wavepp up: serving {endpoint} (pool {args.name}: {len(configs)} "
+                        f"wavepp up: serving {endpoint} (pool {args.pool}: {len(configs)} "
                         f"replica(s) x {first.num_stages} {first.engine} stages of "
                         f"{first.model.name}; NATS {server.url}; logs {sup.log_dir})",
                         flush=True,
                     )
                 elif time.monotonic() > deadline:
-                    print(f"wavepp up: not ready in {args.startup_timeout_s}s", file=sys.stderr)
-                    code = 1
+                    print(
+                        f"wavepp up: --startup-timeout-s: not ready in {args.startup_timeout_s} s",
+                        file=sys.stderr,
+                    )
+                    code = 2
                     break
             time.sleep(0.2)
     finally:

@@ -55,7 +55,7 @@ class ReplicaInfo(BaseModel):
 class GatewayConfig(BaseModel):
     """Everything the gateway process needs (``wavepp up`` writes it from the spec)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     pool: str
     replicas: list[ReplicaInfo] = Field(min_length=1)

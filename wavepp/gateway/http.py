@@ -3,7 +3,8 @@
 | route                    | answer                                                          |
 | ------------------------ | --------------------------------------------------------------- |
 | ``POST /v1/prefill``     | ``PrefillResult`` JSON (first token, prompt/cached tokens, TTFT, per-stage timings) |
-| ``POST /v1/completions`` | OpenAI text completion, prefill only (``max_tokens`` = 1)       |
+| ``POST /v1/completions`` | OpenAI text completion, prefill only (``max_tokens`` = 1); a list of prompts; ``stream`` as SSE (``openai_api``) |
+| ``GET /v1/models``       | the served model, OpenAI's list shape                           |
 | ``GET /healthz``         | 200 while the process and its NATS connection are up           |
 | ``GET /readyz``          | 200 only when every stage of every replica is formed            |
 | ``GET /metrics``         | Prometheus text, per-tenant counters and TTFT histogram, queue depth |
@@ -15,11 +16,14 @@ a ``tenant`` field or ``X-WavePP-Tenant`` header naming another tenant is 403; t
 field is then only the end user's id, not a tenant; a client past its budget of failures is
 429. Without key files the gateway is open: the request names its tenant.
 
-Errors are JSON ``{"error": {"field", "message", "limit"?}}``: 400 malformed or out of range,
-401 no valid API key, 403 unknown tenant or another tenant than the key's, 404 wrong model,
-422 text without a tokenizer, 429 over a tenant limit, too many failed keys, or
-past the gateway's queue limit (``field`` ``queue``, ``limit`` = ``max_queued_requests``; both
-with ``Retry-After``), 503 intake unavailable, 504 no answer in time. The NATS API on
+Every error is JSON ``{"error": {"type", "field", "param", "message", "limit"?}}`` and is
+counted per tenant: 400 malformed or out of range, 401 no valid API key, 403 unknown tenant
+(the configured tenants are never listed) or another tenant than the key's, 404 wrong model or
+no such route, 405 wrong method, 413 body over ``errors.MAX_BODY_BYTES`` (``limit``), 422 text
+without a tokenizer, 429 over a tenant limit, too many failed keys, or past the gateway's queue
+limit (``field`` ``queue``, ``limit`` = ``max_queued_requests``; both with ``Retry-After``), 500
+the pipeline failed the request, 503 intake unavailable, 504 no answer in time. aiohttp's own
+errors (413, 404, 405) are rewritten by ``errors.error_middleware``. The NATS API on
 ``wavepp.{pool}.prefill`` (queue group ``gateway``) takes the ``/v1/prefill`` body and answers
 ``{"status": code, "body": ...}``.
 """
@@ -43,12 +47,16 @@ from wavepp.api.prefill import PrefillResult
 from wavepp.api.subjects import prefill_subject
 from wavepp.gateway.auth import AuthError, authenticator_for
 from wavepp.gateway.core import Gateway, GatewayConfig
+from wavepp.gateway.errors import MAX_BODY_BYTES, error_body, error_middleware, metrics_tenant
+from wavepp.gateway.openai_api import completion_body, models_body, sse_events
 from wavepp.gateway.tenants import LimitExceeded
 from wavepp.gateway.validation import (
     BadRequest,
+    CompletionRequest,
     ParsedRequest,
-    parse_completion,
+    parse_completion_batch,
     parse_prefill,
+    tenant_hint,
 )
 from wavepp.runtime.transport.natsio import connect
 
@@ -96,9 +104,7 @@ def _error(exc: BadRequest | LimitExceeded | Exception, status: int) -> web.Resp
         }
         retry = str(max(1, math.ceil(exc.retry_after_s)))
         return web.json_response(body, status=429, headers={"Retry-After": retry})
-    return web.json_response(
-        {"error": {"type": "server_error", "message": str(exc)}}, status=status
-    )
+    return web.json_response(error_body("request", str(exc), kind="server_error"), status=status)
 
 
 class GatewayServer:
@@ -118,11 +124,16 @@ class GatewayServer:
             wall_clock=time.time,
         )
         self._tasks: set[asyncio.Task[None]] = set()
-        self.app = web.Application(client_max_size=16 * 1024 * 1024)
+        self.started = int(time.time())
+        self.app = web.Application(
+            client_max_size=MAX_BODY_BYTES,
+            middlewares=[error_middleware(gateway.metrics, gateway.tenants)],
+        )
         self.app.add_routes(
             [
                 web.post("/v1/prefill", self.handle_prefill),
                 web.post("/v1/completions", self.handle_completions),
+                web.get("/v1/models", self.handle_models),
                 web.get("/healthz", self.handle_healthz),
                 web.get("/readyz", self.handle_readyz),
                 web.get("/metrics", self.handle_metrics),
@@ -145,21 +156,32 @@ class GatewayServer:
         try:
             request = parse()
             tenant = request.tenant
-            result, is_duplicate = await self.gateway.prefill(request)
-            headers = {"X-WavePP-Duplicate": "true"} if is_duplicate else {}
-            status, payload = (500 if result.error else 200), result
+            status, payload, headers = await self._prefill(request)
         except (BadRequest, LimitExceeded) as exc:
-            response = _error(exc, 400)
-            status, payload = response.status, json.loads(response.body)
-            headers = {k: v for k, v in response.headers.items() if k == "Retry-After"}
+            status, payload, headers = self._refusal(exc)
+        label = metrics_tenant(tenant if isinstance(tenant, str) else None, self.gateway.tenants)
+        self.gateway.metrics.request_answered(label, status)
+        return status, payload, headers
+
+    def _refusal(self, exc: BadRequest | LimitExceeded) -> tuple[int, object, dict]:
+        response = _error(exc, 400)
+        headers = {k: v for k, v in response.headers.items() if k == "Retry-After"}
+        return response.status, json.loads(response.body), headers
+
+    async def _prefill(self, request: ParsedRequest) -> tuple[int, object, dict]:
+        """One validated request through the gateway: (status, PrefillResult or error, headers)."""
+        try:
+            result, is_duplicate = await self.gateway.prefill(request)
+        except (BadRequest, LimitExceeded) as exc:
+            return self._refusal(exc)
         except TimeoutError as exc:
-            status, payload = 504, {"error": {"type": "timeout", "message": str(exc)}}
+            return 504, error_body("request", str(exc) or "no answer in time", kind="timeout"), {}
         except Exception as exc:  # noqa: BLE001 - intake (JetStream) unavailable
             log.exception("prefill failed")
-            status, payload = 503, {"error": {"type": "unavailable", "message": str(exc)}}
-        tenant = tenant if isinstance(tenant, str) and tenant in self.gateway.tenants else "unknown"
-        self.gateway.metrics.request_answered(tenant, status)
-        return status, payload, headers
+            return 503, error_body("intake", str(exc), kind="unavailable"), {}
+        if result.error:
+            return 500, error_body("request", result.error, kind="server_error"), {}
+        return 200, result, ({"X-WavePP-Duplicate": "true"} if is_duplicate else {})
 
     def authenticate(self, authorization: str | None, client: str) -> str | None:
         """The key's tenant; None in open mode. Raises AuthError (counted in the metrics)."""
@@ -219,65 +241,68 @@ class GatewayServer:
             payload = payload.model_dump(mode="json")
         return web.json_response(payload, status=status, headers=headers)
 
-    async def handle_completions(self, request: web.Request) -> web.Response:
+    async def handle_models(self, request: web.Request) -> web.Response:
+        try:
+            self.authenticate(request.headers.get("Authorization"), request.remote or "")
+        except AuthError as exc:
+            return self._auth_error(exc)
+        return web.json_response(models_body(self.gateway.config.model_name, self.started))
+
+    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI ``/v1/completions``: every prompt of the body prefilled (concurrently), one
+        choice each; the first refused prompt's error answers the whole request."""
+        metrics = self.gateway.metrics
         try:
             key_tenant = self.authenticate(
                 request.headers.get("Authorization"), request.remote or ""
             )
         except AuthError as exc:
             return self._auth_error(exc)
+        tenant_header = request.headers.get("X-WavePP-Tenant")
         try:
             body = await self._json_body(request)
         except BadRequest as exc:
-            self.gateway.metrics.request_answered(key_tenant or "unknown", exc.status)
+            label = key_tenant or metrics_tenant(tenant_header, self.gateway.tenants)
+            metrics.request_answered(label, exc.status)
             return _error(exc, 400)
         config = self.gateway.config
-        tenant_header = request.headers.get("X-WavePP-Tenant")
         if key_tenant is not None:
             try:
                 self.bind_tenant(key_tenant, tenant_header)
             except AuthError as exc:
                 return self._auth_error(exc)
             tenant_header = key_tenant  # the key's tenant; `user` is the end user's id then
-        hint = tenant_header or (body.get("user") if isinstance(body, dict) else None)
-        status, payload, headers = await self.serve(
-            lambda: parse_completion(
+        hint = tenant_hint(body, tenant_header, completion=True)
+        try:
+            batch: CompletionRequest = parse_completion_batch(
                 body,
                 config.limits,
                 self._encode,
                 tenant_header=tenant_header,
                 model_name=config.model_name,
-            ),
-            hint or "default",
-        )
-        if not isinstance(payload, PrefillResult):
-            return web.json_response(payload, status=status, headers=headers)
-        text = ""
-        if self.tokenizer is not None and payload.first_token_id is not None:
-            text = self.tokenizer[1]([payload.first_token_id])
-        body_out = {
-            "id": f"cmpl-{payload.request_id}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": config.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": text,
-                    "token_ids": [payload.first_token_id],
-                    "logprobs": None,
-                    "finish_reason": "length",
-                }
-            ],
-            "usage": {
-                "prompt_tokens": payload.num_prompt_tokens,
-                "completion_tokens": 1,
-                "total_tokens": payload.num_prompt_tokens + 1,
-                "prompt_tokens_details": {"cached_tokens": payload.num_cached_tokens},
-            },
-            "wavepp": payload.model_dump(mode="json"),
-        }
-        return web.json_response(body_out, status=status, headers=headers)
+            )
+        except BadRequest as exc:
+            metrics.request_answered(metrics_tenant(hint, self.gateway.tenants), exc.status)
+            return _error(exc, 400)
+        answers = await asyncio.gather(*(self._prefill(p) for p in batch.prompts))
+        for status, _payload, _headers in answers:
+            metrics.request_answered(batch.prompts[0].tenant, status)
+        failed = next((a for a in answers if a[0] != 200), None)
+        if failed is not None:
+            return web.json_response(failed[1], status=failed[0], headers=failed[2])
+        results = [payload for _status, payload, _headers in answers]
+        assert all(isinstance(r, PrefillResult) for r in results)
+        decode = self.tokenizer[1] if self.tokenizer is not None else None
+        created = int(time.time())
+        if batch.stream:
+            events = sse_events(
+                results, config.model_name, created, decode, include_usage=batch.include_usage
+            )
+            return web.Response(
+                body=events,
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+            )
+        return web.json_response(completion_body(results, config.model_name, created, decode))
 
     async def handle_healthz(self, request: web.Request) -> web.Response:
         ok = self.gateway.nc.is_connected

@@ -10,9 +10,11 @@ Two request shapes are accepted:
 - ``POST /v1/completions`` (OpenAI-compatible; prefill only, so ``max_tokens`` must be 1, and
   1 when absent)::
 
-      {"model": "tiny-llama", "prompt": "..." | [1, 2, 3], "max_tokens": 1, "user": "acme"}
+      {"model": "tiny-llama", "prompt": "..." | [1, 2, 3] | ["...", "..."] | [[1, 2], [3]],
+       "max_tokens": 1, "user": "acme", "stream": false}
 
-  The tenant is the ``X-WavePP-Tenant`` header, else ``user``, else the tenant ``default``.
+  A list of prompts (at most ``MAX_PROMPTS``) is one prefill each. The tenant is the
+  ``X-WavePP-Tenant`` header, else ``user``, else the tenant ``default``.
 """
 
 from __future__ import annotations
@@ -24,10 +26,21 @@ from dataclasses import dataclass
 
 from wavepp.api.prefill import REQUEST_ID_PATTERN
 
-__all__ = ["BadRequest", "ParsedRequest", "PromptLimits", "parse_completion", "parse_prefill"]
+__all__ = [
+    "BadRequest",
+    "CompletionRequest",
+    "ParsedRequest",
+    "PromptLimits",
+    "parse_completion",
+    "parse_completion_batch",
+    "parse_prefill",
+    "tenant_hint",
+]
 
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 MAX_PRIORITY = 100
+MAX_PROMPTS = 64
+"""Prompts in one ``/v1/completions`` request (each is its own prefill)."""
 
 
 class BadRequest(ValueError):
@@ -100,10 +113,20 @@ def _check_tenant(tenant: object, limits: PromptLimits) -> str:
     if not isinstance(tenant, str) or not tenant:
         raise BadRequest("tenant", "required: a tenant name")
     if tenant not in limits.tenants:
-        raise BadRequest(
-            "tenant", f"unknown tenant {tenant!r}; known: {sorted(limits.tenants)}", status=403
-        )
+        # NOTE: never list the configured tenants: another tenant's name is not this caller's.
+        raise BadRequest("tenant", f"unknown tenant {tenant!r:.80}", status=403)
     return tenant
+
+
+def tenant_hint(body: object, tenant_header: str | None = None, *, completion: bool) -> str:
+    """The tenant a body names, before (or without) validating it: for labelling the metrics
+    of a request that is refused. Not checked against the known tenants."""
+    if tenant_header:
+        return tenant_header
+    if not isinstance(body, Mapping):
+        return "default" if completion else ""
+    value = (body.get("user") or "default") if completion else body.get("tenant")
+    return value if isinstance(value, str) else ""
 
 
 def _check_request_id(request_id: object) -> str:
@@ -162,6 +185,98 @@ def parse_prefill(
     return ParsedRequest(tenant, _check_request_id(body.get("request_id")), token_ids, priority)
 
 
+@dataclass
+class CompletionRequest:
+    """A validated ``/v1/completions`` body: one :class:`ParsedRequest` per prompt, in order;
+    ``stream``: answer as server-sent events; ``include_usage``: ``stream_options``' flag."""
+
+    prompts: list[ParsedRequest]
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _prompt_list(prompt: object) -> list[object]:
+    """OpenAI's four prompt forms -> a list of single prompts (a string or a list of ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return list(prompt)
+    return [prompt]
+
+
+def _check_stream(body: Mapping[str, object]) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest("stream", f"{stream!r:.40} must be true or false")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, Mapping) or not isinstance(
+        options.get("include_usage", False), bool
+    ):
+        raise BadRequest("stream_options", 'must be {"include_usage": true|false}')
+    if not stream:
+        raise BadRequest("stream_options", "only with stream: true")
+    return stream, bool(options.get("include_usage", False))
+
+
+def parse_completion_batch(
+    body: object,
+    limits: PromptLimits,
+    tokenize: Tokenize | None = None,
+    *,
+    tenant_header: str | None = None,
+    model_name: str = "",
+) -> CompletionRequest:
+    """Validate an OpenAI ``/v1/completions`` body (prefill only: ``max_tokens`` = 1).
+
+    Raises:
+        BadRequest: naming the field (``prompt[2]``, ``max_tokens``, ...) and limit of the
+            first problem.
+    """
+    if not isinstance(body, Mapping):
+        raise BadRequest("body", "must be a JSON object")
+    max_tokens = body.get("max_tokens", 1)
+    if max_tokens is None:
+        max_tokens = 1
+    if max_tokens != 1 or isinstance(max_tokens, bool):
+        raise BadRequest(
+            "max_tokens",
+            f"{max_tokens!r:.40}: this service runs prefill only and returns the first token; "
+            "max_tokens must be 1",
+            limit=1,
+        )
+    model = body.get("model", model_name)
+    if model_name and model not in (model_name, None):
+        raise BadRequest("model", f"{model!r:.80}: this service serves {model_name!r}", status=404)
+    if body.get("n", 1) not in (1, None):
+        raise BadRequest("n", "only n=1 is supported", limit=1)
+    stream, include_usage = _check_stream(body)
+    tenant = _check_tenant(tenant_header or body.get("user") or "default", limits)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise BadRequest("prompt", "required: a string, a list of token ids, or a list of those")
+    prompts = _prompt_list(prompt)
+    if len(prompts) > MAX_PROMPTS:
+        raise BadRequest(
+            "prompt", f"{len(prompts)} prompts; at most {MAX_PROMPTS} per request", MAX_PROMPTS
+        )
+    parsed = []
+    for i, one in enumerate(prompts):
+        field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(one, str):
+            token_ids = _check_tokens(_text_tokens(one, field, tokenize), field, limits)
+        else:
+            token_ids = _check_tokens(one, field, limits)
+        parsed.append(
+            ParsedRequest(tenant, uuid.uuid4().hex, token_ids, 0, str(model or model_name))
+        )
+    return CompletionRequest(parsed, str(model or model_name), stream, include_usage)
+
+
 def parse_completion(
     body: object,
     limits: PromptLimits,
@@ -170,36 +285,16 @@ def parse_completion(
     tenant_header: str | None = None,
     model_name: str = "",
 ) -> ParsedRequest:
-    """Validate an OpenAI ``/v1/completions`` body (prefill only: ``max_tokens`` = 1).
+    """Validate a ``/v1/completions`` body holding one prompt (see
+    :func:`parse_completion_batch`).
 
     Raises:
-        BadRequest: naming the field (and limit) of the first problem.
+        BadRequest: naming the field (and limit) of the first problem; ``prompt`` when the
+            body holds several prompts.
     """
-    if not isinstance(body, Mapping):
-        raise BadRequest("body", "must be a JSON object")
-    max_tokens = body.get("max_tokens", 1)
-    if max_tokens != 1 or isinstance(max_tokens, bool):
-        raise BadRequest(
-            "max_tokens",
-            f"{max_tokens!r}: this service runs prefill only and returns the first token; "
-            "max_tokens must be 1",
-            limit=1,
-        )
-    model = body.get("model", model_name)
-    if model_name and model not in (model_name, None):
-        raise BadRequest("model", f"{model!r}: this service serves {model_name!r}", status=404)
-    if body.get("n", 1) != 1:
-        raise BadRequest("n", "only n=1 is supported", limit=1)
-    tenant = _check_tenant(tenant_header or body.get("user") or "default", limits)
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise BadRequest("prompt", "required: a string or a list of token ids")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise BadRequest("prompt", "batches are not supported: send one prompt", limit=1)
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        token_ids = _check_tokens(_text_tokens(prompt, "prompt", tokenize), "prompt", limits)
-    else:
-        token_ids = _check_tokens(prompt, "prompt", limits)
-    return ParsedRequest(tenant, uuid.uuid4().hex, token_ids, 0, str(model or model_name))
+    batch = parse_completion_batch(
+        body, limits, tokenize, tenant_header=tenant_header, model_name=model_name
+    )
+    if len(batch.prompts) != 1:
+        raise BadRequest("prompt", "expected one prompt", limit=1)
+    return batch.prompts[0]

@@ -18,7 +18,11 @@ from typing import Any
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``operator`` subcommand's flags (and its ``run`` / ``crd`` actions)."""
     parser.add_argument(
-        "action", nargs="?", choices=["run", "crd"], default="run", help="run (default) or crd"
+        "action",
+        nargs="?",
+        choices=["run", "crd"],
+        default="run",
+        help="run the operator, or print the CRD (default: run)",
     )
     parser.add_argument(
         "--default-image",
@@ -39,13 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resync-s",
         type=float,
         default=10.0,
-        help="seconds between reconciles of an idle pipeline (default 10)",
+        help="seconds between reconciles of an idle pipeline",
     )
     parser.add_argument(
         "--liveness-port",
         type=int,
         default=8080,
-        help="port of kopf's /healthz liveness endpoint; 0 disables (default 8080)",
+        help="port of kopf's /healthz liveness endpoint; 0 disables",
     )
     parser.add_argument("--no-events", action="store_true", help="post no Kubernetes Events")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
@@ -68,18 +72,33 @@ def run(args: argparse.Namespace) -> int:
 
         sys.stdout.write(render_crd())
         return 0
-    if args.resync_s <= 0:
-        print(f"wavepp operator: --resync-s {args.resync_s}: must be > 0", file=sys.stderr)
+    if not 0 < args.resync_s < float("inf"):
+        print(f"wavepp operator: --resync-s {args.resync_s}: must be > 0, finite", file=sys.stderr)
         return 2
     if not 0 <= args.liveness_port <= 65535:
         print(f"wavepp operator: --liveness-port {args.liveness_port}: not a port", file=sys.stderr)
         return 2
 
+    import logging
+
     import kopf
 
     import wavepp.operator.handlers  # noqa: F401 - registers the handlers
-    from wavepp.operator.handlers import OperatorOptions
+    from wavepp.operator.handlers import OperatorOptions, connection_info
 
+    # Start-up check: credentials kopf would log in with (else kopf logs a traceback per retry
+    # and never serves).
+    try:
+        info = connection_info(
+            settings=kopf.OperatorSettings(), logger=logging.getLogger("wavepp.operator")
+        )
+    except Exception as exc:  # noqa: BLE001 - any failure to read the credentials
+        info, reason = None, " ".join(f"{type(exc).__name__}: {exc}".split())
+    else:
+        reason = "no in-cluster service account and no kubeconfig"
+    if info is None:
+        print(f"wavepp operator: no Kubernetes credentials: {reason}", file=sys.stderr)
+        return 2
     kopf.configure(verbose=args.verbose)
     options = OperatorOptions(
         default_image=args.default_image,

@@ -81,9 +81,9 @@ def container_args(
             str(HEALTH_PORT),
         ]
     elif component == "admission":
-        args += ["--port", str(HTTP_PORT)]
+        args += ["--health-port", str(HTTP_PORT)]
     else:
-        args += ["--pool", POOL_FILE, "--port", str(HTTP_PORT)]
+        args += ["--pool-file", POOL_FILE, "--port", str(HTTP_PORT)]
     return args
 
 

@@ -30,7 +30,7 @@ class RuntimeConfig(BaseModel):
     | local_prepare    | on plan arrival, before activations | after activations arrive            |
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     pipeline: str = Field("default", pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     model: ModelConfig = ModelConfig()

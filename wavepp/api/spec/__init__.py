@@ -20,16 +20,30 @@ Validation happens in three places, each catching what it can:
 :func:`check_spec` runs 2 and 3 and returns every problem as a :class:`SpecIssue` with the field
 path (``spec.layerPartition``), which the operator writes into the pipeline's conditions.
 
-The package: ``models`` (the spec models, :class:`SpecError`, the layer split), ``status`` (the
-status models), ``loading`` (:func:`load_spec_file`, :func:`check_spec`, :class:`SpecIssue`).
+The package: ``models`` (the spec models, the layer split, the bounds ``MAX_REPLICAS`` and
+``MAX_TENANTS``), ``errors`` (:class:`SpecError`), ``engine_options`` (the free-form
+``engineOptions``' keys, types and bounds), ``status`` (the status models), ``loading``
+(:func:`load_spec_file`, :func:`check_spec`, :class:`SpecIssue`; every failure one line naming
+the field, infinities and NaN refused anywhere).
 Import from ``wavepp.api.spec``.
 """
 
-from wavepp.api.spec.loading import SpecIssue, check_spec, load_spec_file
+from wavepp.api.spec.engine_options import ENGINE_OPTION_KEYS, check_engine_options
+from wavepp.api.spec.loading import (
+    SpecFileError,
+    SpecIssue,
+    check_spec,
+    load_spec_file,
+    read_spec_mapping,
+    spec_issues,
+    validation_issues,
+)
 from wavepp.api.spec.models import (
     API_GROUP,
     API_VERSION,
     KIND,
+    MAX_REPLICAS,
+    MAX_TENANTS,
     MODEL_PRESET_NUM_LAYERS,
     PLURAL,
     AutoscalingSpec,
@@ -59,7 +73,10 @@ from wavepp.api.spec.status import (
 __all__ = [
     "API_GROUP",
     "API_VERSION",
+    "ENGINE_OPTION_KEYS",
     "KIND",
+    "MAX_REPLICAS",
+    "MAX_TENANTS",
     "MODEL_PRESET_NUM_LAYERS",
     "PLURAL",
     "AutoscalingSpec",
@@ -75,6 +92,7 @@ __all__ = [
     "RolloutSpec",
     "SchedulerSpec",
     "SpecError",
+    "SpecFileError",
     "SpecIssue",
     "StageStatus",
     "TelemetrySpec",
@@ -82,7 +100,11 @@ __all__ = [
     "Toleration",
     "WavePipelineSpec",
     "WavePipelineStatus",
+    "check_engine_options",
     "check_spec",
     "load_spec_file",
+    "read_spec_mapping",
+    "spec_issues",
     "split_layers",
+    "validation_issues",
 ]

@@ -3,13 +3,15 @@ operator), every problem named by its field path (:class:`SpecIssue`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from wavepp.api.spec.models import KIND, SpecError, WavePipelineSpec
+from wavepp.api.spec.errors import SpecError
+from wavepp.api.spec.models import KIND, WavePipelineSpec
 
 
 class SpecIssue(BaseModel):
@@ -24,8 +26,53 @@ class SpecIssue(BaseModel):
         return f"{self.field}: {self.message}"
 
 
+class SpecFileError(ValueError):
+    """A spec file that cannot be used; ``str()`` is one line naming the file, the field (or the
+    line and column of a YAML error) and what is wrong."""
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _yaml_error(exc: Exception) -> str:
+    """One line for a YAML error: where (line, column) and the problem, not PyYAML's excerpt."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or exc
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return _one_line(f"{where}{problem}")
+
+
+def read_spec_mapping(path: str | Path) -> dict[str, Any]:
+    """The raw ``spec`` mapping of a YAML or JSON file (a bare spec or a whole WavePipeline).
+
+    YAML is read with ``safe_load``: tags such as ``!!python/object`` are refused, never run.
+
+    Raises:
+        SpecFileError: unreadable file, a YAML/JSON syntax error or an unsafe tag (with line
+            and column), or no mapping; one line.
+    """
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecFileError(f"{path}: cannot read: {_one_line(exc)}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecFileError(f"{path}: not valid YAML/JSON: {_yaml_error(exc)}") from None
+    if isinstance(data, dict) and data.get("kind") == KIND:
+        data = data.get("spec")
+    if not isinstance(data, dict):
+        raise SpecFileError(
+            f"{path}: expected a mapping (a spec or a {KIND}), got {_one_line(repr(data)):.80}"
+        )
+    return data
+
+
 def load_spec_file(path: str | Path) -> WavePipelineSpec:
-    """Read a spec from YAML or JSON: a bare spec, or a whole WavePipeline object.
+    """Read and validate a spec from YAML or JSON: a bare spec, or a whole WavePipeline object.
 
     Args:
         path: file with either the ``spec`` mapping itself or ``{kind: WavePipeline, spec: ...}``
@@ -35,22 +82,15 @@ def load_spec_file(path: str | Path) -> WavePipelineSpec:
         The validated (not yet resolved) spec.
 
     Raises:
-        ValueError: unreadable file, not a mapping, or an invalid spec (pydantic's
-            ValidationError, a ValueError, names the fields).
+        SpecFileError: (a ValueError) unreadable file, YAML syntax error, unsafe tag, not a
+            mapping, or an invalid spec (wrong type, non-finite number, past a bound); one
+            line naming the file and every bad field (``spec.engineOptions.timeScale: ...``).
     """
-    import yaml
-
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"--config {path}: {exc}") from exc
-    if isinstance(data, dict) and data.get("kind") == KIND:
-        data = data.get("spec")
-    if not isinstance(data, dict):
-        raise ValueError(
-            f"--config {path}: expected a mapping (a spec or a {KIND}), got {data!r:.80}"
-        )
-    return WavePipelineSpec.model_validate(data)
+    raw = read_spec_mapping(path)
+    issues = spec_issues(raw)
+    if issues:
+        raise SpecFileError(f"{path}: " + "; ".join(str(i) for i in issues))
+    return WavePipelineSpec.model_validate(raw)
 
 
 def _field_path(loc: tuple[int | str, ...]) -> str:
@@ -58,6 +98,43 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
     for part in loc:
         path += f"[{part}]" if isinstance(part, int) else f".{part}"
     return path
+
+
+def _non_finite(value: object, loc: tuple[int | str, ...] = ()) -> list[SpecIssue]:
+    """Issues for every infinity or NaN anywhere in ``value`` (free-form fields included)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [SpecIssue(field=_field_path(loc), message=f"{value}: must be a finite number")]
+    if isinstance(value, Mapping):
+        return [i for k, v in value.items() for i in _non_finite(v, (*loc, str(k)))]
+    if isinstance(value, list):
+        return [i for n, v in enumerate(value) for i in _non_finite(v, (*loc, n))]
+    return []
+
+
+def validation_issues(exc: ValidationError) -> list[SpecIssue]:
+    """One :class:`SpecIssue` per pydantic error: the field path and the message, one line
+    each, without pydantic's input dumps and links."""
+    issues = []
+    for err in exc.errors():
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, SpecError):
+            issues.append(SpecIssue(field=f"spec.{cause.field}", message=_one_line(cause.message)))
+        else:
+            issues.append(SpecIssue(field=_field_path(err["loc"]), message=_one_line(err["msg"])))
+    return issues
+
+
+def spec_issues(raw: Mapping[str, Any]) -> list[SpecIssue]:
+    """Every problem of a raw spec mapping (types, bounds, non-finite numbers, cross-field
+    checks); empty when ``WavePipelineSpec.model_validate(raw)`` succeeds."""
+    issues = _non_finite(dict(raw))
+    if issues:
+        return issues
+    try:
+        WavePipelineSpec.model_validate(dict(raw))
+    except ValidationError as exc:
+        return validation_issues(exc)
+    return []
 
 
 def check_spec(
@@ -78,17 +155,10 @@ def check_spec(
         ``(resolved spec, [])`` when valid, else ``(None, issues)``, each issue naming the field
         (``spec.layerPartition``) and what to change.
     """
-    try:
-        spec = WavePipelineSpec.model_validate(dict(raw or {}))
-    except ValidationError as exc:
-        issues = []
-        for err in exc.errors():
-            cause = (err.get("ctx") or {}).get("error")
-            if isinstance(cause, SpecError):
-                issues.append(SpecIssue(field=f"spec.{cause.field}", message=cause.message))
-            else:
-                issues.append(SpecIssue(field=_field_path(err["loc"]), message=err["msg"]))
+    issues = spec_issues(dict(raw or {}))
+    if issues:
         return None, issues
+    spec = WavePipelineSpec.model_validate(dict(raw or {}))
     try:
         resolved = spec.resolved(
             default_image=default_image,
@@ -96,5 +166,5 @@ def check_spec(
             default_otlp_endpoint=default_otlp_endpoint,
         )
     except SpecError as exc:
-        return None, [SpecIssue(field=f"spec.{exc.field}", message=exc.message)]
+        return None, [SpecIssue(field=f"spec.{exc.field}", message=_one_line(exc.message))]
     return resolved, []

@@ -13,6 +13,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from wavepp.api.spec.engine_options import check_engine_options
+from wavepp.api.spec.errors import SpecError
+
 API_GROUP = "wavepp.dev"
 API_VERSION = "v1alpha1"
 KIND = "WavePipeline"
@@ -34,22 +37,13 @@ two agree). The others are ``num_hidden_layers`` of the paper's models, without 
 (shared/models.md, architecture table), used with the emulated engine.
 """
 
+MAX_REPLICAS = 256
+"""Bound of ``spec.replicas`` (and ``autoscaling.maxReplicas``): pipeline copies in one pool."""
+MAX_TENANTS = 1024
+"""Bound of ``spec.tenants``: tenants one gateway serves."""
+
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-
-
-class SpecError(ValueError):
-    """A spec value that cannot work, with the field that holds it.
-
-    Attributes:
-        field: dotted camelCase path below ``spec`` (``layerPartition``, ``model.config.numLayers``).
-        message: what is wrong and how to fix it.
-    """
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"spec.{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 class WireModel(BaseModel):
@@ -62,6 +56,7 @@ class WireModel(BaseModel):
         validate_by_alias=True,
         serialize_by_alias=True,
         extra="forbid",
+        allow_inf_nan=False,
     )
 
 
@@ -254,8 +249,8 @@ class TenantSpec(WireModel):
 class AutoscalingSpec(WireModel):
     """HorizontalPodAutoscaler on the pipeline's scale subresource."""
 
-    min_replicas: int = Field(1, ge=1)
-    max_replicas: int = Field(ge=1)
+    min_replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
+    max_replicas: int = Field(ge=1, le=MAX_REPLICAS)
     metric: Literal["wave_fill", "queue_depth", "cpu"] = Field(
         "wave_fill",
         description=(
@@ -317,7 +312,11 @@ class WavePipelineSpec(WireModel):
     )
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per stage for TP.")
     num_replicas: int = Field(
-        1, alias="replicas", ge=0, description="Pipeline copies in the pool (scale subresource)."
+        1,
+        alias="replicas",
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Pipeline copies in the pool (scale subresource).",
     )
     image: str | None = Field(None, description="Container image; default: the operator's.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
@@ -333,7 +332,7 @@ class WavePipelineSpec(WireModel):
     cache: CacheSpec = Field(default_factory=CacheSpec)
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     nats: NatsSpec = Field(default_factory=NatsSpec)
-    tenants: list[TenantSpec] = Field(default_factory=list)
+    tenants: list[TenantSpec] = Field(default_factory=list, max_length=MAX_TENANTS)
     autoscaling: AutoscalingSpec | None = None
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
     restart_budget: RestartBudgetSpec = Field(default_factory=RestartBudgetSpec)
@@ -500,6 +499,7 @@ def _check_cross_fields(spec: WavePipelineSpec) -> None:
                 "model.path",
                 f"{spec.model.path!r} is outside the PVC's mountPath {spec.model.pvc.mount_path!r}",
             )
+    check_engine_options(spec.engine_options)
     names = [t.name for t in spec.tenants]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:

@@ -1,0 +1,138 @@
+"""Every subcommand's --help: each flag explained, each default shown once, no repeated text,
+and the README's command reference lists every flag."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from wavepp import cli
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    """``{"replay": parser, ..., "bench grid": parser, ...}``: every command that runs."""
+    found = {}
+    for name in cli.SUBCOMMANDS:
+        sub = _subparsers(cli.build_parser([name]))[name]
+        nested = _subparsers(sub)
+        for child, parser in nested.items():
+            found[f"{name} {child}"] = parser
+        if not nested:
+            found[name] = sub
+    return found
+
+
+COMMANDS = _commands()
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [
+        a
+        for a in parser._actions
+        if a.option_strings and a.help is not argparse.SUPPRESS and a.dest != "help"
+    ]
+
+
+def _shown_default(default: object) -> bool:
+    return default not in (None, False, "", argparse.SUPPRESS)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_help_shows_each_default_once_and_no_text_twice(command: str) -> None:
+    parser = COMMANDS[command]
+    formatter = parser._get_formatter()
+    helps = []
+    for action in _flags(parser):
+        flag = action.option_strings[-1]
+        assert action.help, f"{command} {flag}: no help text"
+        text = formatter._expand_help(action)
+        template = formatter._get_help_string(action) or ""
+        count = template.lower().count("default") - template.count("%(default)s")
+        if _shown_default(action.default) and action.nargs != 0:
+            assert count == 1, f"{command} {flag}: default shown {count} times: {text!r}"
+        else:
+            assert count <= 1, f"{command} {flag}: 'default' {count} times: {text!r}"
+        assert "(default: None)" not in text and "(default: )" not in text, (command, text)
+        helps.append(action.help)
+    repeated = sorted({h for h in helps if helps.count(h) > 1})
+    assert not repeated, f"{command}: the same help text twice: {repeated}"
+    rendered = parser.format_help()
+    assert "(default: None)" not in rendered
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_help_runs(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main([*command.split(), "--help"])
+    assert info.value.code == 0
+    assert f"wavepp {command}" in capsys.readouterr().out
+
+
+def _readme_synopses() -> dict[str, str]:
+    """The README's command reference: each ``wavepp CMD ...`` synopsis with its indented
+    continuation lines, by command."""
+    section = README.read_text().split("## Command reference", 1)
+    assert len(section) == 2, "README.md has no '## Command reference' section"
+    text = section[1].split("\n## ", 1)[0]
+    found: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        match = re.match(r"^wavepp ([a-z-]+(?: [a-z]+)?)(?=\s|$)", line)
+        if match and match.group(1) in COMMANDS:
+            current = match.group(1)
+            found[current] = found.get(current, "") + line + "\n"
+        elif current and line.startswith(" "):
+            found[current] += line + "\n"
+        else:
+            current = None
+    return found
+
+
+def test_readme_synopsis_lists_every_flag() -> None:
+    synopses = _readme_synopses()
+    missing_commands = sorted(set(COMMANDS) - set(synopses))
+    assert not missing_commands, f"README command reference lacks {missing_commands}"
+    for command, parser in COMMANDS.items():
+        text = re.sub(r"--\[no-\]([a-z0-9-]+)", r"--\1 --no-\1", synopses[command])
+        tokens = set(re.findall(r"--[a-z0-9-]+", text))
+        for action in _flags(parser):
+            assert any(o in tokens for o in action.option_strings if o.startswith("--")), (
+                f"README synopsis of wavepp {command} lacks {action.option_strings[-1]}"
+            )
+        hidden = {
+            o for a in parser._actions if a.help is argparse.SUPPRESS for o in a.option_strings
+        }
+        stale = sorted(tokens & hidden)
+        assert not stale, f"README synopsis of wavepp {command} shows deprecated {stale}"
+
+
+@pytest.mark.parametrize("argv", [["sim"], ["bench", "grid"]])
+def test_bare_command_prints_usage_and_runs_nothing(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: wavepp " + " ".join(argv)) and "nothing was run" in err
+
+
+def test_deprecated_alias_still_works_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = COMMANDS["admission"]
+    args = parser.parse_args(
+        ["--runtime-config", "x", "--nats-url", "n", "--max-concurrent", "3", "--port", "9"]
+    )
+    assert args.max_outstanding == 3 and args.health_port == 9
+    err = capsys.readouterr().err
+    assert "--max-concurrent is deprecated; use --max-outstanding" in err
+    assert "--port is deprecated; use --health-port" in err

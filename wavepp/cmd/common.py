@@ -1,0 +1,180 @@
+"""What every subcommand shares: one-line error text, the ``--help`` formatter, deprecated flag
+aliases, and start-up checks run before anything starts (a busy port, an unreachable NATS).
+
+Flag naming scheme (the same meaning has the same name in every subcommand):
+
+| meaning                                   | flag                                         |
+| ----------------------------------------- | -------------------------------------------- |
+| the message bus                           | ``--nats-url``, ``--nats-creds``, ``--nats-tls-*`` (``--nats-<thing>``) |
+| the serving HTTP API (gateway, up)         | ``--host``, ``--port``                       |
+| health endpoints (stage, admission)        | ``--health-host``, ``--health-port``         |
+| Prometheus ``/metrics``                    | ``--metrics-port``                           |
+| a pool's name                              | ``--pool``; a file is ``--<what>-file`` or ``--<what>-config`` (``--pool-file``) |
+| requests of one replica in flight          | ``--max-outstanding``                        |
+| durations                                  | ``--<what>-s`` (seconds)                     |
+| results written by a command               | ``--out`` (a folder; default: a fresh one)   |
+
+A renamed flag keeps its old spelling for one release (:func:`add_deprecated_alias`): it still
+works and prints one line on stderr naming the new flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlparse
+
+__all__ = [
+    "HelpFormatter",
+    "add_deprecated_alias",
+    "add_nats_wait_arg",
+    "check_nats_reachable",
+    "check_port_free",
+    "describe_error",
+    "finite_float",
+    "fresh_out_dir",
+]
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for ``exc``: pydantic errors as ``field: message; ...`` (no input dumps or
+    links), anything else with its whitespace folded."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors) and type(exc).__name__ == "ValidationError":
+        parts = []
+        for err in errors():
+            where = ".".join(str(p) for p in err.get("loc", ())) or "value"
+            parts.append(f"{where}: {' '.join(str(err.get('msg', '')).split())}")
+        return "; ".join(parts)
+    return " ".join(str(exc).split())
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows every default once: ``(default: X)`` is appended unless the help already says
+    ``default``; a default of None, False or "" is shown only when the help explains it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is argparse.SUPPRESS:
+            return text
+        if action.option_strings and action.default not in (None, False, ""):
+            if not (isinstance(action.default, bool) and action.nargs == 0):
+                text += " (default: %(default)s)"
+        return text
+
+
+class _DeprecatedAlias(argparse.Action):
+    """Stores into the new flag's dest and prints one deprecation line on stderr."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        self.new_flag = kwargs.pop("new_flag")
+        self.prog = kwargs.pop("prog", "wavepp")
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(
+            f"{parser.prog}: {option_string} is deprecated; use {self.new_flag}",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated_alias(
+    parser: argparse.ArgumentParser | Any, old: str, new: str, dest: str, **kwargs: Any
+) -> None:
+    """Accept ``old`` as a hidden, deprecated spelling of ``new`` (same ``dest``).
+
+    Args:
+        parser: the parser (or group) holding ``new``.
+        old: the old flag, e.g. ``--max-concurrent``.
+        new: the flag that replaced it, named in the warning.
+        dest: the new flag's destination.
+        kwargs: ``type`` and the like, as the new flag has them.
+    """
+    parser.add_argument(
+        old,
+        dest=dest,
+        action=_DeprecatedAlias,
+        new_flag=new,
+        help=argparse.SUPPRESS,
+        default=argparse.SUPPRESS,
+        **kwargs,
+    )
+
+
+def finite_float(text: str) -> float:
+    """argparse ``type`` of every float flag: a finite number (``inf``/``nan`` are refused,
+    naming the flag, exit 2, as argparse does for any bad value)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number")
+    return value
+
+
+def fresh_out_dir(prefix: str) -> str:
+    """A new, empty folder under the system's temporary directory (``wavepp-<prefix>-XXXX``)."""
+    return tempfile.mkdtemp(prefix=f"wavepp-{prefix}-")
+
+
+def check_port_free(host: str, port: int) -> str | None:
+    """None when ``host:port`` can be bound now, else one line saying why (port 0 is free).
+
+    A check, not a reservation: another process may still take the port before the server
+    binds it; the server then reports the bind error itself.
+    """
+    if port == 0:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return f"{host}:{port} cannot be bound: {exc.strerror or exc}"
+    return None
+
+
+def check_nats_reachable(url: str, timeout_s: float = 30.0) -> str | None:
+    """None once a TCP connection to some server of ``url`` opens, trying every 0.2 s for
+    ``timeout_s`` seconds (a server that starts later is waited for); else one line naming the
+    URL and why (a comma-separated list: any one reachable is enough)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reasons = []
+        for one in url.split(","):
+            one = one.strip()
+            parsed = urlparse(one if "://" in one else f"nats://{one}")
+            host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
+            try:
+                with socket.create_connection((host, port), timeout=min(2.0, timeout_s)):
+                    return None
+            except OSError as exc:
+                reasons.append(f"{host}:{port}: {exc.strerror or exc}")
+        if time.monotonic() >= deadline:
+            return f"{url}: no NATS server reachable in {timeout_s:g} s ({'; '.join(reasons)})"
+        time.sleep(0.2)
+
+
+def add_nats_wait_arg(parser: argparse.ArgumentParser) -> None:
+    """``--nats-connect-timeout-s``: how long a pod command waits for NATS before exit 2."""
+    parser.add_argument(
+        "--nats-connect-timeout-s",
+        type=float,
+        default=30.0,
+        help="wait this long for the NATS server to accept connections, then exit 2",
+    )
