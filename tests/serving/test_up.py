@@ -162,7 +162,7 @@ async def test_the_bus_refuses_anonymous_clients_and_confines_components(up_serv
     stage = await connect(
         info["nats_url"],
         name="stage-creds",
-        creds=info["nats_creds"]["stage-default-0"],
+        creds=info["nats_creds"]["stage-default-r0-0"],
         error_cb=on_error,
     )
     try:

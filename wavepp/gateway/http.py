@@ -11,7 +11,8 @@
 Errors are JSON ``{"error": {"field", "message", "limit"?}}``: 400 malformed or out of range,
 403 unknown tenant, 404 wrong model, 422 text without a tokenizer, 429 over a tenant limit or
 past the gateway's queue limit (``field`` ``queue``, ``limit`` = ``max_queued_requests``; both
-with ``Retry-After``), 503 intake unavailable, 504 no answer in time. The NATS API on
+with ``Retry-After``), 503 intake unavailable (JetStream store full or disabled: at once, never
+after accepting the request; with ``Retry-After``), 504 no answer in time. The NATS API on
 ``wavepp.{pool}.prefill`` (queue group ``gateway``) takes the ``/v1/prefill`` body and answers
 ``{"status": code, "body": ...}``.
 """
@@ -33,7 +34,7 @@ from nats.aio.msg import Msg
 
 from wavepp.api.prefill import PrefillResult
 from wavepp.api.subjects import prefill_subject
-from wavepp.gateway.core import Gateway, GatewayConfig
+from wavepp.gateway.core import INTAKE_RETRY_AFTER_S, Gateway, GatewayConfig, IntakeUnavailable
 from wavepp.gateway.tenants import LimitExceeded
 from wavepp.gateway.validation import (
     BadRequest,
@@ -131,11 +132,16 @@ class GatewayServer:
             response = _error(exc, 400)
             status, payload = response.status, json.loads(response.body)
             headers = {k: v for k, v in response.headers.items() if k == "Retry-After"}
+        except IntakeUnavailable as exc:
+            log.warning("prefill refused: %s", exc)
+            status, payload = 503, {"error": {"type": "unavailable", "message": str(exc)}}
+            headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
         except TimeoutError as exc:
             status, payload = 504, {"error": {"type": "timeout", "message": str(exc)}}
         except Exception as exc:  # noqa: BLE001 - intake (JetStream) unavailable
             log.exception("prefill failed")
             status, payload = 503, {"error": {"type": "unavailable", "message": str(exc)}}
+            headers = {"Retry-After": str(max(1, math.ceil(INTAKE_RETRY_AFTER_S)))}
         tenant = tenant if tenant in self.gateway.tenants else "unknown"
         self.gateway.metrics.request_answered(tenant, status)
         return status, payload, headers
