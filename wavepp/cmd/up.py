@@ -16,7 +16,8 @@ The bus is authenticated by default: at every start, fresh keys in ``STATE_DIR/n
 (mode 0700): a nats-server config that trusts only them, and one ``.creds`` per component with
 only its own subjects (``wavepp.api.permissions``); anonymous clients are refused.
 ``--insecure-nats`` turns that off for debugging, with a warning at start and in the serving
-line. ``--jetstream-dir`` and ``--jetstream-max-bytes`` place and cap the JetStream store (logs
+line. The nats-server is watched (``runtime.serving.nats_watchdog``): restarted when it exits,
+or when it disabled JetStream (a full disk) and space came back. ``--jetstream-dir`` and ``--jetstream-max-bytes`` place and cap the JetStream store (logs
 then need not share its volume).
 """
 
@@ -196,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.gateway.core import GatewayConfig, ReplicaInfo
     from wavepp.gateway.tenants import TenantPolicy, default_cache_salt
     from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
+    from wavepp.runtime.serving.nats_watchdog import NatsWatchdog
     from wavepp.runtime.transport.auth import write_pool_auth
     from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
@@ -293,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
             store_dir=str(store_dir),
             config_file=_store_limit_config(state_dir, args.jetstream_max_bytes),
             log_file=str(sup.log_dir / "nats-server.log"),
+            monitor_port=free_port(),
         )
     else:
         try:
@@ -306,14 +309,18 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             return _fail("--name", str(exc))
         server = EmbeddedNatsServer(
-            config_file=auth.server_config, log_file=str(sup.log_dir / "nats-server.log")
+            config_file=auth.server_config,
+            log_file=str(sup.log_dir / "nats-server.log"),
+            monitor_port=free_port(),
         )
         server.store_dir = str(store_dir)
     server.start()
+    watchdog = NatsWatchdog(server, store_dir)
     endpoint = f"http://{args.host}:{port}"
     sup.info = {
         "endpoint": endpoint,
         "nats_url": server.url,
+        "nats_pid": server.pid,
         "state_dir": str(state_dir),
         "nats_creds": auth.creds if auth else None,
     }
@@ -355,8 +362,19 @@ def run(args: argparse.Namespace) -> int:
     code = 0
     is_serving = False
     deadline = time.monotonic() + args.startup_timeout_s
+    next_nats_check = time.monotonic()
     try:
         while not stopping["flag"]:
+            if time.monotonic() >= next_nats_check:
+                next_nats_check = time.monotonic() + 1.0
+                reason = watchdog.check()
+                if reason is not None:
+                    print(
+                        f"wavepp up: nats-server restarted: {reason}", file=sys.stderr, flush=True
+                    )
+                    sup.info["nats_pid"] = server.pid
+                    sup.num_restarts["nats-server"] = watchdog.num_restarts
+                    sup.write_state()
             dead_stage = next((n for n in stage_names if sup.procs[n].poll() is not None), None)
             if dead_stage is not None:
                 print(

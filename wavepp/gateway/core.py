@@ -106,7 +106,9 @@ class Gateway:
     ) -> None:
         self.config = config
         self.nc = nc
-        self.js = nc.jetstream()
+        # JetStream calls (the results lookup of every request, the intake publish) wait out a
+        # paused or restarting server for as long as a request may, not the client's 5 s.
+        self.js = nc.jetstream(timeout=config.request_timeout_s)
         self.clock = clock
         self.tenants = {t.name: t for t in config.tenants}
         self.limiter = TenantLimiter(config.tenants, max_prompt_tokens=config.max_prompt_tokens)

@@ -143,6 +143,15 @@ class EmbeddedNatsServer:
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
+    def pid(self) -> int | None:
+        """The server process's id while started."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
     def url(self) -> str:
         return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
 
