@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("wavepp.operator.cli", "run the Kubernetes operator (kopf)"),
     "trace-view": ("wavepp.cmd.trace_view", "summarise a span file; draw the per-stage timeline"),
     "up": ("wavepp.cmd.up", "run the whole service here: nats, stages, admission, gateway"),
+    "nats-auth": ("wavepp.cmd.nats_auth", "make the NATS trust root (the chart's auth Secret)"),
     "admission": ("wavepp.cmd.admission", "run one replica's admission controller (a pod)"),
     "gateway": ("wavepp.cmd.gateway", "run the prefill gateway: HTTP and NATS API (a pod)"),
     "bench": ("wavepp.cmd.bench", "benchmarks: wave vs sync grid, admission cadence, plots"),

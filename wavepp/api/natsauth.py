@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
 import os
 import time
@@ -51,10 +52,17 @@ def _new_keypair(prefix: int) -> nkeys.KeyPair:
     return nkeys.from_seed(nkeys.encode_seed(os.urandom(32), prefix))
 
 
-def _jwt(issuer: nkeys.KeyPair, subject: str, name: str, nats_claims: dict[str, Any]) -> str:
+def _jwt(
+    issuer: nkeys.KeyPair,
+    subject: str,
+    name: str,
+    nats_claims: dict[str, Any],
+    *,
+    issued_at: int | None = None,
+) -> str:
     header = {"typ": "JWT", "alg": "ed25519-nkey"}
     claims: dict[str, Any] = {
-        "iat": int(time.time()),
+        "iat": int(time.time()) if issued_at is None else issued_at,
         "iss": issuer.public_key.decode(),
         "name": name,
         "sub": subject,
@@ -151,6 +159,24 @@ class TrustRoot:
         """A ``.creds`` for ``user``: a new user key, a JWT signed by the account with the
         user's permissions."""
         return mint_user_creds(self.account_seed, user)
+
+
+def derived_user_creds(account_seed: str, user: NatsUser) -> str:
+    """A ``.creds`` for ``user`` that is a function of the account seed and the user alone: the
+    user key is derived from the seed and the user's name (HMAC-SHA256), the JWT carries a
+    fixed issue time, and ed25519 signatures are deterministic. So a controller can render it
+    at every reconcile without churn; the text changes only when the permissions do. Whoever
+    holds the account seed can mint any user anyway, so the derivation exposes nothing more.
+
+    Raises:
+        nkeys.ErrInvalidSeed: ``account_seed`` is not an account nkey seed.
+    """
+    account = nkeys.from_seed(account_seed.encode())
+    raw = hmac.new(account_seed.encode(), f"wavepp-user:{user.name}".encode(), "sha256").digest()
+    key = nkeys.from_seed(nkeys.encode_seed(raw, nkeys.PREFIX_BYTE_USER))
+    claims = {"type": "user", **_USER_LIMITS, **user.permissions.to_jwt_claims()}
+    jwt = _jwt(account, key.public_key.decode(), user.name, claims, issued_at=0)
+    return creds_text(jwt, key.seed)
 
 
 def mint_user_creds(account_seed: str, user: NatsUser) -> str:

@@ -29,6 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def replica_pipeline_name(pool: str, replica: int) -> str:
+    """Pipeline name (and NATS subject token) of replica ``replica`` of pool ``pool``."""
+    return f"{pool}-r{replica}"
+
+
 def replica_prefix(pipeline: str) -> str:
     """``wavepp.{pipeline}``: the prefix of every subject of one pipeline replica."""
     return f"wavepp.{pipeline}"
