@@ -272,7 +272,10 @@ async def connect(
     if user:
         options["user_credentials"] = user
         # A component may subscribe only to its own inbox (api.permissions): use it.
-        name_claim = creds_user_name(Path(user).read_text())
+        try:
+            name_claim = creds_user_name(Path(user).read_text())
+        except OSError:
+            name_claim = None  # nats.connect reports the unreadable file
         if name_claim:
             options["inbox_prefix"] = inbox_prefix(name_claim)
     tls = tls or NatsTLS.from_env()
