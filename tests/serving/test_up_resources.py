@@ -162,7 +162,11 @@ async def test_full_store_refuses_at_once_keeps_accepted_and_recovers(serving, t
 
 
 async def test_a_killed_nats_server_is_restarted(serving, tmp_path) -> None:
-    service = serving.start_up(tmp_path, SPEC)
+    """Also: logs and the JetStream store where the flags put them (apart from each other)."""
+    logs, store = tmp_path / "elsewhere" / "logs", tmp_path / "store"
+    service = serving.start_up(
+        tmp_path, SPEC, ["--log-dir", str(logs), "--jetstream-dir", str(store)]
+    )
     try:
         url = f"{service.endpoint}/v1/prefill"
         await wait_serving(url)
@@ -177,6 +181,10 @@ async def test_a_killed_nats_server_is_restarted(serving, tmp_path) -> None:
     assert info["nats_pid"] != old_pid and info["restarts"]["nats-server"] == 1
     assert recovery_s < 30
     assert any("nats-server restarted: nats-server exited" in line for line in service.lines)
+    assert {"gateway.log", "nats-server.log", "admission-default-r0.log"} <= {
+        p.name for p in logs.iterdir()
+    }
+    assert (store / "jetstream").is_dir() and not (service.state_dir / "logs").exists()
 
 
 @pytest.mark.parametrize(

@@ -269,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
     if args.jetstream_max_bytes < 0:
         return _fail("--jetstream-max-bytes", f"{args.jetstream_max_bytes}: must be >= 0")
     state_dir = Path(args.state_dir or tempfile.mkdtemp(prefix="wavepp-up-")).resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
     sup = Supervisor(state_dir, Path(args.log_dir).resolve() if args.log_dir else None)
     store_dir = (
         Path(args.jetstream_dir).resolve() if args.jetstream_dir else state_dir / "jetstream"
