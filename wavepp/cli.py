@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "trace-view": ("wavepp.cmd.trace_view", "summarise a span file; draw the per-stage timeline"),
     "up": ("wavepp.cmd.up", "run the whole service here: nats, stages, admission, gateway"),
     "validate": ("wavepp.cmd.validate", "check a WavePipeline spec file; start nothing"),
+    "nats-auth": ("wavepp.cmd.nats_auth", "make the NATS trust root (the chart's auth Secret)"),
     "admission": ("wavepp.cmd.admission", "run one replica's admission controller (a pod)"),
     "gateway": ("wavepp.cmd.gateway", "run the prefill gateway: HTTP and NATS API (a pod)"),
     "bench": ("wavepp.cmd.bench", "benchmarks: wave vs sync grid, admission cadence, plots"),

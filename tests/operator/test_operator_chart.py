@@ -85,10 +85,11 @@ def test_operator_role_is_least_privilege(helm: str) -> None:
     granted = {
         (g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
     }
-    assert (
-        "",
-        "secrets",
-    ) not in granted  # pipelines name their NATS Secret; the operator never reads it
+    # It writes each pipeline's NATS credentials (server-side apply) but never reads a Secret.
+    secret_verbs = {
+        v for rule in role["rules"] if "secrets" in rule["resources"] for v in rule["verbs"]
+    }
+    assert secret_verbs == {"create", "patch"}, secret_verbs
     assert not any(r.startswith("roles") or r.startswith("clusterroles") for _, r in granted)
 
 
@@ -101,3 +102,32 @@ def test_install_helm_is_idempotent(helm: str) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "already at" in result.stdout and "fetching" not in result.stdout
+
+
+def _deployment(objects: list[dict], name: str) -> dict:
+    return next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == name)
+
+
+def test_nats_auth_is_on_by_default_and_insecure_is_explicit(helm: str) -> None:
+    """Default: the chart's NATS loads the operator-mode auth config and the operator gets the
+    account seed (from one Secret); nats.insecure=true drops both and tells the operator."""
+    objects = render_chart(helm, "nats.deploy=true")
+    nats = _deployment(objects, "wavepp-nats")["spec"]["template"]["spec"]
+    assert "--config=/etc/nats-auth/auth.conf" in nats["containers"][0]["args"]
+    assert nats["volumes"][-1]["secret"] == {
+        "secretName": "wavepp-nats-auth",
+        "items": [{"key": "auth.conf", "path": "auth.conf"}],
+    }
+    env = _env(objects)
+    assert env["WAVEPP_NATS_ACCOUNT_SEED_FILE"] == "/etc/wavepp-nats-account/account.seed"
+    assert "WAVEPP_INSECURE_NATS" not in env
+    operator = _deployment(objects, "wavepp-operator")["spec"]["template"]["spec"]
+    assert {"key": "account.seed", "path": "account.seed"} in operator["volumes"][-1]["secret"][
+        "items"
+    ]
+
+    insecure = render_chart(helm, "nats.deploy=true", "nats.insecure=true")
+    nats = _deployment(insecure, "wavepp-nats")["spec"]["template"]["spec"]
+    assert not any("--config" in a for a in nats["containers"][0]["args"])
+    env = _env(insecure)
+    assert env["WAVEPP_INSECURE_NATS"] == "1" and "WAVEPP_NATS_ACCOUNT_SEED_FILE" not in env

@@ -11,6 +11,7 @@ the rendered ``args`` and ``env``, and is probed on the rendered probe paths.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import re
@@ -24,11 +25,13 @@ from typing import Any
 
 import pytest
 
+from wavepp.api.natsauth import TrustRoot
 from wavepp.api.spec import check_spec, load_spec_file
 from wavepp.cli import main as cli_main
 from wavepp.cmd.gateway import gateway_config_from_spec, pool_replicas
 from wavepp.cmd.stage import ArgError, resolve_rank, runtime_config_from_args
 from wavepp.operator import builders as b
+from wavepp.operator import natscreds
 from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
@@ -53,6 +56,8 @@ def _resolved_spec(metrics_port: int = 9400, *, nats: str = "plain") -> Any:
         raw["nats"] = {"credentialsSecret": "nats-user-creds"}
     spec, issues = check_spec(raw, default_image="wavepp:test", default_nats_url=CLUSTER_NATS_URL)
     assert spec is not None, issues
+    if nats == "rendered-creds":  # as reconcile.plan resolves it with an account seed
+        spec = natscreds.with_rendered_creds(spec, REF)
     return spec
 
 
@@ -241,12 +246,15 @@ def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         return exc.code, json.loads(exc.read() or b"{}")
 
 
-@pytest.mark.parametrize("nats_security", ["plain", "mutual-tls", "jwt-creds"])
+@pytest.mark.parametrize("nats_security", ["plain", "mutual-tls", "jwt-creds", "rendered-creds"])
 def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) -> None:
     """With ``nats.tlsSecret``, the same pods talk to a nats-server that requires TLS and
     verifies client certificates, using the files mounted from the Secret. With
     ``nats.credentialsSecret``, to a server in operator mode (JWT auth) with the user's
-    ``.creds`` file mounted from the Secret."""
+    ``.creds`` file mounted from the Secret. With the operator's rendered credentials (the
+    default with an account seed), each pod gets only the files its Secret volume's items name,
+    under the server that trusts that account: every component works with only its own
+    subjects (issue 13)."""
     tls = nats_security == "mutual-tls"
     spec = _resolved_spec(metrics_port=free_port(), nats=nats_security)
     hash_ = b.spec_hash(spec)
@@ -258,8 +266,9 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
     pool_path.write_text(pool_cm["data"]["pool.json"])
     sts = b.build_stage_statefulset(REF, spec, hash_, 0)
     stage_c = _container(sts)
-    admission_c = _container(b.build_admission_deployment(REF, spec, hash_, 0, running=True))
-    gateway_c = _container(b.build_gateway_deployment(REF, spec, hash_))
+    admission_d = b.build_admission_deployment(REF, spec, hash_, 0, running=True)
+    gateway_d = b.build_gateway_deployment(REF, spec, hash_)
+    admission_c, gateway_c = _container(admission_d), _container(gateway_d)
     assert stage_c["command"] == admission_c["command"] == gateway_c["command"] == ["wavepp"]
     for c in (stage_c, admission_c, gateway_c):
         assert c["args"] == b.container_args(
@@ -309,6 +318,23 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
         cluster["--nats-creds"] = f"{b.NATS_CREDS_DIR}/creds"
         for c in (stage_c, admission_c, gateway_c):
             assert "--nats-creds" in c["args"], c["args"]
+    mounts: dict[str, Path] = {}  # container name -> local copy of its nats-creds volume
+    if nats_security == "rendered-creds":
+        trust = TrustRoot.new()
+        secret = natscreds.build_nats_creds_secret(REF, spec, trust.account_seed)
+        server_config = str(tmp_path / "server.conf")
+        Path(server_config).write_text(trust.server_config(str(tmp_path / "js")))
+        for name, manifest in (("stage", sts), ("admission", admission_d), ("gateway", gateway_d)):
+            (volume,) = [
+                v
+                for v in manifest["spec"]["template"]["spec"]["volumes"]
+                if v["name"] == "nats-creds"
+            ]
+            mounts[name] = tmp_path / "mounts" / name
+            mounts[name].mkdir(parents=True)
+            for item in volume["secret"]["items"]:
+                data = base64.b64decode(secret["data"][item["key"]])
+                (mounts[name] / item["path"]).write_bytes(data)
     procs: list[subprocess.Popen[bytes]] = []
     with EmbeddedNatsServer(
         jetstream=server_config is None,
@@ -330,6 +356,8 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
             if name == "stage-1":
                 # As a pod whose args were not expanded: the stage reads $WAVEPP_RANK itself.
                 args = list(container["args"])
+            if container["name"] in mounts:  # the pod's own mount, made local
+                args = [a.replace(b.NATS_CREDS_DIR, str(mounts[container["name"]])) for a in args]
             command = [
                 sys.executable,
                 "-m",

@@ -80,7 +80,8 @@ async def test_prefix_routing_beats_round_robin(tmp_path: Path, serving) -> None
         [sys.executable, "-m", "wavepp.cli", "gateway",
          "--gateway-config", str(service.state_dir / "gateway.json"),
          "--nats-url", service.processes()["nats_url"], "--port", str(port),
-         "--routing", "round_robin"],
+         "--routing", "round_robin",
+         "--nats-creds", service.processes()["nats_creds"]["gateway-default"]],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

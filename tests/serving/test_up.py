@@ -134,7 +134,10 @@ async def test_text_prompt_completions_and_duplicate_request_id(up_service) -> N
 
 
 async def test_nats_prefill_subject(up_service) -> None:
-    nc = await connect(up_service.processes()["nats_url"], name="test-client")
+    info = up_service.processes()
+    nc = await connect(
+        info["nats_url"], name="test-client", creds=info["nats_creds"]["gateway-default"]
+    )
     try:
         body = {"tenant": "alice", "token_ids": prompt(3, 33)}
         reply = await nc.request("wavepp.default.prefill", json.dumps(body).encode(), timeout=30)
@@ -144,6 +147,35 @@ async def test_nats_prefill_subject(up_service) -> None:
     answer = json.loads(reply.data)
     assert answer["status"] == 200 and answer["body"]["num_prompt_tokens"] == 33
     assert json.loads(bad.data)["status"] == 400
+
+
+async def test_the_bus_refuses_anonymous_clients_and_confines_components(up_service) -> None:
+    """Under `wavepp up` defaults: no credentials, no connection; a stage's credentials cannot
+    publish on the gateway's prefill request path (the request never gets an answer)."""
+    info = up_service.processes()
+    with pytest.raises(Exception, match="Authorization Violation"):
+        await connect(info["nats_url"], name="anonymous", allow_reconnect=False)
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    stage = await connect(
+        info["nats_url"],
+        name="stage-creds",
+        creds=info["nats_creds"]["stage-default-r0-0"],
+        error_cb=on_error,
+    )
+    try:
+        body = json.dumps({"tenant": "alice", "token_ids": prompt(4, 20)}).encode()
+        await stage.publish("wavepp.default.prefill", body)
+        await stage.flush()
+        deadline = time.monotonic() + 10
+        while not errors and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    finally:
+        await stage.close()
+    assert any("permissions violation for publish" in e.lower() for e in errors), errors
 
 
 async def test_token_rate_limit_is_429_with_retry_after(up_service) -> None:

@@ -18,6 +18,8 @@
 | ``wavepp.{pool}.result.{key}``        | publish               | PrefillResult to the waiting gateway |
 | ``wavepp.{pipeline}.admission.heartbeat`` | publish (0.5 s)   | Heartbeat                            |
 | ``wavepp.{pool}.prefill``             | request-reply, queue  | the NATS prefill API of the gateway  |
+| ``_INBOX.{user}.>``                   | replies               | one NATS user's reply inbox          |
+| ``$JS.API...`` / ``$KV.{bucket}.>``   | JetStream API         | named per stream, for permissions    |
 
 Pure functions of names; no I/O. Nothing else in WavePP builds a subject string.
 """
@@ -25,6 +27,11 @@ Pure functions of names; no I/O. Nothing else in WavePP builds a subject string.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+def replica_pipeline_name(pool: str, replica: int) -> str:
+    """Pipeline name (and NATS subject token) of replica ``replica`` of pool ``pool``."""
+    return f"{pool}-r{replica}"
 
 
 def replica_prefix(pipeline: str) -> str:
@@ -38,17 +45,17 @@ class ReplicaSubjects:
 
     prefix: str
 
-    def stage_kv(self, rank: int) -> str:
-        """``{p}.stage.{r}.kv``: the stage's agreement endpoint (request-reply)."""
+    def stage_kv(self, rank: int | str) -> str:
+        """``{p}.stage.{r}.kv``: the stage's agreement endpoint (request-reply); ``"*"``: all."""
         return f"{self.prefix}.stage.{rank}.kv"
 
-    def stage_kv_batch(self, rank: int) -> str:
+    def stage_kv_batch(self, rank: int | str) -> str:
         """``{p}.stage.{r}.kvb``: the stage's batched agreement endpoint (request-reply, binary
-        ``wavepp.api.kv_batch``)."""
+        ``wavepp.api.kv_batch``); ``"*"``: all."""
         return f"{self.prefix}.stage.{rank}.kvb"
 
-    def stage_dones(self, rank: int) -> str:
-        """``{p}.stage.{r}.dones``: replay of a stage's done messages (request-reply)."""
+    def stage_dones(self, rank: int | str) -> str:
+        """``{p}.stage.{r}.dones``: replay of a stage's done messages (request-reply); ``"*"``: all."""
         return f"{self.prefix}.stage.{rank}.dones"
 
     def kv_events(self, rank: int | str) -> str:
@@ -98,3 +105,51 @@ def heartbeat_subject(pipeline: str) -> str:
 
 def prefill_subject(pool: str) -> str:
     return f"wavepp.{pool}.prefill"
+
+
+# ---- NATS internals a permission must name (inboxes, JetStream API); see api.permissions ------
+
+
+def inbox_prefix(user: str) -> str:
+    """``_INBOX.{user}``: the reply inbox of one NATS user (only that user may subscribe there)."""
+    return f"_INBOX.{user}"
+
+
+def kv_stream(bucket: str) -> str:
+    """``KV_{bucket}``: the stream behind a JetStream KV bucket."""
+    return f"KV_{bucket}"
+
+
+def kv_subjects(bucket: str) -> str:
+    """``$KV.{bucket}.>``: every key of a KV bucket (a put is a publish here)."""
+    return f"$KV.{bucket}.>"
+
+
+def jetstream_info() -> str:
+    """``$JS.API.INFO``: the account's JetStream info (nats-py asks it on first use)."""
+    return "$JS.API.INFO"
+
+
+def jetstream_stream_api(stream: str) -> list[str]:
+    """The JetStream API subjects that look up, create and read one stream (never delete or
+    purge it): info, create, message get and direct get."""
+    return [
+        f"$JS.API.STREAM.INFO.{stream}",
+        f"$JS.API.STREAM.CREATE.{stream}",
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+    ]
+
+
+def jetstream_consumer_api(stream: str) -> list[str]:
+    """The JetStream API subjects a durable pull consumer of ``stream`` uses: create it, read its
+    info, fetch messages, and acknowledge them (``$JS.ACK.{stream}.>``)."""
+    return [
+        f"$JS.API.CONSUMER.CREATE.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.INFO.{stream}.>",
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
+        f"$JS.ACK.{stream}.>",
+    ]

@@ -299,6 +299,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = runtime_config_from_args(args, os.environ)
         rank = resolve_rank(args.rank, os.environ)
+        if args.nats_creds:  # the operator's per-rank file, should the kubelet not expand it
+            args.nats_creds = args.nats_creds.replace("$(WAVEPP_RANK)", str(rank))
         check_creds(args.nats_creds)
         apply_nats_tls(args)
         check_port("--health-port", args.health_port)

@@ -9,7 +9,16 @@ JetStream); a stage that dies stops everything (exit 1). Ctrl-C or SIGTERM stops
 
 ``--config FILE`` is a WavePipeline spec in YAML or JSON (the custom resource's ``spec``, or the
 whole resource); without it, tiny-llama on 2 torch stages. ``STATE_DIR/processes.json`` lists
-the child pids (for tests and operators), ``STATE_DIR/logs/`` their output.
+the child pids and each component's NATS credentials file (for tests and operators),
+``STATE_DIR/logs/`` (or ``--log-dir``) their output and the nats-server's.
+
+The bus is authenticated by default: at every start, fresh keys in ``STATE_DIR/nats-auth/``
+(mode 0700): a nats-server config that trusts only them, and one ``.creds`` per component with
+only its own subjects (``wavepp.api.permissions``); anonymous clients are refused.
+``--insecure-nats`` turns that off for debugging, with a warning at start and in the serving
+line. The nats-server is watched (``runtime.serving.nats_watchdog``): restarted when it exits,
+or when it disabled JetStream (a full disk) and space came back. ``--jetstream-dir`` and ``--jetstream-max-bytes`` place and cap the JetStream store (logs
+then need not share its volume).
 """
 
 from __future__ import annotations
@@ -24,9 +33,13 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from wavepp.cmd.common import add_deprecated_alias, finite_float
 from wavepp.runtime.serving.lifecycle import child_env
+
+if TYPE_CHECKING:
+    from wavepp.runtime.transport.auth import PoolAuth
 
 DEFAULT_SPEC = {"model": {"name": "tiny-llama"}, "stages": 2}
 MAX_LOCAL_PROCESSES = 256
@@ -96,6 +109,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="not serving this long after start: stop everything, exit 2",
     )
     add_deprecated_alias(parser, "--name", "--pool", "pool")
+    parser.add_argument(
+        "--log-dir",
+        default="",
+        help="the children's and nats-server's logs (default STATE_DIR/logs)",
+    )
+    parser.add_argument(
+        "--jetstream-dir", default="", help="JetStream's store (default STATE_DIR/jetstream)"
+    )
+    parser.add_argument(
+        "--jetstream-max-bytes",
+        type=int,
+        default=0,
+        help="JetStream's disk limit in bytes (0: the server's default, from free space)",
+    )
+    parser.add_argument(
+        "--insecure-nats",
+        action="store_true",
+        help="DEBUGGING ONLY: no NATS credentials; any local process may read every prompt and "
+        "publish on every subject",
+    )
 
 
 def _fail(flag: str, message: str) -> int:
@@ -106,9 +139,9 @@ def _fail(flag: str, message: str) -> int:
 class Supervisor:
     """Owns the child processes of ``wavepp up``."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, log_dir: Path | None = None) -> None:
         self.state_dir = state_dir
-        self.log_dir = state_dir / "logs"
+        self.log_dir = log_dir or state_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.commands: dict[str, list[str]] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -172,6 +205,15 @@ class Supervisor:
                 proc.wait(10)
 
 
+def _store_limit_config(state_dir: Path, max_bytes: int) -> str | None:
+    """A nats-server config that only caps JetStream's disk use (for ``--insecure-nats``)."""
+    if not max_bytes:
+        return None
+    path = state_dir / "nats-store-limit.conf"
+    path.write_text(f"jetstream: {{ max_file_store: {max_bytes} }}\n")
+    return str(path)
+
+
 def _is_ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1.0) as response:
@@ -189,10 +231,16 @@ def _start_children(
     port: int,
     stage_names: list[str],
     service_names: list[str],
+    auth: PoolAuth | None,
 ) -> None:
-    """Start every replica's stages and admission, then the gateway; names are appended to
-    ``stage_names`` / ``service_names`` as each starts (so a failure stops those started)."""
+    """Start every replica's stages and admission, then the gateway, each with its own NATS
+    user's credentials (none with ``--insecure-nats``); names are appended to ``stage_names`` /
+    ``service_names`` as each starts (so a failure stops those started)."""
+    from wavepp.api.permissions import admission_user_name, gateway_user_name, stage_user_name
     from wavepp.runtime.transport.natsio import free_port
+
+    def creds(user: str) -> list[str]:
+        return [] if auth is None else ["--nats-creds", auth.creds[user]]
 
     cli = [sys.executable, "-m", "wavepp.cli"]
     for config in configs:
@@ -205,20 +253,23 @@ def _start_children(
             sup.start(
                 name,
                 [*cli, "stage", "--runtime-config", str(path), "--rank", str(rank),
-                 "--nats-url", nats_url, "--dist-url", dist_url],
+                 "--nats-url", nats_url, "--dist-url", dist_url,
+                 *creds(stage_user_name(config.pipeline, rank))],
             )  # fmt: skip
         name = f"admission-{config.pipeline}"
         service_names.append(name)
         sup.start(
             name,
             [*cli, "admission", "--runtime-config", str(path), "--nats-url", nats_url,
-             "--pool", args.pool, "--ack-wait-s", str(args.ack_wait_s)],
+             "--pool", args.pool, "--ack-wait-s", str(args.ack_wait_s),
+             *creds(admission_user_name(config.pipeline))],
         )  # fmt: skip
     service_names.append("gateway")
     sup.start(
         "gateway",
         [*cli, "gateway", "--gateway-config", str(state_dir / "gateway.json"),
-         "--nats-url", nats_url, "--host", args.host, "--port", str(port)],
+         "--nats-url", nats_url, "--host", args.host, "--port", str(port),
+         *creds(gateway_user_name(args.pool))],
     )  # fmt: skip
 
 
@@ -235,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.gateway.core import GatewayConfig, ReplicaInfo
     from wavepp.gateway.tenants import TenantPolicy, policy_from_spec
     from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
+    from wavepp.runtime.serving.nats_watchdog import NatsWatchdog
+    from wavepp.runtime.transport.auth import write_pool_auth
     from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
     try:
@@ -341,8 +394,14 @@ def run(args: argparse.Namespace) -> int:
         replica_timeout_s=args.replica_timeout_s,
         tokenizer=str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
     )
+    if args.jetstream_max_bytes < 0:
+        return _fail("--jetstream-max-bytes", f"{args.jetstream_max_bytes}: must be >= 0")
     state_dir = Path(args.state_dir or tempfile.mkdtemp(prefix="wavepp-up-")).resolve()
-    sup = Supervisor(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    sup = Supervisor(state_dir, Path(args.log_dir).resolve() if args.log_dir else None)
+    store_dir = (
+        Path(args.jetstream_dir).resolve() if args.jetstream_dir else state_dir / "jetstream"
+    )
     (state_dir / "gateway.json").write_text(gateway_config.model_dump_json(indent=2))
     stopping = {"flag": False}
 
@@ -351,26 +410,78 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    server = EmbeddedNatsServer(jetstream=True, store_dir=str(state_dir / "jetstream"))
+    auth = None
+    if args.insecure_nats:
+        print(
+            "wavepp up: WARNING: --insecure-nats: the NATS server takes anonymous clients; any "
+            "local process can read every tenant's prompts and publish on every subject. "
+            "For debugging only.",
+            file=sys.stderr,
+            flush=True,
+        )
+        server = EmbeddedNatsServer(
+            jetstream=True,
+            store_dir=str(store_dir),
+            config_file=_store_limit_config(state_dir, args.jetstream_max_bytes),
+            log_file=str(sup.log_dir / "nats-server.log"),
+            monitor_port=free_port(),
+        )
+    else:
+        try:
+            auth = write_pool_auth(
+                state_dir / "nats-auth",
+                pool=args.pool,
+                replicas={c.pipeline: c.num_stages for c in configs},
+                store_dir=store_dir,
+                max_file_store_bytes=args.jetstream_max_bytes or None,
+            )
+        except ValueError as exc:
+            return _fail("--pool", str(exc))
+        server = EmbeddedNatsServer(
+            config_file=auth.server_config,
+            log_file=str(sup.log_dir / "nats-server.log"),
+            monitor_port=free_port(),
+        )
+        server.store_dir = str(store_dir)
     try:
         server.start()
     except (OSError, RuntimeError, TimeoutError) as exc:
         server.stop()
         return _fail("nats-server", f"did not start: {describe_error(exc)}")
+    watchdog = NatsWatchdog(server, store_dir)
     endpoint = f"http://{args.host}:{port}"
-    sup.info = {"endpoint": endpoint, "nats_url": server.url, "state_dir": str(state_dir)}
+    sup.info = {
+        "endpoint": endpoint,
+        "nats_url": server.url,
+        "nats_pid": server.pid,
+        "state_dir": str(state_dir),
+        "nats_creds": auth.creds if auth else None,
+    }
     stage_names: list[str] = []
     service_names: list[str] = []
     code = 0
     try:
-        _start_children(sup, args, configs, state_dir, server.url, port, stage_names, service_names)
+        _start_children(
+            sup, args, configs, state_dir, server.url, port, stage_names, service_names, auth
+        )
     except OSError as exc:
         print(f"wavepp up: starting a child failed: {describe_error(exc)}", file=sys.stderr)
         stopping["flag"], code = True, 2
     is_serving = False
     deadline = time.monotonic() + args.startup_timeout_s
+    next_nats_check = time.monotonic()
     try:
         while not stopping["flag"]:
+            if time.monotonic() >= next_nats_check:
+                next_nats_check = time.monotonic() + 1.0
+                reason = watchdog.check()
+                if reason is not None:
+                    print(
+                        f"wavepp up: nats-server restarted: {reason}", file=sys.stderr, flush=True
+                    )
+                    sup.info["nats_pid"] = server.pid
+                    sup.num_restarts["nats-server"] = watchdog.num_restarts
+                    sup.write_state()
             dead_stage = next((n for n in stage_names if sup.procs[n].poll() is not None), None)
             if dead_stage is not None:
                 print(
@@ -401,7 +512,9 @@ def run(args: argparse.Namespace) -> int:
                     print(
                         f"wavepp up: serving {endpoint} (pool {args.pool}: {len(configs)} "
                         f"replica(s) x {first.num_stages} {first.engine} stages of "
-                        f"{first.model.name}; NATS {server.url}; logs {sup.log_dir})",
+                        f"{first.model.name}; NATS {server.url} "
+                        f"{'WITHOUT AUTH (--insecure-nats)' if auth is None else 'with auth'}; "
+                        f"logs {sup.log_dir})",
                         flush=True,
                     )
                 elif time.monotonic() > deadline:

@@ -22,7 +22,8 @@ from collections.abc import Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.errors import KeyNotFoundError
+from nats.errors import NoRespondersError
+from nats.js.errors import APIError, KeyNotFoundError
 from pydantic import BaseModel, ConfigDict, Field
 
 from wavepp.api.messages import KVEventBatch
@@ -43,6 +44,18 @@ from wavepp.runtime.kv import hash_prompt_blocks
 from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
 
 log = logging.getLogger(__name__)
+
+# Seconds a client is told to wait (``Retry-After``) when the intake refuses a request.
+INTAKE_RETRY_AFTER_S = 2.0
+
+
+class IntakeUnavailable(Exception):
+    """JetStream refused the request before accepting it (store full, JetStream disabled):
+    HTTP 503 with ``Retry-After`` = ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ReplicaInfo(BaseModel):
@@ -97,7 +110,9 @@ class Gateway:
     ) -> None:
         self.config = config
         self.nc = nc
-        self.js = nc.jetstream()
+        # JetStream calls (the results lookup of every request, the intake publish) wait out a
+        # paused or restarting server for as long as a request may, not the client's 5 s.
+        self.js = nc.jetstream(timeout=config.request_timeout_s)
         self.clock = clock
         self.tenants = {t.name: t for t in config.tenants}
         self.limiter = TenantLimiter(config.tenants, max_prompt_tokens=config.max_prompt_tokens)
@@ -266,6 +281,8 @@ class Gateway:
         Raises:
             LimitExceeded: over the gateway's queue limit or a tenant limit (HTTP 429).
             TimeoutError: no answer within ``request_timeout_s`` (HTTP 504).
+            IntakeUnavailable: JetStream refused the request (store full, JetStream disabled;
+                HTTP 503 with ``Retry-After``), at once: nothing was accepted.
         """
         key = f"{request.tenant}.{request.request_id}"
         stored = await self.stored_result(key)
@@ -358,12 +375,21 @@ class Gateway:
                 self.metrics.routed(replica.name, num_reusable)
                 replica.num_outstanding += 1
                 try:
-                    ack = await self.js.publish(
-                        intake_subject(replica.name),
-                        data,
-                        stream=intake_stream(replica.name),
-                        headers={"Nats-Msg-Id": intake.key},
-                    )
+                    try:
+                        # Wait for the store as long as the request may (a paused server is
+                        # not a lost request); a refusal (store full, JetStream off) is at once.
+                        ack = await self.js.publish(
+                            intake_subject(replica.name),
+                            data,
+                            stream=intake_stream(replica.name),
+                            headers={"Nats-Msg-Id": intake.key},
+                            timeout=max(deadline - self.clock(), 0.001),
+                        )
+                    except (APIError, NoRespondersError) as exc:
+                        raise IntakeUnavailable(
+                            f"intake of {replica.name} refused the request: {exc}",
+                            INTAKE_RETRY_AFTER_S,
+                        ) from exc
                     if ack.duplicate:
                         # Accepted before (a client retry after a gateway restart): its answer
                         # may have been published before our waiter existed; the KV has it.
@@ -395,4 +421,11 @@ class Gateway:
             self._waiters.pop(intake.key, None)
 
 
-__all__ = ["Gateway", "GatewayConfig", "GatewayMetrics", "LimitExceeded", "ReplicaInfo"]
+__all__ = [
+    "Gateway",
+    "GatewayConfig",
+    "GatewayMetrics",
+    "IntakeUnavailable",
+    "LimitExceeded",
+    "ReplicaInfo",
+]

@@ -22,7 +22,8 @@ counted per tenant: 400 malformed or out of range, 401 no valid API key, 403 unk
 no such route, 405 wrong method, 413 body over ``errors.MAX_BODY_BYTES`` (``limit``), 422 text
 without a tokenizer, 429 over a tenant limit, too many failed keys, or past the gateway's queue
 limit (``field`` ``queue``, ``limit`` = ``max_queued_requests``; both with ``Retry-After``), 500
-the pipeline failed the request, 503 intake unavailable, 504 no answer in time. aiohttp's own
+the pipeline failed the request, 503 intake unavailable (JetStream store full or disabled: at
+once, never after accepting the request; with ``Retry-After``), 504 no answer in time. aiohttp's own
 errors (413, 404, 405) are rewritten by ``errors.error_middleware``. The NATS API on
 ``wavepp.{pool}.prefill`` (queue group ``gateway``) takes the ``/v1/prefill`` body and answers
 ``{"status": code, "body": ...}``.
@@ -46,7 +47,7 @@ from nats.aio.msg import Msg
 from wavepp.api.prefill import PrefillResult
 from wavepp.api.subjects import prefill_subject
 from wavepp.gateway.auth import AuthError, authenticator_for
-from wavepp.gateway.core import Gateway, GatewayConfig
+from wavepp.gateway.core import INTAKE_RETRY_AFTER_S, Gateway, GatewayConfig, IntakeUnavailable
 from wavepp.gateway.errors import MAX_BODY_BYTES, error_body, error_middleware, metrics_tenant
 from wavepp.gateway.openai_api import completion_body, models_body, sse_events
 from wavepp.gateway.tenants import LimitExceeded
@@ -174,11 +175,16 @@ class GatewayServer:
             result, is_duplicate = await self.gateway.prefill(request)
         except (BadRequest, LimitExceeded) as exc:
             return self._refusal(exc)
+        except IntakeUnavailable as exc:
+            log.warning("prefill refused: %s", exc)
+            retry = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+            return 503, error_body("intake", str(exc), kind="unavailable"), retry
         except TimeoutError as exc:
             return 504, error_body("request", str(exc) or "no answer in time", kind="timeout"), {}
         except Exception as exc:  # noqa: BLE001 - intake (JetStream) unavailable
             log.exception("prefill failed")
-            return 503, error_body("intake", str(exc), kind="unavailable"), {}
+            retry = {"Retry-After": str(max(1, math.ceil(INTAKE_RETRY_AFTER_S)))}
+            return 503, error_body("intake", str(exc), kind="unavailable"), retry
         if result.error:
             return 500, error_body("request", result.error, kind="server_error"), {}
         return 200, result, ({"X-WavePP-Duplicate": "true"} if is_duplicate else {})

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from wavepp.api.spec import API_GROUP, API_VERSION, KIND, WavePipelineSpec
+from wavepp.operator import natscreds
 from wavepp.operator.containers import (
     CONFIG_DIR,
     CONTAINER_SECURITY_CONTEXT,
@@ -222,7 +223,7 @@ def build_stage_statefulset(
     """
     name = statefulset_name(ref.name, replica)
     selector = {LABEL_PIPELINE: ref.name, LABEL_REPLICA: str(replica), LABEL_COMPONENT: "stage"}
-    volumes, mounts = config_volumes(spec, ref, hash_)
+    volumes, mounts = config_volumes(spec, ref, hash_, "stage", replica)
     volumes.append(
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shared_memory}}
     )
@@ -298,7 +299,7 @@ def build_admission_deployment(
     """
     name = admission_name(ref.name, replica)
     selector = {LABEL_PIPELINE: ref.name, LABEL_REPLICA: str(replica), LABEL_COMPONENT: "admission"}
-    volumes, mounts = config_volumes(spec, ref, hash_)
+    volumes, mounts = config_volumes(spec, ref, hash_, "admission", replica)
     ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
     pod_spec = pod_spec_common(spec) | {
         "containers": [pod_container("admission", spec, ref, replica, ports, {}, mounts)],
@@ -349,7 +350,7 @@ def build_admission_service(ref: PipelineRef, replica: int) -> dict[str, Any]:
 
 def build_gateway_deployment(ref: PipelineRef, spec: WavePipelineSpec, hash_: str) -> dict:
     """The gateway (prefill API, tenants): routes to the admitting replicas of ``pool.json``."""
-    volumes, mounts = config_volumes(spec, ref, hash_)
+    volumes, mounts = config_volumes(spec, ref, hash_, "gateway")
     volumes.append({"name": "pool", "configMap": {"name": pool_configmap_name(ref.name)}})
     mounts.append({"name": "pool", "mountPath": POOL_DIR, "readOnly": True})
     key_volumes, key_mounts = api_key_volumes(spec)
@@ -368,6 +369,7 @@ def build_gateway_deployment(ref: PipelineRef, spec: WavePipelineSpec, hash_: st
             "template": {
                 "metadata": {
                     "labels": base_labels(ref.name, "gateway") | {LABEL_SPEC_HASH: hash_},
+                    **natscreds.gateway_template_annotations(ref, spec),
                 },
                 "spec": pod_spec_common(spec)
                 | {

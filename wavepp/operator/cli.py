@@ -4,7 +4,9 @@
     wavepp operator crd            # the CustomResourceDefinition YAML on stdout
 
 Flags default to the environment (``WAVEPP_DEFAULT_IMAGE``, ``WAVEPP_DEFAULT_NATS_URL``,
-``WAVEPP_DEFAULT_OTLP_ENDPOINT``), which is how the Helm chart configures the operator.
+``WAVEPP_DEFAULT_OTLP_ENDPOINT``, ``WAVEPP_NATS_ACCOUNT_SEED_FILE``, ``WAVEPP_INSECURE_NATS``),
+which is how the Helm chart configures the operator. With the NATS account's seed, every
+pipeline's components get their own NATS users (``operator.natscreds``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8080,
         help="port of kopf's /healthz liveness endpoint; 0 disables",
     )
+    parser.add_argument(
+        "--nats-account-seed-file",
+        default=os.environ.get("WAVEPP_NATS_ACCOUNT_SEED_FILE"),
+        help="the NATS account's seed (the chart mounts it): each pipeline's components get "
+        "their own credentials (env WAVEPP_NATS_ACCOUNT_SEED_FILE)",
+    )
+    parser.add_argument(
+        "--insecure-nats",
+        action="store_true",
+        default=os.environ.get("WAVEPP_INSECURE_NATS") == "1",
+        help="DEBUGGING ONLY: render no NATS credentials (env WAVEPP_INSECURE_NATS=1)",
+    )
     parser.add_argument("--no-events", action="store_true", help="post no Kubernetes Events")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
 
@@ -79,6 +93,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"wavepp operator: --liveness-port {args.liveness_port}: not a port", file=sys.stderr)
         return 2
 
+    seed = None
+    if args.insecure_nats:
+        print(
+            "wavepp operator: WARNING: --insecure-nats: pipelines get no NATS credentials; any "
+            "pod that reaches NATS can read every prompt and publish on every subject",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif args.nats_account_seed_file:
+        try:
+            seed = _read_account_seed(args.nats_account_seed_file)
+        except (OSError, ValueError) as exc:
+            print(f"wavepp operator: --nats-account-seed-file: {exc}", file=sys.stderr)
+            return 2
+    else:
+        print(
+            "wavepp operator: WARNING: no --nats-account-seed-file: pipelines get no NATS "
+            "credentials unless their spec names nats.credentialsSecret (give the seed, or "
+            "--insecure-nats to say this is meant)",
+            file=sys.stderr,
+            flush=True,
+        )
+
     import logging
 
     import kopf
@@ -106,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         default_otlp_endpoint=args.default_otlp_endpoint,
         resync_s=args.resync_s,
         post_events=not args.no_events,
+        nats_account_seed=seed,
     )
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
     kopf.run(
@@ -115,3 +153,22 @@ def run(args: argparse.Namespace) -> int:
         memo=kopf.Memo(options=options),
     )
     return 0
+
+
+def _read_account_seed(path: str) -> str:
+    """The account nkey seed in ``path`` (``SA...``).
+
+    Raises:
+        OSError: unreadable file.
+        ValueError: the file holds no account seed.
+    """
+    import nkeys
+
+    seed = open(path).read().strip()  # noqa: PTH123, SIM115 - small file, read once
+    try:
+        kind = nkeys.from_seed(seed.encode()).public_key.decode()[0]
+    except Exception as exc:  # noqa: BLE001 - nkeys raises several kinds
+        raise ValueError(f"{path}: not an nkey seed") from exc
+    if kind != "A":
+        raise ValueError(f"{path}: an nkey seed, but not an account's (public key {kind}...)")
+    return seed

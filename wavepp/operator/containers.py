@@ -16,12 +16,17 @@ from wavepp.operator.naming import (
     spec_configmap_name,
     statefulset_name,
 )
+from wavepp.operator.natscreds import (
+    NATS_CREDS_DIR,
+    creds_path,
+    creds_volume,
+    uses_rendered_creds,
+)
 
 CONFIG_DIR = "/etc/wavepp"
 SPEC_FILE = f"{CONFIG_DIR}/spec.json"
 POOL_DIR = "/etc/wavepp-pool"
 POOL_FILE = f"{POOL_DIR}/pool.json"
-NATS_CREDS_DIR = "/etc/wavepp-nats"
 NATS_TLS_DIR = "/etc/wavepp-nats-tls"
 API_KEYS_DIR = "/etc/wavepp-keys"  # gateway only: {API_KEYS_DIR}/{tenant}/keys, a Secret each
 API_KEYS_ENTRY = "keys"  # the entry of a tenant's apiKeySecret that lists its keys
@@ -56,7 +61,8 @@ def container_args(
     """
     args = [component, "--config", SPEC_FILE, "--nats-url", str(spec.nats.url)]
     if spec.nats.credentials_secret:
-        args += ["--nats-creds", f"{NATS_CREDS_DIR}/creds"]
+        rendered = uses_rendered_creds(spec, ref)
+        args += ["--nats-creds", creds_path(component) if rendered else f"{NATS_CREDS_DIR}/creds"]
     if spec.nats.tls_secret:
         args += ["--nats-tls-ca", f"{NATS_TLS_DIR}/ca.crt"]
         if spec.nats.tls_client_cert:
@@ -168,7 +174,11 @@ def pod_container(
 
 
 def config_volumes(
-    spec: WavePipelineSpec, ref: PipelineRef, hash_: str
+    spec: WavePipelineSpec,
+    ref: PipelineRef,
+    hash_: str,
+    component: Component | None = None,
+    replica: int | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": spec_configmap_name(ref.name, hash_)}}
@@ -177,7 +187,10 @@ def config_volumes(
     # The root filesystem is read-only: Python, torch and the tracer write only under /tmp.
     volumes.append({"name": "tmp", "emptyDir": {}})
     mounts.append({"name": "tmp", "mountPath": "/tmp"})
-    if spec.nats.credentials_secret:
+    if spec.nats.credentials_secret and component and uses_rendered_creds(spec, ref):
+        volumes.append(creds_volume(component, ref, spec, replica))  # only its own users
+        mounts.append({"name": "nats-creds", "mountPath": NATS_CREDS_DIR, "readOnly": True})
+    elif spec.nats.credentials_secret:
         volumes.append(
             {"name": "nats-creds", "secret": {"secretName": spec.nats.credentials_secret}}
         )

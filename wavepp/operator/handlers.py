@@ -45,6 +45,7 @@ class OperatorOptions:
     resync_s: float = 10.0
     post_events: bool = True
     fast_exit: bool = False  # tests: short kopf idle timeouts so that the operator stops quickly
+    nats_account_seed: str | None = None  # set: render each pipeline's NATS credentials
 
     @classmethod
     def from_env(cls) -> OperatorOptions:
@@ -261,7 +262,12 @@ async def reconcile_pipeline(
         body,
         observed,
         time.time(),
-        Defaults(opts.default_image, opts.default_nats_url, opts.default_otlp_endpoint),
+        Defaults(
+            opts.default_image,
+            opts.default_nats_url,
+            opts.default_otlp_endpoint,
+            nats_account_seed=opts.nats_account_seed,
+        ),
     )
     listed = observed.index()
     applied = state.applied.setdefault((namespace, name), {})

@@ -44,6 +44,7 @@ RESOURCES: dict[str, type[GenericNamespacedResource]] = {
     kind: create_namespaced_resource(group, version, kind, plural)
     for kind, group, version, plural in (
         ("ConfigMap", "", "v1", "configmaps"),
+        ("Secret", "", "v1", "secrets"),
         ("Service", "", "v1", "services"),
         ("Pod", "", "v1", "pods"),
         ("StatefulSet", "apps", "v1", "statefulsets"),

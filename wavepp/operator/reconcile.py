@@ -39,6 +39,7 @@ from typing import Any
 
 from wavepp.api.spec import SpecIssue, check_spec
 from wavepp.operator import builders as b
+from wavepp.operator import natscreds
 from wavepp.operator.observe import (
     ANNOTATION_DEGRADED,
     ANNOTATION_DRAIN,
@@ -122,6 +123,9 @@ class Defaults:
     image: str | None = None
     nats_url: str | None = None
     otlp_endpoint: str | None = None
+    # The NATS account's seed: set, the operator renders each pipeline's component credentials
+    # (``natscreds``) unless its spec names a ``nats.credentialsSecret``.
+    nats_account_seed: str | None = None
 
 
 @dataclass
@@ -167,6 +171,11 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         return Plan(actions=[], status=invalid_status(body, issues, now), issues=issues)
 
     ref = b.PipelineRef.from_body(body)
+    creds_secret: dict[str, Any] | None = None
+    if defaults.nats_account_seed:
+        spec = natscreds.with_rendered_creds(spec, ref)
+        if natscreds.uses_rendered_creds(spec, ref):
+            creds_secret = natscreds.build_nats_creds_secret(ref, spec, defaults.nats_account_seed)
     current_hash = b.spec_hash(spec)
     ranges = spec.stage_layer_ranges()
     budget = spec.restart_budget
@@ -228,6 +237,9 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         out += delete_pods(list(v.stage_pods.values()))
         return out
 
+    # The credentials first (derived: unchanged specs apply nothing): pods below mount them.
+    if creds_secret is not None:
+        actions.append(Apply(creds_secret))
     # The spec ConfigMap first: every pod created below mounts it.
     if not any(labels_of(cm).get(b.LABEL_SPEC_HASH) == current_hash for cm in observed.configmaps):
         actions.append(Create(b.build_spec_configmap(ref, spec, current_hash)))

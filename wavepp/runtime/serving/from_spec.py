@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 from wavepp.api.spec import SpecError, WavePipelineSpec
+from wavepp.api.subjects import replica_pipeline_name
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.model_config import PRESETS, ModelConfig
 from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
@@ -50,11 +51,6 @@ _MODEL_FIELDS = (
     "head_dim",
     "vocab_size",
 )
-
-
-def replica_pipeline_name(pool: str, replica: int) -> str:
-    """Pipeline name (and NATS subject token) of replica ``replica`` of pool ``pool``."""
-    return f"{pool}-r{replica}"
 
 
 def model_config_from_spec(spec: WavePipelineSpec) -> ModelConfig:

@@ -57,6 +57,8 @@ from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
+# How long a JetStream call of the service may wait for the server (a pause, a restart).
+STORE_TIMEOUT_S = 60.0
 
 
 def result_from_outcome(
@@ -97,6 +99,7 @@ class AdmissionService:
         ack_wait_s: JetStream redelivers a message unacked for this long (a dead service).
         max_concurrent: requests taken from the stream and not yet answered, at most.
         startup_timeout_s: how long to wait for every stage to answer a health probe.
+        store_timeout_s: how long a JetStream call (the results bucket) may wait for the server.
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class AdmissionService:
         ack_wait_s: float = 10.0,
         max_concurrent: int = 64,
         startup_timeout_s: float = 300.0,
+        store_timeout_s: float = STORE_TIMEOUT_S,
     ) -> None:
         self.config = config
         self.nc = nc
@@ -117,7 +121,9 @@ class AdmissionService:
         self.max_concurrent = max_concurrent
         self.startup_timeout_s = startup_timeout_s
         self.instance = uuid.uuid4().hex[:8]
-        self.js = nc.jetstream()
+        # JetStream calls (results get/put) wait out a paused or restarting server for as long
+        # as the intake message stays ours (kept in progress meanwhile), not the client's 5 s.
+        self.js = nc.jetstream(timeout=store_timeout_s)
         stages = [
             NatsStageClient(nc, config.subject_prefix, rank, config.request_timeout_s)
             for rank in range(config.num_stages)
@@ -143,6 +149,7 @@ class AdmissionService:
         self.num_stages_formed = 0
         self.num_answered = 0
         self.num_duplicates = 0
+        self.num_unstored = 0  # answered, but the result could not be stored (store full)
         self._running: dict[str, asyncio.Task[PrefillResult]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(max_concurrent)
@@ -272,18 +279,29 @@ class AdmissionService:
             keepalive = asyncio.create_task(self._keep_in_progress(msg))
             try:
                 result = await asyncio.shield(running)
+                data = result.model_dump_json().encode()
+                await self._store(request.key, data)
+                await self.nc.publish(result_subject(self.pool, request.key), data)
+                await msg.ack()
             finally:
                 keepalive.cancel()
-            data = result.model_dump_json().encode()
-            assert self._kv is not None, "results bucket opened before serving"
-            await self._kv.put(request.key, data)
-            await self.nc.publish(result_subject(self.pool, request.key), data)
-            await msg.ack()
             self.num_answered += 1
         except Exception:
             log.exception("intake message failed; it will be redelivered")
         finally:
             self._slots.release()
+
+    async def _store(self, key: str, data: bytes) -> None:
+        """Keep the result for duplicates and redeliveries. A store that refuses it (full,
+        JetStream disabled) or stays silent past ``store_timeout_s`` costs only that record:
+        the result is still answered and the message acked, never redelivered to run again and
+        again against a full store (which held accepted requests until the gateway's 504)."""
+        assert self._kv is not None, "results bucket opened before serving"
+        try:
+            await self._kv.put(key, data)
+        except Exception as exc:  # noqa: BLE001 - APIError, NoResponders, timeout: same answer
+            self.num_unstored += 1
+            log.warning("result of %s not stored (%r); answered without the record", key, exc)
 
     async def _stored(self, key: str) -> bytes | None:
         assert self._kv is not None, "results bucket opened before serving"

@@ -24,6 +24,9 @@ from pathlib import Path
 import nats
 from nats.aio.client import Client as NATS
 
+from wavepp.api.natsauth import creds_user_name
+from wavepp.api.subjects import inbox_prefix
+
 log = logging.getLogger(__name__)
 
 # Per connection made by ``connect``: coroutine functions to run after each reconnect.
@@ -56,6 +59,7 @@ def nats_server_binary() -> str:
     )
 
 
+CREDS_ENV = "WAVEPP_NATS_CREDS"
 TLS_ENV = {"ca": "WAVEPP_NATS_TLS_CA", "cert": "WAVEPP_NATS_TLS_CERT", "key": "WAVEPP_NATS_TLS_KEY"}
 
 
@@ -124,8 +128,12 @@ class EmbeddedNatsServer:
         store_dir: str | None = None,
         tls: tuple[str, str, str] | None = None,
         config_file: str | None = None,
+        log_file: str | None = None,
+        monitor_port: int | None = None,
     ) -> None:
         self.port = port or free_port()
+        self.log_file = log_file  # the server's log (append); None: discarded
+        self.monitor_port = monitor_port  # HTTP monitoring (/healthz, /jsz) on 127.0.0.1
         self.jetstream = jetstream
         # (server cert, server key, CA that signs client certs): TLS required, clients verified
         self.tls = tls
@@ -136,9 +144,12 @@ class EmbeddedNatsServer:
 
     @property
     def pid(self) -> int | None:
-        """The nats-server's process id while it runs."""
-        proc = getattr(self, "_proc", None)
-        return proc.pid if proc is not None and proc.poll() is None else None
+        """The server process's id while started."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
 
     @property
     def url(self) -> str:
@@ -150,6 +161,10 @@ class EmbeddedNatsServer:
             args += ["-c", self.config_file]
         if self.jetstream:
             args += ["-js", "-sd", self.store_dir]
+        if self.monitor_port:
+            args += ["-m", str(self.monitor_port)]
+        if self.log_file:
+            args += ["-l", self.log_file]
         if self.tls:
             cert, key, ca = self.tls
             args += ["--tlsverify", "--tlscert", cert, "--tlskey", key, "--tlscacert", ca]
@@ -210,7 +225,9 @@ async def connect(
         url: NATS server URL, e.g. ``nats://host:4222``.
         name: the connection's name (shown by the server).
         creds: a NATS credentials file (``.creds``: user JWT and NKey seed); None falls back
-            to the environment variable ``WAVEPP_NATS_CREDS``, and without it no credentials.
+            to the environment variable ``WAVEPP_NATS_CREDS``, and without it no credentials
+            (a server with auth, the default of ``wavepp up`` and the chart, refuses that).
+            With credentials, replies come to the user's own inbox ``_INBOX.{user}``.
         tls: TLS to the server; None falls back to ``NatsTLS.from_env()``, and without it
             plain TCP (unless the URL says ``tls://``, then the system's CAs).
         kwargs: further ``nats.connect`` options (they win over the defaults here).
@@ -243,9 +260,24 @@ async def connect(
         "reconnected_cb": _on_reconnected,
         "pending_size": 64 * 1024 * 1024,
     }
-    user = creds or os.environ.get("WAVEPP_NATS_CREDS")
+    user = creds or os.environ.get(CREDS_ENV)
+    if not user and not _warned_anonymous:
+        _warned_anonymous.append(True)
+        log.warning(
+            "nats %s: connecting WITHOUT credentials (no --nats-creds / %s): only a server "
+            "that takes anonymous clients (--insecure-nats) will let this in",
+            name,
+            CREDS_ENV,
+        )
     if user:
         options["user_credentials"] = user
+        # A component may subscribe only to its own inbox (api.permissions): use it.
+        try:
+            name_claim = creds_user_name(Path(user).read_text())
+        except OSError:
+            name_claim = None  # nats.connect reports the unreadable file
+        if name_claim:
+            options["inbox_prefix"] = inbox_prefix(name_claim)
     tls = tls or NatsTLS.from_env()
     if tls is not None:
         options["tls"] = tls.ssl_context()
@@ -256,6 +288,7 @@ async def connect(
 
 
 _listener_tasks: set[asyncio.Future[None]] = set()
+_warned_anonymous: list[bool] = []  # warn once per process
 
 
 def _listener_done(task: asyncio.Future[None]) -> None:

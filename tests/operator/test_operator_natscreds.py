@@ -1,0 +1,148 @@
+"""The operator renders each pipeline's NATS credentials (issue 13 part 1, issue 17 part 3): one
+Secret, each pod mounting only its own users; the rendered users work against a real nats-server
+that trusts the account, and only the gateway's may publish the prefill request path."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from wavepp.api.natsauth import TrustRoot
+from wavepp.api.subjects import ReplicaSubjects, prefill_subject, replica_prefix
+from wavepp.operator.reconcile import Apply, Defaults, Observed, plan
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
+
+SPEC = {"model": {"name": "tiny-llama"}, "stages": 2, "replicas": 2}
+
+
+@pytest.fixture(scope="module")
+def trust() -> TrustRoot:
+    return TrustRoot.new()
+
+
+def _body(spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "p", "namespace": "ns", "uid": "u1", "generation": 1},
+        "spec": spec,
+    }
+
+
+def _applied(trust: TrustRoot | None, spec: dict[str, Any] = SPEC) -> list[dict[str, Any]]:
+    defaults = Defaults(
+        image="img:1",
+        nats_url="nats://n:4222",
+        nats_account_seed=trust.account_seed if trust else None,
+    )
+    result = plan(_body(spec), Observed(), 1_000_000.0, defaults)
+    return [a.manifest for a in result.actions if isinstance(a, Apply)]
+
+
+def _find(manifests: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return next(m for m in manifests if m["kind"] == kind and m["metadata"]["name"] == name)
+
+
+def _pod(manifests: list[dict[str, Any]], kind: str, name: str) -> tuple[list[str], dict]:
+    pod = _find(manifests, kind, name)["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "nats-creds")
+    return pod["containers"][0]["args"], volume["secret"]
+
+
+def test_secret_first_and_each_pod_mounts_only_its_own_users(trust: TrustRoot) -> None:
+    manifests = _applied(trust)
+    secret = manifests[0]
+    assert secret["kind"] == "Secret" and secret["metadata"]["name"] == "p-nats-creds"
+    assert sorted(secret["data"]) == sorted(
+        ["gateway-p.creds", "admission-p-r0.creds", "admission-p-r1.creds"]
+        + [f"stage-p-r{i}-{r}.creds" for i in range(2) for r in range(2)]
+    )
+    args, volume = _pod(manifests, "StatefulSet", "p-r1")
+    assert args[args.index("--nats-creds") + 1] == "/etc/wavepp-nats/stage-$(WAVEPP_RANK).creds"
+    assert volume["items"] == [
+        {"key": "stage-p-r1-0.creds", "path": "stage-0.creds"},
+        {"key": "stage-p-r1-1.creds", "path": "stage-1.creds"},
+    ]
+    args, volume = _pod(manifests, "Deployment", "p-r0-admission")
+    assert args[args.index("--nats-creds") + 1] == "/etc/wavepp-nats/creds"
+    assert volume["items"] == [{"key": "admission-p-r0.creds", "path": "creds"}]
+    args, volume = _pod(manifests, "Deployment", "p-gateway")
+    assert volume["items"] == [{"key": "gateway-p.creds", "path": "creds"}]
+
+
+def test_rendering_again_gives_the_same_secret_and_scaling_rolls_only_the_gateway(
+    trust: TrustRoot,
+) -> None:
+    first, again = _applied(trust), _applied(trust)
+    assert first[0] == again[0]
+    scaled = _applied(trust, SPEC | {"replicas": 3})
+    for key, value in first[0]["data"].items():
+        assert scaled[0]["data"][key] == value or key == "gateway-p.creds"
+    assert scaled[0]["data"]["gateway-p.creds"] != first[0]["data"]["gateway-p.creds"]
+
+    def annotation(manifests: list[dict[str, Any]]) -> str:
+        template = _find(manifests, "Deployment", "p-gateway")["spec"]["template"]
+        return template["metadata"]["annotations"]["wavepp.dev/nats-gateway-permissions"]
+
+    assert annotation(scaled) != annotation(first)
+
+
+def test_an_own_credentials_secret_or_no_seed_renders_none(trust: TrustRoot) -> None:
+    own = _applied(trust, SPEC | {"nats": {"credentialsSecret": "mine"}})
+    assert not any(m["kind"] == "Secret" for m in own)
+    args, volume = _pod(own, "Deployment", "p-gateway")
+    assert volume == {"secretName": "mine"}
+    assert args[args.index("--nats-creds") + 1] == "/etc/wavepp-nats/creds"
+    bare = _applied(None)
+    assert not any(m["kind"] == "Secret" for m in bare)
+    assert (
+        "--nats-creds"
+        not in _find(bare, "Deployment", "p-gateway")["spec"]["template"]["spec"]["containers"][0][
+            "args"
+        ]
+    )
+
+
+async def test_rendered_users_against_a_real_server(trust: TrustRoot, tmp_path: Path) -> None:
+    """Only the gateway's rendered user may publish ``wavepp.p.prefill``; a stage's may publish
+    its done but not the plan; a client without credentials is refused."""
+    secret = _applied(trust)[0]
+    creds: dict[str, str] = {}
+    for key, value in secret["data"].items():
+        path = tmp_path / key
+        path.write_bytes(base64.b64decode(value))
+        creds[key.removesuffix(".creds")] = str(path)
+    config = tmp_path / "server.conf"
+    config.write_text(trust.server_config(str(tmp_path / "js")))
+    p0 = ReplicaSubjects(replica_prefix("p-r0"))
+    with EmbeddedNatsServer(config_file=str(config)) as server:
+
+        async def publish(user: str, subject: str) -> list[str]:
+            errors: list[str] = []
+
+            async def on_error(exc: Exception) -> None:
+                errors.append(str(exc).lower())
+
+            nc = await connect(server.url, name=user, creds=creds[user], error_cb=on_error)
+            try:
+                await nc.publish(subject, b"{}")
+                await nc.flush()
+                await asyncio.sleep(0.2)  # a refusal's callback is a task
+            finally:
+                await nc.close()
+            return errors
+
+        assert await publish("gateway-p", prefill_subject("p")) == []
+        assert await publish("stage-p-r0-1", p0.done) == []
+        for user, subject in [
+            ("stage-p-r0-0", prefill_subject("p")),
+            ("admission-p-r0", prefill_subject("p")),
+            ("stage-p-r0-1", p0.plan),
+            ("stage-p-r1-0", p0.done),  # another replica's stage
+        ]:
+            errors = await publish(user, subject)
+            assert any("permissions violation for publish" in e for e in errors), (user, errors)
+        with pytest.raises(Exception, match="Authorization Violation"):
+            await connect(server.url, name="anonymous", allow_reconnect=False)

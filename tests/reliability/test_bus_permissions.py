@@ -1,0 +1,204 @@
+"""The bus refuses strangers and confines each component to its own subjects (issue 13 part 1,
+issue 17 part 3), against a real nats-server configured by ``write_pool_auth`` (what
+``wavepp up`` runs by default)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from wavepp.api.permissions import users_for_pool
+from wavepp.api.subjects import (
+    ReplicaSubjects,
+    heartbeat_subject,
+    intake_subject,
+    prefill_subject,
+    replica_prefix,
+    result_subject,
+)
+from wavepp.runtime.transport.auth import PoolAuth, write_pool_auth
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, wait_until
+
+POOL = "pool1"
+REPLICAS = {"p1": 2, "p2": 1}
+P1 = ReplicaSubjects(replica_prefix("p1"))
+
+
+@pytest.fixture(scope="module")
+def auth(tmp_path_factory: pytest.TempPathFactory) -> PoolAuth:
+    folder = tmp_path_factory.mktemp("bus-auth")
+    return write_pool_auth(folder / "auth", pool=POOL, replicas=REPLICAS, store_dir=folder / "js")
+
+
+@pytest.fixture(scope="module")
+def server(auth: PoolAuth):  # noqa: ANN201
+    with EmbeddedNatsServer(config_file=auth.server_config) as srv:
+        yield srv
+
+
+class Client:
+    """A connection that records the server's errors (permission violations) and messages."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.got: list[tuple[str, bytes]] = []
+        self.nc = None
+
+    async def open(self, url: str, creds: str | None, name: str) -> Client:
+        async def on_error(exc: Exception) -> None:
+            self.errors.append(str(exc))
+
+        self.nc = await asyncio.wait_for(
+            connect(
+                url,
+                name=name,
+                creds=creds,
+                error_cb=on_error,
+                allow_reconnect=False,
+                connect_timeout=2,
+            ),
+            timeout=10,
+        )
+        return self
+
+    async def on(self, subject: str) -> None:
+        async def cb(msg) -> None:  # noqa: ANN001
+            self.got.append((msg.subject, msg.data))
+
+        await self.nc.subscribe(subject, cb=cb)
+        await self.nc.flush()
+
+    async def close(self) -> None:
+        await self.nc.close()
+
+
+async def _publish_outcome(
+    url: str, auth: PoolAuth, publisher: str, receiver: str, subject: str
+) -> tuple[bool, list[str]]:
+    """(delivered, publisher's errors) for one publish of ``publisher`` on ``subject``, seen by a
+    subscriber holding ``receiver``'s credentials (a user allowed to subscribe there)."""
+    rx = await Client().open(url, auth.creds[receiver], "rx")
+    tx = await Client().open(url, auth.creds[publisher], "tx")
+    try:
+        await rx.on(subject)
+        await tx.nc.publish(subject, b"forged")
+        await tx.nc.flush()  # the server has routed (or refused) the publish
+        await rx.nc.flush()
+        if not rx.got:
+            # a refusal arrives as -ERR before the flush's PONG; its callback is a task
+            await wait_until(lambda: tx.errors, timeout_s=5)
+        return bool(rx.got), tx.errors
+    finally:
+        await tx.close()
+        await rx.close()
+
+
+async def test_anonymous_and_foreign_clients_are_refused(server: EmbeddedNatsServer) -> None:
+    for creds in (None,):
+        with pytest.raises(Exception, match="Authorization Violation"):
+            await Client().open(server.url, creds, "anonymous")
+
+
+@pytest.mark.parametrize(
+    ("publisher", "receiver", "subject"),
+    [
+        # the positive controls: each component's own subjects work
+        ("admission-p1", "stage-p1-0", P1.plan),
+        ("stage-p1-1", "admission-p1", P1.done),
+        ("gateway-pool1", "gateway-pool1", prefill_subject(POOL)),
+        ("admission-p1", "gateway-pool1", result_subject(POOL, "t.r1")),
+    ],
+)
+async def test_a_component_publishes_its_own_subjects(
+    server: EmbeddedNatsServer, auth: PoolAuth, publisher: str, receiver: str, subject: str
+) -> None:
+    delivered, errors = await _publish_outcome(server.url, auth, publisher, receiver, subject)
+    assert delivered and not errors, errors
+
+
+@pytest.mark.parametrize(
+    ("publisher", "receiver", "subject"),
+    [
+        # a stage forging its scheduler's plan, or another stage's KV events
+        ("stage-p1-1", "stage-p1-0", P1.plan),
+        ("stage-p1-1", "gateway-pool1", P1.kv_events(0)),
+        # a stage or admission forging a result or a heartbeat for the gateway
+        ("stage-p1-0", "gateway-pool1", result_subject(POOL, "t.r1")),
+        ("stage-p1-0", "gateway-pool1", heartbeat_subject("p1")),
+        ("admission-p2", "gateway-pool1", heartbeat_subject("p1")),
+        # another replica's admission planning p1's stages
+        ("admission-p2", "stage-p1-0", P1.plan),
+        # the gateway speaking for a stage
+        ("gateway-pool1", "admission-p1", P1.done),
+        # issue 17 part 3: only the gateway's user may publish on the prefill request path
+        ("stage-p1-0", "gateway-pool1", prefill_subject(POOL)),
+        ("admission-p1", "gateway-pool1", prefill_subject(POOL)),
+    ],
+)
+async def test_a_component_cannot_publish_another_components_subjects(
+    server: EmbeddedNatsServer, auth: PoolAuth, publisher: str, receiver: str, subject: str
+) -> None:
+    delivered, errors = await _publish_outcome(server.url, auth, publisher, receiver, subject)
+    assert not delivered
+    assert any("permissions violation for publish" in e.lower() for e in errors), errors
+
+
+@pytest.mark.parametrize(
+    ("user", "subject"),
+    [
+        ("stage-p1-0", intake_subject("p1")),  # every tenant's prompts
+        ("stage-p1-0", "_INBOX.>"),  # every component's replies
+        ("stage-p1-0", "_INBOX.admission-p1.>"),  # the scheduler's replies
+        ("admission-p2", P1.plan),
+        ("gateway-pool1", P1.stage_kv(0)),
+    ],
+)
+async def test_a_component_cannot_read_another_components_subjects(
+    server: EmbeddedNatsServer, auth: PoolAuth, user: str, subject: str
+) -> None:
+    client = await Client().open(server.url, auth.creds[user], "snoop")
+    try:
+        await client.on(subject)
+        await wait_until(lambda: client.errors, timeout_s=5)
+    finally:
+        await client.close()
+    assert any("permissions violation for subscription" in e.lower() for e in client.errors)
+
+
+async def test_replies_come_to_the_requesters_own_inbox(
+    server: EmbeddedNatsServer, auth: PoolAuth
+) -> None:
+    """The scheduler asks a stage's KV endpoint; the stage answers (allow_responses) into the
+    scheduler's own inbox; it works with nothing broader granted."""
+    stage = await Client().open(server.url, auth.stage("p1", 0), "stage")
+    scheduler = await Client().open(server.url, auth.admission("p1"), "scheduler")
+    try:
+
+        async def echo(msg) -> None:  # noqa: ANN001
+            await msg.respond(b"ok:" + msg.data)
+
+        await stage.nc.subscribe(P1.stage_kv(0), cb=echo)
+        await stage.nc.flush()
+        reply = await scheduler.nc.request(P1.stage_kv(0), b"probe", timeout=5)
+        assert reply.data == b"ok:probe"
+        assert reply.subject.startswith("_INBOX.admission-p1.")
+        assert not stage.errors and not scheduler.errors
+    finally:
+        await stage.close()
+        await scheduler.close()
+
+
+def test_every_user_has_a_distinct_inbox_and_no_broad_wildcard() -> None:
+    users = users_for_pool(POOL, REPLICAS)
+    assert len({u.name for u in users}) == len(users) == 1 + 2 + 3
+    for user in users:
+        for subject in (*user.permissions.publish, *user.permissions.subscribe):
+            assert subject not in (">", "*", "_INBOX.>", "wavepp.>", "$JS.API.>"), (user, subject)
+
+
+def test_creds_files_are_private(auth: PoolAuth) -> None:
+    for path in [auth.server_config, *auth.creds.values()]:
+        assert Path(path).stat().st_mode & 0o077 == 0, path
+    assert Path(auth.server_config).parent.stat().st_mode & 0o077 == 0

@@ -1,0 +1,188 @@
+"""Who may publish and subscribe where on the bus: the one table of NATS permissions.
+
+Every component connects as its own NATS user; its permissions are built here from the subject
+functions of ``wavepp.api.subjects`` (so a new subject cannot be used without a row here, and
+the table cannot drift from the subjects). ``wavepp up`` and the operator both mint their users'
+credentials from ``users_for_pool``; a client without credentials is refused by the server.
+
+| user                          | publishes                                        | subscribes                                  |
+| ----------------------------- | ------------------------------------------------ | ------------------------------------------- |
+| ``stage-{pipeline}-{r}``      | ``{p}.done``, ``{p}.kv_events.{r}``, ``{p}.resync``, ``{p}.plan.replay`` (request) | ``{p}.stage.{r}.kv``, ``{p}.stage.{r}.dones``, ``{p}.plan`` |
+| ``admission-{pipeline}``      | ``{p}.plan``, ``{p}.stage.*.kv`` / ``.dones`` (requests), heartbeat, ``wavepp.{pool}.result.>``, ``$KV`` results, JetStream API of its intake stream and the results bucket | ``{p}.done``, ``{p}.plan.replay``, ``{p}.resync``, ``{p}.kv_events.*`` |
+| ``gateway-{pool}``            | every replica's ``intake`` (JetStream), ``wavepp.{pool}.prefill``, JetStream API of the intake streams and results bucket (read) | ``wavepp.{pool}.result.>``, heartbeats, ``{p}.kv_events.*``, ``wavepp.{pool}.prefill`` |
+
+Every user also subscribes to its own reply inbox ``_INBOX.{user}.>`` (nobody else may, so
+replies cannot be read by another component) and may answer requests it received
+(``allow_responses``: one reply per request, to the request's reply subject only). Only the
+gateway's user may publish on ``wavepp.{pool}.prefill`` (issue 17: the NATS request path is not a
+way around the gateway's tenant checks).
+
+Pure functions; no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from wavepp.api.subjects import (
+    ReplicaSubjects,
+    heartbeat_subject,
+    inbox_prefix,
+    intake_stream,
+    intake_subject,
+    jetstream_consumer_api,
+    jetstream_info,
+    jetstream_stream_api,
+    kv_stream,
+    kv_subjects,
+    prefill_subject,
+    replica_prefix,
+    result_subject,
+    results_bucket,
+)
+
+# A NATS subject token: no dots, wildcards or whitespace (user names become inbox tokens).
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """One NATS user's subjects: what it may publish and subscribe to (wildcards allowed), and
+    whether it may answer requests it received (``allow_responses``). Everything else is denied.
+    """
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = True
+
+    def to_jwt_claims(self) -> dict[str, object]:
+        """The ``pub``/``sub``/``resp`` part of a NATS user JWT's ``nats`` claims (JWT v2)."""
+        claims: dict[str, object] = {
+            "pub": {"allow": list(self.publish)},
+            "sub": {"allow": list(self.subscribe)},
+        }
+        if self.allow_responses:
+            claims["resp"] = {"max": 1, "ttl": 0}
+        return claims
+
+
+@dataclass(frozen=True)
+class NatsUser:
+    """A component's NATS user: its name (also its inbox token) and its permissions."""
+
+    name: str
+    role: str  # "stage", "admission" or "gateway"
+    permissions: Permissions = field(repr=False)
+
+    @property
+    def inbox(self) -> str:
+        """The prefix of this user's reply inboxes (``nats.connect(inbox_prefix=...)``)."""
+        return inbox_prefix(self.name)
+
+
+def _token(value: str, what: str) -> str:
+    if not _TOKEN.match(value):
+        raise ValueError(
+            f"{what} {value!r}: a NATS user name needs letters, digits, '-' or '_' only"
+        )
+    return value
+
+
+def stage_user_name(pipeline: str, rank: int) -> str:
+    return _token(f"stage-{pipeline}-{rank}", "pipeline")
+
+
+def admission_user_name(pipeline: str) -> str:
+    return _token(f"admission-{pipeline}", "pipeline")
+
+
+def gateway_user_name(pool: str) -> str:
+    return _token(f"gateway-{pool}", "pool")
+
+
+def stage_user(pipeline: str, rank: int) -> NatsUser:
+    """A stage: its own kv and done-replay endpoints, the replica's plans; publishes its dones,
+    its KV events, resync, and asks the scheduler for missed plans."""
+    name = stage_user_name(pipeline, rank)
+    s = ReplicaSubjects(replica_prefix(pipeline))
+    return NatsUser(
+        name,
+        "stage",
+        Permissions(
+            publish=(s.done, s.kv_events(rank), s.resync, s.plan_replay),
+            subscribe=(
+                s.stage_kv(rank),
+                s.stage_kv_batch(rank),
+                s.stage_dones(rank),
+                s.plan,
+                f"{inbox_prefix(name)}.>",
+            ),
+        ),
+    )
+
+
+def admission_user(pipeline: str, pool: str) -> NatsUser:
+    """A replica's admission service (scheduler): its stages' kv/dones endpoints, plans,
+    heartbeat, the pool's results (subject and bucket) and its own intake stream (consumer)."""
+    name = admission_user_name(pipeline)
+    s = ReplicaSubjects(replica_prefix(pipeline))
+    bucket = results_bucket(pool)
+    return NatsUser(
+        name,
+        "admission",
+        Permissions(
+            publish=(
+                s.plan,
+                s.stage_kv("*"),
+                s.stage_kv_batch("*"),
+                s.stage_dones("*"),
+                heartbeat_subject(pipeline),
+                result_subject(pool, ">"),
+                kv_subjects(bucket),
+                jetstream_info(),
+                *jetstream_stream_api(intake_stream(pipeline)),
+                *jetstream_consumer_api(intake_stream(pipeline)),
+                *jetstream_stream_api(kv_stream(bucket)),
+            ),
+            subscribe=(
+                s.done,
+                s.plan_replay,
+                s.resync,
+                s.kv_events("*"),
+                f"{inbox_prefix(name)}.>",
+            ),
+        ),
+    )
+
+
+def gateway_user(pool: str, pipelines: list[str]) -> NatsUser:
+    """The pool's gateway: publishes every replica's intake; reads results, heartbeats, KV
+    events; serves and alone may publish the NATS prefill request path."""
+    name = gateway_user_name(pool)
+    bucket = results_bucket(pool)
+    publish: list[str] = [prefill_subject(pool), jetstream_info()]
+    subscribe: list[str] = [result_subject(pool, ">"), prefill_subject(pool)]
+    for pipeline in pipelines:
+        publish += [intake_subject(pipeline), *jetstream_stream_api(intake_stream(pipeline))]
+        subscribe += [
+            heartbeat_subject(pipeline),
+            ReplicaSubjects(replica_prefix(pipeline)).kv_events("*"),
+        ]
+    publish += jetstream_stream_api(kv_stream(bucket))
+    subscribe.append(f"{inbox_prefix(name)}.>")
+    return NatsUser(name, "gateway", Permissions(tuple(publish), tuple(subscribe)))
+
+
+def users_for_pool(pool: str, replicas: dict[str, int]) -> list[NatsUser]:
+    """Every component user of a pool: one gateway, and per replica (``pipeline -> number of
+    stages``) one admission and one user per stage.
+
+    Raises:
+        ValueError: a pool or pipeline name that cannot be a NATS user name (see ``_TOKEN``).
+    """
+    users = [gateway_user(pool, list(replicas))]
+    for pipeline, num_stages in replicas.items():
+        users.append(admission_user(pipeline, pool))
+        users += [stage_user(pipeline, rank) for rank in range(num_stages)]
+    return users
