@@ -81,6 +81,9 @@ class ReplayReport:
             "agreement_p50_s": round(float(np.percentile(agreement, 50)), 5),
             "agreement_p99_s": round(float(np.percentile(agreement, 99)), 5),
             "reservation_refusals": sum(o.num_refusals for o in self.outcomes),
+            "scheduler_host_ms_mean": round(float(np.mean(self.stats.host_s)) * 1e3, 3)
+            if self.stats.host_s
+            else None,
             "scheduler_host_ms_p50": _ms_percentile(self.stats.host_s, 50),
             "scheduler_host_ms_p99": _ms_percentile(self.stats.host_s, 99),
             "microbatches": self.stats.num_microbatches,

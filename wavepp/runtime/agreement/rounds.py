@@ -6,11 +6,11 @@ request's L* = min(min over stages of the local hit, (num_tokens - 1) // block_s
 one commit batch per stage. Requests that a stage refused (or that do not fit now) are released
 on every stage in one release batch before their callers hear None, so nothing stays pinned.
 
-Rounds are pipelined: once a round's probe replies are in, its commit goes out in a task of its
-own and the next round's probe starts at once (at most ``max_commits_in_flight`` commits
-outstanding). Requests arriving while a probe is on the wire wait for the next round, so the
-batch grows with the load: one request per round when they come one at a time, hundreds when
-they come faster than a round trip. A stage handles its messages in order, so a later round's
+Rounds overlap: a request that arrives while fewer than ``max_rounds_in_flight`` rounds are
+under way starts a round of its own at once (no added latency at low load); past that, arrivals
+wait for a round to finish and then share the next one, so the batch grows with the load: one
+request per round when they come one at a time, hundreds when they come faster than a round
+trip. A round's probe may go out while an earlier round's commit is on the wire. A stage handles its messages in order, so a later round's
 probe may pin blocks before an earlier round's commit reserves; a reservation that no longer
 fits is refused (the request retries), never half-admitted.
 """
@@ -86,22 +86,22 @@ class AgreementRounds:
         admitted: OnAdmitted,
         refusal: OnRefused,
         max_batch: int = 512,
-        max_commits_in_flight: int = 2,
+        max_rounds_in_flight: int = 4,
     ) -> None:
         if not 1 <= max_batch <= MAX_BATCH_ENTRIES:
             raise ValueError(f"max_batch: {max_batch}; must be in [1, {MAX_BATCH_ENTRIES}]")
-        if max_commits_in_flight < 1:
-            raise ValueError(f"max_commits_in_flight: {max_commits_in_flight}; must be >= 1")
+        if max_rounds_in_flight < 1:
+            raise ValueError(f"max_rounds_in_flight: {max_rounds_in_flight}; must be >= 1")
         self.stages = list(stages)
         self.block_size = block_size
         self.lease_s = lease_s
         self.max_batch = max_batch
-        self.max_commits_in_flight = max_commits_in_flight
+        self.max_rounds_in_flight = max_rounds_in_flight
         self._admitted = admitted
         self._refusal = refusal
         self._pending: deque[PendingAgreement] = deque()
         self._runner: asyncio.Task[None] | None = None
-        self._commits: set[asyncio.Task[None]] = set()
+        self._rounds: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Future[None]] = set()
         self.num_rounds = 0
         self.num_agreements = 0  # requests that reached a commit
@@ -147,6 +147,8 @@ class AgreementRounds:
 
     async def _run(self) -> None:
         while self._pending:
+            while len(self._rounds) >= self.max_rounds_in_flight:
+                await asyncio.wait(self._rounds, return_when=asyncio.FIRST_COMPLETED)
             batch: list[PendingAgreement] = []
             while self._pending and len(batch) < self.max_batch:
                 pending = self._pending.popleft()
@@ -154,31 +156,32 @@ class AgreementRounds:
                     pending.future.cancel()
                 else:
                     batch.append(pending)
-            if not batch:
-                continue
-            self.num_rounds += 1
-            probe_started = time.time()
-            probe = KVBatch(
-                BatchOp.PROBE,
-                tuple(ProbeEntry(p.request_id, tuple(p.block_hashes)) for p in batch),
-                self.lease_s,
-            )
-            try:
-                replies = await self._call_all(probe)
-            except BaseException as exc:
-                await self.release_quietly([p.request_id for p in batch])
-                for p in batch:
-                    _settle(p, exc=exc)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                continue
-            self._trace(batch, "agreement.probe", probe_started)
-            to_commit, failed = self._agree_on_prefixes(batch, replies)
-            task = asyncio.create_task(self._commit(to_commit, failed))
-            self._commits.add(task)
-            task.add_done_callback(self._commits.discard)
-            while len(self._commits) >= self.max_commits_in_flight:
-                await asyncio.wait(self._commits, return_when=asyncio.FIRST_COMPLETED)
+            if batch:
+                self.num_rounds += 1
+                task = asyncio.create_task(self._round(batch))
+                self._rounds.add(task)
+                task.add_done_callback(self._rounds.discard)
+
+    async def _round(self, batch: list[PendingAgreement]) -> None:
+        """One round: probe every stage, agree on each L*, commit, settle every caller."""
+        probe_started = time.time()
+        probe = KVBatch(
+            BatchOp.PROBE,
+            tuple(ProbeEntry(p.request_id, tuple(p.block_hashes)) for p in batch),
+            self.lease_s,
+        )
+        try:
+            replies = await self._call_all(probe)
+        except BaseException as exc:
+            await self.release_quietly([p.request_id for p in batch])
+            for p in batch:
+                _settle(p, exc=exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        self._trace(batch, "agreement.probe", probe_started)
+        to_commit, failed = self._agree_on_prefixes(batch, replies)
+        await self._commit(to_commit, failed)
 
     def _agree_on_prefixes(
         self, batch: list[PendingAgreement], replies: list[KVBatchReply]
