@@ -120,7 +120,7 @@ def test_emulated_default_kv_capacity_replays_the_first_300_trace_requests() -> 
         "glm-5.2", num_stages=4, block_size=16, max_microbatch_tokens=largest
     )
     assert summary["kv_blocks_source"].startswith("derived: glm-5.2, 4 stages of 2 x H200")
-    assert "kv-blocks=[" in stderr and "(derived: glm-5.2" in stderr
+    assert "KV capacity [" in stderr and "(derived: glm-5.2" in stderr
 
 
 def test_explicit_kv_blocks_win_over_the_derived_default(small_trace: Path) -> None:
@@ -154,7 +154,7 @@ def test_replay_help_says_where_the_kv_default_comes_from() -> None:
         check=True,
     )
     text = " ".join(proc.stdout.split())
-    assert "Unset (None): torch engine 4096; emulated engine derived per stage" in text
+    assert "Default: torch engine 4096; emulated engine derived per stage" in text
     assert "H200 memory (141 GB x 0.9" in text
 
 

@@ -354,7 +354,7 @@ def test_tenant_queue_limit_refuses_only_a_request_that_would_wait() -> None:
         max_outstanding_per_replica=1,
     )
     # NOTE: the NATS connection is not used by the queue checks; a stand-in with jetstream().
-    gateway = Gateway(config, SimpleNamespace(jetstream=lambda: None), clock=lambda: 0.0)
+    gateway = Gateway(config, SimpleNamespace(jetstream=lambda **_: None), clock=lambda: 0.0)
     gateway.check_tenant_queue("a")  # a free slot: no wait, never refused
     gateway.num_outstanding = 1  # the slot is taken: a new request waits
     gateway.check_tenant_queue("a")

@@ -26,6 +26,7 @@ import aiohttp
 import pytest
 import yaml
 
+from wavepp.api.permissions import gateway_user_name
 from wavepp.cmd.api_key import new_key, rotate
 from wavepp.runtime.transport.natsio import connect
 
@@ -198,7 +199,12 @@ async def test_openai_client_with_api_key_works_and_without_gets_401(keyed) -> N
 
 async def test_nats_requests_need_a_key_too(keyed) -> None:
     service = keyed["service"]
-    nc = await connect(service.processes()["nats_url"], name="auth-test")
+    info = service.processes()
+    # The NATS request path is the gateway's own subject: with bus auth on (the default), only a
+    # holder of the gateway's NATS credentials may publish there; the API key is checked on top.
+    nc = await connect(
+        info["nats_url"], name="auth-test", creds=info["nats_creds"][gateway_user_name("default")]
+    )
     try:
         body = json.dumps({"tenant": "acme", "token_ids": [1, 2, 3]}).encode()
         no_key = json.loads((await nc.request("wavepp.default.prefill", body, timeout=30)).data)

@@ -93,13 +93,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"wavepp operator: --liveness-port {args.liveness_port}: not a port", file=sys.stderr)
         return 2
 
-    seed = None
+    seed, warning = None, ""
     if args.insecure_nats:
-        print(
-            "wavepp operator: WARNING: --insecure-nats: pipelines get no NATS credentials; any "
-            "pod that reaches NATS can read every prompt and publish on every subject",
-            file=sys.stderr,
-            flush=True,
+        warning = (
+            "--insecure-nats: pipelines get no NATS credentials; any pod that reaches NATS can "
+            "read every prompt and publish on every subject"
         )
     elif args.nats_account_seed_file:
         try:
@@ -108,12 +106,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"wavepp operator: --nats-account-seed-file: {exc}", file=sys.stderr)
             return 2
     else:
-        print(
-            "wavepp operator: WARNING: no --nats-account-seed-file: pipelines get no NATS "
-            "credentials unless their spec names nats.credentialsSecret (give the seed, or "
-            "--insecure-nats to say this is meant)",
-            file=sys.stderr,
-            flush=True,
+        warning = (
+            "no --nats-account-seed-file: pipelines get no NATS credentials unless their spec "
+            "names nats.credentialsSecret (give the seed, or --insecure-nats to say this is meant)"
         )
 
     import logging
@@ -136,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     if info is None:
         print(f"wavepp operator: no Kubernetes credentials: {reason}", file=sys.stderr)
         return 2
+    if warning:
+        print(f"wavepp operator: WARNING: {warning}", file=sys.stderr, flush=True)
     kopf.configure(verbose=args.verbose)
     options = OperatorOptions(
         default_image=args.default_image,

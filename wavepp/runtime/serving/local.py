@@ -131,7 +131,9 @@ class LocalPipeline:
             self.server.start()
         dist_url = f"tcp://127.0.0.1:{free_port()}"
         self.procs = [self.start_stage(rank, dist_url) for rank in range(self.config.num_stages)]
-        self.nc = await connect(self.nats_url, name=f"{self.config.pipeline}-scheduler")
+        self.nc = await connect(
+            self.nats_url, name=f"{self.config.pipeline}-scheduler", anonymous_ok=True
+        )
         stages = [
             NatsStageClient(
                 self.nc, self.config.subject_prefix, rank, self.config.request_timeout_s

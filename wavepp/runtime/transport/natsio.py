@@ -217,6 +217,7 @@ async def connect(
     name: str,
     creds: str | None = None,
     tls: NatsTLS | None = None,
+    anonymous_ok: bool = False,
     **kwargs: object,
 ) -> NATS:
     """Open the process's NATS connection with logging callbacks and unlimited reconnects.
@@ -230,6 +231,8 @@ async def connect(
             With credentials, replies come to the user's own inbox ``_INBOX.{user}``.
         tls: TLS to the server; None falls back to ``NatsTLS.from_env()``, and without it
             plain TCP (unless the URL says ``tls://``, then the system's CAs).
+        anonymous_ok: connecting without credentials is intended (a private loopback server,
+            e.g. ``wavepp replay``'s): no warning.
         kwargs: further ``nats.connect`` options (they win over the defaults here).
 
     Returns:
@@ -261,7 +264,7 @@ async def connect(
         "pending_size": 64 * 1024 * 1024,
     }
     user = creds or os.environ.get(CREDS_ENV)
-    if not user and not _warned_anonymous:
+    if not user and not anonymous_ok and not _warned_anonymous:
         _warned_anonymous.append(True)
         log.warning(
             "nats %s: connecting WITHOUT credentials (no --nats-creds / %s): only a server "
