@@ -18,6 +18,7 @@
 | ``wavepp.{pool}.result.{key}``        | publish               | PrefillResult to the waiting gateway |
 | ``wavepp.{pipeline}.admission.heartbeat`` | publish (0.5 s)   | Heartbeat                            |
 | ``wavepp.{pool}.prefill``             | request-reply, queue  | the NATS prefill API of the gateway  |
+| KV bucket ``WAVEPP_RDZV_{pipeline}``  | JetStream KV          | the stages' group epoch (stage.rendezvous) |
 
 Pure functions of names; no I/O. Nothing else in WavePP builds a subject string.
 """
@@ -89,6 +90,16 @@ def result_subject(pool: str, key: str) -> str:
 
 def heartbeat_subject(pipeline: str) -> str:
     return f"{replica_prefix(pipeline)}.admission.heartbeat"
+
+
+def heartbeat_wildcard() -> str:
+    """Every replica's admission heartbeat (the gateway follows its pool by these)."""
+    return f"{replica_prefix('*')}.admission.heartbeat"
+
+
+def rendezvous_bucket(pipeline: str) -> str:
+    """The KV bucket where a replica's stages agree on their process group's epoch."""
+    return f"WAVEPP_RDZV_{pipeline}"
 
 
 def prefill_subject(pool: str) -> str:

@@ -4,7 +4,10 @@ Starts an embedded nats-server with JetStream, then for each replica of the spec
 stage`` processes and one ``wavepp admission``, then one ``wavepp gateway``; waits until the
 gateway's ``/readyz`` answers 200, prints ``wavepp up: serving http://HOST:PORT ...`` and
 supervises: a gateway or admission process that dies is restarted (its requests are in
-JetStream); a stage that dies stops everything (exit 1). Ctrl-C or SIGTERM stops all children
+JetStream); a stage that dies once serving is restarted with the same arguments, as a kubelet
+would, and its replica re-forms its group in place (``stage.rendezvous``) while the other
+replicas serve (the gateway routes around it); a stage that dies during startup, or more than
+``--max-stage-restarts`` times, stops everything (exit 1). Ctrl-C or SIGTERM stops all children
 (gateway, admissions, stages: SIGTERM, wait, kill) and the nats-server, and exits 0.
 
 ``--config FILE`` is a WavePipeline spec in YAML or JSON (the custom resource's ``spec``, or the
@@ -65,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
     parser.add_argument("--replica-timeout-s", type=float, default=3.0)
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
+    parser.add_argument(
+        "--max-stage-restarts",
+        type=int,
+        default=10,
+        help="restarts of one stage process before wavepp up gives up (exit 1)",
+    )
 
 
 def _fail(flag: str, message: str) -> int:
@@ -175,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--max-outstanding", f"{args.max_outstanding}: must be >= 1")
     if args.max_queued < 1:
         return _fail("--max-queued", f"{args.max_queued}: must be >= 1")
+    if args.max_stage_restarts < 0:
+        return _fail("--max-stage-restarts", f"{args.max_stage_restarts}: must be >= 0")
     port = args.port or free_port()
     try:
         overrides = json.loads(args.tenant_limits) if args.tenant_limits else {}
@@ -273,6 +284,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         while not stopping["flag"]:
             dead_stage = next((n for n in stage_names if sup.procs[n].poll() is not None), None)
+            if (
+                dead_stage is not None
+                and is_serving
+                and sup.num_restarts.get(dead_stage, 0) < args.max_stage_restarts
+            ):
+                sup.restart(dead_stage)  # same args: the replica re-forms around it
+                dead_stage = None
             if dead_stage is not None:
                 print(
                     f"wavepp up: {dead_stage} exited with code {sup.procs[dead_stage].returncode}; "

@@ -128,6 +128,16 @@ class StageCore:
         """Answer one KV request (probe_pin, commit, release, renew, health); never raises."""
         return handle_kv_request(self.manager, self.rank, payload)
 
+    def reform(self) -> list[str]:
+        """The stages re-form their group: release every request held here (the scheduler
+        admits them again; computed blocks stay cached) and forget the plan order (the next
+        plan, after the re-form, starts it again). Returns the released request ids."""
+        released = self.manager.held_request_ids()
+        for request_id in released:
+            self.manager.release(request_id)
+        self.sequencer = PlanSequencer()
+        return released
+
     def expire(self) -> list[str]:
         """Release every request whose lease passed; their ids, earliest expiry first."""
         return self.manager.expire()
