@@ -11,7 +11,11 @@ replicas serve (the gateway routes around it); a stage that dies during startup,
 (gateway, admissions, stages: SIGTERM, wait, kill) and the nats-server, and exits 0.
 
 ``--config FILE`` is a WavePipeline spec in YAML or JSON (the custom resource's ``spec``, or the
-whole resource); without it, tiny-llama on 2 torch stages. ``STATE_DIR/processes.json`` lists
+whole resource); without it, tiny-llama on 2 torch stages. ``spec.telemetry`` is honoured as in
+the pods: ``otlpEndpoint``/``samplingRatio`` trace the stages and admissions, and a stated
+``metricsPort`` P serves replica i's admission metrics (the runtime's ``wavepp_*`` series) on
+port P + i (one machine, one port each; the gateway's series are on its own ``/metrics``);
+without ``metricsPort`` no Prometheus port is opened. ``processes.json`` lists the endpoints. ``STATE_DIR/processes.json`` lists
 the child pids (for tests and operators), ``STATE_DIR/logs/`` their output.
 """
 
@@ -91,6 +95,38 @@ def load_spec_file(path: str) -> dict:
     if not isinstance(raw, dict):
         raise ValueError("the file holds no mapping")
     return raw
+
+
+def with_telemetry(configs: list, spec: object, raw: dict) -> list:  # RuntimeConfig, spec
+    """The replicas' configs with ``spec.telemetry`` (see the module docstring).
+
+    Raises:
+        ValueError: ``metricsPort`` + the replica count passes 65535, or a bad
+            ``$WAVEPP_METRICS_PORT`` (named).
+    """
+    import os
+
+    from wavepp.cmd.stage import telemetry_from_spec
+
+    telemetry = telemetry_from_spec(spec, os.environ)  # type: ignore[arg-type]
+    stated = isinstance(raw.get("telemetry"), dict) and (
+        "metricsPort" in raw["telemetry"] or "metrics_port" in raw["telemetry"]
+    )
+    if not stated and not os.environ.get("WAVEPP_METRICS_PORT"):
+        telemetry = telemetry.model_copy(update={"metrics_port": None})
+    out = []
+    for i, config in enumerate(configs):
+        port = telemetry.metrics_port
+        if port:
+            port += i
+            if port > 65535:
+                raise ValueError(f"metricsPort {telemetry.metrics_port} + replica {i} > 65535")
+        out.append(
+            config.model_copy(
+                update={"telemetry": telemetry.model_copy(update={"metrics_port": port})}
+            )
+        )
+    return out
 
 
 class Supervisor:
@@ -178,8 +214,11 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--config", "; ".join(str(i) for i in issues))
     try:
         configs = runtime_configs_from_spec(spec, pool=args.name)
+        configs = with_telemetry(configs, spec, raw)
     except SpecError as exc:
         return _fail("--config", str(exc))
+    except ValueError as exc:
+        return _fail("--config", f"telemetry: {exc}")
     if args.max_outstanding < 1:
         return _fail("--max-outstanding", f"{args.max_outstanding}: must be >= 1")
     if args.max_queued < 1:
@@ -249,7 +288,16 @@ def run(args: argparse.Namespace) -> int:
     server = EmbeddedNatsServer(jetstream=True, store_dir=str(state_dir / "jetstream"))
     server.start()
     endpoint = f"http://{args.host}:{port}"
-    sup.info = {"endpoint": endpoint, "nats_url": server.url, "state_dir": str(state_dir)}
+    sup.info = {
+        "endpoint": endpoint,
+        "nats_url": server.url,
+        "state_dir": str(state_dir),
+        "metrics": {
+            c.pipeline: f"http://{args.host}:{c.telemetry.metrics_port}/metrics"
+            for c in configs
+            if c.telemetry.metrics_port
+        },
+    }
     cli = [sys.executable, "-m", "wavepp.cli"]
     stage_names: list[str] = []
     service_names: list[str] = []
