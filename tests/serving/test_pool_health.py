@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from wavepp.api.prefill import Heartbeat
 from wavepp.api.subjects import heartbeat_subject
-from wavepp.gateway.core import Gateway, GatewayConfig, ReplicaInfo
+from wavepp.gateway.core import Gateway, GatewayConfig, ReplicaInfo, ReplicaUnavailable
 from wavepp.gateway.router import PoolRouter
 from wavepp.gateway.tenants import TenantPolicy
+from wavepp.gateway.validation import ParsedRequest
 from wavepp.runtime.serving.reform import ReformTracker
 from wavepp.runtime.stage.rendezvous import (
     EpochRendezvous,
@@ -113,6 +114,45 @@ async def test_gateway_follows_the_pool_and_is_ready_while_one_replica_admits() 
             assert sorted(gateway.router.by_name) == ["p-r0"]
             await beat("p-r1", ready=True)  # and back
             assert sorted(gateway.router.by_name) == ["p-r0", "p-r1"]
+        finally:
+            await gateway.stop()
+            await nc.close()
+
+
+async def test_a_request_on_a_replica_that_left_the_pool_fails_fast_without_another() -> None:
+    """Admitted on p-r0 while it was in the pool; p-r0 turns not ready (a stage died) and no
+    replica takes over: the request fails with ReplicaUnavailable within seconds (it waited
+    for request_timeout_s, 120 s, before)."""
+    with EmbeddedNatsServer(jetstream=True) as server:
+        nc = await connect(server.url, name="test-gateway-unready")
+        gateway = Gateway(_gateway_config(replica_unready_fail_s=1.0), nc)
+        await gateway.start()
+        try:
+
+            async def beat(*, ready: bool) -> None:
+                data = Heartbeat(
+                    pipeline="p-r0",
+                    ready=ready,
+                    num_stages_formed=2 if ready else 1,
+                    num_inflight=0,
+                    instance="i",
+                    pool="p",
+                    num_stages=2,
+                ).model_dump_json()
+                await nc.publish(heartbeat_subject("p-r0"), data.encode())
+                await nc.flush()
+                await asyncio.sleep(0.1)
+
+            await beat(ready=True)
+            request = ParsedRequest(tenant="default", request_id="r1", token_ids=[1, 2, 3])
+            task = asyncio.create_task(gateway.prefill(request))
+            await asyncio.sleep(0.5)
+            assert not task.done()
+            started = asyncio.get_running_loop().time()
+            await beat(ready=False)
+            with pytest.raises(ReplicaUnavailable, match="p-r0 left the pool"):
+                await asyncio.wait_for(task, 10)
+            assert asyncio.get_running_loop().time() - started < 3.0
         finally:
             await gateway.stop()
             await nc.close()

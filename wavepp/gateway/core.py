@@ -10,7 +10,8 @@ request after validation::
     -> router: replica with the longest reusable prefix (ties: least loaded)
     -> JetStream publish {p}.intake, Nats-Msg-Id = key -> wait for wavepp.{pool}.result.{key}
        (the replica leaves the pool meanwhile: publish to another replica; an error answer
-       from a replica it left is not the answer, the other replica's is)
+       from a replica it left is not the answer, the other replica's is; with no other
+       replica in the pool, fail after ``replica_unready_fail_s`` with ReplicaUnavailable)
 
 The pool follows the heartbeats (``heartbeat_wildcard``): a replica of this pool that was not
 configured is added when it beats (a scale-up), one silent for ``replica_forget_s`` is dropped
@@ -83,6 +84,10 @@ class GatewayConfig(BaseModel):
     # NOTE: a replica silent this long is dropped from the router (scaled away); one that
     # beats again is added back. Replicas of this pool beyond max_replicas are not added.
     replica_forget_s: float = Field(60.0, gt=0)
+    # NOTE: a request published to a replica in the pool that then leaves it (a stage died)
+    # with no other replica to take it fails this long after (503), instead of waiting for the
+    # replica to re-form; one published while no replica was in the pool waits (durable intake).
+    replica_unready_fail_s: float = Field(3.0, gt=0)
     max_replicas: int = Field(256, ge=1)
     tokenizer: str | None = None
 
@@ -93,6 +98,10 @@ class GatewayConfig(BaseModel):
             max_prompt_tokens=self.max_prompt_tokens,
             tenants=frozenset(t.name for t in self.tenants),
         )
+
+
+class ReplicaUnavailable(RuntimeError):
+    """The replica a request was admitted on left the pool and no other replica is in it."""
 
 
 class Gateway:
@@ -378,6 +387,8 @@ class Gateway:
                     excluded = []
                     replica, num_reusable = self.router.choose(hashes, self.clock())
                 self.metrics.routed(replica.name, num_reusable)
+                routed_in_pool = self.router.in_pool(replica.name, self.clock())
+                unready_since: float | None = None
                 replica.num_outstanding += 1
                 try:
                     ack = await self.js.publish(
@@ -411,16 +422,37 @@ class Gateway:
                                 f"no answer for {intake.key} in {self.config.request_timeout_s}s"
                             )
                         others = [r for r in self.router.pool(now) if r.name != replica.name]
-                        if not self.router.in_pool(replica.name, now) and others:
+                        if self.router.in_pool(replica.name, now):
+                            unready_since = None
+                        elif others:
                             log.warning(
                                 "replica %s left the pool; re-routing %s", replica.name, intake.key
                             )
                             excluded.append(replica.name)
                             break
+                        elif routed_in_pool:
+                            unready_since = now if unready_since is None else unready_since
+                            if now - unready_since > self.config.replica_unready_fail_s:
+                                stored = await self.stored_result(intake.key)
+                                if stored is not None:
+                                    return stored
+                                raise ReplicaUnavailable(
+                                    f"replica {replica.name} left the pool (a stage dead or "
+                                    f"re-forming) {now - unready_since:.1f} s ago and no other "
+                                    f"replica is in it; {intake.request_id} was not answered, "
+                                    "retry it"
+                                )
                 finally:
                     replica.num_outstanding -= 1
         finally:
             self._waiters.pop(intake.key, None)
 
 
-__all__ = ["Gateway", "GatewayConfig", "GatewayMetrics", "LimitExceeded", "ReplicaInfo"]
+__all__ = [
+    "Gateway",
+    "GatewayConfig",
+    "GatewayMetrics",
+    "LimitExceeded",
+    "ReplicaInfo",
+    "ReplicaUnavailable",
+]
