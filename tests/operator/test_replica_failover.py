@@ -223,7 +223,7 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
             left_pool_s = _wait(
                 lambda: not in_pool()[replica_names[0]], "replica 0 out of the pool", 10, []
             )
-            time.sleep(6.0)  # serve on replica 1 alone for a while
+            time.sleep(3.0)  # serve on replica 1 alone for a while
             procs[victim].wait(5)
             launch(victim)  # the kubelet's restart: same args, same env
             restarted = time.monotonic()

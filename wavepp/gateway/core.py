@@ -131,6 +131,7 @@ class Gateway:
         self._kv = None
         self._subs: list[object] = []
         self._watched: set[str] = set()  # replicas whose KV events feed the router
+        self._configured = {r.pipeline for r in config.replicas}
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -209,6 +210,8 @@ class Gateway:
                 self.router.forget(state.name)
         if beat.pool != self.config.pool:
             return
+        if beat.pipeline in self._configured and beat.pipeline in self.router.by_name:
+            return  # its own subscription (_on_heartbeat) takes its beats
         if beat.pipeline not in self.router.by_name:
             if beat.num_stages < 1 or len(self.router.replicas) >= self.config.max_replicas:
                 return
