@@ -210,7 +210,7 @@ class EpochRendezvous:
 
 async def open_rendezvous(nc, pipeline: str, rank: int, num_stages: int) -> EpochRendezvous | None:  # noqa: ANN001
     """The replica's rendezvous bucket (created if absent), or None without JetStream."""
-    js = nc.jetstream()
+    js = nc.jetstream(timeout=2.0)  # a server without JetStream (or a user without it): fast
     bucket = rendezvous_bucket(pipeline)
     try:
         try:
