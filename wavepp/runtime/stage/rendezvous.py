@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 from nats.js.api import KeyValueConfig
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 
 from wavepp.api.subjects import rendezvous_bucket
 
@@ -212,12 +212,21 @@ async def open_rendezvous(nc, pipeline: str, rank: int, num_stages: int) -> Epoc
     """The replica's rendezvous bucket (created if absent), or None without JetStream."""
     js = nc.jetstream(timeout=2.0)  # a server without JetStream (or a user without it): fast
     bucket = rendezvous_bucket(pipeline)
-    try:
+    kv = None
+    for _ in range(3):
         try:
             kv = await js.key_value(bucket)
-        except Exception:  # noqa: BLE001 - nats-py: BucketNotFoundError, or no JetStream at all
-            kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=1))
-    except Exception as exc:  # noqa: BLE001 - no JetStream on this server
-        log.info("stage %d: no rendezvous bucket (%r); forming once", rank, exc)
+            break
+        except BucketNotFoundError:
+            try:
+                kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=1))
+                break
+            except Exception as exc:  # noqa: BLE001 - another rank created it meanwhile
+                log.info("stage %d: creating %s: %r; binding again", rank, bucket, exc)
+        except Exception as exc:  # noqa: BLE001 - no JetStream here (or not for this user)
+            log.warning("stage %d: no rendezvous bucket %s (%r); forming once", rank, bucket, exc)
+            return None
+    if kv is None:
+        log.warning("stage %d: rendezvous bucket %s unavailable; forming once", rank, bucket)
         return None
     return EpochRendezvous(kv, rank, num_stages)
