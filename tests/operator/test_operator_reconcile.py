@@ -271,3 +271,9 @@ def test_pod_failure_reports_exit_code() -> None:
     pod = {"metadata": {"name": "p-r0-1"}, "status": pod_status("crashed", exit_code=139)}
     assert "p-r0-1" in pod_failure(pod) and "exit code 139" in pod_failure(pod)
     assert pod_failure({"metadata": {"name": "ok"}, "status": pod_status("warm")}) is None
+    # The kubelet restarted the container and it runs again: the stage re-forms in place with
+    # the survivors (no pod is deleted); a restart that does not come back is still a failure.
+    restarted = pod_status("warm", restarts=1)
+    assert pod_failure({"metadata": {"name": "p-r0-1"}, "status": restarted}) is None
+    assert stage_phase({"metadata": {"name": "p-r0-1"}, "status": restarted},
+                       admitting=True, stopped=False) == "serving"  # fmt: skip

@@ -92,7 +92,8 @@ class KVReply(_Message):
 
     ``ok`` is False when the stage refuses (a reservation that does not fit) or when the request
     was invalid (``error`` names the field). ``num_hit_blocks`` answers ``probe_pin``;
-    ``num_reserved_blocks`` answers ``commit``.
+    ``num_reserved_blocks`` answers ``commit``. ``group_epoch`` answers ``health``: the epoch
+    of the stages' process group this stage serves in (``stage.rendezvous``; 0: formed once).
     """
 
     rank: int
@@ -102,6 +103,7 @@ class KVReply(_Message):
     num_reserved_blocks: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
+    group_epoch: int = 0
 
 
 # --------------------------------------------------------------------------- wave execution

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from wavepp.api.subjects import (
     ReplicaSubjects,
     heartbeat_subject,
+    heartbeat_wildcard,
     inbox_prefix,
     intake_stream,
     intake_subject,
@@ -39,6 +40,7 @@ from wavepp.api.subjects import (
     prefill_subject,
     replica_prefix,
     result_subject,
+    rendezvous_bucket,
     results_bucket,
 )
 
@@ -106,11 +108,21 @@ def stage_user(pipeline: str, rank: int) -> NatsUser:
     its KV events, resync, and asks the scheduler for missed plans."""
     name = stage_user_name(pipeline, rank)
     s = ReplicaSubjects(replica_prefix(pipeline))
+    rendezvous = rendezvous_bucket(pipeline)
     return NatsUser(
         name,
         "stage",
         Permissions(
-            publish=(s.done, s.kv_events(rank), s.resync, s.plan_replay),
+            publish=(
+                s.done,
+                s.kv_events(rank),
+                s.resync,
+                s.plan_replay,
+                # the replica's group epoch (runtime.stage.rendezvous): re-form in place
+                kv_subjects(rendezvous),
+                jetstream_info(),
+                *jetstream_stream_api(kv_stream(rendezvous)),
+            ),
             subscribe=(
                 s.stage_kv(rank),
                 s.stage_kv_batch(rank),
@@ -162,7 +174,9 @@ def gateway_user(pool: str, pipelines: list[str]) -> NatsUser:
     name = gateway_user_name(pool)
     bucket = results_bucket(pool)
     publish: list[str] = [prefill_subject(pool), jetstream_info()]
-    subscribe: list[str] = [result_subject(pool, ">"), prefill_subject(pool)]
+    # every replica's heartbeat, including replicas added at run time (the gateway follows its
+    # pool by them; a heartbeat names its pool, and the gateway keeps only its own)
+    subscribe: list[str] = [result_subject(pool, ">"), prefill_subject(pool), heartbeat_wildcard()]
     for pipeline in pipelines:
         publish += [intake_subject(pipeline), *jetstream_stream_api(intake_stream(pipeline))]
         subscribe += [

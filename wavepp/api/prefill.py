@@ -68,10 +68,14 @@ class PrefillResult(_Msg):
 
 
 class Heartbeat(_Msg):
-    """An admission service's liveness: ``ready`` when every stage answered its last probe."""
+    """An admission service's liveness: ``ready`` when every stage answered its last probe
+    (its group formed, the engine built) and no re-form is under way. ``pool`` and
+    ``num_stages`` let a gateway add a replica it was not configured with ("": unknown)."""
 
     pipeline: str
     ready: bool
     num_stages_formed: int
     num_inflight: int
     instance: str
+    pool: str = ""
+    num_stages: int = 0

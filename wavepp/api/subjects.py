@@ -20,6 +20,7 @@
 | ``wavepp.{pool}.prefill``             | request-reply, queue  | the NATS prefill API of the gateway  |
 | ``_INBOX.{user}.>``                   | replies               | one NATS user's reply inbox          |
 | ``$JS.API...`` / ``$KV.{bucket}.>``   | JetStream API         | named per stream, for permissions    |
+| KV bucket ``WAVEPP_RDZV_{pipeline}``  | JetStream KV          | the stages' group epoch (stage.rendezvous) |
 
 Pure functions of names; no I/O. Nothing else in WavePP builds a subject string.
 """
@@ -101,6 +102,16 @@ def result_subject(pool: str, key: str) -> str:
 
 def heartbeat_subject(pipeline: str) -> str:
     return f"{replica_prefix(pipeline)}.admission.heartbeat"
+
+
+def heartbeat_wildcard() -> str:
+    """Every replica's admission heartbeat (the gateway follows its pool by these)."""
+    return f"{replica_prefix('*')}.admission.heartbeat"
+
+
+def rendezvous_bucket(pipeline: str) -> str:
+    """The KV bucket where a replica's stages agree on their process group's epoch."""
+    return f"WAVEPP_RDZV_{pipeline}"
 
 
 def prefill_subject(pool: str) -> str:

@@ -4,11 +4,19 @@ Starts an embedded nats-server with JetStream, then for each replica of the spec
 stage`` processes and one ``wavepp admission``, then one ``wavepp gateway``; waits until the
 gateway's ``/readyz`` answers 200, prints ``wavepp up: serving http://HOST:PORT ...`` and
 supervises: a gateway or admission process that dies is restarted (its requests are in
-JetStream); a stage that dies stops everything (exit 1). Ctrl-C or SIGTERM stops all children
+JetStream); a stage that dies once serving is restarted with the same arguments, as a kubelet
+would, and its replica re-forms its group in place (``stage.rendezvous``) while the other
+replicas serve (the gateway routes around it); a stage that dies during startup, or more than
+``--max-stage-restarts`` times, stops everything (exit 1). Ctrl-C or SIGTERM stops all children
 (gateway, admissions, stages: SIGTERM, wait, kill) and the nats-server, and exits 0.
 
 ``--config FILE`` is a WavePipeline spec in YAML or JSON (the custom resource's ``spec``, or the
-whole resource); without it, tiny-llama on 2 torch stages. ``STATE_DIR/processes.json`` lists
+whole resource); without it, tiny-llama on 2 torch stages. ``spec.telemetry`` is honoured as in
+the pods: ``otlpEndpoint``/``samplingRatio`` trace the stages and admissions, and a stated
+``metricsPort`` P serves replica i's admission metrics (the runtime's ``wavepp_*`` series) on
+port P + i (one machine, one port each; the gateway's series are on its own ``/metrics``);
+without ``metricsPort`` no Prometheus port is opened. ``STATE_DIR/processes.json`` lists
+the endpoints,
 the child pids and each component's NATS credentials file (for tests and operators),
 ``STATE_DIR/logs/`` (or ``--log-dir``) their output and the nats-server's.
 
@@ -129,11 +137,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="DEBUGGING ONLY: no NATS credentials; any local process may read every prompt and "
         "publish on every subject",
     )
+    parser.add_argument(
+        "--max-stage-restarts",
+        type=int,
+        default=10,
+        help="restarts of one stage process before wavepp up gives up (exit 1)",
+    )
 
 
 def _fail(flag: str, message: str) -> int:
     print(f"wavepp up: {flag}: {message}", file=sys.stderr)
     return 2
+
+
+def with_telemetry(configs: list, spec: object, raw: dict) -> list:  # RuntimeConfig, spec
+    """The replicas' configs with ``spec.telemetry`` (see the module docstring).
+
+    Raises:
+        ValueError: ``metricsPort`` + the replica count passes 65535, or a bad
+            ``$WAVEPP_METRICS_PORT`` (named).
+    """
+    import os
+
+    from wavepp.cmd.stage import telemetry_from_spec
+
+    telemetry = telemetry_from_spec(spec, os.environ)  # type: ignore[arg-type]
+    stated = isinstance(raw.get("telemetry"), dict) and (
+        "metricsPort" in raw["telemetry"] or "metrics_port" in raw["telemetry"]
+    )
+    if not stated and not os.environ.get("WAVEPP_METRICS_PORT"):
+        telemetry = telemetry.model_copy(update={"metrics_port": None})
+    out = []
+    for i, config in enumerate(configs):
+        port = telemetry.metrics_port
+        if port:
+            port += i
+            if port > 65535:
+                raise ValueError(f"metricsPort {telemetry.metrics_port} + replica {i} > 65535")
+        out.append(
+            config.model_copy(
+                update={"telemetry": telemetry.model_copy(update={"metrics_port": port})}
+            )
+        )
+    return out
 
 
 class Supervisor:
@@ -299,8 +345,11 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--config", f"{args.config}: " + "; ".join(str(i) for i in issues))
     try:
         configs = runtime_configs_from_spec(spec, pool=args.pool)
+        configs = with_telemetry(configs, spec, raw)
     except SpecError as exc:
         return _fail("--config", str(exc))
+    except ValueError as exc:
+        return _fail("--config", f"telemetry: {exc}")
     num_processes = sum(c.num_stages + 1 for c in configs) + 2
     if num_processes > MAX_LOCAL_PROCESSES:
         return _fail(
@@ -319,6 +368,8 @@ def run(args: argparse.Namespace) -> int:
     busy = check_port_free(args.host, args.port)
     if busy is not None:
         return _fail("--port", f"{busy}; choose another port (0: a free one)")
+    if args.max_stage_restarts < 0:
+        return _fail("--max-stage-restarts", f"{args.max_stage_restarts}: must be >= 0")
     port = args.port or free_port()
     try:
         overrides = json.loads(args.tenant_limits) if args.tenant_limits else {}
@@ -456,6 +507,11 @@ def run(args: argparse.Namespace) -> int:
         "nats_pid": server.pid,
         "state_dir": str(state_dir),
         "nats_creds": auth.creds if auth else None,
+        "metrics": {
+            c.pipeline: f"http://{args.host}:{c.telemetry.metrics_port}/metrics"
+            for c in configs
+            if c.telemetry.metrics_port
+        },
     }
     stage_names: list[str] = []
     service_names: list[str] = []
@@ -483,6 +539,13 @@ def run(args: argparse.Namespace) -> int:
                     sup.num_restarts["nats-server"] = watchdog.num_restarts
                     sup.write_state()
             dead_stage = next((n for n in stage_names if sup.procs[n].poll() is not None), None)
+            if (
+                dead_stage is not None
+                and is_serving
+                and sup.num_restarts.get(dead_stage, 0) < args.max_stage_restarts
+            ):
+                sup.restart(dead_stage)  # same args: the replica re-forms around it
+                dead_stage = None
             if dead_stage is not None:
                 print(
                     f"wavepp up: {dead_stage} exited with code {sup.procs[dead_stage].returncode}"

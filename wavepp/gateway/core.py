@@ -9,7 +9,13 @@ request after validation::
     -> fair-share queue (a slot among max_outstanding_per_replica x replicas in the pool)
     -> router: replica with the longest reusable prefix (ties: least loaded)
     -> JetStream publish {p}.intake, Nats-Msg-Id = key -> wait for wavepp.{pool}.result.{key}
-       (the replica leaves the pool meanwhile: publish to another replica)
+       (the replica leaves the pool meanwhile: publish to another replica; an error answer
+       from a replica it left is not the answer, the other replica's is; with no other
+       replica in the pool, fail after ``replica_unready_fail_s`` with ReplicaUnavailable)
+
+The pool follows the heartbeats (``heartbeat_wildcard``): a replica of this pool that was not
+configured is added when it beats (a scale-up), one silent for ``replica_forget_s`` is dropped
+(a scale-down). The gateway is ready while at least one replica is in the pool.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from wavepp.api.prefill import Heartbeat, IntakeRequest, PrefillResult
 from wavepp.api.subjects import (
     ReplicaSubjects,
     heartbeat_subject,
+    heartbeat_wildcard,
     intake_stream,
     intake_subject,
     replica_prefix,
@@ -87,6 +94,14 @@ class GatewayConfig(BaseModel):
     queue_retry_after_s: float = Field(1.0, gt=0)
     request_timeout_s: float = Field(120.0, gt=0)
     replica_timeout_s: float = Field(3.0, gt=0)
+    # NOTE: a replica silent this long is dropped from the router (scaled away); one that
+    # beats again is added back. Replicas of this pool beyond max_replicas are not added.
+    replica_forget_s: float = Field(60.0, gt=0)
+    # NOTE: a request published to a replica in the pool that then leaves it (a stage died)
+    # with no other replica to take it fails this long after (503), instead of waiting for the
+    # replica to re-form; one published while no replica was in the pool waits (durable intake).
+    replica_unready_fail_s: float = Field(3.0, gt=0)
+    max_replicas: int = Field(256, ge=1)
     tokenizer: str | None = None
     # API keys (wavepp.gateway.auth): on when any tenant has api_keys_file.
     auth_poll_s: float = Field(1.0, ge=0)
@@ -100,6 +115,10 @@ class GatewayConfig(BaseModel):
             max_prompt_tokens=self.max_prompt_tokens,
             tenants=frozenset(t.name for t in self.tenants),
         )
+
+
+class ReplicaUnavailable(RuntimeError):
+    """The replica a request was admitted on left the pool and no other replica is in it."""
 
 
 class Gateway:
@@ -131,6 +150,8 @@ class Gateway:
         self._waiters: dict[str, asyncio.Future[PrefillResult]] = {}
         self._kv = None
         self._subs: list[object] = []
+        self._watched: set[str] = set()  # replicas whose KV events feed the router
+        self._configured = {r.pipeline for r in config.replicas}
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -147,13 +168,23 @@ class Gateway:
             self._subs.append(
                 await self.nc.subscribe(heartbeat_subject(replica.pipeline), cb=self._on_heartbeat)
             )
-            self._subs.append(
-                await self.nc.subscribe(
-                    ReplicaSubjects(replica_prefix(replica.pipeline)).kv_events("*"),
-                    cb=self._on_kv_events,
-                )
+            await self._watch_kv_events(replica.pipeline)
+        self._subs.append(
+            await self.nc.subscribe(
+                heartbeat_wildcard(),
+                cb=self._on_pool_heartbeat,
             )
+        )
         await self.nc.flush()
+
+    async def _watch_kv_events(self, pipeline: str) -> None:
+        self._watched.add(pipeline)
+        self._subs.append(
+            await self.nc.subscribe(
+                ReplicaSubjects(replica_prefix(pipeline)).kv_events("*"),
+                cb=self._on_kv_events,
+            )
+        )
 
     async def stop(self) -> None:
         for sub in self._subs:
@@ -182,6 +213,36 @@ class Gateway:
             self.router.on_heartbeat(beat.pipeline, self.clock(), is_ready=beat.ready)
             self._dispatch()
 
+    async def _on_pool_heartbeat(self, msg: Msg) -> None:
+        """A heartbeat of any replica: add one of this pool not known yet (it scaled up),
+        drop those silent for ``replica_forget_s`` (scaled down)."""
+        try:
+            beat = Heartbeat.model_validate_json(msg.data)
+        except ValueError:
+            return
+        now = self.clock()
+        for state in list(self.router.replicas):
+            silent_s = now - state.last_heartbeat_s
+            if state.last_heartbeat_s >= 0 and silent_s > self.config.replica_forget_s:
+                log.warning(
+                    "replica %s silent for %.0f s: dropped from the pool", state.name, silent_s
+                )
+                self.router.forget(state.name)
+        if beat.pool != self.config.pool:
+            return
+        if beat.pipeline in self._configured and beat.pipeline in self.router.by_name:
+            return  # its own subscription (_on_heartbeat) takes its beats
+        if beat.pipeline not in self.router.by_name:
+            if beat.num_stages < 1 or len(self.router.replicas) >= self.config.max_replicas:
+                return
+            await ensure_intake(self.js, beat.pipeline)
+            self.router.add_replica(beat.pipeline, beat.num_stages)
+            if beat.pipeline not in self._watched:
+                await self._watch_kv_events(beat.pipeline)
+            log.info("replica %s joined the pool", beat.pipeline)
+        self.router.on_heartbeat(beat.pipeline, self.clock(), is_ready=beat.ready)
+        self._dispatch()
+
     async def _on_kv_events(self, msg: Msg) -> None:
         replica = msg.subject.split(".")[1]
         try:
@@ -198,9 +259,8 @@ class Gateway:
     # ---- state views ---------------------------------------------------------------------
 
     def is_ready(self) -> bool:
-        """Every replica heartbeats and reports every stage formed."""
-        now = self.clock()
-        return all(self.router.is_alive(r.name, now) and r.is_ready for r in self.router.replicas)
+        """At least one replica is in the pool (heartbeats, every stage formed)."""
+        return bool(self.router.pool(self.clock()))
 
     def capacity(self) -> int:
         num_alive = len(self.router.pool(self.clock()))
@@ -214,7 +274,7 @@ class Gateway:
             num_active_by_tenant={t: self.limiter.num_active[t] for t in self.tenants},
             num_requests_in_gateway=self.num_requests_in_gateway,
             max_queued_requests=self.config.max_queued_requests,
-            is_replica_up={r.name: self.router.is_alive(r.name, now) for r in self.router.replicas},
+            is_replica_up={r.name: self.router.in_pool(r.name, now) for r in self.router.replicas},
         )
 
     @property
@@ -373,6 +433,8 @@ class Gateway:
                     excluded = []
                     replica, num_reusable = self.router.choose(hashes, self.clock())
                 self.metrics.routed(replica.name, num_reusable)
+                routed_in_pool = self.router.in_pool(replica.name, self.clock())
+                unready_since: float | None = None
                 replica.num_outstanding += 1
                 try:
                     try:
@@ -397,9 +459,15 @@ class Gateway:
                         if stored is not None:
                             return stored
                     while True:
-                        done, _ = await asyncio.wait({waiter}, timeout=0.5)
+                        done, _ = await asyncio.wait({waiter}, timeout=0.25)
                         if done:
-                            return waiter.result()
+                            result = waiter.result()
+                            if not (result.error and result.replica in excluded):
+                                return result
+                            # The replica it left failed it; the one it runs on answers.
+                            waiter = asyncio.get_running_loop().create_future()
+                            self._waiters[intake.key] = waiter
+                            continue
                         now = self.clock()
                         if now > deadline:
                             stored = await self.stored_result(intake.key)
@@ -409,12 +477,26 @@ class Gateway:
                                 f"no answer for {intake.key} in {self.config.request_timeout_s}s"
                             )
                         others = [r for r in self.router.pool(now) if r.name != replica.name]
-                        if not self.router.is_alive(replica.name, now) and others:
+                        if self.router.in_pool(replica.name, now):
+                            unready_since = None
+                        elif others:
                             log.warning(
                                 "replica %s left the pool; re-routing %s", replica.name, intake.key
                             )
                             excluded.append(replica.name)
                             break
+                        elif routed_in_pool:
+                            unready_since = now if unready_since is None else unready_since
+                            if now - unready_since > self.config.replica_unready_fail_s:
+                                stored = await self.stored_result(intake.key)
+                                if stored is not None:
+                                    return stored
+                                raise ReplicaUnavailable(
+                                    f"replica {replica.name} left the pool (a stage dead or "
+                                    f"re-forming) {now - unready_since:.1f} s ago and no other "
+                                    f"replica is in it; {intake.request_id} was not answered, "
+                                    "retry it"
+                                )
                 finally:
                     replica.num_outstanding -= 1
         finally:
@@ -428,4 +510,5 @@ __all__ = [
     "IntakeUnavailable",
     "LimitExceeded",
     "ReplicaInfo",
+    "ReplicaUnavailable",
 ]

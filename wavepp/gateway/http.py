@@ -6,7 +6,7 @@
 | ``POST /v1/completions`` | OpenAI text completion, prefill only (``max_tokens`` = 1); a list of prompts; ``stream`` as SSE (``openai_api``) |
 | ``GET /v1/models``       | the served model, OpenAI's list shape                           |
 | ``GET /healthz``         | 200 while the process and its NATS connection are up           |
-| ``GET /readyz``          | 200 only when every stage of every replica is formed            |
+| ``GET /readyz``          | 200 when at least one replica is in the pool (all stages formed) |
 | ``GET /metrics``         | Prometheus text, per-tenant counters and TTFT histogram, queue depth |
 
 API keys (``wavepp.gateway.auth``): when any tenant has a key file, every ``/v1/*`` request and
@@ -317,7 +317,7 @@ class GatewayServer:
     async def handle_readyz(self, request: web.Request) -> web.Response:
         now = self.gateway.clock()
         replicas = {
-            r.name: {"in_pool": self.gateway.router.is_alive(r.name, now), "ready": r.is_ready}
+            r.name: {"in_pool": self.gateway.router.in_pool(r.name, now), "ready": r.is_ready}
             for r in self.gateway.router.replicas
         }
         ready = self.gateway.is_ready()

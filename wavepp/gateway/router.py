@@ -10,7 +10,10 @@ admission controller computes L*: the number of leading block hashes held on *ev
            ties -> the replica after the last chosen one (round-robin among equals)
 
 A replica is in the pool while it sends heartbeats (its admission controller's) within
-``timeout_s``; one that stops leaves the pool, and the gateway re-routes its pending requests.
+``timeout_s`` and its last one said ``ready`` (every stage formed, no re-form under way); one
+that stops or turns not ready leaves the pool, and the gateway re-routes its pending requests.
+Replicas may join (``add_replica``: a heartbeat of the pool from one not configured) and leave
+(``forget``) while the gateway runs.
 Policies ``round_robin`` and ``least_loaded`` ignore the index (for comparison and fallback).
 """
 
@@ -106,13 +109,42 @@ class PoolRouter:
 
     # ---- queries -------------------------------------------------------------------------
 
+    def add_replica(self, name: str, num_stages: int) -> ReplicaState:
+        """Start routing to a replica that joined at run time (idempotent).
+
+        Raises:
+            ValueError: ``num_stages`` < 1.
+        """
+        if name in self.by_name:
+            return self.by_name[name]
+        if num_stages < 1:
+            raise ValueError(f"num_stages={num_stages}: replica {name} needs >= 1 stage")
+        state = ReplicaState(name, num_stages)
+        self.replicas.append(state)
+        self.by_name[name] = state
+        return state
+
+    def forget(self, name: str) -> None:
+        """Drop a replica (scaled away) and its shadow index; unknown names are ignored."""
+        state = self.by_name.pop(name, None)
+        if state is not None:
+            self.replicas.remove(state)
+            self._next = self._next % len(self.replicas) if self.replicas else 0
+
     def is_alive(self, replica: str, now_s: float) -> bool:
-        state = self.by_name[replica]
+        """A heartbeat within ``timeout_s`` (ready or not)."""
+        state = self.by_name.get(replica)
+        if state is None:
+            return False
         return state.last_heartbeat_s >= 0 and now_s - state.last_heartbeat_s <= self.timeout_s
 
+    def in_pool(self, replica: str, now_s: float) -> bool:
+        """Alive and ready: requests are routed to it."""
+        return self.is_alive(replica, now_s) and self.by_name[replica].is_ready
+
     def pool(self, now_s: float) -> list[ReplicaState]:
-        """Replicas in the pool now (heartbeat within ``timeout_s``)."""
-        return [r for r in self.replicas if self.is_alive(r.name, now_s)]
+        """Replicas in the pool now (a ready heartbeat within ``timeout_s``)."""
+        return [r for r in self.replicas if self.in_pool(r.name, now_s)]
 
     def choose(
         self, block_hashes: Sequence[bytes], now_s: float, *, exclude: Sequence[str] = ()

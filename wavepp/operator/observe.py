@@ -73,9 +73,10 @@ def _condition(pod: dict[str, Any], type_: str) -> bool:
 def pod_failure(pod: dict[str, Any]) -> str | None:
     """Why a stage pod counts as failed, or None.
 
-    Failed: pod phase Failed; a container that restarted (the kubelet restarts a crashed
-    container in place, which a torch.distributed group does not survive); a container that
-    terminated with a non-zero exit code.
+    Failed: pod phase Failed; a container that restarted and is not running again (crash
+    loop back-off, or terminated); a container that terminated with a non-zero exit code. A
+    container the kubelet restarted that runs again is no failure: the stage rejoins its
+    replica's group in place (``wavepp.runtime.stage.rendezvous``), the other pods stay.
     """
     name = meta_of(pod).get("name", "?")
     status = pod.get("status") or {}
@@ -83,7 +84,7 @@ def pod_failure(pod: dict[str, Any]) -> str | None:
         return f"pod {name} failed ({status.get('reason') or 'phase Failed'})"
     for cs in status.get("containerStatuses") or []:
         restarts = int(cs.get("restartCount") or 0)
-        if restarts > 0:
+        if restarts > 0 and "running" not in (cs.get("state") or {}):
             last = (cs.get("lastState") or {}).get("terminated") or {}
             return (
                 f"pod {name}: container {cs.get('name')} restarted {restarts}x "

@@ -205,6 +205,11 @@ class AdmissionController:
             log.warning("release of %s failed (%s); leases will expire", request_ids, exc)
 
     @property
+    def live_request_ids(self) -> frozenset[str]:
+        """Requests whose leases this controller renews (agreed, not released)."""
+        return frozenset(self._live)
+
+    @property
     def num_live(self) -> int:
         """Admitted requests not yet released (their leases are renewed)."""
         return len(self._live)

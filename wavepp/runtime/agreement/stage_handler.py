@@ -99,7 +99,9 @@ def handle_kv_request(manager: StageKVManager, rank: int, payload: bytes) -> KVR
         return KVReply(rank=rank, ok=False, error=f"{type(msg).__name__}: {exc}")
 
 
-def handle_kv_batch(manager: StageKVManager, rank: int, payload: bytes) -> bytes:
+def handle_kv_batch(
+    manager: StageKVManager, rank: int, payload: bytes, *, refuse: str = ""
+) -> bytes:
     """Apply one admission round (a binary ``KVBatch``) to a stage's manager, in one pass, and
     return the encoded ``KVBatchReply``. Never raises on bad input.
 
@@ -113,6 +115,9 @@ def handle_kv_batch(manager: StageKVManager, rank: int, payload: bytes) -> bytes
         manager: the stage's KV manager (its single owner calls this).
         rank: the stage's rank, echoed in the reply.
         payload: ``wavepp.api.kv_batch.encode_batch`` bytes.
+        refuse: non-empty while the stage is out of service (re-forming its group): a release
+            batch is applied, a probe or commit batch answered INVALID per entry with this
+            reason and applied to nothing.
     """
     pool = manager.pool
     try:
@@ -126,6 +131,14 @@ def handle_kv_batch(manager: StageKVManager, rank: int, payload: bytes) -> bytes
             error=f"invalid batch: {exc}",
         )
         return encode_reply(reply)
+    if refuse and batch.op is not BatchOp.RELEASE:
+        refused = tuple(
+            EntryResult(EntryStatus.INVALID, 0, f"{refuse}; {batch.op.name.lower()} refused")
+            for _ in batch.entries
+        )
+        return encode_reply(
+            KVBatchReply(batch.op, rank, pool.num_free_blocks, pool.num_blocks, refused)
+        )
     results: list[EntryResult] = []
     for entry in batch.entries:
         try:

@@ -270,6 +270,10 @@ class StageKVManager:
             return PinReceipt()
         return PinReceipt(request_id, tuple(self._held_block_ids(held)))
 
+    def held_request_ids(self) -> list[str]:
+        """Ids of the requests held (pinned or committed), oldest first."""
+        return list(self._requests)
+
     def release(self, request_id: str | PinReceipt) -> bool:
         """Drop everything the request holds, tail first; cached blocks stay cached for reuse.
 

@@ -194,6 +194,11 @@ class WaveScheduler:
         """
         self._plans_open.clear()
 
+    def reopen_plans(self) -> None:
+        """Publish plans again after a pause in which the stages did not change (their plans
+        in flight and the ledger stand); after a re-form use :meth:`resume_plans`."""
+        self._plans_open.set()
+
     def resume_plans(self, *, readmit: bool = True) -> None:
         """Publish plans again (every stage subscribed); see :meth:`pause_plans`.
 

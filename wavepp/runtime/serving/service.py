@@ -13,8 +13,12 @@ them. Scheduler request ids are ``{key}@{instance}``, so a rerun never collides 
 dead instance left behind (their leases expire).
 
 The service also publishes a heartbeat (``{p}.admission.heartbeat``, every 0.5 s) with whether
-every stage answered its last health probe; the gateway's router uses it for pool membership
-and ``/readyz``. It subscribes to the pipeline's plans and done messages to report per-stage
+every stage answered its last health probe (probed every beat once serving) and no re-form is
+under way; the gateway's router uses it for pool membership and ``/readyz``. Around a re-form of
+the stages' group (``serving.reform``) it holds its plans, then re-admits what it had admitted.
+A request re-routed by the gateway may run on two replicas: an error stored by one never hides
+the other's answer (a stored error of another replica is run again here; an error never
+overwrites a stored answer). It subscribes to the pipeline's plans and done messages to report per-stage
 timings of each request (prepare and execute seconds, summed over the request's micro-batches).
 """
 
@@ -52,6 +56,7 @@ from wavepp.runtime.request import PromptRequest, RequestOutcome
 from wavepp.runtime.scheduling.core import planner_for
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
+from wavepp.runtime.serving.reform import ReformTracker
 from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
 
 log = logging.getLogger(__name__)
@@ -147,6 +152,8 @@ class AdmissionService:
             first_microbatch_id=int(time.time() * 1000),
         )
         self.num_stages_formed = 0
+        self.stage_epochs: tuple[int, ...] = ()
+        self.reform = ReformTracker()
         self.num_answered = 0
         self.num_duplicates = 0
         self.num_unstored = 0  # answered, but the result could not be stored (store full)
@@ -178,6 +185,7 @@ class AdmissionService:
         try:
             replies = await asyncio.wait_for(self.controller.health(), 2.0)
             self.num_stages_formed = sum(1 for r in replies if r.ok)
+            self.stage_epochs = tuple(r.group_epoch for r in replies)
         except Exception:  # noqa: BLE001 - any stage silent: not formed
             self.num_stages_formed = 0
         return self.num_stages_formed == self.config.num_stages
@@ -222,20 +230,47 @@ class AdmissionService:
         subject = heartbeat_subject(self.config.pipeline)
         num_beats = 0
         while True:
-            if num_beats % 2 == 0 and self.scheduler.is_serving:  # probe once a second once serving
-                await self._probe_stages()
+            if self.scheduler.is_serving:
+                await self._follow_stages(await self._probe_stages())
             beat = Heartbeat(
                 pipeline=self.config.pipeline,
                 ready=self.scheduler.is_serving
-                and self.num_stages_formed == self.config.num_stages,
+                and self.num_stages_formed == self.config.num_stages
+                and not self.reform.is_paused,
                 num_stages_formed=self.num_stages_formed,
                 num_inflight=len(self._running),
                 instance=self.instance,
+                pool=self.pool,
+                num_stages=self.config.num_stages,
             )
             with contextlib.suppress(Exception):
                 await self.nc.publish(subject, beat.model_dump_json().encode())
             num_beats += 1
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _follow_stages(self, is_formed: bool) -> None:
+        """Hold plans while a stage is not formed; after a re-form, re-admit (see module)."""
+        action = self.reform.observe(is_formed, self.stage_epochs)
+        if action == "pause":
+            log.warning(
+                "%s: %d/%d stages formed; plans held",
+                self.config.pipeline,
+                self.num_stages_formed,
+                self.config.num_stages,
+            )
+            self.scheduler.pause_plans()
+        elif action == "resume":
+            self.scheduler.reopen_plans()
+        elif action == "readmit":
+            # The stages released everything they held; renew no lease of it.
+            self.controller.forget(sorted(self.controller.live_request_ids))
+            self.scheduler.resume_plans(readmit=True)
+            log.warning(
+                "%s: stages re-formed (epochs %s); %d requests re-admitted so far",
+                self.config.pipeline,
+                self.stage_epochs,
+                self.scheduler.num_readmitted,
+            )
 
     # ---- intake --------------------------------------------------------------------------
 
@@ -266,6 +301,8 @@ class AdmissionService:
                 await msg.term()
                 return
             stored = await self._stored(request.key)
+            if stored is not None and self._is_foreign_error(stored):
+                stored = None  # failed on a replica the gateway re-routed it from: run it here
             if stored is not None:
                 self.num_duplicates += 1
                 await self.nc.publish(result_subject(self.pool, request.key), stored)
@@ -280,7 +317,11 @@ class AdmissionService:
             try:
                 result = await asyncio.shield(running)
                 data = result.model_dump_json().encode()
-                await self._store(request.key, data)
+                answered = await self._stored(request.key) if result.error else None
+                if answered is not None and not PrefillResult.model_validate_json(answered).error:
+                    data = answered  # another replica answered it: an error never overwrites that
+                else:
+                    await self._store(request.key, data)
                 await self.nc.publish(result_subject(self.pool, request.key), data)
                 await msg.ack()
             finally:
@@ -310,6 +351,14 @@ class AdmissionService:
         except KeyNotFoundError:
             return None
         return entry.value
+
+    def _is_foreign_error(self, stored: bytes) -> bool:
+        """A stored result that failed on another replica."""
+        try:
+            result = PrefillResult.model_validate_json(stored)
+        except ValueError:
+            return False
+        return bool(result.error) and result.replica != self.config.pipeline
 
     async def _keep_in_progress(self, msg: Msg) -> None:
         while True:

@@ -128,9 +128,20 @@ class StageCore:
         """Answer one KV request (probe_pin, commit, release, renew, health); never raises."""
         return handle_kv_request(self.manager, self.rank, payload)
 
-    def handle_kv_batch(self, payload: bytes) -> bytes:
-        """Answer one admission round (binary ``KVBatch``); never raises."""
-        return handle_kv_batch(self.manager, self.rank, payload)
+    def handle_kv_batch(self, payload: bytes, *, refuse: str = "") -> bytes:
+        """Answer one admission round (binary ``KVBatch``); never raises. ``refuse``: out of
+        service for that reason (a release batch is still applied)."""
+        return handle_kv_batch(self.manager, self.rank, payload, refuse=refuse)
+
+    def reform(self) -> list[str]:
+        """The stages re-form their group: release every request held here (the scheduler
+        admits them again; computed blocks stay cached) and forget the plan order (the next
+        plan, after the re-form, starts it again). Returns the released request ids."""
+        released = self.manager.held_request_ids()
+        for request_id in released:
+            self.manager.release(request_id)
+        self.sequencer = PlanSequencer()
+        return released
 
     def expire(self) -> list[str]:
         """Release every request whose lease passed; their ids, earliest expiry first."""

@@ -24,6 +24,14 @@ on the scheduler's ask (``{p}.stage.{r}.dones``); after its own reconnect a stag
 ``{p}.resync``. A micro-batch whose block tables cannot be built (a lease expired, a bad plan)
 still moves zeros of the right shape through the pipeline, so no stage waits forever, and its
 ``MicroBatchDone`` carries the error.
+
+Re-forming in place (``stage.rendezvous``): the activations travel over the process group of the
+current *epoch* (``self._pg``), owned by one compute thread per epoch. A later epoch in the
+replica's rendezvous bucket (a restarted stage joined) or a failed send/receive takes the stage
+out of service (KV requests refused, plans dropped, health not ok); on a later epoch it drops
+its queued work and its group (a peer blocked on a receive from it then fails at once),
+releases every request it holds (the scheduler re-admits them), forms the new epoch's group
+and serves again. Work of an older epoch never publishes a done message.
 """
 
 from __future__ import annotations
@@ -45,8 +53,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from wavepp.api.messages import (
+    KV_REQUEST_ADAPTER,
     DoneReplay,
     DoneReplayReply,
+    KVReply,
     MicroBatchDone,
     MicroBatchPlan,
     PlanReplay,
@@ -58,6 +68,7 @@ from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.stage.core import StageCore, StageWork
 from wavepp.runtime.stage.engine import PreparedBatch, StageEngine, make_engine
+from wavepp.runtime.stage.rendezvous import EpochRendezvous, StageGroupFactory, open_rendezvous
 from wavepp.runtime.transport.natsio import connect, on_reconnect
 from wavepp.telemetry import tracing
 from wavepp.telemetry.pipeline import StageTelemetry
@@ -95,7 +106,18 @@ def build_engine(config: RuntimeConfig, rank: int) -> StageEngine:
 class StageWorker:
     """Serves one stage: KV ops over NATS, plans, activations over torch.distributed."""
 
-    def __init__(self, config: RuntimeConfig, rank: int, nc: NATS, engine: StageEngine) -> None:
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        rank: int,
+        nc: NATS,
+        engine: StageEngine,
+        *,
+        group: dist.ProcessGroup | None = None,
+        group_epoch: int = 0,
+        rendezvous: EpochRendezvous | None = None,
+        factory: StageGroupFactory | None = None,
+    ) -> None:
         self.config = config
         self.rank = rank
         self.nc = nc
@@ -121,13 +143,21 @@ class StageWorker:
         self.is_serving = False
         self._replay_task: asyncio.Task[None] | None = None
         self._open_replay = False  # the next replay asks for every plan from next_id on
+        # The process group of the current epoch (None: single stage), its compute thread's
+        # generation; ``is_formed`` is False from a group failure until the next epoch formed.
+        self._pg = group
+        self.group_epoch = group_epoch
+        self.rendezvous = rendezvous
+        self.factory = factory
+        self.is_formed = True
+        self.num_reforms = 0
+        self._generation = 0
 
     # ---- loop thread ---------------------------------------------------------------------
 
     async def serve(self, stop: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._compute_loop, name="compute", daemon=True)
-        self._thread.start()
+        self._start_compute()
         await self.nc.subscribe(self.subjects.stage_kv(self.rank), cb=self._on_kv)
         await self.nc.subscribe(self.subjects.stage_kv_batch(self.rank), cb=self._on_kv_batch)
         await self.nc.subscribe(self.subjects.plan, cb=self._on_plan)
@@ -136,13 +166,75 @@ class StageWorker:
         await self.nc.flush()
         log.info("stage %d serving layers %s", self.rank, self.config.layers_of(self.rank))
         expiry = asyncio.create_task(self._expire_loop())
+        watcher = asyncio.create_task(self._watch_epochs()) if self.rendezvous else None
         self.is_serving = True
         try:
             await stop.wait()
         finally:
             self.is_serving = False
             expiry.cancel()
+            if watcher is not None:
+                watcher.cancel()
             self._work.put(None)
+
+    def _start_compute(self) -> None:
+        """A compute thread for the current group and work queue (one per epoch)."""
+        self._thread = threading.Thread(
+            target=self._compute_loop,
+            args=(self._pg, self._work, self._generation),
+            name=f"compute-{self.group_epoch}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    # ---- re-forming in place -------------------------------------------------------------
+
+    async def _watch_epochs(self) -> None:
+        """Re-form whenever the rendezvous bucket moves past this stage's epoch."""
+        assert self.rendezvous is not None
+        while True:
+            epoch = await self.rendezvous.wait_newer(self.group_epoch)
+            try:
+                await self._reform(epoch)
+            except Exception:  # noqa: BLE001 - a member left again: wait for the next epoch
+                log.exception("stage %d: forming epoch %d failed", self.rank, epoch)
+                self.group_epoch = max(self.group_epoch, epoch)
+
+    def _on_group_error(self, generation: int, exc: BaseException) -> None:
+        """A send/receive of the group failed (a peer died): out of service until re-formed."""
+        if generation == self._generation and self.is_formed:
+            log.warning(
+                "stage %d: group of epoch %d broke (%r); waiting for the next epoch",
+                self.rank,
+                self.group_epoch,
+                exc,
+            )
+            self.is_formed = False
+
+    async def _reform(self, epoch: int) -> None:
+        """Leave the current group, release everything held, form ``epoch``'s group."""
+        assert self.rendezvous is not None and self.factory is not None
+        started = time.monotonic()
+        self.is_formed = False
+        self._generation += 1
+        old_queue, self._work = self._work, queue.Queue()
+        old_queue.put(None)  # the old compute thread leaves after its current step
+        self._pg = None  # its last reference goes with that thread: peers' receives fail
+        released = self.core.reform()
+        while not await self.rendezvous.join(epoch):
+            epoch = await self.rendezvous.wait_newer(epoch)
+        self.group_epoch = epoch
+        self._pg = await asyncio.to_thread(self.factory.form, epoch)
+        self._start_compute()
+        self.num_reforms += 1
+        self.is_formed = True
+        log.warning(
+            "stage %d: re-formed in epoch %d in %.2f s (%d held requests released)",
+            self.rank,
+            epoch,
+            time.monotonic() - started,
+            len(released),
+        )
 
     @property
     def num_microbatches(self) -> int:
@@ -150,13 +242,41 @@ class StageWorker:
         return self.core.num_microbatches
 
     async def _on_kv(self, msg: Msg) -> None:
-        reply = self.core.handle_kv(msg.data)
+        if self.is_formed:
+            reply = self.core.handle_kv(msg.data)
+            if self.group_epoch:
+                reply = reply.model_copy(update={"group_epoch": self.group_epoch})
+        else:
+            reply = self._refuse_kv(msg.data)
         await msg.respond(reply.model_dump_json().encode())
         await self._publish_events()
 
     async def _on_kv_batch(self, msg: Msg) -> None:
-        await msg.respond(self.core.handle_kv_batch(msg.data))
+        if self.is_formed:
+            reply = self.core.handle_kv_batch(msg.data)
+        else:  # re-forming: a release batch is applied, anything else refused per request
+            reply = self.core.handle_kv_batch(
+                msg.data,
+                refuse=f"stage {self.rank}: re-forming its group (epoch {self.group_epoch})",
+            )
+        await msg.respond(reply)
         await self._publish_events()
+
+    def _refuse_kv(self, payload: bytes) -> KVReply:
+        """Out of service (re-forming): a release is applied, anything else refused."""
+        try:
+            op = KV_REQUEST_ADAPTER.validate_json(payload).op
+        except ValueError:
+            op = "invalid"
+        if op == "release":
+            return self.core.handle_kv(payload)
+        return KVReply(
+            rank=self.rank,
+            ok=False,
+            error=f"stage {self.rank}: re-forming its group (epoch {self.group_epoch}); {op} "
+            "refused",
+            group_epoch=self.group_epoch,
+        )
 
     async def _expire_loop(self) -> None:
         while True:
@@ -172,6 +292,8 @@ class StageWorker:
         await self.nc.publish(self.subjects.kv_events(self.rank), batch.model_dump_json().encode())
 
     async def _on_plan(self, msg: Msg) -> None:
+        if not self.is_formed:
+            return  # for a broken group; the scheduler re-admits its requests after the re-form
         try:
             plan = MicroBatchPlan.model_validate_json(msg.data)
         except ValueError as exc:
@@ -288,23 +410,47 @@ class StageWorker:
 
     # ---- compute thread ------------------------------------------------------------------
 
-    def _compute_loop(self) -> None:
+    def _compute_loop(
+        self,
+        pg: dist.ProcessGroup | None,
+        work_queue: queue.Queue[tuple[StageWork, PreparedBatch | None] | None],
+        generation: int,
+    ) -> None:
+        """One epoch's compute thread: activations over ``pg``; leaves when ``work_queue``
+        yields None, when its group fails (a peer died), or when a later epoch replaced it
+        (then it publishes nothing more)."""
         torch.set_num_threads(self.config.torch_threads)
-        pending_sends: deque[tuple[dist.Work | None, torch.Tensor]] = deque()
+        pending_sends: deque[tuple[dist.Work, torch.Tensor]] = deque()
+        try:
+            self._compute(pg, work_queue, generation, pending_sends)
+            for handle, _ in pending_sends:
+                handle.wait()
+        except Exception as exc:  # noqa: BLE001 - torch.distributed: a peer left the group
+            assert self._loop is not None, "compute thread started before serve()"
+            self._loop.call_soon_threadsafe(self._on_group_error, generation, exc)
+
+    def _compute(
+        self,
+        pg: dist.ProcessGroup | None,
+        work_queue: queue.Queue[tuple[StageWork, PreparedBatch | None] | None],
+        generation: int,
+        pending_sends: deque[tuple[dist.Work, torch.Tensor]],
+    ) -> None:
         engine = self.engine
         core = self.core
         while True:
-            item = self._work.get()
-            if item is None:
-                break
+            item = work_queue.get()
+            if item is None or generation != self._generation:
+                return
             work, prepared = item
             num_tokens = work.num_tokens
             hidden_in = None
             if not self.is_first:
+                assert pg is not None, "a stage after the first has a group"
                 hidden_in = torch.empty(
                     num_tokens, engine.hidden_size, dtype=engine.activation_dtype
                 )
-                dist.recv(hidden_in, src=self.rank - 1)
+                pg.recv([hidden_in], self.rank - 1, 0).wait()
             results: list[RequestResult] = []
             hidden_out = None
             exec_start = exec_end = time.time()
@@ -327,6 +473,8 @@ class StageWorker:
                         "stage %d: micro-batch %d failed", self.rank, work.plan.microbatch_id
                     )
                     work.error = f"stage {self.rank}: execute failed: {exc!r}"
+            if generation != self._generation:
+                return  # re-formed meanwhile: this micro-batch belongs to the old group
             done = core.done_message(
                 work, execute_start_s=exec_start, execute_end_s=exec_end, results=results
             )
@@ -335,17 +483,15 @@ class StageWorker:
             assert self._loop is not None, "compute thread started before serve()"
             self._loop.call_soon_threadsafe(self._after_microbatch, work, done)
             if not self.is_last:
+                assert pg is not None, "a stage before the last has a group"
                 if hidden_out is None or work.error:
                     hidden_out = torch.zeros(
                         num_tokens, engine.hidden_size, dtype=engine.activation_dtype
                     )
-                pending_sends.append(
-                    (dist.isend(hidden_out.contiguous(), dst=self.rank + 1), hidden_out)
-                )
+                hidden_out = hidden_out.contiguous()
+                pending_sends.append((pg.send([hidden_out], self.rank + 1, 0), hidden_out))
                 while len(pending_sends) > _MAX_PENDING_SENDS:
-                    _wait(pending_sends.popleft()[0])
-        for handle, _ in pending_sends:
-            _wait(handle)
+                    pending_sends.popleft()[0].wait()
 
 
 def _first_token_id(logits: Mapping[str, torch.Tensor], request_id: str) -> int:
@@ -355,18 +501,6 @@ def _first_token_id(logits: Mapping[str, torch.Tensor], request_id: str) -> int:
 
 def _logits_list(logits: Mapping[str, torch.Tensor], request_id: str) -> list[float]:
     return [float(v) for v in logits[request_id].tolist()]
-
-
-def _wait(handle: dist.Work | None) -> None:
-    """Wait for an ``isend`` (None: torch.distributed sent nothing; this rank is in no group)."""
-    if handle is not None:
-        handle.wait()
-
-
-def init_distributed(config: RuntimeConfig, rank: int, dist_url: str) -> None:
-    """Join the stages' process group (gloo on CPU, NCCL on CUDA) for activations."""
-    backend = "nccl" if config.device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=dist_url, rank=rank, world_size=config.num_stages)
 
 
 @dataclass
@@ -413,13 +547,33 @@ async def run_stage(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await asyncio.to_thread(init_distributed, config, rank, dist_url)
-    engine = await asyncio.to_thread(build_engine, config, rank)
-    if readiness is not None:
-        readiness.is_formed = True
     nc = await connect(nats_url, name=f"{config.pipeline}-stage-{rank}", creds=nats_creds)
     try:
-        worker = StageWorker(config, rank, nc, engine)
+        backend = "nccl" if config.device.startswith("cuda") else "gloo"
+        factory = StageGroupFactory(dist_url, rank, config.num_stages, backend)
+        rendezvous = await open_rendezvous(nc, config.pipeline, rank, config.num_stages)
+        epoch = 0
+        if rendezvous is not None:
+            epoch = await rendezvous.first_epoch()
+            while not await rendezvous.join(epoch):
+                epoch = await rendezvous.wait_newer(epoch)
+        group = None
+        if config.num_stages > 1:
+            group = await asyncio.to_thread(factory.form, epoch)
+        log.info("stage %d: group formed in epoch %d", rank, epoch)
+        engine = await asyncio.to_thread(build_engine, config, rank)
+        if readiness is not None:
+            readiness.is_formed = True
+        worker = StageWorker(
+            config,
+            rank,
+            nc,
+            engine,
+            group=group,
+            group_epoch=epoch,
+            rendezvous=rendezvous if config.num_stages > 1 else None,
+            factory=factory,
+        )
         if readiness is not None:
             readiness.worker = worker
         await worker.serve(stop)

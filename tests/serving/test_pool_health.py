@@ -1,0 +1,262 @@
+"""Replica health that routing obeys, and the pieces of an in-place re-form (issue 16, items 1
+and 2): the router's pool is the ready replicas; the gateway follows heartbeats at run time and
+is ready while one replica admits; the admission's pause/resume decisions; the stages' epoch
+rendezvous over a real nats-server with JetStream; and a gloo group re-formed in one process
+after a member left (what ``StageWorker._reform`` relies on)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from wavepp.api.prefill import Heartbeat
+from wavepp.api.subjects import heartbeat_subject
+from wavepp.gateway.core import Gateway, GatewayConfig, ReplicaInfo, ReplicaUnavailable
+from wavepp.gateway.router import PoolRouter
+from wavepp.gateway.tenants import TenantPolicy
+from wavepp.gateway.validation import ParsedRequest
+from wavepp.runtime.serving.reform import ReformTracker
+from wavepp.runtime.stage.rendezvous import (
+    EpochRendezvous,
+    StageGroupFactory,
+    decide_join,
+    open_rendezvous,
+    parse_dist_url,
+)
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ---- the router's pool ---------------------------------------------------------------------
+
+
+def test_a_replica_that_is_not_ready_leaves_the_pool_and_gets_no_request() -> None:
+    router = PoolRouter([("a", 2), ("b", 2)], timeout_s=3.0)
+    router.on_heartbeat("a", 10.0, is_ready=True)
+    router.on_heartbeat("b", 10.0, is_ready=True)
+    assert [r.name for r in router.pool(10.5)] == ["a", "b"]
+    router.on_heartbeat("a", 11.0, is_ready=False)  # a stage died: alive, not ready
+    assert router.is_alive("a", 11.0) and not router.in_pool("a", 11.0)
+    assert [r.name for r in router.pool(11.0)] == ["b"]
+    assert {router.choose([b"h"], 11.0)[0].name for _ in range(4)} == {"b"}
+    router.on_heartbeat("a", 12.0, is_ready=True)
+    assert {router.choose([b"h"], 12.0)[0].name for _ in range(4)} == {"a", "b"}
+
+
+def test_replicas_join_and_leave_at_run_time() -> None:
+    router = PoolRouter([("a", 2)], timeout_s=3.0)
+    router.add_replica("c", 3)
+    assert router.add_replica("c", 3) is router.by_name["c"]
+    router.on_heartbeat("c", 1.0, is_ready=True)
+    router.on_kv_events("c", 2, [[b"x"]], [])
+    assert [r.name for r in router.pool(1.0)] == ["c"]
+    router.forget("a")
+    router.forget("unknown")
+    assert [r.name for r in router.replicas] == ["c"]
+    assert router.choose([b"x"], 1.5) == (router.by_name["c"], 0)
+    with pytest.raises(ValueError, match="num_stages=0"):
+        router.add_replica("d", 0)
+
+
+def _gateway_config(**overrides: object) -> GatewayConfig:
+    return GatewayConfig(
+        pool="p",
+        replicas=[ReplicaInfo(pipeline="p-r0", num_stages=2)],
+        model_name="tiny-llama",
+        model_id="m",
+        block_size=16,
+        vocab_size=1000,
+        max_prompt_tokens=1024,
+        tenants=[TenantPolicy(name="default", cache_salt="s")],
+        **overrides,
+    )
+
+
+async def test_gateway_follows_the_pool_and_is_ready_while_one_replica_admits() -> None:
+    now = [100.0]
+    with EmbeddedNatsServer(jetstream=True) as server:
+        nc = await connect(server.url, name="test-gateway")
+        gateway = Gateway(_gateway_config(replica_forget_s=30.0), nc, clock=lambda: now[0])
+        await gateway.start()
+        try:
+
+            async def beat(pipeline: str, *, ready: bool, pool: str = "p") -> None:
+                data = Heartbeat(
+                    pipeline=pipeline,
+                    ready=ready,
+                    num_stages_formed=2 if ready else 1,
+                    num_inflight=0,
+                    instance="i",
+                    pool=pool,
+                    num_stages=2,
+                ).model_dump_json()
+                await nc.publish(heartbeat_subject(pipeline), data.encode())
+                await nc.flush()
+                await asyncio.sleep(0.2)
+
+            assert not gateway.is_ready()
+            await beat("p-r1", ready=True)  # scaled up: not configured
+            await beat("q-r0", ready=True, pool="q")  # another pool's replica
+            assert sorted(gateway.router.by_name) == ["p-r0", "p-r1"]
+            assert gateway.is_ready(), "one replica of two admits: ready"
+            await beat("p-r0", ready=True)
+            await beat("p-r1", ready=False)  # a stage of r1 died
+            assert [r.name for r in gateway.router.pool(now[0])] == ["p-r0"]
+            assert gateway.load().is_replica_up == {"p-r0": True, "p-r1": False}
+            assert gateway.is_ready()
+            now[0] += 31.0  # r1 scaled away: silent past replica_forget_s
+            await beat("p-r0", ready=True)
+            assert sorted(gateway.router.by_name) == ["p-r0"]
+            await beat("p-r1", ready=True)  # and back
+            assert sorted(gateway.router.by_name) == ["p-r0", "p-r1"]
+        finally:
+            await gateway.stop()
+            await nc.close()
+
+
+async def test_a_request_on_a_replica_that_left_the_pool_fails_fast_without_another() -> None:
+    """Admitted on p-r0 while it was in the pool; p-r0 turns not ready (a stage died) and no
+    replica takes over: the request fails with ReplicaUnavailable within seconds (it waited
+    for request_timeout_s, 120 s, before)."""
+    with EmbeddedNatsServer(jetstream=True) as server:
+        nc = await connect(server.url, name="test-gateway-unready")
+        gateway = Gateway(_gateway_config(replica_unready_fail_s=1.0), nc)
+        await gateway.start()
+        try:
+
+            async def beat(*, ready: bool) -> None:
+                data = Heartbeat(
+                    pipeline="p-r0",
+                    ready=ready,
+                    num_stages_formed=2 if ready else 1,
+                    num_inflight=0,
+                    instance="i",
+                    pool="p",
+                    num_stages=2,
+                ).model_dump_json()
+                await nc.publish(heartbeat_subject("p-r0"), data.encode())
+                await nc.flush()
+                await asyncio.sleep(0.1)
+
+            await beat(ready=True)
+            request = ParsedRequest(tenant="default", request_id="r1", token_ids=[1, 2, 3])
+            task = asyncio.create_task(gateway.prefill(request))
+            await asyncio.sleep(0.5)
+            assert not task.done()
+            started = asyncio.get_running_loop().time()
+            await beat(ready=False)
+            with pytest.raises(ReplicaUnavailable, match="p-r0 left the pool"):
+                await asyncio.wait_for(task, 10)
+            assert asyncio.get_running_loop().time() - started < 3.0
+        finally:
+            await gateway.stop()
+            await nc.close()
+
+
+# ---- the admission around a re-form --------------------------------------------------------
+
+
+def test_reform_tracker_pauses_then_readmits_only_on_a_new_epoch() -> None:
+    tracker = ReformTracker()
+    assert tracker.observe(True, (1, 1)) == "none"
+    assert tracker.observe(False) == "pause"  # a stage died
+    assert tracker.observe(False) == "none"
+    assert tracker.is_paused
+    assert tracker.observe(True, (2, 2)) == "readmit"  # re-formed in epoch 2
+    assert not tracker.is_paused and tracker.num_reforms == 1
+    assert tracker.observe(False) == "pause"  # a slow probe
+    assert tracker.observe(True, (2, 2)) == "resume"
+    assert tracker.observe(True, (3, 3)) == "readmit"  # re-formed between two probes
+    assert tracker.num_reforms == 2
+
+
+# ---- the rendezvous ------------------------------------------------------------------------
+
+
+def test_decide_join_and_dist_url() -> None:
+    assert decide_join(None, False).epoch == 1
+    assert decide_join(4, False) == decide_join(4, False) and not decide_join(4, False).bump
+    assert decide_join(4, True).epoch == 5 and decide_join(4, True).bump
+    assert parse_dist_url("tcp://stage-0.p:29500") == ("stage-0.p", 29500)
+    with pytest.raises(ValueError, match="--dist-url"):
+        parse_dist_url("env://")
+
+
+async def test_epoch_rendezvous_a_restarted_rank_starts_an_epoch_the_survivor_joins() -> None:
+    with EmbeddedNatsServer(jetstream=True) as server:
+        nc = await connect(server.url, name="test-rdzv")
+        try:
+            ranks = [await open_rendezvous(nc, "p-r0", rank, 2) for rank in range(2)]
+            assert all(isinstance(r, EpochRendezvous) for r in ranks)
+            first = await asyncio.gather(*(r.first_epoch() for r in ranks))
+            assert first == [1, 1]
+            assert await asyncio.gather(*(r.join(1) for r in ranks)) == [True, True]
+            restarted = await open_rendezvous(nc, "p-r0", 1, 2)
+            assert restarted is not None
+            assert await restarted.first_epoch() == 2  # its former process was in epoch 1
+            assert await asyncio.wait_for(ranks[0].wait_newer(1), 5) == 2
+            joined = await asyncio.gather(ranks[0].join(2), restarted.join(2))
+            assert joined == [True, True]
+        finally:
+            await nc.close()
+    with EmbeddedNatsServer(jetstream=False) as plain:
+        nc = await connect(plain.url, name="test-rdzv-plain")
+        try:
+            assert await open_rendezvous(nc, "p-r0", 0, 2) is None  # forms once, as before
+        finally:
+            await nc.close()
+
+
+def test_gloo_group_reforms_in_process_after_a_member_left() -> None:
+    """Rank 1 blocks receiving from rank 0; rank 0 drops its group (as ``_reform`` does): the
+    receive fails at once; both form epoch 2 over the same rank-0 store and exchange again."""
+    dist_url = f"tcp://127.0.0.1:{free_port()}"
+    factories = [StageGroupFactory(dist_url, rank, 2, "gloo", timeout_s=20) for rank in range(2)]
+    groups: list[dist.ProcessGroup | None] = [None, None]
+    errors: list[BaseException] = []
+    received: list[float] = []
+
+    def form(rank: int, epoch: int) -> None:
+        groups[rank] = factories[rank].form(epoch)
+
+    def run(targets: list) -> None:  # noqa: ANN001
+        threads = [threading.Thread(target=t, args=a) for t, a in targets]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+
+    run([(form, (0, 1)), (form, (1, 1))])
+    old = groups[1]
+    assert old is not None
+
+    def blocked_receive() -> None:
+        try:
+            old.recv([torch.zeros(4)], 0, 0).wait()
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    receiver = threading.Thread(target=blocked_receive)
+    receiver.start()
+    groups[0] = None  # rank 0 leaves epoch 1
+    receiver.join(10)
+    assert not receiver.is_alive() and errors, "the blocked receive did not fail"
+    old = None  # rank 1 leaves too (its receive failed)
+    groups[1] = None
+    run([(form, (0, 2)), (form, (1, 2))])
+
+    def send() -> None:
+        groups[0].send([torch.full((4,), 7.0)], 1, 0).wait()  # type: ignore[union-attr]
+
+    def receive() -> None:
+        tensor = torch.zeros(4)
+        groups[1].recv([tensor], 0, 0).wait()  # type: ignore[union-attr]
+        received.append(float(tensor.sum()))
+
+    run([(send, ()), (receive, ())])
+    assert received == [28.0]

@@ -1,0 +1,189 @@
+"""`wavepp up --config` with 2 replicas (issue 16, items 2 and 6), one real process tree:
+
+- ``spec.telemetry.metricsPort`` P is honoured: replica i's admission serves its metrics on
+  P + i, and every series the shipped dashboards query is scraped from the run (the admissions'
+  ports and the gateway's ``/metrics``) after a load that admits, refuses, evicts and answers;
+- a stage SIGKILLed under load: no request fails (each answered 200 within 5 s, by the other
+  replica meanwhile), ``wavepp up`` restarts the stage with its arguments, its replica re-forms
+  in place and answers again; the other stages keep their pids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import UpService, start_up, stop_up
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+DASHBOARDS = sorted((Path(__file__).parents[2] / "dashboards").glob("*.json"))
+BLOCK = 16
+ANSWER_WITHIN_S = 5.0
+
+
+def _two_free_ports() -> int:
+    """A port P with P and P + 1 free."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port < 65535:
+            with socket.socket() as other:
+                try:
+                    other.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two adjacent free ports")
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60.0) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def _get(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=5.0) as response:
+            return response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.read().decode()
+
+
+def _tokens(seed: int, num_blocks: int) -> list[int]:
+    return [(seed * 7919 + 31 * i) % 1000 + 1 for i in range(num_blocks * BLOCK + 3)]
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[UpService, int]]:
+    metrics_port = _two_free_ports()
+    spec = {
+        "model": {"name": "tiny-llama"},
+        "stages": 2,
+        "replicas": 2,
+        "engine": "emulated",
+        "engineOptions": {"timeScale": 0.05, "kvBlocks": 64},
+        "cache": {"blockSize": BLOCK},
+        "telemetry": {"metricsPort": metrics_port},
+    }
+    service = start_up(tmp_path_factory.mktemp("up-failover"), spec, timeout_s=180)
+    try:
+        yield service, metrics_port
+    finally:
+        stop_up(service.proc)
+
+
+def test_dashboards_fill_under_wavepp_up(up: tuple[UpService, int]) -> None:
+    service, metrics_port = up
+    url = f"{service.endpoint}/v1/prefill"
+    # Distinct 40-block prompts on 64-block stages: evictions; four at once: refusals.
+    for seed in range(4):
+        assert _post(url, {"tenant": "default", "token_ids": _tokens(seed, 40)})[0] == 200
+    answers: list[int] = []
+    threads = [
+        threading.Thread(
+            target=lambda s=seed: answers.append(
+                _post(url, {"tenant": "default", "token_ids": _tokens(s, 50)})[0]
+            )
+        )
+        for seed in range(10, 14)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert answers == [200] * 4
+    endpoints = service.processes()["metrics"]
+    assert sorted(endpoints.values()) == [
+        f"http://127.0.0.1:{metrics_port + i}/metrics" for i in range(2)
+    ]
+    scraped: set[str] = set()
+    for text in [_get(u) for u in endpoints.values()] + [_get(f"{service.endpoint}/metrics")]:
+        for family in text_string_to_metric_families(text):
+            scraped |= {sample.name for sample in family.samples}
+    queried: set[str] = set()
+    for path in DASHBOARDS:
+        queried |= set(re.findall(r"\bwavepp_[a-z0-9_]+", path.read_text()))
+    assert len(queried) >= 10
+    assert queried - scraped == set()
+
+
+def test_stage_killed_under_wavepp_up_no_request_fails(up: tuple[UpService, int]) -> None:
+    service, _ = up
+    url = f"{service.endpoint}/v1/prefill"
+    before = service.processes()
+    stage_pids = {n: p for n, p in before["pids"].items() if n.startswith("stage-")}
+    victim = sorted(stage_pids)[1]  # stage 1 of the first replica
+    replica = re.fullmatch(r"stage-(.+)-\d+", victim).group(1)
+    records: list[tuple[float, float, int, dict[str, Any]]] = []
+    stop = threading.Event()
+
+    def client(first_seed: int) -> None:
+        seed = first_seed
+        while not stop.is_set():
+            sent = time.monotonic()
+            status, body = _post(url, {"tenant": "default", "token_ids": _tokens(seed, 3)})
+            records.append((sent, time.monotonic() - sent, status, body))
+            seed += 2
+
+    threads = [threading.Thread(target=client, args=(1000 + i,), daemon=True) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    while len(records) < 10:
+        time.sleep(0.05)
+    os.kill(stage_pids[victim], signal.SIGKILL)
+    killed = time.monotonic()
+    deadline = killed + 120
+    while service.processes()["restarts"].get(victim, 0) < 1:
+        assert time.monotonic() < deadline, "wavepp up did not restart the stage"
+        time.sleep(0.1)
+    restarted = time.monotonic()
+
+    def answered_by_replica_after_restart() -> list[float]:
+        return [
+            sent + took - killed
+            for sent, took, _status, body in list(records)
+            if sent > restarted and body.get("replica") == replica
+        ]
+
+    while not answered_by_replica_after_restart():
+        assert time.monotonic() < deadline, "the replica did not answer again\n" + "".join(
+            service.lines[-30:]
+        )
+        time.sleep(0.1)
+    stop.set()
+    for thread in threads:
+        thread.join(60)
+    after = [r for r in records if r[0] + r[1] > killed]
+    bad = [(round(s - killed, 2), round(t, 2), st, body) for s, t, st, body in after
+           if st != 200 or t > ANSWER_WITHIN_S]  # fmt: skip
+    assert not bad, bad
+    now = service.processes()["pids"]
+    for name, pid in stage_pids.items():
+        if name != victim:
+            assert now[name] == pid, f"{name} was restarted"
+    assert now[victim] != stage_pids[victim]
+    print(
+        f"wavepp up stage kill: {len(after)} requests answered after the kill, all 200, slowest "
+        f"{max(r[1] for r in after):.2f} s; restarted {restarted - killed:.1f} s after the kill; "
+        f"{replica} answered again {min(answered_by_replica_after_restart()):.1f} s after the kill"
+    )

@@ -1,0 +1,232 @@
+"""The stages' process group, re-formable in place: an epoch rendezvous in a NATS KV bucket.
+
+A torch.distributed group cannot be rejoined once a member died. So the stages of a replica form
+one group per *epoch*, each over its own ``PrefixStore`` of the rank-0 ``TCPStore`` (``--dist-url``),
+and a stage process that comes back (same rank, same args: a kubelet or ``wavepp up`` restart)
+starts a new epoch that the survivors join without restarting::
+
+    KV bucket WAVEPP_RDZV_{pipeline}      (api.subjects.rendezvous_bucket)
+      epoch          -> "E"     the epoch being formed or served
+      join.E.r       -> ""      rank r joined epoch E
+
+    a fresh process of rank r:  E = epoch (created as 1 when absent)
+                                join.E.r exists?  a former process of r was in E: bump E -> E+1
+                                put join.E.r, wait for join.E.0..S-1, form the group of E
+    a running stage:            watches ``epoch``; a higher one -> drop its group (its peers'
+                                blocked receives fail at once), join and form the new epoch
+
+The rules are :func:`decide_join` (pure). Without JetStream (``LocalPipeline``'s plain
+nats-server) there is no bucket: the stages form epoch 0 once, as before (a dead stage then
+needs every stage restarted, ``LocalPipeline.restart_stages``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import torch.distributed as dist
+from nats.js.api import KeyValueConfig
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+
+from wavepp.api.subjects import rendezvous_bucket
+
+log = logging.getLogger(__name__)
+
+EPOCH_KEY = "epoch"
+POLL_S = 0.1
+
+
+def join_key(epoch: int, rank: int) -> str:
+    """``join.{epoch}.{rank}``: the KV key a stage puts when it joins an epoch."""
+    return f"join.{epoch}.{rank}"
+
+
+@dataclass(frozen=True)
+class JoinDecision:
+    """Which epoch a fresh stage process joins, and whether it must start that epoch."""
+
+    epoch: int
+    bump: bool
+
+
+def decide_join(current: int | None, rank_already_joined: bool) -> JoinDecision:
+    """The epoch a *fresh* process joins (pure).
+
+    Args:
+        current: the bucket's epoch (None: no epoch yet).
+        rank_already_joined: ``join.{current}.{rank}`` exists, i.e. a former process of this
+            rank was a member of ``current`` (this one replaces it).
+
+    Returns:
+        ``current`` when this rank has not joined it (a first start: everyone meets there),
+        else ``current + 1`` with ``bump`` (the survivors must leave the broken epoch).
+    """
+    if current is None:
+        return JoinDecision(1, bump=False)
+    if rank_already_joined:
+        return JoinDecision(current + 1, bump=True)
+    return JoinDecision(current, bump=False)
+
+
+def parse_dist_url(dist_url: str) -> tuple[str, int]:
+    """``tcp://host:port`` -> (host, port).
+
+    Raises:
+        ValueError: not a ``tcp://host:port`` URL (names ``--dist-url``).
+    """
+    parsed = urlparse(dist_url)
+    if parsed.scheme != "tcp" or not parsed.hostname or parsed.port is None:
+        raise ValueError(f"--dist-url {dist_url!r}: must be tcp://HOST:PORT (rank 0's store)")
+    return parsed.hostname, parsed.port
+
+
+class StageGroupFactory:
+    """Builds one process group per epoch over the rank-0 TCPStore of ``dist_url``.
+
+    Rank 0 hosts the store for its process's lifetime; the other ranks connect a new client per
+    epoch (the host may be a new rank-0 process). Blocking: call from a thread.
+    """
+
+    def __init__(
+        self, dist_url: str, rank: int, num_stages: int, backend: str, timeout_s: float = 60.0
+    ) -> None:
+        self.host, self.port = parse_dist_url(dist_url)
+        self.rank = rank
+        self.num_stages = num_stages
+        self.backend = backend
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._master: dist.TCPStore | None = None
+
+    def _store(self) -> dist.Store:
+        if self.rank == 0:
+            if self._master is None:
+                self._master = dist.TCPStore(
+                    self.host,
+                    self.port,
+                    self.num_stages,
+                    True,
+                    timeout=self.timeout,
+                    wait_for_workers=False,
+                )
+            return self._master
+        return dist.TCPStore(self.host, self.port, self.num_stages, False, timeout=self.timeout)
+
+    def form(self, epoch: int) -> dist.ProcessGroup:
+        """The group of ``epoch`` (returns once all ``num_stages`` ranks formed it).
+
+        Raises:
+            RuntimeError / DistStoreError: a rank did not arrive within ``timeout_s``.
+        """
+        store = dist.PrefixStore(f"wavepp/epoch/{epoch}/", self._store())
+        if self.backend == "nccl":
+            return dist.ProcessGroupNCCL(store, self.rank, self.num_stages)
+        return dist.ProcessGroupGloo(store, self.rank, self.num_stages, self.timeout)
+
+
+class EpochRendezvous:
+    """The epoch protocol of the module docstring over one replica's KV bucket.
+
+    Args:
+        kv: the bucket (``open_rendezvous``).
+        rank: this stage's rank.
+        num_stages: S.
+    """
+
+    def __init__(self, kv, rank: int, num_stages: int) -> None:  # noqa: ANN001 - KeyValue
+        self.kv = kv
+        self.rank = rank
+        self.num_stages = num_stages
+
+    async def current(self) -> int | None:
+        """The bucket's epoch, or None when no stage started one yet."""
+        try:
+            entry = await self.kv.get(EPOCH_KEY)
+        except KeyNotFoundError:
+            return None
+        return int(entry.value.decode())
+
+    async def first_epoch(self) -> int:
+        """The epoch a fresh process joins (:func:`decide_join`); starts it when it must."""
+        while True:
+            try:
+                entry = await self.kv.get(EPOCH_KEY)
+            except KeyNotFoundError:
+                with contextlib.suppress(KeyWrongLastSequenceError):
+                    await self.kv.create(EPOCH_KEY, b"1")
+                continue
+            current = int(entry.value.decode())
+            decision = decide_join(current, await self._has_joined(current, self.rank))
+            if not decision.bump:
+                return decision.epoch
+            try:
+                await self.kv.update(EPOCH_KEY, str(decision.epoch).encode(), last=entry.revision)
+                log.warning(
+                    "stage %d: replaces its former process: epoch %d -> %d",
+                    self.rank,
+                    current,
+                    decision.epoch,
+                )
+                return decision.epoch
+            except KeyWrongLastSequenceError:
+                continue  # another rank bumped meanwhile: read again
+
+    async def join(self, epoch: int) -> bool:
+        """Put ``join.{epoch}.{rank}``, wait for every rank's.
+
+        Returns:
+            True once all S joined; False when a later epoch started meanwhile (join that).
+        """
+        await self.kv.put(join_key(epoch, self.rank), b"")
+        while True:
+            current = await self.current()
+            if current is not None and current > epoch:
+                return False
+            joined = [await self._has_joined(epoch, r) for r in range(self.num_stages)]
+            if all(joined):
+                return True
+            await asyncio.sleep(POLL_S)
+
+    async def wait_newer(self, epoch: int) -> int:
+        """Return the bucket's epoch once it is above ``epoch`` (polls every ``POLL_S``)."""
+        while True:
+            with contextlib.suppress(Exception):  # a reconnecting server: ask again
+                current = await self.current()
+                if current is not None and current > epoch:
+                    return current
+            await asyncio.sleep(POLL_S)
+
+    async def _has_joined(self, epoch: int, rank: int) -> bool:
+        try:
+            await self.kv.get(join_key(epoch, rank))
+        except KeyNotFoundError:
+            return False
+        return True
+
+
+async def open_rendezvous(nc, pipeline: str, rank: int, num_stages: int) -> EpochRendezvous | None:  # noqa: ANN001
+    """The replica's rendezvous bucket (created if absent), or None without JetStream."""
+    js = nc.jetstream(timeout=2.0)  # a server without JetStream (or a user without it): fast
+    bucket = rendezvous_bucket(pipeline)
+    kv = None
+    for _ in range(3):
+        try:
+            kv = await js.key_value(bucket)
+            break
+        except BucketNotFoundError:
+            try:
+                kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=1))
+                break
+            except Exception as exc:  # noqa: BLE001 - another rank created it meanwhile
+                log.info("stage %d: creating %s: %r; binding again", rank, bucket, exc)
+        except Exception as exc:  # noqa: BLE001 - no JetStream here (or not for this user)
+            log.warning("stage %d: no rendezvous bucket %s (%r); forming once", rank, bucket, exc)
+            return None
+    if kv is None:
+        log.warning("stage %d: rendezvous bucket %s unavailable; forming once", rank, bucket)
+        return None
+    return EpochRendezvous(kv, rank, num_stages)
