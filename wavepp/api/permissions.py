@@ -38,9 +38,9 @@ from wavepp.api.subjects import (
     kv_stream,
     kv_subjects,
     prefill_subject,
+    rendezvous_bucket,
     replica_prefix,
     result_subject,
-    rendezvous_bucket,
     results_bucket,
 )
 
