@@ -13,7 +13,19 @@ from typing import Any, Literal
 
 import pydantic
 
-__all__ = ["PRESETS", "ModelConfig", "get_preset", "partition_layers"]
+__all__ = [
+    "PRESETS",
+    "SUPPORTED_ARCHITECTURES",
+    "Architecture",
+    "ModelConfig",
+    "get_preset",
+    "partition_layers",
+]
+
+# NOTE: Hugging Face ``model_type`` values the torch engine runs (``hf_config.py`` maps a
+# config.json onto ModelConfig; ``engine/architecture.py`` reads the family's own fields).
+Architecture = Literal["llama", "deepseek_v3", "minimax_m2"]
+SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({"llama", "deepseek_v3", "minimax_m2"})
 
 
 class ModelConfig(pydantic.BaseModel):
@@ -27,6 +39,9 @@ class ModelConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
 
     name: str = pydantic.Field(default="tiny-llama", min_length=1)
+    # NOTE: the layer family; anything but "llama" runs only from a checkpoint directory
+    # (RuntimeConfig.model_dir), since random weights are generated for Llama only.
+    architecture: Architecture = "llama"
     vocab_size: int = pydantic.Field(default=1024, gt=0)
     hidden_size: int = pydantic.Field(default=128, gt=0)
     intermediate_size: int = pydantic.Field(default=352, gt=0)

@@ -1,0 +1,126 @@
+"""A Hugging Face model directory's ``config.json`` as a :class:`ModelConfig`.
+
+``--model DIR`` (replay, stage) and ``RuntimeConfig.model_dir`` name a directory holding
+``config.json`` and safetensors weights (one ``model.safetensors`` or shards with
+``model.safetensors.index.json``). The scheduler, planner and block hashing need only the
+generic shape (layers, width, vocabulary) that :func:`model_config_from_hf` takes from it; the
+torch engine reads the family-specific fields itself (``engine/architecture.py``).
+
+| ``model_type``  | family                                                       |
+| --------------- | ------------------------------------------------------------ |
+| ``llama``       | RMSNorm, RoPE, GQA, SwiGLU                                   |
+| ``deepseek_v3`` | MLA (latent KV cache) + MoE (grouped top-k, shared experts)  |
+| ``minimax_m2``  | GQA with QK-norm and partial RoPE + MoE (sigmoid top-k)      |
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from wavepp.runtime.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+
+__all__ = ["load_model_dir", "model_config_from_hf", "read_hf_config"]
+
+
+def _required(cfg: Mapping[str, Any], key: str, where: str) -> Any:
+    if cfg.get(key) is None:
+        raise ValueError(
+            f"{where}: field {key!r} is missing; a {cfg.get('model_type')} config needs it"
+        )
+    return cfg[key]
+
+
+def model_config_from_hf(
+    cfg: Mapping[str, Any], *, name: str, where: str = "config.json"
+) -> ModelConfig:
+    """The generic :class:`ModelConfig` of a HF config dict (float32; the engine's shape).
+
+    ``num_heads``/``num_kv_heads``/``head_dim`` describe the attention as the cost model sees
+    it: for MLA, H query heads of width ``qk_nope + qk_rope`` and H "KV heads" (the cache itself
+    is the latent, see ``layers/mla.py``).
+
+    Args:
+        cfg: the parsed ``config.json``.
+        name: the model's name (seeds the block-hash chain).
+        where: for error messages (the file).
+
+    Raises:
+        ValueError: an unsupported ``model_type`` or rope type, or a missing field, naming it.
+    """
+    arch = cfg.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{where}: model_type={arch!r} is not supported by the torch engine; "
+            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    rope = cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(
+            f"{where}: rope_parameters.rope_type={rope_type!r} is not implemented "
+            "(only 'default' RoPE); drop the scaling or use a model without it"
+        )
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ValueError(f"{where}: attention_bias/mlp_bias = true is not implemented")
+    heads = int(_required(cfg, "num_attention_heads", where))
+    if arch == "deepseek_v3":
+        head_dim = int(_required(cfg, "qk_nope_head_dim", where)) + int(
+            _required(cfg, "qk_rope_head_dim", where)
+        )
+        kv_heads = heads
+    else:
+        head_dim = int(cfg.get("head_dim") or int(_required(cfg, "hidden_size", where)) // heads)
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    try:
+        return ModelConfig(
+            name=name,
+            architecture=arch,
+            vocab_size=int(_required(cfg, "vocab_size", where)),
+            hidden_size=int(_required(cfg, "hidden_size", where)),
+            intermediate_size=int(_required(cfg, "intermediate_size", where)),
+            num_layers=int(_required(cfg, "num_hidden_layers", where)),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position=int(cfg.get("max_position_embeddings", 131072)),
+        )
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """Parse ``DIR/config.json``.
+
+    Raises:
+        ValueError: the directory or its config.json is missing or not a JSON object.
+    """
+    root = Path(model_dir)
+    path = root / "config.json"
+    if not root.is_dir():
+        raise ValueError(f"model_dir={str(root)!r} is not a directory")
+    if not path.is_file():
+        raise ValueError(f"model_dir={str(root)!r} has no config.json")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: must hold a JSON object")
+    return cfg
+
+
+def load_model_dir(model_dir: str | Path) -> ModelConfig:
+    """:func:`model_config_from_hf` of ``DIR/config.json``, named ``<dir name>-<sha8>``, the
+    hash over config.json's bytes (two directories with the same name and another config do
+    not share a block-hash chain)."""
+    root = Path(model_dir)
+    cfg = read_hf_config(root)
+    digest = hashlib.sha256((root / "config.json").read_bytes()).hexdigest()[:8]
+    name = f"{root.resolve().name or 'model'}-{digest}"
+    return model_config_from_hf(cfg, name=name, where=str(root / "config.json"))

@@ -1,0 +1,177 @@
+"""The layer families of a Hugging Face config: what each decoder layer of a checkpoint runs.
+
+``Architecture.from_hf(cfg)`` reads the family-specific ``config.json`` fields (the generic
+shape is ``hf_config.model_config_from_hf``'s) and answers, per layer index, which attention
+and which feed-forward block it has:
+
+| model_type    | attention                      | feed-forward                                  |
+| ------------- | ------------------------------ | --------------------------------------------- |
+| llama         | GQA                            | dense SwiGLU                                  |
+| deepseek_v3   | MLA (latent cache)             | dense below ``first_k_dense_replace``, else MoE |
+| minimax_m2    | GQA + QK-norm, partial RoPE    | MoE (sigmoid top-k, bias, no shared experts)  |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from wavepp.runtime.stage.engine.layers.gqa import GQAShape
+from wavepp.runtime.stage.engine.layers.mla import MLAShape
+from wavepp.runtime.stage.engine.layers.moe import MoEShape
+
+__all__ = ["Architecture"]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Per-model facts the checkpoint engine needs.
+
+    Attributes:
+        model_type: HF ``model_type``.
+        hidden_size, vocab_size, num_layers: the generic shape.
+        eps: RMSNorm epsilon of the decoder norms.
+        rope_theta: RoPE base; rotary_dim: dims RoPE rotates per head (the table's width).
+        tie_word_embeddings: ``lm_head`` is the embedding matrix.
+        gqa, mla: the attention shape (one of them is None).
+        dense_intermediate: width of dense MLP layers (0: none).
+        moe: the MoE shape (None: no MoE layers).
+        first_moe_layer: layers below it are dense.
+    """
+
+    model_type: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    eps: float
+    rope_theta: float
+    rotary_dim: int
+    tie_word_embeddings: bool
+    gqa: GQAShape | None
+    mla: MLAShape | None
+    dense_intermediate: int
+    moe: MoEShape | None
+    first_moe_layer: int
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has an MoE feed-forward block."""
+        return self.moe is not None and layer >= self.first_moe_layer
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> Architecture:
+        """Read a parsed ``config.json`` (checked by ``hf_config.model_config_from_hf`` first).
+
+        Raises:
+            ValueError: an unsupported model_type, or a field outside what the layers implement.
+        """
+        mt = cfg.get("model_type")
+        d = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        eps = float(cfg.get("rms_norm_eps", 1e-6))
+        rope = cfg.get("rope_parameters") or {}
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        common = {
+            "model_type": mt,
+            "hidden_size": d,
+            "vocab_size": int(cfg["vocab_size"]),
+            "num_layers": int(cfg["num_hidden_layers"]),
+            "eps": eps,
+            "rope_theta": theta,
+            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        }
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={cfg.get('hidden_act')!r}: only 'silu' is implemented")
+        if mt in ("llama", "minimax_m2"):
+            head_dim = int(cfg.get("head_dim") or d // heads)
+            factor = float(rope.get("partial_rotary_factor", 1.0))
+            if mt == "minimax_m2" and cfg.get("rotary_dim"):
+                factor = int(cfg["rotary_dim"]) / head_dim
+            rotary_dim = int(head_dim * factor)
+            gqa = GQAShape(
+                hidden_size=d,
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=head_dim,
+                rotary_dim=rotary_dim,
+                qk_norm=mt == "minimax_m2",
+                eps=eps,
+            )
+            if mt == "llama":
+                return cls(
+                    **common,
+                    rotary_dim=rotary_dim,
+                    gqa=gqa,
+                    mla=None,
+                    dense_intermediate=int(cfg["intermediate_size"]),
+                    moe=None,
+                    first_moe_layer=0,
+                )
+            moe = MoEShape(
+                hidden_size=d,
+                num_experts=int(cfg["num_local_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                expert_intermediate=int(cfg["intermediate_size"]),
+                n_group=1,
+                topk_group=1,
+                norm_topk_prob=True,
+                routed_scaling_factor=1.0,
+                shared_intermediate=int(cfg.get("shared_intermediate_size") or 0),
+                style="minimax",
+            )
+            if moe.shared_intermediate:
+                raise ValueError(
+                    f"shared_intermediate_size={moe.shared_intermediate}: MiniMax shared "
+                    "experts are not implemented (the published M2 configs have 0)"
+                )
+            return cls(
+                **common,
+                rotary_dim=rotary_dim,
+                gqa=gqa,
+                mla=None,
+                dense_intermediate=0,
+                moe=moe,
+                first_moe_layer=0,
+            )
+        if mt == "deepseek_v3":
+            mla = MLAShape(
+                hidden_size=d,
+                num_heads=heads,
+                q_lora_rank=None if cfg.get("q_lora_rank") is None else int(cfg["q_lora_rank"]),
+                kv_lora_rank=int(cfg["kv_lora_rank"]),
+                qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+                v_head_dim=int(cfg["v_head_dim"]),
+                rope_interleave=bool(cfg.get("rope_interleave", True)),
+            )
+            n_routed = int(cfg.get("n_routed_experts") or 0)
+            moe = None
+            if n_routed:
+                moe = MoEShape(
+                    hidden_size=d,
+                    num_experts=n_routed,
+                    top_k=int(cfg["num_experts_per_tok"]),
+                    expert_intermediate=int(cfg["moe_intermediate_size"]),
+                    n_group=int(cfg.get("n_group") or 1),
+                    topk_group=int(cfg.get("topk_group") or 1),
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                    routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                    shared_intermediate=int(cfg["moe_intermediate_size"])
+                    * int(cfg.get("n_shared_experts") or 0),
+                    style="deepseek",
+                )
+                if moe.num_experts % moe.n_group:
+                    raise ValueError(
+                        f"n_routed_experts={moe.num_experts} must be a multiple of "
+                        f"n_group={moe.n_group}"
+                    )
+            return cls(
+                **common,
+                rotary_dim=mla.qk_rope_head_dim,
+                gqa=None,
+                mla=mla,
+                dense_intermediate=int(cfg["intermediate_size"]),
+                moe=moe,
+                first_moe_layer=int(cfg.get("first_k_dense_replace") or 0),
+            )
+        raise ValueError(f"model_type={mt!r} is not supported by the checkpoint engine")

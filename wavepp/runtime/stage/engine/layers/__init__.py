@@ -1,0 +1,11 @@
+"""Decoder-layer families of the checkpoint engine (``engine/checkpoint_engine.py``).
+
+One module per family, each a plain class holding its stage-local weights (no ``nn.Module``):
+
+| module       | what                                                                   |
+| ------------ | ---------------------------------------------------------------------- |
+| ``common``   | RMSNorm, RoPE tables (rotate-half and interleaved), paged attention     |
+| ``gqa``      | grouped-query attention over a paged K/V cache (Llama, MiniMax-M2)      |
+| ``mla``      | multi-head latent attention over a paged *latent* cache (DeepSeek-V3)   |
+| ``moe``      | dense SwiGLU MLP and routed + shared experts (DeepSeek-V3, MiniMax-M2)  |
+"""
