@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wavepp.cmd.stage import add_nats_tls_args
+from wavepp.cmd.stage import add_model_dir_arg, add_nats_tls_args
 
 if TYPE_CHECKING:
     from wavepp.runtime.serving.service import AdmissionService
@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config", help="WavePipeline spec (YAML/JSON, e.g. /etc/wavepp/spec.json); with --replica"
     )
     parser.add_argument("--replica", type=int, default=None, help="replica index (with --config)")
+    add_model_dir_arg(parser)
     parser.add_argument("--nats-url", required=True, help="NATS server URL (with JetStream)")
     parser.add_argument("--nats-creds", default=None, help="NATS credentials file (.creds)")
     add_nats_tls_args(parser)

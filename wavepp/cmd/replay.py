@@ -33,7 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="last stdout line: summary JSON")
     parser.add_argument("--timed", action="store_true", help="arrive at the trace's timestamps")
     parser.add_argument("--speedup", type=float, default=1.0, help="with --timed: time compression")
-    parser.add_argument("--model", default="tiny-llama", help="model preset (torch engine weights)")
+    parser.add_argument(
+        "--model",
+        default="tiny-llama",
+        help="model preset (random torch weights), or a Hugging Face checkpoint directory "
+        "(config.json + safetensors; torch engine: llama, deepseek_v3, minimax_m2)",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     parser.add_argument(
         "--kv-blocks",
@@ -136,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.bench.replay import replay_records
     from wavepp.bench.trace import TokenMapper, load_trace
     from wavepp.runtime.config import RuntimeConfig
+    from wavepp.runtime.hf_config import load_model_dir
     from wavepp.runtime.model_config import get_preset
     from wavepp.runtime.planning import CostModel
     from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
@@ -153,8 +159,17 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--limit", f"{args.limit}: must be >= 1")
     if args.concurrency < 1:
         return _fail("--concurrency", f"{args.concurrency}: must be >= 1")
+    model_dir: str | None = None
     try:
-        model = get_preset(args.model).model_copy(update={"seed": args.seed})
+        if Path(args.model).is_dir():
+            if args.engine != "torch":
+                return _fail(
+                    "--model", f"{args.model}: a checkpoint directory needs --engine torch"
+                )
+            model_dir = str(Path(args.model).resolve())
+            model = load_model_dir(model_dir).model_copy(update={"seed": args.seed})
+        else:
+            model = get_preset(args.model).model_copy(update={"seed": args.seed})
         kv_blocks = (
             [int(v) for v in str(args.kv_blocks).split(",")] if args.kv_blocks is not None else []
         )
@@ -172,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = RuntimeConfig(
             model=model,
+            model_dir=model_dir,
             engine=args.engine,
             cost_model=stage_cost.to_dict() if stage_cost else None,
             time_scale=args.time_scale,

@@ -58,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config", help="WavePipeline spec (YAML/JSON, e.g. /etc/wavepp/spec.json); with --replica"
     )
     parser.add_argument("--replica", type=int, default=None, help="replica index (with --config)")
+    add_model_dir_arg(parser)
     parser.add_argument(
         "--pool",
         default=None,
@@ -86,6 +87,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---- helpers shared with `wavepp admission` -------------------------------------------------
+
+
+def add_model_dir_arg(parser: argparse.ArgumentParser) -> None:
+    """``--model DIR``: serve the Hugging Face checkpoint in DIR (overrides the config's model)."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="Hugging Face checkpoint directory (config.json + safetensors): the model and "
+        "RuntimeConfig.model_dir, overriding the configuration's model",
+    )
 
 
 def resolve_rank(value: str | None, env: dict[str, str] | os._Environ[str]) -> int:
@@ -196,7 +208,8 @@ def telemetry_from_spec(
 def runtime_config_from_args(
     args: argparse.Namespace, env: dict[str, str] | os._Environ[str]
 ) -> RuntimeConfig:
-    """The process's RuntimeConfig from ``--runtime-config`` or ``--config/--replica/--pool``.
+    """The process's RuntimeConfig from ``--runtime-config`` or ``--config/--replica/--pool``,
+    with ``--model DIR`` (when given) laid over it (``RuntimeConfig.with_model_dir``).
 
     Args:
         args: parsed flags with ``runtime_config``, ``config``, ``replica``, ``pool``,
@@ -207,9 +220,21 @@ def runtime_config_from_args(
         The RuntimeConfig; from a spec, with ``telemetry`` from :func:`telemetry_from_spec`.
 
     Raises:
-        ArgError: unreadable or invalid file, replica out of range, no pool name (names the
-            flag).
+        ArgError: unreadable or invalid file, replica out of range, no pool name, or a bad
+            ``--model`` directory (names the flag).
     """
+    config = _runtime_config_from_source(args, env)
+    if getattr(args, "model", None):
+        try:
+            config = config.with_model_dir(args.model)
+        except ValueError as exc:
+            raise ArgError(f"--model {args.model}: {exc}") from exc
+    return config
+
+
+def _runtime_config_from_source(
+    args: argparse.Namespace, env: dict[str, str] | os._Environ[str]
+) -> RuntimeConfig:
     from wavepp.api.spec import SpecError, load_spec_file
     from wavepp.runtime.config import RuntimeConfig
     from wavepp.runtime.serving.from_spec import runtime_configs_from_spec

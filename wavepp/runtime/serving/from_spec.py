@@ -154,6 +154,13 @@ def runtime_configs_from_spec(spec: WavePipelineSpec, *, pool: str) -> list[Runt
     """
     if spec.engine == "tensorrt_llm":
         raise SpecError("engine", "tensorrt_llm cannot run here; use torch or emulated")
+    if spec.tensor_parallel_size != 1:
+        raise SpecError(
+            "tensorParallelSize",
+            f"{spec.tensor_parallel_size}: tensor parallelism inside a stage is not implemented "
+            f"for the {spec.engine} engine (model {spec.model.name!r}); use 1 and more stages "
+            "(resources.gpusPerStage still sizes each stage pod's GPU request)",
+        )
     model = model_config_from_spec(spec)
     options = spec.engine_options
     cost_model = None

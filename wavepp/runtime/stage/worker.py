@@ -78,6 +78,8 @@ def build_engine(config: RuntimeConfig, rank: int) -> StageEngine:
 
         cost_model = CostModel.from_dict(config.cost_model or {})
         extra["time_scale"] = config.time_scale
+    elif config.model_dir is not None:
+        extra["model_dir"] = config.model_dir
     engine = make_engine(
         config.engine,
         model=config.model,

@@ -1,0 +1,119 @@
+"""``--model DIR`` and ``RuntimeConfig.model_dir``: the config derived from config.json, the
+stage/admission flag, the tensor-parallel refusal, and a replay on an MoE + MLA checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wavepp.api.spec import SpecError, WavePipelineSpec
+from wavepp.cmd.stage import ArgError, add_arguments, runtime_config_from_args
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.hf_config import load_model_dir, model_config_from_hf
+from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
+from wavepp.runtime.stage.worker import build_engine
+
+pytest.importorskip("transformers")
+from wavepp.bench.checkpoints import save_random_checkpoint  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+@pytest.fixture(scope="module")
+def dsv3_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dsv3")
+    save_random_checkpoint("deepseek_v3", out, num_layers=4, vocab_size=512)
+    return out
+
+
+def test_model_config_from_config_json(dsv3_dir: Path) -> None:
+    model = load_model_dir(dsv3_dir)
+    assert model.architecture == "deepseek_v3"
+    assert (model.num_layers, model.hidden_size, model.vocab_size) == (4, 64, 512)
+    assert model.num_heads == 4 and model.head_dim == 16 + 8
+    assert model.name.startswith(dsv3_dir.name + "-")
+
+
+@pytest.mark.parametrize(
+    ("patch", "match"),
+    [
+        ({"model_type": "qwen3_next"}, "model_type='qwen3_next' is not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+        ({"vocab_size": None}, "'vocab_size' is missing"),
+    ],
+)
+def test_unsupported_config_json_is_refused_by_field(dsv3_dir: Path, patch, match) -> None:
+    cfg = json.loads((dsv3_dir / "config.json").read_text()) | patch
+    with pytest.raises(ValueError, match=match):
+        model_config_from_hf(cfg, name="x")
+
+
+def test_runtime_config_with_model_dir_builds_checkpoint_stages(dsv3_dir: Path) -> None:
+    config = RuntimeConfig(num_stages=2).with_model_dir(str(dsv3_dir))
+    assert config.model_dir == str(dsv3_dir.resolve())
+    assert config.model.architecture == "deepseek_v3"
+    config = RuntimeConfig.model_validate(config.model_dump() | {"partition": [3, 1]})
+    engines = [build_engine(config, rank) for rank in range(2)]
+    assert [(e.first_layer, e.last_layer) for e in engines] == [(0, 3), (3, 4)]
+    assert all(e.bytes_read > 0 for e in engines)  # type: ignore[attr-defined]
+
+
+def test_non_llama_without_model_dir_and_model_dir_on_emulated_are_refused(
+    dsv3_dir: Path,
+) -> None:
+    model = load_model_dir(dsv3_dir)
+    with pytest.raises(ValueError, match="needs model_dir"):
+        RuntimeConfig(model=model, num_stages=2)
+    with pytest.raises(ValueError, match="read by the torch engine only"):
+        RuntimeConfig(num_stages=2, engine="emulated", cost_model={}, model_dir=str(dsv3_dir))
+
+
+def test_tensor_parallel_is_refused_not_ignored() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: tensor parallelism"):
+        RuntimeConfig(num_stages=2, tensor_parallel_size=2)
+    spec = WavePipelineSpec.model_validate(
+        {"model": {"name": "tiny-llama"}, "stages": 2, "tensorParallelSize": 2}
+    )
+    with pytest.raises(SpecError, match="tensorParallelSize"):
+        runtime_configs_from_spec(spec, pool="p")
+
+
+def test_stage_flag_model_overrides_the_runtime_config(dsv3_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / "rc.json"
+    path.write_text(RuntimeConfig(num_stages=2).model_dump_json())
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--runtime-config", str(path), "--nats-url", "nats://x:4222", "--dist-url", "tcp://x:1"]
+    args = parser.parse_args([*base, "--model", str(dsv3_dir)])
+    config = runtime_config_from_args(args, {})
+    assert config.model_dir == str(dsv3_dir.resolve())
+    assert config.model.architecture == "deepseek_v3"
+    args = parser.parse_args([*base, "--model", str(tmp_path / "absent")])
+    with pytest.raises(ArgError, match="--model .*absent.*not a directory"):
+        runtime_config_from_args(args, {})
+
+
+@pytest.mark.slow
+def test_replay_on_an_moe_mla_checkpoint_reuses_cached_prefixes(dsv3_dir: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "wavepp.cli", "replay", str(TRACE), "--limit", "8",
+            "--stages", "2", "--engine", "torch", "--model", str(dsv3_dir),
+            "--tokens-per-block", "16", "--concurrency", "2", "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["completed"] == 8 and summary["failed"] == 0
+    assert summary["cached_tokens"] > 0
+    assert summary["model"].startswith(dsv3_dir.name)
