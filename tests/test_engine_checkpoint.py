@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ VOCAB = 256
 SPLITS = [(1, None), (2, [3, 2]), (4, [1, 2, 1, 1])]
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "minimax_m2", "llama"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm_moe_dsa", "minimax_m2", "llama"])
 def checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     out = tmp_path_factory.mktemp(request.param)
     model = save_random_checkpoint(request.param, out, num_layers=NUM_LAYERS, vocab_size=VOCAB)
@@ -197,3 +198,40 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path):
             num_layers_total=2,
             model_dir=tmp_path,
         )
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    out = tmp_path_factory.mktemp("glm")
+    return out, save_random_checkpoint("glm_moe_dsa", out, num_layers=NUM_LAYERS, vocab_size=VOCAB)
+
+
+def test_dsa_selection_matters_and_reads_the_cached_indexer_keys(glm_dir, monkeypatch):
+    """Controls for GLM-5: with index_topk (8) below the context the indexer's choice changes
+    the logits (dense attention differs), and a reused prefix's indexer keys are read from
+    the paged indexer cache (corrupting them changes the reusing request)."""
+    model_dir, reference = glm_dir
+    tokens = [(7 * i + 3) % VOCAB for i in range(20)]
+    pipe = Pipeline(model_dir, [3, 2], 2)
+    pipe.add("a", 20)
+    assert close(pipe.run("a", tokens, 0, [20]), reference_logits(reference, tokens)) < ATOL
+    for engine in pipe.engines:
+        for layer in engine._layers:
+            if layer.indexer is not None:
+                monkeypatch.setattr(layer.indexer, "shape", replace(layer.indexer.shape, topk=64))
+    pipe.add("dense", 20)
+    assert close(pipe.run("dense", tokens, 0, [20]), reference_logits(reference, tokens)) > 1e-3
+    monkeypatch.undo()
+    second = tokens[:16] + [5, 6, 7]
+    pipe.add("b", len(second), share="a", shared_blocks=4)
+    for layer in pipe.engines[1]._layers:
+        if layer.indexer is not None:
+            for block in pipe.tables["a"][1][:4]:
+                layer.indexer.cache[block * 4 : (block + 1) * 4] *= -1.0
+    assert close(pipe.run("b", second, 16, [3]), reference_logits(reference, second)) > 1e-3
+
+
+def test_dsa_stage_must_begin_at_a_full_indexer_layer(glm_dir):
+    model_dir, _ = glm_dir
+    with pytest.raises(ValueError, match="begins at layer 2, a DSA 'shared' layer"):
+        Pipeline(model_dir, [2, 3], 2)

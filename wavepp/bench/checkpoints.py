@@ -16,7 +16,7 @@ from typing import Any
 
 __all__ = ["FAMILIES", "hf_config_kwargs", "save_random_checkpoint"]
 
-FAMILIES = ("llama", "deepseek_v3", "minimax_m2")
+FAMILIES = ("llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa")
 
 _BASE: dict[str, dict[str, Any]] = {
     "llama": {
@@ -45,6 +45,27 @@ _BASE: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 1,
         "routed_scaling_factor": 2.5,
     },
+    "glm_moe_dsa": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "index_topk": 8,
+        "index_n_heads": 8,
+        "index_head_dim": 16,
+    },
     "minimax_m2": {
         "hidden_size": 64,
         "intermediate_size": 32,
@@ -70,7 +91,12 @@ def hf_config_kwargs(family: str, *, num_layers: int, vocab_size: int = 256) -> 
     """
     if family not in _BASE:
         raise ValueError(f"family={family!r}: choose one of {list(FAMILIES)}")
+    extra: dict[str, Any] = {}
+    if family == "glm_moe_dsa":
+        # IndexShare: every third layer (2, 5, ...) reuses the top-k of the layer before it.
+        extra["indexer_types"] = ["shared" if i % 3 == 2 else "full" for i in range(num_layers)]
     return {
+        **extra,
         **_BASE[family],
         "vocab_size": vocab_size,
         "num_hidden_layers": num_layers,

@@ -11,6 +11,7 @@ torch engine reads the family-specific fields itself (``engine/architecture.py``
 | ``llama``       | RMSNorm, RoPE, GQA, SwiGLU                                   |
 | ``deepseek_v3`` | MLA (latent KV cache) + MoE (grouped top-k, shared experts)  |
 | ``minimax_m2``  | GQA with QK-norm and partial RoPE + MoE (sigmoid top-k)      |
+| ``glm_moe_dsa`` | MLA + DSA sparse attention (indexer key cache) + MoE         |
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def model_config_from_hf(
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise ValueError(f"{where}: attention_bias/mlp_bias = true is not implemented")
     heads = int(_required(cfg, "num_attention_heads", where))
-    if arch == "deepseek_v3":
+    if arch in ("deepseek_v3", "glm_moe_dsa"):
         head_dim = int(_required(cfg, "qk_nope_head_dim", where)) + int(
             _required(cfg, "qk_rope_head_dim", where)
         )

@@ -24,8 +24,10 @@ __all__ = [
 
 # NOTE: Hugging Face ``model_type`` values the torch engine runs (``hf_config.py`` maps a
 # config.json onto ModelConfig; ``engine/architecture.py`` reads the family's own fields).
-Architecture = Literal["llama", "deepseek_v3", "minimax_m2"]
-SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({"llama", "deepseek_v3", "minimax_m2"})
+Architecture = Literal["llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa"]
+SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
+    {"llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa"}
+)
 
 
 class ModelConfig(pydantic.BaseModel):

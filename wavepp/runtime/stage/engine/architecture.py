@@ -9,6 +9,7 @@ and which feed-forward block it has:
 | llama         | GQA                            | dense SwiGLU                                  |
 | deepseek_v3   | MLA (latent cache)             | dense below ``first_k_dense_replace``, else MoE |
 | minimax_m2    | GQA + QK-norm, partial RoPE    | MoE (sigmoid top-k, bias, no shared experts)  |
+| glm_moe_dsa   | MLA + DSA indexer (full/shared) | ``mlp_layer_types``: dense or MoE             |
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from wavepp.runtime.stage.engine.layers.dsa import DSAShape
 from wavepp.runtime.stage.engine.layers.gqa import GQAShape
 from wavepp.runtime.stage.engine.layers.mla import MLAShape
 from wavepp.runtime.stage.engine.layers.moe import MoEShape
@@ -37,7 +39,10 @@ class Architecture:
         gqa, mla: the attention shape (one of them is None).
         dense_intermediate: width of dense MLP layers (0: none).
         moe: the MoE shape (None: no MoE layers).
-        first_moe_layer: layers below it are dense.
+        moe_layers: per layer, whether its feed-forward block is the MoE one.
+        dsa: the DSA indexer shape (GLM-5), or None.
+        indexer_full: per layer, whether it runs its own indexer (GLM-5 "full"); a "shared"
+            layer reuses the selection of the full layer before it. Empty without DSA.
     """
 
     model_type: str
@@ -52,11 +57,24 @@ class Architecture:
     mla: MLAShape | None
     dense_intermediate: int
     moe: MoEShape | None
-    first_moe_layer: int
+    moe_layers: tuple[bool, ...]
+    dsa: DSAShape | None = None
+    indexer_full: tuple[bool, ...] = ()
 
     def is_moe(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has an MoE feed-forward block."""
-        return self.moe is not None and layer >= self.first_moe_layer
+        return self.moe is not None and self.moe_layers[layer]
+
+    def check_stage_start(self, first_layer: int) -> None:
+        """Raise ValueError when a stage cannot begin at ``first_layer`` (a DSA "shared" layer:
+        its top-k selection comes from the previous layer, on the previous stage)."""
+        if self.dsa is not None and not self.indexer_full[first_layer]:
+            full = [i for i, f in enumerate(self.indexer_full) if f]
+            raise ValueError(
+                f"partition: a stage begins at layer {first_layer}, a DSA 'shared' layer that "
+                f"reuses the previous layer's top-k; stages must begin at a 'full' indexer layer "
+                f"(indexer_types 'full' at layers {full})"
+            )
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> Architecture:
@@ -105,7 +123,7 @@ class Architecture:
                     mla=None,
                     dense_intermediate=int(cfg["intermediate_size"]),
                     moe=None,
-                    first_moe_layer=0,
+                    moe_layers=(False,) * common["num_layers"],
                 )
             moe = MoEShape(
                 hidden_size=d,
@@ -131,9 +149,9 @@ class Architecture:
                 mla=None,
                 dense_intermediate=0,
                 moe=moe,
-                first_moe_layer=0,
+                moe_layers=(True,) * common["num_layers"],
             )
-        if mt == "deepseek_v3":
+        if mt in ("deepseek_v3", "glm_moe_dsa"):
             mla = MLAShape(
                 hidden_size=d,
                 num_heads=heads,
@@ -142,7 +160,8 @@ class Architecture:
                 qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
                 qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
                 v_head_dim=int(cfg["v_head_dim"]),
-                rope_interleave=bool(cfg.get("rope_interleave", True)),
+                # NOTE: GLM-5 always rotates interleaved pairs (no rope_interleave field).
+                rope_interleave=mt == "glm_moe_dsa" or bool(cfg.get("rope_interleave", True)),
             )
             n_routed = int(cfg.get("n_routed_experts") or 0)
             moe = None
@@ -165,6 +184,30 @@ class Architecture:
                         f"n_routed_experts={moe.num_experts} must be a multiple of "
                         f"n_group={moe.n_group}"
                     )
+            n = common["num_layers"]
+            first_moe = int(cfg.get("first_k_dense_replace") or 0)
+            moe_layers = tuple(moe is not None and i >= first_moe for i in range(n))
+            if cfg.get("mlp_layer_types"):
+                moe_layers = tuple(t == "sparse" for t in _per_layer(cfg, "mlp_layer_types", n))
+            dsa = None
+            indexer_full: tuple[bool, ...] = ()
+            if mt == "glm_moe_dsa":
+                if mla.q_lora_rank is None:
+                    raise ValueError("glm_moe_dsa: q_lora_rank is required (the indexer reads it)")
+                dsa = DSAShape(
+                    hidden_size=d,
+                    q_lora_rank=mla.q_lora_rank,
+                    n_heads=int(cfg["index_n_heads"]),
+                    head_dim=int(cfg["index_head_dim"]),
+                    rope_dim=mla.qk_rope_head_dim,
+                    topk=int(cfg["index_topk"]),
+                )
+                if cfg.get("indexer_types"):
+                    indexer_full = tuple(t == "full" for t in _per_layer(cfg, "indexer_types", n))
+                else:  # HF GlmMoeDsaConfig's default: every layer runs its indexer
+                    indexer_full = (True,) * n
+                if not indexer_full[0]:
+                    raise ValueError("indexer_types[0] must be 'full' (nothing to share before it)")
             return cls(
                 **common,
                 rotary_dim=mla.qk_rope_head_dim,
@@ -172,6 +215,18 @@ class Architecture:
                 mla=mla,
                 dense_intermediate=int(cfg["intermediate_size"]),
                 moe=moe,
-                first_moe_layer=int(cfg.get("first_k_dense_replace") or 0),
+                moe_layers=moe_layers,
+                dsa=dsa,
+                indexer_full=indexer_full,
             )
         raise ValueError(f"model_type={mt!r} is not supported by the checkpoint engine")
+
+
+def _per_layer(cfg: Mapping[str, Any], key: str, num_layers: int) -> list[str]:
+    values = list(cfg[key])
+    if len(values) != num_layers:
+        raise ValueError(
+            f"{key} has {len(values)} entries; it needs one per layer "
+            f"(num_hidden_layers={num_layers})"
+        )
+    return [str(v) for v in values]

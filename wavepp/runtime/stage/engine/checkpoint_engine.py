@@ -1,4 +1,4 @@
-"""Torch stage engine over a Hugging Face checkpoint directory: Llama, DeepSeek-V3, MiniMax-M2.
+"""Torch stage engine over a Hugging Face checkpoint: Llama, DeepSeek-V3, MiniMax-M2, GLM-5.
 
 Each decoder layer is ``h = h + attn(RMSNorm(h)); h = h + ffn(RMSNorm(h))`` with the attention
 and feed-forward blocks of its family (``architecture.py``, ``layers/``). Each attention layer
@@ -29,6 +29,7 @@ from wavepp.runtime.stage.engine.base import (
 )
 from wavepp.runtime.stage.engine.checkpoint import CheckpointReader, stage_tensor_names
 from wavepp.runtime.stage.engine.layers.common import rms_norm, rope_cos_sin
+from wavepp.runtime.stage.engine.layers.dsa import DSAIndexer
 from wavepp.runtime.stage.engine.layers.gqa import GQAAttention
 from wavepp.runtime.stage.engine.layers.mla import MLAAttention
 from wavepp.runtime.stage.engine.layers.moe import DenseMLP, SparseMoE
@@ -50,6 +51,10 @@ class _Layer:
         else:
             assert arch.gqa is not None
             self.attn = GQAAttention(arch.gqa, get, p + "self_attn.")
+        self.indexer: DSAIndexer | None = None
+        if arch.dsa is not None and arch.indexer_full[index]:
+            self.indexer = DSAIndexer(arch.dsa, get, p + "self_attn.indexer.")
+        self.uses_dsa = arch.dsa is not None
         if arch.is_moe(index):
             assert arch.moe is not None
             self.ffn: SparseMoE | DenseMLP = SparseMoE(arch.moe, get, p)
@@ -57,9 +62,32 @@ class _Layer:
             self.ffn = DenseMLP(d, arch.dense_intermediate, get, p + "mlp.")
         self.eps = arch.eps
 
-    def forward(self, h: torch.Tensor, batch: TorchPreparedBatch) -> torch.Tensor:
-        h = h + self.attn.forward(rms_norm(h, self.input_norm, self.eps), batch)
+    def forward(
+        self, h: torch.Tensor, batch: TorchPreparedBatch, shared: dict[str, object]
+    ) -> torch.Tensor:
+        """One layer; ``shared`` carries the DSA selection from a full layer to the shared
+        layers after it (within this stage and micro-batch)."""
+        x = rms_norm(h, self.input_norm, self.eps)
+        if self.uses_dsa:
+            assert isinstance(self.attn, MLAAttention)
+            q, q_resid = self.attn.queries(x, batch)
+            self.attn.write_latents(x, batch)
+            if self.indexer is not None:
+                assert q_resid is not None
+                shared["dsa_masks"] = self.indexer.select(x, q_resid, batch)
+            h = h + self.attn.attend_chunks(q, batch, shared["dsa_masks"])
+        else:
+            h = h + self.attn.forward(x, batch)
         return h + self.ffn.forward(rms_norm(h, self.post_norm, self.eps))
+
+    def allocate(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.attn.allocate(num_slots, device, dtype)
+        if self.indexer is not None:
+            self.indexer.allocate(num_slots, device, dtype)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.attn.cache_bytes + (self.indexer.cache_bytes if self.indexer else 0)
 
 
 class CheckpointStageEngine(PagedStageEngineBase):
@@ -112,6 +140,7 @@ class CheckpointStageEngine(PagedStageEngineBase):
             raise ValueError(f"model.dtype={model.dtype!r} on device 'cpu'; use float32 on CPU")
         self.model = model
         self.arch = Architecture.from_hf(cfg)
+        self.arch.check_stage_start(first_layer)
         self.hidden_size = model.hidden_size
         self.activation_dtype = dtype
         self.reader = CheckpointReader(model_dir)
@@ -167,19 +196,19 @@ class CheckpointStageEngine(PagedStageEngineBase):
         """Allocate every local layer's zeroed cache of num_blocks * block_size slots.
 
         Bytes per token and layer: GQA 2 * kv_heads * head_dim * elem; MLA (kv_lora_rank +
-        qk_rope_head_dim) * elem.
+        qk_rope_head_dim) * elem, plus index_head_dim * elem in a DSA full layer.
 
         Raises:
             ValueError: num_blocks or block_size < 1.
         """
         super().allocate_kv(num_blocks, block_size)
         for layer in self._layers:
-            layer.attn.allocate(num_blocks * block_size, self.device, self.activation_dtype)
+            layer.allocate(num_blocks * block_size, self.device, self.activation_dtype)
 
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of the allocated caches (0 before allocate_kv)."""
-        return sum(layer.attn.cache_bytes for layer in self._layers)
+        return sum(layer.cache_bytes for layer in self._layers)
 
     def prepare(self, chunks: Sequence[ChunkSpec]) -> TorchPreparedBatch:
         """Block tables, slots, positions, RoPE tables ([T, rotary_dim]) and causal masks.
@@ -215,8 +244,9 @@ class CheckpointStageEngine(PagedStageEngineBase):
         else:
             assert hidden_in is not None
             h = hidden_in.to(device=self.device, dtype=self.activation_dtype)
+        shared: dict[str, object] = {}
         for layer in self._layers:
-            h = layer.forward(h, prepared)
+            h = layer.forward(h, prepared, shared)
         if not self.is_last:
             return StageOutput(hidden=h)
         assert self._final_norm is not None and self._lm_head is not None
