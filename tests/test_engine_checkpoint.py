@@ -20,6 +20,7 @@ import torch
 from wavepp.runtime.hf_config import load_model_dir
 from wavepp.runtime.stage.engine import ChunkSpec, make_engine, partition_layers
 from wavepp.runtime.stage.engine.checkpoint_engine import CheckpointStageEngine
+from wavepp.runtime.stage.engine.layers.kda import KDAAttention
 
 transformers = pytest.importorskip("transformers")
 from wavepp.bench.checkpoints import save_random_checkpoint  # noqa: E402
@@ -33,7 +34,9 @@ VOCAB = 256
 SPLITS = [(1, None), (2, [3, 2]), (4, [1, 2, 1, 1])]
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm_moe_dsa", "minimax_m2", "llama"])
+@pytest.fixture(
+    scope="module", params=["deepseek_v3", "glm_moe_dsa", "minimax_m2", "kimi_linear", "llama"]
+)
 def checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     out = tmp_path_factory.mktemp(request.param)
     model = save_random_checkpoint(request.param, out, num_layers=NUM_LAYERS, vocab_size=VOCAB)
@@ -127,7 +130,8 @@ def test_pipelined_chunked_prefix_reuse_matches_reference(checkpoint, num_stages
 
 
 def test_reused_prefix_is_read_from_the_cache(checkpoint):
-    """Control: corrupting a shared block's cache on stage 1 changes the second request."""
+    """Control: corrupting a shared block's cache (KV, latent or recurrent state) on stage 1
+    changes the second request."""
     model_dir, reference = checkpoint
     pipe = Pipeline(model_dir, [3, 2], 2)
     tokens = list(range(3, 19))
@@ -137,6 +141,10 @@ def test_reused_prefix_is_read_from_the_cache(checkpoint):
     pipe.add("b", len(second), share="a", shared_blocks=2)
     block = pipe.tables["a"][1][1]
     for layer in pipe.engines[1]._layers:
+        if isinstance(layer.attn, KDAAttention):  # the recurrent state stored after the block
+            state, tail = layer.attn.states[block]
+            layer.attn.states[block] = (state * -1.0, tail)
+            continue
         assert layer.attn.cache is not None
         slots = slice(block * pipe.block_size, (block + 1) * pipe.block_size)
         if layer.attn.cache.dim() == 2:  # MLA latent [slots, latent_dim]

@@ -16,7 +16,7 @@ from typing import Any
 
 __all__ = ["FAMILIES", "hf_config_kwargs", "save_random_checkpoint"]
 
-FAMILIES = ("llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa")
+FAMILIES = ("llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa", "kimi_linear")
 
 _BASE: dict[str, dict[str, Any]] = {
     "llama": {
@@ -66,6 +66,25 @@ _BASE: dict[str, dict[str, Any]] = {
         "index_n_heads": 8,
         "index_head_dim": 16,
     },
+    "kimi_linear": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "n_shared_experts": 1,
+        "linear_num_heads": 4,
+        "linear_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+    },
     "minimax_m2": {
         "hidden_size": 64,
         "intermediate_size": 32,
@@ -95,6 +114,12 @@ def hf_config_kwargs(family: str, *, num_layers: int, vocab_size: int = 256) -> 
     if family == "glm_moe_dsa":
         # IndexShare: every third layer (2, 5, ...) reuses the top-k of the layer before it.
         extra["indexer_types"] = ["shared" if i % 3 == 2 else "full" for i in range(num_layers)]
+    if family == "kimi_linear":
+        # Hybrid: MLA every third layer (2, 5, ...), KDA elsewhere; layer 0 dense.
+        extra["layer_types"] = [
+            "full_attention" if i % 3 == 2 else "linear_attention" for i in range(num_layers)
+        ]
+        extra["mlp_layer_types"] = ["dense" if i == 0 else "sparse" for i in range(num_layers)]
     return {
         **extra,
         **_BASE[family],

@@ -43,6 +43,11 @@ class RuntimeConfig(BaseModel):
     # NOTE: GPUs computing one stage (tensor parallelism). No engine implements TP yet, so
     # anything but 1 is refused rather than silently computed on one device.
     tensor_parallel_size: int = Field(1, ge=1, le=64)
+    # NOTE: hybrid models (kimi_linear): each linear-attention layer stores its recurrent state
+    # after every k-th block of a request, and the agreement's L* is a multiple of k blocks.
+    # Memory per stored state and KDA layer: heads * head_dim^2 * 4 B (+ the conv tail), so
+    # k trades state memory against reusable prefix granularity (k * block_size tokens).
+    state_interval_blocks: int = Field(1, ge=1, le=4096)
     cost_model: dict[str, object] | None = None  # CostModel.to_dict() for the emulated engine
     time_scale: float = Field(1.0, gt=0)
     num_stages: int = Field(4, ge=1, le=64)

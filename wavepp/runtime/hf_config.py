@@ -12,6 +12,7 @@ torch engine reads the family-specific fields itself (``engine/architecture.py``
 | ``deepseek_v3`` | MLA (latent KV cache) + MoE (grouped top-k, shared experts)  |
 | ``minimax_m2``  | GQA with QK-norm and partial RoPE + MoE (sigmoid top-k)      |
 | ``glm_moe_dsa`` | MLA + DSA sparse attention (indexer key cache) + MoE         |
+| ``kimi_linear`` | KDA linear attention (state per k blocks) + MLA, MoE         |
 """
 
 from __future__ import annotations
@@ -24,7 +25,29 @@ from typing import Any
 
 from wavepp.runtime.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
-__all__ = ["load_model_dir", "model_config_from_hf", "read_hf_config"]
+__all__ = ["load_model_dir", "model_config_from_hf", "normalize_hf_config", "read_hf_config"]
+
+# NOTE: transformers writes some configs under their ``attribute_map`` names; these are the
+# canonical names each family's fields are read by (KimiLinearConfig.attribute_map).
+_ALIASES: dict[str, dict[str, str]] = {
+    "kimi_linear": {
+        "model_max_length": "max_position_embeddings",
+        "moe_renormalize": "norm_topk_prob",
+        "num_expert_group": "n_group",
+        "num_experts": "num_local_experts",
+        "num_experts_per_token": "num_experts_per_tok",
+        "num_shared_experts": "n_shared_experts",
+    },
+}
+
+
+def normalize_hf_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """``cfg`` with its family's aliased field names replaced by the canonical ones."""
+    out = dict(cfg)
+    for alias, name in _ALIASES.get(str(cfg.get("model_type")), {}).items():
+        if alias in out and name not in out:
+            out[name] = out.pop(alias)
+    return out
 
 
 def _required(cfg: Mapping[str, Any], key: str, where: str) -> Any:
@@ -52,6 +75,7 @@ def model_config_from_hf(
     Raises:
         ValueError: an unsupported ``model_type`` or rope type, or a missing field, naming it.
     """
+    cfg = normalize_hf_config(cfg)
     arch = cfg.get("model_type")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -68,7 +92,7 @@ def model_config_from_hf(
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise ValueError(f"{where}: attention_bias/mlp_bias = true is not implemented")
     heads = int(_required(cfg, "num_attention_heads", where))
-    if arch in ("deepseek_v3", "glm_moe_dsa"):
+    if arch in ("deepseek_v3", "glm_moe_dsa", "kimi_linear"):
         head_dim = int(_required(cfg, "qk_nope_head_dim", where)) + int(
             _required(cfg, "qk_rope_head_dim", where)
         )

@@ -24,9 +24,9 @@ __all__ = [
 
 # NOTE: Hugging Face ``model_type`` values the torch engine runs (``hf_config.py`` maps a
 # config.json onto ModelConfig; ``engine/architecture.py`` reads the family's own fields).
-Architecture = Literal["llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa"]
+Architecture = Literal["llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa", "kimi_linear"]
 SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
-    {"llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa"}
+    {"llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa", "kimi_linear"}
 )
 
 

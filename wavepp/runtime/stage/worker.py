@@ -80,6 +80,7 @@ def build_engine(config: RuntimeConfig, rank: int) -> StageEngine:
         extra["time_scale"] = config.time_scale
     elif config.model_dir is not None:
         extra["model_dir"] = config.model_dir
+        extra["state_interval_blocks"] = config.state_interval_blocks
     engine = make_engine(
         config.engine,
         model=config.model,

@@ -10,6 +10,7 @@ and which feed-forward block it has:
 | deepseek_v3   | MLA (latent cache)             | dense below ``first_k_dense_replace``, else MoE |
 | minimax_m2    | GQA + QK-norm, partial RoPE    | MoE (sigmoid top-k, bias, no shared experts)  |
 | glm_moe_dsa   | MLA + DSA indexer (full/shared) | ``mlp_layer_types``: dense or MoE             |
+| kimi_linear   | ``layer_types``: KDA or MLA (no RoPE) | ``mlp_layer_types``: dense or MoE        |
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from wavepp.runtime.hf_config import normalize_hf_config
 from wavepp.runtime.stage.engine.layers.dsa import DSAShape
 from wavepp.runtime.stage.engine.layers.gqa import GQAShape
+from wavepp.runtime.stage.engine.layers.kda import KDAShape
 from wavepp.runtime.stage.engine.layers.mla import MLAShape
 from wavepp.runtime.stage.engine.layers.moe import MoEShape
 
@@ -43,6 +46,10 @@ class Architecture:
         dsa: the DSA indexer shape (GLM-5), or None.
         indexer_full: per layer, whether it runs its own indexer (GLM-5 "full"); a "shared"
             layer reuses the selection of the full layer before it. Empty without DSA.
+        kda: the KDA shape (Kimi-Linear), or None.
+        linear_layers: per layer, whether it is a KDA (linear-attention) layer. Empty
+            without KDA.
+        mlp_prefix: checkpoint prefix of a dense layer's MLP inside ``model.layers.{i}.``.
     """
 
     model_type: str
@@ -60,6 +67,13 @@ class Architecture:
     moe_layers: tuple[bool, ...]
     dsa: DSAShape | None = None
     indexer_full: tuple[bool, ...] = ()
+    kda: KDAShape | None = None
+    linear_layers: tuple[bool, ...] = ()
+    mlp_prefix: str = "mlp."
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` is a KDA (linear-attention) layer."""
+        return self.kda is not None and self.linear_layers[layer]
 
     def is_moe(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has an MoE feed-forward block."""
@@ -83,6 +97,7 @@ class Architecture:
         Raises:
             ValueError: an unsupported model_type, or a field outside what the layers implement.
         """
+        cfg = normalize_hf_config(cfg)
         mt = cfg.get("model_type")
         d = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -151,7 +166,7 @@ class Architecture:
                 moe=moe,
                 moe_layers=(True,) * common["num_layers"],
             )
-        if mt in ("deepseek_v3", "glm_moe_dsa"):
+        if mt in ("deepseek_v3", "glm_moe_dsa", "kimi_linear"):
             mla = MLAShape(
                 hidden_size=d,
                 num_heads=heads,
@@ -162,8 +177,9 @@ class Architecture:
                 v_head_dim=int(cfg["v_head_dim"]),
                 # NOTE: GLM-5 always rotates interleaved pairs (no rope_interleave field).
                 rope_interleave=mt == "glm_moe_dsa" or bool(cfg.get("rope_interleave", True)),
+                use_rope=mt != "kimi_linear",
             )
-            n_routed = int(cfg.get("n_routed_experts") or 0)
+            n_routed = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
             moe = None
             if n_routed:
                 moe = MoEShape(
@@ -177,7 +193,7 @@ class Architecture:
                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
                     shared_intermediate=int(cfg["moe_intermediate_size"])
                     * int(cfg.get("n_shared_experts") or 0),
-                    style="deepseek",
+                    style="kimi" if mt == "kimi_linear" else "deepseek",
                 )
                 if moe.num_experts % moe.n_group:
                     raise ValueError(
@@ -208,6 +224,19 @@ class Architecture:
                     indexer_full = (True,) * n
                 if not indexer_full[0]:
                     raise ValueError("indexer_types[0] must be 'full' (nothing to share before it)")
+            kda = None
+            linear_layers: tuple[bool, ...] = ()
+            if mt == "kimi_linear":
+                kda = KDAShape(
+                    hidden_size=d,
+                    num_heads=int(cfg["linear_num_heads"]),
+                    head_dim=int(cfg["linear_head_dim"]),
+                    conv_kernel=int(cfg.get("linear_conv_kernel_dim") or 4),
+                    eps=eps,
+                )
+                linear_layers = tuple(
+                    t == "linear_attention" for t in _per_layer(cfg, "layer_types", n)
+                )
             return cls(
                 **common,
                 rotary_dim=mla.qk_rope_head_dim,
@@ -218,6 +247,9 @@ class Architecture:
                 moe_layers=moe_layers,
                 dsa=dsa,
                 indexer_full=indexer_full,
+                kda=kda,
+                linear_layers=linear_layers,
+                mlp_prefix="block_sparse_moe." if mt == "kimi_linear" else "mlp.",
             )
         raise ValueError(f"model_type={mt!r} is not supported by the checkpoint engine")
 

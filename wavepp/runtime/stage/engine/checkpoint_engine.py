@@ -1,4 +1,5 @@
-"""Torch stage engine over a Hugging Face checkpoint: Llama, DeepSeek-V3, MiniMax-M2, GLM-5.
+"""Torch stage engine over a Hugging Face checkpoint: Llama, DeepSeek-V3, MiniMax-M2, GLM-5,
+Kimi-Linear.
 
 Each decoder layer is ``h = h + attn(RMSNorm(h)); h = h + ffn(RMSNorm(h))`` with the attention
 and feed-forward blocks of its family (``architecture.py``, ``layers/``). Each attention layer
@@ -31,6 +32,7 @@ from wavepp.runtime.stage.engine.checkpoint import CheckpointReader, stage_tenso
 from wavepp.runtime.stage.engine.layers.common import rms_norm, rope_cos_sin
 from wavepp.runtime.stage.engine.layers.dsa import DSAIndexer
 from wavepp.runtime.stage.engine.layers.gqa import GQAAttention
+from wavepp.runtime.stage.engine.layers.kda import KDAAttention
 from wavepp.runtime.stage.engine.layers.mla import MLAAttention
 from wavepp.runtime.stage.engine.layers.moe import DenseMLP, SparseMoE
 from wavepp.runtime.stage.engine.torch_engine import TorchPreparedBatch, torch_dtype
@@ -41,13 +43,17 @@ __all__ = ["CheckpointStageEngine"]
 class _Layer:
     """One decoder layer: norms, attention block, feed-forward block."""
 
-    def __init__(self, arch: Architecture, index: int, get) -> None:  # noqa: ANN001
+    def __init__(self, arch: Architecture, index: int, get, interval: int) -> None:  # noqa: ANN001
         p = f"model.layers.{index}."
         d = arch.hidden_size
         self.input_norm = get(p + "input_layernorm.weight", (d,))
         self.post_norm = get(p + "post_attention_layernorm.weight", (d,))
-        if arch.mla is not None:
-            self.attn: GQAAttention | MLAAttention = MLAAttention(arch.mla, get, p + "self_attn.")
+        self.attn: GQAAttention | MLAAttention | KDAAttention
+        if arch.is_linear(index):
+            assert arch.kda is not None
+            self.attn = KDAAttention(arch.kda, get, p + "self_attn.", interval)
+        elif arch.mla is not None:
+            self.attn = MLAAttention(arch.mla, get, p + "self_attn.")
         else:
             assert arch.gqa is not None
             self.attn = GQAAttention(arch.gqa, get, p + "self_attn.")
@@ -59,7 +65,7 @@ class _Layer:
             assert arch.moe is not None
             self.ffn: SparseMoE | DenseMLP = SparseMoE(arch.moe, get, p)
         else:
-            self.ffn = DenseMLP(d, arch.dense_intermediate, get, p + "mlp.")
+            self.ffn = DenseMLP(d, arch.dense_intermediate, get, p + arch.mlp_prefix)
         self.eps = arch.eps
 
     def forward(
@@ -102,6 +108,7 @@ class CheckpointStageEngine(PagedStageEngineBase):
         num_layers_total: int,
         model_dir: str | os.PathLike[str],
         device: torch.device | str = "cpu",
+        state_interval_blocks: int = 1,
     ) -> None:
         """Read ``model_dir/config.json`` and this stage's tensors.
 
@@ -111,6 +118,8 @@ class CheckpointStageEngine(PagedStageEngineBase):
             first_layer, last_layer, num_layers_total: this stage's layer range.
             model_dir: the checkpoint directory.
             device: "cpu" (float32 only) or a CUDA device.
+            state_interval_blocks: linear-attention (KDA) layers keep their recurrent state
+                after every k-th block of a request (``RuntimeConfig.state_interval_blocks``).
 
         Raises:
             ValueError: config.json disagrees with ``model``, an unsupported family, a dtype
@@ -130,6 +139,8 @@ class CheckpointStageEngine(PagedStageEngineBase):
                     f"model.{field}={getattr(model, field)!r} differs from model_dir's "
                     f"config.json ({getattr(derived, field)!r}); derive the model from it"
                 )
+        if state_interval_blocks < 1:
+            raise ValueError(f"state_interval_blocks={state_interval_blocks} must be >= 1")
         if model.num_layers != num_layers_total:
             raise ValueError(
                 f"num_layers_total={num_layers_total} differs from model.num_layers="
@@ -171,7 +182,9 @@ class CheckpointStageEngine(PagedStageEngineBase):
             if self.is_first or (self.is_last and a.tie_word_embeddings)
             else None
         )
-        self._layers = [_Layer(a, i, get) for i in range(first_layer, last_layer)]
+        self._layers = [
+            _Layer(a, i, get, state_interval_blocks) for i in range(first_layer, last_layer)
+        ]
         self._final_norm = get("model.norm.weight", (a.hidden_size,)) if self.is_last else None
         self._lm_head = None
         if self.is_last:

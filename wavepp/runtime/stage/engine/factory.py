@@ -35,7 +35,8 @@ def make_engine(
         cost_model: emulated only: an object with ``microbatch_cost_s(seq of (L, x)) -> s``;
             ignored by the torch engine.
         **kw: torch: ``model_dir`` (a Hugging Face checkpoint directory: the checkpoint
-            engine, any supported family) or ``weights_path`` (Llama tensors); emulated: ``time_scale``, ``emulated_hidden_size``,
+            engine, any supported family; with ``state_interval_blocks``) or ``weights_path``
+            (Llama tensors); emulated: ``time_scale``, ``emulated_hidden_size``,
             ``clock``, ``sleep``.
 
     Returns:
@@ -56,6 +57,7 @@ def make_engine(
         )
     if kind == "torch":
         kw.pop("model_dir", None)
+        kw.pop("state_interval_blocks", None)  # Llama layers keep no recurrent state
         if model.architecture != "llama":
             raise ValueError(
                 f"model.architecture={model.architecture!r} needs model_dir (a checkpoint); "

@@ -58,6 +58,8 @@ class MLAShape:
     v_head_dim: int
     rope_interleave: bool
     eps: float = 1e-6
+    # NOTE: Kimi-Linear's MLA applies no positional encoding (the rope dims pass unrotated).
+    use_rope: bool = True
 
     @property
     def qk_head_dim(self) -> int:
@@ -68,6 +70,11 @@ class MLAShape:
     def latent_dim(self) -> int:
         """Cached values per token: kv_lora_rank + d_rope."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def _no_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    del cos, sin
+    return x
 
 
 class MLAAttention:
@@ -99,6 +106,8 @@ class MLAAttention:
         self.o = get(prefix + "o_proj.weight", (s.hidden_size, s.num_heads * s.v_head_dim))
         self.cache: torch.Tensor | None = None
         self._rope = apply_rope_interleaved if s.rope_interleave else apply_rope_rotate_half
+        if not s.use_rope:
+            self._rope = _no_rope
 
     def allocate(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate a zeroed latent cache of ``num_slots`` token slots (drops the old one)."""

@@ -26,7 +26,14 @@ import torch.nn.functional as F
 
 from wavepp.runtime.stage.engine.layers.common import WeightGetter
 
-__all__ = ["DenseMLP", "MoEShape", "SparseMoE"]
+__all__ = ["NAMING", "DenseMLP", "MoEShape", "SparseMoE"]
+
+# style -> (block prefix, (gate, up, down) expert names, score-correction bias name)
+NAMING: dict[str, tuple[str, tuple[str, str, str], str]] = {
+    "deepseek": ("mlp.", ("gate_proj", "up_proj", "down_proj"), "gate.e_score_correction_bias"),
+    "minimax": ("block_sparse_moe.", ("w1", "w3", "w2"), "e_score_correction_bias"),
+    "kimi": ("block_sparse_moe.", ("w1", "w3", "w2"), "gate.e_score_correction_bias"),
+}
 
 
 class DenseMLP:
@@ -59,9 +66,10 @@ class MoEShape:
         norm_topk_prob: renormalise the chosen weights to sum 1.
         routed_scaling_factor: multiplier of the routed weights.
         shared_intermediate: width of the fused shared experts (0 = none).
-        style: checkpoint naming: ``"deepseek"`` (``mlp.experts.{e}.gate_proj``, bias in
-            ``mlp.gate.e_score_correction_bias``) or ``"minimax"``
-            (``block_sparse_moe.experts.{e}.w1/w3/w2``, bias in ``block_sparse_moe``).
+        style: checkpoint naming (see ``NAMING``): ``"deepseek"`` (``mlp.experts.{e}.gate_proj``,
+            bias in ``mlp.gate``), ``"minimax"`` (``block_sparse_moe.experts.{e}.w1/w3/w2``, bias
+            in ``block_sparse_moe``) or ``"kimi"`` (``block_sparse_moe``, w1/w3/w2, bias in
+            ``gate``).
     """
 
     hidden_size: int
@@ -93,16 +101,10 @@ class SparseMoE:
         s = shape
         self.shape = s
         d, f, e = s.hidden_size, s.expert_intermediate, s.num_experts
-        if s.style == "minimax":
-            p = layer_prefix + "block_sparse_moe."
-            self.router = get(p + "gate.weight", (e, d)).float()
-            self.bias = get(p + "e_score_correction_bias", (e,)).float()
-            names = ("w1", "w3", "w2")
-        else:
-            p = layer_prefix + "mlp."
-            self.router = get(p + "gate.weight", (e, d)).float()
-            self.bias = get(p + "gate.e_score_correction_bias", (e,)).float()
-            names = ("gate_proj", "up_proj", "down_proj")
+        block, names, bias = NAMING[s.style]
+        p = layer_prefix + block
+        self.router = get(p + "gate.weight", (e, d)).float()
+        self.bias = get(p + bias, (e,)).float()
         gate_up, down = [], []
         for j in range(e):
             q = f"{p}experts.{j}."
