@@ -15,7 +15,9 @@ from wavepp.api.spec import SpecError, WavePipelineSpec
 from wavepp.cmd.stage import ArgError, add_arguments, runtime_config_from_args
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.hf_config import load_model_dir, model_config_from_hf
+from wavepp.runtime.model_config import balanced_partition
 from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
+from wavepp.runtime.stage.engine.balance import checkpoint_partition, layer_active_params
 from wavepp.runtime.stage.worker import build_engine
 
 pytest.importorskip("transformers")
@@ -94,6 +96,7 @@ def test_stage_flag_model_overrides_the_runtime_config(dsv3_dir: Path, tmp_path:
     config = runtime_config_from_args(args, {})
     assert config.model_dir == str(dsv3_dir.resolve())
     assert config.model.architecture == "deepseek_v3"
+    assert config.partition == checkpoint_partition(dsv3_dir, 2)  # split by active parameters
     args = parser.parse_args([*base, "--model", str(tmp_path / "absent")])
     with pytest.raises(ArgError, match="--model .*absent.*not a directory"):
         runtime_config_from_args(args, {})
@@ -117,3 +120,32 @@ def test_replay_on_an_moe_mla_checkpoint_reuses_cached_prefixes(dsv3_dir: Path) 
     assert summary["completed"] == 8 and summary["failed"] == 0
     assert summary["cached_tokens"] > 0
     assert summary["model"].startswith(dsv3_dir.name)
+
+
+def test_balanced_partition_minimises_the_costliest_stage() -> None:
+    assert balanced_partition([1, 1, 1, 1, 1, 1], 3) == [2, 2, 2]
+    # A heavy dense first layer and a heavy lm_head pull the split inward.
+    assert balanced_partition([4, 1, 1, 1, 1, 1, 1, 1], 3, last_extra=3) == [1, 5, 2]
+    # Stages may only begin where allowed (GLM-5: at a 'full' indexer layer).
+    allowed = [True, True, False, True, True, False]
+    assert balanced_partition([1] * 6, 3, allowed_starts=allowed) == [1, 2, 3]
+    with pytest.raises(ValueError, match="no split of 6 layers"):
+        balanced_partition([1] * 6, 6, allowed_starts=allowed)
+    with pytest.raises(ValueError, match="num_stages=7"):
+        balanced_partition([1] * 6, 7)
+
+
+def test_checkpoint_split_balances_active_parameters(dsv3_dir: Path, tmp_path: Path) -> None:
+    costs, arch = layer_active_params(dsv3_dir)
+    assert arch.moe is not None and not arch.is_moe(0) and arch.is_moe(1)
+    # An MoE layer counts top_k / num_experts of its routed experts, its shared expert, the
+    # router and its bias; a dense layer its MLP.
+    expert = 3 * 64 * 32
+    assert costs[1] - costs[2] == 0 and costs[0] != costs[1]
+    assert costs[0] - costs[1] == 3 * 64 * 128 - (2 * expert + expert + 8 * 64 + 8)
+    glm = tmp_path / "glm"
+    save_random_checkpoint("glm_moe_dsa", glm, num_layers=6, vocab_size=512)
+    # indexer_types: layers 2 and 5 are 'shared', so no stage begins there.
+    split = checkpoint_partition(glm, 4)
+    starts = [sum(split[:i]) for i in range(4)]
+    assert not {2, 5} & set(starts) and sum(split) == 6

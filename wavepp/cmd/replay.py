@@ -64,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-inflight", type=int, default=None, help="default: S")
     parser.add_argument("--seed", type=int, default=0, help="token mapping and weight seed")
     parser.add_argument("--cache-salt", default="", help="cache salt (tenant) of every request")
+    parser.add_argument(
+        "--state-interval-blocks",
+        type=int,
+        default=1,
+        help="hybrid models (kimi_linear): keep the linear-attention state after every k-th "
+        "block; the agreed prefix is a multiple of k blocks (default 1)",
+    )
     telemetry = parser.add_argument_group("telemetry")
     telemetry.add_argument(
         "--trace-exporter",
@@ -147,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
     from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS
     from wavepp.runtime.serving.from_spec import default_emulated_kv_blocks
+    from wavepp.runtime.stage.engine.balance import checkpoint_partition
 
     err = Console(stderr=True)
     try:
@@ -188,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
         config = RuntimeConfig(
             model=model,
             model_dir=model_dir,
+            partition=checkpoint_partition(model_dir, args.stages) if model_dir else None,
+            state_interval_blocks=args.state_interval_blocks,
             engine=args.engine,
             cost_model=stage_cost.to_dict() if stage_cost else None,
             time_scale=args.time_scale,
@@ -226,7 +236,9 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"[yellow]skipped invalid trace line[/]: {error}")
     err.print(
         f"replaying {len(records)} requests: {config.num_stages} {config.engine} stages "
-        f"({model.name}, {model.num_layers} layers), mode={config.mode}, "
+        f"({model.name}, {model.num_layers} layers"
+        + (f" split {config.partition}" if config.partition else "")
+        + f"), mode={config.mode}, "
         f"tokens-per-block={args.tokens_per_block}, block-size={config.block_size}, "
         f"kv-blocks={kv_blocks} ({kv_blocks_source}), concurrency={args.concurrency}"
         + (f", emulating {args.emulate} @ H200" if args.engine == "emulated" else "")

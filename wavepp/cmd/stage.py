@@ -226,10 +226,30 @@ def runtime_config_from_args(
     config = _runtime_config_from_source(args, env)
     if getattr(args, "model", None):
         try:
-            config = config.with_model_dir(args.model)
+            config = with_checkpoint(config, args.model)
         except ValueError as exc:
             raise ArgError(f"--model {args.model}: {exc}") from exc
     return config
+
+
+def with_checkpoint(config: RuntimeConfig, model_dir: str) -> RuntimeConfig:
+    """``config`` serving the checkpoint in ``model_dir`` (``RuntimeConfig.with_model_dir``);
+    without an explicit partition, the layers are split by active parameters per stage
+    (``engine.balance.checkpoint_partition``), the same in every process.
+
+    Raises:
+        ValueError: a bad directory, config.json or split (names the field).
+    """
+    from wavepp.runtime.config import RuntimeConfig
+    from wavepp.runtime.stage.engine.balance import checkpoint_partition
+
+    if config.partition is not None:
+        return config.with_model_dir(model_dir)
+    partition = checkpoint_partition(model_dir, config.num_stages)
+    # NOTE: validate model and partition together (the old partition fits the old model).
+    return RuntimeConfig.model_validate(
+        config.with_model_dir_unchecked(model_dir) | {"partition": partition}
+    )
 
 
 def _runtime_config_from_source(

@@ -154,6 +154,15 @@ class RuntimeConfig(BaseModel):
             ValueError: a missing or unsupported config.json, or a layer count the stages or
                 partition cannot split (names the field).
         """
+        return RuntimeConfig.model_validate(self.with_model_dir_unchecked(model_dir))
+
+    def with_model_dir_unchecked(self, model_dir: str) -> dict[str, object]:
+        """The fields of :meth:`with_model_dir`'s result, not yet validated (to lay more
+        fields, e.g. a partition for the new layer count, over them first).
+
+        Raises:
+            ValueError: a missing or unsupported config.json (names the field).
+        """
         from pathlib import Path
 
         from wavepp.runtime.hf_config import load_model_dir
@@ -161,10 +170,10 @@ class RuntimeConfig(BaseModel):
         model = load_model_dir(model_dir).model_copy(
             update={"dtype": self.model.dtype, "seed": self.model.seed}
         )
-        return RuntimeConfig.model_validate(
-            self.model_dump()
-            | {"model": model.model_dump(), "model_dir": str(Path(model_dir).resolve())}
-        )
+        return self.model_dump() | {
+            "model": model.model_dump(),
+            "model_dir": str(Path(model_dir).resolve()),
+        }
 
     # ---- resolved views -----------------------------------------------------------------
 

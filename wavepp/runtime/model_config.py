@@ -18,6 +18,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "Architecture",
     "ModelConfig",
+    "balanced_partition",
     "get_preset",
     "partition_layers",
 ]
@@ -185,3 +186,69 @@ def partition_layers(
         ranges.append((first, first + count))
         first += count
     return ranges
+
+
+def balanced_partition(
+    layer_costs: Sequence[float],
+    num_stages: int,
+    *,
+    allowed_starts: Sequence[bool] | None = None,
+    first_extra: float = 0.0,
+    last_extra: float = 0.0,
+) -> list[int]:
+    """Contiguous layer counts per stage minimising the costliest stage.
+
+    Exact (dynamic programming over split points, O(S N^2)); ties go to the earliest split.
+
+    Args:
+        layer_costs: cost of each decoder layer (e.g. active parameters per token), >= 0.
+        num_stages: S, 1 <= S <= len(layer_costs).
+        allowed_starts: per layer, whether a stage may begin there (None: everywhere); layer
+            0 must be allowed.
+        first_extra, last_extra: cost the first / last stage carries besides its layers
+            (embedding, final norm and lm_head).
+
+    Returns:
+        Layer counts per stage (each >= 1, summing to the layer count).
+
+    Raises:
+        ValueError: S out of range, or no split satisfies ``allowed_starts`` (names both).
+    """
+    n = len(layer_costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"num_stages={num_stages} must be in [1, num_layers={n}]")
+    allowed = list(allowed_starts) if allowed_starts is not None else [True] * n
+    prefix = [0.0]
+    for cost in layer_costs:
+        prefix.append(prefix[-1] + float(cost))
+    inf = float("inf")
+    # best[s][j]: least max-stage cost covering layers [0, j) with s stages; arg[s][j]: split.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    arg = [[-1] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for j in range(s, n + 1):
+            for i in range(s - 1, j):
+                if best[s - 1][i] == inf or not allowed[i]:
+                    continue
+                cost = prefix[j] - prefix[i]
+                if i == 0:
+                    cost += first_extra
+                if s == num_stages and j == n:
+                    cost += last_extra
+                value = max(best[s - 1][i], cost)
+                if value < best[s][j]:
+                    best[s][j], arg[s][j] = value, i
+    if best[num_stages][n] == inf:
+        starts = [i for i, ok in enumerate(allowed) if ok]
+        raise ValueError(
+            f"num_stages={num_stages}: no split of {n} layers begins every stage at an "
+            f"allowed layer ({starts})"
+        )
+    counts: list[int] = []
+    j = n
+    for s in range(num_stages, 0, -1):
+        i = arg[s][j]
+        counts.append(j - i)
+        j = i
+    return counts[::-1]
