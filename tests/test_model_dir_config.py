@@ -17,6 +17,7 @@ from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.hf_config import load_model_dir, model_config_from_hf
 from wavepp.runtime.model_config import balanced_partition
 from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
+from wavepp.runtime.stage.calibrate import measure_stage_costs
 from wavepp.runtime.stage.engine.balance import checkpoint_partition, layer_active_params
 from wavepp.runtime.stage.worker import build_engine
 
@@ -149,3 +150,18 @@ def test_checkpoint_split_balances_active_parameters(dsv3_dir: Path, tmp_path: P
     split = checkpoint_partition(glm, 4)
     starts = [sum(split[:i]) for i in range(4)]
     assert not {2, 5} & set(starts) and sum(split) == 6
+
+
+def test_calibrate_measures_a_checkpoint_stage(dsv3_dir: Path, tmp_path: Path) -> None:
+    model = load_model_dir(dsv3_dir)
+    grid = [(0, 8), (16, 8), (16, 24)]
+    samples = measure_stage_costs(
+        model, num_layers=2, grid=grid, repeats=1, block_size=8, model_dir=str(dsv3_dir)
+    )
+    assert [(l_, x) for l_, x, _ in samples] == grid and all(s > 0 for _, _, s in samples)
+    with pytest.raises(ValueError, match="num_layers=4: the checkpoint has 4 layers"):
+        measure_stage_costs(model, num_layers=4, grid=grid, model_dir=str(dsv3_dir))
+    kimi = tmp_path / "kimi"
+    save_random_checkpoint("kimi_linear", kimi, num_layers=3, vocab_size=512)
+    with pytest.raises(ValueError, match="kimi_linear \\(hybrid\\) cannot be calibrated"):
+        measure_stage_costs(load_model_dir(kimi), num_layers=1, grid=grid, model_dir=str(kimi))

@@ -125,7 +125,7 @@ def hf_config_kwargs(family: str, *, num_layers: int, vocab_size: int = 256) -> 
         **_BASE[family],
         "vocab_size": vocab_size,
         "num_hidden_layers": num_layers,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": 16384,
         "tie_word_embeddings": False,
         "bos_token_id": 0,
         "eos_token_id": 1,
