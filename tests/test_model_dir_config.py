@@ -165,3 +165,20 @@ def test_calibrate_measures_a_checkpoint_stage(dsv3_dir: Path, tmp_path: Path) -
     save_random_checkpoint("kimi_linear", kimi, num_layers=3, vocab_size=512)
     with pytest.raises(ValueError, match="kimi_linear \\(hybrid\\) cannot be calibrated"):
         measure_stage_costs(load_model_dir(kimi), num_layers=1, grid=grid, model_dir=str(kimi))
+
+
+def test_kv_bytes_per_token_follow_the_cache_not_gqa(dsv3_dir: Path, tmp_path: Path) -> None:
+    """MLA caches kv_lora_rank + qk_rope_head_dim = 24 fp32 values per token and layer."""
+    assert load_model_dir(dsv3_dir).kv_bytes_per_token_per_layer() == 24 * 4
+    cfg = json.loads((dsv3_dir / "config.json").read_text())
+    glm = cfg | {
+        "model_type": "glm_moe_dsa",
+        "index_head_dim": 16,
+        "indexer_types": ["full", "full", "shared", "full"],
+    }
+    assert model_config_from_hf(glm, name="g").kv_values_per_token_per_layer == 24 + 16 * 3 / 4
+    kimi = cfg | {
+        "model_type": "kimi_linear",
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    }
+    assert model_config_from_hf(kimi, name="k").kv_values_per_token_per_layer == 24 / 4

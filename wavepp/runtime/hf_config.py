@@ -92,11 +92,13 @@ def model_config_from_hf(
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise ValueError(f"{where}: attention_bias/mlp_bias = true is not implemented")
     heads = int(_required(cfg, "num_attention_heads", where))
+    kv_values: float | None = None
     if arch in ("deepseek_v3", "glm_moe_dsa", "kimi_linear"):
         head_dim = int(_required(cfg, "qk_nope_head_dim", where)) + int(
             _required(cfg, "qk_rope_head_dim", where)
         )
         kv_heads = heads
+        kv_values = _latent_values_per_token(cfg, where)
     else:
         head_dim = int(cfg.get("head_dim") or int(_required(cfg, "hidden_size", where)) // heads)
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -114,9 +116,27 @@ def model_config_from_hf(
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position=int(cfg.get("max_position_embeddings", 131072)),
+            kv_values_per_token_per_layer=kv_values,
         )
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
+
+
+def _latent_values_per_token(cfg: Mapping[str, Any], where: str) -> float:
+    """Cached values per token and layer, averaged over the layers: the MLA latent
+    (kv_lora_rank + qk_rope_head_dim) in attention layers, plus the DSA indexer key
+    (index_head_dim) in GLM-5's "full" layers; Kimi's KDA layers cache nothing per token (their
+    state is per block boundary, see ``engine/layers/kda.py``)."""
+    n = int(_required(cfg, "num_hidden_layers", where))
+    latent = int(_required(cfg, "kv_lora_rank", where)) + int(cfg["qk_rope_head_dim"])
+    total = float(latent * n)
+    if cfg.get("model_type") == "glm_moe_dsa":
+        types = cfg.get("indexer_types") or ["full"] * n
+        total += int(_required(cfg, "index_head_dim", where)) * sum(t == "full" for t in types)
+    if cfg.get("model_type") == "kimi_linear":
+        types = cfg.get("layer_types") or []
+        total = float(latent * sum(t == "full_attention" for t in types))
+    return total / n
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:

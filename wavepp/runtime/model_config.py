@@ -8,6 +8,7 @@ with Hugging Face ``LlamaForCausalLM`` names.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -45,6 +46,10 @@ class ModelConfig(pydantic.BaseModel):
     # NOTE: the layer family; anything but "llama" runs only from a checkpoint directory
     # (RuntimeConfig.model_dir), since random weights are generated for Llama only.
     architecture: Architecture = "llama"
+    # NOTE: cached values per token and layer, averaged over the layers, when the cache is not
+    # GQA's K and V (MLA's latent, DSA's indexer keys, hybrids' attention-free layers); None:
+    # 2 * num_kv_heads * head_dim. Set by ``hf_config`` from a checkpoint's config.json.
+    kv_values_per_token_per_layer: float | None = pydantic.Field(default=None, ge=0)
     vocab_size: int = pydantic.Field(default=1024, gt=0)
     hidden_size: int = pydantic.Field(default=128, gt=0)
     intermediate_size: int = pydantic.Field(default=352, gt=0)
@@ -78,8 +83,11 @@ class ModelConfig(pydantic.BaseModel):
         return self.num_heads // self.num_kv_heads
 
     def kv_bytes_per_token_per_layer(self) -> int:
-        """KV cache bytes one token takes in one layer (K and V) at ``dtype``."""
+        """KV cache bytes one token takes in one layer at ``dtype``: K and V for GQA, else
+        ``kv_values_per_token_per_layer`` (rounded up; an average over the layers)."""
         elem_bytes = 4 if self.dtype == "float32" else 2
+        if self.kv_values_per_token_per_layer is not None:
+            return math.ceil(self.kv_values_per_token_per_layer * elem_bytes)
         return 2 * self.num_kv_heads * self.head_dim * elem_bytes
 
     def to_hf_llama_kwargs(self) -> dict[str, Any]:
