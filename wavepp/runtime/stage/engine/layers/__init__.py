@@ -7,5 +7,7 @@ One module per family, each a plain class holding its stage-local weights (no ``
 | ``common``   | RMSNorm, RoPE tables (rotate-half and interleaved), paged attention     |
 | ``gqa``      | grouped-query attention over a paged K/V cache (Llama, MiniMax-M2)      |
 | ``mla``      | multi-head latent attention over a paged *latent* cache (DeepSeek-V3)   |
-| ``moe``      | dense SwiGLU MLP and routed + shared experts (DeepSeek-V3, MiniMax-M2)  |
+| ``dsa``      | GLM-5's sparse-attention indexer, its key cache paged beside the latent |
+| ``kda``      | Kimi-Linear's KDA layer, its recurrent state stored per k blocks         |
+| ``moe``      | dense SwiGLU MLP and routed + shared experts (DeepSeek, MiniMax, Kimi)  |
 """
