@@ -144,3 +144,17 @@ async def test_agreement_rounds_l_star_down_to_the_state_interval() -> None:
     assert second.num_agreed_blocks == 6  # 7 cached, rounded down to a multiple of 3
     with pytest.raises(ValueError, match="state_interval_blocks=0"):
         AdmissionController(clients, block_size=BS, model_id="m", state_interval_blocks=0)
+
+
+def test_running_states_are_bounded(kimi, monkeypatch) -> None:
+    """Requests that never run their last chunk leave at most max_running states behind."""
+    model_dir, _ = kimi
+    stages = Stages(model_dir, [5])
+    monkeypatch.setattr(KDAAttention, "max_running", 2)
+    for i in range(3):  # three half-done requests
+        spec = ChunkSpec(f"r{i}", 0, 4, (10 + i,), token_ids=(1, 2, 3, 4), is_last=False)
+        stages.engines[0].execute(stages.engines[0].prepare([spec]), None)
+    for layer in stages.kda_layers():
+        assert list(layer.running) == ["r1", "r2"]
+    with pytest.raises(ValueError, match="context_offset=4 has no recurrent state"):
+        stages.run("r0", [1, 2, 3, 4, 5, 6], [10, 13], 4, [2])

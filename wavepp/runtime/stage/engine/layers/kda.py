@@ -56,7 +56,14 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class KDAAttention:
-    """One KDA layer's weights, its stored states per block id and running states per request."""
+    """One KDA layer's weights, its stored states per block id and running states per request.
+
+    A running state is dropped when its request's last chunk ran. A request that never gets
+    there (failed, cancelled) would keep it; at most ``max_running`` are kept, the oldest
+    dropped first (its request's next chunk, if any, is then refused by position).
+    """
+
+    max_running = 4096
 
     def __init__(self, shape: KDAShape, get: WeightGetter, prefix: str, interval: int) -> None:
         """Load the projections, short convolutions, decay and output gate weights.
@@ -172,7 +179,10 @@ class KDAAttention:
             if chunk.is_last:
                 self.running.pop(chunk.request_id, None)
             else:
+                self.running.pop(chunk.request_id, None)  # re-insert: newest last
                 self.running[chunk.request_id] = (first + n, state, seq[n:].clone())
+                while len(self.running) > self.max_running:
+                    self.running.pop(next(iter(self.running)))
         var = out.pow(2).mean(-1, keepdim=True)
         normed = out * torch.rsqrt(var + s.eps) * self.o_norm.float()
         y = (normed * torch.sigmoid(gate.float())).to(x.dtype)
