@@ -182,3 +182,24 @@ def test_kv_bytes_per_token_follow_the_cache_not_gqa(dsv3_dir: Path, tmp_path: P
         "layer_types": ["linear_attention"] * 3 + ["full_attention"],
     }
     assert model_config_from_hf(kimi, name="k").kv_values_per_token_per_layer == 24 / 4
+
+
+def test_replay_emulates_a_checkpoint_and_refuses_an_absurd_derived_capacity(
+    dsv3_dir: Path,
+) -> None:
+    """--emulate DIR derives the cost model from config.json; a tiny model at H200 derives
+    tens of millions of blocks per stage, which replay refuses (naming --kv-blocks) instead of
+    hanging on building the pool."""
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "wavepp.cli", "replay", str(TRACE), "--limit", "2",
+            "--stages", "2", "--engine", "emulated", "--emulate", str(dsv3_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "--kv-blocks (default): derived" in proc.stderr and "give --kv-blocks" in proc.stderr
+    assert dsv3_dir.name in proc.stderr  # the derivation names the checkpoint's model

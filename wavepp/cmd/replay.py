@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--emulate",
         default="glm-5.2",
-        help="emulated engine: cost model of this model at H200 (see `wavepp.runtime.planning.catalogue`)",
+        help="emulated engine: cost model of this model at H200 (see "
+        "`wavepp.runtime.planning.catalogue`), or of a checkpoint directory's config.json",
     )
     parser.add_argument("--time-scale", type=float, default=1.0, help="emulated: sleep multiplier")
     parser.add_argument(
@@ -91,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="draw the per-stage timeline of micro-batches (from the spans) into this PNG",
     )
+
+
+_MAX_DERIVED_KV_BLOCKS = 1 << 22
 
 
 def _fail(flag: str, message: str) -> int:
@@ -148,10 +152,11 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.bench.replay import replay_records
     from wavepp.bench.trace import TokenMapper, load_trace
     from wavepp.runtime.config import RuntimeConfig
-    from wavepp.runtime.hf_config import load_model_dir
+    from wavepp.runtime.hf_config import load_model_dir, normalize_hf_config, read_hf_config
     from wavepp.runtime.model_config import get_preset
     from wavepp.runtime.planning import CostModel
-    from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
+    from wavepp.runtime.planning.catalogue import ModelSpec, derived_cost_model, list_models
+    from wavepp.runtime.planning.from_config import spec_from_hf_config
     from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS
     from wavepp.runtime.serving.from_spec import default_emulated_kv_blocks
     from wavepp.runtime.stage.engine.balance import checkpoint_partition
@@ -185,11 +190,22 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--model/--kv-blocks", str(exc))
     kv_blocks_source = "--kv-blocks" if kv_blocks else f"fixed default {FIXED_KV_BLOCKS}"
     stage_cost: CostModel | None = None
+    emulate: str | ModelSpec = args.emulate
     if args.engine == "emulated":
-        if args.emulate not in list_models():
-            return _fail("--emulate", f"{args.emulate!r}: choose one of {list_models()}")
+        if Path(args.emulate).is_dir():
+            try:
+                emulate = spec_from_hf_config(
+                    normalize_hf_config(read_hf_config(args.emulate)),
+                    name=load_model_dir(args.emulate).name,
+                )
+            except (ValueError, KeyError) as exc:
+                return _fail("--emulate", f"{args.emulate}: {exc}")
+        elif args.emulate not in list_models():
+            return _fail(
+                "--emulate", f"{args.emulate!r}: choose one of {list_models()} or a checkpoint DIR"
+            )
         try:
-            stage_cost = derived_cost_model(args.emulate, num_stages=args.stages)
+            stage_cost = derived_cost_model(emulate, num_stages=args.stages)
         except ValueError as exc:
             return _fail("--stages", str(exc))
     try:
@@ -219,9 +235,17 @@ def run(args: argparse.Namespace) -> int:
         return _fail("configuration", str(exc))
     if args.engine == "emulated" and not kv_blocks:
         try:
-            derived, kv_blocks_source = default_emulated_kv_blocks(config, args.emulate)
+            derived, kv_blocks_source = default_emulated_kv_blocks(config, emulate)
         except ValueError as exc:
             return _fail("--kv-blocks (default)", str(exc))
+        if max(derived) > _MAX_DERIVED_KV_BLOCKS:
+            # NOTE: a tiny checkpoint emulated at H200 derives tens of millions of blocks; a
+            # block pool that size takes minutes to build.
+            return _fail(
+                "--kv-blocks (default)",
+                f"derived {max(derived)} blocks per stage ({kv_blocks_source}); above "
+                f"{_MAX_DERIVED_KV_BLOCKS}: give --kv-blocks",
+            )
         config = RuntimeConfig.model_validate(config.model_dump() | {"num_kv_blocks": derived})
     kv_blocks = config.num_kv_blocks
     if args.cost_model:

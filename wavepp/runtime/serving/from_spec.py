@@ -31,7 +31,7 @@ from typing import Any
 from wavepp.api.spec import SpecError, WavePipelineSpec
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.model_config import PRESETS, ModelConfig
-from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
+from wavepp.runtime.planning.catalogue import ModelSpec, derived_cost_model, list_models
 from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_kv_blocks
 
 __all__ = [
@@ -89,14 +89,16 @@ def model_config_from_spec(spec: WavePipelineSpec) -> ModelConfig:
         raise SpecError("model.config", str(exc)) from exc
 
 
-def default_emulated_kv_blocks(config: RuntimeConfig, emulate: str) -> tuple[list[int], str]:
+def default_emulated_kv_blocks(
+    config: RuntimeConfig, emulate: str | ModelSpec
+) -> tuple[list[int], str]:
     """The emulated engine's KV capacity when none is given: derived per stage from the
     emulated model and device (``planning.memory.default_kv_blocks``) for ``config``'s stages,
     block size and largest micro-batch.
 
     Args:
         config: the replica's config (num_stages, block_size, the largest micro-batch).
-        emulate: the emulated model's name (``catalogue.list_models()``).
+        emulate: the emulated model's name (``catalogue.list_models()``) or its ModelSpec.
 
     Returns:
         (blocks per stage, a one-line source to show the user).
