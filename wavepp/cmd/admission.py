@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wavepp.cmd.common import add_deprecated_alias, add_nats_wait_arg, finite_float
-from wavepp.cmd.stage import add_nats_tls_args
+from wavepp.cmd.stage import add_model_dir_arg, add_nats_tls_args
 
 if TYPE_CHECKING:
     from wavepp.runtime.serving.service import AdmissionService
@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config", help="WavePipeline spec (YAML/JSON, e.g. /etc/wavepp/spec.json); with --replica"
     )
     parser.add_argument("--replica", type=int, default=None, help="replica index (with --config)")
+    add_model_dir_arg(parser)
     parser.add_argument("--nats-url", required=True, help="NATS server URL (with JetStream)")
     parser.add_argument("--nats-creds", default=None, help="NATS credentials file (.creds)")
     add_nats_tls_args(parser)

@@ -10,7 +10,11 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny-llama", help="model preset")
+    parser.add_argument(
+        "--model",
+        default="tiny-llama",
+        help="model preset or a Hugging Face checkpoint directory",
+    )
     parser.add_argument("--layers", type=int, default=2, help="layers held by the measured stage")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per grid point")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -25,13 +29,15 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from wavepp.runtime.hf_config import load_model_dir
     from wavepp.runtime.model_config import get_preset
     from wavepp.runtime.planning import fit_cost_model
     from wavepp.runtime.stage.calibrate import default_grid, measure_stage_costs
 
     console = Console()
+    model_dir = args.model if Path(args.model).is_dir() else None
     try:
-        model = get_preset(args.model)
+        model = load_model_dir(model_dir) if model_dir else get_preset(args.model)
     except ValueError as exc:
         print(f"wavepp calibrate: --model: {exc}", file=sys.stderr)
         return 2
@@ -41,14 +47,19 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     grid = default_grid()
     with console.status(f"measuring {len(grid)} chunk shapes on {args.device}"):
-        samples = measure_stage_costs(
-            model,
-            num_layers=args.layers,
-            grid=grid,
-            repeats=args.repeats,
-            device=args.device,
-            block_size=args.block_size,
-        )
+        try:
+            samples = measure_stage_costs(
+                model,
+                num_layers=args.layers,
+                grid=grid,
+                repeats=args.repeats,
+                device=args.device,
+                block_size=args.block_size,
+                model_dir=model_dir,
+            )
+        except ValueError as exc:
+            print(f"wavepp calibrate: --model/--layers: {exc}", file=sys.stderr)
+            return 2
     source = (
         f"wavepp calibrate {time.strftime('%Y-%m-%d')}: {args.model}, {args.layers} layers, "
         f"{args.device}, torch {torch.__version__}"

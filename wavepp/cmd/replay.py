@@ -51,7 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--speedup", type=finite_float, default=1.0, help="with --timed: time compression"
     )
-    parser.add_argument("--model", default="tiny-llama", help="model preset (torch engine weights)")
+    parser.add_argument(
+        "--model",
+        default="tiny-llama",
+        help="model preset (random torch weights), or a Hugging Face checkpoint directory "
+        "(config.json + safetensors; torch engine: llama, deepseek_v3, glm_moe_dsa, minimax_m2, "
+        "kimi_linear)",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     parser.add_argument(
         "--kv-blocks",
@@ -67,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--emulate",
         default="glm-5.2",
-        help="emulated engine: cost model of this model at H200 (see `wavepp.runtime.planning.catalogue`)",
+        help="emulated engine: cost model of this model at H200 (see "
+        "`wavepp.runtime.planning.catalogue`), or of a checkpoint directory's config.json",
     )
     parser.add_argument(
         "--time-scale", type=finite_float, default=1.0, help="emulated: sleep multiplier"
@@ -101,6 +108,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="token mapping and weight seed")
     parser.add_argument("--cache-salt", default="", help="cache salt (tenant) of every request")
+    parser.add_argument(
+        "--state-interval-blocks",
+        type=int,
+        default=1,
+        help="hybrid models (kimi_linear): keep the linear-attention state after every k-th "
+        "block; the agreed prefix is a multiple of k blocks (default 1)",
+    )
     telemetry = parser.add_argument_group("telemetry")
     telemetry.add_argument(
         "--trace-exporter",
@@ -124,6 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="draw the per-stage timeline of micro-batches (from the spans) into this PNG",
     )
+
+
+_MAX_DERIVED_KV_BLOCKS = 1 << 22
 
 
 def _fail(flag: str, message: str) -> int:
@@ -182,11 +199,14 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.bench.summary_text import clean_source, stage_rows, summary_rows
     from wavepp.bench.trace import TokenMapper, load_trace
     from wavepp.runtime.config import RuntimeConfig
+    from wavepp.runtime.hf_config import load_model_dir, normalize_hf_config, read_hf_config
     from wavepp.runtime.model_config import get_preset
     from wavepp.runtime.planning import CostModel
-    from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
+    from wavepp.runtime.planning.catalogue import ModelSpec, derived_cost_model, list_models
+    from wavepp.runtime.planning.from_config import spec_from_hf_config
     from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS
     from wavepp.runtime.serving.from_spec import default_emulated_kv_blocks
+    from wavepp.runtime.stage.engine.balance import checkpoint_partition
 
     err = Console(stderr=True)
     try:
@@ -199,8 +219,17 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--limit", f"{args.limit}: must be >= 1")
     if args.concurrency < 1:
         return _fail("--concurrency", f"{args.concurrency}: must be >= 1")
+    model_dir: str | None = None
     try:
-        model = get_preset(args.model).model_copy(update={"seed": args.seed})
+        if Path(args.model).is_dir():
+            if args.engine != "torch":
+                return _fail(
+                    "--model", f"{args.model}: a checkpoint directory needs --engine torch"
+                )
+            model_dir = str(Path(args.model).resolve())
+            model = load_model_dir(model_dir).model_copy(update={"seed": args.seed})
+        else:
+            model = get_preset(args.model).model_copy(update={"seed": args.seed})
         kv_blocks = (
             [int(v) for v in str(args.kv_blocks).split(",")] if args.kv_blocks is not None else []
         )
@@ -208,16 +237,30 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--model/--kv-blocks", str(exc))
     kv_blocks_source = "--kv-blocks" if kv_blocks else f"fixed default {FIXED_KV_BLOCKS}"
     stage_cost: CostModel | None = None
+    emulate: str | ModelSpec = args.emulate
     if args.engine == "emulated":
-        if args.emulate not in list_models():
-            return _fail("--emulate", f"{args.emulate!r}: choose one of {list_models()}")
+        if Path(args.emulate).is_dir():
+            try:
+                emulate = spec_from_hf_config(
+                    normalize_hf_config(read_hf_config(args.emulate)),
+                    name=load_model_dir(args.emulate).name,
+                )
+            except (ValueError, KeyError) as exc:
+                return _fail("--emulate", f"{args.emulate}: {exc}")
+        elif args.emulate not in list_models():
+            return _fail(
+                "--emulate", f"{args.emulate!r}: choose one of {list_models()} or a checkpoint DIR"
+            )
         try:
-            stage_cost = derived_cost_model(args.emulate, num_stages=args.stages)
+            stage_cost = derived_cost_model(emulate, num_stages=args.stages)
         except ValueError as exc:
             return _fail("--stages", str(exc))
     try:
         config = RuntimeConfig(
             model=model,
+            model_dir=model_dir,
+            partition=checkpoint_partition(model_dir, args.stages) if model_dir else None,
+            state_interval_blocks=args.state_interval_blocks,
             engine=args.engine,
             cost_model=stage_cost.to_dict() if stage_cost else None,
             time_scale=args.time_scale,
@@ -239,9 +282,17 @@ def run(args: argparse.Namespace) -> int:
         return _fail("configuration", str(exc))
     if args.engine == "emulated" and not kv_blocks:
         try:
-            derived, kv_blocks_source = default_emulated_kv_blocks(config, args.emulate)
+            derived, kv_blocks_source = default_emulated_kv_blocks(config, emulate)
         except ValueError as exc:
             return _fail("--kv-blocks (default)", str(exc))
+        if max(derived) > _MAX_DERIVED_KV_BLOCKS:
+            # NOTE: a tiny checkpoint emulated at H200 derives tens of millions of blocks; a
+            # block pool that size takes minutes to build.
+            return _fail(
+                "--kv-blocks (default)",
+                f"derived {max(derived)} blocks per stage ({kv_blocks_source}); above "
+                f"{_MAX_DERIVED_KV_BLOCKS}: give --kv-blocks",
+            )
         config = RuntimeConfig.model_validate(config.model_dump() | {"num_kv_blocks": derived})
     kv_blocks = config.num_kv_blocks
     if args.cost_model:
@@ -257,7 +308,9 @@ def run(args: argparse.Namespace) -> int:
     served = (
         f"{args.emulate} (emulated at H200 speed)"
         if args.engine == "emulated"
-        else f"{model.name} ({model.num_layers} layers in all)"
+        else f"{model.name} ({model.num_layers} layers in all"
+        + (f", split {config.partition}" if config.partition else "")
+        + ")"
     )
     err.print(
         f"replaying {len(records)} requests: {served} on {config.num_stages} {config.engine} "

@@ -60,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config", help="WavePipeline spec (YAML/JSON, e.g. /etc/wavepp/spec.json); with --replica"
     )
     parser.add_argument("--replica", type=int, default=None, help="replica index (with --config)")
+    add_model_dir_arg(parser)
     parser.add_argument(
         "--pool",
         default=None,
@@ -89,6 +90,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---- helpers shared with `wavepp admission` -------------------------------------------------
+
+
+def add_model_dir_arg(parser: argparse.ArgumentParser) -> None:
+    """``--model DIR``: serve the Hugging Face checkpoint in DIR (overrides the config's model)."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="Hugging Face checkpoint directory (config.json + safetensors): the model and "
+        "RuntimeConfig.model_dir, overriding the configuration's model",
+    )
 
 
 def resolve_rank(value: str | None, env: dict[str, str] | os._Environ[str]) -> int:
@@ -199,7 +211,8 @@ def telemetry_from_spec(
 def runtime_config_from_args(
     args: argparse.Namespace, env: dict[str, str] | os._Environ[str]
 ) -> RuntimeConfig:
-    """The process's RuntimeConfig from ``--runtime-config`` or ``--config/--replica/--pool``.
+    """The process's RuntimeConfig from ``--runtime-config`` or ``--config/--replica/--pool``,
+    with ``--model DIR`` (when given) laid over it (``RuntimeConfig.with_model_dir``).
 
     Args:
         args: parsed flags with ``runtime_config``, ``config``, ``replica``, ``pool``,
@@ -210,9 +223,41 @@ def runtime_config_from_args(
         The RuntimeConfig; from a spec, with ``telemetry`` from :func:`telemetry_from_spec`.
 
     Raises:
-        ArgError: unreadable or invalid file, replica out of range, no pool name (names the
-            flag).
+        ArgError: unreadable or invalid file, replica out of range, no pool name, or a bad
+            ``--model`` directory (names the flag).
     """
+    config = _runtime_config_from_source(args, env)
+    if getattr(args, "model", None):
+        try:
+            config = with_checkpoint(config, args.model)
+        except ValueError as exc:
+            raise ArgError(f"--model {args.model}: {exc}") from exc
+    return config
+
+
+def with_checkpoint(config: RuntimeConfig, model_dir: str) -> RuntimeConfig:
+    """``config`` serving the checkpoint in ``model_dir`` (``RuntimeConfig.with_model_dir``);
+    without an explicit partition, the layers are split by active parameters per stage
+    (``engine.balance.checkpoint_partition``), the same in every process.
+
+    Raises:
+        ValueError: a bad directory, config.json or split (names the field).
+    """
+    from wavepp.runtime.config import RuntimeConfig
+    from wavepp.runtime.stage.engine.balance import checkpoint_partition
+
+    if config.partition is not None:
+        return config.with_model_dir(model_dir)
+    partition = checkpoint_partition(model_dir, config.num_stages)
+    # NOTE: validate model and partition together (the old partition fits the old model).
+    return RuntimeConfig.model_validate(
+        config.with_model_dir_unchecked(model_dir) | {"partition": partition}
+    )
+
+
+def _runtime_config_from_source(
+    args: argparse.Namespace, env: dict[str, str] | os._Environ[str]
+) -> RuntimeConfig:
     from wavepp.api.spec import SpecError, SpecFileError, load_spec_file
     from wavepp.cmd.common import describe_error
     from wavepp.runtime.config import RuntimeConfig

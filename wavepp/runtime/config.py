@@ -35,6 +35,19 @@ class RuntimeConfig(BaseModel):
     pipeline: str = Field("default", pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     model: ModelConfig = ModelConfig()
     engine: Literal["torch", "emulated"] = "torch"
+    # NOTE: a Hugging Face checkpoint directory (config.json + safetensors) as each stage
+    # process sees it; the torch engine reads its stage's layers from it, and ``model`` must be
+    # the one derived from its config.json (``wavepp.runtime.hf_config.load_model_dir``).
+    # None: the torch engine's seeded random Llama weights.
+    model_dir: str | None = None
+    # NOTE: GPUs computing one stage (tensor parallelism). No engine implements TP yet, so
+    # anything but 1 is refused rather than silently computed on one device.
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    # NOTE: hybrid models (kimi_linear): each linear-attention layer stores its recurrent state
+    # after every k-th block of a request, and the agreement's L* is a multiple of k blocks.
+    # Memory per stored state and KDA layer: heads * head_dim^2 * 4 B (+ the conv tail), so
+    # k trades state memory against reusable prefix granularity (k * block_size tokens).
+    state_interval_blocks: int = Field(1, ge=1, le=4096)
     cost_model: dict[str, object] | None = None  # CostModel.to_dict() for the emulated engine
     time_scale: float = Field(1.0, gt=0)
     num_stages: int = Field(4, ge=1, le=64)
@@ -110,12 +123,57 @@ class RuntimeConfig(BaseModel):
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: every entry must be >= 1")
         if self.engine == "emulated" and self.cost_model is None:
             raise ValueError("engine=emulated needs cost_model (a CostModel.to_dict())")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism inside "
+                f"a stage is not implemented for the {self.engine} engine "
+                f"(architecture {self.model.architecture!r}); use 1 and more pipeline stages"
+            )
+        if self.model_dir is not None and self.engine != "torch":
+            raise ValueError(
+                f"model_dir={self.model_dir!r} is read by the torch engine only; "
+                f"engine={self.engine!r} would ignore it"
+            )
+        if self.engine == "torch" and self.model_dir is None and self.model.architecture != "llama":
+            raise ValueError(
+                f"model.architecture={self.model.architecture!r} needs model_dir (a checkpoint "
+                "directory); random weights exist for llama only"
+            )
         if self.max_microbatch_tokens < self.block_size:
             raise ValueError(
                 f"max_microbatch_tokens={self.max_microbatch_tokens}: must be >= "
                 f"block_size={self.block_size} (a micro-batch holds at least one block)"
             )
         return self
+
+    def with_model_dir(self, model_dir: str) -> RuntimeConfig:
+        """This config serving the checkpoint in ``model_dir``: ``model`` derived from its
+        config.json (keeping this config's dtype and seed) and ``model_dir`` set.
+
+        Raises:
+            ValueError: a missing or unsupported config.json, or a layer count the stages or
+                partition cannot split (names the field).
+        """
+        return RuntimeConfig.model_validate(self.with_model_dir_unchecked(model_dir))
+
+    def with_model_dir_unchecked(self, model_dir: str) -> dict[str, object]:
+        """The fields of :meth:`with_model_dir`'s result, not yet validated (to lay more
+        fields, e.g. a partition for the new layer count, over them first).
+
+        Raises:
+            ValueError: a missing or unsupported config.json (names the field).
+        """
+        from pathlib import Path
+
+        from wavepp.runtime.hf_config import load_model_dir
+
+        model = load_model_dir(model_dir).model_copy(
+            update={"dtype": self.model.dtype, "seed": self.model.seed}
+        )
+        return self.model_dump() | {
+            "model": model.model_dump(),
+            "model_dir": str(Path(model_dir).resolve()),
+        }
 
     # ---- resolved views -----------------------------------------------------------------
 

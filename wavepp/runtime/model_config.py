@@ -8,12 +8,28 @@ with Hugging Face ``LlamaForCausalLM`` names.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import pydantic
 
-__all__ = ["PRESETS", "ModelConfig", "get_preset", "partition_layers"]
+__all__ = [
+    "PRESETS",
+    "SUPPORTED_ARCHITECTURES",
+    "Architecture",
+    "ModelConfig",
+    "balanced_partition",
+    "get_preset",
+    "partition_layers",
+]
+
+# NOTE: Hugging Face ``model_type`` values the torch engine runs (``hf_config.py`` maps a
+# config.json onto ModelConfig; ``engine/architecture.py`` reads the family's own fields).
+Architecture = Literal["llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa", "kimi_linear"]
+SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
+    {"llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa", "kimi_linear"}
+)
 
 
 class ModelConfig(pydantic.BaseModel):
@@ -27,6 +43,13 @@ class ModelConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
 
     name: str = pydantic.Field(default="tiny-llama", min_length=1)
+    # NOTE: the layer family; anything but "llama" runs only from a checkpoint directory
+    # (RuntimeConfig.model_dir), since random weights are generated for Llama only.
+    architecture: Architecture = "llama"
+    # NOTE: cached values per token and layer, averaged over the layers, when the cache is not
+    # GQA's K and V (MLA's latent, DSA's indexer keys, hybrids' attention-free layers); None:
+    # 2 * num_kv_heads * head_dim. Set by ``hf_config`` from a checkpoint's config.json.
+    kv_values_per_token_per_layer: float | None = pydantic.Field(default=None, ge=0)
     vocab_size: int = pydantic.Field(default=1024, gt=0)
     hidden_size: int = pydantic.Field(default=128, gt=0)
     intermediate_size: int = pydantic.Field(default=352, gt=0)
@@ -60,8 +83,11 @@ class ModelConfig(pydantic.BaseModel):
         return self.num_heads // self.num_kv_heads
 
     def kv_bytes_per_token_per_layer(self) -> int:
-        """KV cache bytes one token takes in one layer (K and V) at ``dtype``."""
+        """KV cache bytes one token takes in one layer at ``dtype``: K and V for GQA, else
+        ``kv_values_per_token_per_layer`` (rounded up; an average over the layers)."""
         elem_bytes = 4 if self.dtype == "float32" else 2
+        if self.kv_values_per_token_per_layer is not None:
+            return math.ceil(self.kv_values_per_token_per_layer * elem_bytes)
         return 2 * self.num_kv_heads * self.head_dim * elem_bytes
 
     def to_hf_llama_kwargs(self) -> dict[str, Any]:
@@ -168,3 +194,69 @@ def partition_layers(
         ranges.append((first, first + count))
         first += count
     return ranges
+
+
+def balanced_partition(
+    layer_costs: Sequence[float],
+    num_stages: int,
+    *,
+    allowed_starts: Sequence[bool] | None = None,
+    first_extra: float = 0.0,
+    last_extra: float = 0.0,
+) -> list[int]:
+    """Contiguous layer counts per stage minimising the costliest stage.
+
+    Exact (dynamic programming over split points, O(S N^2)); ties go to the earliest split.
+
+    Args:
+        layer_costs: cost of each decoder layer (e.g. active parameters per token), >= 0.
+        num_stages: S, 1 <= S <= len(layer_costs).
+        allowed_starts: per layer, whether a stage may begin there (None: everywhere); layer
+            0 must be allowed.
+        first_extra, last_extra: cost the first / last stage carries besides its layers
+            (embedding, final norm and lm_head).
+
+    Returns:
+        Layer counts per stage (each >= 1, summing to the layer count).
+
+    Raises:
+        ValueError: S out of range, or no split satisfies ``allowed_starts`` (names both).
+    """
+    n = len(layer_costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"num_stages={num_stages} must be in [1, num_layers={n}]")
+    allowed = list(allowed_starts) if allowed_starts is not None else [True] * n
+    prefix = [0.0]
+    for cost in layer_costs:
+        prefix.append(prefix[-1] + float(cost))
+    inf = float("inf")
+    # best[s][j]: least max-stage cost covering layers [0, j) with s stages; arg[s][j]: split.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    arg = [[-1] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for j in range(s, n + 1):
+            for i in range(s - 1, j):
+                if best[s - 1][i] == inf or not allowed[i]:
+                    continue
+                cost = prefix[j] - prefix[i]
+                if i == 0:
+                    cost += first_extra
+                if s == num_stages and j == n:
+                    cost += last_extra
+                value = max(best[s - 1][i], cost)
+                if value < best[s][j]:
+                    best[s][j], arg[s][j] = value, i
+    if best[num_stages][n] == inf:
+        starts = [i for i, ok in enumerate(allowed) if ok]
+        raise ValueError(
+            f"num_stages={num_stages}: no split of {n} layers begins every stage at an "
+            f"allowed layer ({starts})"
+        )
+    counts: list[int] = []
+    j = n
+    for s in range(num_stages, 0, -1):
+        i = arg[s][j]
+        counts.append(j - i)
+        j = i
+    return counts[::-1]

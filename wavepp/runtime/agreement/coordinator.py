@@ -4,7 +4,7 @@ Protocol (DESIGN.md 'Data flow', step 2), for one request with full-block hashes
 
     controller                          stage r (every r in [0, S), concurrently)
     ---------- probe_pin(hashes, lease) ----->  pin the longest local hit; reply hit_r
-    L* = min(min_r hit_r, (num_tokens - 1) // block_size)
+    L* = min(min_r hit_r, (num_tokens - 1) // block_size), rounded down to a multiple of k
     ---------- commit(L*, total, lease) ----->  unpin past L*, reserve total - L* blocks
                                           <---  ok, or refused (then the stage holds nothing)
     any refusal: release on every stage; the request waits and is retried (never half-admitted)
@@ -16,7 +16,11 @@ probe message and one commit message per stage (``rounds.AgreementRounds``, bina
 ``wavepp.api.kv_batch``), and rounds are pipelined. Per request, the steps above are unchanged.
 
 L* is capped one token short of the prompt so that at least one token is computed (its logits
-are the prefill's output). Pins and reservations carry a lease; the controller renews the leases
+are the prefill's output). With ``state_interval_blocks`` = k > 1 (hybrid models whose
+linear-attention layers keep their recurrent state after every k-th block only), L* is a
+multiple of k: a prefix is reused up to the last block after which every stage holds both the
+attention KV and the recurrent state (a stage holding a block's KV holds its state too: the
+state is stored under that block's id and dropped when the block is rewritten). Pins and reservations carry a lease; the controller renews the leases
 of live requests, so a vanished controller leaks nothing.
 
 The stage side (``handle_kv_request``) is a pure function over a ``StageKVManager``; the stage
@@ -85,9 +89,13 @@ class AdmissionController:
         lease_s: float = 30.0,
         stage_capacities: Sequence[int] | None = None,
         max_batch: int = 512,
+        state_interval_blocks: int = 1,
     ) -> None:
         if not stages:
             raise ValueError("stages: need at least one stage client")
+        if state_interval_blocks < 1:
+            raise ValueError(f"state_interval_blocks={state_interval_blocks} must be >= 1")
+        self.state_interval_blocks = state_interval_blocks
         self.stages = list(stages)
         self.block_size = block_size
         self.model_id = model_id
@@ -101,6 +109,7 @@ class AdmissionController:
             admitted=self._on_admitted,
             refusal=self._on_refused,
             max_batch=max_batch,
+            state_interval_blocks=state_interval_blocks,
         )
 
     def block_hashes(self, request: PromptRequest) -> list[bytes]:

@@ -87,6 +87,7 @@ class AgreementRounds:
         refusal: OnRefused,
         max_batch: int = 512,
         max_rounds_in_flight: int = 4,
+        state_interval_blocks: int = 1,
     ) -> None:
         if not 1 <= max_batch <= MAX_BATCH_ENTRIES:
             raise ValueError(f"max_batch: {max_batch}; must be in [1, {MAX_BATCH_ENTRIES}]")
@@ -97,6 +98,8 @@ class AgreementRounds:
         self.lease_s = lease_s
         self.max_batch = max_batch
         self.max_rounds_in_flight = max_rounds_in_flight
+        # hybrid models: a prefix is reusable only up to a stored recurrent state, every k blocks
+        self.state_interval_blocks = state_interval_blocks
         self._admitted = admitted
         self._refusal = refusal
         self._pending: deque[PendingAgreement] = deque()
@@ -200,9 +203,8 @@ class AgreementRounds:
                 continue
             hits = tuple(reply.results[index].value for reply in replies)
             pending.stage_hits = hits
-            pending.num_agreed_blocks = min(
-                min(hits), (pending.request.num_tokens - 1) // self.block_size
-            )
+            num_agreed = min(min(hits), (pending.request.num_tokens - 1) // self.block_size)
+            pending.num_agreed_blocks = num_agreed - num_agreed % self.state_interval_blocks
             to_commit.append(pending)
         return to_commit, failed
 

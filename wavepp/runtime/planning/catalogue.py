@@ -133,7 +133,7 @@ def _source(spec: ModelSpec, gpu: GPUSpec, what: str, num_stages: int) -> str:
 
 
 def derived_stage_cost_models(
-    model: str, gpu: GPUSpec | None = None, *, num_stages: int
+    model: str | ModelSpec, gpu: GPUSpec | None = None, *, num_stages: int
 ) -> list[CostModel]:
     """One derived CostModel per stage of an even layer split (stage_layer_ranges).
 
@@ -157,7 +157,7 @@ def derived_stage_cost_models(
 
 
 def derived_cost_model(
-    model: str,
+    model: str | ModelSpec,
     gpu: GPUSpec | None = None,
     *,
     num_stages: int,

@@ -293,7 +293,7 @@ def derived_kv_blocks(
 
 
 def default_kv_blocks(
-    model: str, *, num_stages: int, block_size: int, max_microbatch_tokens: int
+    model: str | ModelSpec, *, num_stages: int, block_size: int, max_microbatch_tokens: int
 ) -> tuple[list[int], str]:
     """The emulated engine's KV capacity when none is given, and where it comes from.
 

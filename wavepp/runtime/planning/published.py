@@ -339,12 +339,15 @@ def list_models() -> list[str]:
     return list(MODELS)
 
 
-def get_model(model: str) -> ModelSpec:
-    """The ModelSpec of a name in list_models().
+def get_model(model: str | ModelSpec) -> ModelSpec:
+    """The ModelSpec of a name in list_models(); a ModelSpec is returned as is (e.g. one from
+    a checkpoint's config.json, ``from_config.spec_from_hf_config``).
 
     Raises:
         ValueError: unknown name (the message lists the known ones).
     """
+    if isinstance(model, ModelSpec):
+        return model
     try:
         return MODELS[model]
     except KeyError:

@@ -32,7 +32,7 @@ from wavepp.api.spec import SpecError, WavePipelineSpec
 from wavepp.api.subjects import replica_pipeline_name
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.model_config import PRESETS, ModelConfig
-from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
+from wavepp.runtime.planning.catalogue import ModelSpec, derived_cost_model, list_models
 from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_kv_blocks
 
 __all__ = [
@@ -85,14 +85,16 @@ def model_config_from_spec(spec: WavePipelineSpec) -> ModelConfig:
         raise SpecError("model.config", str(exc)) from exc
 
 
-def default_emulated_kv_blocks(config: RuntimeConfig, emulate: str) -> tuple[list[int], str]:
+def default_emulated_kv_blocks(
+    config: RuntimeConfig, emulate: str | ModelSpec
+) -> tuple[list[int], str]:
     """The emulated engine's KV capacity when none is given: derived per stage from the
     emulated model and device (``planning.memory.default_kv_blocks``) for ``config``'s stages,
     block size and largest micro-batch.
 
     Args:
         config: the replica's config (num_stages, block_size, the largest micro-batch).
-        emulate: the emulated model's name (``catalogue.list_models()``).
+        emulate: the emulated model's name (``catalogue.list_models()``) or its ModelSpec.
 
     Returns:
         (blocks per stage, a one-line source to show the user).
@@ -150,6 +152,13 @@ def runtime_configs_from_spec(spec: WavePipelineSpec, *, pool: str) -> list[Runt
     """
     if spec.engine == "tensorrt_llm":
         raise SpecError("engine", "tensorrt_llm cannot run here; use torch or emulated")
+    if spec.tensor_parallel_size != 1:
+        raise SpecError(
+            "tensorParallelSize",
+            f"{spec.tensor_parallel_size}: tensor parallelism inside a stage is not implemented "
+            f"for the {spec.engine} engine (model {spec.model.name!r}); use 1 and more stages "
+            "(resources.gpusPerStage still sizes each stage pod's GPU request)",
+        )
     model = model_config_from_spec(spec)
     options = spec.engine_options
     cost_model = None

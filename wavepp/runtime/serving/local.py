@@ -146,6 +146,7 @@ class LocalPipeline:
             model_id=self.config.model_id,
             lease_s=self.config.lease_s,
             stage_capacities=[self.config.kv_blocks_of(r) for r in range(self.config.num_stages)],
+            state_interval_blocks=self.config.state_interval_blocks,
         )
         await self.wait_formed()
         planner = planner_for(self.config, self.planner_cost_model)

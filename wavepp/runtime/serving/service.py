@@ -139,6 +139,7 @@ class AdmissionService:
             model_id=config.model_id,
             lease_s=config.lease_s,
             stage_capacities=[config.kv_blocks_of(r) for r in range(config.num_stages)],
+            state_interval_blocks=config.state_interval_blocks,
         )
         planner = planner_for(config, planner_cost_model)
         # Micro-batch ids start at wall-clock ms: logs and traces of successive instances do

@@ -21,6 +21,7 @@ import torch
 
 from wavepp.runtime.model_config import ModelConfig
 from wavepp.runtime.stage.engine.base import ChunkSpec
+from wavepp.runtime.stage.engine.checkpoint_engine import CheckpointStageEngine
 from wavepp.runtime.stage.engine.torch_engine import TorchStageEngine
 
 __all__ = ["default_grid", "measure_stage_costs"]
@@ -57,6 +58,7 @@ def measure_stage_costs(
     device: torch.device | str = "cpu",
     block_size: int = 16,
     seed: int = 0,
+    model_dir: str | None = None,
 ) -> list[tuple[int, int, float]]:
     """Time a stage of ``num_layers`` layers of ``model`` on each chunk shape of ``grid``.
 
@@ -68,12 +70,17 @@ def measure_stage_costs(
         device: "cpu" or a CUDA device.
         block_size: KV block size of the measured stage.
         seed: seed of the random activations fed to the stage.
+        model_dir: a checkpoint directory (``model`` derived from it): time its layers
+            ``[1, 1 + num_layers)`` with the checkpoint engine instead of random Llama layers.
+            Hybrid (``kimi_linear``) checkpoints are refused: the grid revisits positions,
+            which a recurrent state cannot.
 
     Returns:
         ``[(L, x, seconds), ...]`` in grid order; seconds is the median ``execute()`` wall time.
 
     Raises:
-        ValueError: empty grid, a bad (L, x), or num_layers / repeats / block_size < 1.
+        ValueError: empty grid, a bad (L, x), num_layers / repeats / block_size < 1, or a
+            checkpoint with too few layers or of a hybrid family.
     """
     if num_layers < 1:
         raise ValueError(f"num_layers={num_layers} must be >= 1")
@@ -88,15 +95,36 @@ def measure_stage_costs(
             raise ValueError(
                 f"grid point (L={context_offset}, x={num_tokens}) needs L >= 0 and x >= 1"
             )
-    # A middle stage: layers [1, 1 + num_layers) of a model with one more layer on each side.
-    stage_model = model.model_copy(update={"num_layers": num_layers + 2})
-    engine = TorchStageEngine(
-        model=stage_model,
-        first_layer=1,
-        last_layer=1 + num_layers,
-        num_layers_total=num_layers + 2,
-        device=device,
-    )
+    engine: TorchStageEngine | CheckpointStageEngine
+    if model_dir is not None:
+        if model.architecture == "kimi_linear":
+            raise ValueError(
+                "model_dir: kimi_linear (hybrid) cannot be calibrated: its linear-attention "
+                "state cannot revisit a position"
+            )
+        if num_layers + 1 > model.num_layers:
+            raise ValueError(
+                f"num_layers={num_layers}: the checkpoint has {model.num_layers} layers; "
+                f"a middle stage [1, 1 + num_layers) needs num_layers <= {model.num_layers - 1}"
+            )
+        engine = CheckpointStageEngine(
+            model=model,
+            first_layer=1,
+            last_layer=1 + num_layers,
+            num_layers_total=model.num_layers,
+            model_dir=model_dir,
+            device=device,
+        )
+    else:
+        # A middle stage: layers [1, 1 + num_layers) of a model with one more on each side.
+        stage_model = model.model_copy(update={"num_layers": num_layers + 2})
+        engine = TorchStageEngine(
+            model=stage_model,
+            first_layer=1,
+            last_layer=1 + num_layers,
+            num_layers_total=num_layers + 2,
+            device=device,
+        )
     max_tokens = max(l_ + x for l_, x in grid)
     num_blocks = -(-max_tokens // block_size)
     engine.allocate_kv(num_blocks, block_size)

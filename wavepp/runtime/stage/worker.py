@@ -89,6 +89,9 @@ def build_engine(config: RuntimeConfig, rank: int) -> StageEngine:
 
         cost_model = CostModel.from_dict(config.cost_model or {})
         extra["time_scale"] = config.time_scale
+    elif config.model_dir is not None:
+        extra["model_dir"] = config.model_dir
+        extra["state_interval_blocks"] = config.state_interval_blocks
     engine = make_engine(
         config.engine,
         model=config.model,

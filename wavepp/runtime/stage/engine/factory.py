@@ -8,6 +8,7 @@ import torch
 
 from wavepp.runtime.model_config import ModelConfig
 from wavepp.runtime.stage.engine.base import StageEngine
+from wavepp.runtime.stage.engine.checkpoint_engine import CheckpointStageEngine
 from wavepp.runtime.stage.engine.emulated import EmulatedStageEngine
 from wavepp.runtime.stage.engine.torch_engine import TorchStageEngine
 
@@ -33,7 +34,9 @@ def make_engine(
         device: torch device for tensors.
         cost_model: emulated only: an object with ``microbatch_cost_s(seq of (L, x)) -> s``;
             ignored by the torch engine.
-        **kw: torch: ``weights_path``; emulated: ``time_scale``, ``emulated_hidden_size``,
+        **kw: torch: ``model_dir`` (a Hugging Face checkpoint directory: the checkpoint
+            engine, any supported family; with ``state_interval_blocks``) or ``weights_path``
+            (Llama tensors); emulated: ``time_scale``, ``emulated_hidden_size``,
             ``clock``, ``sleep``.
 
     Returns:
@@ -42,7 +45,24 @@ def make_engine(
     Raises:
         ValueError: unknown kind, or the engine's own argument checks.
     """
+    if kind == "torch" and kw.get("model_dir") is not None:
+        return CheckpointStageEngine(
+            model=model,
+            first_layer=first_layer,
+            last_layer=last_layer,
+            num_layers_total=num_layers_total,
+            device=device,
+            model_dir=kw.pop("model_dir"),
+            **kw,
+        )
     if kind == "torch":
+        kw.pop("model_dir", None)
+        kw.pop("state_interval_blocks", None)  # Llama layers keep no recurrent state
+        if model.architecture != "llama":
+            raise ValueError(
+                f"model.architecture={model.architecture!r} needs model_dir (a checkpoint); "
+                "random weights exist for llama only"
+            )
         return TorchStageEngine(
             model=model,
             first_layer=first_layer,

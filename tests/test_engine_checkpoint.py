@@ -1,0 +1,245 @@
+"""Checkpoint engine (MLA + MoE, GQA + MoE, Llama) vs transformers' monolithic forward.
+
+For each family a tiny random model is saved with ``save_pretrained`` (sharded); WavePP's
+stages read only their own tensors, run pipelined (S = 1, 2, 4, unequal layer counts),
+chunked and prefix-reusing prefill, and their last-token logits must equal the reference's
+within 1e-4 (fp32), for a first request and a second one reusing a cached prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from wavepp.runtime.hf_config import load_model_dir
+from wavepp.runtime.stage.engine import ChunkSpec, make_engine, partition_layers
+from wavepp.runtime.stage.engine.checkpoint_engine import CheckpointStageEngine
+from wavepp.runtime.stage.engine.layers.kda import KDAAttention
+
+transformers = pytest.importorskip("transformers")
+from wavepp.bench.checkpoints import save_random_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+ATOL = 1e-4
+NUM_LAYERS = 5
+VOCAB = 256
+# (S, partition): unequal layer counts per stage.
+SPLITS = [(1, None), (2, [3, 2]), (4, [1, 2, 1, 1])]
+
+
+@pytest.fixture(
+    scope="module", params=["deepseek_v3", "glm_moe_dsa", "minimax_m2", "kimi_linear", "llama"]
+)
+def checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    out = tmp_path_factory.mktemp(request.param)
+    model = save_random_checkpoint(request.param, out, num_layers=NUM_LAYERS, vocab_size=VOCAB)
+    return out, model
+
+
+def reference_logits(model: torch.nn.Module, tokens: Sequence[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([list(tokens)])).logits[0, -1].float()
+
+
+class Pipeline:
+    """Checkpoint stages in sequence, each with its own shuffled block pool."""
+
+    def __init__(self, model_dir: Path, partition: list[int] | None, num_stages: int) -> None:
+        self.model = load_model_dir(model_dir)
+        self.block_size = 4
+        self.engines: list[CheckpointStageEngine] = []
+        self.free: list[list[int]] = []
+        self.tables: dict[str, list[list[int]]] = {}
+        for rank, (first, last) in enumerate(
+            partition_layers(self.model.num_layers, num_stages, partition)
+        ):
+            engine = make_engine(
+                "torch",
+                model=self.model,
+                first_layer=first,
+                last_layer=last,
+                num_layers_total=self.model.num_layers,
+                model_dir=model_dir,
+            )
+            assert isinstance(engine, CheckpointStageEngine)
+            num_blocks = 40 + 5 * rank
+            engine.allocate_kv(num_blocks, self.block_size)
+            ids = list(range(num_blocks))
+            random.Random(rank).shuffle(ids)
+            self.free.append(ids)
+            self.engines.append(engine)
+
+    def add(self, rid: str, num_tokens: int, share: str | None = None, shared_blocks: int = 0):
+        need = -(-num_tokens // self.block_size)
+        self.tables[rid] = []
+        for rank in range(len(self.engines)):
+            head = self.tables[share][rank][:shared_blocks] if share else []
+            self.tables[rid].append(head + [self.free[rank].pop() for _ in range(need - len(head))])
+
+    def run(self, rid: str, tokens: list[int], start: int, sizes: Sequence[int]) -> torch.Tensor:
+        offset = start
+        logits: dict[str, torch.Tensor] = {}
+        for i, n in enumerate(sizes):
+            last = i == len(sizes) - 1
+            batches = []
+            for rank, engine in enumerate(self.engines):
+                spec = ChunkSpec(
+                    request_id=rid,
+                    context_offset=offset,
+                    num_tokens=n,
+                    block_ids=tuple(self.tables[rid][rank]),
+                    token_ids=tuple(tokens[offset : offset + n]) if rank == 0 else None,
+                    is_last=last,
+                )
+                batches.append(engine.prepare([spec]))
+            hidden = None
+            for engine, batch in zip(self.engines, batches, strict=True):
+                out = engine.execute(batch, hidden)
+                hidden = out.hidden
+                logits = out.last_token_logits
+            offset += n
+        return logits[rid]
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    assert actual.shape == (VOCAB,)
+    assert expected.std() > 0.3, "reference logits too flat for a meaningful check"
+    return (actual - expected).abs().max().item()
+
+
+@pytest.mark.parametrize(("num_stages", "partition"), SPLITS)
+def test_pipelined_chunked_prefix_reuse_matches_reference(checkpoint, num_stages, partition):
+    model_dir, reference = checkpoint
+    pipe = Pipeline(model_dir, partition, num_stages)
+    rng = random.Random(num_stages)
+    first = [rng.randrange(VOCAB) for _ in range(23)]
+    pipe.add("a", len(first))
+    assert close(pipe.run("a", first, 0, [7, 9, 7]), reference_logits(reference, first)) < ATOL
+    # The second prompt shares 14 tokens: 3 full blocks (12 tokens) are reused from the cache.
+    second = first[:14] + [rng.randrange(VOCAB) for _ in range(9)]
+    pipe.add("b", len(second), share="a", shared_blocks=3)
+    got = pipe.run("b", second, 12, [5, 6])
+    assert close(got, reference_logits(reference, second)) < ATOL
+
+
+def test_reused_prefix_is_read_from_the_cache(checkpoint):
+    """Control: corrupting a shared block's cache (KV, latent or recurrent state) on stage 1
+    changes the second request."""
+    model_dir, reference = checkpoint
+    pipe = Pipeline(model_dir, [3, 2], 2)
+    tokens = list(range(3, 19))
+    pipe.add("a", 16)
+    pipe.run("a", tokens, 0, [16])
+    second = tokens[:8] + [7, 7, 7]
+    pipe.add("b", len(second), share="a", shared_blocks=2)
+    block = pipe.tables["a"][1][1]
+    for layer in pipe.engines[1]._layers:
+        if isinstance(layer.attn, KDAAttention):  # the recurrent state stored after the block
+            state, tail = layer.attn.states[block]
+            layer.attn.states[block] = (state * -1.0, tail)
+            continue
+        assert layer.attn.cache is not None
+        slots = slice(block * pipe.block_size, (block + 1) * pipe.block_size)
+        if layer.attn.cache.dim() == 2:  # MLA latent [slots, latent_dim]
+            layer.attn.cache[slots] += 0.5
+        else:  # GQA [2, slots, kv_heads, head_dim]
+            layer.attn.cache[:, slots] += 0.5
+    got = pipe.run("b", second, 8, [3])
+    assert close(got, reference_logits(reference, second)) > 1e-3
+
+
+def test_stages_read_only_their_tensors(checkpoint):
+    model_dir, _ = checkpoint
+    pipe = Pipeline(model_dir, [1, 2, 1, 1], 4)
+    total = pipe.engines[0].reader.total_bytes()
+    per_stage = [e.bytes_read for e in pipe.engines]
+    # Every tensor is read by exactly one stage (untied embeddings: no tensor is shared).
+    assert sum(per_stage) == total
+    # The middle stage holds 2 of 5 layers and neither embedding nor head.
+    assert per_stage[1] < 0.6 * total
+    assert len(pipe.engines[1].reader.files_opened) < len(
+        set(pipe.engines[1].reader.weight_map.values())
+    )
+
+
+def test_latent_cache_is_not_expanded(tmp_path):
+    """MLA caches kv_lora_rank + qk_rope_head_dim values per token, not 2 * H * head_dim."""
+    save_random_checkpoint("deepseek_v3", tmp_path, num_layers=2, vocab_size=VOCAB)
+    model = load_model_dir(tmp_path)
+    engine = make_engine(
+        "torch", model=model, first_layer=0, last_layer=2, num_layers_total=2, model_dir=tmp_path
+    )
+    engine.allocate_kv(10, 4)
+    assert engine.kv_cache_bytes == 2 * 10 * 4 * (16 + 8) * 4
+
+
+def test_bad_checkpoints_are_refused_by_name(tmp_path):
+    save_random_checkpoint("llama", tmp_path, num_layers=2, vocab_size=VOCAB)
+    model = load_model_dir(tmp_path)
+    index = tmp_path / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    del raw["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    index.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"lacks .*model\.layers\.1\.mlp\.up_proj\.weight"):
+        make_engine(
+            "torch",
+            model=model,
+            first_layer=1,
+            last_layer=2,
+            num_layers_total=2,
+            model_dir=tmp_path,
+        )
+    other = model.model_copy(update={"hidden_size": 32})
+    with pytest.raises(ValueError, match="model.hidden_size=32 differs"):
+        make_engine(
+            "torch",
+            model=other,
+            first_layer=0,
+            last_layer=1,
+            num_layers_total=2,
+            model_dir=tmp_path,
+        )
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    out = tmp_path_factory.mktemp("glm")
+    return out, save_random_checkpoint("glm_moe_dsa", out, num_layers=NUM_LAYERS, vocab_size=VOCAB)
+
+
+def test_dsa_selection_matters_and_reads_the_cached_indexer_keys(glm_dir, monkeypatch):
+    """Controls for GLM-5: with index_topk (8) below the context the indexer's choice changes
+    the logits (dense attention differs), and a reused prefix's indexer keys are read from
+    the paged indexer cache (corrupting them changes the reusing request)."""
+    model_dir, reference = glm_dir
+    tokens = [(7 * i + 3) % VOCAB for i in range(20)]
+    pipe = Pipeline(model_dir, [3, 2], 2)
+    pipe.add("a", 20)
+    assert close(pipe.run("a", tokens, 0, [20]), reference_logits(reference, tokens)) < ATOL
+    for engine in pipe.engines:
+        for layer in engine._layers:
+            if layer.indexer is not None:
+                monkeypatch.setattr(layer.indexer, "shape", replace(layer.indexer.shape, topk=64))
+    pipe.add("dense", 20)
+    assert close(pipe.run("dense", tokens, 0, [20]), reference_logits(reference, tokens)) > 1e-3
+    monkeypatch.undo()
+    second = tokens[:16] + [5, 6, 7]
+    pipe.add("b", len(second), share="a", shared_blocks=4)
+    for layer in pipe.engines[1]._layers:
+        if layer.indexer is not None:
+            for block in pipe.tables["a"][1][:4]:
+                layer.indexer.cache[block * 4 : (block + 1) * 4] *= -1.0
+    assert close(pipe.run("b", second, 16, [3]), reference_logits(reference, second)) > 1e-3
+
+
+def test_dsa_stage_must_begin_at_a_full_indexer_layer(glm_dir):
+    model_dir, _ = glm_dir
+    with pytest.raises(ValueError, match="begins at layer 2, a DSA 'shared' layer"):
+        Pipeline(model_dir, [2, 3], 2)

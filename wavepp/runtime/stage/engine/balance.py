@@ -1,0 +1,73 @@
+"""A checkpoint's per-layer cost and the stage split that balances it.
+
+Cost of a layer = the parameters one token multiplies through it (active parameters: all of
+its tensors except routed experts, plus ``top_k / num_experts`` of those), read from the
+safetensors headers (no tensor data). Linear FLOPs per token are twice that, so equal active
+parameters per stage means equal linear prefill compute per stage; the attention-score term
+(which grows with context) is not counted. MoE layers and dense first layers differ by several
+times in this cost (a DeepSeek-V3 MoE layer: ~0.6 G active, a dense one ~0.4 G), so a split by
+layer count is unbalanced where a split by cost is not. The embedding costs no FLOPs (a
+gather) and is not charged; ``lm_head`` is charged to the last stage for one token per request.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from wavepp.runtime.hf_config import read_hf_config
+from wavepp.runtime.model_config import balanced_partition
+from wavepp.runtime.stage.engine.architecture import Architecture
+from wavepp.runtime.stage.engine.checkpoint import CheckpointReader
+
+__all__ = ["checkpoint_partition", "layer_active_params"]
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\..*\.experts\.\d+\.")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def layer_active_params(model_dir: str | os.PathLike[str]) -> tuple[list[float], Architecture]:
+    """Active parameters per token of each decoder layer, and the architecture.
+
+    Raises:
+        ValueError: unreadable directory or config (see ``CheckpointReader``, ``read_hf_config``).
+    """
+    from safetensors import safe_open
+
+    arch = Architecture.from_hf(read_hf_config(model_dir))
+    reader = CheckpointReader(model_dir)
+    dense = [0.0] * arch.num_layers
+    experts = [0.0] * arch.num_layers
+    for file in sorted(set(reader.weight_map.values())):
+        with safe_open(str(Path(model_dir) / file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                m = _LAYER.match(name)
+                if not m or int(m.group(1)) >= arch.num_layers:
+                    continue
+                numel = 1
+                for dim in f.get_slice(name).get_shape():
+                    numel *= dim
+                target = experts if _EXPERT.match(name) else dense
+                target[int(m.group(1))] += numel
+    share = arch.moe.top_k / arch.moe.num_experts if arch.moe is not None else 0.0
+    return [d + share * e for d, e in zip(dense, experts, strict=True)], arch
+
+
+def checkpoint_partition(model_dir: str | os.PathLike[str], num_stages: int) -> list[int]:
+    """Layer counts per stage balancing active parameters (lm_head on the last stage),
+    beginning every stage where the family allows (a DSA 'full' indexer layer for GLM-5).
+
+    Raises:
+        ValueError: S out of range or no allowed split (names them).
+    """
+    costs, arch = layer_active_params(model_dir)
+    allowed = None
+    if arch.dsa is not None:
+        allowed = list(arch.indexer_full)
+    return balanced_partition(
+        costs,
+        num_stages,
+        allowed_starts=allowed,
+        last_extra=float(arch.vocab_size * arch.hidden_size),
+    )

@@ -1,0 +1,274 @@
+"""Torch stage engine over a Hugging Face checkpoint: Llama, DeepSeek-V3, MiniMax-M2, GLM-5,
+Kimi-Linear.
+
+Each decoder layer is ``h = h + attn(RMSNorm(h)); h = h + ffn(RMSNorm(h))`` with the attention
+and feed-forward blocks of its family (``architecture.py``, ``layers/``). Each attention layer
+owns its paged cache (K/V for GQA, the latent for MLA) over the stage's slots
+``num_blocks * block_size``; the block tables, slot mapping and masks are the shared
+``PreparedBatch`` (``base.py``), so chunking and prefix reuse work as for the Llama engine.
+
+The stage reads only its own tensors from the checkpoint (``checkpoint.py``); ``bytes_read``
+says how many bytes that was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from wavepp.runtime.hf_config import model_config_from_hf, read_hf_config
+from wavepp.runtime.model_config import ModelConfig
+from wavepp.runtime.stage.engine.architecture import Architecture
+from wavepp.runtime.stage.engine.base import (
+    ChunkSpec,
+    PagedStageEngineBase,
+    PreparedBatch,
+    StageOutput,
+)
+from wavepp.runtime.stage.engine.checkpoint import CheckpointReader, stage_tensor_names
+from wavepp.runtime.stage.engine.layers.common import rms_norm, rope_cos_sin
+from wavepp.runtime.stage.engine.layers.dsa import DSAIndexer
+from wavepp.runtime.stage.engine.layers.gqa import GQAAttention
+from wavepp.runtime.stage.engine.layers.kda import KDAAttention
+from wavepp.runtime.stage.engine.layers.mla import MLAAttention
+from wavepp.runtime.stage.engine.layers.moe import DenseMLP, SparseMoE
+from wavepp.runtime.stage.engine.torch_engine import TorchPreparedBatch, torch_dtype
+
+__all__ = ["CheckpointStageEngine"]
+
+
+class _Layer:
+    """One decoder layer: norms, attention block, feed-forward block."""
+
+    def __init__(self, arch: Architecture, index: int, get, interval: int) -> None:  # noqa: ANN001
+        p = f"model.layers.{index}."
+        d = arch.hidden_size
+        self.input_norm = get(p + "input_layernorm.weight", (d,))
+        self.post_norm = get(p + "post_attention_layernorm.weight", (d,))
+        self.attn: GQAAttention | MLAAttention | KDAAttention
+        if arch.is_linear(index):
+            assert arch.kda is not None
+            self.attn = KDAAttention(arch.kda, get, p + "self_attn.", interval)
+        elif arch.mla is not None:
+            self.attn = MLAAttention(arch.mla, get, p + "self_attn.")
+        else:
+            assert arch.gqa is not None
+            self.attn = GQAAttention(arch.gqa, get, p + "self_attn.")
+        self.indexer: DSAIndexer | None = None
+        if arch.dsa is not None and arch.indexer_full[index]:
+            self.indexer = DSAIndexer(arch.dsa, get, p + "self_attn.indexer.")
+        self.uses_dsa = arch.dsa is not None
+        if arch.is_moe(index):
+            assert arch.moe is not None
+            self.ffn: SparseMoE | DenseMLP = SparseMoE(arch.moe, get, p)
+        else:
+            self.ffn = DenseMLP(d, arch.dense_intermediate, get, p + arch.mlp_prefix)
+        self.eps = arch.eps
+
+    def forward(
+        self, h: torch.Tensor, batch: TorchPreparedBatch, shared: dict[str, object]
+    ) -> torch.Tensor:
+        """One layer; ``shared`` carries the DSA selection from a full layer to the shared
+        layers after it (within this stage and micro-batch)."""
+        x = rms_norm(h, self.input_norm, self.eps)
+        if self.uses_dsa:
+            assert isinstance(self.attn, MLAAttention)
+            q, q_resid = self.attn.queries(x, batch)
+            self.attn.write_latents(x, batch)
+            if self.indexer is not None:
+                assert q_resid is not None
+                shared["dsa_masks"] = self.indexer.select(x, q_resid, batch)
+            h = h + self.attn.attend_chunks(q, batch, shared["dsa_masks"])
+        else:
+            h = h + self.attn.forward(x, batch)
+        return h + self.ffn.forward(rms_norm(h, self.post_norm, self.eps))
+
+    def allocate(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.attn.allocate(num_slots, device, dtype)
+        if self.indexer is not None:
+            self.indexer.allocate(num_slots, device, dtype)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.attn.cache_bytes + (self.indexer.cache_bytes if self.indexer else 0)
+
+
+class CheckpointStageEngine(PagedStageEngineBase):
+    """Decoder layers ``[first_layer, last_layer)`` of a checkpoint over a paged cache."""
+
+    def __init__(
+        self,
+        *,
+        model: ModelConfig,
+        first_layer: int,
+        last_layer: int,
+        num_layers_total: int,
+        model_dir: str | os.PathLike[str],
+        device: torch.device | str = "cpu",
+        state_interval_blocks: int = 1,
+    ) -> None:
+        """Read ``model_dir/config.json`` and this stage's tensors.
+
+        Args:
+            model: the generic config (``hf_config.load_model_dir(model_dir)``, maybe with
+                another dtype); its layers, width and vocabulary must match config.json.
+            first_layer, last_layer, num_layers_total: this stage's layer range.
+            model_dir: the checkpoint directory.
+            device: "cpu" (float32 only) or a CUDA device.
+            state_interval_blocks: linear-attention (KDA) layers keep their recurrent state
+                after every k-th block of a request (``RuntimeConfig.state_interval_blocks``).
+
+        Raises:
+            ValueError: config.json disagrees with ``model``, an unsupported family, a dtype
+                other than float32 on CPU, or a missing / misshapen tensor (named).
+        """
+        super().__init__(
+            first_layer=first_layer,
+            last_layer=last_layer,
+            num_layers_total=num_layers_total,
+            device=device,
+        )
+        cfg = read_hf_config(model_dir)
+        derived = model_config_from_hf(cfg, name=model.name)
+        for field in ("architecture", "num_layers", "hidden_size", "vocab_size"):
+            if getattr(derived, field) != getattr(model, field):
+                raise ValueError(
+                    f"model.{field}={getattr(model, field)!r} differs from model_dir's "
+                    f"config.json ({getattr(derived, field)!r}); derive the model from it"
+                )
+        if state_interval_blocks < 1:
+            raise ValueError(f"state_interval_blocks={state_interval_blocks} must be >= 1")
+        if model.num_layers != num_layers_total:
+            raise ValueError(
+                f"num_layers_total={num_layers_total} differs from model.num_layers="
+                f"{model.num_layers}"
+            )
+        dtype = torch_dtype(model.dtype)
+        if self.device.type == "cpu" and dtype != torch.float32:
+            raise ValueError(f"model.dtype={model.dtype!r} on device 'cpu'; use float32 on CPU")
+        self.model = model
+        self.arch = Architecture.from_hf(cfg)
+        self.arch.check_stage_start(first_layer)
+        self.hidden_size = model.hidden_size
+        self.activation_dtype = dtype
+        self.reader = CheckpointReader(model_dir)
+        names = stage_tensor_names(
+            self.reader.weight_map,
+            first_layer,
+            last_layer,
+            model.num_layers,
+            tie_word_embeddings=self.arch.tie_word_embeddings,
+        )
+        tensors = self.reader.read(names)
+        used: set[str] = set()
+
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            if name not in tensors:
+                raise ValueError(f"model_dir={str(model_dir)!r} lacks tensor {name}")
+            t = tensors[name]
+            if tuple(t.shape) != shape:
+                raise ValueError(
+                    f"tensor {name} has shape {tuple(t.shape)}; config.json implies {shape}"
+                )
+            used.add(name)
+            return t.to(device=self.device, dtype=dtype).contiguous()
+
+        a = self.arch
+        self._embed = (
+            get("model.embed_tokens.weight", (a.vocab_size, a.hidden_size))
+            if self.is_first or (self.is_last and a.tie_word_embeddings)
+            else None
+        )
+        self._layers = [
+            _Layer(a, i, get, state_interval_blocks) for i in range(first_layer, last_layer)
+        ]
+        self._final_norm = get("model.norm.weight", (a.hidden_size,)) if self.is_last else None
+        self._lm_head = None
+        if self.is_last:
+            self._lm_head = (
+                self._embed
+                if a.tie_word_embeddings
+                else get("lm_head.weight", (a.vocab_size, a.hidden_size))
+            )
+        unused = sorted(set(names) - used)
+        if unused:
+            raise ValueError(
+                f"model_dir={str(model_dir)!r} has {len(unused)} tensors in layers "
+                f"[{first_layer}, {last_layer}) this engine does not use, e.g. {unused[:3]}"
+            )
+
+    @property
+    def bytes_read(self) -> int:
+        """Tensor bytes this stage read from the checkpoint."""
+        return self.reader.bytes_read
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        """Allocate every local layer's zeroed cache of num_blocks * block_size slots.
+
+        Bytes per token and layer: GQA 2 * kv_heads * head_dim * elem; MLA (kv_lora_rank +
+        qk_rope_head_dim) * elem, plus index_head_dim * elem in a DSA full layer.
+
+        Raises:
+            ValueError: num_blocks or block_size < 1.
+        """
+        super().allocate_kv(num_blocks, block_size)
+        for layer in self._layers:
+            layer.allocate(num_blocks * block_size, self.device, self.activation_dtype)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the allocated caches (0 before allocate_kv)."""
+        return sum(layer.cache_bytes for layer in self._layers)
+
+    def prepare(self, chunks: Sequence[ChunkSpec]) -> TorchPreparedBatch:
+        """Block tables, slots, positions, RoPE tables ([T, rotary_dim]) and causal masks.
+
+        Raises:
+            ValueError: a chunk field is invalid (see ``build_prepared_batch``).
+            RuntimeError: allocate_kv has not run.
+        """
+        base = self._prepare_common(
+            chunks, vocab_size=self.model.vocab_size, max_position=self.model.max_position
+        )
+        cos, sin = rope_cos_sin(
+            base.positions, self.arch.rotary_dim, self.arch.rope_theta, self.activation_dtype
+        )
+        masks = []
+        for chunk in base.chunks:
+            key_pos = torch.arange(chunk.context_end, device=self.device)
+            query_pos = torch.arange(chunk.context_offset, chunk.context_end, device=self.device)
+            masks.append(key_pos[None, :] <= query_pos[:, None])
+        return TorchPreparedBatch(
+            **base.base_fields(), rope_cos=cos, rope_sin=sin, attn_masks=tuple(masks)
+        )
+
+    @torch.inference_mode()
+    def execute(self, prepared: PreparedBatch, hidden_in: torch.Tensor | None) -> StageOutput:
+        """Run this stage's layers (see ``TorchStageEngine.execute`` for the contract)."""
+        self._check_execute_args(prepared, hidden_in)
+        if not isinstance(prepared, TorchPreparedBatch):
+            raise ValueError("prepared is not a TorchPreparedBatch; use this engine's prepare()")
+        if self.is_first:
+            assert self._embed is not None and prepared.token_ids is not None
+            h = F.embedding(prepared.token_ids, self._embed)
+        else:
+            assert hidden_in is not None
+            h = hidden_in.to(device=self.device, dtype=self.activation_dtype)
+        shared: dict[str, object] = {}
+        for layer in self._layers:
+            h = layer.forward(h, prepared, shared)
+        if not self.is_last:
+            return StageOutput(hidden=h)
+        assert self._final_norm is not None and self._lm_head is not None
+        if not prepared.logits_rows:
+            return StageOutput(hidden=None)
+        rows = torch.tensor([r for _, r in prepared.logits_rows], device=self.device)
+        x = rms_norm(h[rows], self._final_norm, self.arch.eps)
+        logits = F.linear(x, self._lm_head).to(torch.float32)
+        return StageOutput(
+            hidden=None,
+            last_token_logits={rid: logits[i] for i, (rid, _) in enumerate(prepared.logits_rows)},
+        )

@@ -1,0 +1,13 @@
+"""Decoder-layer families of the checkpoint engine (``engine/checkpoint_engine.py``).
+
+One module per family, each a plain class holding its stage-local weights (no ``nn.Module``):
+
+| module       | what                                                                   |
+| ------------ | ---------------------------------------------------------------------- |
+| ``common``   | RMSNorm, RoPE tables (rotate-half and interleaved), paged attention     |
+| ``gqa``      | grouped-query attention over a paged K/V cache (Llama, MiniMax-M2)      |
+| ``mla``      | multi-head latent attention over a paged *latent* cache (DeepSeek-V3)   |
+| ``dsa``      | GLM-5's sparse-attention indexer, its key cache paged beside the latent |
+| ``kda``      | Kimi-Linear's KDA layer, its recurrent state stored per k blocks         |
+| ``moe``      | dense SwiGLU MLP and routed + shared experts (DeepSeek, MiniMax, Kimi)  |
+"""

@@ -1,0 +1,111 @@
+"""Pieces every layer family shares: RMSNorm, RoPE and attention over gathered paged keys.
+
+Attention here reads a chunk's whole context ``[0, L + x)`` through its ``key_slots`` (the
+gather index into a paged cache, see ``engine/base.py``) after the chunk's new tokens were
+written, so a cached prefix and the chunk's own tokens are read the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "WeightGetter",
+    "attend",
+    "apply_rope_interleaved",
+    "apply_rope_rotate_half",
+    "rms_norm",
+    "rope_cos_sin",
+]
+
+# NOTE: name -> tensor of this stage (already on the engine's device and dtype); raises
+# ValueError naming the checkpoint tensor when it is absent or of the wrong shape.
+WeightGetter = Callable[[str, tuple[int, ...]], torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 as Hugging Face's ``*RMSNorm`` modules (weight * x_hat)."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` of shape [T, rotary_dim] (HF layout: the half-size table repeated twice).
+
+    Args:
+        positions: [T] int64 token positions.
+        rotary_dim: rotated dimensions (even).
+        theta: RoPE base (``rope_parameters.rope_theta``).
+        dtype: output dtype (the activations').
+    """
+    inv_freq = 1.0 / (
+        theta
+        ** (
+            torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device)
+            / rotary_dim
+        )
+    )
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` dims of ``x`` [T, heads, d] (rotate-half layout);
+    the rest pass through (partial rotary, as MiniMax-M2)."""
+    rd = cos.shape[-1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    rot = x[..., :rd] * c + _rotate_half(x[..., :rd]) * s
+    if rd == x.shape[-1]:
+        return rot
+    return torch.cat((rot, x[..., rd:]), dim=-1)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on pairs ``(x0, x1), (x2, x3), ...`` of ``x`` [T, heads, d], output de-interleaved
+    (evens' rotations then odds'), exactly HF's ``apply_rotary_pos_emb_interleave``."""
+    half = cos.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Softmax attention of one chunk.
+
+    Args:
+        q: [x, heads, d_qk] queries.
+        k: [L + x, kv_heads, d_qk] keys (kv_heads divides heads).
+        v: [L + x, kv_heads, d_v] values.
+        mask: [x, L + x] bool, True where a query may attend a key.
+        scale: softmax scale.
+
+    Returns:
+        [x, heads, d_v].
+    """
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return out[0].transpose(0, 1)

@@ -1,0 +1,118 @@
+"""Grouped-query attention over a paged K/V cache: Llama and MiniMax-M2.
+
+Per layer, for ``x`` = the input-normed activations [T, hidden]::
+
+    q, k, v = x Wq^T, x Wk^T, x Wv^T
+    MiniMax-M2 only: q = RMSNorm(q) over all heads at once, k = RMSNorm(k)   (qk_norm)
+    q, k = RoPE(q, k) on the first rotary_dim dims (rotate-half), the rest pass through
+    cache[slot_mapping] = k, v;  per chunk: softmax(q K^T * head_dim^-0.5 + causal) V
+    out = o Wo^T
+
+Sources: HF ``modeling_llama`` and ``modeling_minimax_m2`` (``MiniMaxM2Attention``: q_norm and
+k_norm are RMSNorms of width heads * head_dim; partial rotary from ``partial_rotary_factor``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from wavepp.runtime.stage.engine.layers.common import (
+    WeightGetter,
+    apply_rope_rotate_half,
+    attend,
+    rms_norm,
+)
+
+__all__ = ["GQAAttention", "GQAShape"]
+
+
+@dataclass(frozen=True)
+class GQAShape:
+    """Shape of one GQA attention block.
+
+    Attributes:
+        hidden_size: model width.
+        num_heads, num_kv_heads, head_dim: query heads, K/V heads, per-head width.
+        rotary_dim: rotated dims of each head (<= head_dim, even).
+        qk_norm: MiniMax-M2's RMSNorm on q and k (whole projection width).
+        eps: RMSNorm epsilon.
+    """
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    qk_norm: bool
+    eps: float
+
+
+class GQAAttention:
+    """One layer's GQA weights and its paged K/V cache
+    ``[2 (K, V), num_blocks * block_size, num_kv_heads, head_dim]``."""
+
+    def __init__(self, shape: GQAShape, get: WeightGetter, prefix: str) -> None:
+        """Load ``{prefix}{q,k,v,o}_proj.weight`` (and ``q_norm``/``k_norm`` with qk_norm).
+
+        Raises:
+            ValueError: a tensor is missing or has the wrong shape (from ``get``).
+        """
+        s = shape
+        self.shape = s
+        q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.qkv = torch.cat(
+            [
+                get(prefix + "q_proj.weight", (q_dim, s.hidden_size)),
+                get(prefix + "k_proj.weight", (kv_dim, s.hidden_size)),
+                get(prefix + "v_proj.weight", (kv_dim, s.hidden_size)),
+            ]
+        )
+        self.o = get(prefix + "o_proj.weight", (s.hidden_size, q_dim))
+        self.q_norm = get(prefix + "q_norm.weight", (q_dim,)) if s.qk_norm else None
+        self.k_norm = get(prefix + "k_norm.weight", (kv_dim,)) if s.qk_norm else None
+        self.cache: torch.Tensor | None = None
+
+    def allocate(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Allocate a zeroed cache of ``num_slots`` token slots (drops the old one)."""
+        s = self.shape
+        self.cache = torch.zeros(
+            (2, num_slots, s.num_kv_heads, s.head_dim), device=device, dtype=dtype
+        )
+
+    def forward(self, x: torch.Tensor, p) -> torch.Tensor:  # noqa: ANN001 (TorchPreparedBatch)
+        """[T, hidden] normed activations -> [T, hidden] attention output (before residual)."""
+        s = self.shape
+        assert self.cache is not None, "allocate() runs before forward()"
+        num_tokens = x.shape[0]
+        q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q, k, v = F.linear(x, self.qkv).split([q_dim, kv_dim, kv_dim], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = rms_norm(q, self.q_norm, s.eps)
+            k = rms_norm(k, self.k_norm, s.eps)
+        q = apply_rope_rotate_half(
+            q.view(num_tokens, s.num_heads, s.head_dim), p.rope_cos, p.rope_sin
+        )
+        k = apply_rope_rotate_half(
+            k.view(num_tokens, s.num_kv_heads, s.head_dim), p.rope_cos, p.rope_sin
+        )
+        v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
+        self.cache[0].index_copy_(0, p.slot_mapping, k)
+        self.cache[1].index_copy_(0, p.slot_mapping, v)
+        out = torch.empty_like(q)
+        scale = s.head_dim**-0.5
+        for chunk, start, key_slots, mask in zip(
+            p.chunks, p.row_starts, p.key_slots, p.attn_masks, strict=True
+        ):
+            end = start + chunk.num_tokens
+            out[start:end] = attend(
+                q[start:end], self.cache[0][key_slots], self.cache[1][key_slots], mask, scale
+            )
+        return F.linear(out.reshape(num_tokens, q_dim), self.o)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the allocated cache (0 before allocate)."""
+        return 0 if self.cache is None else self.cache.numel() * self.cache.element_size()

@@ -1,0 +1,180 @@
+"""Multi-head latent attention (MLA) over a paged *latent* cache: DeepSeek-V3, GLM-5.
+
+Per layer, for ``x`` = the input-normed activations [T, hidden]::
+
+    q = x Wq^T                          or, with q_lora_rank:  q = RMSNorm(x Wqa^T) Wqb^T
+    q -> [T, H, d_nope + d_rope];  q_nope, q_rot = split
+    c, k_rot = split(x Wkva^T, [kv_lora_rank, d_rope]);  c = RMSNorm(c)
+    q_rot, k_rot = RoPE(q_rot, k_rot)   (interleaved pairs, or rotate-half)
+    cache[slot_mapping] = [c | k_rot]   the latent, (kv_lora_rank + d_rope) values per token
+    per chunk: gather the context's latents, expand: [k_nope | v] = c Wkvb^T per head,
+               k = [k_nope | k_rot (shared by all heads)],  o = softmax(q k^T * scale + mask) v
+    out = o Wo^T
+
+The cache holds the compressed latent, not expanded K/V: (kv_lora_rank + d_rope) values per
+token and layer against 2 * H * d_head for MHA. Expansion happens per chunk over its context
+(the "MHA mode" of vLLM's MLA prefill; the absorbed "MQA mode" is not implemented).
+Sources: DeepSeek-V2 paper sec. 2.1; HF ``modeling_deepseek_v3.DeepseekV3Attention`` and
+``modeling_glm_moe_dsa.GlmMoeDsaAttention``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from wavepp.runtime.stage.engine.layers.common import (
+    WeightGetter,
+    apply_rope_interleaved,
+    apply_rope_rotate_half,
+    attend,
+    rms_norm,
+)
+
+__all__ = ["MLAAttention", "MLAShape"]
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Shape of one MLA block (HF ``DeepseekV3Config`` names).
+
+    Attributes:
+        hidden_size, num_heads: model width, attention heads H.
+        q_lora_rank: rank of the query compression, or None (a plain ``q_proj``).
+        kv_lora_rank: width of the cached latent c.
+        qk_nope_head_dim, qk_rope_head_dim, v_head_dim: per-head widths.
+        rope_interleave: RoPE on interleaved pairs (DeepSeek weights, GLM) or rotate-half.
+        eps: RMSNorm epsilon of ``q_a_layernorm`` / ``kv_a_layernorm`` (HF: 1e-6 fixed).
+    """
+
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    eps: float = 1e-6
+    # NOTE: Kimi-Linear's MLA applies no positional encoding (the rope dims pass unrotated).
+    use_rope: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        """d_nope + d_rope: query/key width per head."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Cached values per token: kv_lora_rank + d_rope."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def _no_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    del cos, sin
+    return x
+
+
+class MLAAttention:
+    """One layer's MLA weights and its paged latent cache ``[num_slots, latent_dim]``."""
+
+    def __init__(self, shape: MLAShape, get: WeightGetter, prefix: str) -> None:
+        """Load ``{prefix}q_a_proj / q_a_layernorm / q_b_proj`` (or ``q_proj``),
+        ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj`` and ``o_proj`` weights.
+
+        Raises:
+            ValueError: a tensor is missing or has the wrong shape (from ``get``).
+        """
+        s = shape
+        self.shape = s
+        hq = s.num_heads * s.qk_head_dim
+        if s.q_lora_rank is None:
+            self.q_a = self.q_a_norm = None
+            self.q_b = get(prefix + "q_proj.weight", (hq, s.hidden_size))
+        else:
+            self.q_a = get(prefix + "q_a_proj.weight", (s.q_lora_rank, s.hidden_size))
+            self.q_a_norm = get(prefix + "q_a_layernorm.weight", (s.q_lora_rank,))
+            self.q_b = get(prefix + "q_b_proj.weight", (hq, s.q_lora_rank))
+        self.kv_a = get(prefix + "kv_a_proj_with_mqa.weight", (s.latent_dim, s.hidden_size))
+        self.kv_a_norm = get(prefix + "kv_a_layernorm.weight", (s.kv_lora_rank,))
+        self.kv_b = get(
+            prefix + "kv_b_proj.weight",
+            (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank),
+        )
+        self.o = get(prefix + "o_proj.weight", (s.hidden_size, s.num_heads * s.v_head_dim))
+        self.cache: torch.Tensor | None = None
+        self._rope = apply_rope_interleaved if s.rope_interleave else apply_rope_rotate_half
+        if not s.use_rope:
+            self._rope = _no_rope
+
+    def allocate(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Allocate a zeroed latent cache of ``num_slots`` token slots (drops the old one)."""
+        self.cache = torch.zeros((num_slots, self.shape.latent_dim), device=device, dtype=dtype)
+
+    def queries(self, x: torch.Tensor, p) -> tuple[torch.Tensor, torch.Tensor | None]:  # noqa: ANN001
+        """[T, H, qk_head_dim] roped queries, and the normed q latent (None without q_lora)."""
+        s = self.shape
+        if self.q_a is None:
+            q_resid = None
+            q = F.linear(x, self.q_b)
+        else:
+            q_resid = rms_norm(F.linear(x, self.q_a), self.q_a_norm, s.eps)
+            q = F.linear(q_resid, self.q_b)
+        q = q.view(x.shape[0], s.num_heads, s.qk_head_dim)
+        q_nope, q_rot = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
+        q_rot = self._rope(q_rot, p.rope_cos, p.rope_sin)
+        return torch.cat((q_nope, q_rot), dim=-1), q_resid
+
+    def write_latents(self, x: torch.Tensor, p) -> None:  # noqa: ANN001
+        """Compute the new tokens' latents ``[RMSNorm(c) | RoPE(k_rot)]`` and write them."""
+        s = self.shape
+        assert self.cache is not None, "allocate() runs before forward()"
+        c, k_rot = F.linear(x, self.kv_a).split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
+        c = rms_norm(c, self.kv_a_norm, s.eps)
+        k_rot = self._rope(k_rot[:, None, :], p.rope_cos, p.rope_sin)[:, 0]
+        self.cache.index_copy_(0, p.slot_mapping, torch.cat((c, k_rot), dim=-1))
+
+    def expand(self, key_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [n, H, qk_head_dim] and values [n, H, v_head_dim] of the cached slots."""
+        s = self.shape
+        assert self.cache is not None
+        latent = self.cache[key_slots]
+        c, k_rot = latent.split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
+        kv = F.linear(c, self.kv_b).view(-1, s.num_heads, s.qk_nope_head_dim + s.v_head_dim)
+        k_nope, v = kv.split([s.qk_nope_head_dim, s.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, k_rot[:, None, :].expand(-1, s.num_heads, -1)), dim=-1)
+        return k, v
+
+    def forward(self, x: torch.Tensor, p, masks=None) -> torch.Tensor:  # noqa: ANN001
+        """[T, hidden] normed activations -> [T, hidden] attention output (before residual).
+
+        Args:
+            x: activations after ``input_layernorm``.
+            p: the prepared batch (``TorchPreparedBatch``).
+            masks: per chunk [x_i, L_i + x_i] bool masks replacing ``p.attn_masks`` (the DSA
+                top-k selection); None: causal.
+        """
+        q, _ = self.queries(x, p)
+        self.write_latents(x, p)
+        return self.attend_chunks(q, p, p.attn_masks if masks is None else masks)
+
+    def attend_chunks(self, q: torch.Tensor, p, masks) -> torch.Tensor:  # noqa: ANN001
+        """Attention of every chunk over its gathered, expanded context, then ``o_proj``."""
+        s = self.shape
+        num_tokens = q.shape[0]
+        out = q.new_empty((num_tokens, s.num_heads, s.v_head_dim))
+        scale = s.qk_head_dim**-0.5
+        for chunk, start, key_slots, mask in zip(
+            p.chunks, p.row_starts, p.key_slots, masks, strict=True
+        ):
+            end = start + chunk.num_tokens
+            k, v = self.expand(key_slots)
+            out[start:end] = attend(q[start:end], k, v, mask, scale)
+        return F.linear(out.reshape(num_tokens, -1), self.o)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the allocated latent cache (0 before allocate)."""
+        return 0 if self.cache is None else self.cache.numel() * self.cache.element_size()

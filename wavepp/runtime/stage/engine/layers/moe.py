@@ -1,0 +1,159 @@
+"""Feed-forward blocks: dense SwiGLU and mixture-of-experts (DeepSeek-V3/GLM-5, MiniMax-M2).
+
+Dense: ``down(silu(gate(x)) * up(x))``.
+
+MoE, for ``x`` = the post-attention-normed activations [T, hidden]::
+
+    logits = x Wr^T (float32);  s = sigmoid(logits);  choice = s + e_score_correction_bias
+    grouped (DeepSeek/GLM, n_group > 1): group score = sum of its top-2 choice scores; keep
+        the top ``topk_group`` groups, mask the other experts' choice to -inf
+    idx = top-k(choice);  w = s[idx]  (the unbiased score);  w /= sum(w) when norm_topk_prob
+    w *= routed_scaling_factor (DeepSeek/GLM)
+    out = sum_j w_j * expert_{idx_j}(x)  +  shared_experts(x)  (DeepSeek/GLM; MiniMax has none)
+
+Routing is per token, so a token's output does not depend on which chunk or micro-batch it is
+in. Sources: DeepSeek-V3 report sec. 2.1.2; HF ``DeepseekV3TopkRouter``, ``DeepseekV3MoE``,
+``MiniMaxM2TopKRouter``, ``MiniMaxM2SparseMoeBlock``; experts applied as HF's eager
+``*Experts.forward`` (one matmul per hit expert, ``index_add_``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from wavepp.runtime.stage.engine.layers.common import WeightGetter
+
+__all__ = ["NAMING", "DenseMLP", "MoEShape", "SparseMoE"]
+
+# style -> (block prefix, (gate, up, down) expert names, score-correction bias name)
+NAMING: dict[str, tuple[str, tuple[str, str, str], str]] = {
+    "deepseek": ("mlp.", ("gate_proj", "up_proj", "down_proj"), "gate.e_score_correction_bias"),
+    "minimax": ("block_sparse_moe.", ("w1", "w3", "w2"), "e_score_correction_bias"),
+    "kimi": ("block_sparse_moe.", ("w1", "w3", "w2"), "gate.e_score_correction_bias"),
+}
+
+
+class DenseMLP:
+    """SwiGLU MLP: ``{prefix}gate_proj``, ``up_proj``, ``down_proj`` (gate/up fused)."""
+
+    def __init__(self, hidden_size: int, intermediate: int, get: WeightGetter, prefix: str) -> None:
+        self.gate_up = torch.cat(
+            [
+                get(prefix + "gate_proj.weight", (intermediate, hidden_size)),
+                get(prefix + "up_proj.weight", (intermediate, hidden_size)),
+            ]
+        )
+        self.down = get(prefix + "down_proj.weight", (hidden_size, intermediate))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, hidden]."""
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """Shape and routing of one MoE block.
+
+    Attributes:
+        hidden_size: model width.
+        num_experts, top_k: routed experts and experts per token.
+        expert_intermediate: each expert's FFN width.
+        n_group, topk_group: grouped routing (1, 1 = plain top-k).
+        norm_topk_prob: renormalise the chosen weights to sum 1.
+        routed_scaling_factor: multiplier of the routed weights.
+        shared_intermediate: width of the fused shared experts (0 = none).
+        style: checkpoint naming (see ``NAMING``): ``"deepseek"`` (``mlp.experts.{e}.gate_proj``,
+            bias in ``mlp.gate``), ``"minimax"`` (``block_sparse_moe.experts.{e}.w1/w3/w2``, bias
+            in ``block_sparse_moe``) or ``"kimi"`` (``block_sparse_moe``, w1/w3/w2, bias in
+            ``gate``).
+    """
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    expert_intermediate: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    shared_intermediate: int
+    style: str
+
+
+class SparseMoE:
+    """Router, routed experts and shared experts of one MoE layer."""
+
+    def __init__(self, shape: MoEShape, get: WeightGetter, layer_prefix: str) -> None:
+        """Load the router, its score-correction bias, every expert and the shared experts.
+
+        Args:
+            shape: the block's shape.
+            get: the stage's weight getter.
+            layer_prefix: ``model.layers.{i}.``.
+
+        Raises:
+            ValueError: a tensor is missing or has the wrong shape (from ``get``).
+        """
+        s = shape
+        self.shape = s
+        d, f, e = s.hidden_size, s.expert_intermediate, s.num_experts
+        block, names, bias = NAMING[s.style]
+        p = layer_prefix + block
+        self.router = get(p + "gate.weight", (e, d)).float()
+        self.bias = get(p + bias, (e,)).float()
+        gate_up, down = [], []
+        for j in range(e):
+            q = f"{p}experts.{j}."
+            gate_up.append(
+                torch.cat(
+                    [get(q + names[0] + ".weight", (f, d)), get(q + names[1] + ".weight", (f, d))]
+                )
+            )
+            down.append(get(q + names[2] + ".weight", (d, f)))
+        self.gate_up = torch.stack(gate_up)  # [E, 2f, d]
+        self.down = torch.stack(down)  # [E, d, f]
+        self.shared = (
+            DenseMLP(d, s.shared_intermediate, get, p + "shared_experts.")
+            if s.shared_intermediate > 0
+            else None
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert ids [n, k] (int64) and their weights [n, k] (float32) per token."""
+        s = self.shape
+        scores = F.linear(x.to(torch.float32), self.router).sigmoid()
+        choice = scores + self.bias
+        if s.n_group > 1:
+            group_scores = (
+                choice.view(-1, s.n_group, s.num_experts // s.n_group).topk(2, dim=-1)[0].sum(-1)
+            )
+            group_idx = torch.topk(group_scores, k=s.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+            keep = (
+                group_mask.unsqueeze(-1)
+                .expand(-1, s.n_group, s.num_experts // s.n_group)
+                .reshape(-1, s.num_experts)
+            )
+            choice = choice.masked_fill(~keep.bool(), float("-inf"))
+        idx = torch.topk(choice, k=s.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, idx)
+        if s.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, weights * s.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, hidden]: routed experts' weighted sum plus the shared experts."""
+        idx, weights = self.route(x)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(idx).tolist():
+            token, slot = torch.where(idx == expert)
+            gate, up = F.linear(x[token], self.gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[expert])
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        if self.shared is not None:
+            out = out + self.shared.forward(x)
+        return out
