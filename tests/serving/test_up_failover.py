@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import UpService, start_up, stop_up
 from prometheus_client.parser import text_string_to_metric_families
+from up_support import UpService, start_up, stop_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

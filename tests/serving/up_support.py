@@ -1,0 +1,100 @@
+"""`wavepp up` as a real process tree for the tests: start it, read its endpoint, stop it.
+
+A module of its own (not conftest) so that test files import it by a name no other test folder
+uses (tests/operator has a conftest too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from wavepp.runtime.transport.natsio import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class UpService:
+    proc: subprocess.Popen[str]
+    endpoint: str
+    state_dir: Path
+    lines: list[str]
+
+    def processes(self) -> dict:
+        return json.loads((self.state_dir / "processes.json").read_text())
+
+
+def build_tokenizer(directory: Path, vocab_size: int = 200) -> Path:
+    """A word-level tokenizer on local disk: words w0..w{vocab_size-2} and [UNK]."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(vocab_size - 1)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def start_up(
+    tmp: Path, spec: dict, extra_args: list[str] = (), timeout_s: float = 120.0
+) -> UpService:
+    """Start `wavepp up`; wait for its 'serving' line; fail fast (with the output) if it exits."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = tmp / "pipeline.yaml"
+    config.write_text(yaml.safe_dump(spec))
+    port = free_port()
+    state_dir = tmp / "state"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wavepp.cli", "up", "--config", str(config), "--port", str(port),
+         "--state-dir", str(state_dir), *extra_args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )  # fmt: skip
+    lines: list[str] = []
+    serving = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "wavepp up: serving" in line:
+                serving.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not serving.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_up(proc)
+            pytest.fail("wavepp up did not come up:\n" + "".join(lines[-40:]))
+    match = re.search(r"serving (http://\S+)", "".join(lines))
+    assert match, "".join(lines)
+    return UpService(proc, match.group(1), state_dir, lines)
+
+
+def stop_up(proc: subprocess.Popen[str]) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(10)
+    return proc.returncode
