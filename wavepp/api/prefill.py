@@ -1,6 +1,6 @@
 """Messages and names shared by the gateway and the admission service (``wavepp admission``).
 
-Subjects and JetStream objects (``{p}`` = a replica's subject prefix ``wavepp.{pipeline}``,
+Subjects and JetStream objects (``{p}`` = a replica's subject prefix ``wavepp.{ns}.{pipeline}``,
 ``{pool}`` = the pool's name, ``{key}`` = ``{tenant}.{request_id}``):
 
 | name                                  | kind                  | payload / use                       |

@@ -40,7 +40,7 @@ async def _one_setting(
     block_size: int,
     tag: str,
 ) -> dict[str, Any]:
-    prefix = replica_prefix(f"admbench{tag}")
+    prefix = replica_prefix(f"admbench{tag}", namespace="bench")
     num_blocks = 4 * num_requests * (num_prompt_tokens // block_size + 1)
     async with contextlib.AsyncExitStack() as stack:
         stage_conns = []

@@ -91,8 +91,10 @@ def run(args: argparse.Namespace) -> int:
         apply_nats_tls(args)
         check_port("--port", args.port)
     except ArgError as exc:
+        from wavepp.api.spec import CONFIG_EXIT_CODE
+
         print(f"wavepp admission: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_EXIT_CODE
     if args.ack_wait_s <= 0:
         print(f"wavepp admission: --ack-wait-s {args.ack_wait_s}: must be > 0", file=sys.stderr)
         return 2

@@ -93,7 +93,11 @@ def pool_replicas(pool_doc: dict[str, Any], num_spec_replicas: int) -> list[int]
 
 
 def gateway_config_from_spec(
-    spec: WavePipelineSpec, pool_doc: dict[str, Any], *, routing: str | None = None
+    spec: WavePipelineSpec,
+    pool_doc: dict[str, Any],
+    *,
+    routing: str | None = None,
+    namespace: str = "local",
 ) -> GatewayConfig:
     """The gateway's configuration from the resolved spec and the operator's ``pool.json``.
 
@@ -107,6 +111,7 @@ def gateway_config_from_spec(
         spec: the resolved spec.
         pool_doc: the parsed ``pool.json``.
         routing: routing policy override (None: ``prefix``).
+        namespace: the pool's namespace (``$WAVEPP_NAMESPACE``), in every NATS name.
 
     Returns:
         A validated GatewayConfig.
@@ -123,7 +128,7 @@ def gateway_config_from_spec(
     if not isinstance(pool, str) or not pool:
         raise ValueError(f"pool.json pipeline: {pool!r} is not a pool name")
     replicas = pool_replicas(pool_doc, spec.num_replicas)
-    first = runtime_configs_from_spec(spec, pool=pool)[0]
+    first = runtime_configs_from_spec(spec, pool=pool, namespace=namespace)[0]
     max_prompt_tokens = min(
         min(first.kv_blocks_of(r) for r in range(first.num_stages)) * first.block_size,
         first.model.max_position,
@@ -137,6 +142,7 @@ def gateway_config_from_spec(
     extra = {"routing": routing} if routing else {}
     return GatewayConfig(
         pool=pool,
+        namespace=namespace,
         replicas=[
             ReplicaInfo(pipeline=replica_pipeline_name(pool, i), num_stages=first.num_stages)
             for i in replicas
@@ -153,7 +159,7 @@ def gateway_config_from_spec(
 
 def _config_from_args(args: argparse.Namespace) -> GatewayConfig:
     from wavepp.api.spec import load_spec_file
-    from wavepp.cmd.stage import ArgError
+    from wavepp.cmd.stage import NAMESPACE_ENV, ArgError
     from wavepp.gateway.core import GatewayConfig
 
     if args.gateway_config:
@@ -174,7 +180,12 @@ def _config_from_args(args: argparse.Namespace) -> GatewayConfig:
         spec = load_spec_file(args.config).resolved(
             default_image="local", default_nats_url=args.nats_url
         )
-        config = gateway_config_from_spec(spec, pool_doc, routing=args.routing)
+        config = gateway_config_from_spec(
+            spec,
+            pool_doc,
+            routing=args.routing,
+            namespace=os.environ.get(NAMESPACE_ENV) or "local",
+        )
     except ValueError as exc:
         raise ArgError(f"--config {args.config} / --pool {args.pool}: {exc}") from exc
     return _override(config, args)
@@ -206,8 +217,10 @@ def run(args: argparse.Namespace) -> int:
         check_creds(args.nats_creds)
         apply_nats_tls(args)
     except ArgError as exc:
+        from wavepp.api.spec import CONFIG_EXIT_CODE
+
         print(f"wavepp gateway: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_EXIT_CODE
     if not 0 < args.port < 65536:
         print(f"wavepp gateway: --port {args.port}: must be in [1, 65535]", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ request after validation::
     -> tenant limits (429)
     -> fair-share queue (a slot among max_outstanding_per_replica x replicas in the pool)
     -> router: replica with the longest reusable prefix (ties: least loaded)
-    -> JetStream publish {p}.intake, Nats-Msg-Id = key -> wait for wavepp.{pool}.result.{key}
+    -> JetStream publish {p}.intake, Nats-Msg-Id = key -> wait for wavepp.{ns}.{pool}.result.{key}
        (the replica leaves the pool meanwhile: publish to another replica)
 """
 
@@ -58,6 +58,9 @@ class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     pool: str
+    # NOTE: the pool's Kubernetes namespace ($WAVEPP_NAMESPACE; "local" for wavepp up): part of
+    # every subject, stream and bucket name (wavepp.api.subjects).
+    namespace: str = Field("local", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
     replicas: list[ReplicaInfo] = Field(min_length=1)
     model_name: str
     model_id: str
@@ -116,20 +119,26 @@ class Gateway:
 
     async def start(self) -> None:
         for replica in self.config.replicas:
-            await ensure_intake(self.js, replica.pipeline)
-        self._kv = await ensure_results(self.js, self.config.pool)
+            await ensure_intake(self.js, replica.pipeline, namespace=self.config.namespace)
+        self._kv = await ensure_results(self.js, self.config.pool, namespace=self.config.namespace)
         self._subs.append(
             await self.nc.subscribe(
-                result_subject(self.config.pool, "*.*").replace("*.*", ">"), cb=self._on_result
+                result_subject(self.config.pool, ">", namespace=self.config.namespace),
+                cb=self._on_result,
             )
         )
         for replica in self.config.replicas:
             self._subs.append(
-                await self.nc.subscribe(heartbeat_subject(replica.pipeline), cb=self._on_heartbeat)
+                await self.nc.subscribe(
+                    heartbeat_subject(replica.pipeline, namespace=self.config.namespace),
+                    cb=self._on_heartbeat,
+                )
             )
             self._subs.append(
                 await self.nc.subscribe(
-                    ReplicaSubjects(replica_prefix(replica.pipeline)).kv_events("*"),
+                    ReplicaSubjects(
+                        replica_prefix(replica.pipeline, namespace=self.config.namespace)
+                    ).kv_events("*"),
                     cb=self._on_kv_events,
                 )
             )
@@ -333,9 +342,9 @@ class Gateway:
                 replica.num_outstanding += 1
                 try:
                     ack = await self.js.publish(
-                        intake_subject(replica.name),
+                        intake_subject(replica.name, namespace=self.config.namespace),
                         data,
-                        stream=intake_stream(replica.name),
+                        stream=intake_stream(replica.name, namespace=self.config.namespace),
                         headers={"Nats-Msg-Id": intake.key},
                     )
                     if ack.duplicate:

@@ -12,7 +12,7 @@ Errors are JSON ``{"error": {"field", "message", "limit"?}}``: 400 malformed or 
 403 unknown tenant, 404 wrong model, 422 text without a tokenizer, 429 over a tenant limit or
 past the gateway's queue limit (``field`` ``queue``, ``limit`` = ``max_queued_requests``; both
 with ``Retry-After``), 503 intake unavailable, 504 no answer in time. The NATS API on
-``wavepp.{pool}.prefill`` (queue group ``gateway``) takes the ``/v1/prefill`` body and answers
+``wavepp.{ns}.{pool}.prefill`` (queue group ``gateway``) takes the ``/v1/prefill`` body and answers
 ``{"status": code, "body": ...}``.
 """
 
@@ -228,7 +228,9 @@ class GatewayServer:
 
     async def subscribe_nats(self) -> None:
         await self.gateway.nc.subscribe(
-            prefill_subject(self.gateway.config.pool), queue="gateway", cb=self._on_nats
+            prefill_subject(self.gateway.config.pool, namespace=self.gateway.config.namespace),
+            queue="gateway",
+            cb=self._on_nats,
         )
 
     async def _on_nats(self, msg: Msg) -> None:

@@ -38,7 +38,7 @@ ANNOTATION_SPEC_HASH = "wavepp.dev/spec-hash"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (k8s >= 1.28)
 
 # Spec fields that do not change what a replica's processes run: editing them never rolls.
-_NOT_HASHED = ("replicas", "autoscaling", "restartBudget", "rollout")
+_NOT_HASHED = ("replicas", "autoscaling", "restartBudget", "rollout", "networkPolicy")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 from wavepp.api.spec import ReplicaStatus, SpecIssue, StageStatus, WavePipelineSpec
 from wavepp.operator import builders as b
-from wavepp.operator.observe import ReplicaView, meta_of, stage_phase
+from wavepp.operator.observe import CONFIG_ERROR, ReplicaView, meta_of, stage_phase
 
 
 def iso_time(now: float) -> str:
@@ -73,8 +73,15 @@ def pipeline_status(
     current_hash: str,
     notes: dict[int, tuple[str, str]],
     now: float,
+    *,
+    gateway_ready: bool,
 ) -> dict[str, Any]:
-    """The observed state, with the drains this plan starts or ends already applied."""
+    """The observed state, with the drains this plan starts or ends already applied.
+
+    Ready needs every desired replica serving (each stage's pod Ready: its compute loop alive)
+    and a Ready gateway pod; a replica stopped by a config error is Degraded with reason
+    ``InvalidRuntimeConfig`` and the process's message (it names the field).
+    """
     ref = b.PipelineRef.from_body(body)
     previous = (body.get("status") or {}).get("conditions") or []
     generation = meta_of(body).get("generation")
@@ -117,7 +124,9 @@ def pipeline_status(
                 )
             )
         reason, message = notes.get(index, (None, None))
-        if v.degraded is not None:
+        if v.degraded is not None and v.degraded.startswith(CONFIG_ERROR):
+            phase, reason, message = "Degraded", "InvalidRuntimeConfig", v.degraded
+        elif v.degraded is not None:
             phase, reason, message = "Degraded", "RestartBudgetExceeded", v.degraded
         elif v.drain is not None:
             phase = "Draining"
@@ -142,7 +151,6 @@ def pipeline_status(
                 spec_hash=v.hash,
                 admitting=admitting,
                 num_restarts=len(v.restarts),
-                wave_fill=v.wave_fill(),
                 reason=reason,
                 message=message,
             )
@@ -164,6 +172,12 @@ def pipeline_status(
 
     if num_desired == 0:
         ready_cond = (False, "ScaledToZero", "spec.replicas is 0")
+    elif not not_serving and not gateway_ready:
+        ready_cond = (
+            False,
+            "GatewayNotReady",
+            f"{len(ready)}/{num_desired} replicas serve, but no gateway pod is Ready",
+        )
     elif not not_serving:
         ready_cond = (True, "AllReplicasServing", f"{len(ready)}/{num_desired} replicas serve")
     else:
@@ -188,9 +202,12 @@ def pipeline_status(
     else:
         progressing = (False, "Complete", f"{len(ready)}/{num_desired} replicas serve")
     if degraded:
+        reasons = {r.reason for r in degraded}
         degraded_cond = (
             True,
-            "RestartBudgetExceeded",
+            "InvalidRuntimeConfig"
+            if "InvalidRuntimeConfig" in reasons
+            else "RestartBudgetExceeded",
             "; ".join(f"replica {r.replica}: {r.message}" for r in degraded),
         )
     else:
@@ -209,7 +226,6 @@ def pipeline_status(
         phase = "Progressing"
     else:
         phase = "Pending"
-    fills = [r.wave_fill for r in replicas if r.admitting and r.wave_fill is not None]
     return {
         "observedGeneration": generation,
         "phase": phase,
@@ -218,8 +234,28 @@ def pipeline_status(
         "updatedReplicas": len(updated),
         "selector": b.stage_selector(ref.name),
         "specHash": current_hash,
-        "waveFill": round(sum(fills) / len(fills), 4) if fills else None,
         "stages": [s.model_dump(by_alias=True, exclude_none=True) for s in stages],
         "replicaStatuses": [r.model_dump(by_alias=True, exclude_none=True) for r in replicas],
         "conditions": conditions,
     }
+
+
+def apply_failed_status(
+    body: dict[str, Any], status: dict[str, Any], refused: str, now: float
+) -> dict[str, Any]:
+    """``status`` with the API server's refusal of a child in its conditions: Degraded True
+    and Progressing False, reason ``ApplyFailed``, the message naming the object and the server's
+    words (a 422 names the invalid field). Ready keeps what the observed children say."""
+    previous = (body.get("status") or {}).get("conditions") or []
+    generation = meta_of(body).get("generation")
+    conditions = [
+        c
+        for c in status.get("conditions") or []
+        if c.get("type") not in ("Degraded", "Progressing")
+    ]
+    message = f"the API server refused {refused}"
+    conditions += [
+        condition_entry("Progressing", False, "ApplyFailed", message, previous, now, generation),
+        condition_entry("Degraded", True, "ApplyFailed", message, previous, now, generation),
+    ]
+    return {**status, "phase": "Degraded", "conditions": conditions}

@@ -33,6 +33,10 @@ class RuntimeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     pipeline: str = Field("default", pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    # NOTE: the Kubernetes namespace of the pipeline (``$WAVEPP_NAMESPACE`` in a pod; "local"
+    # for ``wavepp up``): every NATS subject, stream and bucket carries it and the name, so two
+    # same-named pipelines in two namespaces share nothing on one NATS server.
+    namespace: str = Field("local", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
     model: ModelConfig = ModelConfig()
     engine: Literal["torch", "emulated"] = "torch"
     cost_model: dict[str, object] | None = None  # CostModel.to_dict() for the emulated engine
@@ -95,6 +99,10 @@ class RuntimeConfig(BaseModel):
     # pins on every stage that answers; seconds of wall time, far above any normal micro-batch.
     microbatch_deadline_s: float = Field(300.0, gt=0)
     device: str = "cpu"
+    # NOTE: the torch engine's weights: a ``.safetensors`` file or a directory of them with HF
+    # Llama tensor names (``spec.model.path``, or the PVC's mount path); None: seeded random
+    # weights. The emulated engine loads none (the spec check refuses a path there).
+    weights: str | None = None
     torch_threads: int = Field(1, ge=1)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
 
@@ -110,6 +118,8 @@ class RuntimeConfig(BaseModel):
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: every entry must be >= 1")
         if self.engine == "emulated" and self.cost_model is None:
             raise ValueError("engine=emulated needs cost_model (a CostModel.to_dict())")
+        if self.weights is not None and self.engine != "torch":
+            raise ValueError(f"weights={self.weights!r}: only the torch engine loads weights")
         if self.max_microbatch_tokens < self.block_size:
             raise ValueError(
                 f"max_microbatch_tokens={self.max_microbatch_tokens}: must be >= "
@@ -121,7 +131,7 @@ class RuntimeConfig(BaseModel):
 
     @property
     def subject_prefix(self) -> str:
-        return replica_prefix(self.pipeline)
+        return replica_prefix(self.pipeline, namespace=self.namespace)
 
     @property
     def subjects(self) -> ReplicaSubjects:

@@ -34,6 +34,35 @@ two agree). The others are ``num_hidden_layers`` of the paper's models, without 
 (shared/models.md, architecture table), used with the emulated engine.
 """
 
+EMULATED_MODELS: tuple[str, ...] = (
+    "glm-5.2",
+    "minimax-m2.7",
+    "kimi-k3",
+    "deepseek-v3.2",
+    "tiny-llama",
+)
+"""Cost models the emulated engine has (``engineOptions.emulate``, default ``model.name``).
+
+NOTE: ``wavepp.runtime.planning.catalogue.list_models()``; api may not import runtime, a test
+checks the two agree.
+"""
+
+ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "kvBlocks": ("torch", "emulated"),
+    "maxInflight": ("torch", "emulated"),
+    "leaseSeconds": ("torch", "emulated"),
+    "torchThreads": ("torch", "emulated"),
+    "seed": ("torch",),
+    "timeScale": ("emulated",),
+    "emulate": ("emulated",),
+}
+"""The ``engineOptions`` keys the runtime reads (``runtime.serving.from_spec``) and the engines
+that read them; any other key, or a key for another engine, is refused."""
+
+MODEL_CONFIG_EXTRA: tuple[str, ...] = ("ropeTheta", "rmsNormEps", "maxPosition")
+"""``model.config`` keys beyond the typed fields that the torch engine reads (ModelConfig's
+``rope_theta``, ``rms_norm_eps``, ``max_position``); any other key is refused."""
+
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
@@ -101,13 +130,21 @@ class ModelSpec(WireModel):
         None,
         description=(
             "Directory of safetensors + config.json inside the container; defaults to the "
-            "PVC's mountPath when pvc is set. Without path and pvc the torch engine uses seeded "
-            "random weights."
+            "PVC's mountPath when pvc is set. The torch engine loads its layers from it (HF "
+            "Llama tensor names); without path and pvc it uses seeded random weights. The "
+            "emulated engine loads no weights: refused there."
         ),
     )
     pvc: PVCSource | None = None
     config: ModelConfigSpec | None = None
-    dtype: Literal["float32", "float16", "bfloat16"] = "bfloat16"
+    dtype: Literal["float32", "float16", "bfloat16"] | None = Field(
+        None,
+        description=(
+            "Compute dtype of the torch engine. Default: bfloat16 when the stages get GPUs, "
+            "float32 on the CPU (the only dtype the CPU path computes in; others are refused "
+            "there). The emulated engine computes nothing: leave it unset."
+        ),
+    )
 
     def num_layers(self) -> int | None:
         """Layer count from ``config.numLayers``, else from the preset table; None if unknown."""
@@ -120,7 +157,12 @@ class ResourcesSpec(WireModel):
     """Per stage pod resources."""
 
     gpus_per_stage: int | None = Field(
-        None, ge=0, description="GPUs requested by each stage pod (default: tensorParallelSize)."
+        None,
+        ge=0,
+        description=(
+            "GPUs requested by each stage pod (default: 1 for torch, 0 for emulated). > 0: the "
+            "stage computes on CUDA and refuses to start without it; 0: on the CPU."
+        ),
     )
     gpu_resource_name: str = Field("nvidia.com/gpu", min_length=1)
     cpu: str | None = Field(None, pattern=_QUANTITY, description="CPU request and limit.")
@@ -199,14 +241,15 @@ class AutoscalingSpec(WireModel):
 
     min_replicas: int = Field(1, ge=1)
     max_replicas: int = Field(ge=1)
-    metric: Literal["wave_fill", "queue_depth", "cpu"] = Field(
-        "wave_fill",
+    metric: Literal["cpu"] = Field(
+        "cpu",
         description=(
-            "wave_fill and queue_depth are per-pod metrics wavepp_wave_fill / "
-            "wavepp_queue_depth (needs a custom metrics adapter); cpu is utilisation in percent."
+            "cpu: average utilisation in percent of the stage pods' CPU request. (No per-pod "
+            "wave-fill or queue-depth metric exists on the scale target's pods, so none is "
+            "offered.)"
         ),
     )
-    target: float = Field(gt=0, description="Target average: fraction, requests, or percent.")
+    target: float = Field(gt=0, description="Target average utilisation in percent.")
 
 
 class TelemetrySpec(WireModel):
@@ -223,7 +266,44 @@ class RestartBudgetSpec(WireModel):
     """How many re-formations a replica may need before the operator stops it."""
 
     max_restarts: int = Field(3, ge=0, description="Re-formations allowed within the window.")
-    window_s: float = Field(600.0, gt=0, alias="windowSeconds", description="Window in seconds.")
+    forming_timeout_s: float = Field(
+        1800.0,
+        ge=10,
+        le=86400,
+        alias="formingTimeoutSeconds",
+        description=(
+            "A replica whose stages are not all Ready this long after it was created or last "
+            "re-formed counts as failed (a hang while forming); also the stage pods' startup "
+            "probe budget (seconds)."
+        ),
+    )
+    not_ready_s: float = Field(
+        60.0,
+        ge=5,
+        alias="notReadySeconds",
+        description=(
+            "A formed stage pod that stays NotReady this long (its compute loop died, or its "
+            "node went NotReady) counts as failed: the replica re-forms (seconds)."
+        ),
+    )
+    window_s: float | None = Field(
+        None,
+        gt=0,
+        alias="windowSeconds",
+        description=(
+            "Window in seconds; default (maxRestarts + 1) x formingTimeoutSeconds, the least "
+            "in which maxRestarts + 1 hangs while forming fit (a shorter one is refused)."
+        ),
+    )
+
+    def window(self) -> float:
+        """The budget window in seconds: ``windowSeconds``, else the least that counts hangs."""
+        return self.window_s if self.window_s is not None else self.least_window()
+
+    def least_window(self) -> float:
+        """(maxRestarts + 1) x formingTimeoutSeconds: the shortest window in which the
+        re-formations of a replica that hangs while forming exceed the budget."""
+        return (self.max_restarts + 1) * self.forming_timeout_s
 
 
 class RolloutSpec(WireModel):
@@ -240,6 +320,73 @@ class RolloutSpec(WireModel):
     )
 
 
+class PodTemplateOverlay(WireModel):
+    """Settings laid over the stage pods' template (core/v1 PodSpec and Container fields)."""
+
+    priority_class_name: str | None = Field(None, description="PodSpec.priorityClassName.")
+    scheduler_name: str | None = Field(None, description="PodSpec.schedulerName.")
+    runtime_class_name: str | None = Field(
+        None, description="PodSpec.runtimeClassName (e.g. nvidia)."
+    )
+    env: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Extra core/v1 EnvVar entries of the stage container (valueFrom.secretKeyRef).",
+    )
+    env_from: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Extra core/v1 EnvFromSource entries of the stage container (secretRef).",
+    )
+
+
+class TopologySpec(WireModel):
+    """Where a replica's stages run: together in one domain, replicas apart."""
+
+    replica_domain_key: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "Node label whose value every stage pod of one replica shares (required pod "
+            "affinity), e.g. kubernetes.io/hostname (one host's NVLink) or a rack/clique label."
+        ),
+    )
+    spread_replicas_key: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "Node label by which replicas spread: a stage pod prefers domains without other "
+            "replicas' stage pods (preferred pod anti-affinity)."
+        ),
+    )
+    pod_group: bool = Field(
+        False,
+        description=(
+            "One PodGroup (scheduling.x-k8s.io/v1alpha1, the scheduler-plugins coscheduling "
+            "plugin) per replica with minMember = stages: a replica's stages are scheduled all "
+            "or none. Needs that scheduler (podTemplate.schedulerName)."
+        ),
+    )
+
+
+class NetworkPolicySpec(WireModel):
+    """NetworkPolicies the operator creates for the pipeline's pods (ingress only)."""
+
+    enabled: bool = Field(
+        True,
+        description=(
+            "Stage pods take traffic only from the replica's stage pods (activations, "
+            "rendezvous) and on the health port; admission pods only from the pipeline's "
+            "gateway (and Prometheus on the metrics port); the gateway only from gatewayFrom."
+        ),
+    )
+    gateway_from: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description=(
+            "core/v1 NetworkPolicyPeer list allowed to reach the gateway's HTTP port; empty: "
+            "every pod of the pipeline's namespace."
+        ),
+    )
+
+
 class WavePipelineSpec(WireModel):
     """Desired state of a WavePipeline: a pool of ``replicas`` identical pipelines of ``stages``.
 
@@ -248,9 +395,14 @@ class WavePipelineSpec(WireModel):
     """
 
     model: ModelSpec
-    engine: Literal["torch", "emulated", "tensorrt_llm"] = "torch"
+    engine: Literal["torch", "emulated"] = "torch"
     engine_options: dict[str, Any] = Field(
-        default_factory=dict, description="Engine-specific options (free-form)."
+        default_factory=dict,
+        description=(
+            "Engine options: kvBlocks, maxInflight, leaseSeconds, torchThreads (both engines), "
+            "seed (torch), timeScale and emulate (emulated); other keys are refused. The "
+            "device comes from resources.gpusPerStage (CUDA when > 0)."
+        ),
     )
     num_stages: int = Field(alias="stages", ge=1, le=64, description="Pipeline stages S.")
     layer_partition: list[Annotated[int, Field(ge=1)]] | None = Field(
@@ -258,7 +410,9 @@ class WavePipelineSpec(WireModel):
         max_length=64,
         description="Layers per stage; length = stages, sum = the model's layers.",
     )
-    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per stage for TP.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="GPUs per stage for TP; only 1 (no tensor parallelism yet)."
+    )
     num_replicas: int = Field(
         1, alias="replicas", ge=0, description="Pipeline copies in the pool (scale subresource)."
     )
@@ -281,6 +435,9 @@ class WavePipelineSpec(WireModel):
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
     restart_budget: RestartBudgetSpec = Field(default_factory=RestartBudgetSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    pod_template: PodTemplateOverlay = Field(default_factory=PodTemplateOverlay)
+    topology: TopologySpec = Field(default_factory=TopologySpec)
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
 
     @model_validator(mode="after")
     def _check_layout(self) -> WavePipelineSpec:
@@ -309,10 +466,11 @@ class WavePipelineSpec(WireModel):
         return split_layers(self.num_layers(), self.num_stages, self.layer_partition)
 
     def gpus_per_stage(self) -> int:
-        """GPUs each stage pod requests (``resources.gpusPerStage``, else the TP size)."""
+        """GPUs each stage pod requests (``resources.gpusPerStage``, else the TP size; 0 for
+        the emulated engine, which computes nothing)."""
         if self.resources.gpus_per_stage is not None:
             return self.resources.gpus_per_stage
-        return self.tensor_parallel_size
+        return 0 if self.engine == "emulated" else self.tensor_parallel_size
 
     def resolved(
         self,
@@ -324,7 +482,7 @@ class WavePipelineSpec(WireModel):
         """A copy with every default filled in: what the pipeline's processes read.
 
         Fills ``model.config.numLayers``, ``layerPartition``, ``model.path`` (from the PVC),
-        ``resources.gpusPerStage``, and the image, NATS URL and OTLP endpoint from the given
+        ``model.dtype`` (torch: bfloat16 on GPUs, float32 on the CPU), ``resources.gpusPerStage``, and the image, NATS URL and OTLP endpoint from the given
         defaults when the spec leaves them out.
 
         Args:
@@ -348,6 +506,9 @@ class WavePipelineSpec(WireModel):
         model_config = (self.model.config or ModelConfigSpec()).model_copy(
             update={"num_layers": self.num_layers()}
         )
+        dtype = self.model.dtype
+        if dtype is None and self.engine == "torch":
+            dtype = "bfloat16" if self.gpus_per_stage() > 0 else "float32"
         model_path = self.model.path
         if model_path is None and self.model.pvc is not None:
             model_path = self.model.pvc.mount_path
@@ -356,7 +517,9 @@ class WavePipelineSpec(WireModel):
             update={
                 "image": image,
                 "layer_partition": [last - first for first, last in ranges],
-                "model": self.model.model_copy(update={"config": model_config, "path": model_path}),
+                "model": self.model.model_copy(
+                    update={"config": model_config, "path": model_path, "dtype": dtype}
+                ),
                 "resources": self.resources.model_copy(
                     update={"gpus_per_stage": self.gpus_per_stage()}
                 ),
@@ -443,6 +606,15 @@ def _check_cross_fields(spec: WavePipelineSpec) -> None:
                 "model.path",
                 f"{spec.model.path!r} is outside the PVC's mountPath {spec.model.pvc.mount_path!r}",
             )
+    _check_engine(spec)
+    budget = spec.restart_budget
+    if budget.window_s is not None and budget.window_s < budget.least_window():
+        raise SpecError(
+            "restartBudget.windowSeconds",
+            f"{budget.window_s:g} s is shorter than (maxRestarts + 1) x formingTimeoutSeconds = "
+            f"{budget.least_window():g} s: a replica that hangs while forming would re-form "
+            "forever without reaching Degraded; leave it unset or make it longer",
+        )
     names = [t.name for t in spec.tenants]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -452,4 +624,66 @@ def _check_cross_fields(spec: WavePipelineSpec) -> None:
             raise SpecError(
                 "autoscaling.minReplicas",
                 f"{spec.autoscaling.min_replicas} > maxReplicas={spec.autoscaling.max_replicas}",
+            )
+
+
+def _check_engine(spec: WavePipelineSpec) -> None:
+    """What the engines honour: TP size, dtype per device, weights, engineOptions keys."""
+    if spec.tensor_parallel_size != 1:
+        raise SpecError(
+            "tensorParallelSize",
+            f"{spec.tensor_parallel_size}: tensor parallelism is not implemented (each stage "
+            "runs on one device); use 1",
+        )
+    gpus = spec.gpus_per_stage()
+    if spec.engine == "torch" and gpus > 1:
+        raise SpecError(
+            "resources.gpusPerStage",
+            f"{gpus}: a torch stage uses one GPU (no tensor parallelism); use 0 (CPU) or 1",
+        )
+    dtype = spec.model.dtype
+    if spec.engine == "emulated":
+        for field, value in (
+            ("model.dtype", dtype),
+            ("model.path", spec.model.path),
+            ("model.pvc", spec.model.pvc),
+        ):
+            if value is not None:
+                raise SpecError(
+                    field,
+                    "the emulated engine computes nothing and loads no weights (its cost model "
+                    "fixes the precision); leave it unset or use engine: torch",
+                )
+    elif gpus == 0 and dtype not in (None, "float32"):
+        raise SpecError(
+            "model.dtype",
+            f"{dtype!r} needs a GPU: resources.gpusPerStage is 0 and the torch engine computes "
+            "in float32 on the CPU; use float32 or request GPUs",
+        )
+    for key in spec.engine_options:
+        engines = ENGINE_OPTIONS.get(key)
+        if engines is None:
+            hint = " (the device follows resources.gpusPerStage)" if key == "device" else ""
+            raise SpecError(
+                f"engineOptions.{key}",
+                f"unknown option{hint}; known: {', '.join(sorted(ENGINE_OPTIONS))}",
+            )
+        if spec.engine not in engines:
+            raise SpecError(
+                f"engineOptions.{key}", f"not read by engine {spec.engine!r}; only by {engines}"
+            )
+    if spec.engine == "emulated":
+        emulate = str(spec.engine_options.get("emulate", spec.model.name))
+        if emulate not in EMULATED_MODELS:
+            raise SpecError(
+                "engineOptions.emulate",
+                f"{emulate!r} has no cost model; choose one of {list(EMULATED_MODELS)}",
+            )
+    extra = (spec.model.config.model_extra or {}) if spec.model.config is not None else {}
+    for key in extra:
+        if key not in MODEL_CONFIG_EXTRA:
+            raise SpecError(
+                f"model.config.{key}",
+                f"not a model setting the engine reads; known beyond the typed fields: "
+                f"{', '.join(MODEL_CONFIG_EXTRA)}",
             )

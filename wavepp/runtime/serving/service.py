@@ -5,7 +5,7 @@ wave scheduler, serving requests from its durable JetStream intake.
     admission: durable pull consumer "admission"
         result already in KV?  -> republish it, ack (a redelivery or a duplicate: answered once)
         else submit to the WaveScheduler (in_progress() keeps the message while it runs)
-             -> PrefillResult -> KV put -> publish wavepp.{pool}.result.{key} -> ack
+             -> PrefillResult -> KV put -> publish wavepp.{ns}.{pool}.result.{key} -> ack
 
 Delivery is at-least-once: a service killed mid-request leaves its messages unacked; JetStream
 redelivers them after ``ack_wait_s`` to the next service, which finds no stored result and runs
@@ -181,12 +181,12 @@ class AdmissionService:
         try:
             await self.wait_formed()
             await self.scheduler.start()
-            await ensure_intake(self.js, self.config.pipeline)
-            self._kv = await ensure_results(self.js, self.pool)
+            await ensure_intake(self.js, self.config.pipeline, namespace=self.config.namespace)
+            self._kv = await ensure_results(self.js, self.pool, namespace=self.config.namespace)
             psub = await self.js.pull_subscribe(
-                intake_subject(self.config.pipeline),
+                intake_subject(self.config.pipeline, namespace=self.config.namespace),
                 durable="admission",
-                stream=intake_stream(self.config.pipeline),
+                stream=intake_stream(self.config.pipeline, namespace=self.config.namespace),
                 config=ConsumerConfig(
                     ack_policy=AckPolicy.EXPLICIT,
                     ack_wait=self.ack_wait_s,
@@ -212,7 +212,7 @@ class AdmissionService:
             await self.scheduler.stop()
 
     async def _heartbeat_loop(self) -> None:
-        subject = heartbeat_subject(self.config.pipeline)
+        subject = heartbeat_subject(self.config.pipeline, namespace=self.config.namespace)
         num_beats = 0
         while True:
             if num_beats % 2 == 0 and self.scheduler.is_serving:  # probe once a second once serving
@@ -261,7 +261,9 @@ class AdmissionService:
             stored = await self._stored(request.key)
             if stored is not None:
                 self.num_duplicates += 1
-                await self.nc.publish(result_subject(self.pool, request.key), stored)
+                await self.nc.publish(
+                    result_subject(self.pool, request.key, namespace=self.config.namespace), stored
+                )
                 await msg.ack()
                 return
             running = self._running.get(request.key)
@@ -277,7 +279,9 @@ class AdmissionService:
             data = result.model_dump_json().encode()
             assert self._kv is not None, "results bucket opened before serving"
             await self._kv.put(request.key, data)
-            await self.nc.publish(result_subject(self.pool, request.key), data)
+            await self.nc.publish(
+                result_subject(self.pool, request.key, namespace=self.config.namespace), data
+            )
             await msg.ack()
             self.num_answered += 1
         except Exception:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import signal
 import threading
@@ -66,10 +67,32 @@ log = logging.getLogger(__name__)
 
 _MAX_PENDING_SENDS = 16
 _DONE_LOG = 1024  # done messages kept for the scheduler's replay asks
+_IDLE_BEAT_S = 1.0  # the idle compute thread's beat period
+
+
+def check_environment(config: RuntimeConfig) -> None:
+    """Refuse to start where the config cannot be honoured: CUDA asked for (the pod was given
+    GPUs) but absent, or weights that are not there.
+
+    Raises:
+        ValueError: naming the spec field (``resources.gpusPerStage``, ``model.path``).
+    """
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            f"spec.resources.gpusPerStage > 0: this stage computes on {config.device}, but torch "
+            f"{torch.__version__} (CUDA build {torch.version.cuda}) sees no CUDA device; give "
+            "the pod a GPU or set resources.gpusPerStage: 0 (CPU)"
+        )
+    if config.weights is not None and not os.path.exists(config.weights):
+        raise ValueError(
+            f"spec.model.path: {config.weights!r} does not exist in the container (check the "
+            "PVC, its subPath and mountPath)"
+        )
 
 
 def build_engine(config: RuntimeConfig, rank: int) -> StageEngine:
-    """The stage's engine for its layer range (torch or emulated), with its KV allocated."""
+    """The stage's engine for its layer range (torch or emulated), with its KV allocated;
+    the torch engine loads ``config.weights`` when set."""
     first, last = config.layers_of(rank)
     cost_model = None
     extra: dict[str, object] = {}
@@ -78,6 +101,8 @@ def build_engine(config: RuntimeConfig, rank: int) -> StageEngine:
 
         cost_model = CostModel.from_dict(config.cost_model or {})
         extra["time_scale"] = config.time_scale
+    if config.engine == "torch" and config.weights is not None:
+        extra["weights_path"] = config.weights
     engine = make_engine(
         config.engine,
         model=config.model,
@@ -119,6 +144,11 @@ class StageWorker:
         self.telemetry = StageTelemetry(rank)
         # NOTE: the readiness probe (/readyz): True between subscribing and the stop request.
         self.is_serving = False
+        # NOTE: the compute thread's own liveness signal: it beats (monotonic seconds) at least
+        # every _IDLE_BEAT_S while idle and after each receive and execute; it records the
+        # exception that ended it. /healthz and /readyz read compute_alive.
+        self.compute_beat = time.monotonic()
+        self.compute_error: BaseException | None = None
         self._replay_task: asyncio.Task[None] | None = None
         self._open_replay = False  # the next replay asks for every plan from next_id on
 
@@ -142,6 +172,17 @@ class StageWorker:
             self.is_serving = False
             expiry.cancel()
             self._work.put(None)
+
+    @property
+    def compute_alive(self) -> bool:
+        """The compute thread runs, has not raised, and beat within the micro-batch deadline
+        (a receive or execute stuck longer fails its micro-batch anyway)."""
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and self.compute_error is None
+            and time.monotonic() - self.compute_beat < self.config.microbatch_deadline_s
+        )
 
     @property
     def num_microbatches(self) -> int:
@@ -284,12 +325,30 @@ class StageWorker:
     # ---- compute thread ------------------------------------------------------------------
 
     def _compute_loop(self) -> None:
+        """The compute thread: runs the loop, records what ended it (compute_alive turns
+        False, so the pod's liveness and readiness fail and the operator re-forms)."""
+        try:
+            self._compute()
+        except BaseException as exc:
+            self.compute_error = exc
+            log.exception("stage %d: compute thread died", self.rank)
+
+    def _next_work(self) -> tuple[StageWork, PreparedBatch | None] | None:
+        """The next item of the work queue, beating while idle."""
+        while True:
+            self.compute_beat = time.monotonic()
+            try:
+                return self._work.get(timeout=_IDLE_BEAT_S)
+            except queue.Empty:
+                continue
+
+    def _compute(self) -> None:
         torch.set_num_threads(self.config.torch_threads)
         pending_sends: deque[tuple[dist.Work | None, torch.Tensor]] = deque()
         engine = self.engine
         core = self.core
         while True:
-            item = self._work.get()
+            item = self._next_work()
             if item is None:
                 break
             work, prepared = item
@@ -300,6 +359,7 @@ class StageWorker:
                     num_tokens, engine.hidden_size, dtype=engine.activation_dtype
                 )
                 dist.recv(hidden_in, src=self.rank - 1)
+                self.compute_beat = time.monotonic()
             results: list[RequestResult] = []
             hidden_out = None
             exec_start = exec_end = time.time()
@@ -369,7 +429,10 @@ class StageReadiness:
     """What a stage's health endpoints report (``wavepp stage --health-port``).
 
     ``is_formed``: the torch.distributed group has formed and the engine is built (/startupz).
-    ``is_serving``: subscribed to its plans and KV requests, not stopping (/readyz).
+    ``is_serving``: subscribed to its plans and KV requests, not stopping, and the compute
+    thread alive (/readyz).
+    ``is_alive``: the compute thread has not died or stalled (/healthz; True before it starts,
+    while the startup probe guards the stage, and once it stopped on request).
     """
 
     is_formed: bool = False
@@ -377,7 +440,16 @@ class StageReadiness:
 
     @property
     def is_serving(self) -> bool:
-        return self.worker is not None and self.worker.is_serving
+        return self.worker is not None and self.worker.is_serving and self.worker.compute_alive
+
+    @property
+    def is_alive(self) -> bool:
+        worker = self.worker
+        if worker is None or worker._thread is None:
+            return True
+        if worker.compute_error is not None:
+            return False
+        return worker.compute_alive or not worker.is_serving
 
 
 async def run_stage(
