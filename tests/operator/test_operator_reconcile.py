@@ -54,6 +54,7 @@ class World:
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
         self.now = 1_000_000.0
         self.last_actions: list[Any] = []
+        self.uids = 0
 
     def step(self, advance_s: float = 0.0) -> Any:
         self.now += advance_s
@@ -67,6 +68,8 @@ class World:
             configmaps=by_kind.get("ConfigMap", []),
             hpas=by_kind.get("HorizontalPodAutoscaler", []),
             services=by_kind.get("Service", []),
+            pdbs=by_kind.get("PodDisruptionBudget", []),
+            network_policies=by_kind.get("NetworkPolicy", []),
         )
         result = plan(self.body, observed, self.now, DEFAULTS)
         for action in result.actions:
@@ -93,8 +96,15 @@ class World:
         labels = sts["spec"]["template"]["metadata"]["labels"]
         for rank in range(sts["spec"]["replicas"]):
             name = f"p-r{replica}-{rank}"
+            old = self.objects.get(("Pod", name))
+            self.uids += 1
+            uid = old["metadata"]["uid"] if old else f"uid-{self.uids}"
             self.objects[("Pod", name)] = {
-                "metadata": {"name": name, "labels": labels | {b.POD_INDEX_LABEL: str(rank)}},
+                "metadata": {
+                    "name": name,
+                    "uid": uid,
+                    "labels": labels | {b.POD_INDEX_LABEL: str(rank)},
+                },
                 "status": pod_status(phase),
             }
         dep = self.objects[("Deployment", f"p-r{replica}-admission")]
@@ -121,8 +131,19 @@ class World:
     def condition(self, type_: str) -> dict[str, Any]:
         return next(c for c in self.body["status"]["conditions"] if c["type"] == type_)
 
+    def run_gateway(self, ready: bool = True) -> None:
+        dep = self.objects[("Deployment", "p-gateway")]
+        self.objects[("Pod", "p-gateway-x")] = {
+            "metadata": {
+                "name": "p-gateway-x",
+                "labels": dep["spec"]["template"]["metadata"]["labels"],
+            },
+            "status": pod_status("warm" if ready else "formed"),
+        }
+
     def serve_all(self, replicas: int) -> None:
         self.step()
+        self.run_gateway()
         for replica in range(replicas):
             self.run_pods(replica)
         self.step()
@@ -146,7 +167,9 @@ def test_first_plan_creates_config_then_replicas_then_pool() -> None:
 
 
 def test_restart_budget_counts_only_failures_inside_the_window() -> None:
-    world = World(spec(restartBudget={"maxRestarts": 1, "windowSeconds": 100}))
+    world = World(
+        spec(restartBudget={"maxRestarts": 1, "windowSeconds": 100, "formingTimeoutSeconds": 50})
+    )
     world.serve_all(1)
     world.crash("p-r0-1")
     world.step()

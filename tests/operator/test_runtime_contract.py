@@ -27,6 +27,7 @@ import pytest
 from wavepp.api.spec import check_spec, load_spec_file
 from wavepp.cli import main as cli_main
 from wavepp.cmd.gateway import gateway_config_from_spec, pool_replicas
+from wavepp.api.spec import CONFIG_EXIT_CODE
 from wavepp.cmd.stage import ArgError, resolve_rank, runtime_config_from_args
 from wavepp.operator import builders as b
 from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
@@ -118,7 +119,7 @@ def test_configs_from_the_operator_files_match_the_spec(tmp_path: Path) -> None:
     assert gateway.max_prompt_tokens == min(256 * expected.block_size, expected.model.max_position)
 
 
-def test_bad_operator_args_exit_2_naming_the_flag(
+def test_bad_operator_args_exit_with_the_config_code_naming_the_flag(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     spec = _resolved_spec()
@@ -126,15 +127,25 @@ def test_bad_operator_args_exit_2_naming_the_flag(
     spec_path.write_text(json.dumps(spec.to_wire()))
     base = ["--config", str(spec_path), "--nats-url", "nats://127.0.0.1:1"]
     stage = ["stage", *base, "--dist-url", "tcp://127.0.0.1:1", "--pool", "p"]
-    assert cli_main([*stage, "--rank", "0"]) == 2
+    assert cli_main([*stage, "--rank", "0"]) == CONFIG_EXIT_CODE
     assert "--replica" in capsys.readouterr().err
-    assert cli_main([*stage, "--replica", "0", "--rank", "2"]) == 2
+    assert cli_main([*stage, "--replica", "0", "--rank", "2"]) == CONFIG_EXIT_CODE
     assert "--rank 2: must be in [0, 2)" in capsys.readouterr().err
     missing = str(tmp_path / "nope.creds")
-    assert cli_main([*stage, "--replica", "0", "--rank", "0", "--nats-creds", missing]) == 2
+    assert (
+        cli_main([*stage, "--replica", "0", "--rank", "0", "--nats-creds", missing])
+        == CONFIG_EXIT_CODE
+    )
     assert "--nats-creds" in capsys.readouterr().err
-    assert cli_main(["gateway", *base, "--port", "8080"]) == 2
+    assert cli_main(["gateway", *base, "--port", "8080"]) == CONFIG_EXIT_CODE
     assert "--pool" in capsys.readouterr().err
+    # A spec the runtime refuses: the same exit code, the message names the field.
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(spec.to_wire() | {"engineOptions": {"emulate": "gpt-9"}}))
+    bad_stage = ["stage", "--config", str(bad), "--nats-url", "nats://127.0.0.1:1"]
+    bad_stage += ["--dist-url", "tcp://127.0.0.1:1", "--pool", "p", "--replica", "0"]
+    assert cli_main([*bad_stage, "--rank", "0"]) == CONFIG_EXIT_CODE == 78
+    assert "spec.engineOptions.emulate" in capsys.readouterr().err
 
 
 async def test_nats_creds_reach_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,7 +40,6 @@ CHILD_KINDS = (
     "PodDisruptionBudget",
     "NetworkPolicy",
 )
-NATS_CLEANUP_TRIES = 3  # the delete handler's tries to remove the pool's streams, then it gives up
 RETRY_FIRST_S = 0.5  # delay after the first failed pass; doubles per failure in a row
 RETRY_MAX_S = 30.0
 
@@ -55,6 +54,9 @@ class OperatorOptions:
     resync_s: float = 10.0
     post_events: bool = True
     fast_exit: bool = False  # tests: short kopf idle timeouts so that the operator stops quickly
+    # Removing a deleted pool's JetStream streams: tries (2 s apart), seconds per try.
+    nats_cleanup_tries: int = 3
+    nats_cleanup_timeout_s: float = 5.0
 
     @classmethod
     def from_env(cls) -> OperatorOptions:
@@ -443,7 +445,8 @@ async def _remove_streams(
 ) -> None:
     """Remove the pool's JetStream streams and results bucket (external state the garbage
     collector cannot see; the reason the pipeline carries a finalizer). An unreachable NATS is
-    retried ``NATS_CLEANUP_TRIES`` times, then left with a warning (deletion never hangs)."""
+    retried (``OperatorOptions.nats_cleanup_tries``), then left with a warning (deletion never
+    hangs on it)."""
     from wavepp.operator.nats_cleanup import delete_pool_streams
 
     nats = dict((spec or {}).get("nats") or {})
@@ -451,9 +454,13 @@ async def _remove_streams(
     if not url:
         return
     try:
-        removed = await delete_pool_streams(url, name, namespace=namespace)
+        timeout_s = state.options.nats_cleanup_timeout_s
+        removed = await asyncio.wait_for(
+            delete_pool_streams(url, name, namespace=namespace, timeout_s=timeout_s),
+            2 * timeout_s,
+        )
     except Exception as exc:  # noqa: BLE001 - NATS down, auth refused: retry, then give up
-        if retry + 1 < NATS_CLEANUP_TRIES:
+        if retry + 1 < state.options.nats_cleanup_tries:
             message = f"removing the streams of {namespace}/{name}: {exc}"
             raise kopf.TemporaryError(message, delay=2) from exc
         logger.warning("left the JetStream streams of %s/%s on %s: %s", namespace, name, url, exc)

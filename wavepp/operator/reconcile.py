@@ -336,9 +336,8 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
                 v.drain = None
             else:
                 requeue.append(float(v.drain["since"]) + drain_timeout_s + DRAIN_GRACE_S - now)
-        actions += replica_children(index, stopped=False, admission_running=v.drain is None)
-        actions += delete_pods(v.stale_pods())
         # The group's members, once every rank has a pod: a later uid change is a lost member.
+        # (Patched before the apply below, which then records the StatefulSet's new version.)
         memory: dict[str, Any] = {}
         members = v.current_members()
         if v.members is None and members is not None:
@@ -349,6 +348,8 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
             memory["forming"] = now
         if memory:
             actions.append(sts_annotations(index, **memory))
+        actions += replica_children(index, stopped=False, admission_running=v.drain is None)
+        actions += delete_pods(v.stale_pods())
         if not v.admitting():
             due = (v.forming_since or now) + budget.forming_timeout_s - now
             requeue.extend([due, budget.not_ready_s])

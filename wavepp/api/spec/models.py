@@ -291,7 +291,7 @@ class RestartBudgetSpec(WireModel):
         gt=0,
         alias="windowSeconds",
         description=(
-            "Window in seconds; default (maxRestarts + 1) x formingTimeoutSeconds, the least "
+            "Window in seconds. Default: (maxRestarts + 1) x formingTimeoutSeconds, the least "
             "in which maxRestarts + 1 hangs while forming fit (a shorter one is refused)."
         ),
     )
