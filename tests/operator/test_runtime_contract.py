@@ -24,10 +24,9 @@ from typing import Any
 
 import pytest
 
-from wavepp.api.spec import check_spec, load_spec_file
+from wavepp.api.spec import CONFIG_EXIT_CODE, check_spec, load_spec_file
 from wavepp.cli import main as cli_main
 from wavepp.cmd.gateway import gateway_config_from_spec, pool_replicas
-from wavepp.api.spec import CONFIG_EXIT_CODE
 from wavepp.cmd.stage import ArgError, resolve_rank, runtime_config_from_args
 from wavepp.operator import builders as b
 from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
