@@ -100,12 +100,29 @@ class WaveEmulator(kmock.KubernetesEmulator):
     """
 
     created_by_apply: set[int] = attrs.field(factory=set)
+    # "plural/name" -> (HTTP code, message): writes of that object are refused as a real API
+    # server's validation or admission would (kmock validates nothing).
+    refusals: dict[str, tuple[int, str]] = attrs.field(factory=dict)
 
     async def _handle(self, request: Any) -> Any:
         """Create on apply; set what a real API server sets on create (uid, resourceVersion,
         generation, time); refuse a JSON patch whose resourceVersion test fails with 422, as a
         real API server does (kmock raised, answering 500, and kopf retried the stale patch
         instead of re-reading: found as a flaky e2e test once writes bumped resourceVersion)."""
+        refusal = self._refusal(request)
+        if refusal is not None:
+            code, message = refusal
+            return aiohttp.web.json_response(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Status",
+                    "status": "Failure",
+                    "reason": "Invalid",
+                    "code": code,
+                    "message": message,
+                },
+                status=code,
+            )
         if self._fails_resource_version_test(request):
             return aiohttp.web.json_response(
                 {
@@ -134,6 +151,15 @@ class WaveEmulator(kmock.KubernetesEmulator):
             meta = request.data.setdefault("metadata", {})
             meta["resourceVersion"] = str(next(_resource_versions))
         return await super()._handle(request)
+
+    def _refusal(self, request: Any) -> tuple[int, str] | None:
+        if request.resource is None or request.action not in (
+            kmock.action.CREATE,
+            kmock.action.UPDATE,
+        ):
+            return None
+        name = request.name or ((request.data or {}).get("metadata") or {}).get("name")
+        return self.refusals.get(f"{request.resource.plural}/{name}")
 
     def _fails_resource_version_test(self, request: Any) -> bool:
         if request.action != kmock.action.UPDATE or not isinstance(request.data, list):

@@ -10,6 +10,7 @@ import pytest
 from operator_support import pod_status
 
 from wavepp.operator import builders as b
+from wavepp.operator.observe import ANNOTATION_MEMBERS
 from wavepp.operator.reconcile import (
     DRAIN_GRACE_S,
     Apply,
@@ -294,3 +295,43 @@ def test_pod_failure_reports_exit_code() -> None:
     pod = {"metadata": {"name": "p-r0-1"}, "status": pod_status("crashed", exit_code=139)}
     assert "p-r0-1" in pod_failure(pod) and "exit code 139" in pod_failure(pod)
     assert pod_failure({"metadata": {"name": "ok"}, "status": pod_status("warm")}) is None
+
+
+def test_a_member_recreated_with_a_new_uid_re_forms_the_replica() -> None:
+    """Between two passes a stage pod was evicted and recreated (same name, new uid): the group
+    that formed with the old pod is broken, so the replica re-forms at once."""
+    world = World(spec(replicas=1, restartBudget={"maxRestarts": 2}))
+    world.serve_all(1)
+    world.step()
+    sts = world.objects[("StatefulSet", "p-r0")]
+    members = json.loads(sts["metadata"]["annotations"][ANNOTATION_MEMBERS])
+    assert members == {"0": "uid-1", "1": "uid-2"}
+    world.objects[("Pod", "p-r0-1")]["metadata"]["uid"] = "uid-new"
+    result = world.step(1)
+    assert Delete("Pod", "p-r0-0") in result.actions and Delete("Pod", "p-r0-1") in result.actions
+    (replica,) = result.status["replicaStatuses"]
+    assert replica["numRestarts"] == 1 and replica["reason"] == "StageFailed"
+    assert "pod p-r0-1 was recreated (uid uid-2 -> uid-new)" in replica["message"]
+    assert ANNOTATION_MEMBERS not in world.objects[("StatefulSet", "p-r0")]["metadata"].get(
+        "annotations", {}
+    )
+
+
+def test_a_replica_that_never_forms_counts_against_the_budget_and_degrades() -> None:
+    budget = {"maxRestarts": 1, "formingTimeoutSeconds": 100}
+    world = World(spec(replicas=1, restartBudget=budget))
+    world.step()
+    phases = []
+    for _ in range(30):
+        world.run_pods(0, phase="formed")
+        world.step(10)
+        replica = world.body["status"]["replicaStatuses"][0]
+        phases.append((round(world.now - 1_000_000), replica["phase"], replica.get("numRestarts")))
+        if replica["phase"] == "Degraded":
+            break
+    assert phases[-1][1] == "Degraded" and phases[-1][0] <= 2 * 100 + 20, phases
+    assert (
+        "not formed within restartBudget.formingTimeoutSeconds=100 s"
+        in world.condition("Degraded")["message"]
+    )
+    assert world.objects[("StatefulSet", "p-r0")]["spec"]["replicas"] == 0

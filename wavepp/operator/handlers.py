@@ -218,6 +218,12 @@ def _api_error(exc: BaseException) -> str:
     """The API server's message of a failed call (its Status.message), else the error."""
     status = getattr(exc, "status", None)
     message = getattr(status, "message", None)
+    response = getattr(exc, "response", None)
+    if not message and response is not None:
+        try:
+            message = response.json().get("message")
+        except (ValueError, AttributeError):
+            message = None
     return str(message or exc)
 
 

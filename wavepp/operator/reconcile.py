@@ -319,7 +319,7 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
                 actions += delete_pods(list(v.stage_pods.values()))
                 v.drain = None
             else:
-                v.drain = {"reason": "failure", "since": now}
+                v.drain = {"reason": "failure", "since": now, "message": failure}
                 actions.append(
                     sts_annotations(
                         index, restarts=v.restarts, drain=v.drain, members=None, forming=now

@@ -130,6 +130,7 @@ def pipeline_status(
             phase, reason, message = "Degraded", "RestartBudgetExceeded", v.degraded
         elif v.drain is not None:
             phase = "Draining"
+            message = message or v.drain.get("message")
             reason = (
                 reason
                 or {

@@ -268,7 +268,7 @@ class RestartBudgetSpec(WireModel):
     max_restarts: int = Field(3, ge=0, description="Re-formations allowed within the window.")
     forming_timeout_s: float = Field(
         1800.0,
-        ge=10,
+        ge=1,
         le=86400,
         alias="formingTimeoutSeconds",
         description=(
@@ -279,7 +279,7 @@ class RestartBudgetSpec(WireModel):
     )
     not_ready_s: float = Field(
         60.0,
-        ge=5,
+        ge=1,
         alias="notReadySeconds",
         description=(
             "A formed stage pod that stays NotReady this long (its compute loop died, or its "
