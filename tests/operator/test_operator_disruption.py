@@ -238,3 +238,31 @@ async def test_a_child_the_api_server_refuses_is_named_in_the_status(
         lambda: _condition_is(cluster, "bad", "Degraded", "False", "AsExpected"),
         what="recovered",
     )
+
+
+async def test_deleting_a_pipeline_removes_its_jetstream_state_only(
+    cluster: Cluster, operator: Any, tmp_path: Any
+) -> None:
+    """The finalizer's one job beyond the garbage collector: the pool's intake streams and
+    results bucket on NATS (named by namespace and name) go with it; a same-named pool's in
+    another namespace stays."""
+    from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
+    from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
+
+    with EmbeddedNatsServer(jetstream=True, store_dir=str(tmp_path / "js")) as nats:
+        nc = await connect(nats.url, name="test")
+        js = nc.jetstream()
+        for namespace in (NAMESPACE, "elsewhere"):
+            await ensure_intake(js, "gone-r0", namespace=namespace)
+            await ensure_results(js, "gone", namespace=namespace)
+        await cluster.create_pipeline("gone", tiny_spec(replicas=1, nats={"url": nats.url}))
+        await wait_for(lambda: cluster.get("Deployment", "gone-gateway"), what="gateway")
+        await cluster.client.delete("WavePipeline", NAMESPACE, "gone")
+        await wait_for(lambda: _absent(cluster, "gone"), what="pipeline gone")
+        left = sorted(info.config.name for info in await js.streams_info())
+        await nc.drain()
+    assert left == ["KV_WAVEPP_RESULTS_elsewhere_gone", "WAVEPP_INTAKE_elsewhere_gone-r0"]
+
+
+async def _absent(cluster: Cluster, name: str) -> bool:
+    return await cluster.pipeline(name) is None
