@@ -24,6 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from wavepp.runtime.serving.lifecycle import child_env
 
@@ -153,6 +154,22 @@ def _is_ready(url: str) -> bool:
         return False
 
 
+def _local_resources(raw: Any) -> dict[str, Any]:
+    """The spec as a dict, with ``resources.gpusPerStage`` decided for this host when the spec
+    leaves it out (torch engine): 1 (CUDA) when torch sees a GPU, else 0 (CPU). In a cluster the
+    default is 1 GPU per stage pod; on a laptop there are no pods to give GPUs to."""
+    from wavepp.api.spec import WavePipelineSpec
+
+    data = raw.to_wire() if isinstance(raw, WavePipelineSpec) else dict(raw)
+    resources = dict(data.get("resources") or {})
+    if data.get("engine", "torch") == "torch" and resources.get("gpusPerStage") is None:
+        import torch
+
+        resources["gpusPerStage"] = 1 if torch.cuda.is_available() else 0
+        data["resources"] = resources
+    return data
+
+
 def run(args: argparse.Namespace) -> int:
     from wavepp.api.spec import SpecError, check_spec
     from wavepp.gateway.core import GatewayConfig, ReplicaInfo
@@ -164,7 +181,9 @@ def run(args: argparse.Namespace) -> int:
         raw = load_spec_file(args.config) if args.config else dict(DEFAULT_SPEC)
     except (OSError, ValueError) as exc:
         return _fail("--config", f"{args.config}: {exc}")
-    spec, issues = check_spec(raw, default_image="local", default_nats_url="nats://embedded")
+    spec, issues = check_spec(
+        _local_resources(raw), default_image="local", default_nats_url="nats://embedded"
+    )
     if spec is None:
         return _fail("--config", "; ".join(str(i) for i in issues))
     try:

@@ -12,6 +12,9 @@ deterministic name (the operator may rerun any handler):
 | Deployment + Service       | {p}-r{i}-admission       | replica  |
 | Deployment + Service       | {p}-gateway              | pipeline |
 | HorizontalPodAutoscaler    | {p}                      | pipeline |
+| PodDisruptionBudget        | {p}-r{i}                 | replica  |
+| PodGroup (optional)        | {p}-r{i}                 | replica  |
+| NetworkPolicy              | {p}-stage, -admission, -gateway | pipeline |
 
 Stage pods are ``{p}-r{i}-{rank}``: the StatefulSet ordinal is the stage rank. The spec
 ConfigMap's name carries the spec hash (:func:`spec_hash`), so replicas on the old and the new
