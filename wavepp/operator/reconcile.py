@@ -350,9 +350,9 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
             actions.append(sts_annotations(index, **memory))
         actions += replica_children(index, stopped=False, admission_running=v.drain is None)
         actions += delete_pods(v.stale_pods())
-        if not v.admitting():
+        if not v.admitting():  # look again when the forming timeout or a NotReady bound ends
             due = (v.forming_since or now) + budget.forming_timeout_s - now
-            requeue.extend([due, budget.not_ready_s])
+            requeue.extend([d for d in (due, budget.not_ready_s) if d > 0])
 
     # Rolling update: drain one serving outdated replica at a time, and only while every other
     # desired replica serves (or is stopped by its budget): capacity drops by one at most.

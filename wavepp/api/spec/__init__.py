@@ -20,19 +20,18 @@ Validation happens in three places, each catching what it can:
 :func:`check_spec` runs 2 and 3 and returns every problem as a :class:`SpecIssue` with the field
 path (``spec.layerPartition``), which the operator writes into the pipeline's conditions.
 
-The package: ``models`` (the spec models, :class:`SpecError`, the layer split), ``status`` (the
-status models), ``loading`` (:func:`load_spec_file`, :func:`check_spec`, :class:`SpecIssue`).
+The package: ``models`` (the spec models, the layer split), ``base`` (:class:`SpecError`, the
+wire base class), ``checks`` (what the engines honour), ``sections`` (pod overlay, topology,
+NetworkPolicies), ``status`` (the status models), ``loading`` (:func:`load_spec_file`, :func:`check_spec`, :class:`SpecIssue`).
 Import from ``wavepp.api.spec``.
 """
 
+from wavepp.api.spec.checks import EMULATED_MODELS, ENGINE_OPTIONS, MODEL_CONFIG_EXTRA
 from wavepp.api.spec.loading import SpecIssue, check_spec, load_spec_file
 from wavepp.api.spec.models import (
     API_GROUP,
     API_VERSION,
-    EMULATED_MODELS,
-    ENGINE_OPTIONS,
     KIND,
-    MODEL_CONFIG_EXTRA,
     MODEL_PRESET_NUM_LAYERS,
     PLURAL,
     AutoscalingSpec,
@@ -40,8 +39,6 @@ from wavepp.api.spec.models import (
     ModelConfigSpec,
     ModelSpec,
     NatsSpec,
-    NetworkPolicySpec,
-    PodTemplateOverlay,
     PVCSource,
     ResourcesSpec,
     RestartBudgetSpec,
@@ -51,10 +48,10 @@ from wavepp.api.spec.models import (
     TelemetrySpec,
     TenantSpec,
     Toleration,
-    TopologySpec,
     WavePipelineSpec,
     split_layers,
 )
+from wavepp.api.spec.sections import NetworkPolicySpec, PodTemplateOverlay, TopologySpec
 from wavepp.api.spec.status import (
     CONFIG_EXIT_CODE,
     Condition,

@@ -1,7 +1,8 @@
 """The WavePipeline spec models: ``WavePipelineSpec`` and its parts, and the layer split.
 
 Field names: Python attributes are snake_case, the wire format (CRD, JSON, YAML) is camelCase as
-Kubernetes objects are; both are accepted on input, camelCase is written. A few wire names differ
+Kubernetes objects are; both are accepted on input, camelCase is written.
+Engine checks live in ``checks``, the placement and network sections in ``sections``. A few wire names differ
 from the attribute so that counts and units are named (``stages`` <-> ``num_stages``,
 ``windowSeconds`` <-> ``window_s``). Cross-field checks raise :class:`SpecError` naming the field.
 """
@@ -10,8 +11,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field, model_validator
+
+from wavepp.api.spec.base import SpecError, WireModel
+from wavepp.api.spec.checks import (
+    check_engine,
+)
+from wavepp.api.spec.sections import NetworkPolicySpec, PodTemplateOverlay, TopologySpec
 
 API_GROUP = "wavepp.dev"
 API_VERSION = "v1alpha1"
@@ -34,64 +40,8 @@ two agree). The others are ``num_hidden_layers`` of the paper's models, without 
 (shared/models.md, architecture table), used with the emulated engine.
 """
 
-EMULATED_MODELS: tuple[str, ...] = (
-    "glm-5.2",
-    "minimax-m2.7",
-    "kimi-k3",
-    "deepseek-v3.2",
-    "tiny-llama",
-)
-"""Cost models the emulated engine has (``engineOptions.emulate``, default ``model.name``).
-
-NOTE: ``wavepp.runtime.planning.catalogue.list_models()``; api may not import runtime, a test
-checks the two agree.
-"""
-
-ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "kvBlocks": ("torch", "emulated"),
-    "maxInflight": ("torch", "emulated"),
-    "leaseSeconds": ("torch", "emulated"),
-    "torchThreads": ("torch", "emulated"),
-    "seed": ("torch",),
-    "timeScale": ("emulated",),
-    "emulate": ("emulated",),
-}
-"""The ``engineOptions`` keys the runtime reads (``runtime.serving.from_spec``) and the engines
-that read them; any other key, or a key for another engine, is refused."""
-
-MODEL_CONFIG_EXTRA: tuple[str, ...] = ("ropeTheta", "rmsNormEps", "maxPosition")
-"""``model.config`` keys beyond the typed fields that the torch engine reads (ModelConfig's
-``rope_theta``, ``rms_norm_eps``, ``max_position``); any other key is refused."""
-
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-
-
-class SpecError(ValueError):
-    """A spec value that cannot work, with the field that holds it.
-
-    Attributes:
-        field: dotted camelCase path below ``spec`` (``layerPartition``, ``model.config.numLayers``).
-        message: what is wrong and how to fix it.
-    """
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"spec.{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-class WireModel(BaseModel):
-    """Base of the spec and status models: camelCase on the wire, snake_case in Python, both
-    accepted on input; unknown fields refused."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        validate_by_name=True,
-        validate_by_alias=True,
-        serialize_by_alias=True,
-        extra="forbid",
-    )
 
 
 class PVCSource(WireModel):
@@ -320,73 +270,6 @@ class RolloutSpec(WireModel):
     )
 
 
-class PodTemplateOverlay(WireModel):
-    """Settings laid over the stage pods' template (core/v1 PodSpec and Container fields)."""
-
-    priority_class_name: str | None = Field(None, description="PodSpec.priorityClassName.")
-    scheduler_name: str | None = Field(None, description="PodSpec.schedulerName.")
-    runtime_class_name: str | None = Field(
-        None, description="PodSpec.runtimeClassName (e.g. nvidia)."
-    )
-    env: list[dict[str, Any]] = Field(
-        default_factory=list,
-        description="Extra core/v1 EnvVar entries of the stage container (valueFrom.secretKeyRef).",
-    )
-    env_from: list[dict[str, Any]] = Field(
-        default_factory=list,
-        description="Extra core/v1 EnvFromSource entries of the stage container (secretRef).",
-    )
-
-
-class TopologySpec(WireModel):
-    """Where a replica's stages run: together in one domain, replicas apart."""
-
-    replica_domain_key: str | None = Field(
-        None,
-        min_length=1,
-        description=(
-            "Node label whose value every stage pod of one replica shares (required pod "
-            "affinity), e.g. kubernetes.io/hostname (one host's NVLink) or a rack/clique label."
-        ),
-    )
-    spread_replicas_key: str | None = Field(
-        None,
-        min_length=1,
-        description=(
-            "Node label by which replicas spread: a stage pod prefers domains without other "
-            "replicas' stage pods (preferred pod anti-affinity)."
-        ),
-    )
-    pod_group: bool = Field(
-        False,
-        description=(
-            "One PodGroup (scheduling.x-k8s.io/v1alpha1, the scheduler-plugins coscheduling "
-            "plugin) per replica with minMember = stages: a replica's stages are scheduled all "
-            "or none. Needs that scheduler (podTemplate.schedulerName)."
-        ),
-    )
-
-
-class NetworkPolicySpec(WireModel):
-    """NetworkPolicies the operator creates for the pipeline's pods (ingress only)."""
-
-    enabled: bool = Field(
-        True,
-        description=(
-            "Stage pods take traffic only from the replica's stage pods (activations, "
-            "rendezvous) and on the health port; admission pods only from the pipeline's "
-            "gateway (and Prometheus on the metrics port); the gateway only from gatewayFrom."
-        ),
-    )
-    gateway_from: list[dict[str, Any]] = Field(
-        default_factory=list,
-        description=(
-            "core/v1 NetworkPolicyPeer list allowed to reach the gateway's HTTP port; empty: "
-            "every pod of the pipeline's namespace."
-        ),
-    )
-
-
 class WavePipelineSpec(WireModel):
     """Desired state of a WavePipeline: a pool of ``replicas`` identical pipelines of ``stages``.
 
@@ -606,7 +489,7 @@ def _check_cross_fields(spec: WavePipelineSpec) -> None:
                 "model.path",
                 f"{spec.model.path!r} is outside the PVC's mountPath {spec.model.pvc.mount_path!r}",
             )
-    _check_engine(spec)
+    check_engine(spec)
     budget = spec.restart_budget
     if budget.window_s is not None and budget.window_s < budget.least_window():
         raise SpecError(
@@ -624,66 +507,4 @@ def _check_cross_fields(spec: WavePipelineSpec) -> None:
             raise SpecError(
                 "autoscaling.minReplicas",
                 f"{spec.autoscaling.min_replicas} > maxReplicas={spec.autoscaling.max_replicas}",
-            )
-
-
-def _check_engine(spec: WavePipelineSpec) -> None:
-    """What the engines honour: TP size, dtype per device, weights, engineOptions keys."""
-    if spec.tensor_parallel_size != 1:
-        raise SpecError(
-            "tensorParallelSize",
-            f"{spec.tensor_parallel_size}: tensor parallelism is not implemented (each stage "
-            "runs on one device); use 1",
-        )
-    gpus = spec.gpus_per_stage()
-    if spec.engine == "torch" and gpus > 1:
-        raise SpecError(
-            "resources.gpusPerStage",
-            f"{gpus}: a torch stage uses one GPU (no tensor parallelism); use 0 (CPU) or 1",
-        )
-    dtype = spec.model.dtype
-    if spec.engine == "emulated":
-        for field, value in (
-            ("model.dtype", dtype),
-            ("model.path", spec.model.path),
-            ("model.pvc", spec.model.pvc),
-        ):
-            if value is not None:
-                raise SpecError(
-                    field,
-                    "the emulated engine computes nothing and loads no weights (its cost model "
-                    "fixes the precision); leave it unset or use engine: torch",
-                )
-    elif gpus == 0 and dtype not in (None, "float32"):
-        raise SpecError(
-            "model.dtype",
-            f"{dtype!r} needs a GPU: resources.gpusPerStage is 0 and the torch engine computes "
-            "in float32 on the CPU; use float32 or request GPUs",
-        )
-    for key in spec.engine_options:
-        engines = ENGINE_OPTIONS.get(key)
-        if engines is None:
-            hint = " (the device follows resources.gpusPerStage)" if key == "device" else ""
-            raise SpecError(
-                f"engineOptions.{key}",
-                f"unknown option{hint}; known: {', '.join(sorted(ENGINE_OPTIONS))}",
-            )
-        if spec.engine not in engines:
-            raise SpecError(
-                f"engineOptions.{key}", f"not read by engine {spec.engine!r}; only by {engines}"
-            )
-    if spec.engine == "emulated":
-        emulate = str(spec.engine_options.get("emulate", spec.model.name))
-        if emulate not in EMULATED_MODELS:
-            raise SpecError(
-                "engineOptions.emulate",
-                f"{emulate!r} has no cost model; choose one of {list(EMULATED_MODELS)}",
-            )
-    extra = (spec.model.config.model_extra or {}) if spec.model.config is not None else {}
-    for key in extra:
-        if key not in MODEL_CONFIG_EXTRA:
-            raise SpecError(
-                f"model.config.{key}",
-                f"not a model setting the engine reads; known beyond the typed fields: "
-                f"{', '.join(MODEL_CONFIG_EXTRA)}",
             )

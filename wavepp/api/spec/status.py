@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from wavepp.api.spec.models import WireModel
+from wavepp.api.spec.base import WireModel
 
 CONFIG_EXIT_CODE = 78
 """Exit code of a pipeline process (``wavepp stage|admission|gateway``) that refuses its
