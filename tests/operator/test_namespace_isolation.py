@@ -246,3 +246,20 @@ def _tokens(payload: dict[str, Any]) -> list[int]:
     if "chunks" in payload:
         return [t for c in payload["chunks"] for t in (c.get("token_ids") or [])]
     return list(payload.get("token_ids") or [])
+
+
+def test_subject_names_carry_namespace_and_name() -> None:
+    from wavepp.api import subjects as s
+
+    prefix = s.replica_prefix("tiny-r0", namespace="team-a")
+    assert prefix == "wavepp.team-a.tiny-r0"
+    assert s.pipeline_of(s.ReplicaSubjects(prefix).kv_events(1)) == "tiny-r0"
+    assert s.intake_stream("tiny-r0", namespace="team-a") != s.intake_stream(
+        "tiny-r0", namespace="team-b"
+    )
+    assert s.results_bucket("tiny", namespace="team-a") == "WAVEPP_RESULTS_team-a_tiny"
+    names = [
+        "WAVEPP_INTAKE_team-a_tiny-r0", "WAVEPP_INTAKE_team-a_tiny-r12", "KV_WAVEPP_RESULTS_team-a_tiny",
+        "WAVEPP_INTAKE_team-a_tiny-rx-r0", "WAVEPP_INTAKE_team-b_tiny-r0", "KV_WAVEPP_RESULTS_team-a_tinyx",
+    ]  # fmt: skip
+    assert s.pool_streams(names, "tiny", namespace="team-a") == names[:3]

@@ -32,6 +32,7 @@ from wavepp.api.subjects import (
     heartbeat_subject,
     intake_stream,
     intake_subject,
+    pipeline_of,
     replica_prefix,
     result_subject,
 )
@@ -172,7 +173,7 @@ class Gateway:
             self._dispatch()
 
     async def _on_kv_events(self, msg: Msg) -> None:
-        replica = msg.subject.split(".")[1]
+        replica = pipeline_of(msg.subject)
         try:
             batch = KVEventBatch.model_validate_json(msg.data)
             self.router.on_kv_events(
