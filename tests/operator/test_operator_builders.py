@@ -292,3 +292,18 @@ def test_metrics_port_only_where_a_process_listens() -> None:
     assert "metrics" in ports(b.build_admission_deployment(REF, FULL, h, 0, running=True))
     assert "metrics" not in ports(b.build_stage_statefulset(REF, FULL, h, 0))
     assert "metrics" not in ports(b.build_gateway_deployment(REF, FULL, h))
+
+
+def test_inference_pool_over_the_gateway_pods_off_by_default() -> None:
+    assert b.build_inference_pool(REF, FULL) is None
+    spec = _spec(inferencePool={"enabled": True, "endpointPicker": "wavepp-epp"})
+    pool = b.build_inference_pool(REF, spec)
+    assert pool is not None and pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["metadata"]["name"] == "big"
+    gateway = b.build_gateway_deployment(REF, spec, b.spec_hash(spec))
+    selected = pool["spec"]["selector"]["matchLabels"]
+    assert selected.items() <= gateway["spec"]["template"]["metadata"]["labels"].items()
+    assert pool["spec"]["targetPorts"] == [{"number": b.HTTP_PORT}]
+    assert pool["spec"]["endpointPickerRef"] == {
+        "kind": "Service", "name": "wavepp-epp", "port": {"number": 9002}, "failureMode": "FailClose",
+    }  # fmt: skip

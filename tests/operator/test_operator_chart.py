@@ -15,7 +15,7 @@ CHART = REPO / "charts" / "wavepp"
 VALUE_SETS = [
     (),
     ("nats.deploy=true", "otlp.endpoint=http://otel:4317", "operator.postEvents=false"),
-    ("watchNamespaces={team-a,team-b}", "rbac.podGroups=true", "nats.deploy=true"),
+    ("watchNamespaces={team-a,team-b}", "rbac.podGroups=true", "rbac.inferencePools=true"),
 ]
 IDS = ["defaults", "nats-deploy", "namespaced"]
 

@@ -392,6 +392,30 @@ FIELDS: dict[str, Entry] = {
     "networkPolicy.enabled": Entry(
         O, f"{BLD}.build_network_policies", {"networkPolicy": {"enabled": False}}
     ),
+    "inferencePool.enabled": Entry(
+        O,
+        f"{BLD}.build_inference_pool",
+        {"inferencePool": {"enabled": True, "endpointPicker": "epp"}},
+        refusal=({"inferencePool": {"enabled": True}}, "required with inferencePool.enabled"),
+    ),
+    "inferencePool.endpointPicker": Entry(
+        O,
+        f"{BLD}.build_inference_pool: endpointPickerRef.name",
+        {"inferencePool": {"enabled": True, "endpointPicker": "epp2"}},
+        context={"inferencePool": {"enabled": True, "endpointPicker": "epp"}},
+    ),
+    "inferencePool.endpointPickerPort": Entry(
+        O,
+        f"{BLD}.build_inference_pool: endpointPickerRef.port",
+        {"inferencePool": {"enabled": True, "endpointPicker": "epp", "endpointPickerPort": 9003}},
+        context={"inferencePool": {"enabled": True, "endpointPicker": "epp"}},
+    ),
+    "inferencePool.failureMode": Entry(
+        O,
+        f"{BLD}.build_inference_pool: endpointPickerRef.failureMode",
+        {"inferencePool": {"enabled": True, "endpointPicker": "epp", "failureMode": "FailOpen"}},
+        context={"inferencePool": {"enabled": True, "endpointPicker": "epp"}},
+    ),
     "networkPolicy.gatewayFrom": Entry(
         O,
         f"{BLD}.build_network_policies",

@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nats_tls_support import TLSFiles, make_tls_files  # noqa: E402
 
+from wavepp.api.spec import CONFIG_EXIT_CODE
 from wavepp.cli import main as cli_main  # noqa: E402
 from wavepp.runtime.transport.natsio import TLS_ENV, EmbeddedNatsServer, NatsTLS, connect  # noqa: E402
 
@@ -101,7 +102,7 @@ def test_tls_flags_are_checked_before_anything_starts(
         ],
     }
     for expected, flags in cases.items():
-        assert cli_main([*base, *flags]) == 2, flags
+        assert cli_main([*base, *flags]) == CONFIG_EXIT_CODE, flags
         assert expected in capsys.readouterr().err, flags
 
 

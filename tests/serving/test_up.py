@@ -12,6 +12,7 @@ import time
 import aiohttp
 import pytest
 
+from wavepp.api.subjects import prefill_subject
 from wavepp.runtime.transport.natsio import connect
 
 pytestmark = pytest.mark.timeout(240)
@@ -136,8 +137,9 @@ async def test_nats_prefill_subject(up_service) -> None:
     nc = await connect(up_service.processes()["nats_url"], name="test-client")
     try:
         body = {"tenant": "alice", "token_ids": prompt(3, 33)}
-        reply = await nc.request("wavepp.default.prefill", json.dumps(body).encode(), timeout=30)
-        bad = await nc.request("wavepp.default.prefill", b"{", timeout=30)
+        subject = prefill_subject("default", namespace="local")  # wavepp up's pool "default"
+        reply = await nc.request(subject, json.dumps(body).encode(), timeout=30)
+        bad = await nc.request(subject, b"{", timeout=30)
     finally:
         await nc.drain()
     answer = json.loads(reply.data)

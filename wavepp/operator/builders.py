@@ -81,6 +81,7 @@ __all__ = [
     "build_gateway_deployment",
     "build_gateway_service",
     "build_hpa",
+    "build_inference_pool",
     "build_network_policies",
     "build_pdb",
     "build_pod_group",
@@ -434,6 +435,29 @@ def build_network_policies(ref: PipelineRef, spec: WavePipelineSpec) -> list[dic
         ),
         policy("gateway", [{"from": gateway_from, "ports": [tcp(HTTP_PORT)]}]),
     ]
+
+
+def build_inference_pool(ref: PipelineRef, spec: WavePipelineSpec) -> dict[str, Any] | None:
+    """InferencePool ``{p}`` (inference.networking.k8s.io/v1) over the gateway pods' HTTP port,
+    with the cluster's endpoint picker; None unless ``inferencePool.enabled``."""
+    pool = spec.inference_pool
+    if not pool.enabled:
+        return None
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": child_metadata(ref, ref.name, "gateway"),
+        "spec": {
+            "selector": {"matchLabels": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "gateway"}},
+            "targetPorts": [{"number": HTTP_PORT}],
+            "endpointPickerRef": {
+                "kind": "Service",
+                "name": pool.endpoint_picker,
+                "port": {"number": pool.endpoint_picker_port},
+                "failureMode": pool.failure_mode,
+            },
+        },
+    }
 
 
 def build_admission_deployment(

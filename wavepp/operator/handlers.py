@@ -185,10 +185,15 @@ async def cleanup(memo: Any, **_: Any) -> None:
 
 
 async def _observe(
-    client: kube.KubeClient, namespace: str, name: str, *, pod_groups: bool = False
+    client: kube.KubeClient,
+    namespace: str,
+    name: str,
+    *,
+    pod_groups: bool = False,
+    inference_pools: bool = False,
 ) -> Observed:
-    """The pipeline's children; PodGroups only when its spec asks for them (their CRD is
-    optional)."""
+    """The pipeline's children; PodGroups and InferencePools only when its spec asks for them
+    (their CRDs are optional)."""
     selector = {b.LABEL_PIPELINE: name}
     sts, deps, pods, cms, hpas, svcs, pdbs, netpols = await asyncio.gather(
         client.list("StatefulSet", namespace, selector),
@@ -201,6 +206,7 @@ async def _observe(
         client.list("NetworkPolicy", namespace, selector),
     )
     groups = await client.list("PodGroup", namespace, selector) if pod_groups else []
+    pools = await client.list("InferencePool", namespace, selector) if inference_pools else []
     return Observed(
         statefulsets=sts,
         deployments=deps,
@@ -211,6 +217,7 @@ async def _observe(
         pdbs=pdbs,
         network_policies=netpols,
         pod_groups=groups,
+        inference_pools=pools,
     )
 
 
@@ -303,8 +310,14 @@ async def reconcile_pipeline(
     if body is None or body.get("metadata", {}).get("deletionTimestamp"):
         return None
     opts = state.options
-    topology = (body.get("spec") or {}).get("topology") or {}
-    observed = await _observe(client, namespace, name, pod_groups=bool(topology.get("podGroup")))
+    raw_spec = body.get("spec") or {}
+    observed = await _observe(
+        client,
+        namespace,
+        name,
+        pod_groups=bool((raw_spec.get("topology") or {}).get("podGroup")),
+        inference_pools=bool((raw_spec.get("inferencePool") or {}).get("enabled")),
+    )
     result = plan(
         body,
         observed,

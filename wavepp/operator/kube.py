@@ -52,6 +52,7 @@ RESOURCES: dict[str, type[GenericNamespacedResource]] = {
         ("PodDisruptionBudget", "policy", "v1", "poddisruptionbudgets"),
         ("NetworkPolicy", "networking.k8s.io", "v1", "networkpolicies"),
         ("PodGroup", "scheduling.x-k8s.io", "v1alpha1", "podgroups"),
+        ("InferencePool", "inference.networking.k8s.io", "v1", "inferencepools"),
         ("WavePipeline", "wavepp.dev", "v1alpha1", "wavepipelines"),
     )
 }

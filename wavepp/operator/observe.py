@@ -39,6 +39,7 @@ class Observed:
     pdbs: list[dict[str, Any]] = field(default_factory=list)
     network_policies: list[dict[str, Any]] = field(default_factory=list)
     pod_groups: list[dict[str, Any]] = field(default_factory=list)
+    inference_pools: list[dict[str, Any]] = field(default_factory=list)
 
     def index(self) -> dict[tuple[str, str], dict[str, Any]]:
         """(kind, name) -> object, for every listed child (pods excluded)."""
@@ -51,6 +52,7 @@ class Observed:
             ("PodDisruptionBudget", self.pdbs),
             ("NetworkPolicy", self.network_policies),
             ("PodGroup", self.pod_groups),
+            ("InferencePool", self.inference_pools),
         )
         return {(kind, meta_of(obj).get("name", "")): obj for kind, objs in kinds for obj in objs}
 

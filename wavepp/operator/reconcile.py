@@ -382,6 +382,9 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
     actions.append(Apply(b.build_pool_configmap(ref, pool)))
     actions.append(Apply(b.build_gateway_deployment(ref, spec, current_hash)))
     actions.append(Apply(b.build_gateway_service(ref)))
+    inference_pool = b.build_inference_pool(ref, spec)
+    if inference_pool is not None:
+        actions.append(Apply(inference_pool))
     policies = b.build_network_policies(ref, spec)
     actions += [Apply(p) for p in policies]
     if not policies:

@@ -51,7 +51,12 @@ from wavepp.api.spec.models import (
     WavePipelineSpec,
     split_layers,
 )
-from wavepp.api.spec.sections import NetworkPolicySpec, PodTemplateOverlay, TopologySpec
+from wavepp.api.spec.sections import (
+    InferencePoolSpec,
+    NetworkPolicySpec,
+    PodTemplateOverlay,
+    TopologySpec,
+)
 from wavepp.api.spec.status import (
     CONFIG_EXIT_CODE,
     Condition,
@@ -75,6 +80,7 @@ __all__ = [
     "Condition",
     "ModelConfigSpec",
     "ModelSpec",
+    "InferencePoolSpec",
     "NatsSpec",
     "NetworkPolicySpec",
     "PodTemplateOverlay",

@@ -17,7 +17,12 @@ from wavepp.api.spec.base import SpecError, WireModel
 from wavepp.api.spec.checks import (
     check_engine,
 )
-from wavepp.api.spec.sections import NetworkPolicySpec, PodTemplateOverlay, TopologySpec
+from wavepp.api.spec.sections import (
+    InferencePoolSpec,
+    NetworkPolicySpec,
+    PodTemplateOverlay,
+    TopologySpec,
+)
 
 API_GROUP = "wavepp.dev"
 API_VERSION = "v1alpha1"
@@ -321,6 +326,7 @@ class WavePipelineSpec(WireModel):
     pod_template: PodTemplateOverlay = Field(default_factory=PodTemplateOverlay)
     topology: TopologySpec = Field(default_factory=TopologySpec)
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    inference_pool: InferencePoolSpec = Field(default_factory=InferencePoolSpec)
 
     @model_validator(mode="after")
     def _check_layout(self) -> WavePipelineSpec:
@@ -497,6 +503,11 @@ def _check_cross_fields(spec: WavePipelineSpec) -> None:
             f"{budget.window_s:g} s is shorter than (maxRestarts + 1) x formingTimeoutSeconds = "
             f"{budget.least_window():g} s: a replica that hangs while forming would re-form "
             "forever without reaching Degraded; leave it unset or make it longer",
+        )
+    if spec.inference_pool.enabled and not spec.inference_pool.endpoint_picker:
+        raise SpecError(
+            "inferencePool.endpointPicker",
+            "required with inferencePool.enabled: the Service of the cluster's endpoint picker",
         )
     names = [t.name for t in spec.tenants]
     duplicates = sorted({n for n in names if names.count(n) > 1})

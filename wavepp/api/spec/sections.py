@@ -3,7 +3,7 @@ per-replica topology, the NetworkPolicies."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -74,4 +74,21 @@ class NetworkPolicySpec(WireModel):
             "core/v1 NetworkPolicyPeer list allowed to reach the gateway's HTTP port; empty: "
             "every pod of the pipeline's namespace."
         ),
+    )
+
+
+class InferencePoolSpec(WireModel):
+    """An InferencePool (Gateway API Inference Extension, inference.networking.k8s.io/v1) over
+    the pipeline's gateway pods, so that an HTTPRoute can send traffic to WavePP through a
+    cluster's inference gateway. Off by default; the endpoint picker (EPP) is the cluster's."""
+
+    enabled: bool = Field(False, description="Render the InferencePool {name} (needs its CRD).")
+    endpoint_picker: str | None = Field(
+        None,
+        min_length=1,
+        description="Service name of the endpoint picker (EPP) extension; required when enabled.",
+    )
+    endpoint_picker_port: int = Field(9002, ge=1, le=65535, description="The EPP's gRPC port.")
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        "FailClose", description="What the gateway does when the EPP does not answer."
     )
