@@ -235,6 +235,7 @@ def test_spec_to_runtime_configs() -> None:
             "replicas": 3,
             "cache": {"blockSize": 32, "memoryPerStageBytes": 1 << 20},
             "scheduler": {"mode": "sync", "chunkTokens": 512},
+            "resources": {"gpusPerStage": 0},  # CPU: float32 (4 bytes below)
         }
     )
     configs = runtime_configs_from_spec(spec, pool="p")
