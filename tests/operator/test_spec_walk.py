@@ -396,13 +396,13 @@ FIELDS: dict[str, Entry] = {
         O,
         f"{BLD}.build_inference_pool",
         {"inferencePool": {"enabled": True, "endpointPicker": "epp"}},
-        refusal=({"inferencePool": {"enabled": True}}, "required with inferencePool.enabled"),
     ),
     "inferencePool.endpointPicker": Entry(
         O,
         f"{BLD}.build_inference_pool: endpointPickerRef.name",
         {"inferencePool": {"enabled": True, "endpointPicker": "epp2"}},
         context={"inferencePool": {"enabled": True, "endpointPicker": "epp"}},
+        refusal=({"inferencePool": {"enabled": True}}, "required with inferencePool.enabled"),
     ),
     "inferencePool.endpointPickerPort": Entry(
         O,

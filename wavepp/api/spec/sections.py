@@ -78,9 +78,10 @@ class NetworkPolicySpec(WireModel):
 
 
 class InferencePoolSpec(WireModel):
-    """An InferencePool (Gateway API Inference Extension, inference.networking.k8s.io/v1) over
-    the pipeline's gateway pods, so that an HTTPRoute can send traffic to WavePP through a
-    cluster's inference gateway. Off by default; the endpoint picker (EPP) is the cluster's."""
+    """An InferencePool (Gateway API Inference Extension, API group inference.networking.k8s.io,
+    version v1) over the pipeline's gateway pods, so that an HTTPRoute can send traffic to WavePP
+    through a cluster's inference gateway. Off by default; the endpoint picker (EPP) is the
+    cluster's."""
 
     enabled: bool = Field(False, description="Render the InferencePool {name} (needs its CRD).")
     endpoint_picker: str | None = Field(
