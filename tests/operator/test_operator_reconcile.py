@@ -335,3 +335,19 @@ def test_a_replica_that_never_forms_counts_against_the_budget_and_degrades() -> 
         in world.condition("Degraded")["message"]
     )
     assert world.objects[("StatefulSet", "p-r0")]["spec"]["replicas"] == 0
+
+
+def test_a_gateway_that_refuses_its_config_is_named() -> None:
+    world = World(spec(replicas=1))
+    world.serve_all(1)
+    status = pod_status("crashed", exit_code=78)
+    status["containerStatuses"][0]["lastState"]["terminated"]["message"] = (
+        "wavepp gateway: --config /etc/wavepp/spec.json: spec.tenants: duplicate"
+    )
+    world.objects[("Pod", "p-gateway-x")]["status"] = status
+    world.step()
+    assert world.condition("Ready")["reason"] == "GatewayNotReady"
+    degraded = world.condition("Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "InvalidRuntimeConfig")
+    assert "gateway: pod p-gateway-x: wavepp gateway: --config" in degraded["message"]
+    assert world.body["status"]["phase"] == "Degraded"

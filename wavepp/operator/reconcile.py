@@ -61,6 +61,7 @@ from wavepp.operator.observe import (
     gateway_pod_ready,
     labels_of,
     meta_of,
+    pod_config_error,
     pod_failure,
     replica_views,
     stage_phase,
@@ -412,12 +413,19 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
             if replica is not None and replica.isdigit() and int(replica) not in kept:
                 actions.append(Delete(kind, meta_of(obj)["name"]))
 
-    gateway_ready = any(
-        labels_of(p).get(b.LABEL_COMPONENT) == "gateway" and gateway_pod_ready(p)
-        for p in observed.pods
-    )
+    gateway_pods = [p for p in observed.pods if labels_of(p).get(b.LABEL_COMPONENT) == "gateway"]
+    gateway_error = next(filter(None, (pod_config_error(p) for p in gateway_pods)), None)
     status = pipeline_status(
-        body, spec, views, desired, serving, current_hash, notes, now, gateway_ready=gateway_ready
+        body,
+        spec,
+        views,
+        desired,
+        serving,
+        current_hash,
+        notes,
+        now,
+        gateway_ready=any(gateway_pod_ready(p) for p in gateway_pods),
+        gateway_error=gateway_error,
     )
     due = [max(0.5, t) for t in requeue]
     return Plan(actions=actions, status=status, requeue_after_s=min(due) if due else None)

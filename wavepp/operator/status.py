@@ -75,12 +75,14 @@ def pipeline_status(
     now: float,
     *,
     gateway_ready: bool,
+    gateway_error: str | None = None,
 ) -> dict[str, Any]:
     """The observed state, with the drains this plan starts or ends already applied.
 
     Ready needs every desired replica serving (each stage's pod Ready: its compute loop alive)
     and a Ready gateway pod; a replica stopped by a config error is Degraded with reason
-    ``InvalidRuntimeConfig`` and the process's message (it names the field).
+    ``InvalidRuntimeConfig`` and the process's message (it names the field); so is the
+    pipeline when its gateway exited with a config error (``gateway_error``).
     """
     ref = b.PipelineRef.from_body(body)
     previous = (body.get("status") or {}).get("conditions") or []
@@ -213,13 +215,15 @@ def pipeline_status(
         )
     else:
         degraded_cond = (False, "AsExpected", "no replica is stopped")
+    if gateway_error is not None:
+        degraded_cond = (True, "InvalidRuntimeConfig", f"gateway: {gateway_error}")
 
     conditions = [
         condition_entry("Ready", *ready_cond, previous, now, generation),
         condition_entry("Progressing", *progressing, previous, now, generation),
         condition_entry("Degraded", *degraded_cond, previous, now, generation),
     ]
-    if degraded:
+    if degraded or gateway_error is not None:
         phase = "Degraded"
     elif ready_cond[0]:
         phase = "Ready"
