@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from wavepp.api.spec import SpecError, WavePipelineSpec
+from wavepp.api.spec import WavePipelineSpec
 from wavepp.cmd.stage import ArgError, add_arguments, runtime_config_from_args
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.hf_config import load_model_dir, model_config_from_hf
 from wavepp.runtime.model_config import balanced_partition
-from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 from wavepp.runtime.stage.calibrate import measure_stage_costs
 from wavepp.runtime.stage.engine.balance import checkpoint_partition, layer_active_params
 from wavepp.runtime.stage.worker import build_engine
@@ -80,11 +79,20 @@ def test_non_llama_without_model_dir_and_model_dir_on_emulated_are_refused(
 def test_tensor_parallel_is_refused_not_ignored() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size=2: tensor parallelism"):
         RuntimeConfig(num_stages=2, tensor_parallel_size=2)
-    spec = WavePipelineSpec.model_validate(
-        {"model": {"name": "tiny-llama"}, "stages": 2, "tensorParallelSize": 2}
-    )
-    with pytest.raises(SpecError, match="tensorParallelSize"):
-        runtime_configs_from_spec(spec, pool="p")
+    # The spec refuses it at validation (wavepp.api.spec.checks), naming the field.
+    with pytest.raises(ValueError, match="tensorParallelSize"):
+        WavePipelineSpec.model_validate(
+            {"model": {"name": "tiny-llama"}, "stages": 2, "tensorParallelSize": 2}
+        )
+
+
+def test_weights_and_model_dir_together_are_refused(dsv3_dir: Path) -> None:
+    """model_dir (a checkpoint with its config.json) and weights (Llama safetensors shaped by
+    the config's model) are exclusive: both set is refused, neither silently ignored."""
+    with pytest.raises(ValueError, match="set one"):
+        RuntimeConfig(num_stages=2, weights="/w", model_dir=str(dsv3_dir))
+    with pytest.raises(ValueError, match="set one"):
+        RuntimeConfig(num_stages=2, weights="/w").with_model_dir(str(dsv3_dir))
 
 
 def test_stage_flag_model_overrides_the_runtime_config(dsv3_dir: Path, tmp_path: Path) -> None:

@@ -129,10 +129,12 @@ def test_bounds_are_the_documented_ones() -> None:
 def test_valid_config_validates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "ok.yaml"
     config.write_text(
-        BASE + "engineOptions: {timeScale: 0.5, leaseSeconds: 10, kvBlocks: [8, 9]}\n"
+        # timeScale is read by the emulated engine only (the torch engine refuses it)
+        BASE
+        + "engine: emulated\nengineOptions: {timeScale: 0.5, leaseSeconds: 10, kvBlocks: [8, 9]}\n"
     )
     assert cli.main(["validate", str(config)]) == 0
-    assert "ok (1 replica(s) x 2 torch stages of tiny-llama" in capsys.readouterr().out
+    assert "ok (1 replica(s) x 2 emulated stages of tiny-llama" in capsys.readouterr().out
 
 
 def test_runtime_and_gateway_config_files_refuse_infinity(

@@ -100,12 +100,29 @@ class WaveEmulator(kmock.KubernetesEmulator):
     """
 
     created_by_apply: set[int] = attrs.field(factory=set)
+    # "plural/name" -> (HTTP code, message): writes of that object are refused as a real API
+    # server's validation or admission would (kmock validates nothing).
+    refusals: dict[str, tuple[int, str]] = attrs.field(factory=dict)
 
     async def _handle(self, request: Any) -> Any:
         """Create on apply; set what a real API server sets on create (uid, resourceVersion,
         generation, time); refuse a JSON patch whose resourceVersion test fails with 422, as a
         real API server does (kmock raised, answering 500, and kopf retried the stale patch
         instead of re-reading: found as a flaky e2e test once writes bumped resourceVersion)."""
+        refusal = self._refusal(request)
+        if refusal is not None:
+            code, message = refusal
+            return aiohttp.web.json_response(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Status",
+                    "status": "Failure",
+                    "reason": "Invalid",
+                    "code": code,
+                    "message": message,
+                },
+                status=code,
+            )
         if self._fails_resource_version_test(request):
             return aiohttp.web.json_response(
                 {
@@ -134,6 +151,15 @@ class WaveEmulator(kmock.KubernetesEmulator):
             meta = request.data.setdefault("metadata", {})
             meta["resourceVersion"] = str(next(_resource_versions))
         return await super()._handle(request)
+
+    def _refusal(self, request: Any) -> tuple[int, str] | None:
+        if request.resource is None or request.action not in (
+            kmock.action.CREATE,
+            kmock.action.UPDATE,
+        ):
+            return None
+        name = request.name or ((request.data or {}).get("metadata") or {}).get("name")
+        return self.refusals.get(f"{request.resource.plural}/{name}")
 
     def _fails_resource_version_test(self, request: Any) -> bool:
         if request.action != kmock.action.UPDATE or not isinstance(request.data, list):
@@ -279,7 +305,12 @@ class Cluster:
                 {
                     "apiVersion": "v1",
                     "kind": "Pod",
-                    "metadata": {"name": pod_name, "namespace": NAMESPACE, "labels": labels},
+                    "metadata": {
+                        "name": pod_name,
+                        "namespace": NAMESPACE,
+                        "labels": labels,
+                        "uid": f"{pod_name}-uid{next(_uids)}",
+                    },
                     "spec": template["spec"],
                     "status": pod_status(phase),
                 }
@@ -304,6 +335,29 @@ class Cluster:
                 },
                 "spec": dep["spec"]["template"]["spec"],
                 "status": pod_status("warm" if ready else "scheduled"),
+            }
+        )
+        return pod_name
+
+    async def run_gateway(self, pipeline: str, *, ready: bool = True) -> str:
+        """Create (or set the readiness of) the gateway pod from its Deployment's template."""
+        pod_name = f"{b.gateway_name(pipeline)}-x"
+        if await self.get("Pod", pod_name) is not None:
+            await self.set_pod_phase(pod_name, "warm" if ready else "formed")
+            return pod_name
+        dep = await self.get("Deployment", b.gateway_name(pipeline))
+        assert dep is not None
+        await self.client.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": pod_name,
+                    "namespace": NAMESPACE,
+                    "labels": dict(dep["spec"]["template"]["metadata"]["labels"]),
+                },
+                "spec": dep["spec"]["template"]["spec"],
+                "status": pod_status("warm" if ready else "formed"),
             }
         )
         return pod_name
@@ -340,6 +394,8 @@ class Cluster:
         await self.run_statefulset(b.statefulset_name(pipeline, replica))
         if not await self.admission_pods(pipeline, replica):
             await self.run_admission(pipeline, replica)
+        if await self.get("Pod", f"{b.gateway_name(pipeline)}-x") is None:
+            await self.run_gateway(pipeline)
 
     async def kubectl(self, *args: str, stdin: bytes | None = None) -> tuple[int, str, str]:
         proc = await asyncio.create_subprocess_exec(
@@ -489,6 +545,8 @@ async def operator(cluster: Cluster) -> AsyncIterator[OperatorThread]:
         resync_s=0.5,
         post_events=False,
         fast_exit=True,
+        nats_cleanup_tries=1,  # no NATS at nats.wavepp: the delete handler gives up at once
+        nats_cleanup_timeout_s=0.5,
     )
     runner = OperatorThread(options)
     runner.thread.start()
@@ -510,7 +568,7 @@ def tiny_spec(**overrides: Any) -> dict[str, Any]:
         "stages": 4,
         "replicas": 2,
         "resources": {"gpusPerStage": 0},
-        "restartBudget": {"maxRestarts": 2, "windowSeconds": 600},
+        "restartBudget": {"maxRestarts": 2},
         "rollout": {"drainTimeoutSeconds": 30},
     }
     spec.update(overrides)

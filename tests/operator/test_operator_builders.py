@@ -26,7 +26,7 @@ def _spec(**raw: Any) -> WavePipelineSpec:
 
 FULL = _spec(
     replicas=3,
-    tensorParallelSize=8,
+    engine="torch",
     model={"name": "glm-5.2", "pvc": {"claimName": "glm", "subPath": "glm-5.2"}},
     resources={"cpu": "16", "memory": "256Gi", "sharedMemory": "32Gi"},
     nodeSelector={"nvidia.com/gpu.product": "H200"},
@@ -51,7 +51,22 @@ FULL = _spec(
     telemetry={"otlpEndpoint": "http://otel:4317", "samplingRatio": 0.05},
     imagePullSecrets=["regcred"],
     serviceAccountName="wavepp-stage",
-    autoscaling={"minReplicas": 1, "maxReplicas": 4, "metric": "wave_fill", "target": 0.8},
+    autoscaling={"minReplicas": 1, "maxReplicas": 4, "metric": "cpu", "target": 80},
+    podTemplate={
+        "priorityClassName": "llm-serving",
+        "schedulerName": "scheduler-plugins-scheduler",
+        "runtimeClassName": "nvidia",
+        "env": [
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+        ],
+        "envFrom": [{"secretRef": {"name": "stage-extra"}}],
+    },
+    topology={
+        "replicaDomainKey": "nvidia.com/gpu.clique",
+        "spreadReplicasKey": "topology.kubernetes.io/zone",
+        "podGroup": True,
+    },
+    networkPolicy={"gatewayFrom": [{"namespaceSelector": {"matchLabels": {"team": "a"}}}]},
 )
 
 
@@ -69,16 +84,17 @@ def _all_children(spec: WavePipelineSpec) -> list[dict[str, Any]]:
             b.build_stage_statefulset(REF, spec, h, replica, stopped=replica == 1),
             b.build_admission_deployment(REF, spec, h, replica, running=replica == 0),
             b.build_admission_service(REF, replica),
+            b.build_pdb(REF, spec, replica),
         ]
+    objects += b.build_network_policies(REF, spec)
     hpa = b.build_hpa(REF, spec)
     return objects + ([hpa] if hpa else [])
 
 
 def test_every_child_passes_kubernetes_validate_strict(tmp_path: Path) -> None:
     objects = _all_children(FULL) + _all_children(_spec(resources={"gpusPerStage": 0}))
-    for metric, target in (("cpu", 70.0), ("queue_depth", 12.5)):
-        auto = {"minReplicas": 1, "maxReplicas": 2, "metric": metric, "target": target}
-        objects.append(b.build_hpa(REF, _spec(autoscaling=auto)))
+    auto = {"minReplicas": 1, "maxReplicas": 2, "metric": "cpu", "target": 70.0}
+    objects.append(b.build_hpa(REF, _spec(autoscaling=auto)))
     rc, output = kubernetes_validate(objects, tmp_path)
     assert rc == 0, output
 
@@ -127,7 +143,7 @@ def test_stage_statefulset_contract() -> None:
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel:4317"
     assert env["OTEL_TRACES_SAMPLER_ARG"] == "0.05"
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"  # TP size by default
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"  # torch: 1 by default
     assert container["startupProbe"]["httpGet"]["path"] == "/startupz"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     pod = sts["spec"]["template"]["spec"]
@@ -180,7 +196,9 @@ def test_pool_configmap_lists_admitting_replicas() -> None:
         ({"layerPartition": [21, 19, 19, 19]}, True),
         ({"layerPartition": [20, 20, 19, 19]}, False),  # spells out the default split
         ({"replicas": 7}, False),
-        ({"autoscaling": {"minReplicas": 1, "maxReplicas": 9, "target": 0.5}}, False),
+        ({"autoscaling": {"minReplicas": 1, "maxReplicas": 9, "target": 50}}, False),
+        ({"networkPolicy": {"enabled": False}}, False),
+        ({"podTemplate": {"priorityClassName": "high"}}, True),
         ({"restartBudget": {"maxRestarts": 9}}, False),
         ({"rollout": {"drainTimeoutSeconds": 5}}, False),
     ],
@@ -197,10 +215,10 @@ def test_hpa_targets_the_scale_subresource() -> None:
     }  # fmt: skip
     assert hpa["spec"]["metrics"] == [
         {
-            "type": "Pods",
-            "pods": {
-                "metric": {"name": "wavepp_wave_fill"},
-                "target": {"type": "AverageValue", "averageValue": "800m"},
+            "type": "Resource",
+            "resource": {
+                "name": "cpu",
+                "target": {"type": "Utilization", "averageUtilization": 80},
             },
         }
     ]
@@ -210,3 +228,82 @@ def test_hpa_targets_the_scale_subresource() -> None:
 def test_container_args_needs_a_replica_for_stages() -> None:
     with pytest.raises(ValueError, match="replica is required"):
         b.container_args("stage", FULL, REF)
+
+
+def test_pod_template_overlay_and_replica_topology_reach_the_stage_pods() -> None:
+    sts = b.build_stage_statefulset(REF, FULL, b.spec_hash(FULL), 1)
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == "llm-serving"
+    assert pod["schedulerName"] == "scheduler-plugins-scheduler"
+    assert pod["runtimeClassName"] == "nvidia"
+    container = pod["containers"][0]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in (
+        container["env"]
+    )
+    assert container["envFrom"] == [{"secretRef": {"name": "stage-extra"}}]
+    # The replica's stages share one clique; replicas prefer different zones.
+    (together,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert together["topologyKey"] == "nvidia.com/gpu.clique"
+    assert together["labelSelector"]["matchLabels"][b.LABEL_REPLICA] == "1"
+    (apart,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert apart["podAffinityTerm"]["topologyKey"] == "topology.kubernetes.io/zone"
+    assert apart["podAffinityTerm"]["labelSelector"]["matchExpressions"] == [
+        {"key": b.LABEL_REPLICA, "operator": "NotIn", "values": ["1"]}
+    ]
+    assert "nodeAffinity" in pod["affinity"]  # spec.affinity kept
+    # One PodGroup per replica, all stages or none.
+    assert sts["spec"]["template"]["metadata"]["labels"][b.POD_GROUP_LABEL] == "big-r1"
+    group = b.build_pod_group(REF, FULL, 1)
+    assert group["metadata"]["name"] == "big-r1" and group["spec"]["minMember"] == 4
+    # Without the settings, none of it.
+    plain = b.build_stage_statefulset(REF, _spec(), b.spec_hash(_spec()), 1)["spec"]["template"]
+    assert b.POD_GROUP_LABEL not in plain["metadata"]["labels"]
+    assert not {"priorityClassName", "affinity", "runtimeClassName"} & set(plain["spec"])
+
+
+def test_per_replica_pdb_and_network_policies() -> None:
+    pdb = b.build_pdb(REF, FULL, 2)
+    assert pdb["metadata"]["name"] == "big-r2"
+    assert pdb["spec"]["minAvailable"] == 4
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    assert pdb["spec"]["selector"]["matchLabels"][b.LABEL_REPLICA] == "2"
+    policies = {p["metadata"]["name"]: p["spec"] for p in b.build_network_policies(REF, FULL)}
+    assert set(policies) == {"big-stage", "big-admission", "big-gateway"}
+    stage = policies["big-stage"]["ingress"]
+    assert stage[0] == {
+        "from": [
+            {"podSelector": {"matchLabels": {b.LABEL_PIPELINE: "big", b.LABEL_COMPONENT: "stage"}}}
+        ]
+    }
+    assert stage[1] == {"ports": [{"protocol": "TCP", "port": b.HEALTH_PORT}]}
+    admission = policies["big-admission"]["ingress"][0]
+    assert admission["from"][0]["podSelector"]["matchLabels"][b.LABEL_COMPONENT] == "gateway"
+    gateway = policies["big-gateway"]["ingress"][0]
+    assert gateway["from"] == [{"namespaceSelector": {"matchLabels": {"team": "a"}}}]
+    assert b.build_network_policies(REF, _spec(networkPolicy={"enabled": False})) == []
+
+
+def test_metrics_port_only_where_a_process_listens() -> None:
+    h = b.spec_hash(FULL)
+
+    def ports(obj: dict[str, Any]) -> set[str]:
+        return {p["name"] for p in obj["spec"]["template"]["spec"]["containers"][0]["ports"]}
+
+    assert "metrics" in ports(b.build_admission_deployment(REF, FULL, h, 0, running=True))
+    assert "metrics" not in ports(b.build_stage_statefulset(REF, FULL, h, 0))
+    assert "metrics" not in ports(b.build_gateway_deployment(REF, FULL, h))
+
+
+def test_inference_pool_over_the_gateway_pods_off_by_default() -> None:
+    assert b.build_inference_pool(REF, FULL) is None
+    spec = _spec(inferencePool={"enabled": True, "endpointPicker": "wavepp-epp"})
+    pool = b.build_inference_pool(REF, spec)
+    assert pool is not None and pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["metadata"]["name"] == "big"
+    gateway = b.build_gateway_deployment(REF, spec, b.spec_hash(spec))
+    selected = pool["spec"]["selector"]["matchLabels"]
+    assert selected.items() <= gateway["spec"]["template"]["metadata"]["labels"].items()
+    assert pool["spec"]["targetPorts"] == [{"number": b.HTTP_PORT}]
+    assert pool["spec"]["endpointPickerRef"] == {
+        "kind": "Service", "name": "wavepp-epp", "port": {"number": 9002}, "failureMode": "FailClose",
+    }  # fmt: skip

@@ -15,10 +15,12 @@ CHART = REPO / "charts" / "wavepp"
 VALUE_SETS = [
     (),
     ("nats.deploy=true", "otlp.endpoint=http://otel:4317", "operator.postEvents=false"),
+    ("watchNamespaces={team-a,team-b}", "rbac.podGroups=true", "rbac.inferencePools=true"),
 ]
+IDS = ["defaults", "nats-deploy", "namespaced"]
 
 
-@pytest.mark.parametrize("values", VALUE_SETS, ids=["defaults", "nats-deploy"])
+@pytest.mark.parametrize("values", VALUE_SETS, ids=IDS)
 def test_helm_lint(helm: str, values: tuple[str, ...]) -> None:
     args = [helm, "lint", "--strict", str(CHART)]
     for value in values:
@@ -27,13 +29,15 @@ def test_helm_lint(helm: str, values: tuple[str, ...]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("values", VALUE_SETS, ids=["defaults", "nats-deploy"])
+@pytest.mark.parametrize("values", VALUE_SETS, ids=IDS)
 def test_rendered_manifests_pass_kubernetes_validate_strict(
     helm: str, values: tuple[str, ...], tmp_path: Path
 ) -> None:
     objects = render_chart(helm, *values)
     kinds = sorted({o["kind"] for o in objects})
-    assert {"CustomResourceDefinition", "Deployment", "ClusterRole", "ServiceAccount"} <= set(kinds)
+    assert {"CustomResourceDefinition", "Deployment", "ServiceAccount", "NetworkPolicy"} <= set(
+        kinds
+    )
     rc, output = kubernetes_validate(objects, tmp_path)
     assert rc == 0, output
 
@@ -131,3 +135,55 @@ def test_nats_auth_is_on_by_default_and_insecure_is_explicit(helm: str) -> None:
     assert not any("--config" in a for a in nats["containers"][0]["args"])
     env = _env(insecure)
     assert env["WAVEPP_INSECURE_NATS"] == "1" and "WAVEPP_NATS_ACCOUNT_SEED_FILE" not in env
+
+
+def test_namespace_scoped_install_uses_roles_and_watches_only_those_namespaces(helm: str) -> None:
+    objects = render_chart(helm, "watchNamespaces={team-a,team-b}")
+    roles = [o for o in objects if o["kind"] in ("Role", "RoleBinding")]
+    assert sorted((o["kind"], o["metadata"]["namespace"]) for o in roles) == [
+        ("Role", "team-a"), ("Role", "team-b"), ("RoleBinding", "team-a"), ("RoleBinding", "team-b"),
+    ]  # fmt: skip
+    operator_roles = [
+        o for o in objects if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "wavepp"
+    ]
+    assert operator_roles == [] and not any(o["kind"] == "ClusterRoleBinding" for o in objects)
+    deployment = next(o for o in objects if o["metadata"]["name"] == "wavepp-operator")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args
+    cluster_wide = render_chart(helm)
+    deployment = next(o for o in cluster_wide if o["metadata"]["name"] == "wavepp-operator")
+    assert not any(
+        a.startswith("--namespace")
+        for a in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+
+
+def test_nats_takes_clients_only_from_wavepp_pods(helm: str) -> None:
+    objects = render_chart(helm, "nats.deploy=true")
+    policy = next(
+        o
+        for o in objects
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "wavepp-nats"
+    )
+    nats = next(
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "wavepp-nats"
+    )
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    assert selected.items() <= nats["spec"]["template"]["metadata"]["labels"].items()
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 4222}]
+    assert rule["from"] == [
+        {
+            "namespaceSelector": {},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "wavepp"}},
+        }
+    ]
+    # Pipeline pods carry that label (the operator's children).
+    from wavepp.operator.naming import base_labels
+
+    assert base_labels("p", "stage")["app.kubernetes.io/name"] == "wavepp"
+    assert not any(
+        o["metadata"]["name"] == "wavepp-nats"
+        for o in render_chart(helm)
+        if o["kind"] == "NetworkPolicy"
+    )

@@ -75,7 +75,7 @@ def test_subresources_and_printer_columns() -> None:
     }
     assert VERSION["subresources"]["status"] == {}
     columns = {c["name"]: c for c in VERSION["additionalPrinterColumns"]}
-    assert list(columns)[:4] == ["Stages", "Ready", "Replicas", "Wave Fill"]
+    assert list(columns) == ["Stages", "Ready", "Replicas", "Phase", "Age"]
     assert columns["Age"]["jsonPath"] == ".metadata.creationTimestamp"
     # Every column and scale path points at a field the schema declares, with the same type.
     paths = [(c["jsonPath"], c["type"]) for c in columns.values() if c["name"] != "Age"]

@@ -106,7 +106,7 @@ def test_an_own_credentials_secret_or_no_seed_renders_none(trust: TrustRoot) -> 
 
 
 async def test_rendered_users_against_a_real_server(trust: TrustRoot, tmp_path: Path) -> None:
-    """Only the gateway's rendered user may publish ``wavepp.p.prefill``; a stage's may publish
+    """Only the gateway's rendered user may publish ``wavepp.ns.p.prefill``; a stage's may publish
     its done but not the plan; a client without credentials is refused."""
     secret = _applied(trust)[0]
     creds: dict[str, str] = {}
@@ -116,7 +116,7 @@ async def test_rendered_users_against_a_real_server(trust: TrustRoot, tmp_path: 
         creds[key.removesuffix(".creds")] = str(path)
     config = tmp_path / "server.conf"
     config.write_text(trust.server_config(str(tmp_path / "js")))
-    p0 = ReplicaSubjects(replica_prefix("p-r0"))
+    p0 = ReplicaSubjects(replica_prefix("p-r0", namespace="ns"))
     with EmbeddedNatsServer(config_file=str(config)) as server:
 
         async def publish(user: str, subject: str) -> list[str]:
@@ -134,11 +134,11 @@ async def test_rendered_users_against_a_real_server(trust: TrustRoot, tmp_path: 
                 await nc.close()
             return errors
 
-        assert await publish("gateway-p", prefill_subject("p")) == []
+        assert await publish("gateway-p", prefill_subject("p", namespace="ns")) == []
         assert await publish("stage-p-r0-1", p0.done) == []
         for user, subject in [
-            ("stage-p-r0-0", prefill_subject("p")),
-            ("admission-p-r0", prefill_subject("p")),
+            ("stage-p-r0-0", prefill_subject("p", namespace="ns")),
+            ("admission-p-r0", prefill_subject("p", namespace="ns")),
             ("stage-p-r0-1", p0.plan),
             ("stage-p-r1-0", p0.done),  # another replica's stage
         ]:
@@ -146,3 +146,52 @@ async def test_rendered_users_against_a_real_server(trust: TrustRoot, tmp_path: 
             assert any("permissions violation for publish" in e for e in errors), (user, errors)
         with pytest.raises(Exception, match="Authorization Violation"):
             await connect(server.url, name="anonymous", allow_reconnect=False)
+
+
+async def test_deletion_cleanup_under_nats_auth_removes_exactly_the_pools_streams(
+    trust: TrustRoot, tmp_path: Path
+) -> None:
+    """The finalizer's stream cleanup connects as the pool's cleanup user minted from the
+    account seed (anonymous is refused under auth); it removes team-a/tiny's streams and
+    buckets and leaves team-b/tiny's; the user may delete nothing but what it found."""
+    from nats.js.api import KeyValueConfig
+
+    from wavepp.api.permissions import NatsUser, Permissions, cleanup_user
+    from wavepp.api.subjects import intake_stream, intake_subject, rendezvous_bucket, results_bucket
+    from wavepp.operator.nats_cleanup import delete_pool_streams
+
+    config = tmp_path / "server.conf"
+    config.write_text(trust.server_config(str(tmp_path / "js")))
+    admin = tmp_path / "admin.creds"
+    admin.write_text(trust.user_creds(NatsUser("admin", "admin", Permissions((">",), (">",)))))
+    with EmbeddedNatsServer(config_file=str(config)) as server:
+        nc = await connect(server.url, name="admin", creds=str(admin))
+        js = nc.jetstream()
+        for ns in ("team-a", "team-b"):
+            await js.add_stream(
+                name=intake_stream("tiny-r0", namespace=ns),
+                subjects=[intake_subject("tiny-r0", namespace=ns)],
+            )
+            await js.create_key_value(KeyValueConfig(bucket=results_bucket("tiny", namespace=ns)))
+            await js.create_key_value(
+                KeyValueConfig(bucket=rendezvous_bucket("tiny-r0", namespace=ns))
+            )
+        with pytest.raises(Exception, match="Authorization Violation"):
+            await delete_pool_streams(server.url, "tiny", namespace="team-a", timeout_s=2)
+        removed = await delete_pool_streams(
+            server.url, "tiny", namespace="team-a", timeout_s=2, account_seed=trust.account_seed
+        )
+        assert sorted(removed) == [
+            "KV_WAVEPP_RDZV_team-a_tiny-r0",
+            "KV_WAVEPP_RESULTS_team-a_tiny",
+            "WAVEPP_INTAKE_team-a_tiny-r0",
+        ]
+        left = sorted(info.config.name for info in await js.streams_info())
+        assert left == [
+            "KV_WAVEPP_RDZV_team-b_tiny-r0",
+            "KV_WAVEPP_RESULTS_team-b_tiny",
+            "WAVEPP_INTAKE_team-b_tiny-r0",
+        ]
+        await nc.drain()
+    publish = cleanup_user("tiny", ["S1"], namespace="team-a").permissions.publish
+    assert [p for p in publish if "DELETE" in p] == ["$JS.API.STREAM.DELETE.S1"]

@@ -10,6 +10,7 @@ import pytest
 from operator_support import pod_status
 
 from wavepp.operator import builders as b
+from wavepp.operator.observe import ANNOTATION_MEMBERS
 from wavepp.operator.reconcile import (
     DRAIN_GRACE_S,
     Apply,
@@ -54,6 +55,7 @@ class World:
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
         self.now = 1_000_000.0
         self.last_actions: list[Any] = []
+        self.uids = 0
 
     def step(self, advance_s: float = 0.0) -> Any:
         self.now += advance_s
@@ -67,6 +69,8 @@ class World:
             configmaps=by_kind.get("ConfigMap", []),
             hpas=by_kind.get("HorizontalPodAutoscaler", []),
             services=by_kind.get("Service", []),
+            pdbs=by_kind.get("PodDisruptionBudget", []),
+            network_policies=by_kind.get("NetworkPolicy", []),
         )
         result = plan(self.body, observed, self.now, DEFAULTS)
         for action in result.actions:
@@ -93,8 +97,15 @@ class World:
         labels = sts["spec"]["template"]["metadata"]["labels"]
         for rank in range(sts["spec"]["replicas"]):
             name = f"p-r{replica}-{rank}"
+            old = self.objects.get(("Pod", name))
+            self.uids += 1
+            uid = old["metadata"]["uid"] if old else f"uid-{self.uids}"
             self.objects[("Pod", name)] = {
-                "metadata": {"name": name, "labels": labels | {b.POD_INDEX_LABEL: str(rank)}},
+                "metadata": {
+                    "name": name,
+                    "uid": uid,
+                    "labels": labels | {b.POD_INDEX_LABEL: str(rank)},
+                },
                 "status": pod_status(phase),
             }
         dep = self.objects[("Deployment", f"p-r{replica}-admission")]
@@ -121,8 +132,19 @@ class World:
     def condition(self, type_: str) -> dict[str, Any]:
         return next(c for c in self.body["status"]["conditions"] if c["type"] == type_)
 
+    def run_gateway(self, ready: bool = True) -> None:
+        dep = self.objects[("Deployment", "p-gateway")]
+        self.objects[("Pod", "p-gateway-x")] = {
+            "metadata": {
+                "name": "p-gateway-x",
+                "labels": dep["spec"]["template"]["metadata"]["labels"],
+            },
+            "status": pod_status("warm" if ready else "formed"),
+        }
+
     def serve_all(self, replicas: int) -> None:
         self.step()
+        self.run_gateway()
         for replica in range(replicas):
             self.run_pods(replica)
         self.step()
@@ -146,7 +168,9 @@ def test_first_plan_creates_config_then_replicas_then_pool() -> None:
 
 
 def test_restart_budget_counts_only_failures_inside_the_window() -> None:
-    world = World(spec(restartBudget={"maxRestarts": 1, "windowSeconds": 100}))
+    world = World(
+        spec(restartBudget={"maxRestarts": 1, "windowSeconds": 100, "formingTimeoutSeconds": 50})
+    )
     world.serve_all(1)
     world.crash("p-r0-1")
     world.step()
@@ -277,3 +301,59 @@ def test_pod_failure_reports_exit_code() -> None:
     assert pod_failure({"metadata": {"name": "p-r0-1"}, "status": restarted}) is None
     assert stage_phase({"metadata": {"name": "p-r0-1"}, "status": restarted},
                        admitting=True, stopped=False) == "serving"  # fmt: skip
+
+
+def test_a_member_recreated_with_a_new_uid_re_forms_the_replica() -> None:
+    """Between two passes a stage pod was evicted and recreated (same name, new uid): the group
+    that formed with the old pod is broken, so the replica re-forms at once."""
+    world = World(spec(replicas=1, restartBudget={"maxRestarts": 2}))
+    world.serve_all(1)
+    world.step()
+    sts = world.objects[("StatefulSet", "p-r0")]
+    members = json.loads(sts["metadata"]["annotations"][ANNOTATION_MEMBERS])
+    assert members == {"0": "uid-1", "1": "uid-2"}
+    world.objects[("Pod", "p-r0-1")]["metadata"]["uid"] = "uid-new"
+    result = world.step(1)
+    assert Delete("Pod", "p-r0-0") in result.actions and Delete("Pod", "p-r0-1") in result.actions
+    (replica,) = result.status["replicaStatuses"]
+    assert replica["numRestarts"] == 1 and replica["reason"] == "StageFailed"
+    assert "pod p-r0-1 was recreated (uid uid-2 -> uid-new)" in replica["message"]
+    assert ANNOTATION_MEMBERS not in world.objects[("StatefulSet", "p-r0")]["metadata"].get(
+        "annotations", {}
+    )
+
+
+def test_a_replica_that_never_forms_counts_against_the_budget_and_degrades() -> None:
+    budget = {"maxRestarts": 1, "formingTimeoutSeconds": 100}
+    world = World(spec(replicas=1, restartBudget=budget))
+    world.step()
+    phases = []
+    for _ in range(30):
+        world.run_pods(0, phase="formed")
+        world.step(10)
+        replica = world.body["status"]["replicaStatuses"][0]
+        phases.append((round(world.now - 1_000_000), replica["phase"], replica.get("numRestarts")))
+        if replica["phase"] == "Degraded":
+            break
+    assert phases[-1][1] == "Degraded" and phases[-1][0] <= 2 * 100 + 20, phases
+    assert (
+        "not formed within restartBudget.formingTimeoutSeconds=100 s"
+        in world.condition("Degraded")["message"]
+    )
+    assert world.objects[("StatefulSet", "p-r0")]["spec"]["replicas"] == 0
+
+
+def test_a_gateway_that_refuses_its_config_is_named() -> None:
+    world = World(spec(replicas=1))
+    world.serve_all(1)
+    status = pod_status("crashed", exit_code=78)
+    status["containerStatuses"][0]["lastState"]["terminated"]["message"] = (
+        "wavepp gateway: --config /etc/wavepp/spec.json: spec.tenants: duplicate"
+    )
+    world.objects[("Pod", "p-gateway-x")]["status"] = status
+    world.step()
+    assert world.condition("Ready")["reason"] == "GatewayNotReady"
+    degraded = world.condition("Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "InvalidRuntimeConfig")
+    assert "gateway: pod p-gateway-x: wavepp gateway: --config" in degraded["message"]
+    assert world.body["status"]["phase"] == "Degraded"

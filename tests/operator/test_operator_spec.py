@@ -11,6 +11,8 @@ import yaml
 from operator_support import REPO
 
 from wavepp.api.spec import (
+    EMULATED_MODELS,
+    MODEL_CONFIG_EXTRA,
     MODEL_PRESET_NUM_LAYERS,
     SpecError,
     WavePipelineSpec,
@@ -57,7 +59,44 @@ def test_pvc_mount_becomes_the_model_path() -> None:
         ({"layerPartition": [2, 2, 2, 1]}, "spec.layerPartition", "sums to 7"),
         ({"layerPartition": [4, 4]}, "spec.layerPartition", "2 entries for stages=4"),
         ({"layerPartition": [0, 4, 2, 2]}, "spec.layerPartition[0]", "greater than or equal"),
-        ({"engine": "vllm"}, "spec.engine", "'torch', 'emulated' or 'tensorrt_llm'"),
+        ({"engine": "vllm"}, "spec.engine", "'torch' or 'emulated'"),
+        ({"engine": "tensorrt_llm"}, "spec.engine", "'torch' or 'emulated'"),
+        (
+            {"engine": "emulated", "engineOptions": {"emulate": "gpt-9"}},
+            "spec.engineOptions.emulate",
+            "'gpt-9' has no cost model",
+        ),
+        ({"engineOptions": {"device": "cuda"}}, "spec.engineOptions.device", "gpusPerStage"),
+        ({"engineOptions": {"timeScale": 2}}, "spec.engineOptions.timeScale", "'emulated'"),
+        ({"tensorParallelSize": 2}, "spec.tensorParallelSize", "not implemented"),
+        (
+            {
+                "model": {"name": "tiny-llama", "dtype": "bfloat16"},
+                "resources": {"gpusPerStage": 0},
+            },
+            "spec.model.dtype",
+            "needs a GPU",
+        ),
+        (
+            {"engine": "emulated", "model": {"name": "tiny-llama", "path": "/w"}},
+            "spec.model.path",
+            "loads no weights",
+        ),
+        (
+            {"model": {"name": "tiny-llama", "config": {"ropeScaling": 2}}},
+            "spec.model.config.ropeScaling",
+            "not a model setting",
+        ),
+        (
+            {"restartBudget": {"maxRestarts": 3, "windowSeconds": 600}},
+            "spec.restartBudget.windowSeconds",
+            "re-form forever",
+        ),
+        (
+            {"autoscaling": {"maxReplicas": 2, "metric": "wave_fill", "target": 1}},
+            "spec.autoscaling.metric",
+            "'cpu'",
+        ),
         ({"model": {"name": "my-llama"}}, "spec.model.config.numLayers", "not a preset"),
         ({"tenants": [{"name": "a"}, {"name": "a"}]}, "spec.tenants", "duplicate"),
         (
@@ -111,6 +150,20 @@ def test_presets_agree_with_the_runtime() -> None:
 
     for name, config in PRESETS.items():
         assert MODEL_PRESET_NUM_LAYERS[name] == config.num_layers
+
+
+def test_emulated_models_agree_with_the_runtime() -> None:
+    from wavepp.runtime.planning.catalogue import list_models
+
+    assert sorted(EMULATED_MODELS) == sorted(list_models())
+
+
+def test_model_config_extra_keys_are_model_config_fields() -> None:
+    from pydantic.alias_generators import to_snake
+
+    from wavepp.runtime.model_config import ModelConfig
+
+    assert {to_snake(k) for k in MODEL_CONFIG_EXTRA} <= set(ModelConfig.model_fields)
 
 
 @pytest.mark.parametrize(("num_layers", "num_stages"), [(8, 1), (8, 3), (8, 8), (61, 4), (93, 7)])

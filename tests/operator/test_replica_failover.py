@@ -141,7 +141,11 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
         return procs[name]
 
     with EmbeddedNatsServer(jetstream=True, store_dir=str(tmp_path / "js")) as nats:
-        common = {"--config": str(spec_path), "--nats-url": nats.url, "--pool": str(pool_path)}
+        common = {
+            "--config": str(spec_path),
+            "--nats-url": nats.url,
+            "--pool-file": str(pool_path),
+        }
 
         def add(
             name: str, container: dict, local: dict[str, str], cluster: dict, env: dict
@@ -156,7 +160,7 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
             commands[name] = (command, env)
             logs[name] = tmp_path / f"{name}.log"
 
-        cluster = {"--config": b.SPEC_FILE, "--pool": b.POOL_FILE}
+        cluster = {"--config": b.SPEC_FILE, "--pool-file": b.POOL_FILE}
         for replica in range(2):
             sts = b.build_stage_statefulset(REF, spec, hash_, replica)
             stage_c = _container(sts)
@@ -184,8 +188,8 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
             add(
                 f"r{replica}-admission",
                 admission_c,
-                {"--port": str(free_port())},
-                cluster | {"--port": str(b.HTTP_PORT)},
+                {"--health-port": str(free_port())},
+                cluster | {"--health-port": str(b.HTTP_PORT)},
                 # Each admission pod serves metrics on the spec's port; here one port each.
                 _kubelet_env(admission_c, f"tiny-r{replica}-admission-x", {})
                 | {"WAVEPP_METRICS_PORT": str(free_port())},

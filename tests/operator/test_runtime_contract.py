@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from wavepp.api.natsauth import TrustRoot
-from wavepp.api.spec import check_spec, load_spec_file
+from wavepp.api.spec import CONFIG_EXIT_CODE, check_spec, load_spec_file
 from wavepp.cli import main as cli_main
 from wavepp.cmd.gateway import gateway_config_from_spec, pool_replicas
 from wavepp.cmd.stage import ArgError, resolve_rank, runtime_config_from_args
@@ -123,23 +123,43 @@ def test_configs_from_the_operator_files_match_the_spec(tmp_path: Path) -> None:
     assert gateway.max_prompt_tokens == min(256 * expected.block_size, expected.model.max_position)
 
 
-def test_bad_operator_args_exit_2_naming_the_flag(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_bad_operator_args_exit_with_the_config_code_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = _resolved_spec()
+    # The operator's containers carry $WAVEPP_CONFIG_EXIT_CODE (the config errors' exit code).
+    sts = b.build_stage_statefulset(REF, spec, b.spec_hash(spec), 0)
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["WAVEPP_CONFIG_EXIT_CODE"] == str(CONFIG_EXIT_CODE)
+    monkeypatch.setenv("WAVEPP_CONFIG_EXIT_CODE", env["WAVEPP_CONFIG_EXIT_CODE"])
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec.to_wire()))
     base = ["--config", str(spec_path), "--nats-url", "nats://127.0.0.1:1"]
     stage = ["stage", *base, "--dist-url", "tcp://127.0.0.1:1", "--pool", "p"]
-    assert cli_main([*stage, "--rank", "0"]) == 2
+    assert cli_main([*stage, "--rank", "0"]) == CONFIG_EXIT_CODE
     assert "--replica" in capsys.readouterr().err
-    assert cli_main([*stage, "--replica", "0", "--rank", "2"]) == 2
+    assert cli_main([*stage, "--replica", "0", "--rank", "2"]) == CONFIG_EXIT_CODE
     assert "--rank 2: must be in [0, 2)" in capsys.readouterr().err
     missing = str(tmp_path / "nope.creds")
-    assert cli_main([*stage, "--replica", "0", "--rank", "0", "--nats-creds", missing]) == 2
+    assert (
+        cli_main([*stage, "--replica", "0", "--rank", "0", "--nats-creds", missing])
+        == CONFIG_EXIT_CODE
+    )
     assert "--nats-creds" in capsys.readouterr().err
-    assert cli_main(["gateway", *base, "--port", "8080"]) == 2
+    assert cli_main(["gateway", *base, "--port", "8080"]) == CONFIG_EXIT_CODE
     assert "--pool-file" in capsys.readouterr().err
+    # A spec the runtime refuses: the same exit code, the message names the field.
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(spec.to_wire() | {"engineOptions": {"emulate": "gpt-9"}}))
+    bad_stage = ["stage", "--config", str(bad), "--nats-url", "nats://127.0.0.1:1"]
+    bad_stage += ["--dist-url", "tcp://127.0.0.1:1", "--pool", "p", "--replica", "0"]
+    assert cli_main([*bad_stage, "--rank", "0"]) == CONFIG_EXIT_CODE == 78
+    assert "spec.engineOptions.emulate" in capsys.readouterr().err
+    # Outside the operator's pods the same errors are the CLI's usage exit, 2.
+    monkeypatch.delenv("WAVEPP_CONFIG_EXIT_CODE")
+    assert cli_main([*bad_stage, "--rank", "0"]) == 2
+    assert "spec.engineOptions.emulate" in capsys.readouterr().err
 
 
 async def test_nats_creds_reach_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,13 +23,16 @@ from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, wait_un
 
 POOL = "pool1"
 REPLICAS = {"p1": 2, "p2": 1}
-P1 = ReplicaSubjects(replica_prefix("p1"))
+NS = "local"
+P1 = ReplicaSubjects(replica_prefix("p1", namespace=NS))
 
 
 @pytest.fixture(scope="module")
 def auth(tmp_path_factory: pytest.TempPathFactory) -> PoolAuth:
     folder = tmp_path_factory.mktemp("bus-auth")
-    return write_pool_auth(folder / "auth", pool=POOL, replicas=REPLICAS, store_dir=folder / "js")
+    return write_pool_auth(
+        folder / "auth", pool=POOL, replicas=REPLICAS, namespace=NS, store_dir=folder / "js"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +110,8 @@ async def test_anonymous_and_foreign_clients_are_refused(server: EmbeddedNatsSer
         # the positive controls: each component's own subjects work
         ("admission-p1", "stage-p1-0", P1.plan),
         ("stage-p1-1", "admission-p1", P1.done),
-        ("gateway-pool1", "gateway-pool1", prefill_subject(POOL)),
-        ("admission-p1", "gateway-pool1", result_subject(POOL, "t.r1")),
+        ("gateway-pool1", "gateway-pool1", prefill_subject(POOL, namespace=NS)),
+        ("admission-p1", "gateway-pool1", result_subject(POOL, "t.r1", namespace=NS)),
     ],
 )
 async def test_a_component_publishes_its_own_subjects(
@@ -125,16 +128,16 @@ async def test_a_component_publishes_its_own_subjects(
         ("stage-p1-1", "stage-p1-0", P1.plan),
         ("stage-p1-1", "gateway-pool1", P1.kv_events(0)),
         # a stage or admission forging a result or a heartbeat for the gateway
-        ("stage-p1-0", "gateway-pool1", result_subject(POOL, "t.r1")),
-        ("stage-p1-0", "gateway-pool1", heartbeat_subject("p1")),
-        ("admission-p2", "gateway-pool1", heartbeat_subject("p1")),
+        ("stage-p1-0", "gateway-pool1", result_subject(POOL, "t.r1", namespace=NS)),
+        ("stage-p1-0", "gateway-pool1", heartbeat_subject("p1", namespace=NS)),
+        ("admission-p2", "gateway-pool1", heartbeat_subject("p1", namespace=NS)),
         # another replica's admission planning p1's stages
         ("admission-p2", "stage-p1-0", P1.plan),
         # the gateway speaking for a stage
         ("gateway-pool1", "admission-p1", P1.done),
         # issue 17 part 3: only the gateway's user may publish on the prefill request path
-        ("stage-p1-0", "gateway-pool1", prefill_subject(POOL)),
-        ("admission-p1", "gateway-pool1", prefill_subject(POOL)),
+        ("stage-p1-0", "gateway-pool1", prefill_subject(POOL, namespace=NS)),
+        ("admission-p1", "gateway-pool1", prefill_subject(POOL, namespace=NS)),
     ],
 )
 async def test_a_component_cannot_publish_another_components_subjects(
@@ -148,7 +151,7 @@ async def test_a_component_cannot_publish_another_components_subjects(
 @pytest.mark.parametrize(
     ("user", "subject"),
     [
-        ("stage-p1-0", intake_subject("p1")),  # every tenant's prompts
+        ("stage-p1-0", intake_subject("p1", namespace=NS)),  # every tenant's prompts
         ("stage-p1-0", "_INBOX.>"),  # every component's replies
         ("stage-p1-0", "_INBOX.admission-p1.>"),  # the scheduler's replies
         ("admission-p2", P1.plan),
@@ -191,7 +194,7 @@ async def test_replies_come_to_the_requesters_own_inbox(
 
 
 def test_every_user_has_a_distinct_inbox_and_no_broad_wildcard() -> None:
-    users = users_for_pool(POOL, REPLICAS)
+    users = users_for_pool(POOL, REPLICAS, namespace=NS)
     assert len({u.name for u in users}) == len(users) == 1 + 2 + 3
     for user in users:
         for subject in (*user.permissions.publish, *user.permissions.subscribe):
@@ -202,3 +205,24 @@ def test_creds_files_are_private(auth: PoolAuth) -> None:
     for path in [auth.server_config, *auth.creds.values()]:
         assert Path(path).stat().st_mode & 0o077 == 0, path
     assert Path(auth.server_config).parent.stat().st_mode & 0o077 == 0
+
+
+def test_a_users_subjects_streams_and_buckets_are_all_of_its_namespace() -> None:
+    """Two same-named pools in two namespaces: every subject, stream and bucket granted to a
+    user of team-a carries team-a, and none is granted to both namespaces' users (apart from
+    the account-wide JetStream info and the users' own inboxes)."""
+    grants = {}
+    for ns in ("team-a", "team-b"):
+        users = users_for_pool(POOL, REPLICAS, namespace=ns)
+        subjects = {s for u in users for s in (*u.permissions.publish, *u.permissions.subscribe)}
+        for subject in subjects:
+            if subject.startswith("wavepp."):
+                assert subject.startswith(f"wavepp.{ns}."), subject
+            elif subject.startswith(("$JS.API.STREAM", "$JS.API.CONSUMER", "$JS.API.DIRECT")):
+                assert f"_{ns}_" in subject, subject
+            elif subject.startswith(("$KV.", "$JS.ACK.")):
+                assert f"_{ns}_" in subject, subject
+            else:
+                assert subject == "$JS.API.INFO" or subject.startswith("_INBOX."), subject
+        grants[ns] = {s for s in subjects if not s.startswith("_INBOX.") and s != "$JS.API.INFO"}
+    assert not grants["team-a"] & grants["team-b"]

@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nats_tls_support import TLSFiles, make_tls_files  # noqa: E402
 
+from wavepp.api.spec import CONFIG_EXIT_CODE
 from wavepp.cli import main as cli_main  # noqa: E402
 from wavepp.runtime.transport.natsio import TLS_ENV, EmbeddedNatsServer, NatsTLS, connect  # noqa: E402
 
@@ -70,9 +71,21 @@ async def test_only_clients_with_a_certificate_of_the_ca_get_in(
     assert all(result != "ok" for result in refused.values()), refused
 
 
+@pytest.mark.parametrize("in_operator_pod", [False, True])
 def test_tls_flags_are_checked_before_anything_starts(
-    tls_files: TLSFiles, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tls_files: TLSFiles,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    in_operator_pod: bool,
 ) -> None:
+    """A bad TLS flag is a config error: exit 2 from a shell, CONFIG_EXIT_CODE (78) in the
+    operator's pods (their $WAVEPP_CONFIG_EXIT_CODE)."""
+    expected_code = CONFIG_EXIT_CODE if in_operator_pod else 2
+    if in_operator_pod:
+        monkeypatch.setenv("WAVEPP_CONFIG_EXIT_CODE", str(CONFIG_EXIT_CODE))
+    else:
+        monkeypatch.delenv("WAVEPP_CONFIG_EXIT_CODE", raising=False)
     base = [
         "stage",
         "--runtime-config",
@@ -101,7 +114,7 @@ def test_tls_flags_are_checked_before_anything_starts(
         ],
     }
     for expected, flags in cases.items():
-        assert cli_main([*base, *flags]) == 2, flags
+        assert cli_main([*base, *flags]) == expected_code, flags
         assert expected in capsys.readouterr().err, flags
 
 

@@ -207,11 +207,13 @@ async def test_nats_requests_need_a_key_too(keyed) -> None:
     )
     try:
         body = json.dumps({"tenant": "acme", "token_ids": [1, 2, 3]}).encode()
-        no_key = json.loads((await nc.request("wavepp.default.prefill", body, timeout=30)).data)
+        no_key = json.loads(
+            (await nc.request("wavepp.local.default.prefill", body, timeout=30)).data
+        )
         with_key = json.loads(
             (
                 await nc.request(
-                    "wavepp.default.prefill",
+                    "wavepp.local.default.prefill",
                     body,
                     timeout=30,
                     headers={"Authorization": f"Bearer {keyed['keys']['acme']}"},
@@ -221,7 +223,7 @@ async def test_nats_requests_need_a_key_too(keyed) -> None:
         other = json.loads(
             (
                 await nc.request(
-                    "wavepp.default.prefill",
+                    "wavepp.local.default.prefill",
                     body,
                     timeout=30,
                     headers={"Authorization": f"Bearer {keyed['keys']['default']}"},

@@ -85,7 +85,9 @@ async def test_gateway_follows_the_pool_and_is_ready_while_one_replica_admits() 
         await gateway.start()
         try:
 
-            async def beat(pipeline: str, *, ready: bool, pool: str = "p") -> None:
+            async def beat(
+                pipeline: str, *, ready: bool, pool: str = "p", namespace: str = "local"
+            ) -> None:
                 data = Heartbeat(
                     pipeline=pipeline,
                     ready=ready,
@@ -95,13 +97,15 @@ async def test_gateway_follows_the_pool_and_is_ready_while_one_replica_admits() 
                     pool=pool,
                     num_stages=2,
                 ).model_dump_json()
-                await nc.publish(heartbeat_subject(pipeline), data.encode())
+                await nc.publish(heartbeat_subject(pipeline, namespace=namespace), data.encode())
                 await nc.flush()
                 await asyncio.sleep(0.2)
 
             assert not gateway.is_ready()
             await beat("p-r1", ready=True)  # scaled up: not configured
             await beat("q-r0", ready=True, pool="q")  # another pool's replica
+            # the same pool name in another namespace is another pool
+            await beat("p-r2", ready=True, namespace="other")
             assert sorted(gateway.router.by_name) == ["p-r0", "p-r1"]
             assert gateway.is_ready(), "one replica of two admits: ready"
             await beat("p-r0", ready=True)
@@ -139,7 +143,7 @@ async def test_a_request_on_a_replica_that_left_the_pool_fails_fast_without_anot
                     pool="p",
                     num_stages=2,
                 ).model_dump_json()
-                await nc.publish(heartbeat_subject("p-r0"), data.encode())
+                await nc.publish(heartbeat_subject("p-r0", namespace="local"), data.encode())
                 await nc.flush()
                 await asyncio.sleep(0.1)
 
@@ -191,12 +195,12 @@ async def test_epoch_rendezvous_a_restarted_rank_starts_an_epoch_the_survivor_jo
     with EmbeddedNatsServer(jetstream=True) as server:
         nc = await connect(server.url, name="test-rdzv")
         try:
-            ranks = [await open_rendezvous(nc, "p-r0", rank, 2) for rank in range(2)]
+            ranks = [await open_rendezvous(nc, "p-r0", rank, 2, namespace="t") for rank in range(2)]
             assert all(isinstance(r, EpochRendezvous) for r in ranks)
             first = await asyncio.gather(*(r.first_epoch() for r in ranks))
             assert first == [1, 1]
             assert await asyncio.gather(*(r.join(1) for r in ranks)) == [True, True]
-            restarted = await open_rendezvous(nc, "p-r0", 1, 2)
+            restarted = await open_rendezvous(nc, "p-r0", 1, 2, namespace="t")
             assert restarted is not None
             assert await restarted.first_epoch() == 2  # its former process was in epoch 1
             assert await asyncio.wait_for(ranks[0].wait_newer(1), 5) == 2
@@ -207,7 +211,9 @@ async def test_epoch_rendezvous_a_restarted_rank_starts_an_epoch_the_survivor_jo
     with EmbeddedNatsServer(jetstream=False) as plain:
         nc = await connect(plain.url, name="test-rdzv-plain")
         try:
-            assert await open_rendezvous(nc, "p-r0", 0, 2) is None  # forms once, as before
+            assert (
+                await open_rendezvous(nc, "p-r0", 0, 2, namespace="t") is None
+            )  # forms once, as before
         finally:
             await nc.close()
 

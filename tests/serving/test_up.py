@@ -12,6 +12,7 @@ import time
 import aiohttp
 import pytest
 
+from wavepp.api.subjects import prefill_subject
 from wavepp.runtime.transport.natsio import connect
 
 pytestmark = pytest.mark.timeout(240)
@@ -140,8 +141,9 @@ async def test_nats_prefill_subject(up_service) -> None:
     )
     try:
         body = {"tenant": "alice", "token_ids": prompt(3, 33)}
-        reply = await nc.request("wavepp.default.prefill", json.dumps(body).encode(), timeout=30)
-        bad = await nc.request("wavepp.default.prefill", b"{", timeout=30)
+        subject = prefill_subject("default", namespace="local")  # wavepp up's pool "default"
+        reply = await nc.request(subject, json.dumps(body).encode(), timeout=30)
+        bad = await nc.request(subject, b"{", timeout=30)
     finally:
         await nc.drain()
     answer = json.loads(reply.data)
@@ -168,7 +170,7 @@ async def test_the_bus_refuses_anonymous_clients_and_confines_components(up_serv
     )
     try:
         body = json.dumps({"tenant": "alice", "token_ids": prompt(4, 20)}).encode()
-        await stage.publish("wavepp.default.prefill", body)
+        await stage.publish("wavepp.local.default.prefill", body)
         await stage.flush()
         deadline = time.monotonic() + 10
         while not errors and time.monotonic() < deadline:

@@ -5,16 +5,23 @@ functions of ``wavepp.api.subjects`` (so a new subject cannot be used without a 
 the table cannot drift from the subjects). ``wavepp up`` and the operator both mint their users'
 credentials from ``users_for_pool``; a client without credentials is refused by the server.
 
+``{p}`` = ``wavepp.{ns}.{pipeline}``: every subject, stream and bucket carries the pipeline's
+namespace (``users_for_pool(..., namespace=)``), so a user is granted nothing of another
+namespace's pipelines. User names (and so their ``_INBOX.{user}`` inboxes) do not carry the
+namespace: two same-named pools in two namespaces under one NATS account have same-named users
+(an account per namespace is not done).
+
 | user                          | publishes                                        | subscribes                                  |
 | ----------------------------- | ------------------------------------------------ | ------------------------------------------- |
-| ``stage-{pipeline}-{r}``      | ``{p}.done``, ``{p}.kv_events.{r}``, ``{p}.resync``, ``{p}.plan.replay`` (request) | ``{p}.stage.{r}.kv``, ``{p}.stage.{r}.dones``, ``{p}.plan`` |
-| ``admission-{pipeline}``      | ``{p}.plan``, ``{p}.stage.*.kv`` / ``.dones`` (requests), heartbeat, ``wavepp.{pool}.result.>``, ``$KV`` results, JetStream API of its intake stream and the results bucket | ``{p}.done``, ``{p}.plan.replay``, ``{p}.resync``, ``{p}.kv_events.*`` |
-| ``gateway-{pool}``            | every replica's ``intake`` (JetStream), ``wavepp.{pool}.prefill``, JetStream API of the intake streams and results bucket (read) | ``wavepp.{pool}.result.>``, heartbeats, ``{p}.kv_events.*``, ``wavepp.{pool}.prefill`` |
+| ``stage-{pipeline}-{r}``      | ``{p}.done``, ``{p}.kv_events.{r}``, ``{p}.resync``, ``{p}.plan.replay`` (request), its rendezvous bucket ``WAVEPP_RDZV_{ns}_{pipeline}`` | ``{p}.stage.{r}.kv`` / ``.kvb``, ``{p}.stage.{r}.dones``, ``{p}.plan`` |
+| ``admission-{pipeline}``      | ``{p}.plan``, ``{p}.stage.*.kv`` / ``.kvb`` / ``.dones`` (requests), heartbeat, ``wavepp.{ns}.{pool}.result.>``, ``$KV`` results, JetStream API of its intake stream and the results bucket | ``{p}.done``, ``{p}.plan.replay``, ``{p}.resync``, ``{p}.kv_events.*`` |
+| ``cleanup-{ns}-{pool}``       | the operator at deletion: ``$JS.API.STREAM.LIST``, then ``$JS.API.STREAM.DELETE`` of exactly the pool's streams | its inbox |
+| ``gateway-{pool}``            | every replica's ``intake`` (JetStream), ``wavepp.{ns}.{pool}.prefill``, JetStream API of the intake streams and results bucket (read) | ``wavepp.{ns}.{pool}.result.>``, ``wavepp.{ns}.*.admission.heartbeat``, ``{p}.kv_events.*``, ``wavepp.{ns}.{pool}.prefill`` |
 
 Every user also subscribes to its own reply inbox ``_INBOX.{user}.>`` (nobody else may, so
 replies cannot be read by another component) and may answer requests it received
 (``allow_responses``: one reply per request, to the request's reply subject only). Only the
-gateway's user may publish on ``wavepp.{pool}.prefill`` (issue 17: the NATS request path is not a
+gateway's user may publish on ``wavepp.{ns}.{pool}.prefill`` (issue 17: the NATS request path is not a
 way around the gateway's tenant checks).
 
 Pure functions; no I/O.
@@ -35,6 +42,8 @@ from wavepp.api.subjects import (
     jetstream_consumer_api,
     jetstream_info,
     jetstream_stream_api,
+    jetstream_stream_delete,
+    jetstream_stream_list,
     kv_stream,
     kv_subjects,
     prefill_subject,
@@ -74,7 +83,7 @@ class NatsUser:
     """A component's NATS user: its name (also its inbox token) and its permissions."""
 
     name: str
-    role: str  # "stage", "admission" or "gateway"
+    role: str  # "stage", "admission", "gateway" or "cleanup"
     permissions: Permissions = field(repr=False)
 
     @property
@@ -103,12 +112,12 @@ def gateway_user_name(pool: str) -> str:
     return _token(f"gateway-{pool}", "pool")
 
 
-def stage_user(pipeline: str, rank: int) -> NatsUser:
+def stage_user(pipeline: str, rank: int, *, namespace: str) -> NatsUser:
     """A stage: its own kv and done-replay endpoints, the replica's plans; publishes its dones,
     its KV events, resync, and asks the scheduler for missed plans."""
     name = stage_user_name(pipeline, rank)
-    s = ReplicaSubjects(replica_prefix(pipeline))
-    rendezvous = rendezvous_bucket(pipeline)
+    s = ReplicaSubjects(replica_prefix(pipeline, namespace=namespace))
+    rendezvous = rendezvous_bucket(pipeline, namespace=namespace)
     return NatsUser(
         name,
         "stage",
@@ -134,12 +143,13 @@ def stage_user(pipeline: str, rank: int) -> NatsUser:
     )
 
 
-def admission_user(pipeline: str, pool: str) -> NatsUser:
+def admission_user(pipeline: str, pool: str, *, namespace: str) -> NatsUser:
     """A replica's admission service (scheduler): its stages' kv/dones endpoints, plans,
     heartbeat, the pool's results (subject and bucket) and its own intake stream (consumer)."""
     name = admission_user_name(pipeline)
-    s = ReplicaSubjects(replica_prefix(pipeline))
-    bucket = results_bucket(pool)
+    s = ReplicaSubjects(replica_prefix(pipeline, namespace=namespace))
+    bucket = results_bucket(pool, namespace=namespace)
+    intake = intake_stream(pipeline, namespace=namespace)
     return NatsUser(
         name,
         "admission",
@@ -149,12 +159,12 @@ def admission_user(pipeline: str, pool: str) -> NatsUser:
                 s.stage_kv("*"),
                 s.stage_kv_batch("*"),
                 s.stage_dones("*"),
-                heartbeat_subject(pipeline),
-                result_subject(pool, ">"),
+                heartbeat_subject(pipeline, namespace=namespace),
+                result_subject(pool, ">", namespace=namespace),
                 kv_subjects(bucket),
                 jetstream_info(),
-                *jetstream_stream_api(intake_stream(pipeline)),
-                *jetstream_consumer_api(intake_stream(pipeline)),
+                *jetstream_stream_api(intake),
+                *jetstream_consumer_api(intake),
                 *jetstream_stream_api(kv_stream(bucket)),
             ),
             subscribe=(
@@ -168,35 +178,68 @@ def admission_user(pipeline: str, pool: str) -> NatsUser:
     )
 
 
-def gateway_user(pool: str, pipelines: list[str]) -> NatsUser:
+def gateway_user(pool: str, pipelines: list[str], *, namespace: str) -> NatsUser:
     """The pool's gateway: publishes every replica's intake; reads results, heartbeats, KV
     events; serves and alone may publish the NATS prefill request path."""
     name = gateway_user_name(pool)
-    bucket = results_bucket(pool)
-    publish: list[str] = [prefill_subject(pool), jetstream_info()]
+    bucket = results_bucket(pool, namespace=namespace)
+    prefill = prefill_subject(pool, namespace=namespace)
+    publish: list[str] = [prefill, jetstream_info()]
     # every replica's heartbeat, including replicas added at run time (the gateway follows its
     # pool by them; a heartbeat names its pool, and the gateway keeps only its own)
-    subscribe: list[str] = [result_subject(pool, ">"), prefill_subject(pool), heartbeat_wildcard()]
+    subscribe: list[str] = [
+        result_subject(pool, ">", namespace=namespace),
+        prefill,
+        heartbeat_wildcard(namespace=namespace),
+    ]
     for pipeline in pipelines:
-        publish += [intake_subject(pipeline), *jetstream_stream_api(intake_stream(pipeline))]
+        publish += [
+            intake_subject(pipeline, namespace=namespace),
+            *jetstream_stream_api(intake_stream(pipeline, namespace=namespace)),
+        ]
         subscribe += [
-            heartbeat_subject(pipeline),
-            ReplicaSubjects(replica_prefix(pipeline)).kv_events("*"),
+            heartbeat_subject(pipeline, namespace=namespace),
+            ReplicaSubjects(replica_prefix(pipeline, namespace=namespace)).kv_events("*"),
         ]
     publish += jetstream_stream_api(kv_stream(bucket))
     subscribe.append(f"{inbox_prefix(name)}.>")
     return NatsUser(name, "gateway", Permissions(tuple(publish), tuple(subscribe)))
 
 
-def users_for_pool(pool: str, replicas: dict[str, int]) -> list[NatsUser]:
-    """Every component user of a pool: one gateway, and per replica (``pipeline -> number of
-    stages``) one admission and one user per stage.
+def cleanup_user_name(pool: str, namespace: str) -> str:
+    return _token(f"cleanup-{namespace}-{pool}", "pool")
+
+
+def cleanup_user(pool: str, streams: list[str], *, namespace: str) -> NatsUser:
+    """The operator's user that removes a deleted pool's JetStream state (the operator holds
+    the account seed and mints it at deletion): it lists the account's streams (read-only) and
+    may delete exactly ``streams`` (none: a user that only lists), answers no requests."""
+    name = cleanup_user_name(pool, namespace)
+    return NatsUser(
+        name,
+        "cleanup",
+        Permissions(
+            publish=(
+                jetstream_info(),
+                jetstream_stream_list(),
+                *(jetstream_stream_delete(s) for s in streams),
+            ),
+            subscribe=(f"{inbox_prefix(name)}.>",),
+            allow_responses=False,
+        ),
+    )
+
+
+def users_for_pool(pool: str, replicas: dict[str, int], *, namespace: str) -> list[NatsUser]:
+    """Every component user of a pool in ``namespace`` (the namespace token of every subject,
+    stream and bucket the users are granted; see ``wavepp.api.subjects``): one gateway, and per
+    replica (``pipeline -> number of stages``) one admission and one user per stage.
 
     Raises:
         ValueError: a pool or pipeline name that cannot be a NATS user name (see ``_TOKEN``).
     """
-    users = [gateway_user(pool, list(replicas))]
+    users = [gateway_user(pool, list(replicas), namespace=namespace)]
     for pipeline, num_stages in replicas.items():
-        users.append(admission_user(pipeline, pool))
-        users += [stage_user(pipeline, rank) for rank in range(num_stages)]
+        users.append(admission_user(pipeline, pool, namespace=namespace))
+        users += [stage_user(pipeline, rank, namespace=namespace) for rank in range(num_stages)]
     return users

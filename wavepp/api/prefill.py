@@ -1,17 +1,17 @@
 """Messages and names shared by the gateway and the admission service (``wavepp admission``).
 
-Subjects and JetStream objects (``{p}`` = a replica's subject prefix ``wavepp.{pipeline}``,
+Subjects and JetStream objects (``{p}`` = a replica's subject prefix ``wavepp.{ns}.{pipeline}``,
 ``{pool}`` = the pool's name, ``{key}`` = ``{tenant}.{request_id}``):
 
 | name                                  | kind                  | payload / use                       |
 | ------------------------------------- | --------------------- | ----------------------------------- |
 | ``{p}.intake``                        | JetStream stream      | ``IntakeRequest``; Nats-Msg-Id=key  |
-| stream ``WAVEPP_INTAKE_{pipeline}``   | work queue, file      | dedup window = duplicates answered once |
+| stream ``WAVEPP_INTAKE_{ns}_{pipeline}`` | work queue, file   | dedup window = duplicates answered once |
 | consumer ``admission``                | durable pull          | ack after the result is stored      |
-| KV bucket ``WAVEPP_RESULTS_{pool}``   | JetStream KV, TTL     | key -> ``PrefillResult`` (idempotence) |
-| ``wavepp.{pool}.result.{key}``        | publish               | ``PrefillResult`` to the waiting gateway |
+| KV bucket ``WAVEPP_RESULTS_{ns}_{pool}`` | JetStream KV, TTL  | key -> ``PrefillResult`` (idempotence) |
+| ``wavepp.{ns}.{pool}.result.{key}``   | publish               | ``PrefillResult`` to the waiting gateway |
 | ``{p}.admission.heartbeat``           | publish (every 0.5 s) | ``Heartbeat``                       |
-| ``wavepp.{pool}.prefill``             | request-reply, queue  | the NATS prefill API of the gateway |
+| ``wavepp.{ns}.{pool}.prefill``        | request-reply, queue  | the NATS prefill API of the gateway |
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """Every NATS subject and JetStream object name WavePP uses, in one place.
 
-``{p}`` is a replica's subject prefix ``wavepp.{pipeline}`` (``RuntimeConfig.subject_prefix``),
-``{pool}`` the pool's name, ``{key}`` = ``{tenant}.{request_id}``, ``{r}`` a stage rank.
+Every name carries the pipeline's Kubernetes namespace ``{ns}`` (``RuntimeConfig.namespace``,
+``$WAVEPP_NAMESPACE`` in a pod, ``local`` for ``wavepp up``) and its name, so two same-named
+pipelines in two namespaces on one NATS server share no subject, stream or bucket. ``{p}`` is a
+replica's subject prefix ``wavepp.{ns}.{pipeline}`` (``RuntimeConfig.subject_prefix``), ``{pool}``
+the pool's name, ``{key}`` = ``{tenant}.{request_id}``, ``{r}`` a stage rank. Namespaces are DNS
+labels (no ``.`` or ``_``), so the names below never collide across namespaces.
 
 | subject / object                      | kind                  | payload (``wavepp.api``)             |
 | ------------------------------------- | --------------------- | ------------------------------------ |
@@ -12,15 +16,15 @@
 | ``{p}.stage.{r}.dones``               | request-reply         | DoneReplay -> DoneReplayReply        |
 | ``{p}.resync``                        | publish               | StageResync                          |
 | ``{p}.kv_events.{r}``                 | publish               | KVEventBatch                         |
-| ``wavepp.{pipeline}.intake``          | JetStream stream subj | IntakeRequest; Nats-Msg-Id = key     |
-| stream ``WAVEPP_INTAKE_{pipeline}``   | work queue, file      | dedup window: duplicates answered once |
-| KV bucket ``WAVEPP_RESULTS_{pool}``   | JetStream KV, TTL     | key -> PrefillResult (idempotence)   |
-| ``wavepp.{pool}.result.{key}``        | publish               | PrefillResult to the waiting gateway |
-| ``wavepp.{pipeline}.admission.heartbeat`` | publish (0.5 s)   | Heartbeat                            |
-| ``wavepp.{pool}.prefill``             | request-reply, queue  | the NATS prefill API of the gateway  |
+| ``{p}.intake``                        | JetStream stream subj | IntakeRequest; Nats-Msg-Id = key     |
+| stream ``WAVEPP_INTAKE_{ns}_{pipeline}`` | work queue, file   | dedup window: duplicates answered once |
+| KV bucket ``WAVEPP_RESULTS_{ns}_{pool}`` | JetStream KV, TTL  | key -> PrefillResult (idempotence)   |
+| ``wavepp.{ns}.{pool}.result.{key}``   | publish               | PrefillResult to the waiting gateway |
+| ``{p}.admission.heartbeat``           | publish (0.5 s)       | Heartbeat                            |
+| ``wavepp.{ns}.{pool}.prefill``        | request-reply, queue  | the NATS prefill API of the gateway  |
+| KV bucket ``WAVEPP_RDZV_{ns}_{pipeline}`` | JetStream KV      | the stages' group epoch (stage.rendezvous) |
 | ``_INBOX.{user}.>``                   | replies               | one NATS user's reply inbox          |
 | ``$JS.API...`` / ``$KV.{bucket}.>``   | JetStream API         | named per stream, for permissions    |
-| KV bucket ``WAVEPP_RDZV_{pipeline}``  | JetStream KV          | the stages' group epoch (stage.rendezvous) |
 
 Pure functions of names; no I/O. Nothing else in WavePP builds a subject string.
 """
@@ -35,14 +39,20 @@ def replica_pipeline_name(pool: str, replica: int) -> str:
     return f"{pool}-r{replica}"
 
 
-def replica_prefix(pipeline: str) -> str:
-    """``wavepp.{pipeline}``: the prefix of every subject of one pipeline replica."""
-    return f"wavepp.{pipeline}"
+def replica_prefix(pipeline: str, *, namespace: str) -> str:
+    """``wavepp.{ns}.{pipeline}``: the prefix of every subject of one pipeline replica."""
+    return f"wavepp.{namespace}.{pipeline}"
+
+
+def pipeline_of(subject: str) -> str:
+    """The pipeline of a replica subject ``wavepp.{ns}.{pipeline}.…`` (the inverse of
+    :func:`replica_prefix`; e.g. which replica sent a KV event batch)."""
+    return subject.split(".")[2]
 
 
 @dataclass(frozen=True)
 class ReplicaSubjects:
-    """The subjects of one pipeline replica, under its prefix ``{p}`` (``wavepp.{pipeline}``)."""
+    """The subjects of one pipeline replica, under its prefix ``{p}`` (``wavepp.{ns}.{pipeline}``)."""
 
     prefix: str
 
@@ -84,38 +94,60 @@ class ReplicaSubjects:
         return f"{self.prefix}.resync"
 
 
-def intake_subject(pipeline: str) -> str:
-    return f"{replica_prefix(pipeline)}.intake"
+def intake_subject(pipeline: str, *, namespace: str) -> str:
+    """``{p}.intake``: the subject of a replica's intake stream."""
+    return f"{replica_prefix(pipeline, namespace=namespace)}.intake"
 
 
-def intake_stream(pipeline: str) -> str:
-    return f"WAVEPP_INTAKE_{pipeline}"
+def intake_stream(pipeline: str, *, namespace: str) -> str:
+    """``WAVEPP_INTAKE_{ns}_{pipeline}``: a replica's durable intake (JetStream work queue)."""
+    return f"WAVEPP_INTAKE_{namespace}_{pipeline}"
 
 
-def results_bucket(pool: str) -> str:
-    return f"WAVEPP_RESULTS_{pool}"
+def results_bucket(pool: str, *, namespace: str) -> str:
+    """``WAVEPP_RESULTS_{ns}_{pool}``: a pool's results (JetStream KV)."""
+    return f"WAVEPP_RESULTS_{namespace}_{pool}"
 
 
-def result_subject(pool: str, key: str) -> str:
-    return f"wavepp.{pool}.result.{key}"
+def result_subject(pool: str, key: str, *, namespace: str) -> str:
+    """``wavepp.{ns}.{pool}.result.{key}``: a result to the waiting gateway."""
+    return f"wavepp.{namespace}.{pool}.result.{key}"
 
 
-def heartbeat_subject(pipeline: str) -> str:
-    return f"{replica_prefix(pipeline)}.admission.heartbeat"
+def heartbeat_subject(pipeline: str, *, namespace: str) -> str:
+    """``{p}.admission.heartbeat``: a replica's admission controller is alive."""
+    return f"{replica_prefix(pipeline, namespace=namespace)}.admission.heartbeat"
 
 
-def heartbeat_wildcard() -> str:
-    """Every replica's admission heartbeat (the gateway follows its pool by these)."""
-    return f"{replica_prefix('*')}.admission.heartbeat"
+def prefill_subject(pool: str, *, namespace: str) -> str:
+    """``wavepp.{ns}.{pool}.prefill``: the gateway's NATS prefill API."""
+    return f"wavepp.{namespace}.{pool}.prefill"
 
 
-def rendezvous_bucket(pipeline: str) -> str:
-    """The KV bucket where a replica's stages agree on their process group's epoch."""
-    return f"WAVEPP_RDZV_{pipeline}"
+def pool_streams(names: list[str], pool: str, *, namespace: str) -> list[str]:
+    """Of the JetStream stream names ``names``, those that belong to pool ``pool`` in
+    ``namespace``: its replicas' intake streams (``{pool}-r{i}``), their rendezvous buckets'
+    streams (``KV_WAVEPP_RDZV_{ns}_{pool}-r{i}``) and its results bucket's stream
+    (``KV_WAVEPP_RESULTS_{ns}_{pool}``). What to remove when the pool is deleted."""
+    per_replica = (f"WAVEPP_INTAKE_{namespace}_{pool}-r", f"KV_WAVEPP_RDZV_{namespace}_{pool}-r")
+    bucket = f"KV_{results_bucket(pool, namespace=namespace)}"
+    return [
+        n
+        for n in names
+        if n == bucket or any(n.startswith(p) and n[len(p) :].isdigit() for p in per_replica)
+    ]
 
 
-def prefill_subject(pool: str) -> str:
-    return f"wavepp.{pool}.prefill"
+def heartbeat_wildcard(*, namespace: str) -> str:
+    """``wavepp.{ns}.*.admission.heartbeat``: every replica's admission heartbeat in
+    ``namespace`` (the gateway follows its pool by these)."""
+    return f"{replica_prefix('*', namespace=namespace)}.admission.heartbeat"
+
+
+def rendezvous_bucket(pipeline: str, *, namespace: str) -> str:
+    """``WAVEPP_RDZV_{ns}_{pipeline}``: the KV bucket where a replica's stages agree on their
+    process group's epoch."""
+    return f"WAVEPP_RDZV_{namespace}_{pipeline}"
 
 
 # ---- NATS internals a permission must name (inboxes, JetStream API); see api.permissions ------
@@ -151,6 +183,16 @@ def jetstream_stream_api(stream: str) -> list[str]:
         f"$JS.API.DIRECT.GET.{stream}",
         f"$JS.API.DIRECT.GET.{stream}.>",
     ]
+
+
+def jetstream_stream_list() -> str:
+    """``$JS.API.STREAM.LIST``: the account's streams and their configs (read-only)."""
+    return "$JS.API.STREAM.LIST"
+
+
+def jetstream_stream_delete(stream: str) -> str:
+    """``$JS.API.STREAM.DELETE.{stream}``: remove one stream and its messages."""
+    return f"$JS.API.STREAM.DELETE.{stream}"
 
 
 def jetstream_consumer_api(stream: str) -> list[str]:

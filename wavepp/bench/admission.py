@@ -116,7 +116,7 @@ async def _one_setting(
     controllers: list[AdmissionController] = []
     async with contextlib.AsyncExitStack() as stack:
         for replica in range(setting.replicas):
-            prefix = replica_prefix(f"admbench{tag}r{replica}")
+            prefix = replica_prefix(f"admbench{tag}r{replica}", namespace="bench")
             managers = []
             for rank in range(setting.stages):
                 nc = await connect(server.url, name=f"admbench-r{replica}-stage-{rank}")

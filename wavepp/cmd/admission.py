@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.runtime.serving.lifecycle import exit_with_parent
 
     exit_with_parent()
-    from wavepp.cmd.common import check_nats_reachable, check_port_free
+    from wavepp.cmd.common import check_nats_reachable, check_port_free, config_exit_code
     from wavepp.cmd.stage import (
         POOL_ENV,
         ArgError,
@@ -114,16 +114,16 @@ def run(args: argparse.Namespace) -> int:
         check_port("--health-port", args.health_port)
     except ArgError as exc:
         print(f"wavepp admission: {exc}", file=sys.stderr)
-        return 2
+        return config_exit_code(os.environ)
     if args.ack_wait_s <= 0:
         print(f"wavepp admission: --ack-wait-s {args.ack_wait_s}: must be > 0", file=sys.stderr)
-        return 2
+        return config_exit_code(os.environ)
     if args.max_outstanding < 1:
         print(
             f"wavepp admission: --max-outstanding {args.max_outstanding}: must be >= 1",
             file=sys.stderr,
         )
-        return 2
+        return config_exit_code(os.environ)
     failure = None
     if args.health_port is not None:
         busy = check_port_free(args.health_host, args.health_port)

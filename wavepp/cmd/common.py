@@ -14,6 +14,13 @@ Flag naming scheme (the same meaning has the same name in every subcommand):
 | durations                                  | ``--<what>-s`` (seconds)                     |
 | results written by a command               | ``--out`` (a folder; default: a fresh one)   |
 
+Exit codes: 0 done, 1 a failure while running, 2 a usage or configuration error found at start
+(one line on stderr naming the flag or field). A process the operator starts has
+``$WAVEPP_CONFIG_EXIT_CODE`` = 78 (``wavepp.api.spec.CONFIG_EXIT_CODE``, EX_CONFIG) in its
+environment: its configuration errors then exit 78, which the operator reads as "refused its
+config" (Degraded/InvalidRuntimeConfig, not restarted); transient start-up failures (a busy
+port, an unreachable NATS) stay 2 (:func:`config_exit_code`).
+
 A renamed flag keeps its old spelling for one release (:func:`add_deprecated_alias`): it still
 works and prints one line on stderr naming the new flag.
 """
@@ -26,7 +33,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -36,10 +43,24 @@ __all__ = [
     "add_nats_wait_arg",
     "check_nats_reachable",
     "check_port_free",
+    "config_exit_code",
     "describe_error",
     "finite_float",
     "fresh_out_dir",
 ]
+
+
+CONFIG_EXIT_CODE_ENV = "WAVEPP_CONFIG_EXIT_CODE"
+
+
+def config_exit_code(env: Mapping[str, str]) -> int:
+    """The exit code of a configuration error: ``$WAVEPP_CONFIG_EXIT_CODE`` when it is an integer
+    in [1, 125] (the operator's containers set 78), else 2."""
+    try:
+        code = int(env.get(CONFIG_EXIT_CODE_ENV, ""))
+    except ValueError:
+        return 2
+    return code if 1 <= code <= 125 else 2
 
 
 def describe_error(exc: BaseException) -> str:

@@ -100,7 +100,11 @@ def pool_replicas(pool_doc: dict[str, Any], num_spec_replicas: int) -> list[int]
 
 
 def gateway_config_from_spec(
-    spec: WavePipelineSpec, pool_doc: dict[str, Any], *, routing: str | None = None
+    spec: WavePipelineSpec,
+    pool_doc: dict[str, Any],
+    *,
+    routing: str | None = None,
+    namespace: str = "local",
 ) -> GatewayConfig:
     """The gateway's configuration from the resolved spec and the operator's ``pool.json``.
 
@@ -115,6 +119,7 @@ def gateway_config_from_spec(
         spec: the resolved spec.
         pool_doc: the parsed ``pool.json``.
         routing: routing policy override (None: ``prefix``).
+        namespace: the pool's namespace (``$WAVEPP_NAMESPACE``), in every NATS name.
 
     Returns:
         A validated GatewayConfig.
@@ -134,7 +139,7 @@ def gateway_config_from_spec(
     if not isinstance(pool, str) or not pool:
         raise ValueError(f"pool.json pipeline: {pool!r} is not a pool name")
     replicas = pool_replicas(pool_doc, spec.num_replicas)
-    first = runtime_configs_from_spec(spec, pool=pool)[0]
+    first = runtime_configs_from_spec(spec, pool=pool, namespace=namespace)[0]
     max_prompt_tokens = min(
         min(first.kv_blocks_of(r) for r in range(first.num_stages)) * first.block_size,
         first.model.max_position,
@@ -152,6 +157,7 @@ def gateway_config_from_spec(
     extra = {"routing": routing} if routing else {}
     return GatewayConfig(
         pool=pool,
+        namespace=namespace,
         replicas=[
             ReplicaInfo(pipeline=replica_pipeline_name(pool, i), num_stages=first.num_stages)
             for i in replicas
@@ -169,7 +175,7 @@ def gateway_config_from_spec(
 def _config_from_args(args: argparse.Namespace) -> GatewayConfig:
     from wavepp.api.spec import SpecFileError, load_spec_file
     from wavepp.cmd.common import describe_error
-    from wavepp.cmd.stage import ArgError
+    from wavepp.cmd.stage import NAMESPACE_ENV, ArgError
     from wavepp.gateway.core import GatewayConfig
 
     if args.gateway_config:
@@ -192,7 +198,12 @@ def _config_from_args(args: argparse.Namespace) -> GatewayConfig:
         spec = load_spec_file(args.config).resolved(
             default_image="local", default_nats_url=args.nats_url
         )
-        config = gateway_config_from_spec(spec, pool_doc, routing=args.routing)
+        config = gateway_config_from_spec(
+            spec,
+            pool_doc,
+            routing=args.routing,
+            namespace=os.environ.get(NAMESPACE_ENV) or "local",
+        )
     except SpecFileError as exc:
         raise ArgError(f"--config {exc}") from None
     except ValueError as exc:
@@ -220,7 +231,12 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.runtime.serving.lifecycle import exit_with_parent
 
     exit_with_parent()
-    from wavepp.cmd.common import check_nats_reachable, check_port_free, describe_error
+    from wavepp.cmd.common import (
+        check_nats_reachable,
+        check_port_free,
+        config_exit_code,
+        describe_error,
+    )
     from wavepp.cmd.stage import ArgError, apply_nats_tls, check_creds
     from wavepp.gateway.http import run_gateway
 
@@ -230,10 +246,10 @@ def run(args: argparse.Namespace) -> int:
         apply_nats_tls(args)
     except ArgError as exc:
         print(f"wavepp gateway: {exc}", file=sys.stderr)
-        return 2
+        return config_exit_code(os.environ)
     if not 0 < args.port < 65536:
         print(f"wavepp gateway: --port {args.port}: must be in [1, 65535]", file=sys.stderr)
-        return 2
+        return config_exit_code(os.environ)
     host = args.host or ("0.0.0.0" if args.config else "127.0.0.1")
     busy = check_port_free(host, args.port)
     if busy is not None:

@@ -4,8 +4,9 @@ Two ways to name the configuration:
 
 - ``--runtime-config F``: a resolved RuntimeConfig JSON (``wavepp up`` writes one per replica);
 - ``--config SPEC --replica I``: the WavePipeline spec (the operator's ``spec.json``) and the
-  replica index; the RuntimeConfig is ``runtime_configs_from_spec(spec, pool=P)[I]``, with P from
-  ``--pool`` or the environment variable ``WAVEPP_PIPELINE`` (the operator sets it).
+  replica index; the RuntimeConfig is ``runtime_configs_from_spec(spec, pool=P, namespace=N)[I]``,
+  with P from ``--pool`` or the environment variable ``WAVEPP_PIPELINE`` and N from
+  ``WAVEPP_NAMESPACE`` (default ``local``; the operator sets both).
 
 ``--rank`` may be an integer or the unexpanded ``$(WAVEPP_RANK)``; absent or unexpanded, the
 environment variable ``WAVEPP_RANK`` gives the rank. ``--health-port P`` serves, on the stage's
@@ -13,12 +14,15 @@ event loop (aiohttp):
 
 | path        | 200 when                                                              |
 | ----------- | --------------------------------------------------------------------- |
-| /healthz    | the process is up                                                     |
+| /healthz    | the compute thread is alive (it feeds its own beat; a raise or stall ends it) |
 | /startupz   | the torch.distributed group has formed and the engine is built        |
-| /readyz     | subscribed to its plans and KV requests (serving), not stopping       |
+| /readyz     | subscribed to its plans and KV requests (serving), not stopping, compute alive |
 
-otherwise 503. This module also holds the helpers ``wavepp admission`` shares (spec -> config,
-health server); it imports nothing heavy at module level.
+otherwise 503. A configuration the stage cannot honour (a bad flag or spec, CUDA asked for but
+absent, weights not there) is one line naming the flag or field and exit 2, or
+``$WAVEPP_CONFIG_EXIT_CODE`` (78 in the operator's pods: ``CONFIG_EXIT_CODE``; see
+``wavepp.cmd.common.config_exit_code``). This module also holds the helpers ``wavepp admission``
+shares (spec -> config, health server); it imports nothing heavy at module level.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
 
 RANK_ENV = "WAVEPP_RANK"
 POOL_ENV = "WAVEPP_PIPELINE"
+NAMESPACE_ENV = "WAVEPP_NAMESPACE"  # the pod's namespace (downward API): in every NATS name
 METRICS_PORT_ENV = "WAVEPP_METRICS_PORT"
 _UNEXPANDED = re.compile(r"^\$\([A-Za-z_][A-Za-z0-9_]*\)$")
 
@@ -217,7 +222,8 @@ def runtime_config_from_args(
     Args:
         args: parsed flags with ``runtime_config``, ``config``, ``replica``, ``pool``,
             ``nats_url``.
-        env: the process environment (``WAVEPP_PIPELINE``, ``WAVEPP_METRICS_PORT``).
+        env: the process environment (``WAVEPP_PIPELINE``, ``WAVEPP_NAMESPACE``: the
+            namespace of every NATS name, default ``local``; ``WAVEPP_METRICS_PORT``).
 
     Returns:
         The RuntimeConfig; from a spec, with ``telemetry`` from :func:`telemetry_from_spec`.
@@ -279,7 +285,9 @@ def _runtime_config_from_source(
         spec = load_spec_file(args.config).resolved(
             default_image="local", default_nats_url=args.nats_url
         )
-        configs = runtime_configs_from_spec(spec, pool=pool)
+        configs = runtime_configs_from_spec(
+            spec, pool=pool, namespace=env.get(NAMESPACE_ENV) or "local"
+        )
     except SpecFileError as exc:
         raise ArgError(f"--config {exc}") from None
     except (SpecError, ValueError) as exc:
@@ -338,8 +346,13 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.runtime.serving.lifecycle import exit_with_parent
 
     exit_with_parent()
-    from wavepp.cmd.common import check_nats_reachable, check_port_free
-    from wavepp.runtime.stage.worker import StageReadiness, run_stage
+    from wavepp.cmd.common import (
+        check_nats_reachable,
+        check_port_free,
+        config_exit_code,
+        describe_error,
+    )
+    from wavepp.runtime.stage.worker import StageReadiness, check_environment, run_stage
 
     try:
         config = runtime_config_from_args(args, os.environ)
@@ -349,12 +362,13 @@ def run(args: argparse.Namespace) -> int:
         check_creds(args.nats_creds)
         apply_nats_tls(args)
         check_port("--health-port", args.health_port)
-    except ArgError as exc:
-        print(f"wavepp stage: {exc}", file=sys.stderr)
-        return 2
+        check_environment(config)
+    except (ArgError, ValueError) as exc:
+        print(f"wavepp stage: {describe_error(exc)}", file=sys.stderr)
+        return config_exit_code(os.environ)
     if not 0 <= rank < config.num_stages:
         print(f"wavepp stage: --rank {rank}: must be in [0, {config.num_stages})", file=sys.stderr)
-        return 2
+        return config_exit_code(os.environ)
     failure = None
     if args.health_port is not None:
         busy = check_port_free(args.health_host, args.health_port)
@@ -362,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
     if failure is None:
         unreachable = check_nats_reachable(args.nats_url, args.nats_connect_timeout_s)
         failure = f"--nats-url {unreachable}" if unreachable else None
-    if failure is not None:
+    if failure is not None:  # not a config error: the operator restarts the pod
         print(f"wavepp stage: {failure}", file=sys.stderr)
         return 2
 
@@ -374,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
                 args.health_host,
                 args.health_port,
                 {
-                    "/healthz": lambda: True,
+                    "/healthz": lambda: readiness.is_alive,
                     "/startupz": lambda: readiness.is_formed,
                     "/readyz": lambda: readiness.is_serving,
                 },

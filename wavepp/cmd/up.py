@@ -41,7 +41,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from wavepp.cmd.common import add_deprecated_alias, finite_float
 from wavepp.runtime.serving.lifecycle import child_env
@@ -319,6 +319,22 @@ def _start_children(
     )  # fmt: skip
 
 
+def _local_resources(raw: Any) -> dict[str, Any]:
+    """The spec as a dict, with ``resources.gpusPerStage`` decided for this host when the spec
+    leaves it out (torch engine): 1 (CUDA) when torch sees a GPU, else 0 (CPU). In a cluster the
+    default is 1 GPU per stage pod; on a laptop there are no pods to give GPUs to."""
+    from wavepp.api.spec import WavePipelineSpec
+
+    data = raw.to_wire() if isinstance(raw, WavePipelineSpec) else dict(raw)
+    resources = dict(data.get("resources") or {})
+    if data.get("engine", "torch") == "torch" and resources.get("gpusPerStage") is None:
+        import torch
+
+        resources["gpusPerStage"] = 1 if torch.cuda.is_available() else 0
+        data["resources"] = resources
+    return data
+
+
 def run(args: argparse.Namespace) -> int:
     from wavepp.api.spec import (
         SpecError,
@@ -340,7 +356,9 @@ def run(args: argparse.Namespace) -> int:
         raw = read_spec_mapping(args.config) if args.config else dict(DEFAULT_SPEC)
     except SpecFileError as exc:
         return _fail("--config", str(exc))
-    spec, issues = check_spec(raw, default_image="local", default_nats_url="nats://embedded")
+    spec, issues = check_spec(
+        _local_resources(raw), default_image="local", default_nats_url="nats://embedded"
+    )
     if spec is None:
         return _fail("--config", f"{args.config}: " + "; ".join(str(i) for i in issues))
     try:
@@ -483,6 +501,7 @@ def run(args: argparse.Namespace) -> int:
                 state_dir / "nats-auth",
                 pool=args.pool,
                 replicas={c.pipeline: c.num_stages for c in configs},
+                namespace=configs[0].namespace,
                 store_dir=store_dir,
                 max_file_store_bytes=args.jetstream_max_bytes or None,
             )

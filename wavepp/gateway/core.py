@@ -8,12 +8,12 @@ request after validation::
     -> tenant limits (429): max_queued waiting, max_concurrency, tokens_per_s
     -> fair-share queue (a slot among max_outstanding_per_replica x replicas in the pool)
     -> router: replica with the longest reusable prefix (ties: least loaded)
-    -> JetStream publish {p}.intake, Nats-Msg-Id = key -> wait for wavepp.{pool}.result.{key}
+    -> JetStream publish {p}.intake, Nats-Msg-Id = key -> wait for wavepp.{ns}.{pool}.result.{key}
        (the replica leaves the pool meanwhile: publish to another replica; an error answer
        from a replica it left is not the answer, the other replica's is; with no other
        replica in the pool, fail after ``replica_unready_fail_s`` with ReplicaUnavailable)
 
-The pool follows the heartbeats (``heartbeat_wildcard``): a replica of this pool that was not
+The pool follows the heartbeats (``heartbeat_wildcard``: the heartbeats of its namespace): a replica of this pool that was not
 configured is added when it beats (a scale-up), one silent for ``replica_forget_s`` is dropped
 (a scale-down). The gateway is ready while at least one replica is in the pool.
 """
@@ -40,6 +40,7 @@ from wavepp.api.subjects import (
     heartbeat_wildcard,
     intake_stream,
     intake_subject,
+    pipeline_of,
     replica_prefix,
     result_subject,
 )
@@ -78,6 +79,9 @@ class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     pool: str
+    # NOTE: the pool's Kubernetes namespace ($WAVEPP_NAMESPACE; "local" for wavepp up): part of
+    # every subject, stream and bucket name (wavepp.api.subjects).
+    namespace: str = Field("local", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
     replicas: list[ReplicaInfo] = Field(min_length=1)
     model_name: str
     model_id: str
@@ -157,21 +161,25 @@ class Gateway:
 
     async def start(self) -> None:
         for replica in self.config.replicas:
-            await ensure_intake(self.js, replica.pipeline)
-        self._kv = await ensure_results(self.js, self.config.pool)
+            await ensure_intake(self.js, replica.pipeline, namespace=self.config.namespace)
+        self._kv = await ensure_results(self.js, self.config.pool, namespace=self.config.namespace)
         self._subs.append(
             await self.nc.subscribe(
-                result_subject(self.config.pool, "*.*").replace("*.*", ">"), cb=self._on_result
+                result_subject(self.config.pool, ">", namespace=self.config.namespace),
+                cb=self._on_result,
             )
         )
         for replica in self.config.replicas:
             self._subs.append(
-                await self.nc.subscribe(heartbeat_subject(replica.pipeline), cb=self._on_heartbeat)
+                await self.nc.subscribe(
+                    heartbeat_subject(replica.pipeline, namespace=self.config.namespace),
+                    cb=self._on_heartbeat,
+                )
             )
             await self._watch_kv_events(replica.pipeline)
         self._subs.append(
             await self.nc.subscribe(
-                heartbeat_wildcard(),
+                heartbeat_wildcard(namespace=self.config.namespace),
                 cb=self._on_pool_heartbeat,
             )
         )
@@ -181,7 +189,9 @@ class Gateway:
         self._watched.add(pipeline)
         self._subs.append(
             await self.nc.subscribe(
-                ReplicaSubjects(replica_prefix(pipeline)).kv_events("*"),
+                ReplicaSubjects(
+                    replica_prefix(pipeline, namespace=self.config.namespace)
+                ).kv_events("*"),
                 cb=self._on_kv_events,
             )
         )
@@ -235,7 +245,7 @@ class Gateway:
         if beat.pipeline not in self.router.by_name:
             if beat.num_stages < 1 or len(self.router.replicas) >= self.config.max_replicas:
                 return
-            await ensure_intake(self.js, beat.pipeline)
+            await ensure_intake(self.js, beat.pipeline, namespace=self.config.namespace)
             self.router.add_replica(beat.pipeline, beat.num_stages)
             if beat.pipeline not in self._watched:
                 await self._watch_kv_events(beat.pipeline)
@@ -244,7 +254,7 @@ class Gateway:
         self._dispatch()
 
     async def _on_kv_events(self, msg: Msg) -> None:
-        replica = msg.subject.split(".")[1]
+        replica = pipeline_of(msg.subject)
         try:
             batch = KVEventBatch.model_validate_json(msg.data)
             self.router.on_kv_events(
@@ -441,9 +451,9 @@ class Gateway:
                         # Wait for the store as long as the request may (a paused server is
                         # not a lost request); a refusal (store full, JetStream off) is at once.
                         ack = await self.js.publish(
-                            intake_subject(replica.name),
+                            intake_subject(replica.name, namespace=self.config.namespace),
                             data,
-                            stream=intake_stream(replica.name),
+                            stream=intake_stream(replica.name, namespace=self.config.namespace),
                             headers={"Nats-Msg-Id": intake.key},
                             timeout=max(deadline - self.clock(), 0.001),
                         )

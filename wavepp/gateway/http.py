@@ -25,7 +25,7 @@ limit (``field`` ``queue``, ``limit`` = ``max_queued_requests``; both with ``Ret
 the pipeline failed the request, 503 intake unavailable (JetStream store full or disabled: at
 once, never after accepting the request; with ``Retry-After``), 504 no answer in time. aiohttp's own
 errors (413, 404, 405) are rewritten by ``errors.error_middleware``. The NATS API on
-``wavepp.{pool}.prefill`` (queue group ``gateway``) takes the ``/v1/prefill`` body and answers
+``wavepp.{ns}.{pool}.prefill`` (queue group ``gateway``) takes the ``/v1/prefill`` body and answers
 ``{"status": code, "body": ...}``.
 """
 
@@ -333,7 +333,9 @@ class GatewayServer:
 
     async def subscribe_nats(self) -> None:
         await self.gateway.nc.subscribe(
-            prefill_subject(self.gateway.config.pool), queue="gateway", cb=self._on_nats
+            prefill_subject(self.gateway.config.pool, namespace=self.gateway.config.namespace),
+            queue="gateway",
+            cb=self._on_nats,
         )
 
     async def _on_nats(self, msg: Msg) -> None:

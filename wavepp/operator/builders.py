@@ -83,6 +83,10 @@ __all__ = [
     "build_gateway_deployment",
     "build_gateway_service",
     "build_hpa",
+    "build_inference_pool",
+    "build_network_policies",
+    "build_pdb",
+    "build_pod_group",
     "build_pool_configmap",
     "build_spec_configmap",
     "build_stage_service",
@@ -260,10 +264,25 @@ def build_stage_statefulset(
         pod_spec["tolerations"] = [
             t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations
         ]
-    if spec.affinity:
-        pod_spec["affinity"] = spec.affinity
+    affinity = _replica_affinity(spec, ref, replica, dict(spec.affinity or {}))
+    if affinity:
+        pod_spec["affinity"] = affinity
     if spec.topology_spread_constraints:
         pod_spec["topologySpreadConstraints"] = _topology_spread(spec, ref)
+    overlay = spec.pod_template
+    for key, value in (
+        ("priorityClassName", overlay.priority_class_name),
+        ("schedulerName", overlay.scheduler_name),
+        ("runtimeClassName", overlay.runtime_class_name),
+    ):
+        if value:
+            pod_spec[key] = value
+    template_labels = base_labels(ref.name, "stage") | {
+        LABEL_REPLICA: str(replica),
+        LABEL_SPEC_HASH: hash_,
+    }
+    if spec.topology.pod_group:
+        template_labels[POD_GROUP_LABEL] = name
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -278,11 +297,166 @@ def build_stage_statefulset(
             "selector": {"matchLabels": selector},
             "template": {
                 "metadata": {
-                    "labels": base_labels(ref.name, "stage")
-                    | {LABEL_REPLICA: str(replica), LABEL_SPEC_HASH: hash_},
+                    "labels": template_labels,
                     "annotations": {ANNOTATION_SPEC_HASH: hash_},
                 },
                 "spec": pod_spec,
+            },
+        },
+    }
+
+
+def _replica_affinity(
+    spec: WavePipelineSpec, ref: PipelineRef, replica: int, affinity: dict[str, Any]
+) -> dict[str, Any]:
+    """``spec.affinity`` plus the per-replica topology: a replica's stage pods share one
+    ``topology.replicaDomainKey`` domain (required pod affinity on the replica's stage pods; the
+    first pod may go anywhere), and prefer ``spreadReplicasKey`` domains without the other
+    replicas' stage pods (preferred anti-affinity)."""
+    topology = spec.topology
+    if topology.replica_domain_key:
+        pod_affinity = dict(affinity.get("podAffinity") or {})
+        pod_affinity["requiredDuringSchedulingIgnoredDuringExecution"] = [
+            *pod_affinity.get("requiredDuringSchedulingIgnoredDuringExecution", []),
+            {
+                "labelSelector": {
+                    "matchLabels": {
+                        LABEL_PIPELINE: ref.name,
+                        LABEL_REPLICA: str(replica),
+                        LABEL_COMPONENT: "stage",
+                    }
+                },
+                "topologyKey": topology.replica_domain_key,
+            },
+        ]
+        affinity["podAffinity"] = pod_affinity
+    if topology.spread_replicas_key:
+        anti = dict(affinity.get("podAntiAffinity") or {})
+        anti["preferredDuringSchedulingIgnoredDuringExecution"] = [
+            *anti.get("preferredDuringSchedulingIgnoredDuringExecution", []),
+            {
+                "weight": 100,
+                "podAffinityTerm": {
+                    "labelSelector": {
+                        "matchLabels": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "stage"},
+                        "matchExpressions": [
+                            {"key": LABEL_REPLICA, "operator": "NotIn", "values": [str(replica)]}
+                        ],
+                    },
+                    "topologyKey": topology.spread_replicas_key,
+                },
+            },
+        ]
+        affinity["podAntiAffinity"] = anti
+    return affinity
+
+
+POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"  # the coscheduling plugin's pod label
+
+
+def build_pod_group(ref: PipelineRef, spec: WavePipelineSpec, replica: int) -> dict[str, Any]:
+    """PodGroup (scheduler-plugins coscheduling) of one replica: its S stage pods are bound all
+    or none (``minMember`` = stages), so a half-scheduled replica never holds GPUs."""
+    return {
+        "apiVersion": "scheduling.x-k8s.io/v1alpha1",
+        "kind": "PodGroup",
+        "metadata": child_metadata(
+            ref, statefulset_name(ref.name, replica), "stage", replica=replica
+        ),
+        "spec": {
+            "minMember": spec.num_stages,
+            "scheduleTimeoutSeconds": math.ceil(spec.restart_budget.forming_timeout_s),
+        },
+    }
+
+
+def build_pdb(ref: PipelineRef, spec: WavePipelineSpec, replica: int) -> dict[str, Any]:
+    """PodDisruptionBudget of one replica's stage pods: losing one stage stops the whole replica
+    (a torch.distributed group cannot lose a member), so a serving replica admits no voluntary
+    eviction (minAvailable = stages); a replica that is not serving (pods unready) may be
+    evicted (unhealthyPodEvictionPolicy AlwaysAllow), so drains never wait on a broken one."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": child_metadata(
+            ref, statefulset_name(ref.name, replica), "stage", replica=replica
+        ),
+        "spec": {
+            "minAvailable": spec.num_stages,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+            "selector": {
+                "matchLabels": {
+                    LABEL_PIPELINE: ref.name,
+                    LABEL_REPLICA: str(replica),
+                    LABEL_COMPONENT: "stage",
+                }
+            },
+        },
+    }
+
+
+def build_network_policies(ref: PipelineRef, spec: WavePipelineSpec) -> list[dict[str, Any]]:
+    """Ingress NetworkPolicies of the pipeline's pods (none when ``networkPolicy.enabled`` is
+    false): stage pods accept only the pipeline's stage pods (the rendezvous port and gloo/NCCL's
+    activation connections, on ports they choose) and anyone on the health port (probes);
+    admission pods accept the pipeline's gateway on the HTTP port and anyone on the metrics
+    port; the gateway accepts ``networkPolicy.gatewayFrom`` (default: its namespace's pods)."""
+    if not spec.network_policy.enabled:
+        return []
+
+    def pods(component: str) -> dict[str, Any]:
+        return {"matchLabels": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: component}}
+
+    def tcp(port: int) -> dict[str, Any]:
+        return {"protocol": "TCP", "port": port}
+
+    def policy(component: str, ingress: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": child_metadata(ref, f"{ref.name}-{component}", "network"),
+            "spec": {
+                "podSelector": pods(component),
+                "policyTypes": ["Ingress"],
+                "ingress": ingress,
+            },
+        }
+
+    gateway_from = list(spec.network_policy.gateway_from) or [{"podSelector": {}}]
+    return [
+        policy(
+            "stage",
+            [{"from": [{"podSelector": pods("stage")}]}, {"ports": [tcp(HEALTH_PORT)]}],
+        ),
+        policy(
+            "admission",
+            [
+                {"from": [{"podSelector": pods("gateway")}], "ports": [tcp(HTTP_PORT)]},
+                {"ports": [tcp(spec.telemetry.metrics_port)]},
+            ],
+        ),
+        policy("gateway", [{"from": gateway_from, "ports": [tcp(HTTP_PORT)]}]),
+    ]
+
+
+def build_inference_pool(ref: PipelineRef, spec: WavePipelineSpec) -> dict[str, Any] | None:
+    """InferencePool ``{p}`` (inference.networking.k8s.io/v1) over the gateway pods' HTTP port,
+    with the cluster's endpoint picker; None unless ``inferencePool.enabled``."""
+    pool = spec.inference_pool
+    if not pool.enabled:
+        return None
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": child_metadata(ref, ref.name, "gateway"),
+        "spec": {
+            "selector": {"matchLabels": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "gateway"}},
+            "targetPorts": [{"number": HTTP_PORT}],
+            "endpointPickerRef": {
+                "kind": "Service",
+                "name": pool.endpoint_picker,
+                "port": {"number": pool.endpoint_picker_port},
+                "failureMode": pool.failure_mode,
             },
         },
     }
@@ -388,38 +562,22 @@ def build_gateway_service(ref: PipelineRef) -> dict[str, Any]:
     return _http_service(ref, gateway_name(ref.name), "gateway", None)
 
 
-def _milli(value: float) -> str:
-    """A Kubernetes quantity for ``value`` (0.8 -> "800m")."""
-    milli = round(value * 1000)
-    return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
-
-
 def build_hpa(ref: PipelineRef, spec: WavePipelineSpec) -> dict[str, Any] | None:
     """autoscaling/v2 HPA on the pipeline's scale subresource, or None without autoscaling.
 
-    cpu: Resource metric, ``target`` = average utilisation in percent of the stage pods' CPU
-    request. wave_fill / queue_depth: Pods metrics ``wavepp_wave_fill`` / ``wavepp_queue_depth``
-    averaged over the pods of ``status.selector`` (needs a custom metrics adapter).
+    cpu (the one metric): Resource metric, ``target`` = average utilisation in percent of the
+    stage pods' CPU request.
     """
     auto = spec.autoscaling
     if auto is None:
         return None
-    if auto.metric == "cpu":
-        metric = {
-            "type": "Resource",
-            "resource": {
-                "name": "cpu",
-                "target": {"type": "Utilization", "averageUtilization": math.ceil(auto.target)},
-            },
-        }
-    else:
-        metric = {
-            "type": "Pods",
-            "pods": {
-                "metric": {"name": f"wavepp_{auto.metric}"},
-                "target": {"type": "AverageValue", "averageValue": _milli(auto.target)},
-            },
-        }
+    metric = {
+        "type": "Resource",
+        "resource": {
+            "name": "cpu",
+            "target": {"type": "Utilization", "averageUtilization": math.ceil(auto.target)},
+        },
+    }
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",

@@ -65,6 +65,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("WAVEPP_INSECURE_NATS") == "1",
         help="DEBUGGING ONLY: render no NATS credentials (env WAVEPP_INSECURE_NATS=1)",
     )
+    parser.add_argument(
+        "--namespace",
+        action="append",
+        default=None,
+        help=(
+            "watch only this namespace (repeatable; the chart's namespace-scoped install mode, "
+            "with a Role there instead of a ClusterRole); default: every namespace"
+        ),
+    )
     parser.add_argument("--no-events", action="store_true", help="post no Kubernetes Events")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
 
@@ -144,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
     )
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
     kopf.run(
-        clusterwide=True,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace or (),
         standalone=True,
         liveness_endpoint=liveness,
         memo=kopf.Memo(options=options),

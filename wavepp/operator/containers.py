@@ -7,9 +7,10 @@ pod runs with. The per-kind builders (``builders.py``) put these containers into
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
-from wavepp.api.spec import WavePipelineSpec
+from wavepp.api.spec import CONFIG_EXIT_CODE, WavePipelineSpec
 from wavepp.operator.naming import (
     POD_INDEX_LABEL,
     PipelineRef,
@@ -96,7 +97,11 @@ def container_args(
 def _env(component: Component, spec: WavePipelineSpec, ref: PipelineRef) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "WAVEPP_PIPELINE", "value": ref.name},
+        # A configuration error exits CONFIG_EXIT_CODE (not the CLI's 2): read as "refused its
+        # config" (Degraded/InvalidRuntimeConfig), not restarted (wavepp.cmd.common).
+        {"name": "WAVEPP_CONFIG_EXIT_CODE", "value": str(CONFIG_EXIT_CODE)},
         {"name": "HOME", "value": "/tmp"},  # non-root user, read-only root filesystem
+        # Read by every process: part of each NATS subject, stream and bucket name.
         {
             "name": "WAVEPP_NAMESPACE",
             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
@@ -110,6 +115,7 @@ def _env(component: Component, spec: WavePipelineSpec, ref: PipelineRef) -> list
     if spec.telemetry.otlp_endpoint:
         env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": spec.telemetry.otlp_endpoint})
     if component == "stage":
+        env += list(spec.pod_template.env)
         env.insert(
             0,
             {
@@ -120,12 +126,16 @@ def _env(component: Component, spec: WavePipelineSpec, ref: PipelineRef) -> list
     return env
 
 
-def _probes(component: Component) -> dict[str, Any]:
+STARTUP_PERIOD_S = 5
+
+
+def _probes(component: Component, spec: WavePipelineSpec) -> dict[str, Any]:
     """Kubelet probes; they define the stage phases the operator reports.
 
     stage: /startupz answers 200 once the torch.distributed group has formed (phase formed),
-    /readyz once weights are loaded and warmed up (phase warm), /healthz while alive.
-    admission and gateway: /readyz when ready to take requests, /healthz while alive.
+    /readyz once weights are loaded and warmed up (phase warm), /healthz while its compute
+    thread is alive. admission and gateway: /readyz when ready to take requests, /healthz while
+    alive. The stage's startup probe allows ``restartBudget.formingTimeoutSeconds``.
     """
     port = HEALTH_PORT if component == "stage" else HTTP_PORT
 
@@ -141,8 +151,9 @@ def _probes(component: Component) -> dict[str, Any]:
         "livenessProbe": get("/healthz", 10, 6),
     }
     if component == "stage":
-        # Loading weights and forming the group may take long: up to 30 min before liveness.
-        probes["startupProbe"] = get("/startupz", 5, 360)
+        # Loading weights and forming the group may take long: formingTimeoutSeconds.
+        failures = math.ceil(spec.restart_budget.forming_timeout_s / STARTUP_PERIOD_S)
+        probes["startupProbe"] = get("/startupz", STARTUP_PERIOD_S, failures)
     return probes
 
 
@@ -161,16 +172,29 @@ def pod_container(
         "command": ["wavepp"],
         "args": container_args(component, spec, ref, replica),
         "env": _env(component, spec, ref),
-        "ports": ports
-        + [{"name": "metrics", "containerPort": spec.telemetry.metrics_port, "protocol": "TCP"}],
+        "ports": ports + metrics_ports(component, spec),
         "resources": resources,
         "volumeMounts": mounts,
         "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
-        **_probes(component),
+        # A config error (exit CONFIG_EXIT_CODE) names the field in its last log lines: they
+        # become the termination message the operator reports.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        **_probes(component, spec),
     }
+    if component == "stage" and spec.pod_template.env_from:
+        container["envFrom"] = list(spec.pod_template.env_from)
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
     return container
+
+
+def metrics_ports(component: Component, spec: WavePipelineSpec) -> list[dict[str, Any]]:
+    """The ``metrics`` port, declared only where a process listens on it: the admission
+    controller serves Prometheus on ``telemetry.metricsPort``; the gateway serves its metrics on
+    its HTTP port (``GET /metrics``); a stage serves none."""
+    if component != "admission":
+        return []
+    return [{"name": "metrics", "containerPort": spec.telemetry.metrics_port, "protocol": "TCP"}]
 
 
 def config_volumes(

@@ -43,7 +43,6 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Stages", "type": "integer", "jsonPath": ".spec.stages"},
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
     {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
-    {"name": "Wave Fill", "type": "number", "jsonPath": ".status.waveFill"},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

@@ -28,9 +28,18 @@ from wavepp.api.spec import API_GROUP, API_VERSION, PLURAL
 from wavepp.operator import builders as b
 from wavepp.operator import kube
 from wavepp.operator.reconcile import Apply, Create, Defaults, Delete, Observed, Patch, plan
+from wavepp.operator.status import apply_failed_status
 
 FINALIZER = "wavepp.dev/operator"
-CHILD_KINDS = ("StatefulSet", "Deployment", "Service", "ConfigMap", "HorizontalPodAutoscaler")
+CHILD_KINDS = (
+    "StatefulSet",
+    "Deployment",
+    "Service",
+    "ConfigMap",
+    "HorizontalPodAutoscaler",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+)
 RETRY_FIRST_S = 0.5  # delay after the first failed pass; doubles per failure in a row
 RETRY_MAX_S = 30.0
 
@@ -46,6 +55,9 @@ class OperatorOptions:
     post_events: bool = True
     fast_exit: bool = False  # tests: short kopf idle timeouts so that the operator stops quickly
     nats_account_seed: str | None = None  # set: render each pipeline's NATS credentials
+    # Removing a deleted pool's JetStream streams: tries (2 s apart), seconds per try.
+    nats_cleanup_tries: int = 3
+    nats_cleanup_timeout_s: float = 5.0
 
     @classmethod
     def from_env(cls) -> OperatorOptions:
@@ -173,19 +185,54 @@ async def cleanup(memo: Any, **_: Any) -> None:
 # ---- reconcile ----------------------------------------------------------------------------
 
 
-async def _observe(client: kube.KubeClient, namespace: str, name: str) -> Observed:
+async def _observe(
+    client: kube.KubeClient,
+    namespace: str,
+    name: str,
+    *,
+    pod_groups: bool = False,
+    inference_pools: bool = False,
+) -> Observed:
+    """The pipeline's children; PodGroups and InferencePools only when its spec asks for them
+    (their CRDs are optional)."""
     selector = {b.LABEL_PIPELINE: name}
-    sts, deps, pods, cms, hpas, svcs = await asyncio.gather(
+    sts, deps, pods, cms, hpas, svcs, pdbs, netpols = await asyncio.gather(
         client.list("StatefulSet", namespace, selector),
         client.list("Deployment", namespace, selector),
         client.list("Pod", namespace, selector),
         client.list("ConfigMap", namespace, selector),
         client.list("HorizontalPodAutoscaler", namespace, selector),
         client.list("Service", namespace, selector),
+        client.list("PodDisruptionBudget", namespace, selector),
+        client.list("NetworkPolicy", namespace, selector),
     )
+    groups = await client.list("PodGroup", namespace, selector) if pod_groups else []
+    pools = await client.list("InferencePool", namespace, selector) if inference_pools else []
     return Observed(
-        statefulsets=sts, deployments=deps, pods=pods, configmaps=cms, hpas=hpas, services=svcs
+        statefulsets=sts,
+        deployments=deps,
+        pods=pods,
+        configmaps=cms,
+        hpas=hpas,
+        services=svcs,
+        pdbs=pdbs,
+        network_policies=netpols,
+        pod_groups=groups,
+        inference_pools=pools,
     )
+
+
+def _api_error(exc: BaseException) -> str:
+    """The API server's message of a failed call (its Status.message), else the error."""
+    status = getattr(exc, "status", None)
+    message = getattr(status, "message", None)
+    response = getattr(exc, "response", None)
+    if not message and response is not None:
+        try:
+            message = response.json().get("message")
+        except (ValueError, AttributeError):
+            message = None
+    return str(message or exc)
 
 
 def _resource_version(obj: dict[str, Any] | None) -> str | None:
@@ -242,6 +289,13 @@ async def _execute(
         raise AssertionError(f"unknown action {action!r}")
 
 
+def _target(action: Any) -> tuple[str, str]:
+    """(kind, name) of the object an action writes."""
+    if isinstance(action, Apply | Create):
+        return action.manifest["kind"], action.manifest["metadata"]["name"]
+    return action.kind, action.name
+
+
 def _status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """Keys of ``new`` that differ from ``old``; ``None`` values delete (merge-patch)."""
     return {k: v for k, v in new.items() if old.get(k) != v and not (v is None and k not in old)}
@@ -257,7 +311,14 @@ async def reconcile_pipeline(
     if body is None or body.get("metadata", {}).get("deletionTimestamp"):
         return None
     opts = state.options
-    observed = await _observe(client, namespace, name)
+    raw_spec = body.get("spec") or {}
+    observed = await _observe(
+        client,
+        namespace,
+        name,
+        pod_groups=bool((raw_spec.get("topology") or {}).get("podGroup")),
+        inference_pools=bool((raw_spec.get("inferencePool") or {}).get("enabled")),
+    )
     result = plan(
         body,
         observed,
@@ -271,12 +332,28 @@ async def reconcile_pipeline(
     )
     listed = observed.index()
     applied = state.applied.setdefault((namespace, name), {})
+    refused: str | None = None
     for action in result.actions:
-        await _execute(client, namespace, action, listed, applied)
-    state.reconciled_specs[(namespace, name)] = body.get("spec")
-    patch = _status_patch(body.get("status") or {}, result.status)
+        try:
+            await _execute(client, namespace, action, listed, applied)
+        except kube.API_ERRORS as exc:
+            code = kube.status_code(exc)
+            if code is None or not 400 <= code < 500 or code in (404, 409, 429):
+                raise
+            kind, child = _target(action)
+            refused = f"{kind} {child}: HTTP {code}: {_api_error(exc)}"
+            break
+    status = result.status
+    if refused is not None:
+        status = apply_failed_status(body, status, refused, time.time())
+    else:
+        state.reconciled_specs[(namespace, name)] = body.get("spec")
+    patch = _status_patch(body.get("status") or {}, status)
     if patch:
         await client.patch("WavePipeline", namespace, name, {"status": patch}, subresource="status")
+    if refused is not None:
+        logger.warning("the API server refused a child: %s", refused)
+        raise kube.ApplyRefused(refused)
     phase = result.status.get("phase", "")
     if state.last_phase.get((namespace, name)) != phase:
         state.last_phase[(namespace, name)] = phase
@@ -314,7 +391,8 @@ async def pipeline_daemon(
             async with state.lock(namespace, name):
                 due_s = await reconcile_pipeline(state, namespace, name, logger)
         except Exception as exc:
-            if not isinstance(exc, kube.API_ERRORS):  # a bug must not stop the other pipelines
+            expected = (*kube.API_ERRORS, kube.ApplyRefused)
+            if not isinstance(exc, expected):  # a bug must not stop the other pipelines
                 logger.exception("unexpected error reconciling %s/%s", namespace, name)
                 state.unexpected_errors.append(f"{namespace}/{name}: {exc!r}")
             delay_s = state.retry_delay(namespace, name)
@@ -361,7 +439,13 @@ def pod_event(labels: dict[str, str], namespace: str, memo: Any, **_: Any) -> No
 
 @kopf.on.delete(API_GROUP, API_VERSION, PLURAL)
 async def pipeline_deleted(
-    name: str, namespace: str, memo: Any, logger: logging.Logger, **_: Any
+    name: str,
+    namespace: str,
+    spec: Any,
+    retry: int,
+    memo: Any,
+    logger: logging.Logger,
+    **_: Any,
 ) -> None:
     """Delete the children now (owner references let the garbage collector do it too)."""
     state = _state(memo)
@@ -371,5 +455,46 @@ async def pipeline_deleted(
         for kind in CHILD_KINDS:
             for obj in await state.client.list(kind, namespace, selector):
                 await state.client.delete(kind, namespace, obj["metadata"]["name"])
+    await _remove_streams(state, namespace, name, spec, retry, logger)
     state.forget(namespace, name)  # the daemon may have been stopped while kopf delayed a retry
     logger.info("deleted the children of %s/%s", namespace, name)
+
+
+async def _remove_streams(
+    state: OperatorState,
+    namespace: str,
+    name: str,
+    spec: Any,
+    retry: int,
+    logger: logging.Logger,
+) -> None:
+    """Remove the pool's JetStream streams and results bucket (external state the garbage
+    collector cannot see; the reason the pipeline carries a finalizer). An unreachable NATS is
+    retried (``OperatorOptions.nats_cleanup_tries``), then left with a warning (deletion never
+    hangs on it)."""
+    from wavepp.operator.nats_cleanup import delete_pool_streams
+
+    nats = dict((spec or {}).get("nats") or {})
+    url = nats.get("url") or state.options.default_nats_url
+    if not url:
+        return
+    try:
+        timeout_s = state.options.nats_cleanup_timeout_s
+        removed = await asyncio.wait_for(
+            delete_pool_streams(
+                url,
+                name,
+                namespace=namespace,
+                timeout_s=timeout_s,
+                account_seed=state.options.nats_account_seed,
+            ),
+            2 * timeout_s,
+        )
+    except Exception as exc:  # noqa: BLE001 - NATS down, auth refused: retry, then give up
+        if retry + 1 < state.options.nats_cleanup_tries:
+            message = f"removing the streams of {namespace}/{name}: {exc}"
+            raise kopf.TemporaryError(message, delay=2) from exc
+        logger.warning("left the JetStream streams of %s/%s on %s: %s", namespace, name, url, exc)
+        return
+    if removed:
+        logger.info("removed JetStream streams %s", removed)

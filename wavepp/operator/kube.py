@@ -50,11 +50,20 @@ RESOURCES: dict[str, type[GenericNamespacedResource]] = {
         ("StatefulSet", "apps", "v1", "statefulsets"),
         ("Deployment", "apps", "v1", "deployments"),
         ("HorizontalPodAutoscaler", "autoscaling", "v2", "horizontalpodautoscalers"),
+        ("PodDisruptionBudget", "policy", "v1", "poddisruptionbudgets"),
+        ("NetworkPolicy", "networking.k8s.io", "v1", "networkpolicies"),
+        ("PodGroup", "scheduling.x-k8s.io", "v1alpha1", "podgroups"),
+        ("InferencePool", "inference.networking.k8s.io", "v1", "inferencepools"),
         ("WavePipeline", "wavepp.dev", "v1alpha1", "wavepipelines"),
     )
 }
 
 T = TypeVar("T")
+
+
+class ApplyRefused(RuntimeError):
+    """The API server refused a child (a 4xx other than 404/409/429: invalid, forbidden);
+    the status names it (condition ``Degraded``, reason ``ApplyFailed``)."""
 
 
 def resource(kind: str) -> type[GenericNamespacedResource]:

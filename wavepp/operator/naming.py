@@ -12,6 +12,10 @@ deterministic name (the operator may rerun any handler):
 | Deployment + Service       | {p}-r{i}-admission       | replica  |
 | Deployment + Service       | {p}-gateway              | pipeline |
 | HorizontalPodAutoscaler    | {p}                      | pipeline |
+| PodDisruptionBudget        | {p}-r{i}                 | replica  |
+| PodGroup (optional)        | {p}-r{i}                 | replica  |
+| NetworkPolicy              | {p}-stage, -admission, -gateway | pipeline |
+| InferencePool (optional)   | {p}                      | pipeline |
 
 Stage pods are ``{p}-r{i}-{rank}``: the StatefulSet ordinal is the stage rank. The spec
 ConfigMap's name carries the spec hash (:func:`spec_hash`), so replicas on the old and the new
@@ -38,7 +42,14 @@ ANNOTATION_SPEC_HASH = "wavepp.dev/spec-hash"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (k8s >= 1.28)
 
 # Spec fields that do not change what a replica's processes run: editing them never rolls.
-_NOT_HASHED = ("replicas", "autoscaling", "restartBudget", "rollout")
+_NOT_HASHED = (
+    "replicas",
+    "autoscaling",
+    "restartBudget",
+    "rollout",
+    "networkPolicy",
+    "inferencePool",
+)
 
 
 @dataclass(frozen=True)

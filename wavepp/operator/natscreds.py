@@ -67,7 +67,7 @@ def _pipelines(ref: PipelineRef, spec: WavePipelineSpec) -> dict[str, int]:
 
 def pipeline_users(ref: PipelineRef, spec: WavePipelineSpec) -> list[NatsUser]:
     """Every component user of the pipeline resource (the pool is named after it)."""
-    return users_for_pool(ref.name, _pipelines(ref, spec))
+    return users_for_pool(ref.name, _pipelines(ref, spec), namespace=ref.namespace)
 
 
 def build_nats_creds_secret(
@@ -124,7 +124,7 @@ def creds_path(component: str) -> str:
 def gateway_permissions_digest(ref: PipelineRef, spec: WavePipelineSpec) -> str:
     """10 hex of the gateway user's permissions (a pod annotation: rolls the gateway when they
     change, so that it reconnects with the new credentials)."""
-    perms = gateway_user(ref.name, list(_pipelines(ref, spec))).permissions
+    perms = gateway_user(ref.name, list(_pipelines(ref, spec)), namespace=ref.namespace).permissions
     return hashlib.sha256(repr(perms).encode()).hexdigest()[:10]
 
 

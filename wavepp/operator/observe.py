@@ -7,18 +7,21 @@ memory of a replica lives in annotations on its StatefulSet (table in ``reconcil
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from wavepp.api.spec import WavePipelineSpec
+from wavepp.api.spec import CONFIG_EXIT_CODE, WavePipelineSpec
 from wavepp.operator import builders as b
 
 ANNOTATION_DRAIN = "wavepp.dev/drain"
 ANNOTATION_RESTARTS = "wavepp.dev/restarts"
 ANNOTATION_DEGRADED = "wavepp.dev/degraded"
-ANNOTATION_WAVE_FILL = "wavepp.dev/wave-fill"  # written on its pod by the admission controller
+ANNOTATION_MEMBERS = "wavepp.dev/members"
+ANNOTATION_FORMING = "wavepp.dev/forming-since"
 DRAIN_GRACE_S = 30.0
+CONFIG_ERROR = "config error: "  # prefix of a degraded message: a process refused its config
 
 DrainReason = Literal["rollout", "failure", "scale-down"]
 
@@ -33,6 +36,10 @@ class Observed:
     configmaps: list[dict[str, Any]] = field(default_factory=list)
     hpas: list[dict[str, Any]] = field(default_factory=list)
     services: list[dict[str, Any]] = field(default_factory=list)
+    pdbs: list[dict[str, Any]] = field(default_factory=list)
+    network_policies: list[dict[str, Any]] = field(default_factory=list)
+    pod_groups: list[dict[str, Any]] = field(default_factory=list)
+    inference_pools: list[dict[str, Any]] = field(default_factory=list)
 
     def index(self) -> dict[tuple[str, str], dict[str, Any]]:
         """(kind, name) -> object, for every listed child (pods excluded)."""
@@ -42,6 +49,10 @@ class Observed:
             ("ConfigMap", self.configmaps),
             ("HorizontalPodAutoscaler", self.hpas),
             ("Service", self.services),
+            ("PodDisruptionBudget", self.pdbs),
+            ("NetworkPolicy", self.network_policies),
+            ("PodGroup", self.pod_groups),
+            ("InferencePool", self.inference_pools),
         )
         return {(kind, meta_of(obj).get("name", "")): obj for kind, objs in kinds for obj in objs}
 
@@ -96,6 +107,63 @@ def pod_failure(pod: dict[str, Any]) -> str | None:
     return None
 
 
+def gateway_pod_ready(pod: dict[str, Any]) -> bool:
+    """A live gateway pod whose readiness probe passes."""
+    return not is_terminating(pod) and _condition(pod, "Ready") and not pod_failure(pod)
+
+
+def pod_config_error(pod: dict[str, Any]) -> str | None:
+    """The termination message of a container that exited ``CONFIG_EXIT_CODE`` (it refused its
+    configuration; the message names the field), now or last time, else None."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        for state in (cs.get("state") or {}, cs.get("lastState") or {}):
+            terminated = state.get("terminated") or {}
+            if int(terminated.get("exitCode") or 0) == CONFIG_EXIT_CODE:
+                message = " ".join(str(terminated.get("message") or "").split())
+                name = meta_of(pod).get("name", "?")
+                return f"pod {name}: {message or f'exit code {CONFIG_EXIT_CODE}'}"[-1000:]
+    return None
+
+
+def _condition_entry(pod: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return c
+    return None
+
+
+def _epoch(timestamp: str | None) -> float | None:
+    if not timestamp:
+        return None
+    try:
+        return dt.datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def pod_disruption(pod: dict[str, Any], now: float, not_ready_s: float) -> str | None:
+    """Why a formed stage pod counts as lost although it has not failed, or None.
+
+    Lost: the pod is marked for disruption (condition ``DisruptionTarget``: eviction,
+    preemption, a node taint), or it passed its startup probe and has been NotReady for
+    ``not_ready_s`` or longer (its compute loop died, or its node went NotReady: the node
+    controller turns its pods' Ready condition False).
+    """
+    name = meta_of(pod).get("name", "?")
+    target = _condition_entry(pod, "DisruptionTarget")
+    if target is not None and target.get("status") == "True":
+        return f"pod {name} is being disrupted ({target.get('reason') or 'DisruptionTarget'})"
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    ready = _condition_entry(pod, "Ready")
+    if not statuses or not all(cs.get("started") for cs in statuses) or ready is None:
+        return None
+    since = _epoch(ready.get("lastTransitionTime"))
+    if ready.get("status") != "True" and since is not None and now - since >= not_ready_s:
+        detail = ready.get("reason") or ready.get("message") or "readiness probe failing"
+        return f"pod {name} NotReady for {now - since:.0f} s >= {not_ready_s:g} s ({detail})"
+    return None
+
+
 def stage_phase(pod: dict[str, Any] | None, *, admitting: bool, stopped: bool) -> str:
     """The phase of one stage from its pod (see :class:`wavepp.api.spec.StageStatus`)."""
     if stopped:
@@ -141,6 +209,8 @@ class ReplicaView:
     restarts: list[float]
     degraded: str | None
     ranges: list[tuple[int, int]]
+    members: dict[int, str] | None = None  # rank -> pod uid of the formed group
+    forming_since: float | None = None  # epoch s the replica started (re-)forming
 
     @property
     def num_stages(self) -> int:
@@ -196,21 +266,58 @@ class ReplicaView:
                 return reason
         return None
 
+    def config_error(self) -> str | None:
+        """A process of the replica (stage or admission) refused its configuration."""
+        pods = [*self.current_pods().values(), *self.admission_pods]
+        for pod in pods:
+            if labels_of(pod).get(b.LABEL_SPEC_HASH) == self.hash:
+                message = pod_config_error(pod)
+                if message:
+                    return message
+        return None
+
+    def current_members(self) -> dict[int, str] | None:
+        """rank -> uid of the current pods once every rank has one, else None."""
+        pods = self.current_pods()
+        uids = {rank: meta_of(pods[rank]).get("uid") for rank in pods}
+        if set(uids) != set(range(self.num_stages)) or not all(uids.values()):
+            return None
+        return {rank: str(uid) for rank, uid in uids.items()}
+
+    def lost(self, now: float, not_ready_s: float, forming_timeout_s: float) -> str | None:
+        """Why the replica's group is broken although no pod failed, or None: a member pod
+        gone or recreated (another uid: evicted, preempted, its node lost), disrupted or
+        NotReady past ``not_ready_s``, or the replica not formed within ``forming_timeout_s``."""
+        pods = self.current_pods()
+        for rank, uid in sorted((self.members or {}).items()):
+            pod = pods.get(rank)
+            name = f"{meta_of(self.sts or {}).get('name', '?')}-{rank}"
+            if pod is None:
+                return f"stage {rank}: pod {name} (uid {uid}) is gone"
+            new_uid = meta_of(pod).get("uid")
+            if new_uid and new_uid != uid:
+                return f"stage {rank}: pod {name} was recreated (uid {uid} -> {new_uid})"
+        for rank in sorted(pods):
+            reason = pod_disruption(pods[rank], now, not_ready_s)
+            if reason:
+                return f"stage {rank}: {reason}"
+        if (
+            self.forming_since is not None
+            and not self.stages_warm()
+            and now - self.forming_since >= forming_timeout_s
+        ):
+            return (
+                f"not formed within restartBudget.formingTimeoutSeconds={forming_timeout_s:g} s "
+                f"(forming for {now - self.forming_since:.0f} s)"
+            )
+        return None
+
     def drained(self, now: float, drain_timeout_s: float) -> bool:
         """The admission pod is gone (or stuck past timeout + grace): nothing admitted remains."""
         if not self.admission_pods:
             return True
         since = float((self.drain or {}).get("since", now))
         return now - since >= drain_timeout_s + DRAIN_GRACE_S
-
-    def wave_fill(self) -> float | None:
-        """Wave fill the admission controller reported on its pod, or None."""
-        for pod in self.admission_pods:
-            try:
-                return float(annotations_of(pod)[ANNOTATION_WAVE_FILL])
-            except (KeyError, ValueError):
-                continue
-        return None
 
 
 def json_annotation(obj: dict[str, Any] | None, key: str, default: Any) -> Any:
@@ -271,6 +378,11 @@ def replica_views(
             float(t) for t in json_annotation(sts, ANNOTATION_RESTARTS, []) if now - t < window_s
         ]
         v.degraded = annotations_of(sts).get(ANNOTATION_DEGRADED)
+        members = json_annotation(sts, ANNOTATION_MEMBERS, None)
+        if isinstance(members, dict):
+            v.members = {int(rank): str(uid) for rank, uid in members.items()}
+        forming = json_annotation(sts, ANNOTATION_FORMING, None)
+        v.forming_since = float(forming) if isinstance(forming, int | float) else None
         v.ranges = ranges_by_hash.get(v.hash or "", current_ranges)
         if v.hash == current_hash:
             v.ranges = current_ranges

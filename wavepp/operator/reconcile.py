@@ -13,12 +13,20 @@ describes (they survive operator restarts and vanish with the replica):
 | wavepp.dev/drain         | {"reason": r, "since": epoch s}        | admission scaled to 0 (leaving)|
 | wavepp.dev/restarts      | [epoch s, ...]                         | re-formations (budget window)  |
 | wavepp.dev/degraded      | message                                | stopped by the restart budget  |
+|                          |                                        | or a config error              |
+| wavepp.dev/members       | {rank: pod uid}                        | the pods the group formed with |
+| wavepp.dev/forming-since | epoch s                                | (re-)forming started           |
 
 Replica lifecycle::
 
     create --> Forming --(all stages warm, admission ready)--> Serving
     Serving --(stage pod failed)--> drain(failure) + delete stage pods --> Forming
+    Forming/Serving --(a member pod gone or recreated with another uid, disrupted, NotReady
+        past restartBudget.notReadySeconds; or not formed within formingTimeoutSeconds)
+        --> the same as a failed stage pod
     Forming/Serving --(failures > budget in window)--> Degraded (0 pods) --(spec change)--> new
+    any --(a pod exits CONFIG_EXIT_CODE: it refused its config)--> Degraded (0 pods,
+        reason InvalidRuntimeConfig, the pod's message) --(spec change)--> new
     Serving, outdated --(no other replica in transition)--> drain(rollout)
         --(admission pod gone, or drain timeout)--> replaced on the new spec --> Forming
     beyond spec.replicas --> drain(scale-down) --(drained)--> deleted
@@ -43,14 +51,18 @@ from wavepp.operator import natscreds
 from wavepp.operator.observe import (
     ANNOTATION_DEGRADED,
     ANNOTATION_DRAIN,
+    ANNOTATION_FORMING,
+    ANNOTATION_MEMBERS,
     ANNOTATION_RESTARTS,
-    ANNOTATION_WAVE_FILL,
+    CONFIG_ERROR,
     DRAIN_GRACE_S,
     DrainReason,
     Observed,
     ReplicaView,
+    gateway_pod_ready,
     labels_of,
     meta_of,
+    pod_config_error,
     pod_failure,
     replica_views,
     stage_phase,
@@ -60,8 +72,9 @@ from wavepp.operator.status import invalid_status, pipeline_status
 __all__ = [
     "ANNOTATION_DEGRADED",
     "ANNOTATION_DRAIN",
+    "ANNOTATION_FORMING",
+    "ANNOTATION_MEMBERS",
     "ANNOTATION_RESTARTS",
-    "ANNOTATION_WAVE_FILL",
     "DRAIN_GRACE_S",
     "Action",
     "Apply",
@@ -180,18 +193,21 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
     ranges = spec.stage_layer_ranges()
     budget = spec.restart_budget
     drain_timeout_s = spec.rollout.drain_timeout_s
-    views = replica_views(ref.name, observed, current_hash, ranges, budget.window_s, now)
+    views = replica_views(ref.name, observed, current_hash, ranges, budget.window(), now)
     desired = set(range(spec.num_replicas))
     actions: list[Action] = []
     requeue: list[float] = []
     notes: dict[int, tuple[str, str]] = {}  # replica -> (reason, message) for its status
 
     def sts_annotations(index: int, **values: Any) -> Patch:
-        """Patch the replica's memory (drain=, restarts=, degraded=; None removes)."""
+        """Patch the replica's memory (drain=, restarts=, degraded=, members=, forming=;
+        None removes)."""
         keys = {
             "drain": ANNOTATION_DRAIN,
             "restarts": ANNOTATION_RESTARTS,
             "degraded": ANNOTATION_DEGRADED,
+            "members": ANNOTATION_MEMBERS,
+            "forming": ANNOTATION_FORMING,
         }
         encoded = {
             keys[k]: None if v is None else v if isinstance(v, str) else json.dumps(v)
@@ -216,7 +232,7 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         return [sts_annotations(v.index, drain=v.drain), *admission_replicas(v, 0)]
 
     def replica_children(index: int, *, stopped: bool, admission_running: bool) -> list[Action]:
-        return [
+        children = [
             Apply(b.build_stage_service(ref, index)),
             Apply(b.build_stage_statefulset(ref, spec, current_hash, index, stopped=stopped)),
             Apply(
@@ -225,14 +241,22 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
                 )
             ),
             Apply(b.build_admission_service(ref, index)),
+            Apply(b.build_pdb(ref, spec, index)),
         ]
+        if spec.topology.pod_group:
+            children.append(Apply(b.build_pod_group(ref, spec, index)))
+        return children
 
     def delete_pods(pods: list[dict[str, Any]]) -> list[Action]:
         return [Delete("Pod", meta_of(p)["name"]) for p in pods]
 
     def replace(v: ReplicaView) -> list[Action]:
         """Put replica v on the current spec: new template, fresh memory, stages re-formed."""
-        out: list[Action] = [sts_annotations(v.index, drain=None, restarts=None, degraded=None)]
+        out: list[Action] = [
+            sts_annotations(
+                v.index, drain=None, restarts=None, degraded=None, members=None, forming=now
+            )
+        ]
         out += replica_children(v.index, stopped=False, admission_running=True)
         out += delete_pods(list(v.stage_pods.values()))
         return out
@@ -262,7 +286,10 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
                     Delete("Service", b.statefulset_name(ref.name, index)),
                     Delete("Deployment", b.admission_name(ref.name, index)),
                     Delete("Service", b.admission_name(ref.name, index)),
+                    Delete("PodDisruptionBudget", b.statefulset_name(ref.name, index)),
                 ]
+                if spec.topology.pod_group:
+                    actions.append(Delete("PodGroup", b.statefulset_name(ref.name, index)))
             else:
                 actions += admission_replicas(v, 0)
             continue
@@ -286,23 +313,42 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
             actions += replica_children(index, stopped=True, admission_running=False)
             actions += delete_pods(list(v.stage_pods.values()))
             continue
-        failure = v.failure()
+        config_error = v.config_error()
+        if config_error is not None:
+            v.degraded = CONFIG_ERROR + config_error
+            actions.append(sts_annotations(index, degraded=v.degraded, drain=None))
+            actions += replica_children(index, stopped=True, admission_running=False)
+            actions += delete_pods(list(v.stage_pods.values()))
+            v.drain = None
+            continue
+        failure = v.failure() or v.lost(now, budget.not_ready_s, budget.forming_timeout_s)
         if failure is not None:
             v.restarts = [*v.restarts, now]
             if len(v.restarts) > budget.max_restarts:
                 v.degraded = (
-                    f"{len(v.restarts)} re-formations within {budget.window_s:g} s exceed "
+                    f"{len(v.restarts)} re-formations within {budget.window():g} s exceed "
                     f"restartBudget.maxRestarts={budget.max_restarts}; last: {failure}"
                 )
                 actions.append(
-                    sts_annotations(index, restarts=v.restarts, degraded=v.degraded, drain=None)
+                    sts_annotations(
+                        index,
+                        restarts=v.restarts,
+                        degraded=v.degraded,
+                        drain=None,
+                        members=None,
+                        forming=None,
+                    )
                 )
                 actions += replica_children(index, stopped=True, admission_running=False)
                 actions += delete_pods(list(v.stage_pods.values()))
                 v.drain = None
             else:
-                v.drain = {"reason": "failure", "since": now}
-                actions.append(sts_annotations(index, restarts=v.restarts, drain=v.drain))
+                v.drain = {"reason": "failure", "since": now, "message": failure}
+                actions.append(
+                    sts_annotations(
+                        index, restarts=v.restarts, drain=v.drain, members=None, forming=now
+                    )
+                )
                 actions += replica_children(index, stopped=False, admission_running=False)
                 actions += delete_pods(list(v.stage_pods.values()))
                 notes[index] = ("StageFailed", f"re-forming: {failure}")
@@ -314,8 +360,23 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
                 v.drain = None
             else:
                 requeue.append(float(v.drain["since"]) + drain_timeout_s + DRAIN_GRACE_S - now)
+        # The group's members, once every rank has a pod: a later uid change is a lost member.
+        # (Patched before the apply below, which then records the StatefulSet's new version.)
+        memory: dict[str, Any] = {}
+        members = v.current_members()
+        if v.members is None and members is not None:
+            memory["members"] = {str(rank): uid for rank, uid in members.items()}
+        if v.admitting() and v.forming_since is not None:
+            memory["forming"] = None
+        elif not v.admitting() and v.forming_since is None:
+            memory["forming"] = now
+        if memory:
+            actions.append(sts_annotations(index, **memory))
         actions += replica_children(index, stopped=False, admission_running=v.drain is None)
         actions += delete_pods(v.stale_pods())
+        if not v.admitting():  # look again when the forming timeout or a NotReady bound ends
+            due = (v.forming_since or now) + budget.forming_timeout_s - now
+            requeue.extend([d for d in (due, budget.not_ready_s) if d > 0])
 
     # Rolling update: drain one serving outdated replica at a time, and only while every other
     # desired replica serves (or is stopped by its budget): capacity drops by one at most.
@@ -345,6 +406,13 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
     actions.append(Apply(b.build_pool_configmap(ref, pool)))
     actions.append(Apply(b.build_gateway_deployment(ref, spec, current_hash)))
     actions.append(Apply(b.build_gateway_service(ref)))
+    inference_pool = b.build_inference_pool(ref, spec)
+    if inference_pool is not None:
+        actions.append(Apply(inference_pool))
+    policies = b.build_network_policies(ref, spec)
+    actions += [Apply(p) for p in policies]
+    if not policies:
+        actions += [Delete("NetworkPolicy", meta_of(p)["name"]) for p in observed.network_policies]
     hpa = b.build_hpa(ref, spec)
     if hpa is not None:
         actions.append(Apply(hpa))
@@ -357,12 +425,30 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
             actions.append(Delete("ConfigMap", meta_of(cm)["name"]))
     # Leftovers of a replica whose StatefulSet is gone (a scale-down interrupted half-way).
     kept = desired | set(views)
-    for kind, objs in (("Deployment", observed.deployments), ("Service", observed.services)):
+    for kind, objs in (
+        ("Deployment", observed.deployments),
+        ("Service", observed.services),
+        ("PodDisruptionBudget", observed.pdbs),
+        ("PodGroup", observed.pod_groups),
+    ):
         for obj in objs:
             replica = labels_of(obj).get(b.LABEL_REPLICA)
             if replica is not None and replica.isdigit() and int(replica) not in kept:
                 actions.append(Delete(kind, meta_of(obj)["name"]))
 
-    status = pipeline_status(body, spec, views, desired, serving, current_hash, notes, now)
+    gateway_pods = [p for p in observed.pods if labels_of(p).get(b.LABEL_COMPONENT) == "gateway"]
+    gateway_error = next(filter(None, (pod_config_error(p) for p in gateway_pods)), None)
+    status = pipeline_status(
+        body,
+        spec,
+        views,
+        desired,
+        serving,
+        current_hash,
+        notes,
+        now,
+        gateway_ready=any(gateway_pod_ready(p) for p in gateway_pods),
+        gateway_error=gateway_error,
+    )
     due = [max(0.5, t) for t in requeue]
     return Plan(actions=actions, status=status, requeue_after_s=min(due) if due else None)

@@ -12,7 +12,7 @@ from typing import Any
 
 from wavepp.api.spec import ReplicaStatus, SpecIssue, StageStatus, WavePipelineSpec
 from wavepp.operator import builders as b
-from wavepp.operator.observe import ReplicaView, meta_of, stage_phase
+from wavepp.operator.observe import CONFIG_ERROR, ReplicaView, meta_of, stage_phase
 
 
 def iso_time(now: float) -> str:
@@ -73,8 +73,17 @@ def pipeline_status(
     current_hash: str,
     notes: dict[int, tuple[str, str]],
     now: float,
+    *,
+    gateway_ready: bool,
+    gateway_error: str | None = None,
 ) -> dict[str, Any]:
-    """The observed state, with the drains this plan starts or ends already applied."""
+    """The observed state, with the drains this plan starts or ends already applied.
+
+    Ready needs every desired replica serving (each stage's pod Ready: its compute loop alive)
+    and a Ready gateway pod; a replica stopped by a config error is Degraded with reason
+    ``InvalidRuntimeConfig`` and the process's message (it names the field); so is the
+    pipeline when its gateway exited with a config error (``gateway_error``).
+    """
     ref = b.PipelineRef.from_body(body)
     previous = (body.get("status") or {}).get("conditions") or []
     generation = meta_of(body).get("generation")
@@ -117,10 +126,13 @@ def pipeline_status(
                 )
             )
         reason, message = notes.get(index, (None, None))
-        if v.degraded is not None:
+        if v.degraded is not None and v.degraded.startswith(CONFIG_ERROR):
+            phase, reason, message = "Degraded", "InvalidRuntimeConfig", v.degraded
+        elif v.degraded is not None:
             phase, reason, message = "Degraded", "RestartBudgetExceeded", v.degraded
         elif v.drain is not None:
             phase = "Draining"
+            message = message or v.drain.get("message")
             reason = (
                 reason
                 or {
@@ -142,7 +154,6 @@ def pipeline_status(
                 spec_hash=v.hash,
                 admitting=admitting,
                 num_restarts=len(v.restarts),
-                wave_fill=v.wave_fill(),
                 reason=reason,
                 message=message,
             )
@@ -164,6 +175,12 @@ def pipeline_status(
 
     if num_desired == 0:
         ready_cond = (False, "ScaledToZero", "spec.replicas is 0")
+    elif not not_serving and not gateway_ready:
+        ready_cond = (
+            False,
+            "GatewayNotReady",
+            f"{len(ready)}/{num_desired} replicas serve, but no gateway pod is Ready",
+        )
     elif not not_serving:
         ready_cond = (True, "AllReplicasServing", f"{len(ready)}/{num_desired} replicas serve")
     else:
@@ -188,20 +205,25 @@ def pipeline_status(
     else:
         progressing = (False, "Complete", f"{len(ready)}/{num_desired} replicas serve")
     if degraded:
+        reasons = {r.reason for r in degraded}
         degraded_cond = (
             True,
-            "RestartBudgetExceeded",
+            "InvalidRuntimeConfig"
+            if "InvalidRuntimeConfig" in reasons
+            else "RestartBudgetExceeded",
             "; ".join(f"replica {r.replica}: {r.message}" for r in degraded),
         )
     else:
         degraded_cond = (False, "AsExpected", "no replica is stopped")
+    if gateway_error is not None:
+        degraded_cond = (True, "InvalidRuntimeConfig", f"gateway: {gateway_error}")
 
     conditions = [
         condition_entry("Ready", *ready_cond, previous, now, generation),
         condition_entry("Progressing", *progressing, previous, now, generation),
         condition_entry("Degraded", *degraded_cond, previous, now, generation),
     ]
-    if degraded:
+    if degraded or gateway_error is not None:
         phase = "Degraded"
     elif ready_cond[0]:
         phase = "Ready"
@@ -209,7 +231,6 @@ def pipeline_status(
         phase = "Progressing"
     else:
         phase = "Pending"
-    fills = [r.wave_fill for r in replicas if r.admitting and r.wave_fill is not None]
     return {
         "observedGeneration": generation,
         "phase": phase,
@@ -218,8 +239,28 @@ def pipeline_status(
         "updatedReplicas": len(updated),
         "selector": b.stage_selector(ref.name),
         "specHash": current_hash,
-        "waveFill": round(sum(fills) / len(fills), 4) if fills else None,
         "stages": [s.model_dump(by_alias=True, exclude_none=True) for s in stages],
         "replicaStatuses": [r.model_dump(by_alias=True, exclude_none=True) for r in replicas],
         "conditions": conditions,
     }
+
+
+def apply_failed_status(
+    body: dict[str, Any], status: dict[str, Any], refused: str, now: float
+) -> dict[str, Any]:
+    """``status`` with the API server's refusal of a child in its conditions: Degraded True
+    and Progressing False, reason ``ApplyFailed``, the message naming the object and the server's
+    words (a 422 names the invalid field). Ready keeps what the observed children say."""
+    previous = (body.get("status") or {}).get("conditions") or []
+    generation = meta_of(body).get("generation")
+    conditions = [
+        c
+        for c in status.get("conditions") or []
+        if c.get("type") not in ("Degraded", "Progressing")
+    ]
+    message = f"the API server refused {refused}"
+    conditions += [
+        condition_entry("Progressing", False, "ApplyFailed", message, previous, now, generation),
+        condition_entry("Degraded", True, "ApplyFailed", message, previous, now, generation),
+    ]
+    return {**status, "phase": "Degraded", "conditions": conditions}

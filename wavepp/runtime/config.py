@@ -33,6 +33,10 @@ class RuntimeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     pipeline: str = Field("default", pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    # NOTE: the Kubernetes namespace of the pipeline (``$WAVEPP_NAMESPACE`` in a pod; "local"
+    # for ``wavepp up``): every NATS subject, stream and bucket carries it and the name, so two
+    # same-named pipelines in two namespaces share nothing on one NATS server.
+    namespace: str = Field("local", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
     model: ModelConfig = ModelConfig()
     engine: Literal["torch", "emulated"] = "torch"
     # NOTE: a Hugging Face checkpoint directory (config.json + safetensors) as each stage
@@ -108,6 +112,13 @@ class RuntimeConfig(BaseModel):
     # pins on every stage that answers; seconds of wall time, far above any normal micro-batch.
     microbatch_deadline_s: float = Field(300.0, gt=0)
     device: str = "cpu"
+    # NOTE: the torch engine's Llama weights: a ``.safetensors`` file or a directory of them with
+    # HF Llama tensor names, shaped by ``model`` (``spec.model.path``, or the PVC's mount path);
+    # None: seeded random weights. The emulated engine loads none (the spec check refuses a path
+    # there). ``model_dir`` owns checkpoints described by their own config.json (any family,
+    # ``model`` derived from it); the two are exclusive (both set is refused), so neither is
+    # silently ignored.
+    weights: str | None = None
     torch_threads: int = Field(1, ge=1)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
 
@@ -138,6 +149,14 @@ class RuntimeConfig(BaseModel):
             raise ValueError(
                 f"model.architecture={self.model.architecture!r} needs model_dir (a checkpoint "
                 "directory); random weights exist for llama only"
+            )
+        if self.weights is not None and self.engine != "torch":
+            raise ValueError(f"weights={self.weights!r}: only the torch engine loads weights")
+        if self.weights is not None and self.model_dir is not None:
+            raise ValueError(
+                f"weights={self.weights!r} and model_dir={self.model_dir!r}: set one; model_dir "
+                "(a checkpoint directory with config.json, any family) or weights (Llama "
+                "safetensors shaped by this config's model)"
             )
         if self.max_microbatch_tokens < self.block_size:
             raise ValueError(
@@ -179,7 +198,7 @@ class RuntimeConfig(BaseModel):
 
     @property
     def subject_prefix(self) -> str:
-        return replica_prefix(self.pipeline)
+        return replica_prefix(self.pipeline, namespace=self.namespace)
 
     @property
     def subjects(self) -> ReplicaSubjects:

@@ -21,13 +21,16 @@ Validation happens in three places, each catching what it can:
 path (``spec.layerPartition``), which the operator writes into the pipeline's conditions.
 
 The package: ``models`` (the spec models, the layer split, the bounds ``MAX_REPLICAS`` and
-``MAX_TENANTS``), ``errors`` (:class:`SpecError`), ``engine_options`` (the free-form
-``engineOptions``' keys, types and bounds), ``status`` (the status models), ``loading``
-(:func:`load_spec_file`, :func:`check_spec`, :class:`SpecIssue`; every failure one line naming
-the field, infinities and NaN refused anywhere).
-Import from ``wavepp.api.spec``.
+``MAX_TENANTS``), ``errors`` (:class:`SpecError`), ``base`` (the wire base class),
+``engine_options`` (the free-form ``engineOptions``' keys, types and bounds), ``checks`` (what
+the engines honour: which engine reads which option, emulated models, TP, dtype per device),
+``sections`` (pod overlay, topology, NetworkPolicies, InferencePool), ``status`` (the status
+models, ``CONFIG_EXIT_CODE``), ``loading`` (:func:`load_spec_file`, :func:`check_spec`,
+:class:`SpecIssue`; every failure one line naming the field, infinities and NaN refused
+anywhere). Import from ``wavepp.api.spec``.
 """
 
+from wavepp.api.spec.checks import EMULATED_MODELS, ENGINE_OPTIONS, MODEL_CONFIG_EXTRA
 from wavepp.api.spec.engine_options import ENGINE_OPTION_KEYS, check_engine_options
 from wavepp.api.spec.loading import (
     SpecFileError,
@@ -63,7 +66,14 @@ from wavepp.api.spec.models import (
     WavePipelineSpec,
     split_layers,
 )
+from wavepp.api.spec.sections import (
+    InferencePoolSpec,
+    NetworkPolicySpec,
+    PodTemplateOverlay,
+    TopologySpec,
+)
 from wavepp.api.spec.status import (
+    CONFIG_EXIT_CODE,
     Condition,
     ReplicaStatus,
     StageStatus,
@@ -72,11 +82,15 @@ from wavepp.api.spec.status import (
 
 __all__ = [
     "API_GROUP",
+    "CONFIG_EXIT_CODE",
     "API_VERSION",
     "ENGINE_OPTION_KEYS",
     "KIND",
     "MAX_REPLICAS",
     "MAX_TENANTS",
+    "EMULATED_MODELS",
+    "ENGINE_OPTIONS",
+    "MODEL_CONFIG_EXTRA",
     "MODEL_PRESET_NUM_LAYERS",
     "PLURAL",
     "AutoscalingSpec",
@@ -84,7 +98,10 @@ __all__ = [
     "Condition",
     "ModelConfigSpec",
     "ModelSpec",
+    "InferencePoolSpec",
     "NatsSpec",
+    "NetworkPolicySpec",
+    "PodTemplateOverlay",
     "PVCSource",
     "ReplicaStatus",
     "ResourcesSpec",
@@ -98,6 +115,7 @@ __all__ = [
     "TelemetrySpec",
     "TenantSpec",
     "Toleration",
+    "TopologySpec",
     "WavePipelineSpec",
     "WavePipelineStatus",
     "check_engine_options",

@@ -1,8 +1,9 @@
 """The WavePipeline spec models: ``WavePipelineSpec`` and its parts, and the layer split.
 
 Field names: Python attributes are snake_case, the wire format (CRD, JSON, YAML) is camelCase as
-Kubernetes objects are; both are accepted on input, camelCase is written. A few wire names differ
-from the attribute so that counts and units are named (``stages`` <-> ``num_stages``,
+Kubernetes objects are; both are accepted on input, camelCase is written. Engine checks live in
+``checks`` and ``engine_options``, the placement and network sections in ``sections``. A few wire
+names differ from the attribute so that counts and units are named (``stages`` <-> ``num_stages``,
 ``windowSeconds`` <-> ``window_s``). Cross-field checks raise :class:`SpecError` naming the field.
 """
 
@@ -10,11 +11,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field, model_validator
 
+from wavepp.api.spec.base import WireModel
+from wavepp.api.spec.checks import check_engine
 from wavepp.api.spec.engine_options import check_engine_options
 from wavepp.api.spec.errors import SpecError
+from wavepp.api.spec.sections import (
+    InferencePoolSpec,
+    NetworkPolicySpec,
+    PodTemplateOverlay,
+    TopologySpec,
+)
 
 API_GROUP = "wavepp.dev"
 API_VERSION = "v1alpha1"
@@ -44,20 +52,6 @@ MAX_TENANTS = 1024
 
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-
-
-class WireModel(BaseModel):
-    """Base of the spec and status models: camelCase on the wire, snake_case in Python, both
-    accepted on input; unknown fields refused."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        validate_by_name=True,
-        validate_by_alias=True,
-        serialize_by_alias=True,
-        extra="forbid",
-        allow_inf_nan=False,
-    )
 
 
 class PVCSource(WireModel):
@@ -96,13 +90,21 @@ class ModelSpec(WireModel):
         None,
         description=(
             "Directory of safetensors + config.json inside the container; defaults to the "
-            "PVC's mountPath when pvc is set. Without path and pvc the torch engine uses seeded "
-            "random weights."
+            "PVC's mountPath when pvc is set. The torch engine loads its layers from it (HF "
+            "Llama tensor names); without path and pvc it uses seeded random weights. The "
+            "emulated engine loads no weights: refused there."
         ),
     )
     pvc: PVCSource | None = None
     config: ModelConfigSpec | None = None
-    dtype: Literal["float32", "float16", "bfloat16"] = "bfloat16"
+    dtype: Literal["float32", "float16", "bfloat16"] | None = Field(
+        None,
+        description=(
+            "Compute dtype of the torch engine. Default: bfloat16 when the stages get GPUs, "
+            "float32 on the CPU (the only dtype the CPU path computes in; others are refused "
+            "there). The emulated engine computes nothing: leave it unset."
+        ),
+    )
 
     def num_layers(self) -> int | None:
         """Layer count from ``config.numLayers``, else from the preset table; None if unknown."""
@@ -115,7 +117,12 @@ class ResourcesSpec(WireModel):
     """Per stage pod resources."""
 
     gpus_per_stage: int | None = Field(
-        None, ge=0, description="GPUs requested by each stage pod (default: tensorParallelSize)."
+        None,
+        ge=0,
+        description=(
+            "GPUs requested by each stage pod (default: 1 for torch, 0 for emulated). > 0: the "
+            "stage computes on CUDA and refuses to start without it; 0: on the CPU."
+        ),
     )
     gpu_resource_name: str = Field("nvidia.com/gpu", min_length=1)
     cpu: str | None = Field(None, pattern=_QUANTITY, description="CPU request and limit.")
@@ -251,14 +258,15 @@ class AutoscalingSpec(WireModel):
 
     min_replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
     max_replicas: int = Field(ge=1, le=MAX_REPLICAS)
-    metric: Literal["wave_fill", "queue_depth", "cpu"] = Field(
-        "wave_fill",
+    metric: Literal["cpu"] = Field(
+        "cpu",
         description=(
-            "wave_fill and queue_depth are per-pod metrics wavepp_wave_fill / "
-            "wavepp_queue_depth (needs a custom metrics adapter); cpu is utilisation in percent."
+            "cpu: average utilisation in percent of the stage pods' CPU request. (No per-pod "
+            "wave-fill or queue-depth metric exists on the scale target's pods, so none is "
+            "offered.)"
         ),
     )
-    target: float = Field(gt=0, description="Target average: fraction, requests, or percent.")
+    target: float = Field(gt=0, description="Target average utilisation in percent.")
 
 
 class TelemetrySpec(WireModel):
@@ -275,7 +283,44 @@ class RestartBudgetSpec(WireModel):
     """How many re-formations a replica may need before the operator stops it."""
 
     max_restarts: int = Field(3, ge=0, description="Re-formations allowed within the window.")
-    window_s: float = Field(600.0, gt=0, alias="windowSeconds", description="Window in seconds.")
+    forming_timeout_s: float = Field(
+        1800.0,
+        ge=1,
+        le=86400,
+        alias="formingTimeoutSeconds",
+        description=(
+            "A replica whose stages are not all Ready this long after it was created or last "
+            "re-formed counts as failed (a hang while forming); also the stage pods' startup "
+            "probe budget (seconds)."
+        ),
+    )
+    not_ready_s: float = Field(
+        60.0,
+        ge=1,
+        alias="notReadySeconds",
+        description=(
+            "A formed stage pod that stays NotReady this long (its compute loop died, or its "
+            "node went NotReady) counts as failed: the replica re-forms (seconds)."
+        ),
+    )
+    window_s: float | None = Field(
+        None,
+        gt=0,
+        alias="windowSeconds",
+        description=(
+            "Window in seconds. Default: (maxRestarts + 1) x formingTimeoutSeconds, the least "
+            "in which maxRestarts + 1 hangs while forming fit (a shorter one is refused)."
+        ),
+    )
+
+    def window(self) -> float:
+        """The budget window in seconds: ``windowSeconds``, else the least that counts hangs."""
+        return self.window_s if self.window_s is not None else self.least_window()
+
+    def least_window(self) -> float:
+        """(maxRestarts + 1) x formingTimeoutSeconds: the shortest window in which the
+        re-formations of a replica that hangs while forming exceed the budget."""
+        return (self.max_restarts + 1) * self.forming_timeout_s
 
 
 class RolloutSpec(WireModel):
@@ -300,9 +345,14 @@ class WavePipelineSpec(WireModel):
     """
 
     model: ModelSpec
-    engine: Literal["torch", "emulated", "tensorrt_llm"] = "torch"
+    engine: Literal["torch", "emulated"] = "torch"
     engine_options: dict[str, Any] = Field(
-        default_factory=dict, description="Engine-specific options (free-form)."
+        default_factory=dict,
+        description=(
+            "Engine options: kvBlocks, maxInflight, leaseSeconds, torchThreads (both engines), "
+            "seed (torch), timeScale and emulate (emulated); other keys are refused. The "
+            "device comes from resources.gpusPerStage (CUDA when > 0)."
+        ),
     )
     num_stages: int = Field(alias="stages", ge=1, le=64, description="Pipeline stages S.")
     layer_partition: list[Annotated[int, Field(ge=1)]] | None = Field(
@@ -310,7 +360,9 @@ class WavePipelineSpec(WireModel):
         max_length=64,
         description="Layers per stage; length = stages, sum = the model's layers.",
     )
-    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per stage for TP.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="GPUs per stage for TP; only 1 (no tensor parallelism yet)."
+    )
     num_replicas: int = Field(
         1,
         alias="replicas",
@@ -337,6 +389,10 @@ class WavePipelineSpec(WireModel):
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
     restart_budget: RestartBudgetSpec = Field(default_factory=RestartBudgetSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    pod_template: PodTemplateOverlay = Field(default_factory=PodTemplateOverlay)
+    topology: TopologySpec = Field(default_factory=TopologySpec)
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    inference_pool: InferencePoolSpec = Field(default_factory=InferencePoolSpec)
 
     @model_validator(mode="after")
     def _check_layout(self) -> WavePipelineSpec:
@@ -365,10 +421,11 @@ class WavePipelineSpec(WireModel):
         return split_layers(self.num_layers(), self.num_stages, self.layer_partition)
 
     def gpus_per_stage(self) -> int:
-        """GPUs each stage pod requests (``resources.gpusPerStage``, else the TP size)."""
+        """GPUs each stage pod requests (``resources.gpusPerStage``, else the TP size; 0 for
+        the emulated engine, which computes nothing)."""
         if self.resources.gpus_per_stage is not None:
             return self.resources.gpus_per_stage
-        return self.tensor_parallel_size
+        return 0 if self.engine == "emulated" else self.tensor_parallel_size
 
     def resolved(
         self,
@@ -380,7 +437,7 @@ class WavePipelineSpec(WireModel):
         """A copy with every default filled in: what the pipeline's processes read.
 
         Fills ``model.config.numLayers``, ``layerPartition``, ``model.path`` (from the PVC),
-        ``resources.gpusPerStage``, and the image, NATS URL and OTLP endpoint from the given
+        ``model.dtype`` (torch: bfloat16 on GPUs, float32 on the CPU), ``resources.gpusPerStage``, and the image, NATS URL and OTLP endpoint from the given
         defaults when the spec leaves them out.
 
         Args:
@@ -404,6 +461,9 @@ class WavePipelineSpec(WireModel):
         model_config = (self.model.config or ModelConfigSpec()).model_copy(
             update={"num_layers": self.num_layers()}
         )
+        dtype = self.model.dtype
+        if dtype is None and self.engine == "torch":
+            dtype = "bfloat16" if self.gpus_per_stage() > 0 else "float32"
         model_path = self.model.path
         if model_path is None and self.model.pvc is not None:
             model_path = self.model.pvc.mount_path
@@ -412,7 +472,9 @@ class WavePipelineSpec(WireModel):
             update={
                 "image": image,
                 "layer_partition": [last - first for first, last in ranges],
-                "model": self.model.model_copy(update={"config": model_config, "path": model_path}),
+                "model": self.model.model_copy(
+                    update={"config": model_config, "path": model_path, "dtype": dtype}
+                ),
                 "resources": self.resources.model_copy(
                     update={"gpus_per_stage": self.gpus_per_stage()}
                 ),
@@ -499,7 +561,21 @@ def _check_cross_fields(spec: WavePipelineSpec) -> None:
                 "model.path",
                 f"{spec.model.path!r} is outside the PVC's mountPath {spec.model.pvc.mount_path!r}",
             )
+    check_engine(spec)
     check_engine_options(spec.engine_options)
+    budget = spec.restart_budget
+    if budget.window_s is not None and budget.window_s < budget.least_window():
+        raise SpecError(
+            "restartBudget.windowSeconds",
+            f"{budget.window_s:g} s is shorter than (maxRestarts + 1) x formingTimeoutSeconds = "
+            f"{budget.least_window():g} s: a replica that hangs while forming would re-form "
+            "forever without reaching Degraded; leave it unset or make it longer",
+        )
+    if spec.inference_pool.enabled and not spec.inference_pool.endpoint_picker:
+        raise SpecError(
+            "inferencePool.endpointPicker",
+            "required with inferencePool.enabled: the Service of the cluster's endpoint picker",
+        )
     names = [t.name for t in spec.tenants]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:

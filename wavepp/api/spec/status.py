@@ -6,7 +6,13 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from wavepp.api.spec.models import WireModel
+from wavepp.api.spec.base import WireModel
+
+CONFIG_EXIT_CODE = 78
+"""Exit code of a pipeline process (``wavepp stage|admission|gateway``) that refuses its
+configuration (sysexits' EX_CONFIG); its last log lines, the container's termination message,
+name the field. The operator stops the replica and reports the message under reason
+``InvalidRuntimeConfig`` instead of re-forming it."""
 
 StagePhase = Literal["pending", "scheduled", "formed", "warm", "serving", "failed", "stopped"]
 ReplicaPhase = Literal["Pending", "Forming", "Serving", "Draining", "Degraded"]
@@ -38,7 +44,6 @@ class ReplicaStatus(WireModel):
     spec_hash: str | None = Field(None, description="Spec hash the replica runs.")
     admitting: bool = Field(False, description="In the pool: the gateway sends it requests.")
     num_restarts: int = Field(0, ge=0, description="Re-formations within the budget window.")
-    wave_fill: float | None = Field(None, description="Reported by the admission controller.")
     reason: str | None = None
     message: str | None = None
 
@@ -66,7 +71,6 @@ class WavePipelineStatus(WireModel):
     updated_replicas: int = Field(0, ge=0, description="Replicas running the current spec.")
     selector: str | None = Field(None, description="Label selector of the stage pods (HPA).")
     spec_hash: str | None = None
-    wave_fill: float | None = Field(None, description="Mean wave fill of serving replicas.")
     stages: list[StageStatus] = Field(default_factory=list)
     replica_statuses: list[ReplicaStatus] = Field(default_factory=list)
     conditions: list[Condition] = Field(default_factory=list)

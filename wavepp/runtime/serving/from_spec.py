@@ -11,7 +11,6 @@ read. The api layer may not import the runtime, hence this lives here.
 | ``kvBlocks``   | KV capacity per stage in blocks: int, or one per stage        | see below          |
 | ``timeScale``  | emulated engine: sleep multiplier                             | 1.0                |
 | ``emulate``    | emulated engine: cost model name (``wavepp.runtime.planning.catalogue``) | model.name      |
-| ``device``     | ``cpu`` or ``cuda[:N]``                                       | cpu                |
 | ``torchThreads`` | torch threads per stage                                     | 1                  |
 | ``seed``       | weight seed of the torch engine                               | 0                  |
 | ``maxInflight`` | micro-batches in flight                                      | S                  |
@@ -22,6 +21,11 @@ layers; ``engineOptions.kvBlocks``; for the emulated engine, derived per stage f
 model and device (``wavepp.runtime.planning.memory.default_kv_blocks``: H200 memory x 0.9 minus
 the stage's weights and the activations of the largest micro-batch, over the KV bytes per token
 of its layers; 4096 for tiny-llama); otherwise (torch engine) 4096.
+
+The device follows the pod's resources: ``cuda`` when ``resources.gpusPerStage`` > 0 (torch),
+else ``cpu``; the dtype is ``model.dtype`` (default bfloat16 on CUDA, float32 on the CPU; the
+spec check refuses another dtype on the CPU); the weights are ``model.path`` (or the PVC's mount
+path). Keys other than those above are refused by the spec check (``wavepp.api.spec``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_kv_blocks
 
 __all__ = [
     "default_emulated_kv_blocks",
+    "stage_device",
+    "stage_weights",
     "model_config_from_spec",
     "replica_pipeline_name",
     "runtime_configs_from_spec",
@@ -55,10 +61,8 @@ _MODEL_FIELDS = (
 
 def model_config_from_spec(spec: WavePipelineSpec) -> ModelConfig:
     """The engine's ModelConfig: the preset of ``model.name`` (if any) with ``model.config``
-    fields laid over it. ``model.dtype`` applies on CUDA; on the CPU (``engineOptions.device``
-    unset or ``cpu``) the torch engine computes in float32, whatever the spec says, so a spec
-    gives the same model whether it reaches a process through ``wavepp up`` or through the
-    operator's spec.json (which writes every default).
+    fields laid over it, and ``model.dtype`` (unset: bfloat16 when the stages get GPUs, float32
+    on the CPU).
 
     Raises:
         SpecError: the layer count is unknown, or the shape is invalid (names the field).
@@ -74,8 +78,9 @@ def model_config_from_spec(spec: WavePipelineSpec) -> ModelConfig:
             snake = "".join("_" + c.lower() if c.isupper() else c for c in key)
             if snake in ModelConfig.model_fields:
                 update[snake] = value
-    device = str(spec.engine_options.get("device", "cpu"))
-    update["dtype"] = spec.model.dtype if device.startswith("cuda") else "float32"
+    update["dtype"] = spec.model.dtype or (
+        "bfloat16" if stage_device(spec) == "cuda" else "float32"
+    )
     seed = spec.engine_options.get("seed")
     if seed is not None:
         update["seed"] = int(seed)
@@ -83,6 +88,20 @@ def model_config_from_spec(spec: WavePipelineSpec) -> ModelConfig:
         return ModelConfig.model_validate({**base.model_dump(), **update})
     except ValueError as exc:
         raise SpecError("model.config", str(exc)) from exc
+
+
+def stage_device(spec: WavePipelineSpec) -> str:
+    """``cuda`` for a torch stage given GPUs (``resources.gpusPerStage`` > 0), else ``cpu``: a
+    pod computes where its resources are (``wavepp stage`` refuses to start on ``cuda``
+    without CUDA)."""
+    return "cuda" if spec.engine == "torch" and spec.gpus_per_stage() > 0 else "cpu"
+
+
+def stage_weights(spec: WavePipelineSpec) -> str | None:
+    """The torch engine's weights: ``model.path``, else the PVC's mount path, else None."""
+    if spec.model.path is not None:
+        return spec.model.path
+    return spec.model.pvc.mount_path if spec.model.pvc is not None else None
 
 
 def default_emulated_kv_blocks(
@@ -135,30 +154,25 @@ def _kv_blocks(spec: WavePipelineSpec, model: ModelConfig, emulate: str | None) 
         raise SpecError("engineOptions.kvBlocks", f"{raw!r}: give an int or a list") from None
 
 
-def runtime_configs_from_spec(spec: WavePipelineSpec, *, pool: str) -> list[RuntimeConfig]:
+def runtime_configs_from_spec(
+    spec: WavePipelineSpec, *, pool: str, namespace: str = "local"
+) -> list[RuntimeConfig]:
     """One RuntimeConfig per replica (``spec.replicas``; at least one), pipeline names
     ``{pool}-r{i}``.
 
     Args:
         spec: a validated WavePipelineSpec.
         pool: the pool's name (the custom resource's name; ``wavepp up --name``).
+        namespace: the pool's Kubernetes namespace (``$WAVEPP_NAMESPACE``; "local" for
+            ``wavepp up``): part of every NATS subject, stream and bucket name.
 
     Returns:
         ``max(1, spec.replicas)`` configs that differ only in ``pipeline``.
 
     Raises:
-        SpecError: a value the runtime cannot run (engine tensorrt_llm, an unknown emulated
-            cost model, a bad kvBlocks or model shape), naming the field.
+        SpecError: a value the runtime cannot run (an unknown emulated cost model, a bad
+            kvBlocks or model shape), naming the field.
     """
-    if spec.engine == "tensorrt_llm":
-        raise SpecError("engine", "tensorrt_llm cannot run here; use torch or emulated")
-    if spec.tensor_parallel_size != 1:
-        raise SpecError(
-            "tensorParallelSize",
-            f"{spec.tensor_parallel_size}: tensor parallelism inside a stage is not implemented "
-            f"for the {spec.engine} engine (model {spec.model.name!r}); use 1 and more stages "
-            "(resources.gpusPerStage still sizes each stage pod's GPU request)",
-        )
     model = model_config_from_spec(spec)
     options = spec.engine_options
     cost_model = None
@@ -183,7 +197,9 @@ def runtime_configs_from_spec(spec: WavePipelineSpec, *, pool: str) -> list[Runt
         "mode": spec.scheduler.mode,
         "chunk_tokens": spec.scheduler.chunk_tokens,
         "chunk_policy": spec.scheduler.chunk_policy,
-        "device": str(options.get("device", "cpu")),
+        "device": stage_device(spec),
+        "weights": stage_weights(spec) if spec.engine == "torch" else None,
+        "namespace": namespace,
         "torch_threads": int(options.get("torchThreads", 1)),
         "max_inflight": options.get("maxInflight"),
         "lease_s": float(options.get("leaseSeconds", 30.0)),

@@ -1,11 +1,11 @@
 """The admission service (``wavepp admission``): one pipeline replica's admission controller and
 wave scheduler, serving requests from its durable JetStream intake.
 
-    gateway --js publish {p}.intake (Nats-Msg-Id = key)--> stream WAVEPP_INTAKE_{pipeline}
+    gateway --js publish {p}.intake (Nats-Msg-Id = key)--> stream WAVEPP_INTAKE_{ns}_{pipeline}
     admission: durable pull consumer "admission"
         result already in KV?  -> republish it, ack (a redelivery or a duplicate: answered once)
         else submit to the WaveScheduler (in_progress() keeps the message while it runs)
-             -> PrefillResult -> KV put -> publish wavepp.{pool}.result.{key} -> ack
+             -> PrefillResult -> KV put -> publish wavepp.{ns}.{pool}.result.{key} -> ack
 
 Delivery is at-least-once: a service killed mid-request leaves its messages unacked; JetStream
 redelivers them after ``ack_wait_s`` to the next service, which finds no stored result and runs
@@ -197,12 +197,12 @@ class AdmissionService:
         try:
             await self.wait_formed()
             await self.scheduler.start()
-            await ensure_intake(self.js, self.config.pipeline)
-            self._kv = await ensure_results(self.js, self.pool)
+            await ensure_intake(self.js, self.config.pipeline, namespace=self.config.namespace)
+            self._kv = await ensure_results(self.js, self.pool, namespace=self.config.namespace)
             psub = await self.js.pull_subscribe(
-                intake_subject(self.config.pipeline),
+                intake_subject(self.config.pipeline, namespace=self.config.namespace),
                 durable="admission",
-                stream=intake_stream(self.config.pipeline),
+                stream=intake_stream(self.config.pipeline, namespace=self.config.namespace),
                 config=ConsumerConfig(
                     ack_policy=AckPolicy.EXPLICIT,
                     ack_wait=self.ack_wait_s,
@@ -228,7 +228,7 @@ class AdmissionService:
             await self.scheduler.stop()
 
     async def _heartbeat_loop(self) -> None:
-        subject = heartbeat_subject(self.config.pipeline)
+        subject = heartbeat_subject(self.config.pipeline, namespace=self.config.namespace)
         num_beats = 0
         while True:
             if self.scheduler.is_serving:
@@ -306,7 +306,9 @@ class AdmissionService:
                 stored = None  # failed on a replica the gateway re-routed it from: run it here
             if stored is not None:
                 self.num_duplicates += 1
-                await self.nc.publish(result_subject(self.pool, request.key), stored)
+                await self.nc.publish(
+                    result_subject(self.pool, request.key, namespace=self.config.namespace), stored
+                )
                 await msg.ack()
                 return
             running = self._running.get(request.key)
@@ -323,7 +325,9 @@ class AdmissionService:
                     data = answered  # another replica answered it: an error never overwrites that
                 else:
                     await self._store(request.key, data)
-                await self.nc.publish(result_subject(self.pool, request.key), data)
+                await self.nc.publish(
+                    result_subject(self.pool, request.key, namespace=self.config.namespace), data
+                )
                 await msg.ack()
             finally:
                 keepalive.cancel()

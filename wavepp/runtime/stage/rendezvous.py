@@ -5,7 +5,7 @@ one group per *epoch*, each over its own ``PrefixStore`` of the rank-0 ``TCPStor
 and a stage process that comes back (same rank, same args: a kubelet or ``wavepp up`` restart)
 starts a new epoch that the survivors join without restarting::
 
-    KV bucket WAVEPP_RDZV_{pipeline}      (api.subjects.rendezvous_bucket)
+    KV bucket WAVEPP_RDZV_{ns}_{pipeline} (api.subjects.rendezvous_bucket)
       epoch          -> "E"     the epoch being formed or served
       join.E.r       -> ""      rank r joined epoch E
 
@@ -208,10 +208,13 @@ class EpochRendezvous:
         return True
 
 
-async def open_rendezvous(nc, pipeline: str, rank: int, num_stages: int) -> EpochRendezvous | None:  # noqa: ANN001
-    """The replica's rendezvous bucket (created if absent), or None without JetStream."""
+async def open_rendezvous(  # noqa: ANN001
+    nc, pipeline: str, rank: int, num_stages: int, *, namespace: str
+) -> EpochRendezvous | None:
+    """The replica's rendezvous bucket ``WAVEPP_RDZV_{ns}_{pipeline}`` (created if absent), or
+    None without JetStream."""
     js = nc.jetstream(timeout=2.0)  # a server without JetStream (or a user without it): fast
-    bucket = rendezvous_bucket(pipeline)
+    bucket = rendezvous_bucket(pipeline, namespace=namespace)
     kv = None
     for _ in range(3):
         try:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import signal
 import threading
@@ -77,10 +78,37 @@ log = logging.getLogger(__name__)
 
 _MAX_PENDING_SENDS = 16
 _DONE_LOG = 1024  # done messages kept for the scheduler's replay asks
+_IDLE_BEAT_S = 1.0  # the idle compute thread's beat period
+
+
+def check_environment(config: RuntimeConfig) -> None:
+    """Refuse to start where the config cannot be honoured: CUDA asked for (the pod was given
+    GPUs) but absent, or weights that are not there.
+
+    Raises:
+        ValueError: naming the spec field (``resources.gpusPerStage``, ``model.path``).
+    """
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            f"spec.resources.gpusPerStage > 0: this stage computes on {config.device}, but torch "
+            f"{torch.__version__} (CUDA build {torch.version.cuda}) sees no CUDA device; give "
+            "the pod a GPU or set resources.gpusPerStage: 0 (CPU)"
+        )
+    if config.weights is not None and not os.path.exists(config.weights):
+        raise ValueError(
+            f"spec.model.path: {config.weights!r} does not exist in the container (check the "
+            "PVC, its subPath and mountPath)"
+        )
+    if config.model_dir is not None and not os.path.isdir(config.model_dir):
+        raise ValueError(
+            f"model_dir: {config.model_dir!r} is not a directory in the container (--model)"
+        )
 
 
 def build_engine(config: RuntimeConfig, rank: int) -> StageEngine:
-    """The stage's engine for its layer range (torch or emulated), with its KV allocated."""
+    """The stage's engine for its layer range (torch or emulated), with its KV allocated;
+    the torch engine reads ``config.model_dir`` (a checkpoint, any family) or loads
+    ``config.weights`` (Llama safetensors) when set (the config refuses both)."""
     first, last = config.layers_of(rank)
     cost_model = None
     extra: dict[str, object] = {}
@@ -92,6 +120,8 @@ def build_engine(config: RuntimeConfig, rank: int) -> StageEngine:
     elif config.model_dir is not None:
         extra["model_dir"] = config.model_dir
         extra["state_interval_blocks"] = config.state_interval_blocks
+    elif config.weights is not None:
+        extra["weights_path"] = config.weights
     engine = make_engine(
         config.engine,
         model=config.model,
@@ -144,6 +174,11 @@ class StageWorker:
         self.telemetry = StageTelemetry(rank)
         # NOTE: the readiness probe (/readyz): True between subscribing and the stop request.
         self.is_serving = False
+        # NOTE: the compute thread's own liveness signal: it beats (monotonic seconds) at least
+        # every _IDLE_BEAT_S while idle and after each receive and execute; it records the
+        # exception that ended it. /healthz and /readyz read compute_alive.
+        self.compute_beat = time.monotonic()
+        self.compute_error: BaseException | None = None
         self._replay_task: asyncio.Task[None] | None = None
         self._open_replay = False  # the next replay asks for every plan from next_id on
         # The process group of the current epoch (None: single stage), its compute thread's
@@ -237,6 +272,21 @@ class StageWorker:
             epoch,
             time.monotonic() - started,
             len(released),
+        )
+
+    @property
+    def compute_alive(self) -> bool:
+        """The compute thread runs, has not raised, and beat within the micro-batch deadline
+        (a receive or execute stuck longer fails its micro-batch anyway). While the stage waits
+        to re-form in place (its group broke, ``is_formed`` False) its epoch's thread has ended
+        by design: alive, unless something recorded a ``compute_error``."""
+        if self.compute_error is None and not self.is_formed:
+            return True
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and self.compute_error is None
+            and time.monotonic() - self.compute_beat < self.config.microbatch_deadline_s
         )
 
     @property
@@ -421,7 +471,13 @@ class StageWorker:
     ) -> None:
         """One epoch's compute thread: activations over ``pg``; leaves when ``work_queue``
         yields None, when its group fails (a peer died), or when a later epoch replaced it
-        (then it publishes nothing more)."""
+        (then it publishes nothing more).
+
+        What ends it is recorded: a failed send/receive of a stage that can re-form in place
+        (a rendezvous) takes it out of service until the next epoch (``_on_group_error``);
+        any other raise, or any raise without a rendezvous, is ``compute_error``
+        (``compute_alive`` turns False, so the pod's liveness and readiness fail and the
+        operator re-forms the replica)."""
         torch.set_num_threads(self.config.torch_threads)
         pending_sends: deque[tuple[dist.Work, torch.Tensor]] = deque()
         try:
@@ -429,8 +485,26 @@ class StageWorker:
             for handle, _ in pending_sends:
                 handle.wait()
         except Exception as exc:  # noqa: BLE001 - torch.distributed: a peer left the group
+            if self.rendezvous is None:
+                self.compute_error = exc
+                log.exception("stage %d: compute thread died", self.rank)
+                return
             assert self._loop is not None, "compute thread started before serve()"
             self._loop.call_soon_threadsafe(self._on_group_error, generation, exc)
+        except BaseException as exc:
+            self.compute_error = exc
+            log.exception("stage %d: compute thread died", self.rank)
+
+    def _next_work(
+        self, work_queue: queue.Queue[tuple[StageWork, PreparedBatch | None] | None]
+    ) -> tuple[StageWork, PreparedBatch | None] | None:
+        """The next item of the work queue, beating while idle."""
+        while True:
+            self.compute_beat = time.monotonic()
+            try:
+                return work_queue.get(timeout=_IDLE_BEAT_S)
+            except queue.Empty:
+                continue
 
     def _compute(
         self,
@@ -442,7 +516,7 @@ class StageWorker:
         engine = self.engine
         core = self.core
         while True:
-            item = work_queue.get()
+            item = self._next_work(work_queue)
             if item is None or generation != self._generation:
                 return
             work, prepared = item
@@ -454,6 +528,7 @@ class StageWorker:
                     num_tokens, engine.hidden_size, dtype=engine.activation_dtype
                 )
                 pg.recv([hidden_in], self.rank - 1, 0).wait()
+                self.compute_beat = time.monotonic()
             results: list[RequestResult] = []
             hidden_out = None
             exec_start = exec_end = time.time()
@@ -511,7 +586,10 @@ class StageReadiness:
     """What a stage's health endpoints report (``wavepp stage --health-port``).
 
     ``is_formed``: the torch.distributed group has formed and the engine is built (/startupz).
-    ``is_serving``: subscribed to its plans and KV requests, not stopping (/readyz).
+    ``is_serving``: subscribed to its plans and KV requests, not stopping, and the compute
+    thread alive (/readyz).
+    ``is_alive``: the compute thread has not died or stalled (/healthz; True before it starts,
+    while the startup probe guards the stage, and once it stopped on request).
     """
 
     is_formed: bool = False
@@ -519,7 +597,16 @@ class StageReadiness:
 
     @property
     def is_serving(self) -> bool:
-        return self.worker is not None and self.worker.is_serving
+        return self.worker is not None and self.worker.is_serving and self.worker.compute_alive
+
+    @property
+    def is_alive(self) -> bool:
+        worker = self.worker
+        if worker is None or worker._thread is None:
+            return True
+        if worker.compute_error is not None:
+            return False
+        return worker.compute_alive or not worker.is_serving
 
 
 async def run_stage(
@@ -554,7 +641,9 @@ async def run_stage(
     try:
         backend = "nccl" if config.device.startswith("cuda") else "gloo"
         factory = StageGroupFactory(dist_url, rank, config.num_stages, backend)
-        rendezvous = await open_rendezvous(nc, config.pipeline, rank, config.num_stages)
+        rendezvous = await open_rendezvous(
+            nc, config.pipeline, rank, config.num_stages, namespace=config.namespace
+        )
         epoch = 0
         if rendezvous is not None:
             epoch = await rendezvous.first_epoch()

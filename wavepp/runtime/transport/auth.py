@@ -3,7 +3,7 @@ nats-server config that trusts only it, and one ``.creds`` per component, writte
 only this user can read.
 
     auth = write_pool_auth(state_dir / "nats-auth", pool="default", replicas={"p0": 2},
-                           store_dir=state_dir / "jetstream")
+                           namespace="local", store_dir=state_dir / "jetstream")
     EmbeddedNatsServer(config_file=auth.server_config)
     wavepp stage ... --nats-creds auth.creds["stage-p0-0"]
 
@@ -53,6 +53,7 @@ def write_pool_auth(
     *,
     pool: str,
     replicas: dict[str, int],
+    namespace: str,
     store_dir: Path | None,
     max_file_store_bytes: int | None = None,
 ) -> PoolAuth:
@@ -61,6 +62,7 @@ def write_pool_auth(
 
     Args:
         replicas: pipeline -> number of stages.
+        namespace: the namespace token of the pool's NATS names (``local`` for ``wavepp up``).
         store_dir: JetStream's store (None: no JetStream, e.g. ``LocalPipeline``).
         max_file_store_bytes: JetStream's disk limit (None: the server's default).
 
@@ -71,7 +73,7 @@ def write_pool_auth(
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o700)
     trust = TrustRoot.new()
-    users = users_for_pool(pool, replicas)
+    users = users_for_pool(pool, replicas, namespace=namespace)
     if store_dir is None:
         config = trust.auth_config()
     else:

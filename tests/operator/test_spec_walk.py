@@ -1,0 +1,649 @@
+"""The spec walk: every field of the WavePipeline spec is honoured or refused, never ignored.
+
+The walk visits every field of :class:`wavepp.api.spec.WavePipelineSpec` (nested models, list
+items, and the keys of the free-form ``engineOptions`` and ``model.config`` that the runtime
+reads). :data:`FIELDS` says, for each, where it is honoured and/or how it is refused:
+
+- honoured: changing the field (from :data:`BASE`, with the entry's context) changes what its
+  reader produces: ``runtime`` (the RuntimeConfigs of every replica, the processes' telemetry
+  settings and the gateway's config, exactly what ``wavepp stage|admission|gateway`` build from
+  spec.json), ``operator`` (the children the operator renders, the spec ConfigMap and the spec
+  hash left out, so spec.json carrying the value does not count), or ``lifecycle`` (the phases
+  the operator's planner reports through a scripted life of a replica: a pod NotReady, crashes
+  spaced in time, a replica that never forms), or ``up`` (the tenant policies ``wavepp up``
+  gives its gateway: ``apiKeysFile`` is ``wavepp up``'s only);
+- refused: the spec check (the operator's and ``wavepp up``'s) answers with an issue on that
+  field's path.
+
+A field missing from the table, a table entry no field has, a change its reader does not see, or
+a refusal that names another field fails the test. ``python tests/operator/test_spec_walk.py``
+prints the listing.
+"""
+
+from __future__ import annotations
+
+# ruff: noqa: E501 - the table reads best one field a line
+import copy
+import datetime as dt
+import json
+import re
+import sys
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from wavepp.api.spec import (
+    ENGINE_OPTIONS,
+    MODEL_CONFIG_EXTRA,
+    WavePipelineSpec,
+    check_spec,
+)
+from wavepp.cmd.gateway import gateway_config_from_spec
+from wavepp.cmd.stage import telemetry_from_spec
+from wavepp.operator.reconcile import Apply, Create, Defaults, Observed, plan
+from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_operator_reconcile import World  # noqa: E402 - the planner's test world
+
+DEFAULTS = Defaults(image="img:1", nats_url="nats://n:4222")
+BASE: dict[str, Any] = {
+    "model": {"name": "tiny-llama"},
+    "stages": 2,
+    "replicas": 1,
+    "resources": {"gpusPerStage": 0},
+}
+EMULATED = {"engine": "emulated", "model": {"name": "tiny-llama"}}
+GPU = {"resources": {"gpusPerStage": 1}}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """How one field is treated: honoured by ``reader`` (``where`` in the code), refused with
+    ``refusal`` (a change and a text the issue's message contains), or both."""
+
+    reader: str | None = None  # runtime | operator | lifecycle | up (wavepp up only)
+    where: str = ""
+    change: dict[str, Any] | None = None
+    context: dict[str, Any] | None = None  # applied to both sides
+    refusal: tuple[dict[str, Any], str] | None = None
+
+
+R, O, L = "runtime", "operator", "lifecycle"  # noqa: E741 - the table's column
+FS = "runtime.serving.from_spec.runtime_configs_from_spec"
+BLD = "operator.builders"
+
+FIELDS: dict[str, Entry] = {
+    "model.name": Entry(
+        R, f"{FS}: ModelConfig preset, hash-chain seed", {"model": {"name": "small-llama"}}
+    ),
+    "model.path": Entry(
+        R,
+        f"{FS} -> RuntimeConfig.weights -> stage.worker.build_engine (weights_path)",
+        {"model": {"name": "tiny-llama", "path": "/ckpt"}},
+        refusal=(EMULATED | {"model": {"name": "tiny-llama", "path": "/w"}}, "loads no weights"),
+    ),
+    "model.pvc.claimName": Entry(
+        O,
+        f"{BLD}.build_stage_statefulset: volume",
+        {"model": {"name": "tiny-llama", "pvc": {"claimName": "w2"}}},
+        context={"model": {"name": "tiny-llama", "pvc": {"claimName": "w"}}},
+    ),
+    "model.pvc.subPath": Entry(
+        O,
+        f"{BLD}.build_stage_statefulset: mount subPath",
+        {"model": {"name": "tiny-llama", "pvc": {"claimName": "w", "subPath": "x"}}},
+        context={"model": {"name": "tiny-llama", "pvc": {"claimName": "w"}}},
+    ),
+    "model.pvc.mountPath": Entry(
+        R,
+        f"{FS}: weights = mountPath when path unset; and the mount",
+        {"model": {"name": "tiny-llama", "pvc": {"claimName": "w", "mountPath": "/m2"}}},
+        context={"model": {"name": "tiny-llama", "pvc": {"claimName": "w"}}},
+    ),
+    "model.config.numLayers": Entry(
+        R,
+        f"{FS}: ModelConfig.num_layers",
+        {"model": {"name": "tiny-llama", "config": {"numLayers": 6}}},
+    ),
+    "model.config.hiddenSize": Entry(
+        R, f"{FS}: ModelConfig", {"model": {"name": "tiny-llama", "config": {"hiddenSize": 256}}}
+    ),
+    "model.config.intermediateSize": Entry(
+        R,
+        f"{FS}: ModelConfig",
+        {"model": {"name": "tiny-llama", "config": {"intermediateSize": 512}}},
+    ),
+    "model.config.numHeads": Entry(
+        R, f"{FS}: ModelConfig", {"model": {"name": "tiny-llama", "config": {"numHeads": 8}}}
+    ),
+    "model.config.numKvHeads": Entry(
+        R, f"{FS}: ModelConfig", {"model": {"name": "tiny-llama", "config": {"numKvHeads": 4}}}
+    ),
+    "model.config.headDim": Entry(
+        R, f"{FS}: ModelConfig", {"model": {"name": "tiny-llama", "config": {"headDim": 16}}}
+    ),
+    "model.config.vocabSize": Entry(
+        R, f"{FS}: ModelConfig", {"model": {"name": "tiny-llama", "config": {"vocabSize": 2048}}}
+    ),
+    "model.config.ropeTheta": Entry(
+        R,
+        f"{FS}: ModelConfig.rope_theta",
+        {"model": {"name": "tiny-llama", "config": {"ropeTheta": 5e5}}},
+    ),
+    "model.config.rmsNormEps": Entry(
+        R,
+        f"{FS}: ModelConfig.rms_norm_eps",
+        {"model": {"name": "tiny-llama", "config": {"rmsNormEps": 1e-6}}},
+    ),
+    "model.config.maxPosition": Entry(
+        R,
+        f"{FS}: ModelConfig.max_position",
+        {"model": {"name": "tiny-llama", "config": {"maxPosition": 4096}}},
+    ),
+    "model.config.<other>": Entry(
+        refusal=(
+            {"model": {"name": "tiny-llama", "config": {"ropeScaling": 2}}},
+            "not a model setting",
+        )
+    ),
+    "model.dtype": Entry(
+        R,
+        f"{FS}: ModelConfig.dtype (default bf16 on CUDA)",
+        {"model": {"name": "tiny-llama", "dtype": "float16"}},
+        context=GPU,
+        refusal=({"model": {"name": "tiny-llama", "dtype": "bfloat16"}}, "needs a GPU"),
+    ),
+    "engine": Entry(
+        R,
+        f"{FS}: RuntimeConfig.engine",
+        EMULATED,
+        refusal=({"engine": "tensorrt_llm"}, "'torch' or 'emulated'"),
+    ),
+    "engineOptions.kvBlocks": Entry(R, f"{FS}: num_kv_blocks", {"engineOptions": {"kvBlocks": 64}}),
+    "engineOptions.maxInflight": Entry(
+        R, f"{FS}: max_inflight", {"engineOptions": {"maxInflight": 3}}
+    ),
+    "engineOptions.leaseSeconds": Entry(
+        R, f"{FS}: lease_s", {"engineOptions": {"leaseSeconds": 5}}
+    ),
+    "engineOptions.torchThreads": Entry(
+        R, f"{FS}: torch_threads", {"engineOptions": {"torchThreads": 2}}
+    ),
+    "engineOptions.seed": Entry(
+        R,
+        f"{FS}: ModelConfig.seed",
+        {"engineOptions": {"seed": 3}},
+        refusal=(EMULATED | {"engineOptions": {"seed": 3}}, "not read by engine 'emulated'"),
+    ),
+    "engineOptions.timeScale": Entry(
+        R,
+        f"{FS}: time_scale",
+        EMULATED | {"engineOptions": {"timeScale": 0.5}},
+        context=EMULATED,
+        refusal=({"engineOptions": {"timeScale": 2}}, "not read by engine 'torch'"),
+    ),
+    "engineOptions.emulate": Entry(
+        R,
+        f"{FS}: cost_model",
+        EMULATED | {"engineOptions": {"emulate": "glm-5.2", "kvBlocks": 64}},
+        context=EMULATED | {"engineOptions": {"kvBlocks": 64}},
+        refusal=(EMULATED | {"engineOptions": {"emulate": "gpt-9"}}, "has no cost model"),
+    ),
+    "engineOptions.<other>": Entry(refusal=({"engineOptions": {"device": "cuda"}}, "gpusPerStage")),
+    "stages": Entry(R, f"{FS}: num_stages; {BLD}: StatefulSet replicas", {"stages": 4}),
+    "layerPartition": Entry(R, f"{FS}: partition", {"layerPartition": [3, 5]}),
+    "tensorParallelSize": Entry(refusal=({"tensorParallelSize": 2}, "not implemented")),
+    "replicas": Entry(
+        R, f"{FS}: one config per replica; operator: one StatefulSet each", {"replicas": 2}
+    ),
+    "image": Entry(O, f"{BLD}: container image", {"image": "img:2"}),
+    "imagePullPolicy": Entry(O, f"{BLD}.containers.pod_container", {"imagePullPolicy": "Always"}),
+    "imagePullSecrets": Entry(O, f"{BLD}.containers.pod_spec_common", {"imagePullSecrets": ["r"]}),
+    "serviceAccountName": Entry(
+        O, f"{BLD}.containers.pod_spec_common", {"serviceAccountName": "sa"}
+    ),
+    "resources.gpusPerStage": Entry(
+        R,
+        f"{FS}: device cuda; {BLD}: GPU request",
+        GPU,
+        refusal=({"resources": {"gpusPerStage": 2}}, "one GPU"),
+    ),
+    "resources.gpuResourceName": Entry(
+        O,
+        f"{BLD}._stage_resources",
+        {"resources": {"gpusPerStage": 1, "gpuResourceName": "amd.com/gpu"}},
+        context=GPU,
+    ),
+    "resources.cpu": Entry(
+        O, f"{BLD}._stage_resources", {"resources": {"gpusPerStage": 0, "cpu": "2"}}
+    ),
+    "resources.memory": Entry(
+        O, f"{BLD}._stage_resources", {"resources": {"gpusPerStage": 0, "memory": "1Gi"}}
+    ),
+    "resources.sharedMemory": Entry(
+        O,
+        f"{BLD}.build_stage_statefulset: /dev/shm",
+        {"resources": {"gpusPerStage": 0, "sharedMemory": "2Gi"}},
+    ),
+    "nodeSelector": Entry(O, f"{BLD}.build_stage_statefulset", {"nodeSelector": {"a": "b"}}),
+    "tolerations[].key": Entry(
+        O, f"{BLD}.build_stage_statefulset", {"tolerations": [{"key": "k"}]}
+    ),
+    "tolerations[].operator": Entry(
+        O, f"{BLD}.build_stage_statefulset", {"tolerations": [{"operator": "Exists"}]}
+    ),
+    "tolerations[].value": Entry(
+        O,
+        f"{BLD}.build_stage_statefulset",
+        {"tolerations": [{"key": "k", "value": "v"}]},
+        context={"tolerations": [{"key": "k"}]},
+    ),
+    "tolerations[].effect": Entry(
+        O,
+        f"{BLD}.build_stage_statefulset",
+        {"tolerations": [{"key": "k", "effect": "NoSchedule"}]},
+        context={"tolerations": [{"key": "k"}]},
+    ),
+    "tolerations[].tolerationSeconds": Entry(
+        O,
+        f"{BLD}.build_stage_statefulset",
+        {"tolerations": [{"key": "k", "tolerationSeconds": 5}]},
+        context={"tolerations": [{"key": "k"}]},
+    ),
+    "affinity": Entry(O, f"{BLD}._replica_affinity", {"affinity": {"nodeAffinity": {}}}),
+    "topologySpreadConstraints": Entry(
+        O,
+        f"{BLD}._topology_spread",
+        {
+            "topologySpreadConstraints": [
+                {"maxSkew": 1, "topologyKey": "h", "whenUnsatisfiable": "ScheduleAnyway"}
+            ]
+        },
+    ),
+    "cache.blockSize": Entry(R, f"{FS}: block_size", {"cache": {"blockSize": 32}}),
+    "cache.memoryPerStageBytes": Entry(
+        R, f"{FS}: num_kv_blocks", {"cache": {"memoryPerStageBytes": 1 << 20}}
+    ),
+    "scheduler.mode": Entry(R, f"{FS}: mode", {"scheduler": {"mode": "sync"}}),
+    "scheduler.chunkPolicy": Entry(
+        R, f"{FS}: chunk_policy", {"scheduler": {"chunkPolicy": "static"}}
+    ),
+    "scheduler.chunkTokens": Entry(R, f"{FS}: chunk_tokens", {"scheduler": {"chunkTokens": 1024}}),
+    "nats.url": Entry(
+        O, f"{BLD}.containers.container_args: --nats-url", {"nats": {"url": "nats://other:4222"}}
+    ),
+    "nats.credentialsSecret": Entry(
+        O, f"{BLD}.containers: --nats-creds and its volume", {"nats": {"credentialsSecret": "c"}}
+    ),
+    "nats.tlsSecret": Entry(
+        O, f"{BLD}.containers: --nats-tls-* and its volume", {"nats": {"tlsSecret": "t"}}
+    ),
+    "nats.tlsClientCert": Entry(
+        O,
+        f"{BLD}.containers.container_args: --nats-tls-cert/key",
+        {"nats": {"tlsSecret": "t", "tlsClientCert": False}},
+        context={"nats": {"tlsSecret": "t"}},
+    ),
+    "tenants[].name": Entry(
+        R,
+        "cmd.gateway.gateway_config_from_spec: TenantPolicy",
+        {"tenants": [{"name": "b"}]},
+        context={"tenants": [{"name": "a"}]},
+    ),
+    "tenants[].cacheSalt": Entry(
+        R,
+        "cmd.gateway.gateway_config_from_spec: cache_salt",
+        {"tenants": [{"name": "a", "cacheSalt": "s"}]},
+        context={"tenants": [{"name": "a"}]},
+    ),
+    "tenants[].weight": Entry(
+        R,
+        "cmd.gateway.gateway_config_from_spec: weight",
+        {"tenants": [{"name": "a", "weight": 3}]},
+        context={"tenants": [{"name": "a"}]},
+    ),
+    "tenants[].priority": Entry(
+        R,
+        "cmd.gateway.gateway_config_from_spec: TenantPolicy.priority",
+        {"tenants": [{"name": "a", "priority": 2}]},
+        context={"tenants": [{"name": "a"}]},
+    ),
+    "tenants[].maxConcurrency": Entry(
+        R,
+        "cmd.gateway.gateway_config_from_spec: TenantPolicy.max_concurrency",
+        {"tenants": [{"name": "a", "maxConcurrency": 3}]},
+        context={"tenants": [{"name": "a"}]},
+    ),
+    "tenants[].maxQueued": Entry(
+        R,
+        "cmd.gateway.gateway_config_from_spec: TenantPolicy.max_queued",
+        {"tenants": [{"name": "a", "maxQueued": 5}]},
+        context={"tenants": [{"name": "a"}]},
+    ),
+    "tenants[].tokensPerSecond": Entry(
+        R,
+        "cmd.gateway.gateway_config_from_spec: TenantPolicy.tokens_per_s",
+        {"tenants": [{"name": "a", "tokensPerSecond": 100.0}]},
+        context={"tenants": [{"name": "a"}]},
+    ),
+    "tenants[].burstTokens": Entry(
+        R,
+        "cmd.gateway.gateway_config_from_spec: TenantPolicy.burst_tokens",
+        {"tenants": [{"name": "a", "tokensPerSecond": 100.0, "burstTokens": 500}]},
+        context={"tenants": [{"name": "a", "tokensPerSecond": 100.0}]},
+    ),
+    "tenants[].apiKeySecret": Entry(
+        O,
+        f"{BLD}.containers: the gateway's key volume (and api_keys_file at its mount)",
+        {"tenants": [{"name": "a", "apiKeySecret": "keys-a"}]},
+        context={"tenants": [{"name": "a"}]},
+    ),
+    "tenants[].apiKeysFile": Entry(
+        "up",
+        "cmd.up.run: policy_from_spec(api_keys_file=the spec's folder / file); the operator "
+        "refuses it (Degraded naming spec.tenants.apiKeysFile)",
+        {"tenants": [{"name": "a", "apiKeysFile": "a.keys"}]},
+        context={"tenants": [{"name": "a"}]},
+    ),
+    "autoscaling.minReplicas": Entry(
+        O,
+        f"{BLD}.build_hpa",
+        {"autoscaling": {"minReplicas": 2, "maxReplicas": 3, "target": 80}},
+        context={"autoscaling": {"maxReplicas": 3, "target": 80}},
+    ),
+    "autoscaling.maxReplicas": Entry(
+        O,
+        f"{BLD}.build_hpa",
+        {"autoscaling": {"maxReplicas": 4, "target": 80}},
+        context={"autoscaling": {"maxReplicas": 3, "target": 80}},
+    ),
+    "autoscaling.metric": Entry(
+        O,
+        f"{BLD}.build_hpa: cpu, the one metric",
+        {"autoscaling": {"maxReplicas": 3, "target": 80, "metric": "cpu"}},
+        refusal=({"autoscaling": {"maxReplicas": 3, "target": 1, "metric": "wave_fill"}}, "'cpu'"),
+    ),
+    "autoscaling.target": Entry(
+        O,
+        f"{BLD}.build_hpa",
+        {"autoscaling": {"maxReplicas": 3, "target": 60}},
+        context={"autoscaling": {"maxReplicas": 3, "target": 80}},
+    ),
+    "telemetry.otlpEndpoint": Entry(
+        R,
+        "cmd.stage.telemetry_from_spec; containers env",
+        {"telemetry": {"otlpEndpoint": "http://o:4317"}},
+    ),
+    "telemetry.samplingRatio": Entry(
+        R, "cmd.stage.telemetry_from_spec; containers env", {"telemetry": {"samplingRatio": 0.5}}
+    ),
+    "telemetry.metricsPort": Entry(
+        R,
+        "cmd.stage.telemetry_from_spec; admission's metrics port",
+        {"telemetry": {"metricsPort": 9500}},
+    ),
+    "restartBudget.maxRestarts": Entry(
+        L, "operator.reconcile.plan: Degraded past it", {"restartBudget": {"maxRestarts": 1}}
+    ),
+    "restartBudget.formingTimeoutSeconds": Entry(
+        L,
+        "observe.ReplicaView.lost; the startup probe",
+        {"restartBudget": {"formingTimeoutSeconds": 900}},
+    ),
+    "restartBudget.notReadySeconds": Entry(
+        L, "observe.pod_disruption", {"restartBudget": {"notReadySeconds": 200}}
+    ),
+    "restartBudget.windowSeconds": Entry(
+        L,
+        "observe.replica_views: restarts counted",
+        {"restartBudget": {"windowSeconds": 30000}},
+        refusal=({"restartBudget": {"windowSeconds": 600}}, "re-form forever"),
+    ),
+    "rollout.drainTimeoutSeconds": Entry(
+        O,
+        f"{BLD}.build_admission_deployment: grace period",
+        {"rollout": {"drainTimeoutSeconds": 5}},
+    ),
+    "podTemplate.priorityClassName": Entry(
+        O, f"{BLD}.build_stage_statefulset", {"podTemplate": {"priorityClassName": "p"}}
+    ),
+    "podTemplate.schedulerName": Entry(
+        O, f"{BLD}.build_stage_statefulset", {"podTemplate": {"schedulerName": "s"}}
+    ),
+    "podTemplate.runtimeClassName": Entry(
+        O, f"{BLD}.build_stage_statefulset", {"podTemplate": {"runtimeClassName": "nvidia"}}
+    ),
+    "podTemplate.env": Entry(
+        O, f"{BLD}.containers._env", {"podTemplate": {"env": [{"name": "X", "value": "1"}]}}
+    ),
+    "podTemplate.envFrom": Entry(
+        O,
+        f"{BLD}.containers.pod_container",
+        {"podTemplate": {"envFrom": [{"secretRef": {"name": "s"}}]}},
+    ),
+    "topology.replicaDomainKey": Entry(
+        O, f"{BLD}._replica_affinity", {"topology": {"replicaDomainKey": "h"}}
+    ),
+    "topology.spreadReplicasKey": Entry(
+        O, f"{BLD}._replica_affinity", {"topology": {"spreadReplicasKey": "z"}}
+    ),
+    "topology.podGroup": Entry(O, f"{BLD}.build_pod_group", {"topology": {"podGroup": True}}),
+    "networkPolicy.enabled": Entry(
+        O, f"{BLD}.build_network_policies", {"networkPolicy": {"enabled": False}}
+    ),
+    "inferencePool.enabled": Entry(
+        O,
+        f"{BLD}.build_inference_pool",
+        {"inferencePool": {"enabled": True, "endpointPicker": "epp"}},
+    ),
+    "inferencePool.endpointPicker": Entry(
+        O,
+        f"{BLD}.build_inference_pool: endpointPickerRef.name",
+        {"inferencePool": {"enabled": True, "endpointPicker": "epp2"}},
+        context={"inferencePool": {"enabled": True, "endpointPicker": "epp"}},
+        refusal=({"inferencePool": {"enabled": True}}, "required with inferencePool.enabled"),
+    ),
+    "inferencePool.endpointPickerPort": Entry(
+        O,
+        f"{BLD}.build_inference_pool: endpointPickerRef.port",
+        {"inferencePool": {"enabled": True, "endpointPicker": "epp", "endpointPickerPort": 9003}},
+        context={"inferencePool": {"enabled": True, "endpointPicker": "epp"}},
+    ),
+    "inferencePool.failureMode": Entry(
+        O,
+        f"{BLD}.build_inference_pool: endpointPickerRef.failureMode",
+        {"inferencePool": {"enabled": True, "endpointPicker": "epp", "failureMode": "FailOpen"}},
+        context={"inferencePool": {"enabled": True, "endpointPicker": "epp"}},
+    ),
+    "networkPolicy.gatewayFrom": Entry(
+        O,
+        f"{BLD}.build_network_policies",
+        {"networkPolicy": {"gatewayFrom": [{"namespaceSelector": {}}]}},
+    ),
+}
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    found = [m for a in typing.get_args(annotation) for m in _models_in(a)]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        found.append(annotation)
+    return found
+
+
+def _is_list(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is list or any(
+        typing.get_origin(a) is list for a in typing.get_args(annotation)
+    )
+
+
+def walk(model: type[BaseModel] = WavePipelineSpec, prefix: str = "") -> list[str]:
+    """Every leaf field's camelCase path (``tolerations[].key``), plus the engineOptions and
+    extra model.config keys the runtime reads and a ``<other>`` for each free-form map."""
+    paths = []
+    for name, field in model.model_fields.items():
+        path = prefix + (field.alias or name)
+        models = _models_in(field.annotation)
+        if models:
+            paths += walk(models[0], path + ("[]." if _is_list(field.annotation) else "."))
+        elif path == "engineOptions":
+            paths += [f"engineOptions.{k}" for k in ENGINE_OPTIONS] + ["engineOptions.<other>"]
+        else:
+            paths.append(path)
+    if model.__name__ == "ModelConfigSpec":
+        paths += [prefix + k for k in MODEL_CONFIG_EXTRA] + [prefix + "<other>"]
+    return paths
+
+
+def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        out[key] = value
+    return out
+
+
+def _resolved(raw: dict[str, Any]) -> WavePipelineSpec:
+    spec, issues = check_spec(raw, default_image=DEFAULTS.image, default_nats_url=DEFAULTS.nats_url)
+    assert spec is not None, issues
+    return spec
+
+
+def read_runtime(raw: dict[str, Any]) -> str:
+    spec = _resolved(raw)
+    configs = [
+        c.model_dump(mode="json") for c in runtime_configs_from_spec(spec, pool="p", namespace="ns")
+    ]
+    gateway = gateway_config_from_spec(spec, {"pipeline": "p"}, namespace="ns").model_dump(
+        mode="json"
+    )
+    telemetry = telemetry_from_spec(spec, {}).model_dump(mode="json")
+    return json.dumps([configs, gateway, telemetry], sort_keys=True)
+
+
+def read_operator(raw: dict[str, Any]) -> str:
+    body = {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}, "spec": raw}
+    result = plan(body, Observed(), 1_000_000.0, DEFAULTS)
+    assert not result.issues, result.issues
+    manifests = [
+        a.manifest
+        for a in result.actions
+        if isinstance(a, Apply | Create)
+        and not (a.manifest["kind"] == "ConfigMap" and "spec.json" in a.manifest.get("data", {}))
+    ]
+    text = json.dumps(manifests, sort_keys=True)
+    return re.sub(r"\b[0-9a-f]{10}\b", "HASH", text)  # the spec hash (and names carrying it)
+
+
+def _iso(now: float) -> str:
+    return dt.datetime.fromtimestamp(now, tz=dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def read_lifecycle(raw: dict[str, Any]) -> str:
+    """The replica's (phase, reason) changes through a scripted life, with their times."""
+    world = World(raw)
+    trace: list[tuple[int, str, str]] = []
+
+    def step(advance_s: float) -> None:
+        world.step(advance_s)
+        replica = world.body["status"]["replicaStatuses"][0]
+        entry = (replica["phase"], replica.get("reason") or "")
+        if not trace or trace[-1][1:] != entry:
+            trace.append((round(world.now - 1_000_000.0), *entry))
+
+    world.serve_all(1)
+    # 1. One stage's readiness fails (its compute loop died): NotReady since now.
+    pod = world.objects[("Pod", "p-r0-1")]
+    pod["status"]["conditions"] = [
+        {"type": "Ready", "status": "False", "lastTransitionTime": _iso(world.now)}
+    ]
+    for _ in range(40):
+        step(10)
+    # 2. Crashes spaced 4000 s apart, the replica re-forming and serving in between.
+    for _ in range(5):
+        world.stop_admission(0)
+        step(100)
+        world.run_pods(0)
+        step(1)
+        step(4000)
+        if ("Pod", "p-r0-0") in world.objects:
+            world.crash("p-r0-0")
+        step(1)
+    # 3. A replica that never forms: its pods start, none becomes Ready.
+    world.body["spec"] = _merge(raw, {"image": "img:2"})  # a new spec: replaced, fresh budget
+    step(1)
+    for _ in range(40):
+        world.run_pods(0, phase="formed")
+        step(600)
+    return json.dumps(trace)
+
+
+def read_up(raw: dict[str, Any]) -> str:
+    """The tenant policies ``wavepp up`` gives its gateway (``cmd.up.run``: key files relative
+    to the spec's folder, here ``/spec``)."""
+    from wavepp.gateway.tenants import policy_from_spec
+
+    spec = _resolved(raw)
+    policies = [
+        policy_from_spec(
+            t, api_keys_file=str(Path("/spec") / t.api_keys_file) if t.api_keys_file else None
+        ).model_dump(mode="json")
+        for t in spec.tenants
+    ]
+    return json.dumps(policies, sort_keys=True)
+
+
+READERS = {
+    "runtime": read_runtime,
+    "operator": read_operator,
+    "lifecycle": read_lifecycle,
+    "up": read_up,
+}
+
+
+def test_every_field_is_in_the_table() -> None:
+    fields = walk()
+    assert sorted(set(fields) - set(FIELDS)) == [], "fields neither honoured nor refused"
+    assert sorted(set(FIELDS) - set(fields)) == [], "table entries that are no field"
+
+
+@pytest.mark.parametrize("path", sorted(FIELDS))
+def test_field_is_honoured_or_refused(path: str) -> None:
+    entry = FIELDS[path]
+    assert entry.reader or entry.refusal, path
+    if entry.reader is not None:
+        assert entry.change is not None
+        context = _merge(BASE, entry.context or {})
+        read = READERS[entry.reader]
+        assert read(_merge(context, entry.change)) != read(context), (
+            f"{path}: changing it changes nothing the {entry.reader} reads"
+        )
+    if entry.refusal is not None:
+        change, text = entry.refusal
+        spec, issues = check_spec(
+            _merge(BASE, change), default_image="i", default_nats_url="nats://n:4222"
+        )
+        field = "spec." + path.split(".<")[0].replace("[]", "[0]")
+        assert spec is None
+        assert any(
+            (i.field == field or i.field.startswith(field + ".")) and text in i.message
+            for i in issues
+        ), (path, issues)
+
+
+def listing() -> str:
+    """The table as text: one line per field, where honoured and how refused."""
+    lines = []
+    for path in walk():
+        entry = FIELDS[path]
+        honoured = f"{entry.reader}: {entry.where}" if entry.reader else "-"
+        refused = f"refused: {entry.refusal[1]!r}" if entry.refusal else ""
+        lines.append(f"{path:40} {honoured} {refused}".rstrip())
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(listing())
