@@ -65,6 +65,7 @@ class PrefillResult(_Msg):
     stage_hits: list[int] = Field(default_factory=list)
     stages: list[StageTiming] = Field(default_factory=list)
     error: str = ""
+    mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned
 
 
 class Heartbeat(_Msg):
@@ -75,3 +76,6 @@ class Heartbeat(_Msg):
     num_stages_formed: int
     num_inflight: int
     instance: str
+    seq: int = Field(default=0, ge=0)  # grows by one per heartbeat of this instance
+    sent_at_s: float = 0.0  # wall clock (time.time()) at publish
+    mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned

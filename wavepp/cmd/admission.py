@@ -117,6 +117,13 @@ def run(args: argparse.Namespace) -> int:
         level=logging.INFO,
         format=f"%(asctime)s admission[{config.pipeline}] %(levelname)s %(name)s: %(message)s",
     )
+    from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
+
+    try:
+        bus_key = load_bus_key()
+    except BusKeyError as exc:
+        print(f"wavepp admission: {exc}", file=sys.stderr)
+        return 2
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -138,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
                 pool=pool,
                 ack_wait_s=args.ack_wait_s,
                 max_concurrent=args.max_concurrent,
+                bus_key=bus_key,
             )
             if args.port is not None:
                 runner, port = await start_health_server(

@@ -293,7 +293,10 @@ def run(args: argparse.Namespace) -> int:
         check_creds(args.nats_creds)
         apply_nats_tls(args)
         check_port("--health-port", args.health_port)
-    except ArgError as exc:
+        from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
+
+        load_bus_key()  # a bad WAVEPP_BUS_KEY is a one-line error here, not a traceback later
+    except (ArgError, BusKeyError) as exc:
         print(f"wavepp stage: {exc}", file=sys.stderr)
         return 2
     if not 0 <= rank < config.num_stages:

@@ -41,6 +41,7 @@ from wavepp.gateway.validation import (
     parse_completion,
     parse_prefill,
 )
+from wavepp.runtime.transport.buskey import load_bus_key
 from wavepp.runtime.transport.natsio import connect
 
 log = logging.getLogger(__name__)
@@ -261,8 +262,9 @@ async def run_gateway(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
+    bus_key = load_bus_key()
     nc = await connect(nats_url, name=f"{config.pool}-gateway-{os.getpid()}")
-    gateway = Gateway(config, nc)
+    gateway = Gateway(config, nc, bus_key=bus_key)
     runner = None
     try:
         await gateway.start()

@@ -13,7 +13,9 @@ Protocol (DESIGN.md 'Data flow', step 2), for one request with full-block hashes
 
 L* is capped one token short of the prompt so that at least one token is computed (its logits
 are the prefill's output). Pins and reservations carry a lease; the controller renews the leases
-of live requests, so a vanished controller leaks nothing.
+of live requests, so a vanished controller leaks nothing. Every op names the controller as its
+``owner`` (a random id per instance) and, with a bus key, is signed: a stage lets only the
+owner that pinned a request commit, renew or release it.
 
 The stage side (``handle_kv_request``) is a pure function over a ``StageKVManager``; the stage
 process owns the NATS I/O around it.
@@ -25,6 +27,7 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +40,7 @@ from wavepp.api.messages import (
     Release,
     Renew,
 )
+from wavepp.api.signing import BusKey
 from wavepp.runtime.agreement.clients import StageClient
 from wavepp.runtime.kv import hash_prompt_blocks
 from wavepp.runtime.request import PromptRequest
@@ -72,6 +76,8 @@ class AdmissionController:
     ``agree`` returns a ``Ticket`` or ``None`` when some stage refused the reservation (then no
     stage holds anything for the request). Leases of admitted requests are renewed by
     ``renew_leases`` (call it periodically) until ``release``.
+
+    ``bus_key`` (the replica's, ``wavepp.api.signing``) signs every op; None sends them unsigned.
     """
 
     def __init__(
@@ -82,6 +88,7 @@ class AdmissionController:
         model_id: str,
         lease_s: float = 30.0,
         stage_capacities: Sequence[int] | None = None,
+        bus_key: BusKey | None = None,
     ) -> None:
         if not stages:
             raise ValueError("stages: need at least one stage client")
@@ -90,6 +97,9 @@ class AdmissionController:
         self.model_id = model_id
         self.lease_s = lease_s
         self.stage_capacities = list(stage_capacities) if stage_capacities else None
+        self.bus_key = bus_key
+        self.owner = uuid.uuid4().hex[:16]  # this instance, as the stages know it
+        self._seq = 0  # numbers this owner's ops: a stage refuses a replayed (signed) one
         self._live: set[str] = set()  # admitted, not released: their leases are renewed
         self.num_agreements = 0
         self.num_refusals = 0
@@ -118,6 +128,11 @@ class AdmissionController:
                 )
 
     async def _all(self, msg: KVRequestMessage) -> list[KVReply]:
+        if not isinstance(msg, Health):  # a health probe changes nothing: never signed
+            self._seq += 1
+            msg = msg.model_copy(update={"owner": self.owner, "seq": self._seq})
+            if self.bus_key is not None:
+                msg = self.bus_key.sign(msg)
         return list(await asyncio.gather(*(stage.call(msg) for stage in self.stages)))
 
     async def agree(self, request: PromptRequest) -> Ticket | None:

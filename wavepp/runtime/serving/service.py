@@ -16,6 +16,11 @@ The service also publishes a heartbeat (``{p}.admission.heartbeat``, every 0.5 s
 every stage answered its last health probe; the gateway's router uses it for pool membership
 and ``/readyz``. It subscribes to the pipeline's plans and done messages to report per-stage
 timings of each request (prepare and execute seconds, summed over the request's micro-batches).
+
+With a bus key (``wavepp.api.signing``; ``bus_key``) the service signs its KV ops, plans,
+heartbeats (numbered, stamped) and results with its replica's key, and answers a redelivery
+from the results bucket only with an entry whose tag checks (an entry planted by a client is
+ignored and overwritten).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from nats.js.errors import KeyNotFoundError
 
 from wavepp.api.messages import MicroBatchDone
 from wavepp.api.prefill import Heartbeat, IntakeRequest, PrefillResult, StageTiming
+from wavepp.api.signing import BusKey
 from wavepp.api.subjects import (
     heartbeat_subject,
     intake_stream,
@@ -86,6 +92,18 @@ def result_from_outcome(
     )
 
 
+def stored_result_is_authentic(bus_key: BusKey | None, key: str, data: bytes) -> bool:
+    """A results-bucket entry is a ``PrefillResult`` for ``key`` (``{tenant}.{request_id}``)
+    signed by the replica it names; without a bus key, any well-formed one for ``key``."""
+    try:
+        result = PrefillResult.model_validate_json(data)
+    except ValueError:
+        return False
+    if f"{result.tenant}.{result.request_id}" != key:
+        return False
+    return bus_key is None or bus_key.for_replica(result.replica).verify(result)
+
+
 class AdmissionService:
     """Serves one replica's intake; see the module docstring.
 
@@ -97,6 +115,8 @@ class AdmissionService:
         ack_wait_s: JetStream redelivers a message unacked for this long (a dead service).
         max_concurrent: requests taken from the stream and not yet answered, at most.
         startup_timeout_s: how long to wait for every stage to answer a health probe.
+        bus_key: the deployment's bus key (``load_bus_key``); this replica signs with the key
+            derived for it. None: unsigned (insecure mode).
     """
 
     def __init__(
@@ -109,6 +129,7 @@ class AdmissionService:
         ack_wait_s: float = 10.0,
         max_concurrent: int = 64,
         startup_timeout_s: float = 300.0,
+        bus_key: BusKey | None = None,
     ) -> None:
         self.config = config
         self.nc = nc
@@ -117,6 +138,8 @@ class AdmissionService:
         self.max_concurrent = max_concurrent
         self.startup_timeout_s = startup_timeout_s
         self.instance = uuid.uuid4().hex[:8]
+        self.bus_key = bus_key
+        self.replica_key = None if bus_key is None else bus_key.for_replica(config.pipeline)
         self.js = nc.jetstream()
         stages = [
             NatsStageClient(nc, config.subject_prefix, rank, config.request_timeout_s)
@@ -128,6 +151,7 @@ class AdmissionService:
             model_id=config.model_id,
             lease_s=config.lease_s,
             stage_capacities=[config.kv_blocks_of(r) for r in range(config.num_stages)],
+            bus_key=self.replica_key,
         )
         planner = planner_for(config, planner_cost_model)
         # Micro-batch ids start at wall-clock ms: logs and traces of successive instances do
@@ -224,7 +248,11 @@ class AdmissionService:
                 num_stages_formed=self.num_stages_formed,
                 num_inflight=len(self._running),
                 instance=self.instance,
+                seq=num_beats,
+                sent_at_s=time.time(),
             )
+            if self.replica_key is not None:
+                beat = self.replica_key.sign(beat)
             with contextlib.suppress(Exception):
                 await self.nc.publish(subject, beat.model_dump_json().encode())
             num_beats += 1
@@ -274,6 +302,8 @@ class AdmissionService:
                 result = await asyncio.shield(running)
             finally:
                 keepalive.cancel()
+            if self.replica_key is not None:
+                result = self.replica_key.sign(result)
             data = result.model_dump_json().encode()
             assert self._kv is not None, "results bucket opened before serving"
             await self._kv.put(request.key, data)
@@ -290,6 +320,9 @@ class AdmissionService:
         try:
             entry = await self._kv.get(key)
         except KeyNotFoundError:
+            return None
+        if entry.value is None or not stored_result_is_authentic(self.bus_key, key, entry.value):
+            log.error("results bucket entry %s ignored: not a result signed by a replica", key)
             return None
         return entry.value
 

@@ -54,10 +54,12 @@ from wavepp.api.messages import (
     RequestResult,
     StageResync,
 )
+from wavepp.api.signing import BusKey
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.stage.core import StageCore, StageWork
 from wavepp.runtime.stage.engine import PreparedBatch, StageEngine, make_engine
+from wavepp.runtime.transport.buskey import load_bus_key
 from wavepp.runtime.transport.natsio import connect, on_reconnect
 from wavepp.telemetry import tracing
 from wavepp.telemetry.pipeline import StageTelemetry
@@ -93,21 +95,37 @@ def build_engine(config: RuntimeConfig, rank: int) -> StageEngine:
 
 
 class StageWorker:
-    """Serves one stage: KV ops over NATS, plans, activations over torch.distributed."""
+    """Serves one stage: KV ops over NATS, plans, activations over torch.distributed.
 
-    def __init__(self, config: RuntimeConfig, rank: int, nc: NATS, engine: StageEngine) -> None:
+    ``bus_key``: the deployment's bus key (``load_bus_key``); the stage signs and checks with
+    its replica's key derived from it. None: unsigned (insecure mode).
+    """
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        rank: int,
+        nc: NATS,
+        engine: StageEngine,
+        *,
+        bus_key: BusKey | None = None,
+    ) -> None:
         self.config = config
         self.rank = rank
         self.nc = nc
         self.engine = engine
         # NOTE: done messages carry wall-clock seconds (time.time()): they cross processes.
         self.core = StageCore(
-            StageKVManager(BlockPool(config.kv_blocks_of(rank), config.block_size)),
+            StageKVManager(
+                BlockPool(config.kv_blocks_of(rank), config.block_size),
+                max_lease_s=config.lease_s,
+            ),
             rank=rank,
             num_stages=config.num_stages,
             local_prepare=config.resolved_local_prepare,
             clock=time.time,
             done_log_size=_DONE_LOG,
+            bus_key=None if bus_key is None else bus_key.for_replica(config.pipeline),
         )
         self.is_first = rank == 0
         self.is_last = rank == config.num_stages - 1
@@ -172,8 +190,17 @@ class StageWorker:
         except ValueError as exc:
             log.error("stage %d: invalid plan dropped: %s", self.rank, exc)
             return
+        num_forged = self.core.num_forged
         for ready, headers in self.core.receive_plan(plan, msg.headers):
             self._accept_plan(ready, headers)
+        if self.core.num_forged > num_forged:
+            log.error(
+                "stage %d: plan %d of epoch %r dropped: no epoch, a left epoch, or its mac is "
+                "missing or wrong (is WAVEPP_BUS_KEY the same in every process?)",
+                self.rank,
+                plan.microbatch_id,
+                plan.epoch,
+            )
         self._fill_gaps()
 
     # ---- gap-free plan delivery ----------------------------------------------------------
@@ -204,6 +231,9 @@ class StageWorker:
                     timeout=min(2.0, self.config.request_timeout_s),
                 )
                 reply = PlanReplayReply.model_validate_json(msg.data)
+                items = self.core.replay_items(reply)
+                if items is None:
+                    raise ValueError("replay reply without an epoch or a valid mac")
             except Exception as exc:  # noqa: BLE001 - no responder yet, timeout, a bad reply
                 log.warning("stage %d: plan replay %s failed: %r", self.rank, span, exc)
                 if span[1] is None:
@@ -224,7 +254,6 @@ class StageWorker:
                     self._accept_plan(ready, headers)
                 return
             limit = reply.next_id if span[1] is None else min(span[1], reply.next_id)
-            items = [(p.microbatch_id, (p, None)) for p in reply.plans]
             skipped = self.core.sequencer.num_skipped
             for ready, headers in self.core.sequencer.settle(epoch, limit, items):
                 self._accept_plan(ready, headers)
@@ -412,9 +441,10 @@ async def run_stage(
     engine = await asyncio.to_thread(build_engine, config, rank)
     if readiness is not None:
         readiness.is_formed = True
+    bus_key = load_bus_key()
     nc = await connect(nats_url, name=f"{config.pipeline}-stage-{rank}", creds=nats_creds)
     try:
-        worker = StageWorker(config, rank, nc, engine)
+        worker = StageWorker(config, rank, nc, engine, bus_key=bus_key)
         if readiness is not None:
             readiness.worker = worker
         await worker.serve(stop)
