@@ -153,6 +153,8 @@ class MiniPipeline:
         )
         self.loop = asyncio.new_event_loop()
         self.answers: dict[str, tuple[int | None, str]] = {}
+        self.answered_round: dict[str, int] = {}  # request id -> the round it was answered in
+        self.round = 0
         self.pending_dones: list[MicroBatchDone] = []
         self.genuine_plans: list[MicroBatchPlan] = []
         self.genuine_dones: list[MicroBatchDone] = []
@@ -188,6 +190,7 @@ class MiniPipeline:
             assert outcome is not None
             assert record.request_id not in self.answers, f"{record.request_id} answered twice"
             self.answers[record.request_id] = (outcome.first_token_id, outcome.error)
+            self.answered_round[record.request_id] = self.round
 
     # ---- a run -----------------------------------------------------------------------------
 
@@ -205,7 +208,8 @@ class MiniPipeline:
             assert ticket is not None, f"{request.request_id}: refused"
             self.core.admitted(record, ticket)
             self.core.activate([record])
-        for _ in range(self.max_rounds):
+        for round_index in range(self.max_rounds):
+            self.round = round_index
             scheduled = self.core.schedule(more_work_queued=False, planning_started_s=0.0)
             if scheduled is None:
                 break
