@@ -204,13 +204,12 @@ def run(args: argparse.Namespace) -> int:
     exit_with_parent()
     from wavepp.cmd.stage import ArgError, apply_nats_tls, check_creds
     from wavepp.gateway.http import run_gateway
+    from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
 
     try:
         config = _config_from_args(args)
         check_creds(args.nats_creds)
         apply_nats_tls(args)
-        from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
-
         load_bus_key()  # a bad WAVEPP_BUS_KEY is a one-line error here
     except (ArgError, BusKeyError) as exc:
         print(f"wavepp gateway: {exc}", file=sys.stderr)

@@ -286,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
 
     exit_with_parent()
     from wavepp.runtime.stage.worker import StageReadiness, run_stage
+    from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
 
     try:
         config = runtime_config_from_args(args, os.environ)
@@ -293,8 +294,6 @@ def run(args: argparse.Namespace) -> int:
         check_creds(args.nats_creds)
         apply_nats_tls(args)
         check_port("--health-port", args.health_port)
-        from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
-
         load_bus_key()  # a bad WAVEPP_BUS_KEY is a one-line error here, not a traceback later
     except (ArgError, BusKeyError) as exc:
         print(f"wavepp stage: {exc}", file=sys.stderr)
