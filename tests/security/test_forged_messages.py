@@ -413,3 +413,21 @@ def test_kv_event_flood_cannot_grow_the_router_index_past_the_stage_block_count(
     assert not guard.kv_events(
         "p0", KEY.for_replica("p0").sign(forged.model_copy(update={"rank": 5})), 2
     )
+
+
+def test_the_schedulers_eviction_counter_takes_only_its_stages_kv_events() -> None:
+    """A forged batch neither inflates the eviction metric nor adds a label per made-up rank."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from wavepp.runtime.scheduling.stats import WaveStats
+    from wavepp.telemetry.pipeline import PipelineTelemetry
+
+    key = KEY.for_replica("p0")
+    telemetry = PipelineTelemetry("p0", 2, WaveStats(), dict, bus_key=key)
+    counted: list[tuple[int, int]] = []
+    telemetry.kv_removed = lambda rank, n: counted.append((rank, n))  # type: ignore[method-assign]
+    batch = KVEventBatch(rank=1, removed=[["ab" * 32, "cd" * 32]])
+    for msg in (batch, batch.model_copy(update={"rank": 10**6}), key.sign(batch)):
+        asyncio.run(telemetry._on_kv_events(SimpleNamespace(data=msg.model_dump_json().encode())))
+    assert counted == [(1, 2)]

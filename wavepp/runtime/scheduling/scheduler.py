@@ -111,6 +111,7 @@ class WaveScheduler:
             self.num_stages,
             self.core.stats,
             lambda: {"intake": self.intake.qsize(), "prepared": self._num_prepared()},
+            bus_key=self.core.bus_key,
         )
         self.admission: AsyncAdmission | SyncAdmission = (
             AsyncAdmission(self) if config.resolved_async_agreement else SyncAdmission(self)
