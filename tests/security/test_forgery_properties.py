@@ -222,3 +222,73 @@ def test_duplicated_and_reordered_done_messages_never_change_an_answer(
     pipe = MiniPipeline(KEY)
     assert pipe.run(_requests(lengths), shuffle_dones=shuffle) == expected.answers
     assert pipe.answered_round == expected.answered_round
+
+
+# ---- the gateway: heartbeats -----------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_forged_heartbeats_never_change_the_pool_or_readiness(data: st.DataObject) -> None:
+    """Genuine heartbeats every 0.5 s (the replica dies at some point); forged ones (any
+    fields, unsigned or another key's, or a genuine one replayed) at any time: the router's
+    view (in the pool, ready) at every step equals the one from the genuine beats alone."""
+    from wavepp.api.prefill import Heartbeat
+    from wavepp.gateway.router import PoolRouter
+    from wavepp.gateway.trust import BusGuard
+
+    key = KEY.for_replica("p0")
+    death_s = data.draw(st.floats(0.0, 6.0))
+    genuine = [
+        key.sign(
+            Heartbeat(
+                pipeline="p0",
+                ready=t >= 1.0,
+                num_stages_formed=2,
+                num_inflight=0,
+                instance="i1",
+                seq=i + 1,
+                sent_at_s=1000.0 + t,
+            )
+        )
+        for i, t in enumerate(x * 0.5 for x in range(12))
+        if t < death_s
+    ]
+
+    def run(with_forger: bool) -> list[tuple[bool, bool]]:
+        guard, router = BusGuard(KEY, ["p0", "p1"]), PoolRouter([("p0", 2), ("p1", 2)])
+        views = []
+        for step in range(24):  # every 0.25 s
+            now = step * 0.25
+            if step % 2 == 0 and step // 2 < len(genuine):
+                beat = genuine[step // 2]
+                if guard.heartbeat("p0", beat, now, 1000.0 + now):
+                    router.on_heartbeat("p0", now, is_ready=beat.ready)
+            for _ in range(data.draw(st.integers(0, 2)) if with_forger else 0):
+                forged = Heartbeat(
+                    pipeline=data.draw(st.sampled_from(["p0", "p1"])),
+                    ready=data.draw(st.booleans()),
+                    num_stages_formed=data.draw(st.integers(0, 2)),
+                    num_inflight=0,
+                    instance=data.draw(st.sampled_from(["i1", "i2"])),
+                    seq=data.draw(st.integers(0, 100)),
+                    sent_at_s=1000.0 + now + data.draw(st.sampled_from([0.0, -60.0])),
+                )
+                how = data.draw(st.sampled_from(["unsigned", "wrong-key", "replay"]))
+                if how == "wrong-key":
+                    forged = WRONG_KEY.sign(forged)
+                elif how == "replay" and genuine[: step // 2 + 1]:  # one sent already
+                    forged = data.draw(st.sampled_from(genuine[: step // 2 + 1]))
+                subject = data.draw(st.sampled_from(["p0", "p1"]))
+                if guard.heartbeat(subject, forged, now, 1000.0 + now):
+                    router.on_heartbeat(subject, now, is_ready=forged.ready)
+            views.append(
+                (
+                    router.is_alive("p0", now),
+                    router.by_name["p0"].is_ready,
+                    router.is_alive("p1", now),
+                )
+            )
+        return views
+
+    assert run(with_forger=True) == run(with_forger=False)
