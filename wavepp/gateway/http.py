@@ -158,7 +158,7 @@ class GatewayServer:
             lambda: parse_prefill(body, limits, self._encode)
         )
         if isinstance(payload, PrefillResult):
-            payload = payload.model_dump(mode="json")
+            payload = payload.model_dump(mode="json", exclude={"mac"})
         return web.json_response(payload, status=status, headers=headers)
 
     async def handle_completions(self, request: web.Request) -> web.Response:
@@ -202,7 +202,7 @@ class GatewayServer:
                 "total_tokens": payload.num_prompt_tokens + 1,
                 "prompt_tokens_details": {"cached_tokens": payload.num_cached_tokens},
             },
-            "wavepp": payload.model_dump(mode="json"),
+            "wavepp": payload.model_dump(mode="json", exclude={"mac"}),
         }
         return web.json_response(body_out, status=status, headers=headers)
 
@@ -249,7 +249,7 @@ class GatewayServer:
 
         status, payload, _ = await self.serve(parse)
         if isinstance(payload, PrefillResult):
-            payload = payload.model_dump(mode="json")
+            payload = payload.model_dump(mode="json", exclude={"mac"})
         await msg.respond(json.dumps({"status": status, "body": payload}).encode())
 
 
