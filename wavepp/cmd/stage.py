@@ -340,6 +340,7 @@ def run(args: argparse.Namespace) -> int:
     exit_with_parent()
     from wavepp.cmd.common import check_nats_reachable, check_port_free
     from wavepp.runtime.stage.worker import StageReadiness, run_stage
+    from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
 
     try:
         config = runtime_config_from_args(args, os.environ)
@@ -349,7 +350,8 @@ def run(args: argparse.Namespace) -> int:
         check_creds(args.nats_creds)
         apply_nats_tls(args)
         check_port("--health-port", args.health_port)
-    except ArgError as exc:
+        load_bus_key()  # a bad WAVEPP_BUS_KEY is a one-line error here, not a traceback later
+    except (ArgError, BusKeyError) as exc:
         print(f"wavepp stage: {exc}", file=sys.stderr)
         return 2
     if not 0 <= rank < config.num_stages:
