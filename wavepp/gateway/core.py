@@ -262,11 +262,13 @@ class Gateway:
             return
         if beat.pipeline in self._configured and beat.pipeline in self.router.by_name:
             return  # its own subscription (_on_heartbeat) takes its beats
-        if not self.guard.heartbeat(beat.pipeline, beat, self.clock(), time.time()):
-            return  # unsigned, stale, replayed or too frequent: not a member speaking
         if beat.pipeline not in self.router.by_name:
             if beat.num_stages < 1 or len(self.router.replicas) >= self.config.max_replicas:
                 return
+            self.guard.add_replica(beat.pipeline)
+        if not self.guard.heartbeat(beat.pipeline, beat, self.clock(), time.time()):
+            return  # unsigned, stale, replayed or too frequent: not a member speaking
+        if beat.pipeline not in self.router.by_name:
             await ensure_intake(self.js, beat.pipeline)
             self.router.add_replica(beat.pipeline, beat.num_stages)
             if beat.pipeline not in self._watched:

@@ -62,6 +62,7 @@ class BusGuard:
         if not max_heartbeat_age_s > 0:
             raise ValueError(f"max_heartbeat_age_s={max_heartbeat_age_s}: must be > 0")
         self.replicas = list(replicas)
+        self._bus_key = bus_key
         self._keys = {
             name: None if bus_key is None else bus_key.for_replica(name) for name in self.replicas
         }
@@ -70,6 +71,15 @@ class BusGuard:
         self._last_beat_s: dict[str, float] = {}
         self._seqs: dict[str, OrderedDict[str, int]] = {name: OrderedDict() for name in replicas}
         self.num_refused: Counter[str] = Counter()
+
+    def add_replica(self, name: str) -> None:
+        """Know replica ``name`` (one that joined the pool at run time): its key is derived
+        like the configured ones', so only a holder of the bus key can speak for it. The
+        caller bounds how many replicas it adds (``GatewayConfig.max_replicas``)."""
+        if name not in self._keys:
+            self.replicas.append(name)
+            self._keys[name] = None if self._bus_key is None else self._bus_key.for_replica(name)
+            self._seqs[name] = OrderedDict()
 
     def _authentic(self, replica: str, msg: Heartbeat | PrefillResult | KVEventBatch) -> bool:
         if replica not in self._keys:

@@ -81,8 +81,10 @@ def bus_key_or_new() -> BusKey:
 
 def ensure_bus_key() -> BusKey:
     """The key from the environment, or a new one put there (so that children inherit it):
-    what ``wavepp up`` calls before it starts its processes."""
-    key = load_bus_key()
+    what ``wavepp up`` calls before it starts its processes (no warning: a key is made)."""
+    key = None
+    if os.environ.get(BUS_KEY_ENV) or os.environ.get(BUS_KEY_FILE_ENV):
+        key = load_bus_key()
     if key is None:
         key = BusKey.generate()
         os.environ[BUS_KEY_ENV] = key.hex()
