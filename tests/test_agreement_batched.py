@@ -21,8 +21,10 @@ from wavepp.api.kv_batch import (
     decode_reply,
     encode_batch,
 )
+from wavepp.api.signing import BusKey
 from wavepp.runtime.agreement import AdmissionController, AgreementRefused, LocalStageClient
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
+from wavepp.runtime.agreement.rounds import StageProtocolError
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.request import PromptRequest
@@ -47,48 +49,114 @@ def make_stages(
 
 
 def test_batches_round_trip_with_raw_hashes() -> None:
-    probe = KVBatch(BatchOp.PROBE, (ProbeEntry("a", (HASH, HASH[::-1])), ProbeEntry("b", ())), 5.0)
+    probe = KVBatch(
+        BatchOp.PROBE,
+        (ProbeEntry("a", (HASH, HASH[::-1])), ProbeEntry("b", ())),
+        5.0,
+        owner="adm1",
+        seq=7,
+    )
     payload = encode_batch(probe)
     assert decode_batch(payload) == probe
     # 32 bytes per hash on the wire, not 64 hex characters plus JSON quoting.
-    assert len(payload) < 17 + 2 * (2 + 1 + 4) + 2 * 32 + 8
+    assert len(payload) < 16 + 1 + 4 + 8 + 4 + 2 * (2 + 1 + 4) + 2 * 32 + 32
     commit = KVBatch(BatchOp.COMMIT, (CommitEntry("a", 1, 3),), 5.0)
     assert decode_batch(encode_batch(commit)) == commit
     release = KVBatch(BatchOp.RELEASE, ("a", "b"))
     assert decode_batch(encode_batch(release)) == release
 
 
+def _head(version: int = 1, op: int = 1, lease: float = 1.0, count: int = 0) -> bytes:
+    """A batch header (no owner, seq 0) of the given fields."""
+    return (
+        struct.pack("<3sBBd", b"WKB", version, op, lease) + b"\x00" + struct.pack("<QI", 0, count)
+    )
+
+
+MAC = bytes(32)
+
+
 @pytest.mark.parametrize(
     ("payload", "field"),
     [
         (b"", "header"),
-        (b"XYZ" + bytes(14), "bad magic"),
-        (struct.pack("<3sBBdI", b"WKB", 9, 1, 1.0, 0), "version"),
-        (struct.pack("<3sBBdI", b"WKB", 1, 7, 1.0, 0), "op"),
-        (struct.pack("<3sBBdI", b"WKB", 1, 1, float("inf"), 0), "lease_s"),
-        (struct.pack("<3sBBdI", b"WKB", 1, 1, 1.0, 10**6), "count"),
-        (struct.pack("<3sBBdI", b"WKB", 1, 1, 1.0, 1) + struct.pack("<H", 0), "request_id"),
+        (b"XYZ" + bytes(50), "bad magic"),
+        (_head(version=9) + MAC, "version"),
+        (_head(op=7) + MAC, "op"),
+        (_head(lease=float("inf")) + MAC, "lease_s"),
+        (_head(count=10**6) + MAC, "count"),
+        (_head(count=1) + struct.pack("<H", 0) + MAC, "request_id"),
+        # claims a million hashes, sends none: rejected before any allocation
         (
-            struct.pack("<3sBBdI", b"WKB", 1, 1, 1.0, 1)
-            + struct.pack("<H", 1)
-            + b"a"
-            # claims a million hashes, sends none: rejected before any allocation
-            + struct.pack("<I", 10**6),
+            _head(count=1) + struct.pack("<H", 1) + b"a" + struct.pack("<I", 10**6) + MAC,
             "block_hashes",
         ),
         (
-            struct.pack("<3sBBdI", b"WKB", 1, 2, 1.0, 1)
-            + struct.pack("<H", 1)
-            + b"a"
-            + struct.pack("<II", 5, 3),
+            _head(op=2, count=1) + struct.pack("<H", 1) + b"a" + struct.pack("<II", 5, 3) + MAC,
             "num_agreed_blocks",
         ),
-        (encode_batch(KVBatch(BatchOp.RELEASE, ("a",))) + b"x", "after the last entry"),
+        (
+            encode_batch(KVBatch(BatchOp.RELEASE, ("a",)))[:-32] + b"x" + MAC,
+            "after the last entry",
+        ),
     ],
 )
 def test_malformed_batches_name_the_field(payload: bytes, field: str) -> None:
     with pytest.raises(KVWireError, match=field):
         decode_batch(payload)
+
+
+def test_a_keyed_stage_takes_only_signed_fresh_batches_of_the_owner() -> None:
+    key = BusKey.generate().for_replica("p")
+    manager = StageKVManager(BlockPool(16, BLOCK))
+    probe = KVBatch(BatchOp.PROBE, (ProbeEntry("r", ()),), 5.0, owner="adm1", seq=1)
+    # Unsigned, or signed with another key: refused whole, nothing held.
+    for payload in (encode_batch(probe), encode_batch(probe, BusKey.generate())):
+        reply = decode_reply(handle_kv_batch(manager, 0, payload, bus_key=key))
+        assert "mac" in reply.error and manager.num_requests == 0
+    signed = encode_batch(probe, key)
+    assert decode_reply(handle_kv_batch(manager, 0, signed, bus_key=key)).results[0].ok
+    # The same signed batch again (a replay): refused by its op number.
+    replay = decode_reply(handle_kv_batch(manager, 0, signed, bus_key=key))
+    assert "replayed" in replay.error
+    commit = KVBatch(BatchOp.COMMIT, (CommitEntry("r", 0, 2),), 5.0, owner="adm1", seq=2)
+    assert (
+        decode_reply(handle_kv_batch(manager, 0, encode_batch(commit, key), bus_key=key))
+        .results[0]
+        .ok
+    )
+    # A release by another owner (a forger who read the id in a plan) frees nothing.
+    forged = KVBatch(BatchOp.RELEASE, ("r",), owner="intruder", seq=1)
+    decode_reply(handle_kv_batch(manager, 0, encode_batch(forged, key), bus_key=key))
+    assert manager.request_ids() == ["r"] and manager.pool.num_pinned_blocks == 2
+    release = KVBatch(BatchOp.RELEASE, ("r",), owner="adm1", seq=3)
+    decode_reply(handle_kv_batch(manager, 0, encode_batch(release, key), bus_key=key))
+    assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0
+
+
+async def test_a_keyed_controller_and_keyed_stages_agree_in_signed_rounds() -> None:
+    key = BusKey.generate().for_replica("p")
+    managers = [StageKVManager(BlockPool(64, BLOCK)) for _ in range(3)]
+    controller = AdmissionController(
+        [LocalStageClient(m, r, bus_key=key) for r, m in enumerate(managers)],
+        block_size=BLOCK,
+        model_id=MODEL_ID,
+        bus_key=key,
+    )
+    requests = [PromptRequest(f"s{i}", list(range(i, i + 9))) for i in range(6)]
+    tickets = await asyncio.gather(*(controller.agree(r) for r in requests))
+    assert all(t is not None for t in tickets)
+    await controller.release([r.request_id for r in requests])
+    assert all(m.num_requests == 0 for m in managers)
+    # A controller without the key is refused by the same stages: nothing held.
+    stranger = AdmissionController(
+        [LocalStageClient(m, r, bus_key=key) for r, m in enumerate(managers)],
+        block_size=BLOCK,
+        model_id=MODEL_ID,
+    )
+    with pytest.raises(StageProtocolError, match="mac"):
+        await stranger.agree(PromptRequest("x", list(range(9))))
+    assert all(m.num_requests == 0 for m in managers)
 
 
 @settings(max_examples=200, deadline=None)

@@ -151,6 +151,7 @@ async def test_dead_controller_pins_are_released_by_lease_expiry(tmp_path) -> No
             block_size=BLOCK_SIZE,
             model_id=config.model_id,
             lease_s=config.lease_s,
+            bus_key=pipeline.bus_key.for_replica(config.pipeline),  # a member: it holds the key
         )
         tickets = [
             await doomed.agree(PromptRequest(f"d{i}", random_tokens(300 + i, 48))) for i in range(3)

@@ -100,6 +100,7 @@ async def test_gateway_follows_the_pool_and_is_ready_while_one_replica_admits() 
                 await nc.publish(heartbeat_subject(pipeline, namespace=namespace), data.encode())
                 await nc.flush()
                 await asyncio.sleep(0.2)
+                now[0] += 0.2  # the gateway takes one heartbeat per replica per 0.1 s
 
             assert not gateway.is_ready()
             await beat("p-r1", ready=True)  # scaled up: not configured

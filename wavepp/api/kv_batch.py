@@ -7,7 +7,8 @@ not as JSON lists of hex strings (64 characters each plus quoting).
 
 Layout (little-endian; ``rid`` = u16 length + UTF-8 request id, 1..256 bytes)::
 
-    request  "WKB" | u8 version | u8 op | f64 lease_s | u32 count | count x entry
+    request  "WKB" | u8 version | u8 op | f64 lease_s | u8 owner length | owner (ASCII, <= 64)
+             | u64 seq | u32 count | count x entry | 32-byte mac
       op 1 probe   entry: rid | u32 n | n x 32-byte block hash
       op 2 commit  entry: rid | u32 num_agreed_blocks | u32 num_total_blocks
       op 3 release entry: rid                             (lease_s ignored, 0)
@@ -17,16 +18,22 @@ Layout (little-endian; ``rid`` = u16 length + UTF-8 request id, 1..256 bytes)::
       status 0 ok (value: hit blocks for a probe, reserved blocks for a commit), 1 refused (a
       reservation that does not fit now; nothing held), 2 invalid (the entry names the fault)
 
+``owner`` is the admission instance sending the round and ``seq`` its op number (a stage refuses a
+replayed one); ``mac`` is HMAC-SHA256 under the replica's bus key (``wavepp.api.signing``) of
+everything before it, or 32 zero bytes unsigned (insecure mode: a stage with a key refuses it).
 A reply's entries are in the request's order. Decoding never trusts a length: every field is
 bounds-checked and a fault raises ``KVWireError`` naming the field and the limit.
 """
 
 from __future__ import annotations
 
+import hmac
 import math
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
+
+from wavepp.api.signing import BusKey
 
 __all__ = [
     "BLOCK_HASH_BYTES",
@@ -56,7 +63,11 @@ MAX_LEASE_S = 3600.0
 
 _REQUEST_MAGIC = b"WKB"
 _REPLY_MAGIC = b"WKR"
-_REQ_HEADER = struct.Struct("<3sBBdI")
+_REQ_HEADER = struct.Struct("<3sBBd")
+_OWNER_SEQ = struct.Struct("<Q")
+MAC_BYTES = 32
+_NO_MAC = bytes(MAC_BYTES)
+MAX_OWNER_BYTES = 64
 _REPLY_HEADER = struct.Struct("<3sBBHIIH")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
@@ -105,6 +116,8 @@ class KVBatch:
     op: BatchOp
     entries: tuple[ProbeEntry | CommitEntry | str, ...]
     lease_s: float = 0.0
+    owner: str = ""  # the admission instance (only it may commit or release what it probed)
+    seq: int = 0  # the owner's op number
 
 
 @dataclass(frozen=True)
@@ -143,17 +156,25 @@ def _rid(request_id: str) -> bytes:
     return _U16.pack(len(raw)) + raw
 
 
-def encode_batch(batch: KVBatch) -> bytes:
-    """Serialise a batch. Raises ``KVWireError`` for a field out of its limit."""
+def encode_batch(batch: KVBatch, bus_key: BusKey | None = None) -> bytes:
+    """Serialise a batch, signed with ``bus_key`` (None: unsigned). Raises ``KVWireError`` for
+    a field out of its limit."""
     if len(batch.entries) > MAX_BATCH_ENTRIES:
         raise KVWireError(f"entries: {len(batch.entries)}; at most {MAX_BATCH_ENTRIES} per batch")
     lease_s = float(batch.lease_s)
     if batch.op is not BatchOp.RELEASE and not (0 < lease_s <= MAX_LEASE_S):
         raise KVWireError(f"lease_s: {lease_s}; must be in (0, {MAX_LEASE_S}]")
+    owner = batch.owner.encode()
+    if len(owner) > MAX_OWNER_BYTES or not batch.owner.isascii():
+        raise KVWireError(f"owner: {len(owner)} bytes; at most {MAX_OWNER_BYTES} ASCII")
+    if not 0 <= batch.seq < 2**64:
+        raise KVWireError(f"seq: {batch.seq}; must be in [0, 2**64)")
     parts = [
-        _REQ_HEADER.pack(
-            _REQUEST_MAGIC, KV_BATCH_VERSION, int(batch.op), lease_s, len(batch.entries)
-        )
+        _REQ_HEADER.pack(_REQUEST_MAGIC, KV_BATCH_VERSION, int(batch.op), lease_s),
+        bytes([len(owner)]),
+        owner,
+        _OWNER_SEQ.pack(batch.seq),
+        _U32.pack(len(batch.entries)),
     ]
     for entry in batch.entries:
         if batch.op is BatchOp.PROBE:
@@ -176,7 +197,8 @@ def encode_batch(batch: KVBatch) -> bytes:
         else:
             assert isinstance(entry, str)
             parts.append(_rid(entry))
-    return b"".join(parts)
+    body = b"".join(parts)
+    return body + (bus_key.mac_bytes(b"KVBatch", body) if bus_key is not None else _NO_MAC)
 
 
 def encode_reply(reply: KVBatchReply) -> bytes:
@@ -243,10 +265,16 @@ def _count(n: int) -> int:
     return n
 
 
-def decode_batch(payload: bytes) -> KVBatch:
-    """Parse a batch. Raises ``KVWireError`` naming the field for anything malformed."""
-    reader = _Reader(payload)
-    magic, version, op, lease_s, count = reader.unpack(_REQ_HEADER, "header")
+def decode_batch(payload: bytes, bus_key: BusKey | None = None) -> KVBatch:
+    """Parse a batch; with ``bus_key``, only one it signed. Raises ``KVWireError`` naming the
+    field for anything malformed, unsigned or signed with another key."""
+    if len(payload) < MAC_BYTES:
+        raise KVWireError(f"header: truncated at byte 0 of {len(payload)}")
+    body, mac = payload[:-MAC_BYTES], payload[-MAC_BYTES:]
+    if bus_key is not None and not hmac.compare_digest(mac, bus_key.mac_bytes(b"KVBatch", body)):
+        raise KVWireError("mac: missing or wrong (not signed with this replica's bus key)")
+    reader = _Reader(body)
+    magic, version, op, lease_s = reader.unpack(_REQ_HEADER, "header")
     if magic != _REQUEST_MAGIC:
         raise KVWireError("header: not a KV batch (bad magic)")
     if version != KV_BATCH_VERSION:
@@ -259,6 +287,15 @@ def decode_batch(payload: bytes) -> KVBatch:
         math.isfinite(lease_s) and 0 < lease_s <= MAX_LEASE_S
     ):
         raise KVWireError(f"lease_s: {lease_s}; must be in (0, {MAX_LEASE_S}]")
+    owner_len = reader.take(1, "owner length")[0]
+    if owner_len > MAX_OWNER_BYTES:
+        raise KVWireError(f"owner: {owner_len} bytes; at most {MAX_OWNER_BYTES}")
+    try:
+        owner = bytes(reader.take(owner_len, "owner")).decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise KVWireError("owner: not ASCII") from exc
+    (seq,) = reader.unpack(_OWNER_SEQ, "seq")
+    (count,) = reader.unpack(_U32, "count")
     entries: list[ProbeEntry | CommitEntry | str] = []
     for _ in range(_count(count)):
         rid = reader.rid()
@@ -282,7 +319,13 @@ def decode_batch(payload: bytes) -> KVBatch:
         else:
             entries.append(rid)
     reader.done()
-    return KVBatch(batch_op, tuple(entries), lease_s if batch_op is not BatchOp.RELEASE else 0.0)
+    return KVBatch(
+        batch_op,
+        tuple(entries),
+        lease_s if batch_op is not BatchOp.RELEASE else 0.0,
+        owner,
+        seq,
+    )
 
 
 def decode_reply(payload: bytes) -> KVBatchReply:

@@ -47,6 +47,9 @@ class ProbePin(_Message):
     request_id: RequestId
     block_hashes: list[HexHash]
     lease_s: float = Field(gt=0, le=3600)
+    owner: str = Field(default="", max_length=64)  # the admission instance holding it
+    seq: int = Field(default=0, ge=0)  # grows by one per op of this owner (signed: no replay)
+    mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned
 
 
 class Commit(_Message):
@@ -57,6 +60,9 @@ class Commit(_Message):
     num_agreed_blocks: int = Field(ge=0)
     num_total_blocks: int = Field(ge=1)
     lease_s: float = Field(gt=0, le=3600)
+    owner: str = Field(default="", max_length=64)  # the admission instance holding it
+    seq: int = Field(default=0, ge=0)  # grows by one per op of this owner (signed: no replay)
+    mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned
 
 
 class Release(_Message):
@@ -64,6 +70,9 @@ class Release(_Message):
 
     op: Literal["release"] = "release"
     request_ids: list[RequestId]
+    owner: str = Field(default="", max_length=64)  # the admission instance holding it
+    seq: int = Field(default=0, ge=0)  # grows by one per op of this owner (signed: no replay)
+    mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned
 
 
 class Renew(_Message):
@@ -72,12 +81,15 @@ class Renew(_Message):
     op: Literal["renew"] = "renew"
     request_ids: list[RequestId]
     lease_s: float = Field(gt=0, le=3600)
+    owner: str = Field(default="", max_length=64)  # the admission instance holding it
+    seq: int = Field(default=0, ge=0)  # grows by one per op of this owner (signed: no replay)
+    mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned
 
 
 class Health(_Message):
     """Ask a stage whether it is formed (process group up, KV allocated, engine built)."""
 
-    op: Literal["health"] = "health"
+    op: Literal["health"] = "health"  # read-only: never signed, never checked
 
 
 KVRequestMessage = ProbePin | Commit | Release | Renew | Health
@@ -135,6 +147,7 @@ class MicroBatchPlan(_Message):
     traceparent: str = ""
     # The publishing scheduler instance; ids grow by one per plan within an epoch.
     epoch: str = Field(default="", max_length=64)
+    mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned
 
 
 class RequestResult(_Message):
@@ -159,6 +172,7 @@ class MicroBatchDone(_Message):
     error: str = ""
     num_agreed_blocks: list[int] = []  # per plan chunk: the L* this stage committed (-1: none)
     epoch: str = Field(default="", max_length=64)  # the plan's epoch
+    mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned
 
 
 class KVEventBatch(_Message):
@@ -167,6 +181,7 @@ class KVEventBatch(_Message):
     rank: int
     stored: list[list[HexHash]] = []
     removed: list[list[HexHash]] = []
+    mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned
 
 
 # --------------------------------------------------------------------------- gap-free delivery
@@ -189,6 +204,7 @@ class PlanReplayReply(_Message):
     epoch: str = Field(max_length=64)
     next_id: int = Field(ge=0)
     plans: list[MicroBatchPlan] = []
+    mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned
 
 
 class DoneReplay(_Message):

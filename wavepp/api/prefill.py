@@ -65,6 +65,7 @@ class PrefillResult(_Msg):
     stage_hits: list[int] = Field(default_factory=list)
     stages: list[StageTiming] = Field(default_factory=list)
     error: str = ""
+    mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned
 
 
 class Heartbeat(_Msg):
@@ -79,3 +80,6 @@ class Heartbeat(_Msg):
     instance: str
     pool: str = ""
     num_stages: int = 0
+    seq: int = Field(default=0, ge=0)  # grows by one per heartbeat of this instance
+    sent_at_s: float = 0.0  # wall clock (time.time()) at publish
+    mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned

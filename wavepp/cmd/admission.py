@@ -100,10 +100,16 @@ def run(args: argparse.Namespace) -> int:
     )
     from wavepp.runtime.planning import CostModel
     from wavepp.runtime.serving.service import AdmissionService
+    from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
     from wavepp.runtime.transport.natsio import connect
     from wavepp.telemetry import tracing
     from wavepp.telemetry.metrics import setup_metrics, shutdown_metrics
 
+    try:
+        bus_key = load_bus_key()  # a bad WAVEPP_BUS_KEY: one line, before anything connects
+    except BusKeyError as exc:
+        print(f"wavepp admission: {exc}", file=sys.stderr)
+        return 2
     try:
         config = runtime_config_from_args(args, os.environ)
         pool = args.pool or os.environ.get(POOL_ENV)
@@ -170,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
                 pool=pool,
                 ack_wait_s=args.ack_wait_s,
                 max_concurrent=args.max_outstanding,
+                bus_key=bus_key,
             )
             if args.health_port is not None:
                 runner, port = await start_health_server(

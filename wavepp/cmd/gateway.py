@@ -159,7 +159,11 @@ def gateway_config_from_spec(
         pool=pool,
         namespace=namespace,
         replicas=[
-            ReplicaInfo(pipeline=replica_pipeline_name(pool, i), num_stages=first.num_stages)
+            ReplicaInfo(
+                pipeline=replica_pipeline_name(pool, i),
+                num_stages=first.num_stages,
+                stage_blocks=[first.kv_blocks_of(r) for r in range(first.num_stages)],
+            )
             for i in replicas
         ],
         model_name=first.model.name,
@@ -239,12 +243,14 @@ def run(args: argparse.Namespace) -> int:
     )
     from wavepp.cmd.stage import ArgError, apply_nats_tls, check_creds
     from wavepp.gateway.http import run_gateway
+    from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
 
     try:
         config = _config_from_args(args)
         check_creds(args.nats_creds)
         apply_nats_tls(args)
-    except ArgError as exc:
+        load_bus_key()  # a bad WAVEPP_BUS_KEY is a one-line error here
+    except (ArgError, BusKeyError) as exc:
         print(f"wavepp gateway: {exc}", file=sys.stderr)
         return config_exit_code(os.environ)
     if not 0 < args.port < 65536:

@@ -353,6 +353,7 @@ def run(args: argparse.Namespace) -> int:
         describe_error,
     )
     from wavepp.runtime.stage.worker import StageReadiness, check_environment, run_stage
+    from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
 
     try:
         config = runtime_config_from_args(args, os.environ)
@@ -363,7 +364,8 @@ def run(args: argparse.Namespace) -> int:
         apply_nats_tls(args)
         check_port("--health-port", args.health_port)
         check_environment(config)
-    except (ArgError, ValueError) as exc:
+        load_bus_key()  # a bad WAVEPP_BUS_KEY is a one-line error here, not a traceback later
+    except (ArgError, ValueError, BusKeyError) as exc:
         print(f"wavepp stage: {describe_error(exc)}", file=sys.stderr)
         return config_exit_code(os.environ)
     if not 0 <= rank < config.num_stages:

@@ -449,7 +449,14 @@ def run(args: argparse.Namespace) -> int:
     )
     gateway_config = GatewayConfig(
         pool=args.pool,
-        replicas=[ReplicaInfo(pipeline=c.pipeline, num_stages=c.num_stages) for c in configs],
+        replicas=[
+            ReplicaInfo(
+                pipeline=c.pipeline,
+                num_stages=c.num_stages,
+                stage_blocks=[c.kv_blocks_of(r) for r in range(c.num_stages)],
+            )
+            for c in configs
+        ],
         model_name=first.model.name,
         model_id=first.model_id,
         block_size=first.block_size,
@@ -479,6 +486,14 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    # The bus key every child signs and checks messages with (inherited through the
+    # environment; generated here unless the caller set WAVEPP_BUS_KEY or WAVEPP_BUS_KEY_FILE).
+    from wavepp.runtime.transport.buskey import BusKeyError, ensure_bus_key
+
+    try:
+        ensure_bus_key()
+    except BusKeyError as exc:
+        return _fail("WAVEPP_BUS_KEY", str(exc))
     auth = None
     if args.insecure_nats:
         print(

@@ -16,12 +16,17 @@ request after validation::
 The pool follows the heartbeats (``heartbeat_wildcard``: the heartbeats of its namespace): a replica of this pool that was not
 configured is added when it beats (a scale-up), one silent for ``replica_forget_s`` is dropped
 (a scale-down). The gateway is ready while at least one replica is in the pool.
+
+Heartbeats, results (published and stored) and KV events count only when ``trust.BusGuard``
+accepts them: signed by the replica (with a bus key), a result only from a replica the request
+was routed to, heartbeats fresh and rate-limited.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -34,19 +39,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from wavepp.api.messages import KVEventBatch
 from wavepp.api.prefill import Heartbeat, IntakeRequest, PrefillResult
+from wavepp.api.signing import BusKey
 from wavepp.api.subjects import (
     ReplicaSubjects,
     heartbeat_subject,
     heartbeat_wildcard,
     intake_stream,
     intake_subject,
-    pipeline_of,
     replica_prefix,
     result_subject,
 )
 from wavepp.gateway.metrics import GatewayLoad, GatewayMetrics
 from wavepp.gateway.router import PoolRouter, RoutingPolicy
 from wavepp.gateway.tenants import FairShareQueue, LimitExceeded, TenantLimiter, TenantPolicy
+from wavepp.gateway.trust import BusGuard
 from wavepp.gateway.validation import ParsedRequest, PromptLimits
 from wavepp.runtime.kv import hash_prompt_blocks
 from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
@@ -71,6 +77,9 @@ class ReplicaInfo(BaseModel):
 
     pipeline: str
     num_stages: int = Field(ge=1)
+    # KV blocks of each stage: the router's index of that stage holds at most this many hashes
+    # (empty: router.DEFAULT_STAGE_BLOCKS each).
+    stage_blocks: list[int] = Field(default_factory=list)
 
 
 class GatewayConfig(BaseModel):
@@ -126,10 +135,16 @@ class ReplicaUnavailable(RuntimeError):
 
 
 class Gateway:
-    """See the module docstring. ``clock`` is monotonic seconds (tests may pass a fake)."""
+    """See the module docstring. ``clock`` is monotonic seconds (tests may pass a fake);
+    ``bus_key`` the deployment's (``load_bus_key``), None: insecure mode."""
 
     def __init__(
-        self, config: GatewayConfig, nc: NATS, *, clock: Callable[[], float] = time.monotonic
+        self,
+        config: GatewayConfig,
+        nc: NATS,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        bus_key: BusKey | None = None,
     ) -> None:
         self.config = config
         self.nc = nc
@@ -144,7 +159,7 @@ class Gateway:
             {t.name: t.priority for t in config.tenants},
         )
         self.router = PoolRouter(
-            [(r.pipeline, r.num_stages) for r in config.replicas],
+            [(r.pipeline, r.num_stages, r.stage_blocks) for r in config.replicas],
             policy=config.routing,
             timeout_s=config.replica_timeout_s,
         )
@@ -152,6 +167,8 @@ class Gateway:
         self.num_outstanding = 0
         self._pending: dict[str, asyncio.Future[PrefillResult]] = {}
         self._waiters: dict[str, asyncio.Future[PrefillResult]] = {}
+        self._routed: dict[str, set[str]] = {}  # key -> replicas its intake was published to
+        self.guard = BusGuard(bus_key, [r.pipeline for r in config.replicas])
         self._kv = None
         self._subs: list[object] = []
         self._watched: set[str] = set()  # replicas whose KV events feed the router
@@ -173,7 +190,7 @@ class Gateway:
             self._subs.append(
                 await self.nc.subscribe(
                     heartbeat_subject(replica.pipeline, namespace=self.config.namespace),
-                    cb=self._on_heartbeat,
+                    cb=functools.partial(self._on_heartbeat, replica.pipeline),
                 )
             )
             await self._watch_kv_events(replica.pipeline)
@@ -192,7 +209,7 @@ class Gateway:
                 ReplicaSubjects(
                     replica_prefix(pipeline, namespace=self.config.namespace)
                 ).kv_events("*"),
-                cb=self._on_kv_events,
+                cb=functools.partial(self._on_kv_events, pipeline),
             )
         )
 
@@ -210,17 +227,26 @@ class Gateway:
             result = PrefillResult.model_validate_json(msg.data)
         except ValueError:
             return
-        waiter = self._waiters.get(f"{result.tenant}.{result.request_id}")
-        if waiter is not None and not waiter.done():
-            waiter.set_result(result)
+        key = f"{result.tenant}.{result.request_id}"
+        waiter = self._waiters.get(key)
+        if waiter is None or waiter.done():
+            return
+        if not self.guard.result(result, self._routed.get(key, ())):
+            log.error(
+                "result for %s on %s dropped: not signed by a replica it was routed to",
+                key,
+                msg.subject,
+            )
+            return
+        waiter.set_result(result)
 
-    async def _on_heartbeat(self, msg: Msg) -> None:
+    async def _on_heartbeat(self, replica: str, msg: Msg) -> None:
         try:
             beat = Heartbeat.model_validate_json(msg.data)
         except ValueError:
             return
-        if beat.pipeline in self.router.by_name:
-            self.router.on_heartbeat(beat.pipeline, self.clock(), is_ready=beat.ready)
+        if self.guard.heartbeat(replica, beat, self.clock(), time.time()):
+            self.router.on_heartbeat(replica, self.clock(), is_ready=beat.ready)
             self._dispatch()
 
     async def _on_pool_heartbeat(self, msg: Msg) -> None:
@@ -245,6 +271,10 @@ class Gateway:
         if beat.pipeline not in self.router.by_name:
             if beat.num_stages < 1 or len(self.router.replicas) >= self.config.max_replicas:
                 return
+            self.guard.add_replica(beat.pipeline)
+        if not self.guard.heartbeat(beat.pipeline, beat, self.clock(), time.time()):
+            return  # unsigned, stale, replayed or too frequent: not a member speaking
+        if beat.pipeline not in self.router.by_name:
             await ensure_intake(self.js, beat.pipeline, namespace=self.config.namespace)
             self.router.add_replica(beat.pipeline, beat.num_stages)
             if beat.pipeline not in self._watched:
@@ -253,10 +283,12 @@ class Gateway:
         self.router.on_heartbeat(beat.pipeline, self.clock(), is_ready=beat.ready)
         self._dispatch()
 
-    async def _on_kv_events(self, msg: Msg) -> None:
-        replica = pipeline_of(msg.subject)
+    async def _on_kv_events(self, replica: str, msg: Msg) -> None:
         try:
             batch = KVEventBatch.model_validate_json(msg.data)
+            if not self.guard.kv_events(replica, batch, self.router.by_name[replica].num_stages):
+                log.warning("KV event batch on %s dropped: not signed by its replica", msg.subject)
+                return
             self.router.on_kv_events(
                 replica,
                 batch.rank,
@@ -339,7 +371,14 @@ class Gateway:
             entry = await self._kv.get(key)
         except KeyNotFoundError:
             return None
-        return PrefillResult.model_validate_json(entry.value)
+        try:
+            result = PrefillResult.model_validate_json(entry.value or b"")
+        except ValueError:
+            result = None
+        if result is None or not self.guard.stored(key, result):
+            log.error("results bucket entry %s ignored: not a result a replica stored", key)
+            return None
+        return result
 
     async def prefill(self, request: ParsedRequest) -> tuple[PrefillResult, bool]:
         """Serve one validated request.
@@ -430,6 +469,7 @@ class Gateway:
         )
         waiter: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
         self._waiters[intake.key] = waiter
+        routed = self._routed.setdefault(intake.key, set())
         deadline = self.clock() + self.config.request_timeout_s
         excluded: list[str] = []
         data = intake.model_dump_json().encode()
@@ -445,6 +485,7 @@ class Gateway:
                 self.metrics.routed(replica.name, num_reusable)
                 routed_in_pool = self.router.in_pool(replica.name, self.clock())
                 unready_since: float | None = None
+                routed.add(replica.name)
                 replica.num_outstanding += 1
                 try:
                     try:
@@ -511,6 +552,7 @@ class Gateway:
                     replica.num_outstanding -= 1
         finally:
             self._waiters.pop(intake.key, None)
+            self._routed.pop(intake.key, None)
 
 
 __all__ = [

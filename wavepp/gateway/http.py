@@ -59,6 +59,7 @@ from wavepp.gateway.validation import (
     parse_prefill,
     tenant_hint,
 )
+from wavepp.runtime.transport.buskey import load_bus_key
 from wavepp.runtime.transport.natsio import connect
 
 log = logging.getLogger(__name__)
@@ -244,7 +245,7 @@ class GatewayServer:
             lambda: parse_prefill(body, limits, self._encode), key_tenant or claimed
         )
         if isinstance(payload, PrefillResult):
-            payload = payload.model_dump(mode="json")
+            payload = payload.model_dump(mode="json", exclude={"mac"})
         return web.json_response(payload, status=status, headers=headers)
 
     async def handle_models(self, request: web.Request) -> web.Response:
@@ -377,7 +378,7 @@ class GatewayServer:
         claimed = body.get("tenant") if isinstance(body, dict) else None
         status, payload, _ = await self.serve(parse, key_tenant or claimed)
         if isinstance(payload, PrefillResult):
-            payload = payload.model_dump(mode="json")
+            payload = payload.model_dump(mode="json", exclude={"mac"})
         await msg.respond(json.dumps({"status": status, "body": payload}).encode())
 
 
@@ -390,8 +391,9 @@ async def run_gateway(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
+    bus_key = load_bus_key()
     nc = await connect(nats_url, name=f"{config.pool}-gateway-{os.getpid()}")
-    gateway = Gateway(config, nc)
+    gateway = Gateway(config, nc, bus_key=bus_key)
     runner = None
     try:
         server = GatewayServer(gateway, tokenizer)

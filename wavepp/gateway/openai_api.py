@@ -64,7 +64,7 @@ def completion_body(
     results: Sequence[PrefillResult], model: str, created: int, decode: Decode | None
 ) -> dict[str, object]:
     """The ``/v1/completions`` JSON answer for ``results`` (one per prompt, in order)."""
-    dumped = [r.model_dump(mode="json") for r in results]
+    dumped = [r.model_dump(mode="json", exclude={"mac"}) for r in results]
     return {
         "id": f"cmpl-{results[0].request_id}",
         "object": "text_completion",
@@ -95,7 +95,7 @@ def sse_events(
                 "created": created,
                 "model": model,
                 "choices": [_choice(i, result, decode)],
-                "wavepp": result.model_dump(mode="json"),
+                "wavepp": result.model_dump(mode="json", exclude={"mac"}),
             }
         )
     if include_usage:

@@ -4,6 +4,8 @@ Each replica's stages publish KV events (``{p}.kv_events.{rank}``: block hashes 
 removed). The router keeps, per replica and stage, the set of block hashes the stage holds (a
 shadow index), so it can estimate a replica's reusable prefix for a prompt the same way the
 admission controller computes L*: the number of leading block hashes held on *every* stage.
+The index of a stage holds at most that stage's block count (``stage_blocks``; a stage cannot
+hold more): a stored hash past it evicts the oldest one, so a flood of KV events cannot grow it.
 
     choose(hashes): replicas in the pool
         -> longest reusable prefix (blocks), ties -> fewest requests outstanding,
@@ -19,29 +21,42 @@ Policies ``round_robin`` and ``least_loaded`` ignore the index (for comparison a
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["PoolRouter", "ReplicaState", "RoutingPolicy"]
+__all__ = ["DEFAULT_STAGE_BLOCKS", "PoolRouter", "ReplicaState", "RoutingPolicy"]
+
+DEFAULT_STAGE_BLOCKS = 1 << 18
+"""The index bound per stage when a replica's block counts are not given (hashes)."""
 
 RoutingPolicy = Literal["prefix", "round_robin", "least_loaded"]
 
 
 @dataclass
 class ReplicaState:
-    """What the router knows of one replica: per-stage held block hashes, load, liveness."""
+    """What the router knows of one replica: per-stage held block hashes (oldest stored
+    first, at most ``stage_blocks[r]`` each), load, liveness."""
 
     name: str
     num_stages: int
-    held: list[set[bytes]] = field(default_factory=list)
+    stage_blocks: list[int] = field(default_factory=list)
+    held: list[OrderedDict[bytes, None]] = field(default_factory=list)
     num_outstanding: int = 0
     last_heartbeat_s: float = -1.0
     is_ready: bool = False
 
     def __post_init__(self) -> None:
+        if not self.stage_blocks:
+            self.stage_blocks = [DEFAULT_STAGE_BLOCKS] * self.num_stages
+        if len(self.stage_blocks) != self.num_stages or min(self.stage_blocks) < 1:
+            raise ValueError(
+                f"stage_blocks={self.stage_blocks}: replica {self.name} needs one count >= 1 "
+                f"per stage ({self.num_stages})"
+            )
         if not self.held:
-            self.held = [set() for _ in range(self.num_stages)]
+            self.held = [OrderedDict() for _ in range(self.num_stages)]
 
     def num_reusable_blocks(self, block_hashes: Sequence[bytes]) -> int:
         """Leading blocks of ``block_hashes`` held on every stage (the shadow L*)."""
@@ -57,14 +72,16 @@ class PoolRouter:
     """Chooses a replica per request; see the module docstring.
 
     Args:
-        replicas: (name, num_stages) of each replica, in pool order.
+        replicas: (name, num_stages) or (name, num_stages, blocks per stage) of each replica,
+            in pool order; without block counts each stage's index holds at most
+            ``DEFAULT_STAGE_BLOCKS`` hashes.
         policy: ``prefix`` (default), ``round_robin`` or ``least_loaded``.
         timeout_s: a replica without a heartbeat for this long is out of the pool.
     """
 
     def __init__(
         self,
-        replicas: Sequence[tuple[str, int]],
+        replicas: Sequence[tuple[str, int] | tuple[str, int, Sequence[int]]],
         *,
         policy: RoutingPolicy = "prefix",
         timeout_s: float = 3.0,
@@ -73,7 +90,10 @@ class PoolRouter:
             raise ValueError("replicas: the pool needs at least one replica")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: must be > 0")
-        self.replicas = [ReplicaState(name, num_stages) for name, num_stages in replicas]
+        self.replicas = [
+            ReplicaState(r[0], r[1], list(r[2]) if len(r) > 2 else [])  # type: ignore[misc]
+            for r in replicas
+        ]
         self.by_name = {r.name: r for r in self.replicas}
         self.policy: RoutingPolicy = policy
         self.timeout_s = timeout_s
@@ -97,10 +117,16 @@ class PoolRouter:
         if not 0 <= rank < state.num_stages:
             raise ValueError(f"rank={rank}: replica {replica} has {state.num_stages} stages")
         held = state.held[rank]
+        capacity = state.stage_blocks[rank]
         for hashes in stored:
-            held.update(hashes)
+            for block_hash in hashes:
+                held[block_hash] = None
+                held.move_to_end(block_hash)
+                if len(held) > capacity:
+                    held.popitem(last=False)
         for hashes in removed:
-            held.difference_update(hashes)
+            for block_hash in hashes:
+                held.pop(block_hash, None)
 
     def on_heartbeat(self, replica: str, now_s: float, *, is_ready: bool) -> None:
         state = self.by_name[replica]

@@ -38,6 +38,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 
 from wavepp.api.messages import KVEventBatch, MicroBatchDone, MicroBatchPlan
+from wavepp.api.signing import BusKey
 from wavepp.api.subjects import ReplicaSubjects
 from wavepp.telemetry import tracing
 from wavepp.telemetry.metrics import PipelineSource, get_metrics
@@ -113,9 +114,12 @@ class PipelineTelemetry:
         num_stages: int,
         stats: _Stats,
         queue_depths: Callable[[], dict[str, int]],
+        *,
+        bus_key: BusKey | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.num_stages = num_stages
+        self.bus_key = bus_key  # the replica's: KV events must carry its tag (None: unchecked)
         self.metrics = get_metrics()
         self._roots: dict[str, Span] = {}
         self._num_submitted: dict[str, int] = {}  # a duplicate id shares the first one's root
@@ -311,6 +315,11 @@ class PipelineTelemetry:
             batch = KVEventBatch.model_validate_json(msg.data)
         except ValueError as exc:
             log.debug("invalid KV event batch ignored: %s", exc)
+            return
+        if not 0 <= batch.rank < self.num_stages or (
+            self.bus_key is not None and not self.bus_key.verify(batch)
+        ):
+            log.debug("KV event batch of rank %d ignored: not a stage's", batch.rank)
             return
         self.kv_removed(batch.rank, sum(len(chain) for chain in batch.removed))
 

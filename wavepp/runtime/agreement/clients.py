@@ -11,6 +11,7 @@ from wavepp.api.messages import (
     KVReply,
     KVRequestMessage,
 )
+from wavepp.api.signing import BusKey
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch, handle_kv_request
 from wavepp.runtime.kv import StageKVManager
 
@@ -28,17 +29,23 @@ class StageClient(Protocol):
 
 
 class LocalStageClient:
-    """In-process stage client over a ``StageKVManager`` (tests, simulator)."""
+    """In-process stage client over a ``StageKVManager`` (tests, simulator); ``bus_key``: the
+    stage side's key (messages are checked as on the bus)."""
 
-    def __init__(self, manager: StageKVManager, rank: int) -> None:
+    def __init__(
+        self, manager: StageKVManager, rank: int, *, bus_key: BusKey | None = None
+    ) -> None:
         self.manager = manager
         self.rank = rank
+        self.bus_key = bus_key
 
     async def call(self, msg: KVRequestMessage) -> KVReply:
-        return handle_kv_request(self.manager, self.rank, msg.model_dump_json().encode())
+        return handle_kv_request(
+            self.manager, self.rank, msg.model_dump_json().encode(), bus_key=self.bus_key
+        )
 
     async def call_batch(self, payload: bytes) -> bytes:
-        return handle_kv_batch(self.manager, self.rank, payload)
+        return handle_kv_batch(self.manager, self.rank, payload, bus_key=self.bus_key)
 
 
 class StageUnavailableError(RuntimeError):

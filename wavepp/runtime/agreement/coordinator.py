@@ -21,7 +21,9 @@ linear-attention layers keep their recurrent state after every k-th block only),
 multiple of k: a prefix is reused up to the last block after which every stage holds both the
 attention KV and the recurrent state (a stage holding a block's KV holds its state too: the
 state is stored under that block's id and dropped when the block is rewritten). Pins and reservations carry a lease; the controller renews the leases
-of live requests, so a vanished controller leaks nothing.
+of live requests, so a vanished controller leaks nothing. Every op names the controller as its
+``owner`` (a random id per instance) and, with a bus key, is signed: a stage lets only the
+owner that pinned a request commit, renew or release it.
 
 The stage side (``handle_kv_request``) is a pure function over a ``StageKVManager``; the stage
 process owns the NATS I/O around it.
@@ -33,15 +35,18 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from wavepp.api.kv_batch import KVBatch, encode_batch
 from wavepp.api.messages import (
     Health,
     KVReply,
     KVRequestMessage,
     Renew,
 )
+from wavepp.api.signing import BusKey
 from wavepp.runtime.agreement.clients import StageClient
 from wavepp.runtime.agreement.rounds import AgreementRounds, PendingAgreement
 from wavepp.runtime.kv import hash_prompt_blocks
@@ -78,6 +83,8 @@ class AdmissionController:
     ``agree`` returns a ``Ticket`` or ``None`` when some stage refused the reservation (then no
     stage holds anything for the request). Leases of admitted requests are renewed by
     ``renew_leases`` (call it periodically) until ``release``.
+
+    ``bus_key`` (the replica's, ``wavepp.api.signing``) signs every op; None sends them unsigned.
     """
 
     def __init__(
@@ -90,6 +97,7 @@ class AdmissionController:
         stage_capacities: Sequence[int] | None = None,
         max_batch: int = 512,
         state_interval_blocks: int = 1,
+        bus_key: BusKey | None = None,
     ) -> None:
         if not stages:
             raise ValueError("stages: need at least one stage client")
@@ -101,6 +109,9 @@ class AdmissionController:
         self.model_id = model_id
         self.lease_s = lease_s
         self.stage_capacities = list(stage_capacities) if stage_capacities else None
+        self.bus_key = bus_key
+        self.owner = uuid.uuid4().hex[:16]  # this instance, as the stages know it
+        self._seq = 0  # numbers this owner's ops: a stage refuses a replayed (signed) one
         self._live: set[str] = set()  # admitted, not released: their leases are renewed
         self._rounds = AgreementRounds(
             self.stages,
@@ -110,6 +121,7 @@ class AdmissionController:
             refusal=self._on_refused,
             max_batch=max_batch,
             state_interval_blocks=state_interval_blocks,
+            encode=self._encode_batch,
         )
 
     def block_hashes(self, request: PromptRequest) -> list[bytes]:
@@ -135,7 +147,17 @@ class AdmissionController:
                     f"{need} blocks of {self.block_size}; stage {rank} holds {capacity}"
                 )
 
+    def _encode_batch(self, batch: KVBatch) -> bytes:
+        """A round's batch as this owner's next op, signed with the bus key (if any)."""
+        self._seq += 1
+        return encode_batch(replace(batch, owner=self.owner, seq=self._seq), self.bus_key)
+
     async def _all(self, msg: KVRequestMessage) -> list[KVReply]:
+        if not isinstance(msg, Health):  # a health probe changes nothing: never signed
+            self._seq += 1
+            msg = msg.model_copy(update={"owner": self.owner, "seq": self._seq})
+            if self.bus_key is not None:
+                msg = self.bus_key.sign(msg)
         return list(await asyncio.gather(*(stage.call(msg) for stage in self.stages)))
 
     async def agree(self, request: PromptRequest) -> Ticket | None:

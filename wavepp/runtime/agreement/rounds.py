@@ -88,6 +88,7 @@ class AgreementRounds:
         max_batch: int = 512,
         max_rounds_in_flight: int = 4,
         state_interval_blocks: int = 1,
+        encode: Callable[[KVBatch], bytes] = encode_batch,
     ) -> None:
         if not 1 <= max_batch <= MAX_BATCH_ENTRIES:
             raise ValueError(f"max_batch: {max_batch}; must be in [1, {MAX_BATCH_ENTRIES}]")
@@ -100,6 +101,7 @@ class AgreementRounds:
         self.max_rounds_in_flight = max_rounds_in_flight
         # hybrid models: a prefix is reusable only up to a stored recurrent state, every k blocks
         self.state_interval_blocks = state_interval_blocks
+        self._encode = encode  # the controller's: stamps its owner and op number, signs
         self._admitted = admitted
         self._refusal = refusal
         self._pending: deque[PendingAgreement] = deque()
@@ -259,7 +261,7 @@ class AgreementRounds:
             _settle(pending, exc=error)
 
     async def _call_all(self, batch: KVBatch) -> list[KVBatchReply]:
-        payload = encode_batch(batch)
+        payload = self._encode(batch)
         raw = await asyncio.gather(*(stage.call_batch(payload) for stage in self.stages))
         replies = []
         for stage, data in zip(self.stages, raw, strict=True):

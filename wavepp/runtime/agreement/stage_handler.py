@@ -6,6 +6,11 @@ releases in one binary message (``wavepp.api.kv_batch``). The stage process owns
 around both. No I/O here. The
 manager is the one record of each request on the stage (its pins, block table, prompt hashes
 and L*); this handler keeps no state of its own.
+
+Trust nothing on the bus: with a bus key (``wavepp.api.signing``) a message whose tag is
+missing or wrong is refused before it touches the manager; the manager refuses a lease past the
+replica's ``lease_s`` and a commit, renew or release by an owner that did not probe the request
+(see ``StageKVManager``).
 """
 
 from __future__ import annotations
@@ -32,10 +37,13 @@ from wavepp.api.messages import (
     Release,
     Renew,
 )
+from wavepp.api.signing import BusKey
 from wavepp.runtime.kv import StageKVManager
 
 
-def handle_kv_request(manager: StageKVManager, rank: int, payload: bytes) -> KVReply:
+def handle_kv_request(
+    manager: StageKVManager, rank: int, payload: bytes, *, bus_key: BusKey | None = None
+) -> KVReply:
     """Apply one KV op to a stage's manager and return the reply. Never raises on bad input.
 
     Args:
@@ -44,6 +52,7 @@ def handle_kv_request(manager: StageKVManager, rank: int, payload: bytes) -> KVR
         payload: a JSON ``KVRequest``. ``probe_pin`` hands the prompt's block hashes to the
             manager, which keeps them (with L* from ``commit``) until ``release``; the stage
             needs them to cache blocks once they are computed.
+        bus_key: the replica's key; None: unsigned messages are accepted (insecure mode).
 
     Returns:
         ``KVReply`` with ``ok=False`` and ``error`` naming the field for an invalid message or a
@@ -56,10 +65,28 @@ def handle_kv_request(manager: StageKVManager, rank: int, payload: bytes) -> KVR
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
         return KVReply(rank=rank, ok=False, error=f"invalid KV request: {where}: {first['msg']}")
+    if bus_key is not None and not isinstance(msg, Health) and not bus_key.verify(msg):
+        return KVReply(
+            rank=rank,
+            ok=False,
+            error=f"{type(msg).__name__}: mac: missing or wrong (not signed with this replica's "
+            "bus key); refused",
+        )
+    if (
+        bus_key is not None
+        and not isinstance(msg, Health)
+        and not manager.accept_seq(msg.owner, msg.seq)
+    ):
+        return KVReply(
+            rank=rank,
+            ok=False,
+            error=f"{type(msg).__name__}: seq={msg.seq}: not above owner {msg.owner!r}'s last "
+            "op on this stage (a replayed message); refused",
+        )
     try:
         if isinstance(msg, ProbePin):
             hashes = [bytes.fromhex(h) for h in msg.block_hashes]
-            num_hit = manager.probe_pin(msg.request_id, hashes, msg.lease_s)
+            num_hit = manager.probe_pin(msg.request_id, hashes, msg.lease_s, owner=msg.owner)
             return KVReply(
                 rank=rank,
                 num_hit_blocks=num_hit,
@@ -68,7 +95,11 @@ def handle_kv_request(manager: StageKVManager, rank: int, payload: bytes) -> KVR
             )
         if isinstance(msg, Commit):
             table = manager.commit(
-                msg.request_id, msg.num_agreed_blocks, msg.num_total_blocks, msg.lease_s
+                msg.request_id,
+                msg.num_agreed_blocks,
+                msg.num_total_blocks,
+                msg.lease_s,
+                owner=msg.owner,
             )
             if table is None:
                 return KVReply(
@@ -76,7 +107,9 @@ def handle_kv_request(manager: StageKVManager, rank: int, payload: bytes) -> KVR
                     ok=False,
                     error=(
                         f"reservation refused: needs {msg.num_total_blocks - msg.num_agreed_blocks}"
-                        f" blocks, {pool.num_free_blocks} free of {pool.num_blocks}"
+                        f" blocks, {pool.num_free_blocks} free of {pool.num_blocks}, owner holds"
+                        f" {manager.num_owner_blocks(msg.owner)} of max_blocks_per_owner="
+                        f"{manager.max_blocks_per_owner}"
                     ),
                     num_free_blocks=pool.num_free_blocks,
                     num_blocks=pool.num_blocks,
@@ -89,9 +122,9 @@ def handle_kv_request(manager: StageKVManager, rank: int, payload: bytes) -> KVR
             )
         if isinstance(msg, Release):
             for request_id in msg.request_ids:
-                manager.release(request_id)
+                manager.release(request_id, owner=msg.owner)
         elif isinstance(msg, Renew):
-            manager.renew(msg.request_ids, msg.lease_s)
+            manager.renew(msg.request_ids, msg.lease_s, owner=msg.owner)
         elif isinstance(msg, Health):
             pass
         return KVReply(rank=rank, num_free_blocks=pool.num_free_blocks, num_blocks=pool.num_blocks)
@@ -100,7 +133,12 @@ def handle_kv_request(manager: StageKVManager, rank: int, payload: bytes) -> KVR
 
 
 def handle_kv_batch(
-    manager: StageKVManager, rank: int, payload: bytes, *, refuse: str = ""
+    manager: StageKVManager,
+    rank: int,
+    payload: bytes,
+    *,
+    refuse: str = "",
+    bus_key: BusKey | None = None,
 ) -> bytes:
     """Apply one admission round (a binary ``KVBatch``) to a stage's manager, in one pass, and
     return the encoded ``KVBatchReply``. Never raises on bad input.
@@ -118,10 +156,13 @@ def handle_kv_batch(
         refuse: non-empty while the stage is out of service (re-forming its group): a release
             batch is applied, a probe or commit batch answered INVALID per entry with this
             reason and applied to nothing.
+        bus_key: the replica's key: a batch it did not sign, or a replayed one (its owner's op
+            number seen before), is refused whole; None accepts unsigned batches (insecure
+            mode). Entries act for the batch's owner only (``StageKVManager``'s owner checks).
     """
     pool = manager.pool
     try:
-        batch = decode_batch(payload)
+        batch = decode_batch(payload, bus_key)
     except KVWireError as exc:
         reply = KVBatchReply(
             BatchOp.PROBE,
@@ -129,6 +170,16 @@ def handle_kv_batch(
             pool.num_free_blocks,
             pool.num_blocks,
             error=f"invalid batch: {exc}",
+        )
+        return encode_reply(reply)
+    if bus_key is not None and not manager.accept_seq(batch.owner, batch.seq):
+        reply = KVBatchReply(
+            batch.op,
+            rank,
+            pool.num_free_blocks,
+            pool.num_blocks,
+            error=f"seq={batch.seq}: not above owner {batch.owner!r}'s last op on this stage "
+            "(a replayed batch); refused",
         )
         return encode_reply(reply)
     if refuse and batch.op is not BatchOp.RELEASE:
@@ -143,7 +194,9 @@ def handle_kv_batch(
     for entry in batch.entries:
         try:
             if isinstance(entry, ProbeEntry):
-                hit = manager.probe_pin(entry.request_id, entry.block_hashes, batch.lease_s)
+                hit = manager.probe_pin(
+                    entry.request_id, entry.block_hashes, batch.lease_s, owner=batch.owner
+                )
                 results.append(EntryResult(EntryStatus.OK, hit))
             elif isinstance(entry, CommitEntry):
                 table = manager.commit(
@@ -151,6 +204,7 @@ def handle_kv_batch(
                     entry.num_agreed_blocks,
                     entry.num_total_blocks,
                     batch.lease_s,
+                    owner=batch.owner,
                 )
                 if table is None:
                     need = entry.num_total_blocks - entry.num_agreed_blocks
@@ -167,7 +221,7 @@ def handle_kv_batch(
                         EntryResult(EntryStatus.OK, len(table) - entry.num_agreed_blocks)
                     )
             else:
-                manager.release(entry)
+                manager.release(entry, owner=batch.owner)
                 results.append(EntryResult(EntryStatus.OK))
         except (ValueError, KeyError) as exc:
             results.append(EntryResult(EntryStatus.INVALID, 0, f"{batch.op.name.lower()}: {exc}"))

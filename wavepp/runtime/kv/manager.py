@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ class _HeldRequest:
     block_table: list[int] | None = None  # after commit: L* cached ids, then fresh ids
     num_agreed_blocks: int = 0  # L*, after commit
     num_hashed_blocks: int = 0  # leading table blocks already passed to cache_full_blocks
+    owner: str = ""  # who probed it (an admission instance); only it may commit or release it
 
 
 def _check_lease(lease_s: float) -> None:
@@ -66,14 +68,40 @@ class StageKVManager:
     Every held request has a lease (``clock()`` seconds); ``expire`` releases any request
     whose lease passed, committed or not, so a dead controller leaks no pins.
 
+    Bounds against a misbehaving or forged owner: a lease is at most ``max_lease_s`` (a longer
+    one is refused, never clamped), an owner holds at most ``max_blocks_per_owner`` blocks
+    (pinned and reserved; a commit past it is refused like a full pool), and only the owner
+    that probed a request may commit, renew or release it.
+
     Args:
         pool: The stage's block pool; this manager is its only user.
         clock: Monotonic time in seconds (inject a fake in tests).
+        max_lease_s: The longest lease a request may hold, seconds (the replica's
+            ``lease_s``); None: no bound but the wire format's 3600 s.
+        max_blocks_per_owner: Blocks one owner may hold at once; None: the whole pool.
+
+    Raises:
+        ValueError: ``max_lease_s`` not a finite number > 0, or ``max_blocks_per_owner`` < 1.
     """
 
-    def __init__(self, pool: BlockPool, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_lease_s: float | None = None,
+        max_blocks_per_owner: int | None = None,
+    ) -> None:
+        if max_lease_s is not None:
+            _check_lease(max_lease_s)
+        if max_blocks_per_owner is not None and max_blocks_per_owner < 1:
+            raise ValueError(f"max_blocks_per_owner={max_blocks_per_owner}: must be >= 1")
         self.pool = pool
         self._clock = clock
+        self.max_lease_s = max_lease_s
+        self.max_blocks_per_owner = max_blocks_per_owner
+        # owner -> (highest op number, op numbers seen within seq_window of it)
+        self._owner_seqs: OrderedDict[str, tuple[int, set[int]]] = OrderedDict()
         self._requests: dict[str, _HeldRequest] = {}
         self._num_admitted = 0
 
@@ -82,7 +110,14 @@ class StageKVManager:
         """Requests holding blocks (probed or committed)."""
         return len(self._requests)
 
-    def probe_pin(self, request_id: str, block_hashes: Sequence[BlockHash], lease_s: float) -> int:
+    def probe_pin(
+        self,
+        request_id: str,
+        block_hashes: Sequence[BlockHash],
+        lease_s: float,
+        *,
+        owner: str = "",
+    ) -> int:
         """Pin the longest cached prefix of ``block_hashes`` for ``request_id``.
 
         Idempotent by request id: for a request already held it pins nothing more and returns
@@ -93,19 +128,22 @@ class StageKVManager:
             request_id: Non-empty id ("" is the receipt placeholder).
             block_hashes: The prompt's full-block hashes (``hash_prompt_blocks``); kept for
                 ``mark_computed``.
-            lease_s: Seconds until ``expire`` may release the request, > 0.
+            lease_s: Seconds until ``expire`` may release the request, > 0, <= ``max_lease_s``.
+            owner: Who holds it (the admission instance); only it may commit, renew, release.
 
         Returns:
             The local hit in blocks: number of leading hashes this stage holds, now pinned.
 
         Raises:
-            ValueError: on an empty ``request_id`` or a bad ``lease_s``.
+            ValueError: on an empty ``request_id``, a bad ``lease_s``, or a request another
+                owner holds.
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        _check_lease(lease_s)
+        self._check_lease(lease_s)
         held = self._requests.get(request_id)
         if held is not None:
+            self._check_owner(held, owner)
             held.lease_expiry_s = max(held.lease_expiry_s, self._clock() + lease_s)
             return len(held.hit_block_ids)
         hit_block_ids = self.pool.pin_longest_cache_hit(block_hashes)
@@ -116,11 +154,18 @@ class StageKVManager:
             self._clock() + lease_s,
             self._num_admitted,
             tuple(block_hashes),
+            owner=owner,
         )
         return len(hit_block_ids)
 
     def commit(
-        self, request_id: str, num_agreed_blocks: int, num_total_blocks: int, lease_s: float
+        self,
+        request_id: str,
+        num_agreed_blocks: int,
+        num_total_blocks: int,
+        lease_s: float,
+        *,
+        owner: str = "",
     ) -> list[int] | None:
         """Keep the first L* pinned blocks, unpin the rest, reserve the blocks after L*.
 
@@ -129,21 +174,24 @@ class StageKVManager:
             num_agreed_blocks: L*, the prefix agreed across stages; 0 <= L* <= local hit.
             num_total_blocks: Blocks the whole prompt needs (ceil(num_tokens / block_size)),
                 >= L*. The controller keeps L* below it when the last token must be computed.
-            lease_s: New lease, seconds from now, > 0.
+            lease_s: New lease, seconds from now, > 0, <= ``max_lease_s``.
+            owner: The owner that probed it.
 
         Returns:
             The block table (L* cached ids, then num_total_blocks - L* fresh ids), or None
-            when the pool cannot reserve the fresh blocks: then all of this request's pins
-            are released and it is forgotten (a refused reservation leaves no pins).
+            when the pool cannot reserve the fresh blocks or the owner would hold more than
+            ``max_blocks_per_owner``: then all of this request's pins are released and it is
+            forgotten (a refused reservation leaves no pins).
             Idempotent: a committed request returns the same table again.
 
         Raises:
             KeyError: if ``request_id`` is not held (never probed, released or expired).
             ValueError: if L* > local hit, L* < 0, num_total_blocks < L*, a bad ``lease_s``,
-                or a repeated commit with different block counts.
+                a repeated commit with different block counts, or another owner's request.
         """
-        _check_lease(lease_s)
+        self._check_lease(lease_s)
         held = self._held(request_id)
+        self._check_owner(held, owner)
         if held.block_table is not None:
             if (num_agreed_blocks, num_total_blocks) != (
                 held.num_agreed_blocks,
@@ -171,7 +219,10 @@ class StageKVManager:
         # Unpin past L* first: those blocks become evictable and may serve this reservation.
         self.pool.free(held.hit_block_ids[num_agreed_blocks:])
         del held.hit_block_ids[num_agreed_blocks:]
-        fresh_block_ids = self.pool.allocate(num_total_blocks - num_agreed_blocks)
+        num_fresh = num_total_blocks - num_agreed_blocks
+        fresh_block_ids = None
+        if self._fits_owner_cap(owner, num_fresh):
+            fresh_block_ids = self.pool.allocate(num_fresh)
         if fresh_block_ids is None:
             self.pool.free(held.hit_block_ids)
             del self._requests[request_id]
@@ -274,36 +325,78 @@ class StageKVManager:
         """Ids of the requests held (pinned or committed), oldest first."""
         return list(self._requests)
 
-    def release(self, request_id: str | PinReceipt) -> bool:
+    def release(self, request_id: str | PinReceipt, *, owner: str | None = None) -> bool:
         """Drop everything the request holds, tail first; cached blocks stay cached for reuse.
 
         Args:
             request_id: The request's id, or a ``PinReceipt`` (the default receipt names no
                 request and releases nothing).
+            owner: Release only if this owner holds it (a message from the bus); None: the
+                stage itself (lease expiry), whoever holds it.
 
         Returns:
-            True if the request was held (now released), False otherwise (no effect).
+            True if the request was held (now released), False otherwise (no effect; also when
+            another owner holds it).
         """
         if isinstance(request_id, PinReceipt):
             request_id = request_id.request_id
-        held = self._requests.pop(request_id, None)
-        if held is None:
+        held = self._requests.get(request_id)
+        if held is None or (owner is not None and held.owner != owner):
             return False
+        del self._requests[request_id]
         self.pool.free(self._held_block_ids(held))
         return True
 
-    def renew(self, request_ids: Iterable[str], lease_s: float) -> None:
-        """Set the lease of each held request to ``clock() + lease_s``; unknown ids are skipped.
+    def renew(self, request_ids: Iterable[str], lease_s: float, *, owner: str | None = None) -> int:
+        """Set the lease of each held request to ``clock() + lease_s``; unknown ids (and, with
+        ``owner``, another owner's) are skipped.
+
+        Returns:
+            How many leases were renewed.
 
         Raises:
             ValueError: on a bad ``lease_s``.
         """
-        _check_lease(lease_s)
+        self._check_lease(lease_s)
         lease_expiry_s = self._clock() + lease_s
+        num_renewed = 0
         for request_id in request_ids:
             held = self._requests.get(request_id)
-            if held is not None:
+            if held is not None and (owner is None or held.owner == owner):
                 held.lease_expiry_s = lease_expiry_s
+                num_renewed += 1
+        return num_renewed
+
+    owners_kept = 64
+    """Owners whose last op number ``accept_seq`` remembers (least recently seen dropped)."""
+
+    seq_window = 4096
+    """How far below an owner's highest op number a late op is still accepted (once)."""
+
+    def accept_seq(self, owner: str, seq: int) -> bool:
+        """Record op number ``seq`` of ``owner``; False (a replay) when this stage accepted it
+        before or it is ``seq_window`` or more below the highest accepted. An anti-replay
+        window (as IPsec's): ops of one owner may overtake each other a little on the way."""
+        high, seen = self._owner_seqs.get(owner, (-1, set()))
+        if seq in seen or seq <= high - self.seq_window:
+            return False
+        seen.add(seq)
+        high = max(high, seq)
+        if len(seen) > 2 * self.seq_window:
+            seen = {s for s in seen if s > high - self.seq_window}
+        self._owner_seqs[owner] = (high, seen)
+        self._owner_seqs.move_to_end(owner)
+        while len(self._owner_seqs) > self.owners_kept:
+            self._owner_seqs.popitem(last=False)
+        return True
+
+    def num_owner_blocks(self, owner: str) -> int:
+        """Blocks ``owner``'s requests hold now (pinned and reserved)."""
+        return sum(
+            len(self._held_block_ids(held))
+            for held in self._requests.values()
+            if held.owner == owner
+        )
 
     def expire(self) -> list[str]:
         """Release every request whose lease passed (expiry <= clock()), committed or not.
@@ -323,6 +416,27 @@ class StageKVManager:
     def take_events(self) -> list[KVEvent]:
         """Drain the pool's pending events (see ``BlockPool.take_events``)."""
         return self.pool.take_events()
+
+    def _check_lease(self, lease_s: float) -> None:
+        _check_lease(lease_s)
+        if self.max_lease_s is not None and lease_s > self.max_lease_s:
+            raise ValueError(
+                f"lease_s={lease_s!r} exceeds this stage's max_lease_s={self.max_lease_s} "
+                "(the replica's lease_s)"
+            )
+
+    @staticmethod
+    def _check_owner(held: _HeldRequest, owner: str) -> None:
+        if held.owner != owner:
+            raise ValueError(
+                f"request {held.request_id!r} is held by another owner; only its owner may "
+                "commit or renew it"
+            )
+
+    def _fits_owner_cap(self, owner: str, num_fresh: int) -> bool:
+        if self.max_blocks_per_owner is None:
+            return True
+        return self.num_owner_blocks(owner) + num_fresh <= self.max_blocks_per_owner
 
     def _held(self, request_id: str) -> _HeldRequest:
         held = self._requests.get(request_id)

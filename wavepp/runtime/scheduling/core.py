@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from wavepp.api.messages import MicroBatchPlan, PlannedChunk, RequestResult
+from wavepp.api.signing import BusKey
 from wavepp.runtime.agreement import Ticket
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv.inflight import InflightPrefixIndex
@@ -72,6 +73,8 @@ class SchedulerCore(DoneAccounting):
         clock: wall-clock seconds (outcome times, plan publish times).
         monotonic: seconds for deadlines.
         stats: where micro-batch statistics accumulate (default: a new WaveStats).
+        bus_key: the replica's key: plans leave signed, done messages must carry its tag;
+            None: unsigned (insecure mode).
     """
 
     def __init__(
@@ -84,8 +87,11 @@ class SchedulerCore(DoneAccounting):
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         stats: WaveStats | None = None,
+        bus_key: BusKey | None = None,
     ) -> None:
         self.config = config
+        self.bus_key = bus_key
+        self.num_forged_dones = 0  # done messages or results dropped (outputs.py)
         self.planner = planner
         self.num_stages = config.num_stages
         self.block_hashes = block_hashes
@@ -384,6 +390,8 @@ class SchedulerCore(DoneAccounting):
             traceparent=traceparent,
             epoch=self.epoch,
         )
+        if self.bus_key is not None:
+            plan = self.bus_key.sign(plan)
         self.ledger.published(
             scheduled.microbatch_id, plan, [c.request_id for c in scheduled.chunks]
         )

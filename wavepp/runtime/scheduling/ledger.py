@@ -72,6 +72,11 @@ class PlanLedger(Generic[P]):
         entry = self._entries.get(microbatch_id)
         return list(entry.owners) if entry is not None else []
 
+    def plan(self, microbatch_id: int) -> P | None:
+        """The plan of an outstanding micro-batch (None when not outstanding)."""
+        entry = self._entries.get(microbatch_id)
+        return entry.plan if entry is not None else None
+
     def num_reports(self, microbatch_id: int) -> int:
         entry = self._entries.get(microbatch_id)
         return len(entry.reported) if entry is not None else 0

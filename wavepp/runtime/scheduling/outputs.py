@@ -11,6 +11,11 @@ service's per-stage timings), so the result waits in ``_held_results`` for the l
 slot and the pins are freed at the last stage's report as before. A done lost for good is
 replayed on a gap or a resync; failing that, the micro-batch's deadline answers the held
 results as they are (``expire``).
+
+Trust nothing: a done message counts only with this scheduler's epoch (an empty one never), a
+rank in [0, S), with the bus key a valid tag, for a micro-batch outstanding in the ledger that
+this rank has not reported; a result counts only for a request whose last chunk that
+micro-batch carried. Anything else is dropped and counted (``num_forged_dones``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from wavepp.api.messages import MicroBatchDone, MicroBatchPlan, RequestResult
+from wavepp.api.signing import BusKey
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.request import RequestOutcome
 from wavepp.runtime.scheduling.ledger import PlanLedger, Report
@@ -35,6 +41,8 @@ class DoneAccounting:
     config: RuntimeConfig
     num_stages: int
     epoch: str
+    bus_key: BusKey | None
+    num_forged_dones: int = 0
     stats: WaveStats
     monotonic: Callable[[], float]
     ledger: PlanLedger[MicroBatchPlan]
@@ -54,11 +62,26 @@ class DoneAccounting:
         (none of their micro-batches left in flight, every chunk planned or answered).
         """
         update = DoneUpdate()
-        if done.epoch and done.epoch != self.epoch:
+        if done.epoch != self.epoch:
+            if done.epoch == "":
+                self.num_forged_dones += 1
+                log.error(
+                    "done message without an epoch dropped (micro-batch %d)", done.microbatch_id
+                )
             return update  # a previous scheduler's micro-batch
         if not 0 <= done.rank < self.num_stages:
             log.error("done message from rank %d dropped (S=%d)", done.rank, self.num_stages)
             return update
+        if self.bus_key is not None and not self.bus_key.verify(done):
+            self.num_forged_dones += 1
+            log.error(
+                "done message of micro-batch %d from rank %d dropped: its mac is missing or "
+                "wrong (is WAVEPP_BUS_KEY the same in every process?)",
+                done.microbatch_id,
+                done.rank,
+            )
+            return update
+        entry_plan = self.ledger.plan(done.microbatch_id)
         owners = self.ledger.owners(done.microbatch_id)
         report = self.ledger.report(done.microbatch_id, done.rank)
         if report in (Report.DUPLICATE, Report.UNKNOWN):
@@ -95,7 +118,20 @@ class DoneAccounting:
         request_ids = self.inflight.pop(done.microbatch_id, [])
         update.slot_freed = True
         held: list[tuple[RequestRecord, RequestResult]] = []
+        last_chunks = (
+            {c.request_id for c in entry_plan.chunks if c.is_last}
+            if entry_plan is not None
+            else set()
+        )
         for result in done.results:
+            if result.request_id not in last_chunks:
+                self.num_forged_dones += 1
+                log.error(
+                    "micro-batch %d: result for %r dropped: the plan has no last chunk of it",
+                    done.microbatch_id,
+                    result.request_id,
+                )
+                continue
             record = self.live.get(result.request_id)
             if record is None or record.status.is_finished:
                 continue

@@ -98,6 +98,7 @@ class WaveScheduler:
             block_hashes=controller.block_hashes,
             first_microbatch_id=first_microbatch_id,
             stats=stats,
+            bus_key=controller.bus_key,
         )
         self.intake: asyncio.Queue[RequestRecord] = asyncio.Queue()
         # Recovery counters (a NATS reconnect): plans replayed or republished to stages, done
@@ -110,6 +111,7 @@ class WaveScheduler:
             self.num_stages,
             self.core.stats,
             lambda: {"intake": self.intake.qsize(), "prepared": self._num_prepared()},
+            bus_key=self.core.bus_key,
         )
         self.admission: AsyncAdmission | SyncAdmission = (
             AsyncAdmission(self) if config.resolved_async_agreement else SyncAdmission(self)
@@ -386,7 +388,8 @@ class WaveScheduler:
                 "replaying plans %s to stage %d", [p.microbatch_id for p in plans], ask.rank
             )
         self.num_plans_resent += len(plans)
-        return PlanReplayReply(epoch=core.epoch, next_id=core.next_microbatch_id, plans=plans)
+        reply = PlanReplayReply(epoch=core.epoch, next_id=core.next_microbatch_id, plans=plans)
+        return reply if core.bus_key is None else core.bus_key.sign(reply)
 
     def on_resync(self, notice: StageResync) -> None:
         if 0 <= notice.rank < self.num_stages:

@@ -32,6 +32,7 @@ from wavepp.runtime.scheduling.core import planner_for
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.serving.lifecycle import child_env
+from wavepp.runtime.transport.buskey import BUS_KEY_ENV, bus_key_or_new
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
 from wavepp.telemetry import tracing
 from wavepp.telemetry.metrics import get_metrics, setup_metrics, shutdown_metrics
@@ -62,6 +63,8 @@ class LocalPipeline:
         self.controller: AdmissionController | None = None
         self.scheduler: WaveScheduler | None = None
         self._config_path = self.log_dir / "runtime-config.json"
+        # The bus key the stages and this scheduler sign with: the environment's, else a new one.
+        self.bus_key = bus_key_or_new()
         # Telemetry of this (scheduler) process, unless the caller set it up already (tests).
         self._owns_tracing = False
         self._owns_metrics = False
@@ -91,7 +94,13 @@ class LocalPipeline:
 
     def start_stage(self, rank: int, dist_url: str) -> subprocess.Popen[bytes]:
         out = open(self.log_dir / f"stage{rank}.log", "ab")  # noqa: SIM115 - owned by the child
-        env = child_env(dict(os.environ, OMP_NUM_THREADS=str(self.config.torch_threads)))
+        env = child_env(
+            dict(
+                os.environ,
+                OMP_NUM_THREADS=str(self.config.torch_threads),
+                **{BUS_KEY_ENV: self.bus_key.hex()},
+            )
+        )
         return subprocess.Popen(
             self.stage_command(rank, dist_url),
             stdout=out,
@@ -134,6 +143,7 @@ class LocalPipeline:
         self.nc = await connect(
             self.nats_url, name=f"{self.config.pipeline}-scheduler", anonymous_ok=True
         )
+        replica_key = self.bus_key.for_replica(self.config.pipeline)
         stages = [
             NatsStageClient(
                 self.nc, self.config.subject_prefix, rank, self.config.request_timeout_s
@@ -147,6 +157,7 @@ class LocalPipeline:
             lease_s=self.config.lease_s,
             stage_capacities=[self.config.kv_blocks_of(r) for r in range(self.config.num_stages)],
             state_interval_blocks=self.config.state_interval_blocks,
+            bus_key=replica_key,
         )
         await self.wait_formed()
         planner = planner_for(self.config, self.planner_cost_model)

@@ -20,6 +20,11 @@ A request re-routed by the gateway may run on two replicas: an error stored by o
 the other's answer (a stored error of another replica is run again here; an error never
 overwrites a stored answer). It subscribes to the pipeline's plans and done messages to report per-stage
 timings of each request (prepare and execute seconds, summed over the request's micro-batches).
+
+With a bus key (``wavepp.api.signing``; ``bus_key``) the service signs its KV ops, plans,
+heartbeats (numbered, stamped) and results with its replica's key, and answers a redelivery
+from the results bucket only with an entry whose tag checks (an entry planted by a client is
+ignored and overwritten).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from nats.js.errors import KeyNotFoundError
 
 from wavepp.api.messages import MicroBatchDone
 from wavepp.api.prefill import Heartbeat, IntakeRequest, PrefillResult, StageTiming
+from wavepp.api.signing import BusKey
 from wavepp.api.subjects import (
     heartbeat_subject,
     intake_stream,
@@ -93,6 +99,18 @@ def result_from_outcome(
     )
 
 
+def stored_result_is_authentic(bus_key: BusKey | None, key: str, data: bytes) -> bool:
+    """A results-bucket entry is a ``PrefillResult`` for ``key`` (``{tenant}.{request_id}``)
+    signed by the replica it names; without a bus key, any well-formed one for ``key``."""
+    try:
+        result = PrefillResult.model_validate_json(data)
+    except ValueError:
+        return False
+    if f"{result.tenant}.{result.request_id}" != key:
+        return False
+    return bus_key is None or bus_key.for_replica(result.replica).verify(result)
+
+
 class AdmissionService:
     """Serves one replica's intake; see the module docstring.
 
@@ -105,6 +123,8 @@ class AdmissionService:
         max_concurrent: requests taken from the stream and not yet answered, at most.
         startup_timeout_s: how long to wait for every stage to answer a health probe.
         store_timeout_s: how long a JetStream call (the results bucket) may wait for the server.
+        bus_key: the deployment's bus key (``load_bus_key``); this replica signs with the key
+            derived for it. None: unsigned (insecure mode).
     """
 
     def __init__(
@@ -118,6 +138,7 @@ class AdmissionService:
         max_concurrent: int = 64,
         startup_timeout_s: float = 300.0,
         store_timeout_s: float = STORE_TIMEOUT_S,
+        bus_key: BusKey | None = None,
     ) -> None:
         self.config = config
         self.nc = nc
@@ -126,6 +147,8 @@ class AdmissionService:
         self.max_concurrent = max_concurrent
         self.startup_timeout_s = startup_timeout_s
         self.instance = uuid.uuid4().hex[:8]
+        self.bus_key = bus_key
+        self.replica_key = None if bus_key is None else bus_key.for_replica(config.pipeline)
         # JetStream calls (results get/put) wait out a paused or restarting server for as long
         # as the intake message stays ours (kept in progress meanwhile), not the client's 5 s.
         self.js = nc.jetstream(timeout=store_timeout_s)
@@ -140,6 +163,7 @@ class AdmissionService:
             lease_s=config.lease_s,
             stage_capacities=[config.kv_blocks_of(r) for r in range(config.num_stages)],
             state_interval_blocks=config.state_interval_blocks,
+            bus_key=self.replica_key,
         )
         planner = planner_for(config, planner_cost_model)
         # Micro-batch ids start at wall-clock ms: logs and traces of successive instances do
@@ -243,7 +267,11 @@ class AdmissionService:
                 instance=self.instance,
                 pool=self.pool,
                 num_stages=self.config.num_stages,
+                seq=num_beats,
+                sent_at_s=time.time(),
             )
+            if self.replica_key is not None:
+                beat = self.replica_key.sign(beat)
             with contextlib.suppress(Exception):
                 await self.nc.publish(subject, beat.model_dump_json().encode())
             num_beats += 1
@@ -319,6 +347,8 @@ class AdmissionService:
             keepalive = asyncio.create_task(self._keep_in_progress(msg))
             try:
                 result = await asyncio.shield(running)
+                if self.replica_key is not None:
+                    result = self.replica_key.sign(result)
                 data = result.model_dump_json().encode()
                 answered = await self._stored(request.key) if result.error else None
                 if answered is not None and not PrefillResult.model_validate_json(answered).error:
@@ -354,6 +384,9 @@ class AdmissionService:
         try:
             entry = await self._kv.get(key)
         except KeyNotFoundError:
+            return None
+        if entry.value is None or not stored_result_is_authentic(self.bus_key, key, entry.value):
+            log.error("results bucket entry %s ignored: not a result signed by a replica", key)
             return None
         return entry.value
 

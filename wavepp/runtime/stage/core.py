@@ -19,8 +19,15 @@ One micro-batch through one stage, and who calls what::
                -> take_kv_events() -> KVEventBatch of blocks stored/removed, to publish
     lease timer-> expire() -> ids of requests whose lease passed (released)
 
+Trust: with the replica's bus key (``wavepp.api.signing``) a plan or replay reply whose tag is
+missing or wrong is dropped and counted (``num_forged``), never sequenced, so a forged plan can
+neither run nor make the real plan with its id a duplicate; done messages and KV events leave
+signed. A plan without an epoch, or of an epoch this stage has left, is dropped too (a replayed
+old plan cannot reset the sequence). KV requests are checked by ``handle_kv_request``.
+
 State: the KV manager (the one record of each request on this stage: pins, block table, prompt
-block hashes, L*), the plan sequencer, and the last ``done_log_size`` done messages. In the stage
+block hashes, L*), the plan sequencer, the last ``retired_epochs_size`` epochs left, and the
+last ``done_log_size`` done messages. In the stage
 process, everything but ``results`` and ``done_message`` (pure functions of a ``StageWork``) runs
 on the asyncio loop thread, the manager's single owner.
 """
@@ -30,14 +37,25 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
-from wavepp.api.messages import KVEventBatch, KVReply, MicroBatchDone, MicroBatchPlan, RequestResult
+from wavepp.api.messages import (
+    KVEventBatch,
+    KVReply,
+    MicroBatchDone,
+    MicroBatchPlan,
+    PlanReplayReply,
+    RequestResult,
+)
+from wavepp.api.signing import BusKey
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch, handle_kv_request
 from wavepp.runtime.kv import StageKVManager
 from wavepp.runtime.stage.chunk import ChunkSpec
 from wavepp.runtime.stage.sequencing import PlanSequencer
 
 __all__ = ["PlanHeaders", "StageCore", "StageWork"]
+
+M = TypeVar("M", MicroBatchDone, KVEventBatch)
 
 PlanHeaders = Mapping[str, str] | None
 """The headers a plan arrived with (per-chunk trace context), passed through the sequencer."""
@@ -91,6 +109,8 @@ class StageCore:
         clock: seconds stamped on preparation (``time.time`` in the stage process: done
             messages cross processes; the virtual clock in the simulator).
         done_log_size: done messages kept for the scheduler's replay asks, > 0.
+        bus_key: the replica's key (``BusKey.for_replica``); None: unsigned messages are
+            accepted and nothing is signed (insecure mode).
 
     Raises:
         ValueError: rank outside [0, num_stages), or done_log_size < 1.
@@ -105,6 +125,7 @@ class StageCore:
         local_prepare: bool,
         clock: Callable[[], float],
         done_log_size: int = 1024,
+        bus_key: BusKey | None = None,
     ) -> None:
         if not 0 <= rank < num_stages:
             raise ValueError(f"rank={rank} must be in [0, num_stages={num_stages})")
@@ -121,17 +142,22 @@ class StageCore:
         self.num_microbatches = 0  # completed (complete() calls)
         self._done_log_size = done_log_size
         self._done_log: OrderedDict[tuple[str, int], MicroBatchDone] = OrderedDict()
+        self.bus_key = bus_key
+        self.num_forged = 0  # plans and replay replies dropped: no epoch, a left epoch, bad mac
+        self._retired_epochs: OrderedDict[str, None] = OrderedDict()
 
     # ---- KV requests ---------------------------------------------------------------------
 
     def handle_kv(self, payload: bytes) -> KVReply:
         """Answer one KV request (probe_pin, commit, release, renew, health); never raises."""
-        return handle_kv_request(self.manager, self.rank, payload)
+        return handle_kv_request(self.manager, self.rank, payload, bus_key=self.bus_key)
 
     def handle_kv_batch(self, payload: bytes, *, refuse: str = "") -> bytes:
         """Answer one admission round (binary ``KVBatch``); never raises. ``refuse``: out of
         service for that reason (a release batch is still applied)."""
-        return handle_kv_batch(self.manager, self.rank, payload, refuse=refuse)
+        return handle_kv_batch(
+            self.manager, self.rank, payload, refuse=refuse, bus_key=self.bus_key
+        )
 
     def reform(self) -> list[str]:
         """The stages re-form their group: release every request held here (the scheduler
@@ -152,10 +178,12 @@ class StageCore:
         events = self.manager.take_events()
         if not events:
             return None
-        return KVEventBatch(
-            rank=self.rank,
-            stored=[[h.hex() for h in e.block_hashes] for e in events if e.kind == "stored"],
-            removed=[[h.hex() for h in e.block_hashes] for e in events if e.kind == "removed"],
+        return self._signed(
+            KVEventBatch(
+                rank=self.rank,
+                stored=[[h.hex() for h in e.block_hashes] for e in events if e.kind == "stored"],
+                removed=[[h.hex() for h in e.block_hashes] for e in events if e.kind == "removed"],
+            )
         )
 
     # ---- plans ---------------------------------------------------------------------------
@@ -165,9 +193,48 @@ class StageCore:
     ) -> list[tuple[MicroBatchPlan, PlanHeaders]]:
         """Take a plan from the bus; return the plans now due, in id order, each once.
 
-        A plan after a hole is held until the hole is settled through ``sequencer``.
+        A plan after a hole is held until the hole is settled through ``sequencer``. A plan that
+        is not authentic (``is_authentic``) is dropped and counted in ``num_forged``.
         """
-        return self.sequencer.offer(plan.epoch, plan.microbatch_id, (plan, headers))
+        if not self.is_authentic(plan):
+            self.num_forged += 1
+            return []
+        previous = self.sequencer.epoch
+        due = self.sequencer.offer(plan.epoch, plan.microbatch_id, (plan, headers))
+        if previous and previous != plan.epoch:
+            self._retired_epochs[previous] = None
+            while len(self._retired_epochs) > self.retired_epochs_size:
+                self._retired_epochs.popitem(last=False)
+        return due
+
+    retired_epochs_size = 64
+    """Epochs left that a plan may not bring back (a replayed plan of an old scheduler)."""
+
+    def is_authentic(self, plan: MicroBatchPlan) -> bool:
+        """The plan has an epoch this stage has not left and, with a bus key, a valid tag."""
+        if not plan.epoch or plan.epoch in self._retired_epochs:
+            return False
+        return self.bus_key is None or self.bus_key.verify(plan)
+
+    def replay_items(
+        self, reply: PlanReplayReply
+    ) -> list[tuple[int, tuple[MicroBatchPlan, PlanHeaders]]] | None:
+        """The authentic plans of a replay reply, for ``sequencer.settle``; None when the reply
+        itself is not authentic (bad tag, no epoch: ignore it and ask again)."""
+        if (
+            not reply.epoch
+            or reply.epoch in self._retired_epochs
+            or (self.bus_key is not None and not self.bus_key.verify(reply))
+        ):
+            self.num_forged += 1
+            return None
+        items: list[tuple[int, tuple[MicroBatchPlan, PlanHeaders]]] = []
+        for plan in reply.plans:
+            if plan.epoch == reply.epoch and self.is_authentic(plan):
+                items.append((plan.microbatch_id, (plan, None)))
+            else:
+                self.num_forged += 1
+        return items
 
     def accept(self, plan: MicroBatchPlan) -> StageWork:
         """Build the block tables of a due plan and decide where it is prepared.
@@ -242,8 +309,9 @@ class StageCore:
         execute_end_s: float,
         results: Iterable[RequestResult] = (),
     ) -> MicroBatchDone:
-        """What this stage reports for a micro-batch (carries ``work.error``, if any)."""
-        return MicroBatchDone(
+        """What this stage reports for a micro-batch (carries ``work.error``, if any), signed
+        with the bus key when there is one."""
+        done = MicroBatchDone(
             rank=self.rank,
             microbatch_id=work.plan.microbatch_id,
             num_tokens=work.num_tokens,
@@ -256,6 +324,10 @@ class StageCore:
             num_agreed_blocks=work.num_agreed_blocks,
             epoch=work.plan.epoch,
         )
+        return self._signed(done)
+
+    def _signed(self, msg: M) -> M:
+        return msg if self.bus_key is None else self.bus_key.sign(msg)
 
     def complete(self, work: StageWork, done: MicroBatchDone) -> None:
         """Record a finished micro-batch: keep its done message, cache the blocks it computed.

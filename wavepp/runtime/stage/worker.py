@@ -65,11 +65,13 @@ from wavepp.api.messages import (
     RequestResult,
     StageResync,
 )
+from wavepp.api.signing import BusKey
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.stage.core import StageCore, StageWork
 from wavepp.runtime.stage.engine import PreparedBatch, StageEngine, make_engine
 from wavepp.runtime.stage.rendezvous import EpochRendezvous, StageGroupFactory, open_rendezvous
+from wavepp.runtime.transport.buskey import load_bus_key
 from wavepp.runtime.transport.natsio import connect, on_reconnect
 from wavepp.telemetry import tracing
 from wavepp.telemetry.pipeline import StageTelemetry
@@ -137,7 +139,11 @@ def build_engine(config: RuntimeConfig, rank: int) -> StageEngine:
 
 
 class StageWorker:
-    """Serves one stage: KV ops over NATS, plans, activations over torch.distributed."""
+    """Serves one stage: KV ops over NATS, plans, activations over torch.distributed.
+
+    ``bus_key``: the deployment's bus key (``load_bus_key``); the stage signs and checks with
+    its replica's key derived from it. None: unsigned (insecure mode).
+    """
 
     def __init__(
         self,
@@ -150,6 +156,7 @@ class StageWorker:
         group_epoch: int = 0,
         rendezvous: EpochRendezvous | None = None,
         factory: StageGroupFactory | None = None,
+        bus_key: BusKey | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -157,12 +164,16 @@ class StageWorker:
         self.engine = engine
         # NOTE: done messages carry wall-clock seconds (time.time()): they cross processes.
         self.core = StageCore(
-            StageKVManager(BlockPool(config.kv_blocks_of(rank), config.block_size)),
+            StageKVManager(
+                BlockPool(config.kv_blocks_of(rank), config.block_size),
+                max_lease_s=config.lease_s,
+            ),
             rank=rank,
             num_stages=config.num_stages,
             local_prepare=config.resolved_local_prepare,
             clock=time.time,
             done_log_size=_DONE_LOG,
+            bus_key=None if bus_key is None else bus_key.for_replica(config.pipeline),
         )
         self.is_first = rank == 0
         self.is_last = rank == config.num_stages - 1
@@ -352,8 +363,17 @@ class StageWorker:
         except ValueError as exc:
             log.error("stage %d: invalid plan dropped: %s", self.rank, exc)
             return
+        num_forged = self.core.num_forged
         for ready, headers in self.core.receive_plan(plan, msg.headers):
             self._accept_plan(ready, headers)
+        if self.core.num_forged > num_forged:
+            log.error(
+                "stage %d: plan %d of epoch %r dropped: no epoch, a left epoch, or its mac is "
+                "missing or wrong (is WAVEPP_BUS_KEY the same in every process?)",
+                self.rank,
+                plan.microbatch_id,
+                plan.epoch,
+            )
         self._fill_gaps()
 
     # ---- gap-free plan delivery ----------------------------------------------------------
@@ -384,6 +404,9 @@ class StageWorker:
                     timeout=min(2.0, self.config.request_timeout_s),
                 )
                 reply = PlanReplayReply.model_validate_json(msg.data)
+                items = self.core.replay_items(reply)
+                if items is None:
+                    raise ValueError("replay reply without an epoch or a valid mac")
             except Exception as exc:  # noqa: BLE001 - no responder yet, timeout, a bad reply
                 log.warning("stage %d: plan replay %s failed: %r", self.rank, span, exc)
                 if span[1] is None:
@@ -404,7 +427,6 @@ class StageWorker:
                     self._accept_plan(ready, headers)
                 return
             limit = reply.next_id if span[1] is None else min(span[1], reply.next_id)
-            items = [(p.microbatch_id, (p, None)) for p in reply.plans]
             skipped = self.core.sequencer.num_skipped
             for ready, headers in self.core.sequencer.settle(epoch, limit, items):
                 self._accept_plan(ready, headers)
@@ -637,6 +659,7 @@ async def run_stage(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    bus_key = load_bus_key()
     nc = await connect(nats_url, name=f"{config.pipeline}-stage-{rank}", creds=nats_creds)
     try:
         backend = "nccl" if config.device.startswith("cuda") else "gloo"
@@ -665,6 +688,7 @@ async def run_stage(
             group_epoch=epoch,
             rendezvous=rendezvous if config.num_stages > 1 else None,
             factory=factory,
+            bus_key=bus_key,
         )
         if readiness is not None:
             readiness.worker = worker

@@ -1,0 +1,433 @@
+"""Issue 13 items 2 and 3: one test per forgery kind the issue reports, on the pure cores.
+
+A forger is any client of the NATS server without the bus key (``wavepp.api.signing``). Each
+test replays the reported attack against the real cores (``forgery_support.MiniPipeline``:
+admission controller, scheduler core and stage cores, no I/O) and checks that the answers, the
+pins and the progress of the genuine requests are as without the forger. The gateway's side
+(results on the subject, planted bucket entries, heartbeats over a real nats-server) is in
+``test_gateway_forgery.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from forgery_support import BLOCK, MiniPipeline, first_token, prompt, snapshot
+
+from wavepp.api.messages import (
+    Commit,
+    KVEventBatch,
+    MicroBatchDone,
+    MicroBatchPlan,
+    PlannedChunk,
+    PlanReplayReply,
+    ProbePin,
+    Release,
+    Renew,
+    RequestResult,
+)
+from wavepp.api.prefill import Heartbeat, PrefillResult
+from wavepp.api.signing import BusKey
+from wavepp.gateway.router import PoolRouter
+from wavepp.gateway.trust import BusGuard
+from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
+from wavepp.runtime.request import PromptRequest
+from wavepp.runtime.serving.service import stored_result_is_authentic
+
+KEY = BusKey(b"k" * 32)
+WRONG_KEY = BusKey(b"w" * 32)
+
+
+def _requests(n: int = 3) -> list[PromptRequest]:
+    return [PromptRequest(f"r{i}", prompt(i, 9 + 11 * i)) for i in range(n)]
+
+
+def _expected(requests: list[PromptRequest]) -> dict[str, tuple[int, str]]:
+    return {r.request_id: (first_token(r.request_id), "") for r in requests}
+
+
+# ---- done ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", [KEY, None], ids=["signed", "insecure"])
+def test_forged_last_stage_done_with_empty_epoch_is_dropped(key: BusKey | None) -> None:
+    """The issue: a last-stage done with an empty epoch was accepted (the epoch check skipped
+    an empty field): the forger's token answered, and pins were released mid-computation."""
+    pipe = MiniPipeline(key)
+    requests = _requests()
+    held_before: list[list[str]] = []
+
+    def attacker(tap):  # noqa: ANN001, ANN202
+        if tap.point != "plan":
+            return
+        plan = tap.plans_seen[-1]
+        held_before.append([rid for s in pipe.stages for rid in s.manager.request_ids()])
+        tap.done(
+            MicroBatchDone(
+                rank=pipe.num_stages - 1,
+                microbatch_id=plan.microbatch_id,
+                num_tokens=1,
+                prepare_start_s=0.0,
+                prepare_end_s=0.0,
+                execute_start_s=0.0,
+                execute_end_s=0.0,
+                results=[
+                    RequestResult(request_id=c.request_id, first_token_id=999_999)
+                    for c in plan.chunks
+                ],
+                epoch="",
+            )
+        )
+        # The stages still hold every request the plan names: nothing was released.
+        for stage in pipe.stages:
+            for c in plan.chunks:
+                assert c.request_id in stage.manager.request_ids(), "pins released by a forger"
+
+    answers = pipe.run(requests, attacker)
+    assert answers == _expected(requests)
+    assert pipe.core.num_forged_dones >= 1
+
+
+def test_forged_done_with_the_right_epoch_but_no_key_is_dropped() -> None:
+    """With a bus key, a done needs the stage's tag: the scheduler's epoch (visible in every
+    plan) is not enough; nor is a tag made with another key."""
+    pipe = MiniPipeline(KEY)
+    requests = _requests()
+
+    def attacker(tap):  # noqa: ANN001, ANN202
+        if tap.point != "plan":
+            return
+        plan = tap.plans_seen[-1]
+        forged = MicroBatchDone(
+            rank=pipe.num_stages - 1,
+            microbatch_id=plan.microbatch_id,
+            num_tokens=1,
+            prepare_start_s=0.0,
+            prepare_end_s=0.0,
+            execute_start_s=0.0,
+            execute_end_s=0.0,
+            results=[RequestResult(request_id=c.request_id, first_token_id=7) for c in plan.chunks],
+            epoch=plan.epoch,
+        )
+        tap.done(forged)
+        tap.done(WRONG_KEY.for_replica("p0").sign(forged))
+
+    assert pipe.run(requests, attacker) == _expected(requests)
+    assert pipe.core.num_forged_dones >= 2
+
+
+def test_a_result_for_a_request_the_microbatch_did_not_finish_is_dropped() -> None:
+    """A stage's done may answer only the requests whose last chunk its plan carried (here a
+    genuine, signed done of micro-batch m carrying a result for another request)."""
+    pipe = MiniPipeline(KEY)
+    requests = [PromptRequest("long", prompt(1, 40)), PromptRequest("short", prompt(2, 5))]
+    forged_once: list[bool] = []
+
+    def attacker(tap):  # noqa: ANN001, ANN202
+        if tap.point != "done" or forged_once:
+            return
+        plan = tap.plans_seen[-1]
+        last_ids = {c.request_id for c in plan.chunks if c.is_last}
+        if "long" in last_ids:
+            return
+        # What a buggy (or compromised) last stage could send: right key, wrong request.
+        done = tap.dones_seen[-1].model_copy(
+            update={
+                "results": [RequestResult(request_id="long", first_token_id=5)],
+                "rank": pipe.num_stages - 1,
+                "mac": "",
+            }
+        )
+        tap.done(pipe.key.sign(done))
+        forged_once.append(True)
+
+    assert pipe.run(requests, attacker) == _expected(requests)
+    assert forged_once and pipe.core.num_forged_dones >= 1
+
+
+# ---- plan id ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mac", ["", "0" * 32, "wrong-key"])
+def test_forged_plan_with_the_next_id_cannot_make_the_real_one_a_duplicate(mac: str) -> None:
+    """The issue: a forged plan carrying the scheduler's epoch and the next id made every stage
+    drop the real plan as a duplicate (the request hung until the 300 s deadline)."""
+    pipe = MiniPipeline(KEY)
+    requests = _requests()
+
+    def attacker(tap):  # noqa: ANN001, ANN202
+        if tap.point != "plan":
+            return
+        real = tap.plans_seen[-1]
+        forged = MicroBatchPlan(
+            microbatch_id=real.microbatch_id,
+            chunks=[
+                PlannedChunk(
+                    request_id=c.request_id,
+                    chunk_index=c.chunk_index,
+                    context_offset=c.context_offset,
+                    token_ids=[1] * len(c.token_ids),
+                    is_last=False,  # run, the real last chunks would never be
+                )
+                for c in real.chunks
+            ],
+            epoch=real.epoch,
+        )
+        if mac == "wrong-key":
+            forged = WRONG_KEY.for_replica("p0").sign(forged)
+        else:
+            forged = forged.model_copy(update={"mac": mac})
+        for rank in range(pipe.num_stages):
+            tap.plan(rank, forged)
+
+    assert pipe.run(requests, attacker) == _expected(requests)
+    assert all(stage.num_forged >= 1 for stage in pipe.stages)
+    assert all(stage.sequencer.num_duplicates == 0 for stage in pipe.stages)
+
+
+def test_a_plan_of_an_epoch_the_stage_left_is_dropped() -> None:
+    """A captured genuine plan of an earlier scheduler, replayed, cannot reset a stage's
+    sequence (it would make the current epoch's next plans wait on a hole)."""
+    old = MiniPipeline(KEY)
+    old.run(_requests(1))
+    old_plan = old.genuine_plans[0]
+    pipe = MiniPipeline(KEY)
+    for rank in range(pipe.num_stages):  # the stages served the earlier scheduler first
+        pipe.deliver_plan(rank, old_plan)
+    pipe.pending_dones.clear()
+    requests = _requests()
+    sent: list[bool] = []
+
+    def attacker(tap):  # noqa: ANN001, ANN202
+        if tap.point == "done" and not sent:
+            for rank in range(pipe.num_stages):
+                tap.plan(rank, old_plan)
+            sent.append(True)
+
+    assert pipe.run(requests, attacker) == _expected(requests)
+    assert all(stage.sequencer.epoch == pipe.core.epoch for stage in pipe.stages)
+
+
+def test_forged_replay_reply_is_ignored() -> None:
+    """A replay reply decides which ids a stage skips: one without the scheduler's tag is not
+    applied (the worker asks again)."""
+    pipe = MiniPipeline(KEY)
+    pipe.run(_requests(1))
+    stage = pipe.stages[0]
+    forged = PlanReplayReply(epoch=pipe.core.epoch, next_id=10**6, plans=[])
+    assert stage.replay_items(forged) is None
+    genuine = pipe.key.sign(PlanReplayReply(epoch=pipe.core.epoch, next_id=3, plans=[]))
+    assert stage.replay_items(genuine) == []
+
+
+# ---- reservation hog, release of in-flight ids -----------------------------------------------
+
+
+def _hashes(n_blocks: int) -> list[str]:
+    return [h.hex() for h in hash_prompt_blocks(list(range(1, n_blocks * BLOCK + 1)), BLOCK, "m")]
+
+
+@pytest.mark.parametrize("mac", ["", "f" * 32])
+def test_forged_reservation_hog_is_refused(mac: str) -> None:
+    """The issue: a forged probe + commit reserving every free block with a 3,600 s lease
+    (renewable) starved the replica."""
+    pipe = MiniPipeline(KEY)
+    stage = pipe.stages[0]
+    before = snapshot(stage.manager)
+    num_blocks = stage.manager.pool.num_free_blocks
+    probe = ProbePin(request_id="hog", block_hashes=_hashes(2), lease_s=3600, mac=mac)
+    commit = Commit(
+        request_id="hog",
+        num_agreed_blocks=0,
+        num_total_blocks=num_blocks,
+        lease_s=3600,
+        mac=mac,
+    )
+    renew = Renew(request_ids=["hog"], lease_s=3600, mac=mac)
+    for msg in (probe, commit, renew):
+        reply = stage.handle_kv(msg.model_dump_json().encode())
+        assert not reply.ok and "mac" in reply.error
+    assert snapshot(stage.manager) == before
+    requests = _requests()
+    assert pipe.run(requests) == _expected(requests)
+
+
+def test_a_lease_past_the_replicas_lease_is_refused_even_when_signed() -> None:
+    """A signed op (a confused or compromised owner) still cannot hold blocks for an hour."""
+    pipe = MiniPipeline(KEY)
+    stage = pipe.stages[0]
+    probe = pipe.key.sign(
+        ProbePin(request_id="x", block_hashes=_hashes(1), lease_s=3600, owner="o", seq=1)
+    )
+    reply = stage.handle_kv(probe.model_dump_json().encode())
+    assert not reply.ok and "max_lease_s" in reply.error
+    assert stage.manager.num_requests == 0
+
+
+def test_an_owner_cannot_hold_more_than_its_cap() -> None:
+    manager = StageKVManager(BlockPool(32, BLOCK), max_blocks_per_owner=8)
+    hashes = hash_prompt_blocks(list(range(1, 41)), BLOCK, "m")
+    manager.probe_pin("a", hashes, 30.0, owner="o1")
+    assert manager.commit("a", 0, 10, 30.0, owner="o1") is None  # 10 > 8: refused, pins gone
+    assert manager.num_requests == 0
+    manager.probe_pin("b", hashes[:6], 30.0, owner="o1")
+    assert manager.commit("b", 0, 6, 30.0, owner="o1") is not None
+    manager.probe_pin("c", hashes, 30.0, owner="o1")
+    assert manager.commit("c", 0, 3, 30.0, owner="o1") is None  # 6 + 3 > 8
+    manager.probe_pin("d", hashes, 30.0, owner="o2")
+    assert manager.commit("d", 0, 8, 30.0, owner="o2") is not None  # another owner's cap
+
+
+@pytest.mark.parametrize("how", ["unsigned", "other-owner", "replayed"])
+def test_release_of_in_flight_ids_by_a_forger_frees_nothing(how: str) -> None:
+    """The issue: a forged release naming in-flight request ids (visible in the plans) could
+    free blocks in use. Unsigned, signed by another owner, or a captured signed release
+    replayed: none frees a pinned block, and every answer is right."""
+    pipe = MiniPipeline(KEY)
+    requests = _requests()
+
+    def attacker(tap):  # noqa: ANN001, ANN202
+        if tap.point != "plan":
+            return
+        ids = [c.request_id for c in tap.plans_seen[-1].chunks]
+        if how == "unsigned":
+            msg = Release(request_ids=ids, owner=pipe.controller.owner, seq=10**6)
+            payload = msg.model_dump_json().encode()
+        elif how == "other-owner":
+            msg = pipe.key.sign(Release(request_ids=ids, owner="someone-else", seq=1))
+            payload = msg.model_dump_json().encode()
+        else:
+            releases = [p for r, p in tap.kv_seen if b'"op":"release"' in p and r == 0]
+            if not releases:
+                return
+            payload = releases[-1]  # a genuine, signed release seen earlier
+        for rank in range(pipe.num_stages):
+            before = snapshot(pipe.stages[rank].manager)
+            tap.kv(rank, payload)
+            assert snapshot(pipe.stages[rank].manager) == before
+
+    assert pipe.run(requests, attacker) == _expected(requests)
+
+
+def test_a_replayed_signed_probe_and_commit_are_refused() -> None:
+    """Capturing the owner's own signed ops and sending them again (to re-pin a finished
+    request's blocks and renew them for ever) is refused by the op numbers."""
+    pipe = MiniPipeline(KEY)
+    requests = _requests()
+    pipe.run(requests)
+    stage = pipe.stages[0]
+    before = snapshot(stage.manager)
+    for rank, payload in list(pipe.kv_log):
+        if rank == 0:
+            reply = stage.handle_kv(payload)
+            assert not reply.ok and "replayed" in reply.error
+    assert snapshot(stage.manager) == before
+
+
+# ---- heartbeat -------------------------------------------------------------------------------
+
+
+def _beat(ready: bool, seq: int, sent_at_s: float, instance: str = "i1") -> Heartbeat:
+    return Heartbeat(
+        pipeline="p0",
+        ready=ready,
+        num_stages_formed=2,
+        num_inflight=0,
+        instance=instance,
+        seq=seq,
+        sent_at_s=sent_at_s,
+    )
+
+
+def test_forged_heartbeats_are_refused_and_beats_are_rate_limited() -> None:
+    """The issue: a forged ``ready: false`` flapped /readyz, a forged ``ready: true`` kept a
+    dead replica routed. Refused: unsigned, another replica's tag, the wrong subject, a
+    replayed (or too old) genuine one; and at most one per 0.1 s per replica."""
+    guard = BusGuard(KEY, ["p0", "p1"])
+    key0 = KEY.for_replica("p0")
+    wall = 5000.0
+    assert guard.heartbeat("p0", key0.sign(_beat(True, 1, wall)), 0.0, wall)
+    assert not guard.heartbeat("p0", _beat(False, 2, wall), 0.5, wall)  # unsigned
+    assert not guard.heartbeat("p0", KEY.for_replica("p1").sign(_beat(False, 2, wall)), 0.5, wall)
+    assert not guard.heartbeat("p1", key0.sign(_beat(False, 2, wall)), 0.5, wall)  # subject
+    assert not guard.heartbeat("p0", key0.sign(_beat(True, 1, wall)), 0.5, wall)  # replayed
+    assert not guard.heartbeat("p0", key0.sign(_beat(True, 9, wall - 60)), 0.5, wall)  # old
+    assert guard.heartbeat("p0", key0.sign(_beat(True, 2, wall)), 0.5, wall)
+    # A burst of genuine-looking beats: one per min_heartbeat_interval_s counts.
+    accepted = sum(
+        guard.heartbeat("p0", key0.sign(_beat(True, 3 + i, wall)), 1.0 + i * 0.001, wall)
+        for i in range(100)
+    )
+    assert accepted == 1
+    assert guard.num_refused["heartbeat"] == 3
+
+
+# ---- results, planted results ------------------------------------------------------------------
+
+
+def _result(replica: str, token: int = 1) -> PrefillResult:
+    return PrefillResult(request_id="r1", tenant="t", replica=replica, first_token_id=token)
+
+
+def test_results_only_from_the_replica_routed_to_and_signed_by_it() -> None:
+    guard = BusGuard(KEY, ["p0", "p1"])
+    genuine = KEY.for_replica("p0").sign(_result("p0"))
+    assert guard.result(genuine, {"p0"})
+    assert not guard.result(_result("p0", 9), {"p0"})  # unsigned
+    assert not guard.result(KEY.for_replica("p1").sign(_result("p1")), {"p0"})  # not routed
+    assert not guard.result(WRONG_KEY.for_replica("p0").sign(_result("p0")), {"p0"})
+
+
+def test_planted_bucket_entries_are_not_answers() -> None:
+    """The issue: an entry planted in the results bucket was returned for its request id for
+    the bucket's whole TTL (by the gateway and by a redelivering admission service)."""
+    guard = BusGuard(KEY, ["p0"])
+    genuine = KEY.for_replica("p0").sign(_result("p0"))
+    assert guard.stored("t.r1", genuine)
+    assert not guard.stored("t.r1", _result("p0", 9))
+    assert not guard.stored("t.other", genuine)  # a genuine entry moved under another key
+    data = genuine.model_dump_json().encode()
+    assert stored_result_is_authentic(KEY, "t.r1", data)
+    assert not stored_result_is_authentic(KEY, "t.r1", _result("p0", 9).model_dump_json().encode())
+    assert not stored_result_is_authentic(KEY, "t.r2", data)
+    assert not stored_result_is_authentic(KEY, "t.r1", b"{not json")
+
+
+# ---- KV-event flood ----------------------------------------------------------------------------
+
+
+def test_kv_event_flood_cannot_grow_the_router_index_past_the_stage_block_count() -> None:
+    """The issue: 2.1 M stored hashes grew the gateway's index without bound (246 -> 478 MiB).
+    Each stage's index now holds at most that stage's block count; the newest hashes stay."""
+    router = PoolRouter([("p0", 2, [64, 32])])
+    batch = [bytes([i % 256, i // 256 % 256, i // 65536]) + b"\0" * 29 for i in range(100_000)]
+    for start in range(0, len(batch), 1000):
+        router.on_kv_events("p0", 0, [batch[start : start + 1000]], [])
+        router.on_kv_events("p0", 1, [batch[start : start + 1000]], [])
+    state = router.by_name["p0"]
+    assert [len(h) for h in state.held] == [64, 32]
+    assert state.num_reusable_blocks(batch[-32:]) == 32  # the newest are kept
+    guard = BusGuard(KEY, ["p0"])
+    forged = KVEventBatch(rank=0, stored=[[b.hex() for b in batch[:2]]])
+    assert not guard.kv_events("p0", forged, 2)
+    assert guard.kv_events("p0", KEY.for_replica("p0").sign(forged), 2)
+    assert not guard.kv_events(
+        "p0", KEY.for_replica("p0").sign(forged.model_copy(update={"rank": 5})), 2
+    )
+
+
+def test_the_schedulers_eviction_counter_takes_only_its_stages_kv_events() -> None:
+    """A forged batch neither inflates the eviction metric nor adds a label per made-up rank."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from wavepp.runtime.scheduling.stats import WaveStats
+    from wavepp.telemetry.pipeline import PipelineTelemetry
+
+    key = KEY.for_replica("p0")
+    telemetry = PipelineTelemetry("p0", 2, WaveStats(), dict, bus_key=key)
+    counted: list[tuple[int, int]] = []
+    telemetry.kv_removed = lambda rank, n: counted.append((rank, n))  # type: ignore[method-assign]
+    batch = KVEventBatch(rank=1, removed=[["ab" * 32, "cd" * 32]])
+    for msg in (batch, batch.model_copy(update={"rank": 10**6}), key.sign(batch)):
+        asyncio.run(telemetry._on_kv_events(SimpleNamespace(data=msg.model_dump_json().encode())))
+    assert counted == [(1, 2)]

@@ -1,0 +1,143 @@
+"""What the gateway believes of the bus: heartbeats, results, stored results, KV events (pure).
+
+The gateway acts on four kinds of message from the replicas; a client of the NATS server could
+publish any of them. ``BusGuard`` decides, per message, whether it is one the replica sent:
+
+| message                   | accepted when                                                       |
+| ------------------------- | ------------------------------------------------------------------- |
+| ``Heartbeat``             | on its replica's subject, naming that replica; with a bus key: its   |
+|                           | tag checks with the replica's key, its ``seq`` is above the last     |
+|                           | accepted one of its instance and ``sent_at_s`` is within             |
+|                           | ``max_heartbeat_age_s`` of now; and at most one per                  |
+|                           | ``min_heartbeat_interval_s`` per replica (rate limit, always)        |
+| ``PrefillResult`` (subj.) | for a replica this request was routed to; with a key, signed by it   |
+| ``PrefillResult`` (store) | for this key, by a replica of the pool; with a key, signed by it     |
+| ``KVEventBatch``          | a rank of the replica; with a key, signed by the replica             |
+
+Without a bus key (an insecure deployment) tags, sequence numbers and ages are not checked; the
+rate limit and the routing checks still are. Refusals are counted per kind (``num_refused``).
+No I/O; the clock is passed in.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Collection, Iterable
+
+from wavepp.api.messages import KVEventBatch
+from wavepp.api.prefill import Heartbeat, PrefillResult
+from wavepp.api.signing import BusKey
+
+__all__ = ["BusGuard"]
+
+_INSTANCES_KEPT = 8  # per replica: the last instances whose heartbeat numbers are remembered
+
+
+class BusGuard:
+    """See the module docstring.
+
+    Args:
+        bus_key: the deployment's bus key (each replica's is derived); None: insecure mode.
+        replicas: the pool's replica names.
+        min_heartbeat_interval_s: at most one heartbeat per replica is accepted this often
+            (the admission service sends one every 0.5 s), seconds > 0.
+        max_heartbeat_age_s: a signed heartbeat stamped further than this from now (wall clock,
+            either way) is refused: a replayed one cannot keep a dead replica routed. Seconds
+            > 0; covers clock skew between hosts.
+
+    Raises:
+        ValueError: a bound not > 0.
+    """
+
+    def __init__(
+        self,
+        bus_key: BusKey | None,
+        replicas: Iterable[str],
+        *,
+        min_heartbeat_interval_s: float = 0.1,
+        max_heartbeat_age_s: float = 30.0,
+    ) -> None:
+        if not min_heartbeat_interval_s > 0:
+            raise ValueError(f"min_heartbeat_interval_s={min_heartbeat_interval_s}: must be > 0")
+        if not max_heartbeat_age_s > 0:
+            raise ValueError(f"max_heartbeat_age_s={max_heartbeat_age_s}: must be > 0")
+        self.replicas = list(replicas)
+        self._bus_key = bus_key
+        self._keys = {
+            name: None if bus_key is None else bus_key.for_replica(name) for name in self.replicas
+        }
+        self.min_heartbeat_interval_s = min_heartbeat_interval_s
+        self.max_heartbeat_age_s = max_heartbeat_age_s
+        self._last_beat_s: dict[str, float] = {}
+        self._seqs: dict[str, OrderedDict[str, int]] = {name: OrderedDict() for name in replicas}
+        self.num_refused: Counter[str] = Counter()
+
+    def add_replica(self, name: str) -> None:
+        """Know replica ``name`` (one that joined the pool at run time): its key is derived
+        like the configured ones', so only a holder of the bus key can speak for it. The
+        caller bounds how many replicas it adds (``GatewayConfig.max_replicas``)."""
+        if name not in self._keys:
+            self.replicas.append(name)
+            self._keys[name] = None if self._bus_key is None else self._bus_key.for_replica(name)
+            self._seqs[name] = OrderedDict()
+
+    def _authentic(self, replica: str, msg: Heartbeat | PrefillResult | KVEventBatch) -> bool:
+        if replica not in self._keys:
+            return False
+        key = self._keys[replica]
+        return key is None or key.verify(msg)
+
+    def heartbeat(self, replica: str, beat: Heartbeat, now_s: float, wall_s: float) -> bool:
+        """Whether to act on ``beat``, received on ``replica``'s heartbeat subject.
+
+        Args:
+            now_s: monotonic seconds (the rate limit).
+            wall_s: wall-clock seconds (``time.time()``; the age of a signed heartbeat).
+        """
+        if beat.pipeline != replica or not self._authentic(replica, beat):
+            self.num_refused["heartbeat"] += 1
+            return False
+        if self._keys[replica] is not None:
+            seqs = self._seqs[replica]
+            last = seqs.get(beat.instance)
+            if (last is not None and beat.seq <= last) or abs(
+                wall_s - beat.sent_at_s
+            ) > self.max_heartbeat_age_s:
+                self.num_refused["heartbeat_replayed"] += 1
+                return False
+        last_s = self._last_beat_s.get(replica)
+        if last_s is not None and now_s - last_s < self.min_heartbeat_interval_s:
+            self.num_refused["heartbeat_rate"] += 1
+            return False
+        self._last_beat_s[replica] = now_s
+        if self._keys[replica] is not None:
+            seqs[beat.instance] = beat.seq
+            seqs.move_to_end(beat.instance)
+            while len(seqs) > _INSTANCES_KEPT:
+                seqs.popitem(last=False)
+        return True
+
+    def result(self, result: PrefillResult, routed: Collection[str]) -> bool:
+        """Whether ``result`` (from the result subject) answers a request routed to
+        ``routed`` (the replicas its intake was published to)."""
+        if result.replica not in routed or not self._authentic(result.replica, result):
+            self.num_refused["result"] += 1
+            return False
+        return True
+
+    def stored(self, key: str, result: PrefillResult) -> bool:
+        """Whether a results-bucket entry under ``key`` (``{tenant}.{request_id}``) is one a
+        replica of the pool stored."""
+        if f"{result.tenant}.{result.request_id}" != key or not self._authentic(
+            result.replica, result
+        ):
+            self.num_refused["stored_result"] += 1
+            return False
+        return True
+
+    def kv_events(self, replica: str, batch: KVEventBatch, num_stages: int) -> bool:
+        """Whether to apply ``batch``, received on ``replica``'s KV event subject."""
+        if not 0 <= batch.rank < num_stages or not self._authentic(replica, batch):
+            self.num_refused["kv_events"] += 1
+            return False
+        return True
