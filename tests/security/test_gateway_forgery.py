@@ -23,6 +23,7 @@ from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
 
 pytestmark = pytest.mark.timeout(60)
 
+NS = "local"  # GatewayConfig.namespace's default
 KEY = BusKey(b"g" * 32)
 POOL = "pool"
 REPLICA = "pool-0"
@@ -76,7 +77,7 @@ async def _beats(nc, ready: bool, signed: bool, stop: asyncio.Event, every_s: fl
         )
         if signed:
             beat = KEY.for_replica(REPLICA).sign(beat)
-        await nc.publish(heartbeat_subject(REPLICA), beat.model_dump_json().encode())
+        await nc.publish(heartbeat_subject(REPLICA, namespace=NS), beat.model_dump_json().encode())
         await asyncio.sleep(every_s)
 
 
@@ -92,7 +93,7 @@ async def _serve(js_server, *, forge_first: bool):  # noqa: ANN001, ANN202
 
     async def on_intake(msg) -> None:  # noqa: ANN001
         intake = IntakeRequest.model_validate_json(msg.data)
-        subject = result_subject(POOL, intake.key)
+        subject = result_subject(POOL, intake.key, namespace=NS)
         if forge_first:  # the forger reads the intake too (or guesses the id) and answers first
             forged = _result(intake, FORGED_TOKEN).model_dump_json().encode()
             await forger_nc.publish(subject, forged)
@@ -101,7 +102,7 @@ async def _serve(js_server, *, forge_first: bool):  # noqa: ANN001, ANN202
         genuine = replica_key.sign(_result(intake, GENUINE_TOKEN))
         await replica_nc.publish(subject, genuine.model_dump_json().encode())
 
-    await replica_nc.subscribe(intake_subject(REPLICA), cb=on_intake)
+    await replica_nc.subscribe(intake_subject(REPLICA, namespace=NS), cb=on_intake)
     await replica_nc.flush()
     return gateway, (gw_nc, replica_nc, forger_nc)
 
@@ -130,7 +131,7 @@ async def test_a_planted_bucket_entry_is_not_an_answer(js_server) -> None:  # no
     the bucket's whole TTL."""
     gateway, ncs = await _serve(js_server, forge_first=False)
     try:
-        bucket = await ncs[2].jetstream().key_value(results_bucket(POOL))
+        bucket = await ncs[2].jetstream().key_value(results_bucket(POOL, namespace=NS))
         planted = PrefillResult(
             request_id="q2", tenant="t", replica=REPLICA, first_token_id=FORGED_TOKEN
         )
