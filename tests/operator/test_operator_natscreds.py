@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 
 from wavepp.api.natsauth import TrustRoot
+from wavepp.api.signing import BusKey
 from wavepp.api.subjects import ReplicaSubjects, prefill_subject, replica_prefix
 from wavepp.operator.reconcile import Apply, Defaults, Observed, plan
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
 
 SPEC = {"model": {"name": "tiny-llama"}, "stages": 2, "replicas": 2}
+BUS_KEY_ITEM = {"key": "bus.key", "path": "bus.key"}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ def test_secret_first_and_each_pod_mounts_only_its_own_users(trust: TrustRoot) -
     secret = manifests[0]
     assert secret["kind"] == "Secret" and secret["metadata"]["name"] == "p-nats-creds"
     assert sorted(secret["data"]) == sorted(
-        ["gateway-p.creds", "admission-p-r0.creds", "admission-p-r1.creds"]
+        ["gateway-p.creds", "admission-p-r0.creds", "admission-p-r1.creds", "bus.key"]
         + [f"stage-p-r{i}-{r}.creds" for i in range(2) for r in range(2)]
     )
     args, volume = _pod(manifests, "StatefulSet", "p-r1")
@@ -64,12 +66,38 @@ def test_secret_first_and_each_pod_mounts_only_its_own_users(trust: TrustRoot) -
     assert volume["items"] == [
         {"key": "stage-p-r1-0.creds", "path": "stage-0.creds"},
         {"key": "stage-p-r1-1.creds", "path": "stage-1.creds"},
+        BUS_KEY_ITEM,
     ]
     args, volume = _pod(manifests, "Deployment", "p-r0-admission")
     assert args[args.index("--nats-creds") + 1] == "/etc/wavepp-nats/creds"
-    assert volume["items"] == [{"key": "admission-p-r0.creds", "path": "creds"}]
+    assert volume["items"] == [{"key": "admission-p-r0.creds", "path": "creds"}, BUS_KEY_ITEM]
     args, volume = _pod(manifests, "Deployment", "p-gateway")
-    assert volume["items"] == [{"key": "gateway-p.creds", "path": "creds"}]
+    assert volume["items"] == [{"key": "gateway-p.creds", "path": "creds"}, BUS_KEY_ITEM]
+
+
+def test_every_pod_reads_the_pipelines_bus_key_derived_from_the_seed(trust: TrustRoot) -> None:
+    """Issue 13: in the cluster, as under wavepp up, every bus message is signed: each pod gets
+    the pipeline's bus key (stable across reconciles, different per pipeline and namespace)."""
+    manifests = _applied(trust)
+    key = base64.b64decode(manifests[0]["data"]["bus.key"]).decode()
+    BusKey.from_hex(key)  # 64 hex digits: a usable key
+    assert key == base64.b64decode(_applied(trust)[0]["data"]["bus.key"]).decode()
+    other = plan(
+        {"metadata": {"name": "p", "namespace": "other", "uid": "u2", "generation": 1},
+         "spec": SPEC},
+        Observed(), 1_000_000.0,
+        Defaults(image="img:1", nats_url="nats://n:4222", nats_account_seed=trust.account_seed),
+    )  # fmt: skip
+    other_secret = next(a.manifest for a in other.actions if isinstance(a, Apply))
+    assert other_secret["data"]["bus.key"] != manifests[0]["data"]["bus.key"]
+    for kind, name in (("StatefulSet", "p-r0"), ("Deployment", "p-r0-admission"),
+                       ("Deployment", "p-gateway")):  # fmt: skip
+        container = _find(manifests, kind, name)["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["WAVEPP_BUS_KEY_FILE"] == "/etc/wavepp-nats/bus.key", (kind, name)
+    # Without an account seed the operator renders no credentials and no key (warned at start).
+    container = _find(_applied(None), "Deployment", "p-gateway")["spec"]["template"]["spec"]
+    assert "WAVEPP_BUS_KEY_FILE" not in {e["name"] for e in container["containers"][0]["env"]}
 
 
 def test_rendering_again_gives_the_same_secret_and_scaling_rolls_only_the_gateway(

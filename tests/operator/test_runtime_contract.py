@@ -377,7 +377,9 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
                 # As a pod whose args were not expanded: the stage reads $WAVEPP_RANK itself.
                 args = list(container["args"])
             if container["name"] in mounts:  # the pod's own mount, made local
-                args = [a.replace(b.NATS_CREDS_DIR, str(mounts[container["name"]])) for a in args]
+                local_dir = str(mounts[container["name"]])
+                args = [a.replace(b.NATS_CREDS_DIR, local_dir) for a in args]
+                env = {k: v.replace(b.NATS_CREDS_DIR, local_dir) for k, v in env.items()}
             command = [
                 sys.executable,
                 "-m",

@@ -18,6 +18,7 @@ from wavepp.operator.naming import (
     statefulset_name,
 )
 from wavepp.operator.natscreds import (
+    BUS_KEY_FILE,
     NATS_CREDS_DIR,
     creds_path,
     creds_volume,
@@ -95,6 +96,8 @@ def container_args(
 
 
 def _env(component: Component, spec: WavePipelineSpec, ref: PipelineRef) -> list[dict[str, Any]]:
+    """The container's environment (``WAVEPP_BUS_KEY_FILE`` when the operator renders the
+    pipeline's credentials Secret, which holds its bus key)."""
     env: list[dict[str, Any]] = [
         {"name": "WAVEPP_PIPELINE", "value": ref.name},
         # A configuration error exits CONFIG_EXIT_CODE (not the CLI's 2): read as "refused its
@@ -114,6 +117,8 @@ def _env(component: Component, spec: WavePipelineSpec, ref: PipelineRef) -> list
     ]
     if spec.telemetry.otlp_endpoint:
         env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": spec.telemetry.otlp_endpoint})
+    if spec.nats.credentials_secret and uses_rendered_creds(spec, ref):
+        env.append({"name": "WAVEPP_BUS_KEY_FILE", "value": BUS_KEY_FILE})
     if component == "stage":
         env += list(spec.pod_template.env)
         env.insert(

@@ -17,6 +17,12 @@ gateway, whose requests wait in JetStream). A spec that sets ``nats.credentialsS
 its own single ``creds`` file; an operator without an account seed renders none (insecure NATS,
 logged at start).
 
+The same Secret holds the pipeline's **bus key** (``bus.key``, hex; ``wavepp.api.signing``): every
+pod mounts it and reads it through ``WAVEPP_BUS_KEY_FILE``, so plans, dones, KV ops, results and
+heartbeats are signed and checked in the cluster as under ``wavepp up``. It is derived from the
+account seed and the pipeline's namespace and name (HMAC-SHA256), so it is stable across
+reconciles and differs per pipeline; without an account seed there is none (unsigned, warned).
+
 Pure: no I/O.
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 from typing import Any
 
 from wavepp.api.natsauth import derived_user_creds
@@ -40,6 +47,8 @@ from wavepp.api.subjects import replica_pipeline_name
 from wavepp.operator.naming import PipelineRef, child_metadata
 
 NATS_CREDS_DIR = "/etc/wavepp-nats"
+BUS_KEY_ITEM = "bus.key"
+BUS_KEY_FILE = f"{NATS_CREDS_DIR}/{BUS_KEY_ITEM}"
 ANNOTATION_GATEWAY_CREDS = "wavepp.dev/nats-gateway-permissions"
 
 
@@ -80,6 +89,7 @@ def build_nats_creds_secret(
         ).decode()
         for user in pipeline_users(ref, spec)
     }
+    data[BUS_KEY_ITEM] = base64.b64encode(derived_bus_key(account_seed, ref).encode()).decode()
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -87,6 +97,13 @@ def build_nats_creds_secret(
         "type": "Opaque",
         "data": data,
     }
+
+
+def derived_bus_key(account_seed: str, ref: PipelineRef) -> str:
+    """The pipeline's bus key, hex (64 digits): HMAC-SHA256 of its namespace and name under the
+    account seed (secret as long as the seed is; stable across reconciles)."""
+    message = f"wavepp bus key\0{ref.namespace}/{ref.name}".encode()
+    return hmac.new(account_seed.encode(), message, hashlib.sha256).hexdigest()
 
 
 def creds_volume(
@@ -104,6 +121,7 @@ def creds_volume(
         items = [{"key": f"{admission_user_name(pipeline)}.creds", "path": "creds"}]
     else:
         items = [{"key": f"{gateway_user_name(ref.name)}.creds", "path": "creds"}]
+    items.append({"key": BUS_KEY_ITEM, "path": BUS_KEY_ITEM})  # every component signs/checks
     return {
         "name": "nats-creds",
         "secret": {
