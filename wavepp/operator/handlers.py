@@ -78,6 +78,9 @@ class OperatorState:
     wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     unexpected_errors: list[str] = field(default_factory=list)
+    # NOTE: set by the cleanup handler before it closes the client: a daemon that kopf has not
+    # stopped yet then ends quietly instead of failing against the closed client.
+    closing: bool = False
     last_phase: dict[tuple[str, str], str] = field(default_factory=dict)
     reconciled_specs: dict[tuple[str, str], Any] = field(default_factory=dict)
     failures: dict[tuple[str, str], int] = field(default_factory=dict)  # failed passes in a row
@@ -179,6 +182,9 @@ async def cleanup(memo: Any, **_: Any) -> None:
     """Close the API client."""
     state = getattr(memo, "state", None)
     if state is not None and state.client is not None:
+        state.closing = True
+        for wake in state.wakeups.values():
+            wake.set()
         await state.client.close()
 
 
@@ -385,12 +391,14 @@ async def pipeline_daemon(
     """
     state = _state(memo)
     wake = state.wakeup(namespace, name)
-    while not stopped:
+    while not stopped and not state.closing:
         wake.clear()
         try:
             async with state.lock(namespace, name):
                 due_s = await reconcile_pipeline(state, namespace, name, logger)
         except Exception as exc:
+            if state.closing:  # the operator is shutting down: its client is closed
+                return
             expected = (*kube.API_ERRORS, kube.ApplyRefused)
             if not isinstance(exc, expected):  # a bug must not stop the other pipelines
                 logger.exception("unexpected error reconciling %s/%s", namespace, name)
