@@ -364,9 +364,24 @@ FIELDS: dict[str, Entry] = {
     ),
     "autoscaling.metric": Entry(
         O,
-        f"{BLD}.build_hpa: cpu, the one metric",
+        f"{BLD}.build_hpa: backlog (External, the gateway's series) or cpu (Resource)",
         {"autoscaling": {"maxReplicas": 3, "target": 80, "metric": "cpu"}},
-        refusal=({"autoscaling": {"maxReplicas": 3, "target": 1, "metric": "wave_fill"}}, "'cpu'"),
+        refusal=(
+            {"autoscaling": {"maxReplicas": 3, "target": 1, "metric": "wave_fill"}},
+            "'backlog' or 'cpu'",
+        ),
+    ),
+    "autoscaling.scaleUpStabilizationSeconds": Entry(
+        O,
+        f"{BLD}.build_hpa: behavior.scaleUp",
+        {"autoscaling": {"maxReplicas": 3, "target": 80, "scaleUpStabilizationSeconds": 0}},
+        context={"autoscaling": {"maxReplicas": 3, "target": 80}},
+    ),
+    "autoscaling.scaleDownStabilizationSeconds": Entry(
+        O,
+        f"{BLD}.build_hpa: behavior.scaleDown",
+        {"autoscaling": {"maxReplicas": 3, "target": 80, "scaleDownStabilizationSeconds": 60}},
+        context={"autoscaling": {"maxReplicas": 3, "target": 80}},
     ),
     "autoscaling.target": Entry(
         O,

@@ -120,6 +120,7 @@ def test_gateway_series_and_labels(gateway_exported: dict[str, set[str]]) -> Non
         "wavepp_gateway_queue_depth": {"tenant"},
         "wavepp_gateway_active_requests": {"tenant"},
         "wavepp_gateway_requests_in_gateway": set(),
+        "wavepp_gateway_backlog_requests": {"pool"},
         "wavepp_gateway_max_queued_requests": set(),
         "wavepp_gateway_replica_up": {"replica"},
         "wavepp_gateway_routed_reusable_blocks_total": {"replica"},

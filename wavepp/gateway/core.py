@@ -163,7 +163,7 @@ class Gateway:
             policy=config.routing,
             timeout_s=config.replica_timeout_s,
         )
-        self.metrics = GatewayMetrics(self.load)
+        self.metrics = GatewayMetrics(self.load, pool=config.pool)
         self.num_outstanding = 0
         self._pending: dict[str, asyncio.Future[PrefillResult]] = {}
         self._waiters: dict[str, asyncio.Future[PrefillResult]] = {}

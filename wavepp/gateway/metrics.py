@@ -17,6 +17,7 @@ exporter never does, no ``*_created`` series.
 | wavepp.gateway.active_requests       | obs. gauge | {request}  | wavepp_gateway_active_requests{tenant}              |
 | wavepp.gateway.requests_in_gateway   | obs. gauge | {request}  | wavepp_gateway_requests_in_gateway                  |
 | wavepp.gateway.max_queued_requests   | obs. gauge | {request}  | wavepp_gateway_max_queued_requests                  |
+| wavepp.gateway.backlog_requests      | obs. gauge | {request}  | wavepp_gateway_backlog_requests{pool}               |
 | wavepp.gateway.replica_up            | obs. gauge | (none)     | wavepp_gateway_replica_up{replica}                  |
 | wavepp.gateway.routed_reusable_blocks| counter    | {block}    | wavepp_gateway_routed_reusable_blocks_total{replica}|
 | wavepp.gateway.auth_failures         | counter    | {request}  | wavepp_gateway_auth_failures_total{reason}          |
@@ -26,6 +27,11 @@ exporter never does, no ``*_created`` series.
 (with API keys: the key's tenant, whenever the key was valid). ``reason`` of an authentication
 failure: ``missing``, ``invalid``, ``tenant_mismatch``, ``rate_limited`` (never key material,
 never the client's address).
+
+``wavepp_gateway_backlog_requests{pool}`` is the autoscaling signal (``spec.autoscaling.metric:
+backlog``): the pool's requests queued or running in the gateway, labelled with the pool (the
+WavePipeline's name) so that an HPA's External metric selects one pipeline; the chart's
+prometheus-adapter rule (``charts/wavepp/templates/prometheus-adapter-rules.yaml``) serves it.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ GATEWAY_PROMETHEUS_NAMES: tuple[str, ...] = (
     "wavepp_gateway_active_requests",
     "wavepp_gateway_requests_in_gateway",
     "wavepp_gateway_max_queued_requests",
+    "wavepp_gateway_backlog_requests",
     "wavepp_gateway_replica_up",
     "wavepp_gateway_routed_reusable_blocks_total",
     "wavepp_gateway_auth_failures_total",
@@ -79,8 +86,9 @@ class GatewayMetrics:
     event loop, so it reads the gateway's state from the thread that owns it.
     """
 
-    def __init__(self, read_load: Callable[[], GatewayLoad]) -> None:
+    def __init__(self, read_load: Callable[[], GatewayLoad], *, pool: str = "") -> None:
         self._read_load = read_load
+        self.pool = pool
         self.export = PrometheusExport("wavepp-gateway", scope_labels=False, target_info=False)
         meter = self.export.meter()
         self._requests = meter.create_counter(
@@ -138,6 +146,12 @@ class GatewayMetrics:
             description="The queue limit: past it requests get 429 (field queue)",
         )
         meter.create_observable_gauge(
+            "wavepp.gateway.backlog_requests",
+            callbacks=[self._observe_backlog],
+            unit="{request}",
+            description="The pool's requests queued or running in the gateway (autoscaling)",
+        )
+        meter.create_observable_gauge(
             "wavepp.gateway.replica_up",
             callbacks=[self._observe_replica_up],
             description="Replica in the pool (heartbeat)",
@@ -185,6 +199,9 @@ class GatewayMetrics:
 
     def _observe_in_gateway(self, _options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(self._read_load().num_requests_in_gateway)]
+
+    def _observe_backlog(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(self._read_load().num_requests_in_gateway, {"pool": self.pool})]
 
     def _observe_max_queued(self, _options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(self._read_load().max_queued_requests)]

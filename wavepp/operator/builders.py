@@ -351,6 +351,9 @@ def _replica_affinity(
     return affinity
 
 
+# The gateway's autoscaling series (wavepp.gateway.metrics; the chart's adapter rule serves it).
+BACKLOG_METRIC = "wavepp_gateway_backlog_requests"
+
 POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"  # the coscheduling plugin's pod label
 
 
@@ -565,19 +568,34 @@ def build_gateway_service(ref: PipelineRef) -> dict[str, Any]:
 def build_hpa(ref: PipelineRef, spec: WavePipelineSpec) -> dict[str, Any] | None:
     """autoscaling/v2 HPA on the pipeline's scale subresource, or None without autoscaling.
 
-    cpu (the one metric): Resource metric, ``target`` = average utilisation in percent of the
-    stage pods' CPU request.
+    backlog (default): External metric ``wavepp_gateway_backlog_requests`` selected by the
+    pipeline's namespace and pool (its gateway exports it; the chart's prometheus-adapter rule
+    serves it), ``target`` = requests per replica (AverageValue: the HPA divides by the
+    pipeline's replicas). cpu: Resource metric, ``target`` = average utilisation in percent of
+    the stage pods' CPU request. Both with stabilisation windows (``behavior``).
     """
     auto = spec.autoscaling
     if auto is None:
         return None
-    metric = {
-        "type": "Resource",
-        "resource": {
-            "name": "cpu",
-            "target": {"type": "Utilization", "averageUtilization": math.ceil(auto.target)},
-        },
-    }
+    if auto.metric == "backlog":
+        metric: dict[str, Any] = {
+            "type": "External",
+            "external": {
+                "metric": {
+                    "name": BACKLOG_METRIC,
+                    "selector": {"matchLabels": {"namespace": ref.namespace, "pool": ref.name}},
+                },
+                "target": {"type": "AverageValue", "averageValue": f"{auto.target:g}"},
+            },
+        }
+    else:
+        metric = {
+            "type": "Resource",
+            "resource": {
+                "name": "cpu",
+                "target": {"type": "Utilization", "averageUtilization": math.ceil(auto.target)},
+            },
+        }
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
@@ -591,5 +609,9 @@ def build_hpa(ref: PipelineRef, spec: WavePipelineSpec) -> dict[str, Any] | None
             "minReplicas": auto.min_replicas,
             "maxReplicas": auto.max_replicas,
             "metrics": [metric],
+            "behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": auto.scale_up_window_s},
+                "scaleDown": {"stabilizationWindowSeconds": auto.scale_down_window_s},
+            },
         },
     }

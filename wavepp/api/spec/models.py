@@ -258,15 +258,33 @@ class AutoscalingSpec(WireModel):
 
     min_replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
     max_replicas: int = Field(ge=1, le=MAX_REPLICAS)
-    metric: Literal["cpu"] = Field(
-        "cpu",
+    metric: Literal["backlog", "cpu"] = Field(
+        "backlog",
         description=(
-            "cpu: average utilisation in percent of the stage pods' CPU request. (No per-pod "
-            "wave-fill or queue-depth metric exists on the scale target's pods, so none is "
-            "offered.)"
+            "backlog: the pool's requests queued or running in its gateway "
+            "(wavepp_gateway_backlog_requests{pool}, an External metric served by the chart's "
+            "prometheus-adapter rule), target = requests per replica. cpu: average utilisation "
+            "in percent of the stage pods' CPU request."
         ),
     )
-    target: float = Field(gt=0, description="Target average utilisation in percent.")
+    target: float = Field(
+        gt=0,
+        description="backlog: requests per replica; cpu: average utilisation in percent.",
+    )
+    scale_up_window_s: int = Field(
+        30,
+        ge=0,
+        le=3600,
+        alias="scaleUpStabilizationSeconds",
+        description="HPA scale-up stabilisation window (a burst does not add replicas at once).",
+    )
+    scale_down_window_s: int = Field(
+        300,
+        ge=0,
+        le=3600,
+        alias="scaleDownStabilizationSeconds",
+        description="HPA scale-down stabilisation window (a lull does not remove replicas).",
+    )
 
 
 class TelemetrySpec(WireModel):
