@@ -119,13 +119,17 @@ async def _one_setting(
             prefix = replica_prefix(f"admbench{tag}r{replica}", namespace="bench")
             managers = []
             for rank in range(setting.stages):
-                nc = await connect(server.url, name=f"admbench-r{replica}-stage-{rank}")
+                nc = await connect(
+                    server.url, name=f"admbench-r{replica}-stage-{rank}", anonymous_ok=True
+                )
                 stack.push_async_callback(nc.drain)
                 manager = StageKVManager(BlockPool(num_blocks, block_size))
                 await serve_stage_kv(nc, prefix, rank, manager)
                 await nc.flush()
                 managers.append(manager)
-            nc = await connect(server.url, name=f"admbench-r{replica}-controller")
+            nc = await connect(
+                server.url, name=f"admbench-r{replica}-controller", anonymous_ok=True
+            )
             stack.push_async_callback(nc.drain)
             controller = AdmissionController(
                 [NatsStageClient(nc, prefix, r, 10.0) for r in range(setting.stages)],

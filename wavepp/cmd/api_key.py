@@ -57,6 +57,7 @@ def rotate(path: Path, key: str, expire_others_after_s: float | None, now: datet
     lines.append(key_line(key))
     text = "\n".join(lines) + "\n"
     parse_key_file(text, path.stem, now_s=now.timestamp())
+    path.parent.mkdir(parents=True, exist_ok=True)  # e.g. examples/keys/ (git ignores it)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     tmp.replace(path)  # one rename: the gateway never reads half a file

@@ -18,6 +18,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool", default="default", help="pool name the replicas are named by")
 
 
+def _check_key_files(spec: object, config: str) -> str:
+    """The first problem with the tenants' ``apiKeysFile``s (read as ``wavepp up`` reads them,
+    relative to the spec's folder), or "" when there is none."""
+    import time
+    from pathlib import Path
+
+    from wavepp.gateway.auth import KeyFileError, authenticator_for
+
+    folder = Path(config).resolve().parent
+    key_files = {
+        t.name: str(folder / t.api_keys_file)
+        for t in getattr(spec, "tenants", [])
+        if t.api_keys_file
+    }
+    try:
+        authenticator_for(
+            key_files,
+            poll_s=1.0,
+            failure_burst=1,
+            failures_per_s=1.0,
+            clock=time.monotonic,
+            wall_clock=time.time,
+        )
+    except KeyFileError as exc:
+        return f"apiKeysFile: {exc}"
+    return ""
+
+
 def run(args: argparse.Namespace) -> int:
     from wavepp.api.spec import SpecError, SpecFileError, check_spec, read_spec_mapping
     from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
@@ -38,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
         configs = runtime_configs_from_spec(spec, pool=args.pool)
     except SpecError as exc:
         print(f"wavepp validate: {args.config}: {exc}", file=sys.stderr)
+        return 2
+    key_problem = _check_key_files(spec, args.config)
+    if key_problem:
+        print(f"wavepp validate: {args.config}: {key_problem}", file=sys.stderr)
         return 2
     first = configs[0]
     print(

@@ -312,7 +312,14 @@ class AuthError(Exception):
         kind = {401: "authentication_error", 403: "permission_error"}.get(
             self.status, "rate_limit_error"
         )
-        return {"error": {"type": kind, "field": "authorization", "message": str(self)}}
+        return {
+            "error": {
+                "type": kind,
+                "field": "authorization",
+                "param": "authorization",
+                "message": str(self),
+            }
+        }
 
 
 class Authenticator:
