@@ -140,6 +140,18 @@ async def test_header_claim_refused_and_400_counted_under_the_keys_tenant(keyed)
             headers={"X-WavePP-Tenant": "acme"},
         )
         assert status == 403, body
+        # the same header on /v1/prefill (found by an attack: it was ignored there)
+        status, body, _ = await _post(
+            session, _url(keyed), {"token_ids": [1, 2, 3]}, keys["default"],
+            headers={"X-WavePP-Tenant": "acme"},
+        )  # fmt: skip
+        assert status == 403, body
+        # malformed beyond the JSON parser's limits: a 400 in the error shape, not a 500
+        for raw in ("[" * 100_000, '{"token_ids": [' + "9" * 5000 + "]}"):
+            headers = {"Authorization": f"Bearer {keys['default']}"}
+            async with session.post(_url(keyed), data=raw, headers=headers) as response:
+                assert response.status == 400, await response.text()
+                assert (await response.json())["error"]["field"] == "body"
         # `user` is the end user's id under keys: served as the key's tenant
         status, body, _ = await _post(
             session,

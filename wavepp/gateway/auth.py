@@ -30,6 +30,7 @@ import hashlib
 import hmac
 import logging
 import os
+import stat
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ MAX_KEYS_PER_TENANT = 2
 successor."""
 MIN_RAW_KEY_CHARS = 16
 _HASH_PREFIX = "sha256:"
+
+
+MAX_KEY_FILE_BYTES = 64 * 1024  # a tenant's key file: a few hashes, not megabytes
 
 
 def hash_key(key: str) -> bytes:
@@ -214,8 +218,19 @@ class KeyStore:
     def _read(self, tenant: str) -> list[KeyEntry]:
         path = self.files[tenant]
         try:
-            stamp = self._stamp(tenant)
-            text = path.read_text()
+            st = os.stat(path)  # follows the Secret volume's symlinks
+            # A FIFO or device would block the gateway's event loop on open/read (found by an
+            # attack: a FIFO swapped in froze every route); a huge file stalls every request.
+            if not stat.S_ISREG(st.st_mode):
+                raise KeyFileError(f"tenant {tenant!r}: key file {path}: not a regular file")
+            if st.st_size > MAX_KEY_FILE_BYTES:
+                raise KeyFileError(
+                    f"tenant {tenant!r}: key file {path}: {st.st_size} bytes; at most "
+                    f"{MAX_KEY_FILE_BYTES}"
+                )
+            stamp = (st.st_mtime_ns, st.st_ino, st.st_size)
+            with open(path, "rb") as handle:
+                text = handle.read(MAX_KEY_FILE_BYTES + 1).decode("utf-8", errors="replace")
         except OSError as exc:
             raise KeyFileError(f"tenant {tenant!r}: key file {path}: {exc.strerror}") from exc
         entries = parse_key_file(text, tenant, now_s=self.wall_clock())

@@ -109,6 +109,10 @@ def _error(exc: BadRequest | LimitExceeded | Exception, status: int) -> web.Resp
     return web.json_response(error_body("request", str(exc), kind="server_error"), status=status)
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 class GatewayServer:
     """The HTTP app and NATS API over a started :class:`Gateway`."""
 
@@ -220,6 +224,10 @@ class GatewayServer:
             return json.loads(await request.read())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise BadRequest("body", f"malformed JSON: {exc}") from exc
+        except RecursionError as exc:  # e.g. 100,000 nested arrays
+            raise BadRequest("body", "malformed JSON: nested too deeply") from exc
+        except ValueError as exc:  # e.g. an integer of 5,000 digits (int max str digits)
+            raise BadRequest("body", f"malformed JSON: {_first_line(exc)}") from exc
 
     async def handle_prefill(self, request: web.Request) -> web.Response:
         try:
@@ -237,6 +245,8 @@ class GatewayServer:
         if key_tenant is not None and isinstance(body, dict):
             try:
                 self.bind_tenant(key_tenant, claimed)
+                # the header names a tenant too (as on /v1/completions): another one is 403
+                self.bind_tenant(key_tenant, request.headers.get("X-WavePP-Tenant"))
             except AuthError as exc:
                 return self._auth_error(exc)
             body = {**body, "tenant": key_tenant}
@@ -360,6 +370,10 @@ class GatewayServer:
             body = json.loads(msg.data)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             malformed = BadRequest("body", f"malformed JSON: {exc}")
+        except RecursionError:
+            malformed = BadRequest("body", "malformed JSON: nested too deeply")
+        except ValueError as exc:
+            malformed = BadRequest("body", f"malformed JSON: {_first_line(exc)}")
         if key_tenant is not None and isinstance(body, dict):
             try:
                 self.bind_tenant(key_tenant, body.get("tenant"))

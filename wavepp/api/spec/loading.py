@@ -43,6 +43,26 @@ def _yaml_error(exc: Exception) -> str:
     return _one_line(f"{where}{problem}")
 
 
+MAX_SPEC_FILE_BYTES = 1 << 20
+MAX_SPEC_VALUES = 100_000
+
+
+def _count_values(data: object, limit: int) -> int:
+    """Values in ``data`` as a reader walks it (aliases counted each time they appear), counting
+    stops just past ``limit``. Iterative: no recursion limit, and a YAML alias bomb (a few
+    hundred bytes expanding to 10**8 values) is refused after ``limit`` steps."""
+    count, stack = 0, [data]
+    while stack and count <= limit:
+        value = stack.pop()
+        count += 1
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return count
+
+
 def read_spec_mapping(path: str | Path) -> dict[str, Any]:
     """The raw ``spec`` mapping of a YAML or JSON file (a bare spec or a whole WavePipeline).
 
@@ -58,10 +78,22 @@ def read_spec_mapping(path: str | Path) -> dict[str, Any]:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecFileError(f"{path}: cannot read: {_one_line(exc)}") from None
+    if len(text) > MAX_SPEC_FILE_BYTES:
+        raise SpecFileError(
+            f"{path}: {len(text)} characters; a spec file holds at most {MAX_SPEC_FILE_BYTES}"
+        )
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise SpecFileError(f"{path}: not valid YAML/JSON: {_yaml_error(exc)}") from None
+    except RecursionError:
+        raise SpecFileError(f"{path}: nested too deeply to be a spec") from None
+    num_values = _count_values(data, MAX_SPEC_VALUES)
+    if num_values > MAX_SPEC_VALUES:
+        raise SpecFileError(
+            f"{path}: more than {MAX_SPEC_VALUES} values once YAML aliases are expanded; a spec "
+            "holds far fewer (an alias bomb?)"
+        )
     if isinstance(data, dict) and data.get("kind") == KIND:
         data = data.get("spec")
     if not isinstance(data, dict):

@@ -41,6 +41,25 @@ EPOCH_KEY = "epoch"
 POLL_S = 0.1
 
 
+MAX_EPOCH = 2**31
+
+
+def epoch_of(value: bytes | None, revision: int) -> int:
+    """The epoch an ``epoch`` entry says (pure). A value that is not an integer in
+    [1, ``MAX_EPOCH``) was not written by a stage (a client holding a stage's NATS credentials
+    can write the bucket): it is read as the entry's revision instead, which is above every epoch
+    written before it (each epoch was a write), so the stages move on to a fresh epoch together
+    instead of crash-looping on it."""
+    try:
+        epoch = int((value or b"").decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        epoch = 0
+    if 1 <= epoch < MAX_EPOCH:
+        return epoch
+    log.warning("rendezvous: epoch entry %r is not an epoch; read as revision %d", value, revision)
+    return max(1, revision)
+
+
 def join_key(epoch: int, rank: int) -> str:
     """``join.{epoch}.{rank}``: the KV key a stage puts when it joins an epoch."""
     return f"join.{epoch}.{rank}"
@@ -148,7 +167,7 @@ class EpochRendezvous:
             entry = await self.kv.get(EPOCH_KEY)
         except KeyNotFoundError:
             return None
-        return int(entry.value.decode())
+        return epoch_of(entry.value, entry.revision)
 
     async def first_epoch(self) -> int:
         """The epoch a fresh process joins (:func:`decide_join`); starts it when it must."""
@@ -159,7 +178,7 @@ class EpochRendezvous:
                 with contextlib.suppress(KeyWrongLastSequenceError):
                     await self.kv.create(EPOCH_KEY, b"1")
                 continue
-            current = int(entry.value.decode())
+            current = epoch_of(entry.value, entry.revision)
             decision = decide_join(current, await self._has_joined(current, self.rank))
             if not decision.bump:
                 return decision.epoch
