@@ -68,3 +68,34 @@ def test_a_yaml_alias_bomb_and_deep_nesting_are_one_line_errors(tmp_path: Path) 
     deep.write_text("[" * 100_000)
     with pytest.raises(SpecFileError):
         read_spec_mapping(deep)
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses with a socket listening on ``port`` (IPv4, from /proc/net/tcp)."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+            found.add(".".join(str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="Linux /proc/net/tcp")
+def test_the_stages_store_on_a_loopback_url_listens_on_loopback_only() -> None:
+    """torch's TCPStore (rank 0's --dist-url) listened on every interface, unauthenticated:
+    another host could grow it by 8 MiB a key or poison the next re-form's keys."""
+    import datetime
+
+    from wavepp.runtime.stage.rendezvous import StageGroupFactory
+    from wavepp.runtime.transport.natsio import free_port
+
+    port = free_port()
+    factory = StageGroupFactory(f"tcp://127.0.0.1:{port}", 0, 2, "gloo", timeout_s=5.0)
+    store = factory._store()  # noqa: SLF001 - the store rank 0 hosts
+    store.set("k", "v")
+    assert _listening_addresses(port) == {"127.0.0.1"}
+    import torch.distributed as dist
+
+    client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=5))
+    assert client.get("k") == b"v"

@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import ipaddress
 import logging
+import socket
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -92,6 +94,13 @@ def decide_join(current: int | None, rank_already_joined: bool) -> JoinDecision:
     return JoinDecision(current, bump=False)
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def parse_dist_url(dist_url: str) -> tuple[str, int]:
     """``tcp://host:port`` -> (host, port).
 
@@ -124,16 +133,43 @@ class StageGroupFactory:
     def _store(self) -> dist.Store:
         if self.rank == 0:
             if self._master is None:
-                self._master = dist.TCPStore(
-                    self.host,
-                    self.port,
-                    self.num_stages,
-                    True,
-                    timeout=self.timeout,
-                    wait_for_workers=False,
-                )
+                self._master = self._master_store()
             return self._master
         return dist.TCPStore(self.host, self.port, self.num_stages, False, timeout=self.timeout)
+
+    def _master_store(self) -> dist.TCPStore:
+        """Rank 0's store. On a loopback ``--dist-url`` (``wavepp up``, one machine) it listens
+        on that loopback address only: torch's store binds every interface and has no
+        authentication, so another host could read, grow or poison it (found by an attack: an
+        8 MiB write per key, and junk under ``wavepp/epoch/*`` that failed the next re-form). On
+        a pod address it listens on every interface (the pod's; issue 14's NetworkPolicies say
+        who may reach it)."""
+        if not _is_loopback(self.host):
+            return dist.TCPStore(
+                self.host,
+                self.port,
+                self.num_stages,
+                True,
+                timeout=self.timeout,
+                wait_for_workers=False,
+            )
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.host, self.port))
+        listener.listen(128)
+        # detach: the store owns the descriptor for the process's life (a Python socket closed
+        # at exit under the store's daemon aborts the process)
+        return dist.TCPStore(
+            self.host,
+            self.port,
+            self.num_stages,
+            True,
+            timeout=self.timeout,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+            use_libuv=False,
+        )
 
     def form(self, epoch: int) -> dist.ProcessGroup:
         """The group of ``epoch`` (returns once all ``num_stages`` ranks formed it).
