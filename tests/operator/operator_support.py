@@ -392,9 +392,15 @@ class Cluster:
     async def serve_replica(self, pipeline: str, replica: int) -> None:
         """Stage pods warm and the admission controller ready: the replica can serve."""
         await self.run_statefulset(b.statefulset_name(pipeline, replica))
+        # The operator applies the Deployments after the StatefulSet, in the same pass or the
+        # next: wait for them (a CI flake: "assert dep is not None" under a slow reconcile).
+        admission = b.admission_name(pipeline, replica)
+        await wait_for(lambda: self.get("Deployment", admission), what=f"Deployment {admission}")
         if not await self.admission_pods(pipeline, replica):
             await self.run_admission(pipeline, replica)
-        if await self.get("Pod", f"{b.gateway_name(pipeline)}-x") is None:
+        gateway = b.gateway_name(pipeline)
+        await wait_for(lambda: self.get("Deployment", gateway), what=f"Deployment {gateway}")
+        if await self.get("Pod", f"{gateway}-x") is None:
             await self.run_gateway(pipeline)
 
     async def kubectl(self, *args: str, stdin: bytes | None = None) -> tuple[int, str, str]:
