@@ -62,11 +62,20 @@ async def _wait_ready(endpoint: str, proc: subprocess.Popen[bytes], timeout_s: f
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
-            assert proc.poll() is None, "round-robin gateway exited"
+            assert proc.poll() is None, f"{endpoint}: its process exited"
             try:
-                async with session.get(f"{endpoint}/readyz") as response:
-                    if response.status == 200:
-                        return
+                # Ready means one replica admits (issue 16); this test needs both in the pool:
+                # every replica's wavepp_gateway_replica_up is 1 (a CI flake: round robin sent a
+                # document twice to the one replica already in).
+                async with session.get(f"{endpoint}/metrics") as response:
+                    text = await response.text() if response.status == 200 else ""
+                ups = [
+                    line.rsplit(" ", 1)[-1]
+                    for line in text.splitlines()
+                    if line.startswith("wavepp_gateway_replica_up{")
+                ]
+                if len(ups) >= 2 and all(float(v) == 1.0 for v in ups):
+                    return
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.2)
@@ -87,6 +96,7 @@ async def test_prefix_routing_beats_round_robin(tmp_path: Path, serving) -> None
     try:
         rr_endpoint = f"http://127.0.0.1:{port}"
         await _wait_ready(rr_endpoint, rr_gateway, 60)
+        await _wait_ready(service.endpoint, service.proc, 60)
         prefix = await _run(service.endpoint, "alice")
         round_robin = await _run(rr_endpoint, "bob")
         rerouted = await _stop_answering(service, prefix)
