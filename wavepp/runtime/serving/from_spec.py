@@ -161,13 +161,20 @@ def _checkpoint_model(spec: WavePipelineSpec, path: str, dtype: str) -> ModelCon
             ``model.pvc.mountPath``), or a stated shape that disagrees with it (names the
             ``model.config`` field).
     """
+    where = "" if Path(path).is_dir() else " is not a directory here"
+    if not where and not (Path(path) / "config.json").is_file():
+        where = " has no config.json"
+    if where:
+        raise SpecError(
+            _checkpoint_field(spec),
+            f"{path!r}{where}: the torch engine serves a Hugging Face checkpoint directory "
+            "(config.json + safetensors), read by every process built from the spec (in "
+            "Kubernetes the PVC is mounted into the stage, admission and gateway pods)",
+        )
     try:
         model = load_model_dir(path)
     except ValueError as exc:
-        raise SpecError(
-            _checkpoint_field(spec),
-            f"{path!r} is not a Hugging Face checkpoint directory the torch engine reads: {exc}",
-        ) from None
+        raise SpecError(_checkpoint_field(spec), str(exc)) from None
     stated: dict[str, Any] = {}
     if spec.model.num_layers() is not None:
         stated["num_layers"] = spec.model.num_layers()
@@ -182,11 +189,10 @@ def _checkpoint_model(spec: WavePipelineSpec, path: str, dtype: str) -> ModelCon
     for name, value in stated.items():
         actual = getattr(model, name)
         if value != actual:
-            source = (
-                ""
-                if name != "num_layers" or (config and config.num_layers)
-                else (f" (the layer count of preset {spec.model.name!r})")
+            is_preset = (
+                name == "num_layers" and MODEL_PRESET_NUM_LAYERS.get(spec.model.name) == value
             )
+            source = f" (the layer count of preset {spec.model.name!r})" if is_preset else ""
             raise SpecError(
                 f"model.config.{_CHECKED_FIELDS[name]}",
                 f"{value}{source} disagrees with {path}/config.json, which gives {actual}; the "
