@@ -89,13 +89,11 @@ class ModelSpec(WireModel):
     path: str | None = Field(
         None,
         description=(
-            "A Hugging Face checkpoint directory (config.json, safetensors, optionally "
-            "tokenizer.json) as the pods see it; defaults to the PVC's mountPath when pvc is "
-            "set. The torch engine serves it: shape and architecture from its config.json (a "
+            "Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json) as "
+            "the pods see it; default: the PVC's mountPath. Shape from its config.json (a "
             "disagreeing model.config field is refused), layers split by cost without "
-            "layerPartition, the gateway's tokenizer from its tokenizer.json. Without path and "
-            "pvc: seeded random Llama weights. The emulated engine loads no weights: refused "
-            "there."
+            "layerPartition. Without path and pvc: seeded random Llama weights. Refused for "
+            "the emulated engine."
         ),
     )
     pvc: PVCSource | None = None
@@ -430,12 +428,7 @@ class WavePipelineSpec(WireModel):
         """
         num_layers = self.model.num_layers()
         if num_layers is None:
-            hint = (
-                " (wavepp up and wavepp validate read it from the checkpoint's config.json; the "
-                "operator cannot read the volume: state num_hidden_layers)"
-                if self.serves_checkpoint()
-                else ""
-            )
+            hint = "" if not self.serves_checkpoint() else " (the operator cannot read the volume)"
             raise SpecError(
                 "model.config.numLayers",
                 f"layer count unknown: model.name={self.model.name!r} is not a preset "
@@ -445,12 +438,9 @@ class WavePipelineSpec(WireModel):
         return num_layers
 
     def serves_checkpoint(self) -> bool:
-        """The torch engine serves a checkpoint directory (``model.path`` or the PVC's
-        mountPath): its config.json gives the shape, and without ``layerPartition`` the stages
-        split its layers by cost when they start (``runtime.serving.from_spec``)."""
-        return self.engine == "torch" and (
-            self.model.path is not None or self.model.pvc is not None
-        )
+        """The torch engine serves a checkpoint (``model.path`` or the PVC): shape from its
+        config.json, layers split by cost without ``layerPartition`` (``from_spec``)."""
+        return self.engine == "torch" and (self.model.path or self.model.pvc) is not None
 
     def stage_layer_ranges(self) -> list[tuple[int, int]]:
         """``[(first, last), ...]`` per stage; stage r holds layers ``[first, last)``."""
