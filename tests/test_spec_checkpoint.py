@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from wavepp import cli
 from wavepp.api.spec import SpecError, check_spec
 from wavepp.cmd.gateway import gateway_config_from_spec
 from wavepp.runtime.serving.from_spec import runtime_configs_from_spec, with_checkpoint_layers
@@ -142,21 +143,20 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_validate_reads_the_checkpoint(ckpt: Path, tmp_path: Path) -> None:
+def test_validate_reads_the_checkpoint(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"model": {"name": "tiny-dsv3", "path": str(ckpt)}, "stages": 3}))
-    proc = _cli("validate", str(good))
-    print(proc.stdout, proc.stderr)
-    assert proc.returncode == 0, proc.stderr
-    assert f"checkpoint {ckpt}: deepseek_v3, layers per stage [1, 2, 1]" in proc.stdout
+    assert cli.main(["validate", str(good)]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert f"checkpoint {ckpt}: deepseek_v3, layers per stage [1, 2, 1]" in out
     bad = tmp_path / "bad.json"
-    config = {"numLayers": 4, "hiddenSize": 128}
-    bad.write_text(
-        json.dumps({"model": {"name": "m", "path": str(ckpt), "config": config}, "stages": 2})
-    )
-    proc = _cli("validate", str(bad))
-    assert proc.returncode == 2
-    assert "spec.model.config.hiddenSize: 128 disagrees" in proc.stderr
+    model = {"name": "m", "path": str(ckpt), "config": {"numLayers": 4, "hiddenSize": 128}}
+    bad.write_text(json.dumps({"model": model, "stages": 2}))
+    assert cli.main(["validate", str(bad)]) == 2
+    assert "spec.model.config.hiddenSize: 128 disagrees" in capsys.readouterr().err
 
 
 def test_up_model_without_config_json_is_one_line_naming_the_flag(tmp_path: Path) -> None:
