@@ -16,6 +16,7 @@ import pytest
 from wavepp import cli
 from wavepp.api.spec import SpecError, check_spec
 from wavepp.cmd.gateway import gateway_config_from_spec
+from wavepp.gateway.validation import BadRequest, parse_completion_batch, parse_prefill
 from wavepp.runtime.serving.from_spec import runtime_configs_from_spec, with_checkpoint_layers
 
 pytest.importorskip("transformers")
@@ -59,6 +60,16 @@ def test_model_path_becomes_model_dir_with_the_checkpoints_shape_split_by_cost(c
     # the gateway agrees with the stages and has no tokenizer (none in the directory)
     gateway = gateway_config_from_spec(spec, {"pipeline": "p"})
     assert (gateway.vocab_size, gateway.model_name, gateway.tokenizer) == (256, "tiny-dsv3", None)
+    # ... so a text prompt stays a 422 naming the field, token ids are served
+    for parse, body, field in (
+        (parse_prefill, {"tenant": "default", "text": "w1 w2"}, "text"),
+        (parse_completion_batch, {"prompt": "w1 w2"}, "prompt"),
+    ):
+        with pytest.raises(BadRequest) as info:
+            parse(body, gateway.limits, None)
+        assert (info.value.status, info.value.field) == (422, field)
+        assert "tokenizer.json" in str(info.value)
+    assert parse_prefill({"tenant": "default", "token_ids": [1, 255]}, gateway.limits).token_ids
 
 
 def test_a_stated_partition_and_the_pvc_mount_path(ckpt: Path) -> None:
