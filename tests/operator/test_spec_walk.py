@@ -23,11 +23,15 @@ prints the listing.
 from __future__ import annotations
 
 # ruff: noqa: E501 - the table reads best one field a line
+import atexit
 import copy
 import datetime as dt
+import functools
 import json
 import re
+import shutil
 import sys
+import tempfile
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +62,33 @@ BASE: dict[str, Any] = {
     "resources": {"gpusPerStage": 0},
 }
 EMULATED = {"engine": "emulated", "model": {"name": "tiny-llama"}}
+CKPT, CKPT2 = "@checkpoint-1@", "@checkpoint-2@"  # two tiny-llama-sized checkpoints, made once
+
+
+@functools.cache
+def _checkpoints() -> dict[str, str]:
+    """Two Hugging Face checkpoints of 8 Llama layers (tiny-llama's count), built on first use
+    (the runtime reads a spec's model.path: config.json, the split by cost)."""
+    from wavepp.bench.checkpoints import save_random_checkpoint
+
+    root = Path(tempfile.mkdtemp(prefix="spec-walk-"))
+    atexit.register(shutil.rmtree, root, True)
+    save_random_checkpoint("llama", root / "a", num_layers=8, vocab_size=256)
+    shutil.copytree(root / "a", root / "b")
+    return {CKPT: str(root / "a"), CKPT2: str(root / "b")}
+
+
+def _with_checkpoints(value: Any) -> Any:
+    """``value`` with the checkpoint placeholders replaced by real directories."""
+    if isinstance(value, dict):
+        return {k: _with_checkpoints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_with_checkpoints(v) for v in value]
+    if value in (CKPT, CKPT2):
+        return _checkpoints()[value]
+    return value
+
+
 GPU = {"resources": {"gpusPerStage": 1}}
 
 
@@ -83,8 +114,9 @@ FIELDS: dict[str, Entry] = {
     ),
     "model.path": Entry(
         R,
-        f"{FS} -> RuntimeConfig.weights -> stage.worker.build_engine (weights_path)",
-        {"model": {"name": "tiny-llama", "path": "/ckpt"}},
+        f"{FS} -> RuntimeConfig.model_dir (shape from its config.json, split by cost) -> "
+        "stage.worker.build_engine",
+        {"model": {"name": "tiny-llama", "path": CKPT}},
         refusal=(EMULATED | {"model": {"name": "tiny-llama", "path": "/w"}}, "loads no weights"),
     ),
     "model.pvc.claimName": Entry(
@@ -101,9 +133,9 @@ FIELDS: dict[str, Entry] = {
     ),
     "model.pvc.mountPath": Entry(
         R,
-        f"{FS}: weights = mountPath when path unset; and the mount",
-        {"model": {"name": "tiny-llama", "pvc": {"claimName": "w", "mountPath": "/m2"}}},
-        context={"model": {"name": "tiny-llama", "pvc": {"claimName": "w"}}},
+        f"{FS}: model_dir = mountPath when path unset; and the mount",
+        {"model": {"name": "tiny-llama", "pvc": {"claimName": "w", "mountPath": CKPT2}}},
+        context={"model": {"name": "tiny-llama", "pvc": {"claimName": "w", "mountPath": CKPT}}},
     ),
     "model.config.numLayers": Entry(
         R,
@@ -528,7 +560,7 @@ def _resolved(raw: dict[str, Any]) -> WavePipelineSpec:
 
 
 def read_runtime(raw: dict[str, Any]) -> str:
-    spec = _resolved(raw)
+    spec = _resolved(_with_checkpoints(raw))
     configs = [
         c.model_dump(mode="json") for c in runtime_configs_from_spec(spec, pool="p", namespace="ns")
     ]

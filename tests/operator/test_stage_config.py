@@ -1,5 +1,6 @@
 """What a stage pod runs: the GPU example rendered by the operator and read back by the stage
-process (device, dtype, weights), and a CPU stage given ``model.path`` serving those weights."""
+process (device, dtype, the checkpoint's directory), and a CPU stage given ``model.path`` serving
+that checkpoint."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from wavepp.api.spec import check_spec
 from wavepp.cmd.stage import add_arguments, runtime_config_from_args
 from wavepp.operator import builders as b
 from wavepp.operator.reconcile import Apply, Create, Defaults, Observed, plan
-from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
+from wavepp.runtime.serving.from_spec import model_config_from_spec, runtime_configs_from_spec
 from wavepp.runtime.stage.chunk import ChunkSpec
 from wavepp.runtime.stage.worker import build_engine
 
@@ -55,8 +56,18 @@ def _as_the_pod_runs_it(
 
 
 def test_the_gpu_example_runs_on_cuda_in_bf16_with_the_pvcs_weights(tmp_path: Path) -> None:
+    """The GPU example with its PVC mounted where a small-llama-sized checkpoint lies (here: a
+    folder; in the cluster the volume): the stage's config serves it as ``model_dir``, its
+    layers split by cost; every pod that reads the spec (stages, admission, gateway) mounts it."""
+    pytest.importorskip("transformers")
+    from wavepp.bench.checkpoints import save_random_checkpoint
+    from wavepp.runtime.stage.engine.balance import checkpoint_partition
+
+    models = tmp_path / "models"
+    save_random_checkpoint("llama", models, num_layers=8, vocab_size=256)  # small-llama: 8
     body = yaml.safe_load((REPO / "examples" / "wavepipeline-gpu.yaml").read_text())
     body["metadata"]["uid"] = "uid-gpu"
+    body["spec"]["model"]["pvc"]["mountPath"] = str(models)
     objects = _render(body)
     config, container, sts = _as_the_pod_runs_it(objects, "small-gpu-r1", 2, tmp_path)
     summary = {
@@ -64,23 +75,33 @@ def test_the_gpu_example_runs_on_cuda_in_bf16_with_the_pvcs_weights(tmp_path: Pa
         "namespace": config.namespace,
         "device": config.device,
         "dtype": config.model.dtype,
-        "weights": config.weights,
+        "model_dir": config.model_dir,
         "engine": config.engine,
         "model": config.model.name,
         "layers": config.layers_of(2),
         "subject_prefix": config.subject_prefix,
     }
     print("stage runtime config:", json.dumps(summary))
-    assert (config.device, config.model.dtype, config.weights) == ("cuda", "bfloat16", "/models")
+    assert (config.device, config.model.dtype) == ("cuda", "bfloat16")
+    assert (config.model_dir, config.weights) == (str(models), None)
+    assert config.partition == checkpoint_partition(models, 4)
+    assert config.model.name == "small-llama"
     assert config.subject_prefix == "wavepp.default.small-gpu-r1"
-    # ... and the pod is given what that config needs: a GPU, the PVC at /models, one host.
+    # ... and the pod is given what that config needs: a GPU, the PVC, one host.
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     pod = sts["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "small-llama-weights"
-    assert {"name": "model", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+    mount = {"name": "model", "mountPath": str(models), "readOnly": True}
+    assert mount in container["volumeMounts"]
     (together,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert together["topologyKey"] == "kubernetes.io/hostname"
+    # the admission and gateway pods read the checkpoint too (config.json, tokenizer.json)
+    deployments = [o for (kind, _), o in objects.items() if kind == "Deployment"]
+    assert {d["metadata"]["name"] for d in deployments} >= {"small-gpu-gateway"}
+    for deployment in deployments:
+        (c,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert mount in c["volumeMounts"], deployment["metadata"]["name"]
 
 
 transformers = pytest.importorskip("transformers")
@@ -101,18 +122,19 @@ def test_a_cpu_stage_given_model_path_serves_those_weights(tmp_path: Path) -> No
     }
     spec, issues = check_spec(raw, default_image="i", default_nats_url="nats://n:4222")
     assert spec is not None, issues
-    (config,) = runtime_configs_from_spec(spec, pool="ckpt", namespace="t")
-    assert (config.device, config.model.dtype, config.weights) == (
-        "cpu",
-        "float32",
-        str(tmp_path / "ckpt"),
-    )
+    shaped = model_config_from_spec(spec)  # the shape the checkpoint is made with
     torch.manual_seed(11)
-    hf_config = transformers.LlamaConfig(**config.model.to_hf_llama_kwargs())
+    hf_config = transformers.LlamaConfig(**shaped.to_hf_llama_kwargs())
     hf_config._attn_implementation = "eager"
     model = transformers.LlamaForCausalLM(hf_config).eval()
     model.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
     assert list((tmp_path / "ckpt").glob("*.safetensors"))
+    (config,) = runtime_configs_from_spec(spec, pool="ckpt", namespace="t")
+    assert (config.device, config.model.dtype, config.model_dir) == (
+        "cpu",
+        "float32",
+        str(tmp_path / "ckpt"),
+    )
 
     tokens = [(13 * i + 5) % 256 for i in range(21)]
     with torch.inference_mode():
@@ -142,5 +164,5 @@ def test_a_cpu_stage_given_model_path_serves_those_weights(tmp_path: Path) -> No
     )
     assert int(served.argmax()) == int(expected.argmax())
     assert diff < 1e-4
-    seeded = pipeline_logits(config.model_copy(update={"weights": None}))
+    seeded = pipeline_logits(config.model_copy(update={"model_dir": None}))
     assert (seeded - expected).abs().max().item() > 0.1  # control: the path is what matters

@@ -51,16 +51,20 @@ def build_tokenizer(directory: Path, vocab_size: int = 200) -> Path:
 
 
 def start_up(
-    tmp: Path, spec: dict, extra_args: list[str] = (), timeout_s: float = 120.0
+    tmp: Path, spec: dict | None, extra_args: list[str] = (), timeout_s: float = 120.0
 ) -> UpService:
-    """Start `wavepp up`; wait for its 'serving' line; fail fast (with the output) if it exits."""
+    """Start `wavepp up` (``--config`` a file of ``spec``; None: no config file); wait for its
+    'serving' line; fail fast (with the output) if it exits."""
     tmp.mkdir(parents=True, exist_ok=True)
-    config = tmp / "pipeline.yaml"
-    config.write_text(yaml.safe_dump(spec))
+    config_args = []
+    if spec is not None:
+        config = tmp / "pipeline.yaml"
+        config.write_text(yaml.safe_dump(spec))
+        config_args = ["--config", str(config)]
     port = free_port()
     state_dir = tmp / "state"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "wavepp.cli", "up", "--config", str(config), "--port", str(port),
+        [sys.executable, "-m", "wavepp.cli", "up", *config_args, "--port", str(port),
          "--state-dir", str(state_dir), *extra_args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

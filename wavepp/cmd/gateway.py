@@ -113,7 +113,9 @@ def gateway_config_from_spec(
     replica's RuntimeConfig; ``max_prompt_tokens`` = min(smallest stage KV capacity x block_size,
     the model's max position) as ``wavepp up`` does; tenants from ``spec.tenants`` with every
     limit the spec sets (salt: the spec's, else ``tenant:{name}``), or one ``default`` tenant;
-    a tenant's ``apiKeySecret`` is read from its mount, ``{API_KEYS_DIR}/{tenant}/keys``.
+    a tenant's ``apiKeySecret`` is read from its mount, ``{API_KEYS_DIR}/{tenant}/keys``; the
+    tokenizer is the checkpoint's ``tokenizer.json`` when ``model.path`` (or the PVC, mounted
+    into the gateway pod too) holds one, else none (text prompts: 422).
 
     Args:
         spec: the resolved spec.
@@ -133,7 +135,11 @@ def gateway_config_from_spec(
     from wavepp.gateway.core import GatewayConfig, ReplicaInfo
     from wavepp.gateway.tenants import TenantPolicy, default_cache_salt, policy_from_spec
     from wavepp.operator.containers import api_keys_path
-    from wavepp.runtime.serving.from_spec import replica_pipeline_name, runtime_configs_from_spec
+    from wavepp.runtime.serving.from_spec import (
+        checkpoint_tokenizer,
+        replica_pipeline_name,
+        runtime_configs_from_spec,
+    )
 
     pool = pool_doc.get("pipeline")
     if not isinstance(pool, str) or not pool:
@@ -172,6 +178,7 @@ def gateway_config_from_spec(
         vocab_size=first.model.vocab_size,
         max_prompt_tokens=max_prompt_tokens,
         tenants=tenants,
+        tokenizer=checkpoint_tokenizer(spec),
         **extra,
     )
 

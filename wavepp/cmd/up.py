@@ -11,11 +11,12 @@ replicas serve (the gateway routes around it); a stage that dies during startup,
 (gateway, admissions, stages: SIGTERM, wait, kill) and the nats-server, and exits 0.
 
 ``--config FILE`` is a WavePipeline spec in YAML or JSON (the custom resource's ``spec``, or the
-whole resource); without it, tiny-llama on 2 torch stages. ``spec.telemetry`` is honoured as in
-the pods: ``otlpEndpoint``/``samplingRatio`` trace the stages and admissions, and a stated
-``metricsPort`` P serves replica i's admission metrics (the runtime's ``wavepp_*`` series) on
-port P + i (one machine, one port each; the gateway's series are on its own ``/metrics``);
-without ``metricsPort`` no Prometheus port is opened. ``STATE_DIR/processes.json`` lists
+whole resource); without it, tiny-llama on 2 torch stages. ``--model DIR`` serves a Hugging
+Face checkpoint directory and ``--stages S`` sets the stage count, with or without ``--config``
+(``cmd.up_spec``: the spec, the host's GPUs, ``spec.telemetry``: a stated ``metricsPort`` P
+serves replica i's admission metrics on port P + i; the gateway's series are on its own
+``/metrics``). A checkpoint's ``tokenizer.json`` is the gateway's tokenizer unless
+``--tokenizer`` names another. ``STATE_DIR/processes.json`` lists
 the endpoints,
 the child pids and each component's NATS credentials file (for tests and operators),
 ``STATE_DIR/logs/`` (or ``--log-dir``) their output and the nats-server's.
@@ -41,7 +42,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from wavepp.cmd.common import add_deprecated_alias, finite_float
 from wavepp.runtime.serving.lifecycle import child_env
@@ -49,13 +50,22 @@ from wavepp.runtime.serving.lifecycle import child_env
 if TYPE_CHECKING:
     from wavepp.runtime.transport.auth import PoolAuth
 
-DEFAULT_SPEC = {"model": {"name": "tiny-llama"}, "stages": 2}
 MAX_LOCAL_PROCESSES = 256
 """Processes ``wavepp up`` starts at most: replicas x (stages + 1) + gateway + nats-server."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="", help="WavePipeline spec (YAML or JSON)")
+    parser.add_argument(
+        "--model",
+        default="",
+        metavar="DIR",
+        help="serve this Hugging Face checkpoint directory (config.json + safetensors; its "
+        "tokenizer.json for text prompts), replacing the spec's model",
+    )
+    parser.add_argument(
+        "--stages", type=int, default=None, help="pipeline stages S, replacing the spec's"
+    )
     parser.add_argument("--pool", default="default", help="pool name (NATS subjects, results)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     parser.add_argument("--port", type=int, default=8000, help="gateway port (0: a free one)")
@@ -64,7 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="logs, configs, JetStream store (default: a fresh wavepp-up-* temporary folder)",
     )
-    parser.add_argument("--tokenizer", default="", help="local tokenizer path (for text prompts)")
+    parser.add_argument(
+        "--tokenizer",
+        default="",
+        help="local tokenizer path (for text prompts; without it, the checkpoint's tokenizer.json)",
+    )
     parser.add_argument(
         "--routing",
         choices=["prefix", "round_robin", "least_loaded"],
@@ -148,38 +162,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _fail(flag: str, message: str) -> int:
     print(f"wavepp up: {flag}: {message}", file=sys.stderr)
     return 2
-
-
-def with_telemetry(configs: list, spec: object, raw: dict) -> list:  # RuntimeConfig, spec
-    """The replicas' configs with ``spec.telemetry`` (see the module docstring).
-
-    Raises:
-        ValueError: ``metricsPort`` + the replica count passes 65535, or a bad
-            ``$WAVEPP_METRICS_PORT`` (named).
-    """
-    import os
-
-    from wavepp.cmd.stage import telemetry_from_spec
-
-    telemetry = telemetry_from_spec(spec, os.environ)  # type: ignore[arg-type]
-    stated = isinstance(raw.get("telemetry"), dict) and (
-        "metricsPort" in raw["telemetry"] or "metrics_port" in raw["telemetry"]
-    )
-    if not stated and not os.environ.get("WAVEPP_METRICS_PORT"):
-        telemetry = telemetry.model_copy(update={"metrics_port": None})
-    out = []
-    for i, config in enumerate(configs):
-        port = telemetry.metrics_port
-        if port:
-            port += i
-            if port > 65535:
-                raise ValueError(f"metricsPort {telemetry.metrics_port} + replica {i} > 65535")
-        out.append(
-            config.model_copy(
-                update={"telemetry": telemetry.model_copy(update={"metrics_port": port})}
-            )
-        )
-    return out
 
 
 class Supervisor:
@@ -319,55 +301,38 @@ def _start_children(
     )  # fmt: skip
 
 
-def _local_resources(raw: Any) -> dict[str, Any]:
-    """The spec as a dict, with ``resources.gpusPerStage`` decided for this host when the spec
-    leaves it out (torch engine): 1 (CUDA) when torch sees a GPU, else 0 (CPU). In a cluster the
-    default is 1 GPU per stage pod; on a laptop there are no pods to give GPUs to."""
-    from wavepp.api.spec import WavePipelineSpec
-
-    data = raw.to_wire() if isinstance(raw, WavePipelineSpec) else dict(raw)
-    resources = dict(data.get("resources") or {})
-    if data.get("engine", "torch") == "torch" and resources.get("gpusPerStage") is None:
-        import torch
-
-        resources["gpusPerStage"] = 1 if torch.cuda.is_available() else 0
-        data["resources"] = resources
-    return data
-
-
 def run(args: argparse.Namespace) -> int:
-    from wavepp.api.spec import (
-        SpecError,
-        SpecFileError,
-        TenantSpec,
-        check_spec,
-        read_spec_mapping,
-    )
+    from wavepp.api.spec import SpecError, TenantSpec, check_spec
     from wavepp.cmd.common import check_port_free, describe_error
+    from wavepp.cmd.up_spec import UpSpecError, local_resources, spec_mapping, with_telemetry
     from wavepp.gateway.auth import KeyFileError, authenticator_for
     from wavepp.gateway.core import GatewayConfig, ReplicaInfo
     from wavepp.gateway.tenants import TenantPolicy, policy_from_spec
-    from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
+    from wavepp.runtime.serving.from_spec import checkpoint_tokenizer, runtime_configs_from_spec
     from wavepp.runtime.serving.nats_watchdog import NatsWatchdog
     from wavepp.runtime.transport.auth import write_pool_auth
     from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
     try:
-        raw = read_spec_mapping(args.config) if args.config else dict(DEFAULT_SPEC)
-    except SpecFileError as exc:
-        return _fail("--config", str(exc))
+        raw = spec_mapping(args)
+    except UpSpecError as exc:
+        return _fail(exc.flag, str(exc))
+    flags = [f for f, v in (("--model", args.model), ("--stages", args.stages)) if v]
+    source = args.config or (f"the spec of {' '.join(flags)}" if flags else "the default spec")
+    flag = "--config" if args.config or not flags else "/".join(flags)
     spec, issues = check_spec(
-        _local_resources(raw), default_image="local", default_nats_url="nats://embedded"
+        local_resources(raw), default_image="local", default_nats_url="nats://embedded"
     )
     if spec is None:
-        return _fail("--config", f"{args.config}: " + "; ".join(str(i) for i in issues))
+        return _fail(flag, f"{source}: " + "; ".join(str(i) for i in issues))
     try:
         configs = runtime_configs_from_spec(spec, pool=args.pool)
         configs = with_telemetry(configs, spec, raw)
     except SpecError as exc:
-        return _fail("--config", str(exc))
+        return _fail(flag, str(exc))
     except ValueError as exc:
         return _fail("--config", f"telemetry: {exc}")
+    tokenizer = args.tokenizer or checkpoint_tokenizer(spec)
     num_processes = sum(c.num_stages + 1 for c in configs) + 2
     if num_processes > MAX_LOCAL_PROCESSES:
         return _fail(
@@ -468,7 +433,7 @@ def run(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued,
         request_timeout_s=args.request_timeout_s,
         replica_timeout_s=args.replica_timeout_s,
-        tokenizer=str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
+        tokenizer=str(Path(tokenizer).resolve()) if tokenizer else None,
     )
     if args.jetstream_max_bytes < 0:
         return _fail("--jetstream-max-bytes", f"{args.jetstream_max_bytes}: must be >= 0")
@@ -609,7 +574,9 @@ def run(args: argparse.Namespace) -> int:
                     print(
                         f"wavepp up: serving {endpoint} (pool {args.pool}: {len(configs)} "
                         f"replica(s) x {first.num_stages} {first.engine} stages of "
-                        f"{first.model.name}; NATS {server.url} "
+                        f"{first.model.name}"
+                        f"{f' from {first.model_dir}' if first.model_dir else ''}"
+                        f"{f', tokenizer {tokenizer}' if tokenizer else ''}; NATS {server.url} "
                         f"{'WITHOUT AUTH (--insecure-nats)' if auth is None else 'with auth'}; "
                         f"logs {sup.log_dir})",
                         flush=True,

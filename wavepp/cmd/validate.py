@@ -2,7 +2,8 @@
 
 Reads the file (YAML or JSON; a bare spec or a whole WavePipeline), validates it
 (``wavepp.api.spec.check_spec``: types, bounds, non-finite numbers, cross-field checks) and
-builds every replica's RuntimeConfig (``runtime_configs_from_spec``), starting nothing. Prints one
+builds every replica's RuntimeConfig (``runtime_configs_from_spec``; a checkpoint named by
+``model.path`` is read: its config.json, the split by cost), starting nothing. Prints one
 line: ``CONFIG: ok (...)`` on stdout and exit 0, or the problem naming the field on stderr and
 exit 2.
 """
@@ -48,12 +49,19 @@ def _check_key_files(spec: object, config: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from wavepp.api.spec import SpecError, SpecFileError, check_spec, read_spec_mapping
-    from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
+    from wavepp.runtime.serving.from_spec import (
+        checkpoint_tokenizer,
+        runtime_configs_from_spec,
+        with_checkpoint_layers,
+    )
 
     try:
-        raw = read_spec_mapping(args.config)
+        raw = with_checkpoint_layers(read_spec_mapping(args.config))
     except SpecFileError as exc:
         print(f"wavepp validate: {exc}", file=sys.stderr)
+        return 2
+    except SpecError as exc:
+        print(f"wavepp validate: {args.config}: {exc}", file=sys.stderr)
         return 2
     spec, issues = check_spec(raw, default_image="local", default_nats_url="nats://embedded")
     if spec is None:
@@ -72,8 +80,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"wavepp validate: {args.config}: {key_problem}", file=sys.stderr)
         return 2
     first = configs[0]
+    checkpoint = ""
+    if first.model_dir is not None:
+        layers = [last - f for f, last in (first.layers_of(r) for r in range(first.num_stages))]
+        tokenizer = "tokenizer.json" if checkpoint_tokenizer(spec) else "no tokenizer.json"
+        checkpoint = (
+            f"; checkpoint {first.model_dir}: {first.model.architecture}, layers per stage "
+            f"{layers}, {tokenizer}"
+        )
     print(
         f"{args.config}: ok ({len(configs)} replica(s) x {first.num_stages} {first.engine} "
-        f"stages of {first.model.name}, {len(spec.tenants) or 1} tenant(s))"
+        f"stages of {first.model.name}, {len(spec.tenants) or 1} tenant(s){checkpoint})"
     )
     return 0

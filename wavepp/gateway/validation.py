@@ -149,7 +149,10 @@ def _text_tokens(text: object, field: str, tokenize: Tokenize | None) -> list[in
         raise BadRequest(field, "prompt is empty; send at least 1 token", limit=1)
     if tokenize is None:
         raise BadRequest(
-            field, "text needs a tokenizer: start the gateway with --tokenizer PATH", status=422
+            field,
+            "text needs a tokenizer: start the gateway with --tokenizer PATH (or serve a "
+            "checkpoint directory holding tokenizer.json)",
+            status=422,
         )
     return tokenize(text)
 

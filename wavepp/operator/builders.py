@@ -232,21 +232,6 @@ def build_stage_statefulset(
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shared_memory}}
     )
     mounts.append({"name": "shm", "mountPath": "/dev/shm"})
-    if spec.model.pvc is not None:
-        volumes.append(
-            {
-                "name": "model",
-                "persistentVolumeClaim": {"claimName": spec.model.pvc.claim_name, "readOnly": True},
-            }
-        )
-        mount: dict[str, Any] = {
-            "name": "model",
-            "mountPath": spec.model.pvc.mount_path,
-            "readOnly": True,
-        }
-        if spec.model.pvc.sub_path:
-            mount["subPath"] = spec.model.pvc.sub_path
-        mounts.append(mount)
     ports = [
         {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"},
         {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"},

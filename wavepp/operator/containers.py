@@ -209,6 +209,9 @@ def config_volumes(
     component: Component | None = None,
     replica: int | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A pipeline pod's volumes and mounts: the spec ConfigMap, /tmp, the NATS credentials
+    and TLS Secrets, and the model's PVC (read-only; stage, admission and gateway pods all
+    read the checkpoint)."""
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": spec_configmap_name(ref.name, hash_)}}
     ]
@@ -227,6 +230,23 @@ def config_volumes(
     if spec.nats.tls_secret:
         volumes.append({"name": "nats-tls", "secret": {"secretName": spec.nats.tls_secret}})
         mounts.append({"name": "nats-tls", "mountPath": NATS_TLS_DIR, "readOnly": True})
+    if spec.model.pvc is not None:
+        # NOTE: every pod that builds its config from the spec reads the checkpoint's
+        # config.json (shape, split by cost); the gateway reads its tokenizer.json too.
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": spec.model.pvc.claim_name, "readOnly": True},
+            }
+        )
+        mount: dict[str, Any] = {
+            "name": "model",
+            "mountPath": spec.model.pvc.mount_path,
+            "readOnly": True,
+        }
+        if spec.model.pvc.sub_path:
+            mount["subPath"] = spec.model.pvc.sub_path
+        mounts.append(mount)
     return volumes, mounts
 
 

@@ -82,6 +82,12 @@ def check_engine(spec: Any) -> None:
             f"{dtype!r} needs a GPU: resources.gpusPerStage is 0 and the torch engine computes "
             "in float32 on the CPU; use float32 or request GPUs",
         )
+    if "seed" in spec.engine_options and (spec.model.path or spec.model.pvc):
+        raise SpecError(
+            "engineOptions.seed",
+            "seeds the torch engine's random weights; model.path/pvc serves a checkpoint's "
+            "weights instead: leave it unset",
+        )
     for key in spec.engine_options:
         engines = ENGINE_OPTIONS.get(key)
         if engines is None:

@@ -89,10 +89,11 @@ class ModelSpec(WireModel):
     path: str | None = Field(
         None,
         description=(
-            "Directory of safetensors + config.json inside the container; defaults to the "
-            "PVC's mountPath when pvc is set. The torch engine loads its layers from it (HF "
-            "Llama tensor names); without path and pvc it uses seeded random weights. The "
-            "emulated engine loads no weights: refused there."
+            "Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json) as "
+            "the pods see it; default: the PVC's mountPath. Shape from its config.json (a "
+            "disagreeing model.config field is refused), layers split by cost without "
+            "layerPartition. Without path and pvc: seeded random Llama weights. Refused for "
+            "the emulated engine."
         ),
     )
     pvc: PVCSource | None = None
@@ -427,12 +428,19 @@ class WavePipelineSpec(WireModel):
         """
         num_layers = self.model.num_layers()
         if num_layers is None:
+            hint = "" if not self.serves_checkpoint() else " (the operator cannot read the volume)"
             raise SpecError(
                 "model.config.numLayers",
                 f"layer count unknown: model.name={self.model.name!r} is not a preset "
-                f"({', '.join(sorted(MODEL_PRESET_NUM_LAYERS))}); set model.config.numLayers",
+                f"({', '.join(sorted(MODEL_PRESET_NUM_LAYERS))}); set model.config.numLayers"
+                + hint,
             )
         return num_layers
+
+    def serves_checkpoint(self) -> bool:
+        """The torch engine serves a checkpoint (``model.path`` or the PVC): shape from its
+        config.json, layers split by cost without ``layerPartition`` (``from_spec``)."""
+        return self.engine == "torch" and (self.model.path or self.model.pvc) is not None
 
     def stage_layer_ranges(self) -> list[tuple[int, int]]:
         """``[(first, last), ...]`` per stage; stage r holds layers ``[first, last)``."""
@@ -454,7 +462,8 @@ class WavePipelineSpec(WireModel):
     ) -> WavePipelineSpec:
         """A copy with every default filled in: what the pipeline's processes read.
 
-        Fills ``model.config.numLayers``, ``layerPartition``, ``model.path`` (from the PVC),
+        Fills ``model.config.numLayers``, ``layerPartition`` (not for a checkpoint: its
+        processes split by cost, see :meth:`serves_checkpoint`), ``model.path`` (from the PVC),
         ``model.dtype`` (torch: bfloat16 on GPUs, float32 on the CPU), ``resources.gpusPerStage``, and the image, NATS URL and OTLP endpoint from the given
         defaults when the spec leaves them out.
 
@@ -489,7 +498,11 @@ class WavePipelineSpec(WireModel):
             deep=True,
             update={
                 "image": image,
-                "layer_partition": [last - first for first, last in ranges],
+                "layer_partition": (
+                    self.layer_partition
+                    if self.serves_checkpoint()
+                    else [last - first for first, last in ranges]
+                ),
                 "model": self.model.model_copy(
                     update={"config": model_config, "path": model_path, "dtype": dtype}
                 ),

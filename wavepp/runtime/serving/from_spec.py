@@ -24,28 +24,44 @@ of its layers; 4096 for tiny-llama); otherwise (torch engine) 4096.
 
 The device follows the pod's resources: ``cuda`` when ``resources.gpusPerStage`` > 0 (torch),
 else ``cpu``; the dtype is ``model.dtype`` (default bfloat16 on CUDA, float32 on the CPU; the
-spec check refuses another dtype on the CPU); the weights are ``model.path`` (or the PVC's mount
-path). Keys other than those above are refused by the spec check (``wavepp.api.spec``).
+spec check refuses another dtype on the CPU). Keys other than those above are refused by the
+spec check (``wavepp.api.spec``).
+
+Checkpoints: ``model.path`` (or, unset, the PVC's ``mountPath``) names a Hugging Face checkpoint
+directory (``config.json`` + safetensors, any family of ``hf_config``), read by every process
+that builds a config from the spec (stage, admission, gateway, ``wavepp up``, ``wavepp
+validate``): it becomes ``RuntimeConfig.model_dir``, the model's shape and architecture come
+from its config.json (a ``model.config`` field or a preset's layer count that disagrees is
+refused naming the field; ``model.name`` stays the served name), and without
+``layerPartition`` the layers are split by active parameters per stage
+(``engine.balance.checkpoint_partition``, the same split ``wavepp stage --model`` makes). A path
+without config.json is refused (``RuntimeConfig.weights``, Llama safetensors shaped by the
+spec, is no longer reachable from a spec: a checkpoint carries its own shape).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from wavepp.api.spec import SpecError, WavePipelineSpec
+from wavepp.api.spec import MODEL_PRESET_NUM_LAYERS, SpecError, WavePipelineSpec
 from wavepp.api.subjects import replica_pipeline_name
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.model_config import PRESETS, ModelConfig
+from wavepp.runtime.hf_config import load_model_dir, normalize_hf_config, read_hf_config
+from wavepp.runtime.model_config import PRESETS, ModelConfig, partition_layers
 from wavepp.runtime.planning.catalogue import ModelSpec, derived_cost_model, list_models
 from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_kv_blocks
 
 __all__ = [
+    "checkpoint_dir",
+    "checkpoint_tokenizer",
     "default_emulated_kv_blocks",
     "stage_device",
-    "stage_weights",
     "model_config_from_spec",
     "replica_pipeline_name",
     "runtime_configs_from_spec",
+    "with_checkpoint_layers",
 ]
 
 _MODEL_FIELDS = (
@@ -78,9 +94,7 @@ def model_config_from_spec(spec: WavePipelineSpec) -> ModelConfig:
             snake = "".join("_" + c.lower() if c.isupper() else c for c in key)
             if snake in ModelConfig.model_fields:
                 update[snake] = value
-    update["dtype"] = spec.model.dtype or (
-        "bfloat16" if stage_device(spec) == "cuda" else "float32"
-    )
+    update["dtype"] = _dtype(spec)
     seed = spec.engine_options.get("seed")
     if seed is not None:
         update["seed"] = int(seed)
@@ -90,6 +104,11 @@ def model_config_from_spec(spec: WavePipelineSpec) -> ModelConfig:
         raise SpecError("model.config", str(exc)) from exc
 
 
+def _dtype(spec: WavePipelineSpec) -> str:
+    """``model.dtype``; unset: bfloat16 when the stages get GPUs, float32 on the CPU."""
+    return spec.model.dtype or ("bfloat16" if stage_device(spec) == "cuda" else "float32")
+
+
 def stage_device(spec: WavePipelineSpec) -> str:
     """``cuda`` for a torch stage given GPUs (``resources.gpusPerStage`` > 0), else ``cpu``: a
     pod computes where its resources are (``wavepp stage`` refuses to start on ``cuda``
@@ -97,11 +116,125 @@ def stage_device(spec: WavePipelineSpec) -> str:
     return "cuda" if spec.engine == "torch" and spec.gpus_per_stage() > 0 else "cpu"
 
 
-def stage_weights(spec: WavePipelineSpec) -> str | None:
-    """The torch engine's weights: ``model.path``, else the PVC's mount path, else None."""
+def checkpoint_dir(spec: WavePipelineSpec) -> str | None:
+    """The checkpoint directory the torch engine serves: ``model.path``, else the PVC's mount
+    path; None: seeded random Llama weights (always None for the emulated engine)."""
+    if spec.engine != "torch":
+        return None
     if spec.model.path is not None:
         return spec.model.path
     return spec.model.pvc.mount_path if spec.model.pvc is not None else None
+
+
+def _checkpoint_field(spec: WavePipelineSpec) -> str:
+    return "model.path" if spec.model.path is not None else "model.pvc.mountPath"
+
+
+def checkpoint_tokenizer(spec: WavePipelineSpec) -> str | None:
+    """The checkpoint directory when it holds a ``tokenizer.json`` (the gateway's tokenizer for
+    text prompts), else None."""
+    path = checkpoint_dir(spec)
+    if path is None or not (Path(path) / "tokenizer.json").is_file():
+        return None
+    return str(Path(path).resolve())
+
+
+_CHECKED_FIELDS = {
+    "num_layers": "numLayers",
+    "hidden_size": "hiddenSize",
+    "intermediate_size": "intermediateSize",
+    "num_heads": "numHeads",
+    "num_kv_heads": "numKvHeads",
+    "head_dim": "headDim",
+    "vocab_size": "vocabSize",
+    "rope_theta": "ropeTheta",
+    "rms_norm_eps": "rmsNormEps",
+    "max_position": "maxPosition",
+}
+
+
+def _checkpoint_model(spec: WavePipelineSpec, path: str, dtype: str) -> ModelConfig:
+    """The ModelConfig of the checkpoint at ``path`` (config.json), named ``model.name``.
+
+    Raises:
+        SpecError: no readable, supported config.json (names ``model.path`` or
+            ``model.pvc.mountPath``), or a stated shape that disagrees with it (names the
+            ``model.config`` field).
+    """
+    where = "" if Path(path).is_dir() else " is not a directory here"
+    if not where and not (Path(path) / "config.json").is_file():
+        where = " has no config.json"
+    if where:
+        raise SpecError(
+            _checkpoint_field(spec),
+            f"{path!r}{where}: the torch engine serves a Hugging Face checkpoint directory "
+            "(config.json + safetensors), read by every process built from the spec (in "
+            "Kubernetes the PVC is mounted into the stage, admission and gateway pods)",
+        )
+    try:
+        model = load_model_dir(path)
+    except ValueError as exc:
+        raise SpecError(_checkpoint_field(spec), str(exc)) from None
+    stated: dict[str, Any] = {}
+    if spec.model.num_layers() is not None:
+        stated["num_layers"] = spec.model.num_layers()
+    config = spec.model.config
+    if config is not None:
+        for name, camel in _CHECKED_FIELDS.items():
+            value = getattr(config, name, None)
+            if value is None:
+                value = (config.model_extra or {}).get(camel)
+            if value is not None:
+                stated[name] = value
+    for name, value in stated.items():
+        actual = getattr(model, name)
+        if value != actual:
+            is_preset = (
+                name == "num_layers" and MODEL_PRESET_NUM_LAYERS.get(spec.model.name) == value
+            )
+            source = f" (the layer count of preset {spec.model.name!r})" if is_preset else ""
+            raise SpecError(
+                f"model.config.{_CHECKED_FIELDS[name]}",
+                f"{value}{source} disagrees with {path}/config.json, which gives {actual}; the "
+                "checkpoint decides the shape: state its value or leave the field out",
+            )
+    return model.model_copy(update={"name": spec.model.name, "dtype": dtype})
+
+
+def with_checkpoint_layers(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """``raw`` (a spec mapping, camelCase) with ``model.config.numLayers`` read from the
+    checkpoint's config.json when it serves a checkpoint (torch engine, ``model.path`` or
+    ``model.pvc``) and states no layer count (no ``numLayers``, no preset ``model.name``); else
+    ``raw`` unchanged. ``wavepp up`` and ``wavepp validate`` call it before the spec check; the
+    operator cannot read the checkpoint, so a spec applied to the cluster states numLayers.
+
+    Raises:
+        SpecError: the checkpoint's config.json cannot be read (names the path's field).
+    """
+    out = dict(raw)
+    model = out.get("model")
+    if out.get("engine", "torch") != "torch" or not isinstance(model, dict):
+        return out
+    pvc = model.get("pvc")
+    field, path = "model.path", model.get("path")
+    if path is None and isinstance(pvc, dict):
+        field, path = "model.pvc.mountPath", pvc.get("mountPath", "/models")
+    config = model.get("config") if isinstance(model.get("config"), dict) else {}
+    if (
+        not isinstance(path, str)
+        or "numLayers" in config
+        or "num_layers" in config
+        or model.get("name") in MODEL_PRESET_NUM_LAYERS
+    ):
+        return out
+    try:
+        num_layers = normalize_hf_config(read_hf_config(path)).get("num_hidden_layers")
+    except ValueError as exc:
+        raise SpecError(field, f"{path!r}: {exc}") from None
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool):
+        raise SpecError(field, f"{path}/config.json: num_hidden_layers={num_layers!r}")
+    out["model"] = {**model, "config": {**config, "numLayers": num_layers}}
+    return out
 
 
 def default_emulated_kv_blocks(
@@ -131,12 +264,18 @@ def default_emulated_kv_blocks(
     )
 
 
-def _kv_blocks(spec: WavePipelineSpec, model: ModelConfig, emulate: str | None) -> list[int] | None:
-    """Explicit capacity (memoryPerStageBytes, kvBlocks); None: the emulated engine's default
-    (``default_emulated_kv_blocks``); FIXED_KV_BLOCKS for the torch engine."""
+def _kv_blocks(
+    spec: WavePipelineSpec,
+    model: ModelConfig,
+    emulate: str | None,
+    ranges: list[tuple[int, int]],
+) -> list[int] | None:
+    """Explicit capacity (memoryPerStageBytes over the KV bytes of each stage's ``ranges``,
+    kvBlocks); None: the emulated engine's default (``default_emulated_kv_blocks``);
+    FIXED_KV_BLOCKS for the torch engine."""
     if spec.cache.memory_per_stage_bytes is not None:
         blocks = []
-        for first, last in spec.stage_layer_ranges():
+        for first, last in ranges:
             block_bytes = (
                 (last - first) * model.kv_bytes_per_token_per_layer() * spec.cache.block_size
             )
@@ -173,8 +312,25 @@ def runtime_configs_from_spec(
         SpecError: a value the runtime cannot run (an unknown emulated cost model, a bad
             kvBlocks or model shape), naming the field.
     """
-    model = model_config_from_spec(spec)
     options = spec.engine_options
+    model_dir = checkpoint_dir(spec)
+    partition = spec.layer_partition
+    if model_dir is None:
+        model = model_config_from_spec(spec)
+    else:
+        model = _checkpoint_model(spec, model_dir, _dtype(spec))
+        if partition is None:
+            from wavepp.runtime.stage.engine.balance import checkpoint_partition
+
+            try:
+                partition = checkpoint_partition(model_dir, spec.num_stages)
+            except ValueError as exc:
+                raise SpecError("stages", f"{exc} ({model_dir})") from None
+        model_dir = str(Path(model_dir).resolve())
+    try:
+        ranges = partition_layers(model.num_layers, spec.num_stages, partition)
+    except ValueError as exc:
+        raise SpecError("layerPartition", str(exc)) from None
     cost_model = None
     emulate: str | None = None
     if spec.engine == "emulated":
@@ -191,14 +347,14 @@ def runtime_configs_from_spec(
         "cost_model": cost_model,
         "time_scale": float(options.get("timeScale", 1.0)),
         "num_stages": spec.num_stages,
-        "partition": spec.layer_partition,
+        "partition": partition,
         "block_size": spec.cache.block_size,
-        "num_kv_blocks": _kv_blocks(spec, model, emulate),
+        "num_kv_blocks": _kv_blocks(spec, model, emulate, ranges),
         "mode": spec.scheduler.mode,
         "chunk_tokens": spec.scheduler.chunk_tokens,
         "chunk_policy": spec.scheduler.chunk_policy,
         "device": stage_device(spec),
-        "weights": stage_weights(spec) if spec.engine == "torch" else None,
+        "model_dir": model_dir,
         "namespace": namespace,
         "torch_threads": int(options.get("torchThreads", 1)),
         "max_inflight": options.get("maxInflight"),
