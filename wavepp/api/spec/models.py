@@ -379,7 +379,13 @@ class WavePipelineSpec(WireModel):
         description="Layers per stage; length = stages, sum = the model's layers.",
     )
     tensor_parallel_size: int = Field(
-        1, ge=1, le=64, description="GPUs per stage for TP; only 1 (no tensor parallelism yet)."
+        1,
+        ge=1,
+        le=64,
+        description=(
+            "Tensor-parallel processes per stage (torch engine): each stage pod requests this "
+            "many GPUs and starts one process per GPU (gloo on the CPU with gpusPerStage 0)."
+        ),
     )
     num_replicas: int = Field(
         1,

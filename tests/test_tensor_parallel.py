@@ -1,0 +1,225 @@
+"""Tensor parallelism inside a stage: TP = 2 x PP = 2 on the CPU (gloo, 4 processes) equals the
+reference (transformers' monolithic forward) within 1e-4 fp32.
+
+Four spawned processes drive the engines directly over real torch.distributed groups: each
+stage's TP group (leader + follower: the leader's ``TensorParallelEngine`` broadcasts every
+micro-batch, the follower runs ``serve_follower``) and a pipeline group between the two
+leaders (activations by send/recv, as the stage worker does). NATS and the scheduler are not in
+this test (``tests/operator/test_runtime_contract.py`` runs the stage pods with TP = 2); the
+chunks are built here: a first request in three chunks, then a second one reusing three cached
+blocks of the first, in two chunks, both with the other request's chunk in the same micro-batch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import random
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from wavepp.runtime.hf_config import load_model_dir
+from wavepp.runtime.model_config import ModelConfig
+from wavepp.runtime.stage.engine import ChunkSpec, make_engine, partition_layers
+from wavepp.runtime.stage.engine.tensor_parallel import (
+    SINGLE,
+    TensorParallelEngine,
+    TPGroup,
+    serve_follower,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+ATOL = 1e-4
+VOCAB = 256
+NUM_LAYERS = 5
+PARTITION = [3, 2]  # unequal layers per stage
+BLOCK = 4
+FAMILIES = ["llama", "minimax_m2", "deepseek_v3", "glm_moe_dsa"]
+SEEDED = ModelConfig(
+    name="tp-seeded", num_layers=NUM_LAYERS, vocab_size=VOCAB, hidden_size=64, num_heads=4,
+    num_kv_heads=2, head_dim=16, intermediate_size=96,
+)  # fmt: skip
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _prompts() -> dict[str, list[int]]:
+    rng = random.Random(5)
+    a = [rng.randrange(VOCAB) for _ in range(23)]
+    return {
+        "a": a,
+        "b": a[:14] + [rng.randrange(VOCAB) for _ in range(9)],
+        "c": [rng.randrange(VOCAB) for _ in range(11)],
+    }
+
+
+def _tables(stage: int) -> dict[str, list[int]]:
+    """Per request, the stage's block ids (shuffled pool; b shares a's first 3 blocks)."""
+    ids = list(range(40 + 5 * stage))
+    random.Random(stage).shuffle(ids)
+    a = [ids.pop() for _ in range(6)]
+    return {"a": a, "b": a[:3] + [ids.pop() for _ in range(3)], "c": [ids.pop() for _ in range(3)]}
+
+
+# (request, offset, tokens, is_last) per chunk; one micro-batch per list.
+MICROBATCHES = [
+    [("a", 0, 7, False), ("c", 0, 5, False)],
+    [("a", 7, 9, False), ("c", 5, 6, True)],
+    [("a", 16, 7, True)],
+    [("b", 12, 5, False)],  # 3 blocks (12 tokens) of a reused
+    [("b", 17, 6, True)],
+]
+
+
+def _chunks(stage: int, batch: list[tuple[str, int, int, bool]]) -> list[ChunkSpec]:
+    prompts, tables = _prompts(), _tables(stage)
+    return [
+        ChunkSpec(
+            request_id=rid,
+            context_offset=offset,
+            num_tokens=n,
+            block_ids=tuple(tables[rid]),
+            token_ids=tuple(prompts[rid][offset : offset + n]) if stage == 0 else None,
+            is_last=last,
+        )
+        for rid, offset, n, last in batch
+    ]
+
+
+def _engine(source: str | ModelConfig, stage: int, tp: TPGroup) -> Any:
+    if isinstance(source, ModelConfig):
+        model, extra = source, {}
+    else:
+        model, extra = load_model_dir(source), {"model_dir": source}
+    first, last = partition_layers(model.num_layers, 2, PARTITION)[stage]
+    engine = make_engine(
+        "torch",
+        model=model,
+        first_layer=first,
+        last_layer=last,
+        num_layers_total=model.num_layers,
+        tp=tp,
+        **extra,
+    )
+    engine.allocate_kv(40 + 5 * stage, BLOCK)
+    return engine
+
+
+def _worker(rank: int, port: int, sources: list[Any], out: Any) -> None:
+    """Global rank g: stage g // 2, TP rank g % 2; runs every source in turn."""
+    try:
+        torch.set_num_threads(1)
+        stage, tp_rank = divmod(rank, 2)
+        store = dist.TCPStore("127.0.0.1", port, 5, False, timeout=TIMEOUT)
+        tp_pg = dist.ProcessGroupGloo(dist.PrefixStore(f"tp{stage}/", store), tp_rank, 2, TIMEOUT)
+        tp = TPGroup(rank=tp_rank, size=2, pg=tp_pg)
+        pp = None
+        if tp_rank == 0:
+            pp = dist.ProcessGroupGloo(dist.PrefixStore("pp/", store), stage, 2, TIMEOUT)
+        for name, source in sources:
+            engine = _engine(source, stage, tp)
+            out.put(("bytes", name, rank, getattr(engine, "bytes_read", 0)))
+            if tp_rank == 1:
+                serve_follower(engine, tp)
+                continue
+            leader = TensorParallelEngine(engine, tp)
+            assert pp is not None
+            for batch in MICROBATCHES:
+                chunks = _chunks(stage, batch)
+                prepared = leader.prepare(chunks)
+                hidden = None
+                if stage == 1:
+                    hidden = torch.empty(prepared.num_tokens, engine.hidden_size)
+                    pp.recv([hidden], 0, 0).wait()
+                result = leader.execute(prepared, hidden)
+                if stage == 0:
+                    pp.send([result.hidden.contiguous()], 1, 0).wait()
+                for rid, logits in result.last_token_logits.items():
+                    out.put(("logits", name, rid, logits.tolist()))
+            leader.stop_followers()
+        out.put(("done", rank))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        out.put(("error", rank, traceback.format_exc()))
+
+
+def _reference(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0, -1].float()
+
+
+def _single_process(config: ModelConfig, tokens: list[int]) -> torch.Tensor:
+    """The seeded Llama engine in one process, all layers (itself checked against
+    transformers by tests/test_engine_reference.py)."""
+    engine = make_engine(
+        "torch", model=config, first_layer=0, last_layer=NUM_LAYERS, num_layers_total=NUM_LAYERS
+    )
+    engine.allocate_kv(8, BLOCK)
+    spec = ChunkSpec("x", 0, len(tokens), tuple(range(8)), tuple(tokens), is_last=True)
+    return engine.execute(engine.prepare([spec]), None).last_token_logits["x"]
+
+
+def test_tp2_x_pp2_equals_the_reference(tmp_path: Path) -> None:
+    # NOTE: imported here, not at module level: the spawned workers import this module.
+    pytest.importorskip("transformers")
+    from wavepp.bench.checkpoints import save_random_checkpoint
+
+    references: dict[str, Any] = {}
+    sources: list[tuple[str, Any]] = []
+    for family in FAMILIES:
+        out_dir = tmp_path / family
+        references[family] = save_random_checkpoint(
+            family, out_dir, num_layers=NUM_LAYERS, vocab_size=VOCAB
+        )
+        sources.append((family, str(out_dir)))
+    sources.append(("seeded-llama", SEEDED))
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, 5, True, timeout=TIMEOUT, wait_for_workers=False)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, store.port, sources, out)) for r in range(4)]
+    for p in procs:
+        p.start()
+    got: dict[tuple[str, str], torch.Tensor] = {}
+    read: dict[tuple[str, int], int] = {}
+    finished = 0
+    try:
+        while finished < 4:
+            item = out.get(timeout=150)
+            if item[0] == "error":
+                pytest.fail(f"rank {item[1]} failed:\n{item[2]}")
+            elif item[0] == "done":
+                finished += 1
+            elif item[0] == "bytes":
+                read[(item[1], item[2])] = item[3]
+            else:
+                got[(item[1], item[2])] = torch.tensor(item[3])
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    prompts = _prompts()
+    errors = {}
+    for name, source in sources:
+        for rid in ("a", "b", "c"):
+            if isinstance(source, ModelConfig):
+                expected = _single_process(source, prompts[rid])
+            else:
+                expected = _reference(references[name], prompts[rid])
+            assert expected.std() > 0.3, "reference logits too flat for a meaningful check"
+            errors[(name, rid)] = (got[(name, rid)] - expected).abs().max().item()
+    print("max |logits - reference| per (family, request):", errors)
+    assert max(errors.values()) < ATOL, errors
+    # Each TP rank reads its share: the sharded tensors halve, the replicated ones do not.
+    for name, source in sources:
+        if isinstance(source, ModelConfig):
+            continue
+        for stage in (0, 1):
+            whole = _engine(source, stage, SINGLE).bytes_read
+            leader, follower = read[(name, 2 * stage)], read[(name, 2 * stage + 1)]
+            print(f"{name} stage {stage}: one process {whole} B, TP ranks {leader} / {follower} B")
+            assert follower < 0.75 * whole and leader < whole
