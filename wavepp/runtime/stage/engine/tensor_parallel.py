@@ -169,7 +169,9 @@ class TensorParallelEngine:
         self.tp.broadcast(
             _header(self.tp, (OP_EXECUTE, len(payload), prepared.num_tokens, int(has_hidden)))
         )
-        self.tp.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.tp.device))
+        self.tp.broadcast(
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.tp.device)
+        )
         if hidden_in is not None:
             hidden_in = hidden_in.to(device=self.tp.device, dtype=self.inner.activation_dtype)
             self.tp.broadcast(hidden_in.contiguous())
