@@ -223,3 +223,28 @@ def test_tp2_x_pp2_equals_the_reference(tmp_path: Path) -> None:
             leader, follower = read[(name, 2 * stage)], read[(name, 2 * stage + 1)]
             print(f"{name} stage {stage}: one process {whole} B, TP ranks {leader} / {follower} B")
             assert follower < 0.75 * whole and leader < whole
+
+
+def test_unsharded_family_and_bad_sizes_are_refused_by_name(tmp_path: Path) -> None:
+    from wavepp.bench.checkpoints import save_random_checkpoint
+    from wavepp.cmd.stage import ArgError, with_tensor_parallel
+    from wavepp.runtime.config import RuntimeConfig
+
+    save_random_checkpoint("kimi_linear", tmp_path, num_layers=2, vocab_size=VOCAB)
+    model = load_model_dir(tmp_path)
+    # NOTE: no collective runs before the refusal, so a placeholder group object suffices.
+    two = TPGroup(rank=1, size=2, pg=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"tensorParallelSize\): family 'kimi_linear'"):
+        make_engine(
+            "torch", model=model, first_layer=0, last_layer=2, num_layers_total=2,
+            model_dir=tmp_path, tp=two,
+        )  # fmt: skip
+    three = TPGroup(rank=0, size=3, pg=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_heads=4 is not divisible by tensor_parallel_size=3"):
+        make_engine(
+            "torch", model=SEEDED, first_layer=0, last_layer=1, num_layers_total=5, tp=three
+        )
+    config = RuntimeConfig(num_stages=1, engine="emulated", cost_model={})
+    with pytest.raises(ArgError, match="--tensor-parallel-size 2: .*emulated"):
+        with_tensor_parallel(config, 2)
+    assert with_tensor_parallel(RuntimeConfig(num_stages=1), 2).tensor_parallel_size == 2

@@ -100,7 +100,9 @@ def _expected_first_token(config: Any, tokens: list[int]) -> int:
 
 
 def test_rendered_tp_stage_pods_start_two_processes_each_and_serve(tmp_path: Path) -> None:
-    spec = _spec(RAW | {"resources": {"gpusPerStage": 0}, "telemetry": {"metricsPort": free_port()}})
+    spec = _spec(
+        RAW | {"resources": {"gpusPerStage": 0}, "telemetry": {"metricsPort": free_port()}}
+    )
     hash_ = b.spec_hash(spec)
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(b.build_spec_configmap(REF, spec, hash_)["data"]["spec.json"])
