@@ -248,3 +248,64 @@ def test_unsharded_family_and_bad_sizes_are_refused_by_name(tmp_path: Path) -> N
     with pytest.raises(ArgError, match="--tensor-parallel-size 2: .*emulated"):
         with_tensor_parallel(config, 2)
     assert with_tensor_parallel(RuntimeConfig(num_stages=1), 2).tensor_parallel_size == 2
+
+
+def test_a_batch_failing_after_its_broadcast_breaks_the_group_for_good() -> None:
+    """Leader and follower as two threads over a real gloo group: a batch the leader fails
+    after the broadcast leaves the follower in a collective the leader never reaches; the
+    leader's engine says ``broken`` and refuses every later batch (the stage worker then stops
+    the stage) instead of pairing the next broadcast with that stale collective."""
+    import threading
+
+    store = dist.HashStore()
+    timeout = datetime.timedelta(seconds=3)
+    groups: dict[int, TPGroup] = {}
+    follower_error: list[BaseException] = []
+
+    def join(rank: int) -> None:
+        groups[rank] = TPGroup(rank, 2, dist.ProcessGroupGloo(store, rank, 2, timeout))
+
+    def follow() -> None:
+        try:
+            serve_follower(_engine(SEEDED, 0, groups[1]), groups[1])
+        except BaseException as exc:  # noqa: BLE001 - the stale collective times out
+            follower_error.append(exc)
+
+    joiners = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in joiners:
+        t.start()
+    for t in joiners:
+        t.join()
+    follower = threading.Thread(target=follow)
+    follower.start()
+    leader = TensorParallelEngine(_engine(SEEDED, 0, groups[0]), groups[0])
+    chunks = _chunks(0, MICROBATCHES[0])
+    out = leader.execute(leader.prepare(chunks), None)
+    whole = _engine(SEEDED, 0, SINGLE)
+    expected = whole.execute(whole.prepare(chunks), None).hidden
+    assert (out.hidden - expected).abs().max().item() < ATOL
+
+    def fail(prepared: Any, hidden: Any) -> Any:
+        raise RuntimeError("out of memory")
+
+    leader.inner.execute = fail
+    with pytest.raises(RuntimeError, match="out of memory"):
+        leader.execute(leader.prepare(_chunks(0, MICROBATCHES[1])), None)
+    assert isinstance(leader.broken, RuntimeError)
+    with pytest.raises(RuntimeError, match="out of step"):
+        leader.execute(leader.prepare(_chunks(0, MICROBATCHES[1])), None)
+    follower.join(30)
+    assert follower_error, "the follower's unmatched collective should have failed"
+
+
+def test_a_tp_stage_on_cuda_needs_one_gpu_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    from wavepp.runtime.config import RuntimeConfig
+    from wavepp.runtime.stage import build
+
+    config = RuntimeConfig(num_stages=1, tensor_parallel_size=2, device="cuda")
+    monkeypatch.setattr(build.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(build.torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"tensorParallelSize=2: .* sees 1 CUDA device"):
+        build.check_environment(config)
+    monkeypatch.setattr(build.torch.cuda, "device_count", lambda: 2)
+    build.check_environment(config)

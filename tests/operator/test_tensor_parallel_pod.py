@@ -56,13 +56,20 @@ def _spec(raw: dict[str, Any]) -> Any:
 
 
 def _followers(pid: int) -> list[int]:
-    """Child processes of ``pid`` running the tensor-parallel follower module."""
-    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True)
-    return [
-        int(line.split()[0])
-        for line in out.stdout.decode().splitlines()
-        if "wavepp.runtime.stage.tp_launch" in line
-    ]
+    """Child processes of ``pid`` running the tensor-parallel follower module (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and "wavepp.runtime.stage.tp_launch" in args:
+            found.append(int(entry.name))
+    return found
 
 
 def test_rendered_stage_pod_requests_one_gpu_per_tp_process() -> None:

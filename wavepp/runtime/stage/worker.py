@@ -635,7 +635,7 @@ async def run_stage(
         else:
             inner = await asyncio.to_thread(build_engine, config, rank, followers.tp)
             engine = TensorParallelEngine(inner, followers.tp)
-            watch = asyncio.create_task(_watch_followers(followers, rank, stop))
+            watch = asyncio.create_task(_watch_followers(followers, engine, rank, stop))
         if readiness is not None:
             readiness.is_formed = True
         worker = StageWorker(
@@ -661,13 +661,24 @@ async def run_stage(
         tracing.shutdown()
 
 
-async def _watch_followers(followers, rank: int, stop: asyncio.Event) -> None:  # noqa: ANN001
-    """Stop the stage when a tensor-parallel follower exits (its shard is gone: the stage
-    cannot compute; the pod or ``wavepp up`` restarts it whole)."""
+async def _watch_followers(
+    followers,  # noqa: ANN001 - tp_launch.FollowerSet (imported only with TP)
+    engine: TensorParallelEngine,
+    rank: int,
+    stop: asyncio.Event,
+) -> None:
+    """Stop the stage when a tensor-parallel follower exits (its shard is gone) or a batch
+    left the TP group out of step (``engine.broken``): the stage cannot compute any more; the
+    pod or ``wavepp up`` restarts it whole."""
     while not stop.is_set():
         exited = followers.exited()
-        if exited:
-            log.error("stage %d: tensor-parallel follower(s) exited %s; stopping", rank, exited)
+        if exited or engine.broken is not None:
+            log.error(
+                "stage %d: tensor-parallel follower(s) exited %s, group broken: %r; stopping",
+                rank,
+                exited,
+                engine.broken,
+            )
             stop.set()
             return
         await asyncio.sleep(0.5)

@@ -150,6 +150,9 @@ class TensorParallelEngine:
             raise ValueError("TensorParallelEngine wraps the leader's (TP rank 0) engine")
         self.inner = inner
         self.tp = tp
+        # NOTE: set when a batch failed after its broadcast: the followers may be waiting in a
+        # collective the leader never reached, so the group is out of step for good.
+        self.broken: BaseException | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -162,20 +165,32 @@ class TensorParallelEngine:
 
         A batch ``inner`` refuses (a bad ``prepared`` or ``hidden_in``) is refused before any
         broadcast, so the followers never start a batch the leader does not run.
+
+        Raises:
+            RuntimeError: an earlier batch failed after its broadcast (``broken``): the group
+                is out of step and the stage must restart.
         """
+        if self.broken is not None:
+            raise RuntimeError(
+                f"tensor-parallel group out of step since a batch failed: {self.broken!r}"
+            )
         self.inner._check_execute_args(prepared, hidden_in)
         payload = encode_chunks(prepared.chunks)
         has_hidden = hidden_in is not None
-        self.tp.broadcast(
-            _header(self.tp, (OP_EXECUTE, len(payload), prepared.num_tokens, int(has_hidden)))
-        )
-        self.tp.broadcast(
-            torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.tp.device)
-        )
-        if hidden_in is not None:
-            hidden_in = hidden_in.to(device=self.tp.device, dtype=self.inner.activation_dtype)
-            self.tp.broadcast(hidden_in.contiguous())
-        return self.inner.execute(prepared, hidden_in)
+        try:
+            self.tp.broadcast(
+                _header(self.tp, (OP_EXECUTE, len(payload), prepared.num_tokens, int(has_hidden)))
+            )
+            self.tp.broadcast(
+                torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.tp.device)
+            )
+            if hidden_in is not None:
+                hidden_in = hidden_in.to(device=self.tp.device, dtype=self.inner.activation_dtype)
+                self.tp.broadcast(hidden_in.contiguous())
+            return self.inner.execute(prepared, hidden_in)
+        except BaseException as exc:
+            self.broken = exc
+            raise
 
     def stop_followers(self) -> None:
         """Tell the followers to leave :func:`serve_follower` (call from the thread that runs
