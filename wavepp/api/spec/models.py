@@ -120,8 +120,9 @@ class ResourcesSpec(WireModel):
         None,
         ge=0,
         description=(
-            "GPUs requested by each stage pod (default: 1 for torch, 0 for emulated). > 0: the "
-            "stage computes on CUDA and refuses to start without it; 0: on the CPU."
+            "GPUs requested by each stage pod (default: tensorParallelSize for torch, 0 for "
+            "emulated); torch: 0 or tensorParallelSize. > 0: the stage computes on CUDA, one "
+            "GPU per tensor-parallel process, and refuses to start without them; 0: on the CPU."
         ),
     )
     gpu_resource_name: str = Field("nvidia.com/gpu", min_length=1)
