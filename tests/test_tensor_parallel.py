@@ -1,7 +1,7 @@
 """Tensor parallelism inside a stage: TP = 2 x PP = 2 on the CPU (gloo, 4 processes) equals the
 reference (transformers' monolithic forward) within 1e-4 fp32.
 
-Four spawned processes drive the engines directly over real torch.distributed groups: each
+Four processes (forked from a fork server that imported torch once) drive the engines directly over real torch.distributed groups: each
 stage's TP group (leader + follower: the leader's ``TensorParallelEngine`` broadcasts every
 micro-batch, the follower runs ``serve_follower``) and a pipeline group between the two
 leaders (activations by send/recv, as the stage worker does). NATS and the scheduler are not in
@@ -177,7 +177,10 @@ def test_tp2_x_pp2_equals_the_reference(tmp_path: Path) -> None:
         )
         sources.append((family, str(out_dir)))
     sources.append(("seeded-llama", SEEDED))
-    ctx = mp.get_context("spawn")
+    # NOTE: a fork server that imported torch and the engines once forks the 4 workers (as
+    # spawn, they never inherit this process's threads; unlike spawn, each skips the imports).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "wavepp.runtime.stage.engine"])
     store = dist.TCPStore("127.0.0.1", 0, 5, True, timeout=TIMEOUT, wait_for_workers=False)
     out = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, store.port, sources, out)) for r in range(4)]
