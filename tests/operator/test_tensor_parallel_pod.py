@@ -192,7 +192,8 @@ def test_rendered_tp_stage_pods_start_two_processes_each_and_serve(tmp_path: Pat
             # A follower that dies takes its stage down (the pod restarts whole).
             (follower,) = _followers(stages[1][0].pid)
             os.kill(follower, 9)
-            stages[1][0].wait(30)
+            assert stages[1][0].wait(30) == 1
+            assert "tensor-parallel follower(s)" in stages[1][1].read_text()
         finally:
             for proc in reversed(procs):
                 if proc.poll() is None:

@@ -380,7 +380,12 @@ def run(args: argparse.Namespace) -> int:
         config_exit_code,
         describe_error,
     )
-    from wavepp.runtime.stage.worker import StageReadiness, check_environment, run_stage
+    from wavepp.runtime.stage.worker import (
+        StageReadiness,
+        TensorParallelLost,
+        check_environment,
+        run_stage,
+    )
     from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
 
     try:
@@ -438,13 +443,17 @@ def run(args: argparse.Namespace) -> int:
             if runner is not None:
                 await runner.cleanup()
 
+    code = 0
     try:
         asyncio.run(main())
     except KeyboardInterrupt:
         pass
+    except TensorParallelLost as exc:
+        print(f"wavepp stage: {exc}", file=sys.stderr)
+        code = 1
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     # The gloo process group and a compute thread blocked in recv() would hold the interpreter
     # at exit; everything this process owns is already drained.
-    os._exit(0)
+    os._exit(code)

@@ -79,7 +79,19 @@ from wavepp.telemetry.pipeline import StageTelemetry
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StageReadiness", "StageWorker", "build_engine", "check_environment", "run_stage"]
+__all__ = [
+    "StageReadiness",
+    "StageWorker",
+    "TensorParallelLost",
+    "build_engine",
+    "check_environment",
+    "run_stage",
+]
+
+
+class TensorParallelLost(RuntimeError):
+    """The stage stopped because a tensor-parallel follower exited or its group broke."""
+
 
 _MAX_PENDING_SENDS = 16
 _DONE_LOG = 1024  # done messages kept for the scheduler's replay asks
@@ -608,14 +620,14 @@ async def run_stage(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     bus_key = load_bus_key()
-    followers = None
-    if config.tensor_parallel_size > 1:
-        from wavepp.runtime.stage.tp_launch import start_followers
-
-        followers = await asyncio.to_thread(start_followers, config, rank)
     nc = await connect(nats_url, name=f"{config.pipeline}-stage-{rank}", creds=nats_creds)
-    watch = None
+    followers = None
+    watch: asyncio.Task[str] | None = None
     try:
+        if config.tensor_parallel_size > 1:
+            from wavepp.runtime.stage.tp_launch import start_followers
+
+            followers = await asyncio.to_thread(start_followers, config, rank)
         backend = "nccl" if config.device.startswith("cuda") else "gloo"
         factory = StageGroupFactory(dist_url, rank, config.num_stages, backend)
         rendezvous = await open_rendezvous(
@@ -652,6 +664,8 @@ async def run_stage(
         if readiness is not None:
             readiness.worker = worker
         await worker.serve(stop)
+        if watch is not None and watch.done() and watch.result():
+            raise TensorParallelLost(watch.result())  # `wavepp stage` exits 1: restart it
     finally:
         if watch is not None:
             watch.cancel()
@@ -666,19 +680,20 @@ async def _watch_followers(
     engine: TensorParallelEngine,
     rank: int,
     stop: asyncio.Event,
-) -> None:
+) -> str:
     """Stop the stage when a tensor-parallel follower exits (its shard is gone) or a batch
     left the TP group out of step (``engine.broken``): the stage cannot compute any more; the
-    pod or ``wavepp up`` restarts it whole."""
+    pod or ``wavepp up`` restarts it whole. Returns why ("" when the stage stopped first)."""
     while not stop.is_set():
         exited = followers.exited()
         if exited or engine.broken is not None:
-            log.error(
-                "stage %d: tensor-parallel follower(s) exited %s, group broken: %r; stopping",
-                rank,
-                exited,
-                engine.broken,
+            why = (
+                f"stage {rank}: tensor-parallel follower(s) (TP rank, exit code) {exited} exited"
+                if exited
+                else f"stage {rank}: tensor-parallel group broken by {engine.broken!r}"
             )
+            log.error("%s; stopping", why)
             stop.set()
-            return
+            return why
         await asyncio.sleep(0.5)
+    return ""
