@@ -5,8 +5,9 @@ Four processes (forked from a fork server that imported torch once) drive the en
 stage's TP group (leader + follower: the leader's ``TensorParallelEngine`` broadcasts every
 micro-batch, the follower runs ``serve_follower``) and a pipeline group between the two
 leaders (activations by send/recv, as the stage worker does). NATS and the scheduler are not in
-this test (``tests/operator/test_runtime_contract.py`` runs the stage pods with TP = 2); the
-chunks are built here: a first request in three chunks, then a second one reusing three cached
+this test (``test_wavepp_stage_processes_with_tp2_x_pp2_match_the_reference`` below runs the
+real ``wavepp stage`` processes, and ``tests/operator/test_tensor_parallel_pod.py`` the
+operator's stage pods, with TP = 2); the chunks are built here: a first request in three chunks, then a second one reusing three cached
 blocks of the first, in two chunks, both with the other request's chunk in the same micro-batch.
 """
 
@@ -312,3 +313,66 @@ def test_a_tp_stage_on_cuda_needs_one_gpu_per_process(monkeypatch: pytest.Monkey
         build.check_environment(config)
     monkeypatch.setattr(build.torch.cuda, "device_count", lambda: 2)
     build.check_environment(config)
+
+
+@pytest.mark.slow
+async def test_wavepp_stage_processes_with_tp2_x_pp2_match_the_reference(tmp_path: Path) -> None:
+    """The real path: ``LocalPipeline`` (nats-server, scheduler, ``wavepp stage`` processes,
+    as ``wavepp up`` runs them) with tensor_parallel_size 2 and 2 stages: each stage process
+    starts its follower (4 stage processes); a MiniMax-M2 checkpoint (GQA KV sharded by head,
+    the sharded QK-norm, MoE); chunked prefill (chunk_tokens 8) and a second request reusing 3
+    cached blocks; logits vs transformers within 1e-4."""
+    pytest.importorskip("transformers")
+    from wavepp.bench.checkpoints import save_random_checkpoint
+    from wavepp.runtime.config import RuntimeConfig
+    from wavepp.runtime.planning import CostModel
+    from wavepp.runtime.request import PromptRequest
+    from wavepp.runtime.serving.local import LocalPipeline
+
+    reference = save_random_checkpoint("minimax_m2", tmp_path / "ckpt", num_layers=NUM_LAYERS)
+    base = RuntimeConfig(
+        num_stages=2,
+        tensor_parallel_size=2,
+        block_size=BLOCK,
+        num_kv_blocks=[64],
+        chunk_tokens=8,
+        mode="sync",  # static 8-token chunks: every prompt is prefilled in several chunks
+    )
+    config = RuntimeConfig.model_validate(
+        base.with_model_dir_unchecked(str(tmp_path / "ckpt")) | {"partition": PARTITION}
+    )
+    cost = CostModel(c=1e-4, g=1e-7, b=1e-5, a=1e-8, label="measured", source="test")
+    prompts = _prompts()
+    async with LocalPipeline(config, cost, log_dir=str(tmp_path / "logs")) as pipeline:
+        assert pipeline.scheduler is not None
+        for proc in pipeline.procs:  # one follower per stage process
+            assert len(_children_running(proc.pid, "wavepp.runtime.stage.tp_launch")) == 1
+        first = await pipeline.scheduler.submit(
+            PromptRequest("a", prompts["a"], return_logits=True)
+        )
+        second = await pipeline.scheduler.submit(
+            PromptRequest("b", prompts["b"], return_logits=True)
+        )
+    assert first.ok and second.ok, (first.error, second.error)
+    assert second.num_cached_tokens == 12  # 3 full blocks of a's 14 shared tokens
+    for outcome, tokens in ((first, prompts["a"]), (second, prompts["b"])):
+        want = _reference(reference, tokens)
+        error = (torch.tensor(outcome.logits) - want).abs().max().item()
+        print(f"wavepp stage TP=2 x PP=2, request {outcome.request_id}: max |diff| {error:.2e}")
+        assert error < ATOL
+
+
+def _children_running(pid: int, module: str) -> list[int]:
+    """Child processes of ``pid`` whose command line names ``module`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # gone meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and module in args:
+            found.append(int(entry.name))
+    return found

@@ -106,6 +106,7 @@ def _expected_first_token(config: Any, tokens: list[int]) -> int:
     return int(logits.argmax())
 
 
+@pytest.mark.slow
 def test_rendered_tp_stage_pods_start_two_processes_each_and_serve(tmp_path: Path) -> None:
     spec = _spec(
         RAW | {"resources": {"gpusPerStage": 0}, "telemetry": {"metricsPort": free_port()}}
