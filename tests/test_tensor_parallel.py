@@ -1,14 +1,18 @@
 """Tensor parallelism inside a stage: TP = 2 x PP = 2 on the CPU (gloo, 4 processes) equals the
 reference (transformers' monolithic forward) within 1e-4 fp32.
 
-Four processes (forked from a fork server that imported torch once) drive the engines directly over real torch.distributed groups: each
+``test_tp2_x_pp2_equals_the_reference``: four processes (forked from a fork server that
+imported torch once) drive the engines directly over real torch.distributed groups: each
 stage's TP group (leader + follower: the leader's ``TensorParallelEngine`` broadcasts every
-micro-batch, the follower runs ``serve_follower``) and a pipeline group between the two
-leaders (activations by send/recv, as the stage worker does). NATS and the scheduler are not in
-this test (``test_wavepp_stage_processes_with_tp2_x_pp2_match_the_reference`` below runs the
-real ``wavepp stage`` processes, and ``tests/operator/test_tensor_parallel_pod.py`` the
-operator's stage pods, with TP = 2); the chunks are built here: a first request in three chunks, then a second one reusing three cached
-blocks of the first, in two chunks, both with the other request's chunk in the same micro-batch.
+micro-batch, the follower runs ``serve_follower``) and a pipeline group between the two leaders
+(activations by send/recv, as the stage worker does). The chunks are built here: a first
+request in three chunks, then a second one reusing three cached blocks of the first, in two
+chunks, with a third request's chunks in the same micro-batches. Four families and the seeded
+Llama engine.
+
+``test_wavepp_stage_processes_with_tp2_x_pp2_match_the_reference`` runs the real ``wavepp
+stage`` processes (NATS, scheduler, workers) with TP = 2 on one family;
+``tests/operator/test_tensor_parallel_pod.py`` runs the operator's rendered stage pods.
 """
 
 from __future__ import annotations
