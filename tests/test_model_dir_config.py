@@ -76,14 +76,23 @@ def test_non_llama_without_model_dir_and_model_dir_on_emulated_are_refused(
         RuntimeConfig(num_stages=2, engine="emulated", cost_model={}, model_dir=str(dsv3_dir))
 
 
-def test_tensor_parallel_is_refused_not_ignored() -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: tensor parallelism"):
-        RuntimeConfig(num_stages=2, tensor_parallel_size=2)
+def test_tensor_parallel_is_refused_where_not_implemented(tmp_path: Path) -> None:
+    """TP > 1 runs the torch engine's llama, minimax_m2, deepseek_v3 and glm_moe_dsa; the
+    emulated engine and kimi_linear refuse it naming the family and the field."""
+    assert RuntimeConfig(num_stages=2, tensor_parallel_size=2).tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 .*--tensor-parallel-size"):
+        RuntimeConfig(num_stages=2, tensor_parallel_size=2, engine="emulated", cost_model={})
+    save_random_checkpoint("kimi_linear", tmp_path, num_layers=2, vocab_size=64)
+    with pytest.raises(ValueError, match="family 'kimi_linear'"):
+        RuntimeConfig(num_stages=2, tensor_parallel_size=2).with_model_dir(str(tmp_path))
+    with pytest.raises(ValueError, match="num_heads=4 is not divisible"):
+        RuntimeConfig(num_stages=2, tensor_parallel_size=3)
     # The spec refuses it at validation (wavepp.api.spec.checks), naming the field.
     with pytest.raises(ValueError, match="tensorParallelSize"):
         WavePipelineSpec.model_validate(
-            {"model": {"name": "tiny-llama"}, "stages": 2, "tensorParallelSize": 2}
-        )
+            {"model": {"name": "tiny-llama"}, "stages": 2, "tensorParallelSize": 2,
+             "engine": "emulated"}
+        )  # fmt: skip
 
 
 def test_weights_and_model_dir_together_are_refused(dsv3_dir: Path) -> None:

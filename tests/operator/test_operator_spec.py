@@ -68,7 +68,16 @@ def test_pvc_mount_becomes_the_model_path() -> None:
         ),
         ({"engineOptions": {"device": "cuda"}}, "spec.engineOptions.device", "gpusPerStage"),
         ({"engineOptions": {"timeScale": 2}}, "spec.engineOptions.timeScale", "'emulated'"),
-        ({"tensorParallelSize": 2}, "spec.tensorParallelSize", "not implemented"),
+        (
+            {"tensorParallelSize": 2, "engine": "emulated"},
+            "spec.tensorParallelSize",
+            "torch engine only",
+        ),
+        (
+            {"tensorParallelSize": 2, "resources": {"gpusPerStage": 4}},
+            "spec.resources.gpusPerStage",
+            "one GPU per tensor-parallel process",
+        ),
         (
             {
                 "model": {"name": "tiny-llama", "dtype": "bfloat16"},

@@ -229,7 +229,12 @@ FIELDS: dict[str, Entry] = {
     "engineOptions.<other>": Entry(refusal=({"engineOptions": {"device": "cuda"}}, "gpusPerStage")),
     "stages": Entry(R, f"{FS}: num_stages; {BLD}: StatefulSet replicas", {"stages": 4}),
     "layerPartition": Entry(R, f"{FS}: partition", {"layerPartition": [3, 5]}),
-    "tensorParallelSize": Entry(refusal=({"tensorParallelSize": 2}, "not implemented")),
+    "tensorParallelSize": Entry(
+        R,
+        f"{FS}: tensor_parallel_size (stage.tp_launch: one process per device)",
+        {"tensorParallelSize": 2},
+        refusal=(EMULATED | {"tensorParallelSize": 2}, "torch engine only"),
+    ),
     "replicas": Entry(
         R, f"{FS}: one config per replica; operator: one StatefulSet each", {"replicas": 2}
     ),
@@ -243,7 +248,7 @@ FIELDS: dict[str, Entry] = {
         R,
         f"{FS}: device cuda; {BLD}: GPU request",
         GPU,
-        refusal=({"resources": {"gpusPerStage": 2}}, "one GPU"),
+        refusal=({"resources": {"gpusPerStage": 2}}, "one GPU per tensor-parallel process"),
     ),
     "resources.gpuResourceName": Entry(
         O,

@@ -18,7 +18,9 @@ event loop (aiohttp):
 | /startupz   | the torch.distributed group has formed and the engine is built        |
 | /readyz     | subscribed to its plans and KV requests (serving), not stopping, compute alive |
 
-otherwise 503. A configuration the stage cannot honour (a bad flag or spec, CUDA asked for but
+otherwise 503. With ``--tensor-parallel-size T`` (or the configuration's ``tensor_parallel_size``,
+the spec's ``tensorParallelSize``) the process is the stage's TP rank 0 and starts T - 1
+follower processes, one per device (``wavepp.runtime.stage.tp_launch``). A configuration the stage cannot honour (a bad flag or spec, CUDA asked for but
 absent, weights not there) is one line naming the flag or field and exit 2, or
 ``$WAVEPP_CONFIG_EXIT_CODE`` (78 in the operator's pods: ``CONFIG_EXIT_CODE``; see
 ``wavepp.cmd.common.config_exit_code``). This module also holds the helpers ``wavepp admission``
@@ -92,6 +94,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve /healthz, /startupz, /readyz on this port (none: no health server)",
     )
     parser.add_argument("--health-host", default="0.0.0.0", help="bind address of --health-port")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="T",
+        help="processes computing this stage, one per device (cuda:0..T-1, or T CPU processes "
+        "over gloo); default: the configuration's (spec.tensorParallelSize)",
+    )
+
+
+def with_tensor_parallel(config: RuntimeConfig, size: int | None) -> RuntimeConfig:
+    """``config`` with ``--tensor-parallel-size`` laid over it (None: unchanged).
+
+    Raises:
+        ArgError: a size the config refuses (the family, the engine, the heads; names the flag).
+    """
+    from wavepp.runtime.config import RuntimeConfig
+
+    if size is None:
+        return config
+    try:
+        return RuntimeConfig.model_validate(config.model_dump() | {"tensor_parallel_size": size})
+    except ValueError as exc:
+        from wavepp.cmd.common import describe_error
+
+        raise ArgError(f"--tensor-parallel-size {size}: {describe_error(exc)}") from None
 
 
 # ---- helpers shared with `wavepp admission` -------------------------------------------------
@@ -352,11 +380,17 @@ def run(args: argparse.Namespace) -> int:
         config_exit_code,
         describe_error,
     )
-    from wavepp.runtime.stage.worker import StageReadiness, check_environment, run_stage
+    from wavepp.runtime.stage.worker import (
+        StageReadiness,
+        TensorParallelLost,
+        check_environment,
+        run_stage,
+    )
     from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
 
     try:
         config = runtime_config_from_args(args, os.environ)
+        config = with_tensor_parallel(config, args.tensor_parallel_size)
         rank = resolve_rank(args.rank, os.environ)
         if args.nats_creds:  # the operator's per-rank file, should the kubelet not expand it
             args.nats_creds = args.nats_creds.replace("$(WAVEPP_RANK)", str(rank))
@@ -409,13 +443,17 @@ def run(args: argparse.Namespace) -> int:
             if runner is not None:
                 await runner.cleanup()
 
+    code = 0
     try:
         asyncio.run(main())
     except KeyboardInterrupt:
         pass
+    except TensorParallelLost as exc:
+        print(f"wavepp stage: {exc}", file=sys.stderr)
+        code = 1
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     # The gloo process group and a compute thread blocked in recv() would hold the interpreter
     # at exit; everything this process owns is already drained.
-    os._exit(0)
+    os._exit(code)

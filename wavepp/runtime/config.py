@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from wavepp.api.subjects import ReplicaSubjects, replica_prefix
-from wavepp.runtime.model_config import ModelConfig, partition_layers
+from wavepp.runtime.model_config import TP_ARCHITECTURES, ModelConfig, partition_layers
 from wavepp.telemetry.settings import TelemetrySettings
 
 Mode = Literal["wave", "sync"]
@@ -44,8 +44,9 @@ class RuntimeConfig(BaseModel):
     # the one derived from its config.json (``wavepp.runtime.hf_config.load_model_dir``).
     # None: the torch engine's seeded random Llama weights.
     model_dir: str | None = None
-    # NOTE: GPUs computing one stage (tensor parallelism). No engine implements TP yet, so
-    # anything but 1 is refused rather than silently computed on one device.
+    # NOTE: processes (one per device: cuda:i, or the CPU) computing one stage with tensor
+    # parallelism (``stage/engine/tensor_parallel.py``); `wavepp stage` starts them. The torch
+    # engine only, for the families in ``TP_ARCHITECTURES``; anything else is refused.
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     # NOTE: hybrid models (kimi_linear): each linear-attention layer stores its recurrent state
     # after every k-th block of a request, and the agreement's L* is a multiple of k blocks.
@@ -134,11 +135,18 @@ class RuntimeConfig(BaseModel):
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: every entry must be >= 1")
         if self.engine == "emulated" and self.cost_model is None:
             raise ValueError("engine=emulated needs cost_model (a CostModel.to_dict())")
-        if self.tensor_parallel_size != 1:
+        tp = self.tensor_parallel_size
+        if tp != 1 and (self.engine != "torch" or self.model.architecture not in TP_ARCHITECTURES):
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism inside "
-                f"a stage is not implemented for the {self.engine} engine "
-                f"(architecture {self.model.architecture!r}); use 1 and more pipeline stages"
+                f"tensor_parallel_size={tp} (--tensor-parallel-size / spec.tensorParallelSize): "
+                f"tensor parallelism inside a stage is not implemented for the {self.engine} "
+                f"engine with family {self.model.architecture!r} (implemented: the torch engine "
+                f"with {', '.join(sorted(TP_ARCHITECTURES))}); use 1 and more pipeline stages"
+            )
+        if tp != 1 and self.model.num_heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp}: model.num_heads={self.model.num_heads} is not "
+                "divisible by it (each TP rank computes num_heads / T heads)"
             )
         if self.model_dir is not None and self.engine != "torch":
             raise ValueError(

@@ -17,6 +17,7 @@ import pydantic
 __all__ = [
     "PRESETS",
     "SUPPORTED_ARCHITECTURES",
+    "TP_ARCHITECTURES",
     "Architecture",
     "ModelConfig",
     "balanced_partition",
@@ -30,6 +31,9 @@ Architecture = Literal["llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa", "kim
 SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
     {"llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa", "kimi_linear"}
 )
+# NOTE: the families whose layers shard over a stage's tensor-parallel group
+# (``engine/tensor_parallel.py``); kimi_linear's KDA layers do not yet.
+TP_ARCHITECTURES: frozenset[str] = frozenset({"llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa"})
 
 
 class ModelConfig(pydantic.BaseModel):

@@ -1,5 +1,6 @@
 """What the engines honour, checked on the spec: the engine options and model keys the runtime
-reads, the emulated models, tensor parallelism, dtype per device, weights per engine.
+reads, the emulated models, tensor parallelism (torch only: one process per GPU, or T CPU
+processes with gpusPerStage 0), dtype per device, weights per engine.
 
 Called by the spec's cross-field validation (``models``); every refusal is a :class:`SpecError`
 naming the field.
@@ -51,17 +52,19 @@ def check_engine(spec: Any) -> None:
     Raises:
         SpecError: the first field the runtime would not honour.
     """
-    if spec.tensor_parallel_size != 1:
+    tp = spec.tensor_parallel_size
+    if tp != 1 and spec.engine != "torch":
         raise SpecError(
             "tensorParallelSize",
-            f"{spec.tensor_parallel_size}: tensor parallelism is not implemented (each stage "
-            "runs on one device); use 1",
+            f"{tp}: tensor parallelism is implemented for the torch engine only (the emulated "
+            "engine computes nothing to shard); use 1",
         )
     gpus = spec.gpus_per_stage()
-    if spec.engine == "torch" and gpus > 1:
+    if spec.engine == "torch" and gpus > tp:
         raise SpecError(
             "resources.gpusPerStage",
-            f"{gpus}: a torch stage uses one GPU (no tensor parallelism); use 0 (CPU) or 1",
+            f"{gpus}: a torch stage uses one GPU per tensor-parallel process "
+            f"(tensorParallelSize={tp}); use 0 (CPU) or {tp}",
         )
     dtype = spec.model.dtype
     if spec.engine == "emulated":

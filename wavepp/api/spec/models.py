@@ -121,8 +121,9 @@ class ResourcesSpec(WireModel):
         None,
         ge=0,
         description=(
-            "GPUs requested by each stage pod (default: 1 for torch, 0 for emulated). > 0: the "
-            "stage computes on CUDA and refuses to start without it; 0: on the CPU."
+            "GPUs requested by each stage pod (default: tensorParallelSize for torch, 0 for "
+            "emulated); torch: 0 or tensorParallelSize. > 0: the stage computes on CUDA, one "
+            "GPU per tensor-parallel process, and refuses to start without them; 0: on the CPU."
         ),
     )
     gpu_resource_name: str = Field("nvidia.com/gpu", min_length=1)
@@ -380,7 +381,13 @@ class WavePipelineSpec(WireModel):
         description="Layers per stage; length = stages, sum = the model's layers.",
     )
     tensor_parallel_size: int = Field(
-        1, ge=1, le=64, description="GPUs per stage for TP; only 1 (no tensor parallelism yet)."
+        1,
+        ge=1,
+        le=64,
+        description=(
+            "Tensor-parallel processes per stage (torch engine): each stage pod requests this "
+            "many GPUs and starts one process per GPU (gloo on the CPU with gpusPerStage 0)."
+        ),
     )
     num_replicas: int = Field(
         1,

@@ -347,6 +347,7 @@ def runtime_configs_from_spec(
         "cost_model": cost_model,
         "time_scale": float(options.get("timeScale", 1.0)),
         "num_stages": spec.num_stages,
+        "tensor_parallel_size": spec.tensor_parallel_size,
         "partition": partition,
         "block_size": spec.cache.block_size,
         "num_kv_blocks": _kv_blocks(spec, model, emulate, ranges),

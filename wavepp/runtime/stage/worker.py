@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import signal
 import threading
@@ -68,8 +67,10 @@ from wavepp.api.messages import (
 from wavepp.api.signing import BusKey
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.stage.build import build_engine, check_environment
 from wavepp.runtime.stage.core import StageCore, StageWork
-from wavepp.runtime.stage.engine import PreparedBatch, StageEngine, make_engine
+from wavepp.runtime.stage.engine import PreparedBatch, StageEngine
+from wavepp.runtime.stage.engine.tensor_parallel import TensorParallelEngine
 from wavepp.runtime.stage.rendezvous import EpochRendezvous, StageGroupFactory, open_rendezvous
 from wavepp.runtime.transport.buskey import load_bus_key
 from wavepp.runtime.transport.natsio import connect, on_reconnect
@@ -78,64 +79,23 @@ from wavepp.telemetry.pipeline import StageTelemetry
 
 log = logging.getLogger(__name__)
 
+__all__ = [
+    "StageReadiness",
+    "StageWorker",
+    "TensorParallelLost",
+    "build_engine",
+    "check_environment",
+    "run_stage",
+]
+
+
+class TensorParallelLost(RuntimeError):
+    """The stage stopped because a tensor-parallel follower exited or its group broke."""
+
+
 _MAX_PENDING_SENDS = 16
 _DONE_LOG = 1024  # done messages kept for the scheduler's replay asks
 _IDLE_BEAT_S = 1.0  # the idle compute thread's beat period
-
-
-def check_environment(config: RuntimeConfig) -> None:
-    """Refuse to start where the config cannot be honoured: CUDA asked for (the pod was given
-    GPUs) but absent, or weights that are not there.
-
-    Raises:
-        ValueError: naming the spec field (``resources.gpusPerStage``, ``model.path``).
-    """
-    if config.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(
-            f"spec.resources.gpusPerStage > 0: this stage computes on {config.device}, but torch "
-            f"{torch.__version__} (CUDA build {torch.version.cuda}) sees no CUDA device; give "
-            "the pod a GPU or set resources.gpusPerStage: 0 (CPU)"
-        )
-    if config.weights is not None and not os.path.exists(config.weights):
-        raise ValueError(
-            f"spec.model.path: {config.weights!r} does not exist in the container (check the "
-            "PVC, its subPath and mountPath)"
-        )
-    if config.model_dir is not None and not os.path.isdir(config.model_dir):
-        raise ValueError(
-            f"model_dir: {config.model_dir!r} is not a directory in the container (--model)"
-        )
-
-
-def build_engine(config: RuntimeConfig, rank: int) -> StageEngine:
-    """The stage's engine for its layer range (torch or emulated), with its KV allocated;
-    the torch engine reads ``config.model_dir`` (a checkpoint, any family) or loads
-    ``config.weights`` (Llama safetensors) when set (the config refuses both)."""
-    first, last = config.layers_of(rank)
-    cost_model = None
-    extra: dict[str, object] = {}
-    if config.engine == "emulated":
-        from wavepp.runtime.planning import CostModel
-
-        cost_model = CostModel.from_dict(config.cost_model or {})
-        extra["time_scale"] = config.time_scale
-    elif config.model_dir is not None:
-        extra["model_dir"] = config.model_dir
-        extra["state_interval_blocks"] = config.state_interval_blocks
-    elif config.weights is not None:
-        extra["weights_path"] = config.weights
-    engine = make_engine(
-        config.engine,
-        model=config.model,
-        first_layer=first,
-        last_layer=last,
-        num_layers_total=config.model.num_layers,
-        device=config.device,
-        cost_model=cost_model,
-        **extra,
-    )
-    engine.allocate_kv(config.kv_blocks_of(rank), config.block_size)
-    return engine
 
 
 class StageWorker:
@@ -661,7 +621,13 @@ async def run_stage(
         loop.add_signal_handler(sig, stop.set)
     bus_key = load_bus_key()
     nc = await connect(nats_url, name=f"{config.pipeline}-stage-{rank}", creds=nats_creds)
+    followers = None
+    watch: asyncio.Task[str] | None = None
     try:
+        if config.tensor_parallel_size > 1:
+            from wavepp.runtime.stage.tp_launch import start_followers
+
+            followers = await asyncio.to_thread(start_followers, config, rank)
         backend = "nccl" if config.device.startswith("cuda") else "gloo"
         factory = StageGroupFactory(dist_url, rank, config.num_stages, backend)
         rendezvous = await open_rendezvous(
@@ -676,7 +642,12 @@ async def run_stage(
         if config.num_stages > 1:
             group = await asyncio.to_thread(factory.form, epoch)
         log.info("stage %d: group formed in epoch %d", rank, epoch)
-        engine = await asyncio.to_thread(build_engine, config, rank)
+        if followers is None:
+            engine = await asyncio.to_thread(build_engine, config, rank)
+        else:
+            inner = await asyncio.to_thread(build_engine, config, rank, followers.tp)
+            engine = TensorParallelEngine(inner, followers.tp)
+            watch = asyncio.create_task(_watch_followers(followers, engine, rank, stop))
         if readiness is not None:
             readiness.is_formed = True
         worker = StageWorker(
@@ -693,6 +664,36 @@ async def run_stage(
         if readiness is not None:
             readiness.worker = worker
         await worker.serve(stop)
+        if watch is not None and watch.done() and watch.result():
+            raise TensorParallelLost(watch.result())  # `wavepp stage` exits 1: restart it
     finally:
+        if watch is not None:
+            watch.cancel()
+        if followers is not None:
+            followers.stop()
         await nc.drain()
         tracing.shutdown()
+
+
+async def _watch_followers(
+    followers,  # noqa: ANN001 - tp_launch.FollowerSet (imported only with TP)
+    engine: TensorParallelEngine,
+    rank: int,
+    stop: asyncio.Event,
+) -> str:
+    """Stop the stage when a tensor-parallel follower exits (its shard is gone) or a batch
+    left the TP group out of step (``engine.broken``): the stage cannot compute any more; the
+    pod or ``wavepp up`` restarts it whole. Returns why ("" when the stage stopped first)."""
+    while not stop.is_set():
+        exited = followers.exited()
+        if exited or engine.broken is not None:
+            why = (
+                f"stage {rank}: tensor-parallel follower(s) (TP rank, exit code) {exited} exited"
+                if exited
+                else f"stage {rank}: tensor-parallel group broken by {engine.broken!r}"
+            )
+            log.error("%s; stopping", why)
+            stop.set()
+            return why
+        await asyncio.sleep(0.5)
+    return ""

@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,6 +45,7 @@ class CheckpointReader:
         self.root = Path(model_dir)
         self.bytes_read = 0
         self.files_opened: set[str] = set()
+        self._handles: dict[str, Any] = {}
         index = self.root / _INDEX
         if index.is_file():
             raw = json.loads(index.read_text()).get("weight_map")
@@ -100,6 +102,48 @@ class CheckpointReader:
                     self.bytes_read += tensor.numel() * tensor.element_size()
                     out[name] = tensor
         return out
+
+    def read_part(
+        self, name: str, dim: int | None = None, part: slice | None = None
+    ) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """Read one tensor, or only its ``part`` along ``dim`` (``get_slice``: a
+        tensor-parallel rank reads its share and no more). Shard files stay open until
+        :meth:`close`.
+
+        Returns:
+            (the tensor or its slice, the stored tensor's full shape).
+
+        Raises:
+            ValueError: the name is not in the checkpoint, or the slice is outside the tensor.
+        """
+        from safetensors import safe_open
+
+        file = self.weight_map.get(name)
+        if file is None:
+            raise ValueError(f"model_dir={str(self.root)!r} lacks tensor {name}")
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = safe_open(
+                str(self.root / file), framework="pt", device="cpu"
+            )
+            self.files_opened.add(file)
+        sl = handle.get_slice(name)
+        full = tuple(int(d) for d in sl.get_shape())
+        if dim is None or part is None:
+            tensor = handle.get_tensor(name)
+        else:
+            if dim >= len(full) or part.stop > full[dim]:
+                raise ValueError(
+                    f"tensor {name} of shape {full} has no slice {part.start}:{part.stop} "
+                    f"along dim {dim}"
+                )
+            tensor = sl[tuple([slice(None)] * dim + [part])]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor, full
+
+    def close(self) -> None:
+        """Close the shard files :meth:`read_part` opened."""
+        self._handles.clear()
 
     def total_bytes(self) -> int:
         """Tensor bytes of the whole checkpoint (from the safetensors headers; reads no data)."""

@@ -8,7 +8,8 @@ owns its paged cache (K/V for GQA, the latent for MLA) over the stage's slots
 ``PreparedBatch`` (``base.py``), so chunking and prefix reuse work as for the Llama engine.
 
 The stage reads only its own tensors from the checkpoint (``checkpoint.py``); ``bytes_read``
-says how many bytes that was.
+says how many bytes that was. With tensor parallelism (``tensor_parallel.py``) each TP rank reads
+only its share of the sharded tensors and holds its heads' cache.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from wavepp.runtime.stage.engine.layers.gqa import GQAAttention
 from wavepp.runtime.stage.engine.layers.kda import KDAAttention
 from wavepp.runtime.stage.engine.layers.mla import MLAAttention
 from wavepp.runtime.stage.engine.layers.moe import DenseMLP, SparseMoE
+from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 from wavepp.runtime.stage.engine.torch_engine import TorchPreparedBatch, torch_dtype
 
 __all__ = ["CheckpointStageEngine"]
@@ -43,29 +45,36 @@ __all__ = ["CheckpointStageEngine"]
 class _Layer:
     """One decoder layer: norms, attention block, feed-forward block."""
 
-    def __init__(self, arch: Architecture, index: int, get, interval: int) -> None:  # noqa: ANN001
+    def __init__(
+        self,
+        arch: Architecture,
+        index: int,
+        get,  # noqa: ANN001
+        interval: int,
+        tp: TPGroup,
+    ) -> None:
         p = f"model.layers.{index}."
         d = arch.hidden_size
         self.input_norm = get(p + "input_layernorm.weight", (d,))
         self.post_norm = get(p + "post_attention_layernorm.weight", (d,))
         self.attn: GQAAttention | MLAAttention | KDAAttention
         if arch.is_linear(index):
-            assert arch.kda is not None
+            assert arch.kda is not None and tp.size == 1, "checked by the engine"
             self.attn = KDAAttention(arch.kda, get, p + "self_attn.", interval)
         elif arch.mla is not None:
-            self.attn = MLAAttention(arch.mla, get, p + "self_attn.")
+            self.attn = MLAAttention(arch.mla, get, p + "self_attn.", tp)
         else:
             assert arch.gqa is not None
-            self.attn = GQAAttention(arch.gqa, get, p + "self_attn.")
+            self.attn = GQAAttention(arch.gqa, get, p + "self_attn.", tp)
         self.indexer: DSAIndexer | None = None
         if arch.dsa is not None and arch.indexer_full[index]:
             self.indexer = DSAIndexer(arch.dsa, get, p + "self_attn.indexer.")
         self.uses_dsa = arch.dsa is not None
         if arch.is_moe(index):
             assert arch.moe is not None
-            self.ffn: SparseMoE | DenseMLP = SparseMoE(arch.moe, get, p)
+            self.ffn: SparseMoE | DenseMLP = SparseMoE(arch.moe, get, p, tp)
         else:
-            self.ffn = DenseMLP(d, arch.dense_intermediate, get, p + arch.mlp_prefix)
+            self.ffn = DenseMLP(d, arch.dense_intermediate, get, p + arch.mlp_prefix, tp)
         self.eps = arch.eps
 
     def forward(
@@ -109,8 +118,9 @@ class CheckpointStageEngine(PagedStageEngineBase):
         model_dir: str | os.PathLike[str],
         device: torch.device | str = "cpu",
         state_interval_blocks: int = 1,
+        tp: TPGroup = SINGLE,
     ) -> None:
-        """Read ``model_dir/config.json`` and this stage's tensors.
+        """Read ``model_dir/config.json`` and this stage's tensors (this TP rank's share).
 
         Args:
             model: the generic config (``hf_config.load_model_dir(model_dir)``, maybe with
@@ -120,10 +130,12 @@ class CheckpointStageEngine(PagedStageEngineBase):
             device: "cpu" (float32 only) or a CUDA device.
             state_interval_blocks: linear-attention (KDA) layers keep their recurrent state
                 after every k-th block of a request (``RuntimeConfig.state_interval_blocks``).
+            tp: this process's place in the stage's tensor-parallel group (``SINGLE``: none).
 
         Raises:
             ValueError: config.json disagrees with ``model``, an unsupported family, a dtype
-                other than float32 on CPU, or a missing / misshapen tensor (named).
+                other than float32 on CPU, a missing / misshapen tensor (named), or a family
+                or width tensor parallelism cannot split (names the family or field).
         """
         super().__init__(
             first_layer=first_layer,
@@ -152,6 +164,13 @@ class CheckpointStageEngine(PagedStageEngineBase):
         self.model = model
         self.arch = Architecture.from_hf(cfg)
         self.arch.check_stage_start(first_layer)
+        if tp.size > 1 and self.arch.kda is not None:
+            raise ValueError(
+                f"tensor_parallel_size={tp.size} (--tensor-parallel-size / "
+                f"spec.tensorParallelSize): family {self.arch.model_type!r} (KDA linear "
+                "attention) is not sharded; use 1"
+            )
+        self.tp = tp
         self.hidden_size = model.hidden_size
         self.activation_dtype = dtype
         self.reader = CheckpointReader(model_dir)
@@ -162,38 +181,44 @@ class CheckpointStageEngine(PagedStageEngineBase):
             model.num_layers,
             tie_word_embeddings=self.arch.tie_word_embeddings,
         )
-        tensors = self.reader.read(names)
+        wanted = set(names)
         used: set[str] = set()
 
-        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            if name not in tensors:
+        def get(name: str, shape: tuple[int, ...], dim: int | None = None) -> torch.Tensor:
+            if name not in wanted:
                 raise ValueError(f"model_dir={str(model_dir)!r} lacks tensor {name}")
-            t = tensors[name]
-            if tuple(t.shape) != shape:
-                raise ValueError(
-                    f"tensor {name} has shape {tuple(t.shape)}; config.json implies {shape}"
-                )
+            part = None if dim is None or tp.size == 1 else tp.shard(shape[dim], name)
+            t, full = self.reader.read_part(name, dim, part)
+            if full != shape:
+                raise ValueError(f"tensor {name} has shape {full}; config.json implies {shape}")
             used.add(name)
             return t.to(device=self.device, dtype=dtype).contiguous()
 
         a = self.arch
+        # NOTE: only the TP leader returns logits: followers read no final norm and no lm_head.
+        has_head = self.is_last and tp.is_leader
         self._embed = (
             get("model.embed_tokens.weight", (a.vocab_size, a.hidden_size))
-            if self.is_first or (self.is_last and a.tie_word_embeddings)
+            if self.is_first or (has_head and a.tie_word_embeddings)
             else None
         )
         self._layers = [
-            _Layer(a, i, get, state_interval_blocks) for i in range(first_layer, last_layer)
+            _Layer(a, i, get, state_interval_blocks, tp) for i in range(first_layer, last_layer)
         ]
-        self._final_norm = get("model.norm.weight", (a.hidden_size,)) if self.is_last else None
+        self._final_norm = get("model.norm.weight", (a.hidden_size,)) if has_head else None
         self._lm_head = None
-        if self.is_last:
+        if has_head:
             self._lm_head = (
                 self._embed
                 if a.tie_word_embeddings
                 else get("lm_head.weight", (a.vocab_size, a.hidden_size))
             )
+        self.reader.close()
         unused = sorted(set(names) - used)
+        if not has_head:
+            unused = [n for n in unused if n not in ("model.norm.weight", "lm_head.weight")]
+            if self.is_last and a.tie_word_embeddings and not self.is_first:
+                unused = [n for n in unused if n != "model.embed_tokens.weight"]
         if unused:
             raise ValueError(
                 f"model_dir={str(model_dir)!r} has {len(unused)} tensors in layers "
@@ -262,6 +287,8 @@ class CheckpointStageEngine(PagedStageEngineBase):
             h = layer.forward(h, prepared, shared)
         if not self.is_last:
             return StageOutput(hidden=h)
+        if not self.tp.is_leader:  # a follower: the leader computes the logits
+            return StageOutput(hidden=None)
         assert self._final_norm is not None and self._lm_head is not None
         if not prepared.logits_rows:
             return StageOutput(hidden=None)

@@ -10,6 +10,7 @@ from wavepp.runtime.model_config import ModelConfig
 from wavepp.runtime.stage.engine.base import StageEngine
 from wavepp.runtime.stage.engine.checkpoint_engine import CheckpointStageEngine
 from wavepp.runtime.stage.engine.emulated import EmulatedStageEngine
+from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 from wavepp.runtime.stage.engine.torch_engine import TorchStageEngine
 
 
@@ -22,6 +23,7 @@ def make_engine(
     num_layers_total: int,
     device: torch.device | str = "cpu",
     cost_model: Any = None,
+    tp: TPGroup = SINGLE,
     **kw: Any,
 ) -> StageEngine:
     """Build a stage engine for layers ``[first_layer, last_layer)``.
@@ -34,6 +36,8 @@ def make_engine(
         device: torch device for tensors.
         cost_model: emulated only: an object with ``microbatch_cost_s(seq of (L, x)) -> s``;
             ignored by the torch engine.
+        tp: this process's place in the stage's tensor-parallel group (torch only; the
+            caller wraps the leader's engine in ``TensorParallelEngine``).
         **kw: torch: ``model_dir`` (a Hugging Face checkpoint directory: the checkpoint
             engine, any supported family; with ``state_interval_blocks``) or ``weights_path``
             (Llama tensors); emulated: ``time_scale``, ``emulated_hidden_size``,
@@ -53,6 +57,7 @@ def make_engine(
             num_layers_total=num_layers_total,
             device=device,
             model_dir=kw.pop("model_dir"),
+            tp=tp,
             **kw,
         )
     if kind == "torch":
@@ -69,9 +74,15 @@ def make_engine(
             last_layer=last_layer,
             num_layers_total=num_layers_total,
             device=device,
+            tp=tp,
             **kw,
         )
     if kind == "emulated":
+        if tp.size > 1:
+            raise ValueError(
+                f"tensor_parallel_size={tp.size}: the emulated engine computes nothing to "
+                "shard (its cost model fixes the stage's time); use 1"
+            )
         return EmulatedStageEngine(
             model=model,
             first_layer=first_layer,

@@ -16,6 +16,10 @@ Su et al., "RoFormer" (2021) eq. 34 in the rotate_half layout of HF ``modeling_l
 
 Weights are random and seeded per tensor group, independent of the pipeline partition: layer i
 always gets the same values whichever stage holds it (see :func:`build_layer_state_dict`).
+
+Tensor parallelism (``tensor_parallel.py``): each TP rank keeps its share of the heads (rows of
+q/k/v, columns of o), of the MLP's intermediate rows (gate/up) and columns (down), and its K/V
+heads' cache; o and down are all-reduced. The full tensors are generated or read, then sliced.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from wavepp.runtime.stage.engine.base import (
     PreparedBatch,
     StageOutput,
 )
+from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
 __all__ = [
     "TorchPreparedBatch",
@@ -273,6 +278,7 @@ class TorchStageEngine(PagedStageEngineBase):
         device: torch.device | str = "cpu",
         weights_path: str | os.PathLike[str] | None = None,
         state_dict: Mapping[str, torch.Tensor] | None = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
         """Build the stage and load or generate its weights.
 
@@ -283,6 +289,7 @@ class TorchStageEngine(PagedStageEngineBase):
             device: "cpu" or a CUDA device; non-float32 dtypes need CUDA.
             weights_path: optional local ``.safetensors`` file or directory with HF Llama names.
             state_dict: optional in-memory weights with HF Llama names (e.g. a full one).
+            tp: this process's place in the stage's tensor-parallel group.
 
         Raises:
             ValueError: bad layer range, num_layers mismatch, dtype on CPU, both weight
@@ -311,6 +318,15 @@ class TorchStageEngine(PagedStageEngineBase):
         self.hidden_size = model.hidden_size
         self.activation_dtype = dtype
         self.kv_cache: torch.Tensor | None = None
+        self.tp = tp
+        heads = tp.shard(model.num_heads, "num_heads")
+        kv_heads = tp.shard(model.num_kv_heads, "num_kv_heads")
+        inter = tp.shard(model.intermediate_size, "intermediate_size")
+        self.num_local_heads = model.num_heads // tp.size
+        self.num_local_kv_heads = model.num_kv_heads // tp.size
+        hd = model.head_dim
+        rows_q = slice(heads.start * hd, heads.stop * hd)
+        rows_kv = slice(kv_heads.start * hd, kv_heads.stop * hd)
 
         names = _stage_param_names(model, first_layer, last_layer)
         if weights_path is not None:
@@ -334,9 +350,16 @@ class TorchStageEngine(PagedStageEngineBase):
                 )
             return t.to(device=self.device, dtype=dtype).contiguous()
 
+        def rows(t: torch.Tensor, part: slice) -> torch.Tensor:
+            return t[part].contiguous()
+
+        def cols(t: torch.Tensor, part: slice) -> torch.Tensor:
+            return t[:, part].contiguous()
+
+        has_head = self.is_last and tp.is_leader  # followers return no logits
         self._embed = load(_EMBED_NAME) if self.is_first else None
-        self._final_norm = load(_NORM_NAME) if self.is_last else None
-        self._lm_head = load(_LM_HEAD_NAME) if self.is_last else None
+        self._final_norm = load(_NORM_NAME) if has_head else None
+        self._lm_head = load(_LM_HEAD_NAME) if has_head else None
         self._layers: list[dict[str, torch.Tensor]] = []
         for i in range(first_layer, last_layer):
             p = f"model.layers.{i}."
@@ -344,14 +367,18 @@ class TorchStageEngine(PagedStageEngineBase):
                 {
                     "input_norm": load(p + "input_layernorm.weight"),
                     "qkv": torch.cat(
-                        [load(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
+                        [
+                            rows(load(p + "self_attn.q_proj.weight"), rows_q),
+                            rows(load(p + "self_attn.k_proj.weight"), rows_kv),
+                            rows(load(p + "self_attn.v_proj.weight"), rows_kv),
+                        ]
                     ),
-                    "o": load(p + "self_attn.o_proj.weight"),
+                    "o": cols(load(p + "self_attn.o_proj.weight"), rows_q),
                     "post_norm": load(p + "post_attention_layernorm.weight"),
                     "gate_up": torch.cat(
-                        [load(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+                        [rows(load(p + f"mlp.{n}_proj.weight"), inter) for n in ("gate", "up")]
                     ),
-                    "down": load(p + "mlp.down_proj.weight"),
+                    "down": cols(load(p + "mlp.down_proj.weight"), inter),
                 }
             )
         d = model.head_dim
@@ -373,7 +400,7 @@ class TorchStageEngine(PagedStageEngineBase):
         super().allocate_kv(num_blocks, block_size)
         m = self.model
         self.kv_cache = torch.zeros(
-            (self.num_local_layers, 2, num_blocks, block_size, m.num_kv_heads, m.head_dim),
+            (self.num_local_layers, 2, num_blocks, block_size, self.num_local_kv_heads, m.head_dim),
             dtype=self.activation_dtype,
             device=self.device,
         )
@@ -447,6 +474,8 @@ class TorchStageEngine(PagedStageEngineBase):
             h = self._decoder_layer(local_index, weights, h, prepared)
         if not self.is_last:
             return StageOutput(hidden=h)
+        if not self.tp.is_leader:  # a follower: the leader computes the logits
+            return StageOutput(hidden=None)
         assert self._final_norm is not None and self._lm_head is not None
         if not prepared.logits_rows:
             return StageOutput(hidden=None)
@@ -468,14 +497,15 @@ class TorchStageEngine(PagedStageEngineBase):
         m = self.model
         assert self.kv_cache is not None
         num_tokens = h.shape[0]
-        q_dim = m.num_heads * m.head_dim
-        kv_dim = m.num_kv_heads * m.head_dim
+        heads, kv_heads = self.num_local_heads, self.num_local_kv_heads
+        q_dim = heads * m.head_dim
+        kv_dim = kv_heads * m.head_dim
 
         x = _rms_norm(h, w["input_norm"], m.rms_norm_eps)
         q, k, v = F.linear(x, w["qkv"]).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = q.view(num_tokens, m.num_heads, m.head_dim)
-        k = k.view(num_tokens, m.num_kv_heads, m.head_dim)
-        v = v.view(num_tokens, m.num_kv_heads, m.head_dim)
+        q = q.view(num_tokens, heads, m.head_dim)
+        k = k.view(num_tokens, kv_heads, m.head_dim)
+        v = v.view(num_tokens, kv_heads, m.head_dim)
         cos = p.rope_cos[:, None, :]
         sin = p.rope_sin[:, None, :]
         q = q * cos + _rotate_half(q) * sin
@@ -483,8 +513,8 @@ class TorchStageEngine(PagedStageEngineBase):
 
         # Write the new tokens' KV first: each chunk then reads its whole context [0, L + x)
         # (cached prefix and its own new tokens) through one gather from the paged cache.
-        k_cache = self.kv_cache[local_index, 0].view(-1, m.num_kv_heads, m.head_dim)
-        v_cache = self.kv_cache[local_index, 1].view(-1, m.num_kv_heads, m.head_dim)
+        k_cache = self.kv_cache[local_index, 0].view(-1, kv_heads, m.head_dim)
+        v_cache = self.kv_cache[local_index, 1].view(-1, kv_heads, m.head_dim)
         k_cache.index_copy_(0, p.slot_mapping, k)
         v_cache.index_copy_(0, p.slot_mapping, v)
 
@@ -498,11 +528,11 @@ class TorchStageEngine(PagedStageEngineBase):
             v_c = v_cache[key_slots].transpose(0, 1).unsqueeze(0)
             o_c = F.scaled_dot_product_attention(q_c, k_c, v_c, attn_mask=mask, enable_gqa=True)
             attn[start:end] = o_c[0].transpose(0, 1)
-        h = h + F.linear(attn.reshape(num_tokens, q_dim), w["o"])
+        h = h + self.tp.all_reduce(F.linear(attn.reshape(num_tokens, q_dim), w["o"]))
 
         x = _rms_norm(h, w["post_norm"], m.rms_norm_eps)
         gate, up = F.linear(x, w["gate_up"]).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, w["down"])
+        return h + self.tp.all_reduce(F.linear(F.silu(gate) * up, w["down"]))
 
 
 def build_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -12,24 +12,43 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from wavepp.runtime.stage.engine.tensor_parallel import TPGroup
+
 __all__ = [
     "WeightGetter",
     "attend",
     "apply_rope_interleaved",
     "apply_rope_rotate_half",
     "rms_norm",
+    "rms_norm_sharded",
     "rope_cos_sin",
 ]
 
-# NOTE: name -> tensor of this stage (already on the engine's device and dtype); raises
-# ValueError naming the checkpoint tensor when it is absent or of the wrong shape.
-WeightGetter = Callable[[str, tuple[int, ...]], torch.Tensor]
+# NOTE: ``get(name, shape, dim=None)`` -> tensor of this stage (already on the engine's device
+# and dtype); ``shape`` is the checkpoint's full shape; with ``dim`` the result is this TP rank's
+# contiguous share along ``dim`` (``tensor_parallel.TPGroup.shard``). Raises ValueError naming
+# the checkpoint tensor when it is absent or of the wrong shape.
+WeightGetter = Callable[..., torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 as Hugging Face's ``*RMSNorm`` modules (weight * x_hat)."""
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rms_norm_sharded(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, full_width: int, tp: TPGroup
+) -> torch.Tensor:
+    """:func:`rms_norm` over a width split across the TP group: ``x`` [n, full_width / T] is
+    this rank's share, the mean square is summed over the group (MiniMax-M2's q/k norm spans
+    all heads)."""
+    if tp.size == 1:
+        return rms_norm(x, weight, eps)
+    x32 = x.to(torch.float32)
+    sq = tp.all_reduce(x32.pow(2).sum(-1, keepdim=True))
+    x32 = x32 * torch.rsqrt(sq / full_width + eps)
     return weight * x32.to(x.dtype)
 
 

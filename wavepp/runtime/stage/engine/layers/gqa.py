@@ -8,6 +8,10 @@ Per layer, for ``x`` = the input-normed activations [T, hidden]::
     cache[slot_mapping] = k, v;  per chunk: softmax(q K^T * head_dim^-0.5 + causal) V
     out = o Wo^T
 
+Tensor parallelism (T ranks): each rank holds heads ``H/T`` and K/V heads ``KV/T`` (rows of
+q/k/v, columns of o) and its heads' cache; the o projection's partial sums are all-reduced; the
+qk-norm's mean square is summed over the group (it spans all heads).
+
 Sources: HF ``modeling_llama`` and ``modeling_minimax_m2`` (``MiniMaxM2Attention``: q_norm and
 k_norm are RMSNorms of width heads * head_dim; partial rotary from ``partial_rotary_factor``).
 """
@@ -23,8 +27,9 @@ from wavepp.runtime.stage.engine.layers.common import (
     WeightGetter,
     apply_rope_rotate_half,
     attend,
-    rms_norm,
+    rms_norm_sharded,
 )
+from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
 __all__ = ["GQAAttention", "GQAShape"]
 
@@ -52,34 +57,41 @@ class GQAShape:
 
 class GQAAttention:
     """One layer's GQA weights and its paged K/V cache
-    ``[2 (K, V), num_blocks * block_size, num_kv_heads, head_dim]``."""
+    ``[2 (K, V), num_blocks * block_size, num_kv_heads / T, head_dim]``."""
 
-    def __init__(self, shape: GQAShape, get: WeightGetter, prefix: str) -> None:
-        """Load ``{prefix}{q,k,v,o}_proj.weight`` (and ``q_norm``/``k_norm`` with qk_norm).
+    def __init__(
+        self, shape: GQAShape, get: WeightGetter, prefix: str, tp: TPGroup = SINGLE
+    ) -> None:
+        """Load ``{prefix}{q,k,v,o}_proj.weight`` (and ``q_norm``/``k_norm`` with qk_norm),
+        this TP rank's heads only.
 
         Raises:
-            ValueError: a tensor is missing or has the wrong shape (from ``get``).
+            ValueError: a tensor is missing or has the wrong shape (from ``get``), or the
+                heads do not divide by the TP size.
         """
         s = shape
         self.shape = s
+        self.tp = tp
+        tp.shard(s.num_heads, "num_attention_heads")
+        tp.shard(s.num_kv_heads, "num_key_value_heads")
+        self.heads, self.kv_heads = s.num_heads // tp.size, s.num_kv_heads // tp.size
         q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         self.qkv = torch.cat(
             [
-                get(prefix + "q_proj.weight", (q_dim, s.hidden_size)),
-                get(prefix + "k_proj.weight", (kv_dim, s.hidden_size)),
-                get(prefix + "v_proj.weight", (kv_dim, s.hidden_size)),
+                get(prefix + "q_proj.weight", (q_dim, s.hidden_size), 0),
+                get(prefix + "k_proj.weight", (kv_dim, s.hidden_size), 0),
+                get(prefix + "v_proj.weight", (kv_dim, s.hidden_size), 0),
             ]
         )
-        self.o = get(prefix + "o_proj.weight", (s.hidden_size, q_dim))
-        self.q_norm = get(prefix + "q_norm.weight", (q_dim,)) if s.qk_norm else None
-        self.k_norm = get(prefix + "k_norm.weight", (kv_dim,)) if s.qk_norm else None
+        self.o = get(prefix + "o_proj.weight", (s.hidden_size, q_dim), 1)
+        self.q_norm = get(prefix + "q_norm.weight", (q_dim,), 0) if s.qk_norm else None
+        self.k_norm = get(prefix + "k_norm.weight", (kv_dim,), 0) if s.qk_norm else None
         self.cache: torch.Tensor | None = None
 
     def allocate(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate a zeroed cache of ``num_slots`` token slots (drops the old one)."""
-        s = self.shape
         self.cache = torch.zeros(
-            (2, num_slots, s.num_kv_heads, s.head_dim), device=device, dtype=dtype
+            (2, num_slots, self.kv_heads, self.shape.head_dim), device=device, dtype=dtype
         )
 
     def forward(self, x: torch.Tensor, p) -> torch.Tensor:  # noqa: ANN001 (TorchPreparedBatch)
@@ -87,18 +99,18 @@ class GQAAttention:
         s = self.shape
         assert self.cache is not None, "allocate() runs before forward()"
         num_tokens = x.shape[0]
-        q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q_dim, kv_dim = self.heads * s.head_dim, self.kv_heads * s.head_dim
         q, k, v = F.linear(x, self.qkv).split([q_dim, kv_dim, kv_dim], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
-            q = rms_norm(q, self.q_norm, s.eps)
-            k = rms_norm(k, self.k_norm, s.eps)
+            q = rms_norm_sharded(q, self.q_norm, s.eps, s.num_heads * s.head_dim, self.tp)
+            k = rms_norm_sharded(k, self.k_norm, s.eps, s.num_kv_heads * s.head_dim, self.tp)
         q = apply_rope_rotate_half(
-            q.view(num_tokens, s.num_heads, s.head_dim), p.rope_cos, p.rope_sin
+            q.view(num_tokens, self.heads, s.head_dim), p.rope_cos, p.rope_sin
         )
         k = apply_rope_rotate_half(
-            k.view(num_tokens, s.num_kv_heads, s.head_dim), p.rope_cos, p.rope_sin
+            k.view(num_tokens, self.kv_heads, s.head_dim), p.rope_cos, p.rope_sin
         )
-        v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
+        v = v.view(num_tokens, self.kv_heads, s.head_dim)
         self.cache[0].index_copy_(0, p.slot_mapping, k)
         self.cache[1].index_copy_(0, p.slot_mapping, v)
         out = torch.empty_like(q)
@@ -110,7 +122,7 @@ class GQAAttention:
             out[start:end] = attend(
                 q[start:end], self.cache[0][key_slots], self.cache[1][key_slots], mask, scale
             )
-        return F.linear(out.reshape(num_tokens, q_dim), self.o)
+        return self.tp.all_reduce(F.linear(out.reshape(num_tokens, q_dim), self.o))
 
     @property
     def cache_bytes(self) -> int:

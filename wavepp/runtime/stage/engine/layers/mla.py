@@ -14,6 +14,10 @@ Per layer, for ``x`` = the input-normed activations [T, hidden]::
 The cache holds the compressed latent, not expanded K/V: (kv_lora_rank + d_rope) values per
 token and layer against 2 * H * d_head for MHA. Expansion happens per chunk over its context
 (the "MHA mode" of vLLM's MLA prefill; the absorbed "MQA mode" is not implemented).
+Tensor parallelism (T ranks): each rank holds ``H/T`` heads (rows of q_b / q_proj and kv_b,
+columns of o) and all-reduces o's partial sums; the low-rank q_a / kv_a projections and the
+latent cache are replicated (the latent is per token, not per head: each rank expands its own
+heads from a full copy), as vLLM / SGLang shard MLA.
 Sources: DeepSeek-V2 paper sec. 2.1; HF ``modeling_deepseek_v3.DeepseekV3Attention`` and
 ``modeling_glm_moe_dsa.GlmMoeDsaAttention``.
 """
@@ -32,6 +36,7 @@ from wavepp.runtime.stage.engine.layers.common import (
     attend,
     rms_norm,
 )
+from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
 __all__ = ["MLAAttention", "MLAShape"]
 
@@ -80,30 +85,38 @@ def _no_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 class MLAAttention:
     """One layer's MLA weights and its paged latent cache ``[num_slots, latent_dim]``."""
 
-    def __init__(self, shape: MLAShape, get: WeightGetter, prefix: str) -> None:
+    def __init__(
+        self, shape: MLAShape, get: WeightGetter, prefix: str, tp: TPGroup = SINGLE
+    ) -> None:
         """Load ``{prefix}q_a_proj / q_a_layernorm / q_b_proj`` (or ``q_proj``),
-        ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj`` and ``o_proj`` weights.
+        ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj`` and ``o_proj`` weights
+        (the per-head ones for this TP rank's heads only).
 
         Raises:
-            ValueError: a tensor is missing or has the wrong shape (from ``get``).
+            ValueError: a tensor is missing or has the wrong shape (from ``get``), or the
+                heads do not divide by the TP size.
         """
         s = shape
         self.shape = s
+        self.tp = tp
+        tp.shard(s.num_heads, "num_attention_heads")
+        self.heads = s.num_heads // tp.size
         hq = s.num_heads * s.qk_head_dim
         if s.q_lora_rank is None:
             self.q_a = self.q_a_norm = None
-            self.q_b = get(prefix + "q_proj.weight", (hq, s.hidden_size))
+            self.q_b = get(prefix + "q_proj.weight", (hq, s.hidden_size), 0)
         else:
             self.q_a = get(prefix + "q_a_proj.weight", (s.q_lora_rank, s.hidden_size))
             self.q_a_norm = get(prefix + "q_a_layernorm.weight", (s.q_lora_rank,))
-            self.q_b = get(prefix + "q_b_proj.weight", (hq, s.q_lora_rank))
+            self.q_b = get(prefix + "q_b_proj.weight", (hq, s.q_lora_rank), 0)
         self.kv_a = get(prefix + "kv_a_proj_with_mqa.weight", (s.latent_dim, s.hidden_size))
         self.kv_a_norm = get(prefix + "kv_a_layernorm.weight", (s.kv_lora_rank,))
         self.kv_b = get(
             prefix + "kv_b_proj.weight",
             (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank),
+            0,
         )
-        self.o = get(prefix + "o_proj.weight", (s.hidden_size, s.num_heads * s.v_head_dim))
+        self.o = get(prefix + "o_proj.weight", (s.hidden_size, s.num_heads * s.v_head_dim), 1)
         self.cache: torch.Tensor | None = None
         self._rope = apply_rope_interleaved if s.rope_interleave else apply_rope_rotate_half
         if not s.use_rope:
@@ -114,7 +127,7 @@ class MLAAttention:
         self.cache = torch.zeros((num_slots, self.shape.latent_dim), device=device, dtype=dtype)
 
     def queries(self, x: torch.Tensor, p) -> tuple[torch.Tensor, torch.Tensor | None]:  # noqa: ANN001
-        """[T, H, qk_head_dim] roped queries, and the normed q latent (None without q_lora)."""
+        """[T, H/T, qk_head_dim] roped queries, and the normed q latent (None without q_lora)."""
         s = self.shape
         if self.q_a is None:
             q_resid = None
@@ -122,7 +135,7 @@ class MLAAttention:
         else:
             q_resid = rms_norm(F.linear(x, self.q_a), self.q_a_norm, s.eps)
             q = F.linear(q_resid, self.q_b)
-        q = q.view(x.shape[0], s.num_heads, s.qk_head_dim)
+        q = q.view(x.shape[0], self.heads, s.qk_head_dim)
         q_nope, q_rot = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
         q_rot = self._rope(q_rot, p.rope_cos, p.rope_sin)
         return torch.cat((q_nope, q_rot), dim=-1), q_resid
@@ -137,14 +150,14 @@ class MLAAttention:
         self.cache.index_copy_(0, p.slot_mapping, torch.cat((c, k_rot), dim=-1))
 
     def expand(self, key_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys [n, H, qk_head_dim] and values [n, H, v_head_dim] of the cached slots."""
+        """Keys [n, H/T, qk_head_dim] and values [n, H/T, v_head_dim] of the cached slots."""
         s = self.shape
         assert self.cache is not None
         latent = self.cache[key_slots]
         c, k_rot = latent.split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
-        kv = F.linear(c, self.kv_b).view(-1, s.num_heads, s.qk_nope_head_dim + s.v_head_dim)
+        kv = F.linear(c, self.kv_b).view(-1, self.heads, s.qk_nope_head_dim + s.v_head_dim)
         k_nope, v = kv.split([s.qk_nope_head_dim, s.v_head_dim], dim=-1)
-        k = torch.cat((k_nope, k_rot[:, None, :].expand(-1, s.num_heads, -1)), dim=-1)
+        k = torch.cat((k_nope, k_rot[:, None, :].expand(-1, self.heads, -1)), dim=-1)
         return k, v
 
     def forward(self, x: torch.Tensor, p, masks=None) -> torch.Tensor:  # noqa: ANN001
@@ -164,7 +177,7 @@ class MLAAttention:
         """Attention of every chunk over its gathered, expanded context, then ``o_proj``."""
         s = self.shape
         num_tokens = q.shape[0]
-        out = q.new_empty((num_tokens, s.num_heads, s.v_head_dim))
+        out = q.new_empty((num_tokens, self.heads, s.v_head_dim))
         scale = s.qk_head_dim**-0.5
         for chunk, start, key_slots, mask in zip(
             p.chunks, p.row_starts, p.key_slots, masks, strict=True
@@ -172,7 +185,7 @@ class MLAAttention:
             end = start + chunk.num_tokens
             k, v = self.expand(key_slots)
             out[start:end] = attend(q[start:end], k, v, mask, scale)
-        return F.linear(out.reshape(num_tokens, -1), self.o)
+        return self.tp.all_reduce(F.linear(out.reshape(num_tokens, -1), self.o))
 
     @property
     def cache_bytes(self) -> int:

@@ -11,6 +11,10 @@ MoE, for ``x`` = the post-attention-normed activations [T, hidden]::
     w *= routed_scaling_factor (DeepSeek/GLM)
     out = sum_j w_j * expert_{idx_j}(x)  +  shared_experts(x)  (DeepSeek/GLM; MiniMax has none)
 
+Tensor parallelism (T ranks): every FFN (dense, each routed expert, the shared experts) keeps
+``intermediate / T`` rows of gate/up and columns of down; the router and its bias are
+replicated, so every rank routes alike; one all-reduce sums a block's partial outputs.
+
 Routing is per token, so a token's output does not depend on which chunk or micro-batch it is
 in. Sources: DeepSeek-V3 report sec. 2.1.2; HF ``DeepseekV3TopkRouter``, ``DeepseekV3MoE``,
 ``MiniMaxM2TopKRouter``, ``MiniMaxM2SparseMoeBlock``; experts applied as HF's eager
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from wavepp.runtime.stage.engine.layers.common import WeightGetter
+from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
 __all__ = ["NAMING", "DenseMLP", "MoEShape", "SparseMoE"]
 
@@ -37,21 +42,36 @@ NAMING: dict[str, tuple[str, tuple[str, str, str], str]] = {
 
 
 class DenseMLP:
-    """SwiGLU MLP: ``{prefix}gate_proj``, ``up_proj``, ``down_proj`` (gate/up fused)."""
+    """SwiGLU MLP: ``{prefix}gate_proj``, ``up_proj``, ``down_proj`` (gate/up fused); with TP,
+    this rank's ``intermediate / T`` share, its output all-reduced unless ``reduce`` is False
+    (the shared experts, summed with the routed experts' partial output first)."""
 
-    def __init__(self, hidden_size: int, intermediate: int, get: WeightGetter, prefix: str) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate: int,
+        get: WeightGetter,
+        prefix: str,
+        tp: TPGroup = SINGLE,
+        *,
+        reduce: bool = True,
+    ) -> None:
+        tp.shard(intermediate, f"{prefix}intermediate_size")
+        self.tp = tp
+        self.reduce = reduce
         self.gate_up = torch.cat(
             [
-                get(prefix + "gate_proj.weight", (intermediate, hidden_size)),
-                get(prefix + "up_proj.weight", (intermediate, hidden_size)),
+                get(prefix + "gate_proj.weight", (intermediate, hidden_size), 0),
+                get(prefix + "up_proj.weight", (intermediate, hidden_size), 0),
             ]
         )
-        self.down = get(prefix + "down_proj.weight", (hidden_size, intermediate))
+        self.down = get(prefix + "down_proj.weight", (hidden_size, intermediate), 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, hidden]."""
         gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        out = F.linear(F.silu(gate) * up, self.down)
+        return self.tp.all_reduce(out) if self.reduce else out
 
 
 @dataclass(frozen=True)
@@ -87,19 +107,26 @@ class MoEShape:
 class SparseMoE:
     """Router, routed experts and shared experts of one MoE layer."""
 
-    def __init__(self, shape: MoEShape, get: WeightGetter, layer_prefix: str) -> None:
-        """Load the router, its score-correction bias, every expert and the shared experts.
+    def __init__(
+        self, shape: MoEShape, get: WeightGetter, layer_prefix: str, tp: TPGroup = SINGLE
+    ) -> None:
+        """Load the router, its score-correction bias, every expert and the shared experts
+        (this TP rank's share of each expert's intermediate dimension).
 
         Args:
             shape: the block's shape.
             get: the stage's weight getter.
             layer_prefix: ``model.layers.{i}.``.
+            tp: this process's TP group.
 
         Raises:
-            ValueError: a tensor is missing or has the wrong shape (from ``get``).
+            ValueError: a tensor is missing or has the wrong shape (from ``get``), or an
+                intermediate width does not divide by the TP size.
         """
         s = shape
         self.shape = s
+        self.tp = tp
+        tp.shard(s.expert_intermediate, "moe_intermediate_size")
         d, f, e = s.hidden_size, s.expert_intermediate, s.num_experts
         block, names, bias = NAMING[s.style]
         p = layer_prefix + block
@@ -110,14 +137,17 @@ class SparseMoE:
             q = f"{p}experts.{j}."
             gate_up.append(
                 torch.cat(
-                    [get(q + names[0] + ".weight", (f, d)), get(q + names[1] + ".weight", (f, d))]
+                    [
+                        get(q + names[0] + ".weight", (f, d), 0),
+                        get(q + names[1] + ".weight", (f, d), 0),
+                    ]
                 )
             )
-            down.append(get(q + names[2] + ".weight", (d, f)))
-        self.gate_up = torch.stack(gate_up)  # [E, 2f, d]
-        self.down = torch.stack(down)  # [E, d, f]
+            down.append(get(q + names[2] + ".weight", (d, f), 1))
+        self.gate_up = torch.stack(gate_up)  # [E, 2f/T, d]
+        self.down = torch.stack(down)  # [E, d, f/T]
         self.shared = (
-            DenseMLP(d, s.shared_intermediate, get, p + "shared_experts.")
+            DenseMLP(d, s.shared_intermediate, get, p + "shared_experts.", tp, reduce=False)
             if s.shared_intermediate > 0
             else None
         )
@@ -156,4 +186,4 @@ class SparseMoE:
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         if self.shared is not None:
             out = out + self.shared.forward(x)
-        return out
+        return self.tp.all_reduce(out)

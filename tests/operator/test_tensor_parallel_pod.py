@@ -1,0 +1,209 @@
+"""The operator's stage pod for ``tensorParallelSize: 2`` requests 2 GPUs and its one container
+process starts 2 stage processes (TP rank 0 + one follower), which serve requests.
+
+The rendered pod is run as ``test_runtime_contract`` runs pods (the rendered args and env, local
+files, ports and nats-server). No GPU is at hand here: the pods that run are rendered from the
+same spec with ``resources.gpusPerStage: 0`` (the CPU, gloo), whose container args equal the GPU
+spec's; the GPU request and the device each process takes (``cuda:0``, ``cuda:1``) are checked
+on the rendered manifest and the derived RuntimeConfig.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_runtime_contract import (
+    CLUSTER_NATS_URL,
+    REF,
+    REPO,
+    _container,
+    _expand,
+    _kubelet_env,
+    _localize,
+    _post,
+    _probe_path,
+    _wait_200,
+)
+
+from wavepp.api.spec import check_spec
+from wavepp.operator import builders as b
+from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
+from wavepp.runtime.stage.engine import ChunkSpec, make_engine
+from wavepp.runtime.stage.engine.tensor_parallel import tp_device
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+RAW: dict[str, Any] = {
+    "model": {"name": "tiny-llama"},
+    "stages": 2,
+    "replicas": 1,
+    "engine": "torch",
+    "tensorParallelSize": 2,
+    "engineOptions": {"kvBlocks": 64},
+}
+
+
+def _spec(raw: dict[str, Any]) -> Any:
+    spec, issues = check_spec(raw, default_image="wavepp:test", default_nats_url=CLUSTER_NATS_URL)
+    assert spec is not None, issues
+    return spec
+
+
+def _followers(pid: int) -> list[int]:
+    """Child processes of ``pid`` running the tensor-parallel follower module (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and "wavepp.runtime.stage.tp_launch" in args:
+            found.append(int(entry.name))
+    return found
+
+
+def test_rendered_stage_pod_requests_one_gpu_per_tp_process() -> None:
+    spec = _spec(RAW)
+    sts = b.build_stage_statefulset(REF, spec, b.spec_hash(spec), 0)
+    container = _container(sts)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    config = runtime_configs_from_spec(spec, pool=REF.name)[0]
+    assert config.tensor_parallel_size == 2 and config.device == "cuda"
+    assert [tp_device(config.device, t) for t in range(2)] == ["cuda:0", "cuda:1"]
+    cpu = _spec(RAW | {"resources": {"gpusPerStage": 0}})
+    assert (
+        _container(b.build_stage_statefulset(REF, cpu, b.spec_hash(cpu), 0))["args"]
+        == (container["args"])
+    )
+    # More GPUs than TP processes would sit idle: refused, naming the field.
+    _, issues = check_spec(
+        RAW | {"resources": {"gpusPerStage": 4}}, default_image="i", default_nats_url="nats://n"
+    )
+    assert any("gpusPerStage" in str(i) for i in issues), issues
+
+
+def _expected_first_token(config: Any, tokens: list[int]) -> int:
+    """The seeded model in one process, no TP (checked against transformers elsewhere)."""
+    n = config.model.num_layers
+    engine = make_engine(
+        "torch", model=config.model, first_layer=0, last_layer=n, num_layers_total=n
+    )
+    blocks = -(-len(tokens) // config.block_size)
+    engine.allocate_kv(blocks, config.block_size)
+    spec = ChunkSpec("x", 0, len(tokens), tuple(range(blocks)), tuple(tokens), is_last=True)
+    logits = engine.execute(engine.prepare([spec]), None).last_token_logits["x"]
+    return int(logits.argmax())
+
+
+@pytest.mark.slow
+def test_rendered_tp_stage_pods_start_two_processes_each_and_serve(tmp_path: Path) -> None:
+    spec = _spec(
+        RAW | {"resources": {"gpusPerStage": 0}, "telemetry": {"metricsPort": free_port()}}
+    )
+    hash_ = b.spec_hash(spec)
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(b.build_spec_configmap(REF, spec, hash_)["data"]["spec.json"])
+    pool_path = tmp_path / "pool.json"
+    pool_cm = b.build_pool_configmap(REF, [b.PoolEntry(0, hash_, admitting=False)])
+    pool_path.write_text(pool_cm["data"]["pool.json"])
+    sts = b.build_stage_statefulset(REF, spec, hash_, 0)
+    stage_c = _container(sts)
+    admission_c = _container(b.build_admission_deployment(REF, spec, hash_, 0, running=True))
+    gateway_c = _container(b.build_gateway_deployment(REF, spec, hash_))
+    cluster = {
+        "--config": b.SPEC_FILE,
+        "--nats-url": CLUSTER_NATS_URL,
+        "--pool-file": b.POOL_FILE,
+        "--dist-url": f"tcp://{sts['metadata']['name']}-0.{sts['metadata']['name']}:29500",
+        "--health-port": {str(b.HEALTH_PORT), str(b.HTTP_PORT)},
+        "--port": str(b.HTTP_PORT),
+    }
+    procs: list[subprocess.Popen[bytes]] = []
+    with EmbeddedNatsServer(jetstream=True, store_dir=str(tmp_path / "js")) as nats:
+        common = {"--config": str(spec_path), "--nats-url": nats.url, "--pool-file": str(pool_path)}
+        dist_url = f"tcp://127.0.0.1:{free_port()}"
+
+        def start(name: str, container: dict, local: dict[str, str], env: dict) -> Any:
+            args = [_expand(a, env) for a in container["args"]]
+            command = [
+                sys.executable,
+                "-m",
+                "wavepp.cli",
+                *_localize(args, common | local, cluster),
+            ]
+            log = tmp_path / f"{name}.log"
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(
+                    command,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO,
+                    env=os.environ | env | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+                    start_new_session=True,
+                )
+            procs.append(proc)
+            return proc, log
+
+        try:
+            stages = []
+            for rank in range(spec.num_stages):
+                pod = b.stage_pod_name(REF.name, 0, rank)
+                labels = sts["spec"]["template"]["metadata"]["labels"] | {
+                    b.POD_INDEX_LABEL: str(rank)
+                }
+                port = free_port()
+                local = {"--dist-url": dist_url, "--health-port": str(port)}
+                env = _kubelet_env(stage_c, pod, labels)
+                proc, log = start(f"stage-{rank}", stage_c, local, env)
+                stages.append((proc, log, f"http://127.0.0.1:{port}"))
+            adm_env = _kubelet_env(admission_c, "tiny-r0-admission-x", {})
+            start("admission", admission_c, {"--health-port": str(free_port())}, adm_env)
+            gateway_port = free_port()
+            gw_env = _kubelet_env(gateway_c, "tiny-gateway-x", {})
+            gw, gw_log = start("gateway", gateway_c, {"--port": str(gateway_port)}, gw_env)
+            for proc, log, base in stages:
+                _wait_200(f"{base}{_probe_path(stage_c, 'readinessProbe')}", proc, log)
+                # One container process, two stage processes: it and its TP follower.
+                assert len(_followers(proc.pid)) == 1, _followers(proc.pid)
+            gateway = f"http://127.0.0.1:{gateway_port}"
+            _wait_200(f"{gateway}{_probe_path(gateway_c, 'readinessProbe')}", gw, gw_log)
+            tokens = [(7 * i) % 200 + 1 for i in range(3 * spec.cache.block_size + 5)]
+            status, first = _post(
+                f"{gateway}/v1/prefill", {"tenant": "default", "token_ids": tokens}
+            )
+            assert status == 200 and not first["error"], first
+            config = runtime_configs_from_spec(spec, pool=REF.name)[0]
+            assert first["first_token_id"] == _expected_first_token(config, tokens)
+            status, second = _post(
+                f"{gateway}/v1/prefill", {"tenant": "default", "token_ids": tokens}
+            )
+            assert status == 200 and second["num_cached_tokens"] == 3 * spec.cache.block_size
+            assert second["first_token_id"] == first["first_token_id"]
+            # A follower that dies takes its stage down (the pod restarts whole).
+            (follower,) = _followers(stages[1][0].pid)
+            os.kill(follower, 9)
+            assert stages[1][0].wait(30) == 1
+            assert "tensor-parallel follower(s)" in stages[1][1].read_text()
+        finally:
+            for proc in reversed(procs):
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in reversed(procs):
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+        for proc, _, _ in stages:  # the followers left with their leaders
+            assert not _followers(proc.pid)

@@ -1,0 +1,169 @@
+"""Starting a stage's tensor-parallel followers: one process per device inside the stage pod.
+
+``wavepp stage`` with ``RuntimeConfig.tensor_parallel_size`` T > 1 (``--tensor-parallel-size``
+or the spec's ``tensorParallelSize``) is TP rank 0, the leader. It hosts a loopback ``TCPStore``
+on a free port, starts T - 1 followers (``python -m wavepp.runtime.stage.tp_launch``, the
+RuntimeConfig JSON on their stdin), and all T form the stage's TP group over it (gloo on the
+CPU, NCCL on ``cuda:t``, one GPU per process). A follower builds its shard of the stage's engine
+and serves the leader's broadcasts (``engine.tensor_parallel.serve_follower``); it exits when
+the leader does (it watches its parent) or when the group fails. The leader stops the stage
+when a follower exits (``FollowerWatch``), so the pod restarts whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.stage.engine.tensor_parallel import TPGroup, serve_follower, tp_device
+
+__all__ = ["FollowerSet", "form_tp_group", "start_followers"]
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "wavepp/tp/"
+
+
+def _loopback_store(size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The leader's store on 127.0.0.1 and a free port: listening on loopback only (torch's
+    store has no authentication; the followers are in the same pod)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = int(listener.getsockname()[1])
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        size,
+        True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+        use_libuv=False,
+    )
+
+
+def form_tp_group(
+    store: dist.Store, tp_rank: int, size: int, device: str, timeout: datetime.timedelta
+) -> TPGroup:
+    """This process's TPGroup over ``store`` (blocks until all ``size`` ranks joined)."""
+    prefixed = dist.PrefixStore(_PREFIX, store)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+        pg: dist.ProcessGroup = dist.ProcessGroupNCCL(prefixed, tp_rank, size)
+    else:
+        pg = dist.ProcessGroupGloo(prefixed, tp_rank, size, timeout)
+    return TPGroup(rank=tp_rank, size=size, pg=pg, device=device)
+
+
+class FollowerSet:
+    """The leader's followers (processes) and its TPGroup."""
+
+    def __init__(self, tp: TPGroup, procs: list[subprocess.Popen[bytes]], store: dist.Store):
+        self.tp = tp
+        self.procs = procs
+        self._store = store  # NOTE: the followers' group lives on it: keep it for the stage's life
+
+    def exited(self) -> list[tuple[int, int]]:
+        """``(tp_rank, exit code)`` of each follower that has exited."""
+        return [(i + 1, p.returncode) for i, p in enumerate(self.procs) if p.poll() is not None]
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Terminate the followers (then kill those still there after ``timeout_s``)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def start_followers(config: RuntimeConfig, rank: int, timeout_s: float = 120.0) -> FollowerSet:
+    """Start stage ``rank``'s T - 1 followers and form the TP group (the caller is TP rank 0).
+
+    Blocking: call from a thread.
+
+    Raises:
+        RuntimeError: a follower did not join within ``timeout_s`` (or exited).
+    """
+    size = config.tensor_parallel_size
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = _loopback_store(size, timeout)
+    payload = config.model_dump_json().encode()
+    procs = []
+    env = os.environ | {"WAVEPP_TP_PARENT_PID": str(os.getpid())}
+    for tp_rank in range(1, size):
+        command = [sys.executable, "-m", "wavepp.runtime.stage.tp_launch"]
+        command += ["--stage-rank", str(rank), "--tp-rank", str(tp_rank)]
+        command += ["--port", str(store.port)]
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, env=env)
+        assert proc.stdin is not None
+        proc.stdin.write(payload)
+        proc.stdin.close()
+        procs.append(proc)
+    log.info("stage %d: started %d tensor-parallel followers", rank, len(procs))
+    try:
+        tp = form_tp_group(store, 0, size, tp_device(config.device, 0), timeout)
+    except Exception:
+        FollowerSet(TPGroup(), procs, store).stop()
+        raise
+    return FollowerSet(tp, procs, store)
+
+
+def _exit_with_parent(parent: int) -> None:
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-leader", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A follower process: the RuntimeConfig JSON on stdin; serves until the leader stops."""
+    parser = argparse.ArgumentParser(prog="wavepp-tp-follower")
+    parser.add_argument("--stage-rank", type=int, required=True)
+    parser.add_argument("--tp-rank", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--timeout-s", type=float, default=120.0)
+    args = parser.parse_args(argv)
+    parent = os.environ.get("WAVEPP_TP_PARENT_PID", "")
+    if parent.isdigit():
+        _exit_with_parent(int(parent))
+    config = RuntimeConfig.model_validate_json(sys.stdin.buffer.read())
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s stage{args.stage_rank}.tp{args.tp_rank} %(levelname)s: %(message)s",
+    )
+    torch.set_num_threads(config.torch_threads)
+    timeout = datetime.timedelta(seconds=args.timeout_s)
+    size = config.tensor_parallel_size
+    store = dist.TCPStore("127.0.0.1", args.port, size, False, timeout=timeout)
+    device = tp_device(config.device, args.tp_rank)
+    tp = form_tp_group(store, args.tp_rank, size, device, timeout)
+    from wavepp.runtime.stage.build import build_engine
+
+    engine = build_engine(config, args.stage_rank, tp)
+    log.info("follower ready: %s", device)
+    served = serve_follower(engine, tp)
+    log.info("follower leaves after %d micro-batches", served)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
