@@ -172,9 +172,13 @@ def test_admission_drains_within_the_rollout_timeout() -> None:
     dep = b.build_admission_deployment(REF, spec, b.spec_hash(spec), 1, running=False)
     assert dep["spec"]["replicas"] == 0
     assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 43
-    assert dep["spec"]["template"]["spec"]["containers"][0]["args"][-4:] == [
-        "--replica", "1", "--health-port", "8080",
+    # the process drains (serves what its intake holds) 5 s less than its grace period
+    assert dep["spec"]["template"]["spec"]["containers"][0]["args"][-6:] == [
+        "--replica", "1", "--health-port", "8080", "--drain-timeout-s", "37.5",
     ]  # fmt: skip
+    short = _spec(rollout={"drainTimeoutSeconds": 3})
+    args = b.build_admission_deployment(REF, short, b.spec_hash(short), 0, running=True)
+    assert args["spec"]["template"]["spec"]["containers"][0]["args"][-1] == "0"
 
 
 def test_pool_configmap_lists_admitting_replicas() -> None:
