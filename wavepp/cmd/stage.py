@@ -292,12 +292,14 @@ def _runtime_config_from_source(
         raise ArgError(f"--config {exc}") from None
     except (SpecError, ValueError) as exc:
         raise ArgError(f"--config {args.config}: {describe_error(exc)}") from None
-    if not 0 <= args.replica < len(configs):
-        raise ArgError(
-            f"--replica {args.replica}: must be in [0, {len(configs)}) "
-            f"(spec.replicas of --config {args.config})"
-        )
-    config = configs[args.replica]
+    # NOTE: not bounded by spec.replicas: the file is per spec hash, which leaves replicas out,
+    # so a replica added by a scale-up reads the file written before it (replicas were fewer).
+    from wavepp.api.spec import MAX_REPLICAS
+    from wavepp.api.subjects import replica_pipeline_name
+
+    if not 0 <= args.replica < MAX_REPLICAS:
+        raise ArgError(f"--replica {args.replica}: must be in [0, {MAX_REPLICAS})")
+    config = configs[0].model_copy(update={"pipeline": replica_pipeline_name(pool, args.replica)})
     return config.model_copy(update={"telemetry": telemetry_from_spec(spec, env)})
 
 
