@@ -134,7 +134,10 @@ def test_stage_statefulset_contract() -> None:
         "stage", "--config", "/etc/wavepp/spec.json", "--nats-url", "nats://nats.infra:4222",
         "--nats-creds", "/etc/wavepp-nats/creds", "--replica", "2", "--rank", "$(WAVEPP_RANK)",
         "--dist-url", "tcp://big-r2-0.big-r2:29500", "--health-port", "8081",
+        "--metrics-port", "9400",
     ]  # fmt: skip
+    # the stage serves its own /metrics there (wavepp.runtime.stage.metrics)
+    assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in container["ports"]
     rank_env = container["env"][0]
     assert rank_env == {
         "name": "WAVEPP_RANK",
@@ -294,7 +297,7 @@ def test_metrics_port_only_where_a_process_listens() -> None:
         return {p["name"] for p in obj["spec"]["template"]["spec"]["containers"][0]["ports"]}
 
     assert "metrics" in ports(b.build_admission_deployment(REF, FULL, h, 0, running=True))
-    assert "metrics" not in ports(b.build_stage_statefulset(REF, FULL, h, 0))
+    assert "metrics" in ports(b.build_stage_statefulset(REF, FULL, h, 0))  # its own /metrics
     assert "metrics" not in ports(b.build_gateway_deployment(REF, FULL, h))
 
 

@@ -11,6 +11,10 @@ run and 4 wait in its durable intake. Then:
   gateway does not re-route or fail what it sent there (it is the only replica);
 - every request is answered, by it, without an error;
 - the process exits 0, after its last answer.
+
+The stage process (its pod's rendered args, ``--metrics-port`` made local) serves its own
+``/metrics`` (``wavepp.runtime.stage.metrics``): scraped at the end, it counts the micro-batches
+it ran, their execute time, its KV blocks by state and its group.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from test_runtime_contract import REF, REPO, _container, _expand, _kubelet_env, _localize
 
 from wavepp.api.prefill import Heartbeat
@@ -37,6 +42,7 @@ from wavepp.cmd.gateway import gateway_config_from_spec
 from wavepp.gateway.core import Gateway
 from wavepp.gateway.validation import ParsedRequest
 from wavepp.operator import builders as b
+from wavepp.runtime.stage.metrics import STAGE_PROMETHEUS_NAMES
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -106,7 +112,7 @@ async def test_sigterm_drains_the_replica_every_admitted_request_answered(tmp_pa
         try:
             stage_c = _container(sts)
             labels = sts["spec"]["template"]["metadata"]["labels"] | {b.POD_INDEX_LABEL: "0"}
-            stage_port = free_port()
+            stage_port, stage_metrics_port = free_port(), free_port()
             launch(
                 "stage",
                 stage_c,
@@ -116,12 +122,14 @@ async def test_sigterm_drains_the_replica_every_admitted_request_answered(tmp_pa
                     "--nats-url": nats.url,
                     "--dist-url": f"tcp://127.0.0.1:{free_port()}",
                     "--health-port": str(stage_port),
+                    "--metrics-port": str(stage_metrics_port),
                 },
                 {
                     "--config": b.SPEC_FILE,
                     "--nats-url": "nats://n:4222",
                     "--dist-url": "tcp://tiny-r0-0.tiny-r0:29500",
                     "--health-port": str(b.HEALTH_PORT),
+                    "--metrics-port": str(spec.telemetry.metrics_port),
                 },
             )
             admission_port = free_port()
@@ -170,6 +178,10 @@ async def test_sigterm_drains_the_replica_every_admitted_request_answered(tmp_pa
             results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
             exit_code = await asyncio.to_thread(procs["admission"].wait, 30)
             exited = time.monotonic()
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{stage_metrics_port}/metrics", timeout=5
+            ) as response:
+                stage_metrics = response.read().decode()
         finally:
             for proc in procs.values():
                 if proc.poll() is None:
@@ -192,6 +204,24 @@ async def test_sigterm_drains_the_replica_every_admitted_request_answered(tmp_pa
     assert left_pool_s < 1.0
     assert not beats[-1][1].draining and not beats[-1][1].ready  # its last word: gone
     assert "drained in" in logs["admission"].read_text(errors="replace")
+    samples = {
+        (s.name, s.labels.get("state")): s
+        for family in text_string_to_metric_families(stage_metrics)
+        for s in family.samples
+    }
+    assert {name for name, _ in samples} == set(STAGE_PROMETHEUS_NAMES), stage_metrics
+    assert all(
+        s.labels["pipeline"] == replica and s.labels["stage_rank"] == "0" for s in samples.values()
+    )
+    assert samples[("wavepp_stage_microbatches_run_total", None)].value >= 3  # 6 requests, 2 a time
+    assert samples[("wavepp_stage_execute_seconds_total", None)].value > 0.1
+    kv = {
+        state: samples[("wavepp_stage_kv_blocks", state)].value
+        for state in ("used", "cached", "free")
+    }
+    assert sum(kv.values()) == 256 and kv["used"] == 0 and kv["cached"] >= NUM_REQUESTS * 5, kv
+    assert samples[("wavepp_stage_group_formed", None)].value == 1
+    assert samples[("wavepp_stage_group_epoch", None)].value == 1
     print(
         f"drain: {NUM_REQUESTS} requests, {num_open} unanswered at SIGTERM (2 running, the others"
         f" in the intake), all answered by {replica}; left the pool {left_pool_s:.2f} s after SIGTERM; last "

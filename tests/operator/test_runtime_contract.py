@@ -311,6 +311,7 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
         # the stage's health port, the admission's (its probes' port)
         "--health-port": {str(b.HEALTH_PORT), str(b.HTTP_PORT)},
         "--port": str(b.HTTP_PORT),
+        "--metrics-port": str(spec.telemetry.metrics_port),  # each stage's own /metrics
     }
     server_tls = None
     local_tls: dict[str, str] = {}
@@ -415,7 +416,11 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
                     b.POD_INDEX_LABEL: str(rank)
                 }
                 port = free_port()
-                local = {"--dist-url": dist_url, "--health-port": str(port)}
+                local = {
+                    "--dist-url": dist_url,
+                    "--health-port": str(port),
+                    "--metrics-port": str(free_port()),
+                }
                 proc, log = start(
                     f"stage-{rank}", stage_c, local, _kubelet_env(stage_c, pod, labels)
                 )

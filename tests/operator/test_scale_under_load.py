@@ -136,7 +136,12 @@ class Kubelet:
         assert "--nats-creds" not in args, args
         port = free_port()
         self.ports[name] = port
-        local = {"--nats-url": self.nats_url, "--health-port": str(port), "--port": str(port)}
+        local = {
+            "--nats-url": self.nats_url,
+            "--health-port": str(port),
+            "--port": str(port),
+            "--metrics-port": str(free_port()),
+        }
         sts = pod["metadata"]["labels"].get(b.LABEL_REPLICA)
         if "--dist-url" in args:
             local["--dist-url"] = self.dist_urls.setdefault(

@@ -92,3 +92,13 @@ def test_the_pod_monitor_scrapes_the_gateway_port_that_serves_the_series() -> No
     wanted = {e["key"]: e["values"] for e in monitor["spec"]["selector"]["matchExpressions"]}
     assert labels["app.kubernetes.io/name"] in wanted["app.kubernetes.io/name"]
     assert labels["app.kubernetes.io/component"] in wanted["app.kubernetes.io/component"]
+    # stage pods serve their own /metrics on their `metrics` port (wavepp.runtime.stage.metrics;
+    # a real stage process is scraped in tests/operator/test_replica_drain.py)
+    sts = builders.build_stage_statefulset(ref, spec, builders.spec_hash(spec), 0)
+    stage = sts["spec"]["template"]["spec"]["containers"][0]
+    assert {p["name"] for p in stage["ports"]} & ports == {"metrics"}
+    metrics_port = next(p for p in stage["ports"] if p["name"] == "metrics")["containerPort"]
+    assert stage["args"][stage["args"].index("--metrics-port") + 1] == str(metrics_port)
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert labels["app.kubernetes.io/name"] in wanted["app.kubernetes.io/name"]
+    assert labels["app.kubernetes.io/component"] in wanted["app.kubernetes.io/component"]

@@ -92,6 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve /healthz, /startupz, /readyz on this port (none: no health server)",
     )
     parser.add_argument("--health-host", default="0.0.0.0", help="bind address of --health-port")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the stage's Prometheus /metrics on this port (none: no metrics; "
+        "wavepp.runtime.stage.metrics)",
+    )
 
 
 # ---- helpers shared with `wavepp admission` -------------------------------------------------
@@ -365,6 +372,14 @@ def run(args: argparse.Namespace) -> int:
         check_creds(args.nats_creds)
         apply_nats_tls(args)
         check_port("--health-port", args.health_port)
+        check_port("--metrics-port", args.metrics_port)
+        # The stage's metrics port is its flag only (the config's is the admission's: under
+        # wavepp up both read one file on one host).
+        config = config.model_copy(
+            update={
+                "telemetry": config.telemetry.model_copy(update={"metrics_port": args.metrics_port})
+            }
+        )
         check_environment(config)
         load_bus_key()  # a bad WAVEPP_BUS_KEY is a one-line error here, not a traceback later
     except (ArgError, ValueError, BusKeyError) as exc:
@@ -377,6 +392,9 @@ def run(args: argparse.Namespace) -> int:
     if args.health_port is not None:
         busy = check_port_free(args.health_host, args.health_port)
         failure = f"--health-port: {busy}" if busy else None
+    if failure is None and args.metrics_port:
+        busy = check_port_free("0.0.0.0", args.metrics_port)
+        failure = f"--metrics-port: {busy}" if busy else None
     if failure is None:
         unreachable = check_nats_reachable(args.nats_url, args.nats_connect_timeout_s)
         failure = f"--nats-url {unreachable}" if unreachable else None

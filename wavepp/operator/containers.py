@@ -90,6 +90,8 @@ def container_args(
             f"tcp://{sts}-0.{sts}:{RENDEZVOUS_PORT}",
             "--health-port",
             str(HEALTH_PORT),
+            "--metrics-port",
+            str(spec.telemetry.metrics_port),
         ]
     elif component == "admission":
         drain_s = max(0.0, spec.rollout.drain_timeout_s - DRAIN_EXIT_MARGIN_S)
@@ -199,9 +201,10 @@ def pod_container(
 
 def metrics_ports(component: Component, spec: WavePipelineSpec) -> list[dict[str, Any]]:
     """The ``metrics`` port, declared only where a process listens on it: the admission
-    controller serves Prometheus on ``telemetry.metricsPort``; the gateway serves its metrics on
-    its HTTP port (``GET /metrics``); a stage serves none."""
-    if component != "admission":
+    controller and each stage (``--metrics-port``, ``wavepp.runtime.stage.metrics``) serve
+    Prometheus on ``telemetry.metricsPort``; the gateway serves its metrics on its HTTP port
+    (``GET /metrics``)."""
+    if component == "gateway":
         return []
     return [{"name": "metrics", "containerPort": spec.telemetry.metrics_port, "protocol": "TCP"}]
 

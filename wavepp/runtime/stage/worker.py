@@ -70,6 +70,7 @@ from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.stage.core import StageCore, StageWork
 from wavepp.runtime.stage.engine import PreparedBatch, StageEngine, make_engine
+from wavepp.runtime.stage.metrics import serve_stage_metrics
 from wavepp.runtime.stage.rendezvous import EpochRendezvous, StageGroupFactory, open_rendezvous
 from wavepp.runtime.transport.buskey import load_bus_key
 from wavepp.runtime.transport.natsio import connect, on_reconnect
@@ -661,6 +662,7 @@ async def run_stage(
         loop.add_signal_handler(sig, stop.set)
     bus_key = load_bus_key()
     nc = await connect(nats_url, name=f"{config.pipeline}-stage-{rank}", creds=nats_creds)
+    metrics = None
     try:
         backend = "nccl" if config.device.startswith("cuda") else "gloo"
         factory = StageGroupFactory(dist_url, rank, config.num_stages, backend)
@@ -692,7 +694,10 @@ async def run_stage(
         )
         if readiness is not None:
             readiness.worker = worker
+        metrics = serve_stage_metrics(worker, config.telemetry.metrics_port)
         await worker.serve(stop)
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         await nc.drain()
         tracing.shutdown()
