@@ -307,11 +307,14 @@ async def test_scale_1_3_1_under_load_the_pool_follows_and_nothing_is_lost(
             (name,) = [n for n in kubelet.procs if "gateway" in n]
             return f"http://127.0.0.1:{kubelet.ports[name]}"
 
+        seen_draining: set[str] = set()  # replicas the gateway saw draining (waited for them)
+
         async def pool() -> dict[str, bool]:
             if not any("gateway" in n for n in kubelet.procs):
                 return {}
             _, body = await asyncio.to_thread(_http, f"{gateway_url()}/readyz")
             members = (body or {}).get("replicas", {})
+            seen_draining.update(r for r, m in members.items() if m.get("draining"))
             return {r: bool(members.get(r, {}).get("in_pool")) for r in replicas}
 
         changes: list[tuple[float, dict[str, bool]]] = []  # the gateway's pool as it changed
@@ -361,9 +364,12 @@ async def test_scale_1_3_1_under_load_the_pool_follows_and_nothing_is_lost(
             await cluster.edit_spec(PIPELINE, {"replicas": 1})
             await wait_for(lambda: pool_is(one), timeout_s=30, what="replicas 1, 2 out of the pool")
             left_s = {r: left_at(r, scaled_down) - scaled_down for r in replicas[1:]}
-            await wait_for(
-                lambda: _all_gone(cluster, replicas[1:]), timeout_s=60, what="replicas 1, 2 deleted"
-            )
+
+            async def deleted() -> bool:
+                await pool_is(one)  # and keep watching the gateway's pool meanwhile
+                return await _all_gone(cluster, replicas[1:])
+
+            await wait_for(deleted, timeout_s=60, what="replicas 1, 2 deleted")
             deleted_s = time.monotonic() - scaled_down
             await wait_for(lambda: ready_replicas(1), timeout_s=30, what="1 ready replica")
             await asyncio.sleep(1.0)
@@ -394,6 +400,7 @@ async def test_scale_1_3_1_under_load_the_pool_follows_and_nothing_is_lost(
         log = kubelet.log_tail(name)
         assert "drained in" in log and kubelet.procs[name].returncode == 0, log
     assert len(drained) == 2, drained
+    assert seen_draining == set(replicas[1:]), seen_draining  # left the pool as draining
     by_replica = {r: sum(1 for rec in records if rec[3].get("replica") == r) for r in replicas}
     during_down = [r for r in records if scaled_down <= r[0] + r[1] <= scaled_down + deleted_s]
     print(
