@@ -8,12 +8,13 @@ the NATS URL, the rendezvous address and the ports are made local), reports it R
 ``/readyz`` answers 200, SIGTERMs it when the operator scales its Deployment to 0 or deletes its
 StatefulSet, and deletes the pod object once the process exited (no garbage collection either).
 
-Under a steady closed loop of requests through the gateway process:
+Under a steady closed loop of requests through the gateway Deployment's 2 pods (in turn):
 
-- 1 -> 3: the new replicas join the gateway's pool without a gateway restart (it read
+- 1 -> 3: the new replicas join both gateways' pools without a gateway restart (each read
   ``pool.json`` with one replica at start) and answer requests;
 - 3 -> 1: the operator drains replicas 1 and 2 (admission scaled to 0: SIGTERM), they leave
-  the pool at once, answer what they were sent and exit; the operator then deletes them;
+  the pools at once (seen as draining: the gateways wait for their answers), answer what they
+  were sent and exit 0; the operator then deletes them;
 - every request sent is answered 200: none lost on the way down (or up).
 
 The times for the pool to follow each step are printed.
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_support import NAMESPACE, Cluster, wait_for
+from operator_support import NAMESPACE, Cluster, pod_status, wait_for
 
 from wavepp.operator import builders as b
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
@@ -192,17 +193,23 @@ class Kubelet:
                 and p["metadata"]["labels"].get(b.LABEL_REPLICA)
                 == dep["metadata"]["labels"].get(b.LABEL_REPLICA)
             ]
+            if component == "gateway":  # its replicas (2): one pod and process each
+                want.update(mine)
+                for index in range(dep["spec"]["replicas"]):
+                    name = f"{dep['metadata']['name']}-{index}"
+                    if name not in pods:
+                        await self.cluster.client.create(_pod(dep, name))
+                        pod = await self.cluster.get("Pod", name)
+                        assert pod is not None
+                        await self.start(pod)
+                        want.add(name)
+                continue
             if dep["spec"]["replicas"] >= 1:
                 want.update(mine)
                 if not mine:
+                    replica = int(dep["metadata"]["labels"][b.LABEL_REPLICA])
                     try:
-                        if component == "gateway":
-                            created = await self.cluster.run_gateway(PIPELINE, ready=False)
-                        else:
-                            replica = int(dep["metadata"]["labels"][b.LABEL_REPLICA])
-                            created = await self.cluster.run_admission(
-                                PIPELINE, replica, ready=False
-                            )
+                        created = await self.cluster.run_admission(PIPELINE, replica, ready=False)
                     except AssertionError:  # scaled to 0 or deleted since the list
                         continue
                     pod = await self.cluster.get("Pod", created)
@@ -255,11 +262,27 @@ class Kubelet:
                 proc.wait(10)
 
 
+def _pod(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+    """A pod of ``deployment`` as its ReplicaSet would make it (not ready yet)."""
+    template = deployment["spec"]["template"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "labels": dict(template["metadata"]["labels"]),
+        },
+        "spec": template["spec"],
+        "status": pod_status("formed"),
+    }
+
+
 class Load:
     """A closed loop of prefill requests (fresh prompts) from ``num_clients`` threads."""
 
-    def __init__(self, url: str, num_clients: int = 3) -> None:
-        self.url = url
+    def __init__(self, urls: list[str], num_clients: int = 4) -> None:
+        self.urls = urls
         self.records: list[tuple[float, float, int, dict[str, Any]]] = []  # sent, took, status
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -275,7 +298,8 @@ class Load:
                 self._next += 1
             tokens = [(seed * 131 + 7 * i) % 997 + 1 for i in range(40)]
             sent = time.monotonic()
-            status, body = _http(self.url, {"tenant": "default", "token_ids": tokens}, 60.0)
+            url = self.urls[seed % len(self.urls)]  # every gateway pod in turn
+            status, body = _http(url, {"tenant": "default", "token_ids": tokens}, 60.0)
             with self._lock:
                 self.records.append((sent, time.monotonic() - sent, status, body))
 
@@ -303,31 +327,39 @@ async def test_scale_1_3_1_under_load_the_pool_follows_and_nothing_is_lost(
         controllers = asyncio.create_task(kubelet.run(stop))
         load: Load | None = None
 
-        def gateway_url() -> str:
-            (name,) = [n for n in kubelet.procs if "gateway" in n]
-            return f"http://127.0.0.1:{kubelet.ports[name]}"
+        def gateway_urls() -> list[str]:
+            names = sorted(n for n in kubelet.procs if "gateway" in n)
+            return [f"http://127.0.0.1:{kubelet.ports[n]}" for n in names]
 
-        seen_draining: set[str] = set()  # replicas the gateway saw draining (waited for them)
+        seen_draining: set[str] = set()  # replicas a gateway saw draining (waited for them)
 
-        async def pool() -> dict[str, bool]:
-            if not any("gateway" in n for n in kubelet.procs):
-                return {}
-            _, body = await asyncio.to_thread(_http, f"{gateway_url()}/readyz")
-            members = (body or {}).get("replicas", {})
-            seen_draining.update(r for r, m in members.items() if m.get("draining"))
-            return {r: bool(members.get(r, {}).get("in_pool")) for r in replicas}
+        async def pools() -> dict[str, dict[str, bool]]:
+            """Each gateway pod's pool: replica -> in it."""
+            out = {}
+            for url in gateway_urls():
+                _, body = await asyncio.to_thread(_http, f"{url}/readyz")
+                members = (body or {}).get("replicas", {})
+                seen_draining.update(r for r, m in members.items() if m.get("draining"))
+                out[url] = {r: bool(members.get(r, {}).get("in_pool")) for r in replicas}
+            return out
 
-        changes: list[tuple[float, dict[str, bool]]] = []  # the gateway's pool as it changed
+        changes: list[tuple[float, dict[str, dict[str, bool]]]] = []  # the pools as they changed
 
         async def pool_is(expected: dict[str, bool]) -> bool:
+            """Every gateway pod (GATEWAY_REPLICAS of them) has ``expected`` as its pool."""
             assert not controllers.done(), controllers
-            now = await pool()
+            now = await pools()
             if not changes or changes[-1][1] != now:
                 changes.append((time.monotonic(), now))
-            return now == expected
+            return len(now) == b.GATEWAY_REPLICAS and all(p == expected for p in now.values())
 
         def left_at(replica: str, after: float) -> float:
-            return min(t for t, members in changes if t > after and not members.get(replica))
+            """When the replica was out of every gateway's pool."""
+            return min(
+                t
+                for t, by_gateway in changes
+                if t > after and not any(m.get(replica) for m in by_gateway.values())
+            )
 
         async def ready_replicas(n: int) -> bool:
             assert not controllers.done(), controllers
@@ -342,13 +374,13 @@ async def test_scale_1_3_1_under_load_the_pool_follows_and_nothing_is_lost(
             one = {replicas[0]: True, replicas[1]: False, replicas[2]: False}
             await wait_for(lambda: pool_is(one), timeout_s=120, what="replica 0 in the pool")
             await wait_for(lambda: ready_replicas(1), timeout_s=30, what="1 ready replica")
-            load = Load(f"{gateway_url()}/v1/prefill").start()
+            load = Load([f"{url}/v1/prefill" for url in gateway_urls()]).start()
             await asyncio.sleep(1.0)
 
             scaled_up = time.monotonic()
             await cluster.edit_spec(PIPELINE, {"replicas": 3})
             three = dict.fromkeys(replicas, True)
-            await wait_for(lambda: pool_is(three), timeout_s=120, what="3 replicas in the pool")
+            await wait_for(lambda: pool_is(three), timeout_s=120, what="3 replicas in both pools")
             joined_s = time.monotonic() - scaled_up
             for name in replicas[1:]:
                 await wait_for(
@@ -405,7 +437,8 @@ async def test_scale_1_3_1_under_load_the_pool_follows_and_nothing_is_lost(
     during_down = [r for r in records if scaled_down <= r[0] + r[1] <= scaled_down + deleted_s]
     print(
         f"scale 1->3->1 under load: {len(records)} requests sent, {len(records)} answered 200 "
-        f"(by replica: {by_replica}); up: 2 replicas in the gateway's pool {joined_s:.1f} s after "
+        f"(by replica: {by_replica}) through 2 gateway pods; up: 2 replicas in both gateways' "
+        f"pools {joined_s:.1f} s after "
         f"the spec edit (pods started from scratch), both answering {answered_s:.1f} s after; "
         f"down: the operator deleted both {deleted_s:.1f} s after the spec edit ({steps}); "
         f"{len(during_down)} answered during the scale-down, 0 lost"
