@@ -83,6 +83,15 @@ def test_the_pod_monitor_scrapes_the_gateway_port_that_serves_the_series() -> No
     objects = _chart("monitoring.podMonitor.enabled=true")
     (monitor,) = [o for o in objects if o["kind"] == "PodMonitor"]
     ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    # the http endpoint keeps only gateway pods (an admission pod's http port has no /metrics)
+    (http,) = [e for e in monitor["spec"]["podMetricsEndpoints"] if e["port"] == "http"]
+    assert http["relabelings"] == [
+        {
+            "sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
+            "regex": "gateway",
+            "action": "keep",
+        }
+    ]
     spec = WavePipelineSpec.model_validate({"model": {"name": "tiny-llama"}, "stages": 2})
     ref = PipelineRef("p", "team-a", "uid-1")
     gateway = builders.build_gateway_deployment(ref, spec, builders.spec_hash(spec))
