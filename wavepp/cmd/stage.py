@@ -306,7 +306,12 @@ def _runtime_config_from_source(
 
     if not 0 <= args.replica < MAX_REPLICAS:
         raise ArgError(f"--replica {args.replica}: must be in [0, {MAX_REPLICAS})")
-    config = configs[0].model_copy(update={"pipeline": replica_pipeline_name(pool, args.replica)})
+    try:  # validated: a long pool name plus "-r{i}" may pass the pipeline name's limit
+        config = type(configs[0]).model_validate(
+            configs[0].model_dump() | {"pipeline": replica_pipeline_name(pool, args.replica)}
+        )
+    except ValueError as exc:
+        raise ArgError(f"--replica {args.replica}: {describe_error(exc)}") from None
     return config.model_copy(update={"telemetry": telemetry_from_spec(spec, env)})
 
 
