@@ -95,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--health-host", default="0.0.0.0", help="bind address of --health-port")
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the stage's Prometheus /metrics on this port (none: no metrics; "
+        "wavepp.runtime.stage.metrics)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=None,
@@ -320,12 +327,19 @@ def _runtime_config_from_source(
         raise ArgError(f"--config {exc}") from None
     except (SpecError, ValueError) as exc:
         raise ArgError(f"--config {args.config}: {describe_error(exc)}") from None
-    if not 0 <= args.replica < len(configs):
-        raise ArgError(
-            f"--replica {args.replica}: must be in [0, {len(configs)}) "
-            f"(spec.replicas of --config {args.config})"
+    # NOTE: not bounded by spec.replicas: the file is per spec hash, which leaves replicas out,
+    # so a replica added by a scale-up reads the file written before it (replicas were fewer).
+    from wavepp.api.spec import MAX_REPLICAS
+    from wavepp.api.subjects import replica_pipeline_name
+
+    if not 0 <= args.replica < MAX_REPLICAS:
+        raise ArgError(f"--replica {args.replica}: must be in [0, {MAX_REPLICAS})")
+    try:  # validated: a long pool name plus "-r{i}" may pass the pipeline name's limit
+        config = type(configs[0]).model_validate(
+            configs[0].model_dump() | {"pipeline": replica_pipeline_name(pool, args.replica)}
         )
-    config = configs[args.replica]
+    except ValueError as exc:
+        raise ArgError(f"--replica {args.replica}: {describe_error(exc)}") from None
     return config.model_copy(update={"telemetry": telemetry_from_spec(spec, env)})
 
 
@@ -397,6 +411,14 @@ def run(args: argparse.Namespace) -> int:
         check_creds(args.nats_creds)
         apply_nats_tls(args)
         check_port("--health-port", args.health_port)
+        check_port("--metrics-port", args.metrics_port)
+        # The stage's metrics port is its flag only (the config's is the admission's: under
+        # wavepp up both read one file on one host).
+        config = config.model_copy(
+            update={
+                "telemetry": config.telemetry.model_copy(update={"metrics_port": args.metrics_port})
+            }
+        )
         check_environment(config)
         load_bus_key()  # a bad WAVEPP_BUS_KEY is a one-line error here, not a traceback later
     except (ArgError, ValueError, BusKeyError) as exc:
@@ -409,6 +431,9 @@ def run(args: argparse.Namespace) -> int:
     if args.health_port is not None:
         busy = check_port_free(args.health_host, args.health_port)
         failure = f"--health-port: {busy}" if busy else None
+    if failure is None and args.metrics_port:
+        busy = check_port_free("0.0.0.0", args.metrics_port)
+        failure = f"--metrics-port: {busy}" if busy else None
     if failure is None:
         unreachable = check_nats_reachable(args.nats_url, args.nats_connect_timeout_s)
         failure = f"--nats-url {unreachable}" if unreachable else None

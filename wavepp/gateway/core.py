@@ -11,7 +11,9 @@ request after validation::
     -> JetStream publish {p}.intake, Nats-Msg-Id = key -> wait for wavepp.{ns}.{pool}.result.{key}
        (the replica leaves the pool meanwhile: publish to another replica; an error answer
        from a replica it left is not the answer, the other replica's is; with no other
-       replica in the pool, fail after ``replica_unready_fail_s`` with ReplicaUnavailable)
+       replica in the pool, fail after ``replica_unready_fail_s`` with ReplicaUnavailable;
+       a replica that leaves because it drains (scale-down: heartbeat ``draining``) is
+       waited for, not re-routed from, while it beats)
 
 The pool follows the heartbeats (``heartbeat_wildcard``: the heartbeats of its namespace): a replica of this pool that was not
 configured is added when it beats (a scale-up), one silent for ``replica_forget_s`` is dropped
@@ -246,7 +248,9 @@ class Gateway:
         except ValueError:
             return
         if self.guard.heartbeat(replica, beat, self.clock(), time.time()):
-            self.router.on_heartbeat(replica, self.clock(), is_ready=beat.ready)
+            self.router.on_heartbeat(
+                replica, self.clock(), is_ready=beat.ready, is_draining=beat.draining
+            )
             self._dispatch()
 
     async def _on_pool_heartbeat(self, msg: Msg) -> None:
@@ -280,7 +284,9 @@ class Gateway:
             if beat.pipeline not in self._watched:
                 await self._watch_kv_events(beat.pipeline)
             log.info("replica %s joined the pool", beat.pipeline)
-        self.router.on_heartbeat(beat.pipeline, self.clock(), is_ready=beat.ready)
+        self.router.on_heartbeat(
+            beat.pipeline, self.clock(), is_ready=beat.ready, is_draining=beat.draining
+        )
         self._dispatch()
 
     async def _on_kv_events(self, replica: str, msg: Msg) -> None:
@@ -528,7 +534,11 @@ class Gateway:
                                 f"no answer for {intake.key} in {self.config.request_timeout_s}s"
                             )
                         others = [r for r in self.router.pool(now) if r.name != replica.name]
-                        if self.router.in_pool(replica.name, now):
+                        if self.router.in_pool(replica.name, now) or self.router.is_finishing(
+                            replica.name, now
+                        ):
+                            # In the pool, or draining (a scale-down): it answers what it
+                            # was sent; re-routed only if it falls silent.
                             unready_since = None
                         elif others:
                             log.warning(

@@ -71,6 +71,7 @@ from wavepp.runtime.stage.build import build_engine, check_environment
 from wavepp.runtime.stage.core import StageCore, StageWork
 from wavepp.runtime.stage.engine import PreparedBatch, StageEngine
 from wavepp.runtime.stage.engine.tensor_parallel import TensorParallelEngine
+from wavepp.runtime.stage.metrics import serve_stage_metrics
 from wavepp.runtime.stage.rendezvous import EpochRendezvous, StageGroupFactory, open_rendezvous
 from wavepp.runtime.transport.buskey import load_bus_key
 from wavepp.runtime.transport.natsio import connect, on_reconnect
@@ -623,6 +624,7 @@ async def run_stage(
     nc = await connect(nats_url, name=f"{config.pipeline}-stage-{rank}", creds=nats_creds)
     followers = None
     watch: asyncio.Task[str] | None = None
+    metrics = None
     try:
         if config.tensor_parallel_size > 1:
             from wavepp.runtime.stage.tp_launch import start_followers
@@ -663,10 +665,13 @@ async def run_stage(
         )
         if readiness is not None:
             readiness.worker = worker
+        metrics = serve_stage_metrics(worker, config.telemetry.metrics_port)
         await worker.serve(stop)
         if watch is not None and watch.done() and watch.result():
             raise TensorParallelLost(watch.result())  # `wavepp stage` exits 1: restart it
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         if watch is not None:
             watch.cancel()
         if followers is not None:
