@@ -56,6 +56,7 @@ from wavepp.gateway.trust import BusGuard
 from wavepp.gateway.validation import ParsedRequest, PromptLimits
 from wavepp.runtime.kv import hash_prompt_blocks
 from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
+from wavepp.runtime.transport.natsio import resend_after_reconnect
 
 log = logging.getLogger(__name__)
 
@@ -368,7 +369,9 @@ class Gateway:
     async def stored_result(self, key: str) -> PrefillResult | None:
         assert self._kv is not None, "gateway not started"
         try:
-            entry = await self._kv.get(key)
+            entry = await resend_after_reconnect(
+                self.nc, functools.partial(self._kv.get, key), what=f"results lookup of {key}"
+            )
         except KeyNotFoundError:
             return None
         try:
@@ -491,12 +494,17 @@ class Gateway:
                     try:
                         # Wait for the store as long as the request may (a paused server is
                         # not a lost request); a refusal (store full, JetStream off) is at once.
-                        ack = await self.js.publish(
-                            intake_subject(replica.name, namespace=self.config.namespace),
-                            data,
-                            stream=intake_stream(replica.name, namespace=self.config.namespace),
-                            headers={"Nats-Msg-Id": intake.key},
-                            timeout=max(deadline - self.clock(), 0.001),
+                        # Sent again if the server died with it (deduplicated by the id).
+                        ack = await resend_after_reconnect(
+                            self.nc,
+                            lambda replica=replica: self.js.publish(
+                                intake_subject(replica.name, namespace=self.config.namespace),
+                                data,
+                                stream=intake_stream(replica.name, namespace=self.config.namespace),
+                                headers={"Nats-Msg-Id": intake.key},
+                                timeout=max(deadline - self.clock(), 0.001),
+                            ),
+                            what=f"intake publish of {intake.key}",
                         )
                     except (APIError, NoRespondersError) as exc:
                         raise IntakeUnavailable(
