@@ -318,6 +318,32 @@ def on_reconnect(nc: object, listener: Callable[[], Awaitable[None]]) -> None:
         _reconnect_listeners.setdefault(nc, []).append(listener)
 
 
+class ReconnectedError(Exception):
+    """The connection reconnected while a request waited for its reply: the request may have
+    been lost with the server (see :func:`resend_after_reconnect`)."""
+
+
+async def _unless_reconnected(nc: object, call: Callable[[], Awaitable[_T]]) -> tuple[bool, _T]:
+    """``(True, await call())``, or ``(False, None)`` once ``nc`` reconnected first (the call
+    is then cancelled). Only connections made by :func:`connect` report reconnects."""
+    if not isinstance(nc, NATS):
+        return True, await call()
+    reconnected = _next_reconnect.setdefault(nc, asyncio.Event())
+    attempt = asyncio.ensure_future(call())
+    watch = asyncio.ensure_future(reconnected.wait())
+    try:
+        await asyncio.wait({attempt, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not attempt.done():
+            attempt.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await attempt
+    if attempt.cancelled():
+        return False, None  # type: ignore[return-value]
+    return True, attempt.result()
+
+
 async def resend_after_reconnect(nc: object, call: Callable[[], Awaitable[_T]], *, what: str) -> _T:
     """``await call()``; when ``nc`` reconnects while it waits, abandon it and call again.
 
@@ -331,7 +357,7 @@ async def resend_after_reconnect(nc: object, call: Callable[[], Awaitable[_T]], 
 
     Only for idempotent calls: one that reached the server before the reconnect may run
     twice (a KV get; a KV put of the same value; a JetStream publish deduplicated by its
-    ``Nats-Msg-Id``).
+    ``Nats-Msg-Id``). For the others, :func:`fail_on_reconnect`.
 
     Args:
         nc: the connection ``call`` speaks over.
@@ -339,22 +365,22 @@ async def resend_after_reconnect(nc: object, call: Callable[[], Awaitable[_T]], 
         what: names the call in the log line of a resend.
     """
     while True:
-        if not isinstance(nc, NATS):
-            return await call()
-        reconnected = _next_reconnect.setdefault(nc, asyncio.Event())
-        attempt = asyncio.ensure_future(call())
-        watch = asyncio.ensure_future(reconnected.wait())
-        try:
-            await asyncio.wait({attempt, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not attempt.done():
-                attempt.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await attempt
-        if not attempt.cancelled():
-            return attempt.result()
+        answered, result = await _unless_reconnected(nc, call)
+        if answered:
+            return result
         log.info("%s: sent again after a reconnect (the first may be lost)", what)
+
+
+async def fail_on_reconnect(nc: object, call: Callable[[], Awaitable[_T]]) -> _T:
+    """``await call()``, or raise :class:`ReconnectedError` as soon as ``nc`` reconnects while
+    it waits: for a request that must not simply be sent twice (a stage's KV op carries an op
+    number a stage accepts once), whose caller retries a lost reply its own way; it learns of
+    the loss at the reconnect instead of after its timeout (the admission's stage requests:
+    10 s, and a lost agreement round held every later round that long)."""
+    answered, result = await _unless_reconnected(nc, call)
+    if not answered:
+        raise ReconnectedError("the connection reconnected while the request waited")
+    return result
 
 
 async def wait_until(predicate, *, timeout_s: float, interval_s: float = 0.05) -> None:  # noqa: ANN001
