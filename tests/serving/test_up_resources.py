@@ -6,7 +6,10 @@
   the intake itself while the admission process is stopped): new requests get 503 with
   ``Retry-After`` at once; every accepted request is answered once the admission runs again;
   new requests are served again as soon as space returns;
-* nats-server killed: ``wavepp up`` restarts it and serving resumes.
+  (requests waiting for their answers across the pause too: a silent bus is not a replica
+  leaving the pool);
+* nats-server killed with a request in flight: ``wavepp up`` restarts it and serving resumes
+  within seconds (the request, lost with the server, is sent again after the reconnect).
 
 ``WAVEPP_TEST_NATS_PAUSE_S`` sets the pause (default 6 s: past the 5 s default; the closing note
 of issue 13 ran 10 s).
