@@ -106,7 +106,7 @@ def test_dashboards_fill_under_wavepp_up(up: tuple[UpService, int]) -> None:
         answers: list[int] = []
         threads = [
             threading.Thread(
-                target=lambda s=seed: answers.append(
+                target=lambda s=seed, out=answers: out.append(
                     _post(url, {"tenant": "default", "token_ids": _tokens(s, 50)})[0]
                 )
             )

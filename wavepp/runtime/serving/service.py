@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -76,6 +77,7 @@ from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.serving.reform import ReformTracker
 from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
+from wavepp.runtime.transport.natsio import resend_after_reconnect
 
 log = logging.getLogger(__name__)
 
@@ -469,7 +471,9 @@ class AdmissionService:
         again against a full store (which held accepted requests until the gateway's 504)."""
         assert self._kv is not None, "results bucket opened before serving"
         try:
-            await self._kv.put(key, data)
+            await resend_after_reconnect(
+                self.nc, functools.partial(self._kv.put, key, data), what=f"result of {key}"
+            )
         except Exception as exc:  # noqa: BLE001 - APIError, NoResponders, timeout: same answer
             self.num_unstored += 1
             log.warning("result of %s not stored (%r); answered without the record", key, exc)
@@ -477,7 +481,9 @@ class AdmissionService:
     async def _stored(self, key: str) -> bytes | None:
         assert self._kv is not None, "results bucket opened before serving"
         try:
-            entry = await self._kv.get(key)
+            entry = await resend_after_reconnect(
+                self.nc, functools.partial(self._kv.get, key), what=f"results lookup of {key}"
+            )
         except KeyNotFoundError:
             return None
         if entry.value is None or not stored_result_is_authentic(self.bus_key, key, entry.value):
