@@ -151,6 +151,7 @@ class SchedulerCore(DoneAccounting):
         driver ``activate``s it."""
         request = record.request
         record.ticket = ticket
+        record.work_s = self.planner.request_work_s(ticket.num_cached_tokens, request.num_tokens)
         record.status = RequestStatus.ADMITTED
         record.num_inflight_microbatches = 0
         record.outcome = RequestOutcome(
@@ -283,7 +284,7 @@ class SchedulerCore(DoneAccounting):
         if not self.config.resolved_closed_loop_fill:
             return None
         works = [
-            self.planner.request_work_s(record.ticket.num_cached_tokens, record.request.num_tokens)
+            record.work_s
             for record in self.live.values()
             if record.ticket is not None and not record.status.is_finished
         ]
