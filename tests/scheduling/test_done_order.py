@@ -22,6 +22,7 @@ from wavepp.api.messages import (
     MicroBatchPlan,
     RequestResult,
 )
+from wavepp.api.signing import BusKey
 from wavepp.bench.grid import GridSpec, Setting, runtime_config
 from wavepp.runtime.agreement import AdmissionController, LocalStageClient
 from wavepp.runtime.kv import BlockPool, StageKVManager
@@ -46,8 +47,11 @@ class MiddleStageLate:
         *,
         lose_middle: bool = False,
         replay_middle: bool = False,
+        bus_key: BusKey | None = None,
     ) -> None:
         self.managers = managers
+        self.bus_key = bus_key  # signs the done messages (the scheduler checks them)
+        self.wire: dict[int, bytes | None] = {}  # the JSON each plan was published as
         self.lose_middle = lose_middle
         self.replay_middle = replay_middle  # the lost done is in the stage's replay log
         self.plans: dict[int, MicroBatchPlan] = {}
@@ -67,7 +71,7 @@ class MiddleStageLate:
 
     def _done(self, plan: MicroBatchPlan, rank: int) -> MicroBatchDone:
         last = rank == NUM_STAGES - 1
-        return MicroBatchDone(
+        done = MicroBatchDone(
             rank=rank,
             microbatch_id=plan.microbatch_id,
             num_tokens=sum(len(c.token_ids) for c in plan.chunks),
@@ -83,9 +87,13 @@ class MiddleStageLate:
             ],
             epoch=plan.epoch,
         )
+        return done if self.bus_key is None else self.bus_key.sign(done)
 
-    async def publish_plan(self, plan: MicroBatchPlan, headers: dict[str, str] | None) -> None:
+    async def publish_plan(
+        self, plan: MicroBatchPlan, headers: dict[str, str] | None, data: bytes | None = None
+    ) -> None:
         self.plans[plan.microbatch_id] = plan
+        self.wire[plan.microbatch_id] = data
         for manager in self.managers:
             manager.take_events()
         for rank in (0, NUM_STAGES - 1, MIDDLE):
@@ -108,7 +116,11 @@ class MiddleStageLate:
 
 
 def _scheduler(
-    *, lose_middle: bool = False, replay_middle: bool = False, deadline_s: float = 300.0
+    *,
+    lose_middle: bool = False,
+    replay_middle: bool = False,
+    deadline_s: float = 300.0,
+    bus_key: BusKey | None = None,
 ) -> tuple[WaveScheduler, dict[str, list[tuple[int, int]]]]:
     """A real scheduler over in-process stage KV managers; the returned dict gets, for each
     request, its ``stage_agreed_blocks`` as they were when it was answered."""
@@ -121,6 +133,7 @@ def _scheduler(
         block_size=BLOCK,
         model_id=config.model_id,
         lease_s=config.lease_s,
+        bus_key=bus_key,
     )
     planner = ChunkPlanner(planner_cost, policy="dynamic", chunk_tokens=64, block_size=BLOCK)
     answered: dict[str, list[tuple[int, int]]] = {}
@@ -128,7 +141,9 @@ def _scheduler(
     def on_outcome(outcome: RequestOutcome) -> None:
         answered[outcome.request_id] = list(outcome.stage_agreed_blocks)
 
-    transport = MiddleStageLate(managers, lose_middle=lose_middle, replay_middle=replay_middle)
+    transport = MiddleStageLate(
+        managers, lose_middle=lose_middle, replay_middle=replay_middle, bus_key=bus_key
+    )
     scheduler = WaveScheduler(config, transport, controller, planner, on_outcome=on_outcome)
     return scheduler, answered
 
@@ -207,3 +222,41 @@ def test_a_lost_middle_done_is_pulled_soon_instead_of_waiting_for_the_deadline()
     assert outcome.ok and outcome.first_token_id == 1, outcome.error
     assert {rank for rank, _ in stage_agreed} == set(range(NUM_STAGES))
     assert elapsed_s < 10.0
+
+
+def test_each_plan_goes_out_as_its_signed_json_serialised_once() -> None:
+    """The scheduler hands the transport the plan's wire JSON (signing serialised it already):
+    it decodes to exactly the plan kept for replay, with a valid tag, chunk for chunk the token
+    ids of the prompt."""
+    key = BusKey(bytes(range(32))).for_replica("p")
+    prompts = {f"r{i}": _prompt(i, 40 + 50 * i) for i in range(4)}
+
+    async def main() -> tuple[list[RequestOutcome], MiddleStageLate]:
+        scheduler, _ = _scheduler(bus_key=key)
+        await scheduler.start()
+        try:
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(
+                    *(scheduler.submit(PromptRequest(rid, p)) for rid, p in prompts.items())
+                ),
+                timeout=30,
+            )
+        finally:
+            await scheduler.stop()
+        assert isinstance(scheduler.transport, MiddleStageLate)
+        return outcomes, scheduler.transport
+
+    outcomes, transport = asyncio.run(main())
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]  # dones checked with key
+    assert transport.plans and set(transport.wire) == set(transport.plans)
+    for microbatch_id, plan in transport.plans.items():
+        data = transport.wire[microbatch_id]
+        assert data is not None, f"micro-batch {microbatch_id}: published without its JSON"
+        decoded = MicroBatchPlan.model_validate_json(data)
+        assert decoded == plan and key.verify(decoded)
+        assert data == plan.model_dump_json().encode()
+        for chunk in decoded.chunks:
+            start = chunk.context_offset
+            assert (
+                chunk.token_ids == prompts[chunk.request_id][start : start + len(chunk.token_ids)]
+            )

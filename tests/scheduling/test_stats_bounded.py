@@ -68,7 +68,9 @@ class InstantStages:
             assert self.handlers is not None
             await self.handlers.on_done(done)
 
-    async def publish_plan(self, plan: MicroBatchPlan, headers: dict[str, str] | None) -> None:
+    async def publish_plan(
+        self, plan: MicroBatchPlan, headers: dict[str, str] | None, data: bytes | None = None
+    ) -> None:
         num_tokens = sum(len(c.token_ids) for c in plan.chunks)
         ready_s = self.reported_end_s
         for rank in range(NUM_STAGES):

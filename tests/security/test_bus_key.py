@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from wavepp.api.messages import MicroBatchPlan, PlannedChunk
 from wavepp.api.prefill import Heartbeat
@@ -46,6 +47,30 @@ def test_a_tag_covers_every_field_and_the_message_type() -> None:
     assert not key.verify(_plan())  # unsigned
     beat = Heartbeat(pipeline="p0", ready=True, num_stages_formed=1, num_inflight=0, instance="i")
     assert key.mac(beat) != key.mac(beat.model_copy(update={"ready": False}))
+
+
+def test_sign_json_is_the_signed_message_serialised_once() -> None:
+    key = KEY.for_replica("p0")
+    plan = _plan(traceparent="00-ab-cd-01")
+    signed, data = key.sign_json(plan)
+    assert signed == key.sign(plan) and key.verify(signed)
+    assert data == signed.model_dump_json().encode()  # mac is the plan's last field
+    assert key.verify(MicroBatchPlan.model_validate_json(data))
+
+    class MacFirst(BaseModel):
+        mac: str = ""
+        value: int = 0
+
+    # mac not the last field, or the only one: the JSON still parses to the signed copy.
+    signed_first, first_data = key.sign_json(MacFirst(value=3))
+    assert MacFirst.model_validate_json(first_data) == signed_first
+    assert key.verify(MacFirst.model_validate_json(first_data))
+
+    class OnlyMac(BaseModel):
+        mac: str = ""
+
+    signed_empty, empty_data = key.sign_json(OnlyMac())
+    assert OnlyMac.model_validate_json(empty_data) == signed_empty and signed_empty.mac
 
 
 def test_a_key_never_prints_and_must_be_long_enough() -> None:

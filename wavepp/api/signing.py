@@ -94,7 +94,9 @@ class BusKey:
 
     def mac(self, msg: Signable) -> str:
         """The tag of ``msg`` (its ``mac`` field excluded)."""
-        body = msg.model_dump_json(exclude={"mac"}).encode()
+        return self._tag(msg, msg.model_dump_json(exclude={"mac"}).encode())
+
+    def _tag(self, msg: Signable, body: bytes) -> str:
         tag = hmac.new(self._secret, type(msg).__name__.encode() + b"\0", hashlib.sha256)
         tag.update(body)
         return tag.hexdigest()[:_MAC_HEX]
@@ -108,6 +110,17 @@ class BusKey:
     def sign(self, msg: S) -> S:
         """``msg`` with its ``mac`` set (a copy; messages are frozen)."""
         return msg.model_copy(update={"mac": self.mac(msg)})  # type: ignore[attr-defined]
+
+    def sign_json(self, msg: S) -> tuple[S, bytes]:
+        """``sign(msg)`` and its wire JSON, serialised once (a plan with thousands of token ids
+        costs more to serialise than to tag): the JSON the tag covers (without ``mac``) with
+        the ``mac`` field appended. It parses to the signed copy (JSON fields are named, not
+        ordered); where ``mac`` is the last field it is byte for byte ``model_dump_json``."""
+        body = msg.model_dump_json(exclude={"mac"}).encode()  # type: ignore[attr-defined]
+        mac = self._tag(msg, body)  # type: ignore[arg-type]
+        signed = msg.model_copy(update={"mac": mac})  # type: ignore[attr-defined]
+        separator = b"" if body == b"{}" else b","
+        return signed, body[:-1] + separator + b'"mac":"' + mac.encode() + b'"}'
 
     def verify(self, msg: Signable) -> bool:
         """True when ``msg.mac`` is this key's tag of ``msg`` (constant-time compare)."""

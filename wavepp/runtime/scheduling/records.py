@@ -19,6 +19,8 @@ class RequestRecord:
     ``waiter`` is the caller's handle (the driver's future), handed back untouched with the
     outcome. ``ticket`` and ``progress`` exist from admission on. ``num_inflight_microbatches``:
     published micro-batches holding a chunk of it that the last stage has not reported.
+    ``work_s``: its whole chunk work on the slowest stage (``ChunkPlanner.request_work_s``),
+    fixed at admission (the closed-loop target sums it every micro-batch).
     """
 
     request: PromptRequest
@@ -28,6 +30,7 @@ class RequestRecord:
     ticket: Ticket | None = None
     progress: RequestProgress | None = None
     num_inflight_microbatches: int = 0
+    work_s: float = 0.0
 
     @property
     def request_id(self) -> str:

@@ -301,8 +301,8 @@ class WaveScheduler:
                 scheduled.planning_started_s,
                 scheduled.published_s,
             )
-            plan = core.plan_of(scheduled, traceparent)
-            await self.transport.publish_plan(plan, headers)
+            plan, data = core.encoded_plan_of(scheduled, traceparent)
+            await self.transport.publish_plan(plan, headers, data)
             self.stats.record_host_time(time.perf_counter() - host_started_s - slept_s)
 
     # ---- completion (PlanHandlers) -------------------------------------------------------

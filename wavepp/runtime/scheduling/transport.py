@@ -57,8 +57,11 @@ class PlanTransport(Protocol):
         """Subscribe to done, plan-replay and resync messages; call back on reconnect."""
         ...
 
-    async def publish_plan(self, plan: MicroBatchPlan, headers: dict[str, str] | None) -> None:
-        """Send one plan to every stage (``headers``: trace context, may be None)."""
+    async def publish_plan(
+        self, plan: MicroBatchPlan, headers: dict[str, str] | None, data: bytes | None = None
+    ) -> None:
+        """Send one plan to every stage (``headers``: trace context, may be None; ``data``:
+        the plan's JSON when the caller has it already, else the transport serialises it)."""
         ...
 
     async def request_dones(self, rank: int, ask: DoneReplay, timeout_s: float) -> DoneReplayReply:
@@ -126,8 +129,12 @@ class BusPlanTransport:
     def _on_reconnect(self, cb: Callable[[], Awaitable[None]]) -> None:
         """A bus that never disconnects (the simulator's) never calls back."""
 
-    async def publish_plan(self, plan: MicroBatchPlan, headers: dict[str, str] | None) -> None:
-        await self.bus.publish(self.subjects.plan, plan.model_dump_json().encode(), headers=headers)
+    async def publish_plan(
+        self, plan: MicroBatchPlan, headers: dict[str, str] | None, data: bytes | None = None
+    ) -> None:
+        if data is None:
+            data = plan.model_dump_json().encode()
+        await self.bus.publish(self.subjects.plan, data, headers=headers)
 
     async def request_dones(self, rank: int, ask: DoneReplay, timeout_s: float) -> DoneReplayReply:
         msg = await self.bus.request(
