@@ -59,7 +59,7 @@ def test_batches_round_trip_with_raw_hashes() -> None:
     payload = encode_batch(probe)
     assert decode_batch(payload) == probe
     # 32 bytes per hash on the wire, not 64 hex characters plus JSON quoting.
-    assert len(payload) < 16 + 1 + 4 + 8 + 4 + 2 * (2 + 1 + 4) + 2 * 32 + 32
+    assert len(payload) < 16 + 1 + 4 + 8 + 4 + 2 * (2 + 1 + 12) + 2 * 32 + 32
     commit = KVBatch(BatchOp.COMMIT, (CommitEntry("a", 1, 3),), 5.0)
     assert decode_batch(encode_batch(commit)) == commit
     release = KVBatch(BatchOp.RELEASE, ("a", "b"))

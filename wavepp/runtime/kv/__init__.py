@@ -18,12 +18,13 @@ from wavepp.runtime.kv.hashing import (
     root_block_hash,
 )
 from wavepp.runtime.kv.manager import PinReceipt, StageKVManager
-from wavepp.runtime.kv.pool import BlockPool, KVEvent
+from wavepp.runtime.kv.pool import BlockPool, CacheHit, KVEvent
 
 __all__ = [
     "BLOCK_HASH_NUM_BYTES",
     "BlockHash",
     "BlockPool",
+    "CacheHit",
     "KVEvent",
     "PinReceipt",
     "StageKVManager",

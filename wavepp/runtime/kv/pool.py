@@ -40,6 +40,16 @@ class KVEvent:
             raise ValueError(f"kind must be 'stored' or 'removed', got {self.kind!r}")
 
 
+@dataclass(frozen=True)
+class CacheHit:
+    """The result of one ``BlockPool.pin_cache_hit`` walk: the leading blocks found (and pinned),
+    and the pool's ``generation`` then. While the generation is unchanged no hash has entered or
+    left the pool, so the walk is still exact for any sequence with the same leading hashes."""
+
+    block_ids: tuple[int, ...]
+    generation: int
+
+
 class _Block:
     """One block's metadata. Only _FreeBlockQueue touches prev_free/next_free."""
 
@@ -127,6 +137,9 @@ class _FreeBlockQueue:
         self._num_blocks += 1
 
 
+_INT_TYPES = frozenset((int, bool))
+
+
 def _invariant(condition: bool, message: str) -> None:
     # NOTE: explicit raise, not `assert`, so check_invariants still checks under `python -O`.
     if not condition:
@@ -165,10 +178,13 @@ class BlockPool:
         self._blocks = [_Block(block_id) for block_id in range(num_blocks)]
         self._free_queue = _FreeBlockQueue(self._blocks)
         self._hash_to_block: dict[BlockHash, _Block] = {}
-        # NOTE: counters move only in _incr_ref/_decr_ref/_evict, next to the ref count.
+        # NOTE: counters move only next to a ref count change (_incr_ref, allocate, free,
+        # pin_cache_hit) or in _evict.
         self._num_pinned_blocks = 0
         self._num_evictable_blocks = 0
         self._events: list[KVEvent] = []
+        # NOTE: moves whenever a hash enters or leaves the map (CacheHit is exact until then).
+        self._generation = 0
 
     # ---- counters ------------------------------------------------------------------------
 
@@ -186,6 +202,11 @@ class BlockPool:
     def num_pinned_blocks(self) -> int:
         """Blocks with ref count > 0."""
         return self._num_pinned_blocks
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever a hash enters or leaves the pool (``CacheHit``)."""
+        return self._generation
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -237,20 +258,68 @@ class BlockPool:
         Returns:
             The pinned block ids, block order (as ``find_longest_cache_hit``).
         """
-        hash_to_block = self._hash_to_block
-        free_queue = self._free_queue
-        block_ids: list[int] = []
-        for block_hash in block_hashes:
-            block = hash_to_block.get(block_hash)
-            if block is None:
-                break
+        return list(self.pin_cache_hit(block_hashes).block_ids)
+
+    def pin_cache_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        prior: CacheHit | None = None,
+        num_shared: int = 0,
+    ) -> CacheHit:
+        """Pin the longest leading run of ``block_hashes`` held here, reusing an earlier walk.
+
+        With ``prior`` (this pool's answer for another sequence) and ``num_shared`` (how many
+        leading hashes the two sequences have in common), the shared part is not looked up
+        again: while the pool's generation is the prior's, the hit on it is
+        ``prior.block_ids[:num_shared]``, and the walk stops there if the prior's did. A prior
+        from another generation, or whose last shared block does not hold
+        ``block_hashes[num_shared - 1]``, is ignored (a full walk). One ref count per block
+        either way; a batch of requests sharing a long prefix pays one dict lookup per new block.
+
+        Args:
+            block_hashes: A prompt's full-block hashes, block order.
+            prior: An earlier ``pin_cache_hit`` result of this pool, or None.
+            num_shared: ``block_hashes[:num_shared]`` equal the prior sequence's first
+                ``num_shared`` hashes (the caller's claim; checked at its last shared block).
+
+        Returns:
+            The pinned blocks (``find_longest_cache_hit``'s ids) and the generation.
+        """
+        blocks = self._blocks
+        start = 0
+        found: list[_Block] = []
+        known_ids: tuple[int, ...] = ()
+        if prior is not None and num_shared > 0 and prior.generation == self._generation:
+            known = prior.block_ids[:num_shared]
+            last = len(known) - 1
+            if (
+                last >= 0
+                and len(block_hashes) >= len(known)
+                and blocks[known[last]].block_hash == block_hashes[last]
+            ):
+                known_ids = known
+                found = list(map(blocks.__getitem__, known))
+                start = num_shared if len(known) == num_shared else len(block_hashes)
+            elif last < 0:
+                start = len(block_hashes)  # the prior found nothing: neither do we
+        num_known = len(found)
+        if start < len(block_hashes):
+            get = self._hash_to_block.get
+            for index in range(start, len(block_hashes)):
+                block = get(block_hashes[index])
+                if block is None:
+                    break
+                found.append(block)
+        remove = self._free_queue.remove
+        for block in found:
             if block.ref_cnt == 0:
-                free_queue.remove(block)
+                remove(block)
                 self._num_pinned_blocks += 1
                 self._num_evictable_blocks -= 1  # in the map, so it holds a hash
             block.ref_cnt += 1
-            block_ids.append(block.block_id)
-        return block_ids
+        if len(found) > num_known:
+            known_ids += tuple([block.block_id for block in found[num_known:]])
+        return CacheHit(known_ids, self._generation)
 
     def pin(self, block_ids: Sequence[int]) -> None:
         """Add one reference to each block; a block at ref count 0 leaves the free queue.
@@ -359,6 +428,7 @@ class BlockPool:
                 continue  # already this hash, or a duplicate of another block
             block.block_hash = block_hash
             self._hash_to_block[block_hash] = block
+            self._generation += 1
         self._events.append(KVEvent("stored", tuple(block_hashes), parent_block_hash))
 
     def free(self, block_ids: Sequence[int]) -> None:
@@ -375,7 +445,9 @@ class BlockPool:
             ValueError: if an id is out of range or released more often than it is pinned.
                 Nothing changes then.
         """
-        blocks = [self._block_at(block_id, "block_ids") for block_id in block_ids]
+        if not block_ids:
+            return
+        blocks = self._blocks_at(block_ids)
         if len(set(block_ids)) == len(blocks):  # the usual case: each id once
             releases: dict[int, int] | Counter[int] = {}
             for block in blocks:
@@ -391,9 +463,17 @@ class BlockPool:
                     f"block_ids: block {block_id} released {num_releases} time(s) but its ref "
                     f"count is {ref_cnt}; free only blocks you pinned or allocated, once each"
                 )
-        decr_ref = self._decr_ref
+        free_queue = self._free_queue
         for block in reversed(blocks):
-            decr_ref(block)
+            block.ref_cnt -= 1
+            if block.ref_cnt:
+                continue
+            self._num_pinned_blocks -= 1
+            if block.block_hash is not None:
+                self._num_evictable_blocks += 1
+                free_queue.append(block)
+            else:
+                free_queue.appendleft(block)
 
     def take_events(self) -> list[KVEvent]:
         """Drain the pending events (oldest first); the pool's queue is empty afterwards."""
@@ -458,6 +538,15 @@ class BlockPool:
             )
         return self._blocks[block_id]
 
+    def _blocks_at(self, block_ids: Sequence[int]) -> list[_Block]:
+        """``_block_at`` of each id; one C-level pass when they are all ints in range."""
+        try:
+            if min(block_ids) >= 0 and set(map(type, block_ids)) <= _INT_TYPES:
+                return list(map(self._blocks.__getitem__, block_ids))
+        except (TypeError, IndexError):
+            pass
+        return [self._block_at(block_id, "block_ids") for block_id in block_ids]
+
     def _incr_ref(self, block: _Block) -> None:
         if block.ref_cnt == 0:
             self._free_queue.remove(block)
@@ -466,23 +555,12 @@ class BlockPool:
                 self._num_evictable_blocks -= 1
         block.ref_cnt += 1
 
-    def _decr_ref(self, block: _Block) -> None:
-        assert block.ref_cnt > 0, f"block {block.block_id}: release at ref count 0"
-        block.ref_cnt -= 1
-        if block.ref_cnt > 0:
-            return
-        self._num_pinned_blocks -= 1
-        if block.block_hash is not None:
-            self._num_evictable_blocks += 1
-            self._free_queue.append(block)
-        else:
-            self._free_queue.appendleft(block)
-
     def _evict(self, block: _Block) -> BlockHash:
         """Drop a just-dequeued cached block's hash; returns it."""
         block_hash = block.block_hash
         assert block_hash is not None and block.ref_cnt == 0, "evicting a pinned/uncached block"
         del self._hash_to_block[block_hash]
+        self._generation += 1
         block.block_hash = None
         self._num_evictable_blocks -= 1
         return block_hash
