@@ -48,6 +48,25 @@ class _HeldRequest:
     owner: str = ""  # who probed it (an admission instance); only it may commit or release it
 
 
+def _common_prefix(a: tuple[BlockHash, ...], b: tuple[BlockHash, ...]) -> int:
+    """Length of the longest common prefix of two hash sequences, exact. Chained hashes are
+    equal at i only if equal before i, so a binary search finds it; one slice comparison (in C)
+    checks it, and a linear scan is the fallback for sequences that are not chains."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    if a[:lo] == b[:lo]:
+        return lo
+    n = 0
+    while a[n] == b[n]:
+        n += 1
+    return n
+
+
 def _check_lease(lease_s: float) -> None:
     if not isinstance(lease_s, int | float) or not math.isfinite(lease_s) or lease_s <= 0:
         raise ValueError(f"lease_s must be a finite number of seconds > 0, got {lease_s!r}")
@@ -104,6 +123,12 @@ class StageKVManager:
         self._owner_seqs: OrderedDict[str, tuple[int, set[int]]] = OrderedDict()
         self._requests: dict[str, _HeldRequest] = {}
         self._num_admitted = 0
+        # first block hash -> (hashes, walk) of the latest probe starting with it: a later probe
+        # of the same prefix starts its walk there (BlockPool.pin_cache_hit)
+        self._recent_walks: dict[BlockHash, tuple[tuple[BlockHash, ...], CacheHit]] = {}
+
+    recent_walks_kept = 1024
+    """Prefix roots whose latest probe walk ``probe_pin`` remembers (oldest dropped)."""
 
     @property
     def num_requests(self) -> int:
@@ -146,6 +171,8 @@ class StageKVManager:
             owner: Who holds it (the admission instance); only it may commit, renew, release.
             prior: The walk of an earlier request of the same round whose first ``num_shared``
                 hashes are this one's (``BlockPool.pin_cache_hit``): not looked up again.
+                None: the latest probe of a prompt with the same first block, if its walk is
+                still exact, and the hashes the two have in common (compared).
             num_shared: See ``prior``.
 
         Returns:
@@ -164,14 +191,24 @@ class StageKVManager:
             self._check_owner(held, owner)
             held.lease_expiry_s = max(held.lease_expiry_s, self._clock() + lease_s)
             return len(held.hit_block_ids), None
+        block_hashes = tuple(block_hashes)
+        recent = self._recent_walks
+        if prior is None and block_hashes:
+            latest = recent.pop(block_hashes[0], None)
+            if latest is not None:
+                prior, num_shared = latest[1], _common_prefix(latest[0], block_hashes)
         hit = self.pool.pin_cache_hit(block_hashes, prior, num_shared)
+        if block_hashes:
+            recent[block_hashes[0]] = (block_hashes, hit)
+            if len(recent) > self.recent_walks_kept:
+                del recent[next(iter(recent))]
         self._num_admitted += 1
         self._requests[request_id] = _HeldRequest(
             request_id,
             list(hit.block_ids),
             self._clock() + lease_s,
             self._num_admitted,
-            tuple(block_hashes),
+            block_hashes,
             owner=owner,
         )
         return len(hit.block_ids), hit

@@ -43,11 +43,13 @@ class KVEvent:
 @dataclass(frozen=True)
 class CacheHit:
     """The result of one ``BlockPool.pin_cache_hit`` walk: the leading blocks found (and pinned),
-    and the pool's ``generation`` then. While the generation is unchanged no hash has entered or
-    left the pool, so the walk is still exact for any sequence with the same leading hashes."""
+    and the pool's ``num_evictions`` and ``num_stores`` then. While no hash has left the pool
+    since, the blocks found still hold their hashes; while none has entered either, the walk
+    also still stops where it stopped."""
 
     block_ids: tuple[int, ...]
-    generation: int
+    evictions: int
+    stores: int
 
 
 class _Block:
@@ -183,8 +185,9 @@ class BlockPool:
         self._num_pinned_blocks = 0
         self._num_evictable_blocks = 0
         self._events: list[KVEvent] = []
-        # NOTE: moves whenever a hash enters or leaves the map (CacheHit is exact until then).
-        self._generation = 0
+        # NOTE: hashes that left / entered the map so far (when a CacheHit is still exact).
+        self._evictions = 0
+        self._stores = 0
 
     # ---- counters ------------------------------------------------------------------------
 
@@ -204,9 +207,14 @@ class BlockPool:
         return self._num_pinned_blocks
 
     @property
-    def generation(self) -> int:
-        """Changes whenever a hash enters or leaves the pool (``CacheHit``)."""
-        return self._generation
+    def num_evictions(self) -> int:
+        """Hashes that have left the pool so far (evicted blocks)."""
+        return self._evictions
+
+    @property
+    def num_stores(self) -> int:
+        """Hashes that have entered the pool so far (``cache_full_blocks``)."""
+        return self._stores
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -270,11 +278,12 @@ class BlockPool:
 
         With ``prior`` (this pool's answer for another sequence) and ``num_shared`` (how many
         leading hashes the two sequences have in common), the shared part is not looked up
-        again: while the pool's generation is the prior's, the hit on it is
-        ``prior.block_ids[:num_shared]``, and the walk stops there if the prior's did. A prior
-        from another generation, or whose last shared block does not hold
-        ``block_hashes[num_shared - 1]``, is ignored (a full walk). One ref count per block
-        either way; a batch of requests sharing a long prefix pays one dict lookup per new block.
+        again: while no hash has left the pool since the prior walk, the hit on it is
+        ``prior.block_ids[:num_shared]``; the walk stops there if the prior's did and no hash
+        has entered since, and goes on from there otherwise. A prior from before an eviction,
+        or whose last shared block does not hold ``block_hashes[num_shared - 1]``, is ignored (a
+        full walk). One ref count per block either way; requests sharing a long prefix pay one
+        dict lookup per new block.
 
         Args:
             block_hashes: A prompt's full-block hashes, block order.
@@ -283,15 +292,18 @@ class BlockPool:
                 ``num_shared`` hashes (the caller's claim; checked at its last shared block).
 
         Returns:
-            The pinned blocks (``find_longest_cache_hit``'s ids) and the generation.
+            The pinned blocks (``find_longest_cache_hit``'s ids) and the pool's counters.
         """
         blocks = self._blocks
         start = 0
         found: list[_Block] = []
         known_ids: tuple[int, ...] = ()
-        if prior is not None and num_shared > 0 and prior.generation == self._generation:
+        if prior is not None and num_shared > 0 and prior.evictions == self._evictions:
             known = prior.block_ids[:num_shared]
             last = len(known) - 1
+            # the prior's walk stopped inside the shared part: so does this one, unless a hash
+            # entered since (then it goes on from there)
+            stopped = len(known) < num_shared and prior.stores == self._stores
             if (
                 last >= 0
                 and len(block_hashes) >= len(known)
@@ -299,8 +311,8 @@ class BlockPool:
             ):
                 known_ids = known
                 found = list(map(blocks.__getitem__, known))
-                start = num_shared if len(known) == num_shared else len(block_hashes)
-            elif last < 0:
+                start = len(block_hashes) if stopped else len(known)
+            elif last < 0 and stopped:
                 start = len(block_hashes)  # the prior found nothing: neither do we
         num_known = len(found)
         if start < len(block_hashes):
@@ -319,7 +331,7 @@ class BlockPool:
             block.ref_cnt += 1
         if len(found) > num_known:
             known_ids += tuple([block.block_id for block in found[num_known:]])
-        return CacheHit(known_ids, self._generation)
+        return CacheHit(known_ids, self._evictions, self._stores)
 
     def pin(self, block_ids: Sequence[int]) -> None:
         """Add one reference to each block; a block at ref count 0 leaves the free queue.
@@ -428,7 +440,7 @@ class BlockPool:
                 continue  # already this hash, or a duplicate of another block
             block.block_hash = block_hash
             self._hash_to_block[block_hash] = block
-            self._generation += 1
+            self._stores += 1
         self._events.append(KVEvent("stored", tuple(block_hashes), parent_block_hash))
 
     def free(self, block_ids: Sequence[int]) -> None:
@@ -560,7 +572,7 @@ class BlockPool:
         block_hash = block.block_hash
         assert block_hash is not None and block.ref_cnt == 0, "evicting a pinned/uncached block"
         del self._hash_to_block[block_hash]
-        self._generation += 1
+        self._evictions += 1
         block.block_hash = None
         self._num_evictable_blocks -= 1
         return block_hash
