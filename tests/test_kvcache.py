@@ -9,11 +9,14 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from wavepp.runtime.kv import (
     BlockPool,
     KVEvent,
     PinReceipt,
+    PromptHasher,
     StageKVManager,
     hash_block_tokens,
     hash_prompt_blocks,
@@ -640,3 +643,36 @@ def test_a_probe_sharing_first_and_last_hashes_with_a_forged_one_does_not_inheri
     assert manager.probe_pin("forged", forged, 5.0) == 5
     assert manager.probe_pin("real", chain, 5.0) == 5
     assert manager.receipt("real").block_ids == tuple(manager.pool.find_longest_cache_hit(chain))
+
+
+_SHARED_TOKENS = [list(range(100 + 40 * i, 140 + 40 * i)) for i in range(2)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompts=st.lists(
+        st.tuples(
+            st.integers(0, 1),  # which shared prefix
+            st.integers(0, 40),  # how much of it
+            st.lists(st.integers(0, 3), max_size=12),  # then new tokens
+            st.sampled_from(["", "tenant"]),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_a_prompt_hasher_hashes_as_hash_prompt_blocks(prompts: list) -> None:
+    """Prompts sharing prefixes of every length (also mid-block, and with other salts): the
+    hasher that reuses a recent prompt's blocks answers exactly as hashing from scratch."""
+    hasher = PromptHasher(4, MODEL_ID, max_prompts=2)
+    for which, length, tail, salt in prompts:
+        token_ids = _SHARED_TOKENS[which][:length] + tail
+        assert hasher(token_ids, salt) == hash_prompt_blocks(token_ids, 4, MODEL_ID, salt)
+
+
+def test_a_prompt_hasher_refuses_what_hash_prompt_blocks_refuses() -> None:
+    hasher = PromptHasher(4, MODEL_ID)
+    with pytest.raises(ValueError, match="token_ids"):
+        hasher([1, 2, -3, 4])
+    with pytest.raises(ValueError, match="model_id"):
+        PromptHasher(4, "")([1, 2, 3, 4])
