@@ -6,9 +6,12 @@ its own NATS connection) and R real ``AdmissionController``s, one per replica, r
 probe-pin / commit in batched rounds of at most ``batch_limit`` requests. Each replica keeps
 ``in_flight`` agreements outstanding.
 
-With ``stage_processes`` (the default, as in production: one process per stage) every stage KV
-server runs in a process of its own; without, all R x S share this process's event loop (the
-controller's), which then does every stage's work too.
+With ``stage_processes`` (as in production: one process per stage) every stage KV server runs in
+a process of its own; without (the default), all R x S share this process's event loop (the
+controller's), which then does every stage's work too. On 2 shared cores the S + 1 processes
+cost more CPU per agreement than they take off the controller (measured: at S = 8 the stage
+processes used 200-650 us of CPU per agreement, against ~100-200 us of stage work in-process),
+so the in-process setting is the default here; on separate hosts the stages would not compete.
 
 Workloads (``num_prompt_tokens`` per prompt):
 
@@ -63,7 +66,7 @@ class AdmissionSetting:
     batch_limit: int = 512
     replicas: int = 1
     workload: str = "mixed"
-    stage_processes: bool = True
+    stage_processes: bool = False
 
 
 def _stage_process(
@@ -221,6 +224,7 @@ async def _one_setting(
             controllers.append(controller)
 
         latencies: list[list[float]] = [[] for _ in controllers]
+        agreed_blocks: list[int] = []
 
         async def agree(replica: int, index: int, limiter: asyncio.Semaphore) -> None:
             async with limiter:
@@ -230,6 +234,7 @@ async def _one_setting(
                 latencies[replica].append(time.perf_counter() - started)
                 if ticket is None:
                     raise RuntimeError("admission bench pool too small: a reservation was refused")
+                agreed_blocks.append(ticket.num_agreed_blocks)
 
         limiters = [asyncio.Semaphore(setting.in_flight) for _ in controllers]
         per_replica = [range(r, num_requests, setting.replicas) for r in range(len(controllers))]
@@ -268,6 +273,7 @@ async def _one_setting(
         "replica_p99_ms": [round(float(np.percentile(x, 99)) * 1e3, 3) for x in latencies],
         "rounds": num_rounds,
         "mean_batch": round(num_requests / max(1, num_rounds), 1),
+        "mean_agreed_blocks": round(sum(agreed_blocks) / len(agreed_blocks), 1),
         "cpu_us_per_agreement": round(cpu_s / num_requests * 1e6, 1),
         "cpu_us_split": {k: round(v / num_requests * 1e6, 1) for k, v in cpu_split.items()},
         "stage_processes": setting.stage_processes,
@@ -313,7 +319,8 @@ async def run_admission_bench(
     Returns:
         One dict per setting: stages, in_flight, batch_limit, replicas, workload, requests,
         prompt_tokens, agreements_per_s, latency_p50_ms, latency_p99_ms, replica_p99_ms (one per
-        replica), rounds, mean_batch, cpu_us_per_agreement, cpu_us_split (controller: this
+        replica), rounds, mean_batch, mean_agreed_blocks (L*: the cached prefix agreed),
+        cpu_us_per_agreement, cpu_us_split (controller: this
         process, stages: the stage processes, 0 without; nats: the nats-server),
         stage_processes, load_average (the 1-minute load when the setting ended).
 

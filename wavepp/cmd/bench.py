@@ -119,9 +119,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     adm.add_argument(
         "--stage-processes",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="each stage KV server in a process of its own, as in production (default); "
-        "--no-stage-processes: all in the controller's process",
+        default=False,
+        help="each stage KV server in a process of its own, as in production (default: all in "
+        "the controller's process: on a few shared cores S extra processes cost more CPU than "
+        "they take off the controller)",
     )
     adm.add_argument("--json", action="store_true", help="stdout: the rows as one JSON line only")
     plot = sub.add_parser(

@@ -110,6 +110,23 @@ class _FreeBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_many(self, num_blocks: int) -> list[_Block]:
+        """The first ``num_blocks`` blocks, unlinked in one splice (``num_blocks`` <= len)."""
+        assert 0 <= num_blocks <= self._num_blocks, "free queue: popleft_many past the end"
+        taken: list[_Block] = []
+        block = self._head.next_free
+        for _ in range(num_blocks):
+            assert block is not None
+            taken.append(block)
+            next_block = block.next_free
+            block.prev_free = block.next_free = None
+            block = next_block
+        assert block is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        self._num_blocks -= num_blocks
+        return taken
+
     def remove(self, block: _Block) -> None:
         prev_block, next_block = block.prev_free, block.next_free
         assert prev_block is not None and next_block is not None, (
@@ -376,14 +393,13 @@ class BlockPool:
         if num_blocks > len(self._free_queue):
             return None
         evicted_hashes: list[BlockHash] = []
-        block_ids: list[int] = []
-        for _ in range(num_blocks):
-            block = self._free_queue.popleft()
+        taken = self._free_queue.popleft_many(num_blocks)
+        for block in taken:
             if block.block_hash is not None:
                 evicted_hashes.append(self._evict(block))
             block.ref_cnt = 1
-            self._num_pinned_blocks += 1
-            block_ids.append(block.block_id)
+        self._num_pinned_blocks += num_blocks
+        block_ids = [block.block_id for block in taken]
         if evicted_hashes:
             self._events.append(KVEvent("removed", tuple(evicted_hashes), None))
         return block_ids
