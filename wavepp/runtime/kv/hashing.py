@@ -223,9 +223,11 @@ def _encode_tokens(token_ids: Sequence[int], num_tokens: int) -> bytes | None:
     """The first ``num_tokens`` ids as little-endian u32 bytes; None unless every one is an int
     in [0, 2**32)."""
     try:
-        encoded = array("I", token_ids[:num_tokens])
+        # the whole sequence, then cut: slicing first would copy every token once more
+        encoded = array("I", token_ids)
     except (TypeError, OverflowError, ValueError):
         return None
+    del encoded[num_tokens:]
     if encoded.itemsize != 4:  # pragma: no cover - no such platform in use
         return None
     if sys.byteorder != "little":  # pragma: no cover
