@@ -210,3 +210,32 @@ async def test_no_responders_and_timeouts_are_reported_apart(nc) -> None:  # noq
     slow = NatsStageClient(nc, "wavepp.slow", 0, timeout_s=0.3)
     with pytest.raises(StageUnavailableError, match="no reply"):
         await slow.call(probe)
+
+
+async def test_a_batch_fans_out_to_every_stage_and_names_a_missing_one(nc) -> None:  # noqa: ANN001
+    """``call_batch_all``: one publish per stage, replies on one subscription, in stage order;
+    a stage with no listener or no answer fails the call naming that stage."""
+
+    def answering(rank: int):  # noqa: ANN202
+        async def answer(msg) -> None:  # noqa: ANN001
+            await msg.respond(bytes([rank]) + msg.data)
+
+        return answer
+
+    async def silent(msg) -> None:  # noqa: ANN001
+        return None
+
+    for rank in (0, 1, 2):
+        await nc.subscribe(f"wavepp.fan.stage.{rank}.kvb", cb=answering(rank))
+    await nc.subscribe("wavepp.fan.stage.3.kvb", cb=silent)
+    await nc.flush()
+    clients = [NatsStageClient(nc, "wavepp.fan", rank, timeout_s=0.3) for rank in range(5)]
+    for _ in range(3):  # calls reuse the one reply subscription
+        replies = await NatsStageClient.call_batch_all(clients[:3], b"x")
+        assert replies == [b"\x00x", b"\x01x", b"\x02x"]
+    assert await clients[2].call_batch(b"y") == b"\x02y"
+    with pytest.raises(StageUnavailableError, match="stage 4: no stage listens"):
+        await NatsStageClient.call_batch_all([clients[0], clients[4]], b"x")
+    with pytest.raises(StageUnavailableError, match="stage 3: no reply"):
+        await NatsStageClient.call_batch_all(clients[:4], b"x")
+    assert not clients[0].batch_mux._calls  # nothing left waiting

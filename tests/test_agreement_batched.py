@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import struct
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from wavepp.api import kv_batch
 from wavepp.api.kv_batch import (
     BatchOp,
     CommitEntry,
@@ -59,7 +61,7 @@ def test_batches_round_trip_with_raw_hashes() -> None:
     payload = encode_batch(probe)
     assert decode_batch(payload) == probe
     # 32 bytes per hash on the wire, not 64 hex characters plus JSON quoting.
-    assert len(payload) < 16 + 1 + 4 + 8 + 4 + 2 * (2 + 1 + 4) + 2 * 32 + 32
+    assert len(payload) < 16 + 1 + 4 + 8 + 4 + 2 * (2 + 1 + 12) + 2 * 32 + 32
     commit = KVBatch(BatchOp.COMMIT, (CommitEntry("a", 1, 3),), 5.0)
     assert decode_batch(encode_batch(commit)) == commit
     release = KVBatch(BatchOp.RELEASE, ("a", "b"))
@@ -74,6 +76,98 @@ def _head(version: int = 1, op: int = 1, lease: float = 1.0, count: int = 0) -> 
 
 
 MAC = bytes(32)
+
+
+def _chain(n: int, root: int) -> tuple[bytes, ...]:
+    """``n`` chained 32-byte hashes under root ``root`` (a prompt's block hashes)."""
+    out, parent = [], bytes([root]) * 32
+    for i in range(n):
+        parent = hashlib.sha256(parent + bytes([i])).digest()
+        out.append(parent)
+    return tuple(out)
+
+
+def test_a_round_sends_a_shared_prefix_once_and_the_stage_walks_it_once() -> None:
+    prefix_a, prefix_b = _chain(40, 1), _chain(40, 2)
+    entries = tuple(
+        ProbeEntry(f"r{i}", (prefix_a if i % 2 else prefix_b) + _chain(2, 10 + i)) for i in range(8)
+    )
+    probe = KVBatch(BatchOp.PROBE, entries, 5.0)
+    payload = encode_batch(probe)
+    decoded = decode_batch(payload)
+    assert decoded == probe  # every entry's full hashes, shared ones included
+    # entries 2.. name their 40 shared hashes by reference: each sends its own 2
+    assert decoded.shares[:4] == ((-1, 0), (-1, 0), (0, 40), (1, 40))
+    assert len(payload) < 2 * 42 * 32 + 6 * 2 * 32 + 8 * 32
+    # the stage pins what a stage without sharing pins
+    shared, plain = (StageKVManager(BlockPool(128, BLOCK)) for _ in range(2))
+    for manager in (shared, plain):
+        for index, prefix in enumerate((prefix_a, prefix_b[:30])):
+            manager.probe_pin(f"w{index}", prefix, 5.0)
+            manager.commit(f"w{index}", 0, len(prefix), 5.0)
+            manager.mark_computed(f"w{index}", len(prefix) * BLOCK, prefix)
+            manager.release(f"w{index}")
+    reply = decode_reply(handle_kv_batch(shared, 0, payload))
+    assert [r.value for r in reply.results] == [30, 40] * 4
+    for entry in entries:
+        plain.probe_pin(entry.request_id, entry.block_hashes, 5.0)
+    for block_id in range(128):
+        assert shared.pool.ref_cnt(block_id) == plain.pool.ref_cnt(block_id)
+    shared.pool.check_invariants()
+
+
+def test_a_version_1_batch_still_decodes() -> None:
+    hashes = _chain(3, 1)
+    v1 = (
+        _head(version=1, count=1)
+        + struct.pack("<H", 1)
+        + b"a"
+        + struct.pack("<I", 3)
+        + b"".join(hashes)
+        + MAC
+    )
+    assert decode_batch(v1).entries == (ProbeEntry("a", hashes),)
+
+
+def _shared_entry(rid: bytes, n: int, shared_from: int, shared_len: int, own: int) -> bytes:
+    return (
+        struct.pack("<H", len(rid))
+        + rid
+        + struct.pack("<III", n, shared_from, shared_len)
+        + bytes(32) * own
+    )
+
+
+@pytest.mark.parametrize(
+    ("entries", "field"),
+    [
+        # names itself or a later entry
+        ([_shared_entry(b"a", 2, 1, 1, 1)], "shared_from"),
+        ([_shared_entry(b"a", 2, 0, 0, 2), _shared_entry(b"b", 2, 3, 1, 1)], "shared_from"),
+        # more shared than the earlier entry has, or than its own count
+        ([_shared_entry(b"a", 2, 0, 0, 2), _shared_entry(b"b", 5, 1, 3, 2)], "shared_len"),
+        ([_shared_entry(b"a", 2, 0, 0, 2), _shared_entry(b"b", 1, 1, 2, 0)], "shared_len"),
+        ([_shared_entry(b"a", 2, 0, 0, 2), _shared_entry(b"b", 2, 1, 0, 2)], "shared_len"),
+        ([_shared_entry(b"a", 2, 0, 1, 1)], "shared_len"),
+    ],
+)
+def test_malformed_shares_name_the_field(entries: list[bytes], field: str) -> None:
+    payload = _head(version=2, count=len(entries)) + b"".join(entries) + MAC
+    with pytest.raises(KVWireError, match=field):
+        decode_batch(payload)
+
+
+def test_shared_hashes_count_against_the_batch_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shares cost a few bytes on the wire but a reference per hash once decoded: a batch
+    naming more hashes than the bound is refused before they are built."""
+    monkeypatch.setattr(kv_batch, "MAX_BLOCKS_PER_BATCH", 10)
+    entries = [_shared_entry(b"a", 4, 0, 0, 4)] + [
+        _shared_entry(bytes([98 + i]), 4, 1, 4, 0) for i in range(2)
+    ]
+    payload = _head(version=2, count=3) + b"".join(entries) + MAC
+    with pytest.raises(KVWireError, match="per batch"):
+        decode_batch(payload)
+    assert len(decode_batch(_head(version=2, count=2) + b"".join(entries[:2]) + MAC).entries) == 2
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,14 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from wavepp.runtime.kv import (
     BlockPool,
     KVEvent,
     PinReceipt,
+    PromptHasher,
     StageKVManager,
     hash_block_tokens,
     hash_prompt_blocks,
@@ -593,3 +596,83 @@ def test_manager_caller_mistakes_raise_clear_errors() -> None:
     assert manager.block_table("r1") == [0, 1, 2, 3]
     assert manager.num_requests == 1
     manager.pool.check_invariants()
+
+
+def _cache(manager: StageKVManager, request_id: str, hashes: list[bytes]) -> list[int]:
+    """Probe, commit and compute ``hashes`` as one request, then release it: cached blocks."""
+    hit = manager.probe_pin(request_id, hashes, 5.0)
+    table = manager.commit(request_id, hit, len(hashes), 5.0)
+    assert table is not None
+    manager.mark_computed(request_id, len(hashes) * manager.pool.block_size, hashes)
+    manager.release(request_id)
+    return table
+
+
+def test_a_probe_starts_from_the_latest_walk_of_its_prefix_and_pins_what_a_full_walk_pins() -> None:
+    manager = StageKVManager(BlockPool(32, 4))
+    chain = _hashes(5, "a")
+    _cache(manager, "warm", chain)
+    # a probe of the same prefix starts from the walk before it: same blocks as a full walk
+    assert manager.probe_pin("p1", chain[:3] + _hashes(2, "x"), 5.0) == 3
+    assert manager.probe_pin("p2", chain + _hashes(1, "y"), 5.0) == 5
+    assert manager.receipt("p2").block_ids == tuple(manager.pool.find_longest_cache_hit(chain))
+    # blocks stored since the walk that stopped early: the next probe goes on past it
+    _cache(manager, "more", chain[:3] + _hashes(2, "x"))
+    assert manager.probe_pin("p3", chain[:3] + _hashes(2, "x"), 5.0) == 5
+    # evicted since: the earlier walk is not used
+    for request_id in ("p1", "p2", "p3"):
+        manager.release(request_id)
+    assert manager.probe_pin("big", _hashes(1, "z"), 5.0) == 0
+    assert manager.commit("big", 0, 32, 5.0) is not None  # takes every block: evicts all
+    manager.release("big")
+    assert manager.probe_pin("p4", chain[:3] + _hashes(2, "x"), 5.0) == 0
+    manager.pool.check_invariants()
+
+
+def test_a_probe_sharing_first_and_last_hashes_with_a_forged_one_does_not_inherit_its_blocks() -> (
+    None
+):
+    """A forged probe whose hashes match a real chain's at the ends but name another cached
+    block in the middle: a later real probe must not take that block (the common prefix is
+    compared, not guessed from a binary search over the chain)."""
+    manager = StageKVManager(BlockPool(32, 4))
+    chain, other = _hashes(5, "a"), _hashes(2, "b")
+    _cache(manager, "warm-a", chain)
+    _cache(manager, "warm-b", other)
+    forged = [chain[0], other[1], *chain[2:]]
+    assert manager.probe_pin("forged", forged, 5.0) == 5
+    assert manager.probe_pin("real", chain, 5.0) == 5
+    assert manager.receipt("real").block_ids == tuple(manager.pool.find_longest_cache_hit(chain))
+
+
+_SHARED_TOKENS = [list(range(100 + 40 * i, 140 + 40 * i)) for i in range(2)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompts=st.lists(
+        st.tuples(
+            st.integers(0, 1),  # which shared prefix
+            st.integers(0, 40),  # how much of it
+            st.lists(st.integers(0, 3), max_size=12),  # then new tokens
+            st.sampled_from(["", "tenant"]),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_a_prompt_hasher_hashes_as_hash_prompt_blocks(prompts: list) -> None:
+    """Prompts sharing prefixes of every length (also mid-block, and with other salts): the
+    hasher that reuses a recent prompt's blocks answers exactly as hashing from scratch."""
+    hasher = PromptHasher(4, MODEL_ID, max_prompts=2)
+    for which, length, tail, salt in prompts:
+        token_ids = _SHARED_TOKENS[which][:length] + tail
+        assert hasher(token_ids, salt) == hash_prompt_blocks(token_ids, 4, MODEL_ID, salt)
+
+
+def test_a_prompt_hasher_refuses_what_hash_prompt_blocks_refuses() -> None:
+    hasher = PromptHasher(4, MODEL_ID)
+    with pytest.raises(ValueError, match="token_ids"):
+        hasher([1, 2, -3, 4])
+    with pytest.raises(ValueError, match="model_id"):
+        PromptHasher(4, "")([1, 2, 3, 4])

@@ -10,7 +10,10 @@ What holds, and is asserted after every step:
   pinned block is never evicted).
 - Events replayed as set operations reproduce the pool's cached hash set (a shadow index), and
   each "stored" event is a hash chain following its parent_block_hash.
-- ``find_longest_cache_hit`` returns exactly the leading run of hashes present.
+- ``find_longest_cache_hit`` returns exactly the leading run of hashes present, and so does
+  ``pin_cache_hit`` when it starts from an earlier walk (still exact, or stale: a hash left
+  or entered the pool since)
+  for a sequence sharing some leading hashes with that walk's.
 - A refused commit leaves no pins for that request, and is refused only when the pool really
   lacks the blocks; after every request is released, nothing leaks.
 
@@ -34,7 +37,13 @@ from hypothesis.stateful import (
     rule,
 )
 
-from wavepp.runtime.kv import BlockPool, KVEvent, StageKVManager, hash_prompt_blocks
+from wavepp.runtime.kv import (
+    BlockPool,
+    CacheHit,
+    KVEvent,
+    StageKVManager,
+    hash_prompt_blocks,
+)
 
 _SETTINGS = settings(
     max_examples=150,
@@ -61,6 +70,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.model_hash: list[bytes | None] = [None] * _NUM_POOL_BLOCKS
         self.model_events: list[KVEvent] = []
         self.holders: list[list[int]] = []
+        self.walks: list[tuple[list[bytes], CacheHit]] = []  # earlier pin_cache_hit results
 
     def _model_map(self) -> dict[bytes, int]:
         return {h: b for b, h in enumerate(self.model_hash) if h is not None}
@@ -138,6 +148,32 @@ class BlockPoolMachine(RuleBasedStateMachine):
             self.model_refs[block_id] += 1
         if hit:
             self.holders.append(hit)
+
+    @precondition(lambda self: len(self.holders) < _MAX_HOLDERS)
+    @rule(data=st.data(), extra=st.lists(st.sampled_from(_HASH_UNIVERSE), max_size=4))
+    def pin_cache_hit_from_an_earlier_walk(self, data: st.DataObject, extra: list[bytes]) -> None:
+        prior: CacheHit | None = None
+        shared: list[bytes] = []
+        if self.walks and data.draw(st.booleans(), label="from an earlier walk"):
+            earlier, prior = data.draw(st.sampled_from(self.walks), label="walk")
+            shared = earlier[: data.draw(st.integers(0, len(earlier)), label="num_shared")]
+        block_hashes = shared + extra
+        model_map = self._model_map()
+        expected = []
+        for block_hash in block_hashes:
+            if block_hash not in model_map:
+                break
+            expected.append(model_map[block_hash])
+        walk = self.pool.pin_cache_hit(block_hashes, prior, len(shared))
+        assert list(walk.block_ids) == expected
+        assert (walk.evictions, walk.stores) == (self.pool.num_evictions, self.pool.num_stores)
+        self.walks = [*self.walks[-3:], (block_hashes, walk)]
+        for block_id in expected:
+            if self.model_refs[block_id] == 0:
+                self.model_free.remove(block_id)
+            self.model_refs[block_id] += 1
+        if expected:
+            self.holders.append(expected)
 
     @precondition(lambda self: self.holders)
     @rule(data=st.data())

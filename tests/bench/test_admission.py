@@ -26,6 +26,8 @@ async def test_admission_bench_measures_each_setting() -> None:
         assert 0 < r["latency_p50_ms"] <= r["latency_p99_ms"]
         assert len(r["replica_p99_ms"]) == r["replicas"]
         assert r["cpu_us_per_agreement"] > 0
+    assert results[0]["mean_agreed_blocks"] == 0  # mixed: nothing cached beforehand
+    assert results[2]["mean_agreed_blocks"] == (256 - 32) // 16
     assert results[0]["rounds"] == 12  # one at a time: one request per round
     assert results[1]["rounds"] >= 6  # at most 2 per round
     table = format_table(results)
@@ -37,3 +39,23 @@ async def test_bad_settings_name_the_field() -> None:
         await run_admission_bench([AdmissionSetting(1, 1, workload="nope")])
     with pytest.raises(ValueError, match="suffix_tokens"):
         await run_admission_bench([AdmissionSetting(1, 1)], num_prompt_tokens=8, suffix_tokens=9)
+
+
+async def test_stage_kv_servers_can_run_in_processes_of_their_own() -> None:
+    """``stage_processes``: each stage KV server a spawned process (as in production); its CPU
+    is counted, the short-suffix prefixes are cached there (L* covers them), and every process
+    is gone after."""
+    import multiprocessing
+
+    [row] = await run_admission_bench(
+        [AdmissionSetting(2, 4, workload="short-suffix", stage_processes=True)],
+        num_requests=16,
+        num_prompt_tokens=256,
+        suffix_tokens=32,
+        block_size=16,
+    )
+    assert row["stage_processes"] is True and row["agreements_per_s"] > 0
+    assert row["cpu_us_split"]["stages"] >= 0  # /proc ticks (10 ms): 0 for so short a run
+    assert row["mean_agreed_blocks"] == (256 - 32) // 16  # each prompt's shared prefix, cached
+    assert row["cpu_us_per_agreement"] >= row["cpu_us_split"]["controller"]
+    assert not multiprocessing.active_children()

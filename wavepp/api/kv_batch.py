@@ -1,4 +1,4 @@
-"""The batched agreement wire format (version 1): one binary message per stage per admission round.
+"""The batched agreement wire format (version 2): one binary message per stage per admission round.
 
 A round carries the probes (or the commits, or the releases) of every request ready in it, so a
 stage answers a whole round with one message and one pass over its block table, instead of one
@@ -9,7 +9,8 @@ Layout (little-endian; ``rid`` = u16 length + UTF-8 request id, 1..256 bytes)::
 
     request  "WKB" | u8 version | u8 op | f64 lease_s | u8 owner length | owner (ASCII, <= 64)
              | u64 seq | u32 count | count x entry | 32-byte mac
-      op 1 probe   entry: rid | u32 n | n x 32-byte block hash
+      op 1 probe   entry: rid | u32 n | u32 shared_from | u32 shared_len
+                          | (n - shared_len) x 32-byte block hash
       op 2 commit  entry: rid | u32 num_agreed_blocks | u32 num_total_blocks
       op 3 release entry: rid                             (lease_s ignored, 0)
     reply    "WKR" | u8 version | u8 op | u16 rank | u32 num_free_blocks | u32 num_blocks
@@ -17,6 +18,14 @@ Layout (little-endian; ``rid`` = u16 length + UTF-8 request id, 1..256 bytes)::
              | u32 count | count x (u8 status | u32 value | u16 length | UTF-8 error)
       status 0 ok (value: hit blocks for a probe, reserved blocks for a commit), 1 refused (a
       reservation that does not fit now; nothing held), 2 invalid (the entry names the fault)
+
+A probe entry names its first ``shared_len`` hashes by reference: they are the first
+``shared_len`` hashes of entry ``shared_from - 1`` of the same batch (an earlier one; 0 with
+``shared_len`` 0: no reference), and only the rest travel. Requests of a round that share a long
+prefix (agentic and chat workloads: thousands of tokens in common, a short new suffix) so carry
+it once, and a stage walks its block table once for it (``BlockPool.pin_cache_hit``). Version 1
+(no ``shared_from``/``shared_len``: every hash travels) is still decoded; replies are unchanged
+(their version byte stays 1).
 
 ``owner`` is the admission instance sending the round and ``seq`` its op number (a stage refuses a
 replayed one); ``mac`` is HMAC-SHA256 under the replica's bus key (``wavepp.api.signing``) of
@@ -30,15 +39,18 @@ from __future__ import annotations
 import hmac
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import NamedTuple
 
 from wavepp.api.signing import BusKey
 
 __all__ = [
     "BLOCK_HASH_BYTES",
     "KV_BATCH_VERSION",
+    "KV_REPLY_VERSION",
     "MAX_BATCH_ENTRIES",
+    "MAX_BLOCKS_PER_BATCH",
     "MAX_BLOCKS_PER_ENTRY",
     "BatchOp",
     "CommitEntry",
@@ -54,10 +66,13 @@ __all__ = [
     "encode_reply",
 ]
 
-KV_BATCH_VERSION = 1
+KV_BATCH_VERSION = 2
+KV_REPLY_VERSION = 1
+_DECODED_VERSIONS = (1, 2)
 BLOCK_HASH_BYTES = 32
 MAX_BATCH_ENTRIES = 4096
 MAX_BLOCKS_PER_ENTRY = 1 << 20  # 64 Mi tokens at 64-token blocks
+MAX_BLOCKS_PER_BATCH = 1 << 22  # hashes named in one batch, shared ones included (32 MiB of refs)
 MAX_REQUEST_ID_BYTES = 256
 MAX_LEASE_S = 3600.0
 
@@ -72,6 +87,7 @@ _REPLY_HEADER = struct.Struct("<3sBBHIIH")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _COMMIT = struct.Struct("<II")
+_PROBE_V2 = struct.Struct("<III")
 _RESULT = struct.Struct("<BIH")
 
 
@@ -91,16 +107,14 @@ class EntryStatus(IntEnum):
     INVALID = 2
 
 
-@dataclass(frozen=True)
-class ProbeEntry:
+class ProbeEntry(NamedTuple):
     """Pin the longest locally cached prefix of ``block_hashes`` (32-byte digests each)."""
 
     request_id: str
     block_hashes: tuple[bytes, ...]
 
 
-@dataclass(frozen=True)
-class CommitEntry:
+class CommitEntry(NamedTuple):
     """Unpin past ``num_agreed_blocks`` (L*) and reserve up to ``num_total_blocks``."""
 
     request_id: str
@@ -111,17 +125,21 @@ class CommitEntry:
 @dataclass(frozen=True)
 class KVBatch:
     """One round's message to one stage: ``entries`` are ProbeEntry for PROBE, CommitEntry for
-    COMMIT, request ids (str) for RELEASE."""
+    COMMIT, request ids (str) for RELEASE.
+
+    ``shares``, set by ``decode_batch`` for a probe batch (``encode_batch`` finds the sharing
+    itself and ignores it): per entry ``(shared_from, shared_len)``, ``block_hashes[:shared_len]``
+    being the first ``shared_len`` hashes of entry ``shared_from`` (-1: none)."""
 
     op: BatchOp
     entries: tuple[ProbeEntry | CommitEntry | str, ...]
     lease_s: float = 0.0
     owner: str = ""  # the admission instance (only it may commit or release what it probed)
     seq: int = 0  # the owner's op number
+    shares: tuple[tuple[int, int], ...] = field(default=(), compare=False)
 
 
-@dataclass(frozen=True)
-class EntryResult:
+class EntryResult(NamedTuple):
     status: EntryStatus
     value: int = 0
     error: str = ""
@@ -176,18 +194,31 @@ def encode_batch(batch: KVBatch, bus_key: BusKey | None = None) -> bytes:
         _OWNER_SEQ.pack(batch.seq),
         _U32.pack(len(batch.entries)),
     ]
-    for entry in batch.entries:
+    # first hash -> the latest probe entry (index, hashes) that starts with it
+    latest_with_root: dict[bytes, tuple[int, tuple[bytes, ...]]] = {}
+    for index, entry in enumerate(batch.entries):
         if batch.op is BatchOp.PROBE:
             assert isinstance(entry, ProbeEntry)
-            hashes = entry.block_hashes
+            hashes = tuple(entry.block_hashes)
             if len(hashes) > MAX_BLOCKS_PER_ENTRY:
                 raise KVWireError(
                     f"block_hashes: {len(hashes)}; at most {MAX_BLOCKS_PER_ENTRY} per request"
                 )
-            joined = b"".join(hashes)
-            if len(joined) != BLOCK_HASH_BYTES * len(hashes):
+            shared_from, shared_len = 0, 0
+            if hashes:
+                earlier = latest_with_root.get(hashes[0])
+                if earlier is not None:
+                    shared_from, shared_len = earlier[0] + 1, _common_prefix(earlier[1], hashes)
+                latest_with_root[hashes[0]] = (index, hashes)
+            rest = hashes[shared_len:]
+            joined = b"".join(rest)
+            if len(joined) != BLOCK_HASH_BYTES * len(rest):  # the shared ones were checked
                 raise KVWireError(f"block_hashes: each must be {BLOCK_HASH_BYTES} bytes")
-            parts += [_rid(entry.request_id), _U32.pack(len(hashes)), joined]
+            parts += [
+                _rid(entry.request_id),
+                _PROBE_V2.pack(len(hashes), shared_from, shared_len),
+                joined,
+            ]
         elif batch.op is BatchOp.COMMIT:
             assert isinstance(entry, CommitEntry)
             parts += [
@@ -201,13 +232,32 @@ def encode_batch(batch: KVBatch, bus_key: BusKey | None = None) -> bytes:
     return body + (bus_key.mac_bytes(b"KVBatch", body) if bus_key is not None else _NO_MAC)
 
 
+def _common_prefix(a: tuple[bytes, ...], b: tuple[bytes, ...]) -> int:
+    """Length of the longest common prefix of two hash sequences. Chained block hashes are equal
+    at i only if equal before i, so a binary search finds it; the result is checked (any
+    sequence is encoded right, chained or not) and a linear scan is the fallback."""
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; a[:hi + 1] != b[:hi + 1] past hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    if a[:lo] == b[:lo]:
+        return lo
+    n = 0  # pragma: no cover - not chained hashes
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def encode_reply(reply: KVBatchReply) -> bytes:
     """Serialise a stage's reply (errors truncated to 1,024 bytes each)."""
     error = reply.error.encode()[:1024]
     parts = [
         _REPLY_HEADER.pack(
             _REPLY_MAGIC,
-            KV_BATCH_VERSION,
+            KV_REPLY_VERSION,
             int(reply.op),
             reply.rank,
             reply.num_free_blocks,
@@ -217,9 +267,13 @@ def encode_reply(reply: KVBatchReply) -> bytes:
         error,
         _U32.pack(len(reply.results)),
     ]
-    for result in reply.results:
-        text = result.error.encode()[:1024]
-        parts += [_RESULT.pack(int(result.status), result.value, len(text)), text]
+    pack = _RESULT.pack
+    for status, value, text in reply.results:
+        if text:
+            raw = text.encode()[:1024]
+            parts += [pack(status, value, len(raw)), raw]
+        else:
+            parts.append(pack(status, value, 0))
     return b"".join(parts)
 
 
@@ -277,8 +331,10 @@ def decode_batch(payload: bytes, bus_key: BusKey | None = None) -> KVBatch:
     magic, version, op, lease_s = reader.unpack(_REQ_HEADER, "header")
     if magic != _REQUEST_MAGIC:
         raise KVWireError("header: not a KV batch (bad magic)")
-    if version != KV_BATCH_VERSION:
-        raise KVWireError(f"version: {version}; this stage speaks {KV_BATCH_VERSION}")
+    if version not in _DECODED_VERSIONS:
+        raise KVWireError(
+            f"version: {version}; this stage speaks {', '.join(map(str, _DECODED_VERSIONS))}"
+        )
     try:
         batch_op = BatchOp(op)
     except ValueError as exc:
@@ -296,20 +352,98 @@ def decode_batch(payload: bytes, bus_key: BusKey | None = None) -> KVBatch:
         raise KVWireError("owner: not ASCII") from exc
     (seq,) = reader.unpack(_OWNER_SEQ, "seq")
     (count,) = reader.unpack(_U32, "count")
+    entries, shares = _decode_entries(bytes(body), reader.at, _count(count), batch_op, version)
+    return KVBatch(
+        batch_op,
+        entries,
+        lease_s if batch_op is not BatchOp.RELEASE else 0.0,
+        owner,
+        seq,
+        shares,
+    )
+
+
+def _truncated(field: str, at: int, size: int) -> KVWireError:
+    return KVWireError(f"{field}: truncated at byte {at} of {size}")
+
+
+def _decode_entries(
+    data: bytes, at: int, count: int, op: BatchOp, version: int
+) -> tuple[tuple[ProbeEntry | CommitEntry | str, ...], tuple[tuple[int, int], ...]]:
+    """The ``count`` entries from byte ``at`` of ``data`` (a batch's body, up to the mac), and
+    the probe entries' shares. One pass with plain offsets: this runs once per entry per stage
+    per round, the hot path of a stage's agreement work."""
+    size = len(data)
+    u16, u32 = _U16.unpack_from, _U32.unpack_from
     entries: list[ProbeEntry | CommitEntry | str] = []
-    for _ in range(_count(count)):
-        rid = reader.rid()
-        if batch_op is BatchOp.PROBE:
-            (n,) = reader.unpack(_U32, "block_hashes count")
+    shares: list[tuple[int, int]] = []
+    num_named = 0
+    for index in range(count):
+        if at + 2 > size:
+            raise _truncated("request_id length", at, size)
+        (n,) = u16(data, at)
+        at += 2
+        if not 1 <= n <= MAX_REQUEST_ID_BYTES:
+            raise KVWireError(f"request_id: {n} bytes; must be 1..{MAX_REQUEST_ID_BYTES}")
+        if at + n > size:
+            raise _truncated("request_id", at, size)
+        try:
+            rid = data[at : at + n].decode()
+        except UnicodeDecodeError as exc:
+            raise KVWireError("request_id: not UTF-8") from exc
+        at += n
+        if op is BatchOp.PROBE:
+            if version == 1:
+                if at + 4 > size:
+                    raise _truncated("block_hashes count", at, size)
+                (n,) = u32(data, at)
+                at += 4
+                shared_from = shared_len = 0
+            else:
+                if at + 12 > size:
+                    raise _truncated("block_hashes counts", at, size)
+                n, shared_from, shared_len = _PROBE_V2.unpack_from(data, at)
+                at += 12
             if n > MAX_BLOCKS_PER_ENTRY:
                 raise KVWireError(f"block_hashes: {n}; at most {MAX_BLOCKS_PER_ENTRY} per request")
-            raw = bytes(reader.take(n * BLOCK_HASH_BYTES, "block_hashes"))
-            hashes = tuple(
-                raw[i : i + BLOCK_HASH_BYTES] for i in range(0, len(raw), BLOCK_HASH_BYTES)
+            num_named += n
+            if num_named > MAX_BLOCKS_PER_BATCH:
+                raise KVWireError(
+                    f"block_hashes: {num_named} named by entries 0..{index}; at most "
+                    f"{MAX_BLOCKS_PER_BATCH} per batch (shared ones included)"
+                )
+            shared: tuple[bytes, ...] = ()
+            if shared_from:
+                if shared_from > index:
+                    raise KVWireError(
+                        f"shared_from: {shared_from} in entry {index}; must name an earlier "
+                        f"entry (1..{index}) or be 0"
+                    )
+                earlier = entries[shared_from - 1][1]
+                if not 0 < shared_len <= min(n, len(earlier)):
+                    raise KVWireError(
+                        f"shared_len: {shared_len} in entry {index}; must be in [1, "
+                        f"{min(n, len(earlier))}] (its count and entry {shared_from - 1}'s)"
+                    )
+                shared = earlier[:shared_len]  # type: ignore[assignment]
+            elif shared_len:
+                raise KVWireError(
+                    f"shared_len: {shared_len} in entry {index}; 0 without shared_from"
+                )
+            end = at + (n - shared_len) * BLOCK_HASH_BYTES
+            if end > size:
+                raise _truncated("block_hashes", at, size)
+            hashes = shared + tuple(
+                [data[i : i + BLOCK_HASH_BYTES] for i in range(at, end, BLOCK_HASH_BYTES)]
             )
+            at = end
             entries.append(ProbeEntry(rid, hashes))
-        elif batch_op is BatchOp.COMMIT:
-            agreed, total = reader.unpack(_COMMIT, "commit counts")
+            shares.append((shared_from - 1, shared_len))
+        elif op is BatchOp.COMMIT:
+            if at + 8 > size:
+                raise _truncated("commit counts", at, size)
+            agreed, total = _COMMIT.unpack_from(data, at)
+            at += 8
             if total < 1 or agreed > total:
                 raise KVWireError(
                     f"num_total_blocks={total}, num_agreed_blocks={agreed}: need "
@@ -318,14 +452,12 @@ def decode_batch(payload: bytes, bus_key: BusKey | None = None) -> KVBatch:
             entries.append(CommitEntry(rid, agreed, total))
         else:
             entries.append(rid)
-    reader.done()
-    return KVBatch(
-        batch_op,
-        tuple(entries),
-        lease_s if batch_op is not BatchOp.RELEASE else 0.0,
-        owner,
-        seq,
-    )
+    if at != size:
+        raise KVWireError(f"payload: {size - at} bytes after the last entry")
+    return tuple(entries), tuple(shares)
+
+
+_STATUSES = tuple(EntryStatus)
 
 
 def decode_reply(payload: bytes) -> KVBatchReply:
@@ -334,14 +466,20 @@ def decode_reply(payload: bytes) -> KVBatchReply:
     magic, version, op, rank, free, blocks, error_len = reader.unpack(_REPLY_HEADER, "header")
     if magic != _REPLY_MAGIC:
         raise KVWireError("header: not a KV batch reply (bad magic)")
-    if version != KV_BATCH_VERSION:
-        raise KVWireError(f"version: {version}; this controller speaks {KV_BATCH_VERSION}")
+    if version != KV_REPLY_VERSION:
+        raise KVWireError(f"version: {version}; this controller speaks {KV_REPLY_VERSION}")
     try:
         batch_op = BatchOp(op)
     except ValueError as exc:
         raise KVWireError(f"op: {op}; must be 1, 2 or 3") from exc
     error = reader.text(error_len, "error")
     (count,) = reader.unpack(_U32, "count")
+    rest = reader.view[reader.at :]
+    if len(rest) == _RESULT.size * _count(count):  # no entry carries an error text
+        fields = list(_RESULT.iter_unpack(rest))
+        if all(n == 0 and status < len(_STATUSES) for status, _, n in fields):
+            results = tuple([EntryResult(_STATUSES[status], value) for status, value, _ in fields])
+            return KVBatchReply(batch_op, rank, free, blocks, results, error)
     results = []
     for _ in range(_count(count)):
         status, value, n = reader.unpack(_RESULT, "result")

@@ -1,10 +1,17 @@
 """Admission cadence microbenchmark: agreements per second and latency over real NATS.
 
 An embedded nats-server, R replicas of S stage KV servers (each a ``StageKVManager`` answering
-the stage's agreement subjects with the stage process's own handlers, ``serve_stage_kv``; here
-all R x S share this process's event loop, one NATS connection each) and R real
-``AdmissionController``s, one per replica, running probe-pin / commit in batched rounds of at
-most ``batch_limit`` requests. Each replica keeps ``in_flight`` agreements outstanding.
+the stage's agreement subjects with the stage process's own handlers, ``serve_stage_kv``, on
+its own NATS connection) and R real ``AdmissionController``s, one per replica, running
+probe-pin / commit in batched rounds of at most ``batch_limit`` requests. Each replica keeps
+``in_flight`` agreements outstanding.
+
+With ``stage_processes`` (as in production: one process per stage) every stage KV server runs in
+a process of its own; without (the default), all R x S share this process's event loop (the
+controller's), which then does every stage's work too. On 2 shared cores the S + 1 processes
+cost more CPU per agreement than they take off the controller (measured: at S = 8 the stage
+processes used 200-650 us of CPU per agreement, against ~100-200 us of stage work in-process),
+so the in-process setting is the default here; on separate hosts the stages would not compete.
 
 Workloads (``num_prompt_tokens`` per prompt):
 
@@ -16,8 +23,9 @@ Workloads (``num_prompt_tokens`` per prompt):
 
 Measured per setting: agreements/s over the run (all replicas), p50/p99 latency of one ``agree``
 call (prompt hashing included), each replica's p99, rounds and mean batch size, and the CPU time
-per agreement of this process plus the nats-server (on a shared machine, CPU per agreement is the
-figure that contention does not distort). Compare with the pipeline's consumption rate: a
+per agreement of this process, the stage processes and the nats-server (on a shared machine, CPU
+per agreement is the figure that contention does not distort), and that CPU split by process:
+controller (this process), stages, nats-server. Compare with the pipeline's consumption rate: a
 micro-batch of ``chunk_tokens`` new tokens takes t_mb seconds per stage, so the pipeline consumes
 about (chunk_tokens / new tokens per request) / t_mb agreements per second.
 """
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import time
 from collections.abc import Sequence
@@ -37,7 +46,7 @@ import numpy as np
 from wavepp.api.subjects import replica_prefix
 from wavepp.runtime.agreement import AdmissionController
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
-from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
 
@@ -57,6 +66,74 @@ class AdmissionSetting:
     batch_limit: int = 512
     replicas: int = 1
     workload: str = "mixed"
+    stage_processes: bool = False
+
+
+def _stage_process(
+    url: str,
+    prefix: str,
+    rank: int,
+    num_blocks: int,
+    block_size: int,
+    cached: list[list[bytes]],
+    conn: Any,
+) -> None:
+    """A stage KV server in a process of its own (the target of a spawned process): the
+    ``cached`` prefixes (full-block hashes) computed once, then ``serve_stage_kv`` until the
+    parent sends anything (or goes away) on ``conn``."""
+    manager = StageKVManager(BlockPool(num_blocks, block_size))
+    for index, hashes in enumerate(cached):
+        request_id = f"warm-{index}"
+        hit = manager.probe_pin(request_id, hashes, 30.0)
+        manager.commit(request_id, hit, len(hashes) + 1, 30.0)
+        manager.mark_computed(request_id, len(hashes) * block_size, hashes)
+        manager.release(request_id)
+
+    async def serve() -> None:
+        nc = await connect(url, name=f"admbench-stage-{rank}", anonymous_ok=True)
+        await serve_stage_kv(nc, prefix, rank, manager)
+        await nc.flush()
+        conn.send(os.getpid())
+        with contextlib.suppress(EOFError, OSError):
+            await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        await nc.drain()
+
+    asyncio.run(serve())
+
+
+async def _start_stage_processes(
+    stack: contextlib.AsyncExitStack,
+    url: str,
+    prefix: str,
+    stages: int,
+    num_blocks: int,
+    block_size: int,
+    cached: list[list[bytes]],
+) -> list[int]:
+    """Spawn one stage KV server process per rank; their pids once all of them serve."""
+    context = multiprocessing.get_context("spawn")
+    pipes = []
+    for rank in range(stages):
+        parent, child = context.Pipe()
+        process = context.Process(
+            target=_stage_process,
+            args=(url, prefix, rank, num_blocks, block_size, cached, child),
+            daemon=True,
+        )
+        process.start()
+        child.close()
+        pipes.append(parent)
+
+        def stop(parent: Any = parent, process: Any = process) -> None:
+            with contextlib.suppress(OSError):
+                parent.send("stop")
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+
+        stack.callback(stop)
+    loop = asyncio.get_running_loop()
+    return [await loop.run_in_executor(None, parent.recv) for parent in pipes]
 
 
 def _prompts(
@@ -81,9 +158,8 @@ def _prompts(
     return prompts, prefixes
 
 
-def _server_cpu_s(server: EmbeddedNatsServer) -> float | None:
-    """CPU seconds (user + system) the nats-server process used so far; None off Linux."""
-    pid = server.pid
+def _proc_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds (user + system) process ``pid`` used so far; None off Linux."""
     if pid is None:
         return None
     try:
@@ -114,11 +190,17 @@ async def _one_setting(
     blocks_per_prompt = num_prompt_tokens // block_size + 1
     num_blocks = (num_requests + len(prefixes)) * blocks_per_prompt + 64
     controllers: list[AdmissionController] = []
+    stage_pids: list[int] = []
+    cached = [hash_prompt_blocks(list(p) + [0], block_size, _MODEL_ID) for p in prefixes]
     async with contextlib.AsyncExitStack() as stack:
         for replica in range(setting.replicas):
             prefix = replica_prefix(f"admbench{tag}r{replica}", namespace="bench")
             managers = []
-            for rank in range(setting.stages):
+            if setting.stage_processes:
+                stage_pids += await _start_stage_processes(
+                    stack, server.url, prefix, setting.stages, num_blocks, block_size, cached
+                )
+            for rank in range(0 if setting.stage_processes else setting.stages):
                 nc = await connect(
                     server.url, name=f"admbench-r{replica}-stage-{rank}", anonymous_ok=True
                 )
@@ -137,10 +219,12 @@ async def _one_setting(
                 model_id=_MODEL_ID,
                 max_batch=setting.batch_limit,
             )
-            await _cache_prefixes(controller, managers, prefixes, tag=f"{tag}r{replica}")
+            if not setting.stage_processes:
+                await _cache_prefixes(controller, managers, prefixes, tag=f"{tag}r{replica}")
             controllers.append(controller)
 
         latencies: list[list[float]] = [[] for _ in controllers]
+        agreed_blocks: list[int] = []
 
         async def agree(replica: int, index: int, limiter: asyncio.Semaphore) -> None:
             async with limiter:
@@ -150,11 +234,14 @@ async def _one_setting(
                 latencies[replica].append(time.perf_counter() - started)
                 if ticket is None:
                     raise RuntimeError("admission bench pool too small: a reservation was refused")
+                agreed_blocks.append(ticket.num_agreed_blocks)
 
         limiters = [asyncio.Semaphore(setting.in_flight) for _ in controllers]
         per_replica = [range(r, num_requests, setting.replicas) for r in range(len(controllers))]
         rounds_before = [c.num_rounds for c in controllers]
-        cpu_before, server_before = time.process_time(), _server_cpu_s(server)
+        pids = {"stages": stage_pids, "nats": [server.pid]}
+        cpu_before = {name: _cpu_of(group) for name, group in pids.items()}
+        controller_before = time.process_time()
         start = time.perf_counter()
         await asyncio.gather(
             *(
@@ -164,10 +251,10 @@ async def _one_setting(
             )
         )
         wall_s = time.perf_counter() - start
-        cpu_s = time.process_time() - cpu_before
-        server_after = _server_cpu_s(server)
-        if server_before is not None and server_after is not None:
-            cpu_s += server_after - server_before
+        cpu_split = {"controller": time.process_time() - controller_before}
+        for name, group in pids.items():
+            cpu_split[name] = _cpu_of(group) - cpu_before[name]
+        cpu_s = sum(cpu_split.values())
         num_rounds = sum(c.num_rounds - b for c, b in zip(controllers, rounds_before, strict=True))
         for replica, controller in enumerate(controllers):
             await controller.release([f"a{tag}-{replica}-{i}" for i in per_replica[replica]])
@@ -186,8 +273,17 @@ async def _one_setting(
         "replica_p99_ms": [round(float(np.percentile(x, 99)) * 1e3, 3) for x in latencies],
         "rounds": num_rounds,
         "mean_batch": round(num_requests / max(1, num_rounds), 1),
+        "mean_agreed_blocks": round(sum(agreed_blocks) / len(agreed_blocks), 1),
         "cpu_us_per_agreement": round(cpu_s / num_requests * 1e6, 1),
+        "cpu_us_split": {k: round(v / num_requests * 1e6, 1) for k, v in cpu_split.items()},
+        "stage_processes": setting.stage_processes,
+        "load_average": round(os.getloadavg()[0], 2),
     }
+
+
+def _cpu_of(pids: Sequence[int | None]) -> float:
+    """CPU seconds the processes used so far (0 for one that cannot be read)."""
+    return sum(_proc_cpu_s(pid) or 0.0 for pid in pids)
 
 
 async def _cache_prefixes(
@@ -223,7 +319,10 @@ async def run_admission_bench(
     Returns:
         One dict per setting: stages, in_flight, batch_limit, replicas, workload, requests,
         prompt_tokens, agreements_per_s, latency_p50_ms, latency_p99_ms, replica_p99_ms (one per
-        replica), rounds, mean_batch, cpu_us_per_agreement.
+        replica), rounds, mean_batch, mean_agreed_blocks (L*: the cached prefix agreed),
+        cpu_us_per_agreement, cpu_us_split (controller: this
+        process, stages: the stage processes, 0 without; nats: the nats-server),
+        stage_processes, load_average (the 1-minute load when the setting ended).
 
     Raises:
         ValueError: a count < 1, a suffix longer than the prompt, or an unknown workload.
@@ -266,14 +365,17 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
     """Markdown table of ``run_admission_bench`` results."""
     lines = [
         "| workload | S | R | in flight / replica | batch limit | agreements/s | p50 ms | "
-        "p99 ms | replica p99 ms | mean batch | CPU us / agreement |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+        "p99 ms | replica p99 ms | mean batch | CPU us / agreement (controller, stages, "
+        "nats) | load |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for r in results:
+        split = r["cpu_us_split"]
         lines.append(
             f"| {r['workload']} | {r['stages']} | {r['replicas']} | {r['in_flight']} | "
             f"{r['batch_limit']} | {r['agreements_per_s']} | {r['latency_p50_ms']} | "
             f"{r['latency_p99_ms']} | {' '.join(str(x) for x in r['replica_p99_ms'])} | "
-            f"{r['mean_batch']} | {r['cpu_us_per_agreement']} |"
+            f"{r['mean_batch']} | {r['cpu_us_per_agreement']} ({split['controller']}, "
+            f"{split['stages']}, {split['nats']}) | {r['load_average']} |"
         )
     return "\n".join(lines)

@@ -116,6 +116,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--suffix-tokens", type=int, default=192, help="new tokens per prompt (short-suffix)"
     )
     adm.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    adm.add_argument(
+        "--stage-processes",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="each stage KV server in a process of its own, as in production (default: all in "
+        "the controller's process: on a few shared cores S extra processes cost more CPU than "
+        "they take off the controller)",
+    )
     adm.add_argument("--json", action="store_true", help="stdout: the rows as one JSON line only")
     plot = sub.add_parser(
         "plot",
@@ -261,7 +269,7 @@ def _run_admission(args: argparse.Namespace) -> int:
     if not 1 <= args.suffix_tokens <= args.prompt_tokens:
         return _fail("--suffix-tokens", f"{args.suffix_tokens}: must be in [1, --prompt-tokens]")
     settings = [
-        AdmissionSetting(s, k, b, r, w)
+        AdmissionSetting(s, k, b, r, w, args.stage_processes)
         for w in workloads
         for r in lists["replicas"]
         for s in lists["stages"]

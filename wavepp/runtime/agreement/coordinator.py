@@ -49,7 +49,7 @@ from wavepp.api.messages import (
 from wavepp.api.signing import BusKey
 from wavepp.runtime.agreement.clients import StageClient
 from wavepp.runtime.agreement.rounds import AgreementRounds, PendingAgreement
-from wavepp.runtime.kv import hash_prompt_blocks
+from wavepp.runtime.kv import PromptHasher
 from wavepp.runtime.request import PromptRequest
 from wavepp.telemetry import tracing
 
@@ -110,6 +110,7 @@ class AdmissionController:
         self.lease_s = lease_s
         self.stage_capacities = list(stage_capacities) if stage_capacities else None
         self.bus_key = bus_key
+        self._hasher = PromptHasher(block_size, model_id)  # recent prompts' shared blocks
         self.owner = uuid.uuid4().hex[:16]  # this instance, as the stages know it
         self._seq = 0  # numbers this owner's ops: a stage refuses a replayed (signed) one
         self._live: set[str] = set()  # admitted, not released: their leases are renewed
@@ -127,9 +128,7 @@ class AdmissionController:
     def block_hashes(self, request: PromptRequest) -> list[bytes]:
         """The prompt's full-block hashes (computed once, memoised on the request)."""
         if request.block_hashes is None:
-            request.block_hashes = hash_prompt_blocks(
-                request.token_ids, self.block_size, self.model_id, request.cache_salt
-            )
+            request.block_hashes = self._hasher(request.token_ids, request.cache_salt)
         return request.block_hashes
 
     def num_total_blocks(self, request: PromptRequest) -> int:

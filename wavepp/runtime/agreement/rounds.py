@@ -262,7 +262,11 @@ class AgreementRounds:
 
     async def _call_all(self, batch: KVBatch) -> list[KVBatchReply]:
         payload = self._encode(batch)
-        raw = await asyncio.gather(*(stage.call_batch(payload) for stage in self.stages))
+        call_all = getattr(self.stages[0], "call_batch_all", None)
+        if call_all is not None and all(type(s) is type(self.stages[0]) for s in self.stages):
+            raw = await call_all(self.stages, payload)  # one fan-out (NatsStageClient)
+        else:
+            raw = await asyncio.gather(*(stage.call_batch(payload) for stage in self.stages))
         replies = []
         for stage, data in zip(self.stages, raw, strict=True):
             reply = decode_reply(data)

@@ -38,7 +38,9 @@ from wavepp.api.messages import (
     Renew,
 )
 from wavepp.api.signing import BusKey
-from wavepp.runtime.kv import StageKVManager
+from wavepp.runtime.kv import CacheHit, StageKVManager
+
+_OK = EntryResult(EntryStatus.OK)
 
 
 def handle_kv_request(
@@ -143,6 +145,10 @@ def handle_kv_batch(
     """Apply one admission round (a binary ``KVBatch``) to a stage's manager, in one pass, and
     return the encoded ``KVBatchReply``. Never raises on bad input.
 
+    A probe entry that shares its leading hashes with an earlier one of the batch starts its
+    walk of the block table where that one's ended (``BlockPool.pin_cache_hit``): one lookup
+    per new block, not per block of the prompt.
+
     Entries are applied in order, each exactly as its single-request counterpart in
     ``handle_kv_request`` (probe: pin the local hit; commit: unpin past L*, reserve the rest, or
     refuse and hold nothing; release). A malformed batch changes nothing and is answered with the
@@ -191,11 +197,21 @@ def handle_kv_batch(
             KVBatchReply(batch.op, rank, pool.num_free_blocks, pool.num_blocks, refused)
         )
     results: list[EntryResult] = []
-    for entry in batch.entries:
+    # each probe's walk: a later entry sharing its leading hashes starts from it
+    walks: list[CacheHit | None] = []
+    shares = batch.shares or ((-1, 0),) * len(batch.entries)
+    for index, entry in enumerate(batch.entries):
         try:
             if isinstance(entry, ProbeEntry):
-                hit = manager.probe_pin(
-                    entry.request_id, entry.block_hashes, batch.lease_s, owner=batch.owner
+                walks.append(None)
+                shared_from, num_shared = shares[index]
+                hit, walks[index] = manager.probe_pin_hit(
+                    entry.request_id,
+                    entry.block_hashes,
+                    batch.lease_s,
+                    owner=batch.owner,
+                    prior=walks[shared_from] if shared_from >= 0 else None,
+                    num_shared=num_shared,
                 )
                 results.append(EntryResult(EntryStatus.OK, hit))
             elif isinstance(entry, CommitEntry):
@@ -205,6 +221,7 @@ def handle_kv_batch(
                     entry.num_total_blocks,
                     batch.lease_s,
                     owner=batch.owner,
+                    copy=False,
                 )
                 if table is None:
                     need = entry.num_total_blocks - entry.num_agreed_blocks
@@ -222,7 +239,7 @@ def handle_kv_batch(
                     )
             else:
                 manager.release(entry, owner=batch.owner)
-                results.append(EntryResult(EntryStatus.OK))
+                results.append(_OK)
         except (ValueError, KeyError) as exc:
             results.append(EntryResult(EntryStatus.INVALID, 0, f"{batch.op.name.lower()}: {exc}"))
     return encode_reply(

@@ -2,7 +2,8 @@
 
 Layers, each pure (no I/O, no torch, no NATS; the clock is injected)::
 
-    hashing   root_block_hash, hash_block_tokens, hash_prompt_blocks  (chained sha256)
+    hashing   root_block_hash, hash_block_tokens, hash_prompt_blocks  (chained sha256),
+              PromptHasher (the same, not hashing again what a recent prompt shared)
     pool      BlockPool: capacity, block hash -> block map, ref counts, LRU; queues KVEvents
     manager   StageKVManager: probe/pin, commit/reserve, mark computed, release, leases
     inflight  InflightPrefixIndex: prefixes being computed right now (admission side)
@@ -13,19 +14,22 @@ Callers import from this package; the modules are its internals.
 from wavepp.runtime.kv.hashing import (
     BLOCK_HASH_NUM_BYTES,
     BlockHash,
+    PromptHasher,
     hash_block_tokens,
     hash_prompt_blocks,
     root_block_hash,
 )
 from wavepp.runtime.kv.manager import PinReceipt, StageKVManager
-from wavepp.runtime.kv.pool import BlockPool, KVEvent
+from wavepp.runtime.kv.pool import BlockPool, CacheHit, KVEvent
 
 __all__ = [
     "BLOCK_HASH_NUM_BYTES",
     "BlockHash",
     "BlockPool",
+    "CacheHit",
     "KVEvent",
     "PinReceipt",
+    "PromptHasher",
     "StageKVManager",
     "hash_block_tokens",
     "hash_prompt_blocks",

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from wavepp.runtime.kv.hashing import BlockHash
-from wavepp.runtime.kv.pool import BlockPool, KVEvent
+from wavepp.runtime.kv.pool import BlockPool, CacheHit, KVEvent
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,25 @@ class _HeldRequest:
     num_agreed_blocks: int = 0  # L*, after commit
     num_hashed_blocks: int = 0  # leading table blocks already passed to cache_full_blocks
     owner: str = ""  # who probed it (an admission instance); only it may commit or release it
+
+
+def _common_prefix(a: tuple[BlockHash, ...], b: tuple[BlockHash, ...]) -> int:
+    """Length of the longest common prefix of two hash sequences, exact. Chained hashes are
+    equal at i only if equal before i, so a binary search finds it; one slice comparison (in C)
+    checks it, and a linear scan is the fallback for sequences that are not chains."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    if a[:lo] == b[:lo]:
+        return lo
+    n = 0
+    while a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _check_lease(lease_s: float) -> None:
@@ -104,6 +123,12 @@ class StageKVManager:
         self._owner_seqs: OrderedDict[str, tuple[int, set[int]]] = OrderedDict()
         self._requests: dict[str, _HeldRequest] = {}
         self._num_admitted = 0
+        # first block hash -> (hashes, walk) of the latest probe starting with it: a later probe
+        # of the same prefix starts its walk there (BlockPool.pin_cache_hit)
+        self._recent_walks: dict[BlockHash, tuple[tuple[BlockHash, ...], CacheHit]] = {}
+
+    recent_walks_kept = 1024
+    """Prefix roots whose latest probe walk ``probe_pin`` remembers (oldest dropped)."""
 
     @property
     def num_requests(self) -> int:
@@ -118,6 +143,20 @@ class StageKVManager:
         *,
         owner: str = "",
     ) -> int:
+        """Pin the longest cached prefix of ``block_hashes`` for ``request_id``: ``probe_pin_hit``
+        without a prior walk; returns the local hit in blocks."""
+        return self.probe_pin_hit(request_id, block_hashes, lease_s, owner=owner)[0]
+
+    def probe_pin_hit(
+        self,
+        request_id: str,
+        block_hashes: Sequence[BlockHash],
+        lease_s: float,
+        *,
+        owner: str = "",
+        prior: CacheHit | None = None,
+        num_shared: int = 0,
+    ) -> tuple[int, CacheHit | None]:
         """Pin the longest cached prefix of ``block_hashes`` for ``request_id``.
 
         Idempotent by request id: for a request already held it pins nothing more and returns
@@ -130,9 +169,15 @@ class StageKVManager:
                 ``mark_computed``.
             lease_s: Seconds until ``expire`` may release the request, > 0, <= ``max_lease_s``.
             owner: Who holds it (the admission instance); only it may commit, renew, release.
+            prior: The walk of an earlier request of the same round whose first ``num_shared``
+                hashes are this one's (``BlockPool.pin_cache_hit``): not looked up again.
+                None: the latest probe of a prompt with the same first block, if its walk is
+                still exact, and the hashes the two have in common (compared).
+            num_shared: See ``prior``.
 
         Returns:
-            The local hit in blocks: number of leading hashes this stage holds, now pinned.
+            The local hit in blocks (number of leading hashes this stage holds, now pinned) and
+            the pool's walk (None when the request was already held: nothing walked).
 
         Raises:
             ValueError: on an empty ``request_id``, a bad ``lease_s``, or a request another
@@ -145,18 +190,28 @@ class StageKVManager:
         if held is not None:
             self._check_owner(held, owner)
             held.lease_expiry_s = max(held.lease_expiry_s, self._clock() + lease_s)
-            return len(held.hit_block_ids)
-        hit_block_ids = self.pool.pin_longest_cache_hit(block_hashes)
+            return len(held.hit_block_ids), None
+        block_hashes = tuple(block_hashes)
+        recent = self._recent_walks
+        if prior is None and block_hashes:
+            latest = recent.pop(block_hashes[0], None)
+            if latest is not None:
+                prior, num_shared = latest[1], _common_prefix(latest[0], block_hashes)
+        hit = self.pool.pin_cache_hit(block_hashes, prior, num_shared)
+        if block_hashes:
+            recent[block_hashes[0]] = (block_hashes, hit)
+            if len(recent) > self.recent_walks_kept:
+                del recent[next(iter(recent))]
         self._num_admitted += 1
         self._requests[request_id] = _HeldRequest(
             request_id,
-            hit_block_ids,
+            list(hit.block_ids),
             self._clock() + lease_s,
             self._num_admitted,
-            tuple(block_hashes),
+            block_hashes,
             owner=owner,
         )
-        return len(hit_block_ids)
+        return len(hit.block_ids), hit
 
     def commit(
         self,
@@ -166,6 +221,7 @@ class StageKVManager:
         lease_s: float,
         *,
         owner: str = "",
+        copy: bool = True,
     ) -> list[int] | None:
         """Keep the first L* pinned blocks, unpin the rest, reserve the blocks after L*.
 
@@ -176,6 +232,7 @@ class StageKVManager:
                 >= L*. The controller keeps L* below it when the last token must be computed.
             lease_s: New lease, seconds from now, > 0, <= ``max_lease_s``.
             owner: The owner that probed it.
+            copy: False: return the manager's own table (the caller only reads it, at once).
 
         Returns:
             The block table (L* cached ids, then num_total_blocks - L* fresh ids), or None
@@ -203,7 +260,7 @@ class StageKVManager:
                     f"{num_agreed_blocks}, {num_total_blocks}"
                 )
             held.lease_expiry_s = max(held.lease_expiry_s, self._clock() + lease_s)
-            return list(held.block_table)
+            return list(held.block_table) if copy else held.block_table
         num_hit_blocks = len(held.hit_block_ids)
         if not isinstance(num_agreed_blocks, int) or not 0 <= num_agreed_blocks <= num_hit_blocks:
             raise ValueError(
@@ -230,7 +287,7 @@ class StageKVManager:
         held.block_table = held.hit_block_ids + fresh_block_ids
         held.num_agreed_blocks = held.num_hashed_blocks = num_agreed_blocks
         held.lease_expiry_s = self._clock() + lease_s
-        return list(held.block_table)
+        return list(held.block_table) if copy else held.block_table
 
     def mark_computed(
         self,

@@ -40,6 +40,18 @@ class KVEvent:
             raise ValueError(f"kind must be 'stored' or 'removed', got {self.kind!r}")
 
 
+@dataclass(frozen=True)
+class CacheHit:
+    """The result of one ``BlockPool.pin_cache_hit`` walk: the leading blocks found (and pinned),
+    and the pool's ``num_evictions`` and ``num_stores`` then. While no hash has left the pool
+    since, the blocks found still hold their hashes; while none has entered either, the walk
+    also still stops where it stopped."""
+
+    block_ids: tuple[int, ...]
+    evictions: int
+    stores: int
+
+
 class _Block:
     """One block's metadata. Only _FreeBlockQueue touches prev_free/next_free."""
 
@@ -98,6 +110,23 @@ class _FreeBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_many(self, num_blocks: int) -> list[_Block]:
+        """The first ``num_blocks`` blocks, unlinked in one splice (``num_blocks`` <= len)."""
+        assert 0 <= num_blocks <= self._num_blocks, "free queue: popleft_many past the end"
+        taken: list[_Block] = []
+        block = self._head.next_free
+        for _ in range(num_blocks):
+            assert block is not None
+            taken.append(block)
+            next_block = block.next_free
+            block.prev_free = block.next_free = None
+            block = next_block
+        assert block is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        self._num_blocks -= num_blocks
+        return taken
+
     def remove(self, block: _Block) -> None:
         prev_block, next_block = block.prev_free, block.next_free
         assert prev_block is not None and next_block is not None, (
@@ -125,6 +154,9 @@ class _FreeBlockQueue:
         prev_block.next_free = block
         next_block.prev_free = block
         self._num_blocks += 1
+
+
+_INT_TYPES = frozenset((int, bool))
 
 
 def _invariant(condition: bool, message: str) -> None:
@@ -165,10 +197,14 @@ class BlockPool:
         self._blocks = [_Block(block_id) for block_id in range(num_blocks)]
         self._free_queue = _FreeBlockQueue(self._blocks)
         self._hash_to_block: dict[BlockHash, _Block] = {}
-        # NOTE: counters move only in _incr_ref/_decr_ref/_evict, next to the ref count.
+        # NOTE: counters move only next to a ref count change (_incr_ref, allocate, free,
+        # pin_cache_hit) or in _evict.
         self._num_pinned_blocks = 0
         self._num_evictable_blocks = 0
         self._events: list[KVEvent] = []
+        # NOTE: hashes that left / entered the map so far (when a CacheHit is still exact).
+        self._evictions = 0
+        self._stores = 0
 
     # ---- counters ------------------------------------------------------------------------
 
@@ -186,6 +222,16 @@ class BlockPool:
     def num_pinned_blocks(self) -> int:
         """Blocks with ref count > 0."""
         return self._num_pinned_blocks
+
+    @property
+    def num_evictions(self) -> int:
+        """Hashes that have left the pool so far (evicted blocks)."""
+        return self._evictions
+
+    @property
+    def num_stores(self) -> int:
+        """Hashes that have entered the pool so far (``cache_full_blocks``)."""
+        return self._stores
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -237,20 +283,72 @@ class BlockPool:
         Returns:
             The pinned block ids, block order (as ``find_longest_cache_hit``).
         """
-        hash_to_block = self._hash_to_block
-        free_queue = self._free_queue
-        block_ids: list[int] = []
-        for block_hash in block_hashes:
-            block = hash_to_block.get(block_hash)
-            if block is None:
-                break
+        return list(self.pin_cache_hit(block_hashes).block_ids)
+
+    def pin_cache_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        prior: CacheHit | None = None,
+        num_shared: int = 0,
+    ) -> CacheHit:
+        """Pin the longest leading run of ``block_hashes`` held here, reusing an earlier walk.
+
+        With ``prior`` (this pool's answer for another sequence) and ``num_shared`` (how many
+        leading hashes the two sequences have in common), the shared part is not looked up
+        again: while no hash has left the pool since the prior walk, the hit on it is
+        ``prior.block_ids[:num_shared]``; the walk stops there if the prior's did and no hash
+        has entered since, and goes on from there otherwise. A prior from before an eviction,
+        or whose last shared block does not hold ``block_hashes[num_shared - 1]``, is ignored (a
+        full walk). One ref count per block either way; requests sharing a long prefix pay one
+        dict lookup per new block.
+
+        Args:
+            block_hashes: A prompt's full-block hashes, block order.
+            prior: An earlier ``pin_cache_hit`` result of this pool, or None.
+            num_shared: ``block_hashes[:num_shared]`` equal the prior sequence's first
+                ``num_shared`` hashes (the caller's claim; checked at its last shared block).
+
+        Returns:
+            The pinned blocks (``find_longest_cache_hit``'s ids) and the pool's counters.
+        """
+        blocks = self._blocks
+        start = 0
+        found: list[_Block] = []
+        known_ids: tuple[int, ...] = ()
+        if prior is not None and num_shared > 0 and prior.evictions == self._evictions:
+            known = prior.block_ids[:num_shared]
+            last = len(known) - 1
+            # the prior's walk stopped inside the shared part: so does this one, unless a hash
+            # entered since (then it goes on from there)
+            stopped = len(known) < num_shared and prior.stores == self._stores
+            if (
+                last >= 0
+                and len(block_hashes) >= len(known)
+                and blocks[known[last]].block_hash == block_hashes[last]
+            ):
+                known_ids = known
+                found = list(map(blocks.__getitem__, known))
+                start = len(block_hashes) if stopped else len(known)
+            elif last < 0 and stopped:
+                start = len(block_hashes)  # the prior found nothing: neither do we
+        num_known = len(found)
+        if start < len(block_hashes):
+            get = self._hash_to_block.get
+            for index in range(start, len(block_hashes)):
+                block = get(block_hashes[index])
+                if block is None:
+                    break
+                found.append(block)
+        remove = self._free_queue.remove
+        for block in found:
             if block.ref_cnt == 0:
-                free_queue.remove(block)
+                remove(block)
                 self._num_pinned_blocks += 1
                 self._num_evictable_blocks -= 1  # in the map, so it holds a hash
             block.ref_cnt += 1
-            block_ids.append(block.block_id)
-        return block_ids
+        if len(found) > num_known:
+            known_ids += tuple([block.block_id for block in found[num_known:]])
+        return CacheHit(known_ids, self._evictions, self._stores)
 
     def pin(self, block_ids: Sequence[int]) -> None:
         """Add one reference to each block; a block at ref count 0 leaves the free queue.
@@ -295,14 +393,13 @@ class BlockPool:
         if num_blocks > len(self._free_queue):
             return None
         evicted_hashes: list[BlockHash] = []
-        block_ids: list[int] = []
-        for _ in range(num_blocks):
-            block = self._free_queue.popleft()
+        taken = self._free_queue.popleft_many(num_blocks)
+        for block in taken:
             if block.block_hash is not None:
                 evicted_hashes.append(self._evict(block))
             block.ref_cnt = 1
-            self._num_pinned_blocks += 1
-            block_ids.append(block.block_id)
+        self._num_pinned_blocks += num_blocks
+        block_ids = [block.block_id for block in taken]
         if evicted_hashes:
             self._events.append(KVEvent("removed", tuple(evicted_hashes), None))
         return block_ids
@@ -359,6 +456,7 @@ class BlockPool:
                 continue  # already this hash, or a duplicate of another block
             block.block_hash = block_hash
             self._hash_to_block[block_hash] = block
+            self._stores += 1
         self._events.append(KVEvent("stored", tuple(block_hashes), parent_block_hash))
 
     def free(self, block_ids: Sequence[int]) -> None:
@@ -375,7 +473,9 @@ class BlockPool:
             ValueError: if an id is out of range or released more often than it is pinned.
                 Nothing changes then.
         """
-        blocks = [self._block_at(block_id, "block_ids") for block_id in block_ids]
+        if not block_ids:
+            return
+        blocks = self._blocks_at(block_ids)
         if len(set(block_ids)) == len(blocks):  # the usual case: each id once
             releases: dict[int, int] | Counter[int] = {}
             for block in blocks:
@@ -391,9 +491,17 @@ class BlockPool:
                     f"block_ids: block {block_id} released {num_releases} time(s) but its ref "
                     f"count is {ref_cnt}; free only blocks you pinned or allocated, once each"
                 )
-        decr_ref = self._decr_ref
+        free_queue = self._free_queue
         for block in reversed(blocks):
-            decr_ref(block)
+            block.ref_cnt -= 1
+            if block.ref_cnt:
+                continue
+            self._num_pinned_blocks -= 1
+            if block.block_hash is not None:
+                self._num_evictable_blocks += 1
+                free_queue.append(block)
+            else:
+                free_queue.appendleft(block)
 
     def take_events(self) -> list[KVEvent]:
         """Drain the pending events (oldest first); the pool's queue is empty afterwards."""
@@ -458,6 +566,15 @@ class BlockPool:
             )
         return self._blocks[block_id]
 
+    def _blocks_at(self, block_ids: Sequence[int]) -> list[_Block]:
+        """``_block_at`` of each id; one C-level pass when they are all ints in range."""
+        try:
+            if min(block_ids) >= 0 and set(map(type, block_ids)) <= _INT_TYPES:
+                return list(map(self._blocks.__getitem__, block_ids))
+        except (TypeError, IndexError):
+            pass
+        return [self._block_at(block_id, "block_ids") for block_id in block_ids]
+
     def _incr_ref(self, block: _Block) -> None:
         if block.ref_cnt == 0:
             self._free_queue.remove(block)
@@ -466,23 +583,12 @@ class BlockPool:
                 self._num_evictable_blocks -= 1
         block.ref_cnt += 1
 
-    def _decr_ref(self, block: _Block) -> None:
-        assert block.ref_cnt > 0, f"block {block.block_id}: release at ref count 0"
-        block.ref_cnt -= 1
-        if block.ref_cnt > 0:
-            return
-        self._num_pinned_blocks -= 1
-        if block.block_hash is not None:
-            self._num_evictable_blocks += 1
-            self._free_queue.append(block)
-        else:
-            self._free_queue.appendleft(block)
-
     def _evict(self, block: _Block) -> BlockHash:
         """Drop a just-dequeued cached block's hash; returns it."""
         block_hash = block.block_hash
         assert block_hash is not None and block.ref_cnt == 0, "evicting a pinned/uncached block"
         del self._hash_to_block[block_hash]
+        self._evictions += 1
         block.block_hash = None
         self._num_evictable_blocks -= 1
         return block_hash
