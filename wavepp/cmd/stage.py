@@ -380,12 +380,8 @@ def run(args: argparse.Namespace) -> int:
         config_exit_code,
         describe_error,
     )
-    from wavepp.runtime.stage.worker import (
-        StageReadiness,
-        TensorParallelLost,
-        check_environment,
-        run_stage,
-    )
+    from wavepp.runtime.stage.build import check_environment
+    from wavepp.runtime.stage.process import StageReadiness, TensorParallelLost, run_stage
     from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
 
     try:
