@@ -28,6 +28,7 @@ from pod_support import (
     start_wavepp,
     wait_200,
 )
+from proc_support import children_running
 
 from wavepp.api.spec import check_spec
 from wavepp.operator import builders as b
@@ -55,20 +56,8 @@ def _spec(raw: dict[str, Any]) -> Any:
 
 
 def _followers(pid: int) -> list[int]:
-    """Child processes of ``pid`` running the tensor-parallel follower module (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:  # gone meanwhile
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and "wavepp.runtime.stage.tp_launch" in args:
-            found.append(int(entry.name))
-    return found
+    """Child processes of ``pid`` running the tensor-parallel follower module."""
+    return children_running(pid, "wavepp.runtime.stage.tp_launch")
 
 
 def test_rendered_stage_pod_requests_one_gpu_per_tp_process() -> None:
