@@ -124,9 +124,7 @@ def run(args: argparse.Namespace) -> int:
     failure = startup_failure(
         args.nats_url,
         args.nats_connect_timeout_s,
-        port_flag="--health-port",
-        host=args.health_host,
-        port=args.health_port,
+        [("--health-port", args.health_host, args.health_port)],
     )
     if failure is not None:
         print(f"wavepp admission: {failure}", file=sys.stderr)

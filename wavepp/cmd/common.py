@@ -194,16 +194,18 @@ def check_nats_reachable(url: str, timeout_s: float = 30.0) -> str | None:
 
 
 def startup_failure(
-    nats_url: str, nats_timeout_s: float, *, port_flag: str, host: str, port: int | None
+    nats_url: str, nats_timeout_s: float, ports: Sequence[tuple[str, str, int | None]] = ()
 ) -> str | None:
     """Why a pod command cannot start although its configuration is good (it exits 2; the
-    operator restarts the pod): ``port_flag``'s ``host:port`` cannot be bound
-    (:func:`check_port_free`; ``port`` None: nothing to bind), or no NATS server of ``nats_url``
-    answered within ``nats_timeout_s`` seconds (:func:`check_nats_reachable`). None: neither."""
-    if port is not None:
-        busy = check_port_free(host, port)
-        if busy:
-            return f"{port_flag}: {busy}"
+    operator restarts the pod): the first of ``ports`` ``(flag, host, port)`` that cannot be
+    bound (:func:`check_port_free`; a port None: nothing to bind), or else no NATS server of
+    ``nats_url`` answered within ``nats_timeout_s`` seconds (:func:`check_nats_reachable`).
+    None: neither."""
+    for flag, host, port in ports:
+        if port is not None:
+            busy = check_port_free(host, port)
+            if busy:
+                return f"{flag}: {busy}"
     unreachable = check_nats_reachable(nats_url, nats_timeout_s)
     return f"--nats-url {unreachable}" if unreachable else None
 

@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         return config_exit_code(os.environ)
     host = args.host or ("0.0.0.0" if args.config else "127.0.0.1")
     failure = startup_failure(
-        args.nats_url, args.nats_connect_timeout_s, port_flag="--port", host=host, port=args.port
+        args.nats_url, args.nats_connect_timeout_s, [("--port", host, args.port)]
     )
     if failure is not None:
         print(f"wavepp gateway: {failure}", file=sys.stderr)

@@ -416,9 +416,7 @@ def run(args: argparse.Namespace) -> int:
     failure = startup_failure(
         args.nats_url,
         args.nats_connect_timeout_s,
-        port_flag="--health-port",
-        host=args.health_host,
-        port=args.health_port,
+        [("--health-port", args.health_host, args.health_port)],
     )
     if failure is not None:  # not a config error: the operator restarts the pod
         print(f"wavepp stage: {failure}", file=sys.stderr)
