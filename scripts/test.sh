@@ -18,4 +18,5 @@ ruff format --check .
 echo "== import contracts"
 lint-imports
 echo "== pytest"
-python -m pytest "$@"
+# --durations: CI prints the slowest tests (where the time goes, for keeping CI short)
+python -m pytest --durations=25 "$@"

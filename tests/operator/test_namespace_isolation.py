@@ -91,6 +91,7 @@ class Pipeline:
             args[args.index(port_flag) + 1] = str(port)
             if name == "stage":
                 args[args.index("--dist-url") + 1] = f"tcp://127.0.0.1:{free_port()}"
+                args[args.index("--metrics-port") + 1] = str(free_port())
             self.procs.append(start_wavepp(args, self.dir / f"{name}.log", env))
 
     def wait_ready(self) -> None:

@@ -77,6 +77,7 @@ def _all_children(spec: WavePipelineSpec) -> list[dict[str, Any]]:
         b.build_pool_configmap(REF, [b.PoolEntry(0, h, True), b.PoolEntry(1, h, False)]),
         b.build_gateway_deployment(REF, spec, h),
         b.build_gateway_service(REF),
+        b.build_gateway_pdb(REF),
     ]
     for replica in range(2):
         objects += [
@@ -134,7 +135,10 @@ def test_stage_statefulset_contract() -> None:
         "stage", "--config", "/etc/wavepp/spec.json", "--nats-url", "nats://nats.infra:4222",
         "--nats-creds", "/etc/wavepp-nats/creds", "--replica", "2", "--rank", "$(WAVEPP_RANK)",
         "--dist-url", "tcp://big-r2-0.big-r2:29500", "--health-port", "8081",
+        "--metrics-port", "9400",
     ]  # fmt: skip
+    # the stage serves its own /metrics there (wavepp.runtime.stage.metrics)
+    assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in container["ports"]
     rank_env = container["env"][0]
     assert rank_env == {
         "name": "WAVEPP_RANK",
@@ -172,9 +176,42 @@ def test_admission_drains_within_the_rollout_timeout() -> None:
     dep = b.build_admission_deployment(REF, spec, b.spec_hash(spec), 1, running=False)
     assert dep["spec"]["replicas"] == 0
     assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 43
-    assert dep["spec"]["template"]["spec"]["containers"][0]["args"][-4:] == [
-        "--replica", "1", "--health-port", "8080",
+    # the process drains (serves what its intake holds) 5 s less than its grace period
+    assert dep["spec"]["template"]["spec"]["containers"][0]["args"][-6:] == [
+        "--replica", "1", "--health-port", "8080", "--drain-timeout-s", "37.5",
     ]  # fmt: skip
+    short = _spec(rollout={"drainTimeoutSeconds": 3})
+    args = b.build_admission_deployment(REF, short, b.spec_hash(short), 0, running=True)
+    assert args["spec"]["template"]["spec"]["containers"][0]["args"][-1] == "0"
+
+
+def test_the_gateway_runs_two_pods_and_a_disruption_budget_keeps_one() -> None:
+    """Issue 16: a scale-down, a drain or a rollout never takes the only gateway pod out of
+    its Service (a gateway is ready while one replica admits)."""
+    dep = b.build_gateway_deployment(REF, FULL, b.spec_hash(FULL))
+    pdb = b.build_gateway_pdb(REF)
+    assert dep["spec"]["replicas"] == b.GATEWAY_REPLICAS >= 2
+    # a rollout starts the new pod before it stops an old one
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    assert pdb["metadata"]["name"] == "big-gateway"
+    assert pdb["metadata"]["ownerReferences"] == dep["metadata"]["ownerReferences"]
+    assert 1 <= pdb["spec"]["minAvailable"] < dep["spec"]["replicas"]  # one may be evicted
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    selected = pdb["spec"]["selector"]["matchLabels"]
+    assert selected.items() <= pod_labels.items()
+    assert selected == dep["spec"]["selector"]["matchLabels"]
+    # the PDB selects no admission or stage pod
+    for other in (
+        b.build_admission_deployment(REF, FULL, b.spec_hash(FULL), 0, running=True),
+        b.build_stage_statefulset(REF, FULL, b.spec_hash(FULL), 0),
+    ):
+        assert not selected.items() <= other["spec"]["template"]["metadata"]["labels"].items()
+    # spread over nodes when it can be (preferred: one node still runs both)
+    (term,) = dep["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == selected
 
 
 def test_pool_configmap_lists_admitting_replicas() -> None:
@@ -290,7 +327,7 @@ def test_metrics_port_only_where_a_process_listens() -> None:
         return {p["name"] for p in obj["spec"]["template"]["spec"]["containers"][0]["ports"]}
 
     assert "metrics" in ports(b.build_admission_deployment(REF, FULL, h, 0, running=True))
-    assert "metrics" not in ports(b.build_stage_statefulset(REF, FULL, h, 0))
+    assert "metrics" in ports(b.build_stage_statefulset(REF, FULL, h, 0))  # its own /metrics
     assert "metrics" not in ports(b.build_gateway_deployment(REF, FULL, h))
 
 

@@ -48,6 +48,12 @@ async def test_create_makes_owned_children_and_status(cluster: Cluster, operator
         "demo-gateway",
         "demo-pool",
     }
+    gateway_pdb = await wait_for(
+        lambda: cluster.get("PodDisruptionBudget", "demo-gateway"), what="the gateway's PDB"
+    )
+    assert gateway_pdb["spec"]["minAvailable"] == 1
+    gateway = await cluster.get("Deployment", "demo-gateway")
+    assert gateway is not None and gateway["spec"]["replicas"] == b.GATEWAY_REPLICAS
     body = await wait_for(lambda: _status_is(cluster, "demo", replicas=2), what="status.replicas")
     status = body["status"]
     assert status["replicas"] == 2 and status["readyReplicas"] == 0

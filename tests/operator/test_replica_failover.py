@@ -159,11 +159,16 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
                 add(
                     f"r{replica}-stage-{rank}",
                     stage_c,
-                    {"--dist-url": dist_url, "--health-port": str(free_port())},
+                    {
+                        "--dist-url": dist_url,
+                        "--health-port": str(free_port()),
+                        "--metrics-port": str(free_port()),
+                    },
                     cluster
                     | {
                         "--dist-url": f"tcp://{sts_name}-0.{sts_name}:29500",
                         "--health-port": str(b.HEALTH_PORT),
+                        "--metrics-port": str(spec.telemetry.metrics_port),
                     },
                     env,
                 )

@@ -34,7 +34,7 @@ from pod_support import (
 )
 
 from wavepp.api.natsauth import TrustRoot
-from wavepp.api.spec import CONFIG_EXIT_CODE, check_spec, load_spec_file
+from wavepp.api.spec import CONFIG_EXIT_CODE, MAX_REPLICAS, check_spec, load_spec_file
 from wavepp.cli import main as cli_main
 from wavepp.cmd.gateway import gateway_config_from_spec, pool_replicas
 from wavepp.cmd.stage import ArgError, resolve_rank, runtime_config_from_args
@@ -111,8 +111,16 @@ def test_configs_from_the_operator_files_match_the_spec(tmp_path: Path) -> None:
     assert expected == runtime_configs_from_spec(load_spec_file(spec_path), pool=REF.name)[0]
     assert config.model_copy(update={"telemetry": expected.telemetry}) == expected
     assert config.telemetry.metrics_port == spec.telemetry.metrics_port
+    # a replica added by a scale-up reads the file of its spec hash, written when the pipeline
+    # had fewer replicas (replicas are not hashed): found by tests/operator/test_scale_under_load
     args.replica = 1
-    with pytest.raises(ArgError, match=r"--replica 1: must be in \[0, 1\)"):
+    config = runtime_config_from_args(args, {"WAVEPP_PIPELINE": REF.name})
+    assert config.pipeline == f"{REF.name}-r1"
+    assert config.model_copy(update={"pipeline": expected.pipeline}) == (
+        expected.model_copy(update={"telemetry": config.telemetry})
+    )
+    args.replica = MAX_REPLICAS
+    with pytest.raises(ArgError, match=rf"--replica {MAX_REPLICAS}: must be in \[0, "):
         runtime_config_from_args(args, {"WAVEPP_PIPELINE": REF.name})
 
     pool_doc = json.loads(
@@ -226,6 +234,7 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
         # the stage's health port, the admission's (its probes' port)
         "--health-port": {str(b.HEALTH_PORT), str(b.HTTP_PORT)},
         "--port": str(b.HTTP_PORT),
+        "--metrics-port": str(spec.telemetry.metrics_port),  # each stage's own /metrics
     }
     server_tls = None
     local_tls: dict[str, str] = {}
@@ -316,7 +325,11 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
                     b.POD_INDEX_LABEL: str(rank)
                 }
                 port = free_port()
-                local = {"--dist-url": dist_url, "--health-port": str(port)}
+                local = {
+                    "--dist-url": dist_url,
+                    "--health-port": str(port),
+                    "--metrics-port": str(free_port()),
+                }
                 proc, log = start(
                     f"stage-{rank}", stage_c, local, kubelet_env(stage_c, pod, labels)
                 )

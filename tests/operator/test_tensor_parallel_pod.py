@@ -116,6 +116,7 @@ def test_rendered_tp_stage_pods_start_two_processes_each_and_serve(tmp_path: Pat
         "--dist-url": f"tcp://{sts['metadata']['name']}-0.{sts['metadata']['name']}:29500",
         "--health-port": {str(b.HEALTH_PORT), str(b.HTTP_PORT)},
         "--port": str(b.HTTP_PORT),
+        "--metrics-port": str(spec.telemetry.metrics_port),  # each stage's own /metrics
     }
     procs: list[subprocess.Popen[bytes]] = []
     with EmbeddedNatsServer(jetstream=True, store_dir=str(tmp_path / "js")) as nats:
@@ -137,7 +138,11 @@ def test_rendered_tp_stage_pods_start_two_processes_each_and_serve(tmp_path: Pat
                     b.POD_INDEX_LABEL: str(rank)
                 }
                 port = free_port()
-                local = {"--dist-url": dist_url, "--health-port": str(port)}
+                local = {
+                    "--dist-url": dist_url,
+                    "--health-port": str(port),
+                    "--metrics-port": str(free_port()),
+                }
                 env = kubelet_env(stage_c, pod, labels)
                 proc, log = start(f"stage-{rank}", stage_c, local, env)
                 stages.append((proc, log, f"http://127.0.0.1:{port}"))

@@ -83,6 +83,15 @@ def test_the_pod_monitor_scrapes_the_gateway_port_that_serves_the_series() -> No
     objects = _chart("monitoring.podMonitor.enabled=true")
     (monitor,) = [o for o in objects if o["kind"] == "PodMonitor"]
     ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    # the http endpoint keeps only gateway pods (an admission pod's http port has no /metrics)
+    (http,) = [e for e in monitor["spec"]["podMetricsEndpoints"] if e["port"] == "http"]
+    assert http["relabelings"] == [
+        {
+            "sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
+            "regex": "gateway",
+            "action": "keep",
+        }
+    ]
     spec = WavePipelineSpec.model_validate({"model": {"name": "tiny-llama"}, "stages": 2})
     ref = PipelineRef("p", "team-a", "uid-1")
     gateway = builders.build_gateway_deployment(ref, spec, builders.spec_hash(spec))
@@ -90,5 +99,15 @@ def test_the_pod_monitor_scrapes_the_gateway_port_that_serves_the_series() -> No
     assert {p["name"] for p in container["ports"]} & ports == {"http"}
     labels = gateway["spec"]["template"]["metadata"]["labels"]
     wanted = {e["key"]: e["values"] for e in monitor["spec"]["selector"]["matchExpressions"]}
+    assert labels["app.kubernetes.io/name"] in wanted["app.kubernetes.io/name"]
+    assert labels["app.kubernetes.io/component"] in wanted["app.kubernetes.io/component"]
+    # stage pods serve their own /metrics on their `metrics` port (wavepp.runtime.stage.metrics;
+    # a real stage process is scraped in tests/operator/test_replica_drain.py)
+    sts = builders.build_stage_statefulset(ref, spec, builders.spec_hash(spec), 0)
+    stage = sts["spec"]["template"]["spec"]["containers"][0]
+    assert {p["name"] for p in stage["ports"]} & ports == {"metrics"}
+    metrics_port = next(p for p in stage["ports"] if p["name"] == "metrics")["containerPort"]
+    assert stage["args"][stage["args"].index("--metrics-port") + 1] == str(metrics_port)
+    labels = sts["spec"]["template"]["metadata"]["labels"]
     assert labels["app.kubernetes.io/name"] in wanted["app.kubernetes.io/name"]
     assert labels["app.kubernetes.io/component"] in wanted["app.kubernetes.io/component"]

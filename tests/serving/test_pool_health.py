@@ -16,7 +16,7 @@ from gateway_support import tiny_gateway_config
 
 from wavepp.api.prefill import Heartbeat
 from wavepp.api.subjects import heartbeat_subject
-from wavepp.gateway.core import Gateway, GatewayConfig, ReplicaUnavailable
+from wavepp.gateway.core import Gateway, GatewayConfig, ReplicaInfo, ReplicaUnavailable
 from wavepp.gateway.router import PoolRouter
 from wavepp.gateway.validation import ParsedRequest
 from wavepp.runtime.serving.reform import ReformTracker
@@ -148,6 +148,97 @@ async def test_a_request_on_a_replica_that_left_the_pool_fails_fast_without_anot
             with pytest.raises(ReplicaUnavailable, match="p-r0 left the pool"):
                 await asyncio.wait_for(task, 10)
             assert asyncio.get_running_loop().time() - started < 3.0
+        finally:
+            await gateway.stop()
+            await nc.close()
+
+
+def test_a_draining_replica_leaves_the_pool_and_gets_nothing_new_while_others_exist() -> None:
+    router = PoolRouter([("a", 1), ("b", 1)], timeout_s=3.0)
+    router.on_heartbeat("a", 10.0, is_ready=True)
+    router.on_heartbeat("b", 10.0, is_ready=True, is_draining=True)  # told to stop
+    assert [r.name for r in router.pool(10.0)] == ["a"]
+    assert router.is_finishing("b", 10.0) and not router.is_finishing("a", 10.0)
+    assert not router.is_finishing("b", 13.5), "silent: no longer finishing anything"
+    router.on_heartbeat("a", 11.0, is_ready=False)  # a stage of a died: no replica in the pool
+    assert {router.choose([b"h"], 11.0)[0].name for _ in range(4)} == {"a"}, "b takes nothing"
+    assert router.choose([b"h"], 11.0, exclude=["a"])[0].name == "b"  # the last resort
+
+
+async def test_the_gateway_waits_for_a_draining_replica_and_reroutes_only_if_it_goes_silent() -> (
+    None
+):
+    """p-r0 drains (a scale-down) with a request of ours: the gateway neither re-sends it to
+    p-r1 nor fails it while p-r0 beats, and takes p-r0's answer; a second request on p-r0 is
+    re-sent to p-r1 once p-r0 falls silent (it exited without answering)."""
+    from wavepp.api.prefill import PrefillResult
+    from wavepp.api.subjects import intake_stream, result_subject
+
+    now = [100.0]
+    with EmbeddedNatsServer(jetstream=True) as server:
+        nc = await connect(server.url, name="test-gateway-drain")
+        config = _gateway_config(replica_unready_fail_s=0.5)
+        config.replicas.append(ReplicaInfo(pipeline="p-r1", num_stages=2))
+        gateway = Gateway(config, nc, clock=lambda: now[0])
+        await gateway.start()
+        js = nc.jetstream()
+
+        async def beat(pipeline: str, *, ready: bool, draining: bool = False) -> None:
+            data = Heartbeat(
+                pipeline=pipeline,
+                ready=ready,
+                num_stages_formed=2,
+                num_inflight=1,
+                instance="i",
+                pool="p",
+                num_stages=2,
+                draining=draining,
+            ).model_dump_json()
+            await nc.publish(heartbeat_subject(pipeline, namespace="local"), data.encode())
+            await nc.flush()
+            await asyncio.sleep(0.15)
+            now[0] += 0.15
+
+        async def queued(pipeline: str) -> int:
+            info = await js.stream_info(intake_stream(pipeline, namespace="local"))
+            return info.state.messages
+
+        try:
+            await beat("p-r0", ready=True)
+            request = ParsedRequest(tenant="default", request_id="r1", token_ids=[1, 2, 3])
+            task = asyncio.create_task(gateway.prefill(request))
+            await asyncio.sleep(0.3)
+            assert await queued("p-r0") == 1
+            await beat("p-r1", ready=True)
+            for _ in range(6):  # ~1 s of draining beats, past replica_unready_fail_s
+                await beat("p-r0", ready=False, draining=True)
+                await beat("p-r1", ready=True)
+            assert not task.done() and await queued("p-r1") == 0, "re-routed from a drain"
+            assert [r.name for r in gateway.router.pool(now[0])] == ["p-r1"]
+            answer = PrefillResult(
+                request_id="r1", tenant="default", replica="p-r0", first_token_id=7,
+                num_prompt_tokens=3, num_cached_tokens=0, ttft_s=0.1,
+            )  # fmt: skip
+            await nc.publish(
+                result_subject("p", "default.r1", namespace="local"),
+                answer.model_dump_json().encode(),
+            )
+            result, _ = await asyncio.wait_for(task, 5)
+            assert result.replica == "p-r0" and result.first_token_id == 7
+            # a request still on p-r0 when it exits (drain timeout): re-sent once it is silent
+            gateway.router.on_heartbeat("p-r1", now[0], is_ready=False)  # route to p-r0 only
+            gateway.router.on_heartbeat("p-r0", now[0], is_ready=True)
+            request = ParsedRequest(tenant="default", request_id="r2", token_ids=[4, 5, 6])
+            task = asyncio.create_task(gateway.prefill(request))
+            await asyncio.sleep(0.3)
+            assert await queued("p-r0") == 2
+            await beat("p-r0", ready=False, draining=True)
+            await beat("p-r1", ready=True)
+            now[0] += 3.5  # p-r0 exited: no beat past replica_timeout_s
+            await beat("p-r1", ready=True)
+            await asyncio.sleep(0.5)
+            assert await queued("p-r1") == 1, "not re-routed from a silent replica"
+            task.cancel()
         finally:
             await gateway.stop()
             await nc.close()

@@ -34,20 +34,22 @@ BLOCK = 16
 ANSWER_WITHIN_S = 5.0
 
 
-def _two_free_ports() -> int:
-    """A port P with P and P + 1 free."""
+def _free_port_run(count: int) -> int:
+    """A port P with P .. P + count - 1 free."""
     for _ in range(50):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        if port < 65535:
-            with socket.socket() as other:
-                try:
-                    other.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no two adjacent free ports")
+        if port + count - 1 > 65535:
+            continue
+        try:
+            for other_port in range(port + 1, port + count):
+                with socket.socket() as other:
+                    other.bind(("127.0.0.1", other_port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no {count} adjacent free ports")
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -68,7 +70,7 @@ def _tokens(seed: int, num_blocks: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[UpService, int]]:
-    metrics_port = _two_free_ports()
+    metrics_port = _free_port_run(2 + 2 * 2)  # 2 admissions, then 2 x 2 stages
     spec = {
         "model": {"name": "tiny-llama"},
         "stages": 2,
@@ -88,27 +90,44 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[UpService, in
 def test_dashboards_fill_under_wavepp_up(up: tuple[UpService, int]) -> None:
     service, metrics_port = up
     url = f"{service.endpoint}/v1/prefill"
-    # Distinct 40-block prompts on 64-block stages: evictions; four at once: refusals.
+    # Distinct 40-block prompts on 64-block stages: evictions; four at once: refusals (when two
+    # of them meet on one replica's stages: waves of four until a refusal was counted, 5 at most).
     for seed in range(4):
         assert _post(url, {"tenant": "default", "token_ids": _tokens(seed, 40)})[0] == 200
-    answers: list[int] = []
-    threads = [
-        threading.Thread(
-            target=lambda s=seed: answers.append(
-                _post(url, {"tenant": "default", "token_ids": _tokens(s, 50)})[0]
+    endpoints = service.processes()["metrics"]
+    for wave in range(5):
+        answers: list[int] = []
+        threads = [
+            threading.Thread(
+                target=lambda s=seed, out=answers: out.append(
+                    _post(url, {"tenant": "default", "token_ids": _tokens(s, 50)})[0]
+                )
             )
-        )
-        for seed in range(10, 14)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert answers == [200] * 4
+            for seed in range(10 + 4 * wave, 14 + 4 * wave)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert answers == [200] * 4
+        if any("wavepp_reservation_refusals_total" in _get(u) for u in endpoints.values()):
+            break
     endpoints = service.processes()["metrics"]
     assert sorted(endpoints.values()) == [
         f"http://127.0.0.1:{metrics_port + i}/metrics" for i in range(2)
     ]
+    # each stage's own /metrics on the ports after the admissions' (wavepp stage --metrics-port)
+    stage_endpoints = service.processes()["stage_metrics"]
+    assert sorted(stage_endpoints.values()) == [
+        f"http://127.0.0.1:{metrics_port + 2 + i}/metrics" for i in range(4)
+    ]
+    for stage_url in stage_endpoints.values():
+        names = {
+            sample.name
+            for family in text_string_to_metric_families(_get(stage_url))
+            for sample in family.samples
+        }
+        assert {"wavepp_stage_microbatches_run_total", "wavepp_stage_group_formed"} <= names
     scraped: set[str] = set()
     for text in [_get(u) for u in endpoints.values()] + [_get(f"{service.endpoint}/metrics")]:
         for family in text_string_to_metric_families(text):

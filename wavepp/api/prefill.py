@@ -71,7 +71,9 @@ class PrefillResult(_Msg):
 class Heartbeat(_Msg):
     """An admission service's liveness: ``ready`` when every stage answered its last probe
     (its group formed, the engine built) and no re-form is under way. ``pool`` and
-    ``num_stages`` let a gateway add a replica it was not configured with ("": unknown)."""
+    ``num_stages`` let a gateway add a replica it was not configured with ("": unknown).
+    ``draining``: told to stop (SIGTERM on a scale-down or a rollout), it admits nothing new
+    and finishes what its intake holds (its stages are formed); ``ready`` is then False."""
 
     pipeline: str
     ready: bool
@@ -80,6 +82,7 @@ class Heartbeat(_Msg):
     instance: str
     pool: str = ""
     num_stages: int = 0
+    draining: bool = False
     seq: int = Field(default=0, ge=0)  # grows by one per heartbeat of this instance
     sent_at_s: float = 0.0  # wall clock (time.time()) at publish
     mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned

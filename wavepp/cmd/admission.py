@@ -5,7 +5,9 @@ The configuration comes from ``--runtime-config F`` (``wavepp up``) or ``--confi
 I`` (the operator: the replica's RuntimeConfig from the spec, see ``wavepp stage``). The pool name
 is ``--pool`` or ``$WAVEPP_PIPELINE``. ``--health-port P`` serves ``/healthz`` (NATS connected) and
 ``/readyz`` (every stage formed, intake open, not stopping: SIGTERM turns it 503 at once while
-admitted requests finish). Tracing (``tracing.setup``) and Prometheus metrics (``setup_metrics``)
+admitted requests finish). On SIGTERM the replica drains (``serving.service``: it leaves the
+gateway's pool at once, serves what its intake holds, at most ``--drain-timeout-s``, then exits;
+the operator passes the spec's ``rollout.drainTimeoutSeconds`` less a margin). Tracing (``tracing.setup``) and Prometheus metrics (``setup_metrics``)
 follow the config's telemetry settings and are shut down at exit.
 """
 
@@ -46,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-host", default="0.0.0.0", help="bind address of --health-port")
     parser.add_argument(
         "--ack-wait-s", type=finite_float, default=10.0, help="redelivery delay of unacked requests"
+    )
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=finite_float,
+        default=30.0,
+        help="on SIGTERM, serve what the intake holds for at most this long, then exit",
     )
     parser.add_argument(
         "--max-outstanding",
@@ -115,6 +123,12 @@ def run(args: argparse.Namespace) -> int:
     if args.ack_wait_s <= 0:
         print(f"wavepp admission: --ack-wait-s {args.ack_wait_s}: must be > 0", file=sys.stderr)
         return config_exit_code(os.environ)
+    if args.drain_timeout_s < 0:
+        print(
+            f"wavepp admission: --drain-timeout-s {args.drain_timeout_s}: must be >= 0",
+            file=sys.stderr,
+        )
+        return config_exit_code(os.environ)
     if args.max_outstanding < 1:
         print(
             f"wavepp admission: --max-outstanding {args.max_outstanding}: must be >= 1",
@@ -166,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
                 ack_wait_s=args.ack_wait_s,
                 max_concurrent=args.max_outstanding,
                 bus_key=bus_key,
+                drain_timeout_s=args.drain_timeout_s,
             )
             if args.health_port is not None:
                 runner, port = await start_health_server(

@@ -86,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--health-host", default="0.0.0.0", help="bind address of --health-port")
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the stage's Prometheus /metrics on this port (none: no metrics; "
+        "wavepp.runtime.stage.metrics)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=None,
@@ -333,12 +340,19 @@ def _runtime_config_from_source(
         raise ArgError(f"--config {exc}") from None
     except (SpecError, ValueError) as exc:
         raise ArgError(f"--config {args.config}: {describe_error(exc)}") from None
-    if not 0 <= args.replica < len(configs):
-        raise ArgError(
-            f"--replica {args.replica}: must be in [0, {len(configs)}) "
-            f"(spec.replicas of --config {args.config})"
+    # NOTE: not bounded by spec.replicas: the file is per spec hash, which leaves replicas out,
+    # so a replica added by a scale-up reads the file written before it (replicas were fewer).
+    from wavepp.api.spec import MAX_REPLICAS
+    from wavepp.api.subjects import replica_pipeline_name
+
+    if not 0 <= args.replica < MAX_REPLICAS:
+        raise ArgError(f"--replica {args.replica}: must be in [0, {MAX_REPLICAS})")
+    try:  # validated: a long pool name plus "-r{i}" may pass the pipeline name's limit
+        config = type(configs[0]).model_validate(
+            configs[0].model_dump() | {"pipeline": replica_pipeline_name(pool, args.replica)}
         )
-    config = configs[args.replica]
+    except ValueError as exc:
+        raise ArgError(f"--replica {args.replica}: {describe_error(exc)}") from None
     return config.model_copy(update={"telemetry": telemetry_from_spec(spec, env)})
 
 
@@ -405,6 +419,14 @@ def run(args: argparse.Namespace) -> int:
         check_creds(args.nats_creds)
         apply_nats_tls(args)
         check_port("--health-port", args.health_port)
+        check_port("--metrics-port", args.metrics_port)
+        # The stage's metrics port is its flag only (the config's is the admission's: under
+        # wavepp up both read one file on one host).
+        config = config.model_copy(
+            update={
+                "telemetry": config.telemetry.model_copy(update={"metrics_port": args.metrics_port})
+            }
+        )
         check_environment(config)
         load_bus_key()  # a bad WAVEPP_BUS_KEY is a one-line error here, not a traceback later
     except (ArgError, ValueError, BusKeyError) as exc:
@@ -416,7 +438,10 @@ def run(args: argparse.Namespace) -> int:
     failure = startup_failure(
         args.nats_url,
         args.nats_connect_timeout_s,
-        [("--health-port", args.health_host, args.health_port)],
+        [
+            ("--health-port", args.health_host, args.health_port),
+            ("--metrics-port", "0.0.0.0", args.metrics_port),
+        ],
     )
     if failure is not None:  # not a config error: the operator restarts the pod
         print(f"wavepp stage: {failure}", file=sys.stderr)

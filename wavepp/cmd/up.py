@@ -14,8 +14,9 @@ replicas serve (the gateway routes around it); a stage that dies during startup,
 whole resource); without it, tiny-llama on 2 torch stages. ``--model DIR`` serves a Hugging
 Face checkpoint directory and ``--stages S`` sets the stage count, with or without ``--config``
 (``cmd.up_spec``: the spec, the host's GPUs, ``spec.telemetry``: a stated ``metricsPort`` P
-serves replica i's admission metrics on port P + i; the gateway's series are on its own
-``/metrics``). A checkpoint's ``tokenizer.json`` is the gateway's tokenizer unless
+serves replica i's admission metrics on port P + i and each stage's own on the ports after
+those (``up_spec.stage_metrics_port``); the gateway's series are on its own ``/metrics``). A
+checkpoint's ``tokenizer.json`` is the gateway's tokenizer unless
 ``--tokenizer`` names another. ``STATE_DIR/processes.json`` lists
 the endpoints,
 the child pids and each component's NATS credentials file (for tests and operators),
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wavepp.cmd.common import add_deprecated_alias, finite_float
+from wavepp.cmd.up_spec import metrics_endpoints, stage_metrics_port
 from wavepp.runtime.serving.lifecycle import child_env
 
 if TYPE_CHECKING:
@@ -271,17 +273,19 @@ def _start_children(
         return [] if auth is None else ["--nats-creds", auth.creds[user]]
 
     cli = [sys.executable, "-m", "wavepp.cli"]
-    for config in configs:
+    for replica, config in enumerate(configs):
         path = state_dir / f"{config.pipeline}.json"
         path.write_text(config.model_dump_json(indent=2))
         dist_url = f"tcp://127.0.0.1:{free_port()}"
         for rank in range(config.num_stages):
             name = f"stage-{config.pipeline}-{rank}"
             stage_names.append(name)
+            metrics = stage_metrics_port(configs, replica, rank)
             sup.start(
                 name,
                 [*cli, "stage", "--runtime-config", str(path), "--rank", str(rank),
                  "--nats-url", nats_url, "--dist-url", dist_url,
+                 *(["--metrics-port", str(metrics)] if metrics else []),
                  *creds(stage_user_name(config.pipeline, rank))],
             )  # fmt: skip
         name = f"admission-{config.pipeline}"
@@ -483,11 +487,7 @@ def run(args: argparse.Namespace) -> int:
         "nats_pid": server.pid,
         "state_dir": str(state_dir),
         "nats_creds": auth.creds if auth else None,
-        "metrics": {
-            c.pipeline: f"http://{args.host}:{c.telemetry.metrics_port}/metrics"
-            for c in configs
-            if c.telemetry.metrics_port
-        },
+        **metrics_endpoints(configs, args.host),
     }
     stage_names: list[str] = []
     service_names: list[str] = []

@@ -85,14 +85,43 @@ def local_resources(raw: Any) -> dict[str, Any]:
     return data
 
 
+def stage_metrics_port(configs: list, replica: int, rank: int) -> int | None:
+    """Under ``wavepp up`` (one host), the port of stage ``rank`` of replica ``replica``'s own
+    ``/metrics``: P + R + replica x S + rank after the R admission ports P .. P + R - 1 (P the
+    stated ``metricsPort``); None when no metrics port is stated."""
+    first = configs[0].telemetry.metrics_port
+    if not first:
+        return None
+    return first + len(configs) + replica * configs[0].num_stages + rank
+
+
+def metrics_endpoints(configs: list, host: str) -> dict[str, dict[str, str]]:
+    """``processes.json``'s Prometheus endpoints: ``metrics`` (pipeline -> its admission's URL)
+    and ``stage_metrics`` (``{pipeline}-{rank}`` -> that stage's URL); empty without a port."""
+    return {
+        "metrics": {
+            c.pipeline: f"http://{host}:{c.telemetry.metrics_port}/metrics"
+            for c in configs
+            if c.telemetry.metrics_port
+        },
+        "stage_metrics": {
+            f"{c.pipeline}-{rank}": f"http://{host}:{stage_metrics_port(configs, i, rank)}/metrics"
+            for i, c in enumerate(configs)
+            for rank in range(c.num_stages)
+            if c.telemetry.metrics_port
+        },
+    }
+
+
 def with_telemetry(configs: list, spec: object, raw: dict) -> list:  # RuntimeConfig, spec
     """The replicas' configs with ``spec.telemetry``: ``otlpEndpoint``/``samplingRatio`` as in
-    the pods; a stated ``metricsPort`` P serves replica i's admission metrics on P + i (one
-    machine, one port each); without it no Prometheus port is opened.
+    the pods; a stated ``metricsPort`` P serves replica i's admission metrics on P + i and
+    stage s of replica i its own on P + R + i x S + s (``stage_metrics_port``; one machine, one
+    port each); without it no Prometheus port is opened.
 
     Raises:
-        ValueError: ``metricsPort`` + the replica count passes 65535, or a bad
-            ``$WAVEPP_METRICS_PORT`` (named).
+        ValueError: the last of those ports passes 65535, or a bad ``$WAVEPP_METRICS_PORT``
+            (named).
     """
     from wavepp.cmd.stage import telemetry_from_spec
 
@@ -102,13 +131,18 @@ def with_telemetry(configs: list, spec: object, raw: dict) -> list:  # RuntimeCo
     )
     if not stated and not os.environ.get("WAVEPP_METRICS_PORT"):
         telemetry = telemetry.model_copy(update={"metrics_port": None})
+    if telemetry.metrics_port and configs:
+        last = telemetry.metrics_port + len(configs) * (1 + configs[0].num_stages) - 1
+        if last > 65535:
+            raise ValueError(
+                f"metricsPort {telemetry.metrics_port}: the {len(configs)} admissions' and "
+                f"{len(configs) * configs[0].num_stages} stages' ports reach {last} > 65535"
+            )
     out = []
     for i, config in enumerate(configs):
         port = telemetry.metrics_port
         if port:
             port += i
-            if port > 65535:
-                raise ValueError(f"metricsPort {telemetry.metrics_port} + replica {i} > 65535")
         out.append(
             config.model_copy(
                 update={"telemetry": telemetry.model_copy(update={"metrics_port": port})}

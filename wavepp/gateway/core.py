@@ -11,7 +11,9 @@ request after validation::
     -> JetStream publish {p}.intake, Nats-Msg-Id = key -> wait for wavepp.{ns}.{pool}.result.{key}
        (the replica leaves the pool meanwhile: publish to another replica; an error answer
        from a replica it left is not the answer, the other replica's is; with no other
-       replica in the pool, fail after ``replica_unready_fail_s`` with ReplicaUnavailable)
+       replica in the pool, fail after ``replica_unready_fail_s`` with ReplicaUnavailable;
+       a replica that leaves because it drains (scale-down: heartbeat ``draining``) is
+       waited for, not re-routed from, while it beats)
 
 The pool follows the heartbeats (``heartbeat_wildcard``: the heartbeats of its namespace): a replica of this pool that was not
 configured is added when it beats (a scale-up), one silent for ``replica_forget_s`` is dropped
@@ -56,11 +58,18 @@ from wavepp.gateway.trust import BusGuard
 from wavepp.gateway.validation import ParsedRequest, PromptLimits
 from wavepp.runtime.kv import hash_prompt_blocks
 from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
+from wavepp.runtime.transport.natsio import resend_after_reconnect
 
 log = logging.getLogger(__name__)
 
 # Seconds a client is told to wait (``Retry-After``) when the intake refuses a request.
 INTAKE_RETRY_AFTER_S = 2.0
+# The gateway asks the server for its JetStream account info every BUS_CHECK_S seconds; with
+# no answer for BUS_SILENT_S the bus itself is silent (a paused or restarting server): a replica
+# unheard meanwhile has not left the pool (its heartbeats are held in the same server), and a
+# request waiting for its answer does not fail for it.
+BUS_CHECK_S = 0.5
+BUS_SILENT_S = 2.0
 
 
 class IntakeUnavailable(Exception):
@@ -173,6 +182,9 @@ class Gateway:
         self._subs: list[object] = []
         self._watched: set[str] = set()  # replicas whose KV events feed the router
         self._configured = {r.pipeline for r in config.replicas}
+        # When the server last answered this gateway (clock); None: not watched (not started).
+        self.bus_answered_s: float | None = None
+        self._bus_watch: asyncio.Task[None] | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -201,6 +213,28 @@ class Gateway:
             )
         )
         await self.nc.flush()
+        self.bus_answered_s = self.clock()
+        self._bus_watch = asyncio.create_task(self._watch_bus(), name="bus-watch")
+
+    async def _watch_bus(self) -> None:
+        """Keep ``bus_answered_s``: one round trip to the server per ``BUS_CHECK_S``. Any
+        answer counts, a refusal too (JetStream disabled); none within ``BUS_SILENT_S`` does
+        not. (Not ``nc.flush``: a flush that times out leaves its PONG's future cancelled in
+        nats-py 2.16, and the late PONG then ends the connection's read loop.)"""
+        js = self.nc.jetstream(timeout=BUS_SILENT_S)
+        while True:
+            try:
+                await js.account_info()
+                self.bus_answered_s = self.clock()
+            except (APIError, NoRespondersError):
+                self.bus_answered_s = self.clock()
+            except Exception:  # noqa: BLE001, S110 - no answer (paused, reconnecting): silent
+                pass
+            await asyncio.sleep(BUS_CHECK_S)
+
+    def is_bus_silent(self, now: float) -> bool:
+        """The server has not answered this gateway for ``BUS_SILENT_S`` (see ``_watch_bus``)."""
+        return self.bus_answered_s is not None and now - self.bus_answered_s > BUS_SILENT_S
 
     async def _watch_kv_events(self, pipeline: str) -> None:
         self._watched.add(pipeline)
@@ -214,6 +248,11 @@ class Gateway:
         )
 
     async def stop(self) -> None:
+        if self._bus_watch is not None:
+            self._bus_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._bus_watch
+            self._bus_watch = None
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()  # type: ignore[attr-defined]
@@ -246,7 +285,9 @@ class Gateway:
         except ValueError:
             return
         if self.guard.heartbeat(replica, beat, self.clock(), time.time()):
-            self.router.on_heartbeat(replica, self.clock(), is_ready=beat.ready)
+            self.router.on_heartbeat(
+                replica, self.clock(), is_ready=beat.ready, is_draining=beat.draining
+            )
             self._dispatch()
 
     async def _on_pool_heartbeat(self, msg: Msg) -> None:
@@ -280,7 +321,9 @@ class Gateway:
             if beat.pipeline not in self._watched:
                 await self._watch_kv_events(beat.pipeline)
             log.info("replica %s joined the pool", beat.pipeline)
-        self.router.on_heartbeat(beat.pipeline, self.clock(), is_ready=beat.ready)
+        self.router.on_heartbeat(
+            beat.pipeline, self.clock(), is_ready=beat.ready, is_draining=beat.draining
+        )
         self._dispatch()
 
     async def _on_kv_events(self, replica: str, msg: Msg) -> None:
@@ -368,7 +411,9 @@ class Gateway:
     async def stored_result(self, key: str) -> PrefillResult | None:
         assert self._kv is not None, "gateway not started"
         try:
-            entry = await self._kv.get(key)
+            entry = await resend_after_reconnect(
+                self.nc, functools.partial(self._kv.get, key), what=f"results lookup of {key}"
+            )
         except KeyNotFoundError:
             return None
         try:
@@ -491,12 +536,17 @@ class Gateway:
                     try:
                         # Wait for the store as long as the request may (a paused server is
                         # not a lost request); a refusal (store full, JetStream off) is at once.
-                        ack = await self.js.publish(
-                            intake_subject(replica.name, namespace=self.config.namespace),
-                            data,
-                            stream=intake_stream(replica.name, namespace=self.config.namespace),
-                            headers={"Nats-Msg-Id": intake.key},
-                            timeout=max(deadline - self.clock(), 0.001),
+                        # Sent again if the server died with it (deduplicated by the id).
+                        ack = await resend_after_reconnect(
+                            self.nc,
+                            lambda replica=replica: self.js.publish(
+                                intake_subject(replica.name, namespace=self.config.namespace),
+                                data,
+                                stream=intake_stream(replica.name, namespace=self.config.namespace),
+                                headers={"Nats-Msg-Id": intake.key},
+                                timeout=max(deadline - self.clock(), 0.001),
+                            ),
+                            what=f"intake publish of {intake.key}",
                         )
                     except (APIError, NoRespondersError) as exc:
                         raise IntakeUnavailable(
@@ -528,7 +578,14 @@ class Gateway:
                                 f"no answer for {intake.key} in {self.config.request_timeout_s}s"
                             )
                         others = [r for r in self.router.pool(now) if r.name != replica.name]
-                        if self.router.in_pool(replica.name, now):
+                        if (
+                            self.router.in_pool(replica.name, now)
+                            or self.router.is_finishing(replica.name, now)
+                            or self.is_bus_silent(now)
+                        ):
+                            # In the pool, or draining (a scale-down): it answers what it
+                            # was sent; re-routed only if it falls silent. A silent bus (the
+                            # nats-server paused) is not the replica leaving.
                             unready_since = None
                         elif others:
                             log.warning(

@@ -328,7 +328,11 @@ class GatewayServer:
     async def handle_readyz(self, request: web.Request) -> web.Response:
         now = self.gateway.clock()
         replicas = {
-            r.name: {"in_pool": self.gateway.router.in_pool(r.name, now), "ready": r.is_ready}
+            r.name: {
+                "in_pool": self.gateway.router.in_pool(r.name, now),
+                "ready": r.is_ready,
+                "draining": self.gateway.router.is_finishing(r.name, now),
+            }
             for r in self.gateway.router.replicas
         }
         ready = self.gateway.is_ready()

@@ -13,7 +13,10 @@ hold more): a stored hash past it evicts the oldest one, so a flood of KV events
 
 A replica is in the pool while it sends heartbeats (its admission controller's) within
 ``timeout_s`` and its last one said ``ready`` (every stage formed, no re-form under way); one
-that stops or turns not ready leaves the pool, and the gateway re-routes its pending requests.
+that stops or turns not ready leaves the pool, and the gateway re-routes its pending requests,
+unless it is *draining* (told to stop on a scale-down: not ready, but it finishes what it was
+sent; ``is_finishing``): then the gateway waits for its answers, and re-routes only if it falls
+silent. A request is routed to a draining replica only when no other replica is known.
 Replicas may join (``add_replica``: a heartbeat of the pool from one not configured) and leave
 (``forget``) while the gateway runs.
 Policies ``round_robin`` and ``least_loaded`` ignore the index (for comparison and fallback).
@@ -46,6 +49,7 @@ class ReplicaState:
     num_outstanding: int = 0
     last_heartbeat_s: float = -1.0
     is_ready: bool = False
+    is_draining: bool = False
 
     def __post_init__(self) -> None:
         if not self.stage_blocks:
@@ -128,10 +132,13 @@ class PoolRouter:
             for block_hash in hashes:
                 held.pop(block_hash, None)
 
-    def on_heartbeat(self, replica: str, now_s: float, *, is_ready: bool) -> None:
+    def on_heartbeat(
+        self, replica: str, now_s: float, *, is_ready: bool, is_draining: bool = False
+    ) -> None:
         state = self.by_name[replica]
         state.last_heartbeat_s = now_s
-        state.is_ready = is_ready
+        state.is_ready = is_ready and not is_draining
+        state.is_draining = is_draining
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -168,6 +175,10 @@ class PoolRouter:
         """Alive and ready: requests are routed to it."""
         return self.is_alive(replica, now_s) and self.by_name[replica].is_ready
 
+    def is_finishing(self, replica: str, now_s: float) -> bool:
+        """Alive and draining: it answers what it was sent (do not re-route those)."""
+        return self.is_alive(replica, now_s) and self.by_name[replica].is_draining
+
     def pool(self, now_s: float) -> list[ReplicaState]:
         """Replicas in the pool now (a ready heartbeat within ``timeout_s``)."""
         return [r for r in self.replicas if self.in_pool(r.name, now_s)]
@@ -177,8 +188,8 @@ class PoolRouter:
     ) -> tuple[ReplicaState, int]:
         """The replica for a prompt with ``block_hashes`` (chained, the tenant's salt).
 
-        Falls back to every replica not excluded when none is alive (intake is durable: the
-        request waits in that replica's stream).
+        Falls back to every replica not excluded when none is in the pool (intake is durable:
+        the request waits in that replica's stream), draining ones last (they take nothing new).
 
         Returns:
             (replica, its reusable prefix in blocks by the shadow index).
@@ -187,6 +198,8 @@ class PoolRouter:
             LookupError: every replica is excluded.
         """
         candidates = [r for r in self.pool(now_s) if r.name not in exclude]
+        if not candidates:
+            candidates = [r for r in self.replicas if r.name not in exclude and not r.is_draining]
         if not candidates:
             candidates = [r for r in self.replicas if r.name not in exclude]
         if not candidates:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from wavepp.api.spec import API_GROUP, API_VERSION, KIND, WavePipelineSpec
-from wavepp.operator import natscreds
 from wavepp.operator.containers import (
     CONFIG_DIR,
     CONTAINER_SECURITY_CONTEXT,
@@ -28,11 +27,15 @@ from wavepp.operator.containers import (
     RENDEZVOUS_PORT,
     SPEC_FILE,
     Component,
-    api_key_volumes,
     config_volumes,
     container_args,
     pod_container,
     pod_spec_common,
+)
+from wavepp.operator.gateway_builders import (
+    GATEWAY_REPLICAS,
+    build_gateway_deployment,
+    build_gateway_pdb,
 )
 from wavepp.operator.naming import (
     ANNOTATION_SPEC_HASH,
@@ -85,6 +88,8 @@ __all__ = [
     "build_hpa",
     "build_inference_pool",
     "build_network_policies",
+    "GATEWAY_REPLICAS",
+    "build_gateway_pdb",
     "build_pdb",
     "build_pod_group",
     "build_pool_configmap",
@@ -508,41 +513,6 @@ def _http_service(ref: PipelineRef, name: str, component: str, replica: int | No
 def build_admission_service(ref: PipelineRef, replica: int) -> dict[str, Any]:
     """ClusterIP Service of one replica's admission controller."""
     return _http_service(ref, admission_name(ref.name, replica), "admission", replica)
-
-
-def build_gateway_deployment(ref: PipelineRef, spec: WavePipelineSpec, hash_: str) -> dict:
-    """The gateway (prefill API, tenants): routes to the admitting replicas of ``pool.json``."""
-    volumes, mounts = config_volumes(spec, ref, hash_, "gateway")
-    volumes.append({"name": "pool", "configMap": {"name": pool_configmap_name(ref.name)}})
-    mounts.append({"name": "pool", "mountPath": POOL_DIR, "readOnly": True})
-    key_volumes, key_mounts = api_key_volumes(spec)
-    volumes += key_volumes
-    mounts += key_mounts
-    ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": child_metadata(
-            ref, gateway_name(ref.name), "gateway", annotations={ANNOTATION_SPEC_HASH: hash_}
-        ),
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "gateway"}},
-            "template": {
-                "metadata": {
-                    "labels": base_labels(ref.name, "gateway") | {LABEL_SPEC_HASH: hash_},
-                    **natscreds.gateway_template_annotations(ref, spec),
-                },
-                "spec": pod_spec_common(spec)
-                | {
-                    "containers": [pod_container("gateway", spec, ref, None, ports, {}, mounts)],
-                    "volumes": volumes,
-                    # it holds the tenants' keys and needs no Kubernetes API: no token
-                    "automountServiceAccountToken": False,
-                },
-            },
-        },
-    }
 
 
 def build_gateway_service(ref: PipelineRef) -> dict[str, Any]:

@@ -35,6 +35,9 @@ API_KEYS_ENTRY = "keys"  # the entry of a tenant's apiKeySecret that lists its k
 HTTP_PORT = 8080  # admission and gateway API
 HEALTH_PORT = 8081  # stage: /startupz /readyz /healthz
 RENDEZVOUS_PORT = 29500  # torch.distributed init (tcp://{rank-0 pod}:29500)
+# The admission pod's grace period is rollout.drainTimeoutSeconds; its drain (serving what its
+# intake holds after SIGTERM) ends this much earlier, leaving time to answer and exit cleanly.
+DRAIN_EXIT_MARGIN_S = 5.0
 
 Component = Literal["stage", "admission", "gateway"]
 
@@ -87,9 +90,12 @@ def container_args(
             f"tcp://{sts}-0.{sts}:{RENDEZVOUS_PORT}",
             "--health-port",
             str(HEALTH_PORT),
+            "--metrics-port",
+            str(spec.telemetry.metrics_port),
         ]
     elif component == "admission":
-        args += ["--health-port", str(HTTP_PORT)]
+        drain_s = max(0.0, spec.rollout.drain_timeout_s - DRAIN_EXIT_MARGIN_S)
+        args += ["--health-port", str(HTTP_PORT), "--drain-timeout-s", f"{drain_s:g}"]
     else:
         args += ["--pool-file", POOL_FILE, "--port", str(HTTP_PORT)]
     return args
@@ -195,9 +201,10 @@ def pod_container(
 
 def metrics_ports(component: Component, spec: WavePipelineSpec) -> list[dict[str, Any]]:
     """The ``metrics`` port, declared only where a process listens on it: the admission
-    controller serves Prometheus on ``telemetry.metricsPort``; the gateway serves its metrics on
-    its HTTP port (``GET /metrics``); a stage serves none."""
-    if component != "admission":
+    controller and each stage (``--metrics-port``, ``wavepp.runtime.stage.metrics``) serve
+    Prometheus on ``telemetry.metricsPort``; the gateway serves its metrics on its HTTP port
+    (``GET /metrics``)."""
+    if component == "gateway":
         return []
     return [{"name": "metrics", "containerPort": spec.telemetry.metrics_port, "protocol": "TCP"}]
 

@@ -13,6 +13,7 @@ deterministic name (the operator may rerun any handler):
 | Deployment + Service       | {p}-gateway              | pipeline |
 | HorizontalPodAutoscaler    | {p}                      | pipeline |
 | PodDisruptionBudget        | {p}-r{i}                 | replica  |
+| PodDisruptionBudget        | {p}-gateway              | pipeline |
 | PodGroup (optional)        | {p}-r{i}                 | replica  |
 | NetworkPolicy              | {p}-stage, -admission, -gateway | pipeline |
 | InferencePool (optional)   | {p}                      | pipeline |

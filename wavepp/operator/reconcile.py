@@ -406,6 +406,7 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
     actions.append(Apply(b.build_pool_configmap(ref, pool)))
     actions.append(Apply(b.build_gateway_deployment(ref, spec, current_hash)))
     actions.append(Apply(b.build_gateway_service(ref)))
+    actions.append(Apply(b.build_gateway_pdb(ref)))
     inference_pool = b.build_inference_pool(ref, spec)
     if inference_pool is not None:
         actions.append(Apply(inference_pool))

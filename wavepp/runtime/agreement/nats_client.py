@@ -17,6 +17,7 @@ from wavepp.api.subjects import ReplicaSubjects
 from wavepp.runtime.agreement.clients import StageUnavailableError
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch, handle_kv_request
 from wavepp.runtime.kv import StageKVManager
+from wavepp.runtime.transport.natsio import ReconnectedError, fail_on_reconnect
 
 
 async def serve_stage_kv(
@@ -43,8 +44,9 @@ class NatsStageClient:
     """Request-reply to ``{prefix}.stage.{rank}.kv`` with a timeout.
 
     Raises:
-        StageUnavailableError: nobody listens on the subject (a configuration fault), or no reply
-            within ``timeout_s`` (a slow or dead stage).
+        StageUnavailableError: nobody listens on the subject (a configuration fault), no reply
+            within ``timeout_s`` (a slow or dead stage), or NATS reconnected while it waited
+            (the request or its reply may be lost with the server; the callers retry).
     """
 
     def __init__(self, nc: NATS, subject_prefix: str, rank: int, timeout_s: float = 10.0) -> None:
@@ -64,7 +66,13 @@ class NatsStageClient:
 
     async def _request(self, subject: str, payload: bytes) -> bytes:
         try:
-            reply = await self.nc.request(subject, payload, timeout=self.timeout_s)
+            reply = await fail_on_reconnect(
+                self.nc, lambda: self.nc.request(subject, payload, timeout=self.timeout_s)
+            )
+        except ReconnectedError as exc:  # its reply may be lost with the server: as a timeout
+            raise StageUnavailableError(
+                self.rank, f"no reply on {subject}: NATS reconnected meanwhile"
+            ) from exc
         except NoRespondersError as exc:
             raise StageUnavailableError(self.rank, f"no stage listens on {subject}") from exc
         except (TimeoutError, NatsTimeoutError) as exc:

@@ -14,7 +14,19 @@ dead instance left behind (their leases expire).
 
 The service also publishes a heartbeat (``{p}.admission.heartbeat``, every 0.5 s) with whether
 every stage answered its last health probe (probed every beat once serving) and no re-form is
-under way; the gateway's router uses it for pool membership and ``/readyz``. Around a re-form of
+under way; the gateway's router uses it for pool membership and ``/readyz``.
+
+Draining (``run``'s ``stop``: SIGTERM, as the kubelet sends when the operator scales a replica
+away or replaces it): a heartbeat at once says ``draining`` and not ready, so the gateway takes
+the replica out of the pool and routes nothing new to it, but waits for its answers instead of
+re-routing them. The service keeps serving its intake until the stream holds nothing for it
+(no message pending or unacked, none running, and at least ``DRAIN_SETTLE_S`` after that beat,
+so that requests the gateway published before it saw the beat are served too), then sends a
+last beat (not draining) and returns. Bounded by ``drain_timeout_s`` (the pod's grace period
+less a margin); requests left then stay in the durable intake, and the gateway re-routes them
+on that last beat. A drain whose stages stop answering (a failure drain: the stage pods go at
+the same time) ends after ``DRAIN_UNFORMED_BEATS`` beats; its heartbeat meanwhile says not
+draining, so the gateway re-routes at once. Around a re-form of
 the stages' group (``serving.reform``) it holds its plans, then re-admits what it had admitted.
 A request re-routed by the gateway may run on two replicas: an error stored by one never hides
 the other's answer (a stored error of another replica is run again here; an error never
@@ -31,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -64,10 +77,19 @@ from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.serving.reform import ReformTracker
 from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
+from wavepp.runtime.transport.natsio import resend_after_reconnect
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
+# A drain waits at least this long after its first draining beat before it may end: requests
+# the gateway published before it took the replica out of the pool are then in the intake.
+DRAIN_SETTLE_S = 1.0
+# A drain ends early after this many beats in a row with a stage not formed (it cannot finish).
+DRAIN_UNFORMED_BEATS = 3
+# The gateway takes at most one heartbeat per 0.1 s per replica (gateway.trust): an early beat
+# (the drain's) waits this long after the previous one.
+MIN_BEAT_GAP_S = 0.15
 # How long a JetStream call of the service may wait for the server (a pause, a restart).
 STORE_TIMEOUT_S = 60.0
 
@@ -125,6 +147,10 @@ class AdmissionService:
         store_timeout_s: how long a JetStream call (the results bucket) may wait for the server.
         bus_key: the deployment's bus key (``load_bus_key``); this replica signs with the key
             derived for it. None: unsigned (insecure mode).
+        drain_timeout_s: after ``stop``, how long to keep serving what the intake holds (>= 0).
+
+    Raises:
+        ValueError: ``drain_timeout_s`` < 0.
     """
 
     def __init__(
@@ -139,8 +165,17 @@ class AdmissionService:
         startup_timeout_s: float = 300.0,
         store_timeout_s: float = STORE_TIMEOUT_S,
         bus_key: BusKey | None = None,
+        drain_timeout_s: float = 30.0,
     ) -> None:
+        if not drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s={drain_timeout_s}: must be >= 0")
         self.config = config
+        self.drain_timeout_s = drain_timeout_s
+        self.is_draining = False
+        self.drained_at_s: float | None = None  # monotonic, when the drain ended
+        self._unformed_beats = 0
+        self._beat_now = asyncio.Event()
+        self._num_beats = 0
         self.nc = nc
         self.pool = pool
         self.ack_wait_s = ack_wait_s
@@ -236,6 +271,7 @@ class AdmissionService:
             log.info("%s: admission %s serving", self.config.pipeline, self.instance)
             fetcher = asyncio.create_task(self._fetch_loop(psub), name="fetch")
             await stop.wait()
+            await self._drain(psub)
             fetcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await fetcher
@@ -243,39 +279,100 @@ class AdmissionService:
             # connection's drain does not wait on it.
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
-            if self._tasks:
-                await asyncio.wait(self._tasks, timeout=10.0)
         finally:
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
+            if self.is_draining:
+                await asyncio.sleep(MIN_BEAT_GAP_S)
+                await self._publish_beat(last=True)
             await self.scheduler.stop()
 
+    async def _drain(self, psub) -> None:  # noqa: ANN001 - PullSubscription
+        """Leave the pool and serve what the intake holds; see the module docstring."""
+        self.is_draining = True
+        self._beat_now.set()
+        started = time.monotonic()
+        log.info(
+            "%s: draining (at most %.0f s): %d requests running",
+            self.config.pipeline,
+            self.drain_timeout_s,
+            len(self._running),
+        )
+        left = -1
+        while True:
+            now = time.monotonic()
+            if now - started >= self.drain_timeout_s:
+                break
+            if self._unformed_beats >= DRAIN_UNFORMED_BEATS:
+                log.warning("%s: stages not formed; drain ends", self.config.pipeline)
+                break
+            if now - started >= DRAIN_SETTLE_S and not self._tasks:
+                try:
+                    info = await asyncio.wait_for(psub.consumer_info(), 2.0)
+                    left = info.num_pending + info.num_ack_pending
+                except Exception:  # noqa: BLE001 - a slow server: ask again
+                    left = -1
+                if left == 0 and not self._tasks:
+                    break
+            await asyncio.sleep(0.05)
+        self.drained_at_s = time.monotonic()
+        if left != 0 or self._tasks:
+            log.warning(
+                "%s: drain ended after %.1f s with requests left (%d running); the gateway "
+                "re-routes them",
+                self.config.pipeline,
+                self.drained_at_s - started,
+                len(self._running),
+            )
+        else:
+            log.info(
+                "%s: drained in %.1f s, %d answered in all",
+                self.config.pipeline,
+                self.drained_at_s - started,
+                self.num_answered,
+            )
+
     async def _heartbeat_loop(self) -> None:
-        subject = heartbeat_subject(self.config.pipeline, namespace=self.config.namespace)
-        num_beats = 0
         while True:
             if self.scheduler.is_serving:
-                await self._follow_stages(await self._probe_stages())
-            beat = Heartbeat(
-                pipeline=self.config.pipeline,
-                ready=self.scheduler.is_serving
-                and self.num_stages_formed == self.config.num_stages
-                and not self.reform.is_paused,
-                num_stages_formed=self.num_stages_formed,
-                num_inflight=len(self._running),
-                instance=self.instance,
-                pool=self.pool,
-                num_stages=self.config.num_stages,
-                seq=num_beats,
-                sent_at_s=time.time(),
-            )
-            if self.replica_key is not None:
-                beat = self.replica_key.sign(beat)
-            with contextlib.suppress(Exception):
-                await self.nc.publish(subject, beat.model_dump_json().encode())
-            num_beats += 1
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+                formed = await self._probe_stages()
+                await self._follow_stages(formed)
+                self._unformed_beats = 0 if formed else self._unformed_beats + 1
+            await self._publish_beat()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), HEARTBEAT_INTERVAL_S)
+            if self._beat_now.is_set():  # the drain's beat: at once, past the gateway's limit
+                self._beat_now.clear()
+                await asyncio.sleep(MIN_BEAT_GAP_S)
+
+    async def _publish_beat(self, *, last: bool = False) -> None:
+        """One heartbeat; ``last``: the drain is over (neither ready nor draining)."""
+        formed = (
+            self.scheduler.is_serving
+            and self.num_stages_formed == self.config.num_stages
+            and not self.reform.is_paused
+        )
+        beat = Heartbeat(
+            pipeline=self.config.pipeline,
+            ready=formed and not self.is_draining,
+            num_stages_formed=self.num_stages_formed,
+            num_inflight=len(self._running),
+            instance=self.instance,
+            pool=self.pool,
+            num_stages=self.config.num_stages,
+            draining=formed and self.is_draining and not last,
+            seq=self._num_beats,
+            sent_at_s=time.time(),
+        )
+        self._num_beats += 1
+        if self.replica_key is not None:
+            beat = self.replica_key.sign(beat)
+        subject = heartbeat_subject(self.config.pipeline, namespace=self.config.namespace)
+        with contextlib.suppress(Exception):
+            await self.nc.publish(subject, beat.model_dump_json().encode())
+            if last:
+                await self.nc.flush(timeout=1)
 
     async def _follow_stages(self, is_formed: bool) -> None:
         """Hold plans while a stage is not formed; after a re-form, re-admit (see module)."""
@@ -374,7 +471,9 @@ class AdmissionService:
         again against a full store (which held accepted requests until the gateway's 504)."""
         assert self._kv is not None, "results bucket opened before serving"
         try:
-            await self._kv.put(key, data)
+            await resend_after_reconnect(
+                self.nc, functools.partial(self._kv.put, key, data), what=f"result of {key}"
+            )
         except Exception as exc:  # noqa: BLE001 - APIError, NoResponders, timeout: same answer
             self.num_unstored += 1
             log.warning("result of %s not stored (%r); answered without the record", key, exc)
@@ -382,7 +481,9 @@ class AdmissionService:
     async def _stored(self, key: str) -> bytes | None:
         assert self._kv is not None, "results bucket opened before serving"
         try:
-            entry = await self._kv.get(key)
+            entry = await resend_after_reconnect(
+                self.nc, functools.partial(self._kv.get, key), what=f"results lookup of {key}"
+            )
         except KeyNotFoundError:
             return None
         if entry.value is None or not stored_result_is_authentic(self.bus_key, key, entry.value):

@@ -140,6 +140,7 @@ class StageCore:
         self.clock = clock
         self.sequencer: PlanSequencer[tuple[MicroBatchPlan, PlanHeaders]] = PlanSequencer()
         self.num_microbatches = 0  # completed (complete() calls)
+        self.execute_s = 0.0  # wall seconds of their execute phases (the stage's own metrics)
         self._done_log_size = done_log_size
         self._done_log: OrderedDict[tuple[str, int], MicroBatchDone] = OrderedDict()
         self.bus_key = bus_key
@@ -345,6 +346,7 @@ class StageCore:
                 except KeyError:
                     pass  # released meanwhile (lease expiry): nothing to cache
         self.num_microbatches += 1
+        self.execute_s += max(0.0, done.execute_end_s - done.execute_start_s)
 
     def dones(self, epoch: str, microbatch_ids: Iterable[int]) -> list[MicroBatchDone]:
         """The kept done messages of ``epoch`` among ``microbatch_ids`` (a replay ask)."""

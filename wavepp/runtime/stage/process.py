@@ -18,6 +18,7 @@ import torch
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.stage.build import build_engine
 from wavepp.runtime.stage.engine.tensor_parallel import TensorParallelEngine
+from wavepp.runtime.stage.metrics import serve_stage_metrics
 from wavepp.runtime.stage.rendezvous import StageGroupFactory, open_rendezvous
 from wavepp.runtime.stage.worker import StageWorker
 from wavepp.runtime.transport.buskey import load_bus_key
@@ -93,6 +94,7 @@ async def run_stage(
     nc = await connect(nats_url, name=f"{config.pipeline}-stage-{rank}", creds=nats_creds)
     followers = None
     watch: asyncio.Task[str] | None = None
+    metrics = None
     try:
         if config.tensor_parallel_size > 1:
             from wavepp.runtime.stage.tp_launch import start_followers
@@ -133,10 +135,13 @@ async def run_stage(
         )
         if readiness is not None:
             readiness.worker = worker
+        metrics = serve_stage_metrics(worker, config.telemetry.metrics_port)
         await worker.serve(stop)
         if watch is not None and watch.done() and watch.result():
             raise TensorParallelLost(watch.result())  # `wavepp stage` exits 1: restart it
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         if watch is not None:
             watch.cancel()
         if followers is not None:

@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
@@ -29,10 +30,14 @@ from wavepp.api.subjects import inbox_prefix
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
+
 # Per connection made by ``connect``: coroutine functions to run after each reconnect.
 _reconnect_listeners: weakref.WeakKeyDictionary[NATS, list[Callable[[], Awaitable[None]]]] = (
     weakref.WeakKeyDictionary()
 )
+# Per connection made by ``connect``: an event set (then dropped) at its next reconnect.
+_next_reconnect: weakref.WeakKeyDictionary[NATS, asyncio.Event] = weakref.WeakKeyDictionary()
 
 
 def free_port() -> int:
@@ -249,6 +254,9 @@ async def connect(
 
     async def _on_reconnected() -> None:
         log.info("nats %s: reconnected", name)
+        reconnected = _next_reconnect.pop(client[0], None) if client else None
+        if reconnected is not None:
+            reconnected.set()
         for listener in list(_reconnect_listeners.get(client[0], ())) if client else ():
             task = asyncio.ensure_future(listener())
             _listener_tasks.add(task)
@@ -308,6 +316,71 @@ def on_reconnect(nc: object, listener: Callable[[], Awaitable[None]]) -> None:
     """
     if isinstance(nc, NATS):
         _reconnect_listeners.setdefault(nc, []).append(listener)
+
+
+class ReconnectedError(Exception):
+    """The connection reconnected while a request waited for its reply: the request may have
+    been lost with the server (see :func:`resend_after_reconnect`)."""
+
+
+async def _unless_reconnected(nc: object, call: Callable[[], Awaitable[_T]]) -> tuple[bool, _T]:
+    """``(True, await call())``, or ``(False, None)`` once ``nc`` reconnected first (the call
+    is then cancelled). Only connections made by :func:`connect` report reconnects."""
+    if not isinstance(nc, NATS):
+        return True, await call()
+    reconnected = _next_reconnect.setdefault(nc, asyncio.Event())
+    attempt = asyncio.ensure_future(call())
+    watch = asyncio.ensure_future(reconnected.wait())
+    try:
+        await asyncio.wait({attempt, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not attempt.done():
+            attempt.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await attempt
+    if attempt.cancelled():
+        return False, None  # type: ignore[return-value]
+    return True, attempt.result()
+
+
+async def resend_after_reconnect(nc: object, call: Callable[[], Awaitable[_T]], *, what: str) -> _T:
+    """``await call()``; when ``nc`` reconnects while it waits, abandon it and call again.
+
+    A request written to the server in the moment it dies (a SIGKILL, a crash; or a paused
+    server killed before it read it) is lost with it: its reply never comes, and the caller
+    waits its whole timeout, however long (the gateway's JetStream calls wait as long as a
+    request may, 120 s; the admission's 60 s). Found by ``test_up_resources``: after a
+    nats-server kill ``wavepp up`` did not serve within 60 s in 2 of 5 CI runs. Each attempt
+    keeps the call's own timeout; only connections made by :func:`connect` report reconnects
+    (for any other client this is ``await call()``).
+
+    Only for idempotent calls: one that reached the server before the reconnect may run
+    twice (a KV get; a KV put of the same value; a JetStream publish deduplicated by its
+    ``Nats-Msg-Id``). For the others, :func:`fail_on_reconnect`.
+
+    Args:
+        nc: the connection ``call`` speaks over.
+        call: makes one attempt (a new awaitable each time).
+        what: names the call in the log line of a resend.
+    """
+    while True:
+        answered, result = await _unless_reconnected(nc, call)
+        if answered:
+            return result
+        log.info("%s: sent again after a reconnect (the first may be lost)", what)
+
+
+async def fail_on_reconnect(nc: object, call: Callable[[], Awaitable[_T]]) -> _T:
+    """``await call()``, or raise :class:`ReconnectedError` as soon as ``nc`` reconnects while
+    it waits: for a request that must not simply be sent twice (a stage's KV op carries an op
+    number a stage accepts once), whose caller retries a lost reply its own way; it learns of
+    the loss at the reconnect instead of after its timeout (the admission's stage requests:
+    10 s, and a lost agreement round held every later round that long)."""
+    answered, result = await _unless_reconnected(nc, call)
+    if not answered:
+        raise ReconnectedError("the connection reconnected while the request waited")
+    return result
 
 
 async def wait_until(predicate, *, timeout_s: float, interval_s: float = 0.05) -> None:  # noqa: ANN001

@@ -1,0 +1,181 @@
+"""A stage process's own metrics: ``GET /metrics`` on the stage pod's metrics port.
+
+The same stack as the admission's and the gateway's (``wavepp.telemetry.metrics``, "Metrics" in
+``docs/architecture.md``): OpenTelemetry observable instruments on a ``PrometheusExport``, whose
+callbacks read the live :class:`StageSnapshot` at scrape time (in the scraping thread; the
+counters read are plain ints and floats the event loop and compute thread update). Every
+series carries ``pipeline`` (the replica) and ``stage_rank``; like the gateway's, no
+``otel_scope_*`` labels and no ``target_info``.
+
+| OTel instrument                   | kind        | unit         | Prometheus series                                 |
+| --------------------------------- | ----------- | ------------ | ------------------------------------------------- |
+| wavepp.stage.microbatches_run     | obs counter | {microbatch} | wavepp_stage_microbatches_run_total               |
+| wavepp.stage.execute              | obs counter | s            | wavepp_stage_execute_seconds_total                |
+| wavepp.stage.kv_blocks            | obs gauge   | {block}      | wavepp_stage_kv_blocks{state}                     |
+| wavepp.stage.group_formed         | obs gauge   | (none)       | wavepp_stage_group_formed                         |
+| wavepp.stage.group_epoch          | obs gauge   | (none)       | wavepp_stage_group_epoch                          |
+| wavepp.stage.reforms              | obs counter | {reform}     | wavepp_stage_reforms_total                        |
+
+``state`` of a KV block: ``used`` (pinned by a request), ``cached`` (holding a hash, reusable,
+not pinned) and ``free`` (neither); the three add up to the stage's block count.
+``group_formed`` is 1 while the stage's torch.distributed group is formed (0 while it re-forms);
+``group_epoch`` the rendezvous epoch it formed in. Busy time per stage as the admission sees it stays ``wavepp_stage_busy_seconds_total``
+on the admission's port; ``wavepp_stage_execute_seconds_total`` is the stage's own count.
+
+The port is the spec's ``telemetry.metricsPort`` (``$WAVEPP_METRICS_PORT``), as for the
+admission pod; the operator declares it as the stage container's ``metrics`` port.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from wavepp.telemetry.metrics import PrometheusExport
+
+log = logging.getLogger(__name__)
+
+STAGE_PROMETHEUS_NAMES: tuple[str, ...] = (
+    "wavepp_stage_microbatches_run_total",
+    "wavepp_stage_execute_seconds_total",
+    "wavepp_stage_kv_blocks",
+    "wavepp_stage_group_formed",
+    "wavepp_stage_group_epoch",
+    "wavepp_stage_reforms_total",
+)
+
+
+@dataclass(frozen=True)
+class StageSnapshot:
+    """One stage's counters now. Seconds are wall-clock execute time; blocks are KV blocks."""
+
+    pipeline: str
+    rank: int
+    num_microbatches: int
+    execute_s: float
+    kv_used: int
+    kv_cached: int
+    kv_free: int
+    is_formed: bool
+    group_epoch: int
+    num_reforms: int
+
+
+def snapshot_of(worker: Any) -> StageSnapshot:
+    """The live ``StageWorker``'s counters (its core's micro-batches and execute time, its KV
+    pool). (Typed ``Any``: the worker imports this module, not the other way round.)"""
+    pool = worker.core.manager.pool
+    used = pool.num_pinned_blocks
+    cached = pool.num_evictable_blocks
+    return StageSnapshot(
+        pipeline=worker.config.pipeline,
+        rank=worker.rank,
+        num_microbatches=worker.core.num_microbatches,
+        execute_s=worker.core.execute_s,
+        kv_used=used,
+        kv_cached=cached,
+        kv_free=pool.num_blocks - used - cached,
+        is_formed=worker.is_formed,
+        group_epoch=worker.group_epoch,
+        num_reforms=worker.num_reforms,
+    )
+
+
+class StageMetrics:
+    """The stage's instruments over ``source`` (called once per instrument per scrape).
+
+    Args:
+        source: returns the snapshot to report.
+        export: where the instruments live (default: a new ``PrometheusExport`` without scope
+            labels or ``target_info``).
+    """
+
+    def __init__(
+        self, source: Callable[[], StageSnapshot], export: PrometheusExport | None = None
+    ) -> None:
+        self.source = source
+        self.export = export or PrometheusExport(
+            "wavepp-stage", scope_labels=False, target_info=False
+        )
+        meter = self.export.meter()
+        meter.create_observable_counter(
+            "wavepp.stage.microbatches_run",
+            callbacks=[self._one(lambda s: s.num_microbatches)],
+            unit="{microbatch}",
+            description="Micro-batches this stage finished",
+        )
+        meter.create_observable_counter(
+            "wavepp.stage.execute",
+            callbacks=[self._one(lambda s: s.execute_s)],
+            unit="s",
+            description="Wall time this stage spent executing micro-batches",
+        )
+        meter.create_observable_gauge(
+            "wavepp.stage.kv_blocks",
+            callbacks=[self._kv_blocks],
+            unit="{block}",
+            description="KV blocks by state: used (pinned), cached (reusable), free",
+        )
+        meter.create_observable_gauge(
+            "wavepp.stage.group_formed",
+            callbacks=[self._one(lambda s: int(s.is_formed))],
+            description="1 while the stage's torch.distributed group is formed",
+        )
+        meter.create_observable_gauge(
+            "wavepp.stage.group_epoch",
+            callbacks=[self._one(lambda s: s.group_epoch)],
+            description="The rendezvous epoch the stage's group formed in",
+        )
+        meter.create_observable_counter(
+            "wavepp.stage.reforms",
+            callbacks=[self._one(lambda s: s.num_reforms)],
+            unit="{reform}",
+            description="Times this stage re-formed its group in place",
+        )
+
+    @staticmethod
+    def _labels(snapshot: StageSnapshot) -> dict[str, str | int]:
+        return {"pipeline": snapshot.pipeline, "stage_rank": snapshot.rank}
+
+    def _one(
+        self, value: Callable[[StageSnapshot], float]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            snapshot = self.source()
+            return [Observation(value(snapshot), self._labels(snapshot))]
+
+        return observe
+
+    def _kv_blocks(self, _options: CallbackOptions) -> Iterable[Observation]:
+        snapshot = self.source()
+        labels = self._labels(snapshot)
+        return [
+            Observation(snapshot.kv_used, labels | {"state": "used"}),
+            Observation(snapshot.kv_cached, labels | {"state": "cached"}),
+            Observation(snapshot.kv_free, labels | {"state": "free"}),
+        ]
+
+    def scrape(self) -> tuple[bytes, str]:
+        """The Prometheus text now (tests; ``serve`` is what a pod uses)."""
+        return self.export.scrape()
+
+    def serve(self, port: int) -> int:
+        """Serve ``GET /metrics`` on ``port`` (0: any free one); returns the port bound."""
+        return self.export.serve(port)
+
+    def shutdown(self) -> None:
+        self.export.shutdown()
+
+
+def serve_stage_metrics(worker: Any, port: int | None) -> StageMetrics | None:
+    """Serve the ``StageWorker``'s metrics on ``port`` (None: metrics off, returns None)."""
+    if port is None:
+        return None
+    metrics = StageMetrics(lambda: snapshot_of(worker))
+    bound = metrics.serve(port)
+    log.info("stage %d: Prometheus metrics on http://0.0.0.0:%d/metrics", worker.rank, bound)
+    return metrics
