@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from proc_support import children_running
 
 from wavepp.runtime.hf_config import load_model_dir
 from wavepp.runtime.model_config import ModelConfig
@@ -350,7 +351,7 @@ async def test_wavepp_stage_processes_with_tp2_x_pp2_match_the_reference(tmp_pat
     async with LocalPipeline(config, cost, log_dir=str(tmp_path / "logs")) as pipeline:
         assert pipeline.scheduler is not None
         for proc in pipeline.procs:  # one follower per stage process
-            assert len(_children_running(proc.pid, "wavepp.runtime.stage.tp_launch")) == 1
+            assert len(children_running(proc.pid, "wavepp.runtime.stage.tp_launch")) == 1
         first = await pipeline.scheduler.submit(
             PromptRequest("a", prompts["a"], return_logits=True)
         )
@@ -364,19 +365,3 @@ async def test_wavepp_stage_processes_with_tp2_x_pp2_match_the_reference(tmp_pat
         error = (torch.tensor(outcome.logits) - want).abs().max().item()
         print(f"wavepp stage TP=2 x PP=2, request {outcome.request_id}: max |diff| {error:.2e}")
         assert error < ATOL
-
-
-def _children_running(pid: int, module: str) -> list[int]:
-    """Child processes of ``pid`` whose command line names ``module`` (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:  # gone meanwhile
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and module in args:
-            found.append(int(entry.name))
-    return found

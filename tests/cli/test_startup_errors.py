@@ -12,10 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from gateway_support import tiny_gateway_config
 
 from wavepp import cli
-from wavepp.gateway.core import GatewayConfig, ReplicaInfo
-from wavepp.gateway.tenants import TenantPolicy
 from wavepp.runtime.config import RuntimeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,16 +52,7 @@ def test_up_on_a_busy_port_starts_nothing(
 def test_gateway_on_a_busy_port(
     busy_port: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = GatewayConfig(
-        pool="p",
-        replicas=[ReplicaInfo(pipeline="p-r0", num_stages=2)],
-        model_name="tiny-llama",
-        model_id="tiny-llama",
-        block_size=16,
-        vocab_size=1000,
-        max_prompt_tokens=64,
-        tenants=[TenantPolicy(name="default", cache_salt="s")],
-    )
+    config = tiny_gateway_config()
     path = tmp_path / "gateway.json"
     path.write_text(config.model_dump_json())
     argv = ["gateway", "--gateway-config", str(path), "--nats-url", "nats://127.0.0.1:1",

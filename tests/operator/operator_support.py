@@ -301,19 +301,8 @@ class Cluster:
             if await self.get("Pod", pod_name) is not None:
                 continue
             labels = dict(template["metadata"]["labels"]) | {b.POD_INDEX_LABEL: str(rank)}
-            await self.client.create(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Pod",
-                    "metadata": {
-                        "name": pod_name,
-                        "namespace": NAMESPACE,
-                        "labels": labels,
-                        "uid": f"{pod_name}-uid{next(_uids)}",
-                    },
-                    "spec": template["spec"],
-                    "status": pod_status(phase),
-                }
+            await self._create_pod(
+                pod_name, template, phase, labels=labels, uid=f"{pod_name}-uid{next(_uids)}"
             )
             created.append(pod_name)
         return created
@@ -324,19 +313,7 @@ class Cluster:
         assert dep is not None
         assert dep["spec"]["replicas"] == 1, "the operator scaled this admission controller to 0"
         pod_name = f"{b.admission_name(pipeline, replica)}-{next(_uids)}"
-        await self.client.create(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": pod_name,
-                    "namespace": NAMESPACE,
-                    "labels": dict(dep["spec"]["template"]["metadata"]["labels"]),
-                },
-                "spec": dep["spec"]["template"]["spec"],
-                "status": pod_status("warm" if ready else "scheduled"),
-            }
-        )
+        await self._create_pod(pod_name, dep["spec"]["template"], "warm" if ready else "scheduled")
         return pod_name
 
     async def run_gateway(self, pipeline: str, *, ready: bool = True) -> str:
@@ -347,20 +324,36 @@ class Cluster:
             return pod_name
         dep = await self.get("Deployment", b.gateway_name(pipeline))
         assert dep is not None
+        await self._create_pod(pod_name, dep["spec"]["template"], "warm" if ready else "formed")
+        return pod_name
+
+    async def _create_pod(
+        self,
+        name: str,
+        template: dict[str, Any],
+        phase: str,
+        *,
+        labels: dict[str, str] | None = None,
+        uid: str | None = None,
+    ) -> None:
+        """Create pod ``name`` from a pod ``template`` (with its labels unless ``labels`` are
+        given, and ``uid`` if given) in the kubelet ``phase`` of ``pod_status``."""
+        metadata: dict[str, Any] = {
+            "name": name,
+            "namespace": NAMESPACE,
+            "labels": dict(template["metadata"]["labels"]) if labels is None else labels,
+        }
+        if uid is not None:
+            metadata["uid"] = uid
         await self.client.create(
             {
                 "apiVersion": "v1",
                 "kind": "Pod",
-                "metadata": {
-                    "name": pod_name,
-                    "namespace": NAMESPACE,
-                    "labels": dict(dep["spec"]["template"]["metadata"]["labels"]),
-                },
-                "spec": dep["spec"]["template"]["spec"],
-                "status": pod_status("warm" if ready else "formed"),
+                "metadata": metadata,
+                "spec": template["spec"],
+                "status": pod_status(phase),
             }
         )
-        return pod_name
 
     async def pool(self, pipeline: str) -> dict[int, bool]:
         """Replica -> admitting, from the pool ConfigMap the gateway reads."""

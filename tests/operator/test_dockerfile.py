@@ -21,7 +21,7 @@ import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
 from operator_support import REPO, render_chart
-from test_runtime_contract import CLUSTER_NATS_URL, REF
+from pod_support import CLUSTER_NATS_URL, REF
 
 from wavepp.api.spec import check_spec
 from wavepp.operator import builders as b

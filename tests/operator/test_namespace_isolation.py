@@ -11,24 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+from http_support import http_status, post_json
+from pod_support import kubelet_env, start_wavepp
 
 from wavepp.api.spec import check_spec
 from wavepp.operator import builders as b
 from wavepp.operator.nats_cleanup import delete_pool_streams
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
 
-REPO = Path(__file__).resolve().parents[2]
 NAMESPACES = ("team-a", "team-b")
 RAW_SPEC: dict[str, Any] = {
     "model": {"name": "tiny-llama"},
@@ -41,45 +38,6 @@ WAIT_S = 60.0
 PROMPTS = 5
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _env(container: dict[str, Any], namespace: str, pod: str, labels: dict[str, str]) -> dict:
-    env: dict[str, str] = {}
-    for item in container["env"]:
-        if "value" in item:
-            env[item["name"]] = item["value"]
-            continue
-        path = item["valueFrom"]["fieldRef"]["fieldPath"]
-        label = re.fullmatch(r"metadata\.labels\['(.+)'\]", path)
-        env[item["name"]] = (
-            namespace
-            if path == "metadata.namespace"
-            else pod
-            if path == "metadata.name"
-            else labels[label.group(1)]  # type: ignore[union-attr]
-        )
-    return env
-
-
-def _status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except (urllib.error.URLError, OSError):
-        return 0
-
-
-def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30.0) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
 
 
 class Pipeline:
@@ -125,7 +83,7 @@ class Pipeline:
             ),
             ("gateway", self.gateway, "tiny-gateway-x", "--port", self.gateway_port),
         ):
-            env = _env(container, self.namespace, pod, labels)
+            env = kubelet_env(container, pod, labels, namespace=self.namespace)
             args = [
                 re.sub(r"\$\((\w+)\)", lambda m, e=env: e[m.group(1)], a) for a in container["args"]
             ]
@@ -134,22 +92,12 @@ class Pipeline:
             if name == "stage":
                 args[args.index("--dist-url") + 1] = f"tcp://127.0.0.1:{free_port()}"
                 args[args.index("--metrics-port") + 1] = str(free_port())
-            out = open(self.dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "wavepp.cli", *args],
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    cwd=REPO,
-                    env=os.environ | env | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
-                    start_new_session=True,
-                )
-            )
+            self.procs.append(start_wavepp(args, self.dir / f"{name}.log", env))
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + WAIT_S
         for port in (self.stage_port, self.admission_port, self.gateway_port):
-            while _status(f"http://127.0.0.1:{port}/readyz") != 200:
+            while http_status(f"http://127.0.0.1:{port}/readyz") != 200:
                 for proc in self.procs:
                     if proc.poll() is not None:
                         logs = [p.read_text()[-2000:] for p in self.dir.glob("*.log")]
@@ -196,7 +144,7 @@ async def test_same_named_pipelines_in_two_namespaces_exchange_nothing(tmp_path:
                 answers[p.namespace] = []
                 for i in range(PROMPTS):
                     body = {"tenant": "default", "token_ids": _prompt(p.namespace, i)}
-                    status, answer = await asyncio.to_thread(_post, url, body)
+                    status, answer = await asyncio.to_thread(post_json, url, body)
                     assert status == 200 and not answer.get("error"), answer
                     assert answer["num_prompt_tokens"] == 40
                     answers[p.namespace].append(answer)

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -32,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pod_support import REF, container_of, expand, kubelet_env, localize, start_wavepp
 from prometheus_client.parser import text_string_to_metric_families
-from test_runtime_contract import REF, REPO, _container, _expand, _kubelet_env, _localize
 
 from wavepp.api.prefill import Heartbeat
 from wavepp.api.spec import check_spec
@@ -73,22 +71,14 @@ async def test_sigterm_drains_the_replica_every_admitted_request_answered(tmp_pa
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(b.build_spec_configmap(REF, spec, hash_)["data"]["spec.json"])
     sts = b.build_stage_statefulset(REF, spec, hash_, 0)
-    admission = _container(b.build_admission_deployment(REF, spec, hash_, 0, running=True))
+    admission = container_of(b.build_admission_deployment(REF, spec, hash_, 0, running=True))
     assert admission["args"][-2:] == ["--drain-timeout-s", "25"]
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs = {name: tmp_path / f"{name}.log" for name in ("stage", "admission")}
 
     def launch(name: str, container: dict, env: dict, local: dict, cluster: dict, *extra: str):  # noqa: ANN202
-        args = _localize([_expand(a, env) for a in container["args"]], local, cluster)
-        with open(logs[name], "wb") as out:
-            procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "wavepp.cli", *args, *extra],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                env=os.environ | env | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
-                start_new_session=True,
-            )
+        args = localize([expand(a, env) for a in container["args"]], local, cluster)
+        procs[name] = start_wavepp([*args, *extra], logs[name], env)
 
     def tails() -> str:
         return "\n".join(p.read_text(errors="replace")[-3000:] for p in logs.values())
@@ -110,13 +100,13 @@ async def test_sigterm_drains_the_replica_every_admitted_request_answered(tmp_pa
 
         await nc.subscribe(heartbeat_subject(replica, namespace=REF.namespace), cb=on_beat)
         try:
-            stage_c = _container(sts)
+            stage_c = container_of(sts)
             labels = sts["spec"]["template"]["metadata"]["labels"] | {b.POD_INDEX_LABEL: "0"}
             stage_port, stage_metrics_port = free_port(), free_port()
             launch(
                 "stage",
                 stage_c,
-                _kubelet_env(stage_c, "tiny-r0-0", labels),
+                kubelet_env(stage_c, "tiny-r0-0", labels),
                 {
                     "--config": str(spec_path),
                     "--nats-url": nats.url,
@@ -136,7 +126,7 @@ async def test_sigterm_drains_the_replica_every_admitted_request_answered(tmp_pa
             launch(
                 "admission",
                 admission,
-                _kubelet_env(admission, "tiny-r0-admission-x", {})
+                kubelet_env(admission, "tiny-r0-admission-x", {})
                 | {"WAVEPP_METRICS_PORT": str(free_port())},
                 {"--config": str(spec_path), "--nats-url": nats.url,
                  "--health-port": str(admission_port)},

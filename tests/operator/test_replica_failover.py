@@ -16,11 +16,9 @@ nats-server with JetStream, per replica ``wavepp stage`` x 2 and ``wavepp admiss
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -28,16 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_runtime_contract import (
+from http_support import post_json
+from pod_support import (
     CLUSTER_NATS_URL,
     REF,
-    REPO,
-    _container,
-    _expand,
-    _kubelet_env,
-    _localize,
-    _log_tail,
-    _post,
+    container_of,
+    expand,
+    kubelet_env,
+    localize,
+    log_tail,
+    start_wavepp,
 )
 
 from wavepp.api.spec import check_spec
@@ -70,9 +68,7 @@ def _wait(predicate, what: str, timeout_s: float, logs: list[Path]) -> float:  #
     started = time.monotonic()
     while not predicate():
         if time.monotonic() - started > timeout_s:
-            pytest.fail(
-                f"{what} not within {timeout_s}s:\n" + "\n".join(_log_tail(p) for p in logs)
-            )
+            pytest.fail(f"{what} not within {timeout_s}s:\n" + "\n".join(log_tail(p) for p in logs))
         time.sleep(0.05)
     return time.monotonic() - started
 
@@ -98,7 +94,7 @@ class Load:
                 self._next += 1
             tokens = [(seed * 131 + 7 * i) % 997 + 1 for i in range(2 * self.block_size + 3)]
             sent = time.monotonic()
-            status, body = _post(self.url, {"tenant": "default", "token_ids": tokens})
+            status, body = post_json(self.url, {"tenant": "default", "token_ids": tokens})
             with self._lock:
                 self.records.append((sent, time.monotonic() - sent, status, body))
 
@@ -122,22 +118,14 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
     pool_path = tmp_path / "pool.json"
     entries = [b.PoolEntry(i, hash_, admitting=True) for i in range(2)]
     pool_path.write_text(b.build_pool_configmap(REF, entries)["data"]["pool.json"])
-    gateway_c = _container(b.build_gateway_deployment(REF, spec, hash_))
+    gateway_c = container_of(b.build_gateway_deployment(REF, spec, hash_))
     procs: dict[str, subprocess.Popen[bytes]] = {}
     commands: dict[str, tuple[list[str], dict[str, str]]] = {}
     logs: dict[str, Path] = {}
 
     def launch(name: str) -> subprocess.Popen[bytes]:
-        command, env = commands[name]
-        with open(logs[name], "ab") as out:
-            procs[name] = subprocess.Popen(
-                command,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                env=os.environ | env | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
-                start_new_session=True,
-            )
+        args, env = commands[name]
+        procs[name] = start_wavepp(args, logs[name], env, append=True)
         return procs[name]
 
     with EmbeddedNatsServer(jetstream=True, store_dir=str(tmp_path / "js")) as nats:
@@ -150,27 +138,24 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
         def add(
             name: str, container: dict, local: dict[str, str], cluster: dict, env: dict
         ) -> None:
-            args = [_expand(a, env) for a in container["args"]]
-            command = [
-                sys.executable,
-                "-m",
-                "wavepp.cli",
-                *_localize(args, common | local, {**cluster, "--nats-url": CLUSTER_NATS_URL}),
-            ]
-            commands[name] = (command, env)
+            args = [expand(a, env) for a in container["args"]]
+            commands[name] = (
+                localize(args, common | local, {**cluster, "--nats-url": CLUSTER_NATS_URL}),
+                env,
+            )
             logs[name] = tmp_path / f"{name}.log"
 
         cluster = {"--config": b.SPEC_FILE, "--pool-file": b.POOL_FILE}
         for replica in range(2):
             sts = b.build_stage_statefulset(REF, spec, hash_, replica)
-            stage_c = _container(sts)
+            stage_c = container_of(sts)
             sts_name = sts["metadata"]["name"]
             dist_url = f"tcp://127.0.0.1:{free_port()}"
             for rank in range(spec.num_stages):
                 labels = sts["spec"]["template"]["metadata"]["labels"] | {
                     b.POD_INDEX_LABEL: str(rank)
                 }
-                env = _kubelet_env(stage_c, b.stage_pod_name(REF.name, replica, rank), labels)
+                env = kubelet_env(stage_c, b.stage_pod_name(REF.name, replica, rank), labels)
                 add(
                     f"r{replica}-stage-{rank}",
                     stage_c,
@@ -187,7 +172,7 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
                     },
                     env,
                 )
-            admission_c = _container(
+            admission_c = container_of(
                 b.build_admission_deployment(REF, spec, hash_, replica, running=True)
             )
             add(
@@ -196,7 +181,7 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
                 {"--health-port": str(free_port())},
                 cluster | {"--health-port": str(b.HTTP_PORT)},
                 # Each admission pod serves metrics on the spec's port; here one port each.
-                _kubelet_env(admission_c, f"tiny-r{replica}-admission-x", {})
+                kubelet_env(admission_c, f"tiny-r{replica}-admission-x", {})
                 | {"WAVEPP_METRICS_PORT": str(free_port())},
             )
         gateway_port = free_port()
@@ -205,7 +190,7 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
             gateway_c,
             {"--port": str(gateway_port)},
             cluster | {"--port": str(b.HTTP_PORT)},
-            _kubelet_env(gateway_c, "tiny-gateway-x", {}),
+            kubelet_env(gateway_c, "tiny-gateway-x", {}),
         )
         gateway = f"http://127.0.0.1:{gateway_port}"
         replica_names = [f"{REF.name}-r{i}" for i in range(2)]
@@ -243,13 +228,13 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
             def served_by_r0_after_restart() -> bool:
                 return any(
                     sent > restarted and body.get("replica") == replica_names[0]
-                    for sent, _took, _status, body in list(load.records)
+                    for sent, _took, http_status, body in list(load.records)
                 )
 
             _wait(served_by_r0_after_restart, "an answer from replica 0", 60, [])
             first_r0_answer_s = min(
                 sent + took - restarted
-                for sent, took, _status, body in list(load.records)
+                for sent, took, http_status, body in list(load.records)
                 if sent > restarted and body.get("replica") == replica_names[0]
             )
             time.sleep(1.0)

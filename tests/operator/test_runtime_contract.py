@@ -13,17 +13,25 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
-import re
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+from http_support import http_status, post_json
+from pod_support import (
+    CLUSTER_NATS_URL,
+    REF,
+    REPO,
+    container_of,
+    expand,
+    kubelet_env,
+    localize,
+    probe_path,
+    start_wavepp,
+    wait_200,
+)
 
 from wavepp.api.natsauth import TrustRoot
 from wavepp.api.spec import CONFIG_EXIT_CODE, MAX_REPLICAS, check_spec, load_spec_file
@@ -35,9 +43,6 @@ from wavepp.operator import natscreds
 from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
-REPO = Path(__file__).resolve().parents[2]
-REF = b.PipelineRef(name="tiny", namespace="ml", uid="uid-contract")
-CLUSTER_NATS_URL = "nats://nats.wavepp-system:4222"
 RAW_SPEC: dict[str, Any] = {
     "model": {"name": "tiny-llama"},
     "stages": 2,
@@ -45,7 +50,6 @@ RAW_SPEC: dict[str, Any] = {
     "engine": "emulated",
     "engineOptions": {"timeScale": 0.05, "kvBlocks": 256},
 }
-WAIT_S = 30.0
 
 
 def _resolved_spec(metrics_port: int = 9400, *, nats: str = "plain") -> Any:
@@ -193,87 +197,6 @@ async def test_nats_creds_reach_the_connection(monkeypatch: pytest.MonkeyPatch) 
 # ---- the processes ----------------------------------------------------------------------
 
 
-def _container(manifest: dict[str, Any]) -> dict[str, Any]:
-    (container,) = manifest["spec"]["template"]["spec"]["containers"]
-    return container
-
-
-def _kubelet_env(container: dict[str, Any], pod_name: str, labels: dict[str, str]) -> dict:
-    """The container's env as the kubelet resolves it (values and downward-API fieldRefs)."""
-    env: dict[str, str] = {}
-    for item in container["env"]:
-        if "value" in item:
-            env[item["name"]] = item["value"]
-            continue
-        path = item["valueFrom"]["fieldRef"]["fieldPath"]
-        if path == "metadata.namespace":
-            env[item["name"]] = REF.namespace
-        elif path == "metadata.name":
-            env[item["name"]] = pod_name
-        else:
-            label = re.fullmatch(r"metadata\.labels\['(.+)'\]", path)
-            assert label, f"unknown fieldRef {path}"
-            env[item["name"]] = labels[label.group(1)]
-    return env
-
-
-def _expand(arg: str, env: dict[str, str]) -> str:
-    """Kubernetes' $(VAR) expansion in args: defined variables only, others left as they are."""
-    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
-
-
-def _localize(args: list[str], local: dict[str, str], cluster: dict[str, Any]) -> list[str]:
-    """Replace the value after each flag in ``local``; it must be the cluster value in
-    ``cluster`` (a path, host or port, or a set of them), so nothing but those is rewritten."""
-    out = list(args)
-    for i, flag in enumerate(args[:-1]):
-        if flag in local:
-            expected = cluster[flag]
-            expected = expected if isinstance(expected, set) else {expected}
-            assert args[i + 1] in expected, (flag, args[i + 1])
-            out[i + 1] = local[flag]
-    return out
-
-
-def _probe_path(container: dict[str, Any], probe: str) -> str:
-    return container[probe]["httpGet"]["path"]
-
-
-def _status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except (urllib.error.URLError, OSError):
-        return 0
-
-
-def _log_tail(path: Path) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-25:]) if path.exists() else ""
-
-
-def _wait_200(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while _status(url) != 200:
-        if proc.poll() is not None:
-            pytest.fail(f"{proc.args[3]} exited with {proc.returncode}:\n{_log_tail(log)}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"{url} not 200 in {WAIT_S}s:\n{_log_tail(log)}")
-        time.sleep(0.1)
-
-
-def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30.0) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
-
-
 @pytest.mark.parametrize("nats_security", ["plain", "mutual-tls", "jwt-creds", "rendered-creds"])
 def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) -> None:
     """With ``nats.tlsSecret``, the same pods talk to a nats-server that requires TLS and
@@ -293,10 +216,10 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
     pool_cm = b.build_pool_configmap(REF, [b.PoolEntry(0, hash_, admitting=False)])
     pool_path.write_text(pool_cm["data"]["pool.json"])
     sts = b.build_stage_statefulset(REF, spec, hash_, 0)
-    stage_c = _container(sts)
+    stage_c = container_of(sts)
     admission_d = b.build_admission_deployment(REF, spec, hash_, 0, running=True)
     gateway_d = b.build_gateway_deployment(REF, spec, hash_)
-    admission_c, gateway_c = _container(admission_d), _container(gateway_d)
+    admission_c, gateway_c = container_of(admission_d), container_of(gateway_d)
     assert stage_c["command"] == admission_c["command"] == gateway_c["command"] == ["wavepp"]
     for c in (stage_c, admission_c, gateway_c):
         assert c["args"] == b.container_args(
@@ -381,7 +304,7 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
         dist_url = f"tcp://127.0.0.1:{free_port()}"
 
         def start(name: str, container: dict, local: dict[str, str], env: dict) -> Any:
-            args = [_expand(a, env) for a in container["args"]]
+            args = [expand(a, env) for a in container["args"]]
             if name == "stage-1":
                 # As a pod whose args were not expanded: the stage reads $WAVEPP_RANK itself.
                 args = list(container["args"])
@@ -389,22 +312,8 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
                 local_dir = str(mounts[container["name"]])
                 args = [a.replace(b.NATS_CREDS_DIR, local_dir) for a in args]
                 env = {k: v.replace(b.NATS_CREDS_DIR, local_dir) for k, v in env.items()}
-            command = [
-                sys.executable,
-                "-m",
-                "wavepp.cli",
-                *_localize(args, common | local, cluster),
-            ]
             log = tmp_path / f"{name}.log"
-            with open(log, "wb") as out:
-                proc = subprocess.Popen(
-                    command,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    cwd=REPO,
-                    env=os.environ | env | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
-                    start_new_session=True,
-                )
+            proc = start_wavepp(localize(args, common | local, cluster), log, env)
             procs.append(proc)
             return proc, log
 
@@ -422,37 +331,37 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
                     "--metrics-port": str(free_port()),
                 }
                 proc, log = start(
-                    f"stage-{rank}", stage_c, local, _kubelet_env(stage_c, pod, labels)
+                    f"stage-{rank}", stage_c, local, kubelet_env(stage_c, pod, labels)
                 )
                 stages.append((proc, log, f"http://127.0.0.1:{port}"))
                 if rank == 0:
                     # Alone, the group cannot form: alive, but not started.
-                    _wait_200(f"{stages[0][2]}{_probe_path(stage_c, 'livenessProbe')}", proc, log)
-                    startup = f"{stages[0][2]}{_probe_path(stage_c, 'startupProbe')}"
-                    assert _status(startup) == 503
+                    wait_200(f"{stages[0][2]}{probe_path(stage_c, 'livenessProbe')}", proc, log)
+                    startup = f"{stages[0][2]}{probe_path(stage_c, 'startupProbe')}"
+                    assert http_status(startup) == 503
             admission_port, gateway_port = free_port(), free_port()
-            adm_env = _kubelet_env(admission_c, "tiny-r0-admission-x", {})
+            adm_env = kubelet_env(admission_c, "tiny-r0-admission-x", {})
             adm, adm_log = start(
                 "admission", admission_c, {"--health-port": str(admission_port)}, adm_env
             )
-            gw_env = _kubelet_env(gateway_c, "tiny-gateway-x", {})
+            gw_env = kubelet_env(gateway_c, "tiny-gateway-x", {})
             gw, gw_log = start("gateway", gateway_c, {"--port": str(gateway_port)}, gw_env)
 
             for proc, log, base in stages:
-                _wait_200(f"{base}{_probe_path(stage_c, 'startupProbe')}", proc, log)
-                _wait_200(f"{base}{_probe_path(stage_c, 'readinessProbe')}", proc, log)
-                assert _status(f"{base}{_probe_path(stage_c, 'livenessProbe')}") == 200
+                wait_200(f"{base}{probe_path(stage_c, 'startupProbe')}", proc, log)
+                wait_200(f"{base}{probe_path(stage_c, 'readinessProbe')}", proc, log)
+                assert http_status(f"{base}{probe_path(stage_c, 'livenessProbe')}") == 200
             admission = f"http://127.0.0.1:{admission_port}"
-            _wait_200(f"{admission}{_probe_path(admission_c, 'readinessProbe')}", adm, adm_log)
-            assert _status(f"{admission}{_probe_path(admission_c, 'livenessProbe')}") == 200
+            wait_200(f"{admission}{probe_path(admission_c, 'readinessProbe')}", adm, adm_log)
+            assert http_status(f"{admission}{probe_path(admission_c, 'livenessProbe')}") == 200
             # The admission process serves Prometheus metrics on the spec's port.
-            assert _status(f"http://127.0.0.1:{spec.telemetry.metrics_port}/metrics") == 200
+            assert http_status(f"http://127.0.0.1:{spec.telemetry.metrics_port}/metrics") == 200
             gateway = f"http://127.0.0.1:{gateway_port}"
-            _wait_200(f"{gateway}{_probe_path(gateway_c, 'readinessProbe')}", gw, gw_log)
+            wait_200(f"{gateway}{probe_path(gateway_c, 'readinessProbe')}", gw, gw_log)
 
             block_size = spec.cache.block_size
             token_ids = [(7 * i) % 200 + 1 for i in range(3 * block_size + 5)]
-            status, first = _post(
+            status, first = post_json(
                 f"{gateway}/v1/prefill", {"tenant": "default", "token_ids": token_ids}
             )
             assert status == 200, first
@@ -460,7 +369,7 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
             assert first["replica"] == f"{REF.name}-r0"
             assert not first["error"], first
             # The same prompt again: its full blocks are cached on both stages.
-            status, second = _post(
+            status, second = post_json(
                 f"{gateway}/v1/prefill", {"tenant": "default", "token_ids": token_ids}
             )
             assert status == 200, second

@@ -12,23 +12,23 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_runtime_contract import (
+from http_support import post_json
+from pod_support import (
     CLUSTER_NATS_URL,
     REF,
-    REPO,
-    _container,
-    _expand,
-    _kubelet_env,
-    _localize,
-    _post,
-    _probe_path,
-    _wait_200,
+    container_of,
+    expand,
+    kubelet_env,
+    localize,
+    probe_path,
+    start_wavepp,
+    wait_200,
 )
+from proc_support import children_running
 
 from wavepp.api.spec import check_spec
 from wavepp.operator import builders as b
@@ -56,26 +56,14 @@ def _spec(raw: dict[str, Any]) -> Any:
 
 
 def _followers(pid: int) -> list[int]:
-    """Child processes of ``pid`` running the tensor-parallel follower module (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:  # gone meanwhile
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and "wavepp.runtime.stage.tp_launch" in args:
-            found.append(int(entry.name))
-    return found
+    """Child processes of ``pid`` running the tensor-parallel follower module."""
+    return children_running(pid, "wavepp.runtime.stage.tp_launch")
 
 
 def test_rendered_stage_pod_requests_one_gpu_per_tp_process() -> None:
     spec = _spec(RAW)
     sts = b.build_stage_statefulset(REF, spec, b.spec_hash(spec), 0)
-    container = _container(sts)
+    container = container_of(sts)
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert container["resources"]["requests"]["nvidia.com/gpu"] == "2"
     config = runtime_configs_from_spec(spec, pool=REF.name)[0]
@@ -83,7 +71,7 @@ def test_rendered_stage_pod_requests_one_gpu_per_tp_process() -> None:
     assert [tp_device(config.device, t) for t in range(2)] == ["cuda:0", "cuda:1"]
     cpu = _spec(RAW | {"resources": {"gpusPerStage": 0}})
     assert (
-        _container(b.build_stage_statefulset(REF, cpu, b.spec_hash(cpu), 0))["args"]
+        container_of(b.build_stage_statefulset(REF, cpu, b.spec_hash(cpu), 0))["args"]
         == (container["args"])
     )
     # More GPUs than TP processes would sit idle: refused, naming the field.
@@ -118,9 +106,9 @@ def test_rendered_tp_stage_pods_start_two_processes_each_and_serve(tmp_path: Pat
     pool_cm = b.build_pool_configmap(REF, [b.PoolEntry(0, hash_, admitting=False)])
     pool_path.write_text(pool_cm["data"]["pool.json"])
     sts = b.build_stage_statefulset(REF, spec, hash_, 0)
-    stage_c = _container(sts)
-    admission_c = _container(b.build_admission_deployment(REF, spec, hash_, 0, running=True))
-    gateway_c = _container(b.build_gateway_deployment(REF, spec, hash_))
+    stage_c = container_of(sts)
+    admission_c = container_of(b.build_admission_deployment(REF, spec, hash_, 0, running=True))
+    gateway_c = container_of(b.build_gateway_deployment(REF, spec, hash_))
     cluster = {
         "--config": b.SPEC_FILE,
         "--nats-url": CLUSTER_NATS_URL,
@@ -136,23 +124,9 @@ def test_rendered_tp_stage_pods_start_two_processes_each_and_serve(tmp_path: Pat
         dist_url = f"tcp://127.0.0.1:{free_port()}"
 
         def start(name: str, container: dict, local: dict[str, str], env: dict) -> Any:
-            args = [_expand(a, env) for a in container["args"]]
-            command = [
-                sys.executable,
-                "-m",
-                "wavepp.cli",
-                *_localize(args, common | local, cluster),
-            ]
+            args = [expand(a, env) for a in container["args"]]
             log = tmp_path / f"{name}.log"
-            with open(log, "wb") as out:
-                proc = subprocess.Popen(
-                    command,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    cwd=REPO,
-                    env=os.environ | env | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
-                    start_new_session=True,
-                )
+            proc = start_wavepp(localize(args, common | local, cluster), log, env)
             procs.append(proc)
             return proc, log
 
@@ -169,28 +143,28 @@ def test_rendered_tp_stage_pods_start_two_processes_each_and_serve(tmp_path: Pat
                     "--health-port": str(port),
                     "--metrics-port": str(free_port()),
                 }
-                env = _kubelet_env(stage_c, pod, labels)
+                env = kubelet_env(stage_c, pod, labels)
                 proc, log = start(f"stage-{rank}", stage_c, local, env)
                 stages.append((proc, log, f"http://127.0.0.1:{port}"))
-            adm_env = _kubelet_env(admission_c, "tiny-r0-admission-x", {})
+            adm_env = kubelet_env(admission_c, "tiny-r0-admission-x", {})
             start("admission", admission_c, {"--health-port": str(free_port())}, adm_env)
             gateway_port = free_port()
-            gw_env = _kubelet_env(gateway_c, "tiny-gateway-x", {})
+            gw_env = kubelet_env(gateway_c, "tiny-gateway-x", {})
             gw, gw_log = start("gateway", gateway_c, {"--port": str(gateway_port)}, gw_env)
             for proc, log, base in stages:
-                _wait_200(f"{base}{_probe_path(stage_c, 'readinessProbe')}", proc, log)
+                wait_200(f"{base}{probe_path(stage_c, 'readinessProbe')}", proc, log)
                 # One container process, two stage processes: it and its TP follower.
                 assert len(_followers(proc.pid)) == 1, _followers(proc.pid)
             gateway = f"http://127.0.0.1:{gateway_port}"
-            _wait_200(f"{gateway}{_probe_path(gateway_c, 'readinessProbe')}", gw, gw_log)
+            wait_200(f"{gateway}{probe_path(gateway_c, 'readinessProbe')}", gw, gw_log)
             tokens = [(7 * i) % 200 + 1 for i in range(3 * spec.cache.block_size + 5)]
-            status, first = _post(
+            status, first = post_json(
                 f"{gateway}/v1/prefill", {"tenant": "default", "token_ids": tokens}
             )
             assert status == 200 and not first["error"], first
             config = runtime_configs_from_spec(spec, pool=REF.name)[0]
             assert first["first_token_id"] == _expected_first_token(config, tokens)
-            status, second = _post(
+            status, second = post_json(
                 f"{gateway}/v1/prefill", {"tenant": "default", "token_ids": tokens}
             )
             assert status == 200 and second["num_cached_tokens"] == 3 * spec.cache.block_size

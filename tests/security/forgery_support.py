@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from wavepp.api.messages import KVReply, MicroBatchDone, MicroBatchPlan
+from wavepp.api.messages import KVReply, MicroBatchDone, MicroBatchPlan, RequestResult
 from wavepp.api.signing import BusKey
 from wavepp.bench.grid import GridSpec, Setting, runtime_config
 from wavepp.runtime.agreement import AdmissionController, LocalStageClient
@@ -47,6 +47,30 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now_s
+
+
+def forged_done(
+    rank: int,
+    microbatch_id: int,
+    results: list[RequestResult],
+    *,
+    error: str = "",
+    epoch: str = "",
+    num_tokens: int = 1,
+) -> MicroBatchDone:
+    """A done message as a forger writes it: zero timings, unsigned, the given results."""
+    return MicroBatchDone(
+        rank=rank,
+        microbatch_id=microbatch_id,
+        num_tokens=num_tokens,
+        prepare_start_s=0.0,
+        prepare_end_s=0.0,
+        execute_start_s=0.0,
+        execute_end_s=0.0,
+        results=results,
+        error=error,
+        epoch=epoch,
+    )
 
 
 @dataclass

@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
 
+from forgery_support import forged_done  # noqa: E402
 from reliability_support import (  # noqa: E402
     emulated_config,
     make_pipeline,
@@ -27,7 +28,6 @@ from reliability_support import (  # noqa: E402
 
 from wavepp.api.messages import (  # noqa: E402
     Commit,
-    MicroBatchDone,
     MicroBatchPlan,
     ProbePin,
     Release,
@@ -56,16 +56,11 @@ async def test_a_forger_on_the_bus_changes_no_answer_and_holds_no_block(tmp_path
             next_plan = MicroBatchPlan(
                 microbatch_id=plan.microbatch_id + 1, chunks=[], epoch=plan.epoch
             )
-            done = MicroBatchDone(
-                rank=config.num_stages - 1,
-                microbatch_id=plan.microbatch_id,
+            done = forged_done(
+                config.num_stages - 1,
+                plan.microbatch_id,
+                [RequestResult(request_id=rid, first_token_id=999) for rid in ids],
                 num_tokens=0,
-                prepare_start_s=0.0,
-                prepare_end_s=0.0,
-                execute_start_s=0.0,
-                execute_end_s=0.0,
-                results=[RequestResult(request_id=rid, first_token_id=999) for rid in ids],
-                epoch="",
             )
             await forger.publish(subjects.plan, next_plan.model_dump_json().encode())
             await forger.publish(subjects.done, done.model_dump_json().encode())

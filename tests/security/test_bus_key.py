@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from gateway_support import tiny_gateway_config
 from pydantic import BaseModel
 
 from wavepp.api.messages import MicroBatchPlan, PlannedChunk
 from wavepp.api.prefill import Heartbeat
 from wavepp.api.signing import BusKey
 from wavepp.cli import main as cli_main
-from wavepp.gateway.core import GatewayConfig, ReplicaInfo
+from wavepp.gateway.core import ReplicaInfo
 from wavepp.gateway.tenants import TenantPolicy
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.model_config import ModelConfig
@@ -114,14 +115,12 @@ def test_a_bad_bus_key_is_one_line_and_exit_2_for_every_process(
     runtime = RuntimeConfig(model=ModelConfig(num_layers=2), num_stages=2)
     runtime_path = tmp_path / "runtime.json"
     runtime_path.write_text(runtime.model_dump_json())
-    gateway = GatewayConfig(
+    gateway = tiny_gateway_config(
         pool="pool",
         replicas=[ReplicaInfo(pipeline="pool-0", num_stages=2)],
         model_name="m",
         model_id="m",
-        block_size=16,
         vocab_size=100,
-        max_prompt_tokens=64,
         tenants=[TenantPolicy(name="t", cache_salt="s")],
     )
     gateway_path = tmp_path / "gateway.json"

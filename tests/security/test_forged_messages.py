@@ -11,12 +11,11 @@ pins and the progress of the genuine requests are as without the forger. The gat
 from __future__ import annotations
 
 import pytest
-from forgery_support import BLOCK, MiniPipeline, first_token, prompt, snapshot
+from forgery_support import BLOCK, MiniPipeline, first_token, forged_done, prompt, snapshot
 
 from wavepp.api.messages import (
     Commit,
     KVEventBatch,
-    MicroBatchDone,
     MicroBatchPlan,
     PlannedChunk,
     PlanReplayReply,
@@ -62,19 +61,13 @@ def test_forged_last_stage_done_with_empty_epoch_is_dropped(key: BusKey | None) 
         plan = tap.plans_seen[-1]
         held_before.append([rid for s in pipe.stages for rid in s.manager.request_ids()])
         tap.done(
-            MicroBatchDone(
-                rank=pipe.num_stages - 1,
-                microbatch_id=plan.microbatch_id,
-                num_tokens=1,
-                prepare_start_s=0.0,
-                prepare_end_s=0.0,
-                execute_start_s=0.0,
-                execute_end_s=0.0,
-                results=[
+            forged_done(
+                pipe.num_stages - 1,
+                plan.microbatch_id,
+                [
                     RequestResult(request_id=c.request_id, first_token_id=999_999)
                     for c in plan.chunks
                 ],
-                epoch="",
             )
         )
         # The stages still hold every request the plan names: nothing was released.
@@ -97,15 +90,10 @@ def test_forged_done_with_the_right_epoch_but_no_key_is_dropped() -> None:
         if tap.point != "plan":
             return
         plan = tap.plans_seen[-1]
-        forged = MicroBatchDone(
-            rank=pipe.num_stages - 1,
-            microbatch_id=plan.microbatch_id,
-            num_tokens=1,
-            prepare_start_s=0.0,
-            prepare_end_s=0.0,
-            execute_start_s=0.0,
-            execute_end_s=0.0,
-            results=[RequestResult(request_id=c.request_id, first_token_id=7) for c in plan.chunks],
+        forged = forged_done(
+            pipe.num_stages - 1,
+            plan.microbatch_id,
+            [RequestResult(request_id=c.request_id, first_token_id=7) for c in plan.chunks],
             epoch=plan.epoch,
         )
         tap.done(forged)

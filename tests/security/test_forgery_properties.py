@@ -15,7 +15,7 @@ another key), and replays, duplicates and reorders the genuine messages it captu
 
 from __future__ import annotations
 
-from forgery_support import MiniPipeline, Tap, prompt, snapshot
+from forgery_support import MiniPipeline, Tap, forged_done, prompt, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -91,15 +91,10 @@ def _forge_plan(data: st.DataObject, tap: Tap) -> None:
 
 def _forge_done(data: st.DataObject, tap: Tap) -> None:
     seen = tap.plans_seen[-1]
-    done = MicroBatchDone(
-        rank=_likely(data, tap.pipe.num_stages - 1, 0, -1, tap.pipe.num_stages),
-        microbatch_id=seen.microbatch_id + _likely(data, 0, -1, 1),
-        num_tokens=1,
-        prepare_start_s=0.0,
-        prepare_end_s=0.0,
-        execute_start_s=0.0,
-        execute_end_s=0.0,
-        results=[
+    done = forged_done(
+        _likely(data, tap.pipe.num_stages - 1, 0, -1, tap.pipe.num_stages),
+        seen.microbatch_id + _likely(data, 0, -1, 1),
+        [
             RequestResult(request_id=c.request_id, first_token_id=999_999)
             for c in seen.chunks
             if _likely(data, True, False)

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from gateway_support import tiny_gateway_config
 
 from wavepp.api.spec import SpecError, WavePipelineSpec, check_spec
 from wavepp.cmd.api_key import new_key, rotate
@@ -26,7 +27,7 @@ from wavepp.gateway.auth import (
     key_line,
     parse_key_file,
 )
-from wavepp.gateway.core import Gateway, GatewayConfig, ReplicaInfo
+from wavepp.gateway.core import Gateway
 from wavepp.gateway.tenants import FairShareQueue, LimitExceeded, TenantPolicy
 from wavepp.operator import builders
 from wavepp.operator.containers import API_KEYS_DIR
@@ -339,14 +340,10 @@ def test_tenant_priority_is_strict_and_equal_priorities_share_by_weight() -> Non
 
 
 def test_tenant_queue_limit_refuses_only_a_request_that_would_wait() -> None:
-    config = GatewayConfig(
-        pool="p",
-        replicas=[ReplicaInfo(pipeline="p-r0", num_stages=2)],
+    config = tiny_gateway_config(
         model_name="m",
         model_id="m",
-        block_size=16,
         vocab_size=100,
-        max_prompt_tokens=64,
         tenants=[
             TenantPolicy(name="a", cache_salt="a", max_queued=1),
             TenantPolicy(name="b", cache_salt="b"),

@@ -12,23 +12,14 @@ import time
 from types import SimpleNamespace
 
 from aiohttp.test_utils import TestClient, TestServer
+from gateway_support import tiny_gateway_config
 
 from wavepp.api.prefill import PrefillResult
-from wavepp.gateway.core import GatewayConfig, ReplicaInfo
 from wavepp.gateway.http import GatewayServer
 from wavepp.gateway.metrics import GatewayLoad, GatewayMetrics
 from wavepp.gateway.tenants import TenantPolicy
 
-CONFIG = GatewayConfig(
-    pool="p",
-    replicas=[ReplicaInfo(pipeline="p-r0", num_stages=2)],
-    model_name="tiny-llama",
-    model_id="tiny-llama",
-    block_size=16,
-    vocab_size=1000,
-    max_prompt_tokens=64,
-    tenants=[TenantPolicy(name="alice", cache_salt="a")],
-)
+CONFIG = tiny_gateway_config(tenants=[TenantPolicy(name="alice", cache_salt="a")])
 
 
 async def test_failed_request_is_500_in_the_error_shape_and_405_too() -> None:

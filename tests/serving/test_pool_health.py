@@ -12,12 +12,12 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+from gateway_support import tiny_gateway_config
 
 from wavepp.api.prefill import Heartbeat
 from wavepp.api.subjects import heartbeat_subject
 from wavepp.gateway.core import Gateway, GatewayConfig, ReplicaInfo, ReplicaUnavailable
 from wavepp.gateway.router import PoolRouter
-from wavepp.gateway.tenants import TenantPolicy
 from wavepp.gateway.validation import ParsedRequest
 from wavepp.runtime.serving.reform import ReformTracker
 from wavepp.runtime.stage.rendezvous import (
@@ -64,17 +64,7 @@ def test_replicas_join_and_leave_at_run_time() -> None:
 
 
 def _gateway_config(**overrides: object) -> GatewayConfig:
-    return GatewayConfig(
-        pool="p",
-        replicas=[ReplicaInfo(pipeline="p-r0", num_stages=2)],
-        model_name="tiny-llama",
-        model_id="m",
-        block_size=16,
-        vocab_size=1000,
-        max_prompt_tokens=1024,
-        tenants=[TenantPolicy(name="default", cache_salt="s")],
-        **overrides,
-    )
+    return tiny_gateway_config(model_id="m", max_prompt_tokens=1024, **overrides)
 
 
 async def test_gateway_follows_the_pool_and_is_ready_while_one_replica_admits() -> None:

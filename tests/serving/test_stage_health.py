@@ -16,8 +16,9 @@ from wavepp.api.spec import check_spec
 from wavepp.cmd.stage import start_health_server
 from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 from wavepp.runtime.stage import worker as worker_module
+from wavepp.runtime.stage.process import StageReadiness
 from wavepp.runtime.stage.rendezvous import open_rendezvous
-from wavepp.runtime.stage.worker import StageReadiness, StageWorker, build_engine
+from wavepp.runtime.stage.worker import StageWorker, build_engine
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
 
 pytestmark = pytest.mark.timeout(60)

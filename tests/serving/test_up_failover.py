@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from http_support import post_json
 from prometheus_client.parser import text_string_to_metric_families
 from up_support import UpService, start_up, stop_up
 
@@ -53,14 +53,7 @@ def _free_port_run(count: int) -> int:
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60.0) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
+    return post_json(url, body, timeout_s=60.0)
 
 
 def _get(url: str) -> str:

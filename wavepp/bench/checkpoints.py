@@ -18,6 +18,22 @@ __all__ = ["FAMILIES", "hf_config_kwargs", "save_random_checkpoint"]
 
 FAMILIES = ("llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa", "kimi_linear")
 
+# The DeepSeek-V3 shape GLM-5 shares: MLA attention (low-rank q and kv) and routed experts.
+_MLA_MOE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+}
+
 _BASE: dict[str, dict[str, Any]] = {
     "llama": {
         "hidden_size": 64,
@@ -27,18 +43,7 @@ _BASE: dict[str, dict[str, Any]] = {
         "head_dim": 16,
     },
     "deepseek_v3": {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "q_lora_rank": 32,
-        "kv_lora_rank": 16,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
+        **_MLA_MOE,
         "n_group": 4,
         "topk_group": 2,
         "n_shared_experts": 1,
@@ -46,18 +51,7 @@ _BASE: dict[str, dict[str, Any]] = {
         "routed_scaling_factor": 2.5,
     },
     "glm_moe_dsa": {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "q_lora_rank": 32,
-        "kv_lora_rank": 16,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
+        **_MLA_MOE,
         "n_group": 2,
         "topk_group": 1,
         "n_shared_experts": 1,

@@ -24,25 +24,16 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wavepp.cmd.common import add_deprecated_alias, add_nats_wait_arg, finite_float
-from wavepp.cmd.stage import add_model_dir_arg, add_nats_tls_args
+from wavepp.cmd.common import add_deprecated_alias, finite_float
+from wavepp.cmd.stage import add_nats_args, add_replica_config_args
 
 if TYPE_CHECKING:
     from wavepp.runtime.serving.service import AdmissionService
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--runtime-config", help="the replica's RuntimeConfig JSON")
-    source.add_argument(
-        "--config", help="WavePipeline spec (YAML/JSON, e.g. /etc/wavepp/spec.json); with --replica"
-    )
-    parser.add_argument("--replica", type=int, default=None, help="replica index (with --config)")
-    add_model_dir_arg(parser)
-    parser.add_argument("--nats-url", required=True, help="NATS server URL (with JetStream)")
-    parser.add_argument("--nats-creds", default=None, help="NATS credentials file (.creds)")
-    add_nats_tls_args(parser)
-    add_nats_wait_arg(parser)
+    add_replica_config_args(parser, runtime_config_help="the replica's RuntimeConfig JSON")
+    add_nats_args(parser)
     parser.add_argument(
         "--pool",
         default=None,
@@ -96,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.runtime.serving.lifecycle import exit_with_parent
 
     exit_with_parent()
-    from wavepp.cmd.common import check_nats_reachable, check_port_free, config_exit_code
+    from wavepp.cmd.common import config_exit_code, startup_failure
     from wavepp.cmd.stage import (
         POOL_ENV,
         ArgError,
@@ -144,13 +135,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return config_exit_code(os.environ)
-    failure = None
-    if args.health_port is not None:
-        busy = check_port_free(args.health_host, args.health_port)
-        failure = f"--health-port: {busy}" if busy else None
-    if failure is None:
-        unreachable = check_nats_reachable(args.nats_url, args.nats_connect_timeout_s)
-        failure = f"--nats-url {unreachable}" if unreachable else None
+    failure = startup_failure(
+        args.nats_url,
+        args.nats_connect_timeout_s,
+        [("--health-port", args.health_host, args.health_port)],
+    )
     if failure is not None:
         print(f"wavepp admission: {failure}", file=sys.stderr)
         return 2

@@ -47,6 +47,8 @@ __all__ = [
     "describe_error",
     "finite_float",
     "fresh_out_dir",
+    "key_files_problem",
+    "startup_failure",
 ]
 
 
@@ -189,6 +191,43 @@ def check_nats_reachable(url: str, timeout_s: float = 30.0) -> str | None:
         if time.monotonic() >= deadline:
             return f"{url}: no NATS server reachable in {timeout_s:g} s ({'; '.join(reasons)})"
         time.sleep(0.2)
+
+
+def startup_failure(
+    nats_url: str, nats_timeout_s: float, ports: Sequence[tuple[str, str, int | None]] = ()
+) -> str | None:
+    """Why a pod command cannot start although its configuration is good (it exits 2; the
+    operator restarts the pod): the first of ``ports`` ``(flag, host, port)`` that cannot be
+    bound (:func:`check_port_free`; a port None: nothing to bind), or else no NATS server of
+    ``nats_url`` answered within ``nats_timeout_s`` seconds (:func:`check_nats_reachable`).
+    None: neither."""
+    for flag, host, port in ports:
+        if port is not None:
+            busy = check_port_free(host, port)
+            if busy:
+                return f"{flag}: {busy}"
+    unreachable = check_nats_reachable(nats_url, nats_timeout_s)
+    return f"--nats-url {unreachable}" if unreachable else None
+
+
+def key_files_problem(key_files: dict[str, str]) -> str:
+    """The first problem with the tenants' API key files (tenant -> path), read as the gateway
+    reads them at start (``gateway.auth.authenticator_for``), as ``apiKeysFile: ...``; "" when
+    every file loads."""
+    from wavepp.gateway.auth import KeyFileError, authenticator_for
+
+    try:
+        authenticator_for(
+            key_files,
+            poll_s=1.0,
+            failure_burst=1,
+            failures_per_s=1.0,
+            clock=time.monotonic,
+            wall_clock=time.time,
+        )
+    except KeyFileError as exc:
+        return f"apiKeysFile: {exc}"
+    return ""
 
 
 def add_nats_wait_arg(parser: argparse.ArgumentParser) -> None:

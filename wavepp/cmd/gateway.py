@@ -18,12 +18,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wavepp.cmd.common import add_deprecated_alias, add_nats_wait_arg
-from wavepp.cmd.stage import add_nats_tls_args
+from wavepp.cmd.common import add_deprecated_alias
+from wavepp.cmd.stage import add_nats_args
 
 if TYPE_CHECKING:
     from wavepp.api.spec import WavePipelineSpec
-    from wavepp.gateway.core import GatewayConfig
+    from wavepp.gateway.core import GatewayConfig, ReplicaInfo
+    from wavepp.runtime.config import RuntimeConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,10 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the operator's pool.json (with --config): pool name, replicas",
     )
     add_deprecated_alias(parser, "--pool", "--pool-file", "pool_file")
-    parser.add_argument("--nats-url", required=True, help="NATS server URL (with JetStream)")
-    parser.add_argument("--nats-creds", default=None, help="NATS credentials file (.creds)")
-    add_nats_tls_args(parser)
-    add_nats_wait_arg(parser)
+    add_nats_args(parser)
     parser.add_argument(
         "--host",
         default=None,
@@ -99,6 +97,34 @@ def pool_replicas(pool_doc: dict[str, Any], num_spec_replicas: int) -> list[int]
     return sorted(set(chosen))
 
 
+def replica_info(pipeline: str, config: RuntimeConfig) -> ReplicaInfo:
+    """The gateway's view of one replica: its pipeline name, stages and each stage's KV blocks
+    (the router's index of a stage holds at most that many block hashes)."""
+    from wavepp.gateway.core import ReplicaInfo
+
+    return ReplicaInfo(
+        pipeline=pipeline,
+        num_stages=config.num_stages,
+        stage_blocks=[config.kv_blocks_of(r) for r in range(config.num_stages)],
+    )
+
+
+def gateway_model_fields(first: RuntimeConfig) -> dict[str, Any]:
+    """GatewayConfig's model fields from a replica's RuntimeConfig: ``model_name``,
+    ``model_id``, ``block_size``, ``vocab_size`` and ``max_prompt_tokens`` (the smallest
+    stage's KV capacity in tokens, at most the model's ``max_position``)."""
+    return {
+        "model_name": first.model.name,
+        "model_id": first.model_id,
+        "block_size": first.block_size,
+        "vocab_size": first.model.vocab_size,
+        "max_prompt_tokens": min(
+            min(first.kv_blocks_of(r) for r in range(first.num_stages)) * first.block_size,
+            first.model.max_position,
+        ),
+    }
+
+
 def gateway_config_from_spec(
     spec: WavePipelineSpec,
     pool_doc: dict[str, Any],
@@ -132,7 +158,7 @@ def gateway_config_from_spec(
             is a ValueError).
     """
     from wavepp.api.spec import SpecError
-    from wavepp.gateway.core import GatewayConfig, ReplicaInfo
+    from wavepp.gateway.core import GatewayConfig
     from wavepp.gateway.tenants import TenantPolicy, default_cache_salt, policy_from_spec
     from wavepp.operator.containers import api_keys_path
     from wavepp.runtime.serving.from_spec import (
@@ -146,10 +172,6 @@ def gateway_config_from_spec(
         raise ValueError(f"pool.json pipeline: {pool!r} is not a pool name")
     replicas = pool_replicas(pool_doc, spec.num_replicas)
     first = runtime_configs_from_spec(spec, pool=pool, namespace=namespace)[0]
-    max_prompt_tokens = min(
-        min(first.kv_blocks_of(r) for r in range(first.num_stages)) * first.block_size,
-        first.model.max_position,
-    )
     for t in spec.tenants:
         if t.api_keys_file:
             raise SpecError(
@@ -164,19 +186,8 @@ def gateway_config_from_spec(
     return GatewayConfig(
         pool=pool,
         namespace=namespace,
-        replicas=[
-            ReplicaInfo(
-                pipeline=replica_pipeline_name(pool, i),
-                num_stages=first.num_stages,
-                stage_blocks=[first.kv_blocks_of(r) for r in range(first.num_stages)],
-            )
-            for i in replicas
-        ],
-        model_name=first.model.name,
-        model_id=first.model_id,
-        block_size=first.block_size,
-        vocab_size=first.model.vocab_size,
-        max_prompt_tokens=max_prompt_tokens,
+        replicas=[replica_info(replica_pipeline_name(pool, i), first) for i in replicas],
+        **gateway_model_fields(first),
         tenants=tenants,
         tokenizer=checkpoint_tokenizer(spec),
         **extra,
@@ -243,10 +254,9 @@ def run(args: argparse.Namespace) -> int:
 
     exit_with_parent()
     from wavepp.cmd.common import (
-        check_nats_reachable,
-        check_port_free,
         config_exit_code,
         describe_error,
+        startup_failure,
     )
     from wavepp.cmd.stage import ArgError, apply_nats_tls, check_creds
     from wavepp.gateway.http import run_gateway
@@ -264,13 +274,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"wavepp gateway: --port {args.port}: must be in [1, 65535]", file=sys.stderr)
         return config_exit_code(os.environ)
     host = args.host or ("0.0.0.0" if args.config else "127.0.0.1")
-    busy = check_port_free(host, args.port)
-    if busy is not None:
-        print(f"wavepp gateway: --port: {busy}", file=sys.stderr)
-        return 2
-    unreachable = check_nats_reachable(args.nats_url, args.nats_connect_timeout_s)
-    if unreachable is not None:
-        print(f"wavepp gateway: --nats-url {unreachable}", file=sys.stderr)
+    failure = startup_failure(
+        args.nats_url, args.nats_connect_timeout_s, [("--port", host, args.port)]
+    )
+    if failure is not None:
+        print(f"wavepp gateway: {failure}", file=sys.stderr)
         return 2
     if args.nats_creds:
         # NOTE: run_gateway opens its connection with natsio.connect, which reads this.

@@ -61,13 +61,7 @@ class ArgError(ValueError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--runtime-config", help="path of the resolved RuntimeConfig JSON")
-    source.add_argument(
-        "--config", help="WavePipeline spec (YAML/JSON, e.g. /etc/wavepp/spec.json); with --replica"
-    )
-    parser.add_argument("--replica", type=int, default=None, help="replica index (with --config)")
-    add_model_dir_arg(parser)
+    add_replica_config_args(parser, runtime_config_help="path of the resolved RuntimeConfig JSON")
     parser.add_argument(
         "--pool",
         default=None,
@@ -78,10 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"stage rank r in [0, S); absent or an unexpanded $({RANK_ENV}): ${RANK_ENV}",
     )
-    parser.add_argument("--nats-url", required=True, help="NATS server URL, e.g. nats://host:4222")
-    parser.add_argument("--nats-creds", default=None, help="NATS credentials file (.creds)")
-    add_nats_tls_args(parser)
-    add_nats_wait_arg(parser)
+    add_nats_args(parser, url_help="NATS server URL, e.g. nats://host:4222")
     parser.add_argument(
         "--dist-url",
         required=True,
@@ -130,6 +121,28 @@ def with_tensor_parallel(config: RuntimeConfig, size: int | None) -> RuntimeConf
 
 
 # ---- helpers shared with `wavepp admission` -------------------------------------------------
+
+
+def add_replica_config_args(parser: argparse.ArgumentParser, *, runtime_config_help: str) -> None:
+    """Where a replica's RuntimeConfig comes from (read by ``runtime_config_from_args``):
+    ``--runtime-config F`` or ``--config SPEC --replica I``, and ``--model DIR``."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--runtime-config", help=runtime_config_help)
+    source.add_argument(
+        "--config", help="WavePipeline spec (YAML/JSON, e.g. /etc/wavepp/spec.json); with --replica"
+    )
+    parser.add_argument("--replica", type=int, default=None, help="replica index (with --config)")
+    add_model_dir_arg(parser)
+
+
+def add_nats_args(
+    parser: argparse.ArgumentParser, *, url_help: str = "NATS server URL (with JetStream)"
+) -> None:
+    """``--nats-url`` (required), ``--nats-creds``, ``--nats-tls-*`` and the connect wait."""
+    parser.add_argument("--nats-url", required=True, help=url_help)
+    parser.add_argument("--nats-creds", default=None, help="NATS credentials file (.creds)")
+    add_nats_tls_args(parser)
+    add_nats_wait_arg(parser)
 
 
 def add_model_dir_arg(parser: argparse.ArgumentParser) -> None:
@@ -389,17 +402,12 @@ def run(args: argparse.Namespace) -> int:
 
     exit_with_parent()
     from wavepp.cmd.common import (
-        check_nats_reachable,
-        check_port_free,
         config_exit_code,
         describe_error,
+        startup_failure,
     )
-    from wavepp.runtime.stage.worker import (
-        StageReadiness,
-        TensorParallelLost,
-        check_environment,
-        run_stage,
-    )
+    from wavepp.runtime.stage.build import check_environment
+    from wavepp.runtime.stage.process import StageReadiness, TensorParallelLost, run_stage
     from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
 
     try:
@@ -427,16 +435,14 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= rank < config.num_stages:
         print(f"wavepp stage: --rank {rank}: must be in [0, {config.num_stages})", file=sys.stderr)
         return config_exit_code(os.environ)
-    failure = None
-    if args.health_port is not None:
-        busy = check_port_free(args.health_host, args.health_port)
-        failure = f"--health-port: {busy}" if busy else None
-    if failure is None and args.metrics_port:
-        busy = check_port_free("0.0.0.0", args.metrics_port)
-        failure = f"--metrics-port: {busy}" if busy else None
-    if failure is None:
-        unreachable = check_nats_reachable(args.nats_url, args.nats_connect_timeout_s)
-        failure = f"--nats-url {unreachable}" if unreachable else None
+    failure = startup_failure(
+        args.nats_url,
+        args.nats_connect_timeout_s,
+        [
+            ("--health-port", args.health_host, args.health_port),
+            ("--metrics-port", "0.0.0.0", args.metrics_port),
+        ],
+    )
     if failure is not None:  # not a config error: the operator restarts the pod
         print(f"wavepp stage: {failure}", file=sys.stderr)
         return 2

@@ -307,10 +307,10 @@ def _start_children(
 
 def run(args: argparse.Namespace) -> int:
     from wavepp.api.spec import SpecError, TenantSpec, check_spec
-    from wavepp.cmd.common import check_port_free, describe_error
+    from wavepp.cmd.common import check_port_free, describe_error, key_files_problem
+    from wavepp.cmd.gateway import gateway_model_fields, replica_info
     from wavepp.cmd.up_spec import UpSpecError, local_resources, spec_mapping, with_telemetry
-    from wavepp.gateway.auth import KeyFileError, authenticator_for
-    from wavepp.gateway.core import GatewayConfig, ReplicaInfo
+    from wavepp.gateway.core import GatewayConfig
     from wavepp.gateway.tenants import TenantPolicy, policy_from_spec
     from wavepp.runtime.serving.from_spec import checkpoint_tokenizer, runtime_configs_from_spec
     from wavepp.runtime.serving.nats_watchdog import NatsWatchdog
@@ -390,17 +390,9 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             return _fail("--tenant-limits", str(exc))
     key_files = {t.name: t.api_keys_file for t in tenants if t.api_keys_file}
-    try:
-        authenticator_for(
-            key_files,
-            poll_s=1.0,
-            failure_burst=1,
-            failures_per_s=1.0,
-            clock=time.monotonic,
-            wall_clock=time.time,
-        )
-    except KeyFileError as exc:
-        return _fail("--config", f"apiKeysFile: {exc}")
+    problem = key_files_problem(key_files)
+    if problem:
+        return _fail("--config", problem)
     if key_files:
         keyless = sorted(t.name for t in tenants if not t.api_keys_file)
         auth_line = f"authentication on: API keys of tenants {sorted(key_files)}" + (
@@ -412,25 +404,10 @@ def run(args: argparse.Namespace) -> int:
             "caller may name any tenant"
         )
     first = configs[0]
-    max_prompt_tokens = min(
-        min(first.kv_blocks_of(r) for r in range(first.num_stages)) * first.block_size,
-        first.model.max_position,
-    )
     gateway_config = GatewayConfig(
         pool=args.pool,
-        replicas=[
-            ReplicaInfo(
-                pipeline=c.pipeline,
-                num_stages=c.num_stages,
-                stage_blocks=[c.kv_blocks_of(r) for r in range(c.num_stages)],
-            )
-            for c in configs
-        ],
-        model_name=first.model.name,
-        model_id=first.model_id,
-        block_size=first.block_size,
-        vocab_size=first.model.vocab_size,
-        max_prompt_tokens=max_prompt_tokens,
+        replicas=[replica_info(c.pipeline, c) for c in configs],
+        **gateway_model_fields(first),
         tenants=tenants,
         routing=args.routing,
         max_outstanding_per_replica=args.max_outstanding,

@@ -22,10 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_key_files(spec: object, config: str) -> str:
     """The first problem with the tenants' ``apiKeysFile``s (read as ``wavepp up`` reads them,
     relative to the spec's folder), or "" when there is none."""
-    import time
     from pathlib import Path
 
-    from wavepp.gateway.auth import KeyFileError, authenticator_for
+    from wavepp.cmd.common import key_files_problem
 
     folder = Path(config).resolve().parent
     key_files = {
@@ -33,18 +32,7 @@ def _check_key_files(spec: object, config: str) -> str:
         for t in getattr(spec, "tenants", [])
         if t.api_keys_file
     }
-    try:
-        authenticator_for(
-            key_files,
-            poll_s=1.0,
-            failure_burst=1,
-            failures_per_s=1.0,
-            clock=time.monotonic,
-            wall_clock=time.time,
-        )
-    except KeyFileError as exc:
-        return f"apiKeysFile: {exc}"
-    return ""
+    return key_files_problem(key_files)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,8 +20,9 @@ Validation happens in three places, each catching what it can:
 :func:`check_spec` runs 2 and 3 and returns every problem as a :class:`SpecIssue` with the field
 path (``spec.layerPartition``), which the operator writes into the pipeline's conditions.
 
-The package: ``models`` (the spec models, the layer split, the bounds ``MAX_REPLICAS`` and
-``MAX_TENANTS``), ``errors`` (:class:`SpecError`), ``base`` (the wire base class),
+The package: ``models`` (``WavePipelineSpec``, its cross-field checks, the layer split),
+``parts`` (the section models: model, resources, cache, scheduler, NATS, tenants, autoscaling,
+telemetry, restart budget, rollout; the bounds ``MAX_REPLICAS`` and ``MAX_TENANTS``), ``errors`` (:class:`SpecError`), ``base`` (the wire base class),
 ``engine_options`` (the free-form ``engineOptions``' keys, types and bounds), ``checks`` (what
 the engines honour: which engine reads which option, emulated models, TP, dtype per device),
 ``sections`` (pod overlay, topology, NetworkPolicies, InferencePool), ``status`` (the status
@@ -45,10 +46,15 @@ from wavepp.api.spec.models import (
     API_GROUP,
     API_VERSION,
     KIND,
+    PLURAL,
+    SpecError,
+    WavePipelineSpec,
+    split_layers,
+)
+from wavepp.api.spec.parts import (
     MAX_REPLICAS,
     MAX_TENANTS,
     MODEL_PRESET_NUM_LAYERS,
-    PLURAL,
     AutoscalingSpec,
     CacheSpec,
     ModelConfigSpec,
@@ -59,12 +65,9 @@ from wavepp.api.spec.models import (
     RestartBudgetSpec,
     RolloutSpec,
     SchedulerSpec,
-    SpecError,
     TelemetrySpec,
     TenantSpec,
     Toleration,
-    WavePipelineSpec,
-    split_layers,
 )
 from wavepp.api.spec.sections import (
     InferencePoolSpec,

@@ -18,7 +18,6 @@ import os
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from wavepp.runtime.hf_config import model_config_from_hf, read_hf_config
 from wavepp.runtime.model_config import ModelConfig
@@ -37,6 +36,7 @@ from wavepp.runtime.stage.engine.layers.kda import KDAAttention
 from wavepp.runtime.stage.engine.layers.mla import MLAAttention
 from wavepp.runtime.stage.engine.layers.moe import DenseMLP, SparseMoE
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
+from wavepp.runtime.stage.engine.torch_common import causal_masks, last_stage_output, stage_input
 from wavepp.runtime.stage.engine.torch_engine import TorchPreparedBatch, torch_dtype
 
 __all__ = ["CheckpointStageEngine"]
@@ -261,13 +261,11 @@ class CheckpointStageEngine(PagedStageEngineBase):
         cos, sin = rope_cos_sin(
             base.positions, self.arch.rotary_dim, self.arch.rope_theta, self.activation_dtype
         )
-        masks = []
-        for chunk in base.chunks:
-            key_pos = torch.arange(chunk.context_end, device=self.device)
-            query_pos = torch.arange(chunk.context_offset, chunk.context_end, device=self.device)
-            masks.append(key_pos[None, :] <= query_pos[:, None])
         return TorchPreparedBatch(
-            **base.base_fields(), rope_cos=cos, rope_sin=sin, attn_masks=tuple(masks)
+            **base.base_fields(),
+            rope_cos=cos,
+            rope_sin=sin,
+            attn_masks=causal_masks(base.chunks, self.device),
         )
 
     @torch.inference_mode()
@@ -276,26 +274,25 @@ class CheckpointStageEngine(PagedStageEngineBase):
         self._check_execute_args(prepared, hidden_in)
         if not isinstance(prepared, TorchPreparedBatch):
             raise ValueError("prepared is not a TorchPreparedBatch; use this engine's prepare()")
-        if self.is_first:
-            assert self._embed is not None and prepared.token_ids is not None
-            h = F.embedding(prepared.token_ids, self._embed)
-        else:
-            assert hidden_in is not None
-            h = hidden_in.to(device=self.device, dtype=self.activation_dtype)
+        h = stage_input(
+            prepared,
+            hidden_in,
+            self._embed,
+            is_first=self.is_first,
+            device=self.device,
+            dtype=self.activation_dtype,
+        )
         shared: dict[str, object] = {}
         for layer in self._layers:
             h = layer.forward(h, prepared, shared)
         if not self.is_last:
             return StageOutput(hidden=h)
-        if not self.tp.is_leader:  # a follower: the leader computes the logits
-            return StageOutput(hidden=None)
-        assert self._final_norm is not None and self._lm_head is not None
-        if not prepared.logits_rows:
-            return StageOutput(hidden=None)
-        rows = torch.tensor([r for _, r in prepared.logits_rows], device=self.device)
-        x = rms_norm(h[rows], self._final_norm, self.arch.eps)
-        logits = F.linear(x, self._lm_head).to(torch.float32)
-        return StageOutput(
-            hidden=None,
-            last_token_logits={rid: logits[i] for i, (rid, _) in enumerate(prepared.logits_rows)},
+        return last_stage_output(
+            h,
+            prepared,
+            self.tp,
+            self._final_norm,
+            self._lm_head,
+            eps=self.arch.eps,
+            device=self.device,
         )

@@ -40,7 +40,9 @@ from wavepp.runtime.stage.engine.base import (
     PreparedBatch,
     StageOutput,
 )
+from wavepp.runtime.stage.engine.layers.common import apply_rope_rotate_half, rms_norm
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
+from wavepp.runtime.stage.engine.torch_common import causal_masks, last_stage_output, stage_input
 
 __all__ = [
     "TorchPreparedBatch",
@@ -233,18 +235,6 @@ def _load_safetensors(
     return out
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich 2019) computed in float32 as HF ``LlamaRMSNorm``."""
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
 @dataclass(frozen=True, eq=False)
 class TorchPreparedBatch(PreparedBatch):
     """:class:`PreparedBatch` plus the torch engine's per-batch tensors.
@@ -432,16 +422,11 @@ class TorchStageEngine(PagedStageEngineBase):
         )
         freqs = base.positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        masks = []
-        for chunk in base.chunks:
-            key_pos = torch.arange(chunk.context_end, device=self.device)
-            query_pos = torch.arange(chunk.context_offset, chunk.context_end, device=self.device)
-            masks.append(key_pos[None, :] <= query_pos[:, None])
         return TorchPreparedBatch(
             **base.base_fields(),
             rope_cos=emb.cos().to(self.activation_dtype),
             rope_sin=emb.sin().to(self.activation_dtype),
-            attn_masks=tuple(masks),
+            attn_masks=causal_masks(base.chunks, self.device),
         )
 
     @torch.inference_mode()
@@ -464,27 +449,26 @@ class TorchStageEngine(PagedStageEngineBase):
         if not isinstance(prepared, TorchPreparedBatch):
             raise ValueError("prepared is not a TorchPreparedBatch; use this engine's prepare()")
         assert self.kv_cache is not None, "prepare() succeeded, so allocate_kv() has run"
-        if self.is_first:
-            assert self._embed is not None and prepared.token_ids is not None
-            h = F.embedding(prepared.token_ids, self._embed)
-        else:
-            assert hidden_in is not None
-            h = hidden_in.to(device=self.device, dtype=self.activation_dtype)
+        h = stage_input(
+            prepared,
+            hidden_in,
+            self._embed,
+            is_first=self.is_first,
+            device=self.device,
+            dtype=self.activation_dtype,
+        )
         for local_index, weights in enumerate(self._layers):
             h = self._decoder_layer(local_index, weights, h, prepared)
         if not self.is_last:
             return StageOutput(hidden=h)
-        if not self.tp.is_leader:  # a follower: the leader computes the logits
-            return StageOutput(hidden=None)
-        assert self._final_norm is not None and self._lm_head is not None
-        if not prepared.logits_rows:
-            return StageOutput(hidden=None)
-        rows = torch.tensor([r for _, r in prepared.logits_rows], device=self.device)
-        x = _rms_norm(h[rows], self._final_norm, self.model.rms_norm_eps)
-        logits = F.linear(x, self._lm_head).to(torch.float32)
-        return StageOutput(
-            hidden=None,
-            last_token_logits={rid: logits[i] for i, (rid, _) in enumerate(prepared.logits_rows)},
+        return last_stage_output(
+            h,
+            prepared,
+            self.tp,
+            self._final_norm,
+            self._lm_head,
+            eps=self.model.rms_norm_eps,
+            device=self.device,
         )
 
     def _decoder_layer(
@@ -501,15 +485,13 @@ class TorchStageEngine(PagedStageEngineBase):
         q_dim = heads * m.head_dim
         kv_dim = kv_heads * m.head_dim
 
-        x = _rms_norm(h, w["input_norm"], m.rms_norm_eps)
+        x = rms_norm(h, w["input_norm"], m.rms_norm_eps)
         q, k, v = F.linear(x, w["qkv"]).split([q_dim, kv_dim, kv_dim], dim=-1)
         q = q.view(num_tokens, heads, m.head_dim)
         k = k.view(num_tokens, kv_heads, m.head_dim)
         v = v.view(num_tokens, kv_heads, m.head_dim)
-        cos = p.rope_cos[:, None, :]
-        sin = p.rope_sin[:, None, :]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = apply_rope_rotate_half(q, p.rope_cos, p.rope_sin)
+        k = apply_rope_rotate_half(k, p.rope_cos, p.rope_sin)
 
         # Write the new tokens' KV first: each chunk then reads its whole context [0, L + x)
         # (cached prefix and its own new tokens) through one gather from the paged cache.
@@ -530,7 +512,7 @@ class TorchStageEngine(PagedStageEngineBase):
             attn[start:end] = o_c[0].transpose(0, 1)
         h = h + self.tp.all_reduce(F.linear(attn.reshape(num_tokens, q_dim), w["o"]))
 
-        x = _rms_norm(h, w["post_norm"], m.rms_norm_eps)
+        x = rms_norm(h, w["post_norm"], m.rms_norm_eps)
         gate, up = F.linear(x, w["gate_up"]).chunk(2, dim=-1)
         return h + self.tp.all_reduce(F.linear(F.silu(gate) * up, w["down"]))
 

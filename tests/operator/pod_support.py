@@ -1,0 +1,114 @@
+"""Running the operator's rendered containers as local processes (the runtime-contract tests).
+
+A rendered container's args and env are resolved as the kubelet would (``kubelet_env``,
+``expand``), its cluster paths, hosts and ports swapped for local ones (``localize``), and the
+command run as ``python -m wavepp.cli ...`` (``start_wavepp``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from http_support import http_status
+
+from wavepp.operator import builders as b
+
+REPO = Path(__file__).resolve().parents[2]
+REF = b.PipelineRef(name="tiny", namespace="ml", uid="uid-contract")
+CLUSTER_NATS_URL = "nats://nats.wavepp-system:4222"
+WAIT_S = 30.0
+
+
+def container_of(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The one container of a Deployment's or StatefulSet's pod template."""
+    (container,) = manifest["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def kubelet_env(
+    container: dict[str, Any],
+    pod_name: str,
+    labels: dict[str, str],
+    *,
+    namespace: str = REF.namespace,
+) -> dict:
+    """The container's env as the kubelet resolves it (values and downward-API fieldRefs)."""
+    env: dict[str, str] = {}
+    for item in container["env"]:
+        if "value" in item:
+            env[item["name"]] = item["value"]
+            continue
+        path = item["valueFrom"]["fieldRef"]["fieldPath"]
+        if path == "metadata.namespace":
+            env[item["name"]] = namespace
+        elif path == "metadata.name":
+            env[item["name"]] = pod_name
+        else:
+            label = re.fullmatch(r"metadata\.labels\['(.+)'\]", path)
+            assert label, f"unknown fieldRef {path}"
+            env[item["name"]] = labels[label.group(1)]
+    return env
+
+
+def expand(arg: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in args: defined variables only, others left as they are."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
+
+
+def localize(args: list[str], local: dict[str, str], cluster: dict[str, Any]) -> list[str]:
+    """Replace the value after each flag in ``local``; it must be the cluster value in
+    ``cluster`` (a path, host or port, or a set of them), so nothing but those is rewritten."""
+    out = list(args)
+    for i, flag in enumerate(args[:-1]):
+        if flag in local:
+            expected = cluster[flag]
+            expected = expected if isinstance(expected, set) else {expected}
+            assert args[i + 1] in expected, (flag, args[i + 1])
+            out[i + 1] = local[flag]
+    return out
+
+
+def probe_path(container: dict[str, Any], probe: str) -> str:
+    """The HTTP path of the container's ``probe`` (``livenessProbe``, ``readinessProbe``...)."""
+    return container[probe]["httpGet"]["path"]
+
+
+def start_wavepp(
+    args: list[str], log: Path, env: dict[str, str], *, append: bool = False
+) -> subprocess.Popen[bytes]:
+    """``python -m wavepp.cli *args`` from the repository, as a pod's container runs it: ``env``
+    over this process's, unbuffered, one OpenMP thread, in its own session; stdout and stderr
+    into ``log`` (appended with ``append``, e.g. for a restart)."""
+    with open(log, "ab" if append else "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "wavepp.cli", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=os.environ | env | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+            start_new_session=True,
+        )
+
+
+def log_tail(path: Path) -> str:
+    """The last 25 lines of a process's log ("" before it exists)."""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-25:]) if path.exists() else ""
+
+
+def wait_200(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Wait up to ``WAIT_S`` for ``url`` to answer 200; fail with the log when ``proc`` exits
+    first or time runs out."""
+    deadline = time.monotonic() + WAIT_S
+    while http_status(url) != 200:
+        if proc.poll() is not None:
+            pytest.fail(f"{proc.args[3]} exited with {proc.returncode}:\n{log_tail(log)}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{url} not 200 in {WAIT_S}s:\n{log_tail(log)}")
+        time.sleep(0.1)

@@ -1,0 +1,174 @@
+"""The stage process's main (``wavepp stage``): form the group, build the engine, serve, drain.
+
+``run_stage`` connects to NATS, joins the replica's rendezvous epoch, forms the process group,
+starts the tensor-parallel followers (if any) and builds the engine, then runs a ``StageWorker``
+(``wavepp.runtime.stage.worker``) until SIGTERM/SIGINT. ``StageReadiness`` is what the stage's
+health endpoints report while it does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import torch
+
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.stage.build import build_engine
+from wavepp.runtime.stage.engine.tensor_parallel import TensorParallelEngine
+from wavepp.runtime.stage.metrics import serve_stage_metrics
+from wavepp.runtime.stage.rendezvous import StageGroupFactory, open_rendezvous
+from wavepp.runtime.stage.worker import StageWorker
+from wavepp.runtime.transport.buskey import load_bus_key
+from wavepp.runtime.transport.natsio import connect
+from wavepp.telemetry import tracing
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StageReadiness", "TensorParallelLost", "run_stage"]
+
+
+class TensorParallelLost(RuntimeError):
+    """The stage stopped because a tensor-parallel follower exited or its group broke."""
+
+
+@dataclass
+class StageReadiness:
+    """What a stage's health endpoints report (``wavepp stage --health-port``).
+
+    ``is_formed``: the torch.distributed group has formed and the engine is built (/startupz).
+    ``is_serving``: subscribed to its plans and KV requests, not stopping, and the compute
+    thread alive (/readyz).
+    ``is_alive``: the compute thread has not died or stalled (/healthz; True before it starts,
+    while the startup probe guards the stage, and once it stopped on request).
+    """
+
+    is_formed: bool = False
+    worker: StageWorker | None = None
+
+    @property
+    def is_serving(self) -> bool:
+        return self.worker is not None and self.worker.is_serving and self.worker.compute_alive
+
+    @property
+    def is_alive(self) -> bool:
+        worker = self.worker
+        if worker is None or worker._thread is None:
+            return True
+        if worker.compute_error is not None:
+            return False
+        return worker.compute_alive or not worker.is_serving
+
+
+async def run_stage(
+    config: RuntimeConfig,
+    rank: int,
+    nats_url: str,
+    dist_url: str,
+    *,
+    nats_creds: str | None = None,
+    readiness: StageReadiness | None = None,
+) -> None:
+    """Process main of ``wavepp stage``: form, serve until SIGTERM/SIGINT, drain, leave.
+
+    Args:
+        config: the replica's RuntimeConfig.
+        rank: this stage's rank in [0, S).
+        nats_url: NATS server URL.
+        dist_url: torch.distributed init method (``tcp://host:port`` of rank 0).
+        nats_creds: NATS credentials file (None: ``WAVEPP_NATS_CREDS`` or none).
+        readiness: updated as the stage forms and serves (for health endpoints), if given.
+    """
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s stage{rank} %(levelname)s %(name)s: %(message)s"
+    )
+    torch.set_num_threads(config.torch_threads)
+    tracing.setup(config.telemetry, f"wavepp-stage-{rank}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    bus_key = load_bus_key()
+    nc = await connect(nats_url, name=f"{config.pipeline}-stage-{rank}", creds=nats_creds)
+    followers = None
+    watch: asyncio.Task[str] | None = None
+    metrics = None
+    try:
+        if config.tensor_parallel_size > 1:
+            from wavepp.runtime.stage.tp_launch import start_followers
+
+            followers = await asyncio.to_thread(start_followers, config, rank)
+        backend = "nccl" if config.device.startswith("cuda") else "gloo"
+        factory = StageGroupFactory(dist_url, rank, config.num_stages, backend)
+        rendezvous = await open_rendezvous(
+            nc, config.pipeline, rank, config.num_stages, namespace=config.namespace
+        )
+        epoch = 0
+        if rendezvous is not None:
+            epoch = await rendezvous.first_epoch()
+            while not await rendezvous.join(epoch):
+                epoch = await rendezvous.wait_newer(epoch)
+        group = None
+        if config.num_stages > 1:
+            group = await asyncio.to_thread(factory.form, epoch)
+        log.info("stage %d: group formed in epoch %d", rank, epoch)
+        if followers is None:
+            engine = await asyncio.to_thread(build_engine, config, rank)
+        else:
+            inner = await asyncio.to_thread(build_engine, config, rank, followers.tp)
+            engine = TensorParallelEngine(inner, followers.tp)
+            watch = asyncio.create_task(_watch_followers(followers, engine, rank, stop))
+        if readiness is not None:
+            readiness.is_formed = True
+        worker = StageWorker(
+            config,
+            rank,
+            nc,
+            engine,
+            group=group,
+            group_epoch=epoch,
+            rendezvous=rendezvous if config.num_stages > 1 else None,
+            factory=factory,
+            bus_key=bus_key,
+        )
+        if readiness is not None:
+            readiness.worker = worker
+        metrics = serve_stage_metrics(worker, config.telemetry.metrics_port)
+        await worker.serve(stop)
+        if watch is not None and watch.done() and watch.result():
+            raise TensorParallelLost(watch.result())  # `wavepp stage` exits 1: restart it
+    finally:
+        if metrics is not None:
+            metrics.shutdown()
+        if watch is not None:
+            watch.cancel()
+        if followers is not None:
+            followers.stop()
+        await nc.drain()
+        tracing.shutdown()
+
+
+async def _watch_followers(
+    followers,  # noqa: ANN001 - tp_launch.FollowerSet (imported only with TP)
+    engine: TensorParallelEngine,
+    rank: int,
+    stop: asyncio.Event,
+) -> str:
+    """Stop the stage when a tensor-parallel follower exits (its shard is gone) or a batch
+    left the TP group out of step (``engine.broken``): the stage cannot compute any more; the
+    pod or ``wavepp up`` restarts it whole. Returns why ("" when the stage stopped first)."""
+    while not stop.is_set():
+        exited = followers.exited()
+        if exited or engine.broken is not None:
+            why = (
+                f"stage {rank}: tensor-parallel follower(s) (TP rank, exit code) {exited} exited"
+                if exited
+                else f"stage {rank}: tensor-parallel group broken by {engine.broken!r}"
+            )
+            log.error("%s; stopping", why)
+            stop.set()
+            return why
+        await asyncio.sleep(0.5)
+    return ""
