@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument(
         "--schedule-ms",
         type=float,
-        default=2.7,
+        default=1.65,
         help="the scheduler's host time per micro-batch, both modes (measured on this machine); "
         "default: %(default)s",
     )

@@ -63,9 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schedule-ms",
         type=finite_float,
-        default=2.7,
+        default=1.65,
         help="scheduler host time per micro-batch on the critical path, both modes (default "
-        "%(default)s: the control overhead per micro-batch measured on this machine)",
+        "%(default)s: its mean measured on this machine, replay JSON scheduler_host_ms_mean)",
     )
     baseline = parser.add_argument_group(
         "baseline (--mode sync) fidelity, docs/bench/baseline.md; wave mode ignores these"
