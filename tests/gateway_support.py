@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from wavepp.gateway.core import GatewayConfig, ReplicaInfo
+from wavepp.gateway.config import GatewayConfig, ReplicaInfo
 from wavepp.gateway.tenants import TenantPolicy
 
 

@@ -12,7 +12,7 @@ from wavepp.api.messages import MicroBatchPlan, PlannedChunk
 from wavepp.api.prefill import Heartbeat
 from wavepp.api.signing import BusKey
 from wavepp.cli import main as cli_main
-from wavepp.gateway.core import ReplicaInfo
+from wavepp.gateway.config import ReplicaInfo
 from wavepp.gateway.tenants import TenantPolicy
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.model_config import ModelConfig

@@ -16,7 +16,8 @@ import pytest
 from wavepp.api.prefill import Heartbeat, IntakeRequest, PrefillResult
 from wavepp.api.signing import BusKey
 from wavepp.api.subjects import heartbeat_subject, intake_subject, result_subject, results_bucket
-from wavepp.gateway.core import Gateway, GatewayConfig, ReplicaInfo
+from wavepp.gateway.config import GatewayConfig, ReplicaInfo
+from wavepp.gateway.core import Gateway
 from wavepp.gateway.tenants import TenantPolicy
 from wavepp.gateway.validation import ParsedRequest
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect

@@ -16,7 +16,8 @@ from gateway_support import tiny_gateway_config
 
 from wavepp.api.prefill import Heartbeat
 from wavepp.api.subjects import heartbeat_subject
-from wavepp.gateway.core import Gateway, GatewayConfig, ReplicaInfo, ReplicaUnavailable
+from wavepp.gateway.config import GatewayConfig, ReplicaInfo, ReplicaUnavailable
+from wavepp.gateway.core import Gateway
 from wavepp.gateway.router import PoolRouter
 from wavepp.gateway.validation import ParsedRequest
 from wavepp.runtime.serving.reform import ReformTracker

@@ -23,7 +23,7 @@ from wavepp.cmd.stage import add_nats_args
 
 if TYPE_CHECKING:
     from wavepp.api.spec import WavePipelineSpec
-    from wavepp.gateway.core import GatewayConfig, ReplicaInfo
+    from wavepp.gateway.config import GatewayConfig, ReplicaInfo
     from wavepp.runtime.config import RuntimeConfig
 
 
@@ -100,7 +100,7 @@ def pool_replicas(pool_doc: dict[str, Any], num_spec_replicas: int) -> list[int]
 def replica_info(pipeline: str, config: RuntimeConfig) -> ReplicaInfo:
     """The gateway's view of one replica: its pipeline name, stages and each stage's KV blocks
     (the router's index of a stage holds at most that many block hashes)."""
-    from wavepp.gateway.core import ReplicaInfo
+    from wavepp.gateway.config import ReplicaInfo
 
     return ReplicaInfo(
         pipeline=pipeline,
@@ -158,7 +158,7 @@ def gateway_config_from_spec(
             is a ValueError).
     """
     from wavepp.api.spec import SpecError
-    from wavepp.gateway.core import GatewayConfig
+    from wavepp.gateway.config import GatewayConfig
     from wavepp.gateway.tenants import TenantPolicy, default_cache_salt, policy_from_spec
     from wavepp.operator.containers import api_keys_path
     from wavepp.runtime.serving.from_spec import (
@@ -198,7 +198,7 @@ def _config_from_args(args: argparse.Namespace) -> GatewayConfig:
     from wavepp.api.spec import SpecFileError, load_spec_file
     from wavepp.cmd.common import describe_error
     from wavepp.cmd.stage import NAMESPACE_ENV, ArgError
-    from wavepp.gateway.core import GatewayConfig
+    from wavepp.gateway.config import GatewayConfig
 
     if args.gateway_config:
         try:

@@ -310,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.cmd.common import check_port_free, describe_error, key_files_problem
     from wavepp.cmd.gateway import gateway_model_fields, replica_info
     from wavepp.cmd.up_spec import UpSpecError, local_resources, spec_mapping, with_telemetry
-    from wavepp.gateway.core import GatewayConfig
+    from wavepp.gateway.config import GatewayConfig
     from wavepp.gateway.tenants import TenantPolicy, policy_from_spec
     from wavepp.runtime.serving.from_spec import checkpoint_tokenizer, runtime_configs_from_spec
     from wavepp.runtime.serving.nats_watchdog import NatsWatchdog

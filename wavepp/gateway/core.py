@@ -37,7 +37,6 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.js.errors import APIError, KeyNotFoundError
-from pydantic import BaseModel, ConfigDict, Field
 
 from wavepp.api.messages import KVEventBatch
 from wavepp.api.prefill import Heartbeat, IntakeRequest, PrefillResult
@@ -51,96 +50,29 @@ from wavepp.api.subjects import (
     replica_prefix,
     result_subject,
 )
+from wavepp.gateway.config import (
+    INTAKE_RETRY_AFTER_S,
+    GatewayConfig,
+    IntakeUnavailable,
+    ReplicaUnavailable,
+)
 from wavepp.gateway.metrics import GatewayLoad, GatewayMetrics
-from wavepp.gateway.router import PoolRouter, RoutingPolicy
-from wavepp.gateway.tenants import FairShareQueue, LimitExceeded, TenantLimiter, TenantPolicy
+from wavepp.gateway.router import PoolRouter
+from wavepp.gateway.tenants import FairShareQueue, LimitExceeded, TenantLimiter
 from wavepp.gateway.trust import BusGuard
-from wavepp.gateway.validation import ParsedRequest, PromptLimits
+from wavepp.gateway.validation import ParsedRequest
 from wavepp.runtime.kv import hash_prompt_blocks
 from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
 from wavepp.runtime.transport.natsio import resend_after_reconnect
 
 log = logging.getLogger(__name__)
 
-# Seconds a client is told to wait (``Retry-After``) when the intake refuses a request.
-INTAKE_RETRY_AFTER_S = 2.0
 # The gateway asks the server for its JetStream account info every BUS_CHECK_S seconds; with
 # no answer for BUS_SILENT_S the bus itself is silent (a paused or restarting server): a replica
 # unheard meanwhile has not left the pool (its heartbeats are held in the same server), and a
 # request waiting for its answer does not fail for it.
 BUS_CHECK_S = 0.5
 BUS_SILENT_S = 2.0
-
-
-class IntakeUnavailable(Exception):
-    """JetStream refused the request before accepting it (store full, JetStream disabled):
-    HTTP 503 with ``Retry-After`` = ``retry_after_s``."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class ReplicaInfo(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    pipeline: str
-    num_stages: int = Field(ge=1)
-    # KV blocks of each stage: the router's index of that stage holds at most this many hashes
-    # (empty: router.DEFAULT_STAGE_BLOCKS each).
-    stage_blocks: list[int] = Field(default_factory=list)
-
-
-class GatewayConfig(BaseModel):
-    """Everything the gateway process needs (``wavepp up`` writes it from the spec)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    pool: str
-    # NOTE: the pool's Kubernetes namespace ($WAVEPP_NAMESPACE; "local" for wavepp up): part of
-    # every subject, stream and bucket name (wavepp.api.subjects).
-    namespace: str = Field("local", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-    replicas: list[ReplicaInfo] = Field(min_length=1)
-    model_name: str
-    model_id: str
-    block_size: int = Field(ge=1)
-    vocab_size: int = Field(ge=1)
-    max_prompt_tokens: int = Field(ge=1)
-    tenants: list[TenantPolicy] = Field(min_length=1)
-    routing: RoutingPolicy = "prefix"
-    max_outstanding_per_replica: int = Field(8, ge=1)
-    # NOTE: a global bound on requests queued or running in this gateway. Past it a request is
-    # refused at once (429, field "queue") instead of waiting: when the stages cannot reserve
-    # (memory pressure) the fair-share queue would otherwise grow without bound.
-    max_queued_requests: int = Field(1024, ge=1)
-    queue_retry_after_s: float = Field(1.0, gt=0)
-    request_timeout_s: float = Field(120.0, gt=0)
-    replica_timeout_s: float = Field(3.0, gt=0)
-    # NOTE: a replica silent this long is dropped from the router (scaled away); one that
-    # beats again is added back. Replicas of this pool beyond max_replicas are not added.
-    replica_forget_s: float = Field(60.0, gt=0)
-    # NOTE: a request published to a replica in the pool that then leaves it (a stage died)
-    # with no other replica to take it fails this long after (503), instead of waiting for the
-    # replica to re-form; one published while no replica was in the pool waits (durable intake).
-    replica_unready_fail_s: float = Field(3.0, gt=0)
-    max_replicas: int = Field(256, ge=1)
-    tokenizer: str | None = None
-    # API keys (wavepp.gateway.auth): on when any tenant has api_keys_file.
-    auth_poll_s: float = Field(1.0, ge=0)
-    auth_failure_burst: int = Field(10, ge=1)
-    auth_failures_per_s: float = Field(0.2, gt=0)
-
-    @property
-    def limits(self) -> PromptLimits:
-        return PromptLimits(
-            vocab_size=self.vocab_size,
-            max_prompt_tokens=self.max_prompt_tokens,
-            tenants=frozenset(t.name for t in self.tenants),
-        )
-
-
-class ReplicaUnavailable(RuntimeError):
-    """The replica a request was admitted on left the pool and no other replica is in it."""
 
 
 class Gateway:
@@ -612,12 +544,4 @@ class Gateway:
             self._routed.pop(intake.key, None)
 
 
-__all__ = [
-    "Gateway",
-    "GatewayConfig",
-    "GatewayMetrics",
-    "IntakeUnavailable",
-    "LimitExceeded",
-    "ReplicaInfo",
-    "ReplicaUnavailable",
-]
+__all__ = ["Gateway", "GatewayMetrics", "LimitExceeded"]

@@ -47,7 +47,8 @@ from nats.aio.msg import Msg
 from wavepp.api.prefill import PrefillResult
 from wavepp.api.subjects import prefill_subject
 from wavepp.gateway.auth import AuthError, authenticator_for
-from wavepp.gateway.core import INTAKE_RETRY_AFTER_S, Gateway, GatewayConfig, IntakeUnavailable
+from wavepp.gateway.config import INTAKE_RETRY_AFTER_S, GatewayConfig, IntakeUnavailable
+from wavepp.gateway.core import Gateway
 from wavepp.gateway.errors import MAX_BODY_BYTES, error_body, error_middleware, metrics_tenant
 from wavepp.gateway.openai_api import completion_body, models_body, sse_events
 from wavepp.gateway.tenants import LimitExceeded

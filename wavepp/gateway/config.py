@@ -1,0 +1,85 @@
+"""The gateway's configuration (``GatewayConfig``: what ``wavepp up`` and the operator write for
+the gateway process, one ``ReplicaInfo`` per replica) and the errors its engine
+(``gateway.core.Gateway``) raises to the HTTP layer. Pure: no NATS, no I/O."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from wavepp.gateway.router import RoutingPolicy
+from wavepp.gateway.tenants import TenantPolicy
+from wavepp.gateway.validation import PromptLimits
+
+# Seconds a client is told to wait (``Retry-After``) when the intake refuses a request.
+INTAKE_RETRY_AFTER_S = 2.0
+
+
+class IntakeUnavailable(Exception):
+    """JetStream refused the request before accepting it (store full, JetStream disabled):
+    HTTP 503 with ``Retry-After`` = ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ReplicaInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pipeline: str
+    num_stages: int = Field(ge=1)
+    # KV blocks of each stage: the router's index of that stage holds at most this many hashes
+    # (empty: router.DEFAULT_STAGE_BLOCKS each).
+    stage_blocks: list[int] = Field(default_factory=list)
+
+
+class GatewayConfig(BaseModel):
+    """Everything the gateway process needs (``wavepp up`` writes it from the spec)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    pool: str
+    # NOTE: the pool's Kubernetes namespace ($WAVEPP_NAMESPACE; "local" for wavepp up): part of
+    # every subject, stream and bucket name (wavepp.api.subjects).
+    namespace: str = Field("local", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+    replicas: list[ReplicaInfo] = Field(min_length=1)
+    model_name: str
+    model_id: str
+    block_size: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    max_prompt_tokens: int = Field(ge=1)
+    tenants: list[TenantPolicy] = Field(min_length=1)
+    routing: RoutingPolicy = "prefix"
+    max_outstanding_per_replica: int = Field(8, ge=1)
+    # NOTE: a global bound on requests queued or running in this gateway. Past it a request is
+    # refused at once (429, field "queue") instead of waiting: when the stages cannot reserve
+    # (memory pressure) the fair-share queue would otherwise grow without bound.
+    max_queued_requests: int = Field(1024, ge=1)
+    queue_retry_after_s: float = Field(1.0, gt=0)
+    request_timeout_s: float = Field(120.0, gt=0)
+    replica_timeout_s: float = Field(3.0, gt=0)
+    # NOTE: a replica silent this long is dropped from the router (scaled away); one that
+    # beats again is added back. Replicas of this pool beyond max_replicas are not added.
+    replica_forget_s: float = Field(60.0, gt=0)
+    # NOTE: a request published to a replica in the pool that then leaves it (a stage died)
+    # with no other replica to take it fails this long after (503), instead of waiting for the
+    # replica to re-form; one published while no replica was in the pool waits (durable intake).
+    replica_unready_fail_s: float = Field(3.0, gt=0)
+    max_replicas: int = Field(256, ge=1)
+    tokenizer: str | None = None
+    # API keys (wavepp.gateway.auth): on when any tenant has api_keys_file.
+    auth_poll_s: float = Field(1.0, ge=0)
+    auth_failure_burst: int = Field(10, ge=1)
+    auth_failures_per_s: float = Field(0.2, gt=0)
+
+    @property
+    def limits(self) -> PromptLimits:
+        return PromptLimits(
+            vocab_size=self.vocab_size,
+            max_prompt_tokens=self.max_prompt_tokens,
+            tenants=frozenset(t.name for t in self.tenants),
+        )
+
+
+class ReplicaUnavailable(RuntimeError):
+    """The replica a request was admitted on left the pool and no other replica is in it."""
