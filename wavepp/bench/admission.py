@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import multiprocessing
 import os
 import time
@@ -241,6 +242,7 @@ async def _one_setting(
         rounds_before = [c.num_rounds for c in controllers]
         pids = {"stages": stage_pids, "nats": [server.pid]}
         cpu_before = {name: _cpu_of(group) for name, group in pids.items()}
+        gc.freeze()  # the pools and controllers, as the stage and admission processes do
         controller_before = time.process_time()
         start = time.perf_counter()
         await asyncio.gather(
@@ -252,6 +254,7 @@ async def _one_setting(
         )
         wall_s = time.perf_counter() - start
         cpu_split = {"controller": time.process_time() - controller_before}
+        gc.unfreeze()
         for name, group in pids.items():
             cpu_split[name] = _cpu_of(group) - cpu_before[name]
         cpu_s = sum(cpu_split.values())

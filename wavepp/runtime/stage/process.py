@@ -9,6 +9,7 @@ health endpoints report while it does.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from dataclasses import dataclass
@@ -136,6 +137,10 @@ async def run_stage(
         if readiness is not None:
             readiness.worker = worker
         metrics = serve_stage_metrics(worker, config.telemetry.metrics_port)
+        # The block pool and the engine live as long as the process: out of the collector's
+        # generations, so a full collection no longer walks ~100k block objects (measured in
+        # the admission bench: 5-10 % less CPU per agreement, fewer long pauses).
+        gc.freeze()
         await worker.serve(stop)
         if watch is not None and watch.done() and watch.result():
             raise TensorParallelLost(watch.result())  # `wavepp stage` exits 1: restart it
