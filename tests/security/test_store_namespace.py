@@ -1,5 +1,5 @@
 """The stages' torch.distributed stores have no authentication: their keys live under a namespace
-only the bus key names (``rendezvous.store_prefix``).
+only the bus key names, and their values carry a tag under it (``runtime.stage.storekey``).
 
 An outsider (no bus key) that reaches rank 0's ``--dist-url`` store, or a TP leader's loopback
 store, writes junk under the names it can guess (the old ``wavepp/epoch/{E}/`` and
@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from wavepp.api.signing import BusKey
-from wavepp.runtime.stage.rendezvous import StageGroupFactory, epoch_prefix, store_prefix
+from wavepp.runtime.stage.rendezvous import StageGroupFactory, epoch_prefix
+from wavepp.runtime.stage.storekey import SignedStore, guarded_store, store_prefix
 from wavepp.runtime.stage.tp_launch import _loopback_store, follower_env, form_tp_group, tp_prefix
 from wavepp.runtime.transport.buskey import BUS_KEY_ENV, BUS_KEY_FILE_ENV
 from wavepp.runtime.transport.natsio import free_port
@@ -153,32 +154,80 @@ def test_local_junk_in_a_tp_leaders_store_does_not_fail_its_group(keyed: bool) -
     outsider = _outsider(store.port)
     for name in ("wavepp/tp//0/0", "wavepp/tp//0/1"):  # the old names of the TP group's keys
         outsider.set(name, "junk")
-    prefix = tp_prefix(bus_key, "p-r0", 0, store.port)
     if not keyed:  # a follower reads the junk as the leader's address at once
         _fails_at_once(
             "import datetime, torch.distributed as dist\n"
             "from wavepp.runtime.stage.tp_launch import form_tp_group\n"
             "t = datetime.timedelta(seconds=30)\n"
             f"store = dist.TCPStore('127.0.0.1', {store.port}, 2, False, timeout=t)\n"
-            f"form_tp_group(store, 1, 2, 'cpu', t, {prefix!r})\n"
+            "form_tp_group(store, 1, 2, 'cpu', t, None, 'p-r0', 0)\n"
             "print('FORMED')"
         )
         return
     follower_store = dist.TCPStore("127.0.0.1", store.port, 2, False, timeout=TIMEOUT)
     env = follower_env({BUS_KEY_FILE_ENV: "/elsewhere", "PATH": "/bin"}, bus_key)
     follower_key = BusKey.from_hex(env[BUS_KEY_ENV])  # what the follower's main reads
-    follower_prefix = tp_prefix(follower_key, "p-r0", 0, store.port)
-    assert follower_prefix == prefix and BUS_KEY_FILE_ENV not in env
+    assert follower_key.hex() == KEY.hex() and BUS_KEY_FILE_ENV not in env
     tps: list = [None, None]
 
     def leader() -> None:
-        tps[0] = form_tp_group(store, 0, 2, "cpu", TIMEOUT, prefix)
+        tps[0] = form_tp_group(store, 0, 2, "cpu", TIMEOUT, bus_key, "p-r0", 0)
 
     def follower() -> None:
-        tps[1] = form_tp_group(follower_store, 1, 2, "cpu", TIMEOUT, follower_prefix)
+        tps[1] = form_tp_group(follower_store, 1, 2, "cpu", TIMEOUT, follower_key, "p-r0", 0)
 
     assert not _together(leader, follower)
     assert _exchange(tps[0].pg, tps[1].pg, 0, 1) == 28.0
+    prefix = tp_prefix(KEY, "p-r0", 0, store.port)
+    assert {k for k in outsider.list_keys() if k.startswith(prefix)}  # its keys were there
+
+
+def test_junk_written_by_an_outsider_watching_a_formation_fails_it_cleanly() -> None:
+    """The namespace hides the names only until the first rank writes: an outsider polling
+    ``list_keys`` overwrites rank 0's key before rank 1 reads it. Untagged, gloo would parse it
+    (a segmentation fault, seen by hand); tagged, rank 1 never reads it: it fails the epoch
+    with an error after its timeout (3 s), and the next epoch forms. (Rank 0's write is made
+    here through the same tagged store, not by a forming rank 0: a real one connects to rank
+    1's address and waits for gloo's own connect timeout, 3 to 15 s.)"""
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    factories = [
+        StageGroupFactory(url, rank, 2, "gloo", timeout_s=3, bus_key=KEY, pipeline="p-r0")
+        for rank in range(2)
+    ]
+    host = factories[0]._store()  # noqa: SLF001 - rank 0 hosts the store
+    prefix = epoch_prefix(KEY, "p-r0", 1)
+    guarded_store(host, KEY, TIMEOUT).set(prefix + "/0/0", b"rank 0's address")
+    outsider = _outsider(port)
+    seen = outsider.list_keys()
+    assert seen == [prefix + "/0/0"]  # the new namespace, as soon as a rank wrote in it
+    outsider.set(seen[0], "junk")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="no value with a valid tag"):
+        factories[1].form(1)
+    assert time.monotonic() - started < 10
+    groups: list[dist.ProcessGroup | None] = [None, None]
+    assert not _together(
+        lambda: groups.__setitem__(0, factories[0].form(2)),
+        lambda: groups.__setitem__(1, factories[1].form(2)),
+    )
+    assert _exchange(groups[0], groups[1], 0, 1) == 28.0  # type: ignore[arg-type]
+
+
+def test_a_signed_store_reads_only_values_tagged_for_their_name() -> None:
+    inner = dist.HashStore()
+    signed = SignedStore(inner, KEY, datetime.timedelta(seconds=0.05))
+    signed.set("a", b"\x00address")
+    signed.set("s", "text")
+    assert signed.get("a") == b"\x00address" and signed.get("s") == b"text"
+    inner.set("b", inner.get("a"))  # an authentic value moved to another name
+    inner.set("c", "junk")
+    inner.set("d", b"")
+    SignedStore(inner, OTHER, datetime.timedelta(seconds=1)).set("e", b"x")  # another key's
+    for name in ("b", "c", "d", "e"):
+        with pytest.raises(RuntimeError, match="no value with a valid tag"):
+            signed.get(name)
+    assert guarded_store(inner, None, TIMEOUT) is inner  # no key: values as they are
 
 
 def test_a_follower_of_a_leader_without_a_key_has_none() -> None:

@@ -15,13 +15,14 @@ starts a new epoch that the survivors join without restarting::
     a running stage:            watches ``epoch``; a higher one -> drop its group (its peers'
                                 blocked receives fail at once), join and form the new epoch
 
-The store's keys live under a secret namespace when the deployment has a bus key
-(:func:`store_prefix`): ``wavepp/{HMAC(bus key, pipeline, purpose, epoch)}/epoch/{E}/``. torch's
-``TCPStore`` has no authentication, so a process that reaches ``--dist-url`` could write junk
-under the names the next epoch will use and fail its re-form; without the key it cannot name
-them ahead of time (each epoch's namespace is new, so listing one epoch's keys, which the store
-allows, tells nothing of the next). Without a bus key the prefix stays ``wavepp/epoch/{E}/``.
-What a client of the store can still do is in docs/reliability.md ("The stages' store").
+With a bus key the store's keys live under a secret namespace, ``wavepp/{HMAC(bus key,
+pipeline, epoch)}/epoch/{E}/`` (:func:`epoch_prefix`), and every value carries a tag
+(``storekey``). torch's ``TCPStore`` has no authentication, so a process that reaches
+``--dist-url`` could write junk under the names the next epoch will use and fail (or crash) its
+re-form; without the key it cannot name them ahead of time (each epoch's namespace is new, so
+listing one epoch's keys, which the store allows, tells nothing of the next), and junk written
+once it sees them is not read. Without a bus key the prefix stays ``wavepp/epoch/{E}/``. What a
+client of the store can still do is in docs/reliability.md ("The stages' store").
 
 The rules are :func:`decide_join` (pure). Without JetStream (``LocalPipeline``'s plain
 nats-server) there is no bucket: the stages form epoch 0 once, as before (a dead stage then
@@ -33,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import hashlib
 import ipaddress
 import logging
 import socket
@@ -46,6 +46,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 
 from wavepp.api.signing import BusKey
 from wavepp.api.subjects import rendezvous_bucket
+from wavepp.runtime.stage.storekey import guarded_store, store_prefix
 
 log = logging.getLogger(__name__)
 
@@ -70,32 +71,6 @@ def epoch_of(value: bytes | None, revision: int) -> int:
         return epoch
     log.warning("rendezvous: epoch entry %r is not an epoch; read as revision %d", value, revision)
     return max(1, revision)
-
-
-STORE_DOMAIN = b"wavepp store namespace"
-
-
-def store_prefix(bus_key: BusKey | None, pipeline: str, purpose: str, name: str) -> str:
-    """The ``PrefixStore`` prefix of one group's keys in an unauthenticated ``TCPStore`` (pure).
-
-    Args:
-        bus_key: the deployment's bus key; None (an insecure deployment) keeps the old, guessable
-            prefix ``wavepp/{name}/``.
-        pipeline: the replica (``RuntimeConfig.pipeline``).
-        purpose: what the group is for and which one (e.g. ``"epoch/3"``, ``"tp/1/40123"``);
-            a new value gives an unrelated namespace.
-        name: the readable part after the secret (``"epoch/3"``, ``"tp"``).
-
-    Returns:
-        ``wavepp/{secret}/{name}/`` with ``secret`` the hex HMAC-SHA256 (64 digits) of the
-        pipeline and purpose under the key: a process without the key cannot compute it.
-    """
-    if bus_key is None:
-        return f"wavepp/{name}/"
-    # the pipeline as its 32-byte digest: no two (pipeline, purpose) pairs give the same bytes
-    payload = hashlib.sha256(pipeline.encode()).digest() + purpose.encode()
-    secret = bus_key.mac_bytes(STORE_DOMAIN, payload)
-    return f"wavepp/{secret.hex()}/{name}/"
 
 
 def epoch_prefix(bus_key: BusKey | None, pipeline: str, epoch: int) -> str:
@@ -232,7 +207,7 @@ class StageGroupFactory:
             RuntimeError / DistStoreError: a rank did not arrive within ``timeout_s``.
         """
         prefix = epoch_prefix(self.bus_key, self.pipeline, epoch)
-        store = dist.PrefixStore(prefix, self._store())
+        store = dist.PrefixStore(prefix, guarded_store(self._store(), self.bus_key, self.timeout))
         if self.backend == "nccl":
             return dist.ProcessGroupNCCL(store, self.rank, self.num_stages)
         return dist.ProcessGroupGloo(store, self.rank, self.num_stages, self.timeout)

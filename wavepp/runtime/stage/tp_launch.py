@@ -10,9 +10,10 @@ the leader does (it watches its parent) or when the group fails. The leader stop
 when a follower exits (``FollowerWatch``), so the pod restarts whole.
 
 The store has no authentication and any local process can reach a loopback port. With a bus key
-the group's keys are under ``wavepp/{secret}/tp/`` (``rendezvous.store_prefix`` of the pipeline,
-the stage rank and the store's port, so a new one per start): a local process without the key
-cannot write junk under them ahead of the followers. The leader hands its key to the followers
+the group's keys are under ``wavepp/{secret}/tp/`` (``storekey.store_prefix`` of the pipeline,
+the stage rank and the store's port, so a new one per start) and its values are tagged
+(``storekey.SignedStore``): a local process without the key cannot write junk under them ahead
+of the followers, nor have junk read as a peer's address. The leader hands its key to the followers
 in their environment (``WAVEPP_BUS_KEY``; never on the command line, which any local user can
 read). Without a key the prefix stays ``wavepp/tp/``.
 """
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from wavepp.api.signing import BusKey
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.stage.engine.tensor_parallel import TPGroup, serve_follower, tp_device
-from wavepp.runtime.stage.rendezvous import store_prefix
+from wavepp.runtime.stage.storekey import guarded_store, store_prefix
 from wavepp.runtime.transport.buskey import BUS_KEY_ENV, BUS_KEY_FILE_ENV
 
 __all__ = ["FollowerSet", "follower_env", "form_tp_group", "start_followers", "tp_prefix"]
@@ -81,16 +82,21 @@ def follower_env(environ: dict[str, str], bus_key: BusKey | None) -> dict[str, s
 
 
 def form_tp_group(
-    store: dist.Store,
+    store: dist.TCPStore,
     tp_rank: int,
     size: int,
     device: str,
     timeout: datetime.timedelta,
-    prefix: str = "wavepp/tp/",
+    bus_key: BusKey | None = None,
+    pipeline: str = "",
+    stage_rank: int = 0,
 ) -> TPGroup:
-    """This process's TPGroup over ``store``, its keys under ``prefix`` (:func:`tp_prefix`; the
-    same in every TP rank). Blocks until all ``size`` ranks joined."""
-    prefixed = dist.PrefixStore(prefix, store)
+    """This process's TPGroup over ``store`` (the leader's, on ``store.port``): its keys under
+    :func:`tp_prefix`, its values tagged (``storekey.SignedStore``) with a bus key; every TP
+    rank must be given the same key, pipeline and stage rank. Blocks until all ``size`` ranks
+    joined."""
+    prefix = tp_prefix(bus_key, pipeline, stage_rank, store.port)
+    prefixed = dist.PrefixStore(prefix, guarded_store(store, bus_key, timeout))
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
         pg: dist.ProcessGroup = dist.ProcessGroupNCCL(prefixed, tp_rank, size)
@@ -143,7 +149,6 @@ def start_followers(
     payload = config.model_dump_json().encode()
     procs = []
     env = follower_env(dict(os.environ), bus_key)
-    prefix = tp_prefix(bus_key, config.pipeline, rank, store.port)
     for tp_rank in range(1, size):
         command = [sys.executable, "-m", "wavepp.runtime.stage.tp_launch"]
         command += ["--stage-rank", str(rank), "--tp-rank", str(tp_rank)]
@@ -155,7 +160,8 @@ def start_followers(
         procs.append(proc)
     log.info("stage %d: started %d tensor-parallel followers", rank, len(procs))
     try:
-        tp = form_tp_group(store, 0, size, tp_device(config.device, 0), timeout, prefix)
+        device = tp_device(config.device, 0)
+        tp = form_tp_group(store, 0, size, device, timeout, bus_key, config.pipeline, rank)
     except Exception:
         FollowerSet(TPGroup(), procs, store).stop()
         raise
@@ -194,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     device = tp_device(config.device, args.tp_rank)
     key_hex = os.environ.get(BUS_KEY_ENV, "")  # the leader's (start_followers), or none
     bus_key = BusKey.from_hex(key_hex) if key_hex else None
-    prefix = tp_prefix(bus_key, config.pipeline, args.stage_rank, args.port)
-    tp = form_tp_group(store, args.tp_rank, size, device, timeout, prefix)
+    tp = form_tp_group(
+        store, args.tp_rank, size, device, timeout, bus_key, config.pipeline, args.stage_rank
+    )
     from wavepp.runtime.stage.build import build_engine
 
     engine = build_engine(config, args.stage_rank, tp)
