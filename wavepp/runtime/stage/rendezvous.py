@@ -207,7 +207,10 @@ class StageGroupFactory:
             RuntimeError / DistStoreError: a rank did not arrive within ``timeout_s``.
         """
         prefix = epoch_prefix(self.bus_key, self.pipeline, epoch)
-        store = dist.PrefixStore(prefix, guarded_store(self._store(), self.bus_key, self.timeout))
+        # NOTE: values are tagged for gloo only: NCCL reads its store from its own threads too,
+        # and a Python store under it has not been run on a GPU here (docs/reliability.md)
+        tag_key = self.bus_key if self.backend == "gloo" else None
+        store = dist.PrefixStore(prefix, guarded_store(self._store(), tag_key, self.timeout))
         if self.backend == "nccl":
             return dist.ProcessGroupNCCL(store, self.rank, self.num_stages)
         return dist.ProcessGroupGloo(store, self.rank, self.num_stages, self.timeout)

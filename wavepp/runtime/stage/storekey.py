@@ -7,8 +7,10 @@ store) that a process without the key cannot name ahead of time, and (2) tag eve
 write with an HMAC of its full name and bytes (:class:`SignedStore`): a value without a valid
 tag is never handed to gloo/NCCL (which would parse junk as a peer's address and fail with
 ``std::bad_alloc`` or crash the process); the reader waits for an authentic one until its
-timeout instead. What a client of the store can still do is in docs/reliability.md ("The
-stages' store"). Without a bus key the stores keep their old names and untagged values.
+timeout instead. Values are tagged for gloo groups only (the CPU): a NCCL group keeps the
+namespace but untagged values (a Python store under NCCL's own threads is not yet run on a GPU).
+What a client of the store can still do is in docs/reliability.md ("The stages' store").
+Without a bus key the stores keep their old names and untagged values.
 """
 
 from __future__ import annotations

@@ -92,11 +92,13 @@ def form_tp_group(
     stage_rank: int = 0,
 ) -> TPGroup:
     """This process's TPGroup over ``store`` (the leader's, on ``store.port``): its keys under
-    :func:`tp_prefix`, its values tagged (``storekey.SignedStore``) with a bus key; every TP
+    :func:`tp_prefix`, its values tagged (``storekey.SignedStore``) with a bus key on the CPU
+    (gloo; NCCL's store values stay untagged, see docs/reliability.md); every TP
     rank must be given the same key, pipeline and stage rank. Blocks until all ``size`` ranks
     joined."""
     prefix = tp_prefix(bus_key, pipeline, stage_rank, store.port)
-    prefixed = dist.PrefixStore(prefix, guarded_store(store, bus_key, timeout))
+    tag_key = None if device.startswith("cuda") else bus_key  # gloo only, as in rendezvous
+    prefixed = dist.PrefixStore(prefix, guarded_store(store, tag_key, timeout))
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
         pg: dist.ProcessGroup = dist.ProcessGroupNCCL(prefixed, tp_rank, size)
