@@ -100,9 +100,11 @@ async def run_stage(
         if config.tensor_parallel_size > 1:
             from wavepp.runtime.stage.tp_launch import start_followers
 
-            followers = await asyncio.to_thread(start_followers, config, rank)
+            followers = await asyncio.to_thread(start_followers, config, rank, bus_key=bus_key)
         backend = "nccl" if config.device.startswith("cuda") else "gloo"
-        factory = StageGroupFactory(dist_url, rank, config.num_stages, backend)
+        factory = StageGroupFactory(
+            dist_url, rank, config.num_stages, backend, bus_key=bus_key, pipeline=config.pipeline
+        )
         rendezvous = await open_rendezvous(
             nc, config.pipeline, rank, config.num_stages, namespace=config.namespace
         )

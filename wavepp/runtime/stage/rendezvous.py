@@ -15,6 +15,15 @@ starts a new epoch that the survivors join without restarting::
     a running stage:            watches ``epoch``; a higher one -> drop its group (its peers'
                                 blocked receives fail at once), join and form the new epoch
 
+With a bus key the store's keys live under a secret namespace, ``wavepp/{HMAC(bus key,
+pipeline, epoch)}/epoch/{E}/`` (:func:`epoch_prefix`), and every value carries a tag
+(``storekey``). torch's ``TCPStore`` has no authentication, so a process that reaches
+``--dist-url`` could write junk under the names the next epoch will use and fail (or crash) its
+re-form; without the key it cannot name them ahead of time (each epoch's namespace is new, so
+listing one epoch's keys, which the store allows, tells nothing of the next), and junk written
+once it sees them is not read. Without a bus key the prefix stays ``wavepp/epoch/{E}/``. What a
+client of the store can still do is in docs/reliability.md ("The stages' store").
+
 The rules are :func:`decide_join` (pure). Without JetStream (``LocalPipeline``'s plain
 nats-server) there is no bucket: the stages form epoch 0 once, as before (a dead stage then
 needs every stage restarted, ``LocalPipeline.restart_stages``).
@@ -35,7 +44,9 @@ import torch.distributed as dist
 from nats.js.api import KeyValueConfig
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 
+from wavepp.api.signing import BusKey
 from wavepp.api.subjects import rendezvous_bucket
+from wavepp.runtime.stage.storekey import guarded_store, store_prefix
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +71,12 @@ def epoch_of(value: bytes | None, revision: int) -> int:
         return epoch
     log.warning("rendezvous: epoch entry %r is not an epoch; read as revision %d", value, revision)
     return max(1, revision)
+
+
+def epoch_prefix(bus_key: BusKey | None, pipeline: str, epoch: int) -> str:
+    """The prefix of epoch ``epoch``'s stage group: ``wavepp/{secret}/epoch/{E}/`` with a bus
+    key (a new secret per epoch and pipeline), ``wavepp/epoch/{E}/`` without one (pure)."""
+    return store_prefix(bus_key, pipeline, f"epoch/{epoch}", f"epoch/{epoch}")
 
 
 def join_key(epoch: int, rank: int) -> str:
@@ -117,13 +134,25 @@ class StageGroupFactory:
     """Builds one process group per epoch over the rank-0 TCPStore of ``dist_url``.
 
     Rank 0 hosts the store for its process's lifetime; the other ranks connect a new client per
-    epoch (the host may be a new rank-0 process). Blocking: call from a thread.
+    epoch (the host may be a new rank-0 process). Each epoch's keys are under
+    :func:`epoch_prefix` of ``bus_key`` and ``pipeline`` (every stage of a replica must be given
+    the same two). Blocking: call from a thread.
     """
 
     def __init__(
-        self, dist_url: str, rank: int, num_stages: int, backend: str, timeout_s: float = 60.0
+        self,
+        dist_url: str,
+        rank: int,
+        num_stages: int,
+        backend: str,
+        timeout_s: float = 60.0,
+        *,
+        bus_key: BusKey | None = None,
+        pipeline: str = "",
     ) -> None:
         self.host, self.port = parse_dist_url(dist_url)
+        self.bus_key = bus_key
+        self.pipeline = pipeline
         self.rank = rank
         self.num_stages = num_stages
         self.backend = backend
@@ -177,7 +206,11 @@ class StageGroupFactory:
         Raises:
             RuntimeError / DistStoreError: a rank did not arrive within ``timeout_s``.
         """
-        store = dist.PrefixStore(f"wavepp/epoch/{epoch}/", self._store())
+        prefix = epoch_prefix(self.bus_key, self.pipeline, epoch)
+        # NOTE: values are tagged for gloo only: NCCL reads its store from its own threads too,
+        # and a Python store under it has not been run on a GPU here (docs/reliability.md)
+        tag_key = self.bus_key if self.backend == "gloo" else None
+        store = dist.PrefixStore(prefix, guarded_store(self._store(), tag_key, self.timeout))
         if self.backend == "nccl":
             return dist.ProcessGroupNCCL(store, self.rank, self.num_stages)
         return dist.ProcessGroupGloo(store, self.rank, self.num_stages, self.timeout)

@@ -8,6 +8,14 @@ CPU, NCCL on ``cuda:t``, one GPU per process). A follower builds its shard of th
 and serves the leader's broadcasts (``engine.tensor_parallel.serve_follower``); it exits when
 the leader does (it watches its parent) or when the group fails. The leader stops the stage
 when a follower exits (``FollowerWatch``), so the pod restarts whole.
+
+The store has no authentication and any local process can reach a loopback port. With a bus key
+the group's keys are under ``wavepp/{secret}/tp/`` (``storekey.store_prefix`` of the pipeline,
+the stage rank and the store's port, so a new one per start) and its values are tagged
+(``storekey.SignedStore``): a local process without the key cannot write junk under them ahead
+of the followers, nor have junk read as a peer's address. The leader hands its key to the followers
+in their environment (``WAVEPP_BUS_KEY``; never on the command line, which any local user can
+read). Without a key the prefix stays ``wavepp/tp/``.
 """
 
 from __future__ import annotations
@@ -25,14 +33,21 @@ import time
 import torch
 import torch.distributed as dist
 
+from wavepp.api.signing import BusKey
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.stage.engine.tensor_parallel import TPGroup, serve_follower, tp_device
+from wavepp.runtime.stage.storekey import guarded_store, store_prefix
+from wavepp.runtime.transport.buskey import BUS_KEY_ENV, BUS_KEY_FILE_ENV
 
-__all__ = ["FollowerSet", "form_tp_group", "start_followers"]
+__all__ = ["FollowerSet", "follower_env", "form_tp_group", "start_followers", "tp_prefix"]
 
 log = logging.getLogger(__name__)
 
-_PREFIX = "wavepp/tp/"
+
+def tp_prefix(bus_key: BusKey | None, pipeline: str, stage_rank: int, port: int) -> str:
+    """The TP group's key prefix in the leader's store on ``port`` (pure):
+    ``wavepp/{secret}/tp/`` with a bus key, ``wavepp/tp/`` without one."""
+    return store_prefix(bus_key, pipeline, f"tp/{stage_rank}/{port}", "tp")
 
 
 def _loopback_store(size: int, timeout: datetime.timedelta) -> dist.TCPStore:
@@ -54,11 +69,36 @@ def _loopback_store(size: int, timeout: datetime.timedelta) -> dist.TCPStore:
     )
 
 
+def follower_env(environ: dict[str, str], bus_key: BusKey | None) -> dict[str, str]:
+    """A follower's environment: ``environ`` with the leader's pid and exactly the leader's bus
+    key in ``WAVEPP_BUS_KEY`` (none when it has none; ``WAVEPP_BUS_KEY_FILE`` dropped), so both
+    name the same :func:`tp_prefix`."""
+    env = environ | {"WAVEPP_TP_PARENT_PID": str(os.getpid())}
+    env.pop(BUS_KEY_FILE_ENV, None)
+    env.pop(BUS_KEY_ENV, None)
+    if bus_key is not None:
+        env[BUS_KEY_ENV] = bus_key.hex()
+    return env
+
+
 def form_tp_group(
-    store: dist.Store, tp_rank: int, size: int, device: str, timeout: datetime.timedelta
+    store: dist.TCPStore,
+    tp_rank: int,
+    size: int,
+    device: str,
+    timeout: datetime.timedelta,
+    bus_key: BusKey | None = None,
+    pipeline: str = "",
+    stage_rank: int = 0,
 ) -> TPGroup:
-    """This process's TPGroup over ``store`` (blocks until all ``size`` ranks joined)."""
-    prefixed = dist.PrefixStore(_PREFIX, store)
+    """This process's TPGroup over ``store`` (the leader's, on ``store.port``): its keys under
+    :func:`tp_prefix`, its values tagged (``storekey.SignedStore``) with a bus key on the CPU
+    (gloo; NCCL's store values stay untagged, see docs/reliability.md); every TP
+    rank must be given the same key, pipeline and stage rank. Blocks until all ``size`` ranks
+    joined."""
+    prefix = tp_prefix(bus_key, pipeline, stage_rank, store.port)
+    tag_key = None if device.startswith("cuda") else bus_key  # gloo only, as in rendezvous
+    prefixed = dist.PrefixStore(prefix, guarded_store(store, tag_key, timeout))
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
         pg: dist.ProcessGroup = dist.ProcessGroupNCCL(prefixed, tp_rank, size)
@@ -93,10 +133,14 @@ class FollowerSet:
                 p.wait()
 
 
-def start_followers(config: RuntimeConfig, rank: int, timeout_s: float = 120.0) -> FollowerSet:
+def start_followers(
+    config: RuntimeConfig, rank: int, timeout_s: float = 120.0, *, bus_key: BusKey | None = None
+) -> FollowerSet:
     """Start stage ``rank``'s T - 1 followers and form the TP group (the caller is TP rank 0).
 
-    Blocking: call from a thread.
+    ``bus_key``: the deployment's (``load_bus_key``); the group's keys go under
+    :func:`tp_prefix` of it, and the followers get it in their environment. Blocking: call from
+    a thread.
 
     Raises:
         RuntimeError: a follower did not join within ``timeout_s`` (or exited).
@@ -106,7 +150,7 @@ def start_followers(config: RuntimeConfig, rank: int, timeout_s: float = 120.0) 
     store = _loopback_store(size, timeout)
     payload = config.model_dump_json().encode()
     procs = []
-    env = os.environ | {"WAVEPP_TP_PARENT_PID": str(os.getpid())}
+    env = follower_env(dict(os.environ), bus_key)
     for tp_rank in range(1, size):
         command = [sys.executable, "-m", "wavepp.runtime.stage.tp_launch"]
         command += ["--stage-rank", str(rank), "--tp-rank", str(tp_rank)]
@@ -118,7 +162,8 @@ def start_followers(config: RuntimeConfig, rank: int, timeout_s: float = 120.0) 
         procs.append(proc)
     log.info("stage %d: started %d tensor-parallel followers", rank, len(procs))
     try:
-        tp = form_tp_group(store, 0, size, tp_device(config.device, 0), timeout)
+        device = tp_device(config.device, 0)
+        tp = form_tp_group(store, 0, size, device, timeout, bus_key, config.pipeline, rank)
     except Exception:
         FollowerSet(TPGroup(), procs, store).stop()
         raise
@@ -155,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     size = config.tensor_parallel_size
     store = dist.TCPStore("127.0.0.1", args.port, size, False, timeout=timeout)
     device = tp_device(config.device, args.tp_rank)
-    tp = form_tp_group(store, args.tp_rank, size, device, timeout)
+    key_hex = os.environ.get(BUS_KEY_ENV, "")  # the leader's (start_followers), or none
+    bus_key = BusKey.from_hex(key_hex) if key_hex else None
+    tp = form_tp_group(
+        store, args.tp_rank, size, device, timeout, bus_key, config.pipeline, args.stage_rank
+    )
     from wavepp.runtime.stage.build import build_engine
 
     engine = build_engine(config, args.stage_rank, tp)
