@@ -164,3 +164,19 @@ def test_a_burst_is_split_into_s_equal_microbatches_by_the_closed_loop_target() 
     workload = preset_workload("high", 32, vocab_size=config.model.vocab_size)
     report = simulate(config, planner_cost, workload, concurrency=32)
     assert list(report.stats.microbatch_tokens) == [4096] * 4
+
+
+def test_wavepp_sim_runs_32_x_c_requests_per_setting_by_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Few rounds let ramp-up and drain decide a wave/sync comparison (2 x C requests put
+    wave below sync where 32 x C puts it above): the default is 32 x C, as the sweep's."""
+    import json
+
+    from wavepp.cli import main as cli_main
+
+    argv = ["sim", "--model", "minimax-m2.7", "--stages", "2", "--concurrency", "1,2", "--json"]
+    assert cli_main(argv) == 0
+    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    runs = [(r["concurrency"], r[mode]["requests"]) for r in results for mode in ("wave", "sync")]
+    assert sorted(runs) == [(1, 32), (1, 32), (2, 64), (2, 64)]

@@ -36,7 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="scale the reuse preset to this prompt length (0: preset's 4096)",
     )
-    parser.add_argument("--requests", type=int, default=0, help="default: max(32, concurrency)")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=0,
+        help="requests per setting; default: 32 x concurrency (few rounds let ramp-up and "
+        "drain dominate the comparison: docs/bench/bound.md)",
+    )
     parser.add_argument(
         "--time-scale",
         type=finite_float,
@@ -170,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"baseline (sync): {baseline_fields}; scheduler host time {latencies.schedule_s * 1e3:g} "
         f"ms per micro-batch (both modes); requests per setting: "
-        f"{args.requests or 'max(32, C)'} (docs/bench/bound.md: 32 x C keeps ramp-up and drain "
+        f"{args.requests or '32 x C'} (docs/bench/bound.md: 32 x C keeps ramp-up and drain "
         "small)",
         file=sys.stderr,
     )
@@ -185,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         file=table_out,
     )
     for concurrency in concurrencies:
-        num_requests = args.requests or max(32, concurrency)
+        num_requests = args.requests or 32 * concurrency
         summaries = {}
         for mode in ("wave", "sync"):
             try:
