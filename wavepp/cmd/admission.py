@@ -47,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--health-host", default="0.0.0.0", help="bind address of --health-port")
     parser.add_argument(
+        "--metrics-host",
+        default="0.0.0.0",
+        help="bind address of the config's Prometheus metrics port (wavepp up passes its --host)",
+    )
+    parser.add_argument(
         "--ack-wait-s", type=finite_float, default=10.0, help="redelivery delay of unacked requests"
     )
     parser.add_argument(
@@ -165,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         tracing.setup(config.telemetry, "wavepp-admission")
-        setup_metrics(config.telemetry, "wavepp-admission")
+        setup_metrics(config.telemetry, "wavepp-admission", host=args.metrics_host)
         runner = None
         nc = None
         try:

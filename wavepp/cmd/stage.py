@@ -93,6 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "wavepp.runtime.stage.metrics)",
     )
     parser.add_argument(
+        "--metrics-host",
+        default="0.0.0.0",
+        help="bind address of --metrics-port (wavepp up passes its --host)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=None,
@@ -440,7 +445,7 @@ def run(args: argparse.Namespace) -> int:
         args.nats_connect_timeout_s,
         [
             ("--health-port", args.health_host, args.health_port),
-            ("--metrics-port", "0.0.0.0", args.metrics_port),
+            ("--metrics-port", args.metrics_host, args.metrics_port),
         ],
     )
     if failure is not None:  # not a config error: the operator restarts the pod
@@ -469,6 +474,7 @@ def run(args: argparse.Namespace) -> int:
                 args.dist_url,
                 nats_creds=args.nats_creds,
                 readiness=readiness,
+                metrics_host=args.metrics_host,
             )
         finally:
             if runner is not None:

@@ -8,7 +8,11 @@ JetStream); a stage that dies once serving is restarted with the same arguments,
 would, and its replica re-forms its group in place (``stage.rendezvous``) while the other
 replicas serve (the gateway routes around it); a stage that dies during startup, or more than
 ``--max-stage-restarts`` times, stops everything (exit 1). Ctrl-C or SIGTERM stops all children
-(gateway, admissions, stages: SIGTERM, wait, kill) and the nats-server, and exits 0.
+(gateway, admissions, stages: SIGTERM, wait, kill) and the nats-server, and exits 0; an
+admission drains for ``spec.rollout.drainTimeoutSeconds`` less the operator's margin and is
+killed only after that (``up_spec.drain_times``). Spec fields only the operator applies are
+named in one warning line each at start (``up_spec.operator_only_warnings``); metrics servers
+bind ``--host`` as the gateway does.
 
 ``--config FILE`` is a WavePipeline spec in YAML or JSON (the custom resource's ``spec``, or the
 whole resource); without it, tiny-llama on 2 torch stages. ``--model DIR`` serves a Hugging
@@ -46,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wavepp.cmd.common import add_deprecated_alias, finite_float
-from wavepp.cmd.up_spec import metrics_endpoints, stage_metrics_port
+from wavepp.cmd.up_spec import child_commands, metrics_endpoints, serving_line
 from wavepp.runtime.serving.lifecycle import child_env
 
 if TYPE_CHECKING:
@@ -67,6 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stages", type=int, default=None, help="pipeline stages S, replacing the spec's"
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="T",
+        help="processes computing each stage, one per device (spec.tensorParallelSize), "
+        "replacing the spec's",
     )
     parser.add_argument("--pool", default="default", help="pool name (NATS subjects, results)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
@@ -219,17 +231,20 @@ class Supervisor:
                 return line
         return lines[-1] if lines else "no output"
 
-    def stop(self, names: list[str]) -> None:
+    def stop(self, names: list[str], grace_s: float = 10.0) -> None:
+        """SIGTERM the ``names`` still running, wait up to ``grace_s`` seconds for all of them
+        (together), then SIGKILL those left."""
         for name in names:
             proc = self.procs.get(name)
             if proc is not None and proc.poll() is None:
                 proc.terminate()
+        deadline = time.monotonic() + grace_s
         for name in names:
             proc = self.procs.get(name)
             if proc is None:
                 continue
             try:
-                proc.wait(10)
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
@@ -259,57 +274,49 @@ def _start_children(
     state_dir: Path,
     nats_url: str,
     port: int,
+    drain_s: float,
     stage_names: list[str],
     service_names: list[str],
     auth: PoolAuth | None,
 ) -> None:
-    """Start every replica's stages and admission, then the gateway, each with its own NATS
-    user's credentials (none with ``--insecure-nats``); names are appended to ``stage_names`` /
-    ``service_names`` as each starts (so a failure stops those started)."""
-    from wavepp.api.permissions import admission_user_name, gateway_user_name, stage_user_name
+    """Write each replica's config and start the children of ``up_spec.child_commands``, each
+    with its own NATS user's credentials (none with ``--insecure-nats``); names are appended
+    to ``stage_names`` / ``service_names`` as each starts (so a failure stops those started)."""
     from wavepp.runtime.transport.natsio import free_port
 
-    def creds(user: str) -> list[str]:
-        return [] if auth is None else ["--nats-creds", auth.creds[user]]
-
-    cli = [sys.executable, "-m", "wavepp.cli"]
-    for replica, config in enumerate(configs):
+    paths = []
+    for config in configs:
         path = state_dir / f"{config.pipeline}.json"
         path.write_text(config.model_dump_json(indent=2))
-        dist_url = f"tcp://127.0.0.1:{free_port()}"
-        for rank in range(config.num_stages):
-            name = f"stage-{config.pipeline}-{rank}"
-            stage_names.append(name)
-            metrics = stage_metrics_port(configs, replica, rank)
-            sup.start(
-                name,
-                [*cli, "stage", "--runtime-config", str(path), "--rank", str(rank),
-                 "--nats-url", nats_url, "--dist-url", dist_url,
-                 *(["--metrics-port", str(metrics)] if metrics else []),
-                 *creds(stage_user_name(config.pipeline, rank))],
-            )  # fmt: skip
-        name = f"admission-{config.pipeline}"
-        service_names.append(name)
-        sup.start(
-            name,
-            [*cli, "admission", "--runtime-config", str(path), "--nats-url", nats_url,
-             "--pool", args.pool, "--ack-wait-s", str(args.ack_wait_s),
-             *creds(admission_user_name(config.pipeline))],
-        )  # fmt: skip
-    service_names.append("gateway")
-    sup.start(
-        "gateway",
-        [*cli, "gateway", "--gateway-config", str(state_dir / "gateway.json"),
-         "--nats-url", nats_url, "--host", args.host, "--port", str(port),
-         *creds(gateway_user_name(args.pool))],
-    )  # fmt: skip
+        paths.append(str(path))
+    commands = child_commands(
+        configs,
+        paths,
+        [f"tcp://127.0.0.1:{free_port()}" for _ in configs],
+        args=args,
+        nats_url=nats_url,
+        port=port,
+        drain_s=drain_s,
+        creds=auth.creds if auth else None,
+        gateway_config=str(state_dir / "gateway.json"),
+    )
+    for name, command in commands:
+        (stage_names if name.startswith("stage-") else service_names).append(name)
+        sup.start(name, command)
 
 
 def run(args: argparse.Namespace) -> int:
     from wavepp.api.spec import SpecError, TenantSpec, check_spec
     from wavepp.cmd.common import check_port_free, describe_error, key_files_problem
     from wavepp.cmd.gateway import gateway_model_fields, replica_info
-    from wavepp.cmd.up_spec import UpSpecError, local_resources, spec_mapping, with_telemetry
+    from wavepp.cmd.up_spec import (
+        UpSpecError,
+        drain_times,
+        local_resources,
+        operator_only_warnings,
+        spec_mapping,
+        with_telemetry,
+    )
     from wavepp.gateway.config import GatewayConfig
     from wavepp.gateway.tenants import TenantPolicy, policy_from_spec
     from wavepp.runtime.serving.from_spec import checkpoint_tokenizer, runtime_configs_from_spec
@@ -321,7 +328,15 @@ def run(args: argparse.Namespace) -> int:
         raw = spec_mapping(args)
     except UpSpecError as exc:
         return _fail(exc.flag, str(exc))
-    flags = [f for f, v in (("--model", args.model), ("--stages", args.stages)) if v]
+    flags = [
+        f
+        for f, v in (
+            ("--model", args.model),
+            ("--stages", args.stages),
+            ("--tensor-parallel-size", args.tensor_parallel_size),
+        )
+        if v
+    ]
     source = args.config or (f"the spec of {' '.join(flags)}" if flags else "the default spec")
     flag = "--config" if args.config or not flags else "/".join(flags)
     spec, issues = check_spec(
@@ -337,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail("--config", f"telemetry: {exc}")
     tokenizer = args.tokenizer or checkpoint_tokenizer(spec)
+    drain_s, admission_grace_s = drain_times(spec)
     num_processes = sum(c.num_stages + 1 for c in configs) + 2
     if num_processes > MAX_LOCAL_PROCESSES:
         return _fail(
@@ -425,6 +441,8 @@ def run(args: argparse.Namespace) -> int:
         Path(args.jetstream_dir).resolve() if args.jetstream_dir else state_dir / "jetstream"
     )
     (state_dir / "gateway.json").write_text(gateway_config.model_dump_json(indent=2))
+    for line in operator_only_warnings(raw):
+        print(f"wavepp up: WARNING: {line}", file=sys.stderr, flush=True)
     stopping = {"flag": False}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -487,6 +505,9 @@ def run(args: argparse.Namespace) -> int:
         "nats_pid": server.pid,
         "state_dir": str(state_dir),
         "nats_creds": auth.creds if auth else None,
+        "stages": first.num_stages,
+        "tensor_parallel_size": first.tensor_parallel_size,
+        "drain_timeout_s": drain_s,
         **metrics_endpoints(configs, args.host),
     }
     stage_names: list[str] = []
@@ -494,8 +515,9 @@ def run(args: argparse.Namespace) -> int:
     code = 0
     try:
         _start_children(
-            sup, args, configs, state_dir, server.url, port, stage_names, service_names, auth
-        )
+            sup, args, configs, state_dir, server.url, port, drain_s, stage_names,
+            service_names, auth,
+        )  # fmt: skip
     except OSError as exc:
         print(f"wavepp up: starting a child failed: {describe_error(exc)}", file=sys.stderr)
         stopping["flag"], code = True, 2
@@ -549,15 +571,12 @@ def run(args: argparse.Namespace) -> int:
                     is_serving = True
                     print(f"wavepp up: {auth_line}", flush=True)
                     print(
-                        f"wavepp up: serving {endpoint} (pool {args.pool}: {len(configs)} "
-                        f"replica(s) x {first.num_stages} {first.engine} stages of "
-                        f"{first.model.name}"
-                        f"{f' from {first.model_dir}' if first.model_dir else ''}"
-                        f"{f', tokenizer {tokenizer}' if tokenizer else ''}; NATS {server.url} "
-                        f"{'WITHOUT AUTH (--insecure-nats)' if auth is None else 'with auth'}; "
-                        f"logs {sup.log_dir})",
+                        serving_line(
+                            endpoint, args.pool, configs, tokenizer, server.url,
+                            auth is not None, sup.log_dir,
+                        ),
                         flush=True,
-                    )
+                    )  # fmt: skip
                 elif time.monotonic() > deadline:
                     print(
                         f"wavepp up: --startup-timeout-s: not ready in {args.startup_timeout_s} s",
@@ -568,7 +587,9 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.2)
     finally:
         sup.stop(["gateway"])
-        sup.stop([n for n in service_names if n != "gateway"])
+        # an admission drains (serves what its intake holds) for up to drain_s: not killed
+        # before, and its stages stay up until it has left
+        sup.stop([n for n in service_names if n != "gateway"], admission_grace_s)
         sup.stop(stage_names)
         server.stop()
         print("wavepp up: stopped", file=sys.stderr, flush=True)

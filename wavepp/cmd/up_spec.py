@@ -1,11 +1,14 @@
-"""The spec ``wavepp up`` serves: ``--config``, ``--model DIR``, ``--stages S``, this host.
+"""The spec ``wavepp up`` serves: ``--config``, ``--model DIR``, ``--stages S``,
+``--tensor-parallel-size T``, this host; and what up does with it (warnings for what only the
+operator applies, the drain, the children's command lines, the serving line).
 
 ``--config FILE`` is a WavePipeline spec; without it, tiny-llama on 2 torch stages.
 ``--model DIR`` serves the Hugging Face checkpoint in DIR (config.json + safetensors, any family
 ``wavepp.runtime.hf_config`` reads): it replaces the spec's ``model`` by ``{name: <DIR's
 name>-<config.json's sha8>, path: DIR}`` (keeping ``model.dtype``), so the shape comes from
 config.json and the layers are split by cost. ``--stages S`` replaces ``stages`` (and drops a
-``layerPartition`` of the old count). A model directory's ``tokenizer.json`` is the gateway's
+``layerPartition`` of the old count); ``--tensor-parallel-size T`` replaces
+``tensorParallelSize``. A model directory's ``tokenizer.json`` is the gateway's
 tokenizer unless ``--tokenizer`` names another. Then, as in the pods: the spec's
 ``telemetry``, and ``resources.gpusPerStage`` decided for this host.
 """
@@ -29,12 +32,13 @@ class UpSpecError(ValueError):
 
 
 def spec_mapping(args: argparse.Namespace) -> dict[str, Any]:
-    """The raw spec from ``--config`` (or the default), ``--model`` and ``--stages``, with a
+    """The raw spec from ``--config`` (or the default), ``--model``, ``--stages`` and
+    ``--tensor-parallel-size`` (``tensorParallelSize``), with a
     checkpoint's layer count from its config.json (``from_spec.with_checkpoint_layers``).
 
     Raises:
         UpSpecError: an unreadable ``--config``, a ``--model`` directory without a readable
-            config.json, ``--stages`` < 1, or a spec model path without config.json (names the
+            config.json, ``--stages`` or ``--tensor-parallel-size`` < 1, or a spec model path without config.json (names the
             flag).
     """
     from wavepp.api.spec import SpecError, SpecFileError, read_spec_mapping
@@ -63,6 +67,12 @@ def spec_mapping(args: argparse.Namespace) -> dict[str, Any]:
         raw["stages"] = args.stages
         raw.pop("layerPartition", None)
         raw.pop("layer_partition", None)
+    tp = getattr(args, "tensor_parallel_size", None)
+    if tp is not None:
+        if tp < 1:
+            raise UpSpecError("--tensor-parallel-size", f"{tp}: must be >= 1")
+        raw.pop("tensor_parallel_size", None)
+        raw["tensorParallelSize"] = tp
     try:
         return with_checkpoint_layers(raw)
     except SpecError as exc:
@@ -149,3 +159,147 @@ def with_telemetry(configs: list, spec: object, raw: dict) -> list:  # RuntimeCo
             )
         )
     return out
+
+
+# ---- what only the operator applies, the drain, the children's command lines ----------------
+
+_POD_ONLY = "a pod setting; wavepp up runs this checkout's wavepp as local processes"
+_PLACEMENT = "pod placement, applied by the Kubernetes operator only; wavepp up runs every process on this machine"
+OPERATOR_ONLY_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("autoscaling", "autoscaling", "applied by the Kubernetes operator only; wavepp up runs spec.replicas replicas"),
+    ("image", "image", _POD_ONLY),
+    ("imagePullPolicy", "image_pull_policy", _POD_ONLY),
+    ("imagePullSecrets", "image_pull_secrets", _POD_ONLY),
+    ("serviceAccountName", "service_account_name", _POD_ONLY),
+    ("podTemplate", "pod_template", _POD_ONLY),
+    ("nodeSelector", "node_selector", _PLACEMENT),
+    ("tolerations", "tolerations", _PLACEMENT),
+    ("affinity", "affinity", _PLACEMENT),
+    ("topologySpreadConstraints", "topology_spread_constraints", _PLACEMENT),
+    ("topology", "topology", _PLACEMENT),
+    ("networkPolicy", "network_policy", "a NetworkPolicy the operator renders; wavepp up makes none (its NATS bus has per-process credentials)"),
+    ("inferencePool", "inference_pool", "an InferencePool the operator renders; wavepp up makes none"),
+    ("restartBudget", "restart_budget", "the operator's re-formation budget; wavepp up restarts a stage at most --max-stage-restarts times"),
+)  # fmt: skip
+"""Top-level spec fields only the operator applies: (wire name, Python name, why)."""
+_RESOURCES_ONLY = (("cpu", "cpu"), ("memory", "memory"), ("sharedMemory", "shared_memory"),
+                   ("gpuResourceName", "gpu_resource_name"))  # fmt: skip
+_NATS_ONLY = (("url", "url"), ("credentialsSecret", "credentials_secret"),
+              ("tlsSecret", "tls_secret"), ("tlsClientCert", "tls_client_cert"))  # fmt: skip
+
+
+def _stated(mapping: Any, wire: str, python: str) -> bool:
+    return isinstance(mapping, dict) and any(mapping.get(key) is not None for key in (wire, python))
+
+
+def operator_only_warnings(raw: Any) -> list[str]:
+    """One ``spec.FIELD: why`` line per field set in the raw spec that ``wavepp up`` does not
+    apply: pod, placement and Kubernetes-object settings (``OPERATOR_ONLY_FIELDS``),
+    ``resources`` other than ``gpusPerStage``, and ``nats`` (up runs its own nats-server).
+    Empty when none is set. Pure: ``wavepp up`` prints them at start."""
+    lines = [
+        f"spec.{wire}: {why}"
+        for wire, python, why in OPERATOR_ONLY_FIELDS
+        if _stated(raw, wire, python)
+    ]
+    resources = raw.get("resources") if isinstance(raw, dict) else None
+    lines += [
+        f"spec.resources.{wire}: a pod's resource request, applied by the Kubernetes operator "
+        "only; wavepp up does not limit its processes (it uses resources.gpusPerStage)"
+        for wire, python in _RESOURCES_ONLY
+        if _stated(resources, wire, python)
+    ]
+    nats = raw.get("nats") if isinstance(raw, dict) else None
+    lines += [
+        f"spec.nats.{wire}: the pods' NATS server; wavepp up runs its own nats-server "
+        "(with fresh credentials, see --insecure-nats)"
+        for wire, python in _NATS_ONLY
+        if _stated(nats, wire, python)
+    ]
+    return lines
+
+
+STOP_GRACE_S = 10.0
+"""The least time ``wavepp up`` gives a child between SIGTERM and SIGKILL (seconds)."""
+
+
+def drain_times(spec: Any) -> tuple[float, float]:
+    """(the admissions' ``--drain-timeout-s``, their SIGTERM-to-SIGKILL grace) in seconds for
+    ``spec.rollout.drainTimeoutSeconds`` D, as the operator sets them
+    (``operator.containers``): the admission drains for max(0, D - margin) and exits within the
+    margin, so ``wavepp up`` waits max(D, ``STOP_GRACE_S``) before it kills one."""
+    from wavepp.operator.containers import DRAIN_EXIT_MARGIN_S
+
+    drain_s = max(0.0, spec.rollout.drain_timeout_s - DRAIN_EXIT_MARGIN_S)
+    return drain_s, max(STOP_GRACE_S, drain_s + DRAIN_EXIT_MARGIN_S)
+
+
+def child_commands(
+    configs: list,
+    config_paths: list[str],
+    dist_urls: list[str],
+    *,
+    args: argparse.Namespace,
+    nats_url: str,
+    port: int,
+    drain_s: float,
+    creds: dict[str, str] | None,
+    gateway_config: str,
+) -> list[tuple[str, list[str]]]:
+    """``wavepp up``'s children in start order, (name, command): per replica i its stages
+    (``config_paths[i]``, rendezvous ``dist_urls[i]``, metrics on ``stage_metrics_port``) and
+    its admission (``--drain-timeout-s drain_s``), then the gateway (``gateway_config``); every metrics server binds
+    ``args.host`` as the gateway does. ``creds``: NATS user -> credentials file (None: none)."""
+    import sys
+
+    from wavepp.api.permissions import admission_user_name, gateway_user_name, stage_user_name
+
+    def creds_of(user: str) -> list[str]:
+        return [] if creds is None else ["--nats-creds", creds[user]]
+
+    cli = [sys.executable, "-m", "wavepp.cli"]
+    out: list[tuple[str, list[str]]] = []
+    for replica, config in enumerate(configs):
+        path = config_paths[replica]
+        for rank in range(config.num_stages):
+            metrics = stage_metrics_port(configs, replica, rank)
+            out.append((
+                f"stage-{config.pipeline}-{rank}",
+                [*cli, "stage", "--runtime-config", path, "--rank", str(rank),
+                 "--nats-url", nats_url, "--dist-url", dist_urls[replica],
+                 *(["--metrics-port", str(metrics), "--metrics-host", args.host]
+                   if metrics else []),
+                 *creds_of(stage_user_name(config.pipeline, rank))],
+            ))  # fmt: skip
+        out.append((
+            f"admission-{config.pipeline}",
+            [*cli, "admission", "--runtime-config", path, "--nats-url", nats_url,
+             "--pool", args.pool, "--ack-wait-s", str(args.ack_wait_s),
+             "--drain-timeout-s", f"{drain_s:g}", "--metrics-host", args.host,
+             *creds_of(admission_user_name(config.pipeline))],
+        ))  # fmt: skip
+    out.append((
+        "gateway",
+        [*cli, "gateway", "--gateway-config", gateway_config,
+         "--nats-url", nats_url, "--host", args.host, "--port", str(port),
+         *creds_of(gateway_user_name(args.pool))],
+    ))  # fmt: skip
+    return out
+
+
+def serving_line(
+    endpoint: str, pool: str, configs: list, tokenizer: str, nats_url: str, secure: bool,
+    log_dir: object,
+) -> str:  # fmt: skip
+    """The line ``wavepp up`` prints once the gateway is ready: the endpoint, replicas x stages
+    (x tensor-parallel processes), engine, model, tokenizer, NATS and the logs."""
+    first = configs[0]
+    tp = first.tensor_parallel_size
+    return (
+        f"wavepp up: serving {endpoint} (pool {pool}: {len(configs)} replica(s) x "
+        f"{first.num_stages} {first.engine} stages"
+        f"{f' x tensor parallel {tp}' if tp > 1 else ''} of {first.model.name}"
+        f"{f' from {first.model_dir}' if first.model_dir else ''}"
+        f"{f', tokenizer {tokenizer}' if tokenizer else ''}; NATS {nats_url} "
+        f"{'with auth' if secure else 'WITHOUT AUTH (--insecure-nats)'}; logs {log_dir})"
+    )

@@ -112,15 +112,15 @@ class PrometheusExport:
 
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def serve(self, port: int) -> int:
-        """Serve ``GET /metrics`` on ``port`` (0: any free port) in a daemon thread.
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve ``GET /metrics`` on ``host``:``port`` (0: any free port) in a daemon thread.
 
         Returns:
             The port actually bound.
         """
         from prometheus_client import start_http_server
 
-        server, _thread = start_http_server(port, registry=self.registry)
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
         self._server = server
         return int(server.server_port)
 
@@ -267,6 +267,7 @@ def setup_metrics(
     service_name: str,
     *,
     reader: MetricReader | None = None,
+    host: str = "0.0.0.0",
 ) -> RuntimeMetrics | None:
     """Configure this process's metrics (replacing any earlier setup).
 
@@ -275,6 +276,8 @@ def setup_metrics(
         service_name: the OTel ``service.name`` resource attribute.
         reader: collect with this reader (tests pass an ``InMemoryMetricReader``) instead of
             serving Prometheus ``/metrics``.
+        host: the bind address of ``/metrics`` (every interface by default, as in a pod;
+            ``wavepp up`` passes its ``--host``).
 
     Returns:
         The instruments, or None when metrics are off. ``port`` is the port actually bound.
@@ -286,8 +289,8 @@ def setup_metrics(
     if reader is None:
         assert settings.metrics_port is not None
         export = PrometheusExport(service_name)
-        port = export.serve(settings.metrics_port)
-        log.info("Prometheus metrics on http://0.0.0.0:%d/metrics", port)
+        port = export.serve(settings.metrics_port, host)
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, port)
         _metrics = RuntimeMetrics(provider=export.provider, port=port, _export=export)
     else:
         provider = MeterProvider(

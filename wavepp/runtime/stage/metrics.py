@@ -163,19 +163,22 @@ class StageMetrics:
         """The Prometheus text now (tests; ``serve`` is what a pod uses)."""
         return self.export.scrape()
 
-    def serve(self, port: int) -> int:
-        """Serve ``GET /metrics`` on ``port`` (0: any free one); returns the port bound."""
-        return self.export.serve(port)
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve ``GET /metrics`` on ``host``:``port`` (0: any free one); returns the port bound."""
+        return self.export.serve(port, host)
 
     def shutdown(self) -> None:
         self.export.shutdown()
 
 
-def serve_stage_metrics(worker: Any, port: int | None) -> StageMetrics | None:
-    """Serve the ``StageWorker``'s metrics on ``port`` (None: metrics off, returns None)."""
+def serve_stage_metrics(
+    worker: Any, port: int | None, host: str = "0.0.0.0"
+) -> StageMetrics | None:
+    """Serve the ``StageWorker``'s metrics on ``host``:``port`` (None: metrics off, returns
+    None)."""
     if port is None:
         return None
     metrics = StageMetrics(lambda: snapshot_of(worker))
-    bound = metrics.serve(port)
-    log.info("stage %d: Prometheus metrics on http://0.0.0.0:%d/metrics", worker.rank, bound)
+    bound = metrics.serve(port, host)
+    log.info("stage %d: Prometheus metrics on http://%s:%d/metrics", worker.rank, host, bound)
     return metrics

@@ -71,6 +71,7 @@ async def run_stage(
     *,
     nats_creds: str | None = None,
     readiness: StageReadiness | None = None,
+    metrics_host: str = "0.0.0.0",
 ) -> None:
     """Process main of ``wavepp stage``: form, serve until SIGTERM/SIGINT, drain, leave.
 
@@ -81,6 +82,7 @@ async def run_stage(
         dist_url: torch.distributed init method (``tcp://host:port`` of rank 0).
         nats_creds: NATS credentials file (None: ``WAVEPP_NATS_CREDS`` or none).
         readiness: updated as the stage forms and serves (for health endpoints), if given.
+        metrics_host: bind address of the stage's ``/metrics`` (``--metrics-host``).
     """
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s stage{rank} %(levelname)s %(name)s: %(message)s"
@@ -138,7 +140,7 @@ async def run_stage(
         )
         if readiness is not None:
             readiness.worker = worker
-        metrics = serve_stage_metrics(worker, config.telemetry.metrics_port)
+        metrics = serve_stage_metrics(worker, config.telemetry.metrics_port, metrics_host)
         # The block pool and the engine live as long as the process: out of the collector's
         # generations, so a full collection no longer walks ~100k block objects (measured in
         # the admission bench: 5-10 % less CPU per agreement, fewer long pauses).

@@ -1,0 +1,229 @@
+"""The pure parts of ``wavepp up`` (``cmd.up_spec``) a new-user trial found wanting: the spec's
+``rollout.drainTimeoutSeconds`` reaches the admissions and up's own stop, fields only the
+operator applies are named at start, ``--tensor-parallel-size``, and metrics bound to
+``--host``. No process of the service is started here (one short child in the stop test)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from wavepp import cli
+from wavepp.api.spec import check_spec
+from wavepp.cmd.up import Supervisor
+from wavepp.cmd.up_spec import (
+    UpSpecError,
+    child_commands,
+    drain_times,
+    local_resources,
+    operator_only_warnings,
+    serving_line,
+    spec_mapping,
+    with_telemetry,
+)
+from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
+from wavepp.telemetry.metrics import PrometheusExport
+
+
+def _up_args(*argv: str) -> argparse.Namespace:
+    return cli.build_parser(["up"]).parse_args(["up", *argv])
+
+
+def _spec_and_configs(raw: dict, pool: str = "default") -> tuple:
+    spec, issues = check_spec(
+        local_resources(raw), default_image="local", default_nats_url="nats://embedded"
+    )
+    assert spec is not None, issues
+    configs = with_telemetry(runtime_configs_from_spec(spec, pool=pool), spec, raw)
+    return spec, configs
+
+
+def _sub_args(command: list[str]) -> argparse.Namespace:
+    """A child's command line (after ``python -m wavepp.cli``) parsed by its own parser."""
+    argv = command[3:]
+    return cli.build_parser(argv[:1]).parse_args(argv)
+
+
+# ---- 1. rollout.drainTimeoutSeconds -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("drain_timeout", "expected"), [(90.0, (85.0, 90.0)), (60.0, (55.0, 60.0)), (0.0, (0.0, 10.0))]
+)
+def test_drain_times_follow_the_operator(drain_timeout: float, expected: tuple) -> None:
+    raw = {"model": {"name": "tiny-llama"}, "stages": 2}
+    raw["rollout"] = {"drainTimeoutSeconds": drain_timeout}
+    spec, _ = _spec_and_configs(raw)
+    assert drain_times(spec) == expected
+
+
+def test_admission_command_carries_the_spec_drain_timeout(tmp_path: Path) -> None:
+    raw = {"model": {"name": "tiny-llama"}, "stages": 2, "replicas": 2}
+    raw["rollout"] = {"drainTimeoutSeconds": 90}
+    spec, configs = _spec_and_configs(raw)
+    drain_s, _ = drain_times(spec)
+    args = _up_args("--host", "127.0.0.1")
+    commands = dict(
+        child_commands(
+            configs,
+            [str(tmp_path / f"{c.pipeline}.json") for c in configs],
+            ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"],
+            args=args,
+            nats_url="nats://127.0.0.1:4222",
+            port=8000,
+            drain_s=drain_s,
+            creds=None,
+            gateway_config=str(tmp_path / "gateway.json"),
+        )
+    )
+    admissions = [n for n in commands if n.startswith("admission-")]
+    assert len(admissions) == 2
+    for name in admissions:
+        assert _sub_args(commands[name]).drain_timeout_s == 85.0
+
+
+def test_stop_waits_the_grace_for_a_draining_child_then_kills(tmp_path: Path) -> None:
+    """A child that takes 1 s to leave after SIGTERM (a drain) exits on its own within a
+    longer grace; one that ignores SIGTERM is killed once a short grace has passed."""
+    slow_exit = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.0), sys.exit(0)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    ignores = (
+        "import signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    sup = Supervisor(tmp_path)
+    sup.start("drainer", [sys.executable, "-c", slow_exit])
+    sup.start("stubborn", [sys.executable, "-c", ignores])
+    deadline = time.monotonic() + 30
+    while not all("ready" in sup.log_tail(n) for n in ("drainer", "stubborn")):
+        assert time.monotonic() < deadline, "children did not start"
+        time.sleep(0.05)
+    sup.stop(["drainer"], grace_s=20.0)
+    assert sup.procs["drainer"].returncode == 0
+    started = time.monotonic()
+    sup.stop(["stubborn"], grace_s=0.5)
+    assert sup.procs["stubborn"].returncode == -signal.SIGKILL
+    assert time.monotonic() - started < 10.0
+
+
+# ---- 2. fields only the operator applies ------------------------------------------------------
+
+
+def test_operator_only_fields_are_named_one_line_each() -> None:
+    raw = {
+        "model": {"name": "tiny-llama"},
+        "stages": 2,
+        "autoscaling": {"maxReplicas": 4},
+        "nodeSelector": {"gpu": "h100"},
+        "resources": {"gpusPerStage": 0, "cpu": "2"},
+        "nats": {"url": "nats://nats:4222"},
+        "rollout": {"drainTimeoutSeconds": 30},
+        "telemetry": {"metricsPort": 9400},
+    }
+    lines = operator_only_warnings(raw)
+    assert [line.split(":")[0] for line in lines] == [
+        "spec.autoscaling",
+        "spec.nodeSelector",
+        "spec.resources.cpu",
+        "spec.nats.url",
+    ]
+    assert lines[0] == (
+        "spec.autoscaling: applied by the Kubernetes operator only; wavepp up runs "
+        "spec.replicas replicas"
+    )
+
+
+def test_snake_case_fields_are_named_too_and_a_plain_spec_has_none() -> None:
+    assert operator_only_warnings({"model": {"name": "tiny-llama"}, "stages": 2}) == []
+    assert operator_only_warnings({"network_policy": {"enabled": True}}) == [
+        "spec.networkPolicy: a NetworkPolicy the operator renders; wavepp up makes none (its "
+        "NATS bus has per-process credentials)"
+    ]
+
+
+# ---- 3. --tensor-parallel-size ------------------------------------------------------------------
+
+
+def test_tensor_parallel_flag_sets_the_spec_and_the_serving_line() -> None:
+    raw = spec_mapping(_up_args("--stages", "2", "--tensor-parallel-size", "2"))
+    assert raw["tensorParallelSize"] == 2
+    _, configs = _spec_and_configs(raw)
+    assert configs[0].tensor_parallel_size == 2
+    line = serving_line("http://127.0.0.1:8000", "default", configs, "", "nats://x", True, "/l")
+    assert "1 replica(s) x 2 torch stages x tensor parallel 2 of tiny-llama" in line
+
+
+def test_tensor_parallel_flag_replaces_the_spec_value_and_refuses_zero() -> None:
+    with pytest.raises(UpSpecError) as exc:
+        spec_mapping(_up_args("--tensor-parallel-size", "0"))
+    assert exc.value.flag == "--tensor-parallel-size"
+    assert "0: must be >= 1" in str(exc.value)
+
+
+# ---- 4. metrics bind --host -------------------------------------------------------------------
+
+
+def test_children_bind_their_metrics_to_the_up_host(tmp_path: Path) -> None:
+    raw = {"model": {"name": "tiny-llama"}, "stages": 2, "telemetry": {"metricsPort": 19400}}
+    spec, configs = _spec_and_configs(raw)
+    commands = child_commands(
+        configs,
+        [str(tmp_path / "r0.json")],
+        ["tcp://127.0.0.1:1"],
+        args=_up_args("--host", "127.0.0.2"),
+        nats_url="nats://127.0.0.1:4222",
+        port=8000,
+        drain_s=drain_times(spec)[0],
+        creds=None,
+        gateway_config=str(tmp_path / "gateway.json"),
+    )
+    parsed = {name: _sub_args(command) for name, command in commands}
+    stages = [a for n, a in parsed.items() if n.startswith("stage-")]
+    assert [a.metrics_port for a in stages] == [19401, 19402]
+    assert {a.metrics_host for a in stages} == {"127.0.0.2"}
+    admission = next(a for n, a in parsed.items() if n.startswith("admission-"))
+    assert admission.metrics_host == "127.0.0.2"
+    assert parsed["gateway"].host == "127.0.0.2"
+
+
+def test_pods_keep_every_interface_by_default() -> None:
+    stage = ["stage", "--config", "c", "--nats-url", "nats://n:4222", "--dist-url", "tcp://s:1"]
+    admission = ["admission", "--config", "c", "--nats-url", "nats://n:4222"]
+    for argv in (stage, admission):
+        assert cli.build_parser(argv[:1]).parse_args(argv).metrics_host == "0.0.0.0"
+
+
+def test_prometheus_export_binds_the_given_host() -> None:
+    export = PrometheusExport("test")
+    try:
+        port = export.serve(0, "127.0.0.1")
+        assert export._server.server_address[0] == "127.0.0.1"  # type: ignore[attr-defined]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            assert response.status == 200
+    finally:
+        export.shutdown()
+
+
+def test_stage_metrics_bind_the_given_host() -> None:
+    from types import SimpleNamespace
+
+    from wavepp.runtime.stage.metrics import serve_stage_metrics
+
+    metrics = serve_stage_metrics(SimpleNamespace(rank=0), 0, "127.0.0.1")
+    assert metrics is not None
+    try:
+        assert metrics.export._server.server_address[0] == "127.0.0.1"  # type: ignore[attr-defined]
+    finally:
+        metrics.shutdown()
