@@ -298,7 +298,7 @@ def _kv_blocks(
 
 
 def runtime_configs_from_spec(
-    spec: WavePipelineSpec, *, pool: str, namespace: str = "local"
+    spec: WavePipelineSpec, *, pool: str, namespace: str = "local", read_checkpoint: bool = True
 ) -> list[RuntimeConfig]:
     """One RuntimeConfig per replica (``spec.replicas``; at least one), pipeline names
     ``{pool}-r{i}``.
@@ -308,6 +308,9 @@ def runtime_configs_from_spec(
         pool: the pool's name (the custom resource's name; ``wavepp up --name``).
         namespace: the pool's Kubernetes namespace (``$WAVEPP_NAMESPACE``; "local" for
             ``wavepp up``): part of every NATS subject, stream and bucket name.
+        read_checkpoint: False: leave a checkpoint unread (``wavepp validate`` off-cluster,
+            a PVC not mounted here): the shape from the spec (``model.config``, the preset),
+            no ``model_dir``, every other check as usual. Never for a process that serves.
 
     Returns:
         ``max(1, spec.replicas)`` configs that differ only in ``pipeline``.
@@ -317,7 +320,7 @@ def runtime_configs_from_spec(
             kvBlocks or model shape), naming the field.
     """
     options = spec.engine_options
-    model_dir = checkpoint_dir(spec)
+    model_dir = checkpoint_dir(spec) if read_checkpoint else None
     partition = spec.layer_partition
     if model_dir is None:
         model = model_config_from_spec(spec)
