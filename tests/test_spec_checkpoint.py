@@ -170,6 +170,30 @@ def test_validate_reads_the_checkpoint(
     assert "spec.model.config.hiddenSize: 128 disagrees" in capsys.readouterr().err
 
 
+def test_validate_warns_what_the_operator_refuses(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: ok and nothing else for a checkpoint spec without model.config.numLayers, which
+    the operator's pods refuse (they cannot read the volume). Decision (docs/operator.md): a
+    labelled warning line, exit 0 (``wavepp up`` serves it)."""
+    spec = tmp_path / "tp.json"
+    for model in (
+        {"name": "dsv3", "path": str(ckpt)},
+        {"name": "dsv3", "pvc": {"claimName": "w", "mountPath": str(ckpt)}},  # mounted here
+    ):
+        spec.write_text(json.dumps({"model": model, "stages": 2}))
+        assert cli.main(["validate", str(spec)]) == 0
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and "warning (Kubernetes)" in err[0], err
+        assert "spec.model.config.numLayers" in err[0] and "numLayers: 4" in err[0]
+        assert f"checkpoint {ckpt}: deepseek_v3" in captured.out
+    model = {"name": "dsv3", "path": str(ckpt), "config": {"numLayers": 4}}
+    spec.write_text(json.dumps({"model": model, "stages": 2}))
+    assert cli.main(["validate", str(spec)]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_up_model_without_config_json_is_one_line_naming_the_flag(tmp_path: Path) -> None:
     proc = _cli("up", "--model", str(tmp_path), "--stages", "2", "--port", "0")
     assert proc.returncode == 2

@@ -136,3 +136,27 @@ def test_deprecated_alias_still_works_and_says_so(capsys: pytest.CaptureFixture[
     err = capsys.readouterr().err
     assert "--max-concurrent is deprecated; use --max-outstanding" in err
     assert "--port is deprecated; use --health-port" in err
+
+
+def test_readme_synopsis_shows_required_flags_as_required() -> None:
+    """Before: ``wavepp stage [--runtime-config CONFIG] [--config CONFIG]`` although one of the
+    two is required (argparse: ``one of the arguments ... is required``)."""
+    synopses = _readme_synopses()
+    for command, parser in COMMANDS.items():
+        text = " ".join(synopses[command].split())
+        grouped: set[str] = set()
+        for group in parser._mutually_exclusive_groups:
+            if not group.required:
+                continue
+            flags = [a.option_strings[-1] for a in group._group_actions]
+            grouped.update(flags)
+            pattern = r"\(" + r" \| ".join(re.escape(f) + r"(?: [A-Z_]+)?" for f in flags) + r"\)"
+            assert re.search(pattern, text), (
+                f"README synopsis of wavepp {command}: show ({' | '.join(flags)}), one required"
+            )
+        for action in _flags(parser):
+            flag = action.option_strings[-1]
+            if action.required or flag in grouped:
+                assert not re.search(r"\[" + re.escape(flag) + r"[ \]]", text), (
+                    f"README synopsis of wavepp {command} shows required {flag} as optional"
+                )

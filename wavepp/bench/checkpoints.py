@@ -3,7 +3,8 @@
 ``save_random_checkpoint(family, DIR)`` builds a transformers model from a tiny config, gives
 every weight a random value that makes routing and norms matter (the library's init leaves
 norms at 1 and score-correction biases at 0), and ``save_pretrained``s it, sharded, into DIR.
-Needs ``transformers`` (a test dependency); the engine itself never imports it.
+Needs ``transformers`` (a test dependency: ``pip install -e '.[test]'``); the engine itself
+never imports it. Without it the command says so in one line and exits 2.
 
     python -m wavepp.bench.checkpoints deepseek_v3 /tmp/tiny-dsv3 --layers 6
 """
@@ -11,10 +12,16 @@ Needs ``transformers`` (a test dependency); the engine itself never imports it.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILIES", "hf_config_kwargs", "save_random_checkpoint"]
+__all__ = ["FAMILIES", "MISSING_TRANSFORMERS", "hf_config_kwargs", "save_random_checkpoint"]
+
+MISSING_TRANSFORMERS = (
+    "needs the transformers package (a test dependency): pip install -e '.[test]' in the "
+    "repository (or pip install transformers)"
+)
 
 FAMILIES = ("llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa", "kimi_linear")
 
@@ -164,13 +171,27 @@ def save_random_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("family", choices=FAMILIES)
-    parser.add_argument("out_dir")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
+    """The command line: save a tiny random checkpoint and print its directory.
+
+    Returns:
+        0; 2 when transformers is not installed (one line on stderr naming what to install).
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m wavepp.bench.checkpoints",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("family", choices=FAMILIES, help="model family (config.json model_type)")
+    parser.add_argument("out_dir", help="directory to write config.json and the safetensors into")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (num_hidden_layers)")
+    parser.add_argument("--vocab", type=int, default=256, help="vocabulary size (token ids)")
+    parser.add_argument("--seed", type=int, default=0, help="torch seed of the random weights")
     args = parser.parse_args(argv)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print(f"{parser.prog}: {MISSING_TRANSFORMERS}", file=sys.stderr)
+        return 2
     save_random_checkpoint(
         args.family, args.out_dir, num_layers=args.layers, vocab_size=args.vocab, seed=args.seed
     )

@@ -6,12 +6,24 @@ builds every replica's RuntimeConfig (``runtime_configs_from_spec``; a checkpoin
 ``model.path`` is read: its config.json, the split by cost), starting nothing. Prints one
 line: ``CONFIG: ok (...)`` on stdout and exit 0, or the problem naming the field on stderr and
 exit 2.
+
+Two lines on stderr may come before the ok (docs/operator.md, "Checking a spec"):
+
+- ``warning (Kubernetes)``: ``wavepp up`` serves the spec, but the operator refuses it (a
+  checkpoint spec without ``model.config.numLayers``: the operator cannot read the volume;
+  ``wavepp up`` and this command read it from config.json). Exit 0: the spec is valid for
+  ``wavepp up``.
+- ``note``: the checkpoint comes from ``model.pvc`` (no ``model.path``) and its mount path is
+  absent here: the checkpoint's checks (config.json, the shape, the split by cost) are skipped,
+  everything else is checked. An explicit ``model.path`` that is absent stays an error.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,18 +33,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_key_files(spec: object, config: str) -> str:
     """The first problem with the tenants' ``apiKeysFile``s (read as ``wavepp up`` reads them,
-    relative to the spec's folder), or "" when there is none."""
-    from pathlib import Path
-
+    relative to the spec's folder) naming the field (``spec.tenants[0].apiKeysFile: ...``),
+    or "" when there is none."""
     from wavepp.cmd.common import key_files_problem
 
     folder = Path(config).resolve().parent
-    key_files = {
-        t.name: str(folder / t.api_keys_file)
-        for t in getattr(spec, "tenants", [])
-        if t.api_keys_file
-    }
-    return key_files_problem(key_files)
+    key_files: dict[str, str] = {}
+    for index, tenant in enumerate(getattr(spec, "tenants", [])):
+        if not tenant.api_keys_file:
+            continue
+        path = str(folder / tenant.api_keys_file)
+        problem = key_files_problem({tenant.name: path})
+        if problem:
+            return f"spec.tenants[{index}].{problem}"
+        key_files[tenant.name] = path
+    # NOTE: what only the files together can break (a key in two tenants' files).
+    problem = key_files_problem(key_files)
+    return f"spec.tenants[*].{problem}" if problem else ""
+
+
+def _absent_pvc_mount(raw: dict[str, Any]) -> str | None:
+    """The PVC's mount path when the checkpoint comes from ``model.pvc`` (torch engine, no
+    ``model.path``) and that path is not a directory here; else None."""
+    model = raw.get("model")
+    if raw.get("engine", "torch") != "torch" or not isinstance(model, dict):
+        return None
+    pvc = model.get("pvc")
+    if model.get("path") is not None or not isinstance(pvc, dict):
+        return None
+    mount = pvc.get("mountPath", "/models")
+    return mount if isinstance(mount, str) and not Path(mount).is_dir() else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,15 +73,18 @@ def run(args: argparse.Namespace) -> int:
         with_checkpoint_layers,
     )
 
+    defaults = {"default_image": "local", "default_nats_url": "nats://embedded"}
     try:
-        raw = with_checkpoint_layers(read_spec_mapping(args.config))
+        stated = read_spec_mapping(args.config)
+        absent_mount = _absent_pvc_mount(stated)
+        raw = stated if absent_mount else with_checkpoint_layers(stated)
     except SpecFileError as exc:
         print(f"wavepp validate: {exc}", file=sys.stderr)
         return 2
     except SpecError as exc:
         print(f"wavepp validate: {args.config}: {exc}", file=sys.stderr)
         return 2
-    spec, issues = check_spec(raw, default_image="local", default_nats_url="nats://embedded")
+    spec, issues = check_spec(raw, **defaults)
     if spec is None:
         print(
             f"wavepp validate: {args.config}: " + "; ".join(str(i) for i in issues),
@@ -59,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        configs = runtime_configs_from_spec(spec, pool=args.pool)
+        configs = runtime_configs_from_spec(
+            spec, pool=args.pool, read_checkpoint=absent_mount is None
+        )
     except SpecError as exc:
         print(f"wavepp validate: {args.config}: {exc}", file=sys.stderr)
         return 2
@@ -67,6 +102,25 @@ def run(args: argparse.Namespace) -> int:
     if key_problem:
         print(f"wavepp validate: {args.config}: {key_problem}", file=sys.stderr)
         return 2
+    if raw is not stated:
+        # NOTE: the layer count came from the checkpoint; the operator cannot read it.
+        _, kube_issues = check_spec(stated, **defaults)
+        if kube_issues:
+            found = spec.num_layers()
+            print(
+                f"wavepp validate: {args.config}: warning (Kubernetes): the operator refuses "
+                "this spec (wavepp up serves it): "
+                + "; ".join(str(i) for i in kube_issues)
+                + f"; its config.json gives numLayers: {found}",
+                file=sys.stderr,
+            )
+    if absent_mount is not None:
+        print(
+            f"wavepp validate: {args.config}: note: spec.model.pvc.mountPath {absent_mount!r} "
+            "is not a directory here (the PVC is mounted in the pods): the checkpoint's checks "
+            "(config.json, its shape, the split by cost) are skipped; everything else is checked",
+            file=sys.stderr,
+        )
     first = configs[0]
     checkpoint = ""
     if first.model_dir is not None:
@@ -76,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
             f"; checkpoint {first.model_dir}: {first.model.architecture}, layers per stage "
             f"{layers}, {tokenizer}"
         )
+    elif absent_mount is not None:
+        checkpoint = f"; checkpoint on the PVC at {absent_mount}: not read here"
     print(
         f"{args.config}: ok ({len(configs)} replica(s) x {first.num_stages} {first.engine} "
         f"stages of {first.model.name}, {len(spec.tenants) or 1} tenant(s){checkpoint})"

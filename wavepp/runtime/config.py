@@ -137,11 +137,19 @@ class RuntimeConfig(BaseModel):
             raise ValueError("engine=emulated needs cost_model (a CostModel.to_dict())")
         tp = self.tensor_parallel_size
         if tp != 1 and (self.engine != "torch" or self.model.architecture not in TP_ARCHITECTURES):
+            # NOTE: the emulated engine sleeps a cost model; its ``model`` keeps the default
+            # architecture (llama), so name the model, not a family it does not compute.
+            what = (
+                f"the emulated engine (model {self.model.name!r}: a cost model, no weights to "
+                "shard)"
+                if self.engine == "emulated"
+                else f"the torch engine with family {self.model.architecture!r}"
+            )
             raise ValueError(
                 f"tensor_parallel_size={tp} (--tensor-parallel-size / spec.tensorParallelSize): "
-                f"tensor parallelism inside a stage is not implemented for the {self.engine} "
-                f"engine with family {self.model.architecture!r} (implemented: the torch engine "
-                f"with {', '.join(sorted(TP_ARCHITECTURES))}); use 1 and more pipeline stages"
+                f"tensor parallelism inside a stage is not implemented for {what} (implemented: "
+                f"the torch engine with {', '.join(sorted(TP_ARCHITECTURES))}); use 1 and more "
+                "pipeline stages"
             )
         if tp != 1 and self.model.num_heads % tp:
             raise ValueError(

@@ -41,9 +41,12 @@ spec, is no longer reachable from a spec: a checkpoint carries its own shape).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from pydantic import ValidationError
 
 from wavepp.api.spec import MODEL_PRESET_NUM_LAYERS, SpecError, WavePipelineSpec
 from wavepp.api.subjects import replica_pipeline_name
@@ -60,6 +63,7 @@ __all__ = [
     "stage_device",
     "model_config_from_spec",
     "replica_pipeline_name",
+    "runtime_config_spec_error",
     "runtime_configs_from_spec",
     "with_checkpoint_layers",
 ]
@@ -294,7 +298,7 @@ def _kv_blocks(
 
 
 def runtime_configs_from_spec(
-    spec: WavePipelineSpec, *, pool: str, namespace: str = "local"
+    spec: WavePipelineSpec, *, pool: str, namespace: str = "local", read_checkpoint: bool = True
 ) -> list[RuntimeConfig]:
     """One RuntimeConfig per replica (``spec.replicas``; at least one), pipeline names
     ``{pool}-r{i}``.
@@ -304,6 +308,9 @@ def runtime_configs_from_spec(
         pool: the pool's name (the custom resource's name; ``wavepp up --name``).
         namespace: the pool's Kubernetes namespace (``$WAVEPP_NAMESPACE``; "local" for
             ``wavepp up``): part of every NATS subject, stream and bucket name.
+        read_checkpoint: False: leave a checkpoint unread (``wavepp validate`` off-cluster,
+            a PVC not mounted here): the shape from the spec (``model.config``, the preset),
+            no ``model_dir``, every other check as usual. Never for a process that serves.
 
     Returns:
         ``max(1, spec.replicas)`` configs that differ only in ``pipeline``.
@@ -313,7 +320,7 @@ def runtime_configs_from_spec(
             kvBlocks or model shape), naming the field.
     """
     options = spec.engine_options
-    model_dir = checkpoint_dir(spec)
+    model_dir = checkpoint_dir(spec) if read_checkpoint else None
     partition = spec.layer_partition
     if model_dir is None:
         model = model_config_from_spec(spec)
@@ -365,6 +372,9 @@ def runtime_configs_from_spec(
         assert emulate is not None, "only the emulated engine derives its KV capacity"
         try:
             probe = RuntimeConfig(**(base | {"num_kv_blocks": [FIXED_KV_BLOCKS]}))
+        except ValueError as exc:
+            raise runtime_config_spec_error(exc) from None
+        try:
             base["num_kv_blocks"], _source = default_emulated_kv_blocks(probe, emulate)
         except ValueError as exc:
             raise SpecError("engineOptions.kvBlocks", f"unset, and its default: {exc}") from None
@@ -373,5 +383,53 @@ def runtime_configs_from_spec(
         try:
             configs.append(RuntimeConfig(pipeline=replica_pipeline_name(pool, replica), **base))
         except ValueError as exc:
-            raise SpecError("engineOptions", str(exc)) from exc
+            raise runtime_config_spec_error(exc) from None
     return configs
+
+
+# RuntimeConfig's fields that runtime_configs_from_spec sets -> the spec field each comes from.
+SPEC_FIELD_OF = {
+    "tensor_parallel_size": "tensorParallelSize",
+    "num_stages": "stages",
+    "partition": "layerPartition",
+    "block_size": "cache.blockSize",
+    "num_kv_blocks": "engineOptions.kvBlocks",
+    "mode": "scheduler.mode",
+    "chunk_tokens": "scheduler.chunkTokens",
+    "chunk_policy": "scheduler.chunkPolicy",
+    "device": "resources.gpusPerStage",
+    "model_dir": "model.path",
+    "model": "model.config",
+    "engine": "engine",
+    "cost_model": "engineOptions.emulate",
+    "time_scale": "engineOptions.timeScale",
+    "torch_threads": "engineOptions.torchThreads",
+    "max_inflight": "engineOptions.maxInflight",
+    "lease_s": "engineOptions.leaseSeconds",
+    "max_microbatch_tokens": "cache.blockSize",
+}
+
+_LEADING_NAME = re.compile(r"([a-z_]+)(?:\.[a-z_]+)*\b")
+
+
+def runtime_config_spec_error(exc: ValueError) -> SpecError:
+    """One line naming the spec field for RuntimeConfig's refusal ``exc`` of the config built
+    from a spec: a pydantic error's location, or for a cross-field check the field its message
+    begins with (``tensor_parallel_size=2 ...`` -> ``tensorParallelSize``), mapped by
+    ``SPEC_FIELD_OF``; no input dump or link. Unmapped: ``engineOptions`` (the free-form
+    knobs)."""
+    errors = exc.errors() if isinstance(exc, ValidationError) else []
+    if not errors:
+        return _spec_error_for(None, " ".join(str(exc).split()))
+    first = errors[0]
+    message = " ".join(str(first.get("msg", "")).split()).removeprefix("Value error, ")
+    loc = [str(p) for p in first.get("loc", ())]
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return _spec_error_for(loc[0] if loc else None, message + more)
+
+
+def _spec_error_for(name: str | None, message: str) -> SpecError:
+    if name is None:
+        match = _LEADING_NAME.match(message)
+        name = match.group(1) if match else None
+    return SpecError(SPEC_FIELD_OF.get(name or "", "engineOptions"), message)
