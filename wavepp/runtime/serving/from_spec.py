@@ -166,7 +166,7 @@ def _checkpoint_model(spec: WavePipelineSpec, path: str, dtype: str) -> ModelCon
             ``model.config`` field).
     """
     where = "" if Path(path).is_dir() else " is not a directory here"
-    if not where and not (Path(path) / "config.json").is_file():
+    if not where and not (Path(path) / "config.json").exists():  # a FIFO: read_hf_config says
         where = " has no config.json"
     if where:
         raise SpecError(

@@ -23,33 +23,41 @@ from wavepp.runtime.stage.engine.checkpoint import CheckpointReader
 
 __all__ = ["checkpoint_partition", "layer_active_params"]
 
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\..*\.experts\.\d+\.")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"^model\.layers\.(\d{1,9})\..*\.experts\.\d+\.")
+_LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.")
 
 
 def layer_active_params(model_dir: str | os.PathLike[str]) -> tuple[list[float], Architecture]:
     """Active parameters per token of each decoder layer, and the architecture.
 
-    Raises:
-        ValueError: unreadable directory or config (see ``CheckpointReader``, ``read_hf_config``).
-    """
-    from safetensors import safe_open
+    Reads config.json (fields checked and bounded by ``read_hf_config``) and the safetensors
+    headers (no tensor data).
 
-    arch = Architecture.from_hf(read_hf_config(model_dir))
+    Raises:
+        ValueError: unreadable directory, config or shard (see ``CheckpointReader``,
+            ``read_hf_config``), or a field the family needs missing (names it).
+    """
+    cfg = read_hf_config(model_dir)
+    try:
+        arch = Architecture.from_hf(cfg)
+    except KeyError as exc:
+        raise ValueError(
+            f"{Path(model_dir) / 'config.json'}: field {exc.args[0]!r} is missing; a "
+            f"{cfg.get('model_type')} config needs it"
+        ) from None
     reader = CheckpointReader(model_dir)
     dense = [0.0] * arch.num_layers
     experts = [0.0] * arch.num_layers
-    for file in sorted(set(reader.weight_map.values())):
-        with safe_open(str(Path(model_dir) / file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                m = _LAYER.match(name)
-                if not m or int(m.group(1)) >= arch.num_layers:
-                    continue
-                numel = 1
-                for dim in f.get_slice(name).get_shape():
-                    numel *= dim
-                target = experts if _EXPERT.match(name) else dense
-                target[int(m.group(1))] += numel
+    for _file, shapes in reader.shard_shapes():
+        for name, (shape, _dtype) in shapes.items():
+            m = _LAYER.match(name)
+            if not m or int(m.group(1)) >= arch.num_layers:
+                continue
+            numel = 1
+            for dim in shape:
+                numel *= dim
+            target = experts if _EXPERT.match(name) else dense
+            target[int(m.group(1))] += numel
     share = arch.moe.top_k / arch.moe.num_experts if arch.moe is not None else 0.0
     return [d + share * e for d, e in zip(dense, experts, strict=True)], arch
 
@@ -58,8 +66,12 @@ def checkpoint_partition(model_dir: str | os.PathLike[str], num_stages: int) -> 
     """Layer counts per stage balancing active parameters (lm_head on the last stage),
     beginning every stage where the family allows (a DSA 'full' indexer layer for GLM-5).
 
+    Cost: O(S L^2) comparisons over L <= MAX_LAYERS layers (``read_hf_config`` bounds
+    num_hidden_layers), under a second.
+
     Raises:
-        ValueError: S out of range or no allowed split (names them).
+        ValueError: S out of range or no allowed split (names them), or as
+            :func:`layer_active_params`.
     """
     costs, arch = layer_active_params(model_dir)
     allowed = None
