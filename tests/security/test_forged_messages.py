@@ -419,3 +419,40 @@ def test_the_schedulers_eviction_counter_takes_only_its_stages_kv_events() -> No
     for msg in (batch, batch.model_copy(update={"rank": 10**6}), key.sign(batch)):
         asyncio.run(telemetry._on_kv_events(SimpleNamespace(data=msg.model_dump_json().encode())))
     assert counted == [(1, 2)]
+
+
+def _joining_beat(name: str) -> Heartbeat:
+    return Heartbeat(
+        pipeline=name, ready=True, num_stages_formed=1, num_inflight=0, instance="i",
+        pool="p", num_stages=1, seq=1, sent_at_s=100.0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["bus-key", "insecure"])
+def test_added_replicas_are_authenticated_bounded_and_forgotten(keyed: bool) -> None:
+    """Attack report #6: ``add_replica`` kept any name it was given, before any check."""
+    key = KEY if keyed else None
+    guard = BusGuard(key, ["p0"], max_added=2)
+
+    def beat(name: str) -> Heartbeat:
+        plain = _joining_beat(name)
+        return KEY.for_replica(name).sign(plain) if keyed else plain
+
+    if keyed:  # unsigned, or signed with another replica's key: nothing kept
+        assert not guard.add_replica("x", _joining_beat("x"))
+        assert not guard.add_replica("x", KEY.for_replica("y").sign(_joining_beat("x")))
+        assert guard.replicas == ["p0"] and guard.num_refused["heartbeat_unknown"] == 2
+    assert not guard.add_replica("x", beat("y"))  # a beat naming another replica
+    assert guard.add_replica("a", beat("a")) and guard.add_replica("b", beat("b"))
+    assert not guard.add_replica("c", beat("c"))  # max_added reached
+    assert guard.add_replica("a", beat("a")) and guard.add_replica("p0", beat("p0"))  # known
+    assert guard.heartbeat("a", beat("a"), now_s=1.0, wall_s=100.0)
+    guard.forget_replica("a")
+    guard.forget_replica("p0")  # configured: kept
+    assert guard.replicas == ["p0", "b"] and "a" not in guard._last_beat_s  # noqa: SLF001
+    assert not guard.heartbeat("a", beat("a"), now_s=2.0, wall_s=100.0)  # forgotten
+    assert guard.add_replica("c", beat("c"))  # its slot is free again
+    with pytest.raises(ValueError, match="pipeline"):
+        Heartbeat.model_validate_json(
+            _joining_beat("n").model_dump_json().replace('"n"', '"' + "n" * 259 + '"', 1)
+        )

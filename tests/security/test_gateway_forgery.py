@@ -180,3 +180,65 @@ async def test_forged_heartbeats_neither_flap_readyz_nor_keep_a_dead_replica(js_
         await gateway.stop()
         for nc in (gw_nc, replica_nc, forger_nc):
             await nc.close()
+
+
+def _pool_beat(name: str, seq: int = 1, **fields: object) -> Heartbeat:
+    return Heartbeat(
+        pipeline=name, ready=True, num_stages_formed=2, num_inflight=0, instance="i1",
+        pool=POOL, num_stages=2, seq=seq, sent_at_s=time.time(), **fields,
+    )  # fmt: skip
+
+
+async def test_unsigned_beats_of_unknown_replicas_leave_nothing_in_the_gateway(js_server) -> None:  # noqa: ANN001
+    """Attack report #6: beats of the pool from names not configured, unsigned, each once.
+    Before, every one was remembered (``guard.add_replica`` ran before the beat was checked,
+    and nothing forgot it): 20,000 such beats of 10 KB names grew the gateway by 220 MB. Now an
+    unsigned one adds nothing, a name past ``MAX_PIPELINE_NAME`` is not even parsed, signed
+    ones add at most ``max_replicas``, and a forgotten replica leaves the guard too."""
+    now = [1000.0]
+    config = _config().model_copy(update={"max_replicas": 3, "replica_forget_s": 5.0})
+    gw_nc = await connect(js_server.url, name="gateway")
+    forger_nc = await connect(js_server.url, name="forger")
+    gateway = Gateway(config, gw_nc, bus_key=KEY, clock=lambda: now[0])
+    await gateway.start()
+
+    async def publish(beat: Heartbeat | bytes, name: str) -> None:
+        data = beat if isinstance(beat, bytes) else beat.model_dump_json().encode()
+        await forger_nc.publish(heartbeat_subject(name, namespace=NS), data)
+
+    try:
+        for i in range(300):
+            await publish(_pool_beat(f"{POOL}-x{i}"), f"{POOL}-x{i}")
+        huge = _pool_beat("p").model_dump_json().replace('"p"', '"' + "a" * 10_000 + '"', 1)
+        await publish(huge.encode(), "huge")
+        await forger_nc.flush()
+        deadline = time.monotonic() + 10
+        while gateway.guard.num_refused["heartbeat_unknown"] < 300:
+            assert time.monotonic() < deadline, gateway.guard.num_refused
+            await asyncio.sleep(0.05)
+        assert gateway.guard.replicas == [REPLICA] and len(gateway.guard._keys) == 1  # noqa: SLF001
+        assert [r.name for r in gateway.router.replicas] == [REPLICA]
+        # holders of the bus key: added up to max_replicas (3, with the configured one)
+        for i in range(5):
+            name = f"{POOL}-s{i}"
+            await publish(KEY.for_replica(name).sign(_pool_beat(name)), name)
+        await forger_nc.flush()
+        deadline = time.monotonic() + 10
+        while len(gateway.router.replicas) < 3:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        assert len(gateway.guard.replicas) == 3 and len(gateway.router.replicas) == 3
+        # both added ones fall silent: the next beat (of any replica) drops them, guard too
+        now[0] += 10.0
+        await publish(_pool_beat(f"{POOL}-late"), f"{POOL}-late")
+        await forger_nc.flush()
+        deadline = time.monotonic() + 10
+        while len(gateway.guard.replicas) > 1:
+            assert time.monotonic() < deadline, gateway.guard.replicas
+            await asyncio.sleep(0.05)
+        assert gateway.guard.replicas == [REPLICA]
+    finally:
+        await gateway.stop()
+        for nc in (gw_nc, forger_nc):
+            await nc.close()

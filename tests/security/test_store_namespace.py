@@ -27,7 +27,13 @@ import torch.distributed as dist
 from wavepp.api.signing import BusKey
 from wavepp.runtime.stage.rendezvous import StageGroupFactory, epoch_prefix
 from wavepp.runtime.stage.storekey import SignedStore, guarded_store, store_prefix
-from wavepp.runtime.stage.tp_launch import _loopback_store, follower_env, form_tp_group, tp_prefix
+from wavepp.runtime.stage.tp_launch import (
+    _loopback_store,
+    follower_env,
+    form_tp_group,
+    tp_key,
+    tp_prefix,
+)
 from wavepp.runtime.transport.buskey import BUS_KEY_ENV, BUS_KEY_FILE_ENV
 from wavepp.runtime.transport.natsio import free_port
 
@@ -233,3 +239,70 @@ def test_a_signed_store_reads_only_values_tagged_for_their_name() -> None:
 def test_a_follower_of_a_leader_without_a_key_has_none() -> None:
     env = follower_env({BUS_KEY_ENV: KEY.hex(), BUS_KEY_FILE_ENV: "/k", "HOME": "/h"}, None)
     assert BUS_KEY_ENV not in env and BUS_KEY_FILE_ENV not in env and env["HOME"] == "/h"
+
+
+def test_without_a_bus_key_an_outsider_cannot_take_a_followers_seat() -> None:
+    """Attack report #1 without a bus key (``--insecure-nats``): the TP store's prefix was the
+    fixed ``wavepp/tp/`` and its values untagged, so a local process that joined first as TP
+    rank 1 got the follower's seat (it read the prompts and changed the all-reduces). Now the
+    leader makes a fresh key per launch (``tp_key``) and hands it to its followers only."""
+    key = tp_key(None)
+    assert key.hex() != tp_key(None).hex() and tp_key(KEY) is KEY
+    store = _loopback_store(2, TIMEOUT)
+    env = follower_env({"PATH": "/bin"}, key)
+    follower_key = BusKey.from_hex(env[BUS_KEY_ENV])  # what the follower's main reads
+    short = datetime.timedelta(seconds=2)
+    tps: list = [None, None]
+    outsider_error: list[BaseException] = []
+
+    def outsider() -> None:  # the attack's join, and one with another random key
+        for guess in (None, tp_key(None)):
+            try:
+                form_tp_group(_outsider(store.port), 1, 2, "cpu", short, guess, "p-r0", 0)
+            except RuntimeError as exc:
+                outsider_error.append(exc)
+
+    def leader() -> None:
+        tps[0] = form_tp_group(store, 0, 2, "cpu", TIMEOUT, key, "p-r0", 0)
+
+    def follower() -> None:
+        time.sleep(0.5)  # after the outsider's first try
+        tps[1] = form_tp_group(_outsider(store.port), 1, 2, "cpu", TIMEOUT, follower_key, "p-r0", 0)
+
+    assert not _together(outsider, leader, follower)
+    assert len(outsider_error) == 2, outsider_error  # neither guess formed a group
+    assert _exchange(tps[0].pg, tps[1].pg, 0, 1) == 28.0
+
+
+def test_start_followers_hands_its_followers_the_launch_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``start_followers`` without a bus key: the followers' environment carries the key the
+    leader's group uses (process spawning and the group are recorded, not run: a real follower
+    builds a model; ``tests/test_tensor_parallel.py`` runs those)."""
+    from wavepp.runtime.config import RuntimeConfig
+    from wavepp.runtime.stage import tp_launch
+
+    spawned: list[dict] = []
+    used: list[BusKey] = []
+
+    class _Proc:
+        def __init__(self, command: list[str], stdin: int, env: dict[str, str]) -> None:
+            assert BUS_KEY_ENV not in " ".join(command)
+            spawned.append(env)
+            self.stdin = __import__("io").BytesIO()
+
+        def poll(self) -> int:
+            return 0
+
+    def formed(store, tp_rank, size, device, timeout, bus_key, pipeline, rank):  # noqa: ANN001, ANN202
+        used.append(bus_key)
+        return "group"
+
+    monkeypatch.setattr(tp_launch.subprocess, "Popen", _Proc)
+    monkeypatch.setattr(tp_launch, "form_tp_group", formed)
+    monkeypatch.delenv(BUS_KEY_ENV, raising=False)
+    config = RuntimeConfig(pipeline="p-r0", num_stages=1, tensor_parallel_size=4)
+    followers = tp_launch.start_followers(config, 0, timeout_s=5, bus_key=None)
+    assert followers.tp == "group" and len(spawned) == 3 and used[0] is not None
+    assert {env[BUS_KEY_ENV] for env in spawned} == {used[0].hex()}

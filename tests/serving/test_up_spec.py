@@ -6,6 +6,7 @@ operator applies are named at start, ``--tensor-parallel-size``, and metrics bou
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
@@ -227,3 +228,32 @@ def test_stage_metrics_bind_the_given_host() -> None:
         assert metrics.export._server.server_address[0] == "127.0.0.1"  # type: ignore[attr-defined]
     finally:
         metrics.shutdown()
+
+
+# ---- 5. a metricsPort whose derived ports hold the gateway's (attack report #9) -----------
+
+
+def test_metrics_ports_that_include_the_gateway_port_are_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """R = 2, S = 2 and metricsPort 18086: admissions on 18086, 18087, stages on 18088..18091;
+    a gateway on 18090 would leave stage r1-0 restarting forever on a port it cannot bind."""
+    raw = {
+        "model": {"name": "tiny-llama"},
+        "stages": 2,
+        "replicas": 2,
+        "telemetry": {"metricsPort": 18086},
+    }
+    spec, configs = _spec_and_configs(raw)
+    for port in (18086, 18090, 18091):
+        with pytest.raises(ValueError, match=rf"telemetry.metricsPort 18086: .* --port {port}"):
+            with_telemetry(configs, spec, raw, gateway_port=port)
+    for port in (0, 18085, 18092):  # outside (0: a free port, chosen later)
+        with_telemetry(configs, spec, raw, gateway_port=port)
+    config = tmp_path / "spec.json"
+    config.write_text(json.dumps(raw))
+    code = cli.main(["up", "--config", str(config), "--port", "18090"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "telemetry.metricsPort 18086" in err[0] and "--port 18090" in err[0], err
+    assert "18086..18091" in err[0]

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from wavepp.api.subjects import MAX_PIPELINE_NAME, MAX_POOL_NAME
+
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_=-][A-Za-z0-9_.=-]{0,127}$"
 
 
@@ -75,12 +77,12 @@ class Heartbeat(_Msg):
     ``draining``: told to stop (SIGTERM on a scale-down or a rollout), it admits nothing new
     and finishes what its intake holds (its stages are formed); ``ready`` is then False."""
 
-    pipeline: str
+    pipeline: str = Field(max_length=MAX_PIPELINE_NAME)  # bounded: a gateway may remember it
     ready: bool
     num_stages_formed: int
     num_inflight: int
-    instance: str
-    pool: str = ""
+    instance: str = Field(max_length=64)
+    pool: str = Field(default="", max_length=MAX_POOL_NAME)
     num_stages: int = 0
     draining: bool = False
     seq: int = Field(default=0, ge=0)  # grows by one per heartbeat of this instance

@@ -33,6 +33,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_POOL_NAME = 253
+"""The longest pool name: a Kubernetes object name (the WavePipeline's ``metadata.name``)."""
+MAX_PIPELINE_NAME = MAX_POOL_NAME + len("-r255")
+"""The longest pipeline name: :func:`replica_pipeline_name` of the last replica (< 256)."""
+
 
 def replica_pipeline_name(pool: str, replica: int) -> str:
     """Pipeline name (and NATS subject token) of replica ``replica`` of pool ``pool``."""

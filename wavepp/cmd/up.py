@@ -30,9 +30,9 @@ The bus is authenticated by default: at every start, fresh keys in ``STATE_DIR/n
 (mode 0700): a nats-server config that trusts only them, and one ``.creds`` per component with
 only its own subjects (``wavepp.api.permissions``); anonymous clients are refused.
 ``--insecure-nats`` turns that off for debugging, with a warning at start and in the serving
-line. The nats-server is watched (``runtime.serving.nats_watchdog``): restarted when it exits,
-or when it disabled JetStream (a full disk) and space came back. ``--jetstream-dir`` and ``--jetstream-max-bytes`` place and cap the JetStream store (logs
-then need not share its volume).
+line. The nats-server is watched (``runtime.serving.nats_watchdog``): restarted when it exits
+or disabled JetStream (a full disk) and space came back; failed restarts are retried with a
+backoff; after 60 s of them up stops (one line, exit 1). ``--jetstream-dir``/``-max-bytes``: store.
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.gateway.config import GatewayConfig
     from wavepp.gateway.tenants import TenantPolicy, policy_from_spec
     from wavepp.runtime.serving.from_spec import checkpoint_tokenizer, runtime_configs_from_spec
-    from wavepp.runtime.serving.nats_watchdog import NatsWatchdog
+    from wavepp.runtime.serving.nats_watchdog import NatsRestartFailed, NatsWatchdog
     from wavepp.runtime.transport.auth import write_pool_auth
     from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
@@ -346,11 +346,11 @@ def run(args: argparse.Namespace) -> int:
         return _fail(flag, f"{source}: " + "; ".join(str(i) for i in issues))
     try:
         configs = runtime_configs_from_spec(spec, pool=args.pool)
-        configs = with_telemetry(configs, spec, raw)
+        configs = with_telemetry(configs, spec, raw, gateway_port=args.port)
     except SpecError as exc:
         return _fail(flag, str(exc))
     except ValueError as exc:
-        return _fail("--config", f"telemetry: {exc}")
+        return _fail("--config", str(exc))
     tokenizer = args.tokenizer or checkpoint_tokenizer(spec)
     drain_s, admission_grace_s = drain_times(spec)
     num_processes = sum(c.num_stages + 1 for c in configs) + 2
@@ -528,11 +528,14 @@ def run(args: argparse.Namespace) -> int:
         while not stopping["flag"]:
             if time.monotonic() >= next_nats_check:
                 next_nats_check = time.monotonic() + 1.0
-                reason = watchdog.check()
+                try:
+                    reason = watchdog.check()  # a failed restart: retried, logged, bounded
+                except NatsRestartFailed as exc:
+                    print(f"wavepp up: {exc}; stopping", file=sys.stderr, flush=True)
+                    code = 1
+                    break
                 if reason is not None:
-                    print(
-                        f"wavepp up: nats-server restarted: {reason}", file=sys.stderr, flush=True
-                    )
+                    print(f"wavepp up: nats-server restarted: {reason}", file=sys.stderr)
                     sup.info["nats_pid"] = server.pid
                     sup.num_restarts["nats-server"] = watchdog.num_restarts
                     sup.write_state()

@@ -123,15 +123,17 @@ def metrics_endpoints(configs: list, host: str) -> dict[str, dict[str, str]]:
     }
 
 
-def with_telemetry(configs: list, spec: object, raw: dict) -> list:  # RuntimeConfig, spec
+def with_telemetry(
+    configs: list, spec: object, raw: dict, gateway_port: int = 0
+) -> list:  # RuntimeConfig, spec
     """The replicas' configs with ``spec.telemetry``: ``otlpEndpoint``/``samplingRatio`` as in
     the pods; a stated ``metricsPort`` P serves replica i's admission metrics on P + i and
     stage s of replica i its own on P + R + i x S + s (``stage_metrics_port``; one machine, one
     port each); without it no Prometheus port is opened.
 
     Raises:
-        ValueError: the last of those ports passes 65535, or a bad ``$WAVEPP_METRICS_PORT``
-            (named).
+        ValueError: the last of those ports passes 65535, one of them is ``gateway_port`` (the
+            gateway's ``--port``; 0: not checked), or a bad ``$WAVEPP_METRICS_PORT`` (named).
     """
     from wavepp.cmd.stage import telemetry_from_spec
 
@@ -143,10 +145,16 @@ def with_telemetry(configs: list, spec: object, raw: dict) -> list:  # RuntimeCo
         telemetry = telemetry.model_copy(update={"metrics_port": None})
     if telemetry.metrics_port and configs:
         last = telemetry.metrics_port + len(configs) * (1 + configs[0].num_stages) - 1
+        ports = (
+            f"telemetry.metricsPort {telemetry.metrics_port}: the {len(configs)} admissions' "
+            f"and {len(configs) * configs[0].num_stages} stages' ports"
+        )
         if last > 65535:
+            raise ValueError(f"{ports} reach {last} > 65535")
+        if telemetry.metrics_port <= gateway_port <= last:
             raise ValueError(
-                f"metricsPort {telemetry.metrics_port}: the {len(configs)} admissions' and "
-                f"{len(configs) * configs[0].num_stages} stages' ports reach {last} > 65535"
+                f"{ports} {telemetry.metrics_port}..{last} include the gateway's --port "
+                f"{gateway_port}; choose a metricsPort outside it"
             )
     out = []
     for i, config in enumerate(configs):

@@ -109,7 +109,9 @@ class Gateway:
         self._pending: dict[str, asyncio.Future[PrefillResult]] = {}
         self._waiters: dict[str, asyncio.Future[PrefillResult]] = {}
         self._routed: dict[str, set[str]] = {}  # key -> replicas its intake was published to
-        self.guard = BusGuard(bus_key, [r.pipeline for r in config.replicas])
+        self.guard = BusGuard(
+            bus_key, [r.pipeline for r in config.replicas], max_added=config.max_replicas
+        )
         self._kv = None
         self._subs: list[object] = []
         self._watched: set[str] = set()  # replicas whose KV events feed the router
@@ -237,6 +239,7 @@ class Gateway:
                     "replica %s silent for %.0f s: dropped from the pool", state.name, silent_s
                 )
                 self.router.forget(state.name)
+                self.guard.forget_replica(state.name)
         if beat.pool != self.config.pool:
             return
         if beat.pipeline in self._configured and beat.pipeline in self.router.by_name:
@@ -244,8 +247,11 @@ class Gateway:
         if beat.pipeline not in self.router.by_name:
             if beat.num_stages < 1 or len(self.router.replicas) >= self.config.max_replicas:
                 return
-            self.guard.add_replica(beat.pipeline)
+            if not self.guard.add_replica(beat.pipeline, beat):
+                return  # unsigned (with a bus key), or max_replicas added: nothing kept
         if not self.guard.heartbeat(beat.pipeline, beat, self.clock(), time.time()):
+            if beat.pipeline not in self.router.by_name:
+                self.guard.forget_replica(beat.pipeline)  # stale: not kept either
             return  # unsigned, stale, replayed or too frequent: not a member speaking
         if beat.pipeline not in self.router.by_name:
             await ensure_intake(self.js, beat.pipeline, namespace=self.config.namespace)

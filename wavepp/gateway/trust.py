@@ -14,8 +14,13 @@ publish any of them. ``BusGuard`` decides, per message, whether it is one the re
 | ``PrefillResult`` (store) | for this key, by a replica of the pool; with a key, signed by it     |
 | ``KVEventBatch``          | a rank of the replica; with a key, signed by the replica             |
 
+A replica not configured joins at run time (``add_replica``) only on a heartbeat naming it that,
+with a bus key, carries its replica's tag: an unsigned beat adds nothing. At most ``max_added``
+such replicas are known at once; ``forget_replica`` drops one with its state (the gateway does so
+when it forgets the replica). Names are bounded by ``Heartbeat``'s own limits.
+
 Without a bus key (an insecure deployment) tags, sequence numbers and ages are not checked; the
-rate limit and the routing checks still are. Refusals are counted per kind (``num_refused``).
+rate limit, the routing checks and the bound on added replicas still are. Refusals are counted per kind (``num_refused``).
 No I/O; the clock is passed in.
 """
 
@@ -44,6 +49,7 @@ class BusGuard:
         max_heartbeat_age_s: a signed heartbeat stamped further than this from now (wall clock,
             either way) is refused: a replayed one cannot keep a dead replica routed. Seconds
             > 0; covers clock skew between hosts.
+        max_added: replicas beyond ``replicas`` known at once (the gateway's ``max_replicas``).
 
     Raises:
         ValueError: a bound not > 0.
@@ -56,12 +62,15 @@ class BusGuard:
         *,
         min_heartbeat_interval_s: float = 0.1,
         max_heartbeat_age_s: float = 30.0,
+        max_added: int = 256,
     ) -> None:
         if not min_heartbeat_interval_s > 0:
             raise ValueError(f"min_heartbeat_interval_s={min_heartbeat_interval_s}: must be > 0")
         if not max_heartbeat_age_s > 0:
             raise ValueError(f"max_heartbeat_age_s={max_heartbeat_age_s}: must be > 0")
         self.replicas = list(replicas)
+        self._configured = frozenset(self.replicas)
+        self.max_added = max_added
         self._bus_key = bus_key
         self._keys = {
             name: None if bus_key is None else bus_key.for_replica(name) for name in self.replicas
@@ -72,14 +81,39 @@ class BusGuard:
         self._seqs: dict[str, OrderedDict[str, int]] = {name: OrderedDict() for name in replicas}
         self.num_refused: Counter[str] = Counter()
 
-    def add_replica(self, name: str) -> None:
-        """Know replica ``name`` (one that joined the pool at run time): its key is derived
-        like the configured ones', so only a holder of the bus key can speak for it. The
-        caller bounds how many replicas it adds (``GatewayConfig.max_replicas``)."""
-        if name not in self._keys:
-            self.replicas.append(name)
-            self._keys[name] = None if self._bus_key is None else self._bus_key.for_replica(name)
-            self._seqs[name] = OrderedDict()
+    def add_replica(self, name: str, beat: Heartbeat) -> bool:
+        """Know replica ``name`` (one that joined the pool at run time) on ``beat``, a heartbeat
+        naming it: with a bus key only when the beat carries the tag of ``name``'s key (derived
+        like the configured ones'), so only a holder of the bus key can add a replica; and
+        while fewer than ``max_added`` replicas were added (and not forgotten). A refused beat
+        leaves nothing behind (counted in ``num_refused["heartbeat_unknown"]``).
+
+        Returns:
+            whether ``name`` is known now (a configured or already added one: True).
+        """
+        if name in self._keys:
+            return True
+        key = None if self._bus_key is None else self._bus_key.for_replica(name)
+        if (
+            beat.pipeline != name
+            or len(self._keys) - len(self._configured) >= self.max_added
+            or (key is not None and not key.verify(beat))
+        ):
+            self.num_refused["heartbeat_unknown"] += 1
+            return False
+        self.replicas.append(name)
+        self._keys[name] = key
+        self._seqs[name] = OrderedDict()
+        return True
+
+    def forget_replica(self, name: str) -> None:
+        """Drop an added replica and its state (heartbeat numbers, rate limit); configured
+        replicas and unknown names are left as they are."""
+        if name in self._configured or name not in self._keys:
+            return
+        self.replicas.remove(name)
+        del self._keys[name], self._seqs[name]
+        self._last_beat_s.pop(name, None)
 
     def _authentic(self, replica: str, msg: Heartbeat | PrefillResult | KVEventBatch) -> bool:
         if replica not in self._keys:

@@ -10,7 +10,8 @@ tag is never handed to gloo/NCCL (which would parse junk as a peer's address and
 timeout instead. Values are tagged for gloo groups only (the CPU): a NCCL group keeps the
 namespace but untagged values (a Python store under NCCL's own threads is not yet run on a GPU).
 What a client of the store can still do is in docs/reliability.md ("The stages' store").
-Without a bus key the stores keep their old names and untagged values.
+Without a bus key the stage stores keep their old names and untagged values; a TP leader uses a
+fresh random key per launch instead (``tp_launch.tp_key``).
 """
 
 from __future__ import annotations

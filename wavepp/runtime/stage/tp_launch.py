@@ -9,13 +9,15 @@ and serves the leader's broadcasts (``engine.tensor_parallel.serve_follower``); 
 the leader does (it watches its parent) or when the group fails. The leader stops the stage
 when a follower exits (``FollowerWatch``), so the pod restarts whole.
 
-The store has no authentication and any local process can reach a loopback port. With a bus key
-the group's keys are under ``wavepp/{secret}/tp/`` (``storekey.store_prefix`` of the pipeline,
-the stage rank and the store's port, so a new one per start) and its values are tagged
+The store has no authentication and any local process can reach a loopback port. The group's
+keys are under ``wavepp/{secret}/tp/`` (``storekey.store_prefix`` of the pipeline, the stage rank
+and the store's port, so a new one per start) and its values are tagged on the CPU
 (``storekey.SignedStore``): a local process without the key cannot write junk under them ahead
-of the followers, nor have junk read as a peer's address. The leader hands its key to the followers
-in their environment (``WAVEPP_BUS_KEY``; never on the command line, which any local user can
-read). Without a key the prefix stays ``wavepp/tp/``.
+of the followers, have junk read as a peer's address, nor take a follower's seat (its address
+would carry no valid tag). The key is the deployment's bus key, or without one (an insecure
+deployment) a fresh random key per launch (:func:`tp_key`): the leader starts its followers, so
+it needs no one else's. The leader hands the key to the followers in their environment
+(``WAVEPP_BUS_KEY``; never on the command line, which any local user can read).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import datetime
 import logging
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -39,7 +42,14 @@ from wavepp.runtime.stage.engine.tensor_parallel import TPGroup, serve_follower,
 from wavepp.runtime.stage.storekey import guarded_store, store_prefix
 from wavepp.runtime.transport.buskey import BUS_KEY_ENV, BUS_KEY_FILE_ENV
 
-__all__ = ["FollowerSet", "follower_env", "form_tp_group", "start_followers", "tp_prefix"]
+__all__ = [
+    "FollowerSet",
+    "follower_env",
+    "form_tp_group",
+    "start_followers",
+    "tp_key",
+    "tp_prefix",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +58,13 @@ def tp_prefix(bus_key: BusKey | None, pipeline: str, stage_rank: int, port: int)
     """The TP group's key prefix in the leader's store on ``port`` (pure):
     ``wavepp/{secret}/tp/`` with a bus key, ``wavepp/tp/`` without one."""
     return store_prefix(bus_key, pipeline, f"tp/{stage_rank}/{port}", "tp")
+
+
+def tp_key(bus_key: BusKey | None) -> BusKey:
+    """The key of one launch's TP store (its namespace and tags): the deployment's bus key, or
+    without one a fresh random 32-byte key (``secrets.token_bytes``) that only the leader and
+    the followers it starts hold."""
+    return bus_key if bus_key is not None else BusKey(secrets.token_bytes(32))
 
 
 def _loopback_store(size: int, timeout: datetime.timedelta) -> dist.TCPStore:
@@ -138,9 +155,10 @@ def start_followers(
 ) -> FollowerSet:
     """Start stage ``rank``'s T - 1 followers and form the TP group (the caller is TP rank 0).
 
-    ``bus_key``: the deployment's (``load_bus_key``); the group's keys go under
-    :func:`tp_prefix` of it, and the followers get it in their environment. Blocking: call from
-    a thread.
+    ``bus_key``: the deployment's (``load_bus_key``), None in an insecure deployment; the
+    group's keys go under :func:`tp_prefix` of :func:`tp_key` of it (a fresh random key
+    without one), and the followers get that key in their environment. Blocking: call from a
+    thread.
 
     Raises:
         RuntimeError: a follower did not join within ``timeout_s`` (or exited).
@@ -150,7 +168,8 @@ def start_followers(
     store = _loopback_store(size, timeout)
     payload = config.model_dump_json().encode()
     procs = []
-    env = follower_env(dict(os.environ), bus_key)
+    key = tp_key(bus_key)
+    env = follower_env(dict(os.environ), key)
     for tp_rank in range(1, size):
         command = [sys.executable, "-m", "wavepp.runtime.stage.tp_launch"]
         command += ["--stage-rank", str(rank), "--tp-rank", str(tp_rank)]
@@ -163,7 +182,7 @@ def start_followers(
     log.info("stage %d: started %d tensor-parallel followers", rank, len(procs))
     try:
         device = tp_device(config.device, 0)
-        tp = form_tp_group(store, 0, size, device, timeout, bus_key, config.pipeline, rank)
+        tp = form_tp_group(store, 0, size, device, timeout, key, config.pipeline, rank)
     except Exception:
         FollowerSet(TPGroup(), procs, store).stop()
         raise
@@ -200,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     size = config.tensor_parallel_size
     store = dist.TCPStore("127.0.0.1", args.port, size, False, timeout=timeout)
     device = tp_device(config.device, args.tp_rank)
-    key_hex = os.environ.get(BUS_KEY_ENV, "")  # the leader's (start_followers), or none
+    key_hex = os.environ.get(BUS_KEY_ENV, "")  # the leader's tp_key (start_followers)
     bus_key = BusKey.from_hex(key_hex) if key_hex else None
     tp = form_tp_group(
         store, args.tp_rank, size, device, timeout, bus_key, config.pipeline, args.stage_rank

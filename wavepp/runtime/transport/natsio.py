@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
+import secrets
 import shutil
 import socket
 import ssl
@@ -118,6 +120,26 @@ class NatsTLS:
         return context
 
 
+def _info_server_name(port: int, timeout_s: float = 0.5) -> str | None:
+    """The ``server_name`` in the ``INFO {json}`` line the listener on 127.0.0.1:``port`` sends
+    first (the NATS protocol, TLS or not); None when nothing listens or it sends no INFO."""
+    with (
+        contextlib.suppress(OSError, ValueError),
+        socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock,
+    ):
+        data = b""
+        while b"\r\n" not in data and len(data) < 65536:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return None
+            data += chunk
+        line = data.split(b"\r\n", 1)[0]
+        if line.startswith(b"INFO "):
+            info = json.loads(line[5:])
+            return info.get("server_name") if isinstance(info, dict) else None
+    return None
+
+
 class EmbeddedNatsServer:
     """A nats-server child process on 127.0.0.1, optionally with JetStream.
 
@@ -146,6 +168,8 @@ class EmbeddedNatsServer:
         self._own_store = store_dir is None and jetstream
         self.store_dir = store_dir or (tempfile.mkdtemp(prefix="wavepp-js-") if jetstream else "")
         self._proc: subprocess.Popen[bytes] | None = None
+        # the name the server announces in its INFO line: tells it from another listener
+        self.server_name = f"wavepp-{secrets.token_hex(8)}"
 
     @property
     def pid(self) -> int | None:
@@ -161,7 +185,19 @@ class EmbeddedNatsServer:
         return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> None:
+        """Start the server and wait until it serves on ``port``.
+
+        It is taken as serving when the child is alive and the port answers the NATS ``INFO``
+        line naming this server (``server_name``, random per instance): another process that
+        holds the port is not taken for it.
+
+        Raises:
+            RuntimeError: the child exited (e.g. the port is taken); the message names the
+                port and the server log's last line.
+            TimeoutError: it did not serve within ``timeout_s`` (the child is stopped).
+        """
         args = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
+        args += ["-n", self.server_name]
         if self.config_file:
             args += ["-c", self.config_file]
         if self.jetstream:
@@ -179,17 +215,27 @@ class EmbeddedNatsServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
+                code, self._proc = self._proc.returncode, None
                 raise RuntimeError(
-                    f"nats-server exited with code {self._proc.returncode} on port {self.port}"
+                    f"nats-server exited with code {code} on port {self.port}{self._last_log()}"
                 )
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2),
-            ):
+            if _info_server_name(self.port) == self.server_name and self._proc.poll() is None:
                 return
             time.sleep(0.02)
         self.stop()
-        raise TimeoutError(f"nats-server did not listen on port {self.port} in {timeout_s}s")
+        raise TimeoutError(f"nats-server did not serve on port {self.port} in {timeout_s}s")
+
+    def _last_log(self) -> str:
+        """``": {the server log's last line}"``, or "" (no log file or nothing in it)."""
+        if not self.log_file:
+            return ""
+        with contextlib.suppress(OSError):
+            with open(self.log_file, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+                lines = f.read().decode(errors="replace").strip().splitlines()
+            if lines:
+                return f": {lines[-1].strip()[:300]}"
+        return ""
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
