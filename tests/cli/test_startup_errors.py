@@ -61,6 +61,20 @@ def test_gateway_on_a_busy_port(
     assert _one_line(capsys).startswith("wavepp gateway: --port:")
 
 
+def test_gateway_with_a_malformed_tokenizer_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by an attack: a malformed tokenizer.json ended the gateway in a traceback."""
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"model": {"type": "nonsense"}}')
+    config = tiny_gateway_config().model_copy(update={"tokenizer": str(bad)})
+    path = tmp_path / "gateway.json"
+    path.write_text(config.model_dump_json())
+    argv = ["gateway", "--gateway-config", str(path), "--nats-url", "nats://127.0.0.1:1"]
+    assert cli.main(argv) == 2
+    assert _one_line(capsys).startswith("wavepp gateway: tokenizer:")
+
+
 @pytest.mark.parametrize("command", ["admission", "stage"])
 def test_unreachable_nats_is_one_line(
     command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

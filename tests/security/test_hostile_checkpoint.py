@@ -470,3 +470,24 @@ def test_the_model_name_hashes_the_bytes_parsed_from_one_read(
     model = load_model_dir(root)
     assert model.name == f"m-{hashlib.sha256(raw).hexdigest()[:8]}"
     assert model.num_layers == 2
+
+
+# ---- the gateway's tokenizer.json (read whole into memory) ---------------------------------
+
+
+def test_a_tokenizer_file_that_is_too_large_or_not_a_regular_file_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from wavepp.gateway import http
+
+    big = tmp_path / "tokenizer.json"
+    big.write_bytes(b" " * 2048)
+    monkeypatch.setattr(http, "MAX_TOKENIZER_BYTES", 1024)
+    with pytest.raises(ValueError, match=r"2048 bytes, over the limit of 1024"):
+        http.load_tokenizer(str(tmp_path))  # the directory's tokenizer.json
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="not a regular file"):
+        http.load_tokenizer(str(fifo))  # before: handed to transformers, which read the FIFO
+    assert time.monotonic() - started < 5.0

@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
         startup_failure,
     )
     from wavepp.cmd.stage import ArgError, apply_nats_tls, check_creds
-    from wavepp.gateway.http import run_gateway
+    from wavepp.gateway.http import load_tokenizer, run_gateway
     from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
 
     try:
@@ -270,6 +270,13 @@ def run(args: argparse.Namespace) -> int:
     except (ArgError, BusKeyError) as exc:
         print(f"wavepp gateway: {exc}", file=sys.stderr)
         return config_exit_code(os.environ)
+    tokenizer = None
+    if config.tokenizer:
+        try:
+            tokenizer = load_tokenizer(config.tokenizer)
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises its own Exception types
+            print(f"wavepp gateway: tokenizer: {describe_error(exc)}", file=sys.stderr)
+            return config_exit_code(os.environ)
     if not 0 < args.port < 65536:
         print(f"wavepp gateway: --port {args.port}: must be in [1, 65535]", file=sys.stderr)
         return config_exit_code(os.environ)
@@ -287,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s"
     )
     try:
-        asyncio.run(run_gateway(config, args.nats_url, host, args.port))
+        asyncio.run(run_gateway(config, args.nats_url, host, args.port, tokenizer=tokenizer))
     except OSError as exc:
         if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             raise

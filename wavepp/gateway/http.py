@@ -66,6 +66,8 @@ from wavepp.runtime.transport.natsio import connect
 log = logging.getLogger(__name__)
 
 Tokenizer = tuple[Callable[[str], list[int]], Callable[[list[int]], str]]
+# A tokenizer.json is read whole into memory: real ones are 2-20 MB; past this it is refused.
+MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -76,12 +78,22 @@ def load_tokenizer(path: str) -> Tokenizer:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        ValueError: the tokenizer file is not a regular file (a FIFO, a device) or is larger
+            than ``MAX_TOKENIZER_BYTES``.
     """
     target = Path(path)
     if not target.exists():
         raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
     file = target / "tokenizer.json" if target.is_dir() else target
+    if not target.is_dir() and not file.is_file():
+        raise ValueError(f"tokenizer path {path!r} is not a regular file")
     if file.is_file():
+        size = file.stat().st_size
+        if size > MAX_TOKENIZER_BYTES:
+            raise ValueError(
+                f"tokenizer {str(file)!r}: {size} bytes, over the limit of "
+                f"{MAX_TOKENIZER_BYTES} (MAX_TOKENIZER_BYTES)"
+            )
         from tokenizers import Tokenizer as HFTokenizer
 
         tok = HFTokenizer.from_file(str(file))
@@ -402,14 +414,21 @@ class GatewayServer:
 
 
 async def run_gateway(
-    config: GatewayConfig, nats_url: str, host: str, port: int, stop: asyncio.Event | None = None
+    config: GatewayConfig,
+    nats_url: str,
+    host: str,
+    port: int,
+    stop: asyncio.Event | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> None:
-    """Process main of ``wavepp gateway``: serve until SIGTERM/SIGINT, then drain."""
+    """Process main of ``wavepp gateway``: serve until SIGTERM/SIGINT, then drain.
+    ``tokenizer``: already loaded (``load_tokenizer``), else loaded from ``config.tokenizer``."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
+    if tokenizer is None and config.tokenizer:
+        tokenizer = load_tokenizer(config.tokenizer)
     bus_key = load_bus_key()
     nc = await connect(nats_url, name=f"{config.pool}-gateway-{os.getpid()}")
     gateway = Gateway(config, nc, bus_key=bus_key)
