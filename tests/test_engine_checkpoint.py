@@ -208,6 +208,27 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path):
         )
 
 
+def test_a_config_json_edited_after_the_config_was_derived_is_refused(tmp_path):
+    """From an attack: a stage compared only the architecture, layers, width and vocabulary
+    with config.json, so a directory edited between two stages' starts left them computing with
+    different rope_theta / eps / heads, silently."""
+    save_random_checkpoint("llama", tmp_path, num_layers=2, vocab_size=VOCAB)
+    model = load_model_dir(tmp_path)  # what the admission and the other stage derived
+    config = tmp_path / "config.json"
+    raw = json.loads(config.read_text())
+    raw["rms_norm_eps"] = raw["rms_norm_eps"] * 10
+    config.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"model\.rms_norm_eps=.* differs from model_dir"):
+        make_engine(
+            "torch",
+            model=model,
+            first_layer=0,
+            last_layer=1,
+            num_layers_total=2,
+            model_dir=tmp_path,
+        )
+
+
 @pytest.fixture(scope="module")
 def glm_dir(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     out = tmp_path_factory.mktemp("glm")

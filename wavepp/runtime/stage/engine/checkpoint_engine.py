@@ -124,7 +124,7 @@ class CheckpointStageEngine(PagedStageEngineBase):
 
         Args:
             model: the generic config (``hf_config.load_model_dir(model_dir)``, maybe with
-                another dtype); its layers, width and vocabulary must match config.json.
+                another dtype); every field but its name, dtype and seed must match config.json.
             first_layer, last_layer, num_layers_total: this stage's layer range.
             model_dir: the checkpoint directory.
             device: "cpu" (float32 only) or a CUDA device.
@@ -145,7 +145,11 @@ class CheckpointStageEngine(PagedStageEngineBase):
         )
         cfg = read_hf_config(model_dir)
         derived = model_config_from_hf(cfg, name=model.name)
-        for field in ("architecture", "num_layers", "hidden_size", "vocab_size"):
+        # NOTE: every shape and numeric field, not only the layer count and widths: a
+        # directory edited after the admission derived its config (or between two stages'
+        # restarts) would otherwise leave stages computing with different rope_theta / eps /
+        # heads. The name, dtype and seed are the runtime's own.
+        for field in sorted(set(ModelConfig.model_fields) - {"name", "dtype", "seed"}):
             if getattr(derived, field) != getattr(model, field):
                 raise ValueError(
                     f"model.{field}={getattr(model, field)!r} differs from model_dir's "
