@@ -365,3 +365,47 @@ async def test_wavepp_stage_processes_with_tp2_x_pp2_match_the_reference(tmp_pat
         error = (torch.tensor(outcome.logits) - want).abs().max().item()
         print(f"wavepp stage TP=2 x PP=2, request {outcome.request_id}: max |diff| {error:.2e}")
         assert error < ATOL
+
+
+async def test_a_stopped_follower_stops_its_stage_within_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From an attack: a SIGSTOPped follower went unnoticed (the leader watched for exits only),
+    so every request waited for the group's 120 s collective timeout or its own deadline."""
+    import asyncio
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from wavepp.runtime.stage import process
+    from wavepp.runtime.stage.tp_launch import FollowerSet
+
+    class Engine:
+        broken = None
+
+    monkeypatch.setattr(process, "TP_STOPPED_LIMIT_S", 1.0)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        followers = FollowerSet(None, [proc], None)  # type: ignore[arg-type]
+        assert followers.stopped() == []
+        proc.send_signal(signal.SIGSTOP)
+        for _ in range(50):  # the state changes as the signal is delivered
+            if followers.stopped():
+                break
+            await asyncio.sleep(0.02)
+        assert followers.stopped() == [1]
+        stop = asyncio.Event()
+        started = time.monotonic()
+        why = await asyncio.wait_for(process._watch_followers(followers, Engine(), 0, stop), 10)
+        assert "[1] stopped for 1 s" in why and stop.is_set()
+        assert 1.0 <= time.monotonic() - started < 5.0
+        proc.send_signal(signal.SIGCONT)
+        for _ in range(50):
+            if not followers.stopped():
+                break
+            await asyncio.sleep(0.02)
+        assert followers.stopped() == []
+    finally:
+        proc.kill()
+        proc.wait()

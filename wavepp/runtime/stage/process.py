@@ -12,6 +12,7 @@ import asyncio
 import gc
 import logging
 import signal
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,10 @@ from wavepp.runtime.transport.natsio import connect
 from wavepp.telemetry import tracing
 
 log = logging.getLogger(__name__)
+
+# A tensor-parallel follower stopped (SIGSTOP) this long stops its stage (a restart beats
+# every request waiting for the group's 120 s collective timeout).
+TP_STOPPED_LIMIT_S = 5.0
 
 __all__ = ["StageReadiness", "TensorParallelLost", "run_stage"]
 
@@ -165,17 +170,28 @@ async def _watch_followers(
     rank: int,
     stop: asyncio.Event,
 ) -> str:
-    """Stop the stage when a tensor-parallel follower exits (its shard is gone) or a batch
-    left the TP group out of step (``engine.broken``): the stage cannot compute any more; the
-    pod or ``wavepp up`` restarts it whole. Returns why ("" when the stage stopped first)."""
+    """Stop the stage when a tensor-parallel follower exits (its shard is gone), stays stopped
+    (SIGSTOP) for ``TP_STOPPED_LIMIT_S`` (it would hold every collective until the group's
+    timeout, 120 s), or a batch left the TP group out of step (``engine.broken``): the stage
+    cannot compute any more; the pod or ``wavepp up`` restarts it whole. Returns why ("" when
+    the stage stopped first)."""
+    stopped_since: float | None = None
     while not stop.is_set():
         exited = followers.exited()
-        if exited or engine.broken is not None:
+        stopped = followers.stopped()
+        now = time.monotonic()
+        stopped_since = (stopped_since or now) if stopped else None
+        why = ""
+        if exited:
+            why = f"stage {rank}: tensor-parallel follower(s) (TP rank, exit code) {exited} exited"
+        elif stopped_since is not None and now - stopped_since >= TP_STOPPED_LIMIT_S:
             why = (
-                f"stage {rank}: tensor-parallel follower(s) (TP rank, exit code) {exited} exited"
-                if exited
-                else f"stage {rank}: tensor-parallel group broken by {engine.broken!r}"
+                f"stage {rank}: tensor-parallel follower(s) (TP rank) {stopped} stopped for "
+                f"{TP_STOPPED_LIMIT_S:g} s"
             )
+        elif engine.broken is not None:
+            why = f"stage {rank}: tensor-parallel group broken by {engine.broken!r}"
+        if why:
             log.error("%s; stopping", why)
             stop.set()
             return why

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,17 @@ def tp_key(bus_key: BusKey | None) -> BusKey:
     without one a fresh random 32-byte key (``secrets.token_bytes``) that only the leader and
     the followers it starts hold."""
     return bus_key if bus_key is not None else BusKey(secrets.token_bytes(32))
+
+
+def _process_state(pid: int) -> str | None:
+    """The one-letter state of process ``pid`` from ``/proc/{pid}/stat``; None if unreadable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # pid (comm) state ...: comm may hold spaces and parentheses; the state follows the last ')'
+    rest = stat[stat.rfind(")") + 1 :].split()
+    return rest[0] if rest else None
 
 
 def _loopback_store(size: int, timeout: datetime.timedelta) -> dist.TCPStore:
@@ -135,6 +147,16 @@ class FollowerSet:
     def exited(self) -> list[tuple[int, int]]:
         """``(tp_rank, exit code)`` of each follower that has exited."""
         return [(i + 1, p.returncode) for i, p in enumerate(self.procs) if p.poll() is not None]
+
+    def stopped(self) -> list[int]:
+        """TP ranks of the followers that are stopped (SIGSTOP, a debugger): state ``T`` or
+        ``t`` in ``/proc/{pid}/stat`` (Linux; elsewhere none is reported). Such a follower
+        blocks every collective of the group until its timeout."""
+        ranks = []
+        for i, p in enumerate(self.procs):
+            if p.poll() is None and _process_state(p.pid) in ("T", "t"):
+                ranks.append(i + 1)
+        return ranks
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Terminate the followers (then kill those still there after ``timeout_s``)."""
