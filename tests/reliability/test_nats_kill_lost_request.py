@@ -9,6 +9,7 @@ the socket and never read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -114,3 +115,62 @@ async def test_without_a_reconnect_the_call_is_awaited_once(nc) -> None:
     with pytest.raises(NatsTimeoutError):
         await resend_after_reconnect(nc, failing, what="x")
     assert calls == [1, 1, 2]
+
+
+async def test_a_result_published_while_the_server_was_down_is_read_from_the_bucket(
+    tmp_path,
+) -> None:
+    """The replica stores a result, then publishes it; a publish made while the server is down
+    never reaches the gateway (core NATS keeps nothing). After the reconnect the gateway reads
+    the bucket for every waiting request (``Gateway.recover_results``) instead of waiting for
+    the request's deadline (120 s by default; attack finding: 1 of 120 requests unanswered
+    within a client's 60 s after three nats-server kills)."""
+    from gateway_support import tiny_gateway_config
+
+    from wavepp.api.prefill import Heartbeat, PrefillResult
+    from wavepp.api.subjects import heartbeat_subject, results_bucket
+    from wavepp.gateway.core import Gateway
+    from wavepp.gateway.validation import ParsedRequest
+
+    server = EmbeddedNatsServer(jetstream=True, store_dir=str(tmp_path / "js"))
+    server.start()
+    nc = await connect(server.url, name="gateway-recover", anonymous_ok=True)
+    config = tiny_gateway_config(model_id="m", max_prompt_tokens=1024, request_timeout_s=40.0)
+    gateway = Gateway(config, nc)
+    beating: asyncio.Task[None] | None = None
+    try:
+        await gateway.start()
+        replica = config.replicas[0].pipeline
+        beat = Heartbeat(
+            pipeline=replica, ready=True, num_stages_formed=2, num_inflight=0, instance="i",
+            pool=config.pool, num_stages=2,
+        )  # fmt: skip
+
+        async def beats() -> None:  # the replica stays in the pool throughout, as a live one
+            while True:
+                with contextlib.suppress(Exception):
+                    data = beat.model_dump_json().encode()
+                    await nc.publish(heartbeat_subject(replica, namespace="local"), data)
+                await asyncio.sleep(0.3)
+
+        beating = asyncio.create_task(beats())
+        await asyncio.sleep(0.5)
+        request = ParsedRequest(tenant="default", request_id="r1", token_ids=[1, 2, 3])
+        task = asyncio.create_task(gateway.prefill(request))
+        await wait_until(lambda: "default.r1" in gateway._waiters, timeout_s=5)
+        answer = PrefillResult(request_id="r1", tenant="default", replica=replica, first_token_id=7)
+        kv = await nc.jetstream().key_value(results_bucket(config.pool, namespace="local"))
+        await kv.put("default.r1", answer.model_dump_json().encode())  # stored; never published
+        server.stop()  # down ...
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        server.start()  # ... and back: the client reconnects
+        result, _ = await asyncio.wait_for(task, 20)
+        assert result.first_token_id == 7 and time.monotonic() - started < 15
+        assert replica in {r.name for r in gateway.router.pool(gateway.clock())}
+    finally:
+        if beating is not None:
+            beating.cancel()
+        await gateway.stop()
+        await nc.close()
+        server.stop()

@@ -63,7 +63,7 @@ from wavepp.gateway.trust import BusGuard
 from wavepp.gateway.validation import ParsedRequest
 from wavepp.runtime.kv import hash_prompt_blocks
 from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
-from wavepp.runtime.transport.natsio import resend_after_reconnect
+from wavepp.runtime.transport.natsio import on_reconnect, resend_after_reconnect
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ class Gateway:
             )
         )
         await self.nc.flush()
+        on_reconnect(self.nc, self.recover_results)
         self.bus_answered_s = self.clock()
         self._bus_watch = asyncio.create_task(self._watch_bus(), name="bus-watch")
 
@@ -192,6 +193,22 @@ class Gateway:
                 await sub.unsubscribe()  # type: ignore[attr-defined]
         self._subs = []
         self.metrics.shutdown()
+
+    async def recover_results(self) -> None:
+        """After a reconnect: answer every waiting request whose result is in the results
+        bucket. A result published while the server was down (or restarting) never reached
+        this gateway; the replica stored it first, so the bucket has it. Without this the
+        request waited for its deadline (``request_timeout_s``) before looking there."""
+        for key, waiter in list(self._waiters.items()):
+            if waiter.done():
+                continue
+            try:
+                stored = await self.stored_result(key)
+            except Exception as exc:  # noqa: BLE001 - the deadline's own lookup still follows
+                log.warning("results lookup of %s after a reconnect failed: %r", key, exc)
+                continue
+            if stored is not None and not waiter.done():
+                waiter.set_result(stored)
 
     # ---- subscriptions -------------------------------------------------------------------
 
