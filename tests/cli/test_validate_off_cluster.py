@@ -43,6 +43,9 @@ def test_a_pvc_not_mounted_here_skips_the_checkpoint_checks_in_one_line(
     assert len(err) == 1 and "note: spec.model.pvc.mountPath" in err[0], err
     assert "skipped" in err[0] and str(absent) in err[0]
     assert "ok (2 replica(s) x 4 torch stages of small-llama, 2 tenant(s)" in out, out
+    # the pods compute where their resources are, not where validate runs (a new-user trial
+    # ran a pod's command on a CPU host and met "sees no CUDA device")
+    assert "stage pods request 1 GPU(s) each (gpusPerStage; 0 runs them on CPUs)" in out, out
 
 
 def test_everything_else_is_still_checked_with_an_absent_pvc(

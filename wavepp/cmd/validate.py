@@ -4,8 +4,9 @@ Reads the file (YAML or JSON; a bare spec or a whole WavePipeline), validates it
 (``wavepp.api.spec.check_spec``: types, bounds, non-finite numbers, cross-field checks) and
 builds every replica's RuntimeConfig (``runtime_configs_from_spec``; a checkpoint named by
 ``model.path`` is read: its config.json, the split by cost), starting nothing. Prints one
-line: ``CONFIG: ok (...)`` on stdout and exit 0, or the problem naming the field on stderr and
-exit 2.
+line: ``CONFIG: ok (...)`` on stdout (for the torch engine it says what each stage pod
+requests: GPUs, or CPUs with ``gpusPerStage: 0``) and exit 0, or the problem naming the field
+on stderr and exit 2.
 
 Two lines on stderr may come before the ok (docs/operator.md, "Checking a spec"):
 
@@ -134,6 +135,20 @@ def run(args: argparse.Namespace) -> int:
         checkpoint = f"; checkpoint on the PVC at {absent_mount}: not read here"
     print(
         f"{args.config}: ok ({len(configs)} replica(s) x {first.num_stages} {first.engine} "
-        f"stages of {first.model.name}, {len(spec.tenants) or 1} tenant(s){checkpoint})"
+        f"stages of {first.model.name}, {len(spec.tenants) or 1} tenant(s){checkpoint}"
+        f"{_devices(spec)})"
     )
     return 0
+
+
+def _devices(spec: Any) -> str:
+    """Where a stage pod computes (the pods follow ``resources.gpusPerStage``, which defaults
+    to ``tensorParallelSize`` for the torch engine, while ``wavepp up`` runs on this host's
+    devices): "" for the emulated engine."""
+    if spec.engine != "torch":
+        return ""
+    gpus = spec.gpus_per_stage()
+    tp = spec.tensor_parallel_size
+    if gpus == 0:
+        return f"; stage pods on CPUs ({tp} process(es) each, gpusPerStage: 0)"
+    return f"; stage pods request {gpus} GPU(s) each (gpusPerStage; 0 runs them on CPUs)"
