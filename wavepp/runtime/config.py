@@ -103,7 +103,12 @@ class RuntimeConfig(BaseModel):
     max_prepared: int = Field(64, ge=1)
     max_agreements_in_flight: int = Field(16, ge=1)
     lease_s: float = Field(30.0, gt=0)
-    request_timeout_s: float = Field(10.0, gt=0)
+    # NOTE: the admission's request-reply to a stage (KV rounds; health probes take at most
+    # 2 s). A KV op takes milliseconds; a round sent to a stage that died before answering is
+    # lost and waits this long, holding the requests queued behind it (under `wavepp up`, a
+    # request admitted right after the killed stage re-formed waited 7.5 s for a 10 s time-out).
+    # A time-out only retries the agreement (release, probe again: both idempotent).
+    request_timeout_s: float = Field(3.0, gt=0)
     # NOTE: an agreement a stage did not answer (NATS reconnecting, a stage restarting) is
     # retried (release, then probe again; both idempotent) for this many seconds of wall time
     # before its request fails; 0 fails at once.

@@ -103,7 +103,14 @@ class _BatchMux:
         try:
             for index, client in enumerate(clients):
                 await self.nc.publish(client.batch_subject, payload, reply=f"{reply_prefix}{index}")
-            return await call.future
+            try:
+                # a round lost with a dying server fails at the reconnect, as `_request` does
+                return await fail_on_reconnect(self.nc, lambda: call.future)
+            except ReconnectedError as exc:
+                rank = clients[call.replies.index(None)].rank if None in call.replies else -1
+                raise StageUnavailableError(
+                    rank, "no reply to a batched round: NATS reconnected meanwhile"
+                ) from exc
         finally:
             timer.cancel()
             self._calls.pop(key, None)
