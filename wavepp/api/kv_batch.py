@@ -208,7 +208,7 @@ def encode_batch(batch: KVBatch, bus_key: BusKey | None = None) -> bytes:
             if hashes:
                 earlier = latest_with_root.get(hashes[0])
                 if earlier is not None:
-                    shared_from, shared_len = earlier[0] + 1, _common_prefix(earlier[1], hashes)
+                    shared_from, shared_len = earlier[0] + 1, common_prefix(earlier[1], hashes)
                 latest_with_root[hashes[0]] = (index, hashes)
             rest = hashes[shared_len:]
             joined = b"".join(rest)
@@ -232,7 +232,7 @@ def encode_batch(batch: KVBatch, bus_key: BusKey | None = None) -> bytes:
     return body + (bus_key.mac_bytes(b"KVBatch", body) if bus_key is not None else _NO_MAC)
 
 
-def _common_prefix(a: tuple[bytes, ...], b: tuple[bytes, ...]) -> int:
+def common_prefix(a: tuple[bytes, ...], b: tuple[bytes, ...]) -> int:
     """Length of the longest common prefix of two hash sequences. Chained block hashes are equal
     at i only if equal before i, so a binary search finds it; the result is checked (any
     sequence is encoded right, chained or not) and a linear scan is the fallback."""

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from wavepp.api.kv_batch import common_prefix
 from wavepp.runtime.kv.hashing import BlockHash
 from wavepp.runtime.kv.pool import BlockPool, CacheHit, KVEvent
 
@@ -46,25 +47,6 @@ class _HeldRequest:
     num_agreed_blocks: int = 0  # L*, after commit
     num_hashed_blocks: int = 0  # leading table blocks already passed to cache_full_blocks
     owner: str = ""  # who probed it (an admission instance); only it may commit or release it
-
-
-def _common_prefix(a: tuple[BlockHash, ...], b: tuple[BlockHash, ...]) -> int:
-    """Length of the longest common prefix of two hash sequences, exact. Chained hashes are
-    equal at i only if equal before i, so a binary search finds it; one slice comparison (in C)
-    checks it, and a linear scan is the fallback for sequences that are not chains."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    if a[:lo] == b[:lo]:
-        return lo
-    n = 0
-    while a[n] == b[n]:
-        n += 1
-    return n
 
 
 def _check_lease(lease_s: float) -> None:
@@ -196,7 +178,7 @@ class StageKVManager:
         if prior is None and block_hashes:
             latest = recent.pop(block_hashes[0], None)
             if latest is not None:
-                prior, num_shared = latest[1], _common_prefix(latest[0], block_hashes)
+                prior, num_shared = latest[1], common_prefix(latest[0], block_hashes)
         hit = self.pool.pin_cache_hit(block_hashes, prior, num_shared)
         if block_hashes:
             recent[block_hashes[0]] = (block_hashes, hit)
