@@ -11,7 +11,9 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +114,52 @@ def wait_200(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"{url} not 200 in {WAIT_S}s:\n{log_tail(log)}")
         time.sleep(0.1)
+
+
+class Load:
+    """A closed loop of prefill requests with fresh prompts (``num_tokens`` each) from
+    ``num_clients`` threads, sent to ``urls`` in turn through ``post(url, body)`` -> (status,
+    body); ``records`` holds (sent, took, status, body) per answer."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        num_tokens: int,
+        post: Callable[[str, dict[str, Any]], tuple[int, Any]],
+        num_clients: int = 2,
+    ) -> None:
+        self.urls = urls
+        self.num_tokens = num_tokens
+        self.post = post
+        self.records: list[tuple[float, float, int, dict[str, Any]]] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._next = 0
+        self._threads = [
+            threading.Thread(target=self._run, daemon=True) for _ in range(num_clients)
+        ]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                seed = self._next
+                self._next += 1
+            tokens = [(seed * 131 + 7 * i) % 997 + 1 for i in range(self.num_tokens)]
+            sent = time.monotonic()
+            url = self.urls[seed % len(self.urls)]  # every URL (gateway pod) in turn
+            status, body = self.post(url, {"tenant": "default", "token_ids": tokens})
+            with self._lock:
+                self.records.append((sent, time.monotonic() - sent, status, body))
+
+    def start(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self, join_s: float = 70.0) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(join_s)
+
+    def answered_by(self, replica: str, after: float) -> bool:
+        return any(r[0] > after and r[3].get("replica") == replica for r in list(self.records))

@@ -19,7 +19,6 @@ import json
 import re
 import signal
 import subprocess
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -30,6 +29,7 @@ from http_support import post_json
 from pod_support import (
     CLUSTER_NATS_URL,
     REF,
+    Load,
     container_of,
     expand,
     kubelet_env,
@@ -71,42 +71,6 @@ def _wait(predicate, what: str, timeout_s: float, logs: list[Path]) -> float:  #
             pytest.fail(f"{what} not within {timeout_s}s:\n" + "\n".join(log_tail(p) for p in logs))
         time.sleep(0.05)
     return time.monotonic() - started
-
-
-class Load:
-    """Sequential prefill requests with fresh prompts from ``num_clients`` threads."""
-
-    def __init__(self, url: str, block_size: int, num_clients: int = 2) -> None:
-        self.url = url
-        self.block_size = block_size
-        self.records: list[tuple[float, float, int, dict[str, Any]]] = []  # sent, took, status
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._next = 0
-        self._threads = [
-            threading.Thread(target=self._run, daemon=True) for _ in range(num_clients)
-        ]
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with self._lock:
-                seed = self._next
-                self._next += 1
-            tokens = [(seed * 131 + 7 * i) % 997 + 1 for i in range(2 * self.block_size + 3)]
-            sent = time.monotonic()
-            status, body = post_json(self.url, {"tenant": "default", "token_ids": tokens})
-            with self._lock:
-                self.records.append((sent, time.monotonic() - sent, status, body))
-
-    def start(self) -> Load:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(60)
 
 
 def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -> None:
@@ -209,7 +173,7 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
                 list(logs.values()),
             )
             stage_pids = {n: p.pid for n, p in procs.items() if "stage" in n}
-            load = Load(f"{gateway}/v1/prefill", spec.cache.block_size).start()
+            load = Load([f"{gateway}/v1/prefill"], 2 * spec.cache.block_size + 3, post_json).start()
             _wait(lambda: len(load.records) >= 10, "10 answers before the kill", 60, [])
             victim = "r0-stage-1"
             procs[victim].send_signal(signal.SIGKILL)
@@ -238,7 +202,7 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
                 if sent > restarted and body.get("replica") == replica_names[0]
             )
             time.sleep(1.0)
-            load.stop()
+            load.stop(join_s=60)
             for name, pid in stage_pids.items():
                 if name != victim:
                     assert procs[name].pid == pid and procs[name].poll() is None, name

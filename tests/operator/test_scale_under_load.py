@@ -30,7 +30,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -39,6 +38,7 @@ from typing import Any
 
 import pytest
 from operator_support import NAMESPACE, Cluster, pod_status, wait_for
+from pod_support import Load
 
 from wavepp.operator import builders as b
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
@@ -278,45 +278,6 @@ def _pod(deployment: dict[str, Any], name: str) -> dict[str, Any]:
     }
 
 
-class Load:
-    """A closed loop of prefill requests (fresh prompts) from ``num_clients`` threads."""
-
-    def __init__(self, urls: list[str], num_clients: int = 4) -> None:
-        self.urls = urls
-        self.records: list[tuple[float, float, int, dict[str, Any]]] = []  # sent, took, status
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._next = 0
-        self._threads = [
-            threading.Thread(target=self._run, daemon=True) for _ in range(num_clients)
-        ]
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with self._lock:
-                seed = self._next
-                self._next += 1
-            tokens = [(seed * 131 + 7 * i) % 997 + 1 for i in range(40)]
-            sent = time.monotonic()
-            url = self.urls[seed % len(self.urls)]  # every gateway pod in turn
-            status, body = _http(url, {"tenant": "default", "token_ids": tokens}, 60.0)
-            with self._lock:
-                self.records.append((sent, time.monotonic() - sent, status, body))
-
-    def start(self) -> Load:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(70)
-
-    def answered_by(self, replica: str, after: float) -> bool:
-        return any(r[0] > after and r[3].get("replica") == replica for r in list(self.records))
-
-
 async def test_scale_1_3_1_under_load_the_pool_follows_and_nothing_is_lost(
     cluster: Cluster, operator: Any, tmp_path: Path
 ) -> None:
@@ -374,7 +335,12 @@ async def test_scale_1_3_1_under_load_the_pool_follows_and_nothing_is_lost(
             one = {replicas[0]: True, replicas[1]: False, replicas[2]: False}
             await wait_for(lambda: pool_is(one), timeout_s=120, what="replica 0 in the pool")
             await wait_for(lambda: ready_replicas(1), timeout_s=30, what="1 ready replica")
-            load = Load([f"{url}/v1/prefill" for url in gateway_urls()]).start()
+            load = Load(
+                [f"{url}/v1/prefill" for url in gateway_urls()],
+                40,
+                lambda url, body: _http(url, body, 60.0),
+                num_clients=4,
+            ).start()
             await asyncio.sleep(1.0)
 
             scaled_up = time.monotonic()
