@@ -16,6 +16,7 @@ from operator_support import (
 )
 
 from wavepp.operator import builders as b
+from wavepp.runtime.transport.natsio import free_port
 
 
 def _condition(body: dict[str, Any] | None, type_: str) -> dict[str, Any]:
@@ -431,14 +432,11 @@ async def test_wavepp_operator_command_runs_as_a_process(cluster: Cluster) -> No
     exits 0 on SIGTERM."""
     import os
     import signal
-    import socket
     import sys
 
     import aiohttp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = os.environ | {
         "KUBECONFIG": str(cluster.kubeconfig),
         "WAVEPP_DEFAULT_IMAGE": "registry.example/wavepp:proc",

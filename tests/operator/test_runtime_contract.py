@@ -28,6 +28,7 @@ from pod_support import (
     expand,
     kubelet_env,
     localize,
+    log_tail,
     probe_path,
     start_wavepp,
     wait_200,
@@ -288,6 +289,7 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
                 data = base64.b64decode(secret["data"][item["key"]])
                 (mounts[name] / item["path"]).write_bytes(data)
     procs: list[subprocess.Popen[bytes]] = []
+    logs: list[Path] = []
     with EmbeddedNatsServer(
         jetstream=server_config is None,
         store_dir=str(tmp_path / "js"),
@@ -315,6 +317,7 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
             log = tmp_path / f"{name}.log"
             proc = start_wavepp(localize(args, common | local, cluster), log, env)
             procs.append(proc)
+            logs.append(log)
             return proc, log
 
         try:
@@ -375,6 +378,13 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
             assert status == 200, second
             assert second["num_cached_tokens"] == 3 * block_size
             assert second["first_token_id"] == first["first_token_id"]
+        except pytest.fail.Exception as exc:
+            # the process waited on may be stuck because another one died: show every log
+            tails = "\n".join(
+                f"--- {log.name} (exit {proc.poll()}):\n{log_tail(log)}"
+                for proc, log in zip(procs, logs, strict=True)
+            )
+            pytest.fail(f"{exc}\n{tails}")
         finally:
             for proc in reversed(procs):
                 if proc.poll() is None:

@@ -27,6 +27,8 @@ from http_support import post_json
 from prometheus_client.parser import text_string_to_metric_families
 from up_support import UpService, start_up, stop_up
 
+from wavepp.runtime.transport.natsio import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 DASHBOARDS = sorted((Path(__file__).parents[2] / "dashboards").glob("*.json"))
@@ -37,11 +39,7 @@ ANSWER_WITHIN_S = 5.0
 def _free_port_run(count: int) -> int:
     """A port P with P .. P + count - 1 free."""
     for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if port + count - 1 > 65535:
-            continue
+        port = free_port()  # below the ephemeral range: no outgoing connection takes P + i
         try:
             for other_port in range(port + 1, port + count):
                 with socket.socket() as other:

@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -42,11 +43,37 @@ _reconnect_listeners: weakref.WeakKeyDictionary[NATS, list[Callable[[], Awaitabl
 _next_reconnect: weakref.WeakKeyDictionary[NATS, asyncio.Event] = weakref.WeakKeyDictionary()
 
 
+# Ports ``free_port`` hands out: below Linux's default ephemeral range (32768-60999), where the
+# kernel picks the local ports of outgoing connections and of bind(0).
+FREE_PORT_RANGE = (20000, 32768)
+_handed_out: set[int] = set()
+_port_random = random.Random()  # its own seed: a test's random.seed must not repeat ports
+
+
 def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """Return a TCP port on 127.0.0.1 that was free a moment ago and that this process has not
+    returned before.
+
+    Chosen at random in ``FREE_PORT_RANGE``, outside the kernel's ephemeral range: a port from
+    bind(0) is released before its user binds it, and meanwhile the kernel could give it to an
+    outgoing connection (a NATS client's) or to the next bind(0) (this process's next
+    ``free_port``: random choices repeat). A CI run failed so: a stage group that never formed.
+
+    Raises:
+        OSError: no free port after 1,000 tries.
+    """
+    for _ in range(1000):
+        port = _port_random.randrange(*FREE_PORT_RANGE)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise OSError(f"no free TCP port in {FREE_PORT_RANGE} after 1,000 tries")
 
 
 def nats_server_binary() -> str:
