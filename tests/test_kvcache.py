@@ -670,6 +670,54 @@ def test_a_prompt_hasher_hashes_as_hash_prompt_blocks(prompts: list) -> None:
         assert hasher(token_ids, salt) == hash_prompt_blocks(token_ids, 4, MODEL_ID, salt)
 
 
+def _reference_chain(token_ids: list[int], block_size: int, salt: str) -> list[bytes]:
+    """The chain by its definition: ``hash_block_tokens`` (one ``struct.pack`` per block)."""
+    parent, chain = root_block_hash(MODEL_ID, salt), []
+    for start in range(0, len(token_ids) // block_size * block_size, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        chain.append(parent)
+    return chain
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    base=st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=70),
+    edits=st.lists(
+        st.tuples(st.integers(0, 69), st.sampled_from([0, 1, 2**31, 2**32 - 1])), max_size=3
+    ),
+    cut=st.integers(0, 70),
+    block_size=st.sampled_from([1, 3, 8]),
+)
+def test_hashes_are_byte_identical_to_the_per_block_definition(
+    base: list[int], edits: list, cut: int, block_size: int
+) -> None:
+    """``hash_prompt_blocks`` (one vectorised encoding of the prompt) and ``PromptHasher``
+    (the first differing token found by a vectorised compare against the latest prompt) give
+    exactly the hashes of the per-block definition, over the whole u32 range, for prompts that
+    differ from the one before at any position (or not at all, or are cut short)."""
+    hasher = PromptHasher(block_size, MODEL_ID)
+    edited = list(base)
+    for position, value in edits:
+        if position < len(edited):
+            edited[position] = value
+    for token_ids in (base, edited, edited[:cut], base, base + [7] * block_size):
+        assert hash_prompt_blocks(token_ids, block_size, MODEL_ID) == _reference_chain(
+            token_ids, block_size, ""
+        )
+        assert hasher(token_ids) == _reference_chain(token_ids, block_size, "")
+
+
+def test_prompt_hashes_keep_their_values() -> None:
+    """The encoding is a wire contract between processes and versions: the first two hashes of
+    a fixed prompt (values from before the vectorised encoder; a change here changes every
+    stored block's name)."""
+    token_ids = [0, 1, 2**32 - 1, 70000, *range(12)]
+    assert [h.hex()[:16] for h in hash_prompt_blocks(token_ids, 8, "m", "salt")] == [
+        "63161e300df79f77",
+        "ec41e21a33e8b2fc",
+    ]
+
+
 def test_a_prompt_hasher_refuses_what_hash_prompt_blocks_refuses() -> None:
     hasher = PromptHasher(4, MODEL_ID)
     with pytest.raises(ValueError, match="token_ids"):
