@@ -8,7 +8,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from wavepp.api.kv_batch import (
+    BatchOp,
+    KVBatch,
+    KVBatchReply,
+    decode_reply,
+    encode_batch,
+    encode_reply,
+)
 from wavepp.api.messages import Commit, KVReply, ProbePin
+from wavepp.api.signing import BusKey
+from wavepp.api.subjects import ReplicaSubjects
 from wavepp.runtime.agreement import (
     AdmissionController,
     AgreementRefused,
@@ -19,6 +29,7 @@ from wavepp.runtime.agreement import (
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.request import PromptRequest
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
 
 BLOCK = 4
 MODEL_ID = "tiny-llama:seed=0"
@@ -239,3 +250,205 @@ async def test_a_batch_fans_out_to_every_stage_and_names_a_missing_one(nc) -> No
     with pytest.raises(StageUnavailableError, match="stage 3: no reply"):
         await NatsStageClient.call_batch_all(clients[:4], b"x")
     assert not clients[0].batch_mux._calls  # nothing left waiting
+
+
+# ---- one publish per round to a whole replica ({p}.stages.kvb) ------------------------------
+
+
+def _reply(rank: int, data: bytes = b"") -> bytes:
+    """A stage's encoded reply naming ``rank`` (its free-block count carries ``len(data)``)."""
+    return encode_reply(KVBatchReply(BatchOp.PROBE, rank, len(data), 8))
+
+
+class _Spy:
+    """Counts the messages on a subject (a second subscriber: the stages still get them)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+        async def cb(msg) -> None:  # noqa: ANN001
+            self.count += 1
+
+        self.cb = cb
+
+
+async def _stage(nc, prefix: str, rank: int, *, delay_s: float = 0.0, fanout: bool = True):  # noqa: ANN001, ANN202
+    """A stage answering batches (after ``delay_s``) on its own subject and, with ``fanout``,
+    the replica-wide one; and health asks on its KV subject."""
+
+    async def on_batch(msg) -> None:  # noqa: ANN001
+        await asyncio.sleep(delay_s)
+        await msg.respond(_reply(rank, msg.data))
+
+    async def on_kv(msg) -> None:  # noqa: ANN001
+        await msg.respond(b'{"rank": %d, "ok": true}' % rank)
+
+    subjects = ReplicaSubjects(prefix)
+    subs = [
+        await nc.subscribe(subjects.stage_kv_batch(rank), cb=on_batch),
+        await nc.subscribe(subjects.stage_kv(rank), cb=on_kv),
+    ]
+    if fanout:
+        subs.append(await nc.subscribe(subjects.stages_kv_batch, cb=on_batch))
+    await nc.flush()
+    return subs
+
+
+async def test_a_round_to_a_whole_replica_is_one_publish_answered_in_rank_order(nc) -> None:  # noqa: ANN001
+    """``call_batch_all`` over ``for_replica`` clients publishes once on ``{p}.stages.kvb`` (none
+    on the per-stage subjects); every stage answers on one reply subject, and the replies come
+    back in rank order whatever order they arrive in (stage 0 answers last here)."""
+    prefix = "wavepp.one"
+    for rank in range(3):
+        await _stage(nc, prefix, rank, delay_s=0.03 * (2 - rank))
+    fanout, per_stage = _Spy(), _Spy()
+    await nc.subscribe(ReplicaSubjects(prefix).stages_kv_batch, cb=fanout.cb)
+    await nc.subscribe(ReplicaSubjects(prefix).stage_kv_batch("*"), cb=per_stage.cb)
+    await nc.flush()
+    clients = NatsStageClient.for_replica(nc, prefix, 3, timeout_s=2.0)
+    for round_ in range(3):
+        replies = await NatsStageClient.call_batch_all(clients, b"x" * round_)
+        assert [decode_reply(r).rank for r in replies] == [0, 1, 2]
+        assert {decode_reply(r).num_free_blocks for r in replies} == {round_}
+    await nc.flush()
+    await asyncio.sleep(0.05)
+    assert (fanout.count, per_stage.count) == (3, 0)
+    # a single stage's call keeps its own subject
+    assert decode_reply(await clients[1].call_batch(b"y")).rank == 1
+    await nc.flush()
+    await asyncio.sleep(0.05)
+    assert (fanout.count, per_stage.count) == (3, 1)
+    assert not clients[0].batch_mux._calls
+
+
+async def test_a_subset_of_a_replica_is_sent_per_stage_never_to_the_others(nc) -> None:  # noqa: ANN001
+    """Clients that are not a whole replica (two of three, or made without ``num_stages``) keep
+    one publish per stage: the fan-out subject would reach a stage the call does not name."""
+    prefix = "wavepp.sub"
+    for rank in range(3):
+        await _stage(nc, prefix, rank)
+    fanout = _Spy()
+    await nc.subscribe(ReplicaSubjects(prefix).stages_kv_batch, cb=fanout.cb)
+    await nc.flush()
+    clients = NatsStageClient.for_replica(nc, prefix, 3, timeout_s=2.0)
+    replies = await NatsStageClient.call_batch_all(clients[:2], b"x")
+    assert [decode_reply(r).rank for r in replies] == [0, 1]
+    plain = [NatsStageClient(nc, prefix, rank, timeout_s=2.0) for rank in range(3)]
+    replies = await NatsStageClient.call_batch_all(plain, b"x")
+    assert [decode_reply(r).rank for r in replies] == [0, 1, 2]
+    await nc.flush()
+    await asyncio.sleep(0.05)
+    assert fanout.count == 0
+    with pytest.raises(ValueError, match=r"rank=3: must be in \[0, num_stages=3\)"):
+        NatsStageClient(nc, prefix, 3, num_stages=3)
+
+
+async def test_a_fanout_round_names_a_dead_stage_before_its_time_out(nc) -> None:  # noqa: ANN001
+    """Stage 2 of 3 has no subscription (its process died): the round's fan-out reaches the
+    others, the health ask on stage 2's own subject finds no listener, and the round fails naming
+    stage 2 long before the 5 s time-out."""
+    prefix = "wavepp.dead"
+    for rank in range(2):
+        await _stage(nc, prefix, rank)
+    clients = NatsStageClient.for_replica(nc, prefix, 3, timeout_s=5.0, liveness_check_s=0.05)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(StageUnavailableError, match=r"stage 2: no stage listens on wavepp\.dead"):
+        await NatsStageClient.call_batch_all(clients, b"x")
+    assert asyncio.get_running_loop().time() - started < 2.5
+    assert not clients[0].batch_mux._calls
+
+
+async def test_a_fanout_round_names_a_silent_stage_at_its_time_out(nc) -> None:  # noqa: ANN001
+    """Stage 1 listens (it answers health asks) but never answers the round: the time-out names
+    it and the fan-out subject; a reply naming no stage of the replica, or no reply at all, is
+    dropped rather than taken for one."""
+    prefix = "wavepp.quiet"
+    subjects = ReplicaSubjects(prefix)
+    await _stage(nc, prefix, 0)
+
+    async def rogue(msg) -> None:  # noqa: ANN001 - answers for a rank the replica lacks, and junk
+        await msg.respond(_reply(7))
+        await msg.respond(b"junk")
+
+    async def health_only(msg) -> None:  # noqa: ANN001
+        await msg.respond(b'{"rank": 1, "ok": true}')
+
+    await nc.subscribe(subjects.stages_kv_batch, cb=rogue)
+    await nc.subscribe(subjects.stage_kv(1), cb=health_only)
+    await nc.flush()
+    clients = NatsStageClient.for_replica(nc, prefix, 2, timeout_s=0.4, liveness_check_s=0.05)
+    with pytest.raises(
+        StageUnavailableError, match=r"stage 1: no reply on wavepp\.quiet\.stages\.kvb within 0.4s"
+    ):
+        await NatsStageClient.call_batch_all(clients, b"x")
+    assert not clients[0].batch_mux._calls
+
+
+async def test_stages_without_the_fanout_subject_are_reached_one_by_one(nc) -> None:  # noqa: ANN001
+    """Nobody listens on ``{p}.stages.kvb`` (stages of a version before it): nobody received the
+    round, so it is sent again per stage and answered; with no stage at all, the first is named."""
+    prefix = "wavepp.old"
+    for rank in range(2):
+        await _stage(nc, prefix, rank, fanout=False)
+    clients = NatsStageClient.for_replica(nc, prefix, 2, timeout_s=2.0)
+    replies = await NatsStageClient.call_batch_all(clients, b"x")
+    assert [decode_reply(r).rank for r in replies] == [0, 1]
+    nobody = NatsStageClient.for_replica(nc, "wavepp.nobody", 2, timeout_s=2.0)
+    with pytest.raises(StageUnavailableError, match=r"stage 0: no stage listens on wavepp\.nobody"):
+        await NatsStageClient.call_batch_all(nobody, b"x")
+
+
+async def test_a_fanout_round_through_the_stage_handlers_pins_on_every_stage(nc) -> None:  # noqa: ANN001
+    """The real stage side (``serve_stage_kv``: each stage subscribes to the fan-out subject)
+    and the real controller: an agreement over a whole replica's clients pins the agreed prefix
+    on every stage, and a replayed round (same seq) is refused by every stage as before."""
+    prefix = "wavepp.real"
+    key = BusKey(b"k" * 32).for_replica("real")
+    managers = [StageKVManager(BlockPool(64, 4)) for _ in range(3)]
+    for rank, manager in enumerate(managers):
+        await serve_stage_kv(nc, prefix, rank, manager, bus_key=key)
+    await nc.flush()
+    clients = NatsStageClient.for_replica(nc, prefix, 3, timeout_s=2.0)
+    controller = AdmissionController(clients, block_size=4, model_id="m", bus_key=key)
+    ticket = await controller.agree(PromptRequest("r1", list(range(20))))
+    assert ticket is not None
+    assert all(m.receipt("r1") is not None for m in managers)
+    batch = KVBatch(BatchOp.RELEASE, ("r1",), owner="replayer", seq=1)
+    payload = encode_batch(batch, key)
+    first = await NatsStageClient.call_batch_all(clients, payload)
+    again = await NatsStageClient.call_batch_all(clients, payload)
+    assert all(not decode_reply(r).error for r in first)
+    assert all("seq" in decode_reply(r).error for r in again)
+
+
+async def test_a_fanout_round_fails_at_a_reconnect_not_at_its_time_out() -> None:
+    """A round waiting on a stage when nats-server restarts fails as soon as the connection
+    reconnects (its publish or reply may be lost with the server), naming the stage it waited
+    for, not after its 20 s time-out (as ``fail_on_reconnect`` does for a single request)."""
+    with EmbeddedNatsServer() as server:
+        nc = await connect(server.url, name="fanout-reconnect")
+        try:
+            await _stage(nc, "wavepp.rc", 0)
+
+            async def silent(msg) -> None:  # noqa: ANN001 - alive (health), never answers rounds
+                return None
+
+            async def health(msg) -> None:  # noqa: ANN001
+                await msg.respond(b'{"rank": 1, "ok": true}')
+
+            subjects = ReplicaSubjects("wavepp.rc")
+            await nc.subscribe(subjects.stages_kv_batch, cb=silent)
+            await nc.subscribe(subjects.stage_kv(1), cb=health)
+            await nc.flush()
+            clients = NatsStageClient.for_replica(nc, "wavepp.rc", 2, timeout_s=20.0)
+            call = asyncio.ensure_future(NatsStageClient.call_batch_all(clients, b"x"))
+            await asyncio.sleep(0.3)
+            assert not call.done()
+            await asyncio.to_thread(server.restart)
+            with pytest.raises(
+                StageUnavailableError,
+                match="stage 1: no reply to a batched round: NATS reconnected",
+            ):
+                await asyncio.wait_for(call, timeout=15)
+        finally:
+            await nc.close()

@@ -176,6 +176,69 @@ async def test_rendered_users_against_a_real_server(trust: TrustRoot, tmp_path: 
             await connect(server.url, name="anonymous", allow_reconnect=False)
 
 
+async def test_rendered_users_send_a_round_to_every_stage_with_one_publish(
+    trust: TrustRoot, tmp_path: Path
+) -> None:
+    """Under the rendered JWT credentials: replica 0's admission publishes one round on
+    ``{p}.stages.kvb`` and both of its stages answer it into its inbox; a stage may not
+    publish there, and replica 1's stage may not read it."""
+    from wavepp.api.kv_batch import BatchOp, KVBatch, decode_reply, encode_batch
+    from wavepp.runtime.agreement import StageUnavailableError
+    from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
+    from wavepp.runtime.kv import BlockPool, StageKVManager
+
+    secret = _applied(trust)[0]
+    creds: dict[str, str] = {}
+    for key, value in secret["data"].items():
+        path = tmp_path / key
+        path.write_bytes(base64.b64decode(value))
+        creds[key.removesuffix(".creds")] = str(path)
+    config = tmp_path / "server.conf"
+    config.write_text(trust.server_config(str(tmp_path / "js")))
+    p0 = ReplicaSubjects(replica_prefix("p-r0", namespace="ns"))
+    with EmbeddedNatsServer(config_file=str(config)) as server:
+        errors: dict[str, list[str]] = {}
+
+        async def open_as(user: str):  # noqa: ANN202
+            errors[user] = []
+
+            async def on_error(exc: Exception) -> None:
+                errors[user].append(str(exc).lower())
+
+            return await connect(server.url, name=user, creds=creds[user], error_cb=on_error)
+
+        stages = [await open_as(f"stage-p-r0-{rank}") for rank in (0, 1)]
+        admission = await open_as("admission-p-r0")
+        other = await open_as("stage-p-r1-0")
+        try:
+            for rank, nc in enumerate(stages):
+                await serve_stage_kv(nc, p0.prefix, rank, StageKVManager(BlockPool(8, 4)))
+                await nc.flush()
+            clients = NatsStageClient.for_replica(admission, p0.prefix, 2, timeout_s=5.0)
+            payload = encode_batch(KVBatch(BatchOp.RELEASE, ("nothing",)))
+            replies = None
+            for _ in range(10):  # the stages' interest reaches the admission a moment later
+                try:
+                    replies = await NatsStageClient.call_batch_all(clients, payload)
+                    break
+                except StageUnavailableError:
+                    await asyncio.sleep(0.1)
+            assert replies is not None and [decode_reply(r).rank for r in replies] == [0, 1]
+            assert not any(errors.values()), errors
+            await stages[1].publish(p0.stages_kv_batch, payload)
+            await other.subscribe(p0.stages_kv_batch)
+            for nc in (stages[1], other):
+                await nc.flush()
+            await asyncio.sleep(0.2)  # a refusal's callback is a task
+            assert any("permissions violation for publish" in e for e in errors["stage-p-r0-1"])
+            assert any(
+                "permissions violation for subscription" in e for e in errors["stage-p-r1-0"]
+            )
+        finally:
+            for nc in (*stages, admission, other):
+                await nc.close()
+
+
 async def test_deletion_cleanup_under_nats_auth_removes_exactly_the_pools_streams(
     trust: TrustRoot, tmp_path: Path
 ) -> None:

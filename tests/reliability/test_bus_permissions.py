@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from nats.errors import NoRespondersError
 
+from wavepp.api.kv_batch import BatchOp, KVBatch, decode_reply, encode_batch
 from wavepp.api.permissions import users_for_pool
 from wavepp.api.subjects import (
     ReplicaSubjects,
@@ -20,6 +21,9 @@ from wavepp.api.subjects import (
     replica_prefix,
     result_subject,
 )
+from wavepp.runtime.agreement import StageUnavailableError
+from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
+from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.transport.auth import PoolAuth, write_pool_auth
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, wait_until
 
@@ -119,6 +123,7 @@ async def test_anonymous_and_foreign_clients_are_refused(server: EmbeddedNatsSer
     [
         # the positive controls: each component's own subjects work
         ("admission-p1", "stage-p1-0", P1.plan),
+        ("admission-p1", "stage-p1-1", P1.stages_kv_batch),  # a round to every stage at once
         ("stage-p1-1", "admission-p1", P1.done),
         ("gateway-pool1", "gateway-pool1", prefill_subject(POOL, namespace=NS)),
         ("admission-p1", "gateway-pool1", result_subject(POOL, "t.r1", namespace=NS)),
@@ -136,6 +141,11 @@ async def test_a_component_publishes_its_own_subjects(
     [
         # a stage forging its scheduler's plan, or another stage's KV events
         ("stage-p1-1", "stage-p1-0", P1.plan),
+        # a stage forging an agreement round to its peers; another replica's admission or the
+        # gateway sending one to p1's stages
+        ("stage-p1-1", "stage-p1-0", P1.stages_kv_batch),
+        ("admission-p2", "stage-p1-0", P1.stages_kv_batch),
+        ("gateway-pool1", "stage-p1-0", P1.stages_kv_batch),
         ("stage-p1-1", "gateway-pool1", P1.kv_events(0)),
         # a stage or admission forging a result or a heartbeat for the gateway
         ("stage-p1-0", "gateway-pool1", result_subject(POOL, "t.r1", namespace=NS)),
@@ -166,6 +176,12 @@ async def test_a_component_cannot_publish_another_components_subjects(
         ("stage-p1-0", "_INBOX.admission-p1.>"),  # the scheduler's replies
         ("admission-p2", P1.plan),
         ("gateway-pool1", P1.stage_kv(0)),
+        # p1's agreement rounds (every request's block hashes) read by another replica's
+        # stage or admission, the gateway, or p1's own admission (it only sends them)
+        ("stage-p2-0", P1.stages_kv_batch),
+        ("admission-p2", P1.stages_kv_batch),
+        ("gateway-pool1", P1.stages_kv_batch),
+        ("admission-p1", P1.stages_kv_batch),
     ],
 )
 async def test_a_component_cannot_read_another_components_subjects(
@@ -210,6 +226,62 @@ async def test_replies_come_to_the_requesters_own_inbox(
     finally:
         await stage.close()
         await scheduler.close()
+
+
+async def test_a_round_reaches_every_stage_and_each_answers_into_the_admissions_inbox(
+    server: EmbeddedNatsServer, auth: PoolAuth
+) -> None:
+    """One publish on ``{p}.stages.kvb`` by p1's admission reaches both of p1's stages; each
+    answers the one reply subject (``allow_responses``: one reply per stage) and the round gets
+    both replies, in rank order, with nothing broader granted."""
+    stages = [await Client().open(server.url, auth.stage("p1", r), f"stage{r}") for r in (0, 1)]
+    scheduler = await Client().open(server.url, auth.admission("p1"), "scheduler")
+    try:
+        for rank, stage in enumerate(stages):
+            manager = StageKVManager(BlockPool(8, 4))
+            await serve_stage_kv(stage.nc, P1.prefix, rank, manager)
+            await stage.nc.flush()
+        clients = NatsStageClient.for_replica(scheduler.nc, P1.prefix, 2, timeout_s=5.0)
+        payload = encode_batch(KVBatch(BatchOp.RELEASE, ("nothing",)))
+        replies = None
+        for _ in range(10):  # the stages' interest reaches the scheduler's server a moment later
+            try:
+                replies = await NatsStageClient.call_batch_all(clients, payload)
+                break
+            except StageUnavailableError:
+                await asyncio.sleep(0.1)
+        assert replies is not None, "the stages' subscriptions never became visible"
+        assert [decode_reply(r).rank for r in replies] == [0, 1]
+        assert not scheduler.errors and not any(stage.errors for stage in stages)
+    finally:
+        for client in (*stages, scheduler):
+            await client.close()
+
+
+def test_only_the_replicas_admission_sends_rounds_and_only_its_stages_read_them() -> None:
+    """The fan-out subject is granted exactly: p1's admission publishes it, p1's stages (and no
+    one else, of this pool or a same-named pool in another namespace) subscribe to it."""
+    for ns in (NS, "team-b"):
+        for user in users_for_pool(POOL, REPLICAS, namespace=ns):
+            publish, subscribe = user.permissions.publish, user.permissions.subscribe
+            assert (P1.stages_kv_batch in publish) == (ns == NS and user.name == "admission-p1")
+            assert (P1.stages_kv_batch in subscribe) == (
+                ns == NS and user.name in ("stage-p1-0", "stage-p1-1")
+            )
+            for pattern in (*publish, *subscribe):  # no wildcard grant covers it either
+                if pattern != P1.stages_kv_batch:
+                    assert not _matches(pattern, P1.stages_kv_batch), (user.name, pattern)
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` one token, ``>`` one or more trailing tokens."""
+    want, have = pattern.split("."), subject.split(".")
+    for index, token in enumerate(want):
+        if token == ">":
+            return len(have) > index
+        if index >= len(have) or token not in ("*", have[index]):
+            return False
+    return len(want) == len(have)
 
 
 def test_every_user_has_a_distinct_inbox_and_no_broad_wildcard() -> None:

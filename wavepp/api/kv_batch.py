@@ -64,6 +64,7 @@ __all__ = [
     "decode_reply",
     "encode_batch",
     "encode_reply",
+    "reply_rank",
 ]
 
 KV_BATCH_VERSION = 2
@@ -278,6 +279,15 @@ def encode_reply(reply: KVBatchReply) -> bytes:
 
 
 # ---- decoding ------------------------------------------------------------------------------
+
+
+def reply_rank(payload: bytes) -> int | None:
+    """The rank an encoded ``KVBatchReply`` names, read from its header alone (a round's replies
+    from every stage share one reply subject, so the rank tells them apart); None for anything
+    that does not begin as a reply does (the caller drops it)."""
+    if len(payload) < _REPLY_HEADER.size or payload[:3] != _REPLY_MAGIC:
+        return None
+    return _REPLY_HEADER.unpack_from(payload)[3]
 
 
 class _Reader:

@@ -13,8 +13,8 @@ namespace: two same-named pools in two namespaces under one NATS account have sa
 
 | user                          | publishes                                        | subscribes                                  |
 | ----------------------------- | ------------------------------------------------ | ------------------------------------------- |
-| ``stage-{pipeline}-{r}``      | ``{p}.done``, ``{p}.kv_events.{r}``, ``{p}.resync``, ``{p}.plan.replay`` (request), its rendezvous bucket ``WAVEPP_RDZV_{ns}_{pipeline}`` | ``{p}.stage.{r}.kv`` / ``.kvb``, ``{p}.stage.{r}.dones``, ``{p}.plan`` |
-| ``admission-{pipeline}``      | ``{p}.plan``, ``{p}.stage.*.kv`` / ``.kvb`` / ``.dones`` (requests), heartbeat, ``wavepp.{ns}.{pool}.result.>``, ``$KV`` results, JetStream API of its intake stream and the results bucket | ``{p}.done``, ``{p}.plan.replay``, ``{p}.resync``, ``{p}.kv_events.*`` |
+| ``stage-{pipeline}-{r}``      | ``{p}.done``, ``{p}.kv_events.{r}``, ``{p}.resync``, ``{p}.plan.replay`` (request), its rendezvous bucket ``WAVEPP_RDZV_{ns}_{pipeline}`` | ``{p}.stage.{r}.kv`` / ``.kvb``, ``{p}.stages.kvb``, ``{p}.stage.{r}.dones``, ``{p}.plan`` |
+| ``admission-{pipeline}``      | ``{p}.plan``, ``{p}.stage.*.kv`` / ``.kvb`` / ``.dones``, ``{p}.stages.kvb`` (requests), heartbeat, ``wavepp.{ns}.{pool}.result.>``, ``$KV`` results, JetStream API of its intake stream and the results bucket | ``{p}.done``, ``{p}.plan.replay``, ``{p}.resync``, ``{p}.kv_events.*`` |
 | ``cleanup-{ns}-{pool}``       | the operator at deletion: ``$JS.API.STREAM.LIST``, then ``$JS.API.STREAM.DELETE`` of exactly the pool's streams | its inbox |
 | ``gateway-{pool}``            | every replica's ``intake`` (JetStream), ``wavepp.{ns}.{pool}.prefill``, JetStream API of the intake streams and results bucket (read) | ``wavepp.{ns}.{pool}.result.>``, ``wavepp.{ns}.*.admission.heartbeat``, ``{p}.kv_events.*``, ``wavepp.{ns}.{pool}.prefill`` |
 
@@ -135,6 +135,7 @@ def stage_user(pipeline: str, rank: int, *, namespace: str) -> NatsUser:
             subscribe=(
                 s.stage_kv(rank),
                 s.stage_kv_batch(rank),
+                s.stages_kv_batch,  # a round to every stage of the replica at once
                 s.stage_dones(rank),
                 s.plan,
                 f"{inbox_prefix(name)}.>",
@@ -158,6 +159,7 @@ def admission_user(pipeline: str, pool: str, *, namespace: str) -> NatsUser:
                 s.plan,
                 s.stage_kv("*"),
                 s.stage_kv_batch("*"),
+                s.stages_kv_batch,
                 s.stage_dones("*"),
                 heartbeat_subject(pipeline, namespace=namespace),
                 result_subject(pool, ">", namespace=namespace),

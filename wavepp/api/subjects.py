@@ -10,6 +10,8 @@ labels (no ``.`` or ``_``), so the names below never collide across namespaces.
 | subject / object                      | kind                  | payload (``wavepp.api``)             |
 | ------------------------------------- | --------------------- | ------------------------------------ |
 | ``{p}.stage.{r}.kv``                  | request-reply         | ProbePin/Commit/Release/Renew/Health -> KVReply |
+| ``{p}.stage.{r}.kvb``                 | request-reply         | KVBatch -> KVBatchReply (one stage)  |
+| ``{p}.stages.kvb``                    | request, S replies    | KVBatch -> KVBatchReply from every stage (one publish per round) |
 | ``{p}.plan``                          | publish               | MicroBatchPlan (scheduler -> stages) |
 | ``{p}.plan.replay``                   | request-reply         | PlanReplay -> PlanReplayReply        |
 | ``{p}.done``                          | publish               | MicroBatchDone (stages -> scheduler) |
@@ -69,6 +71,13 @@ class ReplicaSubjects:
         """``{p}.stage.{r}.kvb``: the stage's batched agreement endpoint (request-reply, binary
         ``wavepp.api.kv_batch``); ``"*"``: all."""
         return f"{self.prefix}.stage.{rank}.kvb"
+
+    @property
+    def stages_kv_batch(self) -> str:
+        """``{p}.stages.kvb``: every stage's batched agreement endpoint at once: one publish
+        reaches all S stages of the replica, and each answers on the one reply subject with its
+        rank in the reply (``wavepp.api.kv_batch``). Not matched by ``stage_kv_batch("*")``."""
+        return f"{self.prefix}.stages.kvb"
 
     def stage_dones(self, rank: int | str) -> str:
         """``{p}.stage.{r}.dones``: replay of a stage's done messages (request-reply); ``"*"``: all."""

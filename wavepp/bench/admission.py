@@ -215,7 +215,7 @@ async def _one_setting(
             )
             stack.push_async_callback(nc.drain)
             controller = AdmissionController(
-                [NatsStageClient(nc, prefix, r, 10.0) for r in range(setting.stages)],
+                NatsStageClient.for_replica(nc, prefix, setting.stages, 10.0),
                 block_size=block_size,
                 model_id=_MODEL_ID,
                 max_batch=setting.batch_limit,

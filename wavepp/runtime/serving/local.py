@@ -144,12 +144,12 @@ class LocalPipeline:
             self.nats_url, name=f"{self.config.pipeline}-scheduler", anonymous_ok=True
         )
         replica_key = self.bus_key.for_replica(self.config.pipeline)
-        stages = [
-            NatsStageClient(
-                self.nc, self.config.subject_prefix, rank, self.config.request_timeout_s
-            )
-            for rank in range(self.config.num_stages)
-        ]
+        stages = NatsStageClient.for_replica(
+            self.nc,
+            self.config.subject_prefix,
+            self.config.num_stages,
+            self.config.request_timeout_s,
+        )
         self.controller = AdmissionController(
             stages,
             block_size=self.config.block_size,

@@ -188,10 +188,9 @@ class AdmissionService:
         # JetStream calls (results get/put) wait out a paused or restarting server for as long
         # as the intake message stays ours (kept in progress meanwhile), not the client's 5 s.
         self.js = nc.jetstream(timeout=store_timeout_s)
-        stages = [
-            NatsStageClient(nc, config.subject_prefix, rank, config.request_timeout_s)
-            for rank in range(config.num_stages)
-        ]
+        stages = NatsStageClient.for_replica(
+            nc, config.subject_prefix, config.num_stages, config.request_timeout_s
+        )
         self.controller = AdmissionController(
             stages,
             block_size=config.block_size,

@@ -11,6 +11,8 @@ Threads and ownership::
     asyncio loop thread (owns the StageCore)             compute thread (owns torch.distributed)
     ---------------------------------------------        ---------------------------------------
     {p}.stage.{r}.kv  -> core.handle_kv -> reply          take (work, prepared) in order
+    {p}.stage.{r}.kvb, {p}.stages.kvb (a round to every
+      stage) -> core.handle_kv_batch -> reply (its rank)
     {p}.plan          -> core.receive_plan, core.accept   recv activations from rank r-1
                          -> prepare() when local_prepare   prepare() here when not local_prepare
                          -> hand over to compute            execute() the stage's layers
@@ -155,6 +157,8 @@ class StageWorker:
         self._start_compute()
         await self.nc.subscribe(self.subjects.stage_kv(self.rank), cb=self._on_kv)
         await self.nc.subscribe(self.subjects.stage_kv_batch(self.rank), cb=self._on_kv_batch)
+        # a round to every stage of the replica at once (one publish; the reply names the rank)
+        await self.nc.subscribe(self.subjects.stages_kv_batch, cb=self._on_kv_batch)
         await self.nc.subscribe(self.subjects.plan, cb=self._on_plan)
         await self.nc.subscribe(self.subjects.stage_dones(self.rank), cb=self._on_done_replay)
         on_reconnect(self.nc, self._on_reconnected)
