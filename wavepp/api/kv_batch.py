@@ -36,6 +36,7 @@ bounds-checked and a fault raises ``KVWireError`` naming the field and the limit
 
 from __future__ import annotations
 
+import functools
 import hmac
 import math
 import struct
@@ -470,6 +471,28 @@ def _decode_entries(
 _STATUSES = tuple(EntryStatus)
 
 
+class _PlainResults(dict):  # type: ignore[type-arg]
+    """(status, value) -> its ``EntryResult`` without an error text, made once: a reply's
+    entries are looked up in one C-level ``map`` (a round of 16 entries from 8 stages decoded
+    entry by entry was ~10 % of the controller's CPU per agreement)."""
+
+    def __missing__(self, key: tuple[int, int]) -> EntryResult:
+        result = self[key] = EntryResult(_STATUSES[key[0]], key[1])
+        return result
+
+
+_PLAIN_RESULTS = _PlainResults()
+
+
+@functools.lru_cache(maxsize=64)
+def _values_of(count: int) -> struct.Struct:
+    """The ``value`` fields of ``count`` text-less results (``u8 status | u32 value | u16 0``)."""
+    return struct.Struct("<" + "xIxx" * count)
+
+
+_MAX_PLAIN_RESULTS = 4096  # distinct (status, value) pairs kept; cleared past it
+
+
 def decode_reply(payload: bytes) -> KVBatchReply:
     """Parse a stage's reply. Raises ``KVWireError`` naming the field for anything malformed."""
     reader = _Reader(payload)
@@ -486,10 +509,16 @@ def decode_reply(payload: bytes) -> KVBatchReply:
     (count,) = reader.unpack(_U32, "count")
     rest = reader.view[reader.at :]
     if len(rest) == _RESULT.size * _count(count):  # no entry carries an error text
-        fields = list(_RESULT.iter_unpack(rest))
-        if all(n == 0 and status < len(_STATUSES) for status, _, n in fields):
-            results = tuple([EntryResult(_STATUSES[status], value) for status, value, _ in fields])
-            return KVBatchReply(batch_op, rank, free, blocks, results, error)
+        raw = rest.tobytes()
+        statuses = raw[0 :: _RESULT.size]
+        # every text length 0 and every status known: the whole reply in C-level passes
+        if not raw[5 :: _RESULT.size].strip(b"\0") and not raw[6 :: _RESULT.size].strip(b"\0"):
+            if not statuses or max(statuses) < len(_STATUSES):
+                values = _values_of(count).unpack(raw)
+                results = tuple(map(_PLAIN_RESULTS.__getitem__, zip(statuses, values, strict=True)))
+                if len(_PLAIN_RESULTS) > _MAX_PLAIN_RESULTS:
+                    _PLAIN_RESULTS.clear()
+                return KVBatchReply(batch_op, rank, free, blocks, results, error)
     results = []
     for _ in range(_count(count)):
         status, value, n = reader.unpack(_RESULT, "result")
