@@ -439,10 +439,13 @@ def test_batched_agreement_properties(
                 assert ticket.num_agreed_blocks <= min(ticket.stage_hits)
                 assert ticket.num_agreed_blocks * BLOCK < request.num_tokens
                 hashes = controller.block_hashes(request)
-                for manager in managers:
-                    assert (
-                        len(manager.block_table(request.request_id)) * BLOCK >= request.num_tokens
-                    )
+                for manager, hit in zip(managers, ticket.stage_hits, strict=True):
+                    table = manager.block_table(request.request_id)
+                    assert len(table) * BLOCK >= request.num_tokens
+                    # one round trip: each stage's table starts with its own whole hit
+                    assert [manager.pool.block_hash(b) for b in table[:hit]] == hashes[:hit]
+                    start = manager.start_chunk(request.request_id, ticket.num_cached_tokens)
+                    assert start == hit * BLOCK
                     manager.mark_computed(request.request_id, request.num_tokens, hashes)
                 live.append(request.request_id)
             for manager in managers:
