@@ -255,7 +255,8 @@ async def test_a_keyed_controller_and_keyed_stages_agree_in_signed_rounds() -> N
 
 @settings(max_examples=200, deadline=None)
 @given(
-    garbage=st.binary(max_size=200), prefix=st.sampled_from([b"", b"WKB\x01\x01", b"WKB\x01\x03"])
+    garbage=st.binary(max_size=200),
+    prefix=st.sampled_from([b"", b"WKB\x01\x01", b"WKB\x01\x03", b"WKB\x03\x04"]),
 )
 def test_the_stage_handler_never_raises_and_changes_nothing_on_garbage(
     garbage: bytes, prefix: bytes
