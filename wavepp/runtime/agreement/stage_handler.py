@@ -145,8 +145,8 @@ def handle_kv_batch(
     refuse: str = "",
     bus_key: BusKey | None = None,
 ) -> bytes:
-    """Apply one admission round (a binary ``KVBatch``) to a stage's manager, in one pass, and
-    return the encoded ``KVBatchReply``. Never raises on bad input.
+    """Apply one admission round (a binary ``KVBatch``) to a stage's manager and return the
+    encoded ``KVBatchReply``. Never raises on bad input.
 
     A probe entry that shares its leading hashes with an earlier one of the batch starts its
     walk of the block table where that one's ended (``BlockPool.pin_cache_hit``): one lookup
@@ -168,8 +168,8 @@ def handle_kv_batch(
         rank: the stage's rank, echoed in the reply.
         payload: ``wavepp.api.kv_batch.encode_batch`` bytes.
         refuse: non-empty while the stage is out of service (re-forming its group): a release
-            batch is applied, a probe or commit batch answered INVALID per entry with this
-            reason and applied to nothing.
+            batch is applied, any other (probe-reserve, probe, commit) answered INVALID per
+            entry with this reason and applied to nothing.
         bus_key: the replica's key: a batch it did not sign, or a replayed one (its owner's op
             number seen before), is refused whole; None accepts unsigned batches (insecure
             mode). Entries act for the batch's owner only (``StageKVManager``'s owner checks).

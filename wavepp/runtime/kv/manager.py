@@ -219,21 +219,11 @@ class StageKVManager:
     ) -> list[int] | None:
         """Keep the whole pinned hit (h_s blocks) and reserve the ``num_total_blocks - h_s``
         blocks after it: the one-round-trip agreement's stage step, after ``probe_pin``.
-
-        Args:
-            request_id: A probed request.
-            num_total_blocks: Blocks the whole prompt needs (ceil(num_tokens / block_size)),
-                >= the local hit and >= the probed hashes.
-            lease_s: New lease, seconds from now, > 0, <= ``max_lease_s``.
-            owner: The owner that probed it.
-            copy: False: return the manager's own table (the caller only reads it, at once).
+        Arguments as ``commit``'s (``num_total_blocks`` >= the probed hashes, no L*).
 
         Returns:
-            The block table (h_s cached ids, then fresh ids), or None when the pool cannot
-            reserve the fresh blocks or the owner would hold more than
-            ``max_blocks_per_owner``: then all of this request's pins are released and it is
-            forgotten (a refused reservation leaves no pins). Idempotent: a reserved request
-            returns the same table again.
+            The block table (h_s cached ids, then fresh ids), or None (refused, as ``commit``:
+            then this request holds nothing). Idempotent: the same table again.
 
         Raises:
             KeyError: if ``request_id`` is not held.
@@ -284,14 +274,10 @@ class StageKVManager:
         """A chunk of ``request_id`` starting at token ``context_offset`` is about to run here:
         a reserved request's first chunk names its L* (``context_offset // block_size``).
 
-        Returns:
-            ``num_hit_blocks`` in tokens: positions below it are in this stage's cached blocks
-            already (the engine computes them but writes none of their KV or state).
-
-        Raises:
-            KeyError: if ``request_id`` is not reserved or committed here.
-            ValueError: a reserved request's first chunk that does not start on a block
-                boundary at or below the stage's hit (the stage does not hold that prefix).
+        Returns ``num_hit_blocks`` in tokens: positions below it are in this stage's cached
+        blocks (computed, but none of their KV or state written: ``ChunkSpec.num_cached_tokens``).
+        Raises KeyError if the request is not reserved or committed here, ValueError for a
+        reserved request's first chunk off a block boundary or past the stage's hit.
         """
         held = self._requests.get(request_id)
         if held is None or held.block_table is None:
