@@ -12,6 +12,8 @@ import hashlib
 import struct
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from wavepp.api.kv_batch import (
     BatchOp,
@@ -300,3 +302,59 @@ async def test_a_refusal_on_one_stage_is_released_on_the_others_before_the_calle
     assert heard == [[[], [], []]]
     assert controller.num_refusals == 1 and controller.num_agreements == 1
     assert all(m.pool.num_pinned_blocks == 0 for m in managers)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_blocks=st.integers(2, 24),
+    cached=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 6)), max_size=3),
+    entries=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 6), st.integers(0, 3), st.booleans()),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_probe_reserve_batches_hold_whole_tables_or_nothing(
+    num_blocks: int,
+    cached: list[tuple[int, int]],
+    entries: list[tuple[int, int, int, bool]],
+) -> None:
+    """Any round on any pool: an OK entry holds its whole table (its hit's cached ids, then
+    fresh blocks) and answered its hit; a refused or invalid one holds nothing; every hit was
+    pinned before any reservation of the round; releasing everything frees everything."""
+    manager = StageKVManager(BlockPool(num_blocks, BLOCK))
+    for index, (root, n) in enumerate(cached):
+        hashes = chain(min(n, num_blocks), root)
+        manager.probe_pin(f"w{index}", hashes, 5.0)
+        if manager.reserve(f"w{index}", len(hashes), 5.0) is not None:
+            manager.mark_computed(f"w{index}", len(hashes) * BLOCK, hashes)
+            manager.release(f"w{index}")
+    reserve_entries = []
+    for index, (root, shared, own, partial) in enumerate(entries):
+        hashes = chain(shared, root) + chain(own, 10 + index)
+        rid = f"r{index % 5}"  # some ids repeat within the round
+        reserve_entries.append(ReserveEntry(rid, hashes, len(hashes) + int(partial or not hashes)))
+    hits_before = [
+        len(manager.pool.find_longest_cache_hit(e.block_hashes)) for e in reserve_entries
+    ]
+    reply = decode_reply(handle_kv_batch(manager, 0, encode_batch(reserve_batch(*reserve_entries))))
+    assert len(reply.results) == len(reserve_entries)
+    held = set(manager.request_ids())
+    first_of: dict[str, int] = {}
+    for index, (entry, result) in enumerate(zip(reserve_entries, reply.results, strict=True)):
+        first = first_of.setdefault(entry.request_id, index)
+        if result.ok:
+            assert entry.request_id in held
+            table = manager.block_table(entry.request_id)
+            if first == index:  # the first entry of an id decides its table
+                assert result.value == hits_before[index]  # hits pinned before reserving
+                assert len(table) == entry.num_total_blocks
+                assert [manager.pool.block_hash(b) for b in table[: result.value]] == list(
+                    entry.block_hashes[: result.value]
+                )
+        elif first == index:
+            assert entry.request_id not in held
+    manager.pool.check_invariants()
+    for request_id in held:
+        assert manager.release(request_id)
+    assert manager.pool.num_pinned_blocks == 0
