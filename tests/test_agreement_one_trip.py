@@ -358,3 +358,35 @@ def test_probe_reserve_batches_hold_whole_tables_or_nothing(
     for request_id in held:
         assert manager.release(request_id)
     assert manager.pool.num_pinned_blocks == 0
+
+
+async def test_admitted_callers_do_not_wait_for_the_release_of_a_refused_one() -> None:
+    """In a round where one request is refused, the others are answered before the refused
+    one's release round trip (which still completes before its own caller hears None)."""
+    managers = [StageKVManager(BlockPool(c, BLOCK)) for c in (16, 4)]
+    events: list[str] = []
+
+    class Slow(LocalStageClient):
+        async def call_batch(self, payload: bytes) -> bytes:
+            op = decode_batch(payload).op
+            if op is BatchOp.RELEASE:
+                events.append("release sent")
+                await asyncio.sleep(0.01)
+            reply = await super().call_batch(payload)
+            if op is BatchOp.RELEASE:
+                events.append("released")
+            return reply
+
+    controller = AdmissionController(
+        [Slow(m, r) for r, m in enumerate(managers)], block_size=BLOCK, model_id=MODEL_ID
+    )
+
+    async def agree(rid: str, n: int) -> None:
+        ticket = await controller.agree(PromptRequest(rid, list(range(100 * n, 100 * n + n))))
+        events.append(f"{rid} {'admitted' if ticket else 'refused'}")
+
+    await asyncio.gather(agree("small", 8), agree("big", 20))
+    assert controller.num_rounds == 1
+    assert events.index("small admitted") < events.index("released")
+    assert events.index("released") < events.index("big refused")
+    assert managers[0].request_ids() == ["small"] and managers[1].request_ids() == ["small"]

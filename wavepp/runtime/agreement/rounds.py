@@ -224,14 +224,14 @@ class AgreementRounds:
             pending.num_agreed_blocks = num_agreed - num_agreed % self.state_interval_blocks
             (refused if pending.abandoned else admitted).append(pending)
         self._trace(batch, "agreement.probe_reserve", started)
-        # a refusal on one stage leaves the others holding: release before anyone hears
+        for pending in admitted:  # held on every stage: nothing to wait for
+            _settle(pending, result=self._admitted(pending))
+        # a refusal on one stage leaves the others holding: released before its caller hears
         await self.release_quietly(
             [p.request_id for p in refused] + [p.request_id for p, _ in failed]
         )
         for pending in refused:
             _settle(pending, result=None)
-        for pending in admitted:
-            _settle(pending, result=self._admitted(pending))
         for pending, error in failed:
             _settle(pending, exc=error)
 
