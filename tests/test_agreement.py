@@ -45,11 +45,16 @@ def make_stages(capacities: list[int]) -> tuple[list[StageKVManager], AdmissionC
 
 
 def compute_all(
-    managers: list[StageKVManager], controller: AdmissionController, req: PromptRequest
+    managers: list[StageKVManager],
+    controller: AdmissionController,
+    req: PromptRequest,
+    num_agreed_blocks: int = 0,
 ) -> None:
-    """What the stages do once the request's chunks ran: cache its full blocks."""
+    """What the stages do once the request's chunks ran (the first at L*): cache its full
+    blocks."""
     hashes = controller.block_hashes(req)
     for manager in managers:
+        manager.start_chunk(req.request_id, num_agreed_blocks * BLOCK)
         manager.mark_computed(req.request_id, req.num_tokens, hashes)
 
 
@@ -161,7 +166,11 @@ def test_agreement_properties(
             else:
                 assert ticket.num_agreed_blocks <= min(ticket.stage_hits)
                 assert ticket.num_agreed_blocks * BLOCK < request.num_tokens
-                compute_all(managers, controller, request)
+                for manager, hit in zip(managers, ticket.stage_hits, strict=True):
+                    assert manager.num_hit_blocks(request.request_id) == hit  # kept whole
+                compute_all(managers, controller, request, ticket.num_agreed_blocks)
+                for manager in managers:
+                    assert manager.num_agreed_blocks(request.request_id) == ticket.num_agreed_blocks
                 live.append(request)
             if len(live) >= release_every:
                 await controller.release([r.request_id for r in live])

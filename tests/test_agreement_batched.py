@@ -259,7 +259,8 @@ async def test_a_keyed_controller_and_keyed_stages_agree_in_signed_rounds() -> N
 
 @settings(max_examples=200, deadline=None)
 @given(
-    garbage=st.binary(max_size=200), prefix=st.sampled_from([b"", b"WKB\x01\x01", b"WKB\x01\x03"])
+    garbage=st.binary(max_size=200),
+    prefix=st.sampled_from([b"", b"WKB\x01\x01", b"WKB\x01\x03", b"WKB\x03\x04"]),
 )
 def test_the_stage_handler_never_raises_and_changes_nothing_on_garbage(
     garbage: bytes, prefix: bytes
@@ -308,26 +309,46 @@ class CountingClient(LocalStageClient):
         return await super().call_batch(payload)
 
 
-async def test_concurrent_requests_share_rounds_and_commits_overlap_the_next_probe() -> None:
+class GatedClient(LocalStageClient):
+    """An in-process client whose calls wait for ``gate``; records each batch it carried."""
+
+    def __init__(self, manager: StageKVManager, rank: int, log: list[tuple[int, str, int]]) -> None:
+        super().__init__(manager, rank)
+        self.log = log
+        self.gate = asyncio.Event()
+
+    async def call_batch(self, payload: bytes) -> bytes:
+        batch = decode_batch(payload)
+        self.log.append((self.rank, batch.op.name, len(batch.entries)))
+        await self.gate.wait()
+        return await super().call_batch(payload)
+
+
+async def test_a_round_is_one_round_trip_and_rounds_overlap() -> None:
+    """One probe-reserve message per stage per round and nothing more (no commit phase: the
+    old agreement sent a probe, then a commit); a second round goes out while the first is on
+    the wire."""
     managers = [StageKVManager(BlockPool(256, BLOCK)) for _ in range(3)]
     log: list[tuple[int, str, int]] = []
-    controller = AdmissionController(
-        [CountingClient(m, r, log) for r, m in enumerate(managers)],
-        block_size=BLOCK,
-        model_id=MODEL_ID,
-    )
+    clients = [GatedClient(m, r, log) for r, m in enumerate(managers)]
+    controller = AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID)
     requests = [PromptRequest(f"r{i}", list(range(i, i + 9))) for i in range(40)]
     first = asyncio.gather(*(controller.agree(r) for r in requests[:20]))
-    await asyncio.sleep(0.0015)  # the first round's probe is on the wire
-    tickets = await asyncio.gather(first, *(controller.agree(r) for r in requests[20:]))
-    assert all(t is not None for t in tickets[0]) and all(t is not None for t in tickets[1:])
-    # 40 requests in far fewer rounds than 40: one message per stage per phase per round.
-    assert controller.num_rounds < 10
+    while len(log) < 3:  # the first round is on the wire, unanswered
+        await asyncio.sleep(0)
+    second = asyncio.gather(*(controller.agree(r) for r in requests[20:]))
+    while len(log) < 6:  # the second round went out before the first came back
+        await asyncio.sleep(0)
+    assert not first.done()
+    for client in clients:
+        client.gate.set()
+    tickets = [*await first, *await second]
+    assert all(t is not None for t in tickets)
+    assert controller.num_rounds == 2
     stage0 = [(op, n) for rank, op, n in log if rank == 0]
-    assert sum(n for op, n in stage0 if op == "PROBE") == 40
-    # Pipelined: some probe went out before the previous round's commit was sent back.
-    ops = [op for op, _ in stage0]
-    assert ops.index("COMMIT") < len(ops) - 1 and "PROBE" in ops[ops.index("COMMIT") - 1 :]
+    assert stage0 == [("PROBE_RESERVE", 20), ("PROBE_RESERVE", 20)]
+    for manager in managers:  # reserved at once: every table is complete, nothing to commit
+        assert all(len(manager.block_table(r.request_id)) == 3 for r in requests)
     await controller.release([r.request_id for r in requests])
     for manager in managers:
         assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0
@@ -423,10 +444,13 @@ def test_batched_agreement_properties(
                 assert ticket.num_agreed_blocks <= min(ticket.stage_hits)
                 assert ticket.num_agreed_blocks * BLOCK < request.num_tokens
                 hashes = controller.block_hashes(request)
-                for manager in managers:
-                    assert (
-                        len(manager.block_table(request.request_id)) * BLOCK >= request.num_tokens
-                    )
+                for manager, hit in zip(managers, ticket.stage_hits, strict=True):
+                    table = manager.block_table(request.request_id)
+                    assert len(table) * BLOCK >= request.num_tokens
+                    # one round trip: each stage's table starts with its own whole hit
+                    assert [manager.pool.block_hash(b) for b in table[:hit]] == hashes[:hit]
+                    start = manager.start_chunk(request.request_id, ticket.num_cached_tokens)
+                    assert start == hit * BLOCK
                     manager.mark_computed(request.request_id, request.num_tokens, hashes)
                 live.append(request.request_id)
             for manager in managers:

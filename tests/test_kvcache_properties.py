@@ -14,8 +14,11 @@ What holds, and is asserted after every step:
   ``pin_cache_hit`` when it starts from an earlier walk (still exact, or stale: a hash left
   or entered the pool since)
   for a sequence sharing some leading hashes with that walk's.
-- A refused commit leaves no pins for that request, and is refused only when the pool really
-  lacks the blocks; after every request is released, nothing leaks.
+- A refused commit or reservation leaves no pins for that request, and is refused only when the
+  pool really lacks the blocks; after every request is released, nothing leaks.
+- A reservation (the one-round-trip agreement) keeps the whole local hit: its table is the hit's
+  ids, then fresh ones; a chunk starting at any L* <= the hit caches only the blocks past the
+  hit, and a cached block never changes its hash.
 
 What is NOT asserted: that the cached set is prefix-closed. Tail-first release makes a chain's
 tail go before its prefix, but LRU across requests can evict block i of one chain while block
@@ -252,6 +255,7 @@ class _ModelRequest:
         self.num_total_blocks = -(-len(token_ids) // _BLOCK_SIZE)
         self.held_block_ids: list[int] = []
         self.is_committed = False
+        self.is_reserved = False  # committed through reserve (one round trip)
         self.num_agreed_blocks = 0
         self.num_computed_tokens = 0
         self.expiry_s = expiry_s
@@ -302,9 +306,12 @@ class StageKVManagerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), prompt=_prompts, lease_s=_leases_s)
     def serve_prompt(self, data: st.DataObject, prompt: tuple, lease_s: float) -> None:
-        """A whole request in one step (probe, commit, compute all, maybe release)."""
+        """A whole request in one step (probe, reserve or commit, compute all, maybe release)."""
         request_id = self._probe(prompt, lease_s)
-        if not self._commit(data, request_id, lease_s):
+        if data.draw(st.booleans(), label="one round trip"):
+            if not self._reserve(data, request_id, lease_s):
+                return
+        elif not self._commit(data, request_id, lease_s):
             return
         self._mark_computed(request_id, len(self.requests[request_id].token_ids))
         if data.draw(st.booleans(), label="release"):
@@ -388,14 +395,62 @@ class StageKVManagerMachine(RuleBasedStateMachine):
         request.expiry_s = self.now_s + lease_s
         return True
 
+    @precondition(lambda self: self._has(committed=False))
+    @rule(data=st.data(), lease_s=_leases_s)
+    def reserve(self, data: st.DataObject, lease_s: float) -> None:
+        self._reserve(data, self._pick(data, committed=False), lease_s)
+
+    def _reserve(self, data: st.DataObject, request_id: str, lease_s: float) -> bool:
+        """Reserve after the whole hit; the first chunk then starts at some L* <= the hit."""
+        request = self.requests[request_id]
+        hit = request.held_block_ids
+        num_fresh = request.num_total_blocks - len(hit)
+        refs = self._model_refs()
+        should_refuse = self.pool.num_free_blocks < num_fresh
+        num_pinned_before = self.pool.num_pinned_blocks
+
+        table = self.manager.reserve(request_id, request.num_total_blocks, lease_s)
+
+        if table is None:
+            assert should_refuse, "refused although enough blocks were free"
+            del self.requests[request_id]
+            assert self.manager.receipt(request_id).block_ids == ()
+            assert self.pool.num_pinned_blocks == num_pinned_before - sum(
+                refs[block_id] == 1 for block_id in hit
+            )
+            return False
+        assert not should_refuse, "accepted although too few blocks were free"
+        assert table[: len(hit)] == hit and len(table) == request.num_total_blocks
+        fresh = table[len(hit) :]
+        assert len(set(fresh)) == len(fresh)
+        for block_id in fresh:
+            assert refs[block_id] == 0
+            assert self.pool.block_hash(block_id) is None and self.pool.ref_cnt(block_id) == 1
+        num_agreed = data.draw(st.integers(0, len(hit)), label="L*")
+        assert self.manager.start_chunk(request_id, num_agreed * _BLOCK_SIZE) == len(hit) * (
+            _BLOCK_SIZE
+        )
+        assert self.manager.num_agreed_blocks(request_id) == num_agreed
+        request.held_block_ids = table
+        request.hash_snapshot.update(dict.fromkeys(fresh))
+        request.is_committed = request.is_reserved = True
+        request.num_agreed_blocks = len(hit)  # what probing it again answers: the hit
+        # computing starts at L*, but the blocks before the hit are cached: none hashed again
+        request.num_computed_tokens = len(hit) * _BLOCK_SIZE
+        request.expiry_s = self.now_s + lease_s
+        return True
+
     @precondition(lambda self: self._has(committed=True))
     @rule(data=st.data(), lease_s=_leases_s)
     def commit_again_is_idempotent(self, data: st.DataObject, lease_s: float) -> None:
         request_id = self._pick(data, committed=True)
         request = self.requests[request_id]
-        table = self.manager.commit(
-            request_id, request.num_agreed_blocks, request.num_total_blocks, lease_s
-        )
+        if request.is_reserved:
+            table = self.manager.reserve(request_id, request.num_total_blocks, lease_s)
+        else:
+            table = self.manager.commit(
+                request_id, request.num_agreed_blocks, request.num_total_blocks, lease_s
+            )
         assert table == request.held_block_ids
         request.expiry_s = max(request.expiry_s, self.now_s + lease_s)
 

@@ -145,8 +145,9 @@ def test_lockstep_admission_is_free_and_takes_the_smallest_capacity() -> None:
     lockstep_s, lockstep_capacities = _run_admission(True)
     messages_s, capacities = _run_admission(False)
     assert lockstep_capacities == [700] * 4 and capacities == [900, 700, 800, 1000]
-    # Without lockstep: probe-pin and commit, two 4 ms round trips on the critical path.
-    assert messages_s - lockstep_s == pytest.approx(0.008)
+    # Without lockstep: one probe-reserve, one 4 ms round trip on the critical path (the
+    # two-phase agreement, probe then commit, paid two).
+    assert messages_s - lockstep_s == pytest.approx(0.004)
 
 
 def _one_request_wall_s(config: RuntimeConfig, planner_cost: CostModel, **latency) -> float:

@@ -106,12 +106,12 @@ def test_one_root_per_request_and_a_connected_tree(run: Run) -> None:
 def test_agreement_spans_precede_the_stage_spans_of_their_request(run: Run) -> None:
     for root in (s for s in run.spans if s.is_root):
         [agreement] = run.children(root, "agreement")  # no refusals at this capacity
-        [probe] = run.children(agreement, "agreement.probe")
-        [commit] = run.children(agreement, "agreement.commit")
-        assert probe.end_ns <= commit.start_ns
+        # one round trip: one child, no commit
+        [probe_reserve] = run.children(agreement, "agreement.probe_reserve")
+        assert not run.children(agreement, "agreement.commit")
         assert (
             agreement.attributes["prefix.agreed_blocks"]
-            == commit.attributes["prefix.agreed_blocks"]
+            == probe_reserve.attributes["prefix.agreed_blocks"]
         )
         stage_spans = [s for s in run.by_trace[root.trace_id] if s.name.startswith("stage.")]
         assert stage_spans

@@ -1,8 +1,12 @@
-"""The batched agreement wire format (version 2): one binary message per stage per admission round.
+"""The batched agreement wire format (version 3): one binary message per stage per admission round.
 
-A round carries the probes (or the commits, or the releases) of every request ready in it, so a
-stage answers a whole round with one message and one pass over its block table, instead of one
-JSON request-reply per request per phase. Block hashes travel as raw 32-byte sha256 digests,
+A round carries the probe-reserves (or the releases) of every request ready in it, so a stage
+answers a whole round with one message and one pass over its block table, instead of one JSON
+request-reply per request per phase. Since version 3 the agreement takes one round trip: a
+probe-reserve entry pins the stage's local hit h_s and at once reserves the blocks after it
+(the stage's table does not depend on L*: token p lives in block p // block_size either way);
+the controller takes L* from the replies and sends it with the plan. The two-phase ops (probe,
+then commit with L*) are still decoded and applied, for a controller of an earlier release. Block hashes travel as raw 32-byte sha256 digests,
 not as JSON lists of hex strings (64 characters each plus quoting).
 
 Layout (little-endian; ``rid`` = u16 length + UTF-8 request id, 1..256 bytes)::
@@ -13,19 +17,26 @@ Layout (little-endian; ``rid`` = u16 length + UTF-8 request id, 1..256 bytes)::
                           | (n - shared_len) x 32-byte block hash
       op 2 commit  entry: rid | u32 num_agreed_blocks | u32 num_total_blocks
       op 3 release entry: rid                             (lease_s ignored, 0)
+      op 4 probe-reserve  entry: rid | u32 n | u32 shared_from | u32 shared_len
+                          | u32 num_total_blocks | (n - shared_len) x 32-byte block hash
+                          (version 3 only; num_total_blocks is n or n + 1: the prompt's full
+                          blocks and a partial last one)
     reply    "WKR" | u8 version | u8 op | u16 rank | u32 num_free_blocks | u32 num_blocks
              | u16 error length | error (UTF-8; a whole-batch fault, else empty)
              | u32 count | count x (u8 status | u32 value | u16 length | UTF-8 error)
-      status 0 ok (value: hit blocks for a probe, reserved blocks for a commit), 1 refused (a
-      reservation that does not fit now; nothing held), 2 invalid (the entry names the fault)
+      status 0 ok (value: hit blocks for a probe or a probe-reserve, reserved blocks for a
+      commit), 1 refused (a reservation that does not fit now; nothing held), 2 invalid (the
+      entry names the fault; nothing held)
 
 A probe entry names its first ``shared_len`` hashes by reference: they are the first
 ``shared_len`` hashes of entry ``shared_from - 1`` of the same batch (an earlier one; 0 with
 ``shared_len`` 0: no reference), and only the rest travel. Requests of a round that share a long
 prefix (agentic and chat workloads: thousands of tokens in common, a short new suffix) so carry
-it once, and a stage walks its block table once for it (``BlockPool.pin_cache_hit``). Version 1
-(no ``shared_from``/``shared_len``: every hash travels) is still decoded; replies are unchanged
-(their version byte stays 1).
+it once, and a stage walks its block table once for it (``BlockPool.pin_cache_hit``); a
+probe-reserve entry shares the same way. Version 1 (no ``shared_from``/``shared_len``: every
+hash travels) and version 2 (ops 1-3) are still decoded; ``encode_batch`` writes version 3 only
+for a probe-reserve batch (ops 1-3 keep version 2, so a stage of the previous release still reads
+a release). Replies are unchanged (their version byte stays 1).
 
 ``owner`` is the admission instance sending the round and ``seq`` its op number (a stage refuses a
 replayed one); ``mac`` is HMAC-SHA256 under the replica's bus key (``wavepp.api.signing``) of
@@ -61,6 +72,7 @@ __all__ = [
     "KVBatchReply",
     "KVWireError",
     "ProbeEntry",
+    "ReserveEntry",
     "decode_batch",
     "decode_reply",
     "encode_batch",
@@ -68,9 +80,10 @@ __all__ = [
     "reply_rank",
 ]
 
-KV_BATCH_VERSION = 2
+KV_BATCH_VERSION = 3
 KV_REPLY_VERSION = 1
-_DECODED_VERSIONS = (1, 2)
+_DECODED_VERSIONS = (1, 2, 3)
+_FIRST_VERSION_OF_RESERVE = 3
 BLOCK_HASH_BYTES = 32
 MAX_BATCH_ENTRIES = 4096
 MAX_BLOCKS_PER_ENTRY = 1 << 20  # 64 Mi tokens at 64-token blocks
@@ -90,6 +103,7 @@ _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _COMMIT = struct.Struct("<II")
 _PROBE_V2 = struct.Struct("<III")
+_RESERVE = struct.Struct("<IIII")
 _RESULT = struct.Struct("<BIH")
 
 
@@ -101,6 +115,7 @@ class BatchOp(IntEnum):
     PROBE = 1
     COMMIT = 2
     RELEASE = 3
+    PROBE_RESERVE = 4
 
 
 class EntryStatus(IntEnum):
@@ -124,17 +139,31 @@ class CommitEntry(NamedTuple):
     num_total_blocks: int
 
 
+class ReserveEntry(NamedTuple):
+    """Pin the longest locally cached prefix of ``block_hashes`` (h_s blocks) and reserve the
+    ``num_total_blocks - h_s`` blocks after it, in one step: the stage's block table is its
+    h_s cached block ids, then fresh ones (or nothing held: refused)."""
+
+    request_id: str
+    block_hashes: tuple[bytes, ...]
+    num_total_blocks: int
+
+
+_HASHED_OPS = (BatchOp.PROBE, BatchOp.PROBE_RESERVE)
+
+
 @dataclass(frozen=True)
 class KVBatch:
-    """One round's message to one stage: ``entries`` are ProbeEntry for PROBE, CommitEntry for
-    COMMIT, request ids (str) for RELEASE.
+    """One round's message to one stage: ``entries`` are ReserveEntry for PROBE_RESERVE,
+    ProbeEntry for PROBE, CommitEntry for COMMIT, request ids (str) for RELEASE.
 
-    ``shares``, set by ``decode_batch`` for a probe batch (``encode_batch`` finds the sharing
-    itself and ignores it): per entry ``(shared_from, shared_len)``, ``block_hashes[:shared_len]``
-    being the first ``shared_len`` hashes of entry ``shared_from`` (-1: none)."""
+    ``shares``, set by ``decode_batch`` for a probe or probe-reserve batch (``encode_batch``
+    finds the sharing itself and ignores it): per entry ``(shared_from, shared_len)``,
+    ``block_hashes[:shared_len]`` being the first ``shared_len`` hashes of entry ``shared_from``
+    (-1: none)."""
 
     op: BatchOp
-    entries: tuple[ProbeEntry | CommitEntry | str, ...]
+    entries: tuple[ReserveEntry | ProbeEntry | CommitEntry | str, ...]
     lease_s: float = 0.0
     owner: str = ""  # the admission instance (only it may commit or release what it probed)
     seq: int = 0  # the owner's op number
@@ -189,8 +218,9 @@ def encode_batch(batch: KVBatch, bus_key: BusKey | None = None) -> bytes:
         raise KVWireError(f"owner: {len(owner)} bytes; at most {MAX_OWNER_BYTES} ASCII")
     if not 0 <= batch.seq < 2**64:
         raise KVWireError(f"seq: {batch.seq}; must be in [0, 2**64)")
+    version = KV_BATCH_VERSION if batch.op is BatchOp.PROBE_RESERVE else 2
     parts = [
-        _REQ_HEADER.pack(_REQUEST_MAGIC, KV_BATCH_VERSION, int(batch.op), lease_s),
+        _REQ_HEADER.pack(_REQUEST_MAGIC, version, int(batch.op), lease_s),
         bytes([len(owner)]),
         owner,
         _OWNER_SEQ.pack(batch.seq),
@@ -199,8 +229,8 @@ def encode_batch(batch: KVBatch, bus_key: BusKey | None = None) -> bytes:
     # first hash -> the latest probe entry (index, hashes) that starts with it
     latest_with_root: dict[bytes, tuple[int, tuple[bytes, ...]]] = {}
     for index, entry in enumerate(batch.entries):
-        if batch.op is BatchOp.PROBE:
-            assert isinstance(entry, ProbeEntry)
+        if batch.op in _HASHED_OPS:
+            assert isinstance(entry, ProbeEntry | ReserveEntry)
             hashes = tuple(entry.block_hashes)
             if len(hashes) > MAX_BLOCKS_PER_ENTRY:
                 raise KVWireError(
@@ -216,11 +246,15 @@ def encode_batch(batch: KVBatch, bus_key: BusKey | None = None) -> bytes:
             joined = b"".join(rest)
             if len(joined) != BLOCK_HASH_BYTES * len(rest):  # the shared ones were checked
                 raise KVWireError(f"block_hashes: each must be {BLOCK_HASH_BYTES} bytes")
-            parts += [
-                _rid(entry.request_id),
-                _PROBE_V2.pack(len(hashes), shared_from, shared_len),
-                joined,
-            ]
+            if isinstance(entry, ReserveEntry):
+                if entry.num_total_blocks not in (len(hashes), len(hashes) + 1) or (
+                    entry.num_total_blocks < 1
+                ):
+                    raise KVWireError(_bad_total(entry.num_total_blocks, len(hashes)))
+                counts = _RESERVE.pack(len(hashes), shared_from, shared_len, entry.num_total_blocks)
+            else:
+                counts = _PROBE_V2.pack(len(hashes), shared_from, shared_len)
+            parts += [_rid(entry.request_id), counts, joined]
         elif batch.op is BatchOp.COMMIT:
             assert isinstance(entry, CommitEntry)
             parts += [
@@ -232,6 +266,13 @@ def encode_batch(batch: KVBatch, bus_key: BusKey | None = None) -> bytes:
             parts.append(_rid(entry))
     body = b"".join(parts)
     return body + (bus_key.mac_bytes(b"KVBatch", body) if bus_key is not None else _NO_MAC)
+
+
+def _bad_total(total: int, num_hashes: int) -> str:
+    return (
+        f"num_total_blocks: {total} with {num_hashes} block hashes; must be {num_hashes} or "
+        f"{num_hashes + 1} (the prompt's full blocks, and a partial last one), and >= 1"
+    )
 
 
 def common_prefix(a: tuple[bytes, ...], b: tuple[bytes, ...]) -> int:
@@ -349,7 +390,11 @@ def decode_batch(payload: bytes, bus_key: BusKey | None = None) -> KVBatch:
     try:
         batch_op = BatchOp(op)
     except ValueError as exc:
-        raise KVWireError(f"op: {op}; must be 1 (probe), 2 (commit) or 3 (release)") from exc
+        raise KVWireError(
+            f"op: {op}; must be 1 (probe), 2 (commit), 3 (release) or 4 (probe-reserve)"
+        ) from exc
+    if batch_op is BatchOp.PROBE_RESERVE and version < _FIRST_VERSION_OF_RESERVE:
+        raise KVWireError(f"op: 4 (probe-reserve) in a version {version} batch; needs version 3")
     if batch_op is not BatchOp.RELEASE and not (
         math.isfinite(lease_s) and 0 < lease_s <= MAX_LEASE_S
     ):
@@ -380,13 +425,13 @@ def _truncated(field: str, at: int, size: int) -> KVWireError:
 
 def _decode_entries(
     data: bytes, at: int, count: int, op: BatchOp, version: int
-) -> tuple[tuple[ProbeEntry | CommitEntry | str, ...], tuple[tuple[int, int], ...]]:
+) -> tuple[tuple[ReserveEntry | ProbeEntry | CommitEntry | str, ...], tuple[tuple[int, int], ...]]:
     """The ``count`` entries from byte ``at`` of ``data`` (a batch's body, up to the mac), and
     the probe entries' shares. One pass with plain offsets: this runs once per entry per stage
     per round, the hot path of a stage's agreement work."""
     size = len(data)
     u16, u32 = _U16.unpack_from, _U32.unpack_from
-    entries: list[ProbeEntry | CommitEntry | str] = []
+    entries: list[ReserveEntry | ProbeEntry | CommitEntry | str] = []
     shares: list[tuple[int, int]] = []
     num_named = 0
     for index in range(count):
@@ -403,8 +448,16 @@ def _decode_entries(
         except UnicodeDecodeError as exc:
             raise KVWireError("request_id: not UTF-8") from exc
         at += n
-        if op is BatchOp.PROBE:
-            if version == 1:
+        if op is BatchOp.PROBE or op is BatchOp.PROBE_RESERVE:
+            total = -1
+            if op is BatchOp.PROBE_RESERVE:
+                if at + 16 > size:
+                    raise _truncated("block_hashes counts", at, size)
+                n, shared_from, shared_len, total = _RESERVE.unpack_from(data, at)
+                at += 16
+                if total not in (n, n + 1) or total < 1:
+                    raise KVWireError(_bad_total(total, n))
+            elif version == 1:
                 if at + 4 > size:
                     raise _truncated("block_hashes count", at, size)
                 (n,) = u32(data, at)
@@ -448,7 +501,9 @@ def _decode_entries(
                 [data[i : i + BLOCK_HASH_BYTES] for i in range(at, end, BLOCK_HASH_BYTES)]
             )
             at = end
-            entries.append(ProbeEntry(rid, hashes))
+            entries.append(
+                ProbeEntry(rid, hashes) if total < 0 else ReserveEntry(rid, hashes, total)
+            )
             shares.append((shared_from - 1, shared_len))
         elif op is BatchOp.COMMIT:
             if at + 8 > size:
@@ -504,7 +559,7 @@ def decode_reply(payload: bytes) -> KVBatchReply:
     try:
         batch_op = BatchOp(op)
     except ValueError as exc:
-        raise KVWireError(f"op: {op}; must be 1, 2 or 3") from exc
+        raise KVWireError(f"op: {op}; must be 1, 2, 3 or 4") from exc
     error = reader.text(error_len, "error")
     (count,) = reader.unpack(_U32, "count")
     rest = reader.view[reader.at :]

@@ -3,7 +3,7 @@
 An embedded nats-server, R replicas of S stage KV servers (each a ``StageKVManager`` answering
 the stage's agreement subjects with the stage process's own handlers, ``serve_stage_kv``, on
 its own NATS connection) and R real ``AdmissionController``s, one per replica, running
-probe-pin / commit in batched rounds of at most ``batch_limit`` requests. Each replica keeps
+probe-reserve (one round trip per round) in batched rounds of at most ``batch_limit`` requests. Each replica keeps
 ``in_flight`` agreements outstanding.
 
 With ``stage_processes`` (as in production: one process per stage) every stage KV server runs in
@@ -85,8 +85,8 @@ def _stage_process(
     manager = StageKVManager(BlockPool(num_blocks, block_size))
     for index, hashes in enumerate(cached):
         request_id = f"warm-{index}"
-        hit = manager.probe_pin(request_id, hashes, 30.0)
-        manager.commit(request_id, hit, len(hashes) + 1, 30.0)
+        manager.probe_pin(request_id, hashes, 30.0)
+        manager.reserve(request_id, len(hashes) + 1, 30.0)
         manager.mark_computed(request_id, len(hashes) * block_size, hashes)
         manager.release(request_id)
 

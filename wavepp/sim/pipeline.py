@@ -6,9 +6,10 @@ What is real and what is simulated::
     ------------------------------------------------  -----------------------------------------
     WaveScheduler: intake, admission tasks, sync       NATS: an in-process bus (``SimBus``) that
       gather, planning, publishing, completion           delivers in order after ``bus_latency_s``
-    AdmissionController: probe-pin, L*, commit,        KV request-reply: ``SimStageClient`` calls
-      release, leases, refusals and backpressure         handle_kv_request after kv_rtt_s / 2,
-    ChunkPlanner: dynamic / static chunking              replies after another kv_rtt_s / 2
+    AdmissionController: probe-reserve, L*,            KV request-reply: ``SimStageClient`` calls
+      release, leases, refusals and backpressure         handle_kv_batch after kv_rtt_s / 2,
+      (one KV round trip per agreement round)            replies after another kv_rtt_s / 2
+    ChunkPlanner: dynamic / static chunking
     StageKVManager + BlockPool per stage (pins,         stage compute: sleep time_scale x the
       reservations, LRU eviction, mark_computed)         stage's CostModel.microbatch_cost_s
     handle_kv_request (the stage's KV server)          activations: hop_s between stages

@@ -5,8 +5,8 @@ spans in the stage processes, joined through the W3C traceparent of their parent
 
     request                               request.id, tenant, tokens.prompt, tokens.cached, ...
     ├── agreement  (one per attempt)      prefix.agreed_blocks, agreement.refused, prefix.stage_hits
-    │   ├── agreement.probe               probe-and-pin on every stage
-    │   └── agreement.commit              unpin past L*, reserve the rest (reservation.num_blocks)
+    │   └── agreement.probe_reserve       pin each stage's hit, reserve the rest, in one round
+    │                                     trip (prefix.agreed_blocks, reservation.num_blocks)
     ├── reservation.wait                  only after a refusal: backpressure until blocks free up
     └── microbatch (one per chunk of      microbatch.id, chunk.index, tokens.new, context.length
         │           this request)         from planning start to the last stage's end

@@ -1,19 +1,27 @@
-"""Cross-stage prefix agreement: probe-and-pin, L* = min over stages, commit, release.
+"""Cross-stage prefix agreement in one round trip: probe-reserve, L* = min over stages, release.
 
 Protocol (DESIGN.md 'Data flow', step 2), for one request with full-block hashes h_0..h_{n-1}::
 
     controller                          stage r (every r in [0, S), concurrently)
-    ---------- probe_pin(hashes, lease) ----->  pin the longest local hit; reply hit_r
-    L* = min(min_r hit_r, (num_tokens - 1) // block_size), rounded down to a multiple of k
-    ---------- commit(L*, total, lease) ----->  unpin past L*, reserve total - L* blocks
-                                          <---  ok, or refused (then the stage holds nothing)
+    ---- probe_reserve(hashes, total, lease) ->  pin the longest local hit hit_r, reserve
+                                                 total - hit_r blocks after it (block table:
+                                                 hit_r cached ids, then fresh ones)
+                                          <---  hit_r, or refused (then the stage holds nothing)
     any refusal: release on every stage; the request waits and is retried (never half-admitted)
+    L* = min(min_r hit_r, (num_tokens - 1) // block_size), rounded down to a multiple of k
+    ---- plan (first chunk at L* * block_size) ->  a stage with hit_r > L* computes tokens
+                                                 [L* B, hit_r B) again for its successors and
+                                                 writes none of them (its cached blocks stay
+                                                 as they are; caching starts at block hit_r)
     ...execution...
-    ---------- release([ids]) --------------->  drop pins and reservations; blocks stay cached
+    ---- release([ids]) ---------------------->  drop pins and reservations; blocks stay cached
 
-The messages travel batched: every request waiting when a round starts shares that round's one
-probe message and one commit message per stage (``rounds.AgreementRounds``, binary
-``wavepp.api.kv_batch``), and rounds are pipelined. Per request, the steps above are unchanged.
+A stage's table does not depend on L* (token p lives in block p // block_size either way), so
+the stage reserves before L* is known and the agreement costs one round trip, not two (probe,
+then commit with L*; stages still apply those ops for an older controller, and the JSON
+single-request path keeps them). Every request waiting when a round starts shares that round's
+one probe-reserve message per stage (``rounds.AgreementRounds``, binary ``wavepp.api.kv_batch``),
+and rounds are pipelined.
 
 L* is capped one token short of the prompt so that at least one token is computed (its logits
 are the prefill's output). With ``state_interval_blocks`` = k > 1 (hybrid models whose
@@ -23,7 +31,7 @@ attention KV and the recurrent state (a stage holding a block's KV holds its sta
 state is stored under that block's id and dropped when the block is rewritten). Pins and reservations carry a lease; the controller renews the leases
 of live requests, so a vanished controller leaks nothing. Every op names the controller as its
 ``owner`` (a random id per instance) and, with a bus key, is signed: a stage lets only the
-owner that pinned a request commit, renew or release it.
+owner that pinned a request reserve, commit, renew or release it.
 
 The stage side (``handle_kv_request``) is a pure function over a ``StageKVManager``; the stage
 process owns the NATS I/O around it.
@@ -160,9 +168,9 @@ class AdmissionController:
         return list(await asyncio.gather(*(stage.call(msg) for stage in self.stages)))
 
     async def agree(self, request: PromptRequest) -> Ticket | None:
-        """Probe-and-pin on every stage, agree on L*, commit. See the module docstring.
+        """Probe-and-reserve on every stage, agree on L*. See the module docstring.
 
-        Traced as an ``agreement`` span (children ``agreement.probe``, ``agreement.commit``)
+        Traced as an ``agreement`` span (child ``agreement.probe_reserve``)
         under the current span, when tracing is on. Returns and raises as ``_agree``.
         """
         if not tracing.is_enabled():
@@ -178,14 +186,14 @@ class AdmissionController:
             return ticket
 
     async def _agree(self, request: PromptRequest) -> Ticket | None:
-        """Probe-and-pin on every stage, agree on L*, commit (untraced), in the next batched
+        """Probe-and-reserve on every stage, agree on L* (untraced), in the next batched
         round (``rounds.AgreementRounds``).
 
         Returns:
             The ticket, or None when a stage refused the reservation (nothing is held then).
 
         Raises:
-            AgreementRefused: the prompt can never fit, or a stage refused its probe.
+            AgreementRefused: the prompt can never fit, or a stage found its entry invalid.
             StageUnavailableError: a stage did not answer (its pins expire with the lease).
         """
         self.check_fits(request)
@@ -208,17 +216,17 @@ class AdmissionController:
 
     @property
     def num_agreements(self) -> int:
-        """Requests that reached a commit (refused or not)."""
+        """Requests whose probe-reserve every stage answered (refused or not)."""
         return self._rounds.num_agreements
 
     @property
     def num_refusals(self) -> int:
-        """Commits that some stage refused (the request waited and retried)."""
+        """Reservations that some stage refused (the request waited and retried)."""
         return self._rounds.num_refusals
 
     @property
     def num_rounds(self) -> int:
-        """Batched admission rounds sent (one probe message per stage each)."""
+        """Batched admission rounds sent (one probe-reserve message per stage each)."""
         return self._rounds.num_rounds
 
     async def release(self, request_ids: Sequence[str]) -> None:

@@ -1,18 +1,25 @@
 """Batched, pipelined admission rounds: the controller's side of ``wavepp.api.kv_batch``.
 
-Every ``agree`` call joins the next round. A round sends one probe batch to each stage, carrying
-the block hashes of every request waiting when it starts; from the replies it takes each
-request's L* = min(min over stages of the local hit, (num_tokens - 1) // block_size) and sends
-one commit batch per stage. Requests that a stage refused (or that do not fit now) are released
-on every stage in one release batch before their callers hear None, so nothing stays pinned.
+Every ``agree`` call joins the next round. A round is one round trip: it sends one probe-reserve
+batch to each stage, carrying the block hashes and block count of every request waiting when it
+starts; each stage pins its local hit h_s and at once reserves the blocks after it (its block
+table: h_s cached ids, then fresh ones; it does not depend on L*). From the replies the round
+takes each request's L* = min(min over stages of h_s, (num_tokens - 1) // block_size), rounded
+down to ``state_interval_blocks``; L* reaches the stages with the plan (the request's first chunk
+starts at L* * block_size). A stage whose hit exceeds L* computes tokens [L* B, h_s B) again
+for its successors, writing none of them (``StageKVManager.start_chunk``). Requests that a
+stage refused (or that do not fit now, or whose entry was invalid) are released on every stage
+in one release batch before their callers hear None (or the error), so nothing stays pinned.
+The two-phase agreement (probe, then commit with L*: two round trips) is gone from the
+controller; stages still apply its ops (``wavepp.api.kv_batch``).
 
 Rounds overlap: a request that arrives while fewer than ``max_rounds_in_flight`` rounds are
 under way starts a round of its own at once (no added latency at low load); past that, arrivals
 wait for a round to finish and then share the next one, so the batch grows with the load: one
 request per round when they come one at a time, hundreds when they come faster than a round
-trip. A round's probe may go out while an earlier round's commit is on the wire. A stage handles its messages in order, so a later round's
-probe may pin blocks before an earlier round's commit reserves; a reservation that no longer
-fits is refused (the request retries), never half-admitted.
+trip. A stage handles its messages in order, each round's entries atomically per request (pin,
+then reserve or hold nothing); a reservation that does not fit is refused (the request
+retries), never half-admitted.
 """
 
 from __future__ import annotations
@@ -28,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 from wavepp.api.kv_batch import (
     MAX_BATCH_ENTRIES,
     BatchOp,
-    CommitEntry,
+    EntryStatus,
     KVBatch,
     KVBatchReply,
-    ProbeEntry,
+    ReserveEntry,
     decode_reply,
     encode_batch,
 )
@@ -109,8 +116,8 @@ class AgreementRounds:
         self._rounds: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Future[None]] = set()
         self.num_rounds = 0
-        self.num_agreements = 0  # requests that reached a commit
-        self.num_refusals = 0  # of those, refused by some stage
+        self.num_agreements = 0  # requests whose probe-reserve every stage answered
+        self.num_refusals = 0  # of those, refused by some stage (released everywhere)
 
     # ---- the caller's side -------------------------------------------------------------------
 
@@ -168,15 +175,23 @@ class AgreementRounds:
                 task.add_done_callback(self._rounds.discard)
 
     async def _round(self, batch: list[PendingAgreement]) -> None:
-        """One round: probe every stage, agree on each L*, commit, settle every caller."""
-        probe_started = time.time()
-        probe = KVBatch(
-            BatchOp.PROBE,
-            tuple(ProbeEntry(p.request_id, tuple(p.block_hashes)) for p in batch),
+        """One round, one round trip: probe-reserve on every stage, agree on each L*, release
+        what some stage refused (or that failed, or whose caller left), settle every caller."""
+        started = time.time()
+        probe_reserve = KVBatch(
+            BatchOp.PROBE_RESERVE,
+            tuple(
+                ReserveEntry(
+                    p.request_id,
+                    tuple(p.block_hashes),
+                    -(-p.request.num_tokens // self.block_size),
+                )
+                for p in batch
+            ),
             self.lease_s,
         )
         try:
-            replies = await self._call_all(probe)
+            replies = await self._call_all(probe_reserve)
         except BaseException as exc:
             await self.release_quietly([p.request_id for p in batch])
             for p in batch:
@@ -184,79 +199,39 @@ class AgreementRounds:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
-        self._trace(batch, "agreement.probe", probe_started)
-        to_commit, failed = self._agree_on_prefixes(batch, replies)
-        await self._commit(to_commit, failed)
-
-    def _agree_on_prefixes(
-        self, batch: list[PendingAgreement], replies: list[KVBatchReply]
-    ) -> tuple[list[PendingAgreement], list[tuple[PendingAgreement, BaseException]]]:
-        to_commit: list[PendingAgreement] = []
+        admitted: list[PendingAgreement] = []
+        refused: list[PendingAgreement] = []
         failed: list[tuple[PendingAgreement, BaseException]] = []
         for index, pending in enumerate(batch):
-            errors = [
-                (reply.rank, reply.results[index].error)
-                for reply in replies
-                if not reply.results[index].ok
+            results = [reply.results[index] for reply in replies]
+            invalid = [
+                (reply.rank, result.error)
+                for reply, result in zip(replies, results, strict=True)
+                if result.status is EntryStatus.INVALID
             ]
-            if errors:
-                rank, error = errors[0]
+            if invalid:
+                rank, error = invalid[0]
                 failed.append((pending, self._refusal(pending, f"stage {rank}: {error}")))
                 continue
-            hits = tuple(reply.results[index].value for reply in replies)
+            self.num_agreements += 1
+            if not all(result.ok for result in results):
+                self.num_refusals += 1
+                refused.append(pending)
+                continue
+            hits = tuple(result.value for result in results)
             pending.stage_hits = hits
             num_agreed = min(min(hits), (pending.request.num_tokens - 1) // self.block_size)
             pending.num_agreed_blocks = num_agreed - num_agreed % self.state_interval_blocks
-            to_commit.append(pending)
-        return to_commit, failed
-
-    async def _commit(
-        self,
-        batch: list[PendingAgreement],
-        failed: list[tuple[PendingAgreement, BaseException]],
-    ) -> None:
-        """Commit one round; release what was refused or failed; settle every caller."""
-        commit_started = time.time()
-        refused: list[PendingAgreement] = []
-        if batch:
-            commit = KVBatch(
-                BatchOp.COMMIT,
-                tuple(
-                    CommitEntry(
-                        p.request_id,
-                        p.num_agreed_blocks,
-                        -(-p.request.num_tokens // self.block_size),
-                    )
-                    for p in batch
-                ),
-                self.lease_s,
-            )
-            try:
-                replies = await self._call_all(commit)
-            except BaseException as exc:
-                await self.release_quietly([p.request_id for p in batch + [f[0] for f in failed]])
-                for p in batch:
-                    _settle(p, exc=exc)
-                for p, error in failed:
-                    _settle(p, exc=error)
-                return
-            self.num_agreements += len(batch)
-            self._trace(batch, "agreement.commit", commit_started)
-            for index, pending in enumerate(batch):
-                if all(reply.results[index].ok for reply in replies):
-                    if pending.abandoned:
-                        refused.append(pending)
-                else:
-                    self.num_refusals += 1
-                    refused.append(pending)
-        to_release = [p.request_id for p in refused] + [p.request_id for p, _ in failed]
-        await self.release_quietly(to_release)
-        refused_ids = {p.request_id for p in refused}
-        for pending in batch:
-            if pending.request_id in refused_ids:
-                _settle(pending, result=None)
-            else:
-                _settle(pending, result=self._admitted(pending))
+            (refused if pending.abandoned else admitted).append(pending)
+        self._trace(batch, "agreement.probe_reserve", started)
+        for pending in admitted:  # held on every stage: nothing to wait for
+            _settle(pending, result=self._admitted(pending))
+        # a refusal on one stage leaves the others holding: released before its caller hears
+        await self.release_quietly(
+            [p.request_id for p in refused] + [p.request_id for p, _ in failed]
+        )
+        for pending in refused:
+            _settle(pending, result=None)
         for pending, error in failed:
             _settle(pending, exc=error)
 
@@ -288,10 +263,10 @@ class AgreementRounds:
                 "agreement.batch_size": len(batch),
                 "prefix.num_blocks": len(pending.block_hashes),
             }
-            if name == "agreement.commit":
+            if pending.stage_hits:
                 total = -(-pending.request.num_tokens // self.block_size)
                 attributes["prefix.agreed_blocks"] = pending.num_agreed_blocks
-                attributes["reservation.num_blocks"] = total - pending.num_agreed_blocks
+                attributes["reservation.num_blocks"] = total - min(pending.stage_hits)
             tracing.record_span(
                 name, start_s, end_s, parent=pending.trace_context, attributes=attributes
             )

@@ -1,7 +1,8 @@
 """The stage side of prefix agreement: a pure handler over one stage's ``StageKVManager``.
 
 ``handle_kv_request`` answers ProbePin, Commit, Release, Renew and Health messages (wire types in
-``wavepp.api.messages``); ``handle_kv_batch`` answers one admission round's probes, commits or
+``wavepp.api.messages``); ``handle_kv_batch`` answers one admission round's probe-reserves (the
+one-round-trip agreement; probes and commits of the two-phase one from an older controller) or
 releases in one binary message (``wavepp.api.kv_batch``). The stage process owns the NATS I/O
 around both. No I/O here. The
 manager is the one record of each request on the stage (its pins, block table, prompt hashes
@@ -22,9 +23,11 @@ from wavepp.api.kv_batch import (
     CommitEntry,
     EntryResult,
     EntryStatus,
+    KVBatch,
     KVBatchReply,
     KVWireError,
     ProbeEntry,
+    ReserveEntry,
     decode_batch,
     encode_reply,
 )
@@ -142,26 +145,31 @@ def handle_kv_batch(
     refuse: str = "",
     bus_key: BusKey | None = None,
 ) -> bytes:
-    """Apply one admission round (a binary ``KVBatch``) to a stage's manager, in one pass, and
-    return the encoded ``KVBatchReply``. Never raises on bad input.
+    """Apply one admission round (a binary ``KVBatch``) to a stage's manager and return the
+    encoded ``KVBatchReply``. Never raises on bad input.
 
     A probe entry that shares its leading hashes with an earlier one of the batch starts its
     walk of the block table where that one's ended (``BlockPool.pin_cache_hit``): one lookup
     per new block, not per block of the prompt.
 
-    Entries are applied in order, each exactly as its single-request counterpart in
+    Entries are applied in order, each as its single-request counterpart in
     ``handle_kv_request`` (probe: pin the local hit; commit: unpin past L*, reserve the rest, or
-    refuse and hold nothing; release). A malformed batch changes nothing and is answered with the
-    batch-level ``error``; a bad entry is answered INVALID and changes nothing for that request,
-    the other entries are applied.
+    refuse and hold nothing; release). A probe-reserve batch runs in two passes: every entry
+    pins its local hit h_s first (``StageKVManager.probe_pin_hit``), then every entry reserves
+    the blocks after its hit (``StageKVManager.reserve``; refused: nothing held for it), so an
+    entry's reservation never evicts a block a later entry of the round would have hit, and walks
+    sharing a prefix stay valid (no eviction between them); the reply's value is h_s. A
+    malformed batch changes nothing and is answered with the batch-level ``error``; a bad entry
+    is answered INVALID and holds nothing (what it pinned in the first pass is released), the
+    other entries are applied.
 
     Args:
         manager: the stage's KV manager (its single owner calls this).
         rank: the stage's rank, echoed in the reply.
         payload: ``wavepp.api.kv_batch.encode_batch`` bytes.
         refuse: non-empty while the stage is out of service (re-forming its group): a release
-            batch is applied, a probe or commit batch answered INVALID per entry with this
-            reason and applied to nothing.
+            batch is applied, any other (probe-reserve, probe, commit) answered INVALID per
+            entry with this reason and applied to nothing.
         bus_key: the replica's key: a batch it did not sign, or a replayed one (its owner's op
             number seen before), is refused whole; None accepts unsigned batches (insecure
             mode). Entries act for the batch's owner only (``StageKVManager``'s owner checks).
@@ -195,6 +203,11 @@ def handle_kv_batch(
         )
         return encode_reply(
             KVBatchReply(batch.op, rank, pool.num_free_blocks, pool.num_blocks, refused)
+        )
+    if batch.op is BatchOp.PROBE_RESERVE:
+        reserved = _probe_reserve(manager, batch)
+        return encode_reply(
+            KVBatchReply(batch.op, rank, pool.num_free_blocks, pool.num_blocks, reserved)
         )
     results: list[EntryResult] = []
     # each probe's walk: a later entry sharing its leading hashes starts from it
@@ -245,3 +258,56 @@ def handle_kv_batch(
     return encode_reply(
         KVBatchReply(batch.op, rank, pool.num_free_blocks, pool.num_blocks, tuple(results))
     )
+
+
+def _probe_reserve(manager: StageKVManager, batch: KVBatch) -> tuple[EntryResult, ...]:
+    """A probe-reserve batch's results: pin every entry's hit, then reserve after each hit."""
+    pool = manager.pool
+    entries = batch.entries
+    results: list[EntryResult | None] = [None] * len(entries)
+    walks: list[CacheHit | None] = [None] * len(entries)
+    newly_pinned = [False] * len(entries)  # not held before this batch: release on a fault
+    shares = batch.shares or ((-1, 0),) * len(entries)
+    for index, entry in enumerate(entries):
+        assert isinstance(entry, ReserveEntry)
+        shared_from, num_shared = shares[index]
+        try:
+            hit, walks[index] = manager.probe_pin_hit(
+                entry.request_id,
+                entry.block_hashes,
+                batch.lease_s,
+                owner=batch.owner,
+                prior=walks[shared_from] if shared_from >= 0 else None,
+                num_shared=num_shared,
+            )
+        except (ValueError, KeyError) as exc:
+            results[index] = EntryResult(EntryStatus.INVALID, 0, f"probe_reserve: {exc}")
+            continue
+        newly_pinned[index] = walks[index] is not None
+        results[index] = EntryResult(EntryStatus.OK, hit)
+    for index, entry in enumerate(entries):
+        result = results[index]
+        assert isinstance(entry, ReserveEntry) and result is not None
+        if not result.ok:
+            continue
+        try:
+            table = manager.reserve(
+                entry.request_id,
+                entry.num_total_blocks,
+                batch.lease_s,
+                owner=batch.owner,
+                copy=False,
+            )
+        except (ValueError, KeyError) as exc:
+            if newly_pinned[index]:
+                manager.release(entry.request_id, owner=batch.owner)
+            results[index] = EntryResult(EntryStatus.INVALID, 0, f"probe_reserve: {exc}")
+            continue
+        if table is None:
+            results[index] = EntryResult(
+                EntryStatus.REFUSED,
+                0,
+                f"reservation refused: needs {entry.num_total_blocks - result.value} blocks, "
+                f"{pool.num_free_blocks} free of {pool.num_blocks}",
+            )
+    return tuple(r for r in results if r is not None)

@@ -1,7 +1,7 @@
 """The per-stage KV manager (policy): speaks in requests, calls the pool.
 
-``StageKVManager`` turns admission steps (probe/pin, commit/reserve, mark computed, release,
-lease expiry) into ``BlockPool`` calls, keyed by request id. Pure: no I/O, no torch; the clock is
+``StageKVManager`` turns admission steps (probe/pin, reserve (or the two-phase commit), mark
+computed, release, lease expiry) into ``BlockPool`` calls, keyed by request id. Pure: no I/O, no torch; the clock is
 injected. Ideas follow vLLM (vllm/v1/core/kv_cache_manager.py); no code is copied.
 """
 
@@ -37,16 +37,19 @@ class PinReceipt:
 @dataclass(slots=True)
 class _HeldRequest:
     request_id: str
-    hit_block_ids: list[int]  # pinned cached prefix from probe_pin (length = local hit)
+    # pinned cached prefix from probe_pin (length = local hit h_s; after a two-phase commit, L*)
+    hit_block_ids: list[int]
     lease_expiry_s: float  # clock() time after which expire() releases the request
     seq: int  # admission order, breaks ties between equal expiries
     # NOTE: the prompt's full-block hashes from the first probe_pin; mark_computed caches the
     # computed blocks under them. Kept here so the stage has one record per request.
     block_hashes: tuple[BlockHash, ...]
-    block_table: list[int] | None = None  # after commit: L* cached ids, then fresh ids
-    num_agreed_blocks: int = 0  # L*, after commit
+    # after reserve: h_s cached ids, then fresh ids; after a two-phase commit: L* cached, fresh
+    block_table: list[int] | None = None
+    num_agreed_blocks: int = 0  # L*: from commit, or (reserve) from the first chunk; -1 unknown
     num_hashed_blocks: int = 0  # leading table blocks already passed to cache_full_blocks
     owner: str = ""  # who probed it (an admission instance); only it may commit or release it
+    reserved: bool = False  # its table came from reserve (one round trip), not commit
 
 
 def _check_lease(lease_s: float) -> None:
@@ -58,13 +61,23 @@ class StageKVManager:
     """Per-stage admission state: pins, reservations, leases, per-request block tables.
 
     The one owner of a stage's per-request state: what each held request pinned and reserved,
-    its prompt's block hashes (from ``probe_pin``) and its L* (from ``commit``).
+    its prompt's block hashes (from ``probe_pin``) and its L* (from its first chunk, or from
+    ``commit``).
 
-    A request moves probed -> committed -> released (or probed -> released). Block table of a
-    committed request, L* = num_agreed_blocks::
+    A request moves probed -> reserved -> released (the one-round-trip agreement: ``probe_pin``
+    then ``reserve`` in the same message), or probed -> committed -> released (the two-phase
+    one, ``commit`` with L*), or probed -> released. Block table of a reserved request, h_s =
+    this stage's local hit::
 
-        [ cached_0 ... cached_{L*-1} | fresh_{L*} ... fresh_{num_total_blocks-1} ]
-          pinned by probe_pin          allocated by commit (the reservation)
+        [ cached_0 ... cached_{h_s-1} | fresh_{h_s} ... fresh_{num_total_blocks-1} ]
+          pinned by probe_pin           allocated by reserve (the reservation)
+
+    It does not depend on L* (token p lives in block p // block_size either way). The plan's
+    first chunk starts at L* <= h_s blocks (``start_chunk`` records it); a stage whose hit
+    exceeds L* computes tokens [L* B, h_s B) again for its successors but writes none of their
+    KV (``num_hit_blocks``: the engine skips those slots), and caching starts at block h_s, so a
+    cached block is never written or hashed again. A committed request's table is the same with
+    h_s replaced by L* (``commit`` unpinned the hit past L*).
 
     Every held request has a lease (``clock()`` seconds); ``expire`` releases any request
     whose lease passed, committed or not, so a dead controller leaks no pins.
@@ -195,6 +208,99 @@ class StageKVManager:
         )
         return len(hit.block_ids), hit
 
+    def reserve(
+        self,
+        request_id: str,
+        num_total_blocks: int,
+        lease_s: float,
+        *,
+        owner: str = "",
+        copy: bool = True,
+    ) -> list[int] | None:
+        """Keep the whole pinned hit (h_s blocks) and reserve the ``num_total_blocks - h_s``
+        blocks after it: the one-round-trip agreement's stage step, after ``probe_pin``.
+        Arguments as ``commit``'s (``num_total_blocks`` >= the probed hashes, no L*).
+
+        Returns:
+            The block table (h_s cached ids, then fresh ids), or None (refused, as ``commit``:
+            then this request holds nothing). Idempotent: the same table again.
+
+        Raises:
+            KeyError: if ``request_id`` is not held.
+            ValueError: a bad ``lease_s``, ``num_total_blocks`` below the probed hashes, a
+                repeated reserve with another total, a request committed with L* (two-phase),
+                or another owner's request. Nothing changes then.
+        """
+        self._check_lease(lease_s)
+        held = self._held(request_id)
+        self._check_owner(held, owner)
+        if held.block_table is not None:
+            if not held.reserved:
+                raise ValueError(
+                    f"request {request_id!r} was committed with num_agreed_blocks="
+                    f"{held.num_agreed_blocks} (two-phase); reserve does not apply"
+                )
+            if num_total_blocks != len(held.block_table):
+                raise ValueError(
+                    f"request {request_id!r} is already reserved with num_total_blocks="
+                    f"{len(held.block_table)}; got {num_total_blocks}"
+                )
+            held.lease_expiry_s = max(held.lease_expiry_s, self._clock() + lease_s)
+            return list(held.block_table) if copy else held.block_table
+        num_hit_blocks = len(held.hit_block_ids)
+        if not isinstance(num_total_blocks, int) or num_total_blocks < max(
+            num_hit_blocks, len(held.block_hashes), 1
+        ):
+            raise ValueError(
+                f"num_total_blocks = {num_total_blocks!r} must be an int >= 1 and >= the "
+                f"{len(held.block_hashes)} probed block hashes of request {request_id!r}"
+            )
+        num_fresh = num_total_blocks - num_hit_blocks
+        fresh_block_ids = None
+        if self._fits_owner_cap(owner, num_fresh):
+            fresh_block_ids = self.pool.allocate(num_fresh)
+        if fresh_block_ids is None:
+            self.pool.free(held.hit_block_ids)
+            del self._requests[request_id]
+            return None
+        held.block_table = held.hit_block_ids + fresh_block_ids
+        held.num_hashed_blocks = num_hit_blocks  # cached already: never hashed again
+        held.num_agreed_blocks = -1  # L* arrives with the first chunk (start_chunk)
+        held.reserved = True
+        held.lease_expiry_s = self._clock() + lease_s
+        return list(held.block_table) if copy else held.block_table
+
+    def start_chunk(self, request_id: str, context_offset: int) -> int:
+        """A chunk of ``request_id`` starting at token ``context_offset`` is about to run here:
+        a reserved request's first chunk names its L* (``context_offset // block_size``).
+
+        Returns ``num_hit_blocks`` in tokens: positions below it are in this stage's cached
+        blocks (computed, but none of their KV or state written: ``ChunkSpec.num_cached_tokens``).
+        Raises KeyError if the request is not reserved or committed here, ValueError for a
+        reserved request's first chunk off a block boundary or past the stage's hit.
+        """
+        held = self._requests.get(request_id)
+        if held is None or held.block_table is None:
+            raise KeyError(f"request {request_id!r} is not committed on this stage")
+        block_size = self.pool.block_size
+        num_hit_tokens = len(held.hit_block_ids) * block_size
+        if held.num_agreed_blocks < 0:
+            if context_offset % block_size or not 0 <= context_offset <= num_hit_tokens:
+                raise ValueError(
+                    f"request {request_id!r}: first chunk at context_offset={context_offset}; "
+                    f"L* must be a whole number of {block_size}-token blocks <= this stage's "
+                    f"hit of {num_hit_tokens} tokens"
+                )
+            held.num_agreed_blocks = context_offset // block_size
+        return num_hit_tokens
+
+    def num_hit_blocks(self, request_id: str) -> int:
+        """The leading blocks of the request's table that are this stage's own cached hit,
+        pinned by the probe and never written by this request (h_s after ``reserve``, L* after
+        ``commit``); 0 if not held."""
+        held = self._requests.get(request_id)
+        return len(held.hit_block_ids) if held is not None else 0
+
     def commit(
         self,
         request_id: str,
@@ -232,6 +338,10 @@ class StageKVManager:
         held = self._held(request_id)
         self._check_owner(held, owner)
         if held.block_table is not None:
+            if held.reserved:
+                raise ValueError(
+                    f"request {request_id!r} is reserved (one round trip); commit does not apply"
+                )
             if (num_agreed_blocks, num_total_blocks) != (
                 held.num_agreed_blocks,
                 len(held.block_table),
@@ -279,7 +389,9 @@ class StageKVManager:
     ) -> None:
         """After a chunk ran, give hashes to the request's blocks that are now full and computed.
 
-        Block i (i >= L*) is full and computed when num_computed_tokens >= (i + 1) * block_size.
+        Block i (i >= L* after ``commit``, i >= the local hit h_s after ``reserve``: the blocks
+        before are cached already) is full and computed when num_computed_tokens >= (i + 1) *
+        block_size.
         Calls with a smaller or equal count than before change nothing.
 
         Args:
@@ -291,7 +403,7 @@ class StageKVManager:
 
         Raises:
             KeyError: if ``request_id`` is not held.
-            ValueError: if the request is not committed, ``num_computed_tokens`` is out of
+            ValueError: if the request is not committed or reserved, ``num_computed_tokens`` is out of
                 range, or ``block_hashes`` has fewer hashes than there are full computed blocks.
         """
         held = self._held(request_id)
@@ -338,7 +450,8 @@ class StageKVManager:
         return list(held.block_table)
 
     def num_agreed_blocks(self, request_id: str) -> int:
-        """L* of a committed request on this stage; -1 if not held or not committed yet."""
+        """L* of a committed request on this stage (of a reserved one, once its first chunk
+        started); -1 if not held, not committed yet, or L* not known yet."""
         held = self._requests.get(request_id)
         if held is None or held.block_table is None:
             return -1

@@ -4,11 +4,11 @@ wave (``AsyncAdmission``, WavePP)::
 
     intake --> admission tasks (<= max_agreements_in_flight, concurrent with execution;
                lookahead-bounded; optionally waiting for a live request computing its prefix)
-               probe/pin/commit --> prepared queue (bounded, max_prepared) --> planning set
+               probe-reserve ---> prepared queue (bounded, max_prepared) --> planning set
 
 sync (``SyncAdmission``, the baseline; mirrors TensorRT-LLM's ``_executor_loop_pp``)::
 
-    scheduling loop, on the critical path: for each new request probe/pin/commit, retrying
+    scheduling loop, on the critical path: for each new request probe-reserve, retrying
     until the reservation fits (head of line waits) --> planning set
 
 Both call the admission controller (agreement over the stage clients) and hand the result to
@@ -241,7 +241,7 @@ class AsyncAdmission(_Admission):
         """Agree; on refusal wait until some request releases blocks, then retry.
 
         Refused requests retry one at a time, in order (a FIFO lock), and no new agreement
-        starts while one waits: backpressure instead of rounds of probe/commit/release that
+        starts while one waits: backpressure instead of rounds of probe-reserve/release that
         cannot fit.
         """
         ticket = await self._agree_through_outages(record)
@@ -264,7 +264,7 @@ class AsyncAdmission(_Admission):
     async def _agree_through_outages(self, record: RequestRecord) -> Ticket | None:
         """``controller.agree``, retried while a stage does not answer (NATS reconnecting, a
         stage restarting), for ``agreement_retry_s``; each retry first releases what the failed
-        attempt may have left (probe and commit are idempotent per request id).
+        attempt may have left (a probe-reserve is idempotent per request id).
 
         Raises:
             StageUnavailableError: a stage still did not answer when the retry time ran out.

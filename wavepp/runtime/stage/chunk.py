@@ -22,6 +22,11 @@ class ChunkSpec:
             tokens (``ceil((L + x) / block_size)`` blocks); extra trailing blocks are ignored.
         token_ids: the x new token ids; needed by the first stage only (None elsewhere is fine).
         is_last: last chunk of the prompt: the last stage returns this request's logits.
+        num_cached_tokens: positions ``[0, num_cached_tokens)`` (whole blocks) sit in this
+            stage's cached blocks already, shared with other requests: the stage's own prefix
+            hit, which may exceed the agreed L* (the agreement reserves after each stage's own
+            hit). A chunk computes such positions (the next stage may not hold them) but writes
+            none of their KV or recurrent state: a cached block is never written. 0: none.
     """
 
     request_id: str
@@ -30,6 +35,7 @@ class ChunkSpec:
     block_ids: tuple[int, ...]
     token_ids: tuple[int, ...] | None = None
     is_last: bool = False
+    num_cached_tokens: int = 0
 
     @property
     def context_end(self) -> int:

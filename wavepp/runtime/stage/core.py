@@ -10,8 +10,9 @@ One micro-batch through one stage, and who calls what::
     KV request -> handle_kv(payload) -> KVReply          pins and reservations, in the KV manager
     plan       -> receive_plan(plan) -> plans in id order, each once (PlanSequencer; the caller
                   fills holes from the scheduler's replay through ``sequencer``)
-               -> accept(plan) -> StageWork: block tables from the KV manager, L* per chunk,
-                  an error when a request is not committed here, prepare on arrival or later
+               -> accept(plan) -> StageWork: block tables from the KV manager, L* per chunk
+                  (a request's first chunk tells the manager its L*), an error when a
+                  request is not reserved here, prepare on arrival or later
     [caller]      prepare, wait for the previous stage's activations, execute (or sleep)
                -> results(work, ...) -> one RequestResult per last chunk (last stage only)
                -> done_message(work, ...) -> MicroBatchDone
@@ -249,6 +250,7 @@ class StageCore:
         chunks: list[ChunkSpec] = []
         try:
             for c in plan.chunks:
+                num_cached = self.manager.start_chunk(c.request_id, c.context_offset)
                 chunks.append(
                     ChunkSpec(
                         request_id=c.request_id,
@@ -257,6 +259,7 @@ class StageCore:
                         block_ids=tuple(self.manager.block_table(c.request_id)),
                         token_ids=tuple(c.token_ids) if self.is_first else None,
                         is_last=c.is_last,
+                        num_cached_tokens=num_cached,
                     )
                 )
         except (KeyError, ValueError) as exc:

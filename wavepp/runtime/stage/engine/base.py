@@ -19,7 +19,10 @@ Paged KV layout of one request (block_size = 4, L = 6 cached tokens, x = 5 new t
     cached     ######### ###                       positions [0, L) already in the cache
     written                  ##### ########       positions [L, L + x): slot = block*bs + pos%bs
 
-Block ids are local to a stage: two stages may hold the same prefix in different blocks.
+Block ids are local to a stage: two stages may hold the same prefix in different blocks, and a
+stage may hold more of it than the agreed L* (``ChunkSpec.num_cached_tokens``): those positions
+are computed (the next stage needs their activations) but not written, so a block cached and
+shared with other requests is never written (``PreparedBatch.write_rows``).
 """
 
 from __future__ import annotations
@@ -56,7 +59,11 @@ class PreparedBatch:
         num_tokens: T = sum of the chunks' num_tokens.
         row_starts: chunk i owns activation rows ``[row_starts[i], row_starts[i] + x_i)``.
         positions: [T] token positions (L_i + j).
-        slot_mapping: [T] KV cache slot (block_id * block_size + offset) each new token writes.
+        slot_mapping: [W] KV cache slot (block_id * block_size + offset) each written token
+            writes: every new token (W = T) but those below their chunk's
+            ``num_cached_tokens``.
+        write_rows: None (every row is written, W = T) or [W] the activation rows whose KV is
+            written, in ``slot_mapping``'s order (``written`` selects them).
         block_tables: [C, max_blocks] block ids each chunk reads, padded with -1; row i holds
             ``ceil((L_i + x_i) / block_size)`` valid entries.
         context_lens: [C] L_i + x_i, the keys each chunk's queries attend over.
@@ -79,6 +86,11 @@ class PreparedBatch:
     token_ids: torch.Tensor | None
     logits_rows: tuple[tuple[str, int], ...]
     prepared_by: int
+    write_rows: torch.Tensor | None
+
+    def written(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows of a [T, ...] tensor whose KV is written (``slot_mapping``'s order)."""
+        return rows if self.write_rows is None else rows.index_select(0, self.write_rows)
 
     def base_fields(self) -> dict[str, Any]:
         """The fields of this base class, for building an engine-specific subclass."""
@@ -178,6 +190,11 @@ def build_prepared_batch(
             raise ValueError(
                 f"context_offset={chunk.context_offset} of request {rid!r} must be >= 0"
             )
+        if chunk.num_cached_tokens < 0 or chunk.num_cached_tokens % block_size:
+            raise ValueError(
+                f"num_cached_tokens={chunk.num_cached_tokens} of request {rid!r} must be a "
+                f"whole number of blocks (block_size={block_size}) >= 0"
+            )
         context_end = chunk.context_end
         if max_position is not None and context_end > max_position:
             raise ValueError(
@@ -226,8 +243,22 @@ def build_prepared_batch(
         context_lens.append(context_end)
         tables.append(table)
 
+    write_rows = None
+    if any(c.num_cached_tokens > c.context_offset for c in chunks):
+        rows = [
+            torch.arange(
+                start + max(0, min(c.num_tokens, c.num_cached_tokens - c.context_offset)),
+                start + c.num_tokens,
+                dtype=torch.int64,
+            )
+            for c, start in zip(chunks, row_starts, strict=True)
+        ]
+        write_rows = torch.cat(rows)
     slot_mapping = torch.cat(
-        [ks[c.context_offset :] for ks, c in zip(key_slot_list, chunks, strict=True)]
+        [
+            ks[max(c.context_offset, c.num_cached_tokens) :]
+            for ks, c in zip(key_slot_list, chunks, strict=True)
+        ]
     )
     if torch.unique(slot_mapping).numel() != slot_mapping.numel():
         raise ValueError(
@@ -259,6 +290,7 @@ def build_prepared_batch(
         token_ids=_to(torch.tensor(token_list, dtype=torch.int64)) if needs_token_ids else None,
         logits_rows=tuple(logits_rows),
         prepared_by=prepared_by,
+        write_rows=_to(write_rows) if write_rows is not None else None,
     )
 
 

@@ -497,8 +497,8 @@ class TorchStageEngine(PagedStageEngineBase):
         # (cached prefix and its own new tokens) through one gather from the paged cache.
         k_cache = self.kv_cache[local_index, 0].view(-1, kv_heads, m.head_dim)
         v_cache = self.kv_cache[local_index, 1].view(-1, kv_heads, m.head_dim)
-        k_cache.index_copy_(0, p.slot_mapping, k)
-        v_cache.index_copy_(0, p.slot_mapping, v)
+        k_cache.index_copy_(0, p.slot_mapping, p.written(k))
+        v_cache.index_copy_(0, p.slot_mapping, p.written(v))
 
         attn = torch.empty_like(q)
         for chunk, start, key_slots, mask in zip(

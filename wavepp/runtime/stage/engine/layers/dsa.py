@@ -91,7 +91,7 @@ class DSAIndexer:
         q = self._rope(F.linear(q_resid, self.wq_b).view(num_tokens, s.n_heads, s.head_dim), p)
         k = F.layer_norm(F.linear(x, self.wk), (s.head_dim,), self.k_norm_w, self.k_norm_b, 1e-6)
         k = self._rope(k[:, None, :], p)[:, 0]
-        self.cache.index_copy_(0, p.slot_mapping, k)
+        self.cache.index_copy_(0, p.slot_mapping, p.written(k))
         weights = F.linear(x, self.weights_proj).float() * s.n_heads**-0.5  # [T, H_I]
         masks = []
         for chunk, start, key_slots, causal in zip(

@@ -111,8 +111,8 @@ class GQAAttention:
             k.view(num_tokens, self.kv_heads, s.head_dim), p.rope_cos, p.rope_sin
         )
         v = v.view(num_tokens, self.kv_heads, s.head_dim)
-        self.cache[0].index_copy_(0, p.slot_mapping, k)
-        self.cache[1].index_copy_(0, p.slot_mapping, v)
+        self.cache[0].index_copy_(0, p.slot_mapping, p.written(k))
+        self.cache[1].index_copy_(0, p.slot_mapping, p.written(v))
         out = torch.empty_like(q)
         scale = s.head_dim**-0.5
         for chunk, start, key_slots, mask in zip(

@@ -154,7 +154,8 @@ class KDAAttention:
         bs = p.block_size
         for chunk, start in zip(p.chunks, p.row_starts, strict=True):
             n, first = chunk.num_tokens, chunk.context_offset
-            for j in range(first // bs, (first + n - 1) // bs + 1):
+            cached = chunk.num_cached_tokens  # whole blocks cached here: never rewritten
+            for j in range(max(first, cached) // bs, (first + n - 1) // bs + 1):
                 self.states.pop(chunk.block_ids[j], None)  # rewritten: its state is stale
             state, tail = self._initial(chunk, bs, u.dtype)
             seq = torch.cat((tail, u[start : start + n]))  # [K - 1 + n, 3 dim]
@@ -171,7 +172,7 @@ class KDAAttention:
                 state = state + k[t][..., None] * delta[..., None, :]
                 out[row] = (state * q[t][..., None]).sum(dim=-2)
                 end = first + t + 1
-                if end % bs == 0 and (end // bs) % self.interval == 0:
+                if end % bs == 0 and (end // bs) % self.interval == 0 and end > cached:
                     self.states[chunk.block_ids[end // bs - 1]] = (
                         state,
                         seq[t + 1 : t + kk].clone(),

@@ -147,7 +147,7 @@ class MLAAttention:
         c, k_rot = F.linear(x, self.kv_a).split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
         c = rms_norm(c, self.kv_a_norm, s.eps)
         k_rot = self._rope(k_rot[:, None, :], p.rope_cos, p.rope_sin)[:, 0]
-        self.cache.index_copy_(0, p.slot_mapping, torch.cat((c, k_rot), dim=-1))
+        self.cache.index_copy_(0, p.slot_mapping, p.written(torch.cat((c, k_rot), dim=-1)))
 
     def expand(self, key_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [n, H/T, qk_head_dim] and values [n, H/T, v_head_dim] of the cached slots."""
