@@ -355,15 +355,14 @@ async def test_a_subset_of_a_replica_is_sent_per_stage_never_to_the_others(nc) -
 async def test_a_fanout_round_names_a_dead_stage_before_its_time_out(nc) -> None:  # noqa: ANN001
     """Stage 2 of 3 has no subscription (its process died): the round's fan-out reaches the
     others, the health ask on stage 2's own subject finds no listener, and the round fails naming
-    stage 2 long before the 5 s time-out."""
+    stage 2 long before its time-out."""
     prefix = "wavepp.dead"
     for rank in range(2):
         await _stage(nc, prefix, rank)
-    clients = NatsStageClient.for_replica(nc, prefix, 3, timeout_s=5.0, liveness_check_s=0.05)
-    started = asyncio.get_running_loop().time()
+    clients = NatsStageClient.for_replica(nc, prefix, 3, timeout_s=30.0, liveness_check_s=0.05)
+    # "no stage listens on" its own subject: the health ask's answer, not the 30 s time-out's
     with pytest.raises(StageUnavailableError, match=r"stage 2: no stage listens on wavepp\.dead"):
-        await NatsStageClient.call_batch_all(clients, b"x")
-    assert asyncio.get_running_loop().time() - started < 2.5
+        await asyncio.wait_for(NatsStageClient.call_batch_all(clients, b"x"), timeout=20)
     assert not clients[0].batch_mux._calls
 
 
@@ -385,9 +384,9 @@ async def test_a_fanout_round_names_a_silent_stage_at_its_time_out(nc) -> None: 
     await nc.subscribe(subjects.stages_kv_batch, cb=rogue)
     await nc.subscribe(subjects.stage_kv(1), cb=health_only)
     await nc.flush()
-    clients = NatsStageClient.for_replica(nc, prefix, 2, timeout_s=0.4, liveness_check_s=0.05)
+    clients = NatsStageClient.for_replica(nc, prefix, 2, timeout_s=1.5, liveness_check_s=0.05)
     with pytest.raises(
-        StageUnavailableError, match=r"stage 1: no reply on wavepp\.quiet\.stages\.kvb within 0.4s"
+        StageUnavailableError, match=r"stage 1: no reply on wavepp\.quiet\.stages\.kvb within 1.5s"
     ):
         await NatsStageClient.call_batch_all(clients, b"x")
     assert not clients[0].batch_mux._calls
