@@ -759,3 +759,20 @@ def test_a_prompt_hasher_refuses_what_hash_prompt_blocks_refuses() -> None:
         hasher([1, 2, -3, 4])
     with pytest.raises(ValueError, match="model_id"):
         PromptHasher(4, "")([1, 2, 3, 4])
+
+
+def test_a_lease_accepted_before_is_checked_again_against_a_lowered_bound() -> None:
+    """The manager skips re-checking the lease it accepted last (a round's entries share one),
+    but not once ``max_lease_s`` changed, and never for a value of another type."""
+    manager = StageKVManager(BlockPool(8, BLOCK_SIZE), max_lease_s=10.0)
+    manager.probe_pin("a", PROMPT_HASHES, 10.0)
+    manager.max_lease_s = 5.0
+    with pytest.raises(ValueError, match="max_lease_s=5.0"):
+        manager.probe_pin("b", PROMPT_HASHES, 10.0)
+    manager.max_lease_s = None
+    manager.probe_pin("c", PROMPT_HASHES, 10.0)
+    with pytest.raises(ValueError, match="lease_s must be a finite number"):
+        manager.probe_pin("d", PROMPT_HASHES, float("inf"))
+    with pytest.raises(ValueError, match="lease_s must be a finite number"):
+        manager.probe_pin("d", PROMPT_HASHES, "10.0")  # type: ignore[arg-type]
+    assert manager.request_ids() == ["a", "c"]

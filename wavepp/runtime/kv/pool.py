@@ -532,8 +532,11 @@ class BlockPool:
             return
         ref, span_of = self._ref, self._span_of
         # a block's own references: its ref count less the one of its span
-        if len(set(block_ids)) != len(block_ids) or any(
-            [ref[block_id] <= (span_of[block_id] is not None) for block_id in block_ids]
+        if (
+            len(set(block_ids)) != len(block_ids)
+            or 0 in [ref[block_id] for block_id in block_ids]
+            or self._spans
+            and any([ref[block_id] <= (span_of[block_id] is not None) for block_id in block_ids])
         ):
             releases = Counter(block_ids)
             for block_id in releases:
