@@ -10,6 +10,7 @@ timer each: most of a round's fixed cost in the controller.)
 from __future__ import annotations
 
 import asyncio
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -31,18 +32,32 @@ from wavepp.runtime.transport.natsio import ReconnectedError, fail_on_reconnect
 
 
 async def serve_stage_kv(
-    nc: NATS, subject_prefix: str, rank: int, manager: StageKVManager
+    nc: NATS,
+    subject_prefix: str,
+    rank: int,
+    manager: StageKVManager,
+    *,
+    handler_cpu_s: list[float] | None = None,
 ) -> list[Subscription]:
     """Answer a stage's agreement endpoints (JSON single requests and binary rounds) from
     ``manager`` on ``nc``: what a stage process does, for benchmarks and tests that run the
-    KV side without a whole stage. Returns the subscriptions (unsubscribe to stop)."""
+    KV side without a whole stage. Returns the subscriptions (unsubscribe to stop).
+
+    ``handler_cpu_s``: a one-element list the CPU seconds (``time.process_time``) spent in
+    ``handle_kv_batch`` are added to (a benchmark's split of its process's CPU)."""
     subjects = ReplicaSubjects(subject_prefix)
 
     async def on_kv(msg: Msg) -> None:
         await msg.respond(handle_kv_request(manager, rank, msg.data).model_dump_json().encode())
 
     async def on_batch(msg: Msg) -> None:
-        await msg.respond(handle_kv_batch(manager, rank, msg.data))
+        if handler_cpu_s is None:
+            await msg.respond(handle_kv_batch(manager, rank, msg.data))
+            return
+        started_s = time.process_time()
+        reply = handle_kv_batch(manager, rank, msg.data)
+        handler_cpu_s[0] += time.process_time() - started_s
+        await msg.respond(reply)
 
     return [
         await nc.subscribe(subjects.stage_kv(rank), cb=on_kv),
