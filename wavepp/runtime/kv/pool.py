@@ -103,15 +103,18 @@ class BlockPool:
         self.block_size = block_size
         # NOTE: the one pinning mechanism. _ref[b] == 0: in the free queue (evictable if
         # hashed); > 0: pinned, never evicted. It counts the block's own references plus one
-        # for the span holding it, if any (whose holders are counted in _spans).
+        # for the span holding it, if any (whose holders are counted in _holders).
         self._ref = [0] * num_blocks
         # NOTE: set once when the block is full and computed; cleared only on eviction.
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._hash_to_id: dict[BlockHash, int] = {}
         self._uncached = list(range(num_blocks - 1, -1, -1))  # free, no hash; last = front
         self._lru: OrderedDict[int, None] = OrderedDict()  # free, hashed; first = evicted first
-        self._spans: dict[tuple[int, ...], int] = {}  # shared prefix -> holders (>= 1)
+        self._spans: set[tuple[int, ...]] = set()  # the spans (shared prefixes) held
         self._span_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        # NOTE: by the span's first block id (no tuple hashed per pin or release): >= 1 for a
+        # span's first block, else 0
+        self._holders = [0] * num_blocks
         self._events: list[KVEvent] = []
         # NOTE: hashes that left / entered the map so far (when a CacheHit is still exact).
         self._evictions = 0
@@ -159,7 +162,7 @@ class BlockPool:
         """Ref count of block ``block_id`` (0: free; > 0: pinned by that many holders)."""
         self._check_id(block_id, "block_id")
         span = self._span_of[block_id]
-        return self._ref[block_id] + (self._spans[span] - 1 if span is not None else 0)
+        return self._ref[block_id] + (self._holders[span[0]] - 1 if span is not None else 0)
 
     def free_block_ids(self) -> list[int]:
         """Free queue in order: the front is reused (or evicted) first."""
@@ -408,9 +411,9 @@ class BlockPool:
                 and not any([span_of[block_id] is span for block_id in rest])
             ):
                 self._release(rest)
-                holders = self._spans[span] - 1
+                holders = self._holders[span[0]] - 1
                 if holders:
-                    self._spans[span] = holders
+                    self._holders[span[0]] = holders
                 else:
                     self._unspan(span)
                     self._release(span)
@@ -436,8 +439,14 @@ class BlockPool:
         for block_id in lru:
             _invariant(self._hash[block_id] is not None, f"block {block_id}: LRU part, no hash")
         in_spans = {}
-        for span, holders in self._spans.items():
-            _invariant(holders >= 1, f"span at block {span[0]}: {holders} holders")
+        span_heads = {span[0] for span in self._spans}
+        for block_id, holders in enumerate(self._holders):
+            _invariant(
+                (holders >= 1) == (block_id in span_heads),
+                f"block {block_id}: {holders} span holders, a span's first block: "
+                f"{block_id in span_heads}",
+            )
+        for span in self._spans:
             for block_id in span:
                 _invariant(block_id not in in_spans, f"block {block_id}: in two spans")
                 in_spans[block_id] = span
@@ -501,23 +510,25 @@ class BlockPool:
     def _pin_span(self, span: tuple[int, ...]) -> bool:
         """One holder more of ``span`` (pinned blocks, chain order); False (nothing done) when
         it overlaps another span or repeats a block: pin it per block instead."""
-        holders = self._spans.get(span)
-        if holders:
-            self._spans[span] = holders + 1
-            return True
         span_of = self._span_of
+        held = span_of[span[0]]
+        if held is not None and held == span:
+            self._holders[span[0]] += 1
+            return True
         if any([span_of[block_id] is not None for block_id in span]) or len(set(span)) < len(span):
             return False
         self._incr_refs(span)
         for block_id in span:
             span_of[block_id] = span
-        self._spans[span] = 1
+        self._spans.add(span)
+        self._holders[span[0]] = 1
         return True
 
     def _unspan(self, span: tuple[int, ...], as_refs: bool = False) -> None:
         """Forget ``span``; with ``as_refs`` its holders become per-block references (each
         block then carries one reference per holder), else its one reference stays to drop."""
-        holders = self._spans.pop(span)
+        self._spans.remove(span)
+        holders, self._holders[span[0]] = self._holders[span[0]], 0
         span_of, ref = self._span_of, self._ref
         for block_id in span:
             span_of[block_id] = None
