@@ -179,6 +179,26 @@ class BlockPoolMachine(RuleBasedStateMachine):
         if expected:
             self.holders.append(expected)
 
+    @precondition(lambda self: self.walks and len(self.holders) < _MAX_HOLDERS)
+    @rule()
+    def pin_the_latest_walk_again(self) -> None:
+        """Another holder of the latest walk's whole sequence (a span's second holder)."""
+        block_hashes, prior = self.walks[-1]
+        model_map = self._model_map()
+        expected = []
+        for block_hash in block_hashes:
+            if block_hash not in model_map:
+                break
+            expected.append(model_map[block_hash])
+        walk = self.pool.pin_cache_hit(block_hashes, prior, len(block_hashes))
+        assert list(walk.block_ids) == expected
+        for block_id in expected:
+            if self.model_refs[block_id] == 0:
+                self.model_free.remove(block_id)
+            self.model_refs[block_id] += 1
+        if expected:
+            self.holders.append(expected)
+
     @precondition(lambda self: self.holders)
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
