@@ -72,6 +72,22 @@ def test_batches_round_trip_with_raw_hashes() -> None:
     assert decode_batch(encode_batch(release)) == release
 
 
+@pytest.mark.parametrize("num_hashes", [0, 1, 63, 64, 65, 128, 200])
+def test_probe_hashes_decode_in_runs_of_any_length(num_hashes: int) -> None:
+    """Hashes are unpacked 64 at a time: every count, and a shared prefix before them, comes
+    back in order."""
+    own = tuple(hashlib.sha256(b"%d" % i).digest() for i in range(num_hashes))
+    base = _chain(70, 3)
+    probe = KVBatch(
+        BatchOp.PROBE,
+        (ProbeEntry("a", base), ProbeEntry("b", base[:66] + own), ProbeEntry("c", own)),
+        5.0,
+    )
+    decoded = decode_batch(encode_batch(probe))
+    assert decoded == probe
+    assert all(type(h) is bytes for entry in decoded.entries for h in entry[1])
+
+
 def _head(version: int = 1, op: int = 1, lease: float = 1.0, count: int = 0) -> bytes:
     """A batch header (no owner, seq 0) of the given fields."""
     return (

@@ -338,10 +338,93 @@ def test_pool_caller_mistakes_raise_and_change_nothing(action, match: str) -> No
     pool.check_invariants()
 
 
+def _cached_pool(num_blocks: int, hashes: list[bytes]) -> BlockPool:
+    """A pool holding ``hashes`` on blocks 0..len - 1, all released (LRU: tail first)."""
+    pool = BlockPool(num_blocks, 2)
+    block_ids = pool.allocate(len(hashes))
+    assert block_ids is not None
+    pool.cache_full_blocks(block_ids, hashes, None)
+    pool.free(block_ids)
+    pool.take_events()
+    return pool
+
+
+@pytest.mark.parametrize("span_min_blocks", [1, 8, 100])
+def test_a_shared_prefix_pinned_from_an_earlier_walk_counts_each_holder(
+    span_min_blocks: int,
+) -> None:
+    """Holders pinning a prefix from an earlier walk (a span, when long enough) see the same
+    ref counts, free queue order and refusals as with one ref count per block per holder."""
+    h = _hashes(10)
+    pool = _cached_pool(14, h)
+    pool.span_min_blocks = span_min_blocks
+    walk = pool.pin_cache_hit(h[:9])  # a full walk: plain per-block refs
+    assert list(walk.block_ids) == list(range(9))
+    a = pool.pin_cache_hit(h[:8] + _hashes(1, "x"), walk, 8)
+    b = pool.pin_cache_hit(h[:10], walk, 8)  # goes on past the prior's 8 blocks
+    assert list(a.block_ids) == list(range(8))
+    assert list(b.block_ids) == list(range(10))
+    assert [pool.ref_cnt(i) for i in range(10)] == [3] * 8 + [2, 1]
+    pool.check_invariants()
+    with pytest.raises(ValueError, match="block 9 released 2 time"):
+        pool.free([*b.block_ids, 9])
+    assert [pool.ref_cnt(i) for i in range(10)] == [3] * 8 + [2, 1]
+    pool.free(list(b.block_ids[6:]))  # a commit's release past L* = 6: cuts the prefix
+    assert [pool.ref_cnt(i) for i in range(10)] == [3] * 6 + [2, 2, 1, 0]
+    pool.check_invariants()
+    pool.free(list(a.block_ids))  # one holder less; nothing freed
+    assert [pool.ref_cnt(i) for i in range(10)] == [2] * 6 + [1, 1, 1, 0]
+    assert pool.free_block_ids() == [10, 11, 12, 13, 9]
+    pool.check_invariants()
+    pool.free(list(b.block_ids[:6]))
+    pool.free(list(walk.block_ids))
+    assert pool.num_pinned_blocks == 0
+    # released tail first: the walk's chain reversed after block 9 (freed before it)
+    assert pool.free_block_ids() == [10, 11, 12, 13, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0]
+    pool.check_invariants()
+
+
+def test_the_last_holder_of_a_span_releases_its_blocks_tail_first() -> None:
+    h = _hashes(8)
+    pool = _cached_pool(10, h)
+    pool.span_min_blocks = 2
+    walk = pool.pin_cache_hit(h)
+    holders = [pool.pin_cache_hit(h, walk, 8) for _ in range(3)]
+    pool.free(list(walk.block_ids))
+    fresh = pool.allocate(2)
+    assert fresh == [8, 9]
+    for index, hit in enumerate(holders):
+        pool.free([*hit.block_ids, *fresh] if index == 2 else list(hit.block_ids))
+        if index < 2:
+            assert [pool.ref_cnt(i) for i in range(8)] == [2 - index] * 8
+            pool.check_invariants()
+    assert pool.free_block_ids() == [8, 9, 7, 6, 5, 4, 3, 2, 1, 0]
+    pool.check_invariants()
+
+
+def test_a_release_that_cuts_a_span_of_several_holders_keeps_the_others_pins() -> None:
+    h = _hashes(6)
+    pool = _cached_pool(8, h)
+    pool.span_min_blocks = 2
+    walk = pool.pin_cache_hit(h)
+    a, b = (pool.pin_cache_hit(h, walk, 6) for _ in range(2))
+    pool.free(list(walk.block_ids[3:]))  # (not from the span's head: per-block refs go)
+    pool.free(list(walk.block_ids[:3]))  # now the two hold the blocks through the span only
+    assert [pool.ref_cnt(i) for i in range(6)] == [2] * 6
+    pool.free(list(b.block_ids[3:]))  # L* = 3 on this stage
+    assert [pool.ref_cnt(i) for i in range(6)] == [2, 2, 2, 1, 1, 1]
+    pool.check_invariants()
+    pool.free(list(a.block_ids))
+    assert pool.free_block_ids() == [6, 7, 5, 4, 3]
+    pool.free(list(b.block_ids[:3]))
+    assert pool.free_block_ids() == [6, 7, 5, 4, 3, 2, 1, 0]
+    pool.check_invariants()
+
+
 def test_check_invariants_detects_corruption() -> None:
     pool = BlockPool(2, 2)
     pool.allocate(1)
-    pool._blocks[0].ref_cnt = 0  # corrupt on purpose: ref 0 but not queued
+    pool._ref[0] = 0  # corrupt on purpose: ref 0 but not queued
     with pytest.raises(AssertionError, match="block 0"):
         pool.check_invariants()
 
@@ -724,3 +807,20 @@ def test_a_prompt_hasher_refuses_what_hash_prompt_blocks_refuses() -> None:
         hasher([1, 2, -3, 4])
     with pytest.raises(ValueError, match="model_id"):
         PromptHasher(4, "")([1, 2, 3, 4])
+
+
+def test_a_lease_accepted_before_is_checked_again_against_a_lowered_bound() -> None:
+    """The manager skips re-checking the lease it accepted last (a round's entries share one),
+    but not once ``max_lease_s`` changed, and never for a value of another type."""
+    manager = StageKVManager(BlockPool(8, BLOCK_SIZE), max_lease_s=10.0)
+    manager.probe_pin("a", PROMPT_HASHES, 10.0)
+    manager.max_lease_s = 5.0
+    with pytest.raises(ValueError, match="max_lease_s=5.0"):
+        manager.probe_pin("b", PROMPT_HASHES, 10.0)
+    manager.max_lease_s = None
+    manager.probe_pin("c", PROMPT_HASHES, 10.0)
+    with pytest.raises(ValueError, match="lease_s must be a finite number"):
+        manager.probe_pin("d", PROMPT_HASHES, float("inf"))
+    with pytest.raises(ValueError, match="lease_s must be a finite number"):
+        manager.probe_pin("d", PROMPT_HASHES, "10.0")  # type: ignore[arg-type]
+    assert manager.request_ids() == ["a", "c"]

@@ -65,9 +65,13 @@ _HASH_UNIVERSE = [hashlib.sha256(bytes([i])).digest() for i in range(5)]
 class BlockPoolMachine(RuleBasedStateMachine):
     """Random allocate / cache / hit+pin / free against an exact model of the free queue."""
 
+    span_min_blocks: int | None = None  # None: the pool's default (spans off at this size)
+
     @initialize()
     def setup(self) -> None:
         self.pool = BlockPool(_NUM_POOL_BLOCKS, 2)
+        if self.span_min_blocks is not None:
+            self.pool.span_min_blocks = self.span_min_blocks
         self.model_free: list[int] = list(range(_NUM_POOL_BLOCKS))  # front first
         self.model_refs = [0] * _NUM_POOL_BLOCKS
         self.model_hash: list[bytes | None] = [None] * _NUM_POOL_BLOCKS
@@ -178,10 +182,42 @@ class BlockPoolMachine(RuleBasedStateMachine):
         if expected:
             self.holders.append(expected)
 
+    @precondition(lambda self: self.walks and len(self.holders) < _MAX_HOLDERS)
+    @rule()
+    def pin_the_latest_walk_again(self) -> None:
+        """Another holder of the latest walk's whole sequence (a span's second holder)."""
+        block_hashes, prior = self.walks[-1]
+        model_map = self._model_map()
+        expected = []
+        for block_hash in block_hashes:
+            if block_hash not in model_map:
+                break
+            expected.append(model_map[block_hash])
+        walk = self.pool.pin_cache_hit(block_hashes, prior, len(block_hashes))
+        assert list(walk.block_ids) == expected
+        for block_id in expected:
+            if self.model_refs[block_id] == 0:
+                self.model_free.remove(block_id)
+            self.model_refs[block_id] += 1
+        if expected:
+            self.holders.append(expected)
+
     @precondition(lambda self: self.holders)
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         self._free(data.draw(st.integers(0, len(self.holders) - 1)))
+
+    @precondition(lambda self: self.holders)
+    @rule(data=st.data())
+    def free_the_tail_of_a_holder(self, data: st.DataObject) -> None:
+        """A commit's release past L*: the holder keeps its first blocks (a span cut)."""
+        holder_index = data.draw(st.integers(0, len(self.holders) - 1))
+        holder = self.holders[holder_index]
+        cut = data.draw(st.integers(0, len(holder)), label="cut")
+        self.holders[holder_index : holder_index + 1] = [holder[cut:], holder[:cut]]
+        self._free(holder_index)
+        if not self.holders[holder_index]:
+            del self.holders[holder_index]
 
     def _free(self, holder_index: int) -> None:
         holder = self.holders.pop(holder_index)
@@ -233,6 +269,17 @@ TestBlockPoolMachine = BlockPoolMachine.TestCase
 TestBlockPoolMachine.settings = _SETTINGS
 
 
+class BlockPoolSpansMachine(BlockPoolMachine):
+    """The same, with every prefix taken from an earlier walk pinned as a span (shared-prefix
+    pin: one holder count, not one ref count per block), cut by tail frees."""
+
+    span_min_blocks = 1
+
+
+TestBlockPoolSpansMachine = BlockPoolSpansMachine.TestCase
+TestBlockPoolSpansMachine.settings = _SETTINGS
+
+
 # ---- StageKVManager -------------------------------------------------------------------------
 
 _NUM_STAGE_BLOCKS = 10
@@ -266,6 +313,8 @@ class _ModelRequest:
 class StageKVManagerMachine(RuleBasedStateMachine):
     """Random probes, commits, chunks, releases, renewals and expiries with a fake clock."""
 
+    span_min_blocks: int | None = None  # None: the pool's default
+
     @initialize()
     def setup(self) -> None:
         self.now_s = 0.0
@@ -273,6 +322,8 @@ class StageKVManagerMachine(RuleBasedStateMachine):
             BlockPool(_NUM_STAGE_BLOCKS, _BLOCK_SIZE), clock=lambda: self.now_s
         )
         self.pool = self.manager.pool
+        if self.span_min_blocks is not None:
+            self.pool.span_min_blocks = self.span_min_blocks
         self.requests: dict[str, _ModelRequest] = {}
         self.shadow_hashes: set[bytes] = set()
         self.parent_of: dict[bytes, bytes | None] = {}  # block hash -> previous block's hash
@@ -556,3 +607,13 @@ class StageKVManagerMachine(RuleBasedStateMachine):
 
 TestStageKVManagerMachine = StageKVManagerMachine.TestCase
 TestStageKVManagerMachine.settings = _SETTINGS
+
+
+class StageKVManagerSpansMachine(StageKVManagerMachine):
+    """The same, with every probe's prefix from an earlier walk pinned as a span."""
+
+    span_min_blocks = 1
+
+
+TestStageKVManagerSpansMachine = StageKVManagerSpansMachine.TestCase
+TestStageKVManagerSpansMachine.settings = _SETTINGS

@@ -26,6 +26,8 @@ async def test_admission_bench_measures_each_setting() -> None:
         assert 0 < r["latency_p50_ms"] <= r["latency_p99_ms"]
         assert len(r["replica_p99_ms"]) == r["replicas"]
         assert r["cpu_us_per_agreement"] > 0
+        # in-process stages: their round handlers' CPU is split out of this process's
+        assert r["cpu_us_split"]["stages"] > 0 and r["cpu_us_split"]["controller"] > 0
     assert results[0]["mean_agreed_blocks"] == 0  # mixed: nothing cached beforehand
     assert results[2]["mean_agreed_blocks"] == (256 - 32) // 16
     assert results[0]["rounds"] == 12  # one at a time: one request per round

@@ -53,6 +53,7 @@ import math
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
+from functools import lru_cache
 from typing import NamedTuple
 
 from wavepp.api.signing import BusKey
@@ -497,9 +498,7 @@ def _decode_entries(
             end = at + (n - shared_len) * BLOCK_HASH_BYTES
             if end > size:
                 raise _truncated("block_hashes", at, size)
-            hashes = shared + tuple(
-                [data[i : i + BLOCK_HASH_BYTES] for i in range(at, end, BLOCK_HASH_BYTES)]
-            )
+            hashes = shared + _unpack_hashes(data, at, n - shared_len)
             at = end
             entries.append(
                 ProbeEntry(rid, hashes) if total < 0 else ReserveEntry(rid, hashes, total)
@@ -521,6 +520,29 @@ def _decode_entries(
     if at != size:
         raise KVWireError(f"payload: {size - at} bytes after the last entry")
     return tuple(entries), tuple(shares)
+
+
+_HASHES_PER_STRUCT = 64
+
+
+@lru_cache(maxsize=_HASHES_PER_STRUCT + 1)
+def _hashes_struct(num_hashes: int) -> struct.Struct:
+    return struct.Struct(f"{BLOCK_HASH_BYTES}s" * num_hashes)
+
+
+def _unpack_hashes(data: bytes, at: int, num_hashes: int) -> tuple[bytes, ...]:
+    """``num_hashes`` 32-byte hashes from byte ``at`` of ``data`` (bounds checked by the
+    caller): one ``struct`` call per 64, a C loop, not a slice per hash in Python."""
+    if num_hashes <= _HASHES_PER_STRUCT:
+        return _hashes_struct(num_hashes).unpack_from(data, at)
+    run = _hashes_struct(_HASHES_PER_STRUCT)
+    step = _HASHES_PER_STRUCT * BLOCK_HASH_BYTES
+    num_runs, num_rest = divmod(num_hashes, _HASHES_PER_STRUCT)
+    hashes: list[bytes] = []
+    for index in range(num_runs):
+        hashes += run.unpack_from(data, at + index * step)
+    hashes += _hashes_struct(num_rest).unpack_from(data, at + num_runs * step)
+    return tuple(hashes)
 
 
 _STATUSES = tuple(EntryStatus)

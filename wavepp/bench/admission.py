@@ -24,8 +24,9 @@ Workloads (``num_prompt_tokens`` per prompt):
 Measured per setting: agreements/s over the run (all replicas), p50/p99 latency of one ``agree``
 call (prompt hashing included), each replica's p99, rounds and mean batch size, and the CPU time
 per agreement of this process, the stage processes and the nats-server (on a shared machine, CPU
-per agreement is the figure that contention does not distort), and that CPU split by process:
-controller (this process), stages, nats-server. Compare with the pipeline's consumption rate: a
+per agreement is the figure that contention does not distort), and that CPU split: controller
+(this process), stages (the stage processes, or in-process the stages' round handlers,
+``handle_kv_batch``: decode, pool work, reply), nats-server. Compare with the pipeline's consumption rate: a
 micro-batch of ``chunk_tokens`` new tokens takes t_mb seconds per stage, so the pipeline consumes
 about (chunk_tokens / new tokens per request) / t_mb agreements per second.
 """
@@ -192,6 +193,7 @@ async def _one_setting(
     num_blocks = (num_requests + len(prefixes)) * blocks_per_prompt + 64
     controllers: list[AdmissionController] = []
     stage_pids: list[int] = []
+    handler_cpu_s = [0.0]  # in-process stage handlers' share of this process's CPU
     cached = [hash_prompt_blocks(list(p) + [0], block_size, _MODEL_ID) for p in prefixes]
     async with contextlib.AsyncExitStack() as stack:
         for replica in range(setting.replicas):
@@ -207,7 +209,7 @@ async def _one_setting(
                 )
                 stack.push_async_callback(nc.drain)
                 manager = StageKVManager(BlockPool(num_blocks, block_size))
-                await serve_stage_kv(nc, prefix, rank, manager)
+                await serve_stage_kv(nc, prefix, rank, manager, handler_cpu_s=handler_cpu_s)
                 await nc.flush()
                 managers.append(manager)
             nc = await connect(
@@ -243,6 +245,7 @@ async def _one_setting(
         pids = {"stages": stage_pids, "nats": [server.pid]}
         cpu_before = {name: _cpu_of(group) for name, group in pids.items()}
         gc.freeze()  # the pools and controllers, as the stage and admission processes do
+        handler_before = handler_cpu_s[0]
         controller_before = time.process_time()
         start = time.perf_counter()
         await asyncio.gather(
@@ -255,8 +258,11 @@ async def _one_setting(
         wall_s = time.perf_counter() - start
         cpu_split = {"controller": time.process_time() - controller_before}
         gc.unfreeze()
+        in_process_stages_s = handler_cpu_s[0] - handler_before  # 0 with stage processes
+        cpu_split["controller"] -= in_process_stages_s
         for name, group in pids.items():
             cpu_split[name] = _cpu_of(group) - cpu_before[name]
+        cpu_split["stages"] += in_process_stages_s
         cpu_s = sum(cpu_split.values())
         num_rounds = sum(c.num_rounds - b for c, b in zip(controllers, rounds_before, strict=True))
         for replica, controller in enumerate(controllers):
@@ -324,7 +330,8 @@ async def run_admission_bench(
         prompt_tokens, agreements_per_s, latency_p50_ms, latency_p99_ms, replica_p99_ms (one per
         replica), rounds, mean_batch, mean_agreed_blocks (L*: the cached prefix agreed),
         cpu_us_per_agreement, cpu_us_split (controller: this
-        process, stages: the stage processes, 0 without; nats: the nats-server),
+        process less the in-process stages; stages: the stage processes, or without them
+        the CPU of the stages' round handlers in this process; nats: the nats-server),
         stage_processes, load_average (the 1-minute load when the setting ended).
 
     Raises:

@@ -18,6 +18,7 @@ single ``call_batch``) keep one publish per stage on the per-stage subjects.
 from __future__ import annotations
 
 import asyncio
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -54,11 +55,14 @@ async def serve_stage_kv(
     manager: StageKVManager,
     *,
     bus_key: BusKey | None = None,
+    handler_cpu_s: list[float] | None = None,
 ) -> list[Subscription]:
     """Answer a stage's agreement endpoints (JSON single requests and binary rounds, on its own
     subjects and on the replica-wide ``{p}.stages.kvb``) from ``manager`` on ``nc``: what a stage
     process does, for benchmarks and tests that run the KV side without a whole stage.
     ``bus_key``: the replica's key (unsigned or replayed messages refused), None: insecure.
+    ``handler_cpu_s``: a one-element list the CPU seconds (``time.process_time``) spent in
+    ``handle_kv_batch`` are added to (a benchmark's split of its process's CPU).
     Returns the subscriptions (unsubscribe to stop)."""
     subjects = ReplicaSubjects(subject_prefix)
 
@@ -67,7 +71,13 @@ async def serve_stage_kv(
         await msg.respond(reply.model_dump_json().encode())
 
     async def on_batch(msg: Msg) -> None:
-        await msg.respond(handle_kv_batch(manager, rank, msg.data, bus_key=bus_key))
+        if handler_cpu_s is None:
+            await msg.respond(handle_kv_batch(manager, rank, msg.data, bus_key=bus_key))
+            return
+        started_s = time.process_time()
+        reply = handle_kv_batch(manager, rank, msg.data, bus_key=bus_key)
+        handler_cpu_s[0] += time.process_time() - started_s
+        await msg.respond(reply)
 
     return [
         await nc.subscribe(subjects.stage_kv(rank), cb=on_kv),

@@ -16,6 +16,8 @@ replica's ``lease_s`` and a commit, renew or release by an owner that did not pr
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from pydantic import ValidationError
 
 from wavepp.api.kv_batch import (
@@ -44,6 +46,12 @@ from wavepp.api.signing import BusKey
 from wavepp.runtime.kv import CacheHit, StageKVManager
 
 _OK = EntryResult(EntryStatus.OK)
+
+
+@lru_cache(maxsize=4096)
+def _ok(value: int) -> EntryResult:
+    """An OK result (immutable, so shared: one per value, not one per entry)."""
+    return EntryResult(EntryStatus.OK, value)
 
 
 def handle_kv_request(
@@ -226,7 +234,7 @@ def handle_kv_batch(
                     prior=walks[shared_from] if shared_from >= 0 else None,
                     num_shared=num_shared,
                 )
-                results.append(EntryResult(EntryStatus.OK, hit))
+                results.append(_ok(hit))
             elif isinstance(entry, CommitEntry):
                 table = manager.commit(
                     entry.request_id,
@@ -247,9 +255,7 @@ def handle_kv_batch(
                         )
                     )
                 else:
-                    results.append(
-                        EntryResult(EntryStatus.OK, len(table) - entry.num_agreed_blocks)
-                    )
+                    results.append(_ok(len(table) - entry.num_agreed_blocks))
             else:
                 manager.release(entry, owner=batch.owner)
                 results.append(_OK)

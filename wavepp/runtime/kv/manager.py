@@ -121,6 +121,7 @@ class StageKVManager:
         # first block hash -> (hashes, walk) of the latest probe starting with it: a later probe
         # of the same prefix starts its walk there (BlockPool.pin_cache_hit)
         self._recent_walks: dict[BlockHash, tuple[tuple[BlockHash, ...], CacheHit]] = {}
+        self._accepted_lease: tuple[float, float | None] | None = None  # see _check_lease
 
     recent_walks_kept = 1024
     """Prefix roots whose latest probe walk ``probe_pin`` remembers (oldest dropped)."""
@@ -570,12 +571,17 @@ class StageKVManager:
         return self.pool.take_events()
 
     def _check_lease(self, lease_s: float) -> None:
+        # NOTE: a round's entries all carry the batch's lease: the last one accepted (a float,
+        # under the same max_lease_s) is not checked again
+        if type(lease_s) is float and self._accepted_lease == (lease_s, self.max_lease_s):
+            return
         _check_lease(lease_s)
         if self.max_lease_s is not None and lease_s > self.max_lease_s:
             raise ValueError(
                 f"lease_s={lease_s!r} exceeds this stage's max_lease_s={self.max_lease_s} "
                 "(the replica's lease_s)"
             )
+        self._accepted_lease = (lease_s, self.max_lease_s)
 
     @staticmethod
     def _check_owner(held: _HeldRequest, owner: str) -> None:

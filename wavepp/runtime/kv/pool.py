@@ -8,10 +8,10 @@ torch, no clock reads. Ideas follow vLLM (vllm/v1/core/block_pool.py) and SGLang
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from wavepp.runtime.kv.hashing import BlockHash, check_block_hash
 
@@ -40,120 +40,15 @@ class KVEvent:
             raise ValueError(f"kind must be 'stored' or 'removed', got {self.kind!r}")
 
 
-@dataclass(frozen=True)
-class CacheHit:
+class CacheHit(NamedTuple):
     """The result of one ``BlockPool.pin_cache_hit`` walk: the leading blocks found (and pinned),
     and the pool's ``num_evictions`` and ``num_stores`` then. While no hash has left the pool
     since, the blocks found still hold their hashes; while none has entered either, the walk
-    also still stops where it stopped."""
+    also still stops where it stopped. (A named tuple: one per probe per stage, cheap to make.)"""
 
     block_ids: tuple[int, ...]
     evictions: int
     stores: int
-
-
-class _Block:
-    """One block's metadata. Only _FreeBlockQueue touches prev_free/next_free."""
-
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        # NOTE: the one pinning mechanism. 0: in the free queue (evictable if hashed);
-        # > 0: pinned by that many holders, never evicted.
-        self.ref_cnt = 0
-        # NOTE: set once when the block is full and computed; cleared only on eviction.
-        self.block_hash: BlockHash | None = None
-        self.prev_free: _Block | None = None
-        self.next_free: _Block | None = None
-
-
-class _FreeBlockQueue:
-    """Doubly linked queue of the ref-count-0 blocks, front = reused/evicted first.
-
-    O(1) popleft, append (back), appendleft (front) and remove (any position); no allocation
-    per operation. Two sentinels bracket the list, so a block is queued iff its links are set.
-    """
-
-    def __init__(self, blocks: Sequence[_Block]) -> None:
-        self._head = _Block(-1)
-        self._tail = _Block(-1)
-        self._head.next_free = self._tail
-        self._tail.prev_free = self._head
-        self._num_blocks = 0
-        for block in blocks:
-            self.append(block)
-
-    def __len__(self) -> int:
-        return self._num_blocks
-
-    def __iter__(self) -> Iterator[_Block]:
-        block = self._head.next_free
-        while block is not self._tail:
-            assert block is not None, "free queue: broken forward link"
-            yield block
-            block = block.next_free
-
-    def iter_reversed(self) -> Iterator[_Block]:
-        block = self._tail.prev_free
-        while block is not self._head:
-            assert block is not None, "free queue: broken backward link"
-            yield block
-            block = block.prev_free
-
-    def is_queued(self, block: _Block) -> bool:
-        return block.prev_free is not None
-
-    def popleft(self) -> _Block:
-        block = self._head.next_free
-        assert block is not None and block is not self._tail, "free queue: popleft when empty"
-        self.remove(block)
-        return block
-
-    def popleft_many(self, num_blocks: int) -> list[_Block]:
-        """The first ``num_blocks`` blocks, unlinked in one splice (``num_blocks`` <= len)."""
-        assert 0 <= num_blocks <= self._num_blocks, "free queue: popleft_many past the end"
-        taken: list[_Block] = []
-        block = self._head.next_free
-        for _ in range(num_blocks):
-            assert block is not None
-            taken.append(block)
-            next_block = block.next_free
-            block.prev_free = block.next_free = None
-            block = next_block
-        assert block is not None
-        self._head.next_free = block
-        block.prev_free = self._head
-        self._num_blocks -= num_blocks
-        return taken
-
-    def remove(self, block: _Block) -> None:
-        prev_block, next_block = block.prev_free, block.next_free
-        assert prev_block is not None and next_block is not None, (
-            f"free queue: block {block.block_id} is not queued"
-        )
-        prev_block.next_free = next_block
-        next_block.prev_free = prev_block
-        block.prev_free = block.next_free = None
-        self._num_blocks -= 1
-
-    def append(self, block: _Block) -> None:
-        self._insert_after(self._tail.prev_free, block)
-
-    def appendleft(self, block: _Block) -> None:
-        self._insert_after(self._head, block)
-
-    def _insert_after(self, prev_block: _Block | None, block: _Block) -> None:
-        assert prev_block is not None, "free queue: broken sentinel"
-        assert block.prev_free is None and block.next_free is None, (
-            f"free queue: block {block.block_id} is already queued"
-        )
-        next_block = prev_block.next_free
-        assert next_block is not None, "free queue: broken sentinel"
-        block.prev_free, block.next_free = prev_block, next_block
-        prev_block.next_free = block
-        next_block.prev_free = block
-        self._num_blocks += 1
 
 
 _INT_TYPES = frozenset((int, bool))
@@ -168,7 +63,7 @@ def _invariant(condition: bool, message: str) -> None:
 class BlockPool:
     """One stage's KV memory: capacity in blocks, hash -> block map, ref counts, LRU free queue.
 
-    Stored state:
+    Stored state (plain lists indexed by block id, no object per block):
 
     - ``num_blocks`` blocks with ids ``0 .. num_blocks - 1``; each has a ref count and at most
       one block hash.
@@ -176,7 +71,16 @@ class BlockPool:
       content stays unhashed: a duplicate, never matched, reused first).
     - the free queue: exactly the blocks with ref count 0. Order invariant: LRU first; equal
       age: chain tail first (``free`` releases a request's blocks reversed); uncached blocks
-      are put at the front (reused before any cached block is evicted).
+      are put at the front (reused before any cached block is evicted). So the queue is the
+      uncached free blocks (a stack: the last one freed is reused first) followed by the
+      cached ones (an ``OrderedDict``: the least recently freed is evicted first).
+    - shared-prefix pins ("spans"): a prefix that several holders pin from the same earlier
+      walk (``pin_cache_hit`` with ``prior``) is pinned once, as one reference on each of its
+      blocks, and counts its holders; a holder's ``free`` of ids that start with it drops one
+      holder, and the last one releases the blocks. So pinning and releasing a shared prefix of
+      n blocks costs O(1), not n ref count updates. Spans do not overlap; ``ref_cnt`` counts
+      each holder, as if each had pinned every block. A ``free`` that cuts into a span turns
+      it into plain per-block references first.
     - pending ``KVEvent``s, drained by ``take_events``.
 
     Args:
@@ -187,6 +91,9 @@ class BlockPool:
         ValueError: if ``num_blocks`` or ``block_size`` is not an int > 0.
     """
 
+    span_min_blocks = 8
+    """Shortest shared prefix pinned as a span (a shorter one costs little per block)."""
+
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be an int > 0, got {num_blocks!r}")
@@ -194,13 +101,20 @@ class BlockPool:
             raise ValueError(f"block_size must be an int > 0, got {block_size!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._blocks = [_Block(block_id) for block_id in range(num_blocks)]
-        self._free_queue = _FreeBlockQueue(self._blocks)
-        self._hash_to_block: dict[BlockHash, _Block] = {}
-        # NOTE: counters move only next to a ref count change (_incr_ref, allocate, free,
-        # pin_cache_hit) or in _evict.
-        self._num_pinned_blocks = 0
-        self._num_evictable_blocks = 0
+        # NOTE: the one pinning mechanism. _ref[b] == 0: in the free queue (evictable if
+        # hashed); > 0: pinned, never evicted. It counts the block's own references plus one
+        # for the span holding it, if any (whose holders are counted in _holders).
+        self._ref = [0] * num_blocks
+        # NOTE: set once when the block is full and computed; cleared only on eviction.
+        self._hash: list[BlockHash | None] = [None] * num_blocks
+        self._hash_to_id: dict[BlockHash, int] = {}
+        self._uncached = list(range(num_blocks - 1, -1, -1))  # free, no hash; last = front
+        self._lru: OrderedDict[int, None] = OrderedDict()  # free, hashed; first = evicted first
+        self._spans: set[tuple[int, ...]] = set()  # the spans (shared prefixes) held
+        self._span_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        # NOTE: by the span's first block id (no tuple hashed per pin or release): >= 1 for a
+        # span's first block, else 0
+        self._holders = [0] * num_blocks
         self._events: list[KVEvent] = []
         # NOTE: hashes that left / entered the map so far (when a CacheHit is still exact).
         self._evictions = 0
@@ -211,17 +125,17 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks with ref count 0: uncached free plus cached evictable."""
-        return len(self._free_queue)
+        return len(self._uncached) + len(self._lru)
 
     @property
     def num_cached_blocks(self) -> int:
         """Blocks holding a hash, pinned or not."""
-        return len(self._hash_to_block)
+        return len(self._hash_to_id)
 
     @property
     def num_pinned_blocks(self) -> int:
         """Blocks with ref count > 0."""
-        return self._num_pinned_blocks
+        return self.num_blocks - len(self._uncached) - len(self._lru)
 
     @property
     def num_evictions(self) -> int:
@@ -236,25 +150,27 @@ class BlockPool:
     @property
     def num_evictable_blocks(self) -> int:
         """Cached blocks with ref count 0 (reusable by a hit, or evicted by ``allocate``)."""
-        return self._num_evictable_blocks
+        return len(self._lru)
 
     # ---- read-only inspection (tests, telemetry) -----------------------------------------
 
     def block_hash(self, block_id: int) -> BlockHash | None:
         """The hash block ``block_id`` holds, or None (partial, uncomputed or duplicate)."""
-        return self._block_at(block_id, "block_id").block_hash
+        return self._hash[self._check_id(block_id, "block_id")]
 
     def ref_cnt(self, block_id: int) -> int:
         """Ref count of block ``block_id`` (0: free; > 0: pinned by that many holders)."""
-        return self._block_at(block_id, "block_id").ref_cnt
+        self._check_id(block_id, "block_id")
+        span = self._span_of[block_id]
+        return self._ref[block_id] + (self._holders[span[0]] - 1 if span is not None else 0)
 
     def free_block_ids(self) -> list[int]:
         """Free queue in order: the front is reused (or evicted) first."""
-        return [block.block_id for block in self._free_queue]
+        return self._uncached[::-1] + list(self._lru)
 
     def cached_block_hashes(self) -> frozenset[BlockHash]:
         """All hashes this pool holds (what a shadow index rebuilt from events should hold)."""
-        return frozenset(self._hash_to_block)
+        return frozenset(self._hash_to_id)
 
     # ---- operations ----------------------------------------------------------------------
 
@@ -269,11 +185,12 @@ class BlockPool:
             that all k are held (pinned or evictable). Pin them before anything else runs.
         """
         block_ids: list[int] = []
+        get = self._hash_to_id.get
         for block_hash in block_hashes:
-            block = self._hash_to_block.get(block_hash)
-            if block is None:
+            block_id = get(block_hash)
+            if block_id is None:
                 break
-            block_ids.append(block.block_id)
+            block_ids.append(block_id)
         return block_ids
 
     def pin_longest_cache_hit(self, block_hashes: Sequence[BlockHash]) -> list[int]:
@@ -299,8 +216,9 @@ class BlockPool:
         ``prior.block_ids[:num_shared]``; the walk stops there if the prior's did and no hash
         has entered since, and goes on from there otherwise. A prior from before an eviction,
         or whose last shared block does not hold ``block_hashes[num_shared - 1]``, is ignored (a
-        full walk). One ref count per block either way; requests sharing a long prefix pay one
-        dict lookup per new block.
+        full walk). The part taken from the prior, when at least ``span_min_blocks`` long, is
+        pinned as a span (one holder more, O(1)); the rest one ref count per block.
+        Requests sharing a long prefix pay one dict lookup per new block.
 
         Args:
             block_hashes: A prompt's full-block hashes, block order.
@@ -311,44 +229,39 @@ class BlockPool:
         Returns:
             The pinned blocks (``find_longest_cache_hit``'s ids) and the pool's counters.
         """
-        blocks = self._blocks
         start = 0
-        found: list[_Block] = []
-        known_ids: tuple[int, ...] = ()
+        known: tuple[int, ...] = ()
+        num_hashes = len(block_hashes)
         if prior is not None and num_shared > 0 and prior.evictions == self._evictions:
-            known = prior.block_ids[:num_shared]
-            last = len(known) - 1
+            shared = prior.block_ids[:num_shared]
+            last = len(shared) - 1
             # the prior's walk stopped inside the shared part: so does this one, unless a hash
             # entered since (then it goes on from there)
-            stopped = len(known) < num_shared and prior.stores == self._stores
+            stopped = len(shared) < num_shared and prior.stores == self._stores
             if (
                 last >= 0
-                and len(block_hashes) >= len(known)
-                and blocks[known[last]].block_hash == block_hashes[last]
+                and num_hashes >= len(shared)
+                and self._hash[shared[last]] == block_hashes[last]
             ):
-                known_ids = known
-                found = list(map(blocks.__getitem__, known))
-                start = len(block_hashes) if stopped else len(known)
+                known = shared
+                start = num_hashes if stopped else len(shared)
             elif last < 0 and stopped:
-                start = len(block_hashes)  # the prior found nothing: neither do we
-        num_known = len(found)
-        if start < len(block_hashes):
-            get = self._hash_to_block.get
-            for index in range(start, len(block_hashes)):
-                block = get(block_hashes[index])
-                if block is None:
+                start = num_hashes  # the prior found nothing: neither do we
+        found: list[int] = []
+        if start < num_hashes:
+            get = self._hash_to_id.get
+            for index in range(start, num_hashes):
+                block_id = get(block_hashes[index])
+                if block_id is None:
                     break
-                found.append(block)
-        remove = self._free_queue.remove
-        for block in found:
-            if block.ref_cnt == 0:
-                remove(block)
-                self._num_pinned_blocks += 1
-                self._num_evictable_blocks -= 1  # in the map, so it holds a hash
-            block.ref_cnt += 1
-        if len(found) > num_known:
-            known_ids += tuple([block.block_id for block in found[num_known:]])
-        return CacheHit(known_ids, self._evictions, self._stores)
+                found.append(block_id)
+        if known:
+            if len(known) < self.span_min_blocks or not self._pin_span(known):
+                self._incr_refs(known)
+        if found:
+            self._incr_refs(found)
+            known += tuple(found)
+        return CacheHit(known, self._evictions, self._stores)
 
     def pin(self, block_ids: Sequence[int]) -> None:
         """Add one reference to each block; a block at ref count 0 leaves the free queue.
@@ -361,16 +274,15 @@ class BlockPool:
             ValueError: if an id is out of range, or names a free uncached block (its content
                 is garbage: get fresh blocks from ``allocate``). Nothing changes then.
         """
-        blocks = [self._block_at(block_id, "block_ids") for block_id in block_ids]
-        for block in blocks:
-            if block.ref_cnt == 0 and block.block_hash is None:
+        self._check_ids(block_ids)
+        for block_id in block_ids:
+            if self._ref[block_id] == 0 and self._hash[block_id] is None:
                 raise ValueError(
-                    f"block_ids: block {block.block_id} is free and uncached, so its content "
+                    f"block_ids: block {block_id} is free and uncached, so its content "
                     "is not reusable; pin only blocks from find_longest_cache_hit or blocks "
                     "already pinned, and use allocate for fresh blocks"
                 )
-        for block in blocks:
-            self._incr_ref(block)
+        self._incr_refs(block_ids)
 
     def allocate(self, num_blocks: int) -> list[int] | None:
         """Take ``num_blocks`` blocks from the front of the free queue, each with ref count 1.
@@ -390,19 +302,23 @@ class BlockPool:
         """
         if not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
-        if num_blocks > len(self._free_queue):
+        uncached = self._uncached
+        num_uncached = len(uncached)
+        if num_blocks > num_uncached + len(self._lru):
             return None
-        evicted_hashes: list[BlockHash] = []
-        taken = self._free_queue.popleft_many(num_blocks)
-        for block in taken:
-            if block.block_hash is not None:
-                evicted_hashes.append(self._evict(block))
-            block.ref_cnt = 1
-        self._num_pinned_blocks += num_blocks
-        block_ids = [block.block_id for block in taken]
-        if evicted_hashes:
+        if num_blocks <= num_uncached:
+            cut = num_uncached - num_blocks
+            taken = uncached[: cut - 1 if cut else None : -1]
+            del uncached[cut:]
+        else:
+            taken = uncached[::-1]
+            uncached.clear()
+            evicted_hashes = self._evict(num_blocks - num_uncached, taken)
             self._events.append(KVEvent("removed", tuple(evicted_hashes), None))
-        return block_ids
+        ref = self._ref
+        for block_id in taken:
+            ref[block_id] = 1
+        return taken
 
     def cache_full_blocks(
         self,
@@ -433,29 +349,34 @@ class BlockPool:
             )
         if parent_block_hash is not None:
             check_block_hash(parent_block_hash, "parent_block_hash")
-        blocks = [self._block_at(block_id, "block_ids") for block_id in block_ids]
+        self._check_ids(block_ids)
         if len(set(block_ids)) != len(block_ids):
             raise ValueError(f"block_ids must be distinct, got {list(block_ids)}")
-        for position, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
+        hashes, ref = self._hash, self._ref
+        for position, (block_id, block_hash) in enumerate(
+            zip(block_ids, block_hashes, strict=True)
+        ):
             check_block_hash(block_hash, f"block_hashes[{position}]")
-            if block.ref_cnt == 0:
+            if ref[block_id] == 0:
                 raise ValueError(
-                    f"block_ids: block {block.block_id} is not pinned (ref count 0); cache "
+                    f"block_ids: block {block_id} is not pinned (ref count 0); cache "
                     "only blocks the caller holds"
                 )
-            if block.block_hash is not None and block.block_hash != block_hash:
+            held = hashes[block_id]
+            if held is not None and held != block_hash:
                 raise ValueError(
-                    f"block_ids: block {block.block_id} already holds hash "
-                    f"{block.block_hash.hex()[:16]}..., not block_hashes[{position}] = "
+                    f"block_ids: block {block_id} already holds hash "
+                    f"{held.hex()[:16]}..., not block_hashes[{position}] = "
                     f"{block_hash.hex()[:16]}...; a block gets its hash once"
                 )
-        if not blocks:
+        if not block_ids:
             return
-        for block, block_hash in zip(blocks, block_hashes, strict=True):
-            if block.block_hash is not None or block_hash in self._hash_to_block:
+        hash_to_id = self._hash_to_id
+        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+            if hashes[block_id] is not None or block_hash in hash_to_id:
                 continue  # already this hash, or a duplicate of another block
-            block.block_hash = block_hash
-            self._hash_to_block[block_hash] = block
+            hashes[block_id] = block_hash
+            hash_to_id[block_hash] = block_id
             self._stores += 1
         self._events.append(KVEvent("stored", tuple(block_hashes), parent_block_hash))
 
@@ -465,6 +386,8 @@ class BlockPool:
         Pass a request's blocks in block order; they are released reversed, so a chain's tail
         is evicted before its prefix. At ref count 0 a cached block goes to the back of the
         free queue (evicted last: LRU) and an uncached block to the front (reused first).
+        When the ids start with a span (a shared prefix pinned by ``pin_cache_hit``) and
+        the rest lies outside it, that part drops one holder of the span.
 
         Args:
             block_ids: Blocks to release, block order; an id may repeat.
@@ -475,33 +398,27 @@ class BlockPool:
         """
         if not block_ids:
             return
-        blocks = self._blocks_at(block_ids)
-        if len(set(block_ids)) == len(blocks):  # the usual case: each id once
-            releases: dict[int, int] | Counter[int] = {}
-            for block in blocks:
-                if block.ref_cnt < 1:
-                    releases = Counter(block_ids)
-                    break
-        else:
-            releases = Counter(block_ids)
-        for block_id, num_releases in releases.items():
-            ref_cnt = self._blocks[block_id].ref_cnt
-            if num_releases > ref_cnt:
-                raise ValueError(
-                    f"block_ids: block {block_id} released {num_releases} time(s) but its ref "
-                    f"count is {ref_cnt}; free only blocks you pinned or allocated, once each"
-                )
-        free_queue = self._free_queue
-        for block in reversed(blocks):
-            block.ref_cnt -= 1
-            if block.ref_cnt:
-                continue
-            self._num_pinned_blocks -= 1
-            if block.block_hash is not None:
-                self._num_evictable_blocks += 1
-                free_queue.append(block)
-            else:
-                free_queue.appendleft(block)
+        self._check_ids(block_ids)
+        span = self._span_of[block_ids[0]]
+        if span is not None:
+            num_span = len(span)
+            rest = block_ids[num_span:]
+            span_of = self._span_of
+            if (
+                span[0] == block_ids[0]
+                and len(block_ids) >= num_span
+                and tuple(block_ids[:num_span]) == span
+                and not any([span_of[block_id] is span for block_id in rest])
+            ):
+                self._release(rest)
+                holders = self._holders[span[0]] - 1
+                if holders:
+                    self._holders[span[0]] = holders
+                else:
+                    self._unspan(span)
+                    self._release(span)
+                return
+        self._release(block_ids)
 
     def take_events(self) -> list[KVEvent]:
         """Drain the pending events (oldest first); the pool's queue is empty afterwards."""
@@ -514,81 +431,156 @@ class BlockPool:
         Raises:
             AssertionError: naming the first invariant that does not hold.
         """
-        queued = list(self._free_queue)
-        _invariant(
-            [block.block_id for block in reversed(queued)]
-            == [block.block_id for block in self._free_queue.iter_reversed()],
-            "free queue: forward and backward links disagree",
-        )
-        _invariant(len(queued) == len(self._free_queue), "free queue: length counter is wrong")
-        queued_ids = {block.block_id for block in queued}
-        _invariant(len(queued_ids) == len(queued), "free queue: a block is queued twice")
-        free_ids = set()
-        num_pinned = num_evictable = num_hashed = 0
-        for block in self._blocks:
-            _invariant(block.ref_cnt >= 0, f"block {block.block_id}: ref count {block.ref_cnt}")
+        uncached, lru = self._uncached, list(self._lru)
+        queued = set(uncached) | set(lru)
+        _invariant(len(queued) == len(uncached) + len(lru), "free queue: a block is queued twice")
+        for block_id in uncached:
+            _invariant(self._hash[block_id] is None, f"block {block_id}: uncached part, hashed")
+        for block_id in lru:
+            _invariant(self._hash[block_id] is not None, f"block {block_id}: LRU part, no hash")
+        in_spans = {}
+        span_heads = {span[0] for span in self._spans}
+        for block_id, holders in enumerate(self._holders):
             _invariant(
-                self._free_queue.is_queued(block) == (block.ref_cnt == 0),
-                f"block {block.block_id}: queued={self._free_queue.is_queued(block)} but ref "
-                f"count {block.ref_cnt}",
+                (holders >= 1) == (block_id in span_heads),
+                f"block {block_id}: {holders} span holders, a span's first block: "
+                f"{block_id in span_heads}",
             )
-            if block.ref_cnt == 0:
-                free_ids.add(block.block_id)
-                num_evictable += block.block_hash is not None
-            else:
-                num_pinned += 1
-            if block.block_hash is not None:
-                num_hashed += 1
+        for span in self._spans:
+            for block_id in span:
+                _invariant(block_id not in in_spans, f"block {block_id}: in two spans")
+                in_spans[block_id] = span
+        for block_id in range(self.num_blocks):
+            ref_cnt = self._ref[block_id]
+            _invariant(ref_cnt >= 0, f"block {block_id}: ref count {ref_cnt}")
+            _invariant(
+                (block_id in queued) == (ref_cnt == 0),
+                f"block {block_id}: queued={block_id in queued} but ref count {ref_cnt}",
+            )
+            _invariant(
+                self._span_of[block_id] == in_spans.get(block_id),
+                f"block {block_id}: span index disagrees with the spans",
+            )
+            block_hash = self._hash[block_id]
+            if block_hash is not None:
                 _invariant(
-                    self._hash_to_block.get(block.block_hash) is block,
-                    f"block {block.block_id}: its hash maps to another block",
+                    self._hash_to_id.get(block_hash) == block_id,
+                    f"block {block_id}: its hash maps to another block",
                 )
-        _invariant(queued_ids == free_ids, "free queue is not exactly the ref-count-0 blocks")
-        _invariant(
-            self.num_free_blocks + num_pinned == self.num_blocks,
-            f"free {self.num_free_blocks} + used {num_pinned} != capacity {self.num_blocks}",
-        )
-        _invariant(num_pinned == self._num_pinned_blocks, "pinned counter is wrong")
-        _invariant(num_evictable == self._num_evictable_blocks, "evictable counter is wrong")
-        _invariant(num_hashed == len(self._hash_to_block), "hash map holds unhashed blocks")
-        for block_hash, block in self._hash_to_block.items():
-            _invariant(block.block_hash == block_hash, f"hash map entry for block {block.block_id}")
+        num_hashed = sum(block_hash is not None for block_hash in self._hash)
+        _invariant(num_hashed == len(self._hash_to_id), "hash map holds unhashed blocks")
+        for block_hash, block_id in self._hash_to_id.items():
+            _invariant(self._hash[block_id] == block_hash, f"hash map entry for block {block_id}")
 
-    # ---- internals: the only places ref counts and counters move -------------------------
+    # ---- internals: the only places ref counts move --------------------------------------
 
-    def _block_at(self, block_id: int, field: str) -> _Block:
+    def _check_id(self, block_id: int, field: str) -> int:
         if type(block_id) is int and 0 <= block_id < self.num_blocks:
-            return self._blocks[block_id]
+            return block_id
         if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
             raise ValueError(
                 f"{field}: block id {block_id!r} is not in [0, {self.num_blocks}) "
                 "(this pool's capacity)"
             )
-        return self._blocks[block_id]
+        return int(block_id)
 
-    def _blocks_at(self, block_ids: Sequence[int]) -> list[_Block]:
-        """``_block_at`` of each id; one C-level pass when they are all ints in range."""
+    def _check_ids(self, block_ids: Sequence[int]) -> None:
+        """``_check_id`` of each id; one C-level pass when they are all ints in range."""
         try:
-            if min(block_ids) >= 0 and set(map(type, block_ids)) <= _INT_TYPES:
-                return list(map(self._blocks.__getitem__, block_ids))
-        except (TypeError, IndexError):
+            if (
+                not block_ids
+                or min(block_ids) >= 0
+                and max(block_ids) < self.num_blocks
+                and set(map(type, block_ids)) <= _INT_TYPES
+            ):
+                return
+        except TypeError:
             pass
-        return [self._block_at(block_id, "block_ids") for block_id in block_ids]
+        for block_id in block_ids:
+            self._check_id(block_id, "block_ids")
 
-    def _incr_ref(self, block: _Block) -> None:
-        if block.ref_cnt == 0:
-            self._free_queue.remove(block)
-            self._num_pinned_blocks += 1
-            if block.block_hash is not None:
-                self._num_evictable_blocks -= 1
-        block.ref_cnt += 1
+    def _incr_refs(self, block_ids: Sequence[int]) -> None:
+        """One reference more on each block (checked ids; free ones must be cached)."""
+        ref, lru = self._ref, self._lru
+        for block_id in block_ids:
+            if not ref[block_id]:
+                del lru[block_id]
+            ref[block_id] += 1
 
-    def _evict(self, block: _Block) -> BlockHash:
-        """Drop a just-dequeued cached block's hash; returns it."""
-        block_hash = block.block_hash
-        assert block_hash is not None and block.ref_cnt == 0, "evicting a pinned/uncached block"
-        del self._hash_to_block[block_hash]
-        self._evictions += 1
-        block.block_hash = None
-        self._num_evictable_blocks -= 1
-        return block_hash
+    def _pin_span(self, span: tuple[int, ...]) -> bool:
+        """One holder more of ``span`` (pinned blocks, chain order); False (nothing done) when
+        it overlaps another span or repeats a block: pin it per block instead."""
+        span_of = self._span_of
+        held = span_of[span[0]]
+        if held is not None and held == span:
+            self._holders[span[0]] += 1
+            return True
+        if any([span_of[block_id] is not None for block_id in span]) or len(set(span)) < len(span):
+            return False
+        self._incr_refs(span)
+        for block_id in span:
+            span_of[block_id] = span
+        self._spans.add(span)
+        self._holders[span[0]] = 1
+        return True
+
+    def _unspan(self, span: tuple[int, ...], as_refs: bool = False) -> None:
+        """Forget ``span``; with ``as_refs`` its holders become per-block references (each
+        block then carries one reference per holder), else its one reference stays to drop."""
+        self._spans.remove(span)
+        holders, self._holders[span[0]] = self._holders[span[0]], 0
+        span_of, ref = self._span_of, self._ref
+        for block_id in span:
+            span_of[block_id] = None
+            if as_refs:
+                ref[block_id] += holders - 1
+
+    def _release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference per occurrence, reversed (checked ids); ValueError, nothing
+        changed, if one is released more often than referenced."""
+        if not block_ids:
+            return
+        ref, span_of = self._ref, self._span_of
+        # a block's own references: its ref count less the one of its span
+        if (
+            len(set(block_ids)) != len(block_ids)
+            or 0 in [ref[block_id] for block_id in block_ids]
+            or self._spans
+            and any([ref[block_id] <= (span_of[block_id] is not None) for block_id in block_ids])
+        ):
+            releases = Counter(block_ids)
+            for block_id in releases:
+                if span_of[block_id] is not None:  # cut into a span: per-block refs first
+                    self._unspan(span_of[block_id], as_refs=True)
+            for block_id, num_releases in releases.items():
+                if num_releases > ref[block_id]:
+                    raise ValueError(
+                        f"block_ids: block {block_id} released {num_releases} time(s) but its "
+                        f"ref count is {ref[block_id]}; free only blocks you pinned or "
+                        "allocated, once each"
+                    )
+        uncached, lru, hashes = self._uncached, self._lru, self._hash
+        for block_id in reversed(block_ids):
+            ref_cnt = ref[block_id] - 1
+            ref[block_id] = ref_cnt
+            if not ref_cnt:
+                if hashes[block_id] is None:
+                    uncached.append(block_id)
+                else:
+                    lru[block_id] = None
+
+    def _evict(self, num_blocks: int, taken: list[int]) -> list[BlockHash]:
+        """Take ``num_blocks`` cached blocks from the LRU front onto ``taken``, dropping their
+        hashes; returns the hashes, eviction order."""
+        lru, hashes, hash_to_id = self._lru, self._hash, self._hash_to_id
+        evicted: list[BlockHash] = []
+        for _ in range(num_blocks):
+            block_id = lru.popitem(last=False)[0]
+            block_hash = hashes[block_id]
+            assert block_hash is not None, f"block {block_id}: in the LRU without a hash"
+            del hash_to_id[block_hash]
+            hashes[block_id] = None
+            evicted.append(block_hash)
+            taken.append(block_id)
+        self._evictions += num_blocks
+        return evicted
