@@ -1,5 +1,9 @@
-"""Prefix wait in the wave admission: a request waits only for a live request *computing* its
-prefix, never for one merely agreeing on a prefix that is cached already.
+"""The wave admission and the prefixes live requests hold pinned (cached on every stage):
+
+- prefix wait: a request waits only for a live request *computing* its prefix, never for one
+  merely agreeing on a prefix that is cached already;
+- the lookahead (a budget of new tokens): an agreeing request counts its prompt less the
+  pinned prefix, not its whole prompt.
 
 Simulated stages on a virtual clock (``wavepp.sim``) drive the real scheduler, admission and KV
 managers; nothing is mocked.
@@ -8,6 +12,7 @@ managers; nothing is mocked.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,18 +31,24 @@ def _tokens(seed: int, num: int, vocab: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, num).tolist()
 
 
-def _burst(*, warm_prefix: bool, num_requests: int) -> tuple[list[RequestOutcome], int]:
-    """``num_requests`` requests sharing a prefix arrive at once on a 2-stage MiniMax-M2.7
-    pipeline (H200 time) while a long request with the same prefix is in flight. With
-    ``warm_prefix`` the prefix was computed before, so the long request holds it pinned as its
-    agreed prefix; without, the long request computes it. Returns the burst's outcomes and the
-    scheduler's count of admissions that waited for a prefix owner."""
+@dataclass
+class Burst:
+    outcomes: list[RequestOutcome]
+    num_prefix_waits: int  # admissions of the burst that waited for a prefix owner
+    num_rounds: int  # agreement rounds the burst took
+
+
+def _burst(*, warm_prefix: bool, num_requests: int, prefix_tokens: int = PREFIX_TOKENS) -> Burst:
+    """``num_requests`` requests sharing a prefix (each with its own ``SUFFIX_TOKENS``) arrive
+    at once on a 2-stage MiniMax-M2.7 pipeline (H200 time) while a long request with the same
+    prefix is in flight. With ``warm_prefix`` the prefix was computed before, so the long
+    request holds it pinned as its agreed prefix; without, the long request computes it."""
     spec = GridSpec(time_scale=1.0, num_stages=2, num_kv_blocks=65536)
     config, planner_cost = runtime_config(spec, Setting("minimax-m2.7", 8, "high", "wave"))
     vocab = config.model.vocab_size
-    prefix = _tokens(1, PREFIX_TOKENS, vocab)
+    prefix = _tokens(1, prefix_tokens, vocab)
 
-    async def main() -> tuple[list[RequestOutcome], int]:
+    async def main() -> Burst:
         async with SimPipeline(config, planner_cost) as pipe:
             scheduler = pipe.scheduler
             assert scheduler is not None
@@ -49,7 +60,9 @@ def _burst(*, warm_prefix: bool, num_requests: int) -> tuple[list[RequestOutcome
             )
             await asyncio.sleep(0.01)  # admitted (two KV round trips), its first chunk running
             assert scheduler.core.is_live("long")
+            assert pipe.controller is not None
             waits_before = scheduler.num_prefix_waits
+            rounds_before = pipe.controller.num_rounds
             outcomes = await asyncio.gather(
                 *(
                     scheduler.submit(
@@ -58,8 +71,9 @@ def _burst(*, warm_prefix: bool, num_requests: int) -> tuple[list[RequestOutcome
                     for i in range(num_requests)
                 )
             )
+            num_rounds = pipe.controller.num_rounds - rounds_before
             assert (await long).ok
-            return list(outcomes), scheduler.num_prefix_waits - waits_before
+            return Burst(list(outcomes), scheduler.num_prefix_waits - waits_before, num_rounds)
 
     loop = VirtualClockLoop(start_s=100.0)
     try:
@@ -73,19 +87,32 @@ def test_requests_sharing_a_pinned_prefix_agree_together_without_waiting() -> No
     sharing a cached prefix waited for the first one's agreement, the third for the second's:
     7 waits and 8 round trips one after another for 8 requests (in the closed loop at PP8 this
     split returning groups: MiniMax-M2.7 high reuse, C = 256, efficiency 0.917)."""
-    outcomes, num_waits = _burst(warm_prefix=True, num_requests=8)
-    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
-    assert num_waits == 0
-    assert [o.num_cached_tokens for o in outcomes] == [PREFIX_TOKENS] * 8
+    burst = _burst(warm_prefix=True, num_requests=8)
+    assert all(o.ok for o in burst.outcomes), [o.error for o in burst.outcomes]
+    assert burst.num_prefix_waits == 0
+    assert [o.num_cached_tokens for o in burst.outcomes] == [PREFIX_TOKENS] * 8
 
 
 def test_requests_sharing_a_prefix_being_computed_still_wait_for_it() -> None:
     """The wait is still there for what it is for: the long request computes the prefix, so
     the burst waits for it and reuses it instead of computing it again."""
-    outcomes, num_waits = _burst(warm_prefix=False, num_requests=4)
-    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
-    assert num_waits >= 1
-    assert [o.num_cached_tokens for o in outcomes] == [PREFIX_TOKENS] * 4
+    burst = _burst(warm_prefix=False, num_requests=4)
+    assert all(o.ok for o in burst.outcomes), [o.error for o in burst.outcomes]
+    assert burst.num_prefix_waits >= 1
+    assert [o.num_cached_tokens for o in burst.outcomes] == [PREFIX_TOKENS] * 4
+
+
+def test_requests_sharing_a_pinned_prefix_count_only_their_new_tokens_against_the_lookahead() -> (
+    None
+):
+    """8 agentic-sized requests (16k-token pinned prefix, 256 new tokens each) on 2 stages,
+    whose lookahead is 3 x 8,192 new tokens: they agree in one round. Before, each agreeing
+    request counted its whole 16,640-token prompt, so they agreed one or two at a time:
+    4 rounds, one after another."""
+    burst = _burst(warm_prefix=True, num_requests=8, prefix_tokens=16384)
+    assert all(o.ok for o in burst.outcomes), [o.error for o in burst.outcomes]
+    assert [o.num_cached_tokens for o in burst.outcomes] == [16384] * 8
+    assert burst.num_rounds == 1
 
 
 def test_a_returning_group_over_few_prefixes_is_planned_whole() -> None:
