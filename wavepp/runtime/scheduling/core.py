@@ -126,6 +126,12 @@ class SchedulerCore(DoneAccounting):
         # holder; a new request's estimate is how many of its leading blocks they hold.
         self._started_blocks: Counter[bytes] = Counter()
         self._started_hashes: dict[str, list[bytes]] = {}
+        # The agreed prefix (L* blocks) of every live request, each hash counted once per
+        # holder. Those blocks are pinned on every stage until the request is released, so a
+        # new request's leading blocks found here are cached, not computed (prefix wait, the
+        # admission lookahead).
+        self._pinned_blocks: Counter[bytes] = Counter()
+        self._pinned_hashes: dict[str, list[bytes]] = {}
 
     # ---- intake and admission ------------------------------------------------------------
 
@@ -180,6 +186,10 @@ class SchedulerCore(DoneAccounting):
             hashes = self.block_hashes(request)
             self.inflight_prefixes.remove(request.request_id)
             self.inflight_prefixes.add(request.request_id, hashes[ticket.num_agreed_blocks :])
+        self._forget_pinned([request.request_id])
+        pinned = self.block_hashes(request)[: ticket.num_agreed_blocks]
+        self._pinned_hashes[request.request_id] = pinned
+        self._pinned_blocks.update(pinned)
         self._recent[request.request_id] = record.outcome
         while len(self._recent) > _RECENT_OUTCOMES:
             self._recent.popitem(last=False)
@@ -260,6 +270,27 @@ class SchedulerCore(DoneAccounting):
                 for block_hash in hashes:
                     if self._started_blocks[block_hash] <= 0:
                         del self._started_blocks[block_hash]
+
+    def num_pinned_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of ``block_hashes`` (a prompt's chained full-block hashes)
+        some live request holds pinned as its agreed prefix: cached on every stage until that
+        request is released. Hashes are chained, so the count stops at the first block no live
+        request pins."""
+        num_blocks = 0
+        for block_hash in block_hashes:
+            if not self._pinned_blocks[block_hash]:
+                break
+            num_blocks += 1
+        return num_blocks
+
+    def _forget_pinned(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            hashes = self._pinned_hashes.pop(request_id, None)
+            if hashes is not None:
+                self._pinned_blocks.subtract(hashes)
+                for block_hash in hashes:
+                    if self._pinned_blocks[block_hash] <= 0:
+                        del self._pinned_blocks[block_hash]
 
     def unplanned_tokens(self) -> int:
         """New tokens of every admitted request not yet planned (the lookahead's measure)."""
@@ -418,6 +449,7 @@ class SchedulerCore(DoneAccounting):
     def released(self, request_ids: Sequence[str]) -> None:
         """The requests' pins are gone: drop their claims on in-flight prefixes."""
         self._forget_started(request_ids)
+        self._forget_pinned(request_ids)
         if self.config.resolved_prefix_wait:
             for request_id in request_ids:
                 self.inflight_prefixes.remove(request_id)
@@ -441,6 +473,7 @@ class SchedulerCore(DoneAccounting):
             self.live.pop(record.request_id, None)
             if self.config.resolved_prefix_wait:
                 self.inflight_prefixes.remove(record.request_id)
+            self._forget_pinned([record.request_id])
             record.status = RequestStatus.WAITING
             record.ticket = None
             record.progress = None
