@@ -98,6 +98,11 @@ class RuntimeConfig(BaseModel):
     local_prepare: bool | None = None
     prefix_wait: bool | None = None
     prefix_wait_min_fraction: float = Field(0.25, ge=0.0, le=1.0)
+    # NOTE: wave mode plans the next micro-batch while the agreements it waits for are under
+    # way, with each request's L* predicted from the prefixes agreed before, and publishes it
+    # when every reply matches (else plans again); the stages see the same plans either way
+    # (wavepp/runtime/scheduling/speculation.py). False: plan only after the replies.
+    speculative_planning: bool = True
     admission_lookahead_tokens: int | None = Field(None, ge=1)
     max_inflight: int | None = Field(None, ge=1)
     max_prepared: int = Field(64, ge=1)
@@ -292,6 +297,12 @@ class RuntimeConfig(BaseModel):
         with async agreement; the sync loop agrees late enough on its own)."""
         wait = self.prefix_wait if self.prefix_wait is not None else self.mode == "wave"
         return wait and self.resolved_async_agreement
+
+    @property
+    def resolved_speculative_planning(self) -> bool:
+        """Speculative planning: wave mode with async agreement only (sync agrees on the
+        critical path, one request at a time)."""
+        return self.speculative_planning and self.mode == "wave" and self.resolved_async_agreement
 
     @property
     def resolved_max_inflight(self) -> int:

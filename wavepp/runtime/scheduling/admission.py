@@ -32,7 +32,9 @@ from wavepp.runtime.agreement import (
 )
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.request import RequestStatus
+from wavepp.runtime.scheduling import speculation
 from wavepp.runtime.scheduling.core import RequestRecord, SchedulerCore
+from wavepp.runtime.scheduling.speculation import Speculation
 from wavepp.telemetry import tracing
 from wavepp.telemetry.pipeline import PipelineTelemetry
 
@@ -91,6 +93,11 @@ class _Admission:
     def reopen(self) -> None:
         """A re-form ended: admit again."""
 
+    def take_speculation(self) -> Speculation | None:
+        """The micro-batch planned speculatively during the last ``gather``, if any (handed over
+        once)."""
+        return None
+
     async def released(self) -> None:
         """Requests released their pins and reservations: wake what waits on capacity."""
         async with self._capacity_changed:
@@ -142,6 +149,12 @@ class AsyncAdmission(_Admission):
         self._num_agreeing = 0
         self._agreeing_changed = asyncio.Event()
         self._target_cost_s = scheduler.core.planner.target_cost_s()
+        # Speculative planning (speculation.py): the records whose agreement RPC is under way,
+        # an event set when one starts or ends, and the plan made from their predicted L*.
+        self._speculative = self.config.resolved_speculative_planning
+        self._agreeing_records: dict[str, RequestRecord] = {}
+        self._agreements_moved = asyncio.Event()
+        self.speculation: Speculation | None = None
 
     def start(self) -> list[asyncio.Task[None]]:
         return [asyncio.create_task(self._admission_loop(), name="admission")]
@@ -165,6 +178,10 @@ class AsyncAdmission(_Admission):
 
     def reopen(self) -> None:
         self._open.set()
+
+    def take_speculation(self) -> Speculation | None:
+        spec, self.speculation = self.speculation, None
+        return spec
 
     async def released(self) -> None:
         if self.config.resolved_prefix_wait:
@@ -226,7 +243,7 @@ class AsyncAdmission(_Admission):
                 try:
                     await self.prepared.put(record)
                 finally:
-                    self._agreement_ended()
+                    self._agreement_ended(record)
         finally:
             self._agreements.release()
             self._agreeing_tokens -= num_new_tokens
@@ -292,10 +309,13 @@ class AsyncAdmission(_Admission):
         delay_s = 0.1
         while True:
             self._num_agreeing += 1
+            if self._speculative:
+                self._agreeing_records[request.request_id] = record
+                self._agreements_moved.set()
             try:
                 ticket = await self.controller.agree(request)
             except BaseException as exc:
-                self._agreement_ended()
+                self._agreement_ended(record)
                 if not isinstance(exc, StageUnavailableError):
                     raise
                 if time.monotonic() + delay_s > deadline:
@@ -304,16 +324,47 @@ class AsyncAdmission(_Admission):
                 self.num_agreement_retries += 1
             else:
                 if ticket is None:  # refused: the caller waits for capacity, not counted
-                    self._agreement_ended()
+                    self._agreement_ended(record)
                 return ticket  # counted until it is in `prepared` (_admit)
             await asyncio.sleep(delay_s)
             delay_s = min(1.0, 2 * delay_s)
             with contextlib.suppress(Exception):
                 await self.controller.release([request.request_id])
 
-    def _agreement_ended(self) -> None:
+    def _agreement_ended(self, record: RequestRecord) -> None:
         self._num_agreeing -= 1
         self._agreeing_changed.set()
+        if self._speculative:
+            self._agreeing_records.pop(record.request_id, None)
+            self._agreements_moved.set()
+
+    def _maybe_speculate(self) -> None:
+        """While ``gather`` waits for agreements: plan from their predicted L*
+        (``speculation.speculate``), again whenever the requests to plan changed.
+
+        Only when every record counted as agreeing still awaits its reply (none admitted and
+        held up before ``prepared``) and nothing admitted waits in ``prepared``.
+        """
+        agreeing = list(self._agreeing_records.values())
+        if not agreeing or not self.prepared.empty():
+            return
+        if len(agreeing) != self._num_agreeing or any(r.ticket is not None for r in agreeing):
+            return
+        core = self.core
+        request_ids = {r.request_id for r in agreeing}
+        request_ids.update(r.request_id for r in core.active if core.is_plannable(r))
+        if self.speculation is not None and self.speculation.request_ids == request_ids:
+            return
+        # More work: what the scheduler would see once these are admitted (their own tasks
+        # finished by then).
+        num_running = sum(not task.done() for task in self._admissions)
+        more_work_queued = not self.scheduler.intake.empty() or num_running > len(agreeing)
+        self.speculation = speculation.speculate(
+            core,
+            agreeing,
+            more_work_queued=more_work_queued,
+            started_s=asyncio.get_running_loop().time(),
+        )
 
     async def _wait_for_prefix_owner(self, record: RequestRecord) -> None:
         """Wait while a live request computes a large enough part of this prompt's prefix,
@@ -362,9 +413,18 @@ class AsyncAdmission(_Admission):
     async def gather(self) -> None:
         """Move admitted requests into the planning set; wait while it is under-full."""
         core = self.core
+        self.speculation = None
         core.activate(self.take_queued())
         if not core.active:
-            core.activate([await self.prepared.get()])
+            if self._speculative:
+                # As prepared.get(), but awake when an agreement starts (to speculate): every
+                # put into `prepared` is followed by _agreement_ended, which sets the event.
+                while self.prepared.empty():
+                    self._maybe_speculate()
+                    self._agreements_moved.clear()
+                    await self._agreements_moved.wait()
+            else:
+                core.activate([await self.prepared.get()])
             # NOTE: requests admitted together sit in `prepared` together; take them all before
             # judging the set under-full (else the first one alone looks like a sliver's worth
             # and the under-full wait sleeps to its deadline, or plans it alone).
@@ -384,6 +444,8 @@ class AsyncAdmission(_Admission):
         while core.is_underfull():
             self._agreeing_changed.clear()
             if self._num_agreeing > 0:
+                if self._speculative:
+                    self._maybe_speculate()
                 await self._agreeing_changed.wait()
             elif self.more_work_queued() or core.closed_loop_target_s() is not None:
                 if deadline is None:

@@ -39,11 +39,12 @@ from wavepp.api.signing import BusKey
 from wavepp.runtime.agreement import Ticket
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv.inflight import InflightPrefixIndex
-from wavepp.runtime.planning import ChunkPlanner, CostModel, RequestProgress
+from wavepp.runtime.planning import Chunk, ChunkPlanner, CostModel, RequestProgress
 from wavepp.runtime.request import PromptRequest, RequestOutcome, RequestStatus
 from wavepp.runtime.scheduling.ledger import PlanLedger
 from wavepp.runtime.scheduling.outputs import DoneAccounting
 from wavepp.runtime.scheduling.records import DoneUpdate, RequestRecord, ScheduledMicroBatch
+from wavepp.runtime.scheduling.speculation import AgreedPrefixIndex
 from wavepp.runtime.scheduling.stats import WaveStats
 
 __all__ = [
@@ -75,6 +76,8 @@ class SchedulerCore(DoneAccounting):
         stats: where micro-batch statistics accumulate (default: a new WaveStats).
         bus_key: the replica's key: plans leave signed, done messages must carry its tag;
             None: unsigned (insecure mode).
+        state_interval_blocks: the agreement rounds L* down to a multiple of this (hybrid
+            models); a predicted L* does too.
     """
 
     def __init__(
@@ -88,8 +91,10 @@ class SchedulerCore(DoneAccounting):
         monotonic: Callable[[], float] = time.monotonic,
         stats: WaveStats | None = None,
         bus_key: BusKey | None = None,
+        state_interval_blocks: int = 1,
     ) -> None:
         self.config = config
+        self.state_interval_blocks = state_interval_blocks
         self.bus_key = bus_key
         self.num_forged_dones = 0  # done messages or results dropped (outputs.py)
         self.planner = planner
@@ -132,6 +137,8 @@ class SchedulerCore(DoneAccounting):
         # admission lookahead).
         self._pinned_blocks: Counter[bytes] = Counter()
         self._pinned_hashes: dict[str, list[bytes]] = {}
+        # Speculative planning (speculation.py): the prefixes agreed lately predict L*.
+        self.agreed_prefixes = AgreedPrefixIndex()
 
     # ---- intake and admission ------------------------------------------------------------
 
@@ -187,6 +194,8 @@ class SchedulerCore(DoneAccounting):
             self.inflight_prefixes.remove(request.request_id)
             self.inflight_prefixes.add(request.request_id, hashes[ticket.num_agreed_blocks :])
         self._forget_pinned([request.request_id])
+        if self.config.resolved_speculative_planning:
+            self.agreed_prefixes.record(self.block_hashes(request), ticket.num_agreed_blocks)
         pinned = self.block_hashes(request)[: ticket.num_agreed_blocks]
         self._pinned_hashes[request.request_id] = pinned
         self._pinned_blocks.update(pinned)
@@ -302,7 +311,7 @@ class SchedulerCore(DoneAccounting):
 
     # ---- planning ------------------------------------------------------------------------
 
-    def closed_loop_target_s(self) -> float | None:
+    def closed_loop_target_s(self, extra_works_s: Sequence[float] = ()) -> float | None:
         """Seconds per micro-batch on the slowest stage so that m micro-batches hold the work of
         every open request: c + W / m, m in [1, S] the count that finishes a round soonest
         (m = S once W is large next to c; docs/bench/bound.md), capped by the engine's largest
@@ -311,6 +320,7 @@ class SchedulerCore(DoneAccounting):
 
         W sums each admitted, unfinished request's whole chunk work (once per round, however far
         it got) and, for open requests not admitted yet, the mean work of the admitted ones.
+        ``extra_works_s``: requests counted as admitted with this work (a speculation's).
         """
         if not self.config.resolved_closed_loop_fill:
             return None
@@ -319,12 +329,16 @@ class SchedulerCore(DoneAccounting):
             for record in self.live.values()
             if record.ticket is not None and not record.status.is_finished
         ]
-        if works:
-            self._mean_work_s = sum(works) / len(works)
-        if self._mean_work_s is None:
+        mean_work_s = self._mean_work_s
+        if works and not extra_works_s:
+            self._mean_work_s = mean_work_s = sum(works) / len(works)
+        works.extend(extra_works_s)
+        if works and extra_works_s:
+            mean_work_s = sum(works) / len(works)
+        if mean_work_s is None:
             return None
         num_unadmitted = max(0, self.num_open - len(works))
-        total_s = sum(works) + num_unadmitted * self._mean_work_s
+        total_s = sum(works) + num_unadmitted * mean_work_s
         fixed_s = self.planner.fixed_cost_s
         # m micro-batches per round: a round lasts at least m*c + W (the busiest stage) and
         # (S - 1 + k)(c + W/m), k = max(1, m / open requests) micro-batches per request, (its
@@ -347,14 +361,18 @@ class SchedulerCore(DoneAccounting):
     def is_underfull(self) -> bool:
         """The planning set holds less than one micro-batch's worth: the closed-loop target
         (capped by the engine's largest micro-batch), else ``chunk_tokens`` new tokens."""
-        target_s = self.closed_loop_target_s()
-        if target_s is None:
-            return self.remaining_new_tokens() < self.config.chunk_tokens
-        if self.remaining_new_tokens() >= self.planner.max_microbatch_tokens:
-            return False
-        pending_s = self.planner.remaining_work_s(
-            [record.progress for record in self.active if record.progress is not None]
+        return self._is_underfull(
+            [record.progress for record in self.active if record.progress is not None],
+            self.closed_loop_target_s(),
         )
+
+    def _is_underfull(self, progresses: Sequence[RequestProgress], target_s: float | None) -> bool:
+        remaining = sum(p.num_prompt_tokens - p.num_computed_tokens for p in progresses)
+        if target_s is None:
+            return remaining < self.config.chunk_tokens
+        if remaining >= self.planner.max_microbatch_tokens:
+            return False
+        pending_s = self.planner.remaining_work_s(progresses)
         return pending_s < _FULL_FRACTION * (target_s - self.planner.fixed_cost_s)
 
     def schedule(
@@ -376,6 +394,10 @@ class SchedulerCore(DoneAccounting):
         if not chunks:
             self._prune_active()
             return None
+        return self._take(chunks, planning_started_s)
+
+    def _take(self, chunks: list[Chunk], planning_started_s: float) -> ScheduledMicroBatch:
+        """The bookkeeping of a planned micro-batch: ids, statuses, in-flight counts."""
         microbatch_id = self.next_microbatch_id
         self.next_microbatch_id += 1
         now = self.clock()

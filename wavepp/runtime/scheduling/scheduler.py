@@ -44,6 +44,7 @@ from wavepp.runtime.agreement import AdmissionController
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import ChunkPlanner
 from wavepp.runtime.request import PromptRequest, RequestOutcome
+from wavepp.runtime.scheduling import speculation
 from wavepp.runtime.scheduling.admission import AsyncAdmission, SyncAdmission
 from wavepp.runtime.scheduling.core import RequestRecord, SchedulerCore
 from wavepp.runtime.scheduling.stats import StageSpan, WaveStats
@@ -97,6 +98,7 @@ class WaveScheduler:
             planner,
             block_hashes=controller.block_hashes,
             first_microbatch_id=first_microbatch_id,
+            state_interval_blocks=getattr(controller, "state_interval_blocks", 1),
             stats=stats,
             bus_key=controller.bus_key,
         )
@@ -265,20 +267,33 @@ class WaveScheduler:
             started_s = loop.time()
             await self.admission.gather()
             await self._plans_open.wait()
+            # A micro-batch planned while its agreements were under way (speculation.py): the
+            # plan if every reply matched its prediction, its host time counted from when it
+            # was planned; else dropped, and planned now as without it.
+            spec = self.admission.take_speculation()
+            if spec is not None and not speculation.holds(core, spec):
+                self.stats.num_speculations_discarded += 1
+                spec = None
             slept_s = 0.0
             host_started_s = time.perf_counter()
             if self._host_floor_s > 0 and any(core.is_plannable(r) for r in core.active):
                 if self.config.mode != "sync":
-                    started_s = loop.time()
-                host_s = self._host_floor_s - (loop.time() - started_s)
-                if host_s > 0:
-                    before_s = time.perf_counter()
-                    await asyncio.sleep(host_s)
-                    slept_s = time.perf_counter() - before_s
-            scheduled = core.schedule(
-                more_work_queued=self.admission.more_work_queued(),
-                planning_started_s=time.time(),
-            )
+                    started_s = spec.started_s if spec is not None else loop.time()
+                slept_s = await self._host_time(started_s)
+            scheduled = None
+            if spec is not None:
+                scheduled = speculation.schedule_speculated(core, spec)
+                if scheduled is None:  # something changed during the host time: plan again
+                    self.stats.num_speculations_discarded += 1
+                    slept_s += await self._host_time(loop.time())
+                else:
+                    self.stats.num_speculative_plans += 1
+                    host_started_s -= spec.cpu_s
+            if scheduled is None:
+                scheduled = core.schedule(
+                    more_work_queued=self.admission.more_work_queued(),
+                    planning_started_s=time.time(),
+                )
             if scheduled is None:
                 if core.active and self.config.resolved_one_chunk_inflight and core.num_inflight:
                     # Every request left has a chunk in flight: wait for one to come back
@@ -304,6 +319,16 @@ class WaveScheduler:
             plan, data = core.encoded_plan_of(scheduled, traceparent)
             await self.transport.publish_plan(plan, headers, data)
             self.stats.record_host_time(time.perf_counter() - host_started_s - slept_s)
+
+    async def _host_time(self, started_s: float) -> float:
+        """Sleep what is left of the host-time floor counted from ``started_s`` (event-loop
+        time); the wall seconds slept."""
+        host_s = self._host_floor_s - (asyncio.get_running_loop().time() - started_s)
+        if host_s <= 0:
+            return 0.0
+        before_s = time.perf_counter()
+        await asyncio.sleep(host_s)
+        return time.perf_counter() - before_s
 
     # ---- completion (PlanHandlers) -------------------------------------------------------
 

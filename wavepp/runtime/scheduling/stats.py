@@ -83,6 +83,11 @@ class WaveStats:
         # NOTE: the scheduler's own host time per micro-batch (after the planning set is
         # gathered until the plan is handed to the bus), seconds; deliberate sleeps excluded.
         self.host_s: deque[float] = deque(maxlen=self.window)
+        # NOTE: speculative planning (scheduling/speculation.py): plans published from a
+        # speculation; speculations dropped (a reply differed from its prediction, a request
+        # refused or failed, the planning set changed).
+        self.num_speculative_plans = 0
+        self.num_speculations_discarded = 0
         self._busy_s: dict[int, float] = {}
         self._busy_total_s = 0.0
         self._first_start_s = float("inf")
