@@ -533,6 +533,10 @@ class SchedulerCore(DoneAccounting):
         else:
             outcome.first_token_id = first_token_id
             outcome.logits = logits
+            if self.config.resolved_speculative_planning and record.ticket is not None:
+                # Computed: every full block of the prompt is cached on every stage now.
+                hashes = self.block_hashes(request)
+                self.agreed_prefixes.record(hashes, len(hashes))
         outcome.finished_s = self.clock()
         if not record.status.is_finished:
             self.num_open -= 1

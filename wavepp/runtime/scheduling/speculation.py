@@ -17,10 +17,11 @@ never attached to a record) and holds the result as a ``Speculation``. When the 
 A published plan therefore always carries the real, agreed L* (a chunk starts at the record's
 real progress); the stages receive the same plan messages either way.
 
-``AgreedPrefixIndex`` is the prediction: a bounded LRU set of chained block hashes ending each
-agreed prefix. Hashes are chained, so the deepest block of a new prompt found there names the
-longest prefix agreed before; the live requests' pins cannot predict it at C = S (no live
-request holds the returning request's prefix: it is cached and unpinned).
+``AgreedPrefixIndex`` is the prediction: a bounded LRU set of the chained block hashes of every
+prefix agreed or computed lately. Hashes are chained, so the deepest block of a new prompt found
+there names the longest prefix known cached; the live requests' pins cannot predict it at C = S
+(no live request holds the returning request's prefix: it is cached and unpinned). A block
+evicted since makes the prediction too long: the reply differs, and the speculation is dropped.
 """
 
 from __future__ import annotations
@@ -48,14 +49,17 @@ __all__ = [
     "speculate",
 ]
 
-DEFAULT_INDEX_ENTRIES = 65536  # agreed prefixes remembered (32 bytes each: ~4 MiB at most)
+DEFAULT_INDEX_ENTRIES = 65536  # block hashes remembered (~8 MiB at most with the dict's cost)
 
 
 class AgreedPrefixIndex:
-    """The prefixes agreed lately: chained hash of an agreed prefix's last block, LRU-bounded.
+    """The prefixes known cached on every stage lately: the chained hash of each block of every
+    prefix agreed (L* blocks at admission) or computed (a request's full blocks once its result
+    is in), LRU-bounded. A block's chained hash names its whole prefix, so the deepest block of
+    a prompt found here is the longest prefix the scheduler has seen cached.
 
     Args:
-        capacity: prefixes kept (>= 1); the least recently agreed or predicted goes first.
+        capacity: block hashes kept (>= 1); the least recently recorded or predicted go first.
 
     Raises:
         ValueError: capacity < 1.
@@ -70,15 +74,15 @@ class AgreedPrefixIndex:
     def __len__(self) -> int:
         return len(self._ends)
 
-    def record(self, block_hashes: Sequence[bytes], num_agreed_blocks: int) -> None:
-        """A request was admitted with L* = ``num_agreed_blocks`` over ``block_hashes``."""
-        if num_agreed_blocks <= 0 or num_agreed_blocks > len(block_hashes):
-            return
-        end = block_hashes[num_agreed_blocks - 1]
-        self._ends[end] = None
-        self._ends.move_to_end(end)
-        while len(self._ends) > self.capacity:
-            self._ends.popitem(last=False)
+    def record(self, block_hashes: Sequence[bytes], num_blocks: int) -> None:
+        """The first ``num_blocks`` blocks of ``block_hashes`` are cached on every stage (a
+        request admitted with L* = ``num_blocks``, or computed)."""
+        ends = self._ends
+        for end in block_hashes[: max(0, num_blocks)]:
+            ends[end] = None
+            ends.move_to_end(end)
+        while len(ends) > self.capacity:
+            ends.popitem(last=False)
 
     def predict(self, block_hashes: Sequence[bytes]) -> int:
         """The longest prefix of ``block_hashes`` agreed before, in blocks (0: none)."""
