@@ -337,6 +337,13 @@ class AsyncAdmission(_Admission):
         if self._speculative:
             self._agreeing_records.pop(record.request_id, None)
             self._agreements_moved.set()
+            spec = self.speculation
+            if spec is not None and record.request_id in spec.predicted:
+                ticket = record.ticket
+                if ticket is None or ticket.num_agreed_blocks != spec.predicted[record.request_id]:
+                    # Refused, failed, or another L*: the speculation is no plan; drop it now.
+                    self.speculation = None
+                    self.core.stats.num_speculations_discarded += 1
 
     def _maybe_speculate(self) -> None:
         """While ``gather`` waits for agreements: plan from their predicted L*
