@@ -361,12 +361,15 @@ class SchedulerCore(DoneAccounting):
     def is_underfull(self) -> bool:
         """The planning set holds less than one micro-batch's worth: the closed-loop target
         (capped by the engine's largest micro-batch), else ``chunk_tokens`` new tokens."""
-        return self._is_underfull(
+        return self.is_underfull_over(
             [record.progress for record in self.active if record.progress is not None],
             self.closed_loop_target_s(),
         )
 
-    def _is_underfull(self, progresses: Sequence[RequestProgress], target_s: float | None) -> bool:
+    def is_underfull_over(
+        self, progresses: Sequence[RequestProgress], target_s: float | None
+    ) -> bool:
+        """``is_underfull`` for a given planning set and target (a speculation's)."""
         remaining = sum(p.num_prompt_tokens - p.num_computed_tokens for p in progresses)
         if target_s is None:
             return remaining < self.config.chunk_tokens
@@ -394,10 +397,11 @@ class SchedulerCore(DoneAccounting):
         if not chunks:
             self._prune_active()
             return None
-        return self._take(chunks, planning_started_s)
+        return self.take_planned(chunks, planning_started_s)
 
-    def _take(self, chunks: list[Chunk], planning_started_s: float) -> ScheduledMicroBatch:
-        """The bookkeeping of a planned micro-batch: ids, statuses, in-flight counts."""
+    def take_planned(self, chunks: list[Chunk], planning_started_s: float) -> ScheduledMicroBatch:
+        """The bookkeeping of a planned micro-batch (``schedule``'s, or a speculation's whose
+        chunks already advanced the records' progress): ids, statuses, in-flight counts."""
         microbatch_id = self.next_microbatch_id
         self.next_microbatch_id += 1
         now = self.clock()

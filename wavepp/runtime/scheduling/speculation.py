@@ -31,14 +31,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from wavepp.runtime.planning import Chunk, RequestProgress
-
-if TYPE_CHECKING:
-    from wavepp.runtime.request import PromptRequest
-    from wavepp.runtime.scheduling.core import SchedulerCore
-    from wavepp.runtime.scheduling.records import RequestRecord, ScheduledMicroBatch
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.planning import Chunk, ChunkPlanner, RequestProgress
+from wavepp.runtime.request import PromptRequest
+from wavepp.runtime.scheduling.records import RequestRecord, ScheduledMicroBatch
 
 __all__ = [
     "AgreedPrefixIndex",
@@ -118,7 +116,36 @@ class Speculation:
         self.request_ids = frozenset(self.base)
 
 
-def predict_agreed_blocks(core: SchedulerCore, request: PromptRequest) -> int:
+class SchedulerState(Protocol):
+    """What speculation reads and calls of ``SchedulerCore`` (which imports this module)."""
+
+    config: RuntimeConfig
+    planner: ChunkPlanner
+    num_stages: int
+    state_interval_blocks: int
+    agreed_prefixes: AgreedPrefixIndex
+    active: list[RequestRecord]
+    live: dict[str, RequestRecord]
+
+    @property
+    def num_inflight(self) -> int: ...
+
+    def block_hashes(self, request: PromptRequest) -> list[bytes]: ...
+
+    def is_plannable(self, record: RequestRecord) -> bool: ...
+
+    def closed_loop_target_s(self, extra_works_s: Sequence[float] = ()) -> float | None: ...
+
+    def is_underfull_over(
+        self, progresses: Sequence[RequestProgress], target_s: float | None
+    ) -> bool: ...
+
+    def take_planned(
+        self, chunks: list[Chunk], planning_started_s: float
+    ) -> ScheduledMicroBatch: ...
+
+
+def predict_agreed_blocks(core: SchedulerState, request: PromptRequest) -> int:
     """The L* the scheduler expects ``request``'s agreement to return, from scheduler-held
     state only: the longest prefix agreed before (``core.agreed_prefixes``), capped as the
     agreement caps it (at least one token computed; a multiple of the state interval)."""
@@ -130,7 +157,7 @@ def predict_agreed_blocks(core: SchedulerCore, request: PromptRequest) -> int:
 
 
 def speculate(
-    core: SchedulerCore,
+    core: SchedulerState,
     agreeing: Sequence[RequestRecord],
     *,
     more_work_queued: bool,
@@ -172,7 +199,7 @@ def speculate(
     if len(base) != len(progresses):
         return None  # one request id twice (rejected by its agreement)
     target_s = core.closed_loop_target_s(extra_works_s)
-    if core._is_underfull(progresses, target_s):  # noqa: SLF001 - the core's own rule
+    if core.is_underfull_over(progresses, target_s):
         return None
     chunks = core.planner.plan_microbatch(
         progresses,
@@ -195,7 +222,7 @@ def speculate(
     )
 
 
-def holds(core: SchedulerCore, spec: Speculation) -> bool:
+def holds(core: SchedulerState, spec: Speculation) -> bool:
     """The speculation is still the plan: every request it predicted was admitted with exactly
     the predicted L*, the planning set's plannable requests are exactly the speculated ones, and
     each is in the state it was planned from."""
@@ -217,7 +244,7 @@ def holds(core: SchedulerCore, spec: Speculation) -> bool:
     return True
 
 
-def schedule_speculated(core: SchedulerCore, spec: Speculation) -> ScheduledMicroBatch | None:
+def schedule_speculated(core: SchedulerState, spec: Speculation) -> ScheduledMicroBatch | None:
     """``SchedulerCore.schedule`` with the speculation's chunks, if it ``holds``; else None
     (and nothing changed)."""
     if not holds(core, spec):
@@ -228,4 +255,4 @@ def schedule_speculated(core: SchedulerCore, spec: Speculation) -> ScheduledMicr
             computed, planned = spec.final[record.request_id]
             record.progress.num_computed_tokens = computed
             record.progress.num_planned_chunks = planned
-    return core._take(spec.chunks, spec.planning_started_s)  # noqa: SLF001
+    return core.take_planned(spec.chunks, spec.planning_started_s)
