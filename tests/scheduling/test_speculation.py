@@ -153,3 +153,52 @@ def test_a_refused_or_failed_agreement_leaves_no_speculative_plan(outcome: str) 
         loop.run_until_complete(main())
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("agreed_blocks", [32, 31, 0])
+def test_a_speculation_holds_only_for_the_predicted_l_star(agreed_blocks: int) -> None:
+    """The check at publish time on its own (the admission also drops a speculation as soon as
+    a reply differs): a record admitted with another L* than predicted gets no speculative
+    chunk, and its progress is left as the agreement set it."""
+    from wavepp.runtime.agreement import Ticket
+    from wavepp.runtime.scheduling.core import RequestRecord
+
+    config, planner_cost = runtime_config(
+        GridSpec(time_scale=1.0, num_stages=2), Setting("minimax-m2.7", 1, "high", "wave")
+    )
+    vocab = config.model.vocab_size
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, vocab, 2048).tolist()  # 32 blocks of 64
+
+    async def main() -> None:
+        async with SimPipeline(config, planner_cost, latencies=LAT) as pipe:
+            scheduler = pipe.scheduler
+            assert scheduler is not None
+            warm = await scheduler.submit(PromptRequest("warm", prefix + [1, 2, 3]))
+            assert warm.ok
+            core = scheduler.core
+            request = PromptRequest("r", prefix + rng.integers(0, vocab, 256).tolist())
+            record = RequestRecord(request=request, waiter=None)
+            spec = speculation.speculate(core, [record], more_work_queued=False, started_s=0.0)
+            assert spec is not None and spec.predicted == {"r": 32}
+            assert spec.chunks[0].context_offset == 32 * 64
+            core.admitted(record, Ticket(request, num_agreed_blocks=agreed_blocks, block_size=64))
+            core.activate([record])
+            assert speculation.holds(core, spec) is (agreed_blocks == 32)
+            next_id = core.next_microbatch_id
+            scheduled = speculation.schedule_speculated(core, spec)
+            assert record.progress is not None
+            if agreed_blocks == 32:
+                assert scheduled is not None and scheduled.microbatch_id == next_id
+                assert scheduled.planned[0].context_offset == 32 * 64
+                assert record.progress.num_computed_tokens == request.num_tokens
+            else:
+                assert scheduled is None and core.next_microbatch_id == next_id
+                assert record.progress.num_computed_tokens == agreed_blocks * 64
+                assert record.progress.num_planned_chunks == 0
+
+    loop = VirtualClockLoop(start_s=100.0)
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
