@@ -18,5 +18,9 @@ ruff format --check .
 echo "== import contracts"
 lint-imports
 echo "== pytest"
-# --durations: CI prints the slowest tests (where the time goes, for keeping CI short)
-python -m pytest --durations=25 "$@"
+# --durations: CI prints the slowest tests (where the time goes, for keeping CI short).
+# -n 2 --dist loadfile: two pytest-xdist workers (one per core), each taking whole test files (a
+# file's module fixtures start once). Many tests mostly wait on the processes they start; the
+# other worker runs meanwhile. tests/conftest.py gives each worker its own ports and runs the
+# tests marked `serial` (wall-time assertions) while the other worker waits.
+python -m pytest -n 2 --dist loadfile --durations=25 "$@"
