@@ -53,13 +53,17 @@ def _flock(path: Path, mode: int) -> Iterator[None]:
             fcntl.flock(file, fcntl.LOCK_UN)
 
 
+def _lock_base() -> Path:
+    """Where the run's lock files live (one run: one PYTEST_XDIST_TESTRUNUID, all workers)."""
+    return Path(tempfile.gettempdir()) / f"wavepp-pytest-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
+
+
 @contextlib.contextmanager
 def _turn(exclusive: bool) -> Iterator[None]:
     """A readers-writer lock over the run's workers: every test holds ``room`` shared, a
     ``serial`` one exclusive. Each first passes ``gate``, which a serial test keeps until it
     has the room: once one waits, no new test starts (it is not starved)."""
-    run = os.environ["PYTEST_XDIST_TESTRUNUID"]
-    base = Path(tempfile.gettempdir()) / f"wavepp-pytest-{run}"
+    base = _lock_base()
     with contextlib.ExitStack() as stack:
         with _flock(base.with_suffix(".gate"), fcntl.LOCK_EX):
             stack.enter_context(
@@ -74,6 +78,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
     with _turn(item.get_closest_marker("serial") is not None):
         return (yield)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A worker that finished runs no more tests: it removes the lock files (a worker still
+    running makes them again, alone)."""
+    if "PYTEST_XDIST_TESTRUNUID" in os.environ:
+        for suffix in (".gate", ".room"):
+            _lock_base().with_suffix(suffix).unlink(missing_ok=True)
 
 
 @pytest.fixture
