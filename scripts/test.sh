@@ -18,5 +18,9 @@ ruff format --check .
 echo "== import contracts"
 lint-imports
 echo "== pytest"
-# --durations: CI prints the slowest tests (where the time goes, for keeping CI short)
+# --durations: CI prints the slowest tests (where the time goes, for keeping CI short).
+# Serial by default: two pytest-xdist workers (`bash scripts/test.sh -n 2 --dist loadfile`)
+# measured only ~10 % faster on this shared 2-core machine, too little yet for the risk of a
+# race in CI; tests/conftest.py gives each worker its own ports and runs the tests marked
+# `serial` (wall-time assertions) while the other worker waits.
 python -m pytest --durations=25 "$@"

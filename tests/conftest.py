@@ -1,12 +1,91 @@
-"""Shared fixtures: a real nats-server on a free port, and a client connected to it."""
+"""Shared fixtures: a real nats-server on a free port, and a client connected to it.
+
+Also what running the suite in parallel (pytest-xdist, ``-n 2``: scripts/test.sh) needs:
+
+* each worker draws ports from its own part of ``natsio.FREE_PORT_RANGE`` (``free_port`` never
+  repeats a port within a process, but two workers could draw the same one; see
+  ``_split_free_ports``);
+* a test marked ``serial`` runs while no other worker runs a test (its assertions measure wall
+  time: the other worker's load would be noise in them); see ``pytest_runtest_protocol``.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import tempfile
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
+from wavepp.runtime.transport import natsio
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
+
+
+def _split_free_ports() -> None:
+    """Under xdist, worker ``gwK`` of N takes the K-th of N equal parts of the port range, in
+    this process and, through ``WAVEPP_FREE_PORTS``, in every process it starts (``wavepp up``
+    draws its children's ports itself)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2:
+        return
+    index = int(worker.removeprefix("gw"))
+    low, high = natsio.DEFAULT_FREE_PORT_RANGE
+    size = (high - low) // count
+    part = (low + index * size, low + (index + 1) * size)
+    os.environ[natsio.FREE_PORTS_ENV] = f"{part[0]}-{part[1]}"
+    natsio.FREE_PORT_RANGE = part
+
+
+_split_free_ports()
+
+
+@contextlib.contextmanager
+def _flock(path: Path, mode: int) -> Iterator[None]:
+    with open(path, "a") as file:
+        fcntl.flock(file, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
+
+
+def _lock_base() -> Path:
+    """Where the run's lock files live (one run: one PYTEST_XDIST_TESTRUNUID, all workers)."""
+    return Path(tempfile.gettempdir()) / f"wavepp-pytest-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
+
+
+@contextlib.contextmanager
+def _turn(exclusive: bool) -> Iterator[None]:
+    """A readers-writer lock over the run's workers: every test holds ``room`` shared, a
+    ``serial`` one exclusive. Each first passes ``gate``, which a serial test keeps until it
+    has the room: once one waits, no new test starts (it is not starved)."""
+    base = _lock_base()
+    with contextlib.ExitStack() as stack:
+        with _flock(base.with_suffix(".gate"), fcntl.LOCK_EX):
+            stack.enter_context(
+                _flock(base.with_suffix(".room"), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            )
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if "PYTEST_XDIST_TESTRUNUID" not in os.environ:
+        return (yield)
+    with _turn(item.get_closest_marker("serial") is not None):
+        return (yield)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A worker that finished runs no more tests: it removes the lock files (a worker still
+    running makes them again, alone)."""
+    if "PYTEST_XDIST_TESTRUNUID" in os.environ:
+        for suffix in (".gate", ".room"):
+            _lock_base().with_suffix(suffix).unlink(missing_ok=True)
 
 
 @pytest.fixture

@@ -67,6 +67,7 @@ def test_execute_takes_the_scaled_cost_fake_clock(time_scale: float) -> None:
     assert engine.last_cost_s == pytest.approx(expected_s)
 
 
+@pytest.mark.serial
 def test_execute_sleeps_about_the_cost_in_real_time() -> None:
     engine = emulated(0, 2, time_scale=2.0)
     prepared = engine.prepare(chunks_for(True))

@@ -64,6 +64,7 @@ def _ready(url: str) -> bool:
         return False
 
 
+@pytest.mark.serial  # draining within 0.5 s of SIGTERM, out of the pool within 1 s
 async def test_sigterm_drains_the_replica_every_admitted_request_answered(tmp_path: Path) -> None:
     spec, issues = check_spec(SPEC, default_image="wavepp:test", default_nats_url="nats://n:4222")
     assert spec is not None, issues

@@ -7,7 +7,10 @@ import sys
 
 import atheris
 
-with atheris.instrument_imports():
+# Only the modules whose code the targets run: with the default (every module imported here:
+# numpy, asyncio, opentelemetry, email...) instrumenting took ~15 s of CPU, now ~4 s. With seed 1
+# the 4000 runs find the same coverage, features and corpus either way.
+with atheris.instrument_imports(include=["wavepp", "json", "pydantic"]):
     from wavepp.api.spec import check_spec
     from wavepp.bench.trace import parse_trace_line
     from wavepp.gateway.validation import BadRequest, PromptLimits, parse_prefill
@@ -55,7 +58,7 @@ TARGETS = [kv, trace, spec, http]
 
 
 def all_targets(data: bytes) -> None:
-    """The first byte picks the target (one process: instrumenting the imports takes ~15 s)."""
+    """The first byte picks the target (one process: instrumenting the imports is its start-up cost)."""
     if data:
         TARGETS[data[0] % len(TARGETS)](data[1:])
 

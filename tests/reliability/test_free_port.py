@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
-from wavepp.runtime.transport.natsio import FREE_PORT_RANGE, free_port
+import pytest
+
+from wavepp.runtime.transport.natsio import (
+    DEFAULT_FREE_PORT_RANGE,
+    FREE_PORT_RANGE,
+    FREE_PORTS_ENV,
+    _free_port_range,
+    free_port,
+)
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -39,3 +52,28 @@ def test_a_port_in_use_is_not_returned() -> None:
         port = free_port()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", port))
+
+
+def test_a_process_draws_only_in_the_part_its_environment_names() -> None:
+    """Parallel test workers (tests/conftest.py) each give their processes, and those that
+    these start, a part of the range in WAVEPP_FREE_PORTS: two workers never draw alike."""
+    code = (
+        "from wavepp.runtime.transport.natsio import free_port\n"
+        "print(' '.join(str(free_port()) for _ in range(200)))"
+    )
+    env = os.environ | {FREE_PORTS_ENV: "21000-21300", "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    ports = [int(p) for p in out.split()]
+    assert len(set(ports)) == 200 and all(21000 <= p < 21300 for p in ports)
+
+
+@pytest.mark.parametrize("value", ["21000", "21300-21000", "x-y", "19999-21000", "21000-40000"])
+def test_a_bad_part_is_refused_naming_the_variable_and_the_limits(value: str) -> None:
+    with pytest.raises(ValueError, match=rf"{FREE_PORTS_ENV}=.*20000 <= LOW < HIGH <= 32768"):
+        _free_port_range(value)
+
+
+def test_no_part_is_the_whole_range() -> None:
+    assert _free_port_range(None) == _free_port_range("") == DEFAULT_FREE_PORT_RANGE

@@ -8,6 +8,7 @@ import asyncio
 import statistics
 import time
 
+import pytest
 from reliability_support import (
     BLOCK_SIZE,
     emulated_config,
@@ -35,6 +36,7 @@ async def _no_pins_left(pipeline, timeout_s: float = 5.0) -> list[tuple[int, int
 # ------------------------------------------------------------------------------ item 7
 
 
+@pytest.mark.serial  # compares time-to-first-token of cold and warm prompts
 async def test_tenant_b_replaying_tenant_a_prompts_gets_no_hit_and_no_timing_signal(
     tmp_path,  # noqa: ANN001
 ) -> None:
@@ -138,6 +140,7 @@ async def test_memory_pressure_waits_instead_of_failing_and_never_deadlocks(
 # ------------------------------------------------------------------------------ item 3
 
 
+@pytest.mark.serial  # the recovery has a 0.25 s margin
 async def test_dead_controller_pins_are_released_by_lease_expiry(tmp_path) -> None:  # noqa: ANN001
     """A second admission controller pins and reserves 3 requests on every stage with a 1 s
     lease, then dies (its NATS connection closes without a release). The stages' expiry loops

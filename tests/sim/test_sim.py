@@ -97,6 +97,7 @@ def test_sim_time_is_the_cost_model_time() -> None:
     assert report.wall_s == pytest.approx(0.5 * stage_cost.microbatch_cost_s([(0, 2048)]))
 
 
+@pytest.mark.serial  # the emulated run's throughput is wall time
 @pytest.mark.parametrize("mode", ["wave", pytest.param("sync", marks=pytest.mark.slow)])
 def test_sim_matches_the_emulated_run_within_10_percent(mode: str) -> None:
     """The issue's check: same setting, real stage processes vs the simulator."""

@@ -148,6 +148,14 @@ def _fail(flag: str, message: str) -> int:
     return 2
 
 
+def _checkpoint_partition(model_dir: str, num_stages: int) -> list[int]:
+    """``engine.balance.checkpoint_partition``, imported only for a checkpoint: it imports torch
+    (~2 s of CPU), which this process needs for nothing else (its stages import their own)."""
+    from wavepp.runtime.stage.engine.balance import checkpoint_partition
+
+    return checkpoint_partition(model_dir, num_stages)
+
+
 def _validation_summary(exc: object) -> str:
     """One line per error: the field path and pydantic's message, without input dumps."""
     lines = []
@@ -206,7 +214,6 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.runtime.planning.from_config import spec_from_hf_config
     from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS
     from wavepp.runtime.serving.from_spec import default_emulated_kv_blocks
-    from wavepp.runtime.stage.engine.balance import checkpoint_partition
 
     err = Console(stderr=True)
     try:
@@ -259,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
         config = RuntimeConfig(
             model=model,
             model_dir=model_dir,
-            partition=checkpoint_partition(model_dir, args.stages) if model_dir else None,
+            partition=_checkpoint_partition(model_dir, args.stages) if model_dir else None,
             state_interval_blocks=args.state_interval_blocks,
             engine=args.engine,
             cost_model=stage_cost.to_dict() if stage_cost else None,

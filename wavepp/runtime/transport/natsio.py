@@ -45,7 +45,31 @@ _next_reconnect: weakref.WeakKeyDictionary[NATS, asyncio.Event] = weakref.WeakKe
 
 # Ports ``free_port`` hands out: below Linux's default ephemeral range (32768-60999), where the
 # kernel picks the local ports of outgoing connections and of bind(0).
-FREE_PORT_RANGE = (20000, 32768)
+DEFAULT_FREE_PORT_RANGE = (20000, 32768)
+# "LOW-HIGH" (HIGH excluded), a part of the default range: where ``free_port`` draws in this
+# process and, inherited, in those it starts. Parallel test workers take a part each, so that
+# two of them (and the `wavepp up` trees they start) never draw the same port.
+FREE_PORTS_ENV = "WAVEPP_FREE_PORTS"
+
+
+def _free_port_range(value: str | None) -> tuple[int, int]:
+    """``DEFAULT_FREE_PORT_RANGE``, or the part of it that ``value`` ("LOW-HIGH") names.
+
+    Raises:
+        ValueError: ``value`` is not two ports LOW < HIGH inside the default range.
+    """
+    if not value:
+        return DEFAULT_FREE_PORT_RANGE
+    low, sep, high = value.partition("-")
+    lowest, highest = DEFAULT_FREE_PORT_RANGE
+    if not (sep and low.isdigit() and high.isdigit() and lowest <= int(low) < int(high) <= highest):
+        raise ValueError(
+            f"{FREE_PORTS_ENV}={value!r}: must be LOW-HIGH, {lowest} <= LOW < HIGH <= {highest}"
+        )
+    return int(low), int(high)
+
+
+FREE_PORT_RANGE = _free_port_range(os.environ.get(FREE_PORTS_ENV))
 _handed_out: set[int] = set()
 _port_random = random.Random()  # its own seed: a test's random.seed must not repeat ports
 
