@@ -122,6 +122,7 @@ class AdmissionController:
         self.owner = uuid.uuid4().hex[:16]  # this instance, as the stages know it
         self._seq = 0  # numbers this owner's ops: a stage refuses a replayed (signed) one
         self._live: set[str] = set()  # admitted, not released: their leases are renewed
+        self._agreeing: set[str] = set()  # in a round now: a second agreement is refused
         self._rounds = AgreementRounds(
             self.stages,
             block_size=block_size,
@@ -193,11 +194,25 @@ class AdmissionController:
             The ticket, or None when a stage refused the reservation (nothing is held then).
 
         Raises:
-            AgreementRefused: the prompt can never fit, or a stage found its entry invalid.
+            AgreementRefused: the prompt can never fit, a stage found its entry invalid, or
+                the request id is agreeing or admitted already on this controller (a stage
+                holds one table per id: a second agreement would share or, on a refusal,
+                release the first's).
             StageUnavailableError: a stage did not answer (its pins expire with the lease).
         """
+        request_id = request.request_id
+        if request_id in self._agreeing or request_id in self._live:
+            raise AgreementRefused(
+                f"request {request_id}: request_id is already "
+                f"{'agreeing' if request_id in self._agreeing else 'admitted'} on this "
+                "controller; one agreement per id until it is released"
+            )
         self.check_fits(request)
-        return await self._rounds.submit(request, self.block_hashes(request))
+        self._agreeing.add(request_id)
+        try:
+            return await self._rounds.submit(request, self.block_hashes(request))
+        finally:
+            self._agreeing.discard(request_id)
 
     def _on_admitted(self, pending: PendingAgreement) -> Ticket:
         self._live.add(pending.request_id)
