@@ -177,7 +177,11 @@ class ChunkPlanner:
       of chunk_tokens new tokens at L = 0 (target_cost_s). Chunks are added in FIFO order while
       the micro-batch's cost on every stage stays <= target; the chunk that would overshoot is
       cut to the most tokens that fit, rounded down to a block boundary unless it finishes the
-      prompt, and the micro-batch closes. Chunks late in a long prompt (large L) thus get fewer
+      prompt, and the micro-batch closes. At a split target (closed loop, or the at-least-S
+      rule: c + W/k) a chunk may also spend the g*L its cut makes the rest read again (W counts
+      each request's context once), and a request that fills the micro-batch alone is cut one
+      block further when that leaves its rest in fewer micro-batches: k micro-batches' worth
+      comes out as k, not k + 1 (``_fewer_pieces``). Chunks late in a long prompt (large L) thus get fewer
       tokens and every micro-batch costs about the same.
     - Progress: the first chunk of a micro-batch always gets at least one block (or the rest
       of the prompt), even if c + g*L alone exceeds the target.
