@@ -181,8 +181,8 @@ class ChunkPlanner:
       rule: c + W/k) a chunk may also spend the g*L its cut makes the rest read again (W counts
       each request's context once), and a request that fills the micro-batch alone is cut one
       block further when that leaves its rest in fewer micro-batches: k micro-batches' worth
-      comes out as k, not k + 1 (``_fewer_pieces``). Chunks late in a long prompt (large L) thus get fewer
-      tokens and every micro-batch costs about the same.
+      comes out as k, not k + 1 (``_fewer_pieces``). Chunks late in a long prompt (large L)
+      thus get fewer tokens and every micro-batch costs about the same.
     - Progress: the first chunk of a micro-batch always gets at least one block (or the rest
       of the prompt), even if c + g*L alone exceeds the target.
     - At least S in flight (dynamic by default; `fill_idle_stages`): with idle = num_stages -
@@ -385,8 +385,8 @@ class ChunkPlanner:
         target_s = self.target_cost_s() if target_cost_s is None else target_cost_s
         # A split target (closed loop, or the at-least-S rule) is c + W/k: k micro-batches that
         # hold the work W, which counts each request's context read g*L once. A cut makes the
-        # rest re-pay g*L, so k pieces cost W + (k - 1) g*L and at c + W/k the k-th piece
-        # no longer fits: 512 tokens at L = 3,584 came out as 192 + 192 + 128 for k = 2, the
+        # rest re-pay g*L, so k pieces cost W + (k - 1) g*L and do not fit k budgets of
+        # c + W/k: 512 tokens at L = 3,584 came out as 192 + 192 + 128 for k = 2, the
         # extra micro-batch paying c on every stage (tests/sim/test_sim.py). At a split target
         # a chunk may spend the g*L its cut re-pays beyond the budget (``_StageBudgets``).
         is_split_target = target_cost_s is not None
