@@ -123,9 +123,17 @@ class _StageBudgets:
     models: tuple[CostModel, ...]
     left_s: list[float]
 
-    def max_tokens(self, num_context_tokens: int, num_tokens_cap: int) -> int:
+    def max_tokens(
+        self, num_context_tokens: int, num_tokens_cap: int, num_repaid_context_tokens: int = 0
+    ) -> int:
+        """Most new tokens after ``num_context_tokens`` that fit every stage's budget, plus
+        ``g * num_repaid_context_tokens`` (the context a cut makes the next chunk read again)."""
         return min(
-            model.max_new_tokens_within(num_context_tokens, left, num_tokens_cap=num_tokens_cap)
+            model.max_new_tokens_within(
+                num_context_tokens,
+                left + model.g * num_repaid_context_tokens,
+                num_tokens_cap=num_tokens_cap,
+            )
             for model, left in zip(self.models, self.left_s, strict=True)
         )
 
@@ -169,8 +177,12 @@ class ChunkPlanner:
       of chunk_tokens new tokens at L = 0 (target_cost_s). Chunks are added in FIFO order while
       the micro-batch's cost on every stage stays <= target; the chunk that would overshoot is
       cut to the most tokens that fit, rounded down to a block boundary unless it finishes the
-      prompt, and the micro-batch closes. Chunks late in a long prompt (large L) thus get fewer
-      tokens and every micro-batch costs about the same.
+      prompt, and the micro-batch closes. At a split target (closed loop, or the at-least-S
+      rule: c + W/k) a chunk may also spend the g*L its cut makes the rest read again (W counts
+      each request's context once), and a request that fills the micro-batch alone is cut one
+      block further when that leaves its rest in fewer micro-batches: k micro-batches' worth
+      comes out as k, not k + 1 (``_fewer_pieces``). Chunks late in a long prompt (large L)
+      thus get fewer tokens and every micro-batch costs about the same.
     - Progress: the first chunk of a micro-batch always gets at least one block (or the rest
       of the prompt), even if c + g*L alone exceeds the target.
     - At least S in flight (dynamic by default; `fill_idle_stages`): with idle = num_stages -
@@ -371,6 +383,13 @@ class ChunkPlanner:
         target_cost_s: float | None = None,
     ) -> list[Chunk]:
         target_s = self.target_cost_s() if target_cost_s is None else target_cost_s
+        # A split target (closed loop, or the at-least-S rule) is c + W/k: k micro-batches that
+        # hold the work W, which counts each request's context read g*L once. A cut makes the
+        # rest re-pay g*L, so k pieces cost W + (k - 1) g*L and do not fit k budgets of
+        # c + W/k: 512 tokens at L = 3,584 came out as 192 + 192 + 128 for k = 2, the
+        # extra micro-batch paying c on every stage (tests/sim/test_sim.py). At a split target
+        # a chunk may spend the g*L its cut re-pays beyond the budget (``_StageBudgets``).
+        is_split_target = target_cost_s is not None
         if num_idle_stages > 0:
             shares = []
             for model in self._models:
@@ -381,6 +400,7 @@ class ChunkPlanner:
                 num_splits = _best_num_splits(model.c, work_s, num_stages, num_idle_stages)
                 # k = 1: no cut. (c + W) - c may round below W and cut a block off the end.
                 shares.append(model.c + work_s / num_splits if num_splits > 1 else math.inf)
+            is_split_target = max(shares) < target_s
             target_s = min(target_s, max(shares))
         budgets = _StageBudgets(self._models, [target_s - model.c for model in self._models])
         sliver_s = SLIVER_FRACTION * max(target_s - model.c for model in self._models)
@@ -391,7 +411,16 @@ class ChunkPlanner:
                 break
             remaining = request.num_remaining_tokens
             fit = min(budgets.max_tokens(request.num_computed_tokens, remaining), tokens_left)
+            if is_split_target:
+                fit = min(
+                    budgets.max_tokens(
+                        request.num_computed_tokens, remaining, request.num_prompt_tokens
+                    ),
+                    tokens_left,
+                )
             num_tokens = remaining if fit >= remaining else self._cut(request, fit)
+            if is_split_target and not chunks and 0 < num_tokens < remaining:
+                num_tokens = self._fewer_pieces(request, num_tokens, fit, tokens_left)
             is_full = num_tokens < remaining  # the chunk is cut: the micro-batch is full
             if (
                 target_cost_s is not None
@@ -442,6 +471,24 @@ class ChunkPlanner:
             return request.num_remaining_tokens
         end = (request.num_computed_tokens + num_tokens) // self.block_size * self.block_size
         return max(0, end - request.num_computed_tokens)
+
+    def _fewer_pieces(
+        self, request: RequestProgress, num_tokens: int, fit: int, max_tokens: int
+    ) -> int:
+        """A split target's cut of a request that fills the micro-batch alone: ``num_tokens``
+        (``fit`` rounded down to a block), or one block more when that leaves its rest in
+        fewer micro-batches of ``fit`` tokens (e.g. 512 tokens, k = 3, fit 170: 128 x 4 ->
+        192 + 192 + 128), never past ``max_tokens``. Each micro-batch saved saves c on every
+        stage; the one block over the target costs less."""
+        up = self._cut(request, num_tokens + self.block_size)
+        if up > max_tokens or up == num_tokens:
+            return num_tokens
+        remaining = request.num_remaining_tokens
+
+        def pieces(num_left: int) -> int:
+            return -(-num_left // max(fit, self.block_size))
+
+        return up if pieces(remaining - up) < pieces(remaining - num_tokens) else num_tokens
 
     def _min_progress(self, request: RequestProgress) -> int:
         """Tokens up to the next block boundary, or the rest of the prompt (>= 1)."""
