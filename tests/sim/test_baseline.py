@@ -169,6 +169,24 @@ def test_iteration_overhead_is_paid_before_each_sync_microbatch() -> None:
     )
 
 
+def test_an_idle_baseline_loop_pays_its_host_time_after_the_request_arrives() -> None:
+    """At C = 1 the baseline's loop has nothing to run when a request comes back: TensorRT-LLM
+    blocks in ``_fetch_new_requests``, then broadcasts, schedules and prepares the request it
+    got, so every request pays the host loop after it arrives (docs/bench/baseline.md, row 4).
+    Before, the loop counted from the slot freed a whole round earlier: only the first of three
+    requests paid it (a delta of 15 ms instead of 45)."""
+
+    def wall_s(config: RuntimeConfig, planner_cost: CostModel) -> float:
+        workload = shared_prefix_workload(
+            3, num_prefix_tokens=0, num_suffix_tokens=2048, num_prefixes=3, vocab_size=1024
+        )
+        return simulate(config, planner_cost, workload, concurrency=1, latencies=ZERO).wall_s
+
+    base, planner_cost = _config("sync", 1, baseline_iteration_overhead_s=0.0)
+    slow, _ = _config("sync", 1, baseline_iteration_overhead_s=0.015)
+    assert wall_s(slow, planner_cost) - wall_s(base, planner_cost) == pytest.approx(3 * 0.015)
+
+
 def test_wave_pays_its_own_host_time_per_microbatch() -> None:
     config, planner_cost = _config("wave", 1)
     delta_s = _one_request_wall_s(config, planner_cost, schedule_s=0.0027) - _one_request_wall_s(

@@ -98,6 +98,12 @@ class _Admission:
         once)."""
         return None
 
+    def take_idle_wake_s(self) -> float | None:
+        """Event-loop time at which the last ``gather`` got a request after waiting with
+        nothing to plan, if it did (handed over once): the baseline's host loop starts its
+        iteration then (``SyncAdmission``)."""
+        return None
+
     async def released(self) -> None:
         """Requests released their pins and reservations: wake what waits on capacity."""
         async with self._capacity_changed:
@@ -479,9 +485,14 @@ class SyncAdmission(_Admission):
         super().__init__(scheduler)
         self._head: RequestRecord | None = None  # the request being agreed, refused so far
         self._head_refusals = 0
+        self._idle_wake_s: float | None = None
 
     async def microbatch_published(self) -> None:
         return None
+
+    def take_idle_wake_s(self) -> float | None:
+        wake_s, self._idle_wake_s = self._idle_wake_s, None
+        return wake_s
 
     async def gather(self) -> None:
         core = self.core
@@ -492,7 +503,14 @@ class SyncAdmission(_Admission):
             if self._head is None:
                 if core.active and intake.empty():
                     return
+                idle = not core.active and intake.empty()
                 self._head = await intake.get()
+                if idle:
+                    # NOTE: TensorRT-LLM's loop with nothing to run blocks in
+                    # _fetch_new_requests; its host stages (the broadcast to the ranks,
+                    # scheduling, prepare_resources, _prepare_inputs) run once the request is in
+                    # hand, so the iteration's host time counts from here (docs/bench/baseline.md)
+                    self._idle_wake_s = asyncio.get_running_loop().time()
                 self._head.status = RequestStatus.AGREEING
                 self._head_refusals = 0
             record = self._head

@@ -126,8 +126,9 @@ class WaveScheduler:
         # NOTE: the least host time before each plan's publish, on the critical path: the
         # caller's model of this scheduler's own cost (the simulator, where CPU is free), and
         # in sync mode at least TRT-LLM's host loop (baseline_iteration_overhead_s). Sync counts
-        # from the free slot (its agreement is TRT-LLM's fetch and prepare_resources); wave
-        # from the end of gather (its agreements ran ahead, off the critical path).
+        # from the free slot (its agreement is TRT-LLM's fetch and prepare_resources), or from
+        # the request's arrival when its loop had nothing to run; wave from the end of gather
+        # (its agreements ran ahead, off the critical path).
         self._host_floor_s = max(host_overhead_s, config.resolved_iteration_overhead_s)
 
     # ---- public views --------------------------------------------------------------------
@@ -276,9 +277,12 @@ class WaveScheduler:
                 spec = None
             slept_s = 0.0
             host_started_s = time.perf_counter()
+            idle_wake_s = self.admission.take_idle_wake_s()
             if self._host_floor_s > 0 and any(core.is_plannable(r) for r in core.active):
                 if self.config.mode != "sync":
                     started_s = spec.started_s if spec is not None else loop.time()
+                elif idle_wake_s is not None:  # the baseline's loop waited for a request
+                    started_s = max(started_s, idle_wake_s)
                 slept_s = await self._host_time(started_s)
             scheduled = None
             if spec is not None:
