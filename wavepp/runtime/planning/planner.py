@@ -484,10 +484,15 @@ class ChunkPlanner:
         if up > max_tokens or up == num_tokens:
             return num_tokens
         remaining = request.num_remaining_tokens
+        size = max(fit, self.block_size)
 
         def pieces(num_left: int) -> int:
-            return -(-num_left // max(fit, self.block_size))
+            return -(-num_left // size)
 
+        # Only a piece the rounding added: the target meant about remaining / fit pieces (64
+        # tokens at 16 per piece stay 4 x 16, not 32 + 16 + 16).
+        if 1 + pieces(remaining - num_tokens) <= max(1, round(remaining / size)):
+            return num_tokens
         return up if pieces(remaining - up) < pieces(remaining - num_tokens) else num_tokens
 
     def _min_progress(self, request: RequestProgress) -> int:
