@@ -256,15 +256,8 @@ class StageKVManager:
                 f"num_total_blocks = {num_total_blocks!r} must be an int >= 1 and >= the "
                 f"{len(held.block_hashes)} probed block hashes of request {request_id!r}"
             )
-        num_fresh = num_total_blocks - num_hit_blocks
-        fresh_block_ids = None
-        if self._fits_owner_cap(owner, num_fresh):
-            fresh_block_ids = self.pool.allocate(num_fresh)
-        if fresh_block_ids is None:
-            self.pool.free(held.hit_block_ids)
-            del self._requests[request_id]
+        if not self._allocate_table(held, owner, num_total_blocks - num_hit_blocks):
             return None
-        held.block_table = held.hit_block_ids + fresh_block_ids
         held.num_hashed_blocks = num_hit_blocks  # cached already: never hashed again
         held.num_agreed_blocks = -1  # L* arrives with the first chunk (start_chunk)
         held.reserved = True
@@ -369,15 +362,8 @@ class StageKVManager:
         # Unpin past L* first: those blocks become evictable and may serve this reservation.
         self.pool.free(held.hit_block_ids[num_agreed_blocks:])
         del held.hit_block_ids[num_agreed_blocks:]
-        num_fresh = num_total_blocks - num_agreed_blocks
-        fresh_block_ids = None
-        if self._fits_owner_cap(owner, num_fresh):
-            fresh_block_ids = self.pool.allocate(num_fresh)
-        if fresh_block_ids is None:
-            self.pool.free(held.hit_block_ids)
-            del self._requests[request_id]
+        if not self._allocate_table(held, owner, num_total_blocks - num_agreed_blocks):
             return None
-        held.block_table = held.hit_block_ids + fresh_block_ids
         held.num_agreed_blocks = held.num_hashed_blocks = num_agreed_blocks
         held.lease_expiry_s = self._clock() + lease_s
         return list(held.block_table) if copy else held.block_table
@@ -590,6 +576,20 @@ class StageKVManager:
                 f"request {held.request_id!r} is held by another owner; only its owner may "
                 "commit or renew it"
             )
+
+    def _allocate_table(self, held: _HeldRequest, owner: str, num_fresh: int) -> bool:
+        """Table = the held hit + ``num_fresh`` fresh blocks; False (all of the request's pins
+        released and the request forgotten: a refusal holds nothing) when the pool or the
+        owner's cap cannot give them."""
+        fresh_block_ids = None
+        if self._fits_owner_cap(owner, num_fresh):
+            fresh_block_ids = self.pool.allocate(num_fresh)
+        if fresh_block_ids is None:
+            self.pool.free(held.hit_block_ids)
+            del self._requests[held.request_id]
+            return False
+        held.block_table = held.hit_block_ids + fresh_block_ids
+        return True
 
     def _fits_owner_cap(self, owner: str, num_fresh: int) -> bool:
         if self.max_blocks_per_owner is None:
