@@ -56,6 +56,7 @@ from enum import IntEnum
 from functools import lru_cache
 from typing import NamedTuple
 
+from wavepp.api.hash_chain import common_prefix
 from wavepp.api.signing import BusKey
 
 __all__ = [
@@ -274,25 +275,6 @@ def _bad_total(total: int, num_hashes: int) -> str:
         f"num_total_blocks: {total} with {num_hashes} block hashes; must be {num_hashes} or "
         f"{num_hashes + 1} (the prompt's full blocks, and a partial last one), and >= 1"
     )
-
-
-def common_prefix(a: tuple[bytes, ...], b: tuple[bytes, ...]) -> int:
-    """Length of the longest common prefix of two hash sequences. Chained block hashes are equal
-    at i only if equal before i, so a binary search finds it; the result is checked (any
-    sequence is encoded right, chained or not) and a linear scan is the fallback."""
-    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; a[:hi + 1] != b[:hi + 1] past hi
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    if a[:lo] == b[:lo]:
-        return lo
-    n = 0  # pragma: no cover - not chained hashes
-    while n < len(a) and n < len(b) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def encode_reply(reply: KVBatchReply) -> bytes:

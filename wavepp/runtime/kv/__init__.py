@@ -19,7 +19,8 @@ from wavepp.runtime.kv.hashing import (
     hash_prompt_blocks,
     root_block_hash,
 )
-from wavepp.runtime.kv.manager import PinReceipt, StageKVManager
+from wavepp.runtime.kv.held import PinReceipt
+from wavepp.runtime.kv.manager import StageKVManager
 from wavepp.runtime.kv.pool import BlockPool, CacheHit, KVEvent
 
 __all__ = [

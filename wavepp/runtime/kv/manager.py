@@ -7,54 +7,14 @@ injected. Ideas follow vLLM (vllm/v1/core/kv_cache_manager.py); no code is copie
 
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
-from wavepp.api.kv_batch import common_prefix
+from wavepp.api.hash_chain import common_prefix
 from wavepp.runtime.kv.hashing import BlockHash
+from wavepp.runtime.kv.held import HeldRequest, PinReceipt, check_lease
 from wavepp.runtime.kv.pool import BlockPool, CacheHit, KVEvent
-
-
-@dataclass(frozen=True)
-class PinReceipt:
-    """What one request holds on one stage; ``StageKVManager.release`` accepts it.
-
-    The defaults mean "held nothing": releasing a default (lost) receipt releases nothing and
-    returns False, so a lost receipt leaks visibly instead of freeing another holder's pin.
-
-    Attributes:
-        request_id: The holder; "" for none.
-        block_ids: Blocks held when the receipt was issued, block order (informational).
-    """
-
-    request_id: str = ""
-    block_ids: tuple[int, ...] = ()
-
-
-@dataclass(slots=True)
-class _HeldRequest:
-    request_id: str
-    # pinned cached prefix from probe_pin (length = local hit h_s; after a two-phase commit, L*)
-    hit_block_ids: list[int]
-    lease_expiry_s: float  # clock() time after which expire() releases the request
-    seq: int  # admission order, breaks ties between equal expiries
-    # NOTE: the prompt's full-block hashes from the first probe_pin; mark_computed caches the
-    # computed blocks under them. Kept here so the stage has one record per request.
-    block_hashes: tuple[BlockHash, ...]
-    # after reserve: h_s cached ids, then fresh ids; after a two-phase commit: L* cached, fresh
-    block_table: list[int] | None = None
-    num_agreed_blocks: int = 0  # L*: from commit, or (reserve) from the first chunk; -1 unknown
-    num_hashed_blocks: int = 0  # leading table blocks already passed to cache_full_blocks
-    owner: str = ""  # who probed it (an admission instance); only it may commit or release it
-    reserved: bool = False  # its table came from reserve (one round trip), not commit
-
-
-def _check_lease(lease_s: float) -> None:
-    if not isinstance(lease_s, int | float) or not math.isfinite(lease_s) or lease_s <= 0:
-        raise ValueError(f"lease_s must be a finite number of seconds > 0, got {lease_s!r}")
 
 
 class StageKVManager:
@@ -107,7 +67,7 @@ class StageKVManager:
         max_blocks_per_owner: int | None = None,
     ) -> None:
         if max_lease_s is not None:
-            _check_lease(max_lease_s)
+            check_lease(max_lease_s)
         if max_blocks_per_owner is not None and max_blocks_per_owner < 1:
             raise ValueError(f"max_blocks_per_owner={max_blocks_per_owner}: must be >= 1")
         self.pool = pool
@@ -116,7 +76,7 @@ class StageKVManager:
         self.max_blocks_per_owner = max_blocks_per_owner
         # owner -> (highest op number, op numbers seen within seq_window of it)
         self._owner_seqs: OrderedDict[str, tuple[int, set[int]]] = OrderedDict()
-        self._requests: dict[str, _HeldRequest] = {}
+        self._requests: dict[str, HeldRequest] = {}
         self._num_admitted = 0
         # first block hash -> (hashes, walk) of the latest probe starting with it: a later probe
         # of the same prefix starts its walk there (BlockPool.pin_cache_hit)
@@ -199,7 +159,7 @@ class StageKVManager:
             if len(recent) > self.recent_walks_kept:
                 del recent[next(iter(recent))]
         self._num_admitted += 1
-        self._requests[request_id] = _HeldRequest(
+        self._requests[request_id] = HeldRequest(
             request_id,
             list(hit.block_ids),
             self._clock() + lease_s,
@@ -561,7 +521,7 @@ class StageKVManager:
         # under the same max_lease_s) is not checked again
         if type(lease_s) is float and self._accepted_lease == (lease_s, self.max_lease_s):
             return
-        _check_lease(lease_s)
+        check_lease(lease_s)
         if self.max_lease_s is not None and lease_s > self.max_lease_s:
             raise ValueError(
                 f"lease_s={lease_s!r} exceeds this stage's max_lease_s={self.max_lease_s} "
@@ -570,14 +530,14 @@ class StageKVManager:
         self._accepted_lease = (lease_s, self.max_lease_s)
 
     @staticmethod
-    def _check_owner(held: _HeldRequest, owner: str) -> None:
+    def _check_owner(held: HeldRequest, owner: str) -> None:
         if held.owner != owner:
             raise ValueError(
                 f"request {held.request_id!r} is held by another owner; only its owner may "
                 "commit or renew it"
             )
 
-    def _allocate_table(self, held: _HeldRequest, owner: str, num_fresh: int) -> bool:
+    def _allocate_table(self, held: HeldRequest, owner: str, num_fresh: int) -> bool:
         """Table = the held hit + ``num_fresh`` fresh blocks; False (all of the request's pins
         released and the request forgotten: a refusal holds nothing) when the pool or the
         owner's cap cannot give them."""
@@ -596,7 +556,7 @@ class StageKVManager:
             return True
         return self.num_owner_blocks(owner) + num_fresh <= self.max_blocks_per_owner
 
-    def _held(self, request_id: str) -> _HeldRequest:
+    def _held(self, request_id: str) -> HeldRequest:
         held = self._requests.get(request_id)
         if held is None:
             raise KeyError(
@@ -606,5 +566,5 @@ class StageKVManager:
         return held
 
     @staticmethod
-    def _held_block_ids(held: _HeldRequest) -> list[int]:
+    def _held_block_ids(held: HeldRequest) -> list[int]:
         return held.block_table if held.block_table is not None else held.hit_block_ids

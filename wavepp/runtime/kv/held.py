@@ -1,0 +1,48 @@
+"""What a stage's KV manager keeps per request: the caller's ``PinReceipt`` and the manager's own
+record of a held request (its pins, block table, hashes, lease, owner). Pure data."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from wavepp.runtime.kv.hashing import BlockHash
+
+
+@dataclass(frozen=True)
+class PinReceipt:
+    """What one request holds on one stage; ``StageKVManager.release`` accepts it.
+
+    The defaults mean "held nothing": releasing a default (lost) receipt releases nothing and
+    returns False, so a lost receipt leaks visibly instead of freeing another holder's pin.
+
+    Attributes:
+        request_id: The holder; "" for none.
+        block_ids: Blocks held when the receipt was issued, block order (informational).
+    """
+
+    request_id: str = ""
+    block_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class HeldRequest:
+    request_id: str
+    # pinned cached prefix from probe_pin (length = local hit h_s; after a two-phase commit, L*)
+    hit_block_ids: list[int]
+    lease_expiry_s: float  # clock() time after which expire() releases the request
+    seq: int  # admission order, breaks ties between equal expiries
+    # NOTE: the prompt's full-block hashes from the first probe_pin; mark_computed caches the
+    # computed blocks under them. Kept here so the stage has one record per request.
+    block_hashes: tuple[BlockHash, ...]
+    # after reserve: h_s cached ids, then fresh ids; after a two-phase commit: L* cached, fresh
+    block_table: list[int] | None = None
+    num_agreed_blocks: int = 0  # L*: from commit, or (reserve) from the first chunk; -1 unknown
+    num_hashed_blocks: int = 0  # leading table blocks already passed to cache_full_blocks
+    owner: str = ""  # who probed it (an admission instance); only it may commit or release it
+    reserved: bool = False  # its table came from reserve (one round trip), not commit
+
+
+def check_lease(lease_s: float) -> None:
+    if not isinstance(lease_s, int | float) or not math.isfinite(lease_s) or lease_s <= 0:
+        raise ValueError(f"lease_s must be a finite number of seconds > 0, got {lease_s!r}")
