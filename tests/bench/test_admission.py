@@ -61,3 +61,54 @@ async def test_stage_kv_servers_can_run_in_processes_of_their_own() -> None:
     assert row["mean_agreed_blocks"] == (256 - 32) // 16  # each prompt's shared prefix, cached
     assert row["cpu_us_per_agreement"] >= row["cpu_us_split"]["controller"]
     assert not multiprocessing.active_children()
+
+
+async def test_the_run_is_a_steady_state_that_releases_what_it_admitted() -> None:
+    """``held_requests``: each replica keeps the latest admitted requests (as requests in
+    prefill) and releases older ones in batches: a stage ends holding exactly that many."""
+    rows = await run_admission_bench(
+        [
+            AdmissionSetting(2, 4, workload="short-suffix", held_requests=5),
+            AdmissionSetting(2, 4, workload="short-suffix", held_requests=0),
+        ],
+        num_requests=40,
+        num_prompt_tokens=256,
+        suffix_tokens=32,
+        block_size=16,
+    )
+    assert [r["held_at_end"] for r in rows] == [5, 0]
+
+
+async def test_stage_hosts_serve_the_ranks_not_kept_in_this_process() -> None:
+    """``stage_hosts`` processes share the ranks from ``stages_in_process`` on; the rest stay
+    beside the controller. L* covers the cached prefix on both kinds of stage."""
+    import multiprocessing
+
+    [row] = await run_admission_bench(
+        [AdmissionSetting(3, 4, workload="short-suffix", stage_hosts=1, stages_in_process=1)],
+        num_requests=16,
+        num_prompt_tokens=256,
+        suffix_tokens=32,
+        block_size=16,
+    )
+    assert row["stage_hosts"] == [[1, 2]]
+    assert row["mean_agreed_blocks"] == (256 - 32) // 16
+    assert row["held_at_end"] == 16  # fewer requests than held_requests: none released yet
+    assert "| 1-2 |" in format_table([row])
+    assert not multiprocessing.active_children()
+
+
+async def test_bad_layout_and_held_settings_name_the_field() -> None:
+    for field in ("stage_hosts", "stages_in_process", "held_requests"):
+        with pytest.raises(ValueError, match=field):
+            await run_admission_bench([AdmissionSetting(1, 1, **{field: -1})])
+
+
+@pytest.mark.parametrize("flag", ["--stage-hosts", "--stages-in-process", "--held"])
+def test_cli_refuses_a_negative_layout_or_held_flag(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from wavepp import cli
+
+    assert cli.main(["bench", "admission", flag, "-1"]) == 2
+    assert f"{flag}: -1: must be >= 0" in capsys.readouterr().err

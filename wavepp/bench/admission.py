@@ -3,15 +3,24 @@
 An embedded nats-server, R replicas of S stage KV servers (each a ``StageKVManager`` answering
 the stage's agreement subjects with the stage process's own handlers, ``serve_stage_kv``, on
 its own NATS connection) and R real ``AdmissionController``s, one per replica, running
-probe-reserve (one round trip per round) in batched rounds of at most ``batch_limit`` requests. Each replica keeps
-``in_flight`` agreements outstanding.
+probe-reserve (one round trip per round) in batched rounds of at most ``batch_limit`` requests.
+Each replica runs ``in_flight`` closed-loop clients (agree, then the next request) and holds
+the latest ``held_requests`` admitted requests (as the requests in prefill hold their pins and
+reservations); older ones are released in one batch per round, as the scheduler releases a
+finished micro-batch's requests. So the run is a steady state: every agreement is released
+again, and the stages hold a bounded number of requests (CPU per agreement includes the
+release).
 
-With ``stage_processes`` (as in production: one process per stage) every stage KV server runs in
-a process of its own; without (the default), all R x S share this process's event loop (the
-controller's), which then does every stage's work too. On 2 shared cores the S + 1 processes
-cost more CPU per agreement than they take off the controller (measured: at S = 8 the stage
-processes used 200-650 us of CPU per agreement, against ~100-200 us of stage work in-process),
-so the in-process setting is the default here; on separate hosts the stages would not compete.
+Where the stage KV servers run (``AdmissionSetting``): all in this process's event loop (the
+controller's, the default), or in stage host processes: ``stage_processes`` one per stage (as
+in production), or ``stage_hosts`` processes sharing the ranks from ``stages_in_process`` on
+(ranks below it stay in this process). On a 2-core machine the layout decides how much of the
+work runs at once: all in one process leaves the second core to the nats-server alone; S + 1
+processes cost more CPU per agreement than they take off the controller (at S = 8 the stage
+processes used 200-650 us of CPU per agreement, against ~100-200 us of stage work in-process);
+half the ranks beside the controller and half in one stage host puts about the same work on
+each core. In production every stage is its own host, and none of the stage work is on the
+controller's core.
 
 Workloads (``num_prompt_tokens`` per prompt):
 
@@ -39,7 +48,8 @@ import gc
 import multiprocessing
 import os
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +71,12 @@ _MODEL_ID = "admbench"
 
 @dataclass(frozen=True)
 class AdmissionSetting:
-    """One row: S stages x R replicas, ``in_flight`` agreements outstanding per replica."""
+    """One row: S stages x R replicas, ``in_flight`` agreements outstanding per replica.
+
+    ``stage_processes``: one process per stage KV server; else ``stage_hosts`` processes (0:
+    none) serve ranks ``stages_in_process`` .. S - 1 round robin, the rest run in the
+    controller's process. ``held_requests``: admitted requests a replica holds before
+    releasing the oldest (0: each released in the round after its agreement)."""
 
     stages: int
     in_flight: int
@@ -69,20 +84,14 @@ class AdmissionSetting:
     replicas: int = 1
     workload: str = "mixed"
     stage_processes: bool = False
+    stage_hosts: int = 0
+    stages_in_process: int = 0
+    held_requests: int = 256
 
 
-def _stage_process(
-    url: str,
-    prefix: str,
-    rank: int,
-    num_blocks: int,
-    block_size: int,
-    cached: list[list[bytes]],
-    conn: Any,
-) -> None:
-    """A stage KV server in a process of its own (the target of a spawned process): the
-    ``cached`` prefixes (full-block hashes) computed once, then ``serve_stage_kv`` until the
-    parent sends anything (or goes away) on ``conn``."""
+def _warm_stage(num_blocks: int, block_size: int, cached: list[list[bytes]]) -> StageKVManager:
+    """A stage's KV manager with each of the ``cached`` prefixes (full-block hashes) admitted
+    once, computed and released: cached, as after a first request served it."""
     manager = StageKVManager(BlockPool(num_blocks, block_size))
     for index, hashes in enumerate(cached):
         request_id = f"warm-{index}"
@@ -90,15 +99,37 @@ def _stage_process(
         manager.reserve(request_id, len(hashes) + 1, 30.0)
         manager.mark_computed(request_id, len(hashes) * block_size, hashes)
         manager.release(request_id)
+    return manager
+
+
+def _stage_process(
+    url: str,
+    prefix: str,
+    ranks: list[int],
+    num_blocks: int,
+    block_size: int,
+    cached: list[list[bytes]],
+    conn: Any,
+) -> None:
+    """A stage host: the KV servers of ``ranks`` in a process of its own (the target of a
+    spawned process), each with its own ``StageKVManager`` and NATS connection; the ``cached``
+    prefixes (full-block hashes) warmed on each, then ``serve_stage_kv`` until the parent
+    sends anything (or goes away) on ``conn``."""
+    managers = [_warm_stage(num_blocks, block_size, cached) for _ in ranks]
 
     async def serve() -> None:
-        nc = await connect(url, name=f"admbench-stage-{rank}", anonymous_ok=True)
-        await serve_stage_kv(nc, prefix, rank, manager)
-        await nc.flush()
+        connections = []
+        for rank, manager in zip(ranks, managers, strict=True):
+            nc = await connect(url, name=f"admbench-stage-{rank}", anonymous_ok=True)
+            await serve_stage_kv(nc, prefix, rank, manager)
+            await nc.flush()
+            connections.append(nc)
+        gc.freeze()  # the warmed pools, as a stage process does after loading
         conn.send(os.getpid())
         with contextlib.suppress(EOFError, OSError):
             await asyncio.get_running_loop().run_in_executor(None, conn.recv)
-        await nc.drain()
+        for nc in connections:
+            await nc.drain()
 
     asyncio.run(serve())
 
@@ -107,19 +138,20 @@ async def _start_stage_processes(
     stack: contextlib.AsyncExitStack,
     url: str,
     prefix: str,
-    stages: int,
+    host_ranks: list[list[int]],
     num_blocks: int,
     block_size: int,
     cached: list[list[bytes]],
 ) -> list[int]:
-    """Spawn one stage KV server process per rank; their pids once all of them serve."""
+    """Spawn one stage host process per entry of ``host_ranks`` (the ranks it serves); their
+    pids once all of them serve."""
     context = multiprocessing.get_context("spawn")
     pipes = []
-    for rank in range(stages):
+    for ranks in host_ranks:
         parent, child = context.Pipe()
         process = context.Process(
             target=_stage_process,
-            args=(url, prefix, rank, num_blocks, block_size, cached, child),
+            args=(url, prefix, ranks, num_blocks, block_size, cached, child),
             daemon=True,
         )
         process.start()
@@ -194,24 +226,26 @@ async def _one_setting(
     controllers: list[AdmissionController] = []
     stage_pids: list[int] = []
     handler_cpu_s = [0.0]  # in-process stage handlers' share of this process's CPU
+    in_process: list[StageKVManager] = []  # the stage KV servers in this process
     cached = [hash_prompt_blocks(list(p) + [0], block_size, _MODEL_ID) for p in prefixes]
     async with contextlib.AsyncExitStack() as stack:
         for replica in range(setting.replicas):
             prefix = replica_prefix(f"admbench{tag}r{replica}", namespace="bench")
-            managers = []
-            if setting.stage_processes:
+            host_ranks = _stage_layout(setting)
+            if host_ranks:
                 stage_pids += await _start_stage_processes(
-                    stack, server.url, prefix, setting.stages, num_blocks, block_size, cached
+                    stack, server.url, prefix, host_ranks, num_blocks, block_size, cached
                 )
-            for rank in range(0 if setting.stage_processes else setting.stages):
+            hosted = {rank for ranks in host_ranks for rank in ranks}
+            for rank in sorted(set(range(setting.stages)) - hosted):
                 nc = await connect(
                     server.url, name=f"admbench-r{replica}-stage-{rank}", anonymous_ok=True
                 )
                 stack.push_async_callback(nc.drain)
-                manager = StageKVManager(BlockPool(num_blocks, block_size))
+                manager = _warm_stage(num_blocks, block_size, cached)
+                in_process.append(manager)
                 await serve_stage_kv(nc, prefix, rank, manager, handler_cpu_s=handler_cpu_s)
                 await nc.flush()
-                managers.append(manager)
             nc = await connect(
                 server.url, name=f"admbench-r{replica}-controller", anonymous_ok=True
             )
@@ -222,25 +256,43 @@ async def _one_setting(
                 model_id=_MODEL_ID,
                 max_batch=setting.batch_limit,
             )
-            if not setting.stage_processes:
-                await _cache_prefixes(controller, managers, prefixes, tag=f"{tag}r{replica}")
             controllers.append(controller)
 
         latencies: list[list[float]] = [[] for _ in controllers]
         agreed_blocks: list[int] = []
+        per_replica = [range(r, num_requests, setting.replicas) for r in range(len(controllers))]
+        held: list[deque[str]] = [deque() for _ in controllers]  # admitted, not yet released
+        releases: set[asyncio.Task[None]] = set()
 
-        async def agree(replica: int, index: int, limiter: asyncio.Semaphore) -> None:
-            async with limiter:
+        release_due = [False for _ in controllers]
+
+        def release_oldest(replica: int) -> None:
+            """Release what was admitted more than ``held_requests`` agreements ago, in one
+            batch (as the scheduler releases a finished micro-batch's requests)."""
+            release_due[replica] = False
+            num_done = len(held[replica]) - setting.held_requests
+            if num_done > 0:
+                ids = [held[replica].popleft() for _ in range(num_done)]
+                task = asyncio.create_task(controllers[replica].release(ids))
+                releases.add(task)
+                task.add_done_callback(releases.discard)
+
+        async def worker(replica: int, indices: Iterator[int]) -> None:
+            """One of ``in_flight`` closed-loop clients of a replica: agree, then the next."""
+            controller = controllers[replica]
+            for index in indices:
                 started = time.perf_counter()
                 request = PromptRequest(f"a{tag}-{replica}-{index}", prompts[index])
-                ticket = await controllers[replica].agree(request)
+                ticket = await controller.agree(request)
                 latencies[replica].append(time.perf_counter() - started)
                 if ticket is None:
                     raise RuntimeError("admission bench pool too small: a reservation was refused")
                 agreed_blocks.append(ticket.num_agreed_blocks)
+                held[replica].append(request.request_id)
+                if not release_due[replica] and len(held[replica]) > setting.held_requests:
+                    release_due[replica] = True  # once the round's callers have all resumed
+                    asyncio.get_running_loop().call_soon(release_oldest, replica)
 
-        limiters = [asyncio.Semaphore(setting.in_flight) for _ in controllers]
-        per_replica = [range(r, num_requests, setting.replicas) for r in range(len(controllers))]
         rounds_before = [c.num_rounds for c in controllers]
         pids = {"stages": stage_pids, "nats": [server.pid]}
         cpu_before = {name: _cpu_of(group) for name, group in pids.items()}
@@ -248,13 +300,16 @@ async def _one_setting(
         handler_before = handler_cpu_s[0]
         controller_before = time.process_time()
         start = time.perf_counter()
+        queues = [iter(indices) for indices in per_replica]  # shared by a replica's workers
         await asyncio.gather(
             *(
-                agree(replica, index, limiters[replica])
-                for replica, indices in enumerate(per_replica)
-                for index in indices
+                worker(replica, queue)
+                for replica, queue in enumerate(queues)
+                for _ in range(setting.in_flight)
             )
         )
+        while releases:
+            await asyncio.gather(*releases)
         wall_s = time.perf_counter() - start
         cpu_split = {"controller": time.process_time() - controller_before}
         gc.unfreeze()
@@ -265,8 +320,9 @@ async def _one_setting(
         cpu_split["stages"] += in_process_stages_s
         cpu_s = sum(cpu_split.values())
         num_rounds = sum(c.num_rounds - b for c, b in zip(controllers, rounds_before, strict=True))
+        held_at_end = max((m.num_requests for m in in_process), default=None)
         for replica, controller in enumerate(controllers):
-            await controller.release([f"a{tag}-{replica}-{i}" for i in per_replica[replica]])
+            await controller.release(list(held[replica]))
     everything = np.array([x for replica in latencies for x in replica])
     return {
         "stages": setting.stages,
@@ -286,33 +342,28 @@ async def _one_setting(
         "cpu_us_per_agreement": round(cpu_s / num_requests * 1e6, 1),
         "cpu_us_split": {k: round(v / num_requests * 1e6, 1) for k, v in cpu_split.items()},
         "stage_processes": setting.stage_processes,
+        "stage_hosts": _stage_layout(setting),
+        "held_requests": setting.held_requests,
+        "held_at_end": held_at_end,
         "load_average": round(os.getloadavg()[0], 2),
     }
+
+
+def _stage_layout(setting: AdmissionSetting) -> list[list[int]]:
+    """The ranks each stage host process serves (the other ranks run in the controller's
+    process): with ``stage_processes`` one process per rank; else ``stage_hosts`` processes
+    sharing the ranks from ``stages_in_process`` on, round robin."""
+    if setting.stage_processes:
+        return [[rank] for rank in range(setting.stages)]
+    first = setting.stages if setting.stage_hosts < 1 else setting.stages_in_process
+    ranks = list(range(min(first, setting.stages), setting.stages))
+    hosts = min(setting.stage_hosts, len(ranks))
+    return [ranks[host::hosts] for host in range(hosts)]
 
 
 def _cpu_of(pids: Sequence[int | None]) -> float:
     """CPU seconds the processes used so far (0 for one that cannot be read)."""
     return sum(_proc_cpu_s(pid) or 0.0 for pid in pids)
-
-
-async def _cache_prefixes(
-    controller: AdmissionController,
-    managers: Sequence[StageKVManager],
-    prefixes: Sequence[Sequence[int]],
-    *,
-    tag: str,
-) -> None:
-    """Admit each shared prefix once, mark it computed on every stage, release it: the blocks
-    stay cached, as after a first request served them."""
-    for index, prefix in enumerate(prefixes):
-        request = PromptRequest(f"warm{tag}-{index}", list(prefix) + [0])
-        ticket = await controller.agree(request)
-        if ticket is None:
-            raise RuntimeError("admission bench pool too small for the shared prefixes")
-        hashes = controller.block_hashes(request)
-        for manager in managers:
-            manager.mark_computed(request.request_id, len(prefix), hashes)
-        await controller.release([request.request_id])
 
 
 async def run_admission_bench(
@@ -332,7 +383,10 @@ async def run_admission_bench(
         cpu_us_per_agreement, cpu_us_split (controller: this
         process less the in-process stages; stages: the stage processes, or without them
         the CPU of the stages' round handlers in this process; nats: the nats-server),
-        stage_processes, load_average (the 1-minute load when the setting ended).
+        stage_processes, stage_hosts (the ranks each stage host process served),
+        held_requests, held_at_end (the most requests a stage in this process held when the
+        last release had answered; None without one), load_average (the 1-minute load when the
+        setting ended).
 
     Raises:
         ValueError: a count < 1, a suffix longer than the prompt, or an unknown workload.
@@ -348,6 +402,9 @@ async def run_admission_bench(
         for name in ("stages", "in_flight", "batch_limit", "replicas"):
             if getattr(setting, name) < 1:
                 raise ValueError(f"{name}={getattr(setting, name)}: must be >= 1")
+        for name in ("stage_hosts", "stages_in_process", "held_requests"):
+            if getattr(setting, name) < 0:
+                raise ValueError(f"{name}={getattr(setting, name)}: must be >= 0")
         if setting.workload not in WORKLOADS:
             raise ValueError(f"workload={setting.workload!r}: choose from {list(WORKLOADS)}")
     server = EmbeddedNatsServer()
@@ -374,18 +431,32 @@ async def run_admission_bench(
 def format_table(results: Sequence[dict[str, Any]]) -> str:
     """Markdown table of ``run_admission_bench`` results."""
     lines = [
-        "| workload | S | R | in flight / replica | batch limit | agreements/s | p50 ms | "
-        "p99 ms | replica p99 ms | mean batch | CPU us / agreement (controller, stages, "
-        "nats) | load |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+        "| workload | S | R | in flight / replica | batch limit | stage hosts | held | "
+        "agreements/s | p50 ms | p99 ms | replica p99 ms | mean batch | CPU us / agreement "
+        "(controller, stages, nats) | load |",
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: "
+        "| ---: |",
     ]
     for r in results:
         split = r["cpu_us_split"]
         lines.append(
             f"| {r['workload']} | {r['stages']} | {r['replicas']} | {r['in_flight']} | "
-            f"{r['batch_limit']} | {r['agreements_per_s']} | {r['latency_p50_ms']} | "
+            f"{r['batch_limit']} | {_hosts_label(r['stage_hosts'])} | {r['held_requests']} | "
+            f"{r['agreements_per_s']} | {r['latency_p50_ms']} | "
             f"{r['latency_p99_ms']} | {' '.join(str(x) for x in r['replica_p99_ms'])} | "
             f"{r['mean_batch']} | {r['cpu_us_per_agreement']} ({split['controller']}, "
             f"{split['stages']}, {split['nats']}) | {r['load_average']} |"
         )
     return "\n".join(lines)
+
+
+def _hosts_label(hosts: Sequence[Sequence[int]]) -> str:
+    """The ranks of each stage host process, e.g. "4-7" or "0 / 1"; "none" (all in-process)."""
+    if not hosts:
+        return "none"
+    return " / ".join(
+        f"{ranks[0]}-{ranks[-1]}"
+        if len(ranks) > 1 and list(ranks) == list(range(ranks[0], ranks[-1] + 1))
+        else ",".join(map(str, ranks))
+        for ranks in hosts
+    )

@@ -124,6 +124,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the controller's process: on a few shared cores S extra processes cost more CPU than "
         "they take off the controller)",
     )
+    adm.add_argument(
+        "--stage-hosts",
+        type=int,
+        default=0,
+        help="stage host processes sharing the stage KV servers not kept in this process "
+        "(0: all in this process; ignored with --stage-processes)",
+    )
+    adm.add_argument(
+        "--stages-in-process",
+        type=int,
+        default=0,
+        help="with --stage-hosts: ranks 0..K-1 stay in the controller's process (a 2-core "
+        "machine: half the stages beside the controller, half in one stage host)",
+    )
+    adm.add_argument(
+        "--held",
+        type=int,
+        default=256,
+        help="admitted requests each replica holds before releasing the oldest (requests in "
+        "prefill: the steady state's pins and reservations; releases are batched per round)",
+    )
     adm.add_argument("--json", action="store_true", help="stdout: the rows as one JSON line only")
     plot = sub.add_parser(
         "plot",
@@ -268,8 +289,25 @@ def _run_admission(args: argparse.Namespace) -> int:
         return _fail("--requests", f"{args.requests}: must be >= 1")
     if not 1 <= args.suffix_tokens <= args.prompt_tokens:
         return _fail("--suffix-tokens", f"{args.suffix_tokens}: must be in [1, --prompt-tokens]")
+    for name, flag, low in (
+        ("stage_hosts", "--stage-hosts", 0),
+        ("stages_in_process", "--stages-in-process", 0),
+        ("held", "--held", 0),
+    ):
+        if getattr(args, name) < low:
+            return _fail(flag, f"{getattr(args, name)}: must be >= {low}")
     settings = [
-        AdmissionSetting(s, k, b, r, w, args.stage_processes)
+        AdmissionSetting(
+            s,
+            k,
+            b,
+            r,
+            w,
+            args.stage_processes,
+            stage_hosts=args.stage_hosts,
+            stages_in_process=args.stages_in_process,
+            held_requests=args.held,
+        )
         for w in workloads
         for r in lists["replicas"]
         for s in lists["stages"]
