@@ -26,9 +26,8 @@ import numpy as np
 
 from wavepp.api.kv_batch import (
     BatchOp,
-    CommitEntry,
     KVBatch,
-    ProbeEntry,
+    ReserveEntry,
     decode_reply,
     encode_batch,
 )
@@ -58,62 +57,54 @@ def prompts(workload: str, num_requests: int) -> tuple[list[list[int]], list[lis
     ], prefixes
 
 
-def measure(workload: str, batch: int, rounds: int) -> dict[str, float]:
-    """Microseconds of CPU per request per stage: probe, commit, release."""
+def measure(workload: str, batch: int, rounds: int, held_rounds: int = 8) -> dict[str, float]:
+    """Microseconds of CPU per request per stage: probe-reserve, release (steady state: the
+    round from ``held_rounds`` rounds ago is released after each round, as
+    ``wavepp bench admission`` releases what its replica no longer holds)."""
     all_prompts, prefixes = prompts(workload, batch * rounds)
     hashes = [hash_prompt_blocks(p, BLOCK_SIZE, MODEL_ID) for p in all_prompts]
     blocks_per_prompt = PROMPT_TOKENS // BLOCK_SIZE + 1
     manager = StageKVManager(
-        BlockPool((len(all_prompts) + len(prefixes)) * blocks_per_prompt + 64, BLOCK_SIZE)
+        BlockPool((batch * (held_rounds + 1) + len(prefixes)) * blocks_per_prompt + 64, BLOCK_SIZE)
     )
     for index, prefix in enumerate(prefixes):
         prefix_hashes = hash_prompt_blocks([*prefix, 0], BLOCK_SIZE, MODEL_ID)
-        hit = manager.probe_pin(f"warm-{index}", prefix_hashes, 30.0)
-        manager.commit(f"warm-{index}", hit, len(prefix_hashes) + 1, 30.0)
+        manager.probe_pin(f"warm-{index}", prefix_hashes, 30.0)
+        manager.reserve(f"warm-{index}", len(prefix_hashes) + 1, 30.0)
         manager.mark_computed(f"warm-{index}", len(prefix_hashes) * BLOCK_SIZE, prefix_hashes)
         manager.release(f"warm-{index}")
     seq = 0
-    spent = {"probe": 0.0, "commit": 0.0, "release": 0.0}
+    spent = {"probe_reserve": 0.0, "release": 0.0}
     gc.freeze()
     try:
-        for r in range(rounds):
-            ids = [f"r{r}-{i}" for i in range(batch)]
-            entries = tuple(
-                ProbeEntry(i, tuple(h)) for i, h in zip(ids, hashes[r * batch :], strict=False)
-            )
-            seq += 1
-            probe = encode_batch(KVBatch(BatchOp.PROBE, entries, 10.0, "owner", seq))
-            started = time.process_time()
-            reply = handle_kv_batch(manager, 0, probe)
-            spent["probe"] += time.process_time() - started
-            hits = [result.value for result in decode_reply(reply).results]
-            seq += 1
-            commit = encode_batch(
-                KVBatch(
-                    BatchOp.COMMIT,
-                    tuple(
-                        CommitEntry(i, h, blocks_per_prompt) for i, h in zip(ids, hits, strict=True)
-                    ),
-                    10.0,
-                    "owner",
-                    seq,
+        for r in range(rounds + held_rounds):
+            if r < rounds:
+                ids = [f"r{r}-{i}" for i in range(batch)]
+                entries = tuple(
+                    ReserveEntry(i, tuple(h), blocks_per_prompt)
+                    for i, h in zip(ids, hashes[r * batch :], strict=False)
                 )
-            )
-            started = time.process_time()
-            reply = handle_kv_batch(manager, 0, commit)
-            spent["commit"] += time.process_time() - started
-            if not all(result.ok for result in decode_reply(reply).results):
-                raise RuntimeError("a commit was refused: the pool is too small")
-        for r in range(rounds):
-            seq += 1
-            release = encode_batch(
-                KVBatch(
-                    BatchOp.RELEASE, tuple(f"r{r}-{i}" for i in range(batch)), 0.0, "owner", seq
+                seq += 1
+                batch_bytes = encode_batch(
+                    KVBatch(BatchOp.PROBE_RESERVE, entries, 10.0, "owner", seq)
                 )
-            )
-            started = time.process_time()
-            handle_kv_batch(manager, 0, release)
-            spent["release"] += time.process_time() - started
+                started = time.process_time()
+                reply = handle_kv_batch(manager, 0, batch_bytes)
+                spent["probe_reserve"] += time.process_time() - started
+                if not all(result.ok for result in decode_reply(reply).results):
+                    raise RuntimeError("a reservation was refused: the pool is too small")
+            if r >= held_rounds:
+                seq += 1
+                old = r - held_rounds
+                release = encode_batch(
+                    KVBatch(
+                        BatchOp.RELEASE, tuple(f"r{old}-{i}" for i in range(batch)), 0.0,
+                        "owner", seq,
+                    )
+                )  # fmt: skip
+                started = time.process_time()
+                handle_kv_batch(manager, 0, release)
+                spent["release"] += time.process_time() - started
     finally:
         gc.unfreeze()
     return {op: seconds / (batch * rounds) * 1e6 for op, seconds in spent.items()}
@@ -123,15 +114,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="short-suffix,mixed")
     parser.add_argument("--batch", default="16,64", help="requests per round, comma-separated")
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=200)
     args = parser.parse_args(argv)
     for workload in args.workload.split(","):
         for batch in (int(b) for b in args.batch.split(",")):
             us = measure(workload, batch, args.rounds)
             print(
-                f"{workload:12s} batch {batch:3d}: probe {us['probe']:6.1f} us  commit "
-                f"{us['commit']:6.1f} us  (probe + commit {us['probe'] + us['commit']:6.1f})  "
-                f"release {us['release']:6.1f} us per request per stage"
+                f"{workload:12s} batch {batch:3d}: probe-reserve {us['probe_reserve']:6.1f} us  "
+                f"release {us['release']:6.1f} us  (both "
+                f"{us['probe_reserve'] + us['release']:6.1f}) per request per stage"
             )
 
 

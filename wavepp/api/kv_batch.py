@@ -19,8 +19,11 @@ Layout (little-endian; ``rid`` = u16 length + UTF-8 request id, 1..256 bytes)::
       op 3 release entry: rid                             (lease_s ignored, 0)
       op 4 probe-reserve  entry: rid | u32 n | u32 shared_from | u32 shared_len
                           | u32 num_total_blocks | (n - shared_len) x 32-byte block hash
-                          (version 3 only; num_total_blocks is n or n + 1: the prompt's full
+                          (version 3 on; num_total_blocks is n or n + 1: the prompt's full
                           blocks and a partial last one)
+             version 4 (op 4 only), after the entries: u32 num_releases | num_releases x rid:
+             requests to release before the round's probe-reserves (the previous round's
+             finished requests ride along, one message per stage per round instead of two)
     reply    "WKR" | u8 version | u8 op | u16 rank | u32 num_free_blocks | u32 num_blocks
              | u16 error length | error (UTF-8; a whole-batch fault, else empty)
              | u32 count | count x (u8 status | u32 value | u16 length | UTF-8 error)
@@ -34,9 +37,11 @@ A probe entry names its first ``shared_len`` hashes by reference: they are the f
 prefix (agentic and chat workloads: thousands of tokens in common, a short new suffix) so carry
 it once, and a stage walks its block table once for it (``BlockPool.pin_cache_hit``); a
 probe-reserve entry shares the same way. Version 1 (no ``shared_from``/``shared_len``: every
-hash travels) and version 2 (ops 1-3) are still decoded; ``encode_batch`` writes version 3 only
-for a probe-reserve batch (ops 1-3 keep version 2, so a stage of the previous release still reads
-a release). Replies are unchanged (their version byte stays 1).
+hash travels) and version 2 (ops 1-3) are still decoded; ``encode_batch`` writes version 4 only
+for a probe-reserve batch that carries releases, version 3 for one without, and version 2 for
+ops 1-3 (so a stage of an earlier release still reads what it can apply). Replies are unchanged
+(their version byte stays 1): a batch's releases have no results (a release is idempotent and
+never refused).
 
 ``owner`` is the admission instance sending the round and ``seq`` its op number (a stage refuses a
 replayed one); ``mac`` is HMAC-SHA256 under the replica's bus key (``wavepp.api.signing``) of
@@ -82,10 +87,11 @@ __all__ = [
     "reply_rank",
 ]
 
-KV_BATCH_VERSION = 3
+KV_BATCH_VERSION = 4
 KV_REPLY_VERSION = 1
-_DECODED_VERSIONS = (1, 2, 3)
+_DECODED_VERSIONS = (1, 2, 3, 4)
 _FIRST_VERSION_OF_RESERVE = 3
+_FIRST_VERSION_OF_RELEASES = 4
 BLOCK_HASH_BYTES = 32
 MAX_BATCH_ENTRIES = 4096
 MAX_BLOCKS_PER_ENTRY = 1 << 20  # 64 Mi tokens at 64-token blocks
@@ -162,7 +168,9 @@ class KVBatch:
     ``shares``, set by ``decode_batch`` for a probe or probe-reserve batch (``encode_batch``
     finds the sharing itself and ignores it): per entry ``(shared_from, shared_len)``,
     ``block_hashes[:shared_len]`` being the first ``shared_len`` hashes of entry ``shared_from``
-    (-1: none)."""
+    (-1: none).
+
+    ``releases`` (PROBE_RESERVE only): request ids the stage releases before the entries."""
 
     op: BatchOp
     entries: tuple[ReserveEntry | ProbeEntry | CommitEntry | str, ...]
@@ -170,6 +178,7 @@ class KVBatch:
     owner: str = ""  # the admission instance (only it may commit or release what it probed)
     seq: int = 0  # the owner's op number
     shares: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    releases: tuple[str, ...] = ()
 
 
 class EntryResult(NamedTuple):
@@ -220,7 +229,14 @@ def encode_batch(batch: KVBatch, bus_key: BusKey | None = None) -> bytes:
         raise KVWireError(f"owner: {len(owner)} bytes; at most {MAX_OWNER_BYTES} ASCII")
     if not 0 <= batch.seq < 2**64:
         raise KVWireError(f"seq: {batch.seq}; must be in [0, 2**64)")
-    version = KV_BATCH_VERSION if batch.op is BatchOp.PROBE_RESERVE else 2
+    if batch.releases and batch.op is not BatchOp.PROBE_RESERVE:
+        raise KVWireError(f"releases: only in a probe-reserve batch (op 4), not op {batch.op}")
+    if len(batch.releases) > MAX_BATCH_ENTRIES:
+        raise KVWireError(f"releases: {len(batch.releases)}; at most {MAX_BATCH_ENTRIES}")
+    if batch.op is not BatchOp.PROBE_RESERVE:
+        version = 2
+    else:
+        version = _FIRST_VERSION_OF_RELEASES if batch.releases else _FIRST_VERSION_OF_RESERVE
     parts = [
         _REQ_HEADER.pack(_REQUEST_MAGIC, version, int(batch.op), lease_s),
         bytes([len(owner)]),
@@ -266,6 +282,9 @@ def encode_batch(batch: KVBatch, bus_key: BusKey | None = None) -> bytes:
         else:
             assert isinstance(entry, str)
             parts.append(_rid(entry))
+    if version >= _FIRST_VERSION_OF_RELEASES:
+        parts.append(_U32.pack(len(batch.releases)))
+        parts += [_rid(request_id) for request_id in batch.releases]
     body = b"".join(parts)
     return body + (bus_key.mac_bytes(b"KVBatch", body) if bus_key is not None else _NO_MAC)
 
@@ -391,7 +410,11 @@ def decode_batch(payload: bytes, bus_key: BusKey | None = None) -> KVBatch:
         raise KVWireError("owner: not ASCII") from exc
     (seq,) = reader.unpack(_OWNER_SEQ, "seq")
     (count,) = reader.unpack(_U32, "count")
-    entries, shares = _decode_entries(bytes(body), reader.at, _count(count), batch_op, version)
+    if version >= _FIRST_VERSION_OF_RELEASES and batch_op is not BatchOp.PROBE_RESERVE:
+        raise KVWireError(f"version: 4 with op {op}; version 4 is for probe-reserve (op 4) only")
+    entries, shares, releases = _decode_entries(
+        bytes(body), reader.at, _count(count), batch_op, version
+    )
     return KVBatch(
         batch_op,
         entries,
@@ -399,6 +422,7 @@ def decode_batch(payload: bytes, bus_key: BusKey | None = None) -> KVBatch:
         owner,
         seq,
         shares,
+        releases,
     )
 
 
@@ -408,10 +432,14 @@ def _truncated(field: str, at: int, size: int) -> KVWireError:
 
 def _decode_entries(
     data: bytes, at: int, count: int, op: BatchOp, version: int
-) -> tuple[tuple[ReserveEntry | ProbeEntry | CommitEntry | str, ...], tuple[tuple[int, int], ...]]:
-    """The ``count`` entries from byte ``at`` of ``data`` (a batch's body, up to the mac), and
-    the probe entries' shares. One pass with plain offsets: this runs once per entry per stage
-    per round, the hot path of a stage's agreement work."""
+) -> tuple[
+    tuple[ReserveEntry | ProbeEntry | CommitEntry | str, ...],
+    tuple[tuple[int, int], ...],
+    tuple[str, ...],
+]:
+    """The ``count`` entries from byte ``at`` of ``data`` (a batch's body, up to the mac), the
+    probe entries' shares, and (version 4) the releases. One pass with plain offsets: this runs
+    once per entry per stage per round, the hot path of a stage's agreement work."""
     size = len(data)
     u16, u32 = _U16.unpack_from, _U32.unpack_from
     entries: list[ReserveEntry | ProbeEntry | CommitEntry | str] = []
@@ -499,9 +527,23 @@ def _decode_entries(
             entries.append(CommitEntry(rid, agreed, total))
         else:
             entries.append(rid)
+    releases: tuple[str, ...] = ()
+    if version >= _FIRST_VERSION_OF_RELEASES:
+        releases, at = _decode_releases(data, at)
     if at != size:
         raise KVWireError(f"payload: {size - at} bytes after the last entry")
-    return tuple(entries), tuple(shares)
+    return tuple(entries), tuple(shares), releases
+
+
+def _decode_releases(data: bytes, at: int) -> tuple[tuple[str, ...], int]:
+    """A version 4 batch's release section from byte ``at``: the ids and the offset after."""
+    reader = _Reader(data)
+    reader.at = at
+    (count,) = reader.unpack(_U32, "num_releases")
+    if count > MAX_BATCH_ENTRIES:
+        raise KVWireError(f"num_releases: {count}; at most {MAX_BATCH_ENTRIES} per batch")
+    releases = tuple(reader.rid() for _ in range(count))
+    return releases, reader.at
 
 
 _HASHES_PER_STRUCT = 64

@@ -13,6 +13,14 @@ in one release batch before their callers hear None (or the error), so nothing s
 The two-phase agreement (probe, then commit with L*: two round trips) is gone from the
 controller; stages still apply its ops (``wavepp.api.kv_batch``).
 
+Releases ride along: while agreements wait for a round that can start now, ``release`` queues
+the ids for it, and the probe-reserve round carries them (``KVBatch.releases``: each stage
+releases them before the round's reservations), so the finished requests and the new ones cost
+each stage one message, not two; otherwise the ids go out at once in a release batch of their
+own (never later than before). A round starts one pass of the event loop after its first
+request arrived: what else arrives in that pass (the callers a finished round woke, the
+releases of a finished micro-batch) joins it.
+
 Rounds overlap: a request that arrives while fewer than ``max_rounds_in_flight`` rounds are
 under way starts a round of its own at once (no added latency at low load); past that, arrivals
 wait for a round to finish and then share the next one, so the batch grows with the load: one
@@ -112,6 +120,8 @@ class AgreementRounds:
         self._admitted = admitted
         self._refusal = refusal
         self._pending: deque[PendingAgreement] = deque()
+        # ids to release with the next round (at most max_batch each), and who waits for them
+        self._releases: deque[tuple[list[str], asyncio.Future[None]]] = deque()
         self._runner: asyncio.Task[None] | None = None
         self._rounds: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Future[None]] = set()
@@ -130,8 +140,7 @@ class AgreementRounds:
             request, block_hashes, loop.create_future(), time.monotonic(), tracing.current_context()
         )
         self._pending.append(pending)
-        if self._runner is None or self._runner.done():
-            self._runner = loop.create_task(self._run(), name="agreement-rounds")
+        self._start_runner(loop)
         try:
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:
@@ -142,23 +151,48 @@ class AgreementRounds:
             raise
 
     async def release(self, request_ids: Sequence[str]) -> None:
-        """Release batches (at most ``max_batch`` ids each) to every stage."""
+        """Release on every stage: with the next round's probe-reserve batch when agreements
+        wait for a round that can start now, else at once in release batches of their own (at
+        most ``max_batch`` ids per message either way). Returns once every stage applied them;
+        raises what that round raised (``StageUnavailableError``, ``StageProtocolError``).
+        Cancelling the caller does not withdraw a release queued for a round."""
         ids = list(request_ids)
+        if not ids:
+            return
+        if not self._pending or len(self._rounds) >= self.max_rounds_in_flight:
+            # nothing to ride with, or no round can start now: never later than on its own
+            for at in range(0, len(ids), self.max_batch):
+                await self._call_all(KVBatch(BatchOp.RELEASE, tuple(ids[at : at + self.max_batch])))
+            return
+        loop = asyncio.get_running_loop()
+        futures = []
         for at in range(0, len(ids), self.max_batch):
-            batch = KVBatch(BatchOp.RELEASE, tuple(ids[at : at + self.max_batch]))
-            await self._call_all(batch)
+            future: asyncio.Future[None] = loop.create_future()
+            future.add_done_callback(_retrieve)
+            self._releases.append((ids[at : at + self.max_batch], future))
+            futures.append(future)
+        self._start_runner(loop)
+        await asyncio.shield(asyncio.gather(*futures))
 
     async def release_quietly(self, request_ids: Sequence[str]) -> None:
-        """``release``, shielded from the caller's cancellation; a failure is left to the
-        leases (logged by the caller's logger)."""
-        if request_ids:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self.release(request_ids))
+        """Release batches sent at once (not with the next round: a round waits for this
+        before it settles its callers), shielded from the caller's cancellation; a failure is
+        left to the leases (logged by the caller's logger)."""
+        ids = list(request_ids)
+        with contextlib.suppress(Exception):
+            for at in range(0, len(ids), self.max_batch):
+                batch = KVBatch(BatchOp.RELEASE, tuple(ids[at : at + self.max_batch]))
+                await asyncio.shield(self._call_all(batch))
 
     # ---- rounds ------------------------------------------------------------------------------
 
+    def _start_runner(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._runner is None or self._runner.done():
+            self._runner = loop.create_task(self._run(), name="agreement-rounds")
+
     async def _run(self) -> None:
-        while self._pending:
+        await asyncio.sleep(0)  # what arrives in this pass of the loop joins the first round
+        while self._pending or self._releases:
             while len(self._rounds) >= self.max_rounds_in_flight:
                 await asyncio.wait(self._rounds, return_when=asyncio.FIRST_COMPLETED)
             batch: list[PendingAgreement] = []
@@ -168,15 +202,43 @@ class AgreementRounds:
                     pending.future.cancel()
                 else:
                     batch.append(pending)
+            releases: list[tuple[list[str], asyncio.Future[None]]] = []
+            num_ids = 0
+            while self._releases and num_ids + len(self._releases[0][0]) <= self.max_batch:
+                releases.append(self._releases.popleft())
+                num_ids += len(releases[-1][0])
             if batch:
                 self.num_rounds += 1
-                task = asyncio.create_task(self._round(batch))
-                self._rounds.add(task)
-                task.add_done_callback(self._rounds.discard)
+                task = asyncio.create_task(self._round(batch, releases))
+            elif releases:
+                task = asyncio.create_task(self._release_round(releases))
+            else:
+                continue
+            self._rounds.add(task)
+            task.add_done_callback(self._rounds.discard)
 
-    async def _round(self, batch: list[PendingAgreement]) -> None:
-        """One round, one round trip: probe-reserve on every stage, agree on each L*, release
-        what some stage refused (or that failed, or whose caller left), settle every caller."""
+    async def _release_round(
+        self, releases: Sequence[tuple[list[str], asyncio.Future[None]]]
+    ) -> None:
+        """A release batch of its own (no agreement waited for a round)."""
+        ids = tuple(request_id for group, _ in releases for request_id in group)
+        try:
+            await self._call_all(KVBatch(BatchOp.RELEASE, ids))
+        except BaseException as exc:
+            _settle_releases(releases, exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        _settle_releases(releases, None)
+
+    async def _round(
+        self,
+        batch: list[PendingAgreement],
+        releases: Sequence[tuple[list[str], asyncio.Future[None]]] = (),
+    ) -> None:
+        """One round, one round trip: release what finished (``releases``), probe-reserve on
+        every stage, agree on each L*, release what some stage refused (or that failed, or
+        whose caller left), settle every caller."""
         started = time.time()
         probe_reserve = KVBatch(
             BatchOp.PROBE_RESERVE,
@@ -189,16 +251,19 @@ class AgreementRounds:
                 for p in batch
             ),
             self.lease_s,
+            releases=tuple(request_id for group, _ in releases for request_id in group),
         )
         try:
             replies = await self._call_all(probe_reserve)
         except BaseException as exc:
+            _settle_releases(releases, exc)
             await self.release_quietly([p.request_id for p in batch])
             for p in batch:
                 _settle(p, exc=exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
+        _settle_releases(releases, None)
         admitted: list[PendingAgreement] = []
         refused: list[PendingAgreement] = []
         failed: list[tuple[PendingAgreement, BaseException]] = []
@@ -276,6 +341,26 @@ class AgreementRounds:
         self._background.add(task)  # kept referenced until done
         task.add_done_callback(self._background.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    """Mark a release's outcome seen: its caller may have left (a cancelled scheduler)."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _settle_releases(
+    releases: Sequence[tuple[list[str], asyncio.Future[None]]], exc: BaseException | None
+) -> None:
+    for _, future in releases:
+        if future.done():
+            continue
+        if exc is None:
+            future.set_result(None)
+        elif isinstance(exc, asyncio.CancelledError):
+            future.cancel()
+        else:
+            future.set_exception(exc)
 
 
 def _settle(

@@ -160,6 +160,9 @@ def handle_kv_batch(
     walk of the block table where that one's ended (``BlockPool.pin_cache_hit``): one lookup
     per new block, not per block of the prompt.
 
+    A probe-reserve batch's ``releases`` (the controller's finished requests, riding along with
+    the round) are released first, so their blocks are free for the round's reservations.
+
     Entries are applied in order, each as its single-request counterpart in
     ``handle_kv_request`` (probe: pin the local hit; commit: unpin past L*, reserve the rest, or
     refuse and hold nothing; release). A probe-reserve batch runs in two passes: every entry
@@ -176,8 +179,9 @@ def handle_kv_batch(
         rank: the stage's rank, echoed in the reply.
         payload: ``wavepp.api.kv_batch.encode_batch`` bytes.
         refuse: non-empty while the stage is out of service (re-forming its group): a release
-            batch is applied, any other (probe-reserve, probe, commit) answered INVALID per
-            entry with this reason and applied to nothing.
+            batch (and a probe-reserve batch's releases) is applied, any other entry
+            (probe-reserve, probe, commit) answered INVALID with this reason and applied to
+            nothing.
         bus_key: the replica's key: a batch it did not sign, or a replayed one (its owner's op
             number seen before), is refused whole; None accepts unsigned batches (insecure
             mode). Entries act for the batch's owner only (``StageKVManager``'s owner checks).
@@ -204,6 +208,8 @@ def handle_kv_batch(
             "(a replayed batch); refused",
         )
         return encode_reply(reply)
+    for request_id in batch.releases:  # the finished requests first: their blocks free
+        manager.release(request_id, owner=batch.owner)
     if refuse and batch.op is not BatchOp.RELEASE:
         refused = tuple(
             EntryResult(EntryStatus.INVALID, 0, f"{refuse}; {batch.op.name.lower()} refused")

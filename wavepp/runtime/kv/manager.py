@@ -320,7 +320,7 @@ class StageKVManager:
                 f"= {num_agreed_blocks}"
             )
         # Unpin past L* first: those blocks become evictable and may serve this reservation.
-        self.pool.free(held.hit_block_ids[num_agreed_blocks:])
+        self.pool.free(held.hit_block_ids[num_agreed_blocks:], validate=False)
         del held.hit_block_ids[num_agreed_blocks:]
         if not self._allocate_table(held, owner, num_total_blocks - num_agreed_blocks):
             return None
@@ -443,7 +443,7 @@ class StageKVManager:
         if held is None or (owner is not None and held.owner != owner):
             return False
         del self._requests[request_id]
-        self.pool.free(self._held_block_ids(held))
+        self.pool.free(self._held_block_ids(held), validate=False)
         return True
 
     def renew(self, request_ids: Iterable[str], lease_s: float, *, owner: str | None = None) -> int:
@@ -545,7 +545,7 @@ class StageKVManager:
         if self._fits_owner_cap(owner, num_fresh):
             fresh_block_ids = self.pool.allocate(num_fresh)
         if fresh_block_ids is None:
-            self.pool.free(held.hit_block_ids)
+            self.pool.free(held.hit_block_ids, validate=False)
             del self._requests[held.request_id]
             return False
         held.block_table = held.hit_block_ids + fresh_block_ids

@@ -380,7 +380,7 @@ class BlockPool:
             self._stores += 1
         self._events.append(KVEvent("stored", tuple(block_hashes), parent_block_hash))
 
-    def free(self, block_ids: Sequence[int]) -> None:
+    def free(self, block_ids: Sequence[int], *, validate: bool = True) -> None:
         """Drop one reference from each block, tail first.
 
         Pass a request's blocks in block order; they are released reversed, so a chain's tail
@@ -391,6 +391,9 @@ class BlockPool:
 
         Args:
             block_ids: Blocks to release, block order; an id may repeat.
+            validate: False for ids this pool handed out (a ``StageKVManager``'s own record of
+                what a request holds): the range and type check of each id is skipped; the
+                ref-count checks are not.
 
         Raises:
             ValueError: if an id is out of range or released more often than it is pinned.
@@ -398,7 +401,8 @@ class BlockPool:
         """
         if not block_ids:
             return
-        self._check_ids(block_ids)
+        if validate:
+            self._check_ids(block_ids)
         span = self._span_of[block_ids[0]]
         if span is not None:
             num_span = len(span)

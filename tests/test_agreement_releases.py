@@ -1,0 +1,194 @@
+"""Releases ride along with the next admission round (``KVBatch.releases``, wire version 4): one
+message per stage per round for the finished requests and the new ones, the releases applied
+first; alone, they go out at once in a release batch."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import pytest
+
+from wavepp.api.kv_batch import (
+    BatchOp,
+    EntryStatus,
+    KVBatch,
+    KVWireError,
+    ReserveEntry,
+    decode_batch,
+    decode_reply,
+    encode_batch,
+)
+from wavepp.runtime.agreement import AdmissionController, LocalStageClient
+from wavepp.runtime.agreement.stage_handler import handle_kv_batch
+from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.request import PromptRequest
+
+BLOCK = 4
+MODEL_ID = "tiny-llama:seed=0"
+
+
+def _hashes(n: int, root: int = 0) -> tuple[bytes, ...]:
+    return tuple(hashlib.sha256(b"%d-%d" % (root, i)).digest() for i in range(n))
+
+
+def _reserve(rid: str, n: int, root: int = 0) -> ReserveEntry:
+    return ReserveEntry(rid, _hashes(n, root), n + 1)
+
+
+# --------------------------------------------------------------------------- wire format
+
+
+def test_a_probe_reserve_batch_carries_releases_in_version_4_and_none_in_version_3() -> None:
+    with_releases = KVBatch(
+        BatchOp.PROBE_RESERVE, (_reserve("n1", 2),), 5.0, "adm", 3, releases=("o1", "o2")
+    )
+    payload = encode_batch(with_releases)
+    assert payload[3] == 4  # the version byte
+    decoded = decode_batch(payload)
+    assert decoded == with_releases and decoded.releases == ("o1", "o2")
+    plain = KVBatch(BatchOp.PROBE_RESERVE, (_reserve("n1", 2),), 5.0, "adm", 4)
+    assert encode_batch(plain)[3] == 3  # a stage of the previous release still reads it
+    assert decode_batch(encode_batch(plain)).releases == ()
+    # releases only: a round with no new request is still a probe-reserve batch of 0 entries
+    only = KVBatch(BatchOp.PROBE_RESERVE, (), 5.0, "adm", 5, releases=("o3",))
+    assert decode_batch(encode_batch(only)) == only
+
+
+def test_releases_outside_a_probe_reserve_batch_are_refused() -> None:
+    with pytest.raises(KVWireError, match="releases: only in a probe-reserve batch"):
+        encode_batch(KVBatch(BatchOp.RELEASE, ("a",), releases=("b",)))
+    # a version 4 header on another op: refused when decoded
+    payload = bytearray(encode_batch(KVBatch(BatchOp.RELEASE, ("a",))))
+    payload[3] = 4
+    with pytest.raises(KVWireError, match="version: 4 with op 3"):
+        decode_batch(bytes(payload))
+
+
+@pytest.mark.parametrize(
+    ("cut", "field"),
+    [(4, "num_releases"), (2, "request_id"), (1, "request_id")],
+)
+def test_a_truncated_release_section_names_the_field(cut: int, field: str) -> None:
+    batch = KVBatch(BatchOp.PROBE_RESERVE, (_reserve("n", 1),), 5.0, releases=("ab",))
+    body = encode_batch(batch)[:-32]  # unsigned: the mac is 32 zero bytes
+    # the release section is u32 count | u16 length | b"ab": cut into it from the end
+    tail = {4: 4 + 2 + 2, 2: 2 + 2, 1: 1}[cut]
+    with pytest.raises(KVWireError, match=field):
+        decode_batch(body[:-tail] + bytes(32))
+
+
+# --------------------------------------------------------------------------- the stage side
+
+
+def test_the_stage_releases_first_so_the_round_can_use_the_freed_blocks() -> None:
+    """A pool of 4 blocks, all held by ``old``: a round that releases ``old`` and reserves 4
+    blocks for ``new`` fits; the same round without the release is refused."""
+    manager = StageKVManager(BlockPool(4, BLOCK))
+    first = KVBatch(BatchOp.PROBE_RESERVE, (_reserve("old", 3, root=1),), 5.0, "adm", 1)
+    assert decode_reply(handle_kv_batch(manager, 0, encode_batch(first))).results[0].ok
+    assert manager.pool.num_free_blocks == 0
+    without = KVBatch(BatchOp.PROBE_RESERVE, (_reserve("new", 3, root=2),), 5.0, "adm", 2)
+    [result] = decode_reply(handle_kv_batch(manager, 0, encode_batch(without))).results
+    assert result.status is EntryStatus.REFUSED and manager.request_ids() == ["old"]
+    with_release = KVBatch(
+        BatchOp.PROBE_RESERVE, (_reserve("new", 3, root=2),), 5.0, "adm", 3, releases=("old",)
+    )
+    [result] = decode_reply(handle_kv_batch(manager, 0, encode_batch(with_release))).results
+    assert result.ok and manager.request_ids() == ["new"]
+
+
+def test_a_batch_releases_only_its_owners_requests_and_even_while_out_of_service() -> None:
+    manager = StageKVManager(BlockPool(16, BLOCK))
+    for owner, rid in (("adm", "mine"), ("other", "theirs")):
+        batch = KVBatch(BatchOp.PROBE_RESERVE, (_reserve(rid, 1, root=len(rid)),), 5.0, owner, 1)
+        handle_kv_batch(manager, 0, encode_batch(batch))
+    batch = KVBatch(
+        BatchOp.PROBE_RESERVE,
+        (_reserve("next", 1, root=9),),
+        5.0,
+        "adm",
+        2,
+        releases=("mine", "theirs"),
+    )
+    reply = decode_reply(handle_kv_batch(manager, 0, encode_batch(batch), refuse="re-forming"))
+    assert reply.results[0].status is EntryStatus.INVALID  # out of service: no reservation
+    assert manager.request_ids() == ["theirs"]  # the release applied; another owner's kept
+
+
+# --------------------------------------------------------------------------- rounds
+
+
+class LoggingClient(LocalStageClient):
+    """An in-process client that records each batch it carried: (rank, op, entries,
+    releases)."""
+
+    def __init__(self, manager: StageKVManager, rank: int, log: list[tuple]) -> None:
+        super().__init__(manager, rank)
+        self.log = log
+        self.fail = False
+
+    async def call_batch(self, payload: bytes) -> bytes:
+        batch = decode_batch(payload)
+        self.log.append((self.rank, batch.op.name, len(batch.entries), batch.releases))
+        await asyncio.sleep(0.001)
+        if self.fail:
+            raise ConnectionError(f"stage {self.rank} is gone")
+        return await super().call_batch(payload)
+
+
+def _controller(num_stages: int = 3) -> tuple[list[StageKVManager], AdmissionController, list]:
+    managers = [StageKVManager(BlockPool(64, BLOCK)) for _ in range(num_stages)]
+    log: list[tuple] = []
+    clients = [LoggingClient(m, r, log) for r, m in enumerate(managers)]
+    return managers, AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID), log
+
+
+def _request(i: int) -> PromptRequest:
+    return PromptRequest(f"r{i}", list(range(100 * i, 100 * i + 9)))
+
+
+async def test_a_release_and_new_agreements_share_one_message_per_stage() -> None:
+    managers, controller, log = _controller()
+    first = [_request(i) for i in range(4)]
+    assert all(await asyncio.gather(*(controller.agree(r) for r in first)))
+    log.clear()
+    # the next requests wait for a round when the finished requests' release comes
+    second = [_request(i) for i in range(4, 8)]
+    *tickets, _ = await asyncio.gather(
+        *(controller.agree(r) for r in second),
+        controller.release([r.request_id for r in first]),
+    )
+    assert all(tickets)
+    released = tuple(r.request_id for r in first)
+    assert sorted(log) == [(rank, "PROBE_RESERVE", 4, released) for rank in range(3)]
+    for manager in managers:
+        assert sorted(manager.request_ids()) == sorted(r.request_id for r in second)
+
+
+async def test_a_release_with_no_agreement_waiting_goes_out_at_once() -> None:
+    """Nothing waits for a round: the release is its own batch, sent before ``release``
+    returns control (never later than a release before ride-along was)."""
+    managers, controller, log = _controller()
+    requests = [_request(i) for i in range(3)]
+    assert all(await asyncio.gather(*(controller.agree(r) for r in requests)))
+    log.clear()
+    await controller.release([r.request_id for r in requests])
+    assert sorted(log) == [(rank, "RELEASE", 3, ()) for rank in range(3)]
+    for manager in managers:
+        assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0
+
+
+async def test_a_release_whose_round_fails_raises_and_the_round_fails_too() -> None:
+    managers, controller, log = _controller()
+    requests = [_request(i) for i in range(2)]
+    assert all(await asyncio.gather(*(controller.agree(r) for r in requests)))
+    controller.stages[1].fail = True  # type: ignore[attr-defined]
+    results = await asyncio.gather(
+        controller.agree(_request(5)),
+        controller.release([requests[0].request_id]),
+        return_exceptions=True,
+    )
+    assert all(isinstance(r, ConnectionError) for r in results), results
+    # the lease will free what the release could not; the other stages applied it
+    assert "r0" not in managers[0].request_ids() and "r0" in managers[1].request_ids()
