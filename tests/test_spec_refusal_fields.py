@@ -83,6 +83,7 @@ def test_emulated_tp2_names_the_model() -> None:
     ("fields", "spec_field"),
     [
         ({"lease_s": 0}, "engineOptions.leaseSeconds"),
+        ({"max_blocks_per_owner": 0}, "engineOptions.maxBlocksPerOwner"),
         ({"num_kv_blocks": [1, 2, 3]}, "engineOptions.kvBlocks"),
         ({"torch_threads": 0}, "engineOptions.torchThreads"),
         ({"engine": "emulated"}, "engine"),

@@ -203,6 +203,12 @@ FIELDS: dict[str, Entry] = {
     "engineOptions.leaseSeconds": Entry(
         R, f"{FS}: lease_s", {"engineOptions": {"leaseSeconds": 5}}
     ),
+    "engineOptions.maxBlocksPerOwner": Entry(
+        R,
+        f"{FS}: max_blocks_per_owner",
+        {"engineOptions": {"maxBlocksPerOwner": 8}},
+        refusal=({"engineOptions": {"maxBlocksPerOwner": 0}}, "must be in [1, 2147483647]"),
+    ),
     "engineOptions.torchThreads": Entry(
         R, f"{FS}: torch_threads", {"engineOptions": {"torchThreads": 2}}
     ),

@@ -6,7 +6,9 @@ when every reply matched its prediction.
 - a prediction that does not match is dropped: the run is the run without speculation (same
   plans, same times), and every request's L* is the agreed one;
 - a request whose agreement is refused or fails leaves no speculative plan behind, and nothing
-  of it is published.
+  of it is published;
+- every dropped speculation counts once in ``wavepp_speculations_discarded_total`` (read with
+  an ``InMemoryMetricReader``), as in the scheduler's stats.
 
 Simulated stages on a virtual clock (``wavepp.sim``) drive the real scheduler, admission and KV
 managers; the only thing replaced is the agreement's outcome in the refusal/failure test (a
@@ -16,9 +18,11 @@ wrapper around the real controller's ``agree``) and the predictor in the mismatc
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from wavepp.bench.grid import GridSpec, Setting, runtime_config
 from wavepp.bench.workloads import preset_workload
@@ -29,10 +33,36 @@ from wavepp.sim.bus import SimLatencies
 from wavepp.sim.clock import VirtualClockLoop
 from wavepp.sim.pipeline import SimPipeline
 from wavepp.sim.run import simulate
+from wavepp.telemetry.metrics import setup_metrics, shutdown_metrics
+from wavepp.telemetry.settings import TelemetrySettings
 
 LAT = SimLatencies(
     kv_rtt_s=1e-3, bus_latency_s=5e-4, hop_s=2e-4, prepare_s=2e-4, schedule_s=1.65e-3
 )
+
+
+@pytest.fixture
+def discarded_metric() -> Iterator[Callable[[], int]]:
+    """This process's metrics read in memory; returns the discard counter's total (0 before
+    the first discard: no series yet)."""
+    reader = InMemoryMetricReader()
+    setup_metrics(TelemetrySettings(), "wavepp-scheduler", reader=reader)
+
+    def total() -> int:
+        data = reader.get_metrics_data()
+        return sum(
+            int(point.value)
+            for rm in (data.resource_metrics if data else [])
+            for sm in rm.scope_metrics
+            for metric in sm.metrics
+            if metric.name == "wavepp.speculations.discarded"
+            for point in metric.data.data_points
+        )
+
+    try:
+        yield total
+    finally:
+        shutdown_metrics()
 
 
 def test_index_predicts_the_deepest_known_block_and_stays_bounded() -> None:
@@ -60,10 +90,13 @@ def _run(*, speculative: bool, num_stages: int = 4, concurrency: int = 4, rounds
     return simulate(config, planner_cost, workload, concurrency=concurrency, latencies=LAT)
 
 
-def test_a_matching_prediction_publishes_the_speculative_plan_sooner() -> None:
+def test_a_matching_prediction_publishes_the_speculative_plan_sooner(
+    discarded_metric: Callable[[], int],
+) -> None:
     on, off = _run(speculative=True), _run(speculative=False)
     assert on.stats.num_speculative_plans > 0
     assert on.stats.num_speculations_discarded == 0
+    assert discarded_metric() == 0
     assert off.stats.num_speculative_plans == 0
     # The same micro-batches (plans), each round shorter by min(round trip, host time).
     assert list(on.stats.microbatch_tokens) == list(off.stats.microbatch_tokens)
@@ -72,7 +105,7 @@ def test_a_matching_prediction_publishes_the_speculative_plan_sooner() -> None:
 
 
 def test_a_wrong_prediction_is_dropped_and_the_plan_built_from_the_reply(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, discarded_metric: Callable[[], int]
 ) -> None:
     right = speculation.predict_agreed_blocks
 
@@ -81,9 +114,9 @@ def test_a_wrong_prediction_is_dropped_and_the_plan_built_from_the_reply(
 
     monkeypatch.setattr(speculation, "predict_agreed_blocks", one_block_short)
     wrong = _run(speculative=True)
+    assert discarded_metric() == wrong.stats.num_speculations_discarded > 0  # each one exported
     off = _run(speculative=False)
     assert wrong.stats.num_speculative_plans == 0
-    assert wrong.stats.num_speculations_discarded > 0
     # Dropped: the run is the run without speculation, to the virtual microsecond.
     assert wrong.wall_s == pytest.approx(off.wall_s, abs=1e-9)
     assert list(wrong.stats.microbatch_tokens) == list(off.stats.microbatch_tokens)
@@ -93,7 +126,9 @@ def test_a_wrong_prediction_is_dropped_and_the_plan_built_from_the_reply(
 
 
 @pytest.mark.parametrize("outcome", ["refused", "failed"])
-def test_a_refused_or_failed_agreement_leaves_no_speculative_plan(outcome: str) -> None:
+def test_a_refused_or_failed_agreement_leaves_no_speculative_plan(
+    outcome: str, discarded_metric: Callable[[], int]
+) -> None:
     config, planner_cost = runtime_config(
         GridSpec(time_scale=1.0, num_stages=2), Setting("minimax-m2.7", 1, "high", "wave")
     )
@@ -130,11 +165,13 @@ def test_a_refused_or_failed_agreement_leaves_no_speculative_plan(outcome: str) 
             controller.agree = agree  # type: ignore[method-assign]
             next_id = scheduler.next_microbatch_id
             discarded = scheduler.stats.num_speculations_discarded
+            exported = discarded_metric()
             doomed = asyncio.ensure_future(scheduler.submit(PromptRequest("doomed", prompt())))
             await asyncio.sleep(0.02)  # past the reply; a refused request waits for capacity
             assert spoiled == ["doomed"]
             assert admission.speculation is None
             assert scheduler.stats.num_speculations_discarded == discarded + 1
+            assert discarded_metric() == exported + 1  # the drop at the reply, exported
             assert scheduler.next_microbatch_id == next_id  # nothing of it was published
             assert not scheduler.core.is_live("doomed")
             result = await doomed

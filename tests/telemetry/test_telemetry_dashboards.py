@@ -51,6 +51,7 @@ def exported() -> dict[str, set[str]]:
         )
         telemetry.completed("r", ttft_s=0.2, finished_s=0.2)
         telemetry.microbatch_published(0, [], 0.0, 0.0)
+        telemetry.speculation_discarded()
         metrics.stage_busy.add(0.1, {"pipeline": "p", "stage.rank": 0})
         telemetry.kv_removed(1, 3)
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=10) as r:

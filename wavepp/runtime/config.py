@@ -108,6 +108,21 @@ class RuntimeConfig(BaseModel):
     max_prepared: int = Field(64, ge=1)
     max_agreements_in_flight: int = Field(16, ge=1)
     lease_s: float = Field(30.0, gt=0)
+    # NOTE: blocks one owner (one admission instance: ``AdmissionController.owner``) may hold
+    # pinned or reserved on one stage at once (``StageKVManager``); a reservation past it is
+    # refused like a full pool (the request waits for its owner's own releases), and a prompt
+    # that needs more is refused at once by the admission (``owner_blocks_of``). Above a
+    # stage's pool it is that pool. None (the default): the whole pool, because the replica's
+    # one admission is the only legitimate owner on its stages and may legitimately hold every
+    # block (a long prompt, or the requests in flight plus the lookahead under load); any
+    # fraction would refuse prompts that fit, or throttle a lone admission. Lowering it bounds
+    # a misbehaving owner: when an admission restarts, the old instance's pins live until
+    # their lease (``lease_s``) runs out, and with C here it holds at most C, so the new
+    # instance finds pool - C blocks at once (C = half the pool: each of two overlapping
+    # instances gets half), at the price of refusing prompts of more than C blocks and
+    # capping a lone admission at C. It does not bound a holder of the bus key, who can sign
+    # ops under any number of owner names (the key is that defence).
+    max_blocks_per_owner: int | None = Field(None, ge=1, le=2**31 - 1)
     # NOTE: the admission's request-reply to a stage (KV rounds; health probes take at most
     # 2 s). A KV op takes milliseconds; a round sent to a stage that died before answering is
     # lost and waits this long, holding the requests queued behind it (under `wavepp up`, a
@@ -238,6 +253,13 @@ class RuntimeConfig(BaseModel):
 
     def kv_blocks_of(self, rank: int) -> int:
         return self.num_kv_blocks[0] if len(self.num_kv_blocks) == 1 else self.num_kv_blocks[rank]
+
+    def owner_blocks_of(self, rank: int) -> int:
+        """Blocks one owner may hold on stage ``rank``: its pool, or ``max_blocks_per_owner``
+        when lower (the stage's ``StageKVManager`` cap; the admission's never-fits bound)."""
+        pool = self.kv_blocks_of(rank)
+        cap = self.max_blocks_per_owner
+        return pool if cap is None else min(pool, cap)
 
     def layers_of(self, rank: int) -> tuple[int, int]:
         return partition_layers(self.model.num_layers, self.num_stages, self.partition)[rank]

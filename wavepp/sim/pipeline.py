@@ -116,7 +116,9 @@ class SimPipeline:
             kv_rtt_s = 0.0
         for rank in range(config.num_stages):
             manager = StageKVManager(
-                BlockPool(capacities[rank], config.block_size), clock=loop.time
+                BlockPool(capacities[rank], config.block_size),
+                clock=loop.time,
+                max_blocks_per_owner=config.max_blocks_per_owner,
             )
             stage = SimStage(
                 rank, config, self.stage_cost_models[rank], self.latencies, self.bus, manager
@@ -131,7 +133,7 @@ class SimPipeline:
             block_size=config.block_size,
             model_id=config.model_id,
             lease_s=config.lease_s,
-            stage_capacities=capacities,
+            stage_capacities=[min(c, config.max_blocks_per_owner or c) for c in capacities],
         )
         planner = planner_for(config, self.planner_cost_model)
         transport = BusPlanTransport(self.bus, config.subjects)  # the bus speaks nats.py's API

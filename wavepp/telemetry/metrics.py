@@ -18,6 +18,7 @@ actually returns):
 | wavepp.stage.busy              | counter     | s             | wavepp_stage_busy_seconds_total{stage_rank}|
 | wavepp.stage.idle              | obs. gauge  | s             | wavepp_stage_idle_seconds{stage_rank}      |
 | wavepp.microbatches            | counter     | {microbatch}  | wavepp_microbatches_total                  |
+| wavepp.speculations.discarded  | counter     | {speculation} | wavepp_speculations_discarded_total        |
 | wavepp.admissions              | counter     | {request}     | wavepp_admissions_total{tenant}            |
 | wavepp.agreement.duration      | histogram   | s             | wavepp_agreement_duration_seconds_*        |
 | wavepp.reservation.refusals    | counter     | {refusal}     | wavepp_reservation_refusals_total{tenant}  |
@@ -55,6 +56,7 @@ PROMETHEUS_NAMES: tuple[str, ...] = (
     "wavepp_stage_busy_seconds_total",
     "wavepp_stage_idle_seconds",
     "wavepp_microbatches_total",
+    "wavepp_speculations_discarded_total",
     "wavepp_admissions_total",
     "wavepp_agreement_duration_seconds",
     "wavepp_reservation_refusals_total",
@@ -167,6 +169,12 @@ class RuntimeMetrics:
         )
         self.microbatches = meter.create_counter(
             "wavepp.microbatches", unit="{microbatch}", description="Micro-batches published"
+        )
+        self.speculations_discarded = meter.create_counter(
+            "wavepp.speculations.discarded",
+            unit="{speculation}",
+            description="Speculative plans dropped (an agreed L* differed from its prediction, "
+            "an agreement was refused or failed, or the planning set changed); planned again",
         )
         self.admissions = meter.create_counter(
             "wavepp.admissions", unit="{request}", description="Requests admitted (L* agreed)"

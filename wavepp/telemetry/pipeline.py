@@ -284,6 +284,12 @@ class PipelineTelemetry:
         }
         return first, headers
 
+    def speculation_discarded(self) -> None:
+        """A speculative plan was dropped (``scheduling/speculation.py``); the scheduler's
+        ``stats.num_speculations_discarded`` counts the same."""
+        if self.metrics is not None:
+            self.metrics.speculations_discarded.add(1, self._attrs())
+
     def stage_done(self, done: MicroBatchDone) -> None:
         """A stage reported a micro-batch: busy time; the last stage closes its spans."""
         if self.metrics is not None:

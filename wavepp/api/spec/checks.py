@@ -29,6 +29,7 @@ ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
     "kvBlocks": ("torch", "emulated"),
     "maxInflight": ("torch", "emulated"),
     "leaseSeconds": ("torch", "emulated"),
+    "maxBlocksPerOwner": ("torch", "emulated"),
     "torchThreads": ("torch", "emulated"),
     "seed": ("torch",),
     "timeScale": ("emulated",),

@@ -60,9 +60,10 @@ class WavePipelineSpec(WireModel):
     engine_options: dict[str, Any] = Field(
         default_factory=dict,
         description=(
-            "Engine options: kvBlocks, maxInflight, leaseSeconds, torchThreads (both engines), "
-            "seed (torch), timeScale and emulate (emulated); other keys are refused. The "
-            "device comes from resources.gpusPerStage (CUDA when > 0)."
+            "Engine options: kvBlocks, maxInflight, leaseSeconds, maxBlocksPerOwner, "
+            "torchThreads (both engines), seed (torch), timeScale and emulate (emulated); "
+            "other keys are refused. The device comes from resources.gpusPerStage (CUDA when "
+            "> 0)."
         ),
     )
     num_stages: int = Field(alias="stages", ge=1, le=64, description="Pipeline stages S.")

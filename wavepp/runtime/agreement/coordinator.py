@@ -152,7 +152,8 @@ class AdmissionController:
             if need > capacity:
                 raise AgreementRefused(
                     f"request {request.request_id}: prompt of {request.num_tokens} tokens needs "
-                    f"{need} blocks of {self.block_size}; stage {rank} holds {capacity}"
+                    f"{need} blocks of {self.block_size}; stage {rank} holds {capacity} blocks "
+                    "for one owner (its pool, or max_blocks_per_owner when lower)"
                 )
 
     def _encode_batch(self, batch: KVBatch) -> bytes:

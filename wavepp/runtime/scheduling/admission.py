@@ -74,6 +74,13 @@ class _Admission:
         self._capacity_generation = 0
         self._capacity_changed = asyncio.Condition()
 
+    def speculation_discarded(self) -> None:
+        """Count one dropped speculative plan: in the stats and the exported counter
+        (``wavepp_speculations_discarded_total``); every drop, here or in the scheduler's
+        loop, counts through this."""
+        self.core.stats.num_speculations_discarded += 1
+        self.telemetry.speculation_discarded()
+
     def start(self) -> list[asyncio.Task[None]]:
         """Background tasks of the strategy (the scheduler cancels them at stop)."""
         return []
@@ -349,7 +356,7 @@ class AsyncAdmission(_Admission):
                 if ticket is None or ticket.num_agreed_blocks != spec.predicted[record.request_id]:
                     # Refused, failed, or another L*: the speculation is no plan; drop it now.
                     self.speculation = None
-                    self.core.stats.num_speculations_discarded += 1
+                    self.speculation_discarded()
 
     def _maybe_speculate(self) -> None:
         """While ``gather`` waits for agreements: plan from their predicted L*

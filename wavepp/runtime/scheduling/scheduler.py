@@ -273,7 +273,7 @@ class WaveScheduler:
             # was planned; else dropped, and planned now as without it.
             spec = self.admission.take_speculation()
             if spec is not None and not speculation.holds(core, spec):
-                self.stats.num_speculations_discarded += 1
+                self.admission.speculation_discarded()
                 spec = None
             slept_s = 0.0
             host_started_s = time.perf_counter()
@@ -288,7 +288,7 @@ class WaveScheduler:
             if spec is not None:
                 scheduled = speculation.schedule_speculated(core, spec)
                 if scheduled is None:  # something changed during the host time: plan again
-                    self.stats.num_speculations_discarded += 1
+                    self.admission.speculation_discarded()
                     slept_s += await self._host_time(loop.time())
                 else:
                     self.stats.num_speculative_plans += 1

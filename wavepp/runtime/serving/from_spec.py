@@ -15,6 +15,7 @@ read. The api layer may not import the runtime, hence this lives here.
 | ``seed``       | weight seed of the torch engine                               | 0                  |
 | ``maxInflight`` | micro-batches in flight                                      | S                  |
 | ``leaseSeconds`` | pin and reservation lease                                   | 30                 |
+| ``maxBlocksPerOwner`` | KV blocks one admission instance may hold on a stage    | the whole pool     |
 
 KV capacity, first that applies: ``cache.memoryPerStageBytes`` over the KV bytes of the stage's
 layers; ``engineOptions.kvBlocks``; for the emulated engine, derived per stage from the emulated
@@ -367,6 +368,7 @@ def runtime_configs_from_spec(
         "torch_threads": int(options.get("torchThreads", 1)),
         "max_inflight": options.get("maxInflight"),
         "lease_s": float(options.get("leaseSeconds", 30.0)),
+        "max_blocks_per_owner": options.get("maxBlocksPerOwner"),
     }
     if base["num_kv_blocks"] is None:
         assert emulate is not None, "only the emulated engine derives its KV capacity"
@@ -406,6 +408,7 @@ SPEC_FIELD_OF = {
     "torch_threads": "engineOptions.torchThreads",
     "max_inflight": "engineOptions.maxInflight",
     "lease_s": "engineOptions.leaseSeconds",
+    "max_blocks_per_owner": "engineOptions.maxBlocksPerOwner",
     "max_microbatch_tokens": "cache.blockSize",
 }
 

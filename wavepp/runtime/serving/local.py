@@ -155,7 +155,9 @@ class LocalPipeline:
             block_size=self.config.block_size,
             model_id=self.config.model_id,
             lease_s=self.config.lease_s,
-            stage_capacities=[self.config.kv_blocks_of(r) for r in range(self.config.num_stages)],
+            stage_capacities=[
+                self.config.owner_blocks_of(r) for r in range(self.config.num_stages)
+            ],
             state_interval_blocks=self.config.state_interval_blocks,
             bus_key=replica_key,
         )

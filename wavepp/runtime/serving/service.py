@@ -196,7 +196,7 @@ class AdmissionService:
             block_size=config.block_size,
             model_id=config.model_id,
             lease_s=config.lease_s,
-            stage_capacities=[config.kv_blocks_of(r) for r in range(config.num_stages)],
+            stage_capacities=[config.owner_blocks_of(r) for r in range(config.num_stages)],
             state_interval_blocks=config.state_interval_blocks,
             bus_key=self.replica_key,
         )

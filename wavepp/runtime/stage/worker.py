@@ -115,6 +115,7 @@ class StageWorker:
             StageKVManager(
                 BlockPool(config.kv_blocks_of(rank), config.block_size),
                 max_lease_s=config.lease_s,
+                max_blocks_per_owner=config.owner_blocks_of(rank),
             ),
             rank=rank,
             num_stages=config.num_stages,
