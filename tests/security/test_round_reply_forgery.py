@@ -154,11 +154,13 @@ def test_a_keyed_stage_tags_its_reply_to_a_signed_batch_only() -> None:
 
 
 class _Forger:
-    """An anonymous client on ``{p}.stages.kvb``: answers every round first, for every rank,
-    OK with ``FORGED_HIT`` per entry, untagged and with a made-up tag (version 2)."""
+    """An anonymous client on ``subject`` (the fan-out ``{p}.stages.kvb``, or a stage's own
+    ``.kvb``): answers every round first, for every rank, OK with ``FORGED_HIT`` per entry,
+    untagged and with a made-up tag (version 2)."""
 
-    def __init__(self, num_stages: int) -> None:
+    def __init__(self, num_stages: int, subject: str = f"{PREFIX}.stages.kvb") -> None:
         self.num_stages = num_stages
+        self.subject = subject
         self.sent: dict[bytes, asyncio.Event] = {}
         self.num_rounds = 0
 
@@ -167,7 +169,7 @@ class _Forger:
 
     async def start(self, url: str) -> None:
         self.nc = await connect(url, name="forger", anonymous_ok=True)
-        await self.nc.subscribe(f"{PREFIX}.stages.kvb", cb=self._on_round)
+        await self.nc.subscribe(self.subject, cb=self._on_round)
         await self.nc.flush()
 
     async def _on_round(self, msg) -> None:  # noqa: ANN001
@@ -185,14 +187,14 @@ class _Forger:
 async def _serve_after_forger(
     nc, manager: StageKVManager, rank: int, key: BusKey | None, forger: _Forger
 ) -> None:  # noqa: ANN001
-    """A stage's real handler on ``{p}.stages.kvb`` that answers once the forger has: the
+    """A stage's real handler on the forger's subject that answers once the forger has: the
     forger always wins the race (what it did most times end to end)."""
 
     async def on_round(msg) -> None:  # noqa: ANN001
         await forger.event(msg.data).wait()
         await msg.respond(handle_kv_batch(manager, rank, msg.data, bus_key=key))
 
-    await nc.subscribe(f"{PREFIX}.stages.kvb", cb=on_round)
+    await nc.subscribe(forger.subject, cb=on_round)
 
 
 async def test_forged_first_replies_are_dropped_and_the_true_l_star_agreed(
@@ -259,3 +261,28 @@ async def test_a_keyed_controller_names_a_stage_whose_replies_are_untagged(nats_
             await NatsStageClient.call_batch_all(clients, b"x", reply_key=key)
     finally:
         await nc.close()
+
+
+async def test_a_forged_reply_on_a_stage_s_own_subject_is_dropped(nats_server) -> None:  # noqa: ANN001
+    """A call to one stage (``call_batch``, replies on ``{inbox}.{call}.{index}``) is checked the
+    same way: the forger on ``{p}.stage.1.kvb`` answers first and is dropped."""
+    key = BusKey.generate().for_replica("p0")
+    forger = _Forger(2, subject=f"{PREFIX}.stage.1.kvb")
+    await forger.start(nats_server.url)
+    nc = await connect(nats_server.url, name="stage-and-admission", anonymous_ok=True)
+    try:
+        manager = StageKVManager(BlockPool(64, BLOCK), max_lease_s=30.0)
+        _warm(manager, _chain(2))
+        await _serve_after_forger(nc, manager, 1, key, forger)
+        await nc.flush()
+        client = NatsStageClient(nc, PREFIX, 1, timeout_s=5.0)
+        batch = KVBatch(
+            BatchOp.PROBE_RESERVE, (ReserveEntry("r", _chain(4), 5),), 5.0, owner="adm", seq=1
+        )
+        reply = decode_reply(await client.call_batch(encode_batch(batch, key), reply_key=key))
+        assert forger.num_rounds == 1
+        assert (reply.rank, reply.results) == (1, (EntryResult(EntryStatus.OK, 2),))
+        assert client.batch_mux.num_dropped_replies == 4  # 2 forgeries x 2 ranks (one of them 0)
+    finally:
+        await nc.close()
+        await forger.nc.close()
