@@ -30,6 +30,9 @@ Layout (little-endian; ``rid`` = u16 length + UTF-8 request id, 1..256 bytes)::
       status 0 ok (value: hit blocks for a probe or a probe-reserve, reserved blocks for a
       commit), 1 refused (a reservation that does not fit now; nothing held), 2 invalid (the
       entry names the fault; nothing held)
+    reply v2 the version 1 reply with version byte 2 | 32-byte tag: HMAC-SHA256 under the
+             replica's key, domain "KVBatchReply", of the batch's u8 owner length | owner | u64 seq
+             | u16 rank | the reply up to the tag
 
 A probe entry names its first ``shared_len`` hashes by reference: they are the first
 ``shared_len`` hashes of entry ``shared_from - 1`` of the same batch (an earlier one; 0 with
@@ -39,9 +42,9 @@ it once, and a stage walks its block table once for it (``BlockPool.pin_cache_hi
 probe-reserve entry shares the same way. Version 1 (no ``shared_from``/``shared_len``: every
 hash travels) and version 2 (ops 1-3) are still decoded; ``encode_batch`` writes version 4 only
 for a probe-reserve batch that carries releases, version 3 for one without, and version 2 for
-ops 1-3 (so a stage of an earlier release still reads what it can apply). Replies are unchanged
-(their version byte stays 1): a batch's releases have no results (a release is idempotent and
-never refused).
+ops 1-3 (so a stage of an earlier release still reads what it can apply). A batch's releases
+have no results (a release is idempotent and never refused). A reply is version 1, or version
+2 tagged by a keyed stage (``api.kv_reply_tag``: why, and what a controller with a key takes).
 
 ``owner`` is the admission instance sending the round and ``seq`` its op number (a stage refuses a
 replayed one); ``mac`` is HMAC-SHA256 under the replica's bus key (``wavepp.api.signing``) of
@@ -68,6 +71,7 @@ __all__ = [
     "BLOCK_HASH_BYTES",
     "KV_BATCH_VERSION",
     "KV_REPLY_VERSION",
+    "KV_TAGGED_REPLY_VERSION",
     "MAX_BATCH_ENTRIES",
     "MAX_BLOCKS_PER_BATCH",
     "MAX_BLOCKS_PER_ENTRY",
@@ -89,6 +93,7 @@ __all__ = [
 
 KV_BATCH_VERSION = 4
 KV_REPLY_VERSION = 1
+KV_TAGGED_REPLY_VERSION = 2  # a version 1 reply and its tag (``kv_reply_tag``)
 _DECODED_VERSIONS = (1, 2, 3, 4)
 _FIRST_VERSION_OF_RESERVE = 3
 _FIRST_VERSION_OF_RELEASES = 4
@@ -600,8 +605,12 @@ def decode_reply(payload: bytes) -> KVBatchReply:
     magic, version, op, rank, free, blocks, error_len = reader.unpack(_REPLY_HEADER, "header")
     if magic != _REPLY_MAGIC:
         raise KVWireError("header: not a KV batch reply (bad magic)")
-    if version != KV_REPLY_VERSION:
-        raise KVWireError(f"version: {version}; this controller speaks {KV_REPLY_VERSION}")
+    if version == KV_TAGGED_REPLY_VERSION:  # the tag: checked by a holder of the key
+        if len(reader.view) < reader.at + MAC_BYTES:
+            raise KVWireError(f"tag: truncated at byte {reader.at} of {len(reader.view)}")
+        reader.view = reader.view[:-MAC_BYTES]
+    elif version != KV_REPLY_VERSION:
+        raise KVWireError(f"version: {version}; this controller speaks 1 and 2")
     try:
         batch_op = BatchOp(op)
     except ValueError as exc:

@@ -11,7 +11,9 @@ passes as another's::
 
 Signed messages: ``MicroBatchPlan`` and ``PlanReplayReply`` (scheduler -> stages), the KV ops
 (admission -> stage), ``MicroBatchDone`` (stage -> scheduler), ``KVEventBatch`` (stage ->
-gateway), ``Heartbeat`` and ``PrefillResult`` (admission -> gateway and the results bucket).
+gateway), ``Heartbeat`` and ``PrefillResult`` (admission -> gateway and the results bucket);
+binary, through ``mac_bytes``: the batched KV rounds (admission -> stages) and their replies
+(stage -> admission, ``wavepp.api.kv_reply_tag``).
 The JSON is pydantic's own serialisation of the frozen field values, the same on both sides.
 Pure: no I/O, standard library ``hmac`` only. A receiver without a key (``None``) accepts
 unsigned messages (an insecure deployment, logged loudly at process start); a receiver with a

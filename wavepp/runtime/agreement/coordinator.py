@@ -132,6 +132,7 @@ class AdmissionController:
             max_batch=max_batch,
             state_interval_blocks=state_interval_blocks,
             encode=self._encode_batch,
+            reply_key=bus_key,
         )
 
     def block_hashes(self, request: PromptRequest) -> list[bytes]:

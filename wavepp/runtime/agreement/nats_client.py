@@ -13,11 +13,20 @@ stage without one), no reply within ``timeout_s``, or, after ``liveness_check_s`
 reply, no listener on its own ``{p}.stage.{r}.kv`` (a read-only health ask: a stage that died
 is named at once, not after the time-out). Clients that are not one whole replica (a subset, a
 single ``call_batch``) keep one publish per stage on the per-stage subjects.
+
+With the replica's bus key (``reply_key``) a call takes only replies tagged for its batch and
+the rank they name (``kv_reply_tag.verify_reply``): the stages share one reply subject that anyone
+who hears the round learns, so without NATS auth (``wavepp up --insecure-nats``) any client could
+answer first for any rank. A reply whose tag is missing or wrong is dropped (counted in
+``_BatchMux.num_dropped_replies``, logged once per call) and the call keeps waiting for that
+stage's own; without a key every reply is taken (unsigned, as the batches). A no-responders
+status (503) cannot be tagged: it is taken as it comes (see docs/architecture.md's trust table).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import weakref
 from collections.abc import Sequence
@@ -29,6 +38,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from wavepp.api.kv_batch import reply_rank
+from wavepp.api.kv_reply_tag import batch_reply_tag_prefix, verify_reply
 from wavepp.api.messages import (
     Health,
     KVReply,
@@ -46,6 +56,8 @@ LIVENESS_CHECK_S = 0.25
 subject whether anyone listens (again every as long, until the time-out)."""
 
 _HEALTH = Health().model_dump_json().encode()
+
+log = logging.getLogger(__name__)
 
 
 async def serve_stage_kv(
@@ -94,13 +106,26 @@ class _NobodyListens(Exception):
 
 
 class _Call:
-    __slots__ = ("future", "replies", "missing", "clients", "fanout", "index_of", "check")
+    __slots__ = (
+        "future",
+        "replies",
+        "missing",
+        "clients",
+        "fanout",
+        "index_of",
+        "check",
+        "reply_key",
+        "tag_prefix",
+        "dropped",
+    )
 
     def __init__(
         self,
         future: asyncio.Future[list[bytes]],
         clients: Sequence[NatsStageClient],
         fanout: str | None,
+        reply_key: BusKey | None = None,
+        tag_prefix: bytes = b"",
     ) -> None:
         self.future = future
         self.clients = clients
@@ -110,6 +135,9 @@ class _Call:
         # a fan-out's replies share one subject: the rank in each tells where it goes
         self.index_of = {client.rank: i for i, client in enumerate(clients)} if fanout else {}
         self.check: asyncio.TimerHandle | None = None
+        self.reply_key = reply_key  # with a key: only replies tagged for this batch and rank
+        self.tag_prefix = tag_prefix
+        self.dropped: list[int] | None = None  # per client: replies dropped (tag missing/wrong)
 
 
 class _BatchMux:
@@ -125,6 +153,7 @@ class _BatchMux:
         self._calls: dict[str, _Call] = {}
         self._next_call = 0
         self._background: set[asyncio.Task[None]] = set()
+        self.num_dropped_replies = 0  # replies whose tag did not verify (forged, or another key)
 
     async def _subscribe(self) -> None:
         if self._ready is None:
@@ -142,24 +171,46 @@ class _BatchMux:
             await asyncio.shield(self._ready)
 
     async def call_fanout(
-        self, clients: Sequence[NatsStageClient], payload: bytes, subject: str
+        self,
+        clients: Sequence[NatsStageClient],
+        payload: bytes,
+        subject: str,
+        *,
+        reply_key: BusKey | None = None,
     ) -> list[bytes]:
         """``payload`` to every client's stage with one publish on ``subject``; sent again one
         publish per stage when nobody at all listens there (nobody received it)."""
         try:
-            return await self.call(clients, payload, fanout=subject)
+            return await self.call(clients, payload, fanout=subject, reply_key=reply_key)
         except _NobodyListens:
-            return await self.call(clients, payload)
+            return await self.call(clients, payload, reply_key=reply_key)
 
     async def call(
-        self, clients: Sequence[NatsStageClient], payload: bytes, *, fanout: str | None = None
+        self,
+        clients: Sequence[NatsStageClient],
+        payload: bytes,
+        *,
+        fanout: str | None = None,
+        reply_key: BusKey | None = None,
     ) -> list[bytes]:
+        """``payload`` (an encoded ``KVBatch``) to ``clients``; their replies in their order.
+        ``reply_key``: the replica's bus key: only replies tagged for this batch are taken.
+
+        Raises:
+            ValueError: ``reply_key`` with a payload that is not a batch (no owner and seq).
+        """
+        tag_prefix = b""
+        if reply_key is not None:
+            prefix = batch_reply_tag_prefix(payload)
+            if prefix is None:
+                raise ValueError("payload: not a KV batch (no owner and seq to check replies by)")
+            tag_prefix = prefix
         if not self._prefix:
             await self._subscribe()
         self._next_call += 1
         key = str(self._next_call)
         loop = asyncio.get_running_loop()
-        call = _Call(loop.create_future(), clients, fanout)
+        call = _Call(loop.create_future(), clients, fanout, reply_key, tag_prefix)
         self._calls[key] = call
         reply_prefix = f"{self._prefix}{key}"
         timeout_s = min(client.timeout_s for client in clients)
@@ -196,9 +247,13 @@ class _BatchMux:
         index = call.replies.index(None)
         client = call.clients[index]
         subject = call.fanout or client.batch_subject
-        call.future.set_exception(
-            StageUnavailableError(client.rank, f"no reply on {subject} within {client.timeout_s}s")
-        )
+        detail = f"no reply on {subject} within {client.timeout_s}s"
+        if call.dropped is not None and call.dropped[index]:
+            detail += (
+                f" ({call.dropped[index]} dropped: tag missing or wrong; a stage of an earlier"
+                " release or with another bus key, or a forger)"
+            )
+        call.future.set_exception(StageUnavailableError(client.rank, detail))
 
     def _check_liveness(self, key: str, every_s: float) -> None:
         """Ask each stage still missing from fan-out round ``key`` for its health on its own
@@ -256,10 +311,28 @@ class _BatchMux:
             return
         if not 0 <= index < len(call.replies) or call.replies[index] is not None:
             return  # not a stage of this call, or a second reply for one: the first stands
+        if call.reply_key is not None and not verify_reply(
+            msg.data, call.reply_key, call.tag_prefix, call.clients[index].rank
+        ):
+            self._drop(call, index)  # forged (or another key's): wait for the stage's own
+            return
         call.replies[index] = msg.data
         call.missing -= 1
         if not call.missing:
             call.future.set_result(call.replies)  # type: ignore[arg-type]
+
+    def _drop(self, call: _Call, index: int) -> None:
+        self.num_dropped_replies += 1
+        if call.dropped is None:
+            call.dropped = [0] * len(call.clients)
+            log.warning(
+                "a reply naming stage %d on %s did not verify (tag missing or wrong: a stage of "
+                "an earlier release or with another bus key, or a forger answering for it); "
+                "dropped, waiting for the stage's own (logged once per round)",
+                call.clients[index].rank,
+                call.fanout or call.clients[index].batch_subject,
+            )
+        call.dropped[index] += 1
 
 
 _MUXES: weakref.WeakKeyDictionary[NATS, _BatchMux] = weakref.WeakKeyDictionary()
@@ -335,27 +408,40 @@ class NatsStageClient:
         data = await self._request(self.subject, msg.model_dump_json().encode())
         return KVReply.model_validate_json(data)
 
-    async def call_batch(self, payload: bytes) -> bytes:
-        return (await self.batch_mux.call([self], payload))[0]
+    async def call_batch(self, payload: bytes, *, reply_key: BusKey | None = None) -> bytes:
+        """Send one encoded ``KVBatch`` to this stage; its reply. ``reply_key``: see
+        ``call_batch_all``."""
+        return (await self.batch_mux.call([self], payload, reply_key=reply_key))[0]
 
     @staticmethod
-    async def call_batch_all(clients: Sequence[NatsStageClient], payload: bytes) -> list[bytes]:
+    async def call_batch_all(
+        clients: Sequence[NatsStageClient], payload: bytes, *, reply_key: BusKey | None = None
+    ) -> list[bytes]:
         """``call_batch`` to every client at once; replies in the clients' order. Clients of one
         connection share one reply subscription, one future, one timer at the smallest
         ``timeout_s``; when they are every stage of one replica (``for_replica``), one publish
-        on ``{prefix}.stages.kvb`` reaches them all.
+        on ``{prefix}.stages.kvb`` reaches them all. ``reply_key``: the replica's bus key (the
+        one ``payload`` is signed with): a reply not tagged for this batch and the rank it names
+        is dropped and the stage's own awaited (``kv_reply_tag.verify_reply``); None takes any.
 
         Raises:
             StageUnavailableError: naming the first stage that has no listener or did not answer
-                in time.
+                in time (with a key: no reply tagged for it; the time-out names those dropped).
+            ValueError: ``reply_key`` with a ``payload`` that is not a batch.
         """
         first = clients[0]
         mux = first.batch_mux
         if any(client.batch_mux is not mux for client in clients):
-            return list(await asyncio.gather(*(client.call_batch(payload) for client in clients)))
+            return list(
+                await asyncio.gather(
+                    *(client.call_batch(payload, reply_key=reply_key) for client in clients)
+                )
+            )
         if _whole_replica(clients):
-            return await mux.call_fanout(clients, payload, first.fanout_subject)
-        return await mux.call(clients, payload)
+            return await mux.call_fanout(
+                clients, payload, first.fanout_subject, reply_key=reply_key
+            )
+        return await mux.call(clients, payload, reply_key=reply_key)
 
     async def _request(self, subject: str, payload: bytes) -> bytes:
         try:

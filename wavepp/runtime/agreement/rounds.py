@@ -50,6 +50,7 @@ from wavepp.api.kv_batch import (
     decode_reply,
     encode_batch,
 )
+from wavepp.api.signing import BusKey
 from wavepp.runtime.request import PromptRequest
 from wavepp.telemetry import tracing
 
@@ -104,6 +105,7 @@ class AgreementRounds:
         max_rounds_in_flight: int = 4,
         state_interval_blocks: int = 1,
         encode: Callable[[KVBatch], bytes] = encode_batch,
+        reply_key: BusKey | None = None,
     ) -> None:
         if not 1 <= max_batch <= MAX_BATCH_ENTRIES:
             raise ValueError(f"max_batch: {max_batch}; must be in [1, {MAX_BATCH_ENTRIES}]")
@@ -117,6 +119,7 @@ class AgreementRounds:
         # hybrid models: a prefix is reusable only up to a stored recurrent state, every k blocks
         self.state_interval_blocks = state_interval_blocks
         self._encode = encode  # the controller's: stamps its owner and op number, signs
+        self._reply_key = reply_key  # the key it signs with: over NATS, only tagged replies
         self._admitted = admitted
         self._refusal = refusal
         self._pending: deque[PendingAgreement] = deque()
@@ -304,7 +307,8 @@ class AgreementRounds:
         payload = self._encode(batch)
         call_all = getattr(self.stages[0], "call_batch_all", None)
         if call_all is not None and all(type(s) is type(self.stages[0]) for s in self.stages):
-            raw = await call_all(self.stages, payload)  # one fan-out (NatsStageClient)
+            # one fan-out (NatsStageClient); with a key, replies not tagged for it are dropped
+            raw = await call_all(self.stages, payload, reply_key=self._reply_key)
         else:
             raw = await asyncio.gather(*(stage.call_batch(payload) for stage in self.stages))
         replies = []

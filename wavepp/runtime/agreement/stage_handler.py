@@ -33,6 +33,7 @@ from wavepp.api.kv_batch import (
     decode_batch,
     encode_reply,
 )
+from wavepp.api.kv_reply_tag import reply_tag_prefix, tag_reply
 from wavepp.api.messages import (
     KV_REQUEST_ADAPTER,
     Commit,
@@ -185,6 +186,9 @@ def handle_kv_batch(
         bus_key: the replica's key: a batch it did not sign, or a replayed one (its owner's op
             number seen before), is refused whole; None accepts unsigned batches (insecure
             mode). Entries act for the batch's owner only (``StageKVManager``'s owner checks).
+            The reply to a batch it signed is tagged for that batch and this rank
+            (``kv_reply_tag.tag_reply``: the controller takes no untagged reply); the refusal of one
+            it did not sign is not (nothing for a forger to replay into a round to come).
     """
     pool = manager.pool
     try:
@@ -198,6 +202,18 @@ def handle_kv_batch(
             error=f"invalid batch: {exc}",
         )
         return encode_reply(reply)
+    reply_bytes = _apply_batch(manager, rank, batch, refuse, bus_key)
+    if bus_key is None:
+        return reply_bytes
+    return tag_reply(reply_bytes, bus_key, reply_tag_prefix(batch.owner, batch.seq))
+
+
+def _apply_batch(
+    manager: StageKVManager, rank: int, batch: KVBatch, refuse: str, bus_key: BusKey | None
+) -> bytes:
+    """``handle_kv_batch`` for a batch that decoded (and, with ``bus_key``, verified): the
+    encoded reply, untagged."""
+    pool = manager.pool
     if bus_key is not None and not manager.accept_seq(batch.owner, batch.seq):
         reply = KVBatchReply(
             batch.op,
