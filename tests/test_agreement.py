@@ -29,7 +29,7 @@ from wavepp.runtime.agreement import (
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order
 
 BLOCK = 4
 MODEL_ID = "tiny-llama:seed=0"
@@ -197,7 +197,7 @@ async def test_agreement_over_a_real_nats_server(nc) -> None:  # noqa: ANN001
     managers = [StageKVManager(BlockPool(c, BLOCK)) for c in (32, 12, 32)]
     for rank, manager in enumerate(managers):
         await serve_stage(nc, "wavepp.t", rank, manager)
-    await nc.flush()
+    await flush_in_order(nc)
     clients = [NatsStageClient(nc, "wavepp.t", r, timeout_s=2.0) for r in range(3)]
     controller = AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID)
     prompt = list(range(16))
@@ -226,7 +226,7 @@ async def test_no_responders_and_timeouts_are_reported_apart(nc) -> None:  # noq
         return None
 
     await nc.subscribe("wavepp.slow.stage.0.kv", cb=silent)
-    await nc.flush()
+    await flush_in_order(nc)
     slow = NatsStageClient(nc, "wavepp.slow", 0, timeout_s=0.3)
     with pytest.raises(StageUnavailableError, match="no reply"):
         await slow.call(probe)
@@ -248,7 +248,7 @@ async def test_a_batch_fans_out_to_every_stage_and_names_a_missing_one(nc) -> No
     for rank in (0, 1, 2):
         await nc.subscribe(f"wavepp.fan.stage.{rank}.kvb", cb=answering(rank))
     await nc.subscribe("wavepp.fan.stage.3.kvb", cb=silent)
-    await nc.flush()
+    await flush_in_order(nc)
     clients = [NatsStageClient(nc, "wavepp.fan", rank, timeout_s=0.3) for rank in range(5)]
     for _ in range(3):  # calls reuse the one reply subscription
         replies = await NatsStageClient.call_batch_all(clients[:3], b"x")
@@ -299,7 +299,7 @@ async def _stage(nc, prefix: str, rank: int, *, delay_s: float = 0.0, fanout: bo
     ]
     if fanout:
         subs.append(await nc.subscribe(subjects.stages_kv_batch, cb=on_batch))
-    await nc.flush()
+    await flush_in_order(nc)
     return subs
 
 
@@ -313,18 +313,18 @@ async def test_a_round_to_a_whole_replica_is_one_publish_answered_in_rank_order(
     fanout, per_stage = _Spy(), _Spy()
     await nc.subscribe(ReplicaSubjects(prefix).stages_kv_batch, cb=fanout.cb)
     await nc.subscribe(ReplicaSubjects(prefix).stage_kv_batch("*"), cb=per_stage.cb)
-    await nc.flush()
+    await flush_in_order(nc)
     clients = NatsStageClient.for_replica(nc, prefix, 3, timeout_s=2.0)
     for round_ in range(3):
         replies = await NatsStageClient.call_batch_all(clients, b"x" * round_)
         assert [decode_reply(r).rank for r in replies] == [0, 1, 2]
         assert {decode_reply(r).num_free_blocks for r in replies} == {round_}
-    await nc.flush()
+    await flush_in_order(nc)
     await asyncio.sleep(0.05)
     assert (fanout.count, per_stage.count) == (3, 0)
     # a single stage's call keeps its own subject
     assert decode_reply(await clients[1].call_batch(b"y")).rank == 1
-    await nc.flush()
+    await flush_in_order(nc)
     await asyncio.sleep(0.05)
     assert (fanout.count, per_stage.count) == (3, 1)
     assert not clients[0].batch_mux._calls
@@ -338,14 +338,14 @@ async def test_a_subset_of_a_replica_is_sent_per_stage_never_to_the_others(nc) -
         await _stage(nc, prefix, rank)
     fanout = _Spy()
     await nc.subscribe(ReplicaSubjects(prefix).stages_kv_batch, cb=fanout.cb)
-    await nc.flush()
+    await flush_in_order(nc)
     clients = NatsStageClient.for_replica(nc, prefix, 3, timeout_s=2.0)
     replies = await NatsStageClient.call_batch_all(clients[:2], b"x")
     assert [decode_reply(r).rank for r in replies] == [0, 1]
     plain = [NatsStageClient(nc, prefix, rank, timeout_s=2.0) for rank in range(3)]
     replies = await NatsStageClient.call_batch_all(plain, b"x")
     assert [decode_reply(r).rank for r in replies] == [0, 1, 2]
-    await nc.flush()
+    await flush_in_order(nc)
     await asyncio.sleep(0.05)
     assert fanout.count == 0
     with pytest.raises(ValueError, match=r"rank=3: must be in \[0, num_stages=3\)"):
@@ -383,7 +383,7 @@ async def test_a_fanout_round_names_a_silent_stage_at_its_time_out(nc) -> None: 
 
     await nc.subscribe(subjects.stages_kv_batch, cb=rogue)
     await nc.subscribe(subjects.stage_kv(1), cb=health_only)
-    await nc.flush()
+    await flush_in_order(nc)
     clients = NatsStageClient.for_replica(nc, prefix, 2, timeout_s=1.5, liveness_check_s=0.05)
     with pytest.raises(
         StageUnavailableError, match=r"stage 1: no reply on wavepp\.quiet\.stages\.kvb within 1.5s"
@@ -415,7 +415,7 @@ async def test_a_fanout_round_through_the_stage_handlers_pins_on_every_stage(nc)
     managers = [StageKVManager(BlockPool(64, 4)) for _ in range(3)]
     for rank, manager in enumerate(managers):
         await serve_stage_kv(nc, prefix, rank, manager, bus_key=key)
-    await nc.flush()
+    await flush_in_order(nc)
     clients = NatsStageClient.for_replica(nc, prefix, 3, timeout_s=2.0)
     controller = AdmissionController(clients, block_size=4, model_id="m", bus_key=key)
     ticket = await controller.agree(PromptRequest("r1", list(range(20))))
@@ -447,7 +447,7 @@ async def test_a_fanout_round_fails_at_a_reconnect_not_at_its_time_out() -> None
             subjects = ReplicaSubjects("wavepp.rc")
             await nc.subscribe(subjects.stages_kv_batch, cb=silent)
             await nc.subscribe(subjects.stage_kv(1), cb=health)
-            await nc.flush()
+            await flush_in_order(nc)
             clients = NatsStageClient.for_replica(nc, "wavepp.rc", 2, timeout_s=20.0)
             call = asyncio.ensure_future(NatsStageClient.call_batch_all(clients, b"x"))
             await asyncio.sleep(0.3)

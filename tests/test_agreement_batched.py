@@ -34,6 +34,7 @@ from wavepp.runtime.agreement.rounds import StageProtocolError
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.request import PromptRequest
+from wavepp.runtime.transport.natsio import flush_in_order
 
 BLOCK = 4
 MODEL_ID = "tiny-llama:seed=0"
@@ -484,7 +485,7 @@ async def test_rounds_over_a_real_nats_server(nc) -> None:  # noqa: ANN001
     managers = [StageKVManager(BlockPool(1024, BLOCK)) for _ in range(4)]
     for rank, manager in enumerate(managers):
         await serve_stage_kv(nc, "wavepp.tb", rank, manager)
-    await nc.flush()
+    await flush_in_order(nc)
     controller = AdmissionController(
         [NatsStageClient(nc, "wavepp.tb", r, timeout_s=5.0) for r in range(4)],
         block_size=BLOCK,

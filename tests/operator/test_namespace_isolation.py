@@ -24,7 +24,7 @@ from pod_support import kubelet_env, start_wavepp
 from wavepp.api.spec import check_spec
 from wavepp.operator import builders as b
 from wavepp.operator.nats_cleanup import delete_pool_streams
-from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order, free_port
 
 NAMESPACES = ("team-a", "team-b")
 RAW_SPEC: dict[str, Any] = {
@@ -148,7 +148,7 @@ async def test_same_named_pipelines_in_two_namespaces_exchange_nothing(tmp_path:
                     assert status == 200 and not answer.get("error"), answer
                     assert answer["num_prompt_tokens"] == 40
                     answers[p.namespace].append(answer)
-            await monitor.flush()
+            await flush_in_order(monitor)
             streams = await _streams(monitor)
         finally:
             for p in pipelines:

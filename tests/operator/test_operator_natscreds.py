@@ -15,7 +15,7 @@ from wavepp.api.natsauth import TrustRoot
 from wavepp.api.signing import BusKey
 from wavepp.api.subjects import ReplicaSubjects, prefill_subject, replica_prefix
 from wavepp.operator.reconcile import Apply, Defaults, Observed, plan
-from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order
 
 SPEC = {"model": {"name": "tiny-llama"}, "stages": 2, "replicas": 2}
 BUS_KEY_ITEM = {"key": "bus.key", "path": "bus.key"}
@@ -156,7 +156,7 @@ async def test_rendered_users_against_a_real_server(trust: TrustRoot, tmp_path: 
             nc = await connect(server.url, name=user, creds=creds[user], error_cb=on_error)
             try:
                 await nc.publish(subject, b"{}")
-                await nc.flush()
+                await flush_in_order(nc)
                 await asyncio.sleep(0.2)  # a refusal's callback is a task
             finally:
                 await nc.close()
@@ -213,7 +213,7 @@ async def test_rendered_users_send_a_round_to_every_stage_with_one_publish(
         try:
             for rank, nc in enumerate(stages):
                 await serve_stage_kv(nc, p0.prefix, rank, StageKVManager(BlockPool(8, 4)))
-                await nc.flush()
+                await flush_in_order(nc)
             clients = NatsStageClient.for_replica(admission, p0.prefix, 2, timeout_s=5.0)
             payload = encode_batch(KVBatch(BatchOp.RELEASE, ("nothing",)))
             replies = None
@@ -228,7 +228,7 @@ async def test_rendered_users_send_a_round_to_every_stage_with_one_publish(
             await stages[1].publish(p0.stages_kv_batch, payload)
             await other.subscribe(p0.stages_kv_batch)
             for nc in (stages[1], other):
-                await nc.flush()
+                await flush_in_order(nc)
             await asyncio.sleep(0.2)  # a refusal's callback is a task
             assert any("permissions violation for publish" in e for e in errors["stage-p-r0-1"])
             assert any(

@@ -25,7 +25,7 @@ from wavepp.runtime.agreement import StageUnavailableError
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.transport.auth import PoolAuth, write_pool_auth
-from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, wait_until
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order, wait_until
 
 POOL = "pool1"
 REPLICAS = {"p1": 2, "p2": 1}
@@ -77,7 +77,7 @@ class Client:
             self.got.append((msg.subject, msg.data))
 
         await self.nc.subscribe(subject, cb=cb)
-        await self.nc.flush()
+        await flush_in_order(self.nc)
 
     async def close(self) -> None:
         await self.nc.close()
@@ -100,8 +100,8 @@ async def _publish_outcome(
         # every time; a delivered one is delivered).
         for _ in range(5):
             await tx.nc.publish(subject, b"forged")
-            await tx.nc.flush()  # the server has routed (or refused) the publish
-            await rx.nc.flush()
+            await flush_in_order(tx.nc)  # the server has routed (or refused) the publish
+            await flush_in_order(rx.nc)
             with contextlib.suppress(TimeoutError):
                 await wait_until(lambda: rx.got or tx.errors, timeout_s=1)
             if rx.got or tx.errors:
@@ -209,7 +209,7 @@ async def test_replies_come_to_the_requesters_own_inbox(
             await msg.respond(b"ok:" + msg.data)
 
         await stage.nc.subscribe(P1.stage_kv(0), cb=echo)
-        await stage.nc.flush()
+        await flush_in_order(stage.nc)
         # The stage's interest reaches the scheduler's connection a moment after the stage's
         # own flush returns (seen once in CI: "no responders"); ask again within a second.
         reply = None
@@ -240,7 +240,7 @@ async def test_a_round_reaches_every_stage_and_each_answers_into_the_admissions_
         for rank, stage in enumerate(stages):
             manager = StageKVManager(BlockPool(8, 4))
             await serve_stage_kv(stage.nc, P1.prefix, rank, manager)
-            await stage.nc.flush()
+            await flush_in_order(stage.nc)
         clients = NatsStageClient.for_replica(scheduler.nc, P1.prefix, 2, timeout_s=5.0)
         payload = encode_batch(KVBatch(BatchOp.RELEASE, ("nothing",)))
         replies = None

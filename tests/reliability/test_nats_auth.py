@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nats_auth_support import AuthFiles, make_auth_files  # noqa: E402
 
-from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect  # noqa: E402
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +75,12 @@ async def test_subject_permissions_confine_a_user_to_its_pipeline(auth_files: Au
             got.append(msg.data)
 
         await other.subscribe("wavepp.p2.plan", cb=on_plan)
-        await other.flush()
+        await flush_in_order(other)
         limited = await connect(
             server.url, name="p1-scheduler", creds=auth_files.limited_creds, error_cb=on_error
         )
         await limited.publish("wavepp.p2.plan", b"forged plan")
-        await limited.flush()
+        await flush_in_order(limited)
         await asyncio.sleep(0.3)
         await limited.close()
         await other.close()

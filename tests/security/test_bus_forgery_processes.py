@@ -34,7 +34,7 @@ from wavepp.api.messages import (  # noqa: E402
     RequestResult,
 )
 from wavepp.runtime.request import PromptRequest  # noqa: E402
-from wavepp.runtime.transport.natsio import connect  # noqa: E402
+from wavepp.runtime.transport.natsio import connect, flush_in_order  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -76,7 +76,7 @@ async def test_a_forger_on_the_bus_changes_no_answer_and_holds_no_block(tmp_path
             forged.append(plan.microbatch_id)
 
         await forger.subscribe(subjects.plan, cb=on_plan)
-        await forger.flush()
+        await flush_in_order(forger)
         assert pipeline.scheduler is not None
         prompts = [random_tokens(40 + i, 60 + 37 * i) for i in range(4)]
         outcomes = []

@@ -20,7 +20,7 @@ from wavepp.gateway.config import GatewayConfig, ReplicaInfo
 from wavepp.gateway.core import Gateway
 from wavepp.gateway.tenants import TenantPolicy
 from wavepp.gateway.validation import ParsedRequest
-from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,13 +98,13 @@ async def _serve(js_server, *, forge_first: bool):  # noqa: ANN001, ANN202
         if forge_first:  # the forger reads the intake too (or guesses the id) and answers first
             forged = _result(intake, FORGED_TOKEN).model_dump_json().encode()
             await forger_nc.publish(subject, forged)
-            await forger_nc.flush()
+            await flush_in_order(forger_nc)
         await asyncio.sleep(0.2)
         genuine = replica_key.sign(_result(intake, GENUINE_TOKEN))
         await replica_nc.publish(subject, genuine.model_dump_json().encode())
 
     await replica_nc.subscribe(intake_subject(REPLICA, namespace=NS), cb=on_intake)
-    await replica_nc.flush()
+    await flush_in_order(replica_nc)
     return gateway, (gw_nc, replica_nc, forger_nc)
 
 
@@ -211,7 +211,7 @@ async def test_unsigned_beats_of_unknown_replicas_leave_nothing_in_the_gateway(j
             await publish(_pool_beat(f"{POOL}-x{i}"), f"{POOL}-x{i}")
         huge = _pool_beat("p").model_dump_json().replace('"p"', '"' + "a" * 10_000 + '"', 1)
         await publish(huge.encode(), "huge")
-        await forger_nc.flush()
+        await flush_in_order(forger_nc)
         deadline = time.monotonic() + 10
         while gateway.guard.num_refused["heartbeat_unknown"] < 300:
             assert time.monotonic() < deadline, gateway.guard.num_refused
@@ -222,7 +222,7 @@ async def test_unsigned_beats_of_unknown_replicas_leave_nothing_in_the_gateway(j
         for i in range(5):
             name = f"{POOL}-s{i}"
             await publish(KEY.for_replica(name).sign(_pool_beat(name)), name)
-        await forger_nc.flush()
+        await flush_in_order(forger_nc)
         deadline = time.monotonic() + 10
         while len(gateway.router.replicas) < 3:
             assert time.monotonic() < deadline
@@ -232,7 +232,7 @@ async def test_unsigned_beats_of_unknown_replicas_leave_nothing_in_the_gateway(j
         # both added ones fall silent: the next beat (of any replica) drops them, guard too
         now[0] += 10.0
         await publish(_pool_beat(f"{POOL}-late"), f"{POOL}-late")
-        await forger_nc.flush()
+        await flush_in_order(forger_nc)
         deadline = time.monotonic() + 10
         while len(gateway.guard.replicas) > 1:
             assert time.monotonic() < deadline, gateway.guard.replicas

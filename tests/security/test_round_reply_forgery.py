@@ -37,7 +37,7 @@ from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.transport.natsio import connect
+from wavepp.runtime.transport.natsio import connect, flush_in_order
 
 BLOCK = 4
 MODEL_ID = "reply-tags"
@@ -170,7 +170,7 @@ class _Forger:
     async def start(self, url: str) -> None:
         self.nc = await connect(url, name="forger", anonymous_ok=True)
         await self.nc.subscribe(self.subject, cb=self._on_round)
-        await self.nc.flush()
+        await flush_in_order(self.nc)
 
     async def _on_round(self, msg) -> None:  # noqa: ANN001
         batch = decode_batch(msg.data)  # the batch is signed, not secret
@@ -179,7 +179,9 @@ class _Forger:
             plain = encode_reply(KVBatchReply(batch.op, rank, 64, 64, results))
             await self.nc.publish(msg.reply, plain)
             await self.nc.publish(msg.reply, plain[:3] + b"\x02" + plain[4:] + bytes(32))
-        await self.nc.flush()  # the server holds them for the controller before any stage's
+        # at the server (routed to the controller) before any stage's: nats-py's one flush
+        # would PING ahead of the PUBs still pending
+        await flush_in_order(self.nc)
         self.num_rounds += 1
         self.event(msg.data).set()
 
@@ -208,7 +210,7 @@ async def test_forged_first_replies_are_dropped_and_the_true_l_star_agreed(
     stage_nc = await connect(nats_server.url, name="stages", anonymous_ok=True)
     for rank, manager in enumerate(managers):
         await _serve_after_forger(stage_nc, manager, rank, key, forger)
-    await stage_nc.flush()
+    await flush_in_order(stage_nc)
     adm = await connect(nats_server.url, name="admission", anonymous_ok=True)
     clients = NatsStageClient.for_replica(adm, PREFIX, num_stages, timeout_s=5.0)
     controller = AdmissionController(
@@ -246,7 +248,7 @@ async def test_a_keyed_controller_names_a_stage_whose_replies_are_untagged(nats_
     try:
         await serve_stage_kv(nc, PREFIX, 0, StageKVManager(BlockPool(64, BLOCK)), bus_key=key)
         await serve_stage_kv(nc, PREFIX, 1, StageKVManager(BlockPool(64, BLOCK)), bus_key=None)
-        await nc.flush()
+        await flush_in_order(nc)
         clients = NatsStageClient.for_replica(nc, PREFIX, 2, timeout_s=0.5, liveness_check_s=5.0)
         batch = KVBatch(
             BatchOp.PROBE_RESERVE, (ReserveEntry("r", _chain(2), 3),), 5.0, owner="adm", seq=1
@@ -274,7 +276,7 @@ async def test_a_forged_reply_on_a_stage_s_own_subject_is_dropped(nats_server) -
         manager = StageKVManager(BlockPool(64, BLOCK), max_lease_s=30.0)
         _warm(manager, _chain(2))
         await _serve_after_forger(nc, manager, 1, key, forger)
-        await nc.flush()
+        await flush_in_order(nc)
         client = NatsStageClient(nc, PREFIX, 1, timeout_s=5.0)
         batch = KVBatch(
             BatchOp.PROBE_RESERVE, (ReserveEntry("r", _chain(4), 5),), 5.0, owner="adm", seq=1

@@ -28,7 +28,7 @@ from wavepp.runtime.stage.rendezvous import (
     open_rendezvous,
     parse_dist_url,
 )
-from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,7 +89,7 @@ async def test_gateway_follows_the_pool_and_is_ready_while_one_replica_admits() 
                     num_stages=2,
                 ).model_dump_json()
                 await nc.publish(heartbeat_subject(pipeline, namespace=namespace), data.encode())
-                await nc.flush()
+                await flush_in_order(nc)
                 await asyncio.sleep(0.2)
                 now[0] += 0.2  # the gateway takes one heartbeat per replica per 0.1 s
 
@@ -136,7 +136,7 @@ async def test_a_request_on_a_replica_that_left_the_pool_fails_fast_without_anot
                     num_stages=2,
                 ).model_dump_json()
                 await nc.publish(heartbeat_subject("p-r0", namespace="local"), data.encode())
-                await nc.flush()
+                await flush_in_order(nc)
                 await asyncio.sleep(0.1)
 
             await beat(ready=True)
@@ -196,7 +196,7 @@ async def test_the_gateway_waits_for_a_draining_replica_and_reroutes_only_if_it_
                 draining=draining,
             ).model_dump_json()
             await nc.publish(heartbeat_subject(pipeline, namespace="local"), data.encode())
-            await nc.flush()
+            await flush_in_order(nc)
             await asyncio.sleep(0.15)
             now[0] += 0.15
 

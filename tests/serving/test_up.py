@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from wavepp.api.subjects import prefill_subject
-from wavepp.runtime.transport.natsio import connect
+from wavepp.runtime.transport.natsio import connect, flush_in_order
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -172,7 +172,7 @@ async def test_the_bus_refuses_anonymous_clients_and_confines_components(up_serv
     try:
         body = json.dumps({"tenant": "alice", "token_ids": prompt(4, 20)}).encode()
         await stage.publish("wavepp.local.default.prefill", body)
-        await stage.flush()
+        await flush_in_order(stage)
         deadline = time.monotonic() + 10
         while not errors and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -60,7 +60,7 @@ from wavepp.runtime.agreement import AdmissionController
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order
 
 __all__ = ["WORKLOADS", "AdmissionSetting", "format_table", "run_admission_bench"]
 
@@ -122,7 +122,7 @@ def _stage_process(
         for rank, manager in zip(ranks, managers, strict=True):
             nc = await connect(url, name=f"admbench-stage-{rank}", anonymous_ok=True)
             await serve_stage_kv(nc, prefix, rank, manager)
-            await nc.flush()
+            await flush_in_order(nc)
             connections.append(nc)
         gc.freeze()  # the warmed pools, as a stage process does after loading
         conn.send(os.getpid())
@@ -245,7 +245,7 @@ async def _one_setting(
                 manager = _warm_stage(num_blocks, block_size, cached)
                 in_process.append(manager)
                 await serve_stage_kv(nc, prefix, rank, manager, handler_cpu_s=handler_cpu_s)
-                await nc.flush()
+                await flush_in_order(nc)
             nc = await connect(
                 server.url, name=f"admbench-r{replica}-controller", anonymous_ok=True
             )

@@ -63,7 +63,7 @@ from wavepp.gateway.trust import BusGuard
 from wavepp.gateway.validation import ParsedRequest
 from wavepp.runtime.kv import hash_prompt_blocks
 from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
-from wavepp.runtime.transport.natsio import on_reconnect, resend_after_reconnect
+from wavepp.runtime.transport.natsio import flush_in_order, on_reconnect, resend_after_reconnect
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class Gateway:
                 cb=self._on_pool_heartbeat,
             )
         )
-        await self.nc.flush()
+        await flush_in_order(self.nc)
         on_reconnect(self.nc, self.recover_results)
         self.bus_answered_s = self.clock()
         self._bus_watch = asyncio.create_task(self._watch_bus(), name="bus-watch")

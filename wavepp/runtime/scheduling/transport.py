@@ -124,6 +124,9 @@ class BusPlanTransport:
         self._subs.append(await self.bus.subscribe(self.subjects.plan_replay, cb=on_plan_replay))
         self._subs.append(await self.bus.subscribe(self.subjects.resync, cb=on_resync))
         self._on_reconnect(handlers.on_reconnected)
+        # twice: nats-py writes a flush's PING ahead of the SUBs still pending, so one PONG does
+        # not prove them live (natsio.flush_in_order, which the simulator may not import)
+        await self.bus.flush()
         await self.bus.flush()
 
     def _on_reconnect(self, cb: Callable[[], Awaitable[None]]) -> None:

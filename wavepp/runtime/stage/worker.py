@@ -73,7 +73,7 @@ from wavepp.runtime.stage.build import build_engine, check_environment
 from wavepp.runtime.stage.core import StageCore, StageWork
 from wavepp.runtime.stage.engine import PreparedBatch, StageEngine
 from wavepp.runtime.stage.rendezvous import EpochRendezvous, StageGroupFactory
-from wavepp.runtime.transport.natsio import on_reconnect
+from wavepp.runtime.transport.natsio import flush_in_order, on_reconnect
 from wavepp.telemetry.pipeline import StageTelemetry
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class StageWorker:
         await self.nc.subscribe(self.subjects.plan, cb=self._on_plan)
         await self.nc.subscribe(self.subjects.stage_dones(self.rank), cb=self._on_done_replay)
         on_reconnect(self.nc, self._on_reconnected)
-        await self.nc.flush()
+        await flush_in_order(self.nc)  # subscribed on the server before it says it serves
         log.info("stage %d serving layers %s", self.rank, self.config.layers_of(self.rank))
         expiry = asyncio.create_task(self._expire_loop())
         watcher = asyncio.create_task(self._watch_epochs()) if self.rendezvous else None

@@ -415,6 +415,22 @@ def on_reconnect(nc: object, listener: Callable[[], Awaitable[None]]) -> None:
         _reconnect_listeners.setdefault(nc, []).append(listener)
 
 
+async def flush_in_order(nc: object) -> None:
+    """Return once the server has processed every publish and subscription sent on ``nc``
+    before this call (a subscription is live, a message is routed).
+
+    nats-py's ``flush`` writes its PING straight to the socket, ahead of the commands still in
+    the client's pending buffer (measured with nats-py 2.x: ``publish``, ``subscribe``, ``flush``
+    put PING, PUB, SUB on the wire in that order), so its PONG can come back before the server
+    has seen them: a peer told "ready" then may publish before the subscription exists. While
+    the first flush waits for its PONG the client's flusher task writes the pending commands;
+    the second flush's PING follows them on the wire. Any client with an awaitable ``flush()``
+    (the simulator's bus) is flushed the same way.
+    """
+    await nc.flush()  # type: ignore[attr-defined]
+    await nc.flush()  # type: ignore[attr-defined]
+
+
 class ReconnectedError(Exception):
     """The connection reconnected while a request waited for its reply: the request may have
     been lost with the server (see :func:`resend_after_reconnect`)."""
