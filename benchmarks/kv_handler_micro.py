@@ -24,13 +24,8 @@ import time
 
 import numpy as np
 
-from wavepp.api.kv_batch import (
-    BatchOp,
-    KVBatch,
-    ReserveEntry,
-    decode_reply,
-    encode_batch,
-)
+from wavepp.api.kv_batch import BatchOp, KVBatch, ReserveEntry, encode_batch
+from wavepp.api.kv_reply import decode_reply
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
 

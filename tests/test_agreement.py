@@ -8,14 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wavepp.api.kv_batch import (
-    BatchOp,
-    KVBatch,
-    KVBatchReply,
-    decode_reply,
-    encode_batch,
-    encode_reply,
-)
+from wavepp.api.kv_batch import BatchOp, KVBatch, encode_batch
+from wavepp.api.kv_reply import KVBatchReply, decode_reply, encode_reply
 from wavepp.api.messages import Commit, KVReply, ProbePin
 from wavepp.api.signing import BusKey
 from wavepp.api.subjects import ReplicaSubjects

@@ -15,15 +15,17 @@ from wavepp.api import kv_batch
 from wavepp.api.kv_batch import (
     BatchOp,
     CommitEntry,
-    EntryResult,
-    EntryStatus,
     KVBatch,
-    KVBatchReply,
     KVWireError,
     ProbeEntry,
     decode_batch,
-    decode_reply,
     encode_batch,
+)
+from wavepp.api.kv_reply import (
+    EntryResult,
+    EntryStatus,
+    KVBatchReply,
+    decode_reply,
     encode_reply,
     reply_rank,
 )

@@ -17,14 +17,13 @@ from hypothesis import strategies as st
 
 from wavepp.api.kv_batch import (
     BatchOp,
-    EntryStatus,
     KVBatch,
     KVWireError,
     ReserveEntry,
     decode_batch,
-    decode_reply,
     encode_batch,
 )
+from wavepp.api.kv_reply import EntryStatus, decode_reply
 from wavepp.api.messages import MicroBatchPlan, PlannedChunk
 from wavepp.api.signing import BusKey
 from wavepp.runtime.agreement import AdmissionController, LocalStageClient

@@ -11,14 +11,13 @@ import pytest
 
 from wavepp.api.kv_batch import (
     BatchOp,
-    EntryStatus,
     KVBatch,
     KVWireError,
     ReserveEntry,
     decode_batch,
-    decode_reply,
     encode_batch,
 )
+from wavepp.api.kv_reply import EntryStatus, decode_reply
 from wavepp.runtime.agreement import AdmissionController, LocalStageClient
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.kv import BlockPool, StageKVManager

@@ -182,7 +182,8 @@ async def test_rendered_users_send_a_round_to_every_stage_with_one_publish(
     """Under the rendered JWT credentials: replica 0's admission publishes one round on
     ``{p}.stages.kvb`` and both of its stages answer it into its inbox; a stage may not
     publish there, and replica 1's stage may not read it."""
-    from wavepp.api.kv_batch import BatchOp, KVBatch, decode_reply, encode_batch
+    from wavepp.api.kv_batch import BatchOp, KVBatch, encode_batch
+    from wavepp.api.kv_reply import decode_reply
     from wavepp.runtime.agreement import StageUnavailableError
     from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
     from wavepp.runtime.kv import BlockPool, StageKVManager

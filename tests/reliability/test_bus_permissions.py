@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from nats.errors import NoRespondersError
 
-from wavepp.api.kv_batch import BatchOp, KVBatch, decode_reply, encode_batch
+from wavepp.api.kv_batch import BatchOp, KVBatch, encode_batch
+from wavepp.api.kv_reply import decode_reply
 from wavepp.api.permissions import users_for_pool
 from wavepp.api.subjects import (
     ReplicaSubjects,

@@ -18,15 +18,17 @@ import pytest
 
 from wavepp.api.kv_batch import (
     BatchOp,
-    EntryResult,
-    EntryStatus,
     KVBatch,
-    KVBatchReply,
     KVWireError,
     ReserveEntry,
     decode_batch,
-    decode_reply,
     encode_batch,
+)
+from wavepp.api.kv_reply import (
+    EntryResult,
+    EntryStatus,
+    KVBatchReply,
+    decode_reply,
     encode_reply,
     reply_rank,
 )

@@ -24,7 +24,7 @@ Layout (little-endian; ``rid`` = u16 length + UTF-8 request id, 1..256 bytes)::
              version 4 (op 4 only), after the entries: u32 num_releases | num_releases x rid:
              requests to release before the round's probe-reserves (the previous round's
              finished requests ride along, one message per stage per round instead of two)
-    reply    "WKR" | u8 version | u8 op | u16 rank | u32 num_free_blocks | u32 num_blocks
+    reply    (``wavepp.api.kv_reply``) "WKR" | u8 version | u8 op | u16 rank | u32 num_free_blocks | u32 num_blocks
              | u16 error length | error (UTF-8; a whole-batch fault, else empty)
              | u32 count | count x (u8 status | u32 value | u16 length | UTF-8 error)
       status 0 ok (value: hit blocks for a probe or a probe-reserve, reserved blocks for a
@@ -55,7 +55,6 @@ bounds-checked and a fault raises ``KVWireError`` naming the field and the limit
 
 from __future__ import annotations
 
-import functools
 import hmac
 import math
 import struct
@@ -70,30 +69,20 @@ from wavepp.api.signing import BusKey
 __all__ = [
     "BLOCK_HASH_BYTES",
     "KV_BATCH_VERSION",
-    "KV_REPLY_VERSION",
-    "KV_TAGGED_REPLY_VERSION",
     "MAX_BATCH_ENTRIES",
     "MAX_BLOCKS_PER_BATCH",
     "MAX_BLOCKS_PER_ENTRY",
     "BatchOp",
     "CommitEntry",
-    "EntryResult",
-    "EntryStatus",
     "KVBatch",
-    "KVBatchReply",
     "KVWireError",
     "ProbeEntry",
     "ReserveEntry",
     "decode_batch",
-    "decode_reply",
     "encode_batch",
-    "encode_reply",
-    "reply_rank",
 ]
 
 KV_BATCH_VERSION = 4
-KV_REPLY_VERSION = 1
-KV_TAGGED_REPLY_VERSION = 2  # a version 1 reply and its tag (``kv_reply_tag``)
 _DECODED_VERSIONS = (1, 2, 3, 4)
 _FIRST_VERSION_OF_RESERVE = 3
 _FIRST_VERSION_OF_RELEASES = 4
@@ -105,19 +94,16 @@ MAX_REQUEST_ID_BYTES = 256
 MAX_LEASE_S = 3600.0
 
 _REQUEST_MAGIC = b"WKB"
-_REPLY_MAGIC = b"WKR"
 _REQ_HEADER = struct.Struct("<3sBBd")
 _OWNER_SEQ = struct.Struct("<Q")
 MAC_BYTES = 32
 _NO_MAC = bytes(MAC_BYTES)
 MAX_OWNER_BYTES = 64
-_REPLY_HEADER = struct.Struct("<3sBBHIIH")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _COMMIT = struct.Struct("<II")
 _PROBE_V2 = struct.Struct("<III")
 _RESERVE = struct.Struct("<IIII")
-_RESULT = struct.Struct("<BIH")
 
 
 class KVWireError(ValueError):
@@ -129,12 +115,6 @@ class BatchOp(IntEnum):
     COMMIT = 2
     RELEASE = 3
     PROBE_RESERVE = 4
-
-
-class EntryStatus(IntEnum):
-    OK = 0
-    REFUSED = 1
-    INVALID = 2
 
 
 class ProbeEntry(NamedTuple):
@@ -184,29 +164,6 @@ class KVBatch:
     seq: int = 0  # the owner's op number
     shares: tuple[tuple[int, int], ...] = field(default=(), compare=False)
     releases: tuple[str, ...] = ()
-
-
-class EntryResult(NamedTuple):
-    status: EntryStatus
-    value: int = 0
-    error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status is EntryStatus.OK
-
-
-@dataclass(frozen=True)
-class KVBatchReply:
-    """A stage's answer to one ``KVBatch``: one result per entry, in order, or ``error`` (and no
-    results) when the batch as a whole was refused."""
-
-    op: BatchOp
-    rank: int
-    num_free_blocks: int
-    num_blocks: int
-    results: tuple[EntryResult, ...] = ()
-    error: str = ""
 
 
 # ---- encoding ------------------------------------------------------------------------------
@@ -301,42 +258,7 @@ def _bad_total(total: int, num_hashes: int) -> str:
     )
 
 
-def encode_reply(reply: KVBatchReply) -> bytes:
-    """Serialise a stage's reply (errors truncated to 1,024 bytes each)."""
-    error = reply.error.encode()[:1024]
-    parts = [
-        _REPLY_HEADER.pack(
-            _REPLY_MAGIC,
-            KV_REPLY_VERSION,
-            int(reply.op),
-            reply.rank,
-            reply.num_free_blocks,
-            reply.num_blocks,
-            len(error),
-        ),
-        error,
-        _U32.pack(len(reply.results)),
-    ]
-    pack = _RESULT.pack
-    for status, value, text in reply.results:
-        if text:
-            raw = text.encode()[:1024]
-            parts += [pack(status, value, len(raw)), raw]
-        else:
-            parts.append(pack(status, value, 0))
-    return b"".join(parts)
-
-
 # ---- decoding ------------------------------------------------------------------------------
-
-
-def reply_rank(payload: bytes) -> int | None:
-    """The rank an encoded ``KVBatchReply`` names, read from its header alone (a round's replies
-    from every stage share one reply subject, so the rank tells them apart); None for anything
-    that does not begin as a reply does (the caller drops it)."""
-    if len(payload) < _REPLY_HEADER.size or payload[:3] != _REPLY_MAGIC:
-        return None
-    return _REPLY_HEADER.unpack_from(payload)[3]
 
 
 class _Reader:
@@ -572,70 +494,3 @@ def _unpack_hashes(data: bytes, at: int, num_hashes: int) -> tuple[bytes, ...]:
         hashes += run.unpack_from(data, at + index * step)
     hashes += _hashes_struct(num_rest).unpack_from(data, at + num_runs * step)
     return tuple(hashes)
-
-
-_STATUSES = tuple(EntryStatus)
-
-
-class _PlainResults(dict):  # type: ignore[type-arg]
-    """(status, value) -> its ``EntryResult`` without an error text, made once: a reply's
-    entries are looked up in one C-level ``map`` (a round of 16 entries from 8 stages decoded
-    entry by entry was ~10 % of the controller's CPU per agreement)."""
-
-    def __missing__(self, key: tuple[int, int]) -> EntryResult:
-        result = self[key] = EntryResult(_STATUSES[key[0]], key[1])
-        return result
-
-
-_PLAIN_RESULTS = _PlainResults()
-
-
-@functools.lru_cache(maxsize=64)
-def _values_of(count: int) -> struct.Struct:
-    """The ``value`` fields of ``count`` text-less results (``u8 status | u32 value | u16 0``)."""
-    return struct.Struct("<" + "xIxx" * count)
-
-
-_MAX_PLAIN_RESULTS = 4096  # distinct (status, value) pairs kept; cleared past it
-
-
-def decode_reply(payload: bytes) -> KVBatchReply:
-    """Parse a stage's reply. Raises ``KVWireError`` naming the field for anything malformed."""
-    reader = _Reader(payload)
-    magic, version, op, rank, free, blocks, error_len = reader.unpack(_REPLY_HEADER, "header")
-    if magic != _REPLY_MAGIC:
-        raise KVWireError("header: not a KV batch reply (bad magic)")
-    if version == KV_TAGGED_REPLY_VERSION:  # the tag: checked by a holder of the key
-        if len(reader.view) < reader.at + MAC_BYTES:
-            raise KVWireError(f"tag: truncated at byte {reader.at} of {len(reader.view)}")
-        reader.view = reader.view[:-MAC_BYTES]
-    elif version != KV_REPLY_VERSION:
-        raise KVWireError(f"version: {version}; this controller speaks 1 and 2")
-    try:
-        batch_op = BatchOp(op)
-    except ValueError as exc:
-        raise KVWireError(f"op: {op}; must be 1, 2, 3 or 4") from exc
-    error = reader.text(error_len, "error")
-    (count,) = reader.unpack(_U32, "count")
-    rest = reader.view[reader.at :]
-    if len(rest) == _RESULT.size * _count(count):  # no entry carries an error text
-        raw = rest.tobytes()
-        statuses = raw[0 :: _RESULT.size]
-        # every text length 0 and every status known: the whole reply in C-level passes
-        if not raw[5 :: _RESULT.size].strip(b"\0") and not raw[6 :: _RESULT.size].strip(b"\0"):
-            if not statuses or max(statuses) < len(_STATUSES):
-                values = _values_of(count).unpack(raw)
-                results = tuple(map(_PLAIN_RESULTS.__getitem__, zip(statuses, values, strict=True)))
-                if len(_PLAIN_RESULTS) > _MAX_PLAIN_RESULTS:
-                    _PLAIN_RESULTS.clear()
-                return KVBatchReply(batch_op, rank, free, blocks, results, error)
-    results = []
-    for _ in range(_count(count)):
-        status, value, n = reader.unpack(_RESULT, "result")
-        try:
-            entry_status = EntryStatus(status)
-        except ValueError as exc:
-            raise KVWireError(f"status: {status}; must be 0, 1 or 2") from exc
-        results.append(EntryResult(entry_status, value, reader.text(n, "result error")))
-    reader.done()
-    return KVBatchReply(batch_op, rank, free, blocks, tuple(results), error)

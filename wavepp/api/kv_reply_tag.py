@@ -30,7 +30,8 @@ from __future__ import annotations
 import hmac
 import struct
 
-from wavepp.api.kv_batch import KV_TAGGED_REPLY_VERSION, MAC_BYTES
+from wavepp.api.kv_batch import MAC_BYTES
+from wavepp.api.kv_reply import KV_TAGGED_REPLY_VERSION
 from wavepp.api.signing import BusKey
 
 __all__ = ["batch_reply_tag_prefix", "reply_tag_prefix", "tag_reply", "verify_reply"]

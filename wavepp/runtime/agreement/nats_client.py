@@ -37,7 +37,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from wavepp.api.kv_batch import reply_rank
+from wavepp.api.kv_reply import reply_rank
 from wavepp.api.kv_reply_tag import batch_reply_tag_prefix, verify_reply
 from wavepp.api.messages import (
     Health,

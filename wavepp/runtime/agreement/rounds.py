@@ -40,16 +40,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from wavepp.api.kv_batch import (
-    MAX_BATCH_ENTRIES,
-    BatchOp,
-    EntryStatus,
-    KVBatch,
-    KVBatchReply,
-    ReserveEntry,
-    decode_reply,
-    encode_batch,
-)
+from wavepp.api.kv_batch import MAX_BATCH_ENTRIES, BatchOp, KVBatch, ReserveEntry, encode_batch
+from wavepp.api.kv_reply import EntryStatus, KVBatchReply, decode_reply
 from wavepp.api.signing import BusKey
 from wavepp.runtime.request import PromptRequest
 from wavepp.telemetry import tracing

@@ -23,16 +23,13 @@ from pydantic import ValidationError
 from wavepp.api.kv_batch import (
     BatchOp,
     CommitEntry,
-    EntryResult,
-    EntryStatus,
     KVBatch,
-    KVBatchReply,
     KVWireError,
     ProbeEntry,
     ReserveEntry,
     decode_batch,
-    encode_reply,
 )
+from wavepp.api.kv_reply import EntryResult, EntryStatus, KVBatchReply, encode_reply
 from wavepp.api.kv_reply_tag import reply_tag_prefix, tag_reply
 from wavepp.api.messages import (
     KV_REQUEST_ADAPTER,
