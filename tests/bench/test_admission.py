@@ -98,6 +98,19 @@ async def test_stage_hosts_serve_the_ranks_not_kept_in_this_process() -> None:
     assert not multiprocessing.active_children()
 
 
+def test_one_stage_host_takes_the_upper_half_of_the_ranks_by_default() -> None:
+    from wavepp.bench.admission import _stage_layout
+
+    assert _stage_layout(AdmissionSetting(8, 1, stage_hosts=1)) == [[4, 5, 6, 7]]
+    assert _stage_layout(AdmissionSetting(3, 1, stage_hosts=2)) == [[1], [2]]
+    assert _stage_layout(AdmissionSetting(4, 1, stage_hosts=1, stages_in_process=0)) == [
+        [0, 1, 2, 3]
+    ]
+    assert _stage_layout(AdmissionSetting(4, 1, stage_hosts=1, stages_in_process=9)) == []
+    assert _stage_layout(AdmissionSetting(4, 1)) == []  # no hosts: all in this process
+    assert _stage_layout(AdmissionSetting(2, 1, stage_processes=True)) == [[0], [1]]
+
+
 async def test_bad_layout_and_held_settings_name_the_field() -> None:
     for field in ("stage_hosts", "stages_in_process", "held_requests"):
         with pytest.raises(ValueError, match=field):

@@ -74,7 +74,7 @@ class AdmissionSetting:
     """One row: S stages x R replicas, ``in_flight`` agreements outstanding per replica.
 
     ``stage_processes``: one process per stage KV server; else ``stage_hosts`` processes (0:
-    none) serve ranks ``stages_in_process`` .. S - 1 round robin, the rest run in the
+    none) serve ranks ``stages_in_process`` (None: S // 2) .. S - 1 round robin, the rest run in the
     controller's process. ``held_requests``: admitted requests a replica holds before
     releasing the oldest (0: each released in the round after its agreement)."""
 
@@ -85,7 +85,7 @@ class AdmissionSetting:
     workload: str = "mixed"
     stage_processes: bool = False
     stage_hosts: int = 0
-    stages_in_process: int = 0
+    stages_in_process: int | None = None
     held_requests: int = 256
 
 
@@ -355,7 +355,9 @@ def _stage_layout(setting: AdmissionSetting) -> list[list[int]]:
     sharing the ranks from ``stages_in_process`` on, round robin."""
     if setting.stage_processes:
         return [[rank] for rank in range(setting.stages)]
-    first = setting.stages if setting.stage_hosts < 1 else setting.stages_in_process
+    if setting.stage_hosts < 1:
+        return []
+    first = setting.stages // 2 if setting.stages_in_process is None else setting.stages_in_process
     ranks = list(range(min(first, setting.stages), setting.stages))
     hosts = min(setting.stage_hosts, len(ranks))
     return [ranks[host::hosts] for host in range(hosts)]
@@ -403,7 +405,7 @@ async def run_admission_bench(
             if getattr(setting, name) < 1:
                 raise ValueError(f"{name}={getattr(setting, name)}: must be >= 1")
         for name in ("stage_hosts", "stages_in_process", "held_requests"):
-            if getattr(setting, name) < 0:
+            if (getattr(setting, name) or 0) < 0:
                 raise ValueError(f"{name}={getattr(setting, name)}: must be >= 0")
         if setting.workload not in WORKLOADS:
             raise ValueError(f"workload={setting.workload!r}: choose from {list(WORKLOADS)}")

@@ -134,9 +134,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     adm.add_argument(
         "--stages-in-process",
         type=int,
-        default=0,
-        help="with --stage-hosts: ranks 0..K-1 stay in the controller's process (a 2-core "
-        "machine: half the stages beside the controller, half in one stage host)",
+        default=None,
+        help="with --stage-hosts: ranks 0..K-1 stay in the controller's process (default S // "
+        "2: on a 2-core machine half the stages beside the controller, half in one stage host)",
     )
     adm.add_argument(
         "--held",
@@ -294,7 +294,7 @@ def _run_admission(args: argparse.Namespace) -> int:
         ("stages_in_process", "--stages-in-process", 0),
         ("held", "--held", 0),
     ):
-        if getattr(args, name) < low:
+        if (getattr(args, name) or 0) < low:
             return _fail(flag, f"{getattr(args, name)}: must be >= {low}")
     settings = [
         AdmissionSetting(
