@@ -161,7 +161,7 @@ class StageKVManager:
         self._num_admitted += 1
         self._requests[request_id] = HeldRequest(
             request_id,
-            list(hit.block_ids),
+            hit.block_ids,
             self._clock() + lease_s,
             self._num_admitted,
             block_hashes,
@@ -177,7 +177,7 @@ class StageKVManager:
         *,
         owner: str = "",
         copy: bool = True,
-    ) -> list[int] | None:
+    ) -> Sequence[int] | None:
         """Keep the whole pinned hit (h_s blocks) and reserve the ``num_total_blocks - h_s``
         blocks after it: the one-round-trip agreement's stage step, after ``probe_pin``.
         Arguments as ``commit``'s (``num_total_blocks`` >= the probed hashes, no L*).
@@ -264,7 +264,7 @@ class StageKVManager:
         *,
         owner: str = "",
         copy: bool = True,
-    ) -> list[int] | None:
+    ) -> Sequence[int] | None:
         """Keep the first L* pinned blocks, unpin the rest, reserve the blocks after L*.
 
         Args:
@@ -274,7 +274,7 @@ class StageKVManager:
                 >= L*. The controller keeps L* below it when the last token must be computed.
             lease_s: New lease, seconds from now, > 0, <= ``max_lease_s``.
             owner: The owner that probed it.
-            copy: False: return the manager's own table (the caller only reads it, at once).
+            copy: False: return the manager's own table, a tuple (the caller only reads it).
 
         Returns:
             The block table (L* cached ids, then num_total_blocks - L* fresh ids), or None
@@ -321,7 +321,7 @@ class StageKVManager:
             )
         # Unpin past L* first: those blocks become evictable and may serve this reservation.
         self.pool.free(held.hit_block_ids[num_agreed_blocks:], validate=False)
-        del held.hit_block_ids[num_agreed_blocks:]
+        held.hit_block_ids = held.hit_block_ids[:num_agreed_blocks]
         if not self._allocate_table(held, owner, num_total_blocks - num_agreed_blocks):
             return None
         held.num_agreed_blocks = held.num_hashed_blocks = num_agreed_blocks
@@ -548,7 +548,7 @@ class StageKVManager:
             self.pool.free(held.hit_block_ids, validate=False)
             del self._requests[held.request_id]
             return False
-        held.block_table = held.hit_block_ids + fresh_block_ids
+        held.block_table = held.hit_block_ids + tuple(fresh_block_ids)
         return True
 
     def _fits_owner_cap(self, owner: str, num_fresh: int) -> bool:
@@ -566,5 +566,5 @@ class StageKVManager:
         return held
 
     @staticmethod
-    def _held_block_ids(held: HeldRequest) -> list[int]:
+    def _held_block_ids(held: HeldRequest) -> tuple[int, ...]:
         return held.block_table if held.block_table is not None else held.hit_block_ids
