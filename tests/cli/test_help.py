@@ -46,7 +46,9 @@ def _flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
 
 
 def _shown_default(default: object) -> bool:
-    return default not in (None, False, "", argparse.SUPPRESS)
+    """Whether --help must show the default: any but None, False, "" and SUPPRESS (False by
+    identity: ``0 in (False,)`` is True, which let a default of 0 go unshown)."""
+    return default is not None and default is not False and default not in ("", argparse.SUPPRESS)
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

@@ -128,8 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stage-hosts",
         type=int,
         default=0,
-        help="stage host processes sharing the stage KV servers not kept in this process "
-        "(0: all in this process; ignored with --stage-processes)",
+        help="stage host processes sharing, round robin, the ranks not kept in this process "
+        "(default 0: all in this process; ignored with --stage-processes)",
     )
     adm.add_argument(
         "--stages-in-process",

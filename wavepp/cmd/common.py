@@ -86,7 +86,8 @@ class HelpFormatter(argparse.HelpFormatter):
         text = action.help or ""
         if "default" in text.lower() or action.default is argparse.SUPPRESS:
             return text
-        if action.option_strings and action.default not in (None, False, ""):
+        hidden = action.default is None or action.default is False or action.default == ""
+        if action.option_strings and not hidden:  # not `in (None, False, "")`: 0 == False
             if not (isinstance(action.default, bool) and action.nargs == 0):
                 text += " (default: %(default)s)"
         return text

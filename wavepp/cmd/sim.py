@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompt-tokens",
         type=int,
         default=0,
-        help="scale the reuse preset to this prompt length (0: preset's 4096)",
+        help="scale the reuse preset to this prompt length (default 0: the preset's 4096)",
     )
     parser.add_argument(
         "--requests",
