@@ -125,3 +125,20 @@ def test_cli_refuses_a_negative_layout_or_held_flag(
 
     assert cli.main(["bench", "admission", flag, "-1"]) == 2
     assert f"{flag}: -1: must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--stage-hosts", "1", "--stage-processes"], "--stage-hosts: not with --stage-processes"),
+        (["--stages-in-process", "2"], "--stages-in-process: needs --stage-hosts"),
+        (["--stage-hosts", "0", "--stages-in-process", "2"], "--stages-in-process: needs"),
+    ],
+)
+def test_cli_refuses_a_layout_flag_it_would_ignore(
+    flags: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from wavepp import cli
+
+    assert cli.main(["bench", "admission", "--stages", "2", "--requests", "1", *flags]) == 2
+    assert named in capsys.readouterr().err

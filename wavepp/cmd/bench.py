@@ -129,13 +129,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="stage host processes sharing, round robin, the ranks not kept in this process "
-        "(default 0: all in this process; ignored with --stage-processes)",
+        "(default 0: all in this process; not with --stage-processes)",
     )
     adm.add_argument(
         "--stages-in-process",
         type=int,
         default=None,
-        help="with --stage-hosts: ranks 0..K-1 stay in the controller's process (default S // "
+        help="needs --stage-hosts: ranks 0..K-1 stay in the controller's process (default S // "
         "2: on a 2-core machine half the stages beside the controller, half in one stage host)",
     )
     adm.add_argument(
@@ -296,6 +296,12 @@ def _run_admission(args: argparse.Namespace) -> int:
     ):
         if (getattr(args, name) or 0) < low:
             return _fail(flag, f"{getattr(args, name)}: must be >= {low}")
+    # a layout flag that would be ignored is refused (accepted but not honoured is a defect)
+    if args.stage_hosts and args.stage_processes:
+        return _fail("--stage-hosts", "not with --stage-processes (one process per stage)")
+    if args.stages_in_process is not None and not args.stage_hosts:
+        return _fail("--stages-in-process", "needs --stage-hosts N >= 1 (without it every "
+                     "stage runs in the controller's process)")  # fmt: skip
     settings = [
         AdmissionSetting(
             s,
