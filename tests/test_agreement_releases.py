@@ -191,3 +191,33 @@ async def test_a_release_whose_round_fails_raises_and_the_round_fails_too() -> N
     assert all(isinstance(r, ConnectionError) for r in results), results
     # the lease will free what the release could not; the other stages applied it
     assert "r0" not in managers[0].request_ids() and "r0" in managers[1].request_ids()
+
+
+async def test_an_id_agreed_again_waits_for_its_release_left_to_a_later_round() -> None:
+    """Releases past ``max_batch`` wait for a later round; an id among them agreed again must
+    wait with them: in the earlier round a stage would answer its probe-reserve from the old
+    table and hit (idempotent by id: an L* the new prompt never had), and the late release
+    would then free the new ticket's blocks (attack-3 F1)."""
+    managers = [StageKVManager(BlockPool(64, BLOCK)) for _ in range(2)]
+    clients = [LoggingClient(m, r, []) for r, m in enumerate(managers)]
+    controller = AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID, max_batch=4)
+    seed = PromptRequest("seed", list(range(1000, 1012)))  # 3 blocks, cached on both stages
+    assert await controller.agree(seed)
+    for manager in managers:
+        manager.start_chunk("seed", 0)
+        manager.mark_computed("seed", 12, controller.block_hashes(seed))
+    await controller.release(["seed"])
+    old = [_request(i) for i in range(5)] + [PromptRequest("r5", [*range(1000, 1012), 7])]
+    assert (await asyncio.gather(*(controller.agree(r) for r in old)))[-1].stage_hits == (3, 3)
+    # in one pass of the loop: a request waits for a round, the six are released (two groups
+    # of max_batch), and r5 is agreed again with a prompt nothing cached shares
+    again = PromptRequest("r5", [*range(5000, 5012), 8])
+    *_, ticket = await asyncio.gather(
+        controller.agree(_request(9)),
+        controller.release([r.request_id for r in old]),
+        controller.agree(again),
+    )
+    assert ticket.stage_hits == (0, 0) and ticket.num_agreed_blocks == 0
+    for manager in managers:
+        assert sorted(manager.request_ids()) == ["r5", "r9"]
+        assert manager.block_hashes("r5") == tuple(controller.block_hashes(again))
