@@ -11,8 +11,11 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from wavepp.api.kv_batch import BatchOp, KVBatch, ReserveEntry, encode_batch
+from wavepp.api.kv_reply import EntryStatus, decode_reply
 from wavepp.api.messages import Commit, KVReply, ProbePin
 from wavepp.api.spec import check_spec
+from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
 from wavepp.runtime.model_config import ModelConfig
@@ -149,3 +152,17 @@ def test_the_cap_check_does_not_walk_every_held_request(monkeypatch: pytest.Monk
     for i in range(1000):
         manager.release(f"r{i}", owner="adm")
     assert manager.num_owner_blocks("adm") == 1000
+
+
+def test_a_round_refused_by_the_cap_says_so() -> None:
+    """A probe-reserve refused by the owner cap while the pool has room named only the pool
+    ("needs 4 blocks, 28 free of 32"), as if the pool were full (attack-3 F2)."""
+    manager = StageKVManager(BlockPool(POOL, BLOCK), max_blocks_per_owner=6)
+    entries = tuple(
+        ReserveEntry(rid, tuple(hash_prompt_blocks([1] * 4 * BLOCK, BLOCK, rid)), 4)
+        for rid in ("a", "b")
+    )
+    batch = KVBatch(BatchOp.PROBE_RESERVE, entries, 5.0, "adm", 1)
+    first, second = decode_reply(handle_kv_batch(manager, 0, encode_batch(batch))).results
+    assert first.ok and second.status is EntryStatus.REFUSED
+    assert "owner holds 4 of max_blocks_per_owner=6" in second.error, second.error
