@@ -166,3 +166,13 @@ def test_a_round_refused_by_the_cap_says_so() -> None:
     first, second = decode_reply(handle_kv_batch(manager, 0, encode_batch(batch))).results
     assert first.ok and second.status is EntryStatus.REFUSED
     assert "owner holds 4 of max_blocks_per_owner=6" in second.error, second.error
+
+
+def test_the_gateway_refuses_a_prompt_longer_than_the_cap_allows() -> None:
+    """The gateway's prompt limit came from the stages' pools alone: with a lower cap it took
+    prompts the admission can never hold and failed them after queueing (attack-3)."""
+    from wavepp.cmd.gateway import gateway_model_fields
+
+    assert gateway_model_fields(_config())["max_prompt_tokens"] == POOL * BLOCK
+    capped = gateway_model_fields(_config(max_blocks_per_owner=8))
+    assert capped["max_prompt_tokens"] == 8 * BLOCK
