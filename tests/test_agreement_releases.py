@@ -8,6 +8,8 @@ import asyncio
 import hashlib
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from wavepp.api.kv_batch import (
     BatchOp,
@@ -18,7 +20,7 @@ from wavepp.api.kv_batch import (
     encode_batch,
 )
 from wavepp.api.kv_reply import EntryStatus, decode_reply
-from wavepp.runtime.agreement import AdmissionController, LocalStageClient
+from wavepp.runtime.agreement import AdmissionController, AgreementRefused, LocalStageClient
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.request import PromptRequest
@@ -191,3 +193,116 @@ async def test_a_release_whose_round_fails_raises_and_the_round_fails_too() -> N
     assert all(isinstance(r, ConnectionError) for r in results), results
     # the lease will free what the release could not; the other stages applied it
     assert "r0" not in managers[0].request_ids() and "r0" in managers[1].request_ids()
+
+
+async def test_an_id_agreed_again_waits_for_its_release_left_to_a_later_round() -> None:
+    """Releases past ``max_batch`` wait for a later round; an id among them agreed again must
+    wait with them: in the earlier round a stage would answer its probe-reserve from the old
+    table and hit (idempotent by id: an L* the new prompt never had), and the late release
+    would then free the new ticket's blocks (attack-3 F1)."""
+    managers = [StageKVManager(BlockPool(64, BLOCK)) for _ in range(2)]
+    clients = [LoggingClient(m, r, []) for r, m in enumerate(managers)]
+    controller = AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID, max_batch=4)
+    seed = PromptRequest("seed", list(range(1000, 1012)))  # 3 blocks, cached on both stages
+    assert await controller.agree(seed)
+    for manager in managers:
+        manager.start_chunk("seed", 0)
+        manager.mark_computed("seed", 12, controller.block_hashes(seed))
+    await controller.release(["seed"])
+    old = [_request(i) for i in range(5)] + [PromptRequest("r5", [*range(1000, 1012), 7])]
+    assert (await asyncio.gather(*(controller.agree(r) for r in old)))[-1].stage_hits == (3, 3)
+    # in one pass of the loop: a request waits for a round, the six are released (two groups
+    # of max_batch), and r5 is agreed again with a prompt nothing cached shares
+    again = PromptRequest("r5", [*range(5000, 5012), 8])
+    *_, ticket = await asyncio.gather(
+        controller.agree(_request(9)),
+        controller.release([r.request_id for r in old]),
+        controller.agree(again),
+    )
+    assert ticket.stage_hits == (0, 0) and ticket.num_agreed_blocks == 0
+    for manager in managers:
+        assert sorted(manager.request_ids()) == ["r5", "r9"]
+        assert manager.block_hashes("r5") == tuple(controller.block_hashes(again))
+
+
+_steps = st.lists(  # each step: actions started in one pass of the event loop
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("agree"), st.integers(0, 5), st.integers(0, 2)),
+            st.tuples(st.just("release"), st.sets(st.integers(0, 5), max_size=6)),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=_steps, max_batch=st.integers(1, 3))
+@example(  # attack-3 F1: r2's release, sent alone after r0's, overtaken by r2 agreed again
+    steps=[
+        [("agree", 0, 0), ("agree", 1, 0), ("agree", 2, 0)],
+        [("release", {0, 1, 2}), ("agree", 2, 0)],
+    ],
+    max_batch=1,
+)
+@example(  # attack-3 F1: r2's release waits for a later round; r2 agreed again must wait too
+    steps=[
+        [("agree", 0, 0), ("agree", 1, 0), ("agree", 2, 0)],
+        [("agree", 3, 2), ("release", {0, 1, 2}), ("agree", 2, 2)],
+    ],
+    max_batch=2,
+)
+def test_mixed_agreements_and_releases_keep_the_stages_in_step(
+    steps: list[list[tuple]], max_batch: int
+) -> None:
+    """Agreements and releases of a few ids, reused, started together (releases riding rounds,
+    queued past ``max_batch``): after each step every stage holds exactly the ids the controller
+    holds live, each with the prompt its ticket agreed (never an earlier prompt's table), and
+    nothing is left held at the end."""
+
+    async def scenario() -> None:
+        managers = [StageKVManager(BlockPool(96, BLOCK)) for _ in range(2)]
+        clients = [LocalStageClient(m, r) for r, m in enumerate(managers)]
+        controller = AdmissionController(
+            clients, block_size=BLOCK, model_id=MODEL_ID, max_batch=max_batch
+        )
+        prompts: dict[str, PromptRequest] = {}
+        for step in steps:
+            live = controller.live_request_ids
+            calls, agreed = [], []
+            for action in step:
+                if action[0] == "agree":
+                    rid = f"r{action[1]}"
+                    # variants share a cached prefix (0, 1) or not (2)
+                    tokens = [action[2] // 2 * 500 + t for t in range(8)] + [action[2], rid[1:]]
+                    request = PromptRequest(rid, [int(t) for t in tokens])
+                    calls.append(controller.agree(request))
+                    agreed.append(request)
+                else:
+                    ids = sorted(f"r{i}" for i in action[1] if f"r{i}" in live)
+                    live = live - set(ids)
+                    calls.append(controller.release(ids))
+                    agreed.append(None)
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            for request, result in zip(agreed, results, strict=True):
+                if isinstance(result, AgreementRefused):
+                    continue  # the id was agreeing or live already: refused, nothing changed
+                assert not isinstance(result, BaseException), result
+                if request is not None and result is not None:
+                    prompts[request.request_id] = request
+                    for manager in managers:  # computed: later prompts hit it
+                        manager.start_chunk(request.request_id, result.num_cached_tokens)
+                        manager.mark_computed(request.request_id, 8)
+            for manager in managers:
+                assert sorted(manager.request_ids()) == sorted(controller.live_request_ids)
+                for rid in controller.live_request_ids:
+                    assert manager.block_hashes(rid) == tuple(controller.block_hashes(prompts[rid]))
+        await controller.release(sorted(controller.live_request_ids))
+        for manager in managers:
+            assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0
+            manager.pool.check_invariants()
+
+    asyncio.run(scenario())

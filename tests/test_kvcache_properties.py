@@ -571,6 +571,9 @@ class StageKVManagerMachine(RuleBasedStateMachine):
         assert [self.pool.ref_cnt(b) for b in range(_NUM_STAGE_BLOCKS)] == refs
         assert self.pool.num_free_blocks + sum(r > 0 for r in refs) == _NUM_STAGE_BLOCKS
         assert self.manager.num_requests == len(self.requests)
+        # the owner cap's count, kept as requests change (every request here is owner "")
+        held = sum(len(r.held_block_ids) for r in self.requests.values())
+        assert self.manager.num_owner_blocks("") == held
 
     @invariant()
     def held_blocks_keep_their_ids_and_hashes(self) -> None:

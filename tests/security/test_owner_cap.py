@@ -11,10 +11,13 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from wavepp.api.kv_batch import BatchOp, KVBatch, ReserveEntry, encode_batch
+from wavepp.api.kv_reply import EntryStatus, decode_reply
 from wavepp.api.messages import Commit, KVReply, ProbePin
 from wavepp.api.spec import check_spec
+from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.kv import hash_prompt_blocks
+from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
 from wavepp.runtime.model_config import ModelConfig
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.request import PromptRequest
@@ -124,3 +127,52 @@ def test_the_spec_option_reaches_the_runtime_config_and_bad_values_are_named() -
         assert "engineOptions.maxBlocksPerOwner" in text and words in text, text
     with pytest.raises(ValidationError, match="max_blocks_per_owner"):
         _config(max_blocks_per_owner=0)
+
+
+def test_the_cap_check_does_not_walk_every_held_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a cap, each reservation asked how many blocks its owner holds by summing over every
+    held request: a round of 512 reservations with 20,480 held cost a stage 690 ms instead of
+    3 ms (attack-3 F3). The count is kept as requests change; a reservation reads it."""
+    manager = StageKVManager(BlockPool(4096, BLOCK), max_blocks_per_owner=4000)
+    for i in range(2000):
+        manager.probe_pin(f"r{i}", (), 5.0, owner="adm")
+        assert manager.reserve(f"r{i}", 1, 5.0, owner="adm") is not None
+    walked = []
+    original = StageKVManager._held_block_ids
+    monkeypatch.setattr(
+        StageKVManager,
+        "_held_block_ids",
+        staticmethod(lambda held: walked.append(1) or original(held)),
+    )
+    manager.probe_pin("last", (), 5.0, owner="adm")
+    assert manager.reserve("last", 1, 5.0, owner="adm") is not None
+    assert len(walked) <= 1, f"{len(walked)} held requests walked for one reservation"
+    assert manager.num_owner_blocks("adm") == 2001 and manager.num_owner_blocks("other") == 0
+    manager.release("last", owner="adm")
+    for i in range(1000):
+        manager.release(f"r{i}", owner="adm")
+    assert manager.num_owner_blocks("adm") == 1000
+
+
+def test_a_round_refused_by_the_cap_says_so() -> None:
+    """A probe-reserve refused by the owner cap while the pool has room named only the pool
+    ("needs 4 blocks, 28 free of 32"), as if the pool were full (attack-3 F2)."""
+    manager = StageKVManager(BlockPool(POOL, BLOCK), max_blocks_per_owner=6)
+    entries = tuple(
+        ReserveEntry(rid, tuple(hash_prompt_blocks([1] * 4 * BLOCK, BLOCK, rid)), 4)
+        for rid in ("a", "b")
+    )
+    batch = KVBatch(BatchOp.PROBE_RESERVE, entries, 5.0, "adm", 1)
+    first, second = decode_reply(handle_kv_batch(manager, 0, encode_batch(batch))).results
+    assert first.ok and second.status is EntryStatus.REFUSED
+    assert "owner holds 4 of max_blocks_per_owner=6" in second.error, second.error
+
+
+def test_the_gateway_refuses_a_prompt_longer_than_the_cap_allows() -> None:
+    """The gateway's prompt limit came from the stages' pools alone: with a lower cap it took
+    prompts the admission can never hold and failed them after queueing (attack-3)."""
+    from wavepp.cmd.gateway import gateway_model_fields
+
+    assert gateway_model_fields(_config())["max_prompt_tokens"] == POOL * BLOCK
+    capped = gateway_model_fields(_config(max_blocks_per_owner=8))
+    assert capped["max_prompt_tokens"] == 8 * BLOCK

@@ -111,15 +111,16 @@ def replica_info(pipeline: str, config: RuntimeConfig) -> ReplicaInfo:
 
 def gateway_model_fields(first: RuntimeConfig) -> dict[str, Any]:
     """GatewayConfig's model fields from a replica's RuntimeConfig: ``model_name``,
-    ``model_id``, ``block_size``, ``vocab_size`` and ``max_prompt_tokens`` (the smallest
-    stage's KV capacity in tokens, at most the model's ``max_position``)."""
+    ``model_id``, ``block_size``, ``vocab_size`` and ``max_prompt_tokens`` (the fewest blocks
+    one admission may hold on a stage, its pool or ``max_blocks_per_owner`` when lower, in
+    tokens, at most the model's ``max_position``: a longer prompt could never be admitted)."""
     return {
         "model_name": first.model.name,
         "model_id": first.model_id,
         "block_size": first.block_size,
         "vocab_size": first.model.vocab_size,
         "max_prompt_tokens": min(
-            min(first.kv_blocks_of(r) for r in range(first.num_stages)) * first.block_size,
+            min(first.owner_blocks_of(r) for r in range(first.num_stages)) * first.block_size,
             first.model.max_position,
         ),
     }
@@ -136,7 +137,8 @@ def gateway_config_from_spec(
 
     Pool name: ``pool_doc["pipeline"]`` (the WavePipeline's name); replicas: :func:`pool_replicas`,
     each ``{pool}-r{i}`` with ``spec.stages`` stages; model, block size and vocabulary from the
-    replica's RuntimeConfig; ``max_prompt_tokens`` = min(smallest stage KV capacity x block_size,
+    replica's RuntimeConfig; ``max_prompt_tokens`` = min(smallest stage KV capacity (or
+    ``max_blocks_per_owner`` when lower) x block_size,
     the model's max position) as ``wavepp up`` does; tenants from ``spec.tenants`` with every
     limit the spec sets (salt: the spec's, else ``tenant:{name}``), or one ``default`` tenant;
     a tenant's ``apiKeySecret`` is read from its mount, ``{API_KEYS_DIR}/{tenant}/keys``; the

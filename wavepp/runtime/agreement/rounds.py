@@ -17,7 +17,9 @@ Releases ride along: while agreements wait for a round that can start now, ``rel
 the ids for it, and the probe-reserve round carries them (``KVBatch.releases``: each stage
 releases them before the round's reservations), so the finished requests and the new ones cost
 each stage one message, not two; otherwise the ids go out at once in a release batch of their
-own (never later than before). A round starts one pass of the event loop after its first
+own (never later than before). Releases past ``max_batch`` wait for a later round, and an
+agreement of an id among them waits with them (a stage still holding the id would answer from
+its old table, and the late release would free the new one's). A round starts one pass of the event loop after its first
 request arrived: what else arrives in that pass (the callers a finished round woke, the
 releases of a finished micro-batch) joins it.
 
@@ -190,18 +192,26 @@ class AgreementRounds:
         while self._pending or self._releases:
             while len(self._rounds) >= self.max_rounds_in_flight:
                 await asyncio.wait(self._rounds, return_when=asyncio.FIRST_COMPLETED)
-            batch: list[PendingAgreement] = []
-            while self._pending and len(batch) < self.max_batch:
-                pending = self._pending.popleft()
-                if pending.abandoned:
-                    pending.future.cancel()
-                else:
-                    batch.append(pending)
             releases: list[tuple[list[str], asyncio.Future[None]]] = []
             num_ids = 0
             while self._releases and num_ids + len(self._releases[0][0]) <= self.max_batch:
                 releases.append(self._releases.popleft())
                 num_ids += len(releases[-1][0])
+            # an id whose release waits for a later round waits with it: a stage answers a
+            # probe-reserve of an id it still holds from the old table (idempotent by id), and
+            # the late release would then free the new agreement's blocks
+            later = {rid for group, _ in self._releases for rid in group}
+            batch: list[PendingAgreement] = []
+            held_back: list[PendingAgreement] = []
+            while self._pending and len(batch) < self.max_batch:
+                pending = self._pending.popleft()
+                if pending.abandoned:
+                    pending.future.cancel()
+                elif pending.request_id in later:
+                    held_back.append(pending)
+                else:
+                    batch.append(pending)
+            self._pending.extendleft(reversed(held_back))
             if batch:
                 self.num_rounds += 1
                 task = asyncio.create_task(self._round(batch, releases))

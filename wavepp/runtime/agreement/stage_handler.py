@@ -270,7 +270,8 @@ def _apply_batch(
                             EntryStatus.REFUSED,
                             0,
                             f"reservation refused: needs {need} blocks, "
-                            f"{pool.num_free_blocks} free of {pool.num_blocks}",
+                            f"{pool.num_free_blocks} free of {pool.num_blocks}"
+                            f"{_owner_cap_note(manager, batch.owner)}",
                         )
                     )
                 else:
@@ -333,6 +334,18 @@ def _probe_reserve(manager: StageKVManager, batch: KVBatch) -> tuple[EntryResult
                 EntryStatus.REFUSED,
                 0,
                 f"reservation refused: needs {entry.num_total_blocks - result.value} blocks, "
-                f"{pool.num_free_blocks} free of {pool.num_blocks}",
+                f"{pool.num_free_blocks} free of {pool.num_blocks}"
+                f"{_owner_cap_note(manager, batch.owner)}",
             )
     return tuple(r for r in results if r is not None)
+
+
+def _owner_cap_note(manager: StageKVManager, owner: str) -> str:
+    """The owner cap's part of a refusal (empty without a cap): a reservation the cap refused
+    reads as one the pool refused otherwise."""
+    if manager.max_blocks_per_owner is None:
+        return ""
+    return (
+        f", owner holds {manager.num_owner_blocks(owner)} of max_blocks_per_owner="
+        f"{manager.max_blocks_per_owner}"
+    )

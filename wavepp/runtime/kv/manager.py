@@ -77,6 +77,9 @@ class StageKVManager:
         # owner -> (highest op number, op numbers seen within seq_window of it)
         self._owner_seqs: OrderedDict[str, tuple[int, set[int]]] = OrderedDict()
         self._requests: dict[str, HeldRequest] = {}
+        # owner -> blocks its requests hold (pinned and reserved, as num_owner_blocks counts
+        # them), kept as they change: the cap's check is O(1), not a pass over every request
+        self._owner_blocks: dict[str, int] = {}
         self._num_admitted = 0
         # first block hash -> (hashes, walk) of the latest probe starting with it: a later probe
         # of the same prefix starts its walk there (BlockPool.pin_cache_hit)
@@ -159,6 +162,7 @@ class StageKVManager:
             if len(recent) > self.recent_walks_kept:
                 del recent[next(iter(recent))]
         self._num_admitted += 1
+        self._count_owner_blocks(owner, len(hit.block_ids))
         self._requests[request_id] = HeldRequest(
             request_id,
             hit.block_ids,
@@ -321,6 +325,7 @@ class StageKVManager:
             )
         # Unpin past L* first: those blocks become evictable and may serve this reservation.
         self.pool.free(held.hit_block_ids[num_agreed_blocks:], validate=False)
+        self._count_owner_blocks(held.owner, num_agreed_blocks - len(held.hit_block_ids))
         held.hit_block_ids = held.hit_block_ids[:num_agreed_blocks]
         if not self._allocate_table(held, owner, num_total_blocks - num_agreed_blocks):
             return None
@@ -443,7 +448,9 @@ class StageKVManager:
         if held is None or (owner is not None and held.owner != owner):
             return False
         del self._requests[request_id]
-        self.pool.free(self._held_block_ids(held), validate=False)
+        block_ids = self._held_block_ids(held)
+        self._count_owner_blocks(held.owner, -len(block_ids))
+        self.pool.free(block_ids, validate=False)
         return True
 
     def renew(self, request_ids: Iterable[str], lease_s: float, *, owner: str | None = None) -> int:
@@ -490,12 +497,9 @@ class StageKVManager:
         return True
 
     def num_owner_blocks(self, owner: str) -> int:
-        """Blocks ``owner``'s requests hold now (pinned and reserved)."""
-        return sum(
-            len(self._held_block_ids(held))
-            for held in self._requests.values()
-            if held.owner == owner
-        )
+        """Blocks ``owner``'s requests hold now (pinned and reserved; a cached block pinned by
+        two of its requests counts twice). O(1): kept as they change."""
+        return self._owner_blocks.get(owner, 0)
 
     def expire(self) -> list[str]:
         """Release every request whose lease passed (expiry <= clock()), committed or not.
@@ -546,15 +550,24 @@ class StageKVManager:
             fresh_block_ids = self.pool.allocate(num_fresh)
         if fresh_block_ids is None:
             self.pool.free(held.hit_block_ids, validate=False)
+            self._count_owner_blocks(held.owner, -len(held.hit_block_ids))
             del self._requests[held.request_id]
             return False
         held.block_table = held.hit_block_ids + tuple(fresh_block_ids)
+        self._count_owner_blocks(held.owner, num_fresh)
         return True
 
     def _fits_owner_cap(self, owner: str, num_fresh: int) -> bool:
         if self.max_blocks_per_owner is None:
             return True
         return self.num_owner_blocks(owner) + num_fresh <= self.max_blocks_per_owner
+
+    def _count_owner_blocks(self, owner: str, delta: int) -> None:
+        num_blocks = self._owner_blocks.get(owner, 0) + delta
+        if num_blocks:
+            self._owner_blocks[owner] = num_blocks
+        else:  # an owner holding nothing is forgotten (owners come and go with restarts)
+            self._owner_blocks.pop(owner, None)
 
     def _held(self, request_id: str) -> HeldRequest:
         held = self._requests.get(request_id)
