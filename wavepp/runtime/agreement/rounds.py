@@ -23,6 +23,10 @@ its old table, and the late release would free the new one's). A round starts on
 request arrived: what else arrives in that pass (the callers a finished round woke, the
 releases of a finished micro-batch) joins it.
 
+A round holds at most ``max_batch`` requests and ``max_round_bytes`` of entries and releases
+(``MAX_ROUND_BYTES``, below NATS's 1 MiB ``max_payload``: the server refuses a larger message,
+which would fail every request of the round); the rest wait for the next round.
+
 Rounds overlap: a request that arrives while fewer than ``max_rounds_in_flight`` rounds are
 under way starts a round of its own at once (no added latency at low load); past that, arrivals
 wait for a round to finish and then share the next one, so the batch grows with the load: one
@@ -53,7 +57,14 @@ if TYPE_CHECKING:
 
     from wavepp.runtime.agreement.clients import StageClient
 
-__all__ = ["AgreementRounds", "PendingAgreement", "StageProtocolError"]
+__all__ = ["MAX_ROUND_BYTES", "AgreementRounds", "PendingAgreement", "StageProtocolError"]
+
+MAX_ROUND_BYTES = 1024 * 1024 - 64 * 1024
+"""Most bytes of entries (and riding releases) in one round's message: below NATS's default
+``max_payload`` of 1 MiB, with room for the batch's header, owner and tag."""
+_ENTRY_BYTES = 2 + 16  # a probe-reserve entry's id length and counts (kv_batch op 4)
+_ID_BYTES = 2  # a release's id length
+_HASH_BYTES = 32
 
 
 class StageProtocolError(RuntimeError):
@@ -96,6 +107,7 @@ class AgreementRounds:
         admitted: OnAdmitted,
         refusal: OnRefused,
         max_batch: int = 512,
+        max_round_bytes: int = MAX_ROUND_BYTES,
         max_rounds_in_flight: int = 4,
         state_interval_blocks: int = 1,
         encode: Callable[[KVBatch], bytes] = encode_batch,
@@ -105,10 +117,13 @@ class AgreementRounds:
             raise ValueError(f"max_batch: {max_batch}; must be in [1, {MAX_BATCH_ENTRIES}]")
         if max_rounds_in_flight < 1:
             raise ValueError(f"max_rounds_in_flight: {max_rounds_in_flight}; must be >= 1")
+        if max_round_bytes < 1:
+            raise ValueError(f"max_round_bytes: {max_round_bytes}; must be >= 1")
         self.stages = list(stages)
         self.block_size = block_size
         self.lease_s = lease_s
         self.max_batch = max_batch
+        self.max_round_bytes = max_round_bytes
         self.max_rounds_in_flight = max_rounds_in_flight
         # hybrid models: a prefix is reusable only up to a stored recurrent state, every k blocks
         self.state_interval_blocks = state_interval_blocks
@@ -193,10 +208,11 @@ class AgreementRounds:
             while len(self._rounds) >= self.max_rounds_in_flight:
                 await asyncio.wait(self._rounds, return_when=asyncio.FIRST_COMPLETED)
             releases: list[tuple[list[str], asyncio.Future[None]]] = []
-            num_ids = 0
+            num_ids = size = 0
             while self._releases and num_ids + len(self._releases[0][0]) <= self.max_batch:
                 releases.append(self._releases.popleft())
                 num_ids += len(releases[-1][0])
+                size += sum(_ID_BYTES + len(rid) for rid in releases[-1][0])
             # an id whose release waits for a later round waits with it: a stage answers a
             # probe-reserve of an id it still holds from the old table (idempotent by id), and
             # the late release would then free the new agreement's blocks
@@ -204,13 +220,23 @@ class AgreementRounds:
             batch: list[PendingAgreement] = []
             held_back: list[PendingAgreement] = []
             while self._pending and len(batch) < self.max_batch:
-                pending = self._pending.popleft()
+                pending = self._pending[0]
                 if pending.abandoned:
-                    pending.future.cancel()
-                elif pending.request_id in later:
-                    held_back.append(pending)
-                else:
-                    batch.append(pending)
+                    self._pending.popleft().future.cancel()
+                    continue
+                if pending.request_id in later:
+                    held_back.append(self._pending.popleft())
+                    continue
+                # at most max_round_bytes on the wire (NATS refuses a message past its
+                # max_payload, failing every request of the round): the entry's bytes counted
+                # as if it shared nothing; one entry alone goes out whatever its size
+                entry_bytes = (
+                    _ENTRY_BYTES + len(pending.request_id) + _HASH_BYTES * len(pending.block_hashes)
+                )
+                if batch and size + entry_bytes > self.max_round_bytes:
+                    break
+                batch.append(self._pending.popleft())
+                size += entry_bytes
             self._pending.extendleft(reversed(held_back))
             if batch:
                 self.num_rounds += 1
