@@ -61,7 +61,7 @@ from wavepp.gateway.validation import (
     tenant_hint,
 )
 from wavepp.runtime.transport.buskey import load_bus_key
-from wavepp.runtime.transport.natsio import connect
+from wavepp.runtime.transport.natsio import connect, flush_in_order
 
 log = logging.getLogger(__name__)
 
@@ -365,6 +365,7 @@ class GatewayServer:
             queue="gateway",
             cb=self._on_nats,
         )
+        await flush_in_order(self.gateway.nc)  # live on the server before "gateway serving"
 
     async def _on_nats(self, msg: Msg) -> None:
         task = asyncio.create_task(self._serve_nats(msg))
