@@ -123,10 +123,6 @@ class AdmissionController:
         self._seq = 0  # numbers this owner's ops: a stage refuses a replayed (signed) one
         self._live: set[str] = set()  # admitted, not released: their leases are renewed
         self._agreeing: set[str] = set()  # in a round now: a second agreement is refused
-        # released, not yet applied on every stage: an agreement of the id waits for it (a
-        # stage still holding the id would answer from the old table; the release, landing
-        # after, would free the new one's)
-        self._releasing: dict[str, asyncio.Future[None]] = {}
         self._rounds = AgreementRounds(
             self.stages,
             block_size=block_size,
@@ -194,8 +190,7 @@ class AdmissionController:
 
     async def _agree(self, request: PromptRequest) -> Ticket | None:
         """Probe-and-reserve on every stage, agree on L* (untraced), in the next batched
-        round (``rounds.AgreementRounds``). An id whose release is under way (``release``
-        called, not yet applied on every stage) waits for it first.
+        round (``rounds.AgreementRounds``; an id whose release is under way waits for it).
 
         Returns:
             The ticket, or None when a stage refused the reservation (nothing is held then).
@@ -208,8 +203,6 @@ class AdmissionController:
             StageUnavailableError: a stage did not answer (its pins expire with the lease).
         """
         request_id = request.request_id
-        while (releasing := self._releasing.get(request_id)) is not None:
-            await asyncio.shield(releasing)  # never raises: set when the release ends
         if request_id in self._agreeing or request_id in self._live:
             raise AgreementRefused(
                 f"request {request_id}: request_id is already "
@@ -258,16 +251,7 @@ class AdmissionController:
         if not request_ids:
             return
         self._live.difference_update(request_ids)
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        for request_id in request_ids:
-            self._releasing[request_id] = done
-        try:
-            await self._rounds.release(request_ids)
-        finally:
-            for request_id in request_ids:
-                if self._releasing.get(request_id) is done:
-                    del self._releasing[request_id]
-            done.set_result(None)
+        await self._rounds.release(request_ids)
 
     async def _release_quietly(self, request_ids: list[str]) -> None:
         try:

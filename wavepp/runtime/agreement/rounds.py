@@ -17,9 +17,9 @@ Releases ride along: while agreements wait for a round that can start now, ``rel
 the ids for it, and the probe-reserve round carries them (``KVBatch.releases``: each stage
 releases them before the round's reservations), so the finished requests and the new ones cost
 each stage one message, not two; otherwise the ids go out at once in a release batch of their
-own (never later than before). Releases past ``max_batch`` wait for a later round, and an
-agreement of an id among them waits with them (a stage still holding the id would answer from
-its old table, and the late release would free the new one's). A round starts one pass of the event loop after its first
+own (never later than before). An agreement of an id whose release is under way waits for it
+(a stage still holding the id would answer from its old table, and the late release would free
+the new one's). A round starts one pass of the event loop after its first
 request arrived: what else arrives in that pass (the callers a finished round woke, the
 releases of a finished micro-batch) joins it.
 
@@ -134,6 +134,11 @@ class AgreementRounds:
         self._pending: deque[PendingAgreement] = deque()
         # ids to release with the next round (at most max_batch each), and who waits for them
         self._releases: deque[tuple[list[str], asyncio.Future[None]]] = deque()
+        # id -> its release under way (``release`` called, not yet applied on every stage): an
+        # agreement of the id waits for it, since a stage still holding the id answers a
+        # probe-reserve from the old table (idempotent by id) and the late release would then
+        # free the new agreement's blocks
+        self._releasing: dict[str, asyncio.Future[None]] = {}
         self._runner: asyncio.Task[None] | None = None
         self._rounds: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Future[None]] = set()
@@ -146,7 +151,10 @@ class AgreementRounds:
     async def submit(self, request: PromptRequest, block_hashes: Sequence[bytes]) -> Any:
         """Join the next round; the controller's ``admitted`` result, or None when a stage
         refused the reservation (nothing held then). Raises what the round raised for it
-        (``StageUnavailableError``, ``StageProtocolError``, the controller's refusal error)."""
+        (``StageUnavailableError``, ``StageProtocolError``, the controller's refusal error).
+        An id whose release is under way waits for it first."""
+        while (releasing := self._releasing.get(request.request_id)) is not None:
+            await asyncio.shield(releasing)  # never raises: set when the release ends
         loop = asyncio.get_running_loop()
         pending = PendingAgreement(
             request, block_hashes, loop.create_future(), time.monotonic(), tracing.current_context()
@@ -171,30 +179,41 @@ class AgreementRounds:
         ids = list(request_ids)
         if not ids:
             return
-        if not self._pending or len(self._rounds) >= self.max_rounds_in_flight:
-            # nothing to ride with, or no round can start now: never later than on its own
-            for at in range(0, len(ids), self.max_batch):
-                await self._call_all(KVBatch(BatchOp.RELEASE, tuple(ids[at : at + self.max_batch])))
-            return
         loop = asyncio.get_running_loop()
-        futures = []
-        for at in range(0, len(ids), self.max_batch):
-            future: asyncio.Future[None] = loop.create_future()
-            future.add_done_callback(_retrieve)
-            self._releases.append((ids[at : at + self.max_batch], future))
-            futures.append(future)
-        self._start_runner(loop)
-        await asyncio.shield(asyncio.gather(*futures))
+        done: asyncio.Future[None] = loop.create_future()
+        for request_id in ids:
+            self._releasing[request_id] = done
+        try:
+            if not self._pending or len(self._rounds) >= self.max_rounds_in_flight:
+                # nothing to ride with, or no round can start now: never later than on its own
+                for chunk in self._chunks(ids):
+                    await self._call_all(KVBatch(BatchOp.RELEASE, tuple(chunk)))
+                return
+            futures = []
+            for chunk in self._chunks(ids):
+                future: asyncio.Future[None] = loop.create_future()
+                future.add_done_callback(_retrieve)
+                self._releases.append((chunk, future))
+                futures.append(future)
+            self._start_runner(loop)
+            await asyncio.shield(asyncio.gather(*futures))
+        finally:
+            for request_id in ids:
+                if self._releasing.get(request_id) is done:
+                    del self._releasing[request_id]
+            done.set_result(None)
 
     async def release_quietly(self, request_ids: Sequence[str]) -> None:
         """Release batches sent at once (not with the next round: a round waits for this
         before it settles its callers), shielded from the caller's cancellation; a failure is
         left to the leases (logged by the caller's logger)."""
-        ids = list(request_ids)
         with contextlib.suppress(Exception):
-            for at in range(0, len(ids), self.max_batch):
-                batch = KVBatch(BatchOp.RELEASE, tuple(ids[at : at + self.max_batch]))
-                await asyncio.shield(self._call_all(batch))
+            for chunk in self._chunks(list(request_ids)):
+                await asyncio.shield(self._call_all(KVBatch(BatchOp.RELEASE, tuple(chunk))))
+
+    def _chunks(self, ids: list[str]) -> list[list[str]]:
+        """``ids`` in pieces of at most ``max_batch`` (one release message each)."""
+        return [ids[at : at + self.max_batch] for at in range(0, len(ids), self.max_batch)]
 
     # ---- rounds ------------------------------------------------------------------------------
 
@@ -213,19 +232,11 @@ class AgreementRounds:
                 releases.append(self._releases.popleft())
                 num_ids += len(releases[-1][0])
                 size += sum(_ID_BYTES + len(rid) for rid in releases[-1][0])
-            # an id whose release waits for a later round waits with it: a stage answers a
-            # probe-reserve of an id it still holds from the old table (idempotent by id), and
-            # the late release would then free the new agreement's blocks
-            later = {rid for group, _ in self._releases for rid in group}
             batch: list[PendingAgreement] = []
-            held_back: list[PendingAgreement] = []
             while self._pending and len(batch) < self.max_batch:
                 pending = self._pending[0]
                 if pending.abandoned:
                     self._pending.popleft().future.cancel()
-                    continue
-                if pending.request_id in later:
-                    held_back.append(self._pending.popleft())
                     continue
                 # at most max_round_bytes on the wire (NATS refuses a message past its
                 # max_payload, failing every request of the round): the entry's bytes counted
@@ -237,7 +248,6 @@ class AgreementRounds:
                     break
                 batch.append(self._pending.popleft())
                 size += entry_bytes
-            self._pending.extendleft(reversed(held_back))
             if batch:
                 self.num_rounds += 1
                 task = asyncio.create_task(self._round(batch, releases))
@@ -252,9 +262,8 @@ class AgreementRounds:
         self, releases: Sequence[tuple[list[str], asyncio.Future[None]]]
     ) -> None:
         """A release batch of its own (no agreement waited for a round)."""
-        ids = tuple(request_id for group, _ in releases for request_id in group)
         try:
-            await self._call_all(KVBatch(BatchOp.RELEASE, ids))
+            await self._call_all(KVBatch(BatchOp.RELEASE, _ids_of(releases)))
         except BaseException as exc:
             _settle_releases(releases, exc)
             if isinstance(exc, asyncio.CancelledError):
@@ -282,7 +291,7 @@ class AgreementRounds:
                 for p in batch
             ),
             self.lease_s,
-            releases=tuple(request_id for group, _ in releases for request_id in group),
+            releases=_ids_of(releases),
         )
         try:
             replies = await self._call_all(probe_reserve)
@@ -373,6 +382,10 @@ class AgreementRounds:
         self._background.add(task)  # kept referenced until done
         task.add_done_callback(self._background.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def _ids_of(releases: Sequence[tuple[list[str], asyncio.Future[None]]]) -> tuple[str, ...]:
+    return tuple(request_id for group, _ in releases for request_id in group)
 
 
 def _retrieve(future: asyncio.Future[None]) -> None:
