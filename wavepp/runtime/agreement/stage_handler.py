@@ -265,15 +265,7 @@ def _apply_batch(
                 )
                 if table is None:
                     need = entry.num_total_blocks - entry.num_agreed_blocks
-                    results.append(
-                        EntryResult(
-                            EntryStatus.REFUSED,
-                            0,
-                            f"reservation refused: needs {need} blocks, "
-                            f"{pool.num_free_blocks} free of {pool.num_blocks}"
-                            f"{_owner_cap_note(manager, batch.owner)}",
-                        )
-                    )
+                    results.append(_refused(manager, batch.owner, need))
                 else:
                     results.append(_ok(len(table) - entry.num_agreed_blocks))
             else:
@@ -288,7 +280,6 @@ def _apply_batch(
 
 def _probe_reserve(manager: StageKVManager, batch: KVBatch) -> tuple[EntryResult, ...]:
     """A probe-reserve batch's results: pin every entry's hit, then reserve after each hit."""
-    pool = manager.pool
     entries = batch.entries
     results: list[EntryResult | None] = [None] * len(entries)
     walks: list[CacheHit | None] = [None] * len(entries)
@@ -310,7 +301,7 @@ def _probe_reserve(manager: StageKVManager, batch: KVBatch) -> tuple[EntryResult
             results[index] = EntryResult(EntryStatus.INVALID, 0, f"probe_reserve: {exc}")
             continue
         newly_pinned[index] = walks[index] is not None
-        results[index] = EntryResult(EntryStatus.OK, hit)
+        results[index] = _ok(hit)
     for index, entry in enumerate(entries):
         result = results[index]
         assert isinstance(entry, ReserveEntry) and result is not None
@@ -330,22 +321,20 @@ def _probe_reserve(manager: StageKVManager, batch: KVBatch) -> tuple[EntryResult
             results[index] = EntryResult(EntryStatus.INVALID, 0, f"probe_reserve: {exc}")
             continue
         if table is None:
-            results[index] = EntryResult(
-                EntryStatus.REFUSED,
-                0,
-                f"reservation refused: needs {entry.num_total_blocks - result.value} blocks, "
-                f"{pool.num_free_blocks} free of {pool.num_blocks}"
-                f"{_owner_cap_note(manager, batch.owner)}",
-            )
+            need = entry.num_total_blocks - result.value
+            results[index] = _refused(manager, batch.owner, need)
     return tuple(r for r in results if r is not None)
 
 
-def _owner_cap_note(manager: StageKVManager, owner: str) -> str:
-    """The owner cap's part of a refusal (empty without a cap): a reservation the cap refused
-    reads as one the pool refused otherwise."""
-    if manager.max_blocks_per_owner is None:
-        return ""
-    return (
-        f", owner holds {manager.num_owner_blocks(owner)} of max_blocks_per_owner="
-        f"{manager.max_blocks_per_owner}"
-    )
+def _refused(manager: StageKVManager, owner: str, need: int) -> EntryResult:
+    """A batch entry's refused reservation of ``need`` blocks: the pool's free blocks and, with
+    an owner cap, what the owner holds (a reservation the cap refused reads as one the pool
+    refused otherwise)."""
+    pool = manager.pool
+    text = f"reservation refused: needs {need} blocks, {pool.num_free_blocks} free of {pool.num_blocks}"
+    if manager.max_blocks_per_owner is not None:
+        text += (
+            f", owner holds {manager.num_owner_blocks(owner)} of max_blocks_per_owner="
+            f"{manager.max_blocks_per_owner}"
+        )
+    return EntryResult(EntryStatus.REFUSED, 0, text)
