@@ -272,13 +272,7 @@ class SchedulerCore(DoneAccounting):
         self._started_blocks.update(hashes)
 
     def _forget_started(self, request_ids: Sequence[str]) -> None:
-        for request_id in request_ids:
-            hashes = self._started_hashes.pop(request_id, None)
-            if hashes is not None:
-                self._started_blocks.subtract(hashes)
-                for block_hash in hashes:
-                    if self._started_blocks[block_hash] <= 0:
-                        del self._started_blocks[block_hash]
+        _forget_blocks(request_ids, self._started_hashes, self._started_blocks)
 
     def num_pinned_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
         """How many leading blocks of ``block_hashes`` (a prompt's chained full-block hashes)
@@ -293,13 +287,7 @@ class SchedulerCore(DoneAccounting):
         return num_blocks
 
     def _forget_pinned(self, request_ids: Sequence[str]) -> None:
-        for request_id in request_ids:
-            hashes = self._pinned_hashes.pop(request_id, None)
-            if hashes is not None:
-                self._pinned_blocks.subtract(hashes)
-                for block_hash in hashes:
-                    if self._pinned_blocks[block_hash] <= 0:
-                        del self._pinned_blocks[block_hash]
+        _forget_blocks(request_ids, self._pinned_hashes, self._pinned_blocks)
 
     def unplanned_tokens(self) -> int:
         """New tokens of every admitted request not yet planned (the lookahead's measure)."""
@@ -563,3 +551,17 @@ def planner_for(config: RuntimeConfig, cost_model: CostModel | Sequence[CostMode
         block_size=config.block_size,
         max_microbatch_tokens=config.max_microbatch_tokens,
     )
+
+
+def _forget_blocks(
+    request_ids: Sequence[str], hashes_of: dict[str, list[bytes]], counts: Counter[bytes]
+) -> None:
+    """Drop each request's block hashes from ``hashes_of`` and their counts from ``counts``
+    (a hash whose count reaches 0 leaves it)."""
+    for request_id in request_ids:
+        hashes = hashes_of.pop(request_id, None)
+        if hashes is not None:
+            counts.subtract(hashes)
+            for block_hash in hashes:
+                if counts[block_hash] <= 0:
+                    del counts[block_hash]
