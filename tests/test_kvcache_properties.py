@@ -82,6 +82,16 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def _model_map(self) -> dict[bytes, int]:
         return {h: b for b, h in enumerate(self.model_hash) if h is not None}
 
+    def _model_hit(self, block_hashes: list[bytes]) -> list[int]:
+        """The model's longest cache hit: the blocks of the leading hashes it holds."""
+        model_map = self._model_map()
+        expected = []
+        for block_hash in block_hashes:
+            if block_hash not in model_map:
+                break
+            expected.append(model_map[block_hash])
+        return expected
+
     @rule()
     def allocate_more_than_free_changes_nothing(self) -> None:
         self.allocate(len(self.model_free) + 1)  # the invariant compares queue and events
@@ -140,12 +150,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.holders) < _MAX_HOLDERS)
     @rule(block_hashes=st.lists(st.sampled_from(_HASH_UNIVERSE), max_size=4))
     def hit_and_pin(self, block_hashes: list[bytes]) -> None:
-        model_map = self._model_map()
-        expected = []
-        for block_hash in block_hashes:
-            if block_hash not in model_map:
-                break
-            expected.append(model_map[block_hash])
+        expected = self._model_hit(block_hashes)
         hit = self.pool.find_longest_cache_hit(block_hashes)
         assert hit == expected
         self.pool.pin(hit)
@@ -165,12 +170,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
             earlier, prior = data.draw(st.sampled_from(self.walks), label="walk")
             shared = earlier[: data.draw(st.integers(0, len(earlier)), label="num_shared")]
         block_hashes = shared + extra
-        model_map = self._model_map()
-        expected = []
-        for block_hash in block_hashes:
-            if block_hash not in model_map:
-                break
-            expected.append(model_map[block_hash])
+        expected = self._model_hit(block_hashes)
         walk = self.pool.pin_cache_hit(block_hashes, prior, len(shared))
         assert list(walk.block_ids) == expected
         assert (walk.evictions, walk.stores) == (self.pool.num_evictions, self.pool.num_stores)
@@ -187,12 +187,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def pin_the_latest_walk_again(self) -> None:
         """Another holder of the latest walk's whole sequence (a span's second holder)."""
         block_hashes, prior = self.walks[-1]
-        model_map = self._model_map()
-        expected = []
-        for block_hash in block_hashes:
-            if block_hash not in model_map:
-                break
-            expected.append(model_map[block_hash])
+        expected = self._model_hit(block_hashes)
         walk = self.pool.pin_cache_hit(block_hashes, prior, len(block_hashes))
         assert list(walk.block_ids) == expected
         for block_id in expected:

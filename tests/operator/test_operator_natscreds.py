@@ -33,6 +33,19 @@ def _body(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _rendered_files(trust: TrustRoot, tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """The rendered Secret's ``.creds`` files written out (user -> path) and the nats-server
+    config of the trust root."""
+    creds: dict[str, str] = {}
+    for key, value in _applied(trust)[0]["data"].items():
+        path = tmp_path / key
+        path.write_bytes(base64.b64decode(value))
+        creds[key.removesuffix(".creds")] = str(path)
+    config = tmp_path / "server.conf"
+    config.write_text(trust.server_config(str(tmp_path / "js")))
+    return creds, config
+
+
 def _applied(trust: TrustRoot | None, spec: dict[str, Any] = SPEC) -> list[dict[str, Any]]:
     defaults = Defaults(
         image="img:1",
@@ -136,14 +149,7 @@ def test_an_own_credentials_secret_or_no_seed_renders_none(trust: TrustRoot) -> 
 async def test_rendered_users_against_a_real_server(trust: TrustRoot, tmp_path: Path) -> None:
     """Only the gateway's rendered user may publish ``wavepp.ns.p.prefill``; a stage's may publish
     its done but not the plan; a client without credentials is refused."""
-    secret = _applied(trust)[0]
-    creds: dict[str, str] = {}
-    for key, value in secret["data"].items():
-        path = tmp_path / key
-        path.write_bytes(base64.b64decode(value))
-        creds[key.removesuffix(".creds")] = str(path)
-    config = tmp_path / "server.conf"
-    config.write_text(trust.server_config(str(tmp_path / "js")))
+    creds, config = _rendered_files(trust, tmp_path)
     p0 = ReplicaSubjects(replica_prefix("p-r0", namespace="ns"))
     with EmbeddedNatsServer(config_file=str(config)) as server:
 
@@ -188,14 +194,7 @@ async def test_rendered_users_send_a_round_to_every_stage_with_one_publish(
     from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
     from wavepp.runtime.kv import BlockPool, StageKVManager
 
-    secret = _applied(trust)[0]
-    creds: dict[str, str] = {}
-    for key, value in secret["data"].items():
-        path = tmp_path / key
-        path.write_bytes(base64.b64decode(value))
-        creds[key.removesuffix(".creds")] = str(path)
-    config = tmp_path / "server.conf"
-    config.write_text(trust.server_config(str(tmp_path / "js")))
+    creds, config = _rendered_files(trust, tmp_path)
     p0 = ReplicaSubjects(replica_prefix("p-r0", namespace="ns"))
     with EmbeddedNatsServer(config_file=str(config)) as server:
         errors: dict[str, list[str]] = {}
