@@ -82,6 +82,15 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def _model_map(self) -> dict[bytes, int]:
         return {h: b for b, h in enumerate(self.model_hash) if h is not None}
 
+    def _model_pin(self, block_ids: list[int]) -> None:
+        """The model's side of a pin: one reference more each, a new holder."""
+        for block_id in block_ids:
+            if self.model_refs[block_id] == 0:
+                self.model_free.remove(block_id)
+            self.model_refs[block_id] += 1
+        if block_ids:
+            self.holders.append(block_ids)
+
     def _model_hit(self, block_hashes: list[bytes]) -> list[int]:
         """The model's longest cache hit: the blocks of the leading hashes it holds."""
         model_map = self._model_map()
@@ -154,12 +163,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         hit = self.pool.find_longest_cache_hit(block_hashes)
         assert hit == expected
         self.pool.pin(hit)
-        for block_id in hit:
-            if self.model_refs[block_id] == 0:
-                self.model_free.remove(block_id)
-            self.model_refs[block_id] += 1
-        if hit:
-            self.holders.append(hit)
+        self._model_pin(hit)
 
     @precondition(lambda self: len(self.holders) < _MAX_HOLDERS)
     @rule(data=st.data(), extra=st.lists(st.sampled_from(_HASH_UNIVERSE), max_size=4))
@@ -175,12 +179,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert list(walk.block_ids) == expected
         assert (walk.evictions, walk.stores) == (self.pool.num_evictions, self.pool.num_stores)
         self.walks = [*self.walks[-3:], (block_hashes, walk)]
-        for block_id in expected:
-            if self.model_refs[block_id] == 0:
-                self.model_free.remove(block_id)
-            self.model_refs[block_id] += 1
-        if expected:
-            self.holders.append(expected)
+        self._model_pin(expected)
 
     @precondition(lambda self: self.walks and len(self.holders) < _MAX_HOLDERS)
     @rule()
@@ -190,12 +189,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         expected = self._model_hit(block_hashes)
         walk = self.pool.pin_cache_hit(block_hashes, prior, len(block_hashes))
         assert list(walk.block_ids) == expected
-        for block_id in expected:
-            if self.model_refs[block_id] == 0:
-                self.model_free.remove(block_id)
-            self.model_refs[block_id] += 1
-        if expected:
-            self.holders.append(expected)
+        self._model_pin(expected)
 
     @precondition(lambda self: self.holders)
     @rule(data=st.data())
