@@ -142,3 +142,53 @@ def test_cli_refuses_a_layout_flag_it_would_ignore(
 
     assert cli.main(["bench", "admission", "--stages", "2", "--requests", "1", *flags]) == 2
     assert named in capsys.readouterr().err
+
+
+async def test_open_loop_arrivals_do_not_wait_for_answers() -> None:
+    """``rate``: requests arrive as a Poisson process and are agreed at once, however many are
+    outstanding: far past what the stages answer, most are outstanding together, and rounds
+    (at most one in flight) batch them; every one is agreed and, with nothing held, released."""
+    [fast, slow] = await run_admission_bench(
+        [
+            AdmissionSetting(
+                2, 1, workload="short-suffix", rate=1e6, rounds_in_flight=1, held_requests=0
+            ),  # fmt: skip
+            AdmissionSetting(2, 1, workload="short-suffix", rate=500.0),
+        ],
+        num_requests=30,
+        num_prompt_tokens=256,
+        suffix_tokens=32,
+        block_size=16,
+    )
+    assert fast["in_flight"] is None and fast["offered_per_s"] == 1e6
+    assert fast["max_outstanding"] >= 20  # all arrived within ~30 us: a closed loop of 1 has 1
+    assert fast["rounds"] < 10 and fast["rounds_in_flight"] == 1
+    assert fast["held_at_end"] == 0 and fast["mean_agreed_blocks"] == (256 - 32) // 16
+    # 30 arrivals at 500/s take ~60 ms: the rate, not the stages, bounds the run
+    assert slow["agreements_per_s"] < 2000 and slow["max_outstanding"] >= 1
+    assert "open 1e+06/s" in format_table([fast]) and "open 500/s" in format_table([slow])
+
+
+async def test_a_rate_or_rounds_limit_out_of_range_names_the_field() -> None:
+    with pytest.raises(ValueError, match="rate"):
+        await run_admission_bench([AdmissionSetting(1, 1, rate=0.0)])
+    with pytest.raises(ValueError, match="rounds_in_flight"):
+        await run_admission_bench([AdmissionSetting(1, 1, rounds_in_flight=0)])
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--rate", "100", "--concurrency", "4"], "--rate: not with --concurrency"),
+        (["--rate", "0"], "--rate: '0': need numbers > 0"),
+        (["--rate", "fast"], "--rate: 'fast': need numbers > 0"),
+        (["--rounds-in-flight", "0"], "--rounds-in-flight: '0': need integers >= 1"),
+    ],
+)
+def test_cli_refuses_a_bad_open_loop_flag(
+    flags: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from wavepp import cli
+
+    assert cli.main(["bench", "admission", "--stages", "2", "--requests", "1", *flags]) == 2
+    assert named in capsys.readouterr().err

@@ -30,8 +30,13 @@ Workloads (``num_prompt_tokens`` per prompt):
   before the run, and a new suffix of ``suffix_tokens`` per prompt (95 % reuse at 4,096 tokens
   with the default 192-token suffix).
 
+Load: closed loop (``in_flight`` clients per replica, each agreeing on its next prompt as soon
+as the last is answered: the saturated rate, where latency is in_flight / rate by Little's law)
+or open loop (``rate``: Poisson arrivals, each agreed at once: the latency at a given
+throughput, as requests arriving at a serving pool see it).
+
 Measured per setting: agreements/s over the run (all replicas), p50/p99 latency of one ``agree``
-call (prompt hashing included), each replica's p99, rounds and mean batch size, and the CPU time
+call (prompt hashing included; open loop: from the request's arrival), each replica's p99, rounds and mean batch size, and the CPU time
 per agreement of this process, the stage processes and the nats-server (on a shared machine, CPU
 per agreement is the figure that contention does not distort), and that CPU split: controller
 (this process), stages (the stage processes, or in-process the stages' round handlers,
@@ -76,7 +81,13 @@ class AdmissionSetting:
     ``stage_processes``: one process per stage KV server; else ``stage_hosts`` processes (0:
     none) serve ranks ``stages_in_process`` (None: S // 2) .. S - 1 round robin, the rest run in the
     controller's process. ``held_requests``: admitted requests a replica holds before
-    releasing the oldest (0: each released in the round after its agreement)."""
+    releasing the oldest (0: each released in the round after its agreement). ``rate``: open
+    loop instead of ``in_flight`` closed-loop clients: requests arrive at each replica as a
+    Poisson process of ``rate`` per second (seeded), each agreed as soon as it arrives, with
+    no cap on how many are outstanding; latency counts from the arrival's scheduled time, so
+    a late start (a busy loop, the timer's 1 ms granularity) counts against the system.
+    ``rounds_in_flight``: the controller's ``max_rounds_in_flight`` (rounds under way at once
+    before arrivals wait and share the next)."""
 
     stages: int
     in_flight: int
@@ -87,6 +98,8 @@ class AdmissionSetting:
     stage_hosts: int = 0
     stages_in_process: int | None = None
     held_requests: int = 256
+    rate: float | None = None
+    rounds_in_flight: int = 4
 
 
 def _warm_stage(num_blocks: int, block_size: int, cached: list[list[bytes]]) -> StageKVManager:
@@ -255,6 +268,7 @@ async def _one_setting(
                 block_size=block_size,
                 model_id=_MODEL_ID,
                 max_batch=setting.batch_limit,
+                max_rounds_in_flight=setting.rounds_in_flight,
             )
             controllers.append(controller)
 
@@ -265,6 +279,9 @@ async def _one_setting(
         releases: set[asyncio.Task[None]] = set()
 
         release_due = [False for _ in controllers]
+        outstanding = [0 for _ in controllers]  # agreements started, not answered
+        start_lags: list[float] = []  # arrival to the agreement's start (open loop: > 0)
+        most_outstanding = [0]  # the most outstanding at one replica at once
 
         def release_oldest(replica: int) -> None:
             """Release what was admitted more than ``held_requests`` agreements ago, in one
@@ -277,21 +294,43 @@ async def _one_setting(
                 releases.add(task)
                 task.add_done_callback(releases.discard)
 
+        async def agree_one(replica: int, index: int, arrived: float) -> None:
+            """Agree on prompt ``index`` (arrived at ``arrived``, perf_counter seconds), record
+            its latency and hold it; release the oldest held once the round has resumed."""
+            start_lags.append(time.perf_counter() - arrived)
+            request = PromptRequest(f"a{tag}-{replica}-{index}", prompts[index])
+            outstanding[replica] += 1
+            most_outstanding[0] = max(most_outstanding[0], outstanding[replica])
+            ticket = await controllers[replica].agree(request)
+            outstanding[replica] -= 1
+            latencies[replica].append(time.perf_counter() - arrived)
+            if ticket is None:
+                raise RuntimeError("admission bench pool too small: a reservation was refused")
+            agreed_blocks.append(ticket.num_agreed_blocks)
+            held[replica].append(request.request_id)
+            if not release_due[replica] and len(held[replica]) > setting.held_requests:
+                release_due[replica] = True  # once the round's callers have all resumed
+                asyncio.get_running_loop().call_soon(release_oldest, replica)
+
         async def worker(replica: int, indices: Iterator[int]) -> None:
             """One of ``in_flight`` closed-loop clients of a replica: agree, then the next."""
-            controller = controllers[replica]
             for index in indices:
-                started = time.perf_counter()
-                request = PromptRequest(f"a{tag}-{replica}-{index}", prompts[index])
-                ticket = await controller.agree(request)
-                latencies[replica].append(time.perf_counter() - started)
-                if ticket is None:
-                    raise RuntimeError("admission bench pool too small: a reservation was refused")
-                agreed_blocks.append(ticket.num_agreed_blocks)
-                held[replica].append(request.request_id)
-                if not release_due[replica] and len(held[replica]) > setting.held_requests:
-                    release_due[replica] = True  # once the round's callers have all resumed
-                    asyncio.get_running_loop().call_soon(release_oldest, replica)
+                await agree_one(replica, index, time.perf_counter())
+
+        async def arrivals(replica: int, indices: Sequence[int], rate: float) -> None:
+            """Open loop: prompt ``indices`` arrive as a Poisson process of ``rate`` per
+            second from now; each is agreed at once (a task of its own, no cap). The loop's
+            timer wakes up to 1 ms late (epoll's granularity; a thread that sleeps precisely
+            was worse: it waits for the GIL), and that lateness counts in the latency."""
+            rng = np.random.Generator(np.random.PCG64(7919 * (replica + 1)))
+            due = time.perf_counter() + np.cumsum(rng.exponential(1.0 / rate, len(indices)))
+            tasks = []
+            for index, arrival in zip(indices, due.tolist(), strict=True):
+                delay = arrival - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(agree_one(replica, index, arrival)))
+            await asyncio.gather(*tasks)
 
         rounds_before = [c.num_rounds for c in controllers]
         pids = {"stages": stage_pids, "nats": [server.pid]}
@@ -300,14 +339,22 @@ async def _one_setting(
         handler_before = handler_cpu_s[0]
         controller_before = time.process_time()
         start = time.perf_counter()
-        queues = [iter(indices) for indices in per_replica]  # shared by a replica's workers
-        await asyncio.gather(
-            *(
-                worker(replica, queue)
-                for replica, queue in enumerate(queues)
-                for _ in range(setting.in_flight)
+        if setting.rate is not None:
+            await asyncio.gather(
+                *(
+                    arrivals(replica, indices, setting.rate)
+                    for replica, indices in enumerate(per_replica)
+                )
             )
-        )
+        else:
+            queues = [iter(indices) for indices in per_replica]  # shared by a replica's workers
+            await asyncio.gather(
+                *(
+                    worker(replica, queue)
+                    for replica, queue in enumerate(queues)
+                    for _ in range(setting.in_flight)
+                )
+            )
         while releases:
             await asyncio.gather(*releases)
         wall_s = time.perf_counter() - start
@@ -326,8 +373,11 @@ async def _one_setting(
     everything = np.array([x for replica in latencies for x in replica])
     return {
         "stages": setting.stages,
-        "in_flight": setting.in_flight,
+        "in_flight": None if setting.rate is not None else setting.in_flight,
+        "offered_per_s": None if setting.rate is None else setting.rate * setting.replicas,
+        "max_outstanding": most_outstanding[0],
         "batch_limit": setting.batch_limit,
+        "rounds_in_flight": setting.rounds_in_flight,
         "replicas": setting.replicas,
         "workload": setting.workload,
         "requests": num_requests,
@@ -335,6 +385,7 @@ async def _one_setting(
         "agreements_per_s": round(num_requests / wall_s, 1),
         "latency_p50_ms": round(float(np.percentile(everything, 50)) * 1e3, 3),
         "latency_p99_ms": round(float(np.percentile(everything, 99)) * 1e3, 3),
+        "start_lag_p99_ms": round(float(np.percentile(start_lags, 99)) * 1e3, 3),
         "replica_p99_ms": [round(float(np.percentile(x, 99)) * 1e3, 3) for x in latencies],
         "rounds": num_rounds,
         "mean_batch": round(num_requests / max(1, num_rounds), 1),
@@ -379,9 +430,12 @@ async def run_admission_bench(
     """Measure agreements/s, latency and CPU per agreement for each setting.
 
     Returns:
-        One dict per setting: stages, in_flight, batch_limit, replicas, workload, requests,
-        prompt_tokens, agreements_per_s, latency_p50_ms, latency_p99_ms, replica_p99_ms (one per
-        replica), rounds, mean_batch, mean_agreed_blocks (L*: the cached prefix agreed),
+        One dict per setting: stages, in_flight (None in open loop), offered_per_s (open loop:
+        the arrival rate over all replicas; else None), max_outstanding (the most agreements
+        outstanding at one replica at once), batch_limit, rounds_in_flight, replicas, workload, requests,
+        prompt_tokens, agreements_per_s, latency_p50_ms, latency_p99_ms, start_lag_p99_ms (from
+        the arrival to the start of its ``agree``: the event loop's lateness, counted in the
+        latency), replica_p99_ms (one per replica), rounds, mean_batch, mean_agreed_blocks (L*: the cached prefix agreed),
         cpu_us_per_agreement, cpu_us_split (controller: this
         process less the in-process stages; stages: the stage processes, or without them
         the CPU of the stages' round handlers in this process; nats: the nats-server),
@@ -391,7 +445,8 @@ async def run_admission_bench(
         setting ended).
 
     Raises:
-        ValueError: a count < 1, a suffix longer than the prompt, or an unknown workload.
+        ValueError: a count < 1, a suffix longer than the prompt, a rate <= 0, or an unknown
+            workload.
     """
     if num_requests < 1 or num_prompt_tokens < 1 or block_size < 1:
         raise ValueError(
@@ -401,7 +456,9 @@ async def run_admission_bench(
     if not 1 <= suffix_tokens <= num_prompt_tokens:
         raise ValueError(f"suffix_tokens={suffix_tokens}: must be in [1, {num_prompt_tokens}]")
     for setting in settings:
-        for name in ("stages", "in_flight", "batch_limit", "replicas"):
+        if setting.rate is not None and not setting.rate > 0:
+            raise ValueError(f"rate={setting.rate}: must be > 0 agreements/s (or None)")
+        for name in ("stages", "in_flight", "batch_limit", "replicas", "rounds_in_flight"):
             if getattr(setting, name) < 1:
                 raise ValueError(f"{name}={getattr(setting, name)}: must be >= 1")
         for name in ("stage_hosts", "stages_in_process", "held_requests"):
@@ -433,23 +490,32 @@ async def run_admission_bench(
 def format_table(results: Sequence[dict[str, Any]]) -> str:
     """Markdown table of ``run_admission_bench`` results."""
     lines = [
-        "| workload | S | R | in flight / replica | batch limit | stage hosts | held | "
+        "| workload | S | R | in flight / replica (or offered rate) | batch limit | rounds in "
+        "flight | stage hosts | held | "
         "agreements/s | p50 ms | p99 ms | replica p99 ms | mean batch | CPU us / agreement "
         "(controller, stages, nats) | load |",
-        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: "
-        "| ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: "
+        "| ---: | ---: |",
     ]
     for r in results:
         split = r["cpu_us_split"]
         lines.append(
-            f"| {r['workload']} | {r['stages']} | {r['replicas']} | {r['in_flight']} | "
-            f"{r['batch_limit']} | {_hosts_label(r['stage_hosts'])} | {r['held_requests']} | "
+            f"| {r['workload']} | {r['stages']} | {r['replicas']} | {_load_label(r)} | "
+            f"{r['batch_limit']} | {r['rounds_in_flight']} | {_hosts_label(r['stage_hosts'])} | "
+            f"{r['held_requests']} | "
             f"{r['agreements_per_s']} | {r['latency_p50_ms']} | "
             f"{r['latency_p99_ms']} | {' '.join(str(x) for x in r['replica_p99_ms'])} | "
             f"{r['mean_batch']} | {r['cpu_us_per_agreement']} ({split['controller']}, "
             f"{split['stages']}, {split['nats']}) | {r['load_average']} |"
         )
     return "\n".join(lines)
+
+
+def _load_label(row: dict[str, Any]) -> str:
+    """Closed loop: the clients per replica ("24"); open loop: "open 5000/s (max 19)"."""
+    if row["offered_per_s"] is None:
+        return str(row["in_flight"])
+    return f"open {row['offered_per_s']:g}/s (max {row['max_outstanding']})"
 
 
 def _hosts_label(hosts: Sequence[Sequence[int]]) -> str:

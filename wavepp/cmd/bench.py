@@ -97,12 +97,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     adm.add_argument(
         "--concurrency",
         dest="in_flight",
-        default="1,16,64",
-        help="agreements in flight at once per replica, comma-separated",
+        default=None,
+        help="closed loop: agreements in flight at once per replica, comma-separated (default "
+        "1,16,64; not with --rate)",
     )
     add_deprecated_alias(adm, "--in-flight", "--concurrency", "in_flight")
     adm.add_argument(
+        "--rate",
+        default=None,
+        help="open loop instead: requests arrive as a Poisson process of this many per second "
+        "per replica (comma-separated), latency from each arrival (not with --concurrency)",
+    )
+    adm.add_argument(
         "--batch-limits", default="512", help="most requests per admission round (1: unbatched)"
+    )
+    adm.add_argument(
+        "--rounds-in-flight",
+        default="4",
+        help="admission rounds under way at once per replica, comma-separated (the "
+        "controller's max_rounds_in_flight; past it, arrivals wait and share the next round)",
     )
     adm.add_argument("--replicas", default="1", help="replicas R sharing one nats-server")
     adm.add_argument(
@@ -271,9 +284,22 @@ def _run_admission(args: argparse.Namespace) -> int:
         run_admission_bench,
     )
 
+    if args.rate is not None and args.in_flight is not None:
+        return _fail("--rate", "not with --concurrency (open loop or closed loop, not both)")
+    rates: list[float | None] = [None]
+    if args.rate is not None:
+        try:
+            rates = [float(x) for x in args.rate.split(",") if x]
+        except ValueError:
+            rates = []
+        if not rates or not all(0 < x < float("inf") for x in rates):
+            return _fail("--rate", f"{args.rate!r}: need numbers > 0 (agreements/s per replica)")
+    if args.in_flight is None:
+        args.in_flight = "1" if args.rate is not None else "1,16,64"
     lists = {}
     flags = {"stages": "--stages", "in_flight": "--concurrency",
-             "batch_limits": "--batch-limits", "replicas": "--replicas"}  # fmt: skip
+             "batch_limits": "--batch-limits", "replicas": "--replicas",
+             "rounds_in_flight": "--rounds-in-flight"}  # fmt: skip
     for flag, name in flags.items():
         try:
             lists[flag] = _ints(getattr(args, flag))
@@ -313,12 +339,16 @@ def _run_admission(args: argparse.Namespace) -> int:
             stage_hosts=args.stage_hosts,
             stages_in_process=args.stages_in_process,
             held_requests=args.held,
+            rate=rate,
+            rounds_in_flight=m,
         )
         for w in workloads
         for r in lists["replicas"]
         for s in lists["stages"]
         for b in lists["batch_limits"]
         for k in lists["in_flight"]
+        for rate in rates
+        for m in lists["rounds_in_flight"]
     ]
     results = asyncio.run(
         run_admission_bench(

@@ -93,6 +93,8 @@ class AdmissionController:
     ``renew_leases`` (call it periodically) until ``release``.
 
     ``bus_key`` (the replica's, ``wavepp.api.signing``) signs every op; None sends them unsigned.
+    ``max_batch`` and ``max_rounds_in_flight``: the round engine's limits
+    (``wavepp.runtime.agreement.rounds.AgreementRounds``; ValueError outside them).
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class AdmissionController:
         lease_s: float = 30.0,
         stage_capacities: Sequence[int] | None = None,
         max_batch: int = 512,
+        max_rounds_in_flight: int = 4,
         state_interval_blocks: int = 1,
         bus_key: BusKey | None = None,
     ) -> None:
@@ -130,6 +133,7 @@ class AdmissionController:
             admitted=self._on_admitted,
             refusal=self._on_refused,
             max_batch=max_batch,
+            max_rounds_in_flight=max_rounds_in_flight,
             state_interval_blocks=state_interval_blocks,
             encode=self._encode_batch,
             reply_key=bus_key,
