@@ -343,21 +343,28 @@ class GatedClient(LocalStageClient):
         return await super().call_batch(payload)
 
 
-async def test_a_round_is_one_round_trip_and_rounds_overlap() -> None:
+async def test_a_round_is_one_round_trip_and_rounds_overlap_when_allowed() -> None:
     """One probe-reserve message per stage per round and nothing more (no commit phase: the
-    old agreement sent a probe, then a commit); a second round goes out while the first is on
-    the wire."""
+    old agreement sent a probe, then a commit); with two rounds allowed in flight (the default
+    is one), a second round goes out while the first is on the wire."""
     managers = [StageKVManager(BlockPool(256, BLOCK)) for _ in range(3)]
     log: list[tuple[int, str, int]] = []
     clients = [GatedClient(m, r, log) for r, m in enumerate(managers)]
-    controller = AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID)
+    controller = AdmissionController(
+        clients, block_size=BLOCK, model_id=MODEL_ID, max_rounds_in_flight=2
+    )
     requests = [PromptRequest(f"r{i}", list(range(i, i + 9))) for i in range(40)]
     first = asyncio.gather(*(controller.agree(r) for r in requests[:20]))
-    while len(log) < 3:  # the first round is on the wire, unanswered
+    for _ in range(1000):  # the first round is on the wire, unanswered
+        if len(log) >= 3:
+            break
         await asyncio.sleep(0)
     second = asyncio.gather(*(controller.agree(r) for r in requests[20:]))
-    while len(log) < 6:  # the second round went out before the first came back
+    for _ in range(1000):  # the second round went out before the first came back
+        if len(log) >= 6:
+            break
         await asyncio.sleep(0)
+    assert len(log) == 6
     assert not first.done()
     for client in clients:
         client.gate.set()

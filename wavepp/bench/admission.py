@@ -99,7 +99,7 @@ class AdmissionSetting:
     stages_in_process: int | None = None
     held_requests: int = 256
     rate: float | None = None
-    rounds_in_flight: int = 4
+    rounds_in_flight: int = 1
 
 
 def _warm_stage(num_blocks: int, block_size: int, cached: list[list[bytes]]) -> StageKVManager:

@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     adm.add_argument(
         "--rounds-in-flight",
-        default="4",
+        default="1",
         help="admission rounds under way at once per replica, comma-separated (the "
         "controller's max_rounds_in_flight; past it, arrivals wait and share the next round)",
     )

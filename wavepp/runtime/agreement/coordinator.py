@@ -106,7 +106,7 @@ class AdmissionController:
         lease_s: float = 30.0,
         stage_capacities: Sequence[int] | None = None,
         max_batch: int = 512,
-        max_rounds_in_flight: int = 4,
+        max_rounds_in_flight: int = 1,
         state_interval_blocks: int = 1,
         bus_key: BusKey | None = None,
     ) -> None:
