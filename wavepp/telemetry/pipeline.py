@@ -135,6 +135,10 @@ class PipelineTelemetry:
                     queue_depths=queue_depths,
                 )
             )
+            # A counter's series appears at its first add: a pipeline that never dropped a
+            # speculation would show "no data" on its dashboard panel (and a scrape would
+            # lack the series), so it starts at 0.
+            self.metrics.speculations_discarded.add(0, self._attrs())
 
     def _attrs(self, tenant: str | None = None, **extra: Any) -> dict[str, Any]:
         attrs: dict[str, Any] = {"pipeline": self.pipeline}
