@@ -23,6 +23,14 @@ import pytest
 from wavepp.runtime.transport import natsio
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
 
+# torch in this process (the engine, layer and reference tests run it in-process) uses one
+# thread, as a stage process does (``RuntimeConfig.torch_threads`` defaults to 1 and the stage
+# sets it). torch's default, one per core, made those tests' tiny ops wait for a second thread
+# on the shared 2-core machines: the checkpoint-engine tests took 34 s instead of 24 s (38 s of
+# CPU instead of 26 s). Set before torch is imported (nothing imports it before this file); a
+# stage process still sets its own count, and a value set outside the run is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def _split_free_ports() -> None:
     """Under xdist, worker ``gwK`` of N takes the K-th of N equal parts of the port range, in
