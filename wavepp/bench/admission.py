@@ -36,8 +36,8 @@ or open loop (``rate``: Poisson arrivals, each agreed at once: the latency at a 
 throughput, as requests arriving at a serving pool see it).
 
 Measured per setting: agreements/s over the run (all replicas), p50/p99 latency of one ``agree``
-call (prompt hashing included; open loop: from the request's arrival), each replica's p99, rounds and mean batch size, and the CPU time
-per agreement of this process, the stage processes and the nats-server (on a shared machine, CPU
+call (prompt hashing included; open loop: from the request's arrival), each replica's p99,
+rounds and mean batch size, and the CPU time per agreement of this process, the stage processes and the nats-server (on a shared machine, CPU
 per agreement is the figure that contention does not distort), and that CPU split: controller
 (this process), stages (the stage processes, or in-process the stages' round handlers,
 ``handle_kv_batch``: decode, pool work, reply), nats-server. Compare with the pipeline's consumption rate: a
@@ -432,11 +432,11 @@ async def run_admission_bench(
     Returns:
         One dict per setting: stages, in_flight (None in open loop), offered_per_s (open loop:
         the arrival rate over all replicas; else None), max_outstanding (the most agreements
-        outstanding at one replica at once), batch_limit, rounds_in_flight, replicas, workload, requests,
-        prompt_tokens, agreements_per_s, latency_p50_ms, latency_p99_ms, start_lag_p99_ms (from
-        the arrival to the start of its ``agree``: the event loop's lateness, counted in the
-        latency), replica_p99_ms (one per replica), rounds, mean_batch, mean_agreed_blocks (L*: the cached prefix agreed),
-        cpu_us_per_agreement, cpu_us_split (controller: this
+        outstanding at one replica at once), batch_limit, rounds_in_flight, replicas,
+        workload, requests, prompt_tokens, agreements_per_s, latency_p50_ms, latency_p99_ms,
+        start_lag_p99_ms (from the arrival to the start of its ``agree``: the event loop's
+        lateness, counted in the latency), replica_p99_ms (one per replica), rounds,
+        mean_batch, mean_agreed_blocks (L*: the cached prefix agreed), cpu_us_per_agreement, cpu_us_split (controller: this
         process less the in-process stages; stages: the stage processes, or without them
         the CPU of the stages' round handlers in this process; nats: the nats-server),
         stage_processes, stage_hosts (the ranks each stage host process served),

@@ -36,9 +36,11 @@ overlapping rounds split the same arrivals into more, smaller rounds. Measured (
 admission --rate``, S = 8, Poisson arrivals, all on 2 cores): at 1,000/s p50 2.2-2.5 ms with one
 round in flight against 3.6-4.2 ms with four, at 5,000/s 6.5-8.5 against 17-21 ms, and as good
 or better at every rate and S tried; with the stages on hosts of their own a round trip costs
-the controller the same S replies. A stage handles its messages in order, each round's entries atomically per request (pin,
-then reserve or hold nothing); a reservation that does not fit is refused (the request
-retries), never half-admitted.
+the controller the same S replies.
+
+A stage handles its messages in order, each round's entries atomically per request (pin, then
+reserve or hold nothing); a reservation that does not fit is refused (the request retries),
+never half-admitted.
 """
 
 from __future__ import annotations

@@ -331,7 +331,10 @@ def _refused(manager: StageKVManager, owner: str, need: int) -> EntryResult:
     an owner cap, what the owner holds (a reservation the cap refused reads as one the pool
     refused otherwise)."""
     pool = manager.pool
-    text = f"reservation refused: needs {need} blocks, {pool.num_free_blocks} free of {pool.num_blocks}"
+    text = (
+        f"reservation refused: needs {need} blocks, {pool.num_free_blocks} free of "
+        f"{pool.num_blocks}"
+    )
     if manager.max_blocks_per_owner is not None:
         text += (
             f", owner holds {manager.num_owner_blocks(owner)} of max_blocks_per_owner="
