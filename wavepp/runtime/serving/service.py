@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import logging
 import time
 import uuid
@@ -71,6 +70,7 @@ from wavepp.api.subjects import (
 from wavepp.runtime.agreement import AdmissionController
 from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.heap import settle_heap
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.request import PromptRequest, RequestOutcome
 from wavepp.runtime.scheduling.core import planner_for
@@ -268,7 +268,7 @@ class AdmissionService:
                     max_ack_pending=self.max_concurrent * 4,
                 ),
             )
-            gc.freeze()  # start-up's objects out of the collector's generations (shorter pauses)
+            settle_heap()  # start-up's objects frozen, young collections short
             log.info("%s: admission %s serving", self.config.pipeline, self.instance)
             fetcher = asyncio.create_task(self._fetch_loop(psub), name="fetch")
             await stop.wait()
