@@ -79,6 +79,34 @@ async def test_the_run_is_a_steady_state_that_releases_what_it_admitted() -> Non
     assert [r["held_at_end"] for r in rows] == [5, 0]
 
 
+@pytest.mark.parametrize(("per_stage", "connections"), [(False, 2), (True, 4)])
+async def test_the_stages_of_a_process_share_one_connection_unless_asked(
+    per_stage: bool, connections: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-process stages share one NATS connection (the controller has its own); with
+    ``connection_per_stage`` each stage has its own, as before."""
+    import wavepp.bench.admission as admission
+
+    names: list[str] = []
+    connect = admission.connect
+
+    async def counting_connect(url: str, **kwargs: object) -> object:
+        names.append(str(kwargs.get("name")))
+        return await connect(url, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(admission, "connect", counting_connect)
+    [row] = await run_admission_bench(
+        [AdmissionSetting(3, 2, workload="short-suffix", connection_per_stage=per_stage)],
+        num_requests=6,
+        num_prompt_tokens=128,
+        suffix_tokens=32,
+        block_size=16,
+    )
+    assert len(names) == connections, names
+    assert row["connection_per_stage"] is per_stage
+    assert row["mean_agreed_blocks"] == (128 - 32) // 16  # every stage answered
+
+
 async def test_stage_hosts_serve_the_ranks_not_kept_in_this_process() -> None:
     """``stage_hosts`` processes share the ranks from ``stages_in_process`` on; the rest stay
     beside the controller. L* covers the cached prefix on both kinds of stage."""
@@ -133,6 +161,10 @@ def test_cli_refuses_a_negative_layout_or_held_flag(
         (["--stage-hosts", "1", "--stage-processes"], "--stage-hosts: not with --stage-processes"),
         (["--stages-in-process", "2"], "--stages-in-process: needs --stage-hosts"),
         (["--stage-hosts", "0", "--stages-in-process", "2"], "--stages-in-process: needs"),
+        (
+            ["--connection-per-stage", "--stage-processes"],
+            "--connection-per-stage: not with --stage-processes",
+        ),
     ],
 )
 def test_cli_refuses_a_layout_flag_it_would_ignore(

@@ -1,8 +1,9 @@
 """Admission cadence microbenchmark: agreements per second and latency over real NATS.
 
 An embedded nats-server, R replicas of S stage KV servers (each a ``StageKVManager`` answering
-the stage's agreement subjects with the stage process's own handlers, ``serve_stage_kv``, on
-its own NATS connection) and R real ``AdmissionController``s, one per replica, running
+the stage's agreement subjects with the stage process's own handlers, ``serve_stage_kv``; the
+stages of one process share its NATS connection, or each has its own with
+``connection_per_stage``) and R real ``AdmissionController``s, one per replica, running
 probe-reserve (one round trip per round) in batched rounds of at most ``batch_limit`` requests.
 Each replica runs ``in_flight`` closed-loop clients (agree, then the next request) and holds
 the latest ``held_requests`` admitted requests (as the requests in prefill hold their pins and
@@ -63,6 +64,7 @@ import numpy as np
 from wavepp.api.subjects import replica_prefix
 from wavepp.runtime.agreement import AdmissionController
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
+from wavepp.runtime.heap import settle_heap
 from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order
@@ -87,7 +89,12 @@ class AdmissionSetting:
     no cap on how many are outstanding; latency counts from the arrival's scheduled time, so
     a late start (a busy loop, the timer's 1 ms granularity) counts against the system.
     ``rounds_in_flight``: the controller's ``max_rounds_in_flight`` (rounds under way at once
-    before arrivals wait and share the next)."""
+    before arrivals wait and share the next). ``connection_per_stage``: each stage KV server on
+    a NATS connection of its own (as before the seventh session; a stage process has one
+    anyway), not one per process for the ranks it serves (the default: a process then reads
+    a round's S copies from one socket and writes the replies in one flush; measured at S = 8,
+    one round at a time: a quarter less CPU per round, 5-10 % less per agreement at 16-24 in
+    flight)."""
 
     stages: int
     in_flight: int
@@ -100,6 +107,7 @@ class AdmissionSetting:
     held_requests: int = 256
     rate: float | None = None
     rounds_in_flight: int = 1
+    connection_per_stage: bool = False
 
 
 def _warm_stage(num_blocks: int, block_size: int, cached: list[list[bytes]]) -> StageKVManager:
@@ -123,21 +131,25 @@ def _stage_process(
     block_size: int,
     cached: list[list[bytes]],
     conn: Any,
+    connection_per_stage: bool = False,
 ) -> None:
     """A stage host: the KV servers of ``ranks`` in a process of its own (the target of a
-    spawned process), each with its own ``StageKVManager`` and NATS connection; the ``cached``
-    prefixes (full-block hashes) warmed on each, then ``serve_stage_kv`` until the parent
-    sends anything (or goes away) on ``conn``."""
+    spawned process), each with its own ``StageKVManager``, on one NATS connection (or one
+    each: ``connection_per_stage``); the ``cached`` prefixes (full-block hashes) warmed on
+    each, then ``serve_stage_kv`` until the parent sends anything (or goes away) on
+    ``conn``."""
     managers = [_warm_stage(num_blocks, block_size, cached) for _ in ranks]
 
     async def serve() -> None:
-        connections = []
+        connections: list[Any] = []
         for rank, manager in zip(ranks, managers, strict=True):
-            nc = await connect(url, name=f"admbench-stage-{rank}", anonymous_ok=True)
-            await serve_stage_kv(nc, prefix, rank, manager)
+            if not connections or connection_per_stage:
+                name = f"admbench-stage-{rank}" if connection_per_stage else "admbench-stages"
+                connections.append(await connect(url, name=name, anonymous_ok=True))
+            await serve_stage_kv(connections[-1], prefix, rank, manager)
+        for nc in connections:
             await flush_in_order(nc)
-            connections.append(nc)
-        gc.freeze()  # the warmed pools, as a stage process does after loading
+        settle_heap()  # the warmed pools, as a stage process does after loading
         conn.send(os.getpid())
         with contextlib.suppress(EOFError, OSError):
             await asyncio.get_running_loop().run_in_executor(None, conn.recv)
@@ -155,6 +167,7 @@ async def _start_stage_processes(
     num_blocks: int,
     block_size: int,
     cached: list[list[bytes]],
+    connection_per_stage: bool = False,
 ) -> list[int]:
     """Spawn one stage host process per entry of ``host_ranks`` (the ranks it serves); their
     pids once all of them serve."""
@@ -164,7 +177,7 @@ async def _start_stage_processes(
         parent, child = context.Pipe()
         process = context.Process(
             target=_stage_process,
-            args=(url, prefix, ranks, num_blocks, block_size, cached, child),
+            args=(url, prefix, ranks, num_blocks, block_size, cached, child, connection_per_stage),
             daemon=True,
         )
         process.start()
@@ -247,18 +260,27 @@ async def _one_setting(
             host_ranks = _stage_layout(setting)
             if host_ranks:
                 stage_pids += await _start_stage_processes(
-                    stack, server.url, prefix, host_ranks, num_blocks, block_size, cached
+                    stack,
+                    server.url,
+                    prefix,
+                    host_ranks,
+                    num_blocks,
+                    block_size,
+                    cached,
+                    setting.connection_per_stage,
                 )
             hosted = {rank for ranks in host_ranks for rank in ranks}
+            stage_nc = None  # the in-process stages' connection (one, or one each)
             for rank in sorted(set(range(setting.stages)) - hosted):
-                nc = await connect(
-                    server.url, name=f"admbench-r{replica}-stage-{rank}", anonymous_ok=True
-                )
-                stack.push_async_callback(nc.drain)
+                if stage_nc is None or setting.connection_per_stage:
+                    stage_nc = await connect(
+                        server.url, name=f"admbench-r{replica}-stage-{rank}", anonymous_ok=True
+                    )
+                    stack.push_async_callback(stage_nc.drain)
                 manager = _warm_stage(num_blocks, block_size, cached)
                 in_process.append(manager)
-                await serve_stage_kv(nc, prefix, rank, manager, handler_cpu_s=handler_cpu_s)
-                await flush_in_order(nc)
+                await serve_stage_kv(stage_nc, prefix, rank, manager, handler_cpu_s=handler_cpu_s)
+                await flush_in_order(stage_nc)
             nc = await connect(
                 server.url, name=f"admbench-r{replica}-controller", anonymous_ok=True
             )
@@ -335,7 +357,8 @@ async def _one_setting(
         rounds_before = [c.num_rounds for c in controllers]
         pids = {"stages": stage_pids, "nats": [server.pid]}
         cpu_before = {name: _cpu_of(group) for name, group in pids.items()}
-        gc.freeze()  # the pools and controllers, as the stage and admission processes do
+        threshold = gc.get_threshold()
+        settle_heap()  # the pools and controllers, as the stage and admission processes do
         handler_before = handler_cpu_s[0]
         controller_before = time.process_time()
         start = time.perf_counter()
@@ -360,6 +383,7 @@ async def _one_setting(
         wall_s = time.perf_counter() - start
         cpu_split = {"controller": time.process_time() - controller_before}
         gc.unfreeze()
+        gc.set_threshold(*threshold)
         in_process_stages_s = handler_cpu_s[0] - handler_before  # 0 with stage processes
         cpu_split["controller"] -= in_process_stages_s
         for name, group in pids.items():
@@ -394,6 +418,7 @@ async def _one_setting(
         "cpu_us_split": {k: round(v / num_requests * 1e6, 1) for k, v in cpu_split.items()},
         "stage_processes": setting.stage_processes,
         "stage_hosts": _stage_layout(setting),
+        "connection_per_stage": setting.connection_per_stage,
         "held_requests": setting.held_requests,
         "held_at_end": held_at_end,
         "load_average": round(os.getloadavg()[0], 2),
@@ -440,6 +465,7 @@ async def run_admission_bench(
         process less the in-process stages; stages: the stage processes, or without them
         the CPU of the stages' round handlers in this process; nats: the nats-server),
         stage_processes, stage_hosts (the ranks each stage host process served),
+        connection_per_stage,
         held_requests, held_at_end (the most requests a stage in this process held when the
         last release had answered; None without one), load_average (the 1-minute load when the
         setting ended).

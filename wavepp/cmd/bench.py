@@ -152,6 +152,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "2: on a 2-core machine half the stages beside the controller, half in one stage host)",
     )
     adm.add_argument(
+        "--connection-per-stage",
+        action="store_true",
+        help="each stage KV server on a NATS connection of its own (default: one connection per "
+        "process for the ranks it serves; not with --stage-processes, where each has one)",
+    )
+    adm.add_argument(
         "--held",
         type=int,
         default=256,
@@ -325,6 +331,9 @@ def _run_admission(args: argparse.Namespace) -> int:
     # a layout flag that would be ignored is refused (accepted but not honoured is a defect)
     if args.stage_hosts and args.stage_processes:
         return _fail("--stage-hosts", "not with --stage-processes (one process per stage)")
+    if args.connection_per_stage and args.stage_processes:
+        return _fail("--connection-per-stage", "not with --stage-processes (a connection each "
+                     "already)")  # fmt: skip
     if args.stages_in_process is not None and not args.stage_hosts:
         return _fail("--stages-in-process", "needs --stage-hosts N >= 1 (without it every "
                      "stage runs in the controller's process)")  # fmt: skip
@@ -341,6 +350,7 @@ def _run_admission(args: argparse.Namespace) -> int:
             held_requests=args.held,
             rate=rate,
             rounds_in_flight=m,
+            connection_per_stage=args.connection_per_stage,
         )
         for w in workloads
         for r in lists["replicas"]
