@@ -357,7 +357,6 @@ async def _one_setting(
         rounds_before = [c.num_rounds for c in controllers]
         pids = {"stages": stage_pids, "nats": [server.pid]}
         cpu_before = {name: _cpu_of(group) for name, group in pids.items()}
-        threshold = gc.get_threshold()
         settle_heap()  # the pools and controllers, as the stage and admission processes do
         handler_before = handler_cpu_s[0]
         controller_before = time.process_time()
@@ -383,7 +382,6 @@ async def _one_setting(
         wall_s = time.perf_counter() - start
         cpu_split = {"controller": time.process_time() - controller_before}
         gc.unfreeze()
-        gc.set_threshold(*threshold)
         in_process_stages_s = handler_cpu_s[0] - handler_before  # 0 with stage processes
         cpu_split["controller"] -= in_process_stages_s
         for name, group in pids.items():

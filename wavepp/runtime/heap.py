@@ -1,43 +1,55 @@
-"""The garbage collector's settings for a long-running serving process (a stage, an admission
-instance): start-up's objects frozen out of the collector's generations, and a young generation
-collected often enough that one collection stays short.
+"""The garbage collector in a long-running serving process (a stage, an admission instance):
+start-up's objects frozen out of the collector's generations, and the young generation
+collected right after a KV round has been answered, while the process would idle, instead of
+at a random point of a later round.
 
-Why the threshold: CPython (3.11) counts a young collection down from ``threshold0``
-allocations of tracked objects, and every deallocation of one, young or old, counts back up.
-A stage frees as many old records per round as it makes new ones (each finished request's
-table and hashes go as a new request's arrive), so the count seldom reaches 700 (CPython's
-default) and the young generation grows between collections: measured in the admission bench
-(``wavepp bench admission``, 4 stages and the controller in one process, S = 8, 16 in flight),
-~4,000 survivors per young collection and pauses up to 2.9 ms, every ~60 ms: a pause in a
-round adds to every request in it, so they set the p99. At 200 the same run's pauses were at
-most 0.7 ms, with the same total time in the collector (16 against 14 ms over the run); at 100
-and 50 the total grew 3x. A pure function of the process's state: no I/O.
+Why: CPython (3.11) starts a young collection after ``threshold0`` (700) allocations of
+tracked objects, counting every deallocation of one, young or old, back down. A stage frees as
+many old records per round as it makes new ones (each finished request's ``HeldRequest``, table
+and hashes go as a new request's arrive), so the count seldom reaches the threshold and the
+young generation piles up: measured in the admission bench (``wavepp bench admission``, S = 8,
+four stages in one host process, 16 in flight), a young collection every ~17 rounds walking
+the ~1,100 requests held meanwhile and their tuples, 2.9-4.7 ms, inside whichever round it
+fell in; that round's requests all waited for it (the p99). Collected after every answered
+round, the same objects are walked once each as before (each tuple of ints or hashes leaves
+the collector's lists at its first pass), in pauses of at most ~0.4 ms that overlap the
+controller's reading of the replies. Lowering ``threshold0`` instead (200, 50, 20) shortened
+the pauses but cost 4-10 % of a stage's CPU in collections.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 
-__all__ = ["YOUNG_COLLECTION_THRESHOLD", "settle_heap"]
+__all__ = ["collect_young_soon", "settle_heap"]
 
-YOUNG_COLLECTION_THRESHOLD = 200
-"""``gc`` threshold0 for serving processes (allocations less deallocations of tracked objects
-between young collections; CPython's default is 700). See the module docstring."""
+_scheduled: set[asyncio.AbstractEventLoop] = set()
 
 
-def settle_heap(young_threshold: int = YOUNG_COLLECTION_THRESHOLD) -> None:
+def settle_heap() -> None:
     """Call once start-up is done (pools, engine, connections built): freeze every object that
-    exists now out of the collector's generations (``gc.freeze``: a full collection no longer
-    walks them) and set the young generation's threshold (the older ones' stay).
+    exists now out of the collector's generations (``gc.freeze``: no collection walks them
+    again)."""
+    gc.freeze()
 
-    Args:
-        young_threshold: ``gc`` threshold0, >= 1.
+
+def collect_young_soon() -> None:
+    """Collect the young generation (``gc.collect(0)``) once the running event loop has run
+    the callbacks ready now: call it right after answering a round, so the other stages of a
+    process that got the same round answer first. At most one is pending per loop (a burst of
+    answers collects once).
 
     Raises:
-        ValueError: ``young_threshold`` < 1 (0 would turn the collector off).
+        RuntimeError: no running event loop.
     """
-    if not isinstance(young_threshold, int) or young_threshold < 1:
-        raise ValueError(f"young_threshold={young_threshold!r}: must be an int >= 1")
-    gc.freeze()
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(young_threshold, older, oldest)
+    loop = asyncio.get_running_loop()
+    if loop in _scheduled:
+        return
+    _scheduled.add(loop)
+    loop.call_soon(_collect_young, loop)
+
+
+def _collect_young(loop: asyncio.AbstractEventLoop) -> None:
+    _scheduled.discard(loop)
+    gc.collect(0)

@@ -48,6 +48,7 @@ from wavepp.api.signing import BusKey
 from wavepp.api.subjects import ReplicaSubjects
 from wavepp.runtime.agreement.clients import StageUnavailableError
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch, handle_kv_request
+from wavepp.runtime.heap import collect_young_soon
 from wavepp.runtime.kv import StageKVManager
 from wavepp.runtime.transport.natsio import ReconnectedError, fail_on_reconnect
 
@@ -85,11 +86,12 @@ async def serve_stage_kv(
     async def on_batch(msg: Msg) -> None:
         if handler_cpu_s is None:
             await msg.respond(handle_kv_batch(manager, rank, msg.data, bus_key=bus_key))
-            return
-        started_s = time.process_time()
-        reply = handle_kv_batch(manager, rank, msg.data, bus_key=bus_key)
-        handler_cpu_s[0] += time.process_time() - started_s
-        await msg.respond(reply)
+        else:
+            started_s = time.process_time()
+            reply = handle_kv_batch(manager, rank, msg.data, bus_key=bus_key)
+            handler_cpu_s[0] += time.process_time() - started_s
+            await msg.respond(reply)
+        collect_young_soon()  # answered: the young generation now, not inside a later round
 
     return [
         await nc.subscribe(subjects.stage_kv(rank), cb=on_kv),

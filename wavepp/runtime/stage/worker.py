@@ -68,6 +68,7 @@ from wavepp.api.messages import (
 )
 from wavepp.api.signing import BusKey
 from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.heap import collect_young_soon
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.stage.build import build_engine, check_environment
 from wavepp.runtime.stage.core import StageCore, StageWork
@@ -275,6 +276,7 @@ class StageWorker:
                 refuse=f"stage {self.rank}: re-forming its group (epoch {self.group_epoch})",
             )
         await msg.respond(reply)
+        collect_young_soon()  # answered: the young generation now, not inside a later round
         await self._publish_events()
 
     def _refuse_kv(self, payload: bytes) -> KVReply:
