@@ -12,6 +12,8 @@ import asyncio
 import logging
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from wavepp.api.kv_batch import BatchOp, KVWireError
 from wavepp.runtime.agreement import AdmissionController, LocalStageClient
@@ -279,3 +281,79 @@ async def test_a_round_that_cannot_be_encoded_fails_its_callers_and_forgets_the_
     )
     assert all(t is not None for t in await one_round(controller, workload(2)))
     assert [v for _, v in clients[0].payloads] == [3, 3]
+
+
+class YieldingStage(CountingClient):
+    """Answers after ``delay`` passes of the event loop (rounds overlap); forgets what it
+    remembers when a probe-reserve round numbered in ``forget_at`` reaches it."""
+
+    def __init__(self, manager: StageKVManager, rank: int, delay: int, forget_at: set[int]):
+        super().__init__(manager, rank)
+        self.delay = delay
+        self.forget_at = forget_at
+
+    async def call_batch(self, payload: bytes) -> bytes:
+        if payload[4] == BatchOp.PROBE_RESERVE and len(self.payloads) in self.forget_at:
+            self.manager.recent_prefixes = RecentPrefixes()
+        for _ in range(self.delay):
+            await asyncio.sleep(0)
+        return await super().call_batch(payload)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rounds_in_flight=st.integers(1, 3),
+    max_batch=st.integers(1, 5),
+    delays=st.lists(st.integers(0, 3), min_size=2, max_size=3),
+    forget_at=st.sets(st.integers(0, 12), max_size=3),
+    waves=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=6), min_size=1, max_size=4),
+)
+def test_overlapping_rounds_with_stages_forgetting_admit_all_and_leak_nothing(
+    rounds_in_flight: int,
+    max_batch: int,
+    delays: list[int],
+    forget_at: set[int],
+    waves: list[list[int]],
+) -> None:
+    """Whatever the last stage forgets and however rounds overlap: every caller gets a ticket
+    (L* the least stage hit), every stage holds exactly the admitted requests, and nothing is
+    left after their release."""
+
+    async def scenario() -> None:
+        managers = [StageKVManager(BlockPool(1024, BLOCK)) for _ in delays]
+        clients = [
+            YieldingStage(m, r, d, forget_at if r == len(delays) - 1 else set())
+            for r, (m, d) in enumerate(zip(managers, delays, strict=True))
+        ]
+        controller = AdmissionController(
+            clients,
+            block_size=BLOCK,
+            model_id=MODEL_ID,
+            max_batch=max_batch,
+            max_rounds_in_flight=rounds_in_flight,
+        )
+        for index, wave in enumerate(waves):
+            requests = [
+                PromptRequest(
+                    f"w{index}-{i}",
+                    [root * 1000 + t for t in range(40)]
+                    + [index * 100 + i * 7 + t for t in range(5)],
+                )
+                for i, root in enumerate(wave)
+            ]
+            tickets = await asyncio.gather(*(controller.agree(r) for r in requests))
+            assert all(t is not None for t in tickets)
+            for request, ticket in zip(requests, tickets, strict=True):
+                assert ticket.num_agreed_blocks == min(ticket.stage_hits)
+                for manager in managers:
+                    manager.mark_computed(
+                        request.request_id, request.num_tokens, controller.block_hashes(request)
+                    )
+            ids = sorted(r.request_id for r in requests)
+            assert all(sorted(m.request_ids()) == ids for m in managers)
+            await controller.release(ids)
+            for manager in managers:
+                assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0
+                manager.pool.check_invariants()
+
+    asyncio.run(scenario())
