@@ -49,17 +49,13 @@ prefix (agentic and chat workloads: thousands of tokens in common, a short new s
 it once, and a stage walks its block table once for it (``BlockPool.pin_cache_hit``); a
 probe-reserve entry shares the same way.
 
-Across rounds (version 5): a stage remembers, per owner and first hash (root), the hashes of the
-latest probe-reserve entry of that owner with that root (``wavepp.runtime.kv.recent``), and the
-controller mirrors what it sent. An entry whose ``ReserveEntry.recent_len`` is set may name its
-first ``recent_len`` hashes by the root and the hash at index ``recent_len - 1`` alone
-(``encode_batch`` does so when no earlier entry of the batch shares a prefix at least as long
-with it): block hashes are a chain (each covers its parent's hash and its tokens), so equal
-hashes at index k - 1 mean equal first k hashes, and a stage resolves the reference only when
-the sequence it remembers for (owner, root) is that long and ends there (``decode_batch``'s
-``resolve``); otherwise the entry decodes as ``UnresolvedEntry`` (nothing may be probed for it;
-a later entry sharing in-batch from it too) and is answered unresolved. A round that re-sends
-long cached prefixes (chat and agentic workloads) so sends 64 bytes per prefix, not 32 per block.
+Across rounds (version 5): a stage remembers, per owner and root (first hash), the hashes of
+the owner's latest probe-reserve entry with that root (``wavepp.runtime.kv.recent``); the
+controller mirrors it and sets ``ReserveEntry.recent_len``, and ``encode_batch`` sends those
+hashes as the root and the hash at index ``recent_len - 1`` unless an earlier entry of the batch
+shares as much. Block hashes are a chain, so equal hashes at k - 1 mean equal first k hashes;
+a reference the stage's memory does not end there (``decode_batch``'s ``resolve``) decodes as
+``UnresolvedEntry``, as does a later entry sharing in-batch from it: nothing is probed for it.
 
 Versions: version 1 (no ``shared_from``/``shared_len``: every hash travels), version 2 (ops
 1-3), 3 and 4 are still decoded; ``encode_batch`` writes version 5 only for a probe-reserve
@@ -82,10 +78,11 @@ from __future__ import annotations
 import hmac
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import lru_cache
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from wavepp.api.hash_chain import common_prefix
 from wavepp.api.signing import BusKey
@@ -188,14 +185,10 @@ class UnresolvedEntry(NamedTuple):
     num_total_blocks: int
 
 
-class Resolver(Protocol):
-    """A stage's remembered prefixes (``wavepp.runtime.kv.recent.RecentPrefixes.resolve``):
-    the first ``num_shared`` hashes of the sequence remembered for ``(owner, root)`` if it has
-    them and its hash at index ``num_shared - 1`` is ``last_hash``, else None."""
-
-    def __call__(
-        self, owner: str, root: bytes, num_shared: int, last_hash: bytes
-    ) -> tuple[bytes, ...] | None: ...
+Resolver = Callable[[str, bytes, int, bytes], tuple[bytes, ...] | None]
+"""``(owner, root, num_shared, last_hash)`` -> the first ``num_shared`` hashes the stage
+remembers for ``(owner, root)`` if their last is ``last_hash``, else None
+(``wavepp.runtime.kv.recent.RecentPrefixes.resolve``)."""
 
 
 _HASHED_OPS = (BatchOp.PROBE, BatchOp.PROBE_RESERVE)
