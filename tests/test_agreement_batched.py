@@ -279,7 +279,7 @@ async def test_a_keyed_controller_and_keyed_stages_agree_in_signed_rounds() -> N
 @settings(max_examples=200, deadline=None)
 @given(
     garbage=st.binary(max_size=200),
-    prefix=st.sampled_from([b"", b"WKB\x01\x01", b"WKB\x01\x03", b"WKB\x03\x04"]),
+    prefix=st.sampled_from([b"", b"WKB\x01\x01", b"WKB\x01\x03", b"WKB\x03\x04", b"WKB\x05\x04"]),
 )
 def test_the_stage_handler_never_raises_and_changes_nothing_on_garbage(
     garbage: bytes, prefix: bytes
@@ -542,7 +542,7 @@ def _reply_head(count: int) -> bytes:
 @pytest.mark.parametrize(
     ("payload", "field"),
     [
-        (_reply_head(2) + struct.pack("<BIH", 0, 1, 0) + struct.pack("<BIH", 3, 1, 0), "status"),
+        (_reply_head(2) + struct.pack("<BIH", 0, 1, 0) + struct.pack("<BIH", 4, 1, 0), "status"),
         (_reply_head(1) + struct.pack("<BIH", 9, 1, 0), "status"),
         (_reply_head(2) + struct.pack("<BIH", 0, 1, 0), "result"),
         (_reply_head(1) + struct.pack("<BIH", 0, 1, 4) + b"ab", "result error"),

@@ -1,4 +1,4 @@
-"""The batched agreement wire format (version 3): one binary message per stage per admission round.
+"""The batched agreement wire format (version 5): one binary message per stage per admission round.
 
 A round carries the probe-reserves (or the releases) of every request ready in it, so a stage
 answers a whole round with one message and one pass over its block table, instead of one JSON
@@ -6,8 +6,9 @@ request-reply per request per phase. Since version 3 the agreement takes one rou
 probe-reserve entry pins the stage's local hit h_s and at once reserves the blocks after it
 (the stage's table does not depend on L*: token p lives in block p // block_size either way);
 the controller takes L* from the replies and sends it with the plan. The two-phase ops (probe,
-then commit with L*) are still decoded and applied, for a controller of an earlier release. Block hashes travel as raw 32-byte sha256 digests,
-not as JSON lists of hex strings (64 characters each plus quoting).
+then commit with L*) are still decoded and applied, for a controller of an earlier release.
+Block hashes travel as raw 32-byte sha256 digests, not as JSON lists of hex strings (64
+characters each plus quoting).
 
 Layout (little-endian; ``rid`` = u16 length + UTF-8 request id, 1..256 bytes)::
 
@@ -24,12 +25,19 @@ Layout (little-endian; ``rid`` = u16 length + UTF-8 request id, 1..256 bytes)::
              version 4 (op 4 only), after the entries: u32 num_releases | num_releases x rid:
              requests to release before the round's probe-reserves (the previous round's
              finished requests ride along, one message per stage per round instead of two)
-    reply    (``wavepp.api.kv_reply``) "WKR" | u8 version | u8 op | u16 rank | u32 num_free_blocks | u32 num_blocks
-             | u16 error length | error (UTF-8; a whole-batch fault, else empty)
+             version 5 (op 4 only): version 4, and an entry whose shared_from is 0xFFFFFFFF
+             (``RECENT_REFERENCE``) names its first shared_len hashes by reference to the
+             prefix the stage remembers for the batch's owner (below):
+                          rid | u32 n | u32 0xFFFFFFFF | u32 shared_len | u32 num_total_blocks
+                          | 32-byte root hash (index 0) | 32-byte hash at index shared_len - 1
+                          | (n - shared_len) x 32-byte block hash      (1 <= shared_len <= n)
+    reply    (``wavepp.api.kv_reply``) "WKR" | u8 version | u8 op | u16 rank
+             | u32 num_free_blocks | u32 num_blocks | u16 error length | error (UTF-8; a whole-batch fault, else empty)
              | u32 count | count x (u8 status | u32 value | u16 length | UTF-8 error)
       status 0 ok (value: hit blocks for a probe or a probe-reserve, reserved blocks for a
       commit), 1 refused (a reservation that does not fit now; nothing held), 2 invalid (the
-      entry names the fault; nothing held)
+      entry names the fault; nothing held), 3 unresolved (a version 5 prefix reference the
+      stage does not hold: send the hashes; nothing held)
     reply v2 the version 1 reply with version byte 2 | 32-byte tag: HMAC-SHA256 under the
              replica's key, domain "KVBatchReply", of the batch's u8 owner length | owner | u64 seq
              | u16 rank | the reply up to the tag
@@ -39,12 +47,24 @@ A probe entry names its first ``shared_len`` hashes by reference: they are the f
 ``shared_len`` 0: no reference), and only the rest travel. Requests of a round that share a long
 prefix (agentic and chat workloads: thousands of tokens in common, a short new suffix) so carry
 it once, and a stage walks its block table once for it (``BlockPool.pin_cache_hit``); a
-probe-reserve entry shares the same way. Version 1 (no ``shared_from``/``shared_len``: every
-hash travels) and version 2 (ops 1-3) are still decoded; ``encode_batch`` writes version 4 only
-for a probe-reserve batch that carries releases, version 3 for one without, and version 2 for
-ops 1-3 (so a stage of an earlier release still reads what it can apply). A batch's releases
-have no results (a release is idempotent and never refused). A reply is version 1, or version
-2 tagged by a keyed stage (``api.kv_reply_tag``: why, and what a controller with a key takes).
+probe-reserve entry shares the same way.
+
+Across rounds (version 5): a stage remembers, per owner and root (first hash), the hashes of
+the owner's latest probe-reserve entry with that root (``wavepp.runtime.kv.recent``); the
+controller mirrors it and sets ``ReserveEntry.recent_len``, and ``encode_batch`` sends those
+hashes as the root and the hash at index ``recent_len - 1`` unless an earlier entry of the batch
+shares as much. Block hashes are a chain, so equal hashes at k - 1 mean equal first k hashes;
+a reference the stage's memory does not end there (``decode_batch``'s ``resolve``) decodes as
+``UnresolvedEntry``, as does a later entry sharing in-batch from it: nothing is probed for it.
+
+Versions: version 1 (no ``shared_from``/``shared_len``: every hash travels), version 2 (ops
+1-3), 3 and 4 are still decoded; ``encode_batch`` writes version 5 only for a probe-reserve
+batch with at least one reference written, else version 4 for one that carries releases,
+version 3 for one without, and version 2 for ops 1-3 (so a stage of an earlier release still
+reads what it can apply: references are off in a controller for stages that cannot decode
+version 5). A batch's releases have no results (a release is idempotent and never refused). A
+reply is version 1, or version 2 tagged by a keyed stage (``api.kv_reply_tag``: why, and what a
+controller with a key takes).
 
 ``owner`` is the admission instance sending the round and ``seq`` its op number (a stage refuses a
 replayed one); ``mac`` is HMAC-SHA256 under the replica's bus key (``wavepp.api.signing``) of
@@ -58,6 +78,7 @@ from __future__ import annotations
 import hmac
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import lru_cache
@@ -77,15 +98,23 @@ __all__ = [
     "KVBatch",
     "KVWireError",
     "ProbeEntry",
+    "RECENT_REFERENCE",
+    "REFERENCED",
     "ReserveEntry",
+    "Resolver",
+    "UnresolvedEntry",
     "decode_batch",
     "encode_batch",
 ]
 
-KV_BATCH_VERSION = 4
-_DECODED_VERSIONS = (1, 2, 3, 4)
+KV_BATCH_VERSION = 5
+_DECODED_VERSIONS = (1, 2, 3, 4, 5)
 _FIRST_VERSION_OF_RESERVE = 3
 _FIRST_VERSION_OF_RELEASES = 4
+_FIRST_VERSION_OF_REFERENCES = 5
+RECENT_REFERENCE = 0xFFFFFFFF
+"""``shared_from`` of a version 5 probe-reserve entry that names its first ``shared_len``
+hashes by reference to the stage's remembered prefix (root hash and last hash on the wire)."""
 BLOCK_HASH_BYTES = 32
 MAX_BATCH_ENTRIES = 4096
 MAX_BLOCKS_PER_ENTRY = 1 << 20  # 64 Mi tokens at 64-token blocks
@@ -135,14 +164,35 @@ class CommitEntry(NamedTuple):
 class ReserveEntry(NamedTuple):
     """Pin the longest locally cached prefix of ``block_hashes`` (h_s blocks) and reserve the
     ``num_total_blocks - h_s`` blocks after it, in one step: the stage's block table is its
-    h_s cached block ids, then fresh ones (or nothing held: refused)."""
+    h_s cached block ids, then fresh ones (or nothing held: refused).
+
+    ``recent_len`` (encoding only, 0..len(block_hashes)): the first ``recent_len`` hashes are
+    those of an entry with the same root the controller sent this stage before, so they may
+    travel by reference (version 5); ``decode_batch`` always sets 0."""
 
     request_id: str
     block_hashes: tuple[bytes, ...]
     num_total_blocks: int
+    recent_len: int = 0
+
+
+class UnresolvedEntry(NamedTuple):
+    """A decoded probe-reserve entry whose prefix reference (version 5) the stage could not
+    resolve (or that shares in-batch from such an entry): its hashes are unknown here, so
+    nothing may be probed or held for it; the stage answers it unresolved."""
+
+    request_id: str
+    num_total_blocks: int
+
+
+Resolver = Callable[[str, bytes, int, bytes], tuple[bytes, ...] | None]
+"""``(owner, root, num_shared, last_hash)`` -> the first ``num_shared`` hashes the stage
+remembers for ``(owner, root)`` if their last is ``last_hash``, else None
+(``wavepp.runtime.kv.recent.RecentPrefixes.resolve``)."""
 
 
 _HASHED_OPS = (BatchOp.PROBE, BatchOp.PROBE_RESERVE)
+REFERENCED = -2  # a decoded entry's ``shared_from`` when its prefix came by reference
 
 
 @dataclass(frozen=True)
@@ -153,12 +203,12 @@ class KVBatch:
     ``shares``, set by ``decode_batch`` for a probe or probe-reserve batch (``encode_batch``
     finds the sharing itself and ignores it): per entry ``(shared_from, shared_len)``,
     ``block_hashes[:shared_len]`` being the first ``shared_len`` hashes of entry ``shared_from``
-    (-1: none).
+    (-1: none; ``REFERENCED`` (-2): named by reference to the stage's remembered prefix).
 
     ``releases`` (PROBE_RESERVE only): request ids the stage releases before the entries."""
 
     op: BatchOp
-    entries: tuple[ReserveEntry | ProbeEntry | CommitEntry | str, ...]
+    entries: tuple[ReserveEntry | UnresolvedEntry | ProbeEntry | CommitEntry | str, ...]
     lease_s: float = 0.0
     owner: str = ""  # the admission instance (only it may commit or release what it probed)
     seq: int = 0  # the owner's op number
@@ -195,17 +245,8 @@ def encode_batch(batch: KVBatch, bus_key: BusKey | None = None) -> bytes:
         raise KVWireError(f"releases: only in a probe-reserve batch (op 4), not op {batch.op}")
     if len(batch.releases) > MAX_BATCH_ENTRIES:
         raise KVWireError(f"releases: {len(batch.releases)}; at most {MAX_BATCH_ENTRIES}")
-    if batch.op is not BatchOp.PROBE_RESERVE:
-        version = 2
-    else:
-        version = _FIRST_VERSION_OF_RELEASES if batch.releases else _FIRST_VERSION_OF_RESERVE
-    parts = [
-        _REQ_HEADER.pack(_REQUEST_MAGIC, version, int(batch.op), lease_s),
-        bytes([len(owner)]),
-        owner,
-        _OWNER_SEQ.pack(batch.seq),
-        _U32.pack(len(batch.entries)),
-    ]
+    parts: list[bytes] = []
+    num_references = 0
     # first hash -> the latest probe entry (index, hashes) that starts with it
     latest_with_root: dict[bytes, tuple[int, tuple[bytes, ...]]] = {}
     for index, entry in enumerate(batch.entries):
@@ -222,9 +263,20 @@ def encode_batch(batch: KVBatch, bus_key: BusKey | None = None) -> bytes:
                 if earlier is not None:
                     shared_from, shared_len = earlier[0] + 1, common_prefix(earlier[1], hashes)
                 latest_with_root[hashes[0]] = (index, hashes)
+            reference = b""
+            if isinstance(entry, ReserveEntry) and entry.recent_len:
+                if not 0 <= entry.recent_len <= len(hashes):
+                    raise KVWireError(
+                        f"recent_len: {entry.recent_len}; must be in [0, {len(hashes)}] (the "
+                        "entry's block hashes)"
+                    )
+                if entry.recent_len > shared_len:  # else the in-batch share is as long
+                    shared_from, shared_len = RECENT_REFERENCE, entry.recent_len
+                    reference = hashes[0] + hashes[shared_len - 1]
+                    num_references += 1
             rest = hashes[shared_len:]
-            joined = b"".join(rest)
-            if len(joined) != BLOCK_HASH_BYTES * len(rest):  # the shared ones were checked
+            joined = reference + b"".join(rest)
+            if len(joined) != BLOCK_HASH_BYTES * (len(rest) + 2 * bool(reference)):
                 raise KVWireError(f"block_hashes: each must be {BLOCK_HASH_BYTES} bytes")
             if isinstance(entry, ReserveEntry):
                 if entry.num_total_blocks not in (len(hashes), len(hashes) + 1) or (
@@ -244,6 +296,20 @@ def encode_batch(batch: KVBatch, bus_key: BusKey | None = None) -> bytes:
         else:
             assert isinstance(entry, str)
             parts.append(_rid(entry))
+    if batch.op is not BatchOp.PROBE_RESERVE:
+        version = 2
+    elif num_references:
+        version = _FIRST_VERSION_OF_REFERENCES
+    else:
+        version = _FIRST_VERSION_OF_RELEASES if batch.releases else _FIRST_VERSION_OF_RESERVE
+    header = [
+        _REQ_HEADER.pack(_REQUEST_MAGIC, version, int(batch.op), lease_s),
+        bytes([len(owner)]),
+        owner,
+        _OWNER_SEQ.pack(batch.seq),
+        _U32.pack(len(batch.entries)),
+    ]
+    parts = header + parts
     if version >= _FIRST_VERSION_OF_RELEASES:
         parts.append(_U32.pack(len(batch.releases)))
         parts += [_rid(request_id) for request_id in batch.releases]
@@ -300,8 +366,13 @@ def _count(n: int) -> int:
     return n
 
 
-def decode_batch(payload: bytes, bus_key: BusKey | None = None) -> KVBatch:
-    """Parse a batch; with ``bus_key``, only one it signed. Raises ``KVWireError`` naming the
+def decode_batch(
+    payload: bytes, bus_key: BusKey | None = None, *, resolve: Resolver | None = None
+) -> KVBatch:
+    """Parse a batch; with ``bus_key``, only one it signed (checked before anything is
+    resolved). ``resolve``: the stage's remembered prefixes, for a version 5 entry's reference
+    (``Resolver``); None, or a reference it does not resolve: that entry, and any later one
+    sharing in-batch from it, decodes as ``UnresolvedEntry``. Raises ``KVWireError`` naming the
     field for anything malformed, unsigned or signed with another key."""
     if len(payload) < MAC_BYTES:
         raise KVWireError(f"header: truncated at byte 0 of {len(payload)}")
@@ -338,9 +409,11 @@ def decode_batch(payload: bytes, bus_key: BusKey | None = None) -> KVBatch:
     (seq,) = reader.unpack(_OWNER_SEQ, "seq")
     (count,) = reader.unpack(_U32, "count")
     if version >= _FIRST_VERSION_OF_RELEASES and batch_op is not BatchOp.PROBE_RESERVE:
-        raise KVWireError(f"version: 4 with op {op}; version 4 is for probe-reserve (op 4) only")
+        raise KVWireError(
+            f"version: {version} with op {op}; versions 4 and 5 are for probe-reserve (op 4) only"
+        )
     entries, shares, releases = _decode_entries(
-        bytes(body), reader.at, _count(count), batch_op, version
+        bytes(body), reader.at, _count(count), batch_op, version, owner, resolve
     )
     return KVBatch(
         batch_op,
@@ -358,18 +431,26 @@ def _truncated(field: str, at: int, size: int) -> KVWireError:
 
 
 def _decode_entries(
-    data: bytes, at: int, count: int, op: BatchOp, version: int
+    data: bytes,
+    at: int,
+    count: int,
+    op: BatchOp,
+    version: int,
+    owner: str,
+    resolve: Resolver | None,
 ) -> tuple[
-    tuple[ReserveEntry | ProbeEntry | CommitEntry | str, ...],
+    tuple[ReserveEntry | UnresolvedEntry | ProbeEntry | CommitEntry | str, ...],
     tuple[tuple[int, int], ...],
     tuple[str, ...],
 ]:
     """The ``count`` entries from byte ``at`` of ``data`` (a batch's body, up to the mac), the
-    probe entries' shares, and (version 4) the releases. One pass with plain offsets: this runs
-    once per entry per stage per round, the hot path of a stage's agreement work."""
+    probe entries' shares, and (version 4 on) the releases; version 5 references resolved for
+    ``owner`` with ``resolve``. One pass with plain offsets: this runs once per entry per stage
+    per round, the hot path of a stage's agreement work."""
     size = len(data)
     u16, u32 = _U16.unpack_from, _U32.unpack_from
-    entries: list[ReserveEntry | ProbeEntry | CommitEntry | str] = []
+    entries: list[ReserveEntry | UnresolvedEntry | ProbeEntry | CommitEntry | str] = []
+    counts: list[int] = []  # each probe entry's n (an unresolved one's hashes are unknown)
     shares: list[tuple[int, int]] = []
     num_named = 0
     for index in range(count):
@@ -414,20 +495,42 @@ def _decode_entries(
                     f"block_hashes: {num_named} named by entries 0..{index}; at most "
                     f"{MAX_BLOCKS_PER_BATCH} per batch (shared ones included)"
                 )
-            shared: tuple[bytes, ...] = ()
-            if shared_from:
+            shared: tuple[bytes, ...] | None = ()  # None: unknown here (unresolved)
+            if shared_from == RECENT_REFERENCE and version >= _FIRST_VERSION_OF_REFERENCES:
+                if not 0 < shared_len <= n:
+                    raise KVWireError(
+                        f"shared_len: {shared_len} in entry {index}; must be in [1, {n}] (its "
+                        "count) for a prefix reference"
+                    )
+                if at + 2 * BLOCK_HASH_BYTES > size:
+                    raise _truncated("prefix reference", at, size)
+                root = data[at : at + BLOCK_HASH_BYTES]
+                last = data[at + BLOCK_HASH_BYTES : at + 2 * BLOCK_HASH_BYTES]
+                at += 2 * BLOCK_HASH_BYTES
+                if at + (n - shared_len) * BLOCK_HASH_BYTES > size:
+                    raise _truncated("block_hashes", at, size)
+                shared = resolve(owner, root, shared_len, last) if resolve is not None else None
+                if shared is not None and len(shared) != shared_len:
+                    shared = None
+                shared_from = REFERENCED + 1  # shares records shared_from - 1
+            elif shared_from:
                 if shared_from > index:
                     raise KVWireError(
                         f"shared_from: {shared_from} in entry {index}; must name an earlier "
-                        f"entry (1..{index}) or be 0"
+                        f"entry (1..{index}) or be 0 (or {RECENT_REFERENCE:#x}, a prefix "
+                        "reference, in a version 5 batch)"
                     )
-                earlier = entries[shared_from - 1][1]
-                if not 0 < shared_len <= min(n, len(earlier)):
+                earlier = entries[shared_from - 1]
+                if not 0 < shared_len <= min(n, counts[shared_from - 1]):
                     raise KVWireError(
                         f"shared_len: {shared_len} in entry {index}; must be in [1, "
-                        f"{min(n, len(earlier))}] (its count and entry {shared_from - 1}'s)"
+                        f"{min(n, counts[shared_from - 1])}] (its count and entry "
+                        f"{shared_from - 1}'s)"
                     )
-                shared = earlier[:shared_len]  # type: ignore[assignment]
+                if isinstance(earlier, UnresolvedEntry):
+                    shared = None
+                else:
+                    shared = earlier[1][:shared_len]  # type: ignore[index]
             elif shared_len:
                 raise KVWireError(
                     f"shared_len: {shared_len} in entry {index}; 0 without shared_from"
@@ -435,11 +538,15 @@ def _decode_entries(
             end = at + (n - shared_len) * BLOCK_HASH_BYTES
             if end > size:
                 raise _truncated("block_hashes", at, size)
-            hashes = shared + _unpack_hashes(data, at, n - shared_len)
+            counts.append(n)
+            if shared is None:
+                entries.append(UnresolvedEntry(rid, total))
+            else:
+                hashes = shared + _unpack_hashes(data, at, n - shared_len)
+                entries.append(
+                    ProbeEntry(rid, hashes) if total < 0 else ReserveEntry(rid, hashes, total)
+                )
             at = end
-            entries.append(
-                ProbeEntry(rid, hashes) if total < 0 else ReserveEntry(rid, hashes, total)
-            )
             shares.append((shared_from - 1, shared_len))
         elif op is BatchOp.COMMIT:
             if at + 8 > size:

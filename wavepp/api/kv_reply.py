@@ -8,7 +8,8 @@ Layout (little-endian)::
       version 1; version 2 is version 1 and a 32-byte tag (``wavepp.api.kv_reply_tag``)
       status 0 ok (value: hit blocks for a probe or a probe-reserve, reserved blocks for a
       commit), 1 refused (a reservation that does not fit now; nothing held), 2 invalid (the
-      entry names the fault; nothing held)
+      entry names the fault; nothing held), 3 unresolved (a probe-reserve entry's prefix
+      reference, ``kv_batch`` version 5, is not held here: send the hashes; nothing held)
 
 A reply's results are in the batch's entry order (a batch's releases have none). Decoding never
 trusts a length: a fault raises ``KVWireError`` naming the field and the limit. Pure: no I/O.
@@ -47,6 +48,7 @@ class EntryStatus(IntEnum):
     OK = 0
     REFUSED = 1
     INVALID = 2
+    UNRESOLVED = 3  # prefix reference not held here; send the hashes; nothing held
 
 
 class EntryResult(NamedTuple):
@@ -168,7 +170,9 @@ def decode_reply(payload: bytes) -> KVBatchReply:
         try:
             entry_status = EntryStatus(status)
         except ValueError as exc:
-            raise KVWireError(f"status: {status}; must be 0, 1 or 2") from exc
+            raise KVWireError(
+                f"status: {status}; must be 0, 1, 2 or 3 (ok, refused, invalid, unresolved)"
+            ) from exc
         results.append(EntryResult(entry_status, value, reader.text(n, "result error")))
     reader.done()
     return KVBatchReply(batch_op, rank, free, blocks, tuple(results), error)

@@ -94,7 +94,8 @@ class AdmissionSetting:
     anyway), not one per process for the ranks it serves (the default: a process then reads
     a round's S copies from one socket and writes the replies in one flush; measured at S = 8,
     one round at a time: a quarter less CPU per round, 5-10 % less per agreement at 16-24 in
-    flight)."""
+    flight). ``prefix_refs``: the controller's (a prefix the stages remember
+    goes by reference, ``kv_batch`` version 5)."""
 
     stages: int
     in_flight: int
@@ -108,6 +109,7 @@ class AdmissionSetting:
     rate: float | None = None
     rounds_in_flight: int = 1
     connection_per_stage: bool = False
+    prefix_refs: bool = True
 
 
 def _warm_stage(num_blocks: int, block_size: int, cached: list[list[bytes]]) -> StageKVManager:
@@ -291,6 +293,7 @@ async def _one_setting(
                 model_id=_MODEL_ID,
                 max_batch=setting.batch_limit,
                 max_rounds_in_flight=setting.rounds_in_flight,
+                prefix_refs=setting.prefix_refs,
             )
             controllers.append(controller)
 
@@ -355,6 +358,8 @@ async def _one_setting(
             await asyncio.gather(*tasks)
 
         rounds_before = [c.num_rounds for c in controllers]
+        bytes_before = [c.num_probe_reserve_bytes for c in controllers]
+        unresolved_before = [c.num_unresolved for c in controllers]
         pids = {"stages": stage_pids, "nats": [server.pid]}
         cpu_before = {name: _cpu_of(group) for name, group in pids.items()}
         settle_heap()  # the pools and controllers, as the stage and admission processes do
@@ -389,6 +394,12 @@ async def _one_setting(
         cpu_split["stages"] += in_process_stages_s
         cpu_s = sum(cpu_split.values())
         num_rounds = sum(c.num_rounds - b for c, b in zip(controllers, rounds_before, strict=True))
+        round_bytes = sum(
+            c.num_probe_reserve_bytes - b for c, b in zip(controllers, bytes_before, strict=True)
+        )
+        unresolved = sum(
+            c.num_unresolved - b for c, b in zip(controllers, unresolved_before, strict=True)
+        )
         held_at_end = max((m.num_requests for m in in_process), default=None)
         for replica, controller in enumerate(controllers):
             await controller.release(list(held[replica]))
@@ -411,6 +422,9 @@ async def _one_setting(
         "replica_p99_ms": [round(float(np.percentile(x, 99)) * 1e3, 3) for x in latencies],
         "rounds": num_rounds,
         "mean_batch": round(num_requests / max(1, num_rounds), 1),
+        "prefix_refs": setting.prefix_refs,
+        "mean_round_bytes": round(round_bytes / max(1, num_rounds)),
+        "unresolved": unresolved,
         "mean_agreed_blocks": round(sum(agreed_blocks) / len(agreed_blocks), 1),
         "cpu_us_per_agreement": round(cpu_s / num_requests * 1e6, 1),
         "cpu_us_split": {k: round(v / num_requests * 1e6, 1) for k, v in cpu_split.items()},
@@ -459,7 +473,9 @@ async def run_admission_bench(
         workload, requests, prompt_tokens, agreements_per_s, latency_p50_ms, latency_p99_ms,
         start_lag_p99_ms (from the arrival to the start of its ``agree``: the event loop's
         lateness, counted in the latency), replica_p99_ms (one per replica), rounds,
-        mean_batch, mean_agreed_blocks (L*: the cached prefix agreed), cpu_us_per_agreement, cpu_us_split (controller: this
+        mean_batch, prefix_refs, mean_round_bytes (a probe-reserve message to one stage, mean
+        over the rounds), unresolved (entries a stage did not resolve, sent again in full),
+        mean_agreed_blocks (L*: the cached prefix agreed), cpu_us_per_agreement, cpu_us_split (controller: this
         process less the in-process stages; stages: the stage processes, or without them
         the CPU of the stages' round handlers in this process; nats: the nats-server),
         stage_processes, stage_hosts (the ranks each stage host process served),

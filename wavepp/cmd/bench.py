@@ -130,6 +130,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     adm.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     adm.add_argument(
+        "--prefix-refs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a round names a prefix the stages remember from an earlier round by reference "
+        "(kv_batch v5; --no-prefix-refs: every hash sent, as before)",
+    )
+    adm.add_argument(
         "--stage-processes",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -351,6 +358,7 @@ def _run_admission(args: argparse.Namespace) -> int:
             rate=rate,
             rounds_in_flight=m,
             connection_per_stage=args.connection_per_stage,
+            prefix_refs=args.prefix_refs,
         )
         for w in workloads
         for r in lists["replicas"]

@@ -95,6 +95,9 @@ class AdmissionController:
     ``bus_key`` (the replica's, ``wavepp.api.signing``) signs every op; None sends them unsigned.
     ``max_batch`` and ``max_rounds_in_flight``: the round engine's limits
     (``wavepp.runtime.agreement.rounds.AgreementRounds``; ValueError outside them).
+    ``prefix_refs``: let a round name a prefix the stages remember from an earlier round by
+    reference (``kv_batch`` version 5); False for stages of a release that cannot decode it
+    (a stage refusing such a round turns them off by itself, for the controller's life).
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class AdmissionController:
         max_rounds_in_flight: int = 1,
         state_interval_blocks: int = 1,
         bus_key: BusKey | None = None,
+        prefix_refs: bool = True,
     ) -> None:
         if not stages:
             raise ValueError("stages: need at least one stage client")
@@ -137,6 +141,7 @@ class AdmissionController:
             state_interval_blocks=state_interval_blocks,
             encode=self._encode_batch,
             reply_key=bus_key,
+            prefix_refs=prefix_refs,
         )
 
     def block_hashes(self, request: PromptRequest) -> list[bytes]:
@@ -244,6 +249,16 @@ class AdmissionController:
     def num_refusals(self) -> int:
         """Reservations that some stage refused (the request waited and retried)."""
         return self._rounds.num_refusals
+
+    @property
+    def num_unresolved(self) -> int:
+        """Entries whose prefix reference some stage did not hold (sent again in full)."""
+        return self._rounds.num_unresolved
+
+    @property
+    def num_probe_reserve_bytes(self) -> int:
+        """Bytes of the probe-reserve batches sent (one stage's copy of each round's message)."""
+        return self._rounds.num_probe_reserve_bytes
 
     @property
     def num_rounds(self) -> int:

@@ -23,6 +23,21 @@ the new one's). A round starts one pass of the event loop after its first
 request arrived: what else arrives in that pass (the callers a finished round woke, the
 releases of a finished micro-batch) joins it.
 
+Prefix references (``kv_batch`` version 5, ``prefix_refs``, on by default): every stage
+remembers, for this controller's owner id, the hashes of the latest probe-reserve entry per
+root (first hash; ``wavepp.runtime.kv.recent``), and the controller keeps a mirror of it (the
+latest entry sent per root, in send order, 1,024 roots). An entry whose root the mirror holds
+with a common prefix of at least 3 blocks names that prefix by its root and last hash (64
+bytes) when no earlier entry of its round shares as much: a chat or agentic round re-sending
+the same long cached prefixes (8 prefixes of 61 blocks: 15.6 KB of an 18.7 KB round) then
+sends a few hundred bytes of them. A stage that does not hold the prefix (restarted, or it
+dropped it) answers the entry UNRESOLVED and holds nothing; the controller drops that root from
+the mirror, releases the request on every stage (as a refusal) and puts it back at the front
+of the queue to go again in full, its caller none the wiser (``num_unresolved``). A round that
+failed clears the mirror (what the stages applied is not known); a batch-level error to a
+round that carried references (a stage of an earlier release cannot decode version 5) turns
+them off for the controller's life (logged once), that round's requests failing as before.
+
 A round holds at most ``max_batch`` requests and ``max_round_bytes`` of entries and releases
 (``MAX_ROUND_BYTES``, below NATS's 1 MiB ``max_payload``: the server refuses a larger message,
 which would fail every request of the round); the rest wait for the next round.
@@ -47,13 +62,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from wavepp.api.kv_batch import MAX_BATCH_ENTRIES, BatchOp, KVBatch, ReserveEntry, encode_batch
+from wavepp.api.hash_chain import common_prefix
+from wavepp.api.kv_batch import (
+    KV_BATCH_VERSION,
+    MAX_BATCH_ENTRIES,
+    BatchOp,
+    KVBatch,
+    ReserveEntry,
+    encode_batch,
+)
 from wavepp.api.kv_reply import EntryStatus, KVBatchReply, decode_reply
 from wavepp.api.signing import BusKey
 from wavepp.runtime.request import PromptRequest
@@ -66,12 +90,17 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_ROUND_BYTES", "AgreementRounds", "PendingAgreement", "StageProtocolError"]
 
+log = logging.getLogger(__name__)
+
 MAX_ROUND_BYTES = 1024 * 1024 - 64 * 1024
 """Most bytes of entries (and riding releases) in one round's message: below NATS's default
 ``max_payload`` of 1 MiB, with room for the batch's header, owner and tag."""
 _ENTRY_BYTES = 2 + 16  # a probe-reserve entry's id length and counts (kv_batch op 4)
 _ID_BYTES = 2  # a release's id length
 _HASH_BYTES = 32
+_SENT_ROOTS_KEPT = 1024  # roots whose latest entry the controller mirrors (oldest dropped)
+_MIN_REFERENCE_BLOCKS = 3  # a reference costs 2 hashes on the wire: shorter ones save nothing
+_REFERENCE_VERSION = KV_BATCH_VERSION  # a batch written with prefix references (kv_batch v5)
 
 
 class StageProtocolError(RuntimeError):
@@ -90,6 +119,7 @@ class PendingAgreement:
     abandoned: bool = False  # the caller was cancelled: release whatever the round admits
     stage_hits: tuple[int, ...] = field(default=())
     num_agreed_blocks: int = 0
+    send_full: bool = False  # a stage did not resolve its prefix reference: no reference now
 
     @property
     def request_id(self) -> str:
@@ -119,6 +149,7 @@ class AgreementRounds:
         state_interval_blocks: int = 1,
         encode: Callable[[KVBatch], bytes] = encode_batch,
         reply_key: BusKey | None = None,
+        prefix_refs: bool = True,
     ) -> None:
         if not 1 <= max_batch <= MAX_BATCH_ENTRIES:
             raise ValueError(f"max_batch: {max_batch}; must be in [1, {MAX_BATCH_ENTRIES}]")
@@ -149,9 +180,15 @@ class AgreementRounds:
         self._runner: asyncio.Task[None] | None = None
         self._rounds: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Future[None]] = set()
+        # prefix references (kv_batch v5): root -> hashes of the latest entry sent with that
+        # root, in send order: what every stage remembers for this owner (RecentPrefixes)
+        self.prefix_refs = prefix_refs
+        self._sent: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
         self.num_rounds = 0
         self.num_agreements = 0  # requests whose probe-reserve every stage answered
         self.num_refusals = 0  # of those, refused by some stage (released everywhere)
+        self.num_unresolved = 0  # entries a stage did not resolve (sent again in full)
+        self.num_probe_reserve_bytes = 0  # encoded probe-reserve batches (one copy per round)
 
     # ---- the caller's side -------------------------------------------------------------------
 
@@ -289,20 +326,19 @@ class AgreementRounds:
         started = time.time()
         probe_reserve = KVBatch(
             BatchOp.PROBE_RESERVE,
-            tuple(
-                ReserveEntry(
-                    p.request_id,
-                    tuple(p.block_hashes),
-                    -(-p.request.num_tokens // self.block_size),
-                )
-                for p in batch
-            ),
+            self._entries(batch),
             self.lease_s,
             releases=_ids_of(releases),
         )
+        payload = b""
         try:
-            replies = await self._call_all(probe_reserve)
+            payload = self._encode(probe_reserve)
+            self.num_probe_reserve_bytes += len(payload)
+            replies = await self._send(payload, len(probe_reserve.entries))
         except BaseException as exc:
+            self._sent.clear()  # what a stage applied (and remembers) is not known now
+            if isinstance(exc, StageProtocolError) and payload[3:4] == bytes([_REFERENCE_VERSION]):
+                self._stop_prefix_refs(exc)
             _settle_releases(releases, exc)
             await self.release_quietly([p.request_id for p in batch])
             for p in batch:
@@ -314,6 +350,7 @@ class AgreementRounds:
         admitted: list[PendingAgreement] = []
         refused: list[PendingAgreement] = []
         failed: list[tuple[PendingAgreement, BaseException]] = []
+        unresolved: list[PendingAgreement] = []
         for index, pending in enumerate(batch):
             results = [reply.results[index] for reply in replies]
             invalid = [
@@ -324,6 +361,14 @@ class AgreementRounds:
             if invalid:
                 rank, error = invalid[0]
                 failed.append((pending, self._refusal(pending, f"stage {rank}: {error}")))
+                continue
+            if any(result.status is EntryStatus.UNRESOLVED for result in results):
+                # a stage does not hold the prefix it references: that root is sent in full
+                # next time, and this request again, in full, once released everywhere
+                self.num_unresolved += 1
+                if pending.block_hashes:
+                    self._sent.pop(pending.block_hashes[0], None)
+                unresolved.append(pending)
                 continue
             self.num_agreements += 1
             if not all(result.ok for result in results):
@@ -340,15 +385,78 @@ class AgreementRounds:
             _settle(pending, result=self._admitted(pending))
         # a refusal on one stage leaves the others holding: released before its caller hears
         await self.release_quietly(
-            [p.request_id for p in refused] + [p.request_id for p, _ in failed]
+            [p.request_id for p in refused]
+            + [p.request_id for p, _ in failed]
+            + [p.request_id for p in unresolved]
         )
         for pending in refused:
             _settle(pending, result=None)
         for pending, error in failed:
             _settle(pending, exc=error)
+        self._resend_in_full(unresolved)
+
+    def _entries(self, batch: Sequence[PendingAgreement]) -> tuple[ReserveEntry, ...]:
+        """A round's probe-reserve entries; with prefix references on, each whose root the
+        stages remember (``_sent``, as it was before this round) with a common prefix of at
+        least ``_MIN_REFERENCE_BLOCKS`` may send that prefix by reference (``recent_len``).
+        Then every entry is mirrored, in order, as the stages will remember it."""
+        sent = self._sent
+        entries = []
+        for pending in batch:
+            hashes = tuple(pending.block_hashes)
+            recent_len = 0
+            if self.prefix_refs and hashes and not pending.send_full:
+                known = sent.get(hashes[0])
+                if known is not None:
+                    recent_len = common_prefix(known, hashes)
+                    if recent_len < _MIN_REFERENCE_BLOCKS:
+                        recent_len = 0
+            entries.append(
+                ReserveEntry(
+                    pending.request_id,
+                    hashes,
+                    -(-pending.request.num_tokens // self.block_size),
+                    recent_len,
+                )
+            )
+        if self.prefix_refs:
+            for entry in entries:
+                if entry.block_hashes:
+                    root = entry.block_hashes[0]
+                    sent.pop(root, None)
+                    sent[root] = entry.block_hashes
+            while len(sent) > _SENT_ROOTS_KEPT:
+                sent.popitem(last=False)
+        return tuple(entries)
+
+    def _resend_in_full(self, unresolved: Sequence[PendingAgreement]) -> None:
+        """Requests a stage could not resolve (released everywhere by now) back at the front
+        of the queue, flagged to send every hash: their callers see no refusal (one whose caller
+        left meanwhile is dropped there, as any abandoned one)."""
+        for pending in reversed(unresolved):
+            pending.send_full = True
+            self._pending.appendleft(pending)
+        if self._pending:
+            self._start_runner(asyncio.get_running_loop())
+
+    def _stop_prefix_refs(self, exc: BaseException) -> None:
+        """A stage refused a batch that carried prefix references (a stage of an earlier
+        release cannot decode ``kv_batch`` version 5): references off for good."""
+        if self.prefix_refs:
+            self.prefix_refs = False
+            log.warning(
+                "a stage refused a round that carried prefix references (%s); prefix "
+                "references are off for this admission controller from now on",
+                exc,
+            )
 
     async def _call_all(self, batch: KVBatch) -> list[KVBatchReply]:
-        payload = self._encode(batch)
+        return await self._send(self._encode(batch), len(batch.entries))
+
+    async def _send(self, payload: bytes, num_entries: int) -> list[KVBatchReply]:
+        """An encoded batch of ``num_entries`` entries to every stage; their replies, in the
+        stages' order. Raises ``StageProtocolError`` for a batch-level error or a reply of the
+        wrong length, and what the transport raises."""
         call_all = getattr(self.stages[0], "call_batch_all", None)
         if call_all is not None and all(type(s) is type(self.stages[0]) for s in self.stages):
             # one fan-out (NatsStageClient); with a key, replies not tagged for it are dropped
@@ -358,10 +466,10 @@ class AgreementRounds:
         replies = []
         for stage, data in zip(self.stages, raw, strict=True):
             reply = decode_reply(data)
-            if reply.error or len(reply.results) != len(batch.entries):
+            if reply.error or len(reply.results) != num_entries:
                 raise StageProtocolError(
                     f"stage {stage.rank}: {reply.error or 'wrong number of results'} "
-                    f"({len(reply.results)} for {len(batch.entries)} entries)"
+                    f"({len(reply.results)} for {num_entries} entries)"
                 )
             replies.append(reply)
         return replies

@@ -27,6 +27,7 @@ from wavepp.api.kv_batch import (
     KVWireError,
     ProbeEntry,
     ReserveEntry,
+    UnresolvedEntry,
     decode_batch,
 )
 from wavepp.api.kv_reply import EntryResult, EntryStatus, KVBatchReply, encode_reply
@@ -44,6 +45,7 @@ from wavepp.api.signing import BusKey
 from wavepp.runtime.kv import CacheHit, StageKVManager
 
 _OK = EntryResult(EntryStatus.OK)
+_UNRESOLVED = EntryResult(EntryStatus.UNRESOLVED)
 
 
 @lru_cache(maxsize=4096)
@@ -172,6 +174,14 @@ def handle_kv_batch(
     is answered INVALID and holds nothing (what it pinned in the first pass is released), the
     other entries are applied.
 
+    Prefix references (``kv_batch`` version 5): an entry naming its leading hashes by reference
+    is resolved against the prefixes this stage remembers for the batch's owner
+    (``manager.recent_prefixes``); one that does not resolve (this stage restarted, or dropped
+    it) is answered UNRESOLVED and holds nothing (the controller sends it again in full), the
+    others are applied. Once a probe-reserve batch is accepted (tag and op number checked), each
+    resolved entry's hashes are remembered for its owner, in entry order, whatever the entry's
+    outcome (the controller mirrors every entry it sends).
+
     Args:
         manager: the stage's KV manager (its single owner calls this).
         rank: the stage's rank, echoed in the reply.
@@ -189,7 +199,7 @@ def handle_kv_batch(
     """
     pool = manager.pool
     try:
-        batch = decode_batch(payload, bus_key)
+        batch = decode_batch(payload, bus_key, resolve=manager.recent_prefixes.resolve)
     except KVWireError as exc:
         reply = KVBatchReply(
             BatchOp.PROBE,
@@ -223,6 +233,11 @@ def _apply_batch(
         return encode_reply(reply)
     for request_id in batch.releases:  # the finished requests first: their blocks free
         manager.release(request_id, owner=batch.owner)
+    if batch.op is BatchOp.PROBE_RESERVE:  # what the controller's mirror now holds
+        remember = manager.recent_prefixes.remember
+        for entry in batch.entries:
+            if isinstance(entry, ReserveEntry):
+                remember(batch.owner, entry.block_hashes)
     if refuse and batch.op is not BatchOp.RELEASE:
         refused = tuple(
             EntryResult(EntryStatus.INVALID, 0, f"{refuse}; {batch.op.name.lower()} refused")
@@ -286,6 +301,9 @@ def _probe_reserve(manager: StageKVManager, batch: KVBatch) -> tuple[EntryResult
     newly_pinned = [False] * len(entries)  # not held before this batch: release on a fault
     shares = batch.shares or ((-1, 0),) * len(entries)
     for index, entry in enumerate(entries):
+        if isinstance(entry, UnresolvedEntry):  # its hashes are unknown here: nothing held
+            results[index] = _UNRESOLVED
+            continue
         assert isinstance(entry, ReserveEntry)
         shared_from, num_shared = shares[index]
         try:
@@ -304,9 +322,10 @@ def _probe_reserve(manager: StageKVManager, batch: KVBatch) -> tuple[EntryResult
         results[index] = _ok(hit)
     for index, entry in enumerate(entries):
         result = results[index]
-        assert isinstance(entry, ReserveEntry) and result is not None
+        assert result is not None
         if not result.ok:
             continue
+        assert isinstance(entry, ReserveEntry)
         try:
             table = manager.reserve(
                 entry.request_id,

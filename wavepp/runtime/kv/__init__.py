@@ -6,6 +6,8 @@ Layers, each pure (no I/O, no torch, no NATS; the clock is injected)::
               PromptHasher (the same, not hashing again what a recent prompt shared)
     pool      BlockPool: capacity, block hash -> block map, ref counts, LRU; queues KVEvents
     manager   StageKVManager: probe/pin, commit/reserve, mark computed, release, leases
+    recent    RecentPrefixes: per owner and root, the latest probe-reserve entry's hashes (the
+              prefixes a version 5 batch names by reference)
     inflight  InflightPrefixIndex: prefixes being computed right now (admission side)
 
 Callers import from this package; the modules are its internals.
@@ -22,6 +24,7 @@ from wavepp.runtime.kv.hashing import (
 from wavepp.runtime.kv.held import PinReceipt
 from wavepp.runtime.kv.manager import StageKVManager
 from wavepp.runtime.kv.pool import BlockPool, CacheHit, KVEvent
+from wavepp.runtime.kv.recent import RecentPrefixes
 
 __all__ = [
     "BLOCK_HASH_NUM_BYTES",
@@ -31,6 +34,7 @@ __all__ = [
     "KVEvent",
     "PinReceipt",
     "PromptHasher",
+    "RecentPrefixes",
     "StageKVManager",
     "hash_block_tokens",
     "hash_prompt_blocks",

@@ -15,6 +15,7 @@ from wavepp.api.hash_chain import common_prefix
 from wavepp.runtime.kv.hashing import BlockHash
 from wavepp.runtime.kv.held import HeldRequest, PinReceipt, check_lease
 from wavepp.runtime.kv.pool import BlockPool, CacheHit, KVEvent
+from wavepp.runtime.kv.recent import RecentPrefixes
 
 
 class StageKVManager:
@@ -85,6 +86,8 @@ class StageKVManager:
         # of the same prefix starts its walk there (BlockPool.pin_cache_hit)
         self._recent_walks: dict[BlockHash, tuple[tuple[BlockHash, ...], CacheHit]] = {}
         self._accepted_lease: tuple[float, float | None] | None = None  # see _check_lease
+        # per owner and root, its latest probe-reserve entry's hashes (kv_batch v5 references)
+        self.recent_prefixes = RecentPrefixes()
 
     recent_walks_kept = 1024
     """Prefix roots whose latest probe walk ``probe_pin`` remembers (oldest dropped)."""

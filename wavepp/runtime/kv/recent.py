@@ -1,0 +1,97 @@
+"""The prefixes a stage remembers per admission instance, for ``kv_batch`` version 5 references.
+
+A probe-reserve round of a chat or agentic workload sends, for each long cached prefix, its
+first entry's hashes in full (the others of the round share them in-batch): every round, to
+every stage, though the stage saw the same hashes the round before. ``RecentPrefixes`` keeps,
+per (owner, root hash), the hashes of that owner's latest probe-reserve entry starting with
+that root; the controller mirrors it (``wavepp.runtime.agreement.rounds``) and names the shared
+part of such a prefix by its root and its last hash (64 bytes instead of 32 per block).
+
+Why the last hash suffices: block hashes are a chain (each block's hash covers its parent's
+hash and its tokens, ``wavepp.runtime.kv.hashing``), so equal hashes at index k - 1 mean equal
+first k hashes. Keyed by owner: one admission instance can never make another's entries
+resolve to a sequence it sent. Bounded: at most ``max_entries`` sequences and ``max_hashes``
+hashes in all (least recently remembered or resolved dropped first); a dropped one only costs
+a resend (the controller's entry is answered unresolved and sent again in full).
+
+Pure: no I/O; one per ``StageKVManager`` (``manager.recent_prefixes``), used by its single
+owner.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+__all__ = ["RecentPrefixes"]
+
+
+class RecentPrefixes:
+    """Per (owner, root hash): the hashes of the owner's latest probe-reserve entry with that
+    root, bounded LRU over all owners.
+
+    Args:
+        max_entries: Sequences kept, >= 1.
+        max_hashes: Hashes kept over all sequences, >= 1 (a sequence longer than this alone is
+            not kept).
+
+    Raises:
+        ValueError: a bound below 1.
+    """
+
+    def __init__(self, max_entries: int = 4096, max_hashes: int = 1 << 20) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries={max_entries}: must be >= 1")
+        if max_hashes < 1:
+            raise ValueError(f"max_hashes={max_hashes}: must be >= 1")
+        self.max_entries = max_entries
+        self.max_hashes = max_hashes
+        self._sequences: OrderedDict[tuple[str, bytes], tuple[bytes, ...]] = OrderedDict()
+        self._num_hashes = 0
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    @property
+    def num_hashes(self) -> int:
+        """Hashes kept over all sequences."""
+        return self._num_hashes
+
+    def remember(self, owner: str, hashes: Sequence[bytes]) -> None:
+        """Keep ``hashes`` (a probe-reserve entry's, in the batch's entry order) as ``owner``'s
+        latest sequence with root ``hashes[0]``; nothing for an empty one."""
+        if not hashes:
+            return
+        hashes = tuple(hashes)
+        key = (owner, hashes[0])
+        sequences = self._sequences
+        old = sequences.pop(key, None)
+        if old is not None:
+            self._num_hashes -= len(old)
+        if len(hashes) > self.max_hashes:
+            return
+        sequences[key] = hashes
+        self._num_hashes += len(hashes)
+        while len(sequences) > self.max_entries or self._num_hashes > self.max_hashes:
+            _, dropped = sequences.popitem(last=False)
+            self._num_hashes -= len(dropped)
+
+    def resolve(
+        self, owner: str, root: bytes, num_shared: int, last_hash: bytes
+    ) -> tuple[bytes, ...] | None:
+        """The first ``num_shared`` hashes of ``owner``'s sequence with root ``root`` if it is at
+        least that long and its hash at index ``num_shared - 1`` is ``last_hash``; else None
+        (nothing remembered, another owner's, too short, or it parts earlier)."""
+        key = (owner, root)
+        hashes = self._sequences.get(key)
+        if hashes is None or not 0 < num_shared <= len(hashes):
+            return None
+        if hashes[num_shared - 1] != last_hash:
+            return None
+        self._sequences.move_to_end(key)
+        return hashes[:num_shared]
+
+    def clear(self) -> None:
+        """Forget everything (a stage that restarted remembers nothing either)."""
+        self._sequences.clear()
+        self._num_hashes = 0
