@@ -9,6 +9,7 @@ The wire format and the stage's side are in ``tests/test_kv_batch_refs.py``."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import pytest
@@ -16,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wavepp.api.kv_batch import BatchOp, KVWireError
-from wavepp.runtime.agreement import AdmissionController, LocalStageClient
+from wavepp.api.kv_reply import EntryResult, EntryStatus, decode_reply, encode_reply
+from wavepp.runtime.agreement import AdmissionController, AgreementRefused, LocalStageClient
 from wavepp.runtime.agreement.clients import StageUnavailableError
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.agreement.rounds import StageProtocolError
@@ -357,3 +359,32 @@ def test_overlapping_rounds_with_stages_forgetting_admit_all_and_leak_nothing(
                 manager.pool.check_invariants()
 
     asyncio.run(scenario())
+
+
+class AlwaysUnresolved(CountingClient):
+    """A faulty stage (or a forger answering for it without a bus key): every entry of every
+    probe-reserve round UNRESOLVED, references or not."""
+
+    async def call_batch(self, payload: bytes) -> bytes:
+        reply = decode_reply(await super().call_batch(payload))
+        if payload[4] != BatchOp.PROBE_RESERVE:
+            return encode_reply(reply)
+        for request_id in self.manager.request_ids():  # it holds nothing it calls unresolved
+            self.manager.release(request_id)
+        results = tuple(EntryResult(EntryStatus.UNRESOLVED) for _ in reply.results)
+        return encode_reply(dataclasses.replace(reply, results=results))
+
+
+async def test_a_stage_calling_a_full_entry_unresolved_fails_it_once_not_forever() -> None:
+    """An UNRESOLVED answer to an entry that carried no reference cannot come from a correct
+    stage: the request is resent in full once, then fails (no endless resend loop)."""
+    managers = [StageKVManager(BlockPool(512, BLOCK)) for _ in range(3)]
+    clients: list[CountingClient] = [CountingClient(m, r) for r, m in enumerate(managers[:2])]
+    clients.append(AlwaysUnresolved(managers[2], 2))
+    controller = AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0)
+    first = workload(0, num_roots=1, per_root=1)[0]
+    with pytest.raises(AgreementRefused, match="UNRESOLVED to an entry sent in full"):
+        await asyncio.wait_for(controller.agree(first), 10)
+    assert controller.num_rounds <= 3  # sent, resent in full once: not again and again
+    for manager in managers:  # nothing held anywhere
+        assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0

@@ -33,7 +33,8 @@ the same long cached prefixes (8 prefixes of 61 blocks: 15.6 KB of an 18.7 KB ro
 sends a few hundred bytes of them. A stage that does not hold the prefix (restarted, or it
 dropped it) answers the entry UNRESOLVED and holds nothing; the controller drops that root from
 the mirror, releases the request on every stage (as a refusal) and puts it back at the front
-of the queue to go again in full, its caller none the wiser (``num_unresolved``). A round that
+of the queue to go again in full, its caller none the wiser (``num_unresolved``); an entry
+sent in full that a stage still calls UNRESOLVED fails (``AgreementRefused``), once. A round that
 failed clears the mirror (what the stages applied is not known); a batch-level error to a
 round that carried references (a stage of an earlier release cannot decode version 5) turns
 them off for the controller's life (logged once), that round's requests failing as before.
@@ -362,7 +363,21 @@ class AgreementRounds:
                 rank, error = invalid[0]
                 failed.append((pending, self._refusal(pending, f"stage {rank}: {error}")))
                 continue
-            if any(result.status is EntryStatus.UNRESOLVED for result in results):
+            unresolved_by = [
+                reply.rank
+                for reply, result in zip(replies, results, strict=True)
+                if result.status is EntryStatus.UNRESOLVED
+            ]
+            if unresolved_by and pending.send_full:
+                # sent in full already: no reference to resolve, so a stage that says so is
+                # faulty (or a forger, without a bus key); resending would never end
+                error = (
+                    f"stage {unresolved_by[0]}: answered UNRESOLVED to an entry sent in full "
+                    "(no prefix reference); not sent again"
+                )
+                failed.append((pending, self._refusal(pending, error)))
+                continue
+            if unresolved_by:
                 # a stage does not hold the prefix it references: that root is sent in full
                 # next time, and this request again, in full, once released everywhere
                 self.num_unresolved += 1
