@@ -9,6 +9,7 @@ The protocol's own tests are ``tests/test_kv_batch_refs.py`` and
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import struct
 
@@ -26,9 +27,11 @@ from wavepp.api.kv_batch import (
 from wavepp.api.kv_reply import EntryStatus, decode_reply
 from wavepp.api.kv_reply_tag import reply_tag_prefix, verify_reply
 from wavepp.api.signing import BusKey
-from wavepp.runtime.agreement import LocalStageClient
+from wavepp.runtime.agreement import AdmissionController, LocalStageClient
+from wavepp.runtime.agreement import rounds as rounds_module
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.kv import BlockPool, RecentPrefixes, StageKVManager
+from wavepp.runtime.request import PromptRequest
 
 KEY = BusKey.generate().for_replica("attack")
 BLOCK = 4
@@ -261,3 +264,49 @@ def test_a_refused_batch_does_not_change_which_prefixes_a_stage_keeps(how: str) 
     assert manager.recent_prefixes.resolve(OWNER, old[0], 8, old[7]) is None
     assert manager.recent_prefixes.resolve(OWNER, new[0], 8, new[7]) == new
     assert manager.num_requests == 0
+
+
+# --------------------------------------------------------------------------- the controller
+
+
+def _requests(tag: str, roots: range, blocks: int) -> list[PromptRequest]:
+    return [
+        PromptRequest(
+            f"{tag}-{root}",
+            [root * 100_000 + t for t in range(blocks * BLOCK)] + [7, 8],
+        )
+        for root in roots
+    ]
+
+
+async def test_the_mirror_holds_no_more_hashes_than_a_stage_remembers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Long prefixes, more of them than a stage keeps (its ``max_hashes``): the controller's
+    mirror keeps at most as many hashes as the stage, dropping the oldest first as the stage
+    does, so it never names a prefix the stage dropped (no UNRESOLVED, no resend), and its
+    memory is bounded by hashes, not only by roots."""
+    bound = 64
+    monkeypatch.setattr(rounds_module, "_SENT_HASHES_KEPT", bound, raising=False)
+    managers = [StageKVManager(BlockPool(1024, BLOCK)) for _ in range(2)]
+    for manager in managers:
+        manager.recent_prefixes = RecentPrefixes(max_hashes=bound)
+    clients = [CountingClient(m, r) for r, m in enumerate(managers)]
+    controller = AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0)
+    # roots of 20 blocks: 0, 1, 2 fit (60 hashes); 3 pushes 0 and 1 out; then 0 (dropped: in
+    # full) and 2 (kept: by reference)
+    for index, root in enumerate((0, 1, 2, 3, 0, 2)):
+        request = _requests(f"w{index}", range(root, root + 1), 20)[0]
+        ticket = await asyncio.wait_for(controller.agree(request), 10)
+        assert ticket is not None
+        await controller.release([request.request_id])
+    assert controller.num_unresolved == 0  # before: root 0 named by reference, dropped there
+    sent = controller._rounds._sent
+    assert sum(map(len, sent.values())) <= bound
+    assert any(version == 5 for _, version in clients[0].payloads)  # references were used
+    for manager in managers:
+        assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0
+
+
+def test_the_mirror_bound_is_at_most_a_stages_default() -> None:
+    assert rounds_module._SENT_HASHES_KEPT <= RecentPrefixes().max_hashes
