@@ -10,6 +10,7 @@ The protocol's own tests are ``tests/test_kv_batch_refs.py`` and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import struct
 
@@ -22,9 +23,10 @@ from wavepp.api.kv_batch import (
     BatchOp,
     KVBatch,
     ReserveEntry,
+    decode_batch,
     encode_batch,
 )
-from wavepp.api.kv_reply import EntryStatus, decode_reply
+from wavepp.api.kv_reply import EntryResult, EntryStatus, decode_reply, encode_reply
 from wavepp.api.kv_reply_tag import reply_tag_prefix, verify_reply
 from wavepp.api.signing import BusKey
 from wavepp.runtime.agreement import AdmissionController, LocalStageClient
@@ -310,3 +312,94 @@ async def test_the_mirror_holds_no_more_hashes_than_a_stage_remembers(
 
 def test_the_mirror_bound_is_at_most_a_stages_default() -> None:
     assert rounds_module._SENT_HASHES_KEPT <= RecentPrefixes().max_hashes
+
+
+class FaultyStage(CountingClient):
+    """Answers after ``delay`` passes of the event loop (rounds overlap); the probe-reserve
+    round numbered ``fault_at`` (0-based, as it reaches this stage) it applies, then answers
+    with ``fault``: "count" (one result short), "error" (a batch-level refusal, as a stage that
+    cannot decode version 5), "unresolved" (every entry UNRESOLVED: a forger without a key, or a
+    faulty stage; it holds nothing for them)."""
+
+    def __init__(self, manager: StageKVManager, rank: int, delay: int, fault: str, fault_at: int):
+        super().__init__(manager, rank)
+        self.delay, self.fault, self.fault_at = delay, fault, fault_at
+
+    async def call_batch(self, payload: bytes) -> bytes:
+        index = len(self.payloads)
+        data = await super().call_batch(payload)
+        for _ in range(self.delay):
+            await asyncio.sleep(0)
+        if payload[4] != BatchOp.PROBE_RESERVE or index != self.fault_at:
+            return data
+        reply = decode_reply(data)
+        if self.fault == "count":
+            reply = dataclasses.replace(reply, results=reply.results[:-1])
+        elif self.fault == "error":
+            reply = dataclasses.replace(reply, results=(), error="invalid batch: version: 5")
+        else:
+            for result, rid in zip(reply.results, _entry_ids(payload), strict=True):
+                if result.ok:
+                    self.manager.release(rid)
+            unresolved = EntryResult(EntryStatus.UNRESOLVED)
+            reply = dataclasses.replace(reply, results=(unresolved,) * len(reply.results))
+        return encode_reply(reply)
+
+
+def _entry_ids(payload: bytes) -> list[str]:
+    return [e.request_id for e in decode_batch(payload).entries]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("rounds_in_flight", [1, 2, 3])
+@pytest.mark.parametrize("fault", ["count", "error", "unresolved"])
+@pytest.mark.parametrize("fault_at", [1, 2])
+async def test_a_stage_faulting_mid_stream_leaves_no_request_half_admitted(
+    rounds_in_flight: int, fault: str, fault_at: int
+) -> None:
+    """Waves of requests with shared prefixes (references in use), rounds overlapping, one
+    caller cancelled while its round is out, and one stage answering one round wrongly: every
+    caller returns (a ticket, None or an error; none hangs), each admitted request is held on
+    every stage and every other one on none, nothing is left once the admitted ones are
+    released; after a failed round the mirror is empty, and after a batch-level error to a
+    version 5 round references are off."""
+    managers = [StageKVManager(BlockPool(1024, BLOCK)) for _ in range(3)]
+    clients: list[CountingClient] = [
+        FaultyStage(m, r, d, fault, fault_at if r == 2 else -1)
+        for r, (m, d) in enumerate(zip(managers, (0, 2, 1), strict=True))
+    ]
+    controller = AdmissionController(
+        clients,
+        block_size=BLOCK,
+        model_id=MODEL_ID,
+        max_batch=3,
+        max_rounds_in_flight=rounds_in_flight,
+    )
+    admitted: list[str] = []
+    outcomes: dict[str, str] = {}
+    for wave in range(3):
+        requests = [
+            PromptRequest(
+                f"w{wave}-{i}", [root * 1000 + t for t in range(40)] + [wave * 10 + i, 5, 6]
+            )
+            for i, root in enumerate((0, 1, 0, 1, 0))
+        ]
+        tasks = [asyncio.ensure_future(controller.agree(r)) for r in requests]
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        tasks[-1].cancel()  # a caller gone while its round is out
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        for request, result in zip(requests, results, strict=True):
+            kind = type(result).__name__
+            outcomes[request.request_id] = kind
+            if result is not None and not isinstance(result, BaseException):
+                admitted.append(request.request_id)
+    for manager in managers:
+        assert sorted(manager.request_ids()) == sorted(admitted), outcomes
+    assert controller.num_unresolved <= 3 * 5
+    if fault in ("count", "error"):
+        assert any(kind == "StageProtocolError" for kind in outcomes.values()), outcomes
+        assert controller._rounds.prefix_refs is False
+    await controller.release(admitted)
+    for manager in managers:
+        assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0
+        manager.pool.check_invariants()
