@@ -229,7 +229,8 @@ def test_recent_prefixes_are_bounded_least_recently_used_first() -> None:
     a, b, c = chain(4, 1), chain(4, 2), chain(4, 3)
     recent.remember("o", a)
     recent.remember("o", b)
-    assert recent.resolve("o", a[0], 4, a[3]) == a  # a used: b is now the oldest
+    assert recent.resolve("o", a[0], 4, a[3]) == a  # resolving alone reorders nothing
+    recent.remember("o", a)  # an accepted batch remembers what it resolved: b is the oldest
     recent.remember("o", c)
     assert len(recent) == 2
     assert recent.resolve("o", b[0], 4, b[3]) is None

@@ -26,7 +26,7 @@ releases of a finished micro-batch) joins it.
 Prefix references (``kv_batch`` version 5, ``prefix_refs``, on by default): every stage
 remembers, for this controller's owner id, the hashes of the latest probe-reserve entry per
 root (first hash; ``wavepp.runtime.kv.recent``), and the controller keeps a mirror of it (the
-latest entry sent per root, in send order, 1,024 roots). An entry whose root the mirror holds
+latest entry sent per root, in send order, 1,024 roots and 2^20 hashes). An entry whose root the mirror holds
 with a common prefix of at least 3 blocks names that prefix by its root and last hash (64
 bytes) when no earlier entry of its round shares as much: a chat or agentic round re-sending
 the same long cached prefixes (8 prefixes of 61 blocks: 15.6 KB of an 18.7 KB round) then
@@ -100,6 +100,12 @@ _ENTRY_BYTES = 2 + 16  # a probe-reserve entry's id length and counts (kv_batch 
 _ID_BYTES = 2  # a release's id length
 _HASH_BYTES = 32
 _SENT_ROOTS_KEPT = 1024  # roots whose latest entry the controller mirrors (oldest dropped)
+_SENT_HASHES_KEPT = 1 << 20
+"""Hashes the mirror keeps over all roots (oldest root dropped first; an entry longer than
+this alone is not kept): a stage's ``RecentPrefixes`` default ``max_hashes``, so the mirror
+drops what a stage remembering this owner alone drops, in the same order, and never names a
+long prefix the stage let go (which would cost the request a resend); and the controller's
+memory is bounded by hashes (~73 MB), not by 1,024 roots times the longest prompt."""
 _MIN_REFERENCE_BLOCKS = 3  # a reference costs 2 hashes on the wire: shorter ones save nothing
 _REFERENCE_VERSION = KV_BATCH_VERSION  # a batch written with prefix references (kv_batch v5)
 
@@ -185,6 +191,7 @@ class AgreementRounds:
         # root, in send order: what every stage remembers for this owner (RecentPrefixes)
         self.prefix_refs = prefix_refs
         self._sent: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
+        self._sent_hashes = 0  # hashes in ``_sent``, at most _SENT_HASHES_KEPT
         self.num_rounds = 0
         self.num_agreements = 0  # requests whose probe-reserve every stage answered
         self.num_refusals = 0  # of those, refused by some stage (released everywhere)
@@ -337,7 +344,7 @@ class AgreementRounds:
             self.num_probe_reserve_bytes += len(payload)
             replies = await self._send(payload, len(probe_reserve.entries))
         except BaseException as exc:
-            self._sent.clear()  # what a stage applied (and remembers) is not known now
+            self._forget_sent()  # what a stage applied (and remembers) is not known now
             if isinstance(exc, StageProtocolError) and payload[3:4] == bytes([_REFERENCE_VERSION]):
                 self._stop_prefix_refs(exc)
             _settle_releases(releases, exc)
@@ -382,7 +389,7 @@ class AgreementRounds:
                 # next time, and this request again, in full, once released everywhere
                 self.num_unresolved += 1
                 if pending.block_hashes:
-                    self._sent.pop(pending.block_hashes[0], None)
+                    self._forget_sent(pending.block_hashes[0])
                 unresolved.append(pending)
                 continue
             self.num_agreements += 1
@@ -435,14 +442,27 @@ class AgreementRounds:
                 )
             )
         if self.prefix_refs:
-            for entry in entries:
+            for entry in entries:  # as a stage's RecentPrefixes.remember, entry by entry
                 if entry.block_hashes:
-                    root = entry.block_hashes[0]
-                    sent.pop(root, None)
-                    sent[root] = entry.block_hashes
-            while len(sent) > _SENT_ROOTS_KEPT:
-                sent.popitem(last=False)
+                    hashes = entry.block_hashes
+                    self._forget_sent(hashes[0])
+                    if len(hashes) > _SENT_HASHES_KEPT:
+                        continue
+                    sent[hashes[0]] = hashes
+                    self._sent_hashes += len(hashes)
+                    while len(sent) > _SENT_ROOTS_KEPT or self._sent_hashes > _SENT_HASHES_KEPT:
+                        self._sent_hashes -= len(sent.popitem(last=False)[1])
         return tuple(entries)
+
+    def _forget_sent(self, root: bytes | None = None) -> None:
+        """Drop ``root`` from the mirror (None: every root)."""
+        if root is None:
+            self._sent.clear()
+            self._sent_hashes = 0
+        else:
+            dropped = self._sent.pop(root, None)
+            if dropped is not None:
+                self._sent_hashes -= len(dropped)
 
     def _resend_in_full(self, unresolved: Sequence[PendingAgreement]) -> None:
         """Requests a stage could not resolve (released everywhere by now) back at the front

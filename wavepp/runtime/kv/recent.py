@@ -10,9 +10,12 @@ part of such a prefix by its root and its last hash (64 bytes instead of 32 per 
 Why the last hash suffices: block hashes are a chain (each block's hash covers its parent's
 hash and its tokens, ``wavepp.runtime.kv.hashing``), so equal hashes at index k - 1 mean equal
 first k hashes. Keyed by owner: one admission instance can never make another's entries
-resolve to a sequence it sent. Bounded: at most ``max_entries`` sequences and ``max_hashes``
-hashes in all (least recently remembered or resolved dropped first); a dropped one only costs
-a resend (the controller's entry is answered unresolved and sent again in full).
+resolve to a sequence it sent (under its own owner name; a bus-key holder may sign under any
+name, docs/architecture.md's trust table). Bounded: at most ``max_entries`` sequences and
+``max_hashes`` hashes in all, the least recently remembered dropped first (an accepted batch's
+entries are remembered, those sent by reference too; a refused batch changes nothing); a
+dropped one only costs a resend (the controller's entry is answered unresolved and sent again
+in full).
 
 Pure: no I/O; one per ``StageKVManager`` (``manager.recent_prefixes``), used by its single
 owner.
@@ -81,14 +84,18 @@ class RecentPrefixes:
     ) -> tuple[bytes, ...] | None:
         """The first ``num_shared`` hashes of ``owner``'s sequence with root ``root`` if it is at
         least that long and its hash at index ``num_shared - 1`` is ``last_hash``; else None
-        (nothing remembered, another owner's, too short, or it parts earlier)."""
+        (nothing remembered, another owner's, too short, or it parts earlier).
+
+        Changes nothing, not even the eviction order: a stage resolves while it decodes, before
+        it knows the batch is accepted (its op number new, the rest well formed); a resolved
+        entry of an accepted batch is remembered again (``remember``), which makes it the most
+        recent."""
         key = (owner, root)
         hashes = self._sequences.get(key)
         if hashes is None or not 0 < num_shared <= len(hashes):
             return None
         if hashes[num_shared - 1] != last_hash:
             return None
-        self._sequences.move_to_end(key)
         return hashes[:num_shared]
 
     def clear(self) -> None:
