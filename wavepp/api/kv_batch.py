@@ -7,8 +7,7 @@ probe-reserve entry pins the stage's local hit h_s and at once reserves the bloc
 (the stage's table does not depend on L*: token p lives in block p // block_size either way);
 the controller takes L* from the replies and sends it with the plan. The two-phase ops (probe,
 then commit with L*) are still decoded and applied, for a controller of an earlier release.
-Block hashes travel as raw 32-byte sha256 digests, not as JSON lists of hex strings (64
-characters each plus quoting).
+Block hashes travel as raw 32-byte sha256 digests, not JSON hex strings.
 
 Layout (little-endian; ``rid`` = u16 length + UTF-8 request id, 1..256 bytes)::
 
@@ -42,12 +41,11 @@ Layout (little-endian; ``rid`` = u16 length + UTF-8 request id, 1..256 bytes)::
              replica's key, domain "KVBatchReply", of the batch's u8 owner length | owner | u64 seq
              | u16 rank | the reply up to the tag
 
-A probe entry names its first ``shared_len`` hashes by reference: they are the first
+A probe (or probe-reserve) entry names its first ``shared_len`` hashes by reference: the first
 ``shared_len`` hashes of entry ``shared_from - 1`` of the same batch (an earlier one; 0 with
-``shared_len`` 0: no reference), and only the rest travel. Requests of a round that share a long
-prefix (agentic and chat workloads: thousands of tokens in common, a short new suffix) so carry
-it once, and a stage walks its block table once for it (``BlockPool.pin_cache_hit``); a
-probe-reserve entry shares the same way.
+``shared_len`` 0: none), and only the rest travel. Requests of a round that share a long prefix
+(agentic and chat: thousands of tokens in common, a short new suffix) so carry it once, and a
+stage walks its block table once for it (``BlockPool.pin_cache_hit``).
 
 Across rounds (version 5): a stage remembers, per owner and root (first hash), the hashes of
 the owner's latest probe-reserve entry with that root (``wavepp.runtime.kv.recent``); the
@@ -60,17 +58,16 @@ a reference the stage's memory does not end there (``decode_batch``'s ``resolve`
 Versions: version 1 (no ``shared_from``/``shared_len``: every hash travels), version 2 (ops
 1-3), 3 and 4 are still decoded; ``encode_batch`` writes version 5 only for a probe-reserve
 batch with at least one reference written, else version 4 for one that carries releases,
-version 3 for one without, and version 2 for ops 1-3 (so a stage of an earlier release still
-reads what it can apply: references are off in a controller for stages that cannot decode
-version 5). A batch's releases have no results (a release is idempotent and never refused). A
-reply is version 1, or version 2 tagged by a keyed stage (``api.kv_reply_tag``: why, and what a
-controller with a key takes).
+version 3 for one without, and version 2 for ops 1-3 (a stage of an earlier release still reads
+what it can apply; a controller turns references off for one that cannot decode version 5). A
+batch's releases have no results (a release is idempotent and never refused). A reply is
+version 1, or version 2 tagged by a keyed stage (``api.kv_reply_tag``).
 
 ``owner`` is the admission instance sending the round and ``seq`` its op number (a stage refuses a
 replayed one); ``mac`` is HMAC-SHA256 under the replica's bus key (``wavepp.api.signing``) of
 everything before it, or 32 zero bytes unsigned (insecure mode: a stage with a key refuses it).
-A reply's entries are in the request's order. Decoding never trusts a length: every field is
-bounds-checked and a fault raises ``KVWireError`` naming the field and the limit.
+Decoding never trusts a length: every field is bounds-checked and a fault raises
+``KVWireError`` naming the field and the limit.
 """
 
 from __future__ import annotations
