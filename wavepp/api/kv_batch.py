@@ -504,8 +504,6 @@ def _decode_entries(
                 root = data[at : at + BLOCK_HASH_BYTES]
                 last = data[at + BLOCK_HASH_BYTES : at + 2 * BLOCK_HASH_BYTES]
                 at += 2 * BLOCK_HASH_BYTES
-                if at + (n - shared_len) * BLOCK_HASH_BYTES > size:
-                    raise _truncated("block_hashes", at, size)
                 shared = resolve(owner, root, shared_len, last) if resolve is not None else None
                 if shared is not None and len(shared) != shared_len:
                     shared = None

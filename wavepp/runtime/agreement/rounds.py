@@ -25,10 +25,11 @@ releases of a finished micro-batch) joins it.
 
 Prefix references (``kv_batch`` version 5, ``prefix_refs``, on by default): every stage
 remembers, for this controller's owner id, the hashes of the latest probe-reserve entry per
-root (first hash; ``wavepp.runtime.kv.recent``), and the controller keeps a mirror of it (the
-latest entry sent per root, in send order, 1,024 roots and 2^20 hashes). An entry whose root the mirror holds
-with a common prefix of at least 3 blocks names that prefix by its root and last hash (64
-bytes) when no earlier entry of its round shares as much: a chat or agentic round re-sending
+root (first hash; ``wavepp.runtime.kv.recent``), and the controller keeps a mirror of it, a
+``RecentPrefixes`` of its own (the latest entry sent per root, in send order, 1,024 roots and
+2^20 hashes). An entry whose root the mirror holds with a common prefix of at least 3 blocks
+names that prefix by its root and last hash (64 bytes) when no earlier entry of its round
+shares as much: a chat or agentic round re-sending
 the same long cached prefixes (8 prefixes of 61 blocks: 15.6 KB of an 18.7 KB round) then
 sends a few hundred bytes of them. A stage that does not hold the prefix (restarted, or it
 dropped it) answers the entry UNRESOLVED and holds nothing; the controller drops that root from
@@ -65,7 +66,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -81,6 +82,7 @@ from wavepp.api.kv_batch import (
 )
 from wavepp.api.kv_reply import EntryStatus, KVBatchReply, decode_reply
 from wavepp.api.signing import BusKey
+from wavepp.runtime.kv.recent import RecentPrefixes
 from wavepp.runtime.request import PromptRequest
 from wavepp.telemetry import tracing
 
@@ -100,6 +102,7 @@ _ENTRY_BYTES = 2 + 16  # a probe-reserve entry's id length and counts (kv_batch 
 _ID_BYTES = 2  # a release's id length
 _HASH_BYTES = 32
 _SENT_ROOTS_KEPT = 1024  # roots whose latest entry the controller mirrors (oldest dropped)
+_MIRROR = ""  # the mirror's one owner: this controller (a RecentPrefixes keyed by owner)
 _SENT_HASHES_KEPT = 1 << 20
 """Hashes the mirror keeps over all roots (oldest root dropped first; an entry longer than
 this alone is not kept): a stage's ``RecentPrefixes`` default ``max_hashes``, so the mirror
@@ -190,8 +193,7 @@ class AgreementRounds:
         # prefix references (kv_batch v5): root -> hashes of the latest entry sent with that
         # root, in send order: what every stage remembers for this owner (RecentPrefixes)
         self.prefix_refs = prefix_refs
-        self._sent: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
-        self._sent_hashes = 0  # hashes in ``_sent``, at most _SENT_HASHES_KEPT
+        self._sent = RecentPrefixes(_SENT_ROOTS_KEPT, _SENT_HASHES_KEPT)  # this owner's only
         self.num_rounds = 0
         self.num_agreements = 0  # requests whose probe-reserve every stage answered
         self.num_refusals = 0  # of those, refused by some stage (released everywhere)
@@ -344,7 +346,7 @@ class AgreementRounds:
             self.num_probe_reserve_bytes += len(payload)
             replies = await self._send(payload, len(probe_reserve.entries))
         except BaseException as exc:
-            self._forget_sent()  # what a stage applied (and remembers) is not known now
+            self._sent.clear()  # what a stage applied (and remembers) is not known now
             if isinstance(exc, StageProtocolError) and payload[3:4] == bytes([_REFERENCE_VERSION]):
                 self._stop_prefix_refs(exc)
             _settle_releases(releases, exc)
@@ -389,7 +391,7 @@ class AgreementRounds:
                 # next time, and this request again, in full, once released everywhere
                 self.num_unresolved += 1
                 if pending.block_hashes:
-                    self._forget_sent(pending.block_hashes[0])
+                    self._sent.forget(_MIRROR, pending.block_hashes[0])
                 unresolved.append(pending)
                 continue
             self.num_agreements += 1
@@ -422,13 +424,12 @@ class AgreementRounds:
         stages remember (``_sent``, as it was before this round) with a common prefix of at
         least ``_MIN_REFERENCE_BLOCKS`` may send that prefix by reference (``recent_len``).
         Then every entry is mirrored, in order, as the stages will remember it."""
-        sent = self._sent
         entries = []
         for pending in batch:
             hashes = tuple(pending.block_hashes)
             recent_len = 0
             if self.prefix_refs and hashes and not pending.send_full:
-                known = sent.get(hashes[0])
+                known = self._sent.latest(_MIRROR, hashes[0])
                 if known is not None:
                     recent_len = common_prefix(known, hashes)
                     if recent_len < _MIN_REFERENCE_BLOCKS:
@@ -442,27 +443,9 @@ class AgreementRounds:
                 )
             )
         if self.prefix_refs:
-            for entry in entries:  # as a stage's RecentPrefixes.remember, entry by entry
-                if entry.block_hashes:
-                    hashes = entry.block_hashes
-                    self._forget_sent(hashes[0])
-                    if len(hashes) > _SENT_HASHES_KEPT:
-                        continue
-                    sent[hashes[0]] = hashes
-                    self._sent_hashes += len(hashes)
-                    while len(sent) > _SENT_ROOTS_KEPT or self._sent_hashes > _SENT_HASHES_KEPT:
-                        self._sent_hashes -= len(sent.popitem(last=False)[1])
+            for entry in entries:  # as every stage will remember them, in order
+                self._sent.remember(_MIRROR, entry.block_hashes)
         return tuple(entries)
-
-    def _forget_sent(self, root: bytes | None = None) -> None:
-        """Drop ``root`` from the mirror (None: every root)."""
-        if root is None:
-            self._sent.clear()
-            self._sent_hashes = 0
-        else:
-            dropped = self._sent.pop(root, None)
-            if dropped is not None:
-                self._sent_hashes -= len(dropped)
 
     def _resend_in_full(self, unresolved: Sequence[PendingAgreement]) -> None:
         """Requests a stage could not resolve (released everywhere by now) back at the front

@@ -68,9 +68,7 @@ class RecentPrefixes:
         hashes = tuple(hashes)
         key = (owner, hashes[0])
         sequences = self._sequences
-        old = sequences.pop(key, None)
-        if old is not None:
-            self._num_hashes -= len(old)
+        self.forget(owner, hashes[0])
         if len(hashes) > self.max_hashes:
             return
         sequences[key] = hashes
@@ -97,6 +95,17 @@ class RecentPrefixes:
         if hashes[num_shared - 1] != last_hash:
             return None
         return hashes[:num_shared]
+
+    def latest(self, owner: str, root: bytes) -> tuple[bytes, ...] | None:
+        """``owner``'s whole remembered sequence with root ``root``, or None; changes nothing
+        (a controller's mirror of what its stages remember asks it)."""
+        return self._sequences.get((owner, root))
+
+    def forget(self, owner: str, root: bytes) -> None:
+        """Drop ``owner``'s sequence with root ``root`` (nothing if none)."""
+        dropped = self._sequences.pop((owner, root), None)
+        if dropped is not None:
+            self._num_hashes -= len(dropped)
 
     def clear(self) -> None:
         """Forget everything (a stage that restarted remembers nothing either)."""
