@@ -10,6 +10,7 @@ import struct
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_wire_support import chain as _chain
 
 from wavepp.api import kv_batch
 from wavepp.api.kv_batch import (
@@ -99,15 +100,6 @@ def _head(version: int = 1, op: int = 1, lease: float = 1.0, count: int = 0) -> 
 
 
 MAC = bytes(32)
-
-
-def _chain(n: int, root: int) -> tuple[bytes, ...]:
-    """``n`` chained 32-byte hashes under root ``root`` (a prompt's block hashes)."""
-    out, parent = [], bytes([root]) * 32
-    for i in range(n):
-        parent = hashlib.sha256(parent + bytes([i])).digest()
-        out.append(parent)
-    return tuple(out)
 
 
 def test_a_round_sends_a_shared_prefix_once_and_the_stage_walks_it_once() -> None:

@@ -8,12 +8,12 @@ in ``tests/test_agreement_recompute.py``.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import struct
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_wire_support import chain
 
 from wavepp.api.kv_batch import (
     BatchOp,
@@ -34,14 +34,6 @@ from wavepp.runtime.stage.core import StageCore
 
 BLOCK = 4
 MODEL_ID = "one-trip"
-
-
-def chain(n: int, root: int = 1) -> tuple[bytes, ...]:
-    out, parent = [], bytes([root]) * 32
-    for i in range(n):
-        parent = hashlib.sha256(parent + bytes([i])).digest()
-        out.append(parent)
-    return tuple(out)
 
 
 def warm(manager: StageKVManager, hashes: tuple[bytes, ...], rid: str = "warm") -> None:

@@ -15,10 +15,11 @@ import logging
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_wire_support import CountingClient
 
 from wavepp.api.kv_batch import BatchOp, KVWireError
 from wavepp.api.kv_reply import EntryResult, EntryStatus, decode_reply, encode_reply
-from wavepp.runtime.agreement import AdmissionController, AgreementRefused, LocalStageClient
+from wavepp.runtime.agreement import AdmissionController, AgreementRefused
 from wavepp.runtime.agreement.clients import StageUnavailableError
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.agreement.rounds import StageProtocolError
@@ -28,19 +29,6 @@ from wavepp.runtime.transport.natsio import flush_in_order
 
 BLOCK = 4
 MODEL_ID = "prefix-refs"
-
-
-class CountingClient(LocalStageClient):
-    """An in-process stage that records each probe-reserve payload it got (bytes, version)."""
-
-    def __init__(self, manager: StageKVManager, rank: int) -> None:
-        super().__init__(manager, rank)
-        self.payloads: list[tuple[int, int]] = []
-
-    async def call_batch(self, payload: bytes) -> bytes:
-        if payload[4] == BatchOp.PROBE_RESERVE:
-            self.payloads.append((len(payload), payload[3]))
-        return await super().call_batch(payload)
 
 
 def workload(round_index: int, num_roots: int = 4, per_root: int = 3) -> list[PromptRequest]:

@@ -6,12 +6,12 @@ The controller's side (mirror, resend in full) is in ``tests/test_agreement_pref
 
 from __future__ import annotations
 
-import hashlib
 import struct
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_wire_support import chain
 
 from wavepp.api.kv_batch import (
     RECENT_REFERENCE,
@@ -31,15 +31,6 @@ from wavepp.runtime.kv import BlockPool, RecentPrefixes, StageKVManager
 
 BLOCK = 4
 OWNER = "adm"
-
-
-def chain(n: int, root: int = 1) -> tuple[bytes, ...]:
-    """``n`` chained 32-byte hashes under root ``root`` (a prompt's block hashes)."""
-    out, parent = [], bytes([root]) * 32
-    for i in range(n):
-        parent = hashlib.sha256(parent + bytes([i])).digest()
-        out.append(parent)
-    return tuple(out)
 
 
 PREFIX = chain(61)

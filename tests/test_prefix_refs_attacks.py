@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import struct
 
 import pytest
+from kv_wire_support import CountingClient, chain
 
 from wavepp.api.kv_batch import (
     MAX_BLOCKS_PER_BATCH,
@@ -29,7 +29,7 @@ from wavepp.api.kv_batch import (
 from wavepp.api.kv_reply import EntryResult, EntryStatus, decode_reply, encode_reply
 from wavepp.api.kv_reply_tag import reply_tag_prefix, verify_reply
 from wavepp.api.signing import BusKey
-from wavepp.runtime.agreement import AdmissionController, LocalStageClient
+from wavepp.runtime.agreement import AdmissionController
 from wavepp.runtime.agreement import rounds as rounds_module
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.kv import BlockPool, RecentPrefixes, StageKVManager
@@ -39,15 +39,6 @@ KEY = BusKey.generate().for_replica("attack")
 BLOCK = 4
 OWNER = "adm"
 MODEL_ID = "prefix-refs-attacks"
-
-
-def chain(n: int, root: int = 1) -> tuple[bytes, ...]:
-    """``n`` chained 32-byte hashes under root ``root`` (a prompt's block hashes)."""
-    out, parent = [], bytes([root]) * 32
-    for i in range(n):
-        parent = hashlib.sha256(parent + bytes([i])).digest()
-        out.append(parent)
-    return tuple(out)
 
 
 PREFIX = chain(61)
@@ -63,19 +54,6 @@ def warm(manager: StageKVManager, hashes: tuple[bytes, ...]) -> None:
     assert manager.reserve("warm", len(hashes), 5.0) is not None
     manager.mark_computed("warm", len(hashes) * BLOCK, hashes)
     manager.release("warm")
-
-
-class CountingClient(LocalStageClient):
-    """An in-process stage recording each probe-reserve payload's (size, version)."""
-
-    def __init__(self, manager: StageKVManager, rank: int) -> None:
-        super().__init__(manager, rank)
-        self.payloads: list[tuple[int, int]] = []
-
-    async def call_batch(self, payload: bytes) -> bytes:
-        if payload[4] == BatchOp.PROBE_RESERVE:
-            self.payloads.append((len(payload), payload[3]))
-        return await super().call_batch(payload)
 
 
 def _signed(body: bytes, key: BusKey | None) -> bytes:

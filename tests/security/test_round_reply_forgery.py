@@ -11,10 +11,10 @@ code before the fix (where the forgery test fails on its L*)."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 
 import pytest
+from kv_wire_support import chain
 
 from wavepp.api.kv_batch import (
     BatchOp,
@@ -48,11 +48,7 @@ FORGED_HIT = 5
 
 
 def _chain(n: int) -> tuple[bytes, ...]:
-    out, parent = [], bytes(32)
-    for i in range(n):
-        parent = hashlib.sha256(parent + bytes([i])).digest()
-        out.append(parent)
-    return tuple(out)
+    return chain(n, root=0)
 
 
 def _warm(manager: StageKVManager, hashes: tuple[bytes, ...] | list[bytes]) -> None:

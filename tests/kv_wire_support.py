@@ -1,0 +1,32 @@
+"""Helpers shared by the agreement wire tests: chained block hashes, and an in-process stage
+that records each probe-reserve payload it gets."""
+
+from __future__ import annotations
+
+import hashlib
+
+from wavepp.api.kv_batch import BatchOp
+from wavepp.runtime.agreement import LocalStageClient
+from wavepp.runtime.kv import StageKVManager
+
+
+def chain(n: int, root: int = 1) -> tuple[bytes, ...]:
+    """``n`` chained 32-byte hashes under root ``root`` (a prompt's block hashes)."""
+    out, parent = [], bytes([root]) * 32
+    for i in range(n):
+        parent = hashlib.sha256(parent + bytes([i])).digest()
+        out.append(parent)
+    return tuple(out)
+
+
+class CountingClient(LocalStageClient):
+    """An in-process stage that records each probe-reserve payload it got (bytes, version)."""
+
+    def __init__(self, manager: StageKVManager, rank: int) -> None:
+        super().__init__(manager, rank)
+        self.payloads: list[tuple[int, int]] = []
+
+    async def call_batch(self, payload: bytes) -> bytes:
+        if payload[4] == BatchOp.PROBE_RESERVE:
+            self.payloads.append((len(payload), payload[3]))
+        return await super().call_batch(payload)
