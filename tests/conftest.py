@@ -23,6 +23,9 @@ import pytest
 from wavepp.runtime.transport import natsio
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
 
+# `wavepp up` as a real process tree, shared by tests/up, tests/gateway and others.
+pytest_plugins = ["up_fixtures"]
+
 # torch in this process (the engine, layer and reference tests run it in-process) uses one
 # thread, as a stage process does (``RuntimeConfig.torch_threads`` defaults to 1 and the stage
 # sets it). torch's default, one per core, made those tests' tiny ops wait for a second thread

@@ -168,7 +168,7 @@ async def test_a_stage_whose_compute_loop_died_turns_ready_false_then_re_forms(
     cluster: Cluster, operator: Any
 ) -> None:
     """The kubelet reports the stage NotReady (its /readyz answers 503 once the compute thread
-    died, see tests/serving/test_stage_health.py): the pipeline is not Ready at once, and past
+    died, see tests/runtime/stage/test_stage_health.py): the pipeline is not Ready at once, and past
     restartBudget.notReadySeconds the replica re-forms."""
     spec = tiny_spec(replicas=1, restartBudget={"maxRestarts": 2, "notReadySeconds": 2})
     await cluster.create_pipeline("dead", spec)

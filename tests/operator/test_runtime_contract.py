@@ -14,7 +14,6 @@ import argparse
 import base64
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from http_support import http_status, post_json
 from pod_support import (
     CLUSTER_NATS_URL,
     REF,
-    REPO,
     container_of,
     expand,
     kubelet_env,
@@ -240,7 +238,6 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
     server_tls = None
     local_tls: dict[str, str] = {}
     if tls:
-        sys.path.insert(0, str(REPO / "tests"))
         from nats_tls_support import make_tls_files
 
         files = make_tls_files(tmp_path / "tls")
@@ -262,7 +259,6 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
         assert {"name": "nats-tls", "secret": {"secretName": "nats-client-tls"}} in volumes
     server_config = None
     if nats_security == "jwt-creds":
-        sys.path.insert(0, str(REPO / "tests"))
         from nats_auth_support import make_auth_files
 
         auth = make_auth_files(tmp_path / "auth", tmp_path / "js")

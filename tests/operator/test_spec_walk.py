@@ -30,7 +30,6 @@ import functools
 import json
 import re
 import shutil
-import sys
 import tempfile
 import typing
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel
+from test_operator_reconcile import World  # noqa: E402 - the planner's test world
 
 from wavepp.api.spec import (
     ENGINE_OPTIONS,
@@ -50,9 +50,6 @@ from wavepp.cmd.gateway import gateway_config_from_spec
 from wavepp.cmd.stage import telemetry_from_spec
 from wavepp.operator.reconcile import Apply, Create, Defaults, Observed, plan
 from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_operator_reconcile import World  # noqa: E402 - the planner's test world
 
 DEFAULTS = Defaults(image="img:1", nats_url="nats://n:4222")
 BASE: dict[str, Any] = {

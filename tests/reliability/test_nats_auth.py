@@ -8,12 +8,8 @@ earlier test replaced ``nats.connect`` and so could not see it. The dependency i
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nats_auth_support import AuthFiles, make_auth_files  # noqa: E402
 
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order  # noqa: E402

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nats_tls_support import TLSFiles, make_tls_files  # noqa: E402
 
 from wavepp.api.spec import CONFIG_EXIT_CODE

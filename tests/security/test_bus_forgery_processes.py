@@ -11,13 +11,8 @@ Every request is answered with the emulated engine's token, and no block stays h
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
-
 from forgery_support import forged_done  # noqa: E402
 from reliability_support import (  # noqa: E402
     emulated_config,

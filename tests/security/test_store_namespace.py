@@ -279,7 +279,7 @@ def test_start_followers_hands_its_followers_the_launch_key(
 ) -> None:
     """``start_followers`` without a bus key: the followers' environment carries the key the
     leader's group uses (process spawning and the group are recorded, not run: a real follower
-    builds a model; ``tests/test_tensor_parallel.py`` runs those)."""
+    builds a model; ``tests/runtime/stage/test_tensor_parallel.py`` runs those)."""
     from wavepp.runtime.config import RuntimeConfig
     from wavepp.runtime.stage import tp_launch
 

@@ -4,8 +4,8 @@ whole naming the field, unresolvable ones are answered UNRESOLVED holding nothin
 owner's prefix never resolves, a refused batch (replayed, malformed) changes nothing a stage
 remembers, and the controller's mirror stays within what a stage can remember.
 
-The protocol's own tests are ``tests/test_kv_batch_refs.py`` and
-``tests/test_agreement_prefix_refs.py``."""
+The protocol's own tests are ``tests/runtime/agreement/test_kv_batch_refs.py`` and
+``tests/runtime/agreement/test_agreement_prefix_refs.py``."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from wavepp.runtime.stage.worker import build_engine
 pytest.importorskip("transformers")
 from wavepp.bench.checkpoints import save_random_checkpoint  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 
 

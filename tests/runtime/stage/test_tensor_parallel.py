@@ -160,7 +160,7 @@ def _reference(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 def _single_process(config: ModelConfig, tokens: list[int]) -> torch.Tensor:
     """The seeded Llama engine in one process, all layers (itself checked against
-    transformers by tests/test_engine_reference.py)."""
+    transformers by tests/runtime/stage/test_engine_reference.py)."""
     engine = make_engine(
         "torch", model=config, first_layer=0, last_layer=NUM_LAYERS, num_layers_total=NUM_LAYERS
     )

@@ -2,7 +2,7 @@
 stage whose own hit exceeds the agreed L* (its table, caching, L* from the plan).
 
 The engines' side of that stage (logits against a cold run, cached blocks left unwritten) is
-in ``tests/test_agreement_recompute.py``.
+in ``tests/runtime/agreement/test_agreement_recompute.py``.
 """
 
 from __future__ import annotations

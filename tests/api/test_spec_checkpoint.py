@@ -23,8 +23,7 @@ pytest.importorskip("transformers")
 from wavepp.bench.checkpoints import save_random_checkpoint  # noqa: E402
 from wavepp.runtime.stage.engine.balance import checkpoint_partition  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "serving"))
+ROOT = Path(__file__).resolve().parents[2]
 from up_support import build_tokenizer  # noqa: E402
 
 

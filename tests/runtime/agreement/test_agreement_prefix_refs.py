@@ -4,7 +4,7 @@ forgot (restarted) answers UNRESOLVED and the request goes again in full, its ca
 wiser; a stage that cannot decode version 5 turns references off; a failed round forgets the
 mirror. In process and over a real nats-server.
 
-The wire format and the stage's side are in ``tests/test_kv_batch_refs.py``."""
+The wire format and the stage's side are in ``tests/runtime/agreement/test_kv_batch_refs.py``."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 prefix the stage remembers for its owner (``RecentPrefixes``) by its root and last hash, not 32
 bytes per block; a stage that does not hold it answers UNRESOLVED and holds nothing for it.
 
-The controller's side (mirror, resend in full) is in ``tests/test_agreement_prefix_refs.py``."""
+The controller's side (mirror, resend in full) is in ``tests/runtime/agreement/test_agreement_prefix_refs.py``."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from wavepp.runtime.planning.memory import derived_kv_blocks
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 CONTRACT_KEYS = {
     "requests",

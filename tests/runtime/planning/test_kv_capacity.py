@@ -23,7 +23,7 @@ from wavepp.runtime.planning.memory import (
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 # The engine's largest micro-batch: the scheduler's cap where the config has one.
 LARGEST_MICROBATCH_TOKENS = max(RuntimeConfig().max_microbatch_tokens, 8192)

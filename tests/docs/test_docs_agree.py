@@ -12,7 +12,7 @@ import yaml
 
 from wavepp.operator.observe import DrainReason
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
 

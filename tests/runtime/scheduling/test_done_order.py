@@ -6,7 +6,7 @@ stage's report (``RequestOutcome.stage_agreed_blocks``; the admission service's 
 timings come from the same done messages), so the scheduler holds the result until the late
 done arrives, and a done lost for good cannot hold it past the micro-batch's deadline.
 
-Seen as a flaky ``tests/test_pipeline_reference.py`` (``('b1', [(0, 8), (2, 8)])``: rank 1
+Seen as a flaky ``tests/runtime/stage/test_pipeline_reference.py`` (``('b1', [(0, 8), (2, 8)])``: rank 1
 missing); here the middle stage's done always comes last, so the race is deterministic.
 """
 
