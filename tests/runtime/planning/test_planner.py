@@ -564,3 +564,26 @@ def test_only_a_cut_request_rides_along_and_the_microbatch_then_closes() -> None
     requests = [RequestProgress(f"r{i}", 100, 0) for i in range(20)]
     chunks = planner.plan_microbatch(requests, num_stages=4, num_inflight=0, target_cost_s=1000.0)
     assert [c.num_tokens for c in chunks] == [100] * 10
+
+
+def test_a_cut_one_block_further_stays_within_the_chunk_tokens_target() -> None:
+    # At-least-S (2 idle stages) lowers the target to c + W/2 = 5.5e-5 s; r0 (9 tokens) is cut
+    # at 4 and then one block further to lessen its pieces. That block must not take the chunk
+    # past the chunk_tokens target (8 tokens = 8e-5 s): 8 tokens, not the whole 9.
+    model = CostModel(c=0.0, g=1e-3, b=1e-5, a=0.0)
+    planner = ChunkPlanner(
+        model,
+        policy="dynamic",
+        chunk_tokens=8,
+        block_size=4,
+        max_chunks_per_microbatch=1,
+        fill_idle_stages=True,
+    )
+    requests = [
+        RequestProgress("r0", 9, 0),
+        RequestProgress("r1", 1, 0),
+        RequestProgress("r2", 1, 0),
+    ]
+    first = planner.plan_microbatch(requests, num_stages=2, num_inflight=0)
+    assert [(c.request_id, c.num_tokens) for c in first] == [("r0", 8)]
+    assert planner.microbatch_cost_s(first) <= planner.target_cost_s() * (1 + 1e-9)

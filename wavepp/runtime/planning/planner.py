@@ -390,6 +390,7 @@ class ChunkPlanner:
         # extra micro-batch paying c on every stage (tests/sim/test_sim.py). At a split target
         # a chunk may spend the g*L its cut re-pays beyond the budget (``_StageBudgets``).
         is_split_target = target_cost_s is not None
+        unsplit_target_s = target_s
         if num_idle_stages > 0:
             shares = []
             for model in self._models:
@@ -403,6 +404,13 @@ class ChunkPlanner:
             is_split_target = max(shares) < target_s
             target_s = min(target_s, max(shares))
         budgets = _StageBudgets(self._models, [target_s - model.c for model in self._models])
+        # At-least-S lowered the chunk_tokens target: what a split target adds (the re-paid
+        # context, a cut one block further) stays within the unsplit target.
+        ceiling = (
+            _StageBudgets(self._models, [unsplit_target_s - model.c for model in self._models])
+            if target_cost_s is None and is_split_target
+            else None
+        )
         sliver_s = SLIVER_FRACTION * max(target_s - model.c for model in self._models)
         tokens_left = self.max_microbatch_tokens
         chunks: list[Chunk] = []
@@ -418,9 +426,14 @@ class ChunkPlanner:
                     ),
                     tokens_left,
                 )
+                if ceiling is not None:
+                    fit = min(fit, ceiling.max_tokens(request.num_computed_tokens, remaining))
             num_tokens = remaining if fit >= remaining else self._cut(request, fit)
             if is_split_target and not chunks and 0 < num_tokens < remaining:
-                num_tokens = self._fewer_pieces(request, num_tokens, fit, tokens_left)
+                most = tokens_left
+                if ceiling is not None:
+                    most = min(most, ceiling.max_tokens(request.num_computed_tokens, remaining))
+                num_tokens = self._fewer_pieces(request, num_tokens, fit, most)
             is_full = num_tokens < remaining  # the chunk is cut: the micro-batch is full
             if (
                 target_cost_s is not None
@@ -436,6 +449,8 @@ class ChunkPlanner:
                     break
                 num_tokens = self._min_progress(request)  # first chunk: tokens_left = cap >= B
             budgets.spend(request.num_computed_tokens, num_tokens)
+            if ceiling is not None:
+                ceiling.spend(request.num_computed_tokens, num_tokens)
             tokens_left -= num_tokens
             chunks.append(self._advance(request, num_tokens))
             if is_full:
