@@ -1,4 +1,4 @@
-"""A replica told to drain (issue 16 item 3: scale-down drains): SIGTERM to its admission
+"""A replica told to drain (a scale-down drains it first): SIGTERM to its admission
 process, as the kubelet sends when the operator scales the admission Deployment to 0.
 
 The stage and admission run as processes with the args and env the operator renders (as in

@@ -1,4 +1,4 @@
-"""Two replicas as pods, one stage SIGKILLed and started again (issue 16, items 1 and 2).
+"""Two replicas as pods, one stage SIGKILLed and started again.
 
 The processes run with the args and env the operator renders (as in ``test_runtime_contract``:
 only the mounted files, the NATS URL, the rendezvous and the ports are made local): a

@@ -1,4 +1,4 @@
-"""Scale 1 -> 3 -> 1 under load, the operator on kmock, its pods as processes (issue 16 item 3).
+"""Scale 1 -> 3 -> 1 under load, the operator on kmock, its pods as processes.
 
 The operator (kopf, in a thread) reconciles a WavePipeline on kmock's emulated API server. The
 emulator has no controllers and no kubelet, so :class:`Kubelet` plays both, from what the
