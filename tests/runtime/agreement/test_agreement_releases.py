@@ -5,11 +5,11 @@ first; alone, they go out at once in a release batch."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from kv_wire_support import chain
 
 from wavepp.api.kv_batch import (
     BatchOp,
@@ -29,12 +29,8 @@ BLOCK = 4
 MODEL_ID = "tiny-llama:seed=0"
 
 
-def _hashes(n: int, root: int = 0) -> tuple[bytes, ...]:
-    return tuple(hashlib.sha256(b"%d-%d" % (root, i)).digest() for i in range(n))
-
-
 def _reserve(rid: str, n: int, root: int = 0) -> ReserveEntry:
-    return ReserveEntry(rid, _hashes(n, root), n + 1)
+    return ReserveEntry(rid, chain(n, root), n + 1)
 
 
 # --------------------------------------------------------------------------- wire format
