@@ -29,6 +29,7 @@ from pod_support import (
     log_tail,
     probe_path,
     start_wavepp,
+    stop_processes,
     wait_200,
 )
 
@@ -382,12 +383,4 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
             )
             pytest.fail(f"{exc}\n{tails}")
         finally:
-            for proc in reversed(procs):
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in reversed(procs):
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
+            stop_processes(reversed(procs))
