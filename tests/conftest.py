@@ -17,6 +17,7 @@ import os
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,9 +29,8 @@ pytest_plugins = ["up_fixtures"]
 
 # torch in this process (the engine, layer and reference tests run it in-process) uses one
 # thread, as a stage process does (``RuntimeConfig.torch_threads`` defaults to 1 and the stage
-# sets it). torch's default, one per core, made those tests' tiny ops wait for a second thread
-# on the shared 2-core machines: the checkpoint-engine tests took 34 s instead of 24 s (38 s of
-# CPU instead of 26 s). Set before torch is imported (nothing imports it before this file); a
+# sets it). torch's default, one per core, makes those tests' tiny ops wait for a second thread
+# on a machine whose cores are shared (slower, and more CPU). Set before torch is imported (nothing imports it before this file); a
 # stage process still sets its own count, and a value set outside the run is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -116,3 +116,15 @@ async def nc(nats_server: EmbeddedNatsServer) -> AsyncIterator[object]:
         yield client
     finally:
         await client.drain()
+
+
+@pytest.fixture(scope="session")
+def kimi(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """A random Kimi-Linear checkpoint (5 layers, vocabulary 256; KDA and MLA layers): its
+    directory and the transformers model saved there (the reference). Skipped without
+    transformers. Read-only: tests must not change the directory."""
+    pytest.importorskip("transformers")
+    from wavepp.bench.checkpoints import save_random_checkpoint
+
+    out = tmp_path_factory.mktemp("kimi")
+    return out, save_random_checkpoint("kimi_linear", out, num_layers=5, vocab_size=256)

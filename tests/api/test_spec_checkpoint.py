@@ -172,9 +172,9 @@ def test_validate_reads_the_checkpoint(
 def test_validate_warns_what_the_operator_refuses(
     ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Before: ok and nothing else for a checkpoint spec without model.config.numLayers, which
-    the operator's pods refuse (they cannot read the volume). Decision (docs/operator.md): a
-    labelled warning line, exit 0 (``wavepp up`` serves it)."""
+    """A checkpoint spec without model.config.numLayers, which the operator's pods refuse (they
+    cannot read the volume), gets a labelled warning line and exit 0 (``wavepp up`` serves it;
+    docs/operator.md), not a bare ok."""
     spec = tmp_path / "tp.json"
     for model in (
         {"name": "dsv3", "path": str(ckpt)},

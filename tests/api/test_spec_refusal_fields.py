@@ -1,4 +1,4 @@
-"""From a new-user trial: a spec the runtime refuses is one line naming the spec field it comes
+"""A spec the runtime refuses is one line naming the spec field it comes
 from (``runtime_configs_from_spec`` -> ``RuntimeConfig``), not ``spec.engineOptions`` with a
 pydantic dump; the emulated engine's TP refusal names the model, not a family it lacks."""
 
@@ -24,28 +24,19 @@ def _one_line(message: str) -> None:
     assert "input_value" not in message and "validation error for" not in message, message
 
 
-@pytest.fixture(scope="module")
-def kimi(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("transformers")
-    from wavepp.bench.checkpoints import save_random_checkpoint
-
-    out = tmp_path_factory.mktemp("ckpt") / "kimi"
-    save_random_checkpoint("kimi_linear", out, num_layers=2, vocab_size=64)
-    return out
-
-
 def test_kimi_linear_tp2_names_tensor_parallel_size(
-    kimi: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    kimi: tuple[Path, object], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Before: ``spec.engineOptions: 1 validation error for RuntimeConfig ...`` over lines."""
+    """One line naming the spec field, not ``spec.engineOptions: 1 validation error for
+    RuntimeConfig ...`` over several lines."""
     raw = {
-        "model": {"name": "kimi", "path": str(kimi)},
+        "model": {"name": "kimi", "path": str(kimi[0])},
         "stages": 1,
         "tensorParallelSize": 2,
         "resources": {"gpusPerStage": 0},
     }
     spec, issues = check_spec(
-        {**raw, "model": {**raw["model"], "config": {"numLayers": 2}}},
+        {**raw, "model": {**raw["model"], "config": {"numLayers": 5}}},
         default_image="i",
         default_nats_url="nats://n:4222",
     )
@@ -64,8 +55,9 @@ def test_kimi_linear_tp2_names_tensor_parallel_size(
 
 
 def test_emulated_tp2_names_the_model() -> None:
-    """Before: ``wavepp stage --config emu.yaml --tensor-parallel-size 2`` said ``... the
-    emulated engine with family 'llama'`` for glm-5.2 (the spec check refuses it earlier)."""
+    """``wavepp stage --config emu.yaml --tensor-parallel-size 2`` for glm-5.2 names the model,
+    not a family it lacks (``... the emulated engine with family 'llama'``); the spec check
+    refuses it earlier."""
     from wavepp.cmd.stage import ArgError, with_tensor_parallel
 
     config = RuntimeConfig(num_stages=2, engine="emulated", cost_model={})

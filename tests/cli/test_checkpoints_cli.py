@@ -1,4 +1,4 @@
-"""From a new-user trial: ``python -m wavepp.bench.checkpoints`` (the README's demo checkpoint)
+"""``python -m wavepp.bench.checkpoints`` (the README's demo checkpoint)
 after only ``pip install -e .``, and its ``--help``."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from wavepp.bench import checkpoints
 def test_without_transformers_one_line_names_what_to_install(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Before: a ModuleNotFoundError traceback. transformers is installed here (the test
+    """One line naming what to install, not a ModuleNotFoundError traceback. transformers is
+    installed here (the test
     extra); a None entry in sys.modules makes ``import transformers`` fail as it does without
     it."""
     monkeypatch.setitem(sys.modules, "transformers", None)

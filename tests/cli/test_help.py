@@ -141,8 +141,9 @@ def test_deprecated_alias_still_works_and_says_so(capsys: pytest.CaptureFixture[
 
 
 def test_readme_synopsis_shows_required_flags_as_required() -> None:
-    """Before: ``wavepp stage [--runtime-config CONFIG] [--config CONFIG]`` although one of the
-    two is required (argparse: ``one of the arguments ... is required``)."""
+    """The README's synopsis shows a required group as required (``wavepp stage
+    (--runtime-config CONFIG | --config CONFIG)``, not both in brackets) as argparse enforces
+    it (``one of the arguments ... is required``)."""
     synopses = _readme_synopses()
     for command, parser in COMMANDS.items():
         text = " ".join(synopses[command].split())

@@ -1,4 +1,4 @@
-"""From a new-user trial on a fresh clone: the README's key commands and `wavepp validate` on
+"""On a fresh clone: the README's key commands and `wavepp validate` on
 a spec whose key files are missing."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from wavepp.gateway.auth import AuthError
 
 
 def test_api_key_creates_the_key_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Before: `wavepp api-key --append examples/keys/default.keys` failed on a fresh clone
-    (git ignores examples/keys/, and the command did not create it)."""
+    """`wavepp api-key --append examples/keys/default.keys` creates the missing folder (git
+    ignores examples/keys/, so a fresh clone lacks it)."""
     path = tmp_path / "keys" / "default.keys"
     assert cli.main(["api-key", "--append", str(path)]) == 0
     key = capsys.readouterr().out.strip()
@@ -24,7 +24,7 @@ def test_api_key_creates_the_key_folder(tmp_path: Path, capsys: pytest.CaptureFi
 def test_validate_reads_the_key_files_as_up_does(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Before: validate said ok for a spec whose apiKeysFile did not exist; up refused it."""
+    """validate refuses a spec whose apiKeysFile does not exist, as up does (not ok)."""
     spec = {
         "model": {"name": "tiny-llama"},
         "stages": 2,

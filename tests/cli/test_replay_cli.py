@@ -97,8 +97,8 @@ def test_sync_mode_on_the_emulated_engine(small_trace: Path) -> None:
 
 
 def test_emulated_default_kv_capacity_replays_the_first_300_trace_requests() -> None:
-    """Issue 12, item 4: the capacity derived from GLM-5.2 on 4 H200 stages holds the trace's
-    longest prompts; the old default (4,096 blocks of 16) failed 12 of these 300."""
+    """The capacity derived from GLM-5.2 on 4 H200 stages holds the trace's longest prompts:
+    all 300 complete (a fixed 4,096 blocks of 16 would fail 12 of them)."""
     summary, stderr = run_replay(
         str(TRACE),
         "--limit",

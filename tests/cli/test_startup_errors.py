@@ -64,7 +64,8 @@ def test_gateway_on_a_busy_port(
 def test_gateway_with_a_malformed_tokenizer_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Found by an attack: a malformed tokenizer.json ended the gateway in a traceback."""
+    """A malformed tokenizer.json ends the gateway with exit 2 and one line (``wavepp gateway:
+    tokenizer: ...``), no traceback."""
     bad = tmp_path / "tokenizer.json"
     bad.write_text('{"model": {"type": "nonsense"}}')
     config = tiny_gateway_config().model_copy(update={"tokenizer": str(bad)})
@@ -118,7 +119,8 @@ def test_up_stops_everything_when_a_child_dies_starting(tmp_path: Path) -> None:
 def test_operator_without_credentials_is_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Before: kopf logged a traceback per login retry and never served nor exited."""
+    """Without credentials the operator exits with one line, instead of kopf logging a traceback
+    per login retry and neither serving nor exiting."""
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing-kubeconfig"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     assert cli.main(["operator", "--liveness-port", "0"]) == 2

@@ -1,4 +1,4 @@
-"""From a new-user trial: ``wavepp validate`` off the cluster. A checkpoint on a PVC that is
+"""``wavepp validate`` off the cluster. A checkpoint on a PVC that is
 not mounted here is not an error (its checks are skipped, in one line); a checkpoint spec the
 operator refuses (no ``model.config.numLayers``) gets a labelled Kubernetes warning; a missing
 key file names its field path."""
@@ -35,16 +35,16 @@ def _gpu_example(tmp_path: Path, mount: Path) -> Path:
 def test_a_pvc_not_mounted_here_skips_the_checkpoint_checks_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Before: ``spec.model.path: '/models' is not a directory here`` and exit 2, although the
-    spec names a PVC, not a path."""
+    """A PVC checkpoint not mounted here is a one-line note and exit 0, not ``spec.model.path:
+    '/models' is not a directory here`` and exit 2 (the spec names a PVC, not a path)."""
     absent = tmp_path / "models"
     rc, err, out = _validate(_gpu_example(tmp_path, absent), capsys)
     assert rc == 0, err
     assert len(err) == 1 and "note: spec.model.pvc.mountPath" in err[0], err
     assert "skipped" in err[0] and str(absent) in err[0]
     assert "ok (2 replica(s) x 4 torch stages of small-llama, 2 tenant(s)" in out, out
-    # the pods compute where their resources are, not where validate runs (a new-user trial
-    # ran a pod's command on a CPU host and met "sees no CUDA device")
+    # the pods compute where their resources are, not where validate runs (a pod's command on
+    # a CPU host meets "sees no CUDA device")
     assert "stage pods request 1 GPU(s) each (gpusPerStage; 0 runs them on CPUs)" in out, out
 
 
@@ -79,7 +79,8 @@ def test_an_explicit_model_path_that_is_absent_stays_an_error(
 def test_a_missing_key_file_names_its_field_path(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Before: ``apiKeysFile: tenant 'b': key file ...``, no index."""
+    """The error names the field path with its index (``spec.tenants[1].apiKeysFile``), not
+    only ``apiKeysFile: tenant 'b': key file ...``."""
     assert cli.main(["api-key", "--append", str(tmp_path / "keys" / "a.keys")]) == 0
     capsys.readouterr()
     spec = {

@@ -1,4 +1,4 @@
-"""From a new-user trial: what the docs and examples say agrees with what the spec and the code
+"""What the docs and examples say agrees with what the spec and the code
 do (an example's header names its autoscaling metric; docs/operator.md does not list as
 missing what the operator does)."""
 
@@ -38,7 +38,8 @@ def _header(path: Path) -> str:
 
 @pytest.mark.parametrize("path", SCALED, ids=lambda p: p.name)
 def test_an_examples_header_names_its_autoscaling_metric(path: Path) -> None:
-    """Before: wavepipeline-gpu.yaml said "scaled on CPU utilisation" and set metric: backlog."""
+    """An example's header says it is scaled on the metric it sets (e.g. not "scaled on CPU
+    utilisation" over ``metric: backlog``), and names no other metric."""
     metric = _spec(path)["autoscaling"].get("metric", "backlog")
     header = _header(path)
     assert "scaled" in header, f"{path.name}: the header does not say how the pool is scaled"
@@ -49,8 +50,8 @@ def test_an_examples_header_names_its_autoscaling_metric(path: Path) -> None:
 
 
 def test_operator_doc_does_not_list_the_scale_down_drain_as_missing() -> None:
-    """Before: "Scale: extra replicas drain and are then deleted" and, further down, "Not there
-    yet (issue 16): a replica removed by a scale-down is not drained first"."""
+    """docs/operator.md says a scale-down drains its extra replicas, as the operator does, and
+    does not also list that drain as not there yet."""
     assert "scale-down" in typing.get_args(DrainReason)  # the operator drains on scale-down
     text = " ".join((REPO / "docs" / "operator.md").read_text().split())
     assert "extra replicas drain and are then deleted" in text

@@ -1,4 +1,4 @@
-"""Issue 16, item 3: the autoscaler's signal exists where the autoscaler looks for it.
+"""The autoscaler's signal exists where the autoscaler looks for it.
 
 The operator's HPA for ``autoscaling.metric: backlog`` asks for an External metric by name and
 labels; the chart's prometheus-adapter rule serves that name from a series; a real gateway (the

@@ -1,6 +1,6 @@
-"""Replica health that routing obeys, and the pieces of an in-place re-form (issue 16, items 1
-and 2): the router's pool is the ready replicas; the gateway follows heartbeats at run time and
-is ready while one replica admits; the admission's pause/resume decisions; the stages' epoch
+"""Replica health that routing obeys, and the pieces of an in-place re-form: the router's pool
+is the ready replicas; the gateway follows heartbeats at run time and is ready while one replica
+admits; the admission's pause/resume decisions; the stages' epoch
 rendezvous over a real nats-server with JetStream; and a gloo group re-formed in one process
 after a member left (what ``StageWorker._reform`` relies on)."""
 

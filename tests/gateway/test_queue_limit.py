@@ -1,4 +1,4 @@
-"""Memory pressure through the whole service (issue 7 item 5): `wavepp up` with a KV pool so small
+"""Memory pressure through the whole service: `wavepp up` with a KV pool so small
 that one long prompt nearly fills a stage, and a gateway queue limit of 4. A burst of 16 long
 prompts: the stages admit one at a time (the rest wait: backpressure), the gateway refuses what is
 past its queue limit with 429 + Retry-After naming the limit, every accepted request is answered

@@ -64,9 +64,9 @@ async def _wait_ready(endpoint: str, proc: subprocess.Popen[bytes], timeout_s: f
         while time.monotonic() < deadline:
             assert proc.poll() is None, f"{endpoint}: its process exited"
             try:
-                # Ready means one replica admits (issue 16); this test needs both in the pool:
-                # every replica's wavepp_gateway_replica_up is 1 (a CI flake: round robin sent a
-                # document twice to the one replica already in).
+                # Ready means one replica admits; this test needs both in the pool: every
+                # replica's wavepp_gateway_replica_up is 1 (else round robin sends a document
+                # twice to the one replica already in).
                 async with session.get(f"{endpoint}/metrics") as response:
                     text = await response.text() if response.status == 200 else ""
                 ups = [

@@ -1,4 +1,4 @@
-"""The Dockerfile builds the image the chart names, for the user the pods run as (issue 16 item 4).
+"""The Dockerfile builds the image the chart names, for the user the pods run as.
 
 ``docker build`` cannot run here (no Docker daemon in CI); what can be checked without it is:
 the final stage's ``USER`` is the uid:gid of the chart's and the operator's pod security

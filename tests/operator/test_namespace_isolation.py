@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from http_support import http_status, post_json
-from pod_support import kubelet_env, start_wavepp
+from pod_support import kubelet_env, start_wavepp, stop_processes
 
 from wavepp.api.spec import check_spec
 from wavepp.operator import builders as b
@@ -106,15 +106,7 @@ class Pipeline:
                 time.sleep(0.1)
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in reversed(self.procs):
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_processes(reversed(self.procs))
 
 
 def _prompt(namespace: str, index: int) -> list[int]:

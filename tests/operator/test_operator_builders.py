@@ -186,7 +186,7 @@ def test_admission_drains_within_the_rollout_timeout() -> None:
 
 
 def test_the_gateway_runs_two_pods_and_a_disruption_budget_keeps_one() -> None:
-    """Issue 16: a scale-down, a drain or a rollout never takes the only gateway pod out of
+    """A scale-down, a drain or a rollout never takes the only gateway pod out of
     its Service (a gateway is ready while one replica admits)."""
     dep = b.build_gateway_deployment(REF, FULL, b.spec_hash(FULL))
     pdb = b.build_gateway_pdb(REF)

@@ -1,6 +1,6 @@
-"""The operator renders each pipeline's NATS credentials (issue 13 part 1, issue 17 part 3): one
-Secret, each pod mounting only its own users; the rendered users work against a real nats-server
-that trusts the account, and only the gateway's may publish the prefill request path."""
+"""The operator renders each pipeline's NATS credentials: one Secret, each pod mounting only its
+own users; the rendered users work against a real nats-server that trusts the account, and only
+the gateway's may publish the prefill request path."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_secret_first_and_each_pod_mounts_only_its_own_users(trust: TrustRoot) -
 
 
 def test_every_pod_reads_the_pipelines_bus_key_derived_from_the_seed(trust: TrustRoot) -> None:
-    """Issue 13: in the cluster, as under wavepp up, every bus message is signed: each pod gets
+    """In the cluster, as under wavepp up, every bus message is signed: each pod gets
     the pipeline's bus key (stable across reconciles, different per pipeline and namespace)."""
     manifests = _applied(trust)
     key = base64.b64decode(manifests[0]["data"]["bus.key"]).decode()

@@ -1,4 +1,4 @@
-"""A replica told to drain (issue 16 item 3: scale-down drains): SIGTERM to its admission
+"""A replica told to drain (a scale-down drains it first): SIGTERM to its admission
 process, as the kubelet sends when the operator scales the admission Deployment to 0.
 
 The stage and admission run as processes with the args and env the operator renders (as in
@@ -30,7 +30,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pod_support import REF, container_of, expand, kubelet_env, localize, start_wavepp
+from pod_support import (
+    REF,
+    container_of,
+    expand,
+    kubelet_env,
+    localize,
+    start_wavepp,
+    stop_processes,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from wavepp.api.prefill import Heartbeat
@@ -174,15 +182,7 @@ async def test_sigterm_drains_the_replica_every_admitted_request_answered(tmp_pa
             ) as response:
                 stage_metrics = response.read().decode()
         finally:
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in procs.values():
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
+            stop_processes(procs.values())
             await gateway.stop()
             await nc.close()
     assert [r.error for r in results] == [""] * NUM_REQUESTS, tails()

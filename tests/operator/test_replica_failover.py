@@ -1,4 +1,4 @@
-"""Two replicas as pods, one stage SIGKILLed and started again (issue 16, items 1 and 2).
+"""Two replicas as pods, one stage SIGKILLed and started again.
 
 The processes run with the args and env the operator renders (as in ``test_runtime_contract``:
 only the mounted files, the NATS URL, the rendezvous and the ports are made local): a
@@ -36,6 +36,7 @@ from pod_support import (
     localize,
     log_tail,
     start_wavepp,
+    stop_processes,
 )
 
 from wavepp.api.spec import check_spec
@@ -208,15 +209,7 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
                     assert procs[name].pid == pid and procs[name].poll() is None, name
             survivor_log = logs["r0-stage-0"].read_text(errors="replace")
         finally:
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in procs.values():
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
+            stop_processes(procs.values())
     reformed = re.search(r"re-formed in epoch 2 in ([0-9.]+) s", survivor_log)
     assert reformed, survivor_log[-3000:]
     after = [r for r in load.records if r[0] + r[1] > killed]  # answered after the kill

@@ -29,6 +29,7 @@ from pod_support import (
     log_tail,
     probe_path,
     start_wavepp,
+    stop_processes,
     wait_200,
 )
 
@@ -111,7 +112,7 @@ def test_configs_from_the_operator_files_match_the_spec(tmp_path: Path) -> None:
     assert config.model_copy(update={"telemetry": expected.telemetry}) == expected
     assert config.telemetry.metrics_port == spec.telemetry.metrics_port
     # a replica added by a scale-up reads the file of its spec hash, written when the pipeline
-    # had fewer replicas (replicas are not hashed): found by tests/operator/test_scale_under_load
+    # had fewer replicas (replicas are not hashed; tests/operator/test_scale_under_load)
     args.replica = 1
     config = runtime_config_from_args(args, {"WAVEPP_PIPELINE": REF.name})
     assert config.pipeline == f"{REF.name}-r1"
@@ -204,7 +205,7 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
     ``.creds`` file mounted from the Secret. With the operator's rendered credentials (the
     default with an account seed), each pod gets only the files its Secret volume's items name,
     under the server that trusts that account: every component works with only its own
-    subjects (issue 13)."""
+    subjects."""
     tls = nats_security == "mutual-tls"
     spec = _resolved_spec(metrics_port=free_port(), nats=nats_security)
     hash_ = b.spec_hash(spec)
@@ -382,12 +383,4 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
             )
             pytest.fail(f"{exc}\n{tails}")
         finally:
-            for proc in reversed(procs):
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in reversed(procs):
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
+            stop_processes(reversed(procs))

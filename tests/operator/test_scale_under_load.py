@@ -1,4 +1,4 @@
-"""Scale 1 -> 3 -> 1 under load, the operator on kmock, its pods as processes (issue 16 item 3).
+"""Scale 1 -> 3 -> 1 under load, the operator on kmock, its pods as processes.
 
 The operator (kopf, in a thread) reconciles a WavePipeline on kmock's emulated API server. The
 emulator has no controllers and no kubelet, so :class:`Kubelet` plays both, from what the
@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 from operator_support import NAMESPACE, Cluster, pod_status, wait_for
-from pod_support import Load
+from pod_support import Load, stop_processes
 
 from wavepp.operator import builders as b
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
@@ -251,15 +251,7 @@ class Kubelet:
                 await asyncio.wait_for(stop.wait(), 0.2)
 
     def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_processes(self.procs.values())
 
 
 def _pod(deployment: dict[str, Any], name: str) -> dict[str, Any]:

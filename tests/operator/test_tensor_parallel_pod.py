@@ -26,6 +26,7 @@ from pod_support import (
     localize,
     probe_path,
     start_wavepp,
+    stop_processes,
     wait_200,
 )
 from proc_support import children_running
@@ -175,14 +176,6 @@ def test_rendered_tp_stage_pods_start_two_processes_each_and_serve(tmp_path: Pat
             assert stages[1][0].wait(30) == 1
             assert "tensor-parallel follower(s)" in stages[1][1].read_text()
         finally:
-            for proc in reversed(procs):
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in reversed(procs):
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
+            stop_processes(reversed(procs))
         for proc, _, _ in stages:  # the followers left with their leaders
             assert not _followers(proc.pid)

@@ -1,6 +1,5 @@
-"""The bus refuses strangers and confines each component to its own subjects (issue 13 part 1,
-issue 17 part 3), against a real nats-server configured by ``write_pool_auth`` (what
-``wavepp up`` runs by default)."""
+"""The bus refuses strangers and confines each component to its own subjects, against a real
+nats-server configured by ``write_pool_auth`` (what ``wavepp up`` runs by default)."""
 
 from __future__ import annotations
 
@@ -156,7 +155,7 @@ async def test_a_component_publishes_its_own_subjects(
         ("admission-p2", "stage-p1-0", P1.plan),
         # the gateway speaking for a stage
         ("gateway-pool1", "admission-p1", P1.done),
-        # issue 17 part 3: only the gateway's user may publish on the prefill request path
+        # only the gateway's user may publish on the prefill request path
         ("stage-p1-0", "gateway-pool1", prefill_subject(POOL, namespace=NS)),
         ("admission-p1", "gateway-pool1", prefill_subject(POOL, namespace=NS)),
     ],

@@ -1,7 +1,7 @@
 """``flush_in_order``: a flush that proves what was published and subscribed before it reached
 the server. nats-py's own ``flush`` writes its PING ahead of the commands still in its pending
-buffer, so its PONG proves nothing about them (a race: a forgery test's forger "answered first"
-yet the stage's reply arrived before its forgeries, one run in ten under load)."""
+buffer, so its PONG proves nothing about them (a forger that "answered first" could still see
+the stage's reply arrive before its forgeries)."""
 
 from __future__ import annotations
 

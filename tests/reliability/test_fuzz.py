@@ -243,7 +243,8 @@ def test_parse_trace_line_returns_a_record_or_an_error_naming_the_field(line: st
 
 
 def test_parse_trace_line_refuses_non_finite_timestamps() -> None:
-    """json.loads accepts NaN/Infinity; found by the fuzz test above (int(nan) raised)."""
+    """json.loads accepts NaN/Infinity; a trace line with one is refused with a clear error, not
+    a ValueError from int(nan)."""
     for value in ("NaN", "Infinity"):
         line = f'{{"timestamp": {value}, "input_length": 1, "hash_ids": [0]}}'
         result = parse_trace_line(line, 1)

@@ -1,9 +1,8 @@
 """NATS decentralised auth (operator / account / user JWTs, .creds files) with a real server.
 
-Found here: ``--nats-creds`` could never have worked: nats-py signs the server's nonce with the
-``nkeys`` package, which is an optional extra (``nats-py[nkeys]``) we did not install; the
-earlier test replaced ``nats.connect`` and so could not see it. The dependency is now
-``nats-py[nkeys]``."""
+``--nats-creds`` connects to a real server: nats-py signs the server's nonce with the ``nkeys``
+package, an optional extra, so the dependency is ``nats-py[nkeys]``; a test that replaced
+``nats.connect`` could not see it missing."""
 
 from __future__ import annotations
 

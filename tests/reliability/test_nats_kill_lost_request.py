@@ -123,8 +123,7 @@ async def test_a_result_published_while_the_server_was_down_is_read_from_the_buc
     """The replica stores a result, then publishes it; a publish made while the server is down
     never reaches the gateway (core NATS keeps nothing). After the reconnect the gateway reads
     the bucket for every waiting request (``Gateway.recover_results``) instead of waiting for
-    the request's deadline (120 s by default; attack finding: 1 of 120 requests unanswered
-    within a client's 60 s after three nats-server kills)."""
+    the request's deadline (120 s by default, past a typical client's 60 s)."""
     from gateway_support import tiny_gateway_config
 
     from wavepp.api.prefill import Heartbeat, PrefillResult

@@ -48,8 +48,8 @@ async def test_nats_restart_under_load_loses_no_request(tmp_path) -> None:  # no
     flight to the scheduler are lost with it (core NATS). Every request must still be answered
     once, ok: stages fetch missed plans from the scheduler (``{p}.plan.replay``), the scheduler
     republishes outstanding plans and pulls missed done messages after its reconnect, and an
-    agreement whose reply was lost is retried. It failed before (a stage ran the next plan on
-    the previous one's activations, or the scheduler waited for a done message that never came).
+    agreement whose reply was lost is retried: no stage runs a plan on the previous plan's
+    activations, and the scheduler never waits for a done message that never comes.
     """
     config = emulated_config(
         [256], microbatch_deadline_s=8.0, request_timeout_s=1.0, agreement_retry_s=20.0

@@ -96,13 +96,11 @@ async def test_replica_reformed_after_stage_kill_answers_new_and_resubmitted_req
     request (the prompt of one answered before the kill) gets the same first token, and every
     failed request, resubmitted, is answered once and correctly. Times kill -> first answer.
 
-    Found here: the scheduling loop's ``self.active.append(await prepared.get())`` bound the
-    list before the await; the deadline expiry rebinds ``self.active`` meanwhile, so the next
-    admitted request went onto the discarded list and was never planned. And (CI, under load):
-    a request admitted on the old stages but not yet planned was planned after the re-form
-    together with the new request, on stages that had never heard of it ("request 'k7' is not
-    committed on this stage"), failing both; the re-form now sends every admitted, unanswered
-    request back to admission (``resume_plans(readmit=True)``).
+    Pinned: a request admitted while the deadline expiry rebinds the scheduler's active list
+    is planned (the list is read after the await, not bound before it); and a request admitted
+    on the old stages but not yet planned goes back to admission at the re-form
+    (``resume_plans(readmit=True)``), not planned on stages that never heard of it ("request
+    'k7' is not committed on this stage", failing it and the new request).
     """
     config = emulated_config([256], microbatch_deadline_s=DEADLINE_S, time_scale=4.0)
     async with make_pipeline(config, str(tmp_path)) as pipeline:

@@ -14,7 +14,7 @@ import asyncio
 import logging
 
 import pytest
-from kv_wire_support import chain
+from kv_wire_support import chain, warm
 
 from wavepp.api.kv_batch import (
     BatchOp,
@@ -49,15 +49,6 @@ FORGED_HIT = 5
 
 def _chain(n: int) -> tuple[bytes, ...]:
     return chain(n, root=0)
-
-
-def _warm(manager: StageKVManager, hashes: tuple[bytes, ...] | list[bytes]) -> None:
-    """Cache ``hashes`` on a stage (a request that ran and was released)."""
-    hashes = tuple(hashes)
-    manager.probe_pin("warm", hashes, 5.0)
-    assert manager.reserve("warm", len(hashes), 5.0) is not None
-    manager.mark_computed("warm", len(hashes) * BLOCK, hashes)
-    manager.release("warm")
 
 
 # --------------------------------------------------------------------------- the tag
@@ -217,7 +208,7 @@ async def test_forged_first_replies_are_dropped_and_the_true_l_star_agreed(
     request = PromptRequest("victim", list(range(6 * BLOCK + 1)))
     hashes = controller.block_hashes(request)
     for manager, num_cached in zip(managers, (4, 2, 6), strict=True):
-        _warm(manager, hashes[:num_cached])
+        warm(manager, hashes[:num_cached])
     try:
         with caplog.at_level(logging.WARNING, logger="wavepp.runtime.agreement.nats_client"):
             ticket = await controller.agree(request)
@@ -272,7 +263,7 @@ async def test_a_forged_reply_on_a_stage_s_own_subject_is_dropped(nats_server) -
     nc = await connect(nats_server.url, name="stage-and-admission", anonymous_ok=True)
     try:
         manager = StageKVManager(BlockPool(64, BLOCK), max_lease_s=30.0)
-        _warm(manager, _chain(2))
+        warm(manager, _chain(2))
         await _serve_after_forger(nc, manager, 1, key, forger)
         await flush_in_order(nc)
         client = NatsStageClient(nc, PREFIX, 1, timeout_s=5.0)

@@ -242,10 +242,10 @@ def test_a_follower_of_a_leader_without_a_key_has_none() -> None:
 
 
 def test_without_a_bus_key_an_outsider_cannot_take_a_followers_seat() -> None:
-    """Attack report #1 without a bus key (``--insecure-nats``): the TP store's prefix was the
-    fixed ``wavepp/tp/`` and its values untagged, so a local process that joined first as TP
-    rank 1 got the follower's seat (it read the prompts and changed the all-reduces). Now the
-    leader makes a fresh key per launch (``tp_key``) and hands it to its followers only."""
+    """Without a bus key (``--insecure-nats``) the TP leader makes a fresh key per launch
+    (``tp_key``) and hands it to its followers only, so a local process that joins the store
+    first as TP rank 1 (under the fixed ``wavepp/tp/`` names, untagged) cannot take the
+    follower's seat (read the prompts, change the all-reduces)."""
     key = tp_key(None)
     assert key.hex() != tp_key(None).hex() and tp_key(KEY) is KEY
     store = _loopback_store(2, TIMEOUT)

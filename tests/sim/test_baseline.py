@@ -173,8 +173,8 @@ def test_an_idle_baseline_loop_pays_its_host_time_after_the_request_arrives() ->
     """At C = 1 the baseline's loop has nothing to run when a request comes back: TensorRT-LLM
     blocks in ``_fetch_new_requests``, then broadcasts, schedules and prepares the request it
     got, so every request pays the host loop after it arrives (docs/bench/baseline.md, row 4).
-    Before, the loop counted from the slot freed a whole round earlier: only the first of three
-    requests paid it (a delta of 15 ms instead of 45)."""
+    Three requests pay it three times (a delta of 45 ms), not only the first (counting from the
+    slot freed a whole round earlier would give 15 ms)."""
 
     def wall_s(config: RuntimeConfig, planner_cost: CostModel) -> float:
         workload = shared_prefix_workload(

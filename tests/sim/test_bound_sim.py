@@ -2,8 +2,8 @@
 
 With every control latency zero, no schedule may beat the bound: a run that did would mean the
 bound (or the simulator) is wrong. And the wave scheduler must come close to it in the closed
-loop once C >= S, where it used to leave stages idle (the closed-loop sliver, and micro-batches
-sized by chunk_tokens instead of by the work in the system).
+loop once C >= S, leaving no stage idle (no closed-loop sliver; micro-batches sized by the work
+in the system, not by chunk_tokens).
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ def test_no_zero_latency_run_exceeds_the_bound(num_stages: int, reuse: str, mode
 
 @pytest.mark.parametrize(("reuse", "concurrency"), [("high", 8), ("high", 32), ("low", 16)])
 def test_the_closed_loop_fills_the_pipeline(reuse: str, concurrency: int) -> None:
-    """GLM-5.2 PP4 at H200 time, 32 x C requests: at least 0.95 of the bound. Before the
-    closed-loop target: 0.78 at C = 8 and 0.58 at C = 32 with high reuse (two 8k micro-batches
-    for four stages, and a lone request planned as a sliver just before its group returned)."""
+    """GLM-5.2 PP4 at H200 time, 32 x C requests: at least 0.95 of the bound (the closed-loop
+    target gives each of the four stages a micro-batch, and a lone request is not planned as a
+    sliver just before its group returns)."""
     spec = GridSpec(time_scale=1.0, num_stages=4, num_kv_blocks=65536)
     config, planner_cost = runtime_config(spec, Setting("glm-5.2", concurrency, reuse, "wave"))
     efficiency = _efficiency(config, planner_cost, reuse, concurrency, 32 * concurrency)

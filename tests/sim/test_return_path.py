@@ -1,4 +1,4 @@
-"""At small C the closed loop loses its return path once per round, and nothing else (issue 12).
+"""At small C the closed loop loses its return path once per round, and nothing else.
 
 MiniMax-M2.7, high reuse, C = S or 2S: the in-flight work is S micro-batches of C / S requests
 each, and a micro-batch's fixed cost c (16.3 ms at PP4, 8.6 ms at PP8) is larger than the return

@@ -198,10 +198,10 @@ def test_wave_is_not_below_sync_for_a_lone_high_reuse_request_on_eight_stages() 
 
 def test_a_burst_is_planned_in_full_microbatches_not_cut_to_fill_idle_stages() -> None:
     """32 high-reuse requests (512 new tokens each) arrive at once on an idle 4-stage GLM-5.2
-    pipeline (H200 time). Before, the first admitted requests were cut into 4 small
-    micro-batches to fill the idle stages while 28 more were still agreeing; each paid the
-    fixed cost c and, in the closed loop, the cut persisted. Now the under-full micro-batch
-    waits for the agreements under way and is not cut while work is queued."""
+    pipeline (H200 time). The under-full micro-batch waits for the agreements under way and is
+    not cut while work is queued: the first admitted requests are not cut into small
+    micro-batches to fill the idle stages (each would pay the fixed cost c, and in the closed
+    loop the cut would persist)."""
     spec = GridSpec(time_scale=1.0)
     config, planner_cost = runtime_config(spec, Setting("glm-5.2", 32, "high", "wave"))
     config = config.model_copy(update={"closed_loop_fill": False})  # chunk_tokens target
@@ -217,8 +217,8 @@ def test_a_burst_is_planned_in_full_microbatches_not_cut_to_fill_idle_stages() -
 
 def test_a_burst_is_split_into_s_equal_microbatches_by_the_closed_loop_target() -> None:
     """The same burst with the closed-loop target (the wave default): the work of all 32
-    requests in the system, split S ways, so every stage gets an equal micro-batch at once.
-    Before, the chunk_tokens target made two 8k micro-batches and left two stages idle."""
+    requests in the system, split S ways, so every stage gets an equal micro-batch at once (not
+    two 8k micro-batches of the chunk_tokens target, leaving two stages idle)."""
     spec = GridSpec(time_scale=1.0)
     config, planner_cost = runtime_config(spec, Setting("glm-5.2", 32, "high", "wave"))
     assert config.resolved_closed_loop_fill

@@ -1,4 +1,4 @@
-"""The simulator imports no NATS module (issue 11; the import-linter contract says the same)."""
+"""The simulator imports no NATS module (the import-linter contract says the same)."""
 
 from __future__ import annotations
 

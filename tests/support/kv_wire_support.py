@@ -1,11 +1,12 @@
-"""Helpers shared by the agreement wire tests: chained block hashes, and an in-process stage
-that records each probe-reserve payload it gets."""
+"""Helpers shared by the agreement wire tests: chained block hashes, a probe-reserve batch, a
+stage with a prefix already cached, and an in-process stage that records each probe-reserve
+payload it gets."""
 
 from __future__ import annotations
 
 import hashlib
 
-from wavepp.api.kv_batch import BatchOp
+from wavepp.api.kv_batch import BatchOp, KVBatch, ReserveEntry
 from wavepp.runtime.agreement import LocalStageClient
 from wavepp.runtime.kv import StageKVManager
 
@@ -17,6 +18,25 @@ def chain(n: int, root: int = 1) -> tuple[bytes, ...]:
         parent = hashlib.sha256(parent + bytes([i])).digest()
         out.append(parent)
     return tuple(out)
+
+
+def reserve_batch(
+    *entries: ReserveEntry, owner: str = "adm", seq: int = 1, releases: tuple[str, ...] = ()
+) -> KVBatch:
+    """A probe-reserve batch of ``entries`` (lease 5 s) from ``owner``, op number ``seq``."""
+    return KVBatch(BatchOp.PROBE_RESERVE, entries, 5.0, owner=owner, seq=seq, releases=releases)
+
+
+def warm(
+    manager: StageKVManager, hashes: tuple[bytes, ...] | list[bytes], rid: str = "warm"
+) -> None:
+    """Cache ``hashes``' blocks on a stage: request ``rid`` pins, reserves, computes them (the
+    pool's block size) and is released, so they stay cached and unpinned."""
+    hashes = tuple(hashes)
+    manager.probe_pin(rid, hashes, 5.0)
+    assert manager.reserve(rid, len(hashes), 5.0) is not None
+    manager.mark_computed(rid, len(hashes) * manager.pool.block_size, hashes)
+    manager.release(rid)
 
 
 class CountingClient(LocalStageClient):

@@ -2,7 +2,7 @@
 files, keys generated here; emulated engine and 1 replica to keep CI fast) as real processes,
 called over HTTP, with the real `openai` client and over NATS.
 
-Must-shows of issue 17: tenant B's key claiming tenant A gets none of A's cached tokens over 100
+Pinned: tenant B's key claiming tenant A gets none of A's cached tokens over 100
 probes of A's prefixes; the openai client works with its api_key and gets 401 without; a key
 rotated in the file works without a restart and the old one stops after the window; failures
 are rate-limited per client and counted, with no key material in metrics or logs.
@@ -140,7 +140,7 @@ async def test_header_claim_refused_and_400_counted_under_the_keys_tenant(keyed)
             headers={"X-WavePP-Tenant": "acme"},
         )
         assert status == 403, body
-        # the same header on /v1/prefill (found by an attack: it was ignored there)
+        # the same header on /v1/prefill is checked too
         status, body, _ = await _post(
             session, _url(keyed), {"token_ids": [1, 2, 3]}, keys["default"],
             headers={"X-WavePP-Tenant": "acme"},

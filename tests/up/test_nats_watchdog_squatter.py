@@ -1,10 +1,10 @@
-"""``wavepp up``'s nats-server watchdog when the restarted server cannot start (attack report #2):
-its port taken by another process after the server died. A real nats-server; the squatter is a
-plain listening socket; the watchdog's clock is a counter (the backoff without sleeping).
+"""``wavepp up``'s nats-server watchdog when the restarted server cannot start: its port taken
+by another process after the server died. A real nats-server; the squatter is a plain listening
+socket; the watchdog's clock is a counter (the backoff without sleeping).
 
-Before: ``EmbeddedNatsServer.start`` took any listener on the port for the server (the
-squatter passed), and a server that exited during start raised out of ``NatsWatchdog.check``
-into ``wavepp up``'s loop (a traceback, the deployment down)."""
+Pinned: ``EmbeddedNatsServer.start`` does not take another process's listener on the port for
+its server, and a server that exits during start does not raise out of ``NatsWatchdog.check``
+into ``wavepp up``'s loop (no traceback; the watchdog retries with backoff)."""
 
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ async def test_text_prompt_completions_and_duplicate_request_id(up_service) -> N
         )
         assert status == 200 and headers.get("X-WavePP-Duplicate") == "true"
         assert again == first  # answered once: the stored answer, not a second run
-        assert "mac" not in first  # the bus tag stays on the bus (issue 13)
+        assert "mac" not in first  # the bus tag stays on the bus
         status, completion, _ = await post(
             session,
             f"{up_service.endpoint}/v1/completions",

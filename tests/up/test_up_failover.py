@@ -1,4 +1,4 @@
-"""`wavepp up --config` with 2 replicas (issue 16, items 2 and 6), one real process tree:
+"""`wavepp up --config` with 2 replicas, one real process tree:
 
 - ``spec.telemetry.metricsPort`` P is honoured: replica i's admission serves its metrics on
   P + i, and every series the shipped dashboards query is scraped from the run (the admissions'

@@ -1,4 +1,4 @@
-"""`wavepp up` under resource trouble (issue 13 part 4), real processes and a real nats-server:
+"""`wavepp up` under resource trouble, real processes and a real nats-server:
 
 * nats-server paused (SIGSTOP) longer than the NATS client's 5 s default timeout: every request
   is answered 200 (the intake publish and the results store wait as long as the request may);
@@ -11,8 +11,7 @@
 * nats-server killed with a request in flight: ``wavepp up`` restarts it and serving resumes
   within seconds (the request, lost with the server, is sent again after the reconnect).
 
-``WAVEPP_TEST_NATS_PAUSE_S`` sets the pause (default 6 s: past the 5 s default; the closing note
-of issue 13 ran 10 s).
+``WAVEPP_TEST_NATS_PAUSE_S`` sets the pause (default 6 s: past the client's 5 s default timeout).
 """
 
 from __future__ import annotations

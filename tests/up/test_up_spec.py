@@ -1,4 +1,4 @@
-"""The pure parts of ``wavepp up`` (``cmd.up_spec``) a new-user trial found wanting: the spec's
+"""The pure parts of ``wavepp up`` (``cmd.up_spec``) a first run depends on: the spec's
 ``rollout.drainTimeoutSeconds`` reaches the admissions and up's own stop, fields only the
 operator applies are named at start, ``--tensor-parallel-size``, and metrics bound to
 ``--host``. No process of the service is started here (one short child in the stop test)."""
@@ -230,7 +230,7 @@ def test_stage_metrics_bind_the_given_host() -> None:
         metrics.shutdown()
 
 
-# ---- 5. a metricsPort whose derived ports hold the gateway's (attack report #9) -----------
+# ---- 5. a metricsPort whose derived ports hold the gateway's ------------------------------
 
 
 def test_metrics_ports_that_include_the_gateway_port_are_refused_at_start(

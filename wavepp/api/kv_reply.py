@@ -114,8 +114,8 @@ _STATUSES = tuple(EntryStatus)
 
 class _PlainResults(dict):  # type: ignore[type-arg]
     """(status, value) -> its ``EntryResult`` without an error text, made once: a reply's
-    entries are looked up in one C-level ``map`` (a round of 16 entries from 8 stages decoded
-    entry by entry was ~10 % of the controller's CPU per agreement)."""
+    entries are looked up in one C-level ``map``, not decoded entry by entry in Python (the
+    controller decodes S replies per round)."""
 
     def __missing__(self, key: tuple[int, int]) -> EntryResult:
         result = self[key] = EntryResult(_STATUSES[key[0]], key[1])

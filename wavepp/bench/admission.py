@@ -17,8 +17,7 @@ controller's, the default), or in stage host processes: ``stage_processes`` one 
 in production), or ``stage_hosts`` processes sharing the ranks from ``stages_in_process`` on
 (ranks below it stay in this process). On a 2-core machine the layout decides how much of the
 work runs at once: all in one process leaves the second core to the nats-server alone; S + 1
-processes cost more CPU per agreement than they take off the controller (at S = 8 the stage
-processes used 200-650 us of CPU per agreement, against ~100-200 us of stage work in-process);
+processes cost more CPU per agreement than they take off the controller (docs/bench/README.md);
 half the ranks beside the controller and half in one stage host puts about the same work on
 each core. In production every stage is its own host, and none of the stage work is on the
 controller's core.
@@ -90,11 +89,9 @@ class AdmissionSetting:
     a late start (a busy loop, the timer's 1 ms granularity) counts against the system.
     ``rounds_in_flight``: the controller's ``max_rounds_in_flight`` (rounds under way at once
     before arrivals wait and share the next). ``connection_per_stage``: each stage KV server on
-    a NATS connection of its own (as before the seventh session; a stage process has one
-    anyway), not one per process for the ranks it serves (the default: a process then reads
-    a round's S copies from one socket and writes the replies in one flush; measured at S = 8,
-    one round at a time: a quarter less CPU per round, 5-10 % less per agreement at 16-24 in
-    flight). ``prefix_refs``: the controller's (a prefix the stages remember
+    a NATS connection of its own (a stage process has one anyway), not one per process for the
+    ranks it serves (the default: a process then reads a round's S copies from one socket and
+    writes the replies in one flush). ``prefix_refs``: the controller's (a prefix the stages remember
     goes by reference, ``kv_batch`` version 5)."""
 
     stages: int

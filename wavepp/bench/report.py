@@ -39,7 +39,7 @@ class ReplayReport:
     bound_tokens_per_s: float | None = None
 
     def summary(self) -> dict[str, Any]:
-        """The replay contract's JSON object (see issue 'Runtime core': Contract)."""
+        """The replay's JSON summary: the keys below, times in seconds (``*_s``) or ms (``*_ms``)."""
         done = [o for o in self.outcomes if o.ok]
         ttfts = np.array([o.ttft_s for o in done]) if done else np.array([0.0])
         prompt_tokens = sum(o.num_prompt_tokens for o in done)

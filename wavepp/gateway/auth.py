@@ -219,8 +219,8 @@ class KeyStore:
         path = self.files[tenant]
         try:
             st = os.stat(path)  # follows the Secret volume's symlinks
-            # A FIFO or device would block the gateway's event loop on open/read (found by an
-            # attack: a FIFO swapped in froze every route); a huge file stalls every request.
+            # A FIFO or device would block the gateway's event loop on open/read (every route
+            # would freeze); a huge file would stall every request.
             if not stat.S_ISREG(st.st_mode):
                 raise KeyFileError(f"tenant {tenant!r}: key file {path}: not a regular file")
             if st.st_size > MAX_KEY_FILE_BYTES:
@@ -240,7 +240,7 @@ class KeyStore:
     def refresh(self) -> None:
         """Re-read the files that changed, if ``poll_s`` passed since the last check.
 
-        A file that is missing or malformed now keeps its tenant's previous keys (logged).
+        A file that is missing or malformed keeps its tenant's previous keys (logged).
         """
         now = self.clock()
         if now < self._next_check_s:

@@ -2,10 +2,9 @@
 
 The same stack as the runtime's metrics (``wavepp.telemetry.metrics``): instruments on an
 OpenTelemetry ``MeterProvider``, rendered by the OpenTelemetry Prometheus exporter through a
-``PrometheusExport``. Each ``Gateway`` has its own provider and registry. The series keep the
-names and labels they had when the gateway used ``prometheus_client`` directly; the export adds
-no ``otel_scope_*`` labels and no ``target_info`` series (neither was there before), and, as the
-exporter never does, no ``*_created`` series.
+``PrometheusExport``. Each ``Gateway`` has its own provider and registry. The series are the
+table's, with exactly the labels it names: the export adds no ``otel_scope_*`` labels, no
+``target_info`` series and (as the exporter never does) no ``*_created`` series.
 
 | OTel instrument                      | kind       | unit       | Prometheus series                                   |
 | ------------------------------------ | ---------- | ---------- | --------------------------------------------------- |
@@ -58,8 +57,7 @@ GATEWAY_PROMETHEUS_NAMES: tuple[str, ...] = (
     "wavepp_gateway_auth_failures_total",
 )
 
-# Bucket bounds in seconds, as before the move to OpenTelemetry (no 60 s bucket, unlike the
-# runtime's TTFT histogram).
+# Bucket bounds in seconds (no 60 s bucket, unlike the runtime's TTFT histogram).
 GATEWAY_TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 

@@ -7,14 +7,12 @@ Why: CPython (3.11) starts a young collection after ``threshold0`` (700) allocat
 tracked objects, counting every deallocation of one, young or old, back down. A stage frees as
 many old records per round as it makes new ones (each finished request's ``HeldRequest``, table
 and hashes go as a new request's arrive), so the count seldom reaches the threshold and the
-young generation piles up: measured in the admission bench (``wavepp bench admission``, S = 8,
-four stages in one host process, 16 in flight), a young collection every ~17 rounds walking
-the ~1,100 requests held meanwhile and their tuples, 2.9-4.7 ms, inside whichever round it
-fell in; that round's requests all waited for it (the p99). Collected after every answered
-round, the same objects are walked once each as before (each tuple of ints or hashes leaves
-the collector's lists at its first pass), in pauses of at most ~0.4 ms that overlap the
-controller's reading of the replies. Lowering ``threshold0`` instead (200, 50, 20) shortened
-the pauses but cost 4-10 % of a stage's CPU in collections.
+young generation piles up, to be walked in one long pause inside whichever round it falls in.
+Collected after every answered round, the same objects are walked once each (each tuple of ints
+or hashes leaves the collector's lists at its first pass), in short pauses that overlap the
+controller's reading of the replies. ``threshold0`` stays CPython's: lowering it shortens the
+pauses but costs the stage CPU in collections (pause lengths and costs: docs/bench/README.md,
+"the young generation is collected right after a round is answered").
 """
 
 from __future__ import annotations

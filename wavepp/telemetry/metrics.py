@@ -182,7 +182,7 @@ class RuntimeMetrics:
         self.agreement_duration = meter.create_histogram(
             "wavepp.agreement.duration",
             unit="s",
-            description="Probe-pin + commit round trips of one admission",
+            description="Time to agree one request's L* (its probe-reserve round trips)",
             explicit_bucket_boundaries_advisory=list(AGREEMENT_BUCKETS_S),
         )
         self.reservation_refusals = meter.create_counter(

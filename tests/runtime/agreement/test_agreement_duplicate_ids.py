@@ -1,13 +1,12 @@
 """One agreement per request id at a time: a second agreement of an id that is agreeing or
 admitted on the controller is refused before it reaches a stage.
 
-Found by attack (notes/attack-2.md, F3): two agreements of one id in one round with different
-prompt lengths; the first was admitted, the second answered INVALID by the stages ("already
-reserved with num_total_blocks=..."), and the round's release of the second freed the first's
-reservation on every stage, leaving an admitted ticket (renewed by the controller) that held
-nothing: its plan fails on every stage (``start_chunk``: not committed), with every other
-request of that micro-batch. A second agreement of an admitted id (same length) was admitted
-again on the same reservation: two tickets, one release frees both.
+Otherwise two agreements of one id in one round with different prompt lengths would admit the
+first and have the stages answer the second INVALID ("already reserved with
+num_total_blocks=..."), and the round's release of the second would free the first's reservation
+on every stage: an admitted ticket holding nothing, whose plan fails on every stage with every
+other request of its micro-batch. And a second agreement of an admitted id (same length) would
+be admitted again on the same reservation: two tickets, one release freeing both.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import struct
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kv_wire_support import chain
+from kv_wire_support import chain, reserve_batch, warm
 
 from wavepp.api.kv_batch import (
     BatchOp,
@@ -34,18 +34,6 @@ from wavepp.runtime.stage.core import StageCore
 
 BLOCK = 4
 MODEL_ID = "one-trip"
-
-
-def warm(manager: StageKVManager, hashes: tuple[bytes, ...], rid: str = "warm") -> None:
-    """Cache ``hashes`` on a stage (a request that ran and was released)."""
-    manager.probe_pin(rid, hashes, 5.0)
-    assert manager.reserve(rid, len(hashes), 5.0) is not None
-    manager.mark_computed(rid, len(hashes) * BLOCK, hashes)
-    manager.release(rid)
-
-
-def reserve_batch(*entries: ReserveEntry, owner: str = "adm", seq: int = 1) -> KVBatch:
-    return KVBatch(BatchOp.PROBE_RESERVE, entries, 5.0, owner=owner, seq=seq)
 
 
 # --------------------------------------------------------------------------- wire format

@@ -174,16 +174,9 @@ def test_the_positions_a_stage_holds_cached_are_not_written() -> None:
 # --------------------------------------------------------------------------- hybrid
 
 pytest.importorskip("transformers")
-from wavepp.bench.checkpoints import save_random_checkpoint  # noqa: E402
 from wavepp.runtime.hf_config import load_model_dir  # noqa: E402
 
 K = 2  # a recurrent state after every 2nd block
-
-
-@pytest.fixture(scope="module")
-def kimi(tmp_path_factory) -> tuple[Path, torch.nn.Module]:  # noqa: ANN001
-    out = tmp_path_factory.mktemp("kimi")
-    return out, save_random_checkpoint("kimi_linear", out, num_layers=5, vocab_size=256)
 
 
 def kimi_engines(model_dir: Path) -> list:

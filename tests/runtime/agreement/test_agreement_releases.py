@@ -5,11 +5,11 @@ first; alone, they go out at once in a release batch."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from kv_wire_support import chain
 
 from wavepp.api.kv_batch import (
     BatchOp,
@@ -29,12 +29,8 @@ BLOCK = 4
 MODEL_ID = "tiny-llama:seed=0"
 
 
-def _hashes(n: int, root: int = 0) -> tuple[bytes, ...]:
-    return tuple(hashlib.sha256(b"%d-%d" % (root, i)).digest() for i in range(n))
-
-
 def _reserve(rid: str, n: int, root: int = 0) -> ReserveEntry:
-    return ReserveEntry(rid, _hashes(n, root), n + 1)
+    return ReserveEntry(rid, chain(n, root), n + 1)
 
 
 # --------------------------------------------------------------------------- wire format
@@ -199,7 +195,7 @@ async def test_an_id_agreed_again_waits_for_its_release_left_to_a_later_round() 
     """Releases past ``max_batch`` wait for a later round; an id among them agreed again must
     wait with them: in the earlier round a stage would answer its probe-reserve from the old
     table and hit (idempotent by id: an L* the new prompt never had), and the late release
-    would then free the new ticket's blocks (attack-3 F1)."""
+    would then free the new ticket's blocks."""
     managers = [StageKVManager(BlockPool(64, BLOCK)) for _ in range(2)]
     clients = [LoggingClient(m, r, []) for r, m in enumerate(managers)]
     controller = AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID, max_batch=4)
@@ -241,14 +237,14 @@ _steps = st.lists(  # each step: actions started in one pass of the event loop
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps=_steps, max_batch=st.integers(1, 3))
-@example(  # attack-3 F1: r2's release, sent alone after r0's, overtaken by r2 agreed again
+@example(  # r2's release, sent alone after r0's, overtaken by r2 agreed again
     steps=[
         [("agree", 0, 0), ("agree", 1, 0), ("agree", 2, 0)],
         [("release", {0, 1, 2}), ("agree", 2, 0)],
     ],
     max_batch=1,
 )
-@example(  # attack-3 F1: r2's release waits for a later round; r2 agreed again must wait too
+@example(  # r2's release waits for a later round; r2 agreed again must wait too
     steps=[
         [("agree", 0, 0), ("agree", 1, 0), ("agree", 2, 0)],
         [("agree", 3, 2), ("release", {0, 1, 2}), ("agree", 2, 2)],

@@ -1,7 +1,7 @@
-"""A round's message stays under NATS's max_payload (``AgreementRounds.max_round_bytes``): a
-round past it was refused by the server, failing every request in it and the releases riding
-along (attack-3 F5: five 131k-token prompts agreed together, one 1.3 MB message); one tenant's
-long prompts could so fail other tenants' requests."""
+"""A round's message stays under NATS's max_payload (``AgreementRounds.max_round_bytes``): the
+server refuses a larger one, which would fail every request in it and the releases riding along
+(five 131k-token prompts agreed together make one 1.3 MB message), so one tenant's long prompts
+could fail other tenants' requests."""
 
 from __future__ import annotations
 

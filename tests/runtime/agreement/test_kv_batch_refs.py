@@ -11,13 +11,11 @@ import struct
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kv_wire_support import chain
+from kv_wire_support import chain, reserve_batch, warm
 
 from wavepp.api.kv_batch import (
     RECENT_REFERENCE,
     REFERENCED,
-    BatchOp,
-    KVBatch,
     KVWireError,
     ReserveEntry,
     UnresolvedEntry,
@@ -34,12 +32,6 @@ OWNER = "adm"
 
 
 PREFIX = chain(61)
-
-
-def reserve_batch(
-    *entries: ReserveEntry, owner: str = OWNER, seq: int = 1, releases: tuple[str, ...] = ()
-) -> KVBatch:
-    return KVBatch(BatchOp.PROBE_RESERVE, entries, 5.0, owner=owner, seq=seq, releases=releases)
 
 
 def remembered(owner: str, *sequences: tuple[bytes, ...]) -> RecentPrefixes:
@@ -254,13 +246,6 @@ def test_recent_prefixes_bound_their_hashes_and_keep_owners_apart() -> None:
 
 
 # --------------------------------------------------------------------------- the stage handler
-
-
-def warm(manager: StageKVManager, hashes: tuple[bytes, ...]) -> None:
-    manager.probe_pin("warm", hashes, 5.0)
-    assert manager.reserve("warm", len(hashes), 5.0) is not None
-    manager.mark_computed("warm", len(hashes) * BLOCK, hashes)
-    manager.release("warm")
 
 
 def test_an_unresolved_entry_is_answered_alone_and_holds_nothing() -> None:

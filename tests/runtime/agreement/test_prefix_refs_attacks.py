@@ -14,14 +14,13 @@ import dataclasses
 import struct
 
 import pytest
-from kv_wire_support import CountingClient, chain
+from kv_wire_support import CountingClient, chain, reserve_batch, warm
 
 from wavepp.api.kv_batch import (
     MAX_BLOCKS_PER_BATCH,
     MAX_BLOCKS_PER_ENTRY,
     RECENT_REFERENCE,
     BatchOp,
-    KVBatch,
     ReserveEntry,
     decode_batch,
     encode_batch,
@@ -42,18 +41,6 @@ MODEL_ID = "prefix-refs-attacks"
 
 
 PREFIX = chain(61)
-
-
-def reserve_batch(*entries: ReserveEntry, owner: str = OWNER, seq: int = 1) -> KVBatch:
-    return KVBatch(BatchOp.PROBE_RESERVE, entries, 5.0, owner=owner, seq=seq)
-
-
-def warm(manager: StageKVManager, hashes: tuple[bytes, ...]) -> None:
-    """Cache ``hashes``' blocks on the stage (computed, released)."""
-    manager.probe_pin("warm", hashes, 5.0)
-    assert manager.reserve("warm", len(hashes), 5.0) is not None
-    manager.mark_computed("warm", len(hashes) * BLOCK, hashes)
-    manager.release("warm")
 
 
 def _signed(body: bytes, key: BusKey | None) -> bytes:

@@ -17,19 +17,12 @@ from wavepp.runtime.stage.engine import ChunkSpec, make_engine, partition_layers
 from wavepp.runtime.stage.engine.layers.kda import KDAAttention
 
 pytest.importorskip("transformers")
-from wavepp.bench.checkpoints import save_random_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
 VOCAB = 256
 BS = 4  # tokens per block
 K = 2  # state after every 2nd block
-
-
-@pytest.fixture(scope="module")
-def kimi(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
-    out = tmp_path_factory.mktemp("kimi")
-    return out, save_random_checkpoint("kimi_linear", out, num_layers=5, vocab_size=VOCAB)
 
 
 def reference(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:

@@ -140,10 +140,10 @@ def test_paper_settings_fit_the_trace_longest_prompt(
     assert len(stages) == num_stages and all(s.num_blocks > 0 for s in stages)
     # One H200 per stage wherever the weights fit one; GLM-5.2 at PP4 needs two.
     assert {s.num_gpus for s in stages} == {2 if (model, num_stages) == ("glm-5.2", 4) else 1}
-    # About a million tokens or more per stage at H200 scale; not the old 65,536.
+    # About a million tokens or more per stage at H200 scale.
     assert min(s.num_kv_tokens for s in stages) > 900_000
     longest = max(_first_300_prompt_tokens())
-    assert longest > FIXED_KV_BLOCKS * 16  # the old default could not hold it
+    assert longest > FIXED_KV_BLOCKS * 16  # a fixed default could not hold it
     controller = AdmissionController(
         [object()],  # type: ignore[list-item]  # check_fits calls no stage
         block_size=block_size,

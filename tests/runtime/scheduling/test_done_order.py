@@ -202,8 +202,8 @@ def test_a_lost_middle_done_cannot_hold_a_result_past_the_deadline() -> None:
 def test_a_lost_middle_done_is_pulled_soon_instead_of_waiting_for_the_deadline() -> None:
     """Rank 1's done is lost on the bus but kept in its replay log: the held result asks rank 1
     for it after HELD_PULL_DELAY_S and is answered with every stage's report, long before the
-    300 s micro-batch deadline (found in review: a done lost in a quiet moment held the answer
-    until the deadline)."""
+    300 s micro-batch deadline: a done lost while nothing else arrives does not hold the answer
+    until the deadline."""
 
     async def main() -> tuple[RequestOutcome, list[tuple[int, int]], float]:
         scheduler, answered = _scheduler(lose_middle=True, replay_middle=True)

@@ -83,10 +83,9 @@ def _burst(*, warm_prefix: bool, num_requests: int, prefix_tokens: int = PREFIX_
 
 
 def test_requests_sharing_a_pinned_prefix_agree_together_without_waiting() -> None:
-    """Before, each request claimed its whole prompt while agreeing, so the second of a group
-    sharing a cached prefix waited for the first one's agreement, the third for the second's:
-    7 waits and 8 round trips one after another for 8 requests (in the closed loop at PP8 this
-    split returning groups: MiniMax-M2.7 high reuse, C = 256, efficiency 0.917)."""
+    """8 requests sharing a prefix that is cached and pinned: none waits for another's
+    agreement (a prefix live requests hold pinned is not claimed by the agreeing one), and
+    each reuses the whole prefix."""
     burst = _burst(warm_prefix=True, num_requests=8)
     assert all(o.ok for o in burst.outcomes), [o.error for o in burst.outcomes]
     assert burst.num_prefix_waits == 0
@@ -106,9 +105,8 @@ def test_requests_sharing_a_pinned_prefix_count_only_their_new_tokens_against_th
     None
 ):
     """8 agentic-sized requests (16k-token pinned prefix, 256 new tokens each) on 2 stages,
-    whose lookahead is 3 x 8,192 new tokens: they agree in one round. Before, each agreeing
-    request counted its whole 16,640-token prompt, so they agreed one or two at a time:
-    4 rounds, one after another."""
+    whose lookahead is 3 x 8,192 new tokens: they agree in one round, each counting only its
+    new tokens against the lookahead, not its whole 16,640-token prompt."""
     burst = _burst(warm_prefix=True, num_requests=8, prefix_tokens=16384)
     assert all(o.ok for o in burst.outcomes), [o.error for o in burst.outcomes]
     assert [o.num_cached_tokens for o in burst.outcomes] == [16384] * 8
@@ -118,9 +116,9 @@ def test_requests_sharing_a_pinned_prefix_count_only_their_new_tokens_against_th
 def test_a_returning_group_over_few_prefixes_is_planned_whole() -> None:
     """Closed loop, 2 stages, C = 64 requests of 512 new tokens over 2 shared prefixes: the
     in-flight work is exactly 2 micro-batches at the engine's 16k-token cap, each a group of 32
-    requests (16 per prefix) that returns together. Before, the group's agreements ran one
-    prefix-sharing request after another; the under-full wait ran out first and the group
-    went out split (16384, 8192, 12288, 15360, ... new tokens), each part paying c and a slot."""
+    requests (16 per prefix) that returns together: the group's prefix-sharing agreements run
+    together, so it is planned whole, not split into under-full parts that each pay c and a
+    slot."""
     spec = GridSpec(time_scale=1.0, num_stages=2, num_kv_blocks=65536)
     config, planner_cost = runtime_config(spec, Setting("minimax-m2.7", 64, "high", "wave"))
     workload = shared_prefix_workload(

@@ -1,4 +1,4 @@
-"""Scheduler statistics are bounded snapshots (issue 11, item 3).
+"""Scheduler statistics are bounded snapshots.
 
 * 20,000 requests through the admission path (the real admission controller over in-process
   stage KV managers, the real wave scheduler and planner; stages answer each plan at once

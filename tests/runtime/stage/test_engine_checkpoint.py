@@ -209,9 +209,9 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path):
 
 
 def test_a_config_json_edited_after_the_config_was_derived_is_refused(tmp_path):
-    """From an attack: a stage compared only the architecture, layers, width and vocabulary
-    with config.json, so a directory edited between two stages' starts left them computing with
-    different rope_theta / eps / heads, silently."""
+    """A stage checks every field of config.json it computes with (rope_theta, eps, heads, not
+    only the architecture, layers, width and vocabulary) against the derived config, so a
+    directory edited between two stages' starts is refused, not computed with silently."""
     save_random_checkpoint("llama", tmp_path, num_layers=2, vocab_size=VOCAB)
     model = load_model_dir(tmp_path)  # what the admission and the other stage derived
     config = tmp_path / "config.json"

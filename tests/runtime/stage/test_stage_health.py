@@ -103,7 +103,7 @@ async def test_a_compute_thread_that_raises_fails_readiness_and_liveness(nats_se
 
 
 async def test_a_lost_peer_with_a_rendezvous_waits_to_re_form_and_stays_alive() -> None:
-    """With a rendezvous bucket (re-forming in place, issue 16) the same lost peer takes the
+    """With a rendezvous bucket (re-forming in place) the same lost peer takes the
     stage out of service (``is_formed`` False) but is no compute error: liveness stays 200, so
     the kubelet does not restart a stage that waits for its group's next epoch."""
     raw = {

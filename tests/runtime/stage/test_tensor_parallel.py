@@ -370,8 +370,9 @@ async def test_wavepp_stage_processes_with_tp2_x_pp2_match_the_reference(tmp_pat
 async def test_a_stopped_follower_stops_its_stage_within_the_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """From an attack: a SIGSTOPped follower went unnoticed (the leader watched for exits only),
-    so every request waited for the group's 120 s collective timeout or its own deadline."""
+    """A SIGSTOPped follower is noticed (the leader watches for stopped followers, not only
+    exits), so requests do not wait for the group's 120 s collective timeout or their own
+    deadline."""
     import asyncio
     import signal
     import subprocess

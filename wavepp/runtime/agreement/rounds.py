@@ -17,9 +17,9 @@ Releases ride along: while agreements wait for a round that can start now, ``rel
 the ids for it, and the probe-reserve round carries them (``KVBatch.releases``: each stage
 releases them before the round's reservations), so the finished requests and the new ones cost
 each stage one message, not two; otherwise the ids go out at once in a release batch of their
-own (never later than before). An agreement of an id whose release is under way waits for it
-(a stage still holding the id would answer from its old table, and the late release would free
-the new one's). A round starts one pass of the event loop after its first
+own (a release never waits for a round). An agreement of an id whose release is under way
+waits for it (a stage still holding the id would answer from its old table, and the late
+release would free the new one's). A round starts one pass of the event loop after its first
 request arrived: what else arrives in that pass (the callers a finished round woke, the
 releases of a finished micro-batch) joins it.
 
@@ -49,11 +49,8 @@ under way starts a round at once; past that, arrivals wait for a round to finish
 the next one, so the batch grows with the load: one request per round when they come one at a
 time, hundreds when they come faster than a round trip. The default is one round at a time:
 every round costs each stage a message and the controller S replies whatever its size, so
-overlapping rounds split the same arrivals into more, smaller rounds. Measured (``wavepp bench
-admission --rate``, S = 8, Poisson arrivals, all on 2 cores): at 1,000/s p50 2.2-2.5 ms with one
-round in flight against 3.6-4.2 ms with four, at 5,000/s 6.5-8.5 against 17-21 ms, and as good
-or better at every rate and S tried; with the stages on hosts of their own a round trip costs
-the controller the same S replies.
+overlapping rounds split the same arrivals into more, smaller rounds (latency by rounds in
+flight: docs/bench/README.md, "Admission cadence in open loop").
 
 A stage handles its messages in order, each round's entries atomically per request (pin, then
 reserve or hold nothing); a reservation that does not fit is refused (the request retries),

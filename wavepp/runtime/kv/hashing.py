@@ -148,7 +148,7 @@ def hash_prompt_blocks(
             parent = hash_block_tokens(parent, token_ids[start : start + block_size])
             block_hashes.append(parent)
         return block_hashes
-    # Same bytes as hash_block_tokens, encoded once for the whole prompt (about 10x faster).
+    # Same bytes as hash_block_tokens, encoded once for the whole prompt, not once per block.
     header = struct.pack("<I", block_size)
     width = 4 * block_size
     sha256 = hashlib.sha256
@@ -166,11 +166,9 @@ class PromptHasher:
     of the salt and every token up to its end, and those bytes are compared.
 
     Agentic and chat prompts share thousands of tokens with the one before and add a few
-    hundred; hashing every block of every prompt was about a fifth of an agreement's CPU. What
-    is left, measured (4k tokens, 3 new blocks, 37 us on an idle core): the list of Python ints
-    to u32 bytes (``array("I")``, 22 us: CPython's floor for a list; numpy's list conversion
-    is 5x slower), the binary search 4.5 us (a vectorised numpy compare was no faster: its
-    fixed costs), 3 sha256 2 us. Going lower needs the token ids as bytes from the intake.
+    hundred, so the cost is one encoding of the prompt's token ids to u32 bytes
+    (``array("I")``), a binary search for the shared blocks and one sha256 per new block
+    (timings: docs/bench/README.md, "Prompt hashing").
 
     Args:
         block_size: Tokens per block, > 0.

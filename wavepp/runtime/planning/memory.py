@@ -1,4 +1,4 @@
-"""KV capacity per stage, derived from the emulated model and the device (issue 12, item 4).
+"""KV capacity per stage, derived from the emulated model and the device.
 
 Pure: no I/O, no torch. The model figures are the derived ones of ``planning.published``
 (shared/models.md); the device is a ``GPUSpec`` with ``memory_bytes`` (H200: 141 GB).

@@ -399,7 +399,7 @@ class SchedulerCore(DoneAccounting):
             record = self.live[chunk.request_id]
             request = record.request
             # NOTE: built without validation (the hot path: validating a chunk's token ids
-            # costs ~25 us per 1k tokens): every field is already checked, the request id by
+            # costs time linear in their number): every field is already checked, the request id by
             # the agreement's messages, the token ids by the API (``list[int]``), the offsets
             # and flags by the planner; the stages validate the plan they receive.
             scheduled.planned.append(
@@ -439,8 +439,8 @@ class SchedulerCore(DoneAccounting):
         self, scheduled: ScheduledMicroBatch, traceparent: str = ""
     ) -> tuple[MicroBatchPlan, bytes]:
         """``plan_of`` and the plan's wire JSON, serialised once: signing serialises the plan
-        anyway, and a plan of thousands of token ids costs ~40 us per 1k tokens to serialise
-        (on the critical path: the stages wait for it)."""
+        anyway, and serialising a plan costs time linear in its token ids (on the critical
+        path: the stages wait for it)."""
         plan = MicroBatchPlan(
             microbatch_id=scheduled.microbatch_id,
             chunks=scheduled.planned,

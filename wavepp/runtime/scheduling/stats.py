@@ -1,16 +1,16 @@
 """Wave statistics as a bounded snapshot: running sums over a run, fixed windows of recent detail.
 
 A long-lived scheduler (the admission service) records one ``StageSpan`` per (micro-batch,
-stage) for as long as it runs; keeping them all grew without bound, and each metrics scrape
-recomputed over all of them. ``WaveStats`` keeps instead
+stage) for as long as it runs, and a metrics scrape reads the statistics at any time: memory and
+read cost must not grow with the run. ``WaveStats`` keeps
 
 * running sums (O(1) to read): micro-batches and their tokens, per-stage busy seconds, the
   execution window (first execute start, last execute end), hence wave fill and idle time;
 * fixed windows (a ring of the last ``window`` entries): recent spans (timelines, idle gaps)
   and recent micro-batch sizes.
 
-The sums are accumulated in arrival order, as ``sum()`` over the old lists was, so a run's wave
-fill and busy seconds are bit-identical to before. The windows hold the whole run while it has
+The sums are accumulated in arrival order, so a run's wave fill and busy seconds equal, bit for
+bit, ``sum()`` over every span in the order recorded. The windows hold the whole run while it has
 at most ``window`` entries (every replay, grid and simulator run; ``DEFAULT_WINDOW``).
 """
 

@@ -147,8 +147,7 @@ async def run_stage(
             readiness.worker = worker
         metrics = serve_stage_metrics(worker, config.telemetry.metrics_port, metrics_host)
         # The block pool and the engine live as long as the process: out of the collector's
-        # generations, so a full collection no longer walks ~100k block objects (measured in
-        # the admission bench: 5-10 % less CPU per agreement, fewer long pauses); and young
+        # generations, so a full collection does not walk their block objects; and young
         # collections kept short (``wavepp.runtime.heap``).
         settle_heap()
         await worker.serve(stop)

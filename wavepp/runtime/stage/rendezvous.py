@@ -25,7 +25,7 @@ once it sees them is not read. Without a bus key the prefix stays ``wavepp/epoch
 client of the store can still do is in docs/reliability.md ("The stages' store").
 
 The rules are :func:`decide_join` (pure). Without JetStream (``LocalPipeline``'s plain
-nats-server) there is no bucket: the stages form epoch 0 once, as before (a dead stage then
+nats-server) there is no bucket: the stages form epoch 0 once (a dead stage then
 needs every stage restarted, ``LocalPipeline.restart_stages``).
 """
 
@@ -169,10 +169,10 @@ class StageGroupFactory:
     def _master_store(self) -> dist.TCPStore:
         """Rank 0's store. On a loopback ``--dist-url`` (``wavepp up``, one machine) it listens
         on that loopback address only: torch's store binds every interface and has no
-        authentication, so another host could read, grow or poison it (found by an attack: an
-        8 MiB write per key, and junk under ``wavepp/epoch/*`` that failed the next re-form). On
-        a pod address it listens on every interface (the pod's; issue 14's NetworkPolicies say
-        who may reach it)."""
+        authentication, so another host could read, grow or poison it (a large write per key,
+        or junk under ``wavepp/epoch/*`` that fails the next re-form). On a pod address it
+        listens on every interface (the pod's; the pipeline's NetworkPolicies say who may reach
+        it)."""
         if not _is_loopback(self.host):
             return dist.TCPStore(
                 self.host,

@@ -420,8 +420,8 @@ async def flush_in_order(nc: object) -> None:
     before this call (a subscription is live, a message is routed).
 
     nats-py's ``flush`` writes its PING straight to the socket, ahead of the commands still in
-    the client's pending buffer (measured with nats-py 2.x: ``publish``, ``subscribe``, ``flush``
-    put PING, PUB, SUB on the wire in that order), so its PONG can come back before the server
+    the client's pending buffer (nats-py 2.x: ``publish``, ``subscribe``, ``flush`` put PING,
+    PUB, SUB on the wire in that order), so its PONG can come back before the server
     has seen them: a peer told "ready" then may publish before the subscription exists. While
     the first flush waits for its PONG the client's flusher task writes the pending commands;
     the second flush's PING follows them on the wire. Any client with an awaitable ``flush()``
@@ -463,9 +463,7 @@ async def resend_after_reconnect(nc: object, call: Callable[[], Awaitable[_T]], 
     A request written to the server in the moment it dies (a SIGKILL, a crash; or a paused
     server killed before it read it) is lost with it: its reply never comes, and the caller
     waits its whole timeout, however long (the gateway's JetStream calls wait as long as a
-    request may, 120 s; the admission's 60 s). Found by ``test_up_resources``: after a
-    nats-server kill ``wavepp up`` did not serve within 60 s in 2 of 5 CI runs. Each attempt
-    keeps the call's own timeout; only connections made by :func:`connect` report reconnects
+    request may, 120 s; the admission's 60 s). Each attempt keeps the call's own timeout; only connections made by :func:`connect` report reconnects
     (for any other client this is ``await call()``).
 
     Only for idempotent calls: one that reached the server before the reconnect may run
