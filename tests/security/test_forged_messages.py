@@ -2,7 +2,7 @@
 
 A forger is any client of the NATS server without the bus key (``wavepp.api.signing``). Each
 test replays the reported attack against the real cores (``forgery_support.MiniPipeline``:
-admission controller, scheduler core and stage cores, no I/O) and checks that the answers, the
+agreement controller, scheduler core and stage cores, no I/O) and checks that the answers, the
 pins and the progress of the genuine requests are as without the forger. The gateway's side
 (results on the subject, planted bucket entries, heartbeats over a real nats-server) is in
 ``test_gateway_forgery.py``.

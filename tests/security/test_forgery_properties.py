@@ -1,6 +1,6 @@
 """Issue 13 item 2, property tests: a non-member's messages change nothing that matters.
 
-Over the pure cores (``forgery_support.MiniPipeline``: admission controller, scheduler core,
+Over the pure cores (``forgery_support.MiniPipeline``: agreement controller, scheduler core,
 stage cores, sharing a replica's bus key), an attacker without the key injects, before every
 plan and every batch of done messages, arbitrary forged plans, done messages and KV requests
 (any epoch, id, rank, owner, op number, lease; unsigned, with a made-up tag, or signed with

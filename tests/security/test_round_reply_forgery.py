@@ -33,7 +33,7 @@ from wavepp.api.kv_reply import (
     reply_rank,
 )
 from wavepp.api.signing import BusKey
-from wavepp.runtime.agreement import AdmissionController
+from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.agreement.clients import StageUnavailableError
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
@@ -211,7 +211,7 @@ async def test_forged_first_replies_are_dropped_and_the_true_l_star_agreed(
     await flush_in_order(stage_nc)
     adm = await connect(nats_server.url, name="admission", anonymous_ok=True)
     clients = NatsStageClient.for_replica(adm, PREFIX, num_stages, timeout_s=5.0)
-    controller = AdmissionController(
+    controller = AgreementController(
         clients, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0, bus_key=key
     )
     request = PromptRequest("victim", list(range(6 * BLOCK + 1)))

@@ -1,6 +1,6 @@
 """A pipeline of pure cores, driven step by step, with a place for an attacker's messages.
 
-``MiniPipeline`` wires the real pieces with no I/O: an ``AdmissionController`` over
+``MiniPipeline`` wires the real pieces with no I/O: an ``AgreementController`` over
 ``LocalStageClient``s (the stages' KV wire handler), a ``SchedulerCore`` and S ``StageCore``s,
 all sharing a replica's bus key. ``run`` admits the requests, then plans micro-batches; each
 plan goes to every stage through its ``receive_plan`` (the bus), every stage's done goes to the
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from wavepp.api.messages import KVReply, MicroBatchDone, MicroBatchPlan, RequestResult
 from wavepp.api.signing import BusKey
 from wavepp.bench.grid import GridSpec, Setting, runtime_config
-from wavepp.runtime.agreement import AdmissionController, LocalStageClient
+from wavepp.runtime.agreement import AgreementController, LocalStageClient
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.planning import ChunkPlanner
 from wavepp.runtime.request import PromptRequest
@@ -156,7 +156,7 @@ class MiniPipeline:
             for rank in range(num_stages)
         ]
         self.kv_log: list[tuple[int, bytes]] = []  # every KV request the controller sent
-        self.controller = AdmissionController(
+        self.controller = AgreementController(
             [
                 RecordingClient(stage.manager, rank, bus_key=self.key, log=self.kv_log)
                 for rank, stage in enumerate(self.stages)

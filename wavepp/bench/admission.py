@@ -3,7 +3,7 @@
 An embedded nats-server, R replicas of S stage KV servers (each a ``StageKVManager`` answering
 the stage's agreement subjects with the stage process's own handlers, ``serve_stage_kv``; the
 stages of one process share its NATS connection, or each has its own with
-``connection_per_stage``) and R real ``AdmissionController``s, one per replica, running
+``connection_per_stage``) and R real ``AgreementController``s, one per replica, running
 probe-reserve (one round trip per round) in batched rounds of at most ``batch_limit`` requests.
 Each replica runs ``in_flight`` closed-loop clients (agree, then the next request) and holds
 the latest ``held_requests`` admitted requests (as the requests in prefill hold their pins and
@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from wavepp.api.subjects import replica_prefix
-from wavepp.runtime.agreement import AdmissionController
+from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.heap import settle_heap
 from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
@@ -251,7 +251,7 @@ async def _one_setting(
     )
     blocks_per_prompt = num_prompt_tokens // block_size + 1
     num_blocks = (num_requests + len(prefixes)) * blocks_per_prompt + 64
-    controllers: list[AdmissionController] = []
+    controllers: list[AgreementController] = []
     stage_pids: list[int] = []
     handler_cpu_s = [0.0]  # in-process stage handlers' share of this process's CPU
     in_process: list[StageKVManager] = []  # the stage KV servers in this process
@@ -287,7 +287,7 @@ async def _one_setting(
                 server.url, name=f"admbench-r{replica}-controller", anonymous_ok=True
             )
             stack.push_async_callback(nc.drain)
-            controller = AdmissionController(
+            controller = AgreementController(
                 NatsStageClient.for_replica(nc, prefix, setting.stages, 10.0),
                 block_size=block_size,
                 model_id=_MODEL_ID,
