@@ -95,7 +95,7 @@ class AdmissionSetting:
     a round's S copies from one socket and writes the replies in one flush; measured at S = 8,
     one round at a time: a quarter less CPU per round, 5-10 % less per agreement at 16-24 in
     flight). ``prefix_refs``: the controller's (a prefix the stages remember
-    goes by reference, ``kv_batch`` version 5)."""
+    goes by reference, ``kv_batch``)."""
 
     stages: int
     in_flight: int

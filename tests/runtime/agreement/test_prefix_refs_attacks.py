@@ -216,9 +216,9 @@ def test_another_owners_batch_cannot_make_a_reference_resolve_elsewhere() -> Non
     assert "a2" not in manager.request_ids()
 
 
-@pytest.mark.parametrize("how", ["replayed", "malformed after the reference", "another key"])
+@pytest.mark.parametrize("how", ["repeated", "malformed after the reference", "another key"])
 def test_a_refused_batch_does_not_change_which_prefixes_a_stage_keeps(how: str) -> None:
-    """A batch the stage refuses (a replay of a signed one, one malformed after its reference,
+    """A batch the stage refuses (a repeat of a signed one, one malformed after its reference,
     one signed with another key) leaves the memory's eviction order as it was: the prefix it
     referenced is still the oldest, and goes first."""
     key = None if how == "malformed after the reference" else KEY
@@ -233,7 +233,7 @@ def test_a_refused_batch_does_not_change_which_prefixes_a_stage_keeps(how: str) 
     manager.release("r2", owner=OWNER)
     referencing = reserve_batch(ReserveEntry("r3", old + chain(1, 4), 9, recent_len=8), seq=2)
     payload = encode_batch(referencing, key)
-    if how == "replayed":
+    if how == "repeated":
         assert not decode_reply(handle_kv_batch(manager, 0, payload, bus_key=key)).error
         manager.release("r3", owner=OWNER)
         manager.recent_prefixes.remember(OWNER, new)  # "new" back to most recent

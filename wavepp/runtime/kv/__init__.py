@@ -7,7 +7,7 @@ Layers, each pure (no I/O, no torch, no NATS; the clock is injected)::
     pool      BlockPool: capacity, block hash -> block map, ref counts, LRU; queues KVEvents
     manager   StageKVManager: probe/pin, reserve, mark computed, release, leases
     recent    RecentPrefixes: per owner and root, the latest probe-reserve entry's hashes (the
-              prefixes a version 5 batch names by reference)
+              prefixes a round names by reference)
     inflight  InflightPrefixIndex: prefixes being computed right now (admission side)
 
 Callers import from this package; the modules are its internals.

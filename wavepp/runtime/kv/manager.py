@@ -83,7 +83,7 @@ class StageKVManager:
         # of the same prefix starts its walk there (BlockPool.pin_cache_hit)
         self._recent_walks: dict[BlockHash, tuple[tuple[BlockHash, ...], CacheHit]] = {}
         self._accepted_lease: tuple[float, float | None] | None = None  # see _check_lease
-        # per owner and root, its latest probe-reserve entry's hashes (kv_batch v5 references)
+        # per owner and root, its latest probe-reserve entry's hashes (kv_batch prefix references)
         self.recent_prefixes = RecentPrefixes()
 
     recent_walks_kept = 1024
