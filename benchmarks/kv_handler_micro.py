@@ -1,8 +1,8 @@
 """The stage side of one admission round, alone: CPU per request of ``handle_kv_batch``.
 
 One stage's ``StageKVManager`` (pool sized for the run), 4096-token prompts in 64-token blocks,
-``--rounds`` rounds of ``--batch`` requests: each round's probe batch, then its commit batch
-(L* = the stage's hit), encoded as a controller sends them; all rounds released at the end, as
+``--rounds`` rounds of ``--batch`` requests: each round's probe-reserve batch, encoded as a
+controller sends it; each round released a few rounds later in a release batch, as
 ``wavepp bench admission`` does. Workloads as that benchmark's: ``short-suffix`` (8 prefixes of
 3,904 tokens cached first, a new 192-token suffix each: 61 of 64 blocks hit) and ``mixed``
 (nothing cached; half the prompts share a 2,048-token prefix). Only the handler calls are timed
@@ -13,7 +13,8 @@ process does); encoding the batches and reading the replies are not.
     python benchmarks/kv_handler_micro.py --batch 16,64 --rounds 40 --workload mixed
 
 Run it with ``PYTHONPATH`` at another checkout to compare versions. This is a benchmark, not a
-test: it prints microseconds per request per stage; it asserts nothing but the commits' success.
+test: it prints microseconds per request per stage; it asserts nothing but the reservations'
+success.
 """
 
 from __future__ import annotations

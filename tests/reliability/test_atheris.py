@@ -14,7 +14,8 @@ HARNESS = Path(__file__).with_name("atheris_targets.py")
 
 
 def test_atheris_finds_no_crash(tmp_path: Path) -> None:
-    """KV ops, trace lines, specs and HTTP bodies: 4000 coverage-guided inputs, no crash."""
+    """KV ops (JSON and binary rounds), trace lines, specs and HTTP bodies: 4000
+    coverage-guided inputs, no crash."""
     proc = subprocess.run(
         [sys.executable, str(HARNESS), "-runs=4000", "-max_len=512", "-seed=1",
          f"-artifact_prefix={tmp_path}/"],

@@ -1,4 +1,4 @@
-"""Bad-input fuzzing (hypothesis): KV messages to a stage, every message model, the trace
+"""Bad-input fuzzing (hypothesis): KV messages (JSON and binary rounds) to a stage, every message model, the trace
 loader, the WavePipeline spec and the HTTP request validation.
 
 Each target must answer bad input with a clear error (a field name), never raise anything else,
@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from wavepp.api import messages as m
+from wavepp.api.kv_batch import BatchOp, KVBatch, ReserveEntry, encode_batch
+from wavepp.api.kv_reply import decode_reply
 from wavepp.api.spec import check_spec
 from wavepp.bench.trace import TraceError, TraceRecord, parse_trace_line
 from wavepp.gateway.validation import (
@@ -26,6 +28,7 @@ from wavepp.gateway.validation import (
     parse_prefill,
 )
 from wavepp.runtime.agreement import handle_kv_request
+from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
 
 BLOCK_SIZE = 4
@@ -46,54 +49,64 @@ json_values = st.recursive(
 # ------------------------------------------------------------------------------ stage KV ops
 
 
-def _hashes(seed: int, num_blocks: int) -> list[str]:
+def _hashes(seed: int, num_blocks: int) -> tuple[bytes, ...]:
     tokens = [(seed * 7919 + i) % 251 for i in range(num_blocks * BLOCK_SIZE)]
-    return [h.hex() for h in hash_prompt_blocks(tokens, BLOCK_SIZE, "fuzz", "")]
+    return tuple(hash_prompt_blocks(tokens, BLOCK_SIZE, "fuzz", ""))
 
 
-def _valid_ops() -> st.SearchStrategy[dict[str, Any]]:
-    rid = st.sampled_from(["r0", "r1", "r2", "r3"])
-    lease = st.sampled_from([1.0, 30.0])
+_RIDS = st.sampled_from(["r0", "r1", "r2", "r3"])
+_LEASES = st.sampled_from([1.0, 30.0])
+
+
+def _valid_json_ops() -> st.SearchStrategy[dict[str, Any]]:
     return st.one_of(
         st.builds(
-            lambda r, seed, n, lease_s: {
-                "op": "probe_pin",
-                "request_id": r,
-                "block_hashes": _hashes(seed, n),
-                "lease_s": lease_s,
-            },
-            rid,
-            st.integers(0, 2),
-            st.integers(0, 6),
-            lease,
-        ),
-        st.builds(
-            lambda r, agreed, total, lease_s: {
-                "op": "commit",
-                "request_id": r,
-                "num_agreed_blocks": agreed,
-                "num_total_blocks": total,
-                "lease_s": lease_s,
-            },
-            rid,
-            st.integers(0, 6),
-            st.integers(1, 12),
-            lease,
-        ),
-        st.builds(lambda rs: {"op": "release", "request_ids": rs}, st.lists(rid, max_size=3)),
-        st.builds(
             lambda rs, lease_s: {"op": "renew", "request_ids": rs, "lease_s": lease_s},
-            st.lists(rid, max_size=3),
-            lease,
+            st.lists(_RIDS, max_size=3),
+            _LEASES,
         ),
         st.just({"op": "health"}),
     )
 
 
+def _valid_batches() -> st.SearchStrategy[bytes]:
+    """Encoded rounds: probe-reserves (with releases riding along) or releases alone."""
+    entry = st.builds(
+        lambda r, seed, n, extra: ReserveEntry(r, _hashes(seed, n), max(1, n + extra)),
+        _RIDS,
+        st.integers(0, 2),
+        st.integers(0, 6),
+        st.integers(0, 1),
+    )
+    reserve = st.builds(
+        lambda entries, lease_s, releases: KVBatch(
+            BatchOp.PROBE_RESERVE, tuple(entries), lease_s, releases=tuple(releases)
+        ),
+        st.lists(entry, max_size=3),
+        _LEASES,
+        st.lists(_RIDS, max_size=2),
+    )
+    release = st.builds(
+        lambda rs: KVBatch(BatchOp.RELEASE, tuple(rs)), st.lists(_RIDS, min_size=1, max_size=3)
+    )
+    return st.one_of(reserve, release).map(encode_batch)
+
+
 @st.composite
 def _mutated(draw: st.DrawFn) -> bytes:
-    """A valid op with one field replaced, one unknown field added, or the version changed."""
-    op = dict(draw(_valid_ops()))
+    """A valid JSON op with one field replaced, one unknown field added, or the version
+    changed; or a valid round with a byte changed, cut short or of another version."""
+    if draw(st.booleans()):
+        payload = bytearray(draw(_valid_batches()))
+        how = draw(st.sampled_from(["flip", "cut", "version"]))
+        if how == "flip":
+            payload[draw(st.integers(0, len(payload) - 1))] ^= draw(st.integers(1, 255))
+        elif how == "cut":
+            del payload[draw(st.integers(0, len(payload) - 1)) :]
+        else:
+            payload[3] = draw(st.integers(0, 255).filter(lambda v: v != m.PROTOCOL_VERSION))
+        return bytes(payload)
+    op = dict(draw(_valid_json_ops()))
     how = draw(st.sampled_from(["replace", "extra", "version", "drop"]))
     if how == "replace":
         op[draw(st.sampled_from(sorted(op)))] = draw(json_values)
@@ -111,6 +124,19 @@ bad_payloads = st.one_of(
     st.builds(lambda v: json.dumps(v).encode(), json_values),
     _mutated(),
 )
+valid_payloads = st.one_of(
+    _valid_json_ops().map(lambda o: json.dumps(o).encode()), _valid_batches()
+)
+
+
+def _handle(manager: StageKVManager, rank: int, payload: bytes) -> tuple[int, str]:
+    """A payload to the stage's handler of its kind (a round: ``b"WKB"``, else JSON): the
+    reply's rank and its refusal of the whole message ("" when applied)."""
+    if payload[:3] == b"WKB":
+        reply = decode_reply(handle_kv_batch(manager, rank, payload))
+        return reply.rank, reply.error
+    json_reply = handle_kv_request(manager, rank, payload)
+    return json_reply.rank, "" if json_reply.ok else json_reply.error or "refused, unnamed"
 
 
 def _state(manager: StageKVManager) -> tuple:
@@ -132,15 +158,14 @@ def _warm_manager() -> StageKVManager:
     manager = StageKVManager(BlockPool(NUM_BLOCKS, BLOCK_SIZE))
     hashes = _hashes(0, 4)
     for rid in ("warm", "held"):
-        probe = {"op": "probe_pin", "request_id": rid, "block_hashes": hashes, "lease_s": 30.0}
-        commit = {"op": "commit", "request_id": rid, "num_agreed_blocks": 0,
-                  "num_total_blocks": 4, "lease_s": 30.0}  # fmt: skip
-        for op in (probe, commit):
-            assert handle_kv_request(manager, 0, json.dumps(op).encode()).ok
+        batch = KVBatch(BatchOp.PROBE_RESERVE, (ReserveEntry(rid, hashes, 4),), 30.0)
+        reply = decode_reply(handle_kv_batch(manager, 0, encode_batch(batch)))
+        assert reply.results[0].ok
         if rid == "warm":
+            manager.start_chunk(rid, 0)
             manager.mark_computed(rid, 4 * BLOCK_SIZE, manager.block_hashes(rid))
-            release = {"op": "release", "request_ids": [rid]}
-            assert handle_kv_request(manager, 0, json.dumps(release).encode()).ok
+            release = encode_batch(KVBatch(BatchOp.RELEASE, (rid,)))
+            assert not decode_reply(handle_kv_batch(manager, 0, release)).error
     return manager
 
 
@@ -149,30 +174,25 @@ def _warm_manager() -> StageKVManager:
 def test_a_rejected_kv_message_changes_nothing(payload: bytes) -> None:
     manager = _warm_manager()
     before = _state(manager)
-    reply = handle_kv_request(manager, 1, payload)
-    assert reply.rank == 1
-    if reply.ok:
+    rank, error = _handle(manager, 1, payload)
+    assert rank == 1
+    if not error:
         return  # a mutation that is still a valid op (e.g. another request id): applied
-    assert reply.error, "a refusal must say why"
-    if reply.error.startswith("reservation refused"):
-        return  # a valid commit that does not fit: the request's own pins drop by design
-    assert _state(manager) == before, reply.error
+    assert _state(manager) == before, error
     manager.pool.check_invariants()
 
 
 @FUZZ
-@given(ops=st.lists(st.one_of(_valid_ops().map(lambda o: json.dumps(o).encode()), bad_payloads),
-                    max_size=30))  # fmt: skip
+@given(ops=st.lists(st.one_of(valid_payloads, bad_payloads), max_size=30))
 def test_any_sequence_of_kv_messages_keeps_the_pool_sound(ops: list[bytes]) -> None:
     """Valid and invalid ops interleaved: invariants hold after each; releasing all leaves no
     pin and no reservation behind."""
     manager = StageKVManager(BlockPool(NUM_BLOCKS, BLOCK_SIZE))
     for payload in ops:
-        reply = handle_kv_request(manager, 0, payload)
-        assert reply.ok or reply.error
+        _handle(manager, 0, payload)
         manager.pool.check_invariants()
-    release = {"op": "release", "request_ids": ["r0", "r1", "r2", "r3"]}
-    assert handle_kv_request(manager, 0, json.dumps(release).encode()).ok
+    release = encode_batch(KVBatch(BatchOp.RELEASE, ("r0", "r1", "r2", "r3")))
+    assert _handle(manager, 0, release) == (0, "")
     assert manager.num_requests == 0
     assert manager.pool.num_pinned_blocks == 0
     assert manager.pool.num_free_blocks == NUM_BLOCKS
@@ -182,12 +202,14 @@ def test_any_sequence_of_kv_messages_keeps_the_pool_sound(ops: list[bytes]) -> N
 # ------------------------------------------------------------------------------ message models
 
 MESSAGE_MODELS: list[type[BaseModel]] = [
-    m.ProbePin, m.Commit, m.Release, m.Renew, m.Health, m.KVReply, m.PlannedChunk,
-    m.MicroBatchPlan, m.RequestResult, m.MicroBatchDone, m.KVEventBatch,
+    m.Renew, m.Health, m.PlannedChunk, m.MicroBatchPlan, m.RequestResult, m.MicroBatchDone,
+    m.KVEventBatch,
 ]  # fmt: skip
+"""Every message but ``KVReply``, which decodes any version (its sender's) and ignores fields
+it does not know, so that an admission can name a stage of another version."""
 
 
-@pytest.mark.parametrize("model", MESSAGE_MODELS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("model", [*MESSAGE_MODELS, m.KVReply], ids=lambda c: c.__name__)
 @settings(max_examples=60, deadline=None)
 @given(data=json_values)
 def test_every_message_model_rejects_garbage_with_a_validation_error(

@@ -17,7 +17,7 @@ from reliability_support import (
     stage_block_counts,
 )
 
-from wavepp.runtime.agreement import AdmissionController
+from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.transport.natsio import connect
@@ -142,14 +142,14 @@ async def test_memory_pressure_waits_instead_of_failing_and_never_deadlocks(
 
 @pytest.mark.serial  # the recovery has a 0.25 s margin
 async def test_dead_controller_pins_are_released_by_lease_expiry(tmp_path) -> None:  # noqa: ANN001
-    """A second admission controller pins and reserves 3 requests on every stage with a 1 s
+    """A second agreement controller pins and reserves 3 requests on every stage with a 1 s
     lease, then dies (its NATS connection closes without a release). The stages' expiry loops
     must free every block within lease + one expiry period; then the live scheduler can admit
     a prompt that needs the whole of the smallest stage."""
     config = emulated_config([12, 10, 12], lease_s=1.0)
     async with make_pipeline(config, str(tmp_path)) as pipeline:
         nc = await connect(pipeline.nats_url, name="doomed-controller")
-        doomed = AdmissionController(
+        doomed = AgreementController(
             [NatsStageClient(nc, config.subject_prefix, r) for r in range(3)],
             block_size=BLOCK_SIZE,
             model_id=config.model_id,

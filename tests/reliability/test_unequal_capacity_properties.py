@@ -1,5 +1,5 @@
 """Stages of very unequal KV capacity under a reuse-heavy load, driven by hypothesis (in
-process: the admission controller over LocalStageClients, the same handle_kv_request the stage
+process: the agreement controller over LocalStageClients, the same handle_kv_request the stage
 processes run). Never a length mismatch between stages, never a crash, no leak."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wavepp.runtime.agreement import AdmissionController, AgreementRefused, LocalStageClient
+from wavepp.runtime.agreement import AgreementController, AgreementRefused, LocalStageClient
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.request import PromptRequest
 
@@ -21,7 +21,7 @@ requests_st = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 14)), min_siz
 
 async def _run(capacities: list[int], workload: list[tuple[int, int]], num_at_once: int) -> dict:
     managers = [StageKVManager(BlockPool(n, BLOCK_SIZE)) for n in capacities]
-    controller = AdmissionController(
+    controller = AgreementController(
         [LocalStageClient(m, r) for r, m in enumerate(managers)],
         block_size=BLOCK_SIZE,
         model_id="prop",

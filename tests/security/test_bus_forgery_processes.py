@@ -1,10 +1,11 @@
-"""Issue 13 through real processes: 3 emulated stage processes and the scheduler over a real
+"""Forgery through real processes: 3 emulated stage processes and the scheduler over a real
 nats-server (``LocalPipeline``: it generates the bus key and hands it to the stages through
 their environment), and a forger connected to the same server without the key.
 
 On every genuine plan it sees, the forger publishes a plan with the next id (empty), a
 last-stage done with an empty epoch answering the plan's requests with its own token, a release
-of the plan's request ids to every stage, and a probe + commit hogging every block for an hour.
+of the plan's request ids to every stage, and a probe-reserve hogging every block for an hour
+(unsigned rounds, on the replica-wide and on each stage's subject).
 Every request is answered with the emulated engine's token, and no block stays held.
 """
 
@@ -21,13 +22,8 @@ from reliability_support import (  # noqa: E402
     stage_block_counts,
 )
 
-from wavepp.api.messages import (  # noqa: E402
-    Commit,
-    MicroBatchPlan,
-    ProbePin,
-    Release,
-    RequestResult,
-)
+from wavepp.api.kv_batch import BatchOp, KVBatch, ReserveEntry, encode_batch  # noqa: E402
+from wavepp.api.messages import MicroBatchPlan, RequestResult  # noqa: E402
 from wavepp.runtime.request import PromptRequest  # noqa: E402
 from wavepp.runtime.transport.natsio import connect, flush_in_order  # noqa: E402
 
@@ -59,15 +55,14 @@ async def test_a_forger_on_the_bus_changes_no_answer_and_holds_no_block(tmp_path
             )
             await forger.publish(subjects.plan, next_plan.model_dump_json().encode())
             await forger.publish(subjects.done, done.model_dump_json().encode())
-            for rank in range(config.num_stages):
-                kv = subjects.stage_kv(rank)
-                await forger.publish(kv, Release(request_ids=ids).model_dump_json().encode())
-                probe = ProbePin(request_id="hog", block_hashes=[], lease_s=3600)
-                commit = Commit(
-                    request_id="hog", num_agreed_blocks=0, num_total_blocks=24, lease_s=3600
-                )
-                await forger.publish(kv, probe.model_dump_json().encode())
-                await forger.publish(kv, commit.model_dump_json().encode())
+            release = encode_batch(KVBatch(BatchOp.RELEASE, tuple(ids)))
+            hashes = tuple(bytes([i]) * 32 for i in range(24))
+            hog = KVBatch(BatchOp.PROBE_RESERVE, (ReserveEntry("hog", hashes, 24),), 3600.0)
+            for subject in [subjects.stages_kv_batch] + [
+                subjects.stage_kv_batch(rank) for rank in range(config.num_stages)
+            ]:
+                await forger.publish(subject, release)
+                await forger.publish(subject, encode_batch(hog))
             forged.append(plan.microbatch_id)
 
         await forger.subscribe(subjects.plan, cb=on_plan)

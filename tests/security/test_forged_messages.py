@@ -1,8 +1,8 @@
-"""Issue 13 items 2 and 3: one test per forgery kind the issue reports, on the pure cores.
+"""One test per forgery kind, on the pure cores.
 
 A forger is any client of the NATS server without the bus key (``wavepp.api.signing``). Each
-test replays the reported attack against the real cores (``forgery_support.MiniPipeline``:
-admission controller, scheduler core and stage cores, no I/O) and checks that the answers, the
+test makes the attack against the real cores (``forgery_support.MiniPipeline``:
+agreement controller, scheduler core and stage cores, no I/O) and checks that the answers, the
 pins and the progress of the genuine requests are as without the forger. The gateway's side
 (results on the subject, planted bucket entries, heartbeats over a real nats-server) is in
 ``test_gateway_forgery.py``.
@@ -13,14 +13,13 @@ from __future__ import annotations
 import pytest
 from forgery_support import BLOCK, MiniPipeline, first_token, forged_done, prompt, snapshot
 
+from wavepp.api.kv_batch import BatchOp, KVBatch, ReserveEntry, encode_batch
+from wavepp.api.kv_reply import EntryStatus
 from wavepp.api.messages import (
-    Commit,
     KVEventBatch,
     MicroBatchPlan,
     PlannedChunk,
     PlanReplayReply,
-    ProbePin,
-    Release,
     Renew,
     RequestResult,
 )
@@ -210,30 +209,25 @@ def test_forged_replay_reply_is_ignored() -> None:
 # ---- reservation hog, release of in-flight ids -----------------------------------------------
 
 
-def _hashes(n_blocks: int) -> list[str]:
-    return [h.hex() for h in hash_prompt_blocks(list(range(1, n_blocks * BLOCK + 1)), BLOCK, "m")]
+def _hog(num_blocks: int, *, owner: str = "", seq: int = 1, lease_s: float = 3600) -> KVBatch:
+    """A round probe-reserving ``num_blocks`` blocks for one request, id "hog"."""
+    hashes = hash_prompt_blocks(list(range(1, num_blocks * BLOCK + 1)), BLOCK, "m")
+    entry = ReserveEntry("hog", tuple(hashes), num_blocks)
+    return KVBatch(BatchOp.PROBE_RESERVE, (entry,), lease_s, owner=owner, seq=seq)
 
 
-@pytest.mark.parametrize("mac", ["", "f" * 32])
-def test_forged_reservation_hog_is_refused(mac: str) -> None:
-    """The issue: a forged probe + commit reserving every free block with a 3,600 s lease
-    (renewable) starved the replica."""
+@pytest.mark.parametrize("key", [None, WRONG_KEY])
+def test_forged_reservation_hog_is_refused(key: BusKey | None) -> None:
+    """A forged round reserving every free block with a 3,600 s lease (renewable), unsigned or
+    signed with another key, is refused whole; so is its renewal."""
     pipe = MiniPipeline(KEY)
     stage = pipe.stages[0]
     before = snapshot(stage.manager)
-    num_blocks = stage.manager.pool.num_free_blocks
-    probe = ProbePin(request_id="hog", block_hashes=_hashes(2), lease_s=3600, mac=mac)
-    commit = Commit(
-        request_id="hog",
-        num_agreed_blocks=0,
-        num_total_blocks=num_blocks,
-        lease_s=3600,
-        mac=mac,
-    )
-    renew = Renew(request_ids=["hog"], lease_s=3600, mac=mac)
-    for msg in (probe, commit, renew):
-        reply = stage.handle_kv(msg.model_dump_json().encode())
-        assert not reply.ok and "mac" in reply.error
+    round_reply = pipe.send_kv(0, encode_batch(_hog(stage.manager.pool.num_free_blocks), key))
+    assert "mac" in round_reply.error and not round_reply.results
+    renew = Renew(request_ids=["hog"], lease_s=3600, mac="f" * 32 if key else "")
+    reply = stage.handle_kv(renew.model_dump_json().encode())
+    assert not reply.ok and "mac" in reply.error
     assert snapshot(stage.manager) == before
     requests = _requests()
     assert pipe.run(requests) == _expected(requests)
@@ -243,11 +237,9 @@ def test_a_lease_past_the_replicas_lease_is_refused_even_when_signed() -> None:
     """A signed op (a confused or compromised owner) still cannot hold blocks for an hour."""
     pipe = MiniPipeline(KEY)
     stage = pipe.stages[0]
-    probe = pipe.key.sign(
-        ProbePin(request_id="x", block_hashes=_hashes(1), lease_s=3600, owner="o", seq=1)
-    )
-    reply = stage.handle_kv(probe.model_dump_json().encode())
-    assert not reply.ok and "max_lease_s" in reply.error
+    reply = pipe.send_kv(0, encode_batch(_hog(1, owner="o"), pipe.key))
+    (result,) = reply.results
+    assert result.status is EntryStatus.INVALID and "max_lease_s" in result.error
     assert stage.manager.num_requests == 0
 
 
@@ -255,36 +247,41 @@ def test_an_owner_cannot_hold_more_than_its_cap() -> None:
     manager = StageKVManager(BlockPool(32, BLOCK), max_blocks_per_owner=8)
     hashes = hash_prompt_blocks(list(range(1, 41)), BLOCK, "m")
     manager.probe_pin("a", hashes, 30.0, owner="o1")
-    assert manager.commit("a", 0, 10, 30.0, owner="o1") is None  # 10 > 8: refused, pins gone
+    assert manager.reserve("a", 10, 30.0, owner="o1") is None  # 10 > 8: refused, pins gone
     assert manager.num_requests == 0
     manager.probe_pin("b", hashes[:6], 30.0, owner="o1")
-    assert manager.commit("b", 0, 6, 30.0, owner="o1") is not None
-    manager.probe_pin("c", hashes, 30.0, owner="o1")
-    assert manager.commit("c", 0, 3, 30.0, owner="o1") is None  # 6 + 3 > 8
-    manager.probe_pin("d", hashes, 30.0, owner="o2")
-    assert manager.commit("d", 0, 8, 30.0, owner="o2") is not None  # another owner's cap
+    assert manager.reserve("b", 6, 30.0, owner="o1") is not None
+    manager.probe_pin("c", hashes[:3], 30.0, owner="o1")
+    assert manager.reserve("c", 3, 30.0, owner="o1") is None  # 6 + 3 > 8
+    manager.probe_pin("d", hashes[:8], 30.0, owner="o2")
+    assert manager.reserve("d", 8, 30.0, owner="o2") is not None  # another owner's cap
 
 
-@pytest.mark.parametrize("how", ["unsigned", "other-owner", "replayed"])
+def _is_release(payload: bytes) -> bool:
+    return payload[:3] == b"WKB" and payload[4] == BatchOp.RELEASE
+
+
+@pytest.mark.parametrize("how", ["unsigned", "other-owner", "repeated"])
 def test_release_of_in_flight_ids_by_a_forger_frees_nothing(how: str) -> None:
-    """The issue: a forged release naming in-flight request ids (visible in the plans) could
-    free blocks in use. Unsigned, signed by another owner, or a captured signed release
-    replayed: none frees a pinned block, and every answer is right."""
+    """A forged release naming in-flight request ids (visible in the plans) must not free
+    blocks in use. Unsigned, signed by another owner, or a captured signed release sent again:
+    none frees a pinned block, and every answer is right."""
     pipe = MiniPipeline(KEY)
     requests = _requests()
+    sent = []
 
     def attacker(tap):  # noqa: ANN001, ANN202
         if tap.point != "plan":
             return
-        ids = [c.request_id for c in tap.plans_seen[-1].chunks]
+        ids = tuple(c.request_id for c in tap.plans_seen[-1].chunks)
         if how == "unsigned":
-            msg = Release(request_ids=ids, owner=pipe.controller.owner, seq=10**6)
-            payload = msg.model_dump_json().encode()
+            release = KVBatch(BatchOp.RELEASE, ids, owner=pipe.controller.owner, seq=10**6)
+            payload = encode_batch(release)
         elif how == "other-owner":
-            msg = pipe.key.sign(Release(request_ids=ids, owner="someone-else", seq=1))
-            payload = msg.model_dump_json().encode()
+            release = KVBatch(BatchOp.RELEASE, ids, owner="someone-else", seq=1)
+            payload = encode_batch(release, pipe.key)
         else:
-            releases = [p for r, p in tap.kv_seen if b'"op":"release"' in p and r == 0]
+            releases = [p for r, p in tap.kv_seen if _is_release(p) and r == 0]
             if not releases:
                 return
             payload = releases[-1]  # a genuine, signed release seen earlier
@@ -292,22 +289,24 @@ def test_release_of_in_flight_ids_by_a_forger_frees_nothing(how: str) -> None:
             before = snapshot(pipe.stages[rank].manager)
             tap.kv(rank, payload)
             assert snapshot(pipe.stages[rank].manager) == before
+        sent.append(payload)
 
     assert pipe.run(requests, attacker) == _expected(requests)
+    assert sent  # the attack was made
 
 
-def test_a_replayed_signed_probe_and_commit_are_refused() -> None:
-    """Capturing the owner's own signed ops and sending them again (to re-pin a finished
-    request's blocks and renew them for ever) is refused by the op numbers."""
+def test_a_repeated_signed_round_is_refused() -> None:
+    """Capturing the owner's own signed rounds and sending them again (to re-pin a finished
+    request's blocks, or to release another's) is refused by the op numbers."""
     pipe = MiniPipeline(KEY)
     requests = _requests()
     pipe.run(requests)
     stage = pipe.stages[0]
     before = snapshot(stage.manager)
-    for rank, payload in list(pipe.kv_log):
-        if rank == 0:
-            reply = stage.handle_kv(payload)
-            assert not reply.ok and "replayed" in reply.error
+    captured = [payload for rank, payload in pipe.kv_log if rank == 0]
+    assert any(_is_release(p) for p in captured) and not all(_is_release(p) for p in captured)
+    for payload in captured:
+        assert "repeated" in pipe.send_kv(0, payload).error
     assert snapshot(stage.manager) == before
 
 

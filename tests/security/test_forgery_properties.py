@@ -1,14 +1,14 @@
-"""Issue 13 item 2, property tests: a non-member's messages change nothing that matters.
+"""Property tests: a non-member's messages change nothing that matters.
 
-Over the pure cores (``forgery_support.MiniPipeline``: admission controller, scheduler core,
+Over the pure cores (``forgery_support.MiniPipeline``: agreement controller, scheduler core,
 stage cores, sharing a replica's bus key), an attacker without the key injects, before every
 plan and every batch of done messages, arbitrary forged plans, done messages and KV requests
 (any epoch, id, rank, owner, op number, lease; unsigned, with a made-up tag, or signed with
-another key), and replays, duplicates and reorders the genuine messages it captured. Then:
+another key), and repeats, duplicates and reorders the genuine messages it captured. Then:
 
 * every answer is the one the run without the attacker gives (never changes an answer);
 * every request is answered in the same round as without the attacker (never stalls one);
-* no forged or replayed KV request changes a stage's pins, tables or free blocks, and no
+* no forged or repeated KV request changes a stage's pins, tables or free blocks, and no
   message of the attacker makes a stage drop a request the scheduler still has live (never
   frees a pinned block).
 """
@@ -19,13 +19,12 @@ from forgery_support import MiniPipeline, Tap, forged_done, prompt, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from wavepp.api.kv_batch import BatchOp, KVBatch, ReserveEntry, encode_batch
+from wavepp.api.kv_reply import KVBatchReply
 from wavepp.api.messages import (
-    Commit,
     MicroBatchDone,
     MicroBatchPlan,
     PlannedChunk,
-    ProbePin,
-    Release,
     Renew,
     RequestResult,
 )
@@ -112,39 +111,42 @@ def _forge_kv(data: st.DataObject, tap: Tap) -> None:
     owner = data.draw(st.sampled_from([pipe.controller.owner, "", "intruder"]))
     seq = data.draw(st.sampled_from([0, 1, 10**9]))
     lease = data.draw(st.sampled_from([1.0, 30.0, 3600.0]))
-    op = data.draw(st.sampled_from(["probe", "commit", "release", "renew"]))
-    if op == "probe":
-        msg = ProbePin(request_id=rid, block_hashes=[HASH], lease_s=lease, owner=owner, seq=seq)
-    elif op == "commit":
-        msg = Commit(
-            request_id=rid,
-            num_agreed_blocks=0,
-            num_total_blocks=data.draw(st.integers(1, 64)),
-            lease_s=lease,
-            owner=owner,
-            seq=seq,
-        )
-    elif op == "release":
-        msg = Release(request_ids=ids, owner=owner, seq=seq)
-    else:
+    op = data.draw(st.sampled_from(["probe-reserve", "release", "renew"]))
+    rank = data.draw(st.integers(0, pipe.num_stages - 1))
+    if op == "renew":
         msg = Renew(request_ids=ids, lease_s=lease, owner=owner, seq=seq)
-    _kv_unchanged(tap, data.draw(st.integers(0, pipe.num_stages - 1)), _tagged(data, msg))
+        _kv_unchanged(tap, rank, _tagged(data, msg).model_dump_json().encode())
+        return
+    if op == "probe-reserve":
+        total = data.draw(st.integers(1, 2))
+        entry = ReserveEntry(rid, (bytes.fromhex(HASH),), total)
+        batch = KVBatch(BatchOp.PROBE_RESERVE, (entry,), lease, owner=owner, seq=seq)
+    else:
+        batch = KVBatch(BatchOp.RELEASE, tuple(ids), owner=owner, seq=seq)
+    _kv_unchanged(tap, rank, _tagged_batch(data, batch))
 
 
-def _kv_unchanged(tap: Tap, rank: int, msg_or_payload) -> None:  # noqa: ANN001
+def _tagged_batch(data: st.DataObject, batch: KVBatch) -> bytes:
+    """``batch`` encoded unsigned, with a made-up mac, or signed with another key."""
+    how = data.draw(st.sampled_from(["none", "garbage", "wrong-key"]))  # never the replica's
+    if how == "wrong-key":
+        return encode_batch(batch, WRONG_KEY)
+    payload = encode_batch(batch)
+    if how == "garbage":
+        return payload[:-32] + data.draw(st.binary(min_size=32, max_size=32))
+    return payload
+
+
+def _kv_unchanged(tap: Tap, rank: int, payload: bytes) -> None:
     manager = tap.pipe.stages[rank].manager
     before = snapshot(manager)
-    payload = (
-        msg_or_payload
-        if isinstance(msg_or_payload, bytes)
-        else msg_or_payload.model_dump_json().encode()
-    )
     reply = tap.kv(rank, payload)
-    assert not reply.ok, reply
+    refused = bool(reply.error) if isinstance(reply, KVBatchReply) else not reply.ok
+    assert refused, reply
     assert snapshot(manager) == before
 
 
-def _replay(data: st.DataObject, tap: Tap) -> None:
+def _repeat(data: st.DataObject, tap: Tap) -> None:
     what = data.draw(st.sampled_from(["kv", "plan", "done"]))
     if what == "kv" and tap.kv_seen:
         rank, payload = data.draw(st.sampled_from(tap.kv_seen))
@@ -167,7 +169,7 @@ def _attacker(data: st.DataObject):  # noqa: ANN202
                 for rid in stage.manager.request_ids()
                 if rid not in tap.pipe.answers
             }
-            action = data.draw(st.sampled_from([_forge_plan, _forge_done, _forge_kv, _replay]))
+            action = data.draw(st.sampled_from([_forge_plan, _forge_done, _forge_kv, _repeat]))
             action(data, tap)
             still = {
                 (rank, rid)

@@ -2,8 +2,7 @@
 maxBlocksPerOwner``) is in force in a real stage process: ``wavepp stage`` processes started by
 ``LocalPipeline`` (real nats-server, real signed KV ops) refuse an owner past it, and the
 admission refuses at once a prompt no owner may hold. Without it one admission may hold the
-whole pool. Before the setting existed the stage process built its ``StageKVManager`` with no
-cap, so any owner could pin or reserve every block.
+whole pool.
 """
 
 from __future__ import annotations
@@ -12,8 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from wavepp.api.kv_batch import BatchOp, KVBatch, ReserveEntry, encode_batch
-from wavepp.api.kv_reply import EntryStatus, decode_reply
-from wavepp.api.messages import Commit, KVReply, ProbePin
+from wavepp.api.kv_reply import EntryResult, EntryStatus, KVBatchReply, decode_reply
 from wavepp.api.spec import check_spec
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.config import RuntimeConfig
@@ -53,40 +51,33 @@ class _Owner:
         self.key = pipe.bus_key.for_replica(pipe.config.pipeline)
         self.seq = 0
 
-    async def _call(self, msg: ProbePin | Commit) -> KVReply:
-        self.seq += 1
-        msg = self.key.sign(msg.model_copy(update={"owner": self.name, "seq": self.seq}))
-        assert self.pipe.nc is not None
-        subject = self.pipe.config.subjects.stage_kv(0)
-        reply = await self.pipe.nc.request(subject, msg.model_dump_json().encode(), timeout=10)
-        return KVReply.model_validate_json(reply.data)
-
-    async def hold(self, request_id: str, num_blocks: int) -> KVReply:
-        """Probe then commit ``num_blocks`` fresh blocks (no cached prefix: L* = 0)."""
+    async def hold(self, request_id: str, num_blocks: int) -> tuple[EntryResult, KVBatchReply]:
+        """Probe-reserve ``num_blocks`` fresh blocks (no cached prefix) in a signed round of
+        its own; the entry's result and the stage's reply."""
         # seeded by the request id: no two requests share a cached block
         hashes = hash_prompt_blocks([7] * (num_blocks * BLOCK), BLOCK, request_id)
-        probe = await self._call(
-            ProbePin(request_id=request_id, block_hashes=[h.hex() for h in hashes], lease_s=30)
-        )
-        assert probe.ok, probe.error
-        return await self._call(
-            Commit(
-                request_id=request_id, num_agreed_blocks=0, num_total_blocks=num_blocks, lease_s=30
-            )
-        )
+        self.seq += 1
+        entry = ReserveEntry(request_id, tuple(hashes), num_blocks)
+        batch = KVBatch(BatchOp.PROBE_RESERVE, (entry,), 30.0, owner=self.name, seq=self.seq)
+        assert self.pipe.nc is not None
+        subject = self.pipe.config.subjects.stage_kv_batch(0)
+        message = await self.pipe.nc.request(subject, encode_batch(batch, self.key), timeout=10)
+        reply = decode_reply(message.data)
+        assert not reply.error, reply.error
+        return reply.results[0], reply
 
 
 async def test_a_stage_process_refuses_an_owner_past_its_cap(tmp_path) -> None:  # noqa: ANN001
     async with LocalPipeline(_config(max_blocks_per_owner=8), COST, log_dir=str(tmp_path)) as pipe:
         first, second = _Owner(pipe, "o1"), _Owner(pipe, "o2")
-        refused = await first.hold("a", 10)  # 10 > 8: refused whole, nothing held
+        refused, reply = await first.hold("a", 10)  # 10 > 8: refused whole, nothing held
         assert not refused.ok and "max_blocks_per_owner=8" in refused.error, refused.error
-        assert refused.num_free_blocks == POOL
-        assert (await first.hold("b", 6)).ok
-        refused = await first.hold("c", 3)  # 6 + 3 > 8, though 26 blocks are free
+        assert reply.num_free_blocks == POOL
+        assert (await first.hold("b", 6))[0].ok
+        refused, reply = await first.hold("c", 3)  # 6 + 3 > 8, though 26 blocks are free
         assert not refused.ok and "owner holds 6 of max_blocks_per_owner=8" in refused.error
-        assert refused.num_free_blocks == POOL - 6
-        assert (await second.hold("d", 8)).ok  # the cap is per owner
+        assert reply.num_free_blocks == POOL - 6
+        assert (await second.hold("d", 8))[0].ok  # the cap is per owner
 
         # The admission refuses at once what its cap can never hold, and serves what fits.
         assert pipe.scheduler is not None
@@ -103,7 +94,7 @@ async def test_by_default_one_admission_may_fill_the_whole_pool(tmp_path) -> Non
         assert pipe.scheduler is not None
         whole = await pipe.scheduler.submit(PromptRequest("whole", list(range(POOL * BLOCK))))
         assert whole.ok, whole.error
-        assert (await _Owner(pipe, "o1").hold("all", POOL)).ok  # every block, one owner
+        assert (await _Owner(pipe, "o1").hold("all", POOL))[0].ok  # every block, one owner
 
 
 def test_the_spec_option_reaches_the_runtime_config_and_bad_values_are_named() -> None:

@@ -32,8 +32,9 @@ from wavepp.api.kv_reply import (
     encode_reply,
     reply_rank,
 )
+from wavepp.api.messages import PROTOCOL_VERSION
 from wavepp.api.signing import BusKey
-from wavepp.runtime.agreement import AdmissionController
+from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.agreement.clients import StageUnavailableError
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
@@ -68,8 +69,8 @@ def test_a_tagged_reply_verifies_only_for_its_batch_rank_and_body() -> None:
     plain = encode_reply(reply)
     prefix = kv_reply_tag.reply_tag_prefix("adm", 7)
     tagged = kv_reply_tag.tag_reply(plain, key, prefix)
-    assert plain[3] == 1 and tagged[3] == 2  # the version byte: untagged 1, tagged 2
-    assert len(tagged) == len(plain) + 32
+    assert plain[3] == tagged[3] == PROTOCOL_VERSION  # one reply version, tagged or not
+    assert plain[-32:] == bytes(32) and len(tagged) == len(plain)  # untagged: a zero tag
     assert decode_reply(tagged) == reply  # the controller decodes it as before
     assert reply_rank(tagged) == 2
     assert kv_reply_tag.verify_reply(tagged, key, prefix, 2)
@@ -86,7 +87,6 @@ def test_a_tagged_reply_verifies_only_for_its_batch_rank_and_body() -> None:
             tagged, BusKey.generate().for_replica("p0"), prefix, 2
         ),
         "untagged": kv_reply_tag.verify_reply(plain, key, prefix, 2),
-        "untagged, a tag appended": kv_reply_tag.verify_reply(plain + tagged[-32:], key, prefix, 2),
         "tag cut short": kv_reply_tag.verify_reply(tagged[:-1], key, prefix, 2),
         "empty": kv_reply_tag.verify_reply(b"", key, prefix, 2),
     }
@@ -125,18 +125,18 @@ def test_a_keyed_stage_tags_its_reply_to_a_signed_batch_only() -> None:
     reply = handle_kv_batch(manager, 3, signed, bus_key=key)
     assert kv_reply_tag.verify_reply(reply, key, prefix, 3)
     assert decode_reply(reply).results == (EntryResult(EntryStatus.OK, 0),)
-    # the same batch again: refused as a replay, and that answer is the stage's (tagged)
-    replay = handle_kv_batch(manager, 3, signed, bus_key=key)
-    assert kv_reply_tag.verify_reply(replay, key, prefix, 3)
-    assert "replayed" in decode_reply(replay).error
-    # a batch it did not sign (a forger asking for a refusal to replay later): not tagged
+    # the same batch again: refused as a repeat, and that answer is the stage's (tagged)
+    repeat = handle_kv_batch(manager, 3, signed, bus_key=key)
+    assert kv_reply_tag.verify_reply(repeat, key, prefix, 3)
+    assert "repeated" in decode_reply(repeat).error
+    # a batch it did not sign (a forger asking for a refusal to send later): not tagged
     forged = encode_batch(KVBatch(BatchOp.RELEASE, ("r",), owner="adm", seq=2), BusKey.generate())
     refusal = handle_kv_batch(manager, 3, forged, bus_key=key)
-    assert refusal[3] == 1 and "mac" in decode_reply(refusal).error
+    assert refusal[-32:] == bytes(32) and "mac" in decode_reply(refusal).error
     assert not kv_reply_tag.verify_reply(refusal, key, kv_reply_tag.reply_tag_prefix("adm", 2), 3)
-    # no key: untagged, as before
+    # no key: untagged
     keyless = StageKVManager(BlockPool(64, BLOCK), max_lease_s=30.0)
-    assert handle_kv_batch(keyless, 0, encode_batch(batch), bus_key=None)[3] == 1
+    assert handle_kv_batch(keyless, 0, encode_batch(batch), bus_key=None)[-32:] == bytes(32)
 
 
 # --------------------------------------------------------------------------- over NATS
@@ -145,7 +145,7 @@ def test_a_keyed_stage_tags_its_reply_to_a_signed_batch_only() -> None:
 class _Forger:
     """An anonymous client on ``subject`` (the fan-out ``{p}.stages.kvb``, or a stage's own
     ``.kvb``): answers every round first, for every rank, OK with ``FORGED_HIT`` per entry,
-    untagged and with a made-up tag (version 2)."""
+    untagged and with a made-up tag."""
 
     def __init__(self, num_stages: int, subject: str = f"{PREFIX}.stages.kvb") -> None:
         self.num_stages = num_stages
@@ -167,7 +167,7 @@ class _Forger:
         for rank in range(self.num_stages):
             plain = encode_reply(KVBatchReply(batch.op, rank, 64, 64, results))
             await self.nc.publish(msg.reply, plain)
-            await self.nc.publish(msg.reply, plain[:3] + b"\x02" + plain[4:] + bytes(32))
+            await self.nc.publish(msg.reply, plain[:-32] + bytes([1]) * 32)
         # at the server (routed to the controller) before any stage's: nats-py's one flush
         # would PING ahead of the PUBs still pending
         await flush_in_order(self.nc)
@@ -202,7 +202,7 @@ async def test_forged_first_replies_are_dropped_and_the_true_l_star_agreed(
     await flush_in_order(stage_nc)
     adm = await connect(nats_server.url, name="admission", anonymous_ok=True)
     clients = NatsStageClient.for_replica(adm, PREFIX, num_stages, timeout_s=5.0)
-    controller = AdmissionController(
+    controller = AgreementController(
         clients, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0, bus_key=key
     )
     request = PromptRequest("victim", list(range(6 * BLOCK + 1)))

@@ -9,7 +9,7 @@ import pytest
 
 from wavepp.bench.grid import GridSpec, Setting, run_workload, runtime_config
 from wavepp.bench.workloads import ideal_hit_ratio, preset_workload, shared_prefix_workload
-from wavepp.runtime.agreement import AdmissionController
+from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.kv import StageKVManager
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
@@ -62,7 +62,7 @@ def test_sim_drives_the_real_runtime_objects() -> None:
     async def main(loop: VirtualClockLoop) -> None:
         async with SimPipeline(config, planner_cost) as pipeline:
             assert isinstance(pipeline.scheduler, WaveScheduler)
-            assert isinstance(pipeline.controller, AdmissionController)
+            assert isinstance(pipeline.controller, AgreementController)
             assert all(isinstance(s.manager, StageKVManager) for s in pipeline.stages)
 
     _run(main)

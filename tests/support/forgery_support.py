@@ -1,6 +1,6 @@
 """A pipeline of pure cores, driven step by step, with a place for an attacker's messages.
 
-``MiniPipeline`` wires the real pieces with no I/O: an ``AdmissionController`` over
+``MiniPipeline`` wires the real pieces with no I/O: an ``AgreementController`` over
 ``LocalStageClient``s (the stages' KV wire handler), a ``SchedulerCore`` and S ``StageCore``s,
 all sharing a replica's bus key. ``run`` admits the requests, then plans micro-batches; each
 plan goes to every stage through its ``receive_plan`` (the bus), every stage's done goes to the
@@ -17,10 +17,11 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from wavepp.api.kv_reply import KVBatchReply, decode_reply
 from wavepp.api.messages import KVReply, MicroBatchDone, MicroBatchPlan, RequestResult
 from wavepp.api.signing import BusKey
 from wavepp.bench.grid import GridSpec, Setting, runtime_config
-from wavepp.runtime.agreement import AdmissionController, LocalStageClient
+from wavepp.runtime.agreement import AgreementController, LocalStageClient
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.planning import ChunkPlanner
 from wavepp.runtime.request import PromptRequest
@@ -102,9 +103,9 @@ class Tap:
     dones_seen: list[MicroBatchDone] = field(default_factory=list)
     kv_seen: list[tuple[int, bytes]] = field(default_factory=list)
 
-    def kv(self, rank: int, payload: bytes) -> KVReply:
+    def kv(self, rank: int, payload: bytes) -> KVReply | KVBatchReply:
         """Send a KV request to stage ``rank`` (the bus: its wire handler)."""
-        return self.pipe.stages[rank].handle_kv(payload)
+        return self.pipe.send_kv(rank, payload)
 
     def plan(self, rank: int, plan: MicroBatchPlan) -> None:
         """Publish a plan as stage ``rank`` receives it; what it runs is the pipeline's."""
@@ -119,7 +120,8 @@ Attacker = Callable[[Tap], None]
 
 
 class RecordingClient(LocalStageClient):
-    """A ``LocalStageClient`` that keeps every payload it sent (what a bus listener sees)."""
+    """A ``LocalStageClient`` that keeps every payload it sent (what a bus listener sees): JSON
+    requests and binary rounds."""
 
     def __init__(self, *args: object, log: list[tuple[int, bytes]], **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -128,6 +130,10 @@ class RecordingClient(LocalStageClient):
     async def call(self, msg):  # noqa: ANN001, ANN201
         self.log.append((self.rank, msg.model_dump_json().encode()))
         return await super().call(msg)
+
+    async def call_batch(self, payload: bytes) -> bytes:
+        self.log.append((self.rank, payload))
+        return await super().call_batch(payload)
 
 
 class MiniPipeline:
@@ -156,7 +162,7 @@ class MiniPipeline:
             for rank in range(num_stages)
         ]
         self.kv_log: list[tuple[int, bytes]] = []  # every KV request the controller sent
-        self.controller = AdmissionController(
+        self.controller = AgreementController(
             [
                 RecordingClient(stage.manager, rank, bus_key=self.key, log=self.kv_log)
                 for rank, stage in enumerate(self.stages)
@@ -188,6 +194,14 @@ class MiniPipeline:
         self.loop.close()
 
     # ---- the bus ---------------------------------------------------------------------------
+
+    def send_kv(self, rank: int, payload: bytes) -> KVReply | KVBatchReply:
+        """A KV payload to stage ``rank``'s wire handler: a binary round (``b"WKB"``) or a JSON
+        request; its decoded reply."""
+        stage = self.stages[rank]
+        if payload[:3] == b"WKB":
+            return decode_reply(stage.handle_kv_batch(payload))
+        return stage.handle_kv(payload)
 
     def deliver_plan(self, rank: int, plan: MicroBatchPlan) -> None:
         stage = self.stages[rank]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 
-from wavepp.api.kv_batch import BatchOp, KVBatch, ReserveEntry
+from wavepp.api.kv_batch import REFERENCED, BatchOp, KVBatch, ReserveEntry, decode_batch
 from wavepp.runtime.agreement import LocalStageClient
 from wavepp.runtime.kv import StageKVManager
 
@@ -40,13 +40,16 @@ def warm(
 
 
 class CountingClient(LocalStageClient):
-    """An in-process stage that records each probe-reserve payload it got (bytes, version)."""
+    """An in-process stage that records each probe-reserve payload it got: (bytes, whether an
+    entry named its prefix by reference)."""
 
     def __init__(self, manager: StageKVManager, rank: int) -> None:
         super().__init__(manager, rank)
-        self.payloads: list[tuple[int, int]] = []
+        self.payloads: list[tuple[int, bool]] = []
 
     async def call_batch(self, payload: bytes) -> bytes:
         if payload[4] == BatchOp.PROBE_RESERVE:
-            self.payloads.append((len(payload), payload[3]))
+            shares = decode_batch(payload).shares
+            referenced = any(share[0] == REFERENCED for share in shares)
+            self.payloads.append((len(payload), referenced))
         return await super().call_batch(payload)

@@ -1,15 +1,15 @@
-"""A stage's reply to one admission round (``wavepp.api.kv_batch``): the wire codec.
+"""A stage's reply to one agreement round (``wavepp.api.kv_batch``): the wire codec.
 
 Layout (little-endian)::
 
     reply    "WKR" | u8 version | u8 op | u16 rank | u32 num_free_blocks | u32 num_blocks
              | u16 error length | error (UTF-8; a whole-batch fault, else empty)
              | u32 count | count x (u8 status | u32 value | u16 length | UTF-8 error)
-      version 1; version 2 is version 1 and a 32-byte tag (``wavepp.api.kv_reply_tag``)
-      status 0 ok (value: hit blocks for a probe or a probe-reserve, reserved blocks for a
-      commit), 1 refused (a reservation that does not fit now; nothing held), 2 invalid (the
-      entry names the fault; nothing held), 3 unresolved (a probe-reserve entry's prefix
-      reference, ``kv_batch`` version 5, is not held here: send the hashes; nothing held)
+             | 32-byte tag (``wavepp.api.kv_reply_tag``; 32 zero bytes untagged)
+      version ``wavepp.api.messages.PROTOCOL_VERSION``, the batch's
+      status 0 ok (value: the stage's hit blocks h_s), 1 refused (a reservation that does not
+      fit now; nothing held), 2 invalid (the entry names the fault; nothing held), 3 unresolved
+      (the entry's prefix reference is not held here: send the hashes; nothing held)
 
 A reply's results are in the batch's entry order (a batch's releases have none). Decoding never
 trusts a length: a fault raises ``KVWireError`` naming the field and the limit. Pure: no I/O.
@@ -24,10 +24,9 @@ from enum import IntEnum
 from typing import NamedTuple
 
 from wavepp.api.kv_batch import MAC_BYTES, BatchOp, KVWireError, _count, _Reader
+from wavepp.api.messages import PROTOCOL_VERSION
 
 __all__ = [
-    "KV_REPLY_VERSION",
-    "KV_TAGGED_REPLY_VERSION",
     "EntryResult",
     "EntryStatus",
     "KVBatchReply",
@@ -36,8 +35,7 @@ __all__ = [
     "reply_rank",
 ]
 
-KV_REPLY_VERSION = 1
-KV_TAGGED_REPLY_VERSION = 2  # a version 1 reply and its tag (``kv_reply_tag``)
+_NO_TAG = bytes(MAC_BYTES)
 _REPLY_MAGIC = b"WKR"
 _REPLY_HEADER = struct.Struct("<3sBBHIIH")
 _U32 = struct.Struct("<I")
@@ -75,12 +73,13 @@ class KVBatchReply:
 
 
 def encode_reply(reply: KVBatchReply) -> bytes:
-    """Serialise a stage's reply (errors truncated to 1,024 bytes each)."""
+    """Serialise a stage's reply, untagged (errors truncated to 1,024 bytes each;
+    ``kv_reply_tag.tag_reply`` tags it)."""
     error = reply.error.encode()[:1024]
     parts = [
         _REPLY_HEADER.pack(
             _REPLY_MAGIC,
-            KV_REPLY_VERSION,
+            PROTOCOL_VERSION,
             int(reply.op),
             reply.rank,
             reply.num_free_blocks,
@@ -97,6 +96,7 @@ def encode_reply(reply: KVBatchReply) -> bytes:
             parts += [pack(status, value, len(raw)), raw]
         else:
             parts.append(pack(status, value, 0))
+    parts.append(_NO_TAG)
     return b"".join(parts)
 
 
@@ -140,16 +140,18 @@ def decode_reply(payload: bytes) -> KVBatchReply:
     magic, version, op, rank, free, blocks, error_len = reader.unpack(_REPLY_HEADER, "header")
     if magic != _REPLY_MAGIC:
         raise KVWireError("header: not a KV batch reply (bad magic)")
-    if version == KV_TAGGED_REPLY_VERSION:  # the tag: checked by a holder of the key
-        if len(reader.view) < reader.at + MAC_BYTES:
-            raise KVWireError(f"tag: truncated at byte {reader.at} of {len(reader.view)}")
-        reader.view = reader.view[:-MAC_BYTES]
-    elif version != KV_REPLY_VERSION:
-        raise KVWireError(f"version: {version}; this controller speaks 1 and 2")
+    if version != PROTOCOL_VERSION:
+        raise KVWireError(
+            f"version: {version}; this controller speaks agreement protocol version "
+            f"{PROTOCOL_VERSION}"
+        )
+    if len(reader.view) < reader.at + MAC_BYTES:  # the tag: checked by a holder of the key
+        raise KVWireError(f"tag: truncated at byte {reader.at} of {len(reader.view)}")
+    reader.view = reader.view[:-MAC_BYTES]
     try:
         batch_op = BatchOp(op)
     except ValueError as exc:
-        raise KVWireError(f"op: {op}; must be 1, 2, 3 or 4") from exc
+        raise KVWireError(f"op: {op}; must be 1 (probe-reserve) or 2 (release)") from exc
     error = reader.text(error_len, "error")
     (count,) = reader.unpack(_U32, "count")
     rest = reader.view[reader.at :]

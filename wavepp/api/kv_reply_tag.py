@@ -1,28 +1,23 @@
-"""The tag of a batched round's reply (``wavepp.api.kv_batch`` reply version 2).
+"""The tag of an agreement round's reply (``wavepp.api.kv_reply``'s last 32 bytes).
 
 The stages of a replica answer one fan-out round (``{p}.stages.kvb``) on one reply subject,
 and anyone who hears the round learns it: without NATS auth (``wavepp up --insecure-nats`` keeps
 the bus key) any client could answer first for any rank, with a made-up hit or refusal. So a
 stage with the replica's bus key tags its reply to a batch whose mac it verified::
 
-    reply v2 = the version 1 reply with version byte 2 | tag
-    tag      = HMAC-SHA256(replica key, "KVBatchReply" NUL
-                           | u8 owner length | owner | u64 seq   (the batch's header bytes)
-                           | u16 rank | the reply up to the tag)       32 bytes
+    tag = HMAC-SHA256(replica key, "KVBatchReply" NUL
+                      | u8 owner length | owner | u64 seq   (the batch's header bytes)
+                      | u16 rank | the reply up to the tag)       32 bytes
 
 The owner and op number (seq) bind the reply to its round (a reply of an earlier round, or of
 another controller, does not pass), the rank to its stage. A controller with the key takes only
 replies that verify for its batch and the rank they name and drops any other
-(``agreement.nats_client``); without a key nothing is tagged or checked. A stage does not tag
-its refusal of a batch that did not verify: a forger could otherwise ask it, under the owner and
-the next op number, for a tagged refusal to answer a round to come with. A stage's refusal of a
-replayed (verified) batch is tagged: only a batch already applied is refused that way.
-
-Releases: a controller before reply version 2 refuses a tagged reply by its version, and this
-one with a key drops an untagged one (the round times out naming that stage), so with a key a
-replica's admission and stages are of one release, as the operator and ``wavepp up`` run them.
-Cost: one HMAC-SHA256 of the reply plus ~30 bytes, about 2 us per reply on either side for up
-to 128 entries. Pure: no I/O.
+(``agreement.nats_client``); without a key nothing is tagged (32 zero bytes) or checked. A stage
+does not tag its refusal of a batch that did not verify: a forger could otherwise ask it, under
+the owner and the next op number, for a tagged refusal to answer a round to come with. A stage's
+refusal of a repeated (verified) batch is tagged: only a batch already applied is refused that
+way. Cost: one HMAC-SHA256 of the reply, about 2 us per reply on either side for up to 128
+entries. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ import hmac
 import struct
 
 from wavepp.api.kv_batch import MAC_BYTES
-from wavepp.api.kv_reply import KV_TAGGED_REPLY_VERSION
+from wavepp.api.messages import PROTOCOL_VERSION
 from wavepp.api.signing import BusKey
 
 __all__ = ["batch_reply_tag_prefix", "reply_tag_prefix", "tag_reply", "verify_reply"]
@@ -39,7 +34,6 @@ __all__ = ["batch_reply_tag_prefix", "reply_tag_prefix", "tag_reply", "verify_re
 _DOMAIN = b"KVBatchReply"
 _REPLY_MAGIC = b"WKR"
 _RANK = slice(5, 7)  # a reply's u16 rank: after "WKR" | u8 version | u8 op
-_TAGGED_VERSION_BYTE = bytes([KV_TAGGED_REPLY_VERSION])
 _OWNER_AT = struct.calcsize("<3sBBd")  # a batch's owner length: after "WKB" | u8 | u8 | f64
 _SEQ = struct.Struct("<Q")
 _U16 = struct.Struct("<H")
@@ -62,9 +56,9 @@ def batch_reply_tag_prefix(payload: bytes) -> bytes | None:
 
 
 def tag_reply(payload: bytes, bus_key: BusKey, prefix: bytes) -> bytes:
-    """``payload`` (an ``encode_reply`` reply, version 1) as version 2: tagged for the batch
-    whose ``reply_tag_prefix`` is ``prefix`` and for the rank in its header."""
-    body = payload[:3] + _TAGGED_VERSION_BYTE + payload[4:]
+    """``payload`` (an ``encode_reply`` reply, untagged) tagged for the batch whose
+    ``reply_tag_prefix`` is ``prefix`` and for the rank in its header."""
+    body = payload[:-MAC_BYTES]
     return body + bus_key.mac_bytes(_DOMAIN, prefix + payload[_RANK] + body)
 
 
@@ -75,7 +69,7 @@ def verify_reply(payload: bytes, bus_key: BusKey, prefix: bytes, rank: int) -> b
     if (
         len(payload) < _RANK.stop + MAC_BYTES
         or payload[:3] != _REPLY_MAGIC
-        or payload[3] != KV_TAGGED_REPLY_VERSION
+        or payload[3] != PROTOCOL_VERSION
     ):
         return False
     body = payload[:-MAC_BYTES]

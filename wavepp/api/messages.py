@@ -1,8 +1,11 @@
-"""Messages between the admission controller, the wave scheduler and the stages.
+"""Messages between the admission (agreement controller, wave scheduler) and the stages.
 
 Every message is a pydantic model serialised as JSON on a NATS subject. Each carries the protocol
-version ``v``; a receiver rejects a message of another version with a clear error instead of
-misreading it. Block hashes travel as lowercase hex strings (32-byte sha256 digests).
+version ``v`` (``PROTOCOL_VERSION``, also the version byte of the binary agreement rounds,
+``wavepp.api.kv_batch`` and ``wavepp.api.kv_reply``); a receiver rejects a message of another
+version with a clear error instead of misreading it, and an admission refuses stages whose health
+reply names another version (``wavepp.runtime.agreement.coordinator.check_stage_versions``).
+Block hashes travel as lowercase hex strings (32-byte sha256 digests).
 
 Subjects (``{p}`` is the pipeline's subject prefix, e.g. ``wavepp.default``):
 
@@ -27,6 +30,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 PROTOCOL_VERSION = 1
+"""The one version of the bus protocol: JSON messages (``v``), agreement batches and replies."""
 
 RequestId = Annotated[str, Field(min_length=1, max_length=256)]
 HexHash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -40,41 +44,6 @@ class _Message(BaseModel):
 # --------------------------------------------------------------------------- agreement (KV ops)
 
 
-class ProbePin(_Message):
-    """Pin the longest locally cached prefix of ``block_hashes`` for ``request_id``."""
-
-    op: Literal["probe_pin"] = "probe_pin"
-    request_id: RequestId
-    block_hashes: list[HexHash]
-    lease_s: float = Field(gt=0, le=3600)
-    owner: str = Field(default="", max_length=64)  # the admission instance holding it
-    seq: int = Field(default=0, ge=0)  # grows by one per op of this owner (signed: no replay)
-    mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned
-
-
-class Commit(_Message):
-    """Unpin past ``num_agreed_blocks`` (L*) and reserve the rest of the prompt."""
-
-    op: Literal["commit"] = "commit"
-    request_id: RequestId
-    num_agreed_blocks: int = Field(ge=0)
-    num_total_blocks: int = Field(ge=1)
-    lease_s: float = Field(gt=0, le=3600)
-    owner: str = Field(default="", max_length=64)  # the admission instance holding it
-    seq: int = Field(default=0, ge=0)  # grows by one per op of this owner (signed: no replay)
-    mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned
-
-
-class Release(_Message):
-    """Drop the pins and reservations of ``request_ids`` (blocks stay cached for reuse)."""
-
-    op: Literal["release"] = "release"
-    request_ids: list[RequestId]
-    owner: str = Field(default="", max_length=64)  # the admission instance holding it
-    seq: int = Field(default=0, ge=0)  # grows by one per op of this owner (signed: no replay)
-    mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned
-
-
 class Renew(_Message):
     """Extend the leases of ``request_ids`` by ``lease_s`` from now."""
 
@@ -82,7 +51,9 @@ class Renew(_Message):
     request_ids: list[RequestId]
     lease_s: float = Field(gt=0, le=3600)
     owner: str = Field(default="", max_length=64)  # the admission instance holding it
-    seq: int = Field(default=0, ge=0)  # grows by one per op of this owner (signed: no replay)
+    seq: int = Field(
+        default=0, ge=0
+    )  # grows by one per op of this owner (signed: a repeat is refused)
     mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned
 
 
@@ -92,7 +63,7 @@ class Health(_Message):
     op: Literal["health"] = "health"  # read-only: never signed, never checked
 
 
-KVRequestMessage = ProbePin | Commit | Release | Renew | Health
+KVRequestMessage = Renew | Health
 """Any message a stage's KV endpoint accepts (``{p}.stage.{rank}.kv``)."""
 
 KVRequest = Annotated[KVRequestMessage, Field(discriminator="op")]
@@ -100,19 +71,20 @@ KV_REQUEST_ADAPTER: TypeAdapter[KVRequestMessage] = TypeAdapter(KVRequest)
 
 
 class KVReply(_Message):
-    """A stage's answer to a KV op.
+    """A stage's answer to a renew or health op.
 
-    ``ok`` is False when the stage refuses (a reservation that does not fit) or when the request
-    was invalid (``error`` names the field). ``num_hit_blocks`` answers ``probe_pin``;
-    ``num_reserved_blocks`` answers ``commit``. ``group_epoch`` answers ``health``: the epoch
-    of the stages' process group this stage serves in (``stage.rendezvous``; 0: formed once).
+    ``ok`` is False when the request was invalid (``error`` names the field). ``group_epoch``
+    answers ``health``: the epoch of the stages' process group this stage serves in
+    (``stage.rendezvous``; 0: formed once). ``v`` is the stage's ``PROTOCOL_VERSION``: any
+    version (and fields it does not know) decodes, so that an admission can name a stage of
+    another version and refuse it (``coordinator.check_stage_versions``).
     """
 
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    v: int = PROTOCOL_VERSION  # type: ignore[assignment]
     rank: int
     ok: bool = True
     error: str = ""
-    num_hit_blocks: int = 0
-    num_reserved_blocks: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
     group_epoch: int = 0

@@ -9,7 +9,7 @@ labels (no ``.`` or ``_``), so the names below never collide across namespaces.
 
 | subject / object                      | kind                  | payload (``wavepp.api``)             |
 | ------------------------------------- | --------------------- | ------------------------------------ |
-| ``{p}.stage.{r}.kv``                  | request-reply         | ProbePin/Commit/Release/Renew/Health -> KVReply |
+| ``{p}.stage.{r}.kv``                  | request-reply         | Renew/Health -> KVReply              |
 | ``{p}.stage.{r}.kvb``                 | request-reply         | KVBatch -> KVBatchReply (one stage)  |
 | ``{p}.stages.kvb``                    | request, S replies    | KVBatch -> KVBatchReply from every stage (one publish per round) |
 | ``{p}.plan``                          | publish               | MicroBatchPlan (scheduler -> stages) |

@@ -3,7 +3,7 @@
 An embedded nats-server, R replicas of S stage KV servers (each a ``StageKVManager`` answering
 the stage's agreement subjects with the stage process's own handlers, ``serve_stage_kv``; the
 stages of one process share its NATS connection, or each has its own with
-``connection_per_stage``) and R real ``AdmissionController``s, one per replica, running
+``connection_per_stage``) and R real ``AgreementController``s, one per replica, running
 probe-reserve (one round trip per round) in batched rounds of at most ``batch_limit`` requests.
 Each replica runs ``in_flight`` closed-loop clients (agree, then the next request) and holds
 the latest ``held_requests`` admitted requests (as the requests in prefill hold their pins and
@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 
 from wavepp.api.subjects import replica_prefix
-from wavepp.runtime.agreement import AdmissionController
+from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.heap import settle_heap
 from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
@@ -91,8 +91,8 @@ class AdmissionSetting:
     before arrivals wait and share the next). ``connection_per_stage``: each stage KV server on
     a NATS connection of its own (a stage process has one anyway), not one per process for the
     ranks it serves (the default: a process then reads a round's S copies from one socket and
-    writes the replies in one flush). ``prefix_refs``: the controller's (a prefix the stages remember
-    goes by reference, ``kv_batch`` version 5)."""
+    writes the replies in one flush). ``prefix_refs``: the controller's (a prefix the stages
+    remember goes by reference)."""
 
     stages: int
     in_flight: int
@@ -248,7 +248,7 @@ async def _one_setting(
     )
     blocks_per_prompt = num_prompt_tokens // block_size + 1
     num_blocks = (num_requests + len(prefixes)) * blocks_per_prompt + 64
-    controllers: list[AdmissionController] = []
+    controllers: list[AgreementController] = []
     stage_pids: list[int] = []
     handler_cpu_s = [0.0]  # in-process stage handlers' share of this process's CPU
     in_process: list[StageKVManager] = []  # the stage KV servers in this process
@@ -284,7 +284,7 @@ async def _one_setting(
                 server.url, name=f"admbench-r{replica}-controller", anonymous_ok=True
             )
             stack.push_async_callback(nc.drain)
-            controller = AdmissionController(
+            controller = AgreementController(
                 NatsStageClient.for_replica(nc, prefix, setting.stages, 10.0),
                 block_size=block_size,
                 model_id=_MODEL_ID,

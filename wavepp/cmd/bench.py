@@ -134,7 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="a round names a prefix the stages remember from an earlier round by reference "
-        "(kv_batch v5; --no-prefix-refs: every hash sent, as before)",
+        "(--no-prefix-refs: every hash sent)",
     )
     adm.add_argument(
         "--stage-processes",

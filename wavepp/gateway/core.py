@@ -269,7 +269,7 @@ class Gateway:
         if not self.guard.heartbeat(beat.pipeline, beat, self.clock(), time.time()):
             if beat.pipeline not in self.router.by_name:
                 self.guard.forget_replica(beat.pipeline)  # stale: not kept either
-            return  # unsigned, stale, replayed or too frequent: not a member speaking
+            return  # unsigned, stale, repeated or too frequent: not a member speaking
         if beat.pipeline not in self.router.by_name:
             await ensure_intake(self.js, beat.pipeline, namespace=self.config.namespace)
             self.router.add_replica(beat.pipeline, beat.num_stages)

@@ -47,7 +47,7 @@ class BusGuard:
         min_heartbeat_interval_s: at most one heartbeat per replica is accepted this often
             (the admission service sends one every 0.5 s), seconds > 0.
         max_heartbeat_age_s: a signed heartbeat stamped further than this from now (wall clock,
-            either way) is refused: a replayed one cannot keep a dead replica routed. Seconds
+            either way) is refused: a repeated one cannot keep a dead replica routed. Seconds
             > 0; covers clock skew between hosts.
         max_added: replicas beyond ``replicas`` known at once (the gateway's ``max_replicas``).
 
@@ -137,7 +137,7 @@ class BusGuard:
             if (last is not None and beat.seq <= last) or abs(
                 wall_s - beat.sent_at_s
             ) > self.max_heartbeat_age_s:
-                self.num_refused["heartbeat_replayed"] += 1
+                self.num_refused["heartbeat_repeated"] += 1
                 return False
         last_s = self._last_beat_s.get(replica)
         if last_s is not None and now_s - last_s < self.min_heartbeat_interval_s:

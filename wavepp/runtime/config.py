@@ -108,7 +108,7 @@ class RuntimeConfig(BaseModel):
     max_prepared: int = Field(64, ge=1)
     max_agreements_in_flight: int = Field(16, ge=1)
     lease_s: float = Field(30.0, gt=0)
-    # NOTE: blocks one owner (one admission instance: ``AdmissionController.owner``) may hold
+    # NOTE: blocks one owner (one admission instance: ``AgreementController.owner``) may hold
     # pinned or reserved on one stage at once (``StageKVManager``); a reservation past it is
     # refused like a full pool (the request waits for its owner's own releases), and a prompt
     # that needs more is refused at once by the admission (``owner_blocks_of``). Above a

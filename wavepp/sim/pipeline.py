@@ -6,13 +6,13 @@ What is real and what is simulated::
     ------------------------------------------------  -----------------------------------------
     WaveScheduler: intake, admission tasks, sync       NATS: an in-process bus (``SimBus``) that
       gather, planning, publishing, completion           delivers in order after ``bus_latency_s``
-    AdmissionController: probe-reserve, L*,            KV request-reply: ``SimStageClient`` calls
+    AgreementController: probe-reserve, L*,            KV request-reply: ``SimStageClient`` calls
       release, leases, refusals and backpressure         handle_kv_batch after kv_rtt_s / 2,
       (one KV round trip per agreement round)            replies after another kv_rtt_s / 2
     ChunkPlanner: dynamic / static chunking
     StageKVManager + BlockPool per stage (pins,         stage compute: sleep time_scale x the
       reservations, LRU eviction, mark_computed)         stage's CostModel.microbatch_cost_s
-    handle_kv_request (the stage's KV server)          activations: hop_s between stages
+    handle_kv_batch (the stage's KV server)            activations: hop_s between stages
                                                        preparation: prepare_s on the critical
                                                          path when local_prepare is off
                                                        scheduler host time: schedule_s per
@@ -38,7 +38,7 @@ import contextlib
 import logging
 from collections.abc import Sequence
 
-from wavepp.runtime.agreement import AdmissionController
+from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.planning import CostModel
@@ -88,7 +88,7 @@ class SimPipeline:
         self.latencies = latencies or SimLatencies()
         self.bus: SimBus | None = None
         self.stages: list[SimStage] = []
-        self.controller: AdmissionController | None = None
+        self.controller: AgreementController | None = None
         self.scheduler: WaveScheduler | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -128,7 +128,7 @@ class SimPipeline:
             self.stages.append(stage)
             await self.bus.subscribe(config.subjects.plan, cb=stage.on_plan)
             self._tasks.append(asyncio.create_task(stage.compute_loop()))
-        self.controller = AdmissionController(
+        self.controller = AgreementController(
             [SimStageClient(stage, kv_rtt_s) for stage in self.stages],
             block_size=config.block_size,
             model_id=config.model_id,

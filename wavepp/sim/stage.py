@@ -8,15 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from wavepp.api.messages import (
-    Commit,
-    Health,
-    KVReply,
-    MicroBatchPlan,
-    ProbePin,
-    Release,
-    Renew,
-)
+from wavepp.api.messages import KVReply, KVRequestMessage, MicroBatchPlan
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import StageKVManager
 from wavepp.runtime.planning import CostModel
@@ -32,7 +24,7 @@ class SimStageClient:
         self.rank = stage.rank
         self.kv_rtt_s = kv_rtt_s
 
-    async def call(self, msg: ProbePin | Commit | Release | Renew | Health) -> KVReply:
+    async def call(self, msg: KVRequestMessage) -> KVReply:
         await asyncio.sleep(self.kv_rtt_s / 2)
         reply = self.stage.core.handle_kv(msg.model_dump_json().encode())
         await asyncio.sleep(self.kv_rtt_s / 2)

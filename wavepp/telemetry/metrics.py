@@ -182,7 +182,7 @@ class RuntimeMetrics:
         self.agreement_duration = meter.create_histogram(
             "wavepp.agreement.duration",
             unit="s",
-            description="Time to agree one request's L* (its probe-reserve round trips)",
+            description="Agreement of one request: its probe-reserve rounds until admitted",
             explicit_bucket_boundaries_advisory=list(AGREEMENT_BUCKETS_S),
         )
         self.reservation_refusals = meter.create_counter(

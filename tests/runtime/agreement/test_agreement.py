@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 
 from wavepp.api.kv_batch import BatchOp, KVBatch, encode_batch
 from wavepp.api.kv_reply import KVBatchReply, decode_reply, encode_reply
-from wavepp.api.messages import Commit, KVReply, ProbePin
+from wavepp.api.messages import KVReply, Renew
 from wavepp.api.signing import BusKey
 from wavepp.api.subjects import ReplicaSubjects
 from wavepp.runtime.agreement import (
-    AdmissionController,
+    AgreementController,
     AgreementRefused,
     LocalStageClient,
     StageUnavailableError,
@@ -29,10 +29,10 @@ BLOCK = 4
 MODEL_ID = "tiny-llama:seed=0"
 
 
-def make_stages(capacities: list[int]) -> tuple[list[StageKVManager], AdmissionController]:
+def make_stages(capacities: list[int]) -> tuple[list[StageKVManager], AgreementController]:
     managers = [StageKVManager(BlockPool(c, BLOCK)) for c in capacities]
     clients = [LocalStageClient(m, r) for r, m in enumerate(managers)]
-    controller = AdmissionController(
+    controller = AgreementController(
         clients, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0, stage_capacities=capacities
     )
     return managers, controller
@@ -40,7 +40,7 @@ def make_stages(capacities: list[int]) -> tuple[list[StageKVManager], AdmissionC
 
 def compute_all(
     managers: list[StageKVManager],
-    controller: AdmissionController,
+    controller: AgreementController,
     req: PromptRequest,
     num_agreed_blocks: int = 0,
 ) -> None:
@@ -105,18 +105,17 @@ async def test_prompt_larger_than_a_stage_is_refused_with_the_numbers() -> None:
 def test_bad_kv_message_gets_a_clear_error_and_changes_nothing() -> None:
     manager = StageKVManager(BlockPool(8, BLOCK))
     reply = handle_kv_request(
-        manager,
-        3,
-        b'{"op": "probe_pin", "request_id": "r", "block_hashes": ["zz"], "lease_s": 1}',
+        manager, 3, b'{"op": "renew", "request_ids": ["r"], "lease_s": "soon"}'
     )
-    assert not reply.ok and reply.rank == 3 and "block_hashes" in reply.error
+    assert not reply.ok and reply.rank == 3 and "lease_s" in reply.error
     reply = handle_kv_request(manager, 3, b"not json")
     assert not reply.ok and "invalid KV request" in reply.error
     reply = handle_kv_request(manager, 3, b'{"v": 2, "op": "health"}')
     assert not reply.ok and "v" in reply.error
-    commit = Commit(request_id="never-probed", num_agreed_blocks=0, num_total_blocks=2, lease_s=5)
-    reply = handle_kv_request(manager, 3, commit.model_dump_json().encode())
-    assert not reply.ok
+    reply = handle_kv_request(manager, 3, b'{"op": "probe_pin", "request_id": "r"}')
+    assert not reply.ok and "op" in reply.error  # the two-message agreement is not spoken
+    renew = Renew(request_ids=["never-probed"], lease_s=5)
+    assert handle_kv_request(manager, 3, renew.model_dump_json().encode()).ok
     assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0
     assert not manager.request_ids()
 
@@ -193,7 +192,7 @@ async def test_agreement_over_a_real_nats_server(nc) -> None:  # noqa: ANN001
         await serve_stage(nc, "wavepp.t", rank, manager)
     await flush_in_order(nc)
     clients = [NatsStageClient(nc, "wavepp.t", r, timeout_s=2.0) for r in range(3)]
-    controller = AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID)
+    controller = AgreementController(clients, block_size=BLOCK, model_id=MODEL_ID)
     prompt = list(range(16))
     ticket = await controller.agree(PromptRequest("a", prompt))
     assert ticket is not None and ticket.stage_hits == (0, 0, 0)
@@ -212,7 +211,7 @@ async def test_agreement_over_a_real_nats_server(nc) -> None:  # noqa: ANN001
 
 async def test_no_responders_and_timeouts_are_reported_apart(nc) -> None:  # noqa: ANN001
     nobody = NatsStageClient(nc, "wavepp.none", 0, timeout_s=0.5)
-    probe = ProbePin(request_id="r", block_hashes=[], lease_s=1.0)
+    probe = Renew(request_ids=["r"], lease_s=1.0)
     with pytest.raises(StageUnavailableError, match="no stage listens"):
         await nobody.call(probe)
 
@@ -260,7 +259,7 @@ async def test_a_batch_fans_out_to_every_stage_and_names_a_missing_one(nc) -> No
 
 def _reply(rank: int, data: bytes = b"") -> bytes:
     """A stage's encoded reply naming ``rank`` (its free-block count carries ``len(data)``)."""
-    return encode_reply(KVBatchReply(BatchOp.PROBE, rank, len(data), 8))
+    return encode_reply(KVBatchReply(BatchOp.PROBE_RESERVE, rank, len(data), 8))
 
 
 class _Spy:
@@ -403,7 +402,7 @@ async def test_stages_without_the_fanout_subject_are_reached_one_by_one(nc) -> N
 async def test_a_fanout_round_through_the_stage_handlers_pins_on_every_stage(nc) -> None:  # noqa: ANN001
     """The real stage side (``serve_stage_kv``: each stage subscribes to the fan-out subject)
     and the real controller: an agreement over a whole replica's clients pins the agreed prefix
-    on every stage, and a replayed round (same seq) is refused by every stage as before."""
+    on every stage, and a repeated round (same seq) is refused by every stage as before."""
     prefix = "wavepp.real"
     key = BusKey(b"k" * 32).for_replica("real")
     managers = [StageKVManager(BlockPool(64, 4)) for _ in range(3)]
@@ -411,11 +410,11 @@ async def test_a_fanout_round_through_the_stage_handlers_pins_on_every_stage(nc)
         await serve_stage_kv(nc, prefix, rank, manager, bus_key=key)
     await flush_in_order(nc)
     clients = NatsStageClient.for_replica(nc, prefix, 3, timeout_s=2.0)
-    controller = AdmissionController(clients, block_size=4, model_id="m", bus_key=key)
+    controller = AgreementController(clients, block_size=4, model_id="m", bus_key=key)
     ticket = await controller.agree(PromptRequest("r1", list(range(20))))
     assert ticket is not None
     assert all(m.receipt("r1") is not None for m in managers)
-    batch = KVBatch(BatchOp.RELEASE, ("r1",), owner="replayer", seq=1)
+    batch = KVBatch(BatchOp.RELEASE, ("r1",), owner="repeater", seq=1)
     payload = encode_batch(batch, key)
     first = await NatsStageClient.call_batch_all(clients, payload)
     again = await NatsStageClient.call_batch_all(clients, payload)

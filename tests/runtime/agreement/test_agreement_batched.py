@@ -15,10 +15,9 @@ from kv_wire_support import chain as _chain
 from wavepp.api import kv_batch
 from wavepp.api.kv_batch import (
     BatchOp,
-    CommitEntry,
     KVBatch,
     KVWireError,
-    ProbeEntry,
+    ReserveEntry,
     decode_batch,
     encode_batch,
 )
@@ -30,8 +29,9 @@ from wavepp.api.kv_reply import (
     encode_reply,
     reply_rank,
 )
+from wavepp.api.messages import PROTOCOL_VERSION
 from wavepp.api.signing import BusKey
-from wavepp.runtime.agreement import AdmissionController, AgreementRefused, LocalStageClient
+from wavepp.runtime.agreement import AgreementController, AgreementRefused, LocalStageClient
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.agreement.rounds import StageProtocolError
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
@@ -46,10 +46,10 @@ HASH = bytes(range(32))
 
 def make_stages(
     capacities: list[int], *, max_batch: int = 512
-) -> tuple[list[StageKVManager], AdmissionController]:
+) -> tuple[list[StageKVManager], AgreementController]:
     managers = [StageKVManager(BlockPool(c, BLOCK)) for c in capacities]
     clients = [LocalStageClient(m, r) for r, m in enumerate(managers)]
-    controller = AdmissionController(
+    controller = AgreementController(
         clients, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0, max_batch=max_batch
     )
     return managers, controller
@@ -60,18 +60,17 @@ def make_stages(
 
 def test_batches_round_trip_with_raw_hashes() -> None:
     probe = KVBatch(
-        BatchOp.PROBE,
-        (ProbeEntry("a", (HASH, HASH[::-1])), ProbeEntry("b", ())),
+        BatchOp.PROBE_RESERVE,
+        (ReserveEntry("a", (HASH, HASH[::-1]), 3), ReserveEntry("b", (), 1)),
         5.0,
         owner="adm1",
         seq=7,
+        releases=("z",),
     )
     payload = encode_batch(probe)
     assert decode_batch(payload) == probe
     # 32 bytes per hash on the wire, not 64 hex characters plus JSON quoting.
-    assert len(payload) < 16 + 1 + 4 + 8 + 4 + 2 * (2 + 1 + 12) + 2 * 32 + 32
-    commit = KVBatch(BatchOp.COMMIT, (CommitEntry("a", 1, 3),), 5.0)
-    assert decode_batch(encode_batch(commit)) == commit
+    assert len(payload) < 16 + 1 + 4 + 8 + 4 + 2 * (2 + 1 + 16) + 4 + 3 + 2 * 32 + 32
     release = KVBatch(BatchOp.RELEASE, ("a", "b"))
     assert decode_batch(encode_batch(release)) == release
 
@@ -83,8 +82,12 @@ def test_probe_hashes_decode_in_runs_of_any_length(num_hashes: int) -> None:
     own = tuple(hashlib.sha256(b"%d" % i).digest() for i in range(num_hashes))
     base = _chain(70, 3)
     probe = KVBatch(
-        BatchOp.PROBE,
-        (ProbeEntry("a", base), ProbeEntry("b", base[:66] + own), ProbeEntry("c", own)),
+        BatchOp.PROBE_RESERVE,
+        (
+            ReserveEntry("a", base, len(base)),
+            ReserveEntry("b", base[:66] + own, 66 + num_hashes + 1),
+            ReserveEntry("c", own, num_hashes + 1),
+        ),
         5.0,
     )
     decoded = decode_batch(encode_batch(probe))
@@ -92,7 +95,9 @@ def test_probe_hashes_decode_in_runs_of_any_length(num_hashes: int) -> None:
     assert all(type(h) is bytes for entry in decoded.entries for h in entry[1])
 
 
-def _head(version: int = 1, op: int = 1, lease: float = 1.0, count: int = 0) -> bytes:
+def _head(
+    version: int = PROTOCOL_VERSION, op: int = 1, lease: float = 1.0, count: int = 0
+) -> bytes:
     """A batch header (no owner, seq 0) of the given fields."""
     return (
         struct.pack("<3sBBd", b"WKB", version, op, lease) + b"\x00" + struct.pack("<QI", 0, count)
@@ -100,14 +105,16 @@ def _head(version: int = 1, op: int = 1, lease: float = 1.0, count: int = 0) -> 
 
 
 MAC = bytes(32)
+NO_RELEASES = struct.pack("<I", 0)
 
 
 def test_a_round_sends_a_shared_prefix_once_and_the_stage_walks_it_once() -> None:
     prefix_a, prefix_b = _chain(40, 1), _chain(40, 2)
     entries = tuple(
-        ProbeEntry(f"r{i}", (prefix_a if i % 2 else prefix_b) + _chain(2, 10 + i)) for i in range(8)
+        ReserveEntry(f"r{i}", (prefix_a if i % 2 else prefix_b) + _chain(2, 10 + i), 42)
+        for i in range(8)
     )
-    probe = KVBatch(BatchOp.PROBE, entries, 5.0)
+    probe = KVBatch(BatchOp.PROBE_RESERVE, entries, 5.0)
     payload = encode_batch(probe)
     decoded = decode_batch(payload)
     assert decoded == probe  # every entry's full hashes, shared ones included
@@ -119,36 +126,25 @@ def test_a_round_sends_a_shared_prefix_once_and_the_stage_walks_it_once() -> Non
     for manager in (shared, plain):
         for index, prefix in enumerate((prefix_a, prefix_b[:30])):
             manager.probe_pin(f"w{index}", prefix, 5.0)
-            manager.commit(f"w{index}", 0, len(prefix), 5.0)
+            manager.reserve(f"w{index}", len(prefix), 5.0)
             manager.mark_computed(f"w{index}", len(prefix) * BLOCK, prefix)
             manager.release(f"w{index}")
     reply = decode_reply(handle_kv_batch(shared, 0, payload))
     assert [r.value for r in reply.results] == [30, 40] * 4
-    for entry in entries:
+    for entry in entries:  # the handler's two passes: every pin, then every reservation
         plain.probe_pin(entry.request_id, entry.block_hashes, 5.0)
+    for entry in entries:
+        plain.reserve(entry.request_id, entry.num_total_blocks, 5.0)
     for block_id in range(128):
         assert shared.pool.ref_cnt(block_id) == plain.pool.ref_cnt(block_id)
     shared.pool.check_invariants()
-
-
-def test_a_version_1_batch_still_decodes() -> None:
-    hashes = _chain(3, 1)
-    v1 = (
-        _head(version=1, count=1)
-        + struct.pack("<H", 1)
-        + b"a"
-        + struct.pack("<I", 3)
-        + b"".join(hashes)
-        + MAC
-    )
-    assert decode_batch(v1).entries == (ProbeEntry("a", hashes),)
 
 
 def _shared_entry(rid: bytes, n: int, shared_from: int, shared_len: int, own: int) -> bytes:
     return (
         struct.pack("<H", len(rid))
         + rid
-        + struct.pack("<III", n, shared_from, shared_len)
+        + struct.pack("<IIII", n, shared_from, shared_len, n)
         + bytes(32) * own
     )
 
@@ -167,7 +163,7 @@ def _shared_entry(rid: bytes, n: int, shared_from: int, shared_len: int, own: in
     ],
 )
 def test_malformed_shares_name_the_field(entries: list[bytes], field: str) -> None:
-    payload = _head(version=2, count=len(entries)) + b"".join(entries) + MAC
+    payload = _head(count=len(entries)) + b"".join(entries) + NO_RELEASES + MAC
     with pytest.raises(KVWireError, match=field):
         decode_batch(payload)
 
@@ -179,10 +175,11 @@ def test_shared_hashes_count_against_the_batch_bound(monkeypatch: pytest.MonkeyP
     entries = [_shared_entry(b"a", 4, 0, 0, 4)] + [
         _shared_entry(bytes([98 + i]), 4, 1, 4, 0) for i in range(2)
     ]
-    payload = _head(version=2, count=3) + b"".join(entries) + MAC
+    payload = _head(count=3) + b"".join(entries) + NO_RELEASES + MAC
     with pytest.raises(KVWireError, match="per batch"):
         decode_batch(payload)
-    assert len(decode_batch(_head(version=2, count=2) + b"".join(entries[:2]) + MAC).entries) == 2
+    two = _head(count=2) + b"".join(entries[:2]) + NO_RELEASES + MAC
+    assert len(decode_batch(two).entries) == 2
 
 
 @pytest.mark.parametrize(
@@ -191,19 +188,22 @@ def test_shared_hashes_count_against_the_batch_bound(monkeypatch: pytest.MonkeyP
         (b"", "header"),
         (b"XYZ" + bytes(50), "bad magic"),
         (_head(version=9) + MAC, "version"),
+        (_head(version=PROTOCOL_VERSION + 1) + MAC, "version"),
         (_head(op=7) + MAC, "op"),
         (_head(lease=float("inf")) + MAC, "lease_s"),
         (_head(count=10**6) + MAC, "count"),
         (_head(count=1) + struct.pack("<H", 0) + MAC, "request_id"),
         # claims a million hashes, sends none: rejected before any allocation
         (
-            _head(count=1) + struct.pack("<H", 1) + b"a" + struct.pack("<I", 10**6) + MAC,
+            _head(count=1) + b"\x01\x00a" + struct.pack("<IIII", 10**6, 0, 0, 10**6) + MAC,
             "block_hashes",
         ),
         (
-            _head(op=2, count=1) + struct.pack("<H", 1) + b"a" + struct.pack("<II", 5, 3) + MAC,
-            "num_agreed_blocks",
+            _head(count=1) + b"\x01\x00a" + struct.pack("<IIII", 2, 0, 0, 5) + MAC,
+            "num_total_blocks",
         ),
+        (_head(count=0) + MAC, "num_releases"),
+        (_head(op=2, count=1) + b"\x01\x00a" + NO_RELEASES + MAC, "after the last entry"),
         (
             encode_batch(KVBatch(BatchOp.RELEASE, ("a",)))[:-32] + b"x" + MAC,
             "after the last entry",
@@ -218,27 +218,21 @@ def test_malformed_batches_name_the_field(payload: bytes, field: str) -> None:
 def test_a_keyed_stage_takes_only_signed_fresh_batches_of_the_owner() -> None:
     key = BusKey.generate().for_replica("p")
     manager = StageKVManager(BlockPool(16, BLOCK))
-    probe = KVBatch(BatchOp.PROBE, (ProbeEntry("r", ()),), 5.0, owner="adm1", seq=1)
+    probe = KVBatch(BatchOp.PROBE_RESERVE, (ReserveEntry("r", (), 1),), 5.0, owner="adm1", seq=1)
     # Unsigned, or signed with another key: refused whole, nothing held.
     for payload in (encode_batch(probe), encode_batch(probe, BusKey.generate())):
         reply = decode_reply(handle_kv_batch(manager, 0, payload, bus_key=key))
         assert "mac" in reply.error and manager.num_requests == 0
     signed = encode_batch(probe, key)
     assert decode_reply(handle_kv_batch(manager, 0, signed, bus_key=key)).results[0].ok
-    # The same signed batch again (a replay): refused by its op number.
-    replay = decode_reply(handle_kv_batch(manager, 0, signed, bus_key=key))
-    assert "replayed" in replay.error
-    commit = KVBatch(BatchOp.COMMIT, (CommitEntry("r", 0, 2),), 5.0, owner="adm1", seq=2)
-    assert (
-        decode_reply(handle_kv_batch(manager, 0, encode_batch(commit, key), bus_key=key))
-        .results[0]
-        .ok
-    )
+    # The same signed batch again (a repeat): refused by its op number.
+    repeat = decode_reply(handle_kv_batch(manager, 0, signed, bus_key=key))
+    assert "repeated" in repeat.error
     # A release by another owner (a forger who read the id in a plan) frees nothing.
     forged = KVBatch(BatchOp.RELEASE, ("r",), owner="intruder", seq=1)
     decode_reply(handle_kv_batch(manager, 0, encode_batch(forged, key), bus_key=key))
-    assert manager.request_ids() == ["r"] and manager.pool.num_pinned_blocks == 2
-    release = KVBatch(BatchOp.RELEASE, ("r",), owner="adm1", seq=3)
+    assert manager.request_ids() == ["r"] and manager.pool.num_pinned_blocks == 1
+    release = KVBatch(BatchOp.RELEASE, ("r",), owner="adm1", seq=2)
     decode_reply(handle_kv_batch(manager, 0, encode_batch(release, key), bus_key=key))
     assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0
 
@@ -246,7 +240,7 @@ def test_a_keyed_stage_takes_only_signed_fresh_batches_of_the_owner() -> None:
 async def test_a_keyed_controller_and_keyed_stages_agree_in_signed_rounds() -> None:
     key = BusKey.generate().for_replica("p")
     managers = [StageKVManager(BlockPool(64, BLOCK)) for _ in range(3)]
-    controller = AdmissionController(
+    controller = AgreementController(
         [LocalStageClient(m, r, bus_key=key) for r, m in enumerate(managers)],
         block_size=BLOCK,
         model_id=MODEL_ID,
@@ -258,7 +252,7 @@ async def test_a_keyed_controller_and_keyed_stages_agree_in_signed_rounds() -> N
     await controller.release([r.request_id for r in requests])
     assert all(m.num_requests == 0 for m in managers)
     # A controller without the key is refused by the same stages: nothing held.
-    stranger = AdmissionController(
+    stranger = AgreementController(
         [LocalStageClient(m, r, bus_key=key) for r, m in enumerate(managers)],
         block_size=BLOCK,
         model_id=MODEL_ID,
@@ -271,7 +265,7 @@ async def test_a_keyed_controller_and_keyed_stages_agree_in_signed_rounds() -> N
 @settings(max_examples=200, deadline=None)
 @given(
     garbage=st.binary(max_size=200),
-    prefix=st.sampled_from([b"", b"WKB\x01\x01", b"WKB\x01\x03", b"WKB\x03\x04", b"WKB\x05\x04"]),
+    prefix=st.sampled_from([b"", b"WKB\x01\x01", b"WKB\x01\x02", b"WKB\x02\x01"]),
 )
 def test_the_stage_handler_never_raises_and_changes_nothing_on_garbage(
     garbage: bytes, prefix: bytes
@@ -286,21 +280,24 @@ def test_the_stage_handler_never_raises_and_changes_nothing_on_garbage(
 
 def test_a_bad_entry_is_answered_alone_and_the_others_apply() -> None:
     manager = StageKVManager(BlockPool(8, BLOCK))
-    probe = KVBatch(BatchOp.PROBE, (ProbeEntry("a", ()), ProbeEntry("b", ())), 5.0)
-    decode_reply(handle_kv_batch(manager, 0, encode_batch(probe)))
-    commit = KVBatch(
-        BatchOp.COMMIT,
-        (CommitEntry("a", 0, 2), CommitEntry("ghost", 0, 1), CommitEntry("b", 0, 100)),
+    batch = KVBatch(
+        BatchOp.PROBE_RESERVE,
+        (
+            ReserveEntry("a", (), 1),
+            ReserveEntry("a", (HASH,), 2),  # the same id with another total
+            ReserveEntry("b", _chain(99), 100),
+        ),
         5.0,
     )
-    reply = decode_reply(handle_kv_batch(manager, 0, encode_batch(commit)))
+    reply = decode_reply(handle_kv_batch(manager, 0, encode_batch(batch)))
     assert [r.status for r in reply.results] == [
         EntryStatus.OK,
-        EntryStatus.INVALID,  # never probed: named, nothing held
+        EntryStatus.INVALID,  # named, and the first "a" keeps its table
         EntryStatus.REFUSED,  # does not fit: nothing held
     ]
-    assert "ghost" in reply.results[1].error and "needs 100 blocks" in reply.results[2].error
-    assert manager.request_ids() == ["a"] and manager.pool.num_pinned_blocks == 2
+    assert "already reserved" in reply.results[1].error
+    assert "needs 100 blocks" in reply.results[2].error
+    assert manager.request_ids() == ["a"] and manager.pool.num_pinned_blocks == 1
 
 
 # --------------------------------------------------------------------------- rounds
@@ -336,13 +333,12 @@ class GatedClient(LocalStageClient):
 
 
 async def test_a_round_is_one_round_trip_and_rounds_overlap_when_allowed() -> None:
-    """One probe-reserve message per stage per round and nothing more (no commit phase: the
-    old agreement sent a probe, then a commit); with two rounds allowed in flight (the default
-    is one), a second round goes out while the first is on the wire."""
+    """One probe-reserve message per stage per round and nothing more; with two rounds allowed
+    in flight (the default is one), a second round goes out while the first is on the wire."""
     managers = [StageKVManager(BlockPool(256, BLOCK)) for _ in range(3)]
     log: list[tuple[int, str, int]] = []
     clients = [GatedClient(m, r, log) for r, m in enumerate(managers)]
-    controller = AdmissionController(
+    controller = AgreementController(
         clients, block_size=BLOCK, model_id=MODEL_ID, max_rounds_in_flight=2
     )
     requests = [PromptRequest(f"r{i}", list(range(i, i + 9))) for i in range(40)]
@@ -487,7 +483,7 @@ async def test_rounds_over_a_real_nats_server(nc) -> None:  # noqa: ANN001
     for rank, manager in enumerate(managers):
         await serve_stage_kv(nc, "wavepp.tb", rank, manager)
     await flush_in_order(nc)
-    controller = AdmissionController(
+    controller = AgreementController(
         [NatsStageClient(nc, "wavepp.tb", r, timeout_s=5.0) for r in range(4)],
         block_size=BLOCK,
         model_id=MODEL_ID,
@@ -519,7 +515,12 @@ def test_replies_round_trip(results: list, error: str, rank: int) -> None:
     unpack, shared result objects), any with an error text entry by entry; the rank is read from
     the header alone as well (``reply_rank``, what a fan-out round sorts replies by)."""
     reply = KVBatchReply(
-        BatchOp.COMMIT, rank, 5, 9, tuple(EntryResult(s, v, t) for s, v, t in results), error
+        BatchOp.PROBE_RESERVE,
+        rank,
+        5,
+        9,
+        tuple(EntryResult(s, v, t) for s, v, t in results),
+        error,
     )
     payload = encode_reply(reply)
     assert decode_reply(payload) == reply
@@ -528,16 +529,22 @@ def test_replies_round_trip(results: list, error: str, rank: int) -> None:
 
 
 def _reply_head(count: int) -> bytes:
-    return struct.pack("<3sBBHIIH", b"WKR", 1, 1, 0, 0, 0, 0) + struct.pack("<I", count)
+    return struct.pack("<3sBBHIIH", b"WKR", PROTOCOL_VERSION, 1, 0, 0, 0, 0) + struct.pack(
+        "<I", count
+    )
 
 
 @pytest.mark.parametrize(
     ("payload", "field"),
     [
-        (_reply_head(2) + struct.pack("<BIH", 0, 1, 0) + struct.pack("<BIH", 4, 1, 0), "status"),
-        (_reply_head(1) + struct.pack("<BIH", 9, 1, 0), "status"),
-        (_reply_head(2) + struct.pack("<BIH", 0, 1, 0), "result"),
-        (_reply_head(1) + struct.pack("<BIH", 0, 1, 4) + b"ab", "result error"),
+        (
+            _reply_head(2) + struct.pack("<BIH", 0, 1, 0) + struct.pack("<BIH", 4, 1, 0) + MAC,
+            "status",
+        ),
+        (_reply_head(1) + struct.pack("<BIH", 9, 1, 0) + MAC, "status"),
+        (_reply_head(2) + struct.pack("<BIH", 0, 1, 0) + MAC, "result"),
+        (_reply_head(1) + struct.pack("<BIH", 0, 1, 4) + b"ab" + MAC, "result error"),
+        (_reply_head(0), "tag"),
         (_reply_head(1)[:5], "header"),
         (b"XYZ" + _reply_head(0)[3:], "magic"),
     ],

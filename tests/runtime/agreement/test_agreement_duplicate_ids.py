@@ -15,7 +15,7 @@ import asyncio
 
 import pytest
 
-from wavepp.runtime.agreement import AdmissionController, LocalStageClient
+from wavepp.runtime.agreement import AgreementController, LocalStageClient
 from wavepp.runtime.agreement.coordinator import AgreementRefused
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.request import PromptRequest
@@ -23,9 +23,9 @@ from wavepp.runtime.request import PromptRequest
 BLOCK = 4
 
 
-def _controller() -> tuple[AdmissionController, list[StageKVManager]]:
+def _controller() -> tuple[AgreementController, list[StageKVManager]]:
     managers = [StageKVManager(BlockPool(64, BLOCK)) for _ in range(2)]
-    controller = AdmissionController(
+    controller = AgreementController(
         [LocalStageClient(m, r) for r, m in enumerate(managers)],
         block_size=BLOCK,
         model_id="dup",

@@ -24,9 +24,9 @@ from wavepp.api.kv_batch import (
     encode_batch,
 )
 from wavepp.api.kv_reply import EntryStatus, decode_reply
-from wavepp.api.messages import MicroBatchPlan, PlannedChunk
+from wavepp.api.messages import PROTOCOL_VERSION, MicroBatchPlan, PlannedChunk
 from wavepp.api.signing import BusKey
-from wavepp.runtime.agreement import AdmissionController, LocalStageClient
+from wavepp.runtime.agreement import AgreementController, LocalStageClient
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
 from wavepp.runtime.request import PromptRequest
@@ -39,18 +39,18 @@ MODEL_ID = "one-trip"
 # --------------------------------------------------------------------------- wire format
 
 
-def test_a_probe_reserve_batch_round_trips_as_version_3_and_older_ops_stay_version_2() -> None:
+def test_a_probe_reserve_batch_round_trips_in_the_protocol_version() -> None:
     prefix = chain(6)
     batch = reserve_batch(
         ReserveEntry("a", prefix, 7), ReserveEntry("b", prefix[:4] + chain(2, 9), 6)
     )
     payload = encode_batch(batch)
-    assert payload[3] == 3  # the version byte
+    assert payload[3] == PROTOCOL_VERSION  # the version byte
     decoded = decode_batch(payload)
     assert decoded == batch
     assert decoded.shares[1] == (0, 4)  # the shared prefix travels once
     release = encode_batch(KVBatch(BatchOp.RELEASE, ("a",)))
-    assert release[3] == 2  # a stage of the previous release still reads it
+    assert release[3] == PROTOCOL_VERSION
 
 
 @pytest.mark.parametrize("total", [0, 5, 8])
@@ -64,13 +64,6 @@ def test_a_reserve_count_that_does_not_fit_the_hashes_is_refused_naming_the_fiel
     good[at : at + 4] = struct.pack("<I", total)
     with pytest.raises(KVWireError, match="num_total_blocks"):
         decode_batch(bytes(good))
-
-
-def test_probe_reserve_in_a_version_2_batch_is_refused() -> None:
-    payload = bytearray(encode_batch(reserve_batch(ReserveEntry("a", (), 1))))
-    payload[3] = 2
-    with pytest.raises(KVWireError, match="needs version 3"):
-        decode_batch(bytes(payload))
 
 
 # --------------------------------------------------------------------------- the stage
@@ -134,19 +127,13 @@ def test_a_first_chunk_past_the_stage_hit_is_refused() -> None:
     assert manager.num_agreed_blocks("r") == 2
 
 
-def test_reserve_and_commit_do_not_mix_and_reserve_is_idempotent() -> None:
+def test_reserve_is_idempotent_and_checks_its_total() -> None:
     manager = StageKVManager(BlockPool(16, BLOCK))
     manager.probe_pin("r", chain(3), 5.0)
     table = manager.reserve("r", 4, 5.0)
     assert manager.reserve("r", 4, 5.0) == table
     with pytest.raises(ValueError, match="already reserved"):
         manager.reserve("r", 3, 5.0)
-    with pytest.raises(ValueError, match="commit does not apply"):
-        manager.commit("r", 0, 4, 5.0)
-    manager.probe_pin("c", chain(2, 5), 5.0)
-    manager.commit("c", 0, 2, 5.0)
-    with pytest.raises(ValueError, match="reserve does not apply"):
-        manager.reserve("c", 2, 5.0)
     with pytest.raises(ValueError, match="num_total_blocks"):
         manager.probe_pin("short", chain(3, 6), 5.0)
         manager.reserve("short", 2, 5.0)
@@ -180,7 +167,7 @@ def test_a_keyed_stage_takes_only_signed_fresh_probe_reserves_of_the_owner() -> 
     signed = encode_batch(batch, key)
     assert decode_reply(handle_kv_batch(manager, 0, signed, bus_key=key)).results[0].ok
     assert manager.pool.num_pinned_blocks == 3  # reserved at once
-    assert "replayed" in decode_reply(handle_kv_batch(manager, 0, signed, bus_key=key)).error
+    assert "repeated" in decode_reply(handle_kv_batch(manager, 0, signed, bus_key=key)).error
     # Another owner naming the request (read from a plan) is refused and changes nothing.
     intruder = reserve_batch(ReserveEntry("r", chain(2), 3), owner="intruder", seq=1)
     reply = decode_reply(handle_kv_batch(manager, 0, encode_batch(intruder, key), bus_key=key))
@@ -239,7 +226,7 @@ def test_the_stage_core_takes_l_star_from_the_first_chunk_and_reports_it() -> No
 
 async def test_a_stage_whose_hit_exceeds_l_star_keeps_it_in_its_table() -> None:
     managers = [StageKVManager(BlockPool(32, BLOCK)) for _ in range(3)]
-    controller = AdmissionController(
+    controller = AgreementController(
         [LocalStageClient(m, r) for r, m in enumerate(managers)],
         block_size=BLOCK,
         model_id=MODEL_ID,
@@ -269,7 +256,7 @@ async def test_a_refusal_on_one_stage_is_released_on_the_others_before_the_calle
             await asyncio.sleep(0)
             return await super().call_batch(payload)
 
-    controller = AdmissionController(
+    controller = AgreementController(
         [Watching(m, r) for r, m in enumerate(managers)], block_size=BLOCK, model_id=MODEL_ID
     )
 
@@ -356,7 +343,7 @@ async def test_admitted_callers_do_not_wait_for_the_release_of_a_refused_one() -
                 events.append("released")
             return reply
 
-    controller = AdmissionController(
+    controller = AgreementController(
         [Slow(m, r) for r, m in enumerate(managers)], block_size=BLOCK, model_id=MODEL_ID
     )
 

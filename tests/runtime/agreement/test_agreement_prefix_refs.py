@@ -1,8 +1,7 @@
-"""Prefix references (``kv_batch`` version 5), the controller's side: a second round with the
-same prefixes sends each as 64 bytes and agrees exactly as with references off; a stage that
-forgot (restarted) answers UNRESOLVED and the request goes again in full, its caller none the
-wiser; a stage that cannot decode version 5 turns references off; a failed round forgets the
-mirror. In process and over a real nats-server.
+"""Prefix references, the controller's side: a second round with the same prefixes sends each
+as 64 bytes and agrees exactly as with references off; a stage that forgot (restarted) answers
+UNRESOLVED and the request goes again in full, its caller none the wiser; a failed round
+forgets the mirror. In process and over a real nats-server.
 
 The wire format and the stage's side are in ``tests/runtime/agreement/test_kv_batch_refs.py``."""
 
@@ -10,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,10 +17,9 @@ from kv_wire_support import CountingClient
 
 from wavepp.api.kv_batch import BatchOp, KVWireError
 from wavepp.api.kv_reply import EntryResult, EntryStatus, decode_reply, encode_reply
-from wavepp.runtime.agreement import AdmissionController, AgreementRefused
+from wavepp.runtime.agreement import AgreementController, AgreementRefused
 from wavepp.runtime.agreement.clients import StageUnavailableError
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
-from wavepp.runtime.agreement.rounds import StageProtocolError
 from wavepp.runtime.kv import BlockPool, RecentPrefixes, StageKVManager
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.transport.natsio import flush_in_order
@@ -46,16 +43,16 @@ def workload(round_index: int, num_roots: int = 4, per_root: int = 3) -> list[Pr
 
 def setup(
     num_stages: int = 3, *, prefix_refs: bool = True
-) -> tuple[list[StageKVManager], list[CountingClient], AdmissionController]:
+) -> tuple[list[StageKVManager], list[CountingClient], AgreementController]:
     managers = [StageKVManager(BlockPool(512, BLOCK)) for _ in range(num_stages)]
     clients = [CountingClient(m, r) for r, m in enumerate(managers)]
-    controller = AdmissionController(
+    controller = AgreementController(
         clients, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0, prefix_refs=prefix_refs
     )
     return managers, clients, controller
 
 
-async def one_round(controller: AdmissionController, requests: list[PromptRequest]) -> list[object]:
+async def one_round(controller: AgreementController, requests: list[PromptRequest]) -> list[object]:
     rounds = controller.num_rounds
     tickets = await asyncio.gather(*(controller.agree(r) for r in requests))
     assert controller.num_rounds == rounds + 1
@@ -90,11 +87,11 @@ async def test_a_second_round_names_its_prefixes_by_reference_and_agrees_the_sam
         assert controller.num_unresolved == 0
     with_refs, without = outcomes[True], outcomes[False]
     assert with_refs[:2] == without[:2]
-    assert [v for _, v in with_refs[2]] == [3, 5, 5]
-    assert [v for _, v in without[2]] == [3, 3, 3]
+    assert [v for _, v in with_refs[2]] == [False, True, True]
+    assert [v for _, v in without[2]] == [False, False, False]
     assert with_refs[2][0][0] == without[2][0][0]  # round 1: nothing remembered yet
-    # 4 roots: each first entry sends 2 hashes, not 10 (and version 5 its u32 release count)
-    assert without[2][1][0] - with_refs[2][1][0] == 4 * (10 - 2) * 32 - 4
+    # 4 roots: each first entry sends 2 hashes, not 10
+    assert without[2][1][0] - with_refs[2][1][0] == 4 * (10 - 2) * 32
     assert [t[1] for t in with_refs[0][12:]] == [10] * 24  # L*: the cached prefix
 
 
@@ -109,7 +106,7 @@ async def test_a_stage_that_forgot_answers_unresolved_and_the_request_goes_again
     # each root's first entry of round 2 referred to it, the others shared in-batch from those
     assert controller.num_unresolved == 12
     assert controller.num_rounds == 3  # they went again, in full, in a round of their own
-    assert [v for _, v in clients[0].payloads] == [3, 5, 3]
+    assert [v for _, v in clients[0].payloads] == [False, True, False]
     held = sorted(r.request_id for r in first + second)
     for manager in managers:  # nothing leaked: every stage holds exactly the admitted ones
         assert sorted(manager.request_ids()) == held
@@ -119,37 +116,7 @@ async def test_a_stage_that_forgot_answers_unresolved_and_the_request_goes_again
         assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0
     # stage 2 remembers again: a fourth round resolves everywhere
     assert all(t is not None for t in await one_round(controller, workload(2)))
-    assert controller.num_unresolved == 12 and clients[0].payloads[-1][1] == 5
-
-
-class OldStage(CountingClient):
-    """A stage of the previous release: version 5 is a batch-level error to it."""
-
-    async def call_batch(self, payload: bytes) -> bytes:
-        if payload[3] == 5:
-            payload = payload[:3] + bytes([9]) + payload[4:]  # decoded as an unknown version
-        return await super().call_batch(payload)
-
-
-async def test_a_stage_that_cannot_decode_references_turns_them_off(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    managers = [StageKVManager(BlockPool(512, BLOCK)) for _ in range(2)]
-    clients = [CountingClient(managers[0], 0), OldStage(managers[1], 1)]
-    controller = AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID)
-    assert all(t is not None for t in await one_round(controller, workload(0)))
-    with caplog.at_level(logging.WARNING):
-        results = await asyncio.gather(
-            *(controller.agree(r) for r in workload(1)), return_exceptions=True
-        )
-    assert all(isinstance(r, StageProtocolError) and "version" in str(r) for r in results)
-    assert all(
-        sorted(m.request_ids()) == sorted(r.request_id for r in workload(0)) for m in managers
-    )
-    assert sum("prefix references are off" in r.message for r in caplog.records) == 1
-    assert all(t is not None for t in await one_round(controller, workload(2)))
-    assert all(t is not None for t in await one_round(controller, workload(3)))
-    assert [v for _, v in clients[0].payloads] == [3, 5, 3, 3]
+    assert controller.num_unresolved == 12 and clients[0].payloads[-1][1]
 
 
 class FlakyStage(CountingClient):
@@ -171,7 +138,7 @@ async def test_a_failed_round_forgets_what_the_stages_remember() -> None:
     sends every hash (and the one after refers again)."""
     managers = [StageKVManager(BlockPool(512, BLOCK)) for _ in range(2)]
     clients = [CountingClient(managers[0], 0), FlakyStage(managers[1], 1, fail_at=2)]
-    controller = AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID)
+    controller = AgreementController(clients, block_size=BLOCK, model_id=MODEL_ID)
     assert all(t is not None for t in await one_round(controller, workload(0)))
     results = await asyncio.gather(
         *(controller.agree(r) for r in workload(1)), return_exceptions=True
@@ -179,7 +146,7 @@ async def test_a_failed_round_forgets_what_the_stages_remember() -> None:
     assert all(isinstance(r, StageUnavailableError) for r in results)
     assert all(t is not None for t in await one_round(controller, workload(2)))
     assert all(t is not None for t in await one_round(controller, workload(3)))
-    assert [v for _, v in clients[0].payloads] == [3, 5, 3, 5]
+    assert [v for _, v in clients[0].payloads] == [False, True, False, True]
     assert controller.num_unresolved == 0
 
 
@@ -187,7 +154,7 @@ async def test_references_off_send_every_hash() -> None:
     _, clients, controller = setup(prefix_refs=False)
     for index in range(3):
         assert all(t is not None for t in await one_round(controller, workload(index)))
-    assert [v for _, v in clients[0].payloads] == [3, 3, 3]
+    assert [v for _, v in clients[0].payloads] == [False, False, False]
 
 
 async def test_references_over_a_real_nats_server(nc) -> None:  # noqa: ANN001
@@ -197,7 +164,7 @@ async def test_references_over_a_real_nats_server(nc) -> None:  # noqa: ANN001
     for rank, manager in enumerate(managers):
         await serve_stage_kv(nc, "wavepp.pr", rank, manager)
     await flush_in_order(nc)
-    controller = AdmissionController(
+    controller = AgreementController(
         [NatsStageClient(nc, "wavepp.pr", r, timeout_s=5.0) for r in range(4)],
         block_size=BLOCK,
         model_id=MODEL_ID,
@@ -213,7 +180,7 @@ async def test_references_over_a_real_nats_server(nc) -> None:  # noqa: ANN001
         assert all(t is not None for t in tickets)
         sizes.append(controller._rounds.num_probe_reserve_bytes - before)
         admitted += [r.request_id for r in requests]
-    assert sizes[1] == sizes[0] - 4 * (10 - 2) * 32 + 4
+    assert sizes[1] == sizes[0] - 4 * (10 - 2) * 32
     assert controller.num_unresolved == 12  # round 3, every entry: sent again in full
     assert all(sorted(m.request_ids()) == sorted(admitted) for m in managers)
     await controller.release(admitted)
@@ -236,7 +203,7 @@ async def test_a_caller_gone_while_its_entry_was_unresolved_is_not_resent() -> N
     goes in full next time (the stages do not remember it), not by a reference that fails."""
     managers = [StageKVManager(BlockPool(512, BLOCK)) for _ in range(2)]
     clients = [CountingClient(managers[0], 0), CancellingStage(managers[1], 1)]
-    controller = AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID)
+    controller = AgreementController(clients, block_size=BLOCK, model_id=MODEL_ID)
     assert await one_round(controller, workload(0, num_roots=1, per_root=1)) != [None]
     managers[1].recent_prefixes = RecentPrefixes()
     gone = asyncio.ensure_future(controller.agree(workload(1, num_roots=1, per_root=1)[0]))
@@ -248,7 +215,7 @@ async def test_a_caller_gone_while_its_entry_was_unresolved_is_not_resent() -> N
     assert [m.request_ids() for m in managers] == [["q0-0-0"]] * 2
     assert all(t is not None for t in await one_round(controller, workload(2, 1, 1)))
     assert controller.num_unresolved == 1
-    assert [v for _, v in clients[0].payloads] == [3, 5, 3]
+    assert [v for _, v in clients[0].payloads] == [False, True, False]
 
 
 async def test_a_round_that_cannot_be_encoded_fails_its_callers_and_forgets_the_mirror() -> None:
@@ -270,7 +237,7 @@ async def test_a_round_that_cannot_be_encoded_fails_its_callers_and_forgets_the_
         sorted(m.request_ids()) == sorted(r.request_id for r in workload(0)) for m in managers
     )
     assert all(t is not None for t in await one_round(controller, workload(2)))
-    assert [v for _, v in clients[0].payloads] == [3, 3]
+    assert [v for _, v in clients[0].payloads] == [False, False]
 
 
 class YieldingStage(CountingClient):
@@ -315,7 +282,7 @@ def test_overlapping_rounds_with_stages_forgetting_admit_all_and_leak_nothing(
             YieldingStage(m, r, d, forget_at if r == len(delays) - 1 else set())
             for r, (m, d) in enumerate(zip(managers, delays, strict=True))
         ]
-        controller = AdmissionController(
+        controller = AgreementController(
             clients,
             block_size=BLOCK,
             model_id=MODEL_ID,
@@ -369,7 +336,7 @@ async def test_a_stage_calling_a_full_entry_unresolved_fails_it_once_not_forever
     managers = [StageKVManager(BlockPool(512, BLOCK)) for _ in range(3)]
     clients: list[CountingClient] = [CountingClient(m, r) for r, m in enumerate(managers[:2])]
     clients.append(AlwaysUnresolved(managers[2], 2))
-    controller = AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0)
+    controller = AgreementController(clients, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0)
     first = workload(0, num_roots=1, per_root=1)[0]
     with pytest.raises(AgreementRefused, match="UNRESOLVED to an entry sent in full"):
         await asyncio.wait_for(controller.agree(first), 10)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from wavepp.runtime.agreement import AdmissionController, LocalStageClient
+from wavepp.runtime.agreement import AgreementController, LocalStageClient
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.model_config import ModelConfig
 from wavepp.runtime.request import PromptRequest
@@ -42,14 +42,14 @@ LLAMA = ModelConfig(
 
 
 class Pipeline:
-    """S engines, S stage KV managers and one admission controller, all in process."""
+    """S engines, S stage KV managers and one agreement controller, all in process."""
 
     def __init__(self, engines: Sequence, state_interval_blocks: int = 1) -> None:
         self.engines = list(engines)
         for engine in self.engines:
             engine.allocate_kv(NUM_BLOCKS, BS)
         self.managers = [StageKVManager(BlockPool(NUM_BLOCKS, BS)) for _ in self.engines]
-        self.controller = AdmissionController(
+        self.controller = AgreementController(
             [LocalStageClient(m, r) for r, m in enumerate(self.managers)],
             block_size=BS,
             model_id="recompute",

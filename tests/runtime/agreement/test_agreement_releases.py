@@ -1,4 +1,4 @@
-"""Releases ride along with the next admission round (``KVBatch.releases``, wire version 4): one
+"""Releases ride along with the next agreement round (``KVBatch.releases``): one
 message per stage per round for the finished requests and the new ones, the releases applied
 first; alone, they go out at once in a release batch."""
 
@@ -20,7 +20,7 @@ from wavepp.api.kv_batch import (
     encode_batch,
 )
 from wavepp.api.kv_reply import EntryStatus, decode_reply
-from wavepp.runtime.agreement import AdmissionController, AgreementRefused, LocalStageClient
+from wavepp.runtime.agreement import AgreementController, AgreementRefused, LocalStageClient
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.request import PromptRequest
@@ -36,16 +36,14 @@ def _reserve(rid: str, n: int, root: int = 0) -> ReserveEntry:
 # --------------------------------------------------------------------------- wire format
 
 
-def test_a_probe_reserve_batch_carries_releases_in_version_4_and_none_in_version_3() -> None:
+def test_a_probe_reserve_batch_carries_its_releases() -> None:
     with_releases = KVBatch(
         BatchOp.PROBE_RESERVE, (_reserve("n1", 2),), 5.0, "adm", 3, releases=("o1", "o2")
     )
     payload = encode_batch(with_releases)
-    assert payload[3] == 4  # the version byte
     decoded = decode_batch(payload)
     assert decoded == with_releases and decoded.releases == ("o1", "o2")
     plain = KVBatch(BatchOp.PROBE_RESERVE, (_reserve("n1", 2),), 5.0, "adm", 4)
-    assert encode_batch(plain)[3] == 3  # a stage of the previous release still reads it
     assert decode_batch(encode_batch(plain)).releases == ()
     # releases only: a round with no new request is still a probe-reserve batch of 0 entries
     only = KVBatch(BatchOp.PROBE_RESERVE, (), 5.0, "adm", 5, releases=("o3",))
@@ -55,11 +53,11 @@ def test_a_probe_reserve_batch_carries_releases_in_version_4_and_none_in_version
 def test_releases_outside_a_probe_reserve_batch_are_refused() -> None:
     with pytest.raises(KVWireError, match="releases: only in a probe-reserve batch"):
         encode_batch(KVBatch(BatchOp.RELEASE, ("a",), releases=("b",)))
-    # a version 4 header on another op: refused when decoded
-    payload = bytearray(encode_batch(KVBatch(BatchOp.RELEASE, ("a",))))
-    payload[3] = 4
-    with pytest.raises(KVWireError, match="version: 4 with op 3"):
-        decode_batch(bytes(payload))
+    # a release batch carries no release section: bytes past its ids are refused
+    payload = encode_batch(KVBatch(BatchOp.RELEASE, ("a",)))
+    with_section = payload[:-32] + b"\x00\x00\x00\x00" + payload[-32:]
+    with pytest.raises(KVWireError, match="after the last entry"):
+        decode_batch(with_section)
 
 
 @pytest.mark.parametrize(
@@ -134,11 +132,11 @@ class LoggingClient(LocalStageClient):
         return await super().call_batch(payload)
 
 
-def _controller(num_stages: int = 3) -> tuple[list[StageKVManager], AdmissionController, list]:
+def _controller(num_stages: int = 3) -> tuple[list[StageKVManager], AgreementController, list]:
     managers = [StageKVManager(BlockPool(64, BLOCK)) for _ in range(num_stages)]
     log: list[tuple] = []
     clients = [LoggingClient(m, r, log) for r, m in enumerate(managers)]
-    return managers, AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID), log
+    return managers, AgreementController(clients, block_size=BLOCK, model_id=MODEL_ID), log
 
 
 def _request(i: int) -> PromptRequest:
@@ -198,7 +196,7 @@ async def test_an_id_agreed_again_waits_for_its_release_left_to_a_later_round() 
     would then free the new ticket's blocks."""
     managers = [StageKVManager(BlockPool(64, BLOCK)) for _ in range(2)]
     clients = [LoggingClient(m, r, []) for r, m in enumerate(managers)]
-    controller = AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID, max_batch=4)
+    controller = AgreementController(clients, block_size=BLOCK, model_id=MODEL_ID, max_batch=4)
     seed = PromptRequest("seed", list(range(1000, 1012)))  # 3 blocks, cached on both stages
     assert await controller.agree(seed)
     for manager in managers:
@@ -262,7 +260,7 @@ def test_mixed_agreements_and_releases_keep_the_stages_in_step(
     async def scenario() -> None:
         managers = [StageKVManager(BlockPool(96, BLOCK)) for _ in range(2)]
         clients = [LocalStageClient(m, r) for r, m in enumerate(managers)]
-        controller = AdmissionController(
+        controller = AgreementController(
             clients, block_size=BLOCK, model_id=MODEL_ID, max_batch=max_batch
         )
         prompts: dict[str, PromptRequest] = {}

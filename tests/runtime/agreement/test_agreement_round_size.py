@@ -9,7 +9,7 @@ import asyncio
 
 from wavepp.api.kv_batch import decode_batch
 from wavepp.api.signing import BusKey
-from wavepp.runtime.agreement import AdmissionController, LocalStageClient
+from wavepp.runtime.agreement import AgreementController, LocalStageClient
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.agreement.rounds import MAX_ROUND_BYTES
 from wavepp.runtime.kv import BlockPool, StageKVManager
@@ -40,7 +40,7 @@ def _prompt(i: int, num_tokens: int) -> PromptRequest:
 async def test_a_round_past_its_byte_budget_is_split_and_a_lone_large_entry_still_goes() -> None:
     managers = [StageKVManager(BlockPool(4096, BLOCK)) for _ in range(2)]
     log: list[tuple[int, int]] = []
-    controller = AdmissionController(
+    controller = AgreementController(
         [SizeLoggingClient(m, r, log) for r, m in enumerate(managers)],
         block_size=BLOCK,
         model_id="m",
@@ -77,7 +77,7 @@ async def test_five_131k_token_prompts_agreed_together_over_nats_all_get_in() ->
         adm = await connect(server.url, name="admission", anonymous_ok=True)
         clients.append(adm)
         assert adm.max_payload == 1024 * 1024 and MAX_ROUND_BYTES < adm.max_payload
-        controller = AdmissionController(
+        controller = AgreementController(
             NatsStageClient.for_replica(adm, prefix, 2, timeout_s=10.0),
             block_size=BLOCK,
             model_id="m",

@@ -1,4 +1,4 @@
-"""``max_rounds_in_flight`` (``AdmissionController`` and ``AgreementRounds``): below it an
+"""``max_rounds_in_flight`` (``AgreementController`` and ``AgreementRounds``): below it an
 arrival starts a round of its own at once; at it, arrivals wait for a round to finish and share
 the next one (on a few shared cores fewer, larger rounds cost less CPU per agreement:
 ``wavepp bench admission --rounds-in-flight``)."""
@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from wavepp.api.kv_batch import BatchOp, decode_batch
-from wavepp.runtime.agreement import AdmissionController, LocalStageClient
+from wavepp.runtime.agreement import AgreementController, LocalStageClient
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.request import PromptRequest
 
@@ -39,7 +39,7 @@ async def _rounds_of_three_staggered(max_rounds_in_flight: int | None) -> list[i
     gate = asyncio.Event()
     clients = [GatedClient(StageKVManager(BlockPool(256, BLOCK)), rank, gate) for rank in range(2)]
     limit = {} if max_rounds_in_flight is None else {"max_rounds_in_flight": max_rounds_in_flight}
-    controller = AdmissionController(clients, block_size=BLOCK, model_id="m", **limit)
+    controller = AgreementController(clients, block_size=BLOCK, model_id="m", **limit)
     calls = []
     for i in range(3):
         prompt = PromptRequest(f"r{i}", [(i * 97 + t) % 1000 for t in range(3 * BLOCK + 1)])
@@ -69,4 +69,4 @@ async def test_by_default_one_round_is_in_flight() -> None:
 def test_a_limit_below_one_is_refused_naming_it() -> None:
     client = LocalStageClient(StageKVManager(BlockPool(8, BLOCK)), 0)
     with pytest.raises(ValueError, match="max_rounds_in_flight"):
-        AdmissionController([client], block_size=BLOCK, model_id="m", max_rounds_in_flight=0)
+        AgreementController([client], block_size=BLOCK, model_id="m", max_rounds_in_flight=0)

@@ -1,4 +1,4 @@
-"""Prefix references (``kv_batch`` version 5) on the wire and on a stage: an entry names a long
+"""Prefix references on the wire and on a stage: an entry names a long
 prefix the stage remembers for its owner (``RecentPrefixes``) by its root and last hash, not 32
 bytes per block; a stage that does not hold it answers UNRESOLVED and holds nothing for it.
 
@@ -23,6 +23,7 @@ from wavepp.api.kv_batch import (
     encode_batch,
 )
 from wavepp.api.kv_reply import EntryStatus, decode_reply
+from wavepp.api.messages import PROTOCOL_VERSION
 from wavepp.api.signing import BusKey
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.kv import BlockPool, RecentPrefixes, StageKVManager
@@ -48,9 +49,9 @@ def test_a_reference_entry_is_smaller_and_decodes_to_the_same_hashes() -> None:
     hashes = PREFIX + chain(3, 9)
     full = encode_batch(reserve_batch(ReserveEntry("a", hashes, 64)))
     ref = encode_batch(reserve_batch(ReserveEntry("a", hashes, 64, recent_len=61)))
-    assert (full[3], ref[3]) == (3, 5)  # the version byte: 5 only with a reference written
-    # root and last hash instead of 61 hashes; version 5 always has its u32 release count
-    assert len(full) - len(ref) == (61 - 2) * 32 - 4
+    assert full[3] == ref[3] == PROTOCOL_VERSION
+    # root and last hash instead of 61 hashes
+    assert len(full) - len(ref) == (61 - 2) * 32
     recent = remembered(OWNER, PREFIX + chain(5, 7))  # the same prefix, another suffix
     decoded = decode_batch(ref, resolve=recent.resolve)
     assert decoded.entries == (ReserveEntry("a", hashes, 64),)
@@ -86,9 +87,10 @@ def test_a_reference_the_stage_cannot_resolve_decodes_unresolved(
     )
 
 
-def test_without_a_reference_the_bytes_are_version_3_and_4_as_before() -> None:
-    """The layout of versions 3 and 4, written out by hand: unchanged byte for byte when no
-    reference is written (none asked, or an in-batch share at least as long)."""
+def test_the_layout_written_out_by_hand() -> None:
+    """The probe-reserve layout, written out by hand: an in-batch share at least as long as
+    the reference asked writes no reference; a reference writes the root and the last hash;
+    the releases follow the entries."""
     a, b = chain(3), chain(2) + chain(1, 4)
 
     def entry(
@@ -101,9 +103,9 @@ def test_without_a_reference_the_bytes_are_version_3_and_4_as_before() -> None:
             + b"".join(own)
         )
 
-    def head(version: int, count: int) -> bytes:
+    def head(count: int) -> bytes:
         return (
-            struct.pack("<3sBBd", b"WKB", version, 4, 5.0)
+            struct.pack("<3sBBd", b"WKB", PROTOCOL_VERSION, 1, 5.0)
             + bytes([3])
             + OWNER.encode()
             + struct.pack("<QI", 1, count)
@@ -111,15 +113,21 @@ def test_without_a_reference_the_bytes_are_version_3_and_4_as_before() -> None:
 
     body = entry(b"a", 3, 0, 0, 4, a) + entry(b"b", 3, 1, 2, 3, b[2:])
     batch = reserve_batch(ReserveEntry("a", a, 4), ReserveEntry("b", b, 3, recent_len=2))
-    assert encode_batch(batch) == head(3, 2) + body + bytes(32)
+    no_releases = struct.pack("<I", 0)
+    assert encode_batch(batch) == head(2) + body + no_releases + bytes(32)
     with_releases = reserve_batch(*batch.entries, releases=("z",))
-    v4 = head(4, 2) + body + struct.pack("<IH", 1, 1) + b"z"
-    assert encode_batch(with_releases) == v4 + bytes(32)
+    released = head(2) + body + struct.pack("<IH", 1, 1) + b"z"
+    assert encode_batch(with_releases) == released + bytes(32)
+    referenced = reserve_batch(ReserveEntry("a", a, 4, recent_len=3))
+    by_reference = entry(b"a", 3, RECENT_REFERENCE, 3, 4, (a[0], a[2]))
+    assert encode_batch(referenced) == head(1) + by_reference + no_releases + bytes(32)
 
 
-def _v5(*entries: bytes, count: int | None = None, version: int = 5, op: int = 4) -> bytes:
+def _batch(
+    *entries: bytes, count: int | None = None, version: int = PROTOCOL_VERSION, op: int = 1
+) -> bytes:
     head = struct.pack("<3sBBd", b"WKB", version, op, 5.0) + b"\x00" + struct.pack("<Q", 0)
-    tail = struct.pack("<I", 0) if version >= 4 else b""
+    tail = struct.pack("<I", 0) if op == 1 else b""
     return (
         head
         + struct.pack("<I", len(entries) if count is None else count)
@@ -144,18 +152,17 @@ def _ref_entry(
 @pytest.mark.parametrize(
     ("payload", "field"),
     [
-        (_v5(_ref_entry(4, 0, 4)), "shared_len"),  # a reference of nothing
-        (_v5(_ref_entry(4, 5, 0)), "shared_len"),  # more than its own count
-        (_v5(_ref_entry(4, 2, 2, ref=1)), "block_hashes"),  # the reference cut short
-        (_v5(_ref_entry(4, 2, 2, ref=1))[:-40], "prefix reference"),
-        (_v5(_ref_entry(4, 2, 1)), "block_hashes"),  # one of the rest missing
-        (_v5(_ref_entry(4, 2, 2), version=4), "shared_from"),  # no references before 5
-        (_v5(_ref_entry(4, 2, 2), version=3), "shared_from"),
-        (_v5(struct.pack("<H", 1) + b"a", op=3), "version"),  # version 5 is op 4 only
-        (_v5(_ref_entry(4, 2, 2, total=9)), "num_total_blocks"),
+        (_batch(_ref_entry(4, 0, 4)), "shared_len"),  # a reference of nothing
+        (_batch(_ref_entry(4, 5, 0)), "shared_len"),  # more than its own count
+        (_batch(_ref_entry(4, 2, 2, ref=1)), "block_hashes"),  # the reference cut short
+        (_batch(_ref_entry(4, 2, 2, ref=1))[:-40], "prefix reference"),
+        (_batch(_ref_entry(4, 2, 1)), "block_hashes"),  # one of the rest missing
+        (_batch(_ref_entry(4, 2, 2), version=PROTOCOL_VERSION + 1), "version"),
+        (_batch(_ref_entry(4, 2, 2), op=2), "after the last entry"),  # a release has no hashes
+        (_batch(_ref_entry(4, 2, 2, total=9)), "num_total_blocks"),
     ],
 )
-def test_malformed_version_5_batches_name_the_field(payload: bytes, field: str) -> None:
+def test_malformed_reference_batches_name_the_field(payload: bytes, field: str) -> None:
     with pytest.raises(KVWireError, match=field):
         decode_batch(payload, resolve=remembered("", chain(8)).resolve)
 
@@ -172,10 +179,10 @@ def test_an_entry_asking_for_more_than_its_hashes_is_refused_naming_the_field() 
     cut=st.integers(0, 700),
     resolvable=st.booleans(),
 )
-def test_a_mangled_version_5_batch_decodes_or_names_its_fault(
+def test_a_mangled_reference_batch_decodes_or_names_its_fault(
     at: int, value: int, cut: int, resolvable: bool
 ) -> None:
-    """Any byte of a version 5 batch changed, or the batch cut short: decoded (references
+    """Any byte of a batch with references changed, or the batch cut short: decoded (references
     resolved or not) or refused with ``KVWireError``, never another exception, and the stage
     handler answers it without raising and holds nothing for an unresolved entry."""
     payload = bytearray(
@@ -263,7 +270,7 @@ def test_an_unresolved_entry_is_answered_alone_and_holds_nothing() -> None:
         seq=2,
     )
     payload = encode_batch(second)
-    assert payload[3] == 5
+    assert len(payload) < 20 * 32  # 11 hashes travel (98 named): references, shares
     reply = decode_reply(handle_kv_batch(manager, 0, payload))
     assert [(r.status, r.value) for r in reply.results] == [
         (EntryStatus.OK, 61),  # the same hit as the hashes in full
@@ -294,5 +301,5 @@ def test_a_keyed_stage_remembers_only_batches_it_accepted() -> None:
     assert decode_reply(handle_kv_batch(manager, 0, signed, bus_key=key)).results[0].ok
     assert len(manager.recent_prefixes) == 1
     manager.recent_prefixes.clear()
-    assert "replayed" in decode_reply(handle_kv_batch(manager, 0, signed, bus_key=key)).error
+    assert "repeated" in decode_reply(handle_kv_batch(manager, 0, signed, bus_key=key)).error
     assert len(manager.recent_prefixes) == 0

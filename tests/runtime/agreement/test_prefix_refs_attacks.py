@@ -1,7 +1,7 @@
-"""Attacks on prefix references (``kv_batch`` version 5) and the stage's memory of them
+"""Attacks on prefix references (``wavepp.api.kv_batch``) and the stage's memory of them
 (``RecentPrefixes``), signed with a bus key and unsigned: malformed references are refused
 whole naming the field, unresolvable ones are answered UNRESOLVED holding nothing, another
-owner's prefix never resolves, a refused batch (replayed, malformed) changes nothing a stage
+owner's prefix never resolves, a refused batch (repeated, malformed) changes nothing a stage
 remembers, and the controller's mirror stays within what a stage can remember.
 
 The protocol's own tests are ``tests/runtime/agreement/test_kv_batch_refs.py`` and
@@ -27,8 +27,9 @@ from wavepp.api.kv_batch import (
 )
 from wavepp.api.kv_reply import EntryResult, EntryStatus, decode_reply, encode_reply
 from wavepp.api.kv_reply_tag import reply_tag_prefix, verify_reply
+from wavepp.api.messages import PROTOCOL_VERSION
 from wavepp.api.signing import BusKey
-from wavepp.runtime.agreement import AdmissionController
+from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.agreement import rounds as rounds_module
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.kv import BlockPool, RecentPrefixes, StageKVManager
@@ -47,8 +48,12 @@ def _signed(body: bytes, key: BusKey | None) -> bytes:
     return body + (key.mac_bytes(b"KVBatch", body) if key is not None else bytes(32))
 
 
-def _v5_body(*entries: bytes, count: int | None = None, owner: str = OWNER, seq: int = 1) -> bytes:
-    head = struct.pack("<3sBBd", b"WKB", 5, 4, 5.0) + bytes([len(owner)]) + owner.encode()
+def _body(*entries: bytes, count: int | None = None, owner: str = OWNER, seq: int = 1) -> bytes:
+    head = (
+        struct.pack("<3sBBd", b"WKB", PROTOCOL_VERSION, BatchOp.PROBE_RESERVE, 5.0)
+        + bytes([len(owner)])
+        + owner.encode()
+    )
     return (
         head
         + struct.pack("<Q", seq)
@@ -83,16 +88,16 @@ def _ref(
 
 
 MALFORMED = {
-    "reference of nothing": (_v5_body(_ref(b"a", 4, 0, *chain(4, 9))), "shared_len"),
-    "reference past its count": (_v5_body(_ref(b"a", 4, 5)), "shared_len"),
-    "reference huge": (_v5_body(_ref(b"a", 4, 0xFFFFFFFE)), "shared_len"),
+    "reference of nothing": (_body(_ref(b"a", 4, 0, *chain(4, 9))), "shared_len"),
+    "reference past its count": (_body(_ref(b"a", 4, 5)), "shared_len"),
+    "reference huge": (_body(_ref(b"a", 4, 0xFFFFFFFE)), "shared_len"),
     "count past an entry's limit": (
-        _v5_body(_ref(b"a", MAX_BLOCKS_PER_ENTRY + 1, MAX_BLOCKS_PER_ENTRY + 1)),
+        _body(_ref(b"a", MAX_BLOCKS_PER_ENTRY + 1, MAX_BLOCKS_PER_ENTRY + 1)),
         "block_hashes",
     ),
     # 400 bytes naming 5 Mi hashes by reference: refused before anything is resolved
     "references past the batch's limit": (
-        _v5_body(
+        _body(
             *(
                 _ref(bytes([97 + i]), MAX_BLOCKS_PER_ENTRY, MAX_BLOCKS_PER_ENTRY)
                 for i in range(MAX_BLOCKS_PER_BATCH // MAX_BLOCKS_PER_ENTRY + 1)
@@ -100,18 +105,18 @@ MALFORMED = {
         ),
         "per batch",
     ),
-    "reference cut short": (_v5_body(_ref(b"a", 4, 4))[:-20], "prefix reference"),
+    "reference cut short": (_body(_ref(b"a", 4, 4))[:-20], "prefix reference"),
     "root only": (
-        _v5_body(_entry(b"a", 4, RECENT_REFERENCE, 4, ref=(PREFIX[0],))),
+        _body(_entry(b"a", 4, RECENT_REFERENCE, 4, ref=(PREFIX[0],))),
         "prefix reference",
     ),
     "in-batch share past the referencing entry": (
-        _v5_body(_ref(b"a", 8, 8), _entry(b"b", 12, 1, 9, *chain(3, 9))),
+        _body(_ref(b"a", 8, 8), _entry(b"b", 12, 1, 9, *chain(3, 9))),
         "shared_len",
     ),
-    "in-batch share from itself": (_v5_body(_entry(b"a", 8, 1, 8)), "shared_from"),
-    "count past the batch's entries": (_v5_body(_ref(b"a", 8, 8), count=0xFFFFFFFF), "count"),
-    "one entry more than sent": (_v5_body(_ref(b"a", 8, 8), count=2), "request_id"),
+    "in-batch share from itself": (_body(_entry(b"a", 8, 1, 8)), "shared_from"),
+    "count past the batch's entries": (_body(_ref(b"a", 8, 8), count=0xFFFFFFFF), "count"),
+    "one entry more than sent": (_body(_ref(b"a", 8, 8), count=2), "request_id"),
 }
 
 
@@ -159,7 +164,7 @@ def test_unresolvable_references_hold_nothing_and_never_reach_another_owners_pre
         _ref(b"ok", 20, 20),
         _entry(b"own", 3, 0, 0, *chain(3, 6)),
     )
-    payload = _signed(_v5_body(*entries), key)
+    payload = _signed(_body(*entries), key)
     data = handle_kv_batch(manager, 2, payload, bus_key=key)
     if key is not None:
         assert verify_reply(data, key, reply_tag_prefix(OWNER, 1), 2)
@@ -198,9 +203,9 @@ def test_another_owners_batch_cannot_make_a_reference_resolve_elsewhere() -> Non
     assert "a2" not in manager.request_ids()
 
 
-@pytest.mark.parametrize("how", ["replayed", "malformed after the reference", "another key"])
+@pytest.mark.parametrize("how", ["repeated", "malformed after the reference", "another key"])
 def test_a_refused_batch_does_not_change_which_prefixes_a_stage_keeps(how: str) -> None:
-    """A batch the stage refuses (a replay of a signed one, one malformed after its reference,
+    """A batch the stage refuses (a repeat of a signed one, one malformed after its reference,
     one signed with another key) leaves the memory's eviction order as it was: the prefix it
     referenced is still the oldest, and goes first."""
     key = None if how == "malformed after the reference" else KEY
@@ -215,7 +220,7 @@ def test_a_refused_batch_does_not_change_which_prefixes_a_stage_keeps(how: str) 
     manager.release("r2", owner=OWNER)
     referencing = reserve_batch(ReserveEntry("r3", old + chain(1, 4), 9, recent_len=8), seq=2)
     payload = encode_batch(referencing, key)
-    if how == "replayed":
+    if how == "repeated":
         assert not decode_reply(handle_kv_batch(manager, 0, payload, bus_key=key)).error
         manager.release("r3", owner=OWNER)
         manager.recent_prefixes.remember(OWNER, new)  # "new" back to most recent
@@ -259,7 +264,7 @@ async def test_the_mirror_holds_no_more_hashes_than_a_stage_remembers(
     for manager in managers:
         manager.recent_prefixes = RecentPrefixes(max_hashes=bound)
     clients = [CountingClient(m, r) for r, m in enumerate(managers)]
-    controller = AdmissionController(clients, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0)
+    controller = AgreementController(clients, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0)
     # roots of 20 blocks: 0, 1, 2 fit (60 hashes); 3 pushes 0 and 1 out; then 0 (dropped: in
     # full) and 2 (kept: by reference)
     for index, root in enumerate((0, 1, 2, 3, 0, 2)):
@@ -270,7 +275,7 @@ async def test_the_mirror_holds_no_more_hashes_than_a_stage_remembers(
     assert controller.num_unresolved == 0  # before: root 0 named by reference, dropped there
     sent = controller._rounds._sent._sequences  # the mirror's kept sequences
     assert sum(map(len, sent.values())) <= bound
-    assert any(version == 5 for _, version in clients[0].payloads)  # references were used
+    assert any(referenced for _, referenced in clients[0].payloads)  # references were used
     for manager in managers:
         assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0
 
@@ -282,8 +287,7 @@ def test_the_mirror_bound_is_at_most_a_stages_default() -> None:
 class FaultyStage(CountingClient):
     """Answers after ``delay`` passes of the event loop (rounds overlap); the probe-reserve
     round numbered ``fault_at`` (0-based, as it reaches this stage) it applies, then answers
-    with ``fault``: "count" (one result short), "error" (a batch-level refusal, as a stage that
-    cannot decode version 5), "unresolved" (every entry UNRESOLVED: a forger without a key, or a
+    with ``fault``: "count" (one result short), "error" (a batch-level refusal), "unresolved" (every entry UNRESOLVED: a forger without a key, or a
     faulty stage; it holds nothing for them)."""
 
     def __init__(self, manager: StageKVManager, rank: int, delay: int, fault: str, fault_at: int):
@@ -301,7 +305,7 @@ class FaultyStage(CountingClient):
         if self.fault == "count":
             reply = dataclasses.replace(reply, results=reply.results[:-1])
         elif self.fault == "error":
-            reply = dataclasses.replace(reply, results=(), error="invalid batch: version: 5")
+            reply = dataclasses.replace(reply, results=(), error="invalid batch: a fault")
         else:
             for result, rid in zip(reply.results, _entry_ids(payload), strict=True):
                 if result.ok:
@@ -325,14 +329,13 @@ async def test_a_stage_faulting_mid_stream_leaves_no_request_half_admitted(
     caller cancelled while its round is out, and one stage answering one round wrongly: every
     caller returns (a ticket, None or an error; none hangs), each admitted request is held on
     every stage and every other one on none, nothing is left once the admitted ones are
-    released; after a failed round the mirror is empty, and after a batch-level error to a
-    version 5 round references are off."""
+    released; after a failed round the mirror is empty."""
     managers = [StageKVManager(BlockPool(1024, BLOCK)) for _ in range(3)]
     clients: list[CountingClient] = [
         FaultyStage(m, r, d, fault, fault_at if r == 2 else -1)
         for r, (m, d) in enumerate(zip(managers, (0, 2, 1), strict=True))
     ]
-    controller = AdmissionController(
+    controller = AgreementController(
         clients,
         block_size=BLOCK,
         model_id=MODEL_ID,
@@ -363,7 +366,6 @@ async def test_a_stage_faulting_mid_stream_leaves_no_request_half_admitted(
     assert controller.num_unresolved <= 3 * 5
     if fault in ("count", "error"):
         assert any(kind == "StageProtocolError" for kind in outcomes.values()), outcomes
-        assert controller._rounds.prefix_refs is False
     await controller.release(admitted)
     for manager in managers:
         assert manager.num_requests == 0 and manager.pool.num_pinned_blocks == 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from wavepp.runtime.agreement import AdmissionController, LocalStageClient
+from wavepp.runtime.agreement import AgreementController, LocalStageClient
 from wavepp.runtime.hf_config import load_model_dir
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.request import PromptRequest
@@ -123,7 +123,7 @@ def test_state_memory_is_one_state_per_k_blocks(kimi) -> None:
 async def test_agreement_rounds_l_star_down_to_the_state_interval() -> None:
     managers = [StageKVManager(BlockPool(64, BS)) for _ in range(2)]
     clients = [LocalStageClient(m, r) for r, m in enumerate(managers)]
-    controller = AdmissionController(clients, block_size=BS, model_id="m", state_interval_blocks=3)
+    controller = AgreementController(clients, block_size=BS, model_id="m", state_interval_blocks=3)
     prompt = list(range(30))  # 7 full blocks
     first = await controller.agree(PromptRequest("a", prompt))
     assert first is not None
@@ -136,7 +136,7 @@ async def test_agreement_rounds_l_star_down_to_the_state_interval() -> None:
     assert second.stage_hits == (7, 7)
     assert second.num_agreed_blocks == 6  # 7 cached, rounded down to a multiple of 3
     with pytest.raises(ValueError, match="state_interval_blocks=0"):
-        AdmissionController(clients, block_size=BS, model_id="m", state_interval_blocks=0)
+        AgreementController(clients, block_size=BS, model_id="m", state_interval_blocks=0)
 
 
 def test_running_states_are_bounded(kimi, monkeypatch) -> None:

@@ -369,7 +369,7 @@ def test_a_shared_prefix_pinned_from_an_earlier_walk_counts_each_holder(
     with pytest.raises(ValueError, match="block 9 released 2 time"):
         pool.free([*b.block_ids, 9])
     assert [pool.ref_cnt(i) for i in range(10)] == [3] * 8 + [2, 1]
-    pool.free(list(b.block_ids[6:]))  # a commit's release past L* = 6: cuts the prefix
+    pool.free(list(b.block_ids[6:]))  # a release of the blocks past 6: cuts the prefix
     assert [pool.ref_cnt(i) for i in range(10)] == [3] * 6 + [2, 2, 1, 0]
     pool.check_invariants()
     pool.free(list(a.block_ids))  # one holder less; nothing freed
@@ -442,9 +442,9 @@ def _manager(num_blocks: int) -> tuple[StageKVManager, FakeClock]:
 
 
 def _run_prompt(manager: StageKVManager, request_id: str) -> list[int]:
-    """Probe (miss or hit), commit the whole hit, compute the prompt, release."""
-    num_hit_blocks = manager.probe_pin(request_id, PROMPT_HASHES, lease_s=10)
-    table = manager.commit(request_id, num_hit_blocks, 4, lease_s=10)
+    """Probe (miss or hit), reserve after the hit, compute the prompt, release."""
+    manager.probe_pin(request_id, PROMPT_HASHES, lease_s=10)
+    table = manager.reserve(request_id, 4, lease_s=10)
     assert table is not None
     manager.mark_computed(request_id, len(PROMPT), PROMPT_HASHES)
     assert manager.release(request_id)
@@ -455,7 +455,7 @@ def test_miss_then_hit_reuses_the_cached_prefix() -> None:
     manager, _ = _manager(8)
     pool = manager.pool
     assert manager.probe_pin("r1", PROMPT_HASHES, lease_s=10) == 0
-    assert manager.commit("r1", 0, 4, lease_s=10) == [0, 1, 2, 3]
+    assert manager.reserve("r1", 4, lease_s=10) == [0, 1, 2, 3]
     assert manager.block_table("r1") == [0, 1, 2, 3]
     manager.mark_computed("r1", len(PROMPT), PROMPT_HASHES)
     assert [pool.block_hash(i) for i in range(4)] == [*PROMPT_HASHES, None]  # partial: no hash
@@ -466,28 +466,9 @@ def test_miss_then_hit_reuses_the_cached_prefix() -> None:
 
     assert manager.probe_pin("r2", PROMPT_HASHES, lease_s=10) == 3
     assert [pool.ref_cnt(i) for i in range(3)] == [1, 1, 1]
-    assert manager.commit("r2", 3, 4, lease_s=10) == [0, 1, 2, 3]
+    assert manager.reserve("r2", 4, lease_s=10) == [0, 1, 2, 3]
     manager.mark_computed("r2", len(PROMPT), PROMPT_HASHES)
     assert manager.take_events() == []  # nothing new became full
-    pool.check_invariants()
-
-
-def test_commit_below_the_local_hit_unpins_the_tail() -> None:
-    manager, _ = _manager(8)
-    pool = manager.pool
-    _run_prompt(manager, "r1")
-    assert manager.probe_pin("r2", PROMPT_HASHES, lease_s=10) == 3
-    assert pool.free_block_ids() == [3, 4, 5, 6, 7]
-    # another stage holds only 1 block: L* = 1
-    assert manager.commit("r2", 1, 4, lease_s=10) == [0, 3, 4, 5]
-    assert pool.free_block_ids() == [6, 7, 2, 1]  # blocks 2, 1 unpinned tail first, still cached
-    assert pool.ref_cnt(1) == pool.ref_cnt(2) == 0
-    assert pool.find_longest_cache_hit(PROMPT_HASHES) == [0, 1, 2]
-    # chunk of 3 tokens: block 1 (tokens 2..3) is full; its hash is held by block 1 -> duplicate
-    manager.take_events()
-    manager.mark_computed("r2", 4, PROMPT_HASHES)
-    assert pool.block_hash(3) is None
-    assert manager.take_events() == [KVEvent("stored", (PROMPT_HASHES[1],), PROMPT_HASHES[0])]
     pool.check_invariants()
 
 
@@ -495,7 +476,7 @@ def test_chunked_mark_computed_hashes_blocks_as_they_fill() -> None:
     manager, _ = _manager(8)
     pool = manager.pool
     manager.probe_pin("r1", PROMPT_HASHES, lease_s=10)
-    manager.commit("r1", 0, 4, lease_s=10)
+    manager.reserve("r1", 4, lease_s=10)
     manager.mark_computed("r1", 1, PROMPT_HASHES)
     assert manager.take_events() == [] and pool.num_cached_blocks == 0
     manager.mark_computed("r1", 3, PROMPT_HASHES)
@@ -514,8 +495,8 @@ def test_concurrent_identical_prompts_leave_duplicates_uncached() -> None:
     pool = manager.pool
     for request_id in ("r1", "r2"):
         assert manager.probe_pin(request_id, PROMPT_HASHES, lease_s=10) == 0
-    assert manager.commit("r1", 0, 4, lease_s=10) == [0, 1, 2, 3]
-    assert manager.commit("r2", 0, 4, lease_s=10) == [4, 5, 6, 7]
+    assert manager.reserve("r1", 4, lease_s=10) == [0, 1, 2, 3]
+    assert manager.reserve("r2", 4, lease_s=10) == [4, 5, 6, 7]
     manager.mark_computed("r1", 7, PROMPT_HASHES)
     manager.mark_computed("r2", 7, PROMPT_HASHES)
     assert [pool.block_hash(i) for i in range(4, 8)] == [None] * 4
@@ -526,23 +507,23 @@ def test_concurrent_identical_prompts_leave_duplicates_uncached() -> None:
     pool.check_invariants()
 
 
-def test_refused_commit_releases_all_pins_and_forgets_the_request() -> None:
+def test_a_refused_reservation_releases_all_pins_and_forgets_the_request() -> None:
     clock = FakeClock()
     manager = StageKVManager(BlockPool(5, BLOCK_SIZE), clock=clock)
     pool = manager.pool
     prompt_hashes = PROMPT_HASHES[:3]
     manager.probe_pin("r1", prompt_hashes, lease_s=10)
-    assert manager.commit("r1", 0, 3, lease_s=10) == [0, 1, 2]
+    assert manager.reserve("r1", 3, lease_s=10) == [0, 1, 2]
     manager.mark_computed("r1", 6, prompt_hashes)
     manager.release("r1")
     assert pool.free_block_ids() == [3, 4, 2, 1, 0]
 
     assert manager.probe_pin("r2", prompt_hashes, lease_s=10) == 3
     assert manager.probe_pin("r3", _hashes(2, "x"), lease_s=10) == 0
-    assert manager.commit("r3", 0, 2, lease_s=10) == [3, 4]
+    assert manager.reserve("r3", 2, lease_s=10) == [3, 4]
     assert pool.num_free_blocks == 0
-    # r2 keeps 2 blocks and needs 2 fresh ones; only block 2 (unpinned past L*) is free
-    assert manager.commit("r2", 2, 4, lease_s=10) is None
+    # r2 holds its 3-block hit and needs 1 fresh block: none is free
+    assert manager.reserve("r2", 4, lease_s=10) is None
     assert manager.num_requests == 1
     assert [pool.ref_cnt(i) for i in range(5)] == [0, 0, 0, 1, 1]
     assert pool.free_block_ids() == [2, 1, 0]
@@ -550,31 +531,12 @@ def test_refused_commit_releases_all_pins_and_forgets_the_request() -> None:
     with pytest.raises(KeyError, match="r2"):
         manager.block_table("r2")
     with pytest.raises(KeyError, match="probe_pin first"):
-        manager.commit("r2", 0, 1, lease_s=10)
+        manager.reserve("r2", 4, lease_s=10)
     assert manager.release("r2") is False
     pool.check_invariants()
 
 
-def test_commit_can_reserve_the_blocks_it_unpins() -> None:
-    manager, _ = _manager(4)
-    pool = manager.pool
-    prompt_hashes = PROMPT_HASHES[:3]
-    manager.probe_pin("r1", prompt_hashes, lease_s=10)
-    manager.commit("r1", 0, 3, lease_s=10)
-    manager.mark_computed("r1", 6, prompt_hashes)
-    manager.release("r1")
-    assert manager.probe_pin("r2", prompt_hashes, lease_s=10) == 3
-    manager.probe_pin("r3", [], lease_s=10)
-    assert manager.commit("r3", 0, 1, lease_s=10) == [3]
-    assert pool.num_free_blocks == 0
-    # L* = 0 (another stage misses): the 3 unpinned blocks are evicted for the reservation
-    manager.take_events()
-    assert manager.commit("r2", 0, 3, lease_s=10) == [2, 1, 0]
-    assert manager.take_events() == [KVEvent("removed", tuple(reversed(prompt_hashes)), None)]
-    pool.check_invariants()
-
-
-def test_probe_and_commit_are_idempotent_by_request_id() -> None:
+def test_probe_and_reserve_are_idempotent_by_request_id() -> None:
     manager, clock = _manager(8)
     pool = manager.pool
     _run_prompt(manager, "r0")
@@ -582,14 +544,14 @@ def test_probe_and_commit_are_idempotent_by_request_id() -> None:
     assert manager.probe_pin("r1", PROMPT_HASHES, lease_s=10) == 3
     assert manager.probe_pin("r1", [], lease_s=10) == 3
     assert [pool.ref_cnt(i) for i in range(3)] == [1, 1, 1]
-    table = manager.commit("r1", 2, 4, lease_s=10)
-    assert table == [0, 1, 3, 4]
+    table = manager.reserve("r1", 4, lease_s=10)
+    assert table == [0, 1, 2, 3]
     num_free_blocks = pool.num_free_blocks
-    assert manager.commit("r1", 2, 4, lease_s=10) == table
-    assert manager.probe_pin("r1", PROMPT_HASHES, lease_s=10) == 2  # held length is now L*
+    assert manager.reserve("r1", 4, lease_s=10) == table
+    assert manager.probe_pin("r1", PROMPT_HASHES, lease_s=10) == 3  # the held hit
     assert pool.num_free_blocks == num_free_blocks
-    with pytest.raises(ValueError, match="already committed with num_agreed_blocks=2"):
-        manager.commit("r1", 1, 4, lease_s=10)
+    with pytest.raises(ValueError, match="already reserved with num_total_blocks=4"):
+        manager.reserve("r1", 3, lease_s=10)
     assert manager.release("r1") is True
     assert manager.release("r1") is False
     assert pool.num_pinned_blocks == 0
@@ -611,12 +573,12 @@ def test_release_keeps_cached_blocks_and_accepts_receipts() -> None:
     assert manager.release("never-seen") is False
 
 
-def test_leases_expire_probed_and_committed_requests() -> None:
+def test_leases_expire_probed_and_reserved_requests() -> None:
     manager, clock = _manager(8)
     pool = manager.pool
     manager.probe_pin("r1", PROMPT_HASHES, lease_s=5)
     manager.probe_pin("r2", PROMPT_HASHES, lease_s=10)
-    assert manager.commit("r2", 0, 4, lease_s=10) is not None
+    assert manager.reserve("r2", 4, lease_s=10) is not None
     clock.now_s = 4.9
     assert manager.expire() == []
     clock.now_s = 5.0
@@ -653,24 +615,22 @@ def test_manager_caller_mistakes_raise_clear_errors() -> None:
     manager, _ = _manager(8)
     _run_prompt(manager, "r0")
     assert manager.probe_pin("r1", PROMPT_HASHES, lease_s=10) == 3
-    with pytest.raises(ValueError, match=r"num_agreed_blocks = 4 must be in \[0, 3\]"):
-        manager.commit("r1", 4, 4, lease_s=10)
-    with pytest.raises(ValueError, match="num_agreed_blocks = -1"):
-        manager.commit("r1", -1, 4, lease_s=10)
-    with pytest.raises(ValueError, match="num_total_blocks = 2 must be an int >= num_agreed"):
-        manager.commit("r1", 3, 2, lease_s=10)
+    with pytest.raises(ValueError, match="num_total_blocks = 2 must be an int >= 1 and >= the 3"):
+        manager.reserve("r1", 2, lease_s=10)
+    with pytest.raises(ValueError, match="another owner"):
+        manager.reserve("r1", 4, lease_s=10, owner="intruder")
     for bad_lease_s in (0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="lease_s must be a finite number"):
             manager.probe_pin("r9", PROMPT_HASHES, lease_s=bad_lease_s)
     with pytest.raises(ValueError, match="request_id must be a non-empty str"):
         manager.probe_pin("", PROMPT_HASHES, lease_s=10)
-    with pytest.raises(ValueError, match="is not committed; commit before computing"):
+    with pytest.raises(ValueError, match="is not reserved; reserve before computing"):
         manager.mark_computed("r1", 2, PROMPT_HASHES)
     with pytest.raises(KeyError, match="nope"):
         manager.mark_computed("nope", 2, PROMPT_HASHES)
-    with pytest.raises(KeyError, match="not committed"):
+    with pytest.raises(KeyError, match="not reserved"):
         manager.block_table("r1")
-    assert manager.commit("r1", 3, 4, lease_s=10) == [0, 1, 2, 3]
+    assert manager.reserve("r1", 4, lease_s=10) == [0, 1, 2, 3]
     with pytest.raises(ValueError, match=r"num_computed_tokens = 9 must be in \[0, 8\]"):
         manager.mark_computed("r1", 9, PROMPT_HASHES)
     with pytest.raises(ValueError, match="block_hashes has 2 hashes but 4 blocks"):
@@ -682,9 +642,9 @@ def test_manager_caller_mistakes_raise_clear_errors() -> None:
 
 
 def _cache(manager: StageKVManager, request_id: str, hashes: list[bytes]) -> list[int]:
-    """Probe, commit and compute ``hashes`` as one request, then release it: cached blocks."""
-    hit = manager.probe_pin(request_id, hashes, 5.0)
-    table = manager.commit(request_id, hit, len(hashes), 5.0)
+    """Probe, reserve and compute ``hashes`` as one request, then release it: cached blocks."""
+    manager.probe_pin(request_id, hashes, 5.0)
+    table = manager.reserve(request_id, len(hashes), 5.0)
     assert table is not None
     manager.mark_computed(request_id, len(hashes) * manager.pool.block_size, hashes)
     manager.release(request_id)
@@ -706,7 +666,7 @@ def test_a_probe_starts_from_the_latest_walk_of_its_prefix_and_pins_what_a_full_
     for request_id in ("p1", "p2", "p3"):
         manager.release(request_id)
     assert manager.probe_pin("big", _hashes(1, "z"), 5.0) == 0
-    assert manager.commit("big", 0, 32, 5.0) is not None  # takes every block: evicts all
+    assert manager.reserve("big", 32, 5.0) is not None  # takes every block: evicts all
     manager.release("big")
     assert manager.probe_pin("p4", chain[:3] + _hashes(2, "x"), 5.0) == 0
     manager.pool.check_invariants()

@@ -14,9 +14,9 @@ What holds, and is asserted after every step:
   ``pin_cache_hit`` when it starts from an earlier walk (still exact, or stale: a hash left
   or entered the pool since)
   for a sequence sharing some leading hashes with that walk's.
-- A refused commit or reservation leaves no pins for that request, and is refused only when the
+- A refused reservation leaves no pins for that request, and is refused only when the
   pool really lacks the blocks; after every request is released, nothing leaks.
-- A reservation (the one-round-trip agreement) keeps the whole local hit: its table is the hit's
+- A reservation keeps the whole local hit: its table is the hit's
   ids, then fresh ones; a chunk starting at any L* <= the hit caches only the blocks past the
   hit, and a cached block never changes its hash.
 
@@ -199,7 +199,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.holders)
     @rule(data=st.data())
     def free_the_tail_of_a_holder(self, data: st.DataObject) -> None:
-        """A commit's release past L*: the holder keeps its first blocks (a span cut)."""
+        """A release of a holder's tail: it keeps its first blocks (a span cut)."""
         holder_index = data.draw(st.integers(0, len(self.holders) - 1))
         holder = self.holders[holder_index]
         cut = data.draw(st.integers(0, len(holder)), label="cut")
@@ -290,8 +290,7 @@ class _ModelRequest:
         self.block_hashes = hash_prompt_blocks(token_ids, _BLOCK_SIZE, _MODEL_ID, cache_salt)
         self.num_total_blocks = -(-len(token_ids) // _BLOCK_SIZE)
         self.held_block_ids: list[int] = []
-        self.is_committed = False
-        self.is_reserved = False  # committed through reserve (one round trip)
+        self.is_reserved = False
         self.num_agreed_blocks = 0
         self.num_computed_tokens = 0
         self.expiry_s = expiry_s
@@ -300,7 +299,7 @@ class _ModelRequest:
 
 
 class StageKVManagerMachine(RuleBasedStateMachine):
-    """Random probes, commits, chunks, releases, renewals and expiries with a fake clock."""
+    """Random probes, reservations, chunks, releases, renewals and expiries with a fake clock."""
 
     span_min_blocks: int | None = None  # None: the pool's default
 
@@ -327,16 +326,14 @@ class StageKVManagerMachine(RuleBasedStateMachine):
                 refs[block_id] += 1
         return refs
 
-    def _pick(self, data: st.DataObject, committed: bool | None) -> str:
+    def _pick(self, data: st.DataObject, reserved: bool | None) -> str:
         ids = sorted(
-            rid
-            for rid, r in self.requests.items()
-            if committed is None or r.is_committed == committed
+            rid for rid, r in self.requests.items() if reserved is None or r.is_reserved == reserved
         )
         return data.draw(st.sampled_from(ids))
 
-    def _has(self, committed: bool | None) -> bool:
-        return any(committed is None or r.is_committed == committed for r in self.requests.values())
+    def _has(self, reserved: bool | None) -> bool:
+        return any(reserved is None or r.is_reserved == reserved for r in self.requests.values())
 
     # ---- rules ----------------------------------------------------------------------------
 
@@ -346,12 +343,9 @@ class StageKVManagerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), prompt=_prompts, lease_s=_leases_s)
     def serve_prompt(self, data: st.DataObject, prompt: tuple, lease_s: float) -> None:
-        """A whole request in one step (probe, reserve or commit, compute all, maybe release)."""
+        """A whole request in one step (probe, reserve, compute all, maybe release)."""
         request_id = self._probe(prompt, lease_s)
-        if data.draw(st.booleans(), label="one round trip"):
-            if not self._reserve(data, request_id, lease_s):
-                return
-        elif not self._commit(data, request_id, lease_s):
+        if not self._reserve(data, request_id, lease_s):
             return
         self._mark_computed(request_id, len(self.requests[request_id].token_ids))
         if data.draw(st.booleans(), label="release"):
@@ -388,57 +382,14 @@ class StageKVManagerMachine(RuleBasedStateMachine):
     def probe_again_is_idempotent(self, data: st.DataObject, lease_s: float) -> None:
         request_id = self._pick(data, None)
         request = self.requests[request_id]
-        num_held = (
-            request.num_agreed_blocks if request.is_committed else len(request.held_block_ids)
-        )
+        num_held = request.num_agreed_blocks if request.is_reserved else len(request.held_block_ids)
         assert self.manager.probe_pin(request_id, request.block_hashes, lease_s) == num_held
         request.expiry_s = max(request.expiry_s, self.now_s + lease_s)
 
-    @precondition(lambda self: self._has(committed=False))
-    @rule(data=st.data(), lease_s=_leases_s)
-    def commit(self, data: st.DataObject, lease_s: float) -> None:
-        self._commit(data, self._pick(data, committed=False), lease_s)
-
-    def _commit(self, data: st.DataObject, request_id: str, lease_s: float) -> bool:
-        request = self.requests[request_id]
-        hit = request.held_block_ids
-        num_agreed = data.draw(st.integers(0, len(hit)), label="num_agreed_blocks")
-        num_fresh = request.num_total_blocks - num_agreed
-        refs = self._model_refs()
-        num_unpinned = sum(refs[block_id] == 1 for block_id in hit[num_agreed:])
-        should_refuse = self.pool.num_free_blocks + num_unpinned < num_fresh
-        num_pinned_before = self.pool.num_pinned_blocks
-
-        table = self.manager.commit(request_id, num_agreed, request.num_total_blocks, lease_s)
-
-        if table is None:
-            assert should_refuse, "refused although enough blocks were free"
-            del self.requests[request_id]
-            assert self.manager.receipt(request_id).block_ids == ()
-            assert self.pool.num_pinned_blocks == num_pinned_before - sum(
-                refs[block_id] == 1 for block_id in hit
-            )
-            return False
-        assert not should_refuse, "accepted although too few blocks were free"
-        assert table[:num_agreed] == hit[:num_agreed] and len(table) == request.num_total_blocks
-        fresh = table[num_agreed:]
-        assert len(set(fresh)) == len(fresh)
-        for block_id in fresh:
-            assert refs[block_id] == 0 or block_id in hit[num_agreed:]
-            assert self.pool.block_hash(block_id) is None and self.pool.ref_cnt(block_id) == 1
-        request.held_block_ids = table
-        request.hash_snapshot = {b: request.hash_snapshot.get(b) for b in table[:num_agreed]}
-        request.hash_snapshot.update(dict.fromkeys(fresh))
-        request.is_committed = True
-        request.num_agreed_blocks = num_agreed
-        request.num_computed_tokens = num_agreed * _BLOCK_SIZE
-        request.expiry_s = self.now_s + lease_s
-        return True
-
-    @precondition(lambda self: self._has(committed=False))
+    @precondition(lambda self: self._has(reserved=False))
     @rule(data=st.data(), lease_s=_leases_s)
     def reserve(self, data: st.DataObject, lease_s: float) -> None:
-        self._reserve(data, self._pick(data, committed=False), lease_s)
+        self._reserve(data, self._pick(data, reserved=False), lease_s)
 
     def _reserve(self, data: st.DataObject, request_id: str, lease_s: float) -> bool:
         """Reserve after the whole hit; the first chunk then starts at some L* <= the hit."""
@@ -473,31 +424,26 @@ class StageKVManagerMachine(RuleBasedStateMachine):
         assert self.manager.num_agreed_blocks(request_id) == num_agreed
         request.held_block_ids = table
         request.hash_snapshot.update(dict.fromkeys(fresh))
-        request.is_committed = request.is_reserved = True
+        request.is_reserved = True
         request.num_agreed_blocks = len(hit)  # what probing it again answers: the hit
         # computing starts at L*, but the blocks before the hit are cached: none hashed again
         request.num_computed_tokens = len(hit) * _BLOCK_SIZE
         request.expiry_s = self.now_s + lease_s
         return True
 
-    @precondition(lambda self: self._has(committed=True))
+    @precondition(lambda self: self._has(reserved=True))
     @rule(data=st.data(), lease_s=_leases_s)
-    def commit_again_is_idempotent(self, data: st.DataObject, lease_s: float) -> None:
-        request_id = self._pick(data, committed=True)
+    def reserve_again_is_idempotent(self, data: st.DataObject, lease_s: float) -> None:
+        request_id = self._pick(data, reserved=True)
         request = self.requests[request_id]
-        if request.is_reserved:
-            table = self.manager.reserve(request_id, request.num_total_blocks, lease_s)
-        else:
-            table = self.manager.commit(
-                request_id, request.num_agreed_blocks, request.num_total_blocks, lease_s
-            )
+        table = self.manager.reserve(request_id, request.num_total_blocks, lease_s)
         assert table == request.held_block_ids
         request.expiry_s = max(request.expiry_s, self.now_s + lease_s)
 
-    @precondition(lambda self: self._has(committed=True))
+    @precondition(lambda self: self._has(reserved=True))
     @rule(data=st.data(), num_chunk_tokens=st.integers(1, 5))
     def mark_computed(self, data: st.DataObject, num_chunk_tokens: int) -> None:
-        request_id = self._pick(data, committed=True)
+        request_id = self._pick(data, reserved=True)
         request = self.requests[request_id]
         self._mark_computed(request_id, request.num_computed_tokens + num_chunk_tokens)
 
@@ -568,7 +514,7 @@ class StageKVManagerMachine(RuleBasedStateMachine):
     def held_blocks_keep_their_ids_and_hashes(self) -> None:
         for request_id, request in self.requests.items():
             assert list(self.manager.receipt(request_id).block_ids) == request.held_block_ids
-            if request.is_committed:
+            if request.is_reserved:
                 assert self.manager.block_table(request_id) == request.held_block_ids
             for block_id, block_hash in request.hash_snapshot.items():
                 assert self.pool.block_hash(block_id) == block_hash, (

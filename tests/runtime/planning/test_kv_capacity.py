@@ -11,7 +11,7 @@ import pytest
 
 from wavepp.api.spec import WavePipelineSpec
 from wavepp.bench.trace import TokenMapper, load_trace
-from wavepp.runtime.agreement import AdmissionController, AgreementRefused
+from wavepp.runtime.agreement import AgreementController, AgreementRefused
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning.catalogue import H200, GPUSpec, LayerCost, ModelSpec
 from wavepp.runtime.planning.memory import (
@@ -144,7 +144,7 @@ def test_paper_settings_fit_the_trace_longest_prompt(
     assert min(s.num_kv_tokens for s in stages) > 900_000
     longest = max(_first_300_prompt_tokens())
     assert longest > FIXED_KV_BLOCKS * 16  # a fixed default could not hold it
-    controller = AdmissionController(
+    controller = AgreementController(
         [object()],  # type: ignore[list-item]  # check_fits calls no stage
         block_size=block_size,
         model_id="m",

@@ -24,7 +24,7 @@ from wavepp.api.messages import (
 )
 from wavepp.api.signing import BusKey
 from wavepp.bench.grid import GridSpec, Setting, runtime_config
-from wavepp.runtime.agreement import AdmissionController, LocalStageClient
+from wavepp.runtime.agreement import AgreementController, LocalStageClient
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.planning import ChunkPlanner
 from wavepp.runtime.request import PromptRequest, RequestOutcome
@@ -128,7 +128,7 @@ def _scheduler(
     config, planner_cost = runtime_config(spec, Setting("glm-5.2", 16, "low", "wave"))
     config = config.model_copy(update={"chunk_tokens": 64, "microbatch_deadline_s": deadline_s})
     managers = [StageKVManager(BlockPool(256, BLOCK)) for _ in range(NUM_STAGES)]
-    controller = AdmissionController(
+    controller = AgreementController(
         [LocalStageClient(m, rank) for rank, m in enumerate(managers)],
         block_size=BLOCK,
         model_id=config.model_id,

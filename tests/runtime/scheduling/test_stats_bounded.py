@@ -26,7 +26,7 @@ from wavepp.api.messages import (
 )
 from wavepp.bench.grid import GridSpec, Setting, runtime_config
 from wavepp.bench.report import run_closed_loop
-from wavepp.runtime.agreement import AdmissionController, LocalStageClient
+from wavepp.runtime.agreement import AgreementController, LocalStageClient
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.planning import ChunkPlanner
 from wavepp.runtime.request import PromptRequest
@@ -112,7 +112,7 @@ def _scheduler(stats: WaveStats | None = None) -> WaveScheduler:
     config, planner_cost = runtime_config(spec, Setting("glm-5.2", 16, "low", "wave"))
     config = config.model_copy(update={"chunk_tokens": 256})
     managers = [StageKVManager(BlockPool(512, 16)) for _ in range(NUM_STAGES)]
-    controller = AdmissionController(
+    controller = AgreementController(
         [LocalStageClient(m, rank) for rank, m in enumerate(managers)],
         block_size=16,
         model_id=config.model_id,

@@ -13,14 +13,9 @@ from typing import Any, cast
 
 import pytest
 
-from wavepp.api.messages import (
-    Commit,
-    MicroBatchPlan,
-    PlannedChunk,
-    ProbePin,
-    Release,
-    RequestResult,
-)
+from wavepp.api.kv_batch import BatchOp, KVBatch, ReserveEntry, encode_batch
+from wavepp.api.kv_reply import decode_reply
+from wavepp.api.messages import MicroBatchPlan, PlannedChunk, RequestResult
 from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
 from wavepp.runtime.stage.core import StageCore, StageWork
 
@@ -51,18 +46,23 @@ def hashes(token_ids: list[int]) -> list[str]:
     return [h.hex() for h in hash_prompt_blocks(token_ids, BLOCK, model_id=MODEL_ID)]
 
 
-def admit(core: StageCore, request_id: str, token_ids: list[int], num_agreed: int = 0) -> None:
-    """Probe-pin and commit ``request_id`` on the core, over its KV wire handler."""
-    probe = ProbePin(request_id=request_id, block_hashes=hashes(token_ids), lease_s=30.0)
-    assert core.handle_kv(probe.model_dump_json().encode()).ok
-    num_total_blocks = -(-len(token_ids) // BLOCK)
-    commit = Commit(
-        request_id=request_id,
-        num_agreed_blocks=num_agreed,
-        num_total_blocks=num_total_blocks,
-        lease_s=30.0,
+def admit(core: StageCore, request_id: str, token_ids: list[int]) -> int:
+    """Probe-reserve ``request_id`` on the core, over its KV wire handler; its hit in blocks."""
+    entry = ReserveEntry(
+        request_id,
+        tuple(hash_prompt_blocks(token_ids, BLOCK, model_id=MODEL_ID)),
+        -(-len(token_ids) // BLOCK),
     )
-    assert core.handle_kv(commit.model_dump_json().encode()).ok
+    batch = KVBatch(BatchOp.PROBE_RESERVE, (entry,), 30.0)
+    (result,) = decode_reply(core.handle_kv_batch(encode_batch(batch))).results
+    assert result.ok
+    return result.value
+
+
+def release(core: StageCore, *request_ids: str) -> None:
+    """Release ``request_ids`` on the core, over its KV wire handler."""
+    reply = decode_reply(core.handle_kv_batch(encode_batch(KVBatch(BatchOp.RELEASE, request_ids))))
+    assert all(result.ok for result in reply.results)
 
 
 def chunk(
@@ -113,7 +113,7 @@ def test_a_plan_for_a_request_not_held_moves_on_with_the_error_in_its_done() -> 
     )
     assert "stage 0: cannot build block tables" in work.error and "ghost" in work.error
     assert work.chunks == () and not work.prepare_on_arrival
-    assert work.num_agreed_blocks == [0, -1]  # per plan chunk; -1: not committed here
+    assert work.num_agreed_blocks == [0, -1]  # per plan chunk; -1: not reserved here
     done = run(core, work)
     assert done.error == work.error
     assert done.results == []  # the last stage answers nothing for a micro-batch that failed
@@ -172,31 +172,31 @@ def test_complete_marks_computed_blocks_cached_for_the_next_request() -> None:
     assert core.take_kv_events() is not None and core.take_kv_events() is None
     assert core.num_microbatches == 2
     # released, the blocks stay cached: a new request with the same prompt hits all three
-    assert core.handle_kv(Release(request_ids=["a"]).model_dump_json().encode()).ok
-    probe = ProbePin(request_id="a2", block_hashes=hashes(PROMPT), lease_s=30.0)
-    assert core.handle_kv(probe.model_dump_json().encode()).num_hit_blocks == 3
+    release(core, "a")
+    assert admit(core, "a2", PROMPT) == 3
 
 
 def test_a_request_released_before_its_chunk_completes_caches_nothing() -> None:
     core = make_core()
     admit(core, "a", PROMPT)
     work = core.accept(plan(0, chunk("a", PROMPT, 0, is_last=True)))
-    assert core.handle_kv(Release(request_ids=["a"]).model_dump_json().encode()).ok
+    release(core, "a")
     done = run(core, work)
     assert done.error == "" and core.manager.pool.num_cached_blocks == 0
 
 
 def test_the_manager_is_the_one_record_of_a_request() -> None:
     core = make_core()
-    admit(core, "a", PROMPT, num_agreed=0)
+    admit(core, "a", PROMPT)
     manager = core.manager
     assert manager.request_ids() == ["a"]
     assert [h.hex() for h in manager.block_hashes("a")] == hashes(PROMPT)
+    assert manager.num_agreed_blocks("a") == -1  # L* arrives with the first chunk
+    run(core, core.accept(plan(0, chunk("a", PROMPT[:4], 0, is_last=False))))
     assert manager.num_agreed_blocks("a") == 0
-    probe = ProbePin(request_id="p", block_hashes=hashes(PROMPT), lease_s=30.0)
-    assert core.handle_kv(probe.model_dump_json().encode()).ok
-    assert manager.num_agreed_blocks("p") == -1  # probed, not committed
-    assert core.handle_kv(Release(request_ids=["a", "p"]).model_dump_json().encode()).ok
+    manager.probe_pin("p", [bytes.fromhex(h) for h in hashes(PROMPT)], 30.0)
+    assert manager.num_agreed_blocks("p") == -1  # probed, not reserved
+    release(core, "a", "p")
     assert manager.request_ids() == [] and manager.block_hashes("a") == ()
 
 

@@ -1,11 +1,12 @@
-"""Cross-stage prefix agreement: probe-and-pin, L* = min over stages, commit, release.
+"""Cross-stage prefix agreement: probe-reserve, L* = min over stages, release.
 
     stage_handler  the stage side: a pure handler over one stage's StageKVManager
-    coordinator    the admission side (AdmissionController): agree, pin, reserve, renew, release
+    coordinator    the controller side (AgreementController): agree, renew, release, health
+    rounds         the controller's batched rounds (AgreementRounds)
     clients        StageClient protocol, LocalStageClient (in-process), StageUnavailableError
     nats_client    NatsStageClient (not re-exported here: importing this package loads no NATS)
 
-"Admission" here is request admission into the pipeline, not a Kubernetes admission controller.
+The agreement controller runs inside the admission (request admission into the pipeline).
 """
 
 from wavepp.runtime.agreement.clients import (
@@ -13,15 +14,21 @@ from wavepp.runtime.agreement.clients import (
     StageClient,
     StageUnavailableError,
 )
-from wavepp.runtime.agreement.coordinator import AdmissionController, AgreementRefused, Ticket
+from wavepp.runtime.agreement.coordinator import (
+    AgreementController,
+    AgreementRefused,
+    StageVersionError,
+    Ticket,
+)
 from wavepp.runtime.agreement.stage_handler import handle_kv_request
 
 __all__ = [
-    "AdmissionController",
+    "AgreementController",
     "AgreementRefused",
     "LocalStageClient",
     "StageClient",
     "StageUnavailableError",
+    "StageVersionError",
     "Ticket",
     "handle_kv_request",
 ]

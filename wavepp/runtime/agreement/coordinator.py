@@ -17,10 +17,8 @@ Protocol (DESIGN.md 'Data flow', step 2), for one request with full-block hashes
     ---- release([ids]) ---------------------->  drop pins and reservations; blocks stay cached
 
 A stage's table does not depend on L* (token p lives in block p // block_size either way), so
-the stage reserves before L* is known and the agreement costs one round trip, not two (probe,
-then commit with L*; stages still apply those ops for an older controller, and the JSON
-single-request path keeps them). Every request waiting when a round starts shares that round's
-one probe-reserve message per stage (``rounds.AgreementRounds``, binary ``wavepp.api.kv_batch``),
+the stage reserves before L* is known and the agreement costs one round trip. Every request
+waiting when a round starts shares that round's one probe-reserve message per stage (``rounds.AgreementRounds``, binary ``wavepp.api.kv_batch``),
 and rounds are pipelined.
 
 L* is capped one token short of the prompt so that at least one token is computed (its logits
@@ -31,9 +29,13 @@ attention KV and the recurrent state (a stage holding a block's KV holds its sta
 state is stored under that block's id and dropped when the block is rewritten). Pins and reservations carry a lease; the controller renews the leases
 of live requests, so a vanished controller leaks nothing. Every op names the controller as its
 ``owner`` (a random id per instance) and, with a bus key, is signed: a stage lets only the
-owner that pinned a request reserve, commit, renew or release it.
+owner that pinned a request reserve, renew or release it.
 
-The stage side (``handle_kv_request``) is a pure function over a ``StageKVManager``; the stage
+Before any round, ``health`` asks every stage whether it is formed; its reply names the stage's
+``PROTOCOL_VERSION``, and a stage of another version is refused at once
+(``StageVersionError``), never discovered in a failed round.
+
+The stage side (``stage_handler``) is a pure function over a ``StageKVManager``; the stage
 process owns the NATS I/O around it.
 """
 
@@ -48,12 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from wavepp.api.kv_batch import KVBatch, encode_batch
-from wavepp.api.messages import (
-    Health,
-    KVReply,
-    KVRequestMessage,
-    Renew,
-)
+from wavepp.api.messages import PROTOCOL_VERSION, Health, KVReply, KVRequestMessage, Renew
 from wavepp.api.signing import BusKey
 from wavepp.runtime.agreement.clients import StageClient
 from wavepp.runtime.agreement.rounds import AgreementRounds, PendingAgreement
@@ -85,7 +82,24 @@ class Ticket:
         return self.num_agreed_blocks * self.block_size
 
 
-class AdmissionController:
+class StageVersionError(RuntimeError):
+    """A stage speaks another ``PROTOCOL_VERSION`` than this controller: the message is one line
+    naming the stage and both versions."""
+
+
+def check_stage_versions(replies: Sequence[KVReply]) -> None:
+    """Raise ``StageVersionError`` for the first health reply whose version ``v`` is not this
+    build's ``PROTOCOL_VERSION`` (no round is ever sent to such a stage)."""
+    for reply in replies:
+        if reply.v != PROTOCOL_VERSION:
+            raise StageVersionError(
+                f"stage {reply.rank} speaks agreement protocol version {reply.v}, this "
+                f"admission speaks version {PROTOCOL_VERSION}: refused (run the admission and "
+                "its stages from one build)"
+            )
+
+
+class AgreementController:
     """The controller side of the agreement protocol over S stage clients.
 
     ``agree`` returns a ``Ticket`` or ``None`` when some stage refused the reservation (then no
@@ -96,8 +110,7 @@ class AdmissionController:
     ``max_batch`` and ``max_rounds_in_flight``: the round engine's limits
     (``wavepp.runtime.agreement.rounds.AgreementRounds``; ValueError outside them).
     ``prefix_refs``: let a round name a prefix the stages remember from an earlier round by
-    reference (``kv_batch`` version 5); False for stages of a release that cannot decode it
-    (a stage refusing such a round turns them off by itself, for the controller's life).
+    reference (``wavepp.api.kv_batch``); False sends every hash.
     """
 
     def __init__(
@@ -127,7 +140,7 @@ class AdmissionController:
         self.bus_key = bus_key
         self._hasher = PromptHasher(block_size, model_id)  # recent prompts' shared blocks
         self.owner = uuid.uuid4().hex[:16]  # this instance, as the stages know it
-        self._seq = 0  # numbers this owner's ops: a stage refuses a replayed (signed) one
+        self._seq = 0  # numbers this owner's ops: a stage refuses a repeated (signed) one
         self._live: set[str] = set()  # admitted, not released: their leases are renewed
         self._agreeing: set[str] = set()  # in a round now: a second agreement is refused
         self._rounds = AgreementRounds(
@@ -298,4 +311,9 @@ class AdmissionController:
             await self._all(Renew(request_ids=sorted(self._live), lease_s=self.lease_s))
 
     async def health(self) -> list[KVReply]:
-        return await self._all(Health())
+        """Every stage's answer to a health probe, in rank order. Raises
+        ``StageVersionError`` for a stage of another ``PROTOCOL_VERSION``, and what the
+        transport raises (``StageUnavailableError``)."""
+        replies = await self._all(Health())
+        check_stage_versions(replies)
+        return replies

@@ -73,7 +73,7 @@ async def serve_stage_kv(
     """Answer a stage's agreement endpoints (JSON single requests and binary rounds, on its own
     subjects and on the replica-wide ``{p}.stages.kvb``) from ``manager`` on ``nc``: what a stage
     process does, for benchmarks and tests that run the KV side without a whole stage.
-    ``bus_key``: the replica's key (unsigned or replayed messages refused), None: insecure.
+    ``bus_key``: the replica's key (unsigned or repeated messages refused), None: insecure.
     ``handler_cpu_s``: a one-element list the CPU seconds (``time.process_time``) spent in
     ``handle_kv_batch`` are added to (a benchmark's split of its process's CPU).
     Returns the subscriptions (unsubscribe to stop)."""

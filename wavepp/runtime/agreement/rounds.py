@@ -1,4 +1,4 @@
-"""Batched, pipelined admission rounds: the controller's side of ``wavepp.api.kv_batch``.
+"""Batched, pipelined agreement rounds: the controller's side of ``wavepp.api.kv_batch``.
 
 Every ``agree`` call joins the next round. A round is one round trip: it sends one probe-reserve
 batch to each stage, carrying the block hashes and block count of every request waiting when it
@@ -10,8 +10,6 @@ starts at L* * block_size). A stage whose hit exceeds L* computes tokens [L* B, 
 for its successors, writing none of them (``StageKVManager.start_chunk``). Requests that a
 stage refused (or that do not fit now, or whose entry was invalid) are released on every stage
 in one release batch before their callers hear None (or the error), so nothing stays pinned.
-The two-phase agreement (probe, then commit with L*: two round trips) is gone from the
-controller; stages still apply its ops (``wavepp.api.kv_batch``).
 
 Releases ride along: while agreements wait for a round that can start now, ``release`` queues
 the ids for it, and the probe-reserve round carries them (``KVBatch.releases``: each stage
@@ -23,7 +21,7 @@ release would free the new one's). A round starts one pass of the event loop aft
 request arrived: what else arrives in that pass (the callers a finished round woke, the
 releases of a finished micro-batch) joins it.
 
-Prefix references (``kv_batch`` version 5, ``prefix_refs``, on by default): every stage
+Prefix references (``prefix_refs``, on by default): every stage
 remembers, for this controller's owner id, the hashes of the latest probe-reserve entry per
 root (first hash; ``wavepp.runtime.kv.recent``), and the controller keeps a mirror of it, a
 ``RecentPrefixes`` of its own (the latest entry sent per root, in send order, 1,024 roots and
@@ -36,9 +34,7 @@ dropped it) answers the entry UNRESOLVED and holds nothing; the controller drops
 the mirror, releases the request on every stage (as a refusal) and puts it back at the front
 of the queue to go again in full, its caller none the wiser (``num_unresolved``); an entry
 sent in full that a stage still calls UNRESOLVED fails (``AgreementRefused``), once. A round that
-failed clears the mirror (what the stages applied is not known); a batch-level error to a
-round that carried references (a stage of an earlier release cannot decode version 5) turns
-them off for the controller's life (logged once), that round's requests failing as before.
+failed clears the mirror (what the stages applied is not known).
 
 A round holds at most ``max_batch`` requests and ``max_round_bytes`` of entries and releases
 (``MAX_ROUND_BYTES``, below NATS's 1 MiB ``max_payload``: the server refuses a larger message,
@@ -61,7 +57,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -70,7 +65,6 @@ from typing import TYPE_CHECKING, Any
 
 from wavepp.api.hash_chain import common_prefix
 from wavepp.api.kv_batch import (
-    KV_BATCH_VERSION,
     MAX_BATCH_ENTRIES,
     BatchOp,
     KVBatch,
@@ -90,12 +84,10 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_ROUND_BYTES", "AgreementRounds", "PendingAgreement", "StageProtocolError"]
 
-log = logging.getLogger(__name__)
-
 MAX_ROUND_BYTES = 1024 * 1024 - 64 * 1024
 """Most bytes of entries (and riding releases) in one round's message: below NATS's default
 ``max_payload`` of 1 MiB, with room for the batch's header, owner and tag."""
-_ENTRY_BYTES = 2 + 16  # a probe-reserve entry's id length and counts (kv_batch op 4)
+_ENTRY_BYTES = 2 + 16  # a probe-reserve entry's id length and counts (kv_batch op 1)
 _ID_BYTES = 2  # a release's id length
 _HASH_BYTES = 32
 _SENT_ROOTS_KEPT = 1024  # roots whose latest entry the controller mirrors (oldest dropped)
@@ -107,7 +99,6 @@ drops what a stage remembering this owner alone drops, in the same order, and ne
 long prefix the stage let go (which would cost the request a resend); and the controller's
 memory is bounded by hashes (~73 MB), not by 1,024 roots times the longest prompt."""
 _MIN_REFERENCE_BLOCKS = 3  # a reference costs 2 hashes on the wire: shorter ones save nothing
-_REFERENCE_VERSION = KV_BATCH_VERSION  # a batch written with prefix references (kv_batch v5)
 
 
 class StageProtocolError(RuntimeError):
@@ -138,7 +129,7 @@ OnRefused = Callable[[PendingAgreement, str], BaseException]
 
 
 class AgreementRounds:
-    """The round engine behind ``AdmissionController.agree`` (one per controller, one event
+    """The round engine behind ``AgreementController.agree`` (one per controller, one event
     loop). ``submit`` queues a request; ``admitted`` and ``refusal`` are the controller's
     callbacks that build the caller's result (a ``Ticket``) and its error."""
 
@@ -187,7 +178,7 @@ class AgreementRounds:
         self._runner: asyncio.Task[None] | None = None
         self._rounds: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Future[None]] = set()
-        # prefix references (kv_batch v5): root -> hashes of the latest entry sent with that
+        # prefix references: root -> hashes of the latest entry sent with that
         # root, in send order: what every stage remembers for this owner (RecentPrefixes)
         self.prefix_refs = prefix_refs
         self._sent = RecentPrefixes(_SENT_ROOTS_KEPT, _SENT_HASHES_KEPT)  # this owner's only
@@ -337,15 +328,12 @@ class AgreementRounds:
             self.lease_s,
             releases=_ids_of(releases),
         )
-        payload = b""
         try:
             payload = self._encode(probe_reserve)
             self.num_probe_reserve_bytes += len(payload)
             replies = await self._send(payload, len(probe_reserve.entries))
         except BaseException as exc:
             self._sent.clear()  # what a stage applied (and remembers) is not known now
-            if isinstance(exc, StageProtocolError) and payload[3:4] == bytes([_REFERENCE_VERSION]):
-                self._stop_prefix_refs(exc)
             _settle_releases(releases, exc)
             await self.release_quietly([p.request_id for p in batch])
             for p in batch:
@@ -453,17 +441,6 @@ class AgreementRounds:
             self._pending.appendleft(pending)
         if self._pending:
             self._start_runner(asyncio.get_running_loop())
-
-    def _stop_prefix_refs(self, exc: BaseException) -> None:
-        """A stage refused a batch that carried prefix references (a stage of an earlier
-        release cannot decode ``kv_batch`` version 5): references off for good."""
-        if self.prefix_refs:
-            self.prefix_refs = False
-            log.warning(
-                "a stage refused a round that carried prefix references (%s); prefix "
-                "references are off for this admission controller from now on",
-                exc,
-            )
 
     async def _call_all(self, batch: KVBatch) -> list[KVBatchReply]:
         return await self._send(self._encode(batch), len(batch.entries))

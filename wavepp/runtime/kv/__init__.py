@@ -5,9 +5,9 @@ Layers, each pure (no I/O, no torch, no NATS; the clock is injected)::
     hashing   root_block_hash, hash_block_tokens, hash_prompt_blocks  (chained sha256),
               PromptHasher (the same, not hashing again what a recent prompt shared)
     pool      BlockPool: capacity, block hash -> block map, ref counts, LRU; queues KVEvents
-    manager   StageKVManager: probe/pin, commit/reserve, mark computed, release, leases
+    manager   StageKVManager: probe/pin, reserve, mark computed, release, leases
     recent    RecentPrefixes: per owner and root, the latest probe-reserve entry's hashes (the
-              prefixes a version 5 batch names by reference)
+              prefixes a round names by reference)
     inflight  InflightPrefixIndex: prefixes being computed right now (admission side)
 
 Callers import from this package; the modules are its internals.

@@ -28,7 +28,7 @@ class PinReceipt:
 @dataclass(slots=True)
 class HeldRequest:
     request_id: str
-    # pinned cached prefix from probe_pin (length = local hit h_s; after a two-phase commit, L*);
+    # pinned cached prefix from probe_pin (length = local hit h_s);
     # tuples, not lists: a tuple of ints leaves the garbage collector's lists at its first pass
     # (a stage holds hundreds of requests: their tables' lists made every young-generation
     # collection walk ~200k items, up to 2.8 ms, the admission bench's p99)
@@ -38,12 +38,11 @@ class HeldRequest:
     # NOTE: the prompt's full-block hashes from the first probe_pin; mark_computed caches the
     # computed blocks under them. Kept here so the stage has one record per request.
     block_hashes: tuple[BlockHash, ...]
-    # after reserve: h_s cached ids, then fresh ids; after a two-phase commit: L* cached, fresh
+    # after reserve: h_s cached ids, then fresh ids
     block_table: tuple[int, ...] | None = None
-    num_agreed_blocks: int = 0  # L*: from commit, or (reserve) from the first chunk; -1 unknown
+    num_agreed_blocks: int = 0  # L*: from the first chunk (start_chunk); -1 unknown
     num_hashed_blocks: int = 0  # leading table blocks already passed to cache_full_blocks
-    owner: str = ""  # who probed it (an admission instance); only it may commit or release it
-    reserved: bool = False  # its table came from reserve (one round trip), not commit
+    owner: str = ""  # who probed it (an admission instance); only it may reserve or release it
 
 
 def check_lease(lease_s: float) -> None:

@@ -1,7 +1,7 @@
 """The per-stage KV manager (policy): speaks in requests, calls the pool.
 
-``StageKVManager`` turns admission steps (probe/pin, reserve (or the two-phase commit), mark
-computed, release, lease expiry) into ``BlockPool`` calls, keyed by request id. Pure: no I/O, no torch; the clock is
+``StageKVManager`` turns agreement steps (probe/pin, reserve, mark computed, release, lease
+expiry) into ``BlockPool`` calls, keyed by request id. Pure: no I/O, no torch; the clock is
 injected. Ideas follow vLLM (vllm/v1/core/kv_cache_manager.py); no code is copied.
 """
 
@@ -22,13 +22,11 @@ class StageKVManager:
     """Per-stage admission state: pins, reservations, leases, per-request block tables.
 
     The one owner of a stage's per-request state: what each held request pinned and reserved,
-    its prompt's block hashes (from ``probe_pin``) and its L* (from its first chunk, or from
-    ``commit``).
+    its prompt's block hashes (from ``probe_pin``) and its L* (from its first chunk).
 
-    A request moves probed -> reserved -> released (the one-round-trip agreement: ``probe_pin``
-    then ``reserve`` in the same message), or probed -> committed -> released (the two-phase
-    one, ``commit`` with L*), or probed -> released. Block table of a reserved request, h_s =
-    this stage's local hit::
+    A request moves probed -> reserved -> released (``probe_pin`` then ``reserve`` in the same
+    message), or probed -> released. Block table of a reserved request, h_s = this stage's
+    local hit::
 
         [ cached_0 ... cached_{h_s-1} | fresh_{h_s} ... fresh_{num_total_blocks-1} ]
           pinned by probe_pin           allocated by reserve (the reservation)
@@ -37,16 +35,15 @@ class StageKVManager:
     first chunk starts at L* <= h_s blocks (``start_chunk`` records it); a stage whose hit
     exceeds L* computes tokens [L* B, h_s B) again for its successors but writes none of their
     KV (``num_hit_blocks``: the engine skips those slots), and caching starts at block h_s, so a
-    cached block is never written or hashed again. A committed request's table is the same with
-    h_s replaced by L* (``commit`` unpinned the hit past L*).
+    cached block is never written or hashed again.
 
     Every held request has a lease (``clock()`` seconds); ``expire`` releases any request
-    whose lease passed, committed or not, so a dead controller leaks no pins.
+    whose lease passed, reserved or not, so a dead controller leaks no pins.
 
     Bounds against a misbehaving or forged owner: a lease is at most ``max_lease_s`` (a longer
     one is refused, never clamped), an owner holds at most ``max_blocks_per_owner`` blocks
-    (pinned and reserved; a commit past it is refused like a full pool), and only the owner
-    that probed a request may commit, renew or release it.
+    (pinned and reserved; a reservation past it is refused like a full pool), and only the
+    owner that probed a request may reserve, renew or release it.
 
     Args:
         pool: The stage's block pool; this manager is its only user.
@@ -86,7 +83,7 @@ class StageKVManager:
         # of the same prefix starts its walk there (BlockPool.pin_cache_hit)
         self._recent_walks: dict[BlockHash, tuple[tuple[BlockHash, ...], CacheHit]] = {}
         self._accepted_lease: tuple[float, float | None] | None = None  # see _check_lease
-        # per owner and root, its latest probe-reserve entry's hashes (kv_batch v5 references)
+        # per owner and root, its latest probe-reserve entry's hashes (kv_batch prefix references)
         self.recent_prefixes = RecentPrefixes()
 
     recent_walks_kept = 1024
@@ -94,7 +91,7 @@ class StageKVManager:
 
     @property
     def num_requests(self) -> int:
-        """Requests holding blocks (probed or committed)."""
+        """Requests holding blocks (probed or reserved)."""
         return len(self._requests)
 
     def probe_pin(
@@ -122,7 +119,7 @@ class StageKVManager:
         """Pin the longest cached prefix of ``block_hashes`` for ``request_id``.
 
         Idempotent by request id: for a request already held it pins nothing more and returns
-        the held length (L* once committed); the lease is extended to at least
+        the held length; the lease is extended to at least
         ``clock() + lease_s``, and the hashes of the first probe are kept.
 
         Args:
@@ -130,7 +127,7 @@ class StageKVManager:
             block_hashes: The prompt's full-block hashes (``hash_prompt_blocks``); kept for
                 ``mark_computed``.
             lease_s: Seconds until ``expire`` may release the request, > 0, <= ``max_lease_s``.
-            owner: Who holds it (the admission instance); only it may commit, renew, release.
+            owner: Who holds it (the admission instance); only it may reserve, renew, release.
             prior: The walk of an earlier request of the same round whose first ``num_shared``
                 hashes are this one's (``BlockPool.pin_cache_hit``): not looked up again.
                 None: the latest probe of a prompt with the same first block, if its walk is
@@ -186,28 +183,32 @@ class StageKVManager:
         copy: bool = True,
     ) -> Sequence[int] | None:
         """Keep the whole pinned hit (h_s blocks) and reserve the ``num_total_blocks - h_s``
-        blocks after it: the one-round-trip agreement's stage step, after ``probe_pin``.
-        Arguments as ``commit``'s (``num_total_blocks`` >= the probed hashes, no L*).
+        blocks after it: the agreement's stage step, after ``probe_pin``.
+
+        Args:
+            request_id: A probed request.
+            num_total_blocks: Blocks the whole prompt needs (ceil(num_tokens / block_size)),
+                >= the probed hashes and >= 1.
+            lease_s: New lease, seconds from now, > 0, <= ``max_lease_s``.
+            owner: The owner that probed it.
+            copy: False: return the manager's own table, a tuple (the caller only reads it).
 
         Returns:
-            The block table (h_s cached ids, then fresh ids), or None (refused, as ``commit``:
-            then this request holds nothing). Idempotent: the same table again.
+            The block table (h_s cached ids, then fresh ids), or None when the pool cannot
+            give the fresh blocks or the owner would hold more than ``max_blocks_per_owner``:
+            then all of this request's pins are released and it is forgotten (a refused
+            reservation leaves no pins). Idempotent: the same table again.
 
         Raises:
-            KeyError: if ``request_id`` is not held.
+            KeyError: if ``request_id`` is not held (never probed, released or expired).
             ValueError: a bad ``lease_s``, ``num_total_blocks`` below the probed hashes, a
-                repeated reserve with another total, a request committed with L* (two-phase),
-                or another owner's request. Nothing changes then.
+                repeated reserve with another total, or another owner's request. Nothing
+                changes then.
         """
         self._check_lease(lease_s)
         held = self._held(request_id)
         self._check_owner(held, owner)
         if held.block_table is not None:
-            if not held.reserved:
-                raise ValueError(
-                    f"request {request_id!r} was committed with num_agreed_blocks="
-                    f"{held.num_agreed_blocks} (two-phase); reserve does not apply"
-                )
             if num_total_blocks != len(held.block_table):
                 raise ValueError(
                     f"request {request_id!r} is already reserved with num_total_blocks="
@@ -227,7 +228,6 @@ class StageKVManager:
             return None
         held.num_hashed_blocks = num_hit_blocks  # cached already: never hashed again
         held.num_agreed_blocks = -1  # L* arrives with the first chunk (start_chunk)
-        held.reserved = True
         held.lease_expiry_s = self._clock() + lease_s
         return list(held.block_table) if copy else held.block_table
 
@@ -237,12 +237,12 @@ class StageKVManager:
 
         Returns ``num_hit_blocks`` in tokens: positions below it are in this stage's cached
         blocks (computed, but none of their KV or state written: ``ChunkSpec.num_cached_tokens``).
-        Raises KeyError if the request is not reserved or committed here, ValueError for a
+        Raises KeyError if the request is not reserved here, ValueError for a
         reserved request's first chunk off a block boundary or past the stage's hit.
         """
         held = self._requests.get(request_id)
         if held is None or held.block_table is None:
-            raise KeyError(f"request {request_id!r} is not committed on this stage")
+            raise KeyError(f"request {request_id!r} is not reserved on this stage")
         block_size = self.pool.block_size
         num_hit_tokens = len(held.hit_block_ids) * block_size
         if held.num_agreed_blocks < 0:
@@ -257,84 +257,9 @@ class StageKVManager:
 
     def num_hit_blocks(self, request_id: str) -> int:
         """The leading blocks of the request's table that are this stage's own cached hit,
-        pinned by the probe and never written by this request (h_s after ``reserve``, L* after
-        ``commit``); 0 if not held."""
+        pinned by the probe and never written by this request (h_s); 0 if not held."""
         held = self._requests.get(request_id)
         return len(held.hit_block_ids) if held is not None else 0
-
-    def commit(
-        self,
-        request_id: str,
-        num_agreed_blocks: int,
-        num_total_blocks: int,
-        lease_s: float,
-        *,
-        owner: str = "",
-        copy: bool = True,
-    ) -> Sequence[int] | None:
-        """Keep the first L* pinned blocks, unpin the rest, reserve the blocks after L*.
-
-        Args:
-            request_id: A probed request.
-            num_agreed_blocks: L*, the prefix agreed across stages; 0 <= L* <= local hit.
-            num_total_blocks: Blocks the whole prompt needs (ceil(num_tokens / block_size)),
-                >= L*. The controller keeps L* below it when the last token must be computed.
-            lease_s: New lease, seconds from now, > 0, <= ``max_lease_s``.
-            owner: The owner that probed it.
-            copy: False: return the manager's own table, a tuple (the caller only reads it).
-
-        Returns:
-            The block table (L* cached ids, then num_total_blocks - L* fresh ids), or None
-            when the pool cannot reserve the fresh blocks or the owner would hold more than
-            ``max_blocks_per_owner``: then all of this request's pins are released and it is
-            forgotten (a refused reservation leaves no pins).
-            Idempotent: a committed request returns the same table again.
-
-        Raises:
-            KeyError: if ``request_id`` is not held (never probed, released or expired).
-            ValueError: if L* > local hit, L* < 0, num_total_blocks < L*, a bad ``lease_s``,
-                a repeated commit with different block counts, or another owner's request.
-        """
-        self._check_lease(lease_s)
-        held = self._held(request_id)
-        self._check_owner(held, owner)
-        if held.block_table is not None:
-            if held.reserved:
-                raise ValueError(
-                    f"request {request_id!r} is reserved (one round trip); commit does not apply"
-                )
-            if (num_agreed_blocks, num_total_blocks) != (
-                held.num_agreed_blocks,
-                len(held.block_table),
-            ):
-                raise ValueError(
-                    f"request {request_id!r} is already committed with num_agreed_blocks="
-                    f"{held.num_agreed_blocks}, num_total_blocks={len(held.block_table)}; got "
-                    f"{num_agreed_blocks}, {num_total_blocks}"
-                )
-            held.lease_expiry_s = max(held.lease_expiry_s, self._clock() + lease_s)
-            return list(held.block_table) if copy else held.block_table
-        num_hit_blocks = len(held.hit_block_ids)
-        if not isinstance(num_agreed_blocks, int) or not 0 <= num_agreed_blocks <= num_hit_blocks:
-            raise ValueError(
-                f"num_agreed_blocks = {num_agreed_blocks!r} must be in [0, {num_hit_blocks}] "
-                f"(request {request_id!r}'s local hit on this stage); L* is the minimum over "
-                "stages of their hits"
-            )
-        if not isinstance(num_total_blocks, int) or num_total_blocks < num_agreed_blocks:
-            raise ValueError(
-                f"num_total_blocks = {num_total_blocks!r} must be an int >= num_agreed_blocks "
-                f"= {num_agreed_blocks}"
-            )
-        # Unpin past L* first: those blocks become evictable and may serve this reservation.
-        self.pool.free(held.hit_block_ids[num_agreed_blocks:], validate=False)
-        self._count_owner_blocks(held.owner, num_agreed_blocks - len(held.hit_block_ids))
-        held.hit_block_ids = held.hit_block_ids[:num_agreed_blocks]
-        if not self._allocate_table(held, owner, num_total_blocks - num_agreed_blocks):
-            return None
-        held.num_agreed_blocks = held.num_hashed_blocks = num_agreed_blocks
-        held.lease_expiry_s = self._clock() + lease_s
-        return list(held.block_table) if copy else held.block_table
 
     def mark_computed(
         self,
@@ -344,13 +269,13 @@ class StageKVManager:
     ) -> None:
         """After a chunk ran, give hashes to the request's blocks that are now full and computed.
 
-        Block i (i >= L* after ``commit``, i >= the local hit h_s after ``reserve``: the blocks
-        before are cached already) is full and computed when num_computed_tokens >= (i + 1) *
+        Block i (i >= the local hit h_s: the blocks before are cached already) is full and
+        computed when num_computed_tokens >= (i + 1) *
         block_size.
         Calls with a smaller or equal count than before change nothing.
 
         Args:
-            request_id: A committed request.
+            request_id: A reserved request.
             num_computed_tokens: Prompt tokens whose KV is now in this stage's blocks
                 (cached prefix included), in [0, num_total_blocks * block_size].
             block_hashes: The prompt's full-block hashes (``hash_prompt_blocks``); None: the
@@ -358,12 +283,12 @@ class StageKVManager:
 
         Raises:
             KeyError: if ``request_id`` is not held.
-            ValueError: if the request is not committed or reserved, ``num_computed_tokens`` is out of
+            ValueError: if the request is not reserved, ``num_computed_tokens`` is out of
                 range, or ``block_hashes`` has fewer hashes than there are full computed blocks.
         """
         held = self._held(request_id)
         if held.block_table is None:
-            raise ValueError(f"request {request_id!r} is not committed; commit before computing")
+            raise ValueError(f"request {request_id!r} is not reserved; reserve before computing")
         block_size = self.pool.block_size
         num_table_tokens = len(held.block_table) * block_size
         if not isinstance(num_computed_tokens, int) or not (
@@ -394,19 +319,19 @@ class StageKVManager:
         held.num_hashed_blocks = num_full_blocks
 
     def block_table(self, request_id: str) -> list[int]:
-        """The committed request's block table (a copy).
+        """The reserved request's block table (a copy).
 
         Raises:
-            KeyError: if ``request_id`` is not committed.
+            KeyError: if ``request_id`` is not reserved.
         """
         held = self._requests.get(request_id)
         if held is None or held.block_table is None:
-            raise KeyError(f"request {request_id!r} is not committed on this stage")
+            raise KeyError(f"request {request_id!r} is not reserved on this stage")
         return list(held.block_table)
 
     def num_agreed_blocks(self, request_id: str) -> int:
-        """L* of a committed request on this stage (of a reserved one, once its first chunk
-        started); -1 if not held, not committed yet, or L* not known yet."""
+        """L* of a reserved request on this stage, once its first chunk started; -1 if not
+        held, not reserved, or L* not known yet."""
         held = self._requests.get(request_id)
         if held is None or held.block_table is None:
             return -1
@@ -418,7 +343,7 @@ class StageKVManager:
         return held.block_hashes if held is not None else ()
 
     def request_ids(self) -> list[str]:
-        """The held requests (probed or committed), in admission order."""
+        """The held requests (probed or reserved), in admission order."""
         return list(self._requests)
 
     def receipt(self, request_id: str) -> PinReceipt:
@@ -429,7 +354,7 @@ class StageKVManager:
         return PinReceipt(request_id, tuple(self._held_block_ids(held)))
 
     def held_request_ids(self) -> list[str]:
-        """Ids of the requests held (pinned or committed), oldest first."""
+        """Ids of the requests held (pinned or reserved), oldest first."""
         return list(self._requests)
 
     def release(self, request_id: str | PinReceipt, *, owner: str | None = None) -> bool:
@@ -483,9 +408,9 @@ class StageKVManager:
     """How far below an owner's highest op number a late op is still accepted (once)."""
 
     def accept_seq(self, owner: str, seq: int) -> bool:
-        """Record op number ``seq`` of ``owner``; False (a replay) when this stage accepted it
-        before or it is ``seq_window`` or more below the highest accepted. An anti-replay
-        window (as IPsec's): ops of one owner may overtake each other a little on the way."""
+        """Record op number ``seq`` of ``owner``; False (a repeat) when this stage accepted it
+        before or it is ``seq_window`` or more below the highest accepted. A sliding window (as
+        IPsec's): ops of one owner may overtake each other a little on the way."""
         high, seen = self._owner_seqs.get(owner, (-1, set()))
         if seq in seen or seq <= high - self.seq_window:
             return False
@@ -505,7 +430,7 @@ class StageKVManager:
         return self._owner_blocks.get(owner, 0)
 
     def expire(self) -> list[str]:
-        """Release every request whose lease passed (expiry <= clock()), committed or not.
+        """Release every request whose lease passed (expiry <= clock()), reserved or not.
 
         Returns:
             Their ids, earliest expiry first.
@@ -541,7 +466,7 @@ class StageKVManager:
         if held.owner != owner:
             raise ValueError(
                 f"request {held.request_id!r} is held by another owner; only its owner may "
-                "commit or renew it"
+                "reserve, renew or release it"
             )
 
     def _allocate_table(self, held: HeldRequest, owner: str, num_fresh: int) -> bool:

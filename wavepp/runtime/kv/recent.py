@@ -1,4 +1,4 @@
-"""The prefixes a stage remembers per admission instance, for ``kv_batch`` version 5 references.
+"""The prefixes a stage remembers per admission instance, for ``kv_batch``'s prefix references.
 
 A probe-reserve round of a chat or agentic workload sends, for each long cached prefix, its
 first entry's hashes in full (the others of the round share them in-batch): every round, to

@@ -25,7 +25,7 @@ import time
 from typing import Protocol
 
 from wavepp.runtime.agreement import (
-    AdmissionController,
+    AgreementController,
     AgreementRefused,
     StageUnavailableError,
     Ticket,
@@ -50,7 +50,7 @@ class AdmissionHost(Protocol):
 
     config: RuntimeConfig
     core: SchedulerCore
-    controller: AdmissionController
+    controller: AgreementController
     telemetry: PipelineTelemetry
     intake: asyncio.Queue[RequestRecord]
 

@@ -69,7 +69,7 @@ class SchedulerCore(DoneAccounting):
     Args:
         config: the replica's RuntimeConfig (S, deadlines, prefix wait, max in flight).
         planner: the chunk planner.
-        block_hashes: a prompt's full-block hashes (the admission controller's memo).
+        block_hashes: a prompt's full-block hashes (the agreement controller's memo).
         first_microbatch_id: the first plan's id.
         clock: wall-clock seconds (outcome times, plan publish times).
         monotonic: seconds for deadlines.

@@ -4,7 +4,7 @@
 calls three parts that hold no I/O of their own::
 
     submit --> intake --> admission strategy (admission.py: AsyncAdmission | SyncAdmission)
-                             agreement over the admission controller
+                             prefix agreement (AgreementController)
                           --> SchedulerCore (core.py): request records, planning, done
                               accounting, deadlines, re-form; the one "finish a request" path
                           --> PlanTransport (transport.py): plans out, done messages in
@@ -40,7 +40,7 @@ from wavepp.api.messages import (
     PlanReplayReply,
     StageResync,
 )
-from wavepp.runtime.agreement import AdmissionController
+from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import ChunkPlanner
 from wavepp.runtime.request import PromptRequest, RequestOutcome
@@ -65,7 +65,7 @@ class WaveScheduler:
     Args:
         config: the replica's RuntimeConfig.
         transport: plans out, done messages in (``NatsPlanTransport``, or the simulator's).
-        controller: the admission controller (agreement over the stages' KV clients).
+        controller: the agreement controller (agreement over the stages' KV clients).
         planner: the chunk planner.
         on_outcome: called with each request's outcome, once.
         on_stage_done: called once per (micro-batch, stage) with the chunks' request ids.
@@ -78,7 +78,7 @@ class WaveScheduler:
         self,
         config: RuntimeConfig,
         transport: PlanTransport,
-        controller: AdmissionController,
+        controller: AgreementController,
         planner: ChunkPlanner,
         *,
         on_outcome: Callable[[RequestOutcome], None] | None = None,

@@ -24,7 +24,7 @@ from pathlib import Path
 from nats.aio.client import Client as NATS
 
 from wavepp.api.messages import Health
-from wavepp.runtime.agreement import AdmissionController, StageUnavailableError
+from wavepp.runtime.agreement import AgreementController, StageUnavailableError
 from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
@@ -60,7 +60,7 @@ class LocalPipeline:
         self.server: EmbeddedNatsServer | None = None
         self.procs: list[subprocess.Popen[bytes]] = []
         self.nc: NATS | None = None
-        self.controller: AdmissionController | None = None
+        self.controller: AgreementController | None = None
         self.scheduler: WaveScheduler | None = None
         self._config_path = self.log_dir / "runtime-config.json"
         # The bus key the stages and this scheduler sign with: the environment's, else a new one.
@@ -150,7 +150,7 @@ class LocalPipeline:
             self.config.num_stages,
             self.config.request_timeout_s,
         )
-        self.controller = AdmissionController(
+        self.controller = AgreementController(
             stages,
             block_size=self.config.block_size,
             model_id=self.config.model_id,

@@ -67,7 +67,7 @@ from wavepp.api.subjects import (
     intake_subject,
     result_subject,
 )
-from wavepp.runtime.agreement import AdmissionController
+from wavepp.runtime.agreement import AgreementController, StageVersionError
 from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.heap import settle_heap
@@ -175,6 +175,7 @@ class AdmissionService:
         self.is_draining = False
         self.drained_at_s: float | None = None  # monotonic, when the drain ended
         self._unformed_beats = 0
+        self._version_refusal = ""  # the last stage-version refusal logged (logged once)
         self._beat_now = asyncio.Event()
         self._num_beats = 0
         self.nc = nc
@@ -191,7 +192,7 @@ class AdmissionService:
         stages = NatsStageClient.for_replica(
             nc, config.subject_prefix, config.num_stages, config.request_timeout_s
         )
-        self.controller = AdmissionController(
+        self.controller = AgreementController(
             stages,
             block_size=config.block_size,
             model_id=config.model_id,
@@ -231,9 +232,21 @@ class AdmissionService:
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def wait_formed(self) -> None:
-        """Wait until every stage answers a health probe (deadline ``startup_timeout_s``)."""
+        """Wait until every stage answers a health probe (deadline ``startup_timeout_s``).
+
+        Raises:
+            StageVersionError: a stage speaks another protocol version (logged as one line
+                naming both; no round is attempted).
+            TimeoutError: not every stage formed before the deadline.
+        """
         deadline = time.monotonic() + self.startup_timeout_s
-        while not await self._probe_stages():
+        while True:
+            try:
+                if await self._probe_stages():
+                    return
+            except StageVersionError as exc:
+                log.error("%s: %s", self.config.pipeline, exc)
+                raise
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{self.config.pipeline}: {self.num_stages_formed}/{self.config.num_stages} "
@@ -242,10 +255,15 @@ class AdmissionService:
             await asyncio.sleep(0.2)
 
     async def _probe_stages(self) -> bool:
+        """Whether every stage answered a health probe formed. Raises ``StageVersionError``
+        for a stage of another protocol version (counted as none formed)."""
         try:
             replies = await asyncio.wait_for(self.controller.health(), 2.0)
             self.num_stages_formed = sum(1 for r in replies if r.ok)
             self.stage_epochs = tuple(r.group_epoch for r in replies)
+        except StageVersionError:
+            self.num_stages_formed = 0
+            raise
         except Exception:  # noqa: BLE001 - any stage silent: not formed
             self.num_stages_formed = 0
         return self.num_stages_formed == self.config.num_stages
@@ -337,7 +355,14 @@ class AdmissionService:
     async def _heartbeat_loop(self) -> None:
         while True:
             if self.scheduler.is_serving:
-                formed = await self._probe_stages()
+                try:
+                    formed = await self._probe_stages()
+                except StageVersionError as exc:  # a stage replaced by another build: held
+                    if str(exc) != self._version_refusal:
+                        log.error("%s: %s", self.config.pipeline, exc)
+                    self._version_refusal, formed = str(exc), False
+                else:
+                    self._version_refusal = ""
                 await self._follow_stages(formed)
                 self._unformed_beats = 0 if formed else self._unformed_beats + 1
             await self._publish_beat()

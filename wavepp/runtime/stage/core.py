@@ -23,8 +23,9 @@ One micro-batch through one stage, and who calls what::
 Trust: with the replica's bus key (``wavepp.api.signing``) a plan or replay reply whose tag is
 missing or wrong is dropped and counted (``num_forged``), never sequenced, so a forged plan can
 neither run nor make the real plan with its id a duplicate; done messages and KV events leave
-signed. A plan without an epoch, or of an epoch this stage has left, is dropped too (a replayed
-old plan cannot reset the sequence). KV requests are checked by ``handle_kv_request``.
+signed. A plan without an epoch, or of an epoch this stage has left, is dropped too (a repeated
+old plan cannot reset the sequence). KV requests are checked by ``handle_kv_batch`` and
+``handle_kv_request``.
 
 State: the KV manager (the one record of each request on this stage: pins, block table, prompt
 block hashes, L*), the plan sequencer, the last ``retired_epochs_size`` epochs left, and the
@@ -151,12 +152,12 @@ class StageCore:
     # ---- KV requests ---------------------------------------------------------------------
 
     def handle_kv(self, payload: bytes) -> KVReply:
-        """Answer one KV request (probe_pin, commit, release, renew, health); never raises."""
+        """Answer one JSON KV request (renew, health); never raises."""
         return handle_kv_request(self.manager, self.rank, payload, bus_key=self.bus_key)
 
     def handle_kv_batch(self, payload: bytes, *, refuse: str = "") -> bytes:
-        """Answer one admission round (binary ``KVBatch``); never raises. ``refuse``: out of
-        service for that reason (a release batch is still applied)."""
+        """Answer one agreement round (binary ``KVBatch``); never raises. ``refuse``: out of
+        service for that reason (releases are still applied)."""
         return handle_kv_batch(
             self.manager, self.rank, payload, refuse=refuse, bus_key=self.bus_key
         )
@@ -210,7 +211,7 @@ class StageCore:
         return due
 
     retired_epochs_size = 64
-    """Epochs left that a plan may not bring back (a replayed plan of an old scheduler)."""
+    """Epochs left that a plan may not bring back (a repeated plan of an old scheduler)."""
 
     def is_authentic(self, plan: MicroBatchPlan) -> bool:
         """The plan has an epoch this stage has not left and, with a bus key, a valid tag."""
