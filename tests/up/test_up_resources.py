@@ -11,8 +11,7 @@
 * nats-server killed with a request in flight: ``wavepp up`` restarts it and serving resumes
   within seconds (the request, lost with the server, is sent again after the reconnect).
 
-``WAVEPP_TEST_NATS_PAUSE_S`` sets the pause (default 6 s: past the 5 s default; the closing note
-of issue 13 ran 10 s).
+``WAVEPP_TEST_NATS_PAUSE_S`` sets the pause (default 6 s: past the client's 5 s default).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ namespace: two same-named pools in two namespaces under one NATS account have sa
 Every user also subscribes to its own reply inbox ``_INBOX.{user}.>`` (nobody else may, so
 replies cannot be read by another component) and may answer requests it received
 (``allow_responses``: one reply per request, to the request's reply subject only). Only the
-gateway's user may publish on ``wavepp.{ns}.{pool}.prefill`` (issue 17: the NATS request path is not a
+gateway's user may publish on ``wavepp.{ns}.{pool}.prefill`` (the NATS request path is not a
 way around the gateway's tenant checks).
 
 Pure functions; no I/O.

@@ -1,4 +1,4 @@
-"""NATS credentials the operator renders for a pipeline (issue 13): one Secret
+"""NATS credentials the operator renders for a pipeline: one Secret
 ``{pipeline}-nats-creds`` with a ``.creds`` per component user of ``wavepp.api.permissions``,
 signed by the account whose seed the operator was given (``WAVEPP_NATS_ACCOUNT_SEED_FILE``; the
 chart mounts it). Each pod mounts only its own keys:

@@ -1,7 +1,7 @@
 """One agreement per request id at a time: a second agreement of an id that is agreeing or
 admitted on the controller is refused before it reaches a stage.
 
-Found by attack (notes/attack-2.md, F3): two agreements of one id in one round with different
+The case pinned: two agreements of one id in one round with different
 prompt lengths; the first was admitted, the second answered INVALID by the stages ("already
 reserved with num_total_blocks=..."), and the round's release of the second freed the first's
 reservation on every stage, leaving an admitted ticket (renewed by the controller) that held

@@ -169,10 +169,9 @@ class StageGroupFactory:
     def _master_store(self) -> dist.TCPStore:
         """Rank 0's store. On a loopback ``--dist-url`` (``wavepp up``, one machine) it listens
         on that loopback address only: torch's store binds every interface and has no
-        authentication, so another host could read, grow or poison it (found by an attack: an
-        8 MiB write per key, and junk under ``wavepp/epoch/*`` that failed the next re-form). On
-        a pod address it listens on every interface (the pod's; issue 14's NetworkPolicies say
-        who may reach it)."""
+        authentication, so another host could read, grow or poison it (e.g. an 8 MiB write per
+        key, or junk under ``wavepp/epoch/*`` that fails the next re-form). On a pod address it
+        listens on every interface (the pod's; the spec's NetworkPolicy says who may reach it)."""
         if not _is_loopback(self.host):
             return dist.TCPStore(
                 self.host,
