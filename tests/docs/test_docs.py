@@ -51,3 +51,14 @@ def test_up_rejects_a_bad_spec_naming_the_field(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "spec.stages" in proc.stderr and "--config" in proc.stderr
+
+
+def test_readme_openai_snippet_runs_against_wavepp_up(
+    up_service, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme = (REPO / "README.md").read_text()
+    snippet = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    port = re.search(r":(\d+)$", up_service.endpoint).group(1)
+    exec(snippet.replace("localhost:8000", f"localhost:{port}"), {})
+    token_ids, cached = capsys.readouterr().out.rsplit("]", 1)
+    assert len(json.loads(token_ids + "]")) == 1 and int(cached) >= 0
