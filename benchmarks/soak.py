@@ -8,7 +8,7 @@ then plotting them and checking that the end is flat: after the load, every stag
 block, and memory over the last quarter of the run grew by less than ``--max-growth`` of the
 first quarter's.
 
-    .venv/bin/python benchmarks/soak.py ../shared/traces/conversation_trace.jsonl \\
+    .venv/bin/python benchmarks/soak.py data/traces/conversation_trace.jsonl \\
         --limit 10000 --out /tmp/soak.png --csv /tmp/soak.csv
 """
 

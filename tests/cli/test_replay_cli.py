@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from trace_data import TRACE
 
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning.memory import derived_kv_blocks
@@ -17,7 +18,6 @@ from wavepp.runtime.planning.memory import derived_kv_blocks
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 CONTRACT_KEYS = {
     "requests",
     "completed",

@@ -9,10 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from trace_data import TRACE
+
 from wavepp.bench.summary_text import clean_source, stage_rows, summary_rows
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 
 
 def test_stage_rows_put_local_hits_beside_the_agreed_prefix() -> None:

@@ -1,4 +1,5 @@
-"""The README's Serving commands and examples/up.yaml, run as written."""
+"""The curl commands of the README's tour and of docs/serving.md, and examples/up.yaml, run as
+written."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from wavepp.api.spec import check_spec
@@ -17,13 +19,10 @@ from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _serving_section() -> str:
-    readme = (REPO / "README.md").read_text()
-    return readme[readme.index("## Serving") :]
-
-
-def test_readme_curl_runs_against_wavepp_up(up_service) -> None:
-    command = next(line for line in _serving_section().splitlines() if line.startswith("curl "))
+@pytest.mark.parametrize("doc", ["README.md", "docs/serving.md"])
+def test_documented_curl_runs_against_wavepp_up(up_service, doc: str) -> None:
+    text = (REPO / doc).read_text()
+    command = next(line for line in text.splitlines() if line.startswith("curl "))
     port = re.search(r":(\d+)$", up_service.endpoint).group(1)
     argv = [arg.replace("localhost:8000", f"localhost:{port}") for arg in shlex.split(command)]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
@@ -52,3 +51,14 @@ def test_up_rejects_a_bad_spec_naming_the_field(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "spec.stages" in proc.stderr and "--config" in proc.stderr
+
+
+def test_readme_openai_snippet_runs_against_wavepp_up(
+    up_service, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme = (REPO / "README.md").read_text()
+    snippet = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    port = re.search(r":(\d+)$", up_service.endpoint).group(1)
+    exec(snippet.replace("localhost:8000", f"localhost:{port}"), {})
+    token_ids, cached = capsys.readouterr().out.rsplit("]", 1)
+    assert len(json.loads(token_ids + "]")) == 1 and int(cached) >= 0

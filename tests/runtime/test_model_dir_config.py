@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from trace_data import TRACE
 
 from wavepp.api.spec import WavePipelineSpec
 from wavepp.cmd.stage import ArgError, add_arguments, runtime_config_from_args
@@ -24,7 +25,6 @@ pytest.importorskip("transformers")
 from wavepp.bench.checkpoints import save_random_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Mooncake trace loading and the hash-id -> token mapping that reproduces its prefix reuse.
 
-Format (../shared/traces/README.md): one JSON object per line,
+Format (data/traces/README.md in the repository): one JSON object per line,
 ``{"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [int, ...]}``
 with 512 tokens per hash id and ``len(hash_ids) == ceil(input_length / 512)``.
 

@@ -3,7 +3,7 @@
 Every function takes the time as an argument (``now_s``, seconds on any monotonic clock), so
 tests drive it with a fake clock.
 
-- Cache salt: a tenant's block hashes are seeded by its salt (DESIGN.md 'block hash'), so two
+- Cache salt: a tenant's block hashes are seeded by its salt (docs/design.md 'block hash'), so two
   tenants share no cached block unless the spec gives them the same ``cacheSalt`` explicitly.
   Default salt: ``tenant:{name}``.
 - Limits: at most ``max_concurrency`` requests queued or running per tenant, and a token bucket

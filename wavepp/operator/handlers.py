@@ -9,7 +9,7 @@ handler shares, so two writers never race. A failed pass raises :class:`kopf.Tem
 kopf calls the daemon again after the delay.
 
 Settings live in one startup handler; the API client is opened there and closed at cleanup
-(STYLE.md, kopf handlers).
+(kopf's documented pattern for shared settings and clients).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ class RuntimeConfig(BaseModel):
     """Everything a pipeline's processes must agree on.
 
     ``mode`` sets the defaults of the three WavePP mechanisms; each can be overridden for
-    ablations (DESIGN.md 'Data flow'):
+    ablations (docs/design.md 'The baseline'):
 
     | mechanism        | wave (WavePP)                       | sync (baseline)                     |
     | ---------------- | ----------------------------------- | ----------------------------------- |

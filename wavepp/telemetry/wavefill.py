@@ -1,4 +1,4 @@
-"""Wave fill and stage intervals from recorded spans (DESIGN.md 'Terms': wave fill).
+"""Wave fill and stage intervals from recorded spans (docs/design.md 'Terms': wave fill).
 
 The runtime's own number is ``WaveStats.wave_fill`` (from the stages' ``MicroBatchDone``
 reports); this recomputes it from ``stage.execute`` spans alone, so a trace file is enough:

@@ -8,7 +8,7 @@ from wavepp.runtime.hf_config import normalize_hf_config
 from wavepp.runtime.planning.catalogue import derived_cost_model, get_model
 from wavepp.runtime.planning.from_config import spec_from_hf_config
 
-# Published config.json fields (shared/models.md): GLM-5.2 and MiniMax-M2.7.
+# Published config.json fields (docs/model-costs.md): GLM-5.2 and MiniMax-M2.7.
 GLM_5_2 = {
     "model_type": "glm_moe_dsa",
     "hidden_size": 6144,

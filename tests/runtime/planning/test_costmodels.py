@@ -1,6 +1,6 @@
-"""Tests for wavepp.runtime.planning.catalogue: derived cost models from shared/models.md.
+"""Tests for wavepp.runtime.planning.catalogue: derived cost models from docs/model-costs.md.
 
-Reference numbers are models.md's "Derived per-token compute and KV" table and its parameter
+Reference numbers are docs/model-costs.md's "Derived per-token compute and KV" table and its parameter
 cross-check, typed in here from that page (not from the code under test).
 """
 
@@ -25,14 +25,14 @@ from wavepp.runtime.planning.catalogue import (
 
 PAPER_MODELS = ["glm-5.2", "minimax-m2.7", "kimi-k3", "deepseek-v3.2"]
 
-# models.md "all layers" column: linear FLOPs per token over all layers.
+# docs/model-costs.md "all layers" column: linear FLOPs per token over all layers.
 ALL_LAYERS_FLOPS = {
     "glm-5.2": 78.7e9,
     "minimax-m2.7": 19.6e9,
     "kimi-k3": 206e9,
     "deepseek-v3.2": 73.1e9,
 }
-# models.md "linear FLOPs / token / layer" column, by layer kind.
+# docs/model-costs.md "linear FLOPs / token / layer" column, by layer kind.
 PER_LAYER_FLOPS = {
     ("glm-5.2", "mla+moe"): 1.013e9,
     ("glm-5.2", "mla+indexer+moe"): 1.013e9 + 0.019e9,
@@ -43,14 +43,14 @@ PER_LAYER_FLOPS = {
     ("kimi-k3", "kda+dense"): 2.340e9,
     ("deepseek-v3.2", "mla+indexer+moe"): 1.199e9,
 }
-# models.md "KV bytes / token (all layers)", BF16 latent / K,V (+ FP8 indexer keys).
+# docs/model-costs.md "KV bytes / token (all layers)", BF16 latent / K,V (+ FP8 indexer keys).
 KV_BYTES_PER_TOKEN = {
     "glm-5.2": 92_628,
     "minimax-m2.7": 253_952,
     "kimi-k3": 27_648,
     "deepseek-v3.2": 78_324,
 }
-# models.md: "parameter totals recomputed from these shapes give GLM 743B, M2.7 229B,
+# docs/model-costs.md: "parameter totals recomputed from these shapes give GLM 743B, M2.7 229B,
 # K3 2.78T and DS 672B".
 TOTAL_PARAMS = {
     "glm-5.2": 743e9,
@@ -58,7 +58,7 @@ TOTAL_PARAMS = {
     "kimi-k3": 2.78e12,
     "deepseek-v3.2": 672e9,
 }
-# models.md score+value FLOPs per (query, key) pair per layer, in the mode the derivation uses:
+# docs/model-costs.md score+value FLOPs per (query, key) pair per layer, in the mode the derivation uses:
 # GLM/DS indexer only (sparse MLA is in b), MiniMax GQA, K3 MHA mode in the 24 MLA layers.
 PAIR_FLOPS_PER_LAYER = {
     "glm-5.2": (8_192, 21),
@@ -123,14 +123,14 @@ def test_layer_layouts() -> None:
 
 
 def test_sparse_attention_and_recurrence_terms() -> None:
-    # DSA: MQA-mode pairs (models.md 139,264 / 278,528) x top-2048 keys, per token per layer.
+    # DSA: MQA-mode pairs (docs/model-costs.md 139,264 / 278,528) x top-2048 keys, per token per layer.
     assert {layer.other_flops_per_token for layer in get_model("glm-5.2").layers} == {
         2048 * 139_264
     }
     assert {layer.other_flops_per_token for layer in get_model("deepseek-v3.2").layers} == {
         2048 * 278_528
     }
-    # K3 KDA recurrence ~17 MFLOP per token (models.md); MLA re-expansion in g.
+    # K3 KDA recurrence ~17 MFLOP per token (docs/model-costs.md); MLA re-expansion in g.
     kda = [layer for layer in get_model("kimi-k3").layers if layer.kind.startswith("kda")]
     assert kda[0].other_flops_per_token == pytest.approx(17e6, rel=0.05)
     mla = [layer for layer in get_model("kimi-k3").layers if layer.kind.startswith("mla")]
@@ -202,7 +202,7 @@ def test_derived_seconds_follow_the_roofline() -> None:
 def test_source_names_model_gpu_and_models_md() -> None:
     model = derived_cost_model("glm-5.2", num_stages=4)
     assert model.label == "derived"
-    for word in ("glm-5.2", "H200", "989", "4.8", "models.md", "4 stages"):
+    for word in ("glm-5.2", "H200", "989", "4.8", "docs/model-costs.md", "4 stages"):
         assert word in model.source
     assert CostModel.from_dict(model.to_dict()) == model
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from trace_data import TRACE
 
 from wavepp.api.spec import WavePipelineSpec
 from wavepp.bench.trace import TokenMapper, load_trace
@@ -24,7 +25,6 @@ from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 
 ROOT = Path(__file__).resolve().parents[3]
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 # The engine's largest micro-batch: the scheduler's cap where the config has one.
 LARGEST_MICROBATCH_TOKENS = max(RuntimeConfig().max_microbatch_tokens, 8192)
 TOY_GPU = GPUSpec("toy", peak_flops=1.0, hbm_bytes_per_s=1.0, memory_bytes=1000.0)

@@ -30,7 +30,7 @@ MODEL_PRESET_NUM_LAYERS: dict[str, int] = {
 NOTE: tiny-llama and small-llama are the torch engine's presets
 (``wavepp.runtime.model_config.PRESETS``; api may not import runtime, a test checks the
 two agree). The others are ``num_hidden_layers`` of the paper's models, without MTP layers
-(shared/models.md, architecture table), used with the emulated engine.
+(docs/model-costs.md, architecture table), used with the emulated engine.
 """
 
 MAX_REPLICAS = 256

@@ -1,6 +1,6 @@
 """Cross-stage prefix agreement in one round trip: probe-reserve, L* = min over stages, release.
 
-Protocol (DESIGN.md 'Data flow', step 2), for one request with full-block hashes h_0..h_{n-1}::
+Protocol (docs/design.md 'Data flow', step 3), for one request with full-block hashes h_0..h_{n-1}::
 
     controller                          stage r (every r in [0, S), concurrently)
     ---- probe_reserve(hashes, total, lease) ->  pin the longest local hit hit_r, reserve

@@ -53,7 +53,7 @@ def check_block_hash(value: object, field: str) -> None:
 
 
 def root_block_hash(model_id: str, cache_salt: str) -> BlockHash:
-    """Hash h_{-1} that seeds a prompt's block hash chain (DESIGN.md, "block hash").
+    """Hash h_{-1} that seeds a prompt's block hash chain (docs/design.md, "block hash").
 
     Encoding (all integers little-endian)::
 
@@ -81,7 +81,7 @@ def root_block_hash(model_id: str, cache_salt: str) -> BlockHash:
 
 
 def hash_block_tokens(parent_block_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    """Hash h_i = sha256(h_{i-1} || tokens of block i) (DESIGN.md, "block hash").
+    """Hash h_i = sha256(h_{i-1} || tokens of block i) (docs/design.md, "block hash").
 
     Encoding (little-endian)::
 

@@ -3,7 +3,7 @@
 Derivation: ``docs/bench/bound.md``. In short, for N requests replayed in a closed loop with C in
 flight, request i having P_i prompt tokens of which L_i are cached (reused) and n_i = P_i - L_i
 new, and stage s costing t_s(L, x) = c_s + g_s*L + b_s*x + a_s*(2*L*x + x^2) per micro-batch
-(c_s once per micro-batch, the rest once per chunk; DESIGN.md 'Cost model'):
+(c_s once per micro-batch, the rest once per chunk; docs/design.md 'Cost model'):
 
 - The loop runs R = N / C rounds; in one round every in-flight request is prefilled once. A
   round's new tokens, n_round = C * mean(n_i), travel in m micro-batches, each at most
@@ -23,7 +23,7 @@ new, and stage s costing t_s(L, x) = c_s + g_s*L + b_s*x + a_s*(2*L*x + x^2) per
 - T >= min over m >= m_min of max(max_s (R * busy_s(m) + fill/drain_s), R * crossing(m)).
   Throughput <= sum_i P_i / T.
 
-With m = S and C*n large this is the picture of DESIGN.md: S equal micro-batches that hold all
+With m = S and C*n large this is the picture of docs/design.md ('The physical bound'): S equal micro-batches that hold all
 in-flight new tokens, back to back on every stage. Control costs (NATS, agreement, planning)
 are not in it: they are what a scheduler loses against it.
 

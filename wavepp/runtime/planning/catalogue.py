@@ -1,9 +1,9 @@
 """Derived per-stage cost models for large models at a stated roofline.
 
-Pure logic: no I/O, no torch. Every number comes from shared/models.md ("Published
+Pure logic: no I/O, no torch. Every number comes from docs/model-costs.md ("Published
 architectures of the paper's models"): the architecture table (config.json fields) and its
 "Per-token prefill cost, how to derive" formulas. A stage's cost model (planner.CostModel,
-t(L, x) = c + g*L + b*x + a*(2*L*x + x^2), DESIGN.md 'Cost model') is derived as::
+t(L, x) = c + g*L + b*x + a*(2*L*x + x^2), docs/design.md 'Cost model') is derived as::
 
     b = sum over the stage's layers of (linear FLOPs + other x-linear FLOPs) per token
         / (peak_flops * mfu)
@@ -26,9 +26,9 @@ Assumptions (stated once, here):
   ignored (tiny).
 - Compute: all FLOPs at the dense BF16 peak times mfu (conservative for FP8 GEMMs).
 - MLA mode. GLM-5.2 and DeepSeek-V3.2 (DSA): the sparse MLA runs in MQA (absorbed) mode, as
-  FlashMLA's sparse prefill does (models.md F2, F5): 2*H*(2*kv_lora + d_rope) FLOPs per pair and
+  FlashMLA's sparse prefill does (docs/model-costs.md F2, F5): 2*H*(2*kv_lora + d_rope) FLOPs per pair and
   no re-expansion of the cache. Kimi K3 (dense MLA): MHA (non-absorbed) mode, vLLM's
-  chunked-prefill path (models.md F1): 2*H*(d_nope + d_rope + d_v) FLOPs per pair, and kv_b
+  chunked-prefill path (docs/model-costs.md F1): 2*H*(d_nope + d_rope + d_v) FLOPs per pair, and kv_b
   re-expands the whole cached latent on every chunk, which puts 2*kv_lora*H*(d_nope + d_v)
   FLOPs per context token per MLA layer into g.
 - DSA top-k (GLM-5.2, DeepSeek-V3.2): sparse attention costs the MQA-mode pair FLOPs times
@@ -175,7 +175,7 @@ def derived_cost_model(
 
     Returns:
         CostModel with label "derived" and a source naming the model, layers, GPU figures and
-        models.md.
+        docs/model-costs.md.
 
     Raises:
         ValueError: unknown model, num_stages outside [1, num_layers], or a bad layer range.

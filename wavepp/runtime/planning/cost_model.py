@@ -1,7 +1,7 @@
 """The prefill cost model t(L, x) and its least-squares fit.
 
-Cost model, per stage, for a chunk of x new tokens over L cached context tokens (DESIGN.md 'Cost
-model')::
+Cost model, per stage, for a chunk of x new tokens over L cached context tokens (docs/design.md
+'Cost model')::
 
     t(L, x) = c + g*L + b*x + a*(2*L*x + x^2)      seconds
 
@@ -34,7 +34,7 @@ _MAX_ROOT_FIXUPS = 64
 class CostModel:
     """Per-stage prefill cost t(L, x) = c + g*L + b*x + a*(2*L*x + x^2) seconds.
 
-    Source: DESIGN.md 'Cost model'. L = cached context tokens before the chunk, x = new tokens.
+    Source: docs/design.md 'Cost model'. L = cached context tokens before the chunk, x = new tokens.
 
     Attributes:
         c: fixed cost per micro-batch per stage, seconds (weight reads, kernel launches).

@@ -2,7 +2,7 @@
 
 ``wavepp replay --engine emulated --emulate DIR`` emulates the model a checkpoint directory
 describes, with the same formulas as the built-in published models (``published.py``,
-shared/models.md "Per-token prefill cost"). Pure: it takes the parsed, normalised config dict
+docs/model-costs.md "Per-token prefill cost"). Pure: it takes the parsed, normalised config dict
 (``hf_config.read_hf_config`` + ``normalize_hf_config``); the caller does the I/O.
 
 Per family:

@@ -1,7 +1,7 @@
 """KV capacity per stage, derived from the emulated model and the device.
 
 Pure: no I/O, no torch. The model figures are the derived ones of ``planning.published``
-(shared/models.md); the device is a ``GPUSpec`` with ``memory_bytes`` (H200: 141 GB).
+(docs/model-costs.md); the device is a ``GPUSpec`` with ``memory_bytes`` (H200: 141 GB).
 
 Formula, per stage r of an even layer split (``catalogue.stage_layer_ranges``), per GPU of the
 stage's tensor-parallel group of t GPUs::
@@ -37,7 +37,7 @@ Assumptions, with their sources:
   per-copy caches k*(3f + d)), BF16, not split over the t GPUs (an over-estimate). It is an
   estimate of what vLLM's profiling forward measures, not a measurement; it is a few GB
   (GLM-5.2: 242 kB/token, 4.0 GB at 16,384 tokens), small next to the weights.
-- **KV bytes per token** of each layer from the architecture (models.md "KV bytes per token",
+- **KV bytes per token** of each layer from the architecture (docs/model-costs.md "KV bytes per token",
   BF16 latent / K,V plus the FP8 DSA indexer key; an FP8 KV cache would double the capacity).
   Under tensor parallelism GQA's KV heads split over min(t, K) GPUs; MLA's latent has one
   head, so every GPU of the group holds the whole latent (vLLM MLA backends: one KV head,

@@ -1,9 +1,9 @@
 """The chunk / micro-batch planner.
 
-Pure logic: no I/O, no torch. The planner is the third step of admission (DESIGN.md 'The
-problem'): cut admitted requests into chunks so that every micro-batch costs about the same on
+Pure logic: no I/O, no torch. The planner is the third step of admission (docs/design.md
+'The problem'): cut admitted requests into chunks so that every micro-batch costs about the same on
 the slowest stage, which keeps the pipeline full. Costs come from ``cost_model.CostModel``
-(t(L, x) = c + g*L + b*x + a*(2*L*x + x^2), DESIGN.md 'Cost model'); since the attention term
+(t(L, x) = c + g*L + b*x + a*(2*L*x + x^2), docs/design.md 'Cost model'); since the attention term
 of a prompt does not depend on how it is cut, only c and g*L do, which is what the chunking
 trades against filling the stages.
 """

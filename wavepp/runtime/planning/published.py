@@ -1,5 +1,5 @@
 """The paper's models (and tiny-llama) as ``ModelSpec``s, from the published shapes in
-shared/models.md (architecture table, config.json fields). Pure: no I/O, no torch.
+docs/model-costs.md (architecture table, config.json fields). Pure: no I/O, no torch.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _dsa_model(
     """MLA + DSA (+ MoE) models: GLM-5.2 and DeepSeek-V3.2, FP8 block-scaled weights."""
     mla = mla_weights(d, heads, q_lora, kv_lora, nope, rope, v, gated=False)
     indexer = indexer_weights(d, q_lora, index_heads, index_dim)
-    mqa_pair = 2 * heads * (2 * kv_lora + rope)  # models.md: MLA MQA mode
+    mqa_pair = 2 * heads * (2 * kv_lora + rope)  # docs/model-costs.md: MLA MQA mode
     index_pair = 2 * index_heads * index_dim
     latent_bytes = (kv_lora + rope) * BF16_BYTES
     layers = []
@@ -105,9 +105,9 @@ def _dsa_model(
 
 
 def _glm_5_2() -> ModelSpec:
-    # models.md: indexer in 21 "full" layers 0, 1, 2, 6, 10, ..., 74 (IndexShare).
+    # docs/model-costs.md: indexer in 21 "full" layers 0, 1, 2, 6, 10, ..., 74 (IndexShare).
     indexer_layers = frozenset([0, 1, 2, *range(6, 75, 4)])
-    assert len(indexer_layers) == 21, "models.md: GLM-5.2 has 21 indexer layers"
+    assert len(indexer_layers) == 21, "GLM-5.2 has 21 indexer layers (docs/model-costs.md)"
     return _dsa_model(
         name="glm-5.2",
         hf_repo="zai-org/GLM-5.2-FP8",
@@ -186,7 +186,7 @@ def _minimax_m2_7() -> ModelSpec:
         mlp_active_weights=moe.active(),
         mlp_bytes=moe_weight_bytes(moe, FP8_BLOCK_BYTES, FP8_BLOCK_BYTES),
         mlp_params=moe.router() + moe.all_routed(),
-        pair_flops=float(4 * heads * head_dim),  # models.md: GQA 4*H*d_h*P
+        pair_flops=float(4 * heads * head_dim),  # docs/model-costs.md: GQA 4*H*d_h*P
         kv_bytes_per_token=2 * kv_heads * head_dim * BF16_BYTES,
         num_kv_heads=kv_heads,
     )
@@ -208,7 +208,7 @@ def _kimi_k3() -> ModelSpec:
     d, vocab = 7168, 163840
     heads, q_lora, kv_lora, nope, rope, v = 96, 1536, 512, 128, 64, 128
     kda_heads, kda_dim, decay_rank = 96, 128, 128
-    # Routed experts in a 3584-wide latent; 2 full-width shared experts (models.md).
+    # Routed experts in a 3584-wide latent; 2 full-width shared experts (docs/model-costs.md).
     moe = MoE(
         d=d,
         num_experts=896,
@@ -220,12 +220,12 @@ def _kimi_k3() -> ModelSpec:
     )
     mla = mla_weights(d, heads, q_lora, kv_lora, nope, rope, v, gated=True)
     kda = kda_weights(d, kda_heads, kda_dim, decay_rank)
-    mha_pair = 2 * heads * (nope + rope + v)  # models.md: MLA MHA mode
+    mha_pair = 2 * heads * (nope + rope + v)  # docs/model-costs.md: MLA MHA mode
     reexpand = 2 * kv_lora * heads * (nope + v)  # kv_b over the cached latent, every chunk
     recurrence = kda_heads * (6 * kda_dim * kda_dim + 10 * KDA_CHUNK_TOKENS * kda_dim)
     # 1-based MLA positions 4, 8, ..., 92, 93 -> 0-based 3, 7, ..., 91, 92.
     mla_layers = frozenset([*range(3, 92, 4), 92])
-    assert len(mla_layers) == 24, "models.md: Kimi K3 has 24 MLA layers"
+    assert len(mla_layers) == 24, "Kimi K3 has 24 MLA layers (docs/model-costs.md)"
     moe_bytes = moe_weight_bytes(moe, MXFP4_BYTES, BF16_BYTES)
     moe_params = moe.router() + moe.all_routed() + moe.shared() + moe.latent()
     layers = []

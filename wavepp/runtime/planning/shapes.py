@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# NOTE: named, not opened: the shapes below were transcribed from the project's shared models.md.
-MODELS_MD = "shared/models.md"
+# Named in each derived cost model's source, not opened: the shapes below are its tables.
+MODELS_MD = "docs/model-costs.md"
 
 
 # Bytes per weight of the served dtypes.
@@ -26,7 +26,7 @@ FP8_BLOCK_BYTES = 1.0 + 4.0 / (128 * 128)  # e4m3 + one fp32 scale per 128x128 b
 MXFP4_BYTES = 0.5 + 1.0 / 32  # E2M1 + one E8M0 scale per 32 elements
 
 
-DSA_INDEXER_KEY_BYTES = 128 + 4  # d_I fp8 + 4-byte scale (models.md F7)
+DSA_INDEXER_KEY_BYTES = 128 + 4  # d_I fp8 + 4-byte scale (docs/model-costs.md F7)
 
 
 DSA_TOP_K = 2048
@@ -122,7 +122,7 @@ class LayerCost:
 
     Attributes:
         kind: e.g. "mla+indexer+moe", "kda+dense".
-        linear_flops_per_token: projections and MLP/MoE, FLOPs per new token; what models.md's
+        linear_flops_per_token: projections and MLP/MoE, FLOPs per new token; what docs/model-costs.md's
             "linear FLOPs / token / layer" column counts (2 per multiply-add).
         other_flops_per_token: x-linear FLOPs outside that column, per new token: DSA sparse
             attention at top-k keys, KDA recurrence.
@@ -150,7 +150,7 @@ class LayerCost:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model's per-layer costs, from models.md.
+    """A model's per-layer costs, from docs/model-costs.md.
 
     Attributes:
         name: key in MODELS, e.g. "glm-5.2".
@@ -180,7 +180,7 @@ class ModelSpec:
         return len(self.layers)
 
     def linear_flops_per_token(self, layers: tuple[int, int] | None = None) -> float:
-        """models.md's "linear" FLOPs per token over layers [first, last) (default: all)."""
+        """docs/model-costs.md's "linear" FLOPs per token over layers [first, last) (default: all)."""
         first, last = self.layer_range(layers)
         return sum(layer.linear_flops_per_token for layer in self.layers[first:last])
 
@@ -231,7 +231,7 @@ def gqa_weights(d: int, heads: int, kv_heads: int, head_dim: int) -> int:
 
 def kda_weights(d: int, heads: int, head_dim: int, decay_rank: int) -> int:
     """KDA: q, k, v (3*d*H*d_k), output gate (d*H*d_v), o (H*d_v*d), plus the low-rank decay
-    (d*r + r*H*d_k; r = 128 assumed, models.md) and beta (d*H) projections. d_k = d_v."""
+    (d*r + r*H*d_k; r = 128 assumed, docs/model-costs.md) and beta (d*H) projections. d_k = d_v."""
     return 5 * d * heads * head_dim + d * decay_rank + decay_rank * heads * head_dim + d * heads
 
 

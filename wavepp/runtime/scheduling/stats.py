@@ -128,7 +128,7 @@ class WaveStats:
         return self._first_start_s, self._last_end_s
 
     def wave_fill(self, num_stages: int) -> float:
-        """Busy time of all stages / (S x wall time) over the execution window (DESIGN.md)."""
+        """Busy time of all stages / (S x wall time) over the execution window (docs/design.md, "wave fill")."""
         window = self.execution_window()
         if window is None:
             return 0.0

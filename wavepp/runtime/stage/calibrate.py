@@ -7,7 +7,7 @@ prefills L context tokens into its KV cache, then runs the x-token chunk at cont
 
 The stage measured is a middle stage (no embedding, no ``lm_head``): the last stage's extra
 cost is one norm and one [hidden x vocab] product per finished request, negligible at these
-shapes. The fit t(L, x) = c + g*L + b*x + a*(2*L*x + x^2) (DESIGN.md "Cost model") lives in
+shapes. The fit t(L, x) = c + g*L + b*x + a*(2*L*x + x^2) (docs/design.md "Cost model") lives in
 ``wavepp.runtime.planning.fit_cost_model``; this module only measures.
 """
 

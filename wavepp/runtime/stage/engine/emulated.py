@@ -2,7 +2,7 @@
 
 ``prepare()`` builds the same block tables, slot mapping and positions as the torch engine.
 ``execute()`` takes ``time_scale * cost_model.microbatch_cost_s([(L, x), ...])`` seconds of wall
-time (the design's t(L, x) = c + g*L + b*x + a*(2*L*x + x^2) per chunk, DESIGN.md "Cost model")
+time (the design's t(L, x) = c + g*L + b*x + a*(2*L*x + x^2) per chunk, docs/design.md "Cost model")
 and returns small, deterministic activations so that real bytes still travel between stages.
 
 Activation row of token t at position p (emulated_hidden_size >= 2 columns)::
