@@ -3,7 +3,7 @@
 One stage's ``StageKVManager`` (pool sized for the run), 4096-token prompts in 64-token blocks,
 ``--rounds`` rounds of ``--batch`` requests: each round's probe batch, then its commit batch
 (L* = the stage's hit), encoded as a controller sends them; all rounds released at the end, as
-``wavepp bench admission`` does. Workloads as that benchmark's: ``short-suffix`` (8 prefixes of
+``wavepp bench agreement`` does. Workloads as that benchmark's: ``short-suffix`` (8 prefixes of
 3,904 tokens cached first, a new 192-token suffix each: 61 of 64 blocks hit) and ``mixed``
 (nothing cached; half the prompts share a 2,048-token prefix). Only the handler calls are timed
 (``time.process_time``, the garbage collector's generations frozen after set-up, as the stage
@@ -36,7 +36,7 @@ MODEL_ID = "micro"
 
 
 def prompts(workload: str, num_requests: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompts, prefixes to cache first), as ``wavepp.bench.admission``'s workloads."""
+    """(prompts, prefixes to cache first), as ``wavepp.bench.agreement``'s workloads."""
     rng = np.random.Generator(np.random.PCG64(1))
     if workload == "mixed":
         shared = rng.integers(0, 32000, PROMPT_TOKENS // 2).tolist()
@@ -55,7 +55,7 @@ def prompts(workload: str, num_requests: int) -> tuple[list[list[int]], list[lis
 def measure(workload: str, batch: int, rounds: int, held_rounds: int = 8) -> dict[str, float]:
     """Microseconds of CPU per request per stage: probe-reserve, release (steady state: the
     round from ``held_rounds`` rounds ago is released after each round, as
-    ``wavepp bench admission`` releases what its replica no longer holds)."""
+    ``wavepp bench agreement`` releases what its replica no longer holds)."""
     all_prompts, prefixes = prompts(workload, batch * rounds)
     hashes = [hash_prompt_blocks(p, BLOCK_SIZE, MODEL_ID) for p in all_prompts]
     blocks_per_prompt = PROMPT_TOKENS // BLOCK_SIZE + 1

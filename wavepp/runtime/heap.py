@@ -7,7 +7,7 @@ Why: CPython (3.11) starts a young collection after ``threshold0`` (700) allocat
 tracked objects, counting every deallocation of one, young or old, back down. A stage frees as
 many old records per round as it makes new ones (each finished request's ``HeldRequest``, table
 and hashes go as a new request's arrive), so the count seldom reaches the threshold and the
-young generation piles up: measured in the admission bench (``wavepp bench admission``, S = 8,
+young generation piles up: measured in the agreement bench (``wavepp bench agreement``, S = 8,
 four stages in one host process, 16 in flight), a young collection every ~17 rounds walking
 the ~1,100 requests held meanwhile and their tuples, 2.9-4.7 ms, inside whichever round it
 fell in; that round's requests all waited for it (the p99). Collected after every answered

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 class SimLatencies:
     """Simulated costs outside the stages' compute, seconds (virtual, not scaled).
 
-    Defaults: the order of what ``wavepp bench admission`` and the emulated runs measure on this
+    Defaults: the order of what ``wavepp bench agreement`` and the emulated runs measure on this
     machine (a NATS request-reply ~1 ms, a publish ~0.5 ms); change them to model a network.
 
     ``schedule_s``: the scheduler's own host time per micro-batch on the critical path (done
