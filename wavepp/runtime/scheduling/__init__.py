@@ -5,6 +5,6 @@ core            SchedulerCore: I/O-free decisions; RequestRecord, one per reques
 admission       AsyncAdmission (wave) | SyncAdmission (baseline): intake -> planning set
 transport       PlanTransport protocol; BusPlanTransport over a nats.py-like bus (the simulator's)
 nats_transport  NatsPlanTransport (imported only by the serving room: the simulator loads no NATS)
-ledger          PlanLedger: the plans of the current epoch, for replay to a stage that missed one
+ledger          PlanLedger: the plans of the current epoch, to resend to a stage that missed one
 stats           WaveStats: running sums and fixed windows, StageSpan
 """

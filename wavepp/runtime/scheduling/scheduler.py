@@ -18,7 +18,7 @@ in flight.
 
 Delivery across NATS reconnects: plans carry this scheduler's ``epoch`` and consecutive ids and
 stay in a ``PlanLedger`` until every stage reported them done. Stages ask for plans they missed
-(``{p}.plan.replay``); after a reconnect the scheduler republishes the outstanding plans and
+(``{p}.plan.resend``); after a reconnect the scheduler republishes the outstanding plans and
 asks each stage for the done messages it has not seen (``{p}.stage.{r}.dones``), also when a
 stage says it reconnected (``{p}.resync``) or reports a later micro-batch first. Done messages
 count once per (micro-batch, stage). An agreement a stage did not answer is retried for
@@ -34,10 +34,10 @@ import time
 from collections.abc import Callable
 
 from wavepp.api.messages import (
-    DoneReplay,
+    DoneResend,
     MicroBatchDone,
-    PlanReplay,
-    PlanReplayReply,
+    PlanResend,
+    PlanResendReply,
     StageResync,
 )
 from wavepp.runtime.agreement import AdmissionController
@@ -103,7 +103,7 @@ class WaveScheduler:
             bus_key=controller.bus_key,
         )
         self.intake: asyncio.Queue[RequestRecord] = asyncio.Queue()
-        # Recovery counters (a NATS reconnect): plans replayed or republished to stages, done
+        # Recovery counters (a NATS reconnect): plans resent or republished to stages, done
         # messages recovered from stages; admitted requests sent back to admission by a re-form.
         self.num_plans_resent = 0
         self.num_dones_recovered = 0
@@ -207,7 +207,7 @@ class WaveScheduler:
     def resume_plans(self, *, readmit: bool = True) -> None:
         """Publish plans again (every stage subscribed); see :meth:`pause_plans`.
 
-        The outstanding plans are forgotten (no replay to the new stages: the stages that held
+        The outstanding plans are forgotten (no resend to the new stages: the stages that held
         their requests are gone). With ``readmit`` (after a re-form: the new stages hold no
         KV state of anything admitted before), every admitted request not yet answered goes
         back to admission and is agreed and computed again on the new stages; its
@@ -404,20 +404,20 @@ class WaveScheduler:
 
     # ---- gap-free delivery across reconnects (PlanHandlers) ------------------------------
 
-    def on_plan_replay(self, ask: PlanReplay) -> PlanReplayReply:
+    def on_plan_resend(self, ask: PlanResend) -> PlanResendReply:
         """The plans a stage missed (none from another epoch)."""
         core = self.core
         plans = (
-            [plan for _, plan in core.ledger.replay(ask.from_id, ask.to_id)]
+            [plan for _, plan in core.ledger.resend(ask.from_id, ask.to_id)]
             if ask.epoch == core.epoch
             else []
         )
         if plans:
             log.warning(
-                "replaying plans %s to stage %d", [p.microbatch_id for p in plans], ask.rank
+                "resending plans %s to stage %d", [p.microbatch_id for p in plans], ask.rank
             )
         self.num_plans_resent += len(plans)
-        reply = PlanReplayReply(epoch=core.epoch, next_id=core.next_microbatch_id, plans=plans)
+        reply = PlanResendReply(epoch=core.epoch, next_id=core.next_microbatch_id, plans=plans)
         return reply if core.bus_key is None else core.bus_key.sign(reply)
 
     def on_resync(self, notice: StageResync) -> None:
@@ -427,7 +427,7 @@ class WaveScheduler:
     async def on_reconnected(self) -> None:
         """Republish the outstanding plans (stages drop the ones they have) and ask every stage
         for the done messages this side has not seen."""
-        for _, plan in self.core.ledger.replay(0):
+        for _, plan in self.core.ledger.resend(0):
             await self.transport.publish_plan(plan, None)
             self.num_plans_resent += 1
         for rank in range(self.num_stages):
@@ -447,13 +447,13 @@ class WaveScheduler:
             self._in_background(self._pull_dones(rank, microbatch_ids))
 
     async def _pull_dones(self, rank: int, microbatch_ids: list[int]) -> None:
-        ask = DoneReplay(epoch=self.core.epoch, microbatch_ids=microbatch_ids[:4096])
+        ask = DoneResend(epoch=self.core.epoch, microbatch_ids=microbatch_ids[:4096])
         try:
             reply = await self.transport.request_dones(
                 rank, ask, min(2.0, self.config.request_timeout_s)
             )
         except Exception as exc:  # noqa: BLE001 - it resyncs when it reconnects
-            log.warning("done replay from stage %d failed: %r", rank, exc)
+            log.warning("done resend from stage %d failed: %r", rank, exc)
             return
         for done in reply.dones:
             if done.rank == rank and self.core.ledger.report_pending(done.microbatch_id, rank):
