@@ -25,7 +25,7 @@ class SimLatencies:
 
     ``schedule_s``: the scheduler's own host time per micro-batch on the critical path (done
     handling, planning, plan serialisation), which the virtual clock otherwise gets for free;
-    both modes pay it (sync mode at least ``RuntimeConfig.baseline_iteration_overhead_s``).
+    both modes pay it (sync mode at least ``BaselineConfig.iteration_overhead_s``).
     Default 0 here so that unit tests isolate what they test; ``wavepp sim`` charges 1.65 ms,
     the scheduler's host time per micro-batch measured on this machine (replay JSON
     ``scheduler_host_ms_mean``; docs/bench/baseline.md).

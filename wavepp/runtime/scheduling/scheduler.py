@@ -3,7 +3,7 @@
 ``WaveScheduler`` is the driver: it owns the asyncio side (intake queue, loops, timers) and
 calls three parts that hold no I/O of their own::
 
-    submit --> intake --> admission strategy (admission.py: AsyncAdmission | SyncAdmission)
+    submit --> intake --> AdmissionStrategy (admission.py: AsyncAdmission, SyncAdmission)
                              agreement over the admission controller
                           --> SchedulerCore (core.py): request records, planning, done
                               accounting, deadlines, re-form; the one "finish a request" path
@@ -45,7 +45,7 @@ from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import ChunkPlanner
 from wavepp.runtime.request import PromptRequest, RequestOutcome
 from wavepp.runtime.scheduling import speculation
-from wavepp.runtime.scheduling.admission import AsyncAdmission, SyncAdmission
+from wavepp.runtime.scheduling.admission import STRATEGIES, AdmissionHost, AdmissionStrategy
 from wavepp.runtime.scheduling.core import RequestRecord, SchedulerCore
 from wavepp.runtime.scheduling.stats import StageSpan, WaveStats
 from wavepp.runtime.scheduling.transport import PlanTransport
@@ -72,6 +72,9 @@ class WaveScheduler:
         first_microbatch_id: the first plan's id.
         stats: where micro-batch statistics accumulate (default: a WaveStats of the default
             window).
+        host_overhead_s: the least host time before each plan's publish, seconds.
+        admission: builds the admission strategy from this scheduler (default: the one
+            ``config.resolved_agreement`` selects in ``STRATEGIES``).
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class WaveScheduler:
         first_microbatch_id: int = 0,
         stats: WaveStats | None = None,
         host_overhead_s: float = 0.0,
+        admission: Callable[[AdmissionHost], AdmissionStrategy] | None = None,
     ) -> None:
         self.config = config
         self.transport = transport
@@ -112,12 +116,11 @@ class WaveScheduler:
             config.pipeline,
             self.num_stages,
             self.core.stats,
-            lambda: {"intake": self.intake.qsize(), "prepared": self._num_prepared()},
+            lambda: {"intake": self.intake.qsize(), "prepared": self.admission.num_prepared()},
             bus_key=self.core.bus_key,
         )
-        self.admission: AsyncAdmission | SyncAdmission = (
-            AsyncAdmission(self) if config.resolved_async_agreement else SyncAdmission(self)
-        )
+        make_admission = admission or STRATEGIES[config.resolved_agreement]
+        self.admission: AdmissionStrategy = make_admission(self)
         self._slot_freed = asyncio.Event()
         self._plans_open = asyncio.Event()  # cleared while the replica re-forms
         self._plans_open.set()
@@ -125,11 +128,11 @@ class WaveScheduler:
         self._background: set[asyncio.Task[None]] = set()  # done pulls, release retries
         # NOTE: the least host time before each plan's publish, on the critical path: the
         # caller's model of this scheduler's own cost (the simulator, where CPU is free), and
-        # in sync mode at least TRT-LLM's host loop (baseline_iteration_overhead_s). Sync counts
-        # from the free slot (its agreement is TRT-LLM's fetch and prepare_resources), or from
-        # the request's arrival when its loop had nothing to run; wave from the end of gather
-        # (its agreements ran ahead, off the critical path).
-        self._host_floor_s = max(host_overhead_s, config.resolved_iteration_overhead_s)
+        # in sync mode at least TRT-LLM's host loop (BaselineConfig.iteration_overhead_s). Sync
+        # counts from the free slot (its agreement is TRT-LLM's fetch and prepare_resources), or
+        # from the request's arrival when its loop had nothing to run; wave from the end of
+        # gather (its agreements ran ahead, off the critical path).
+        self._host_floor_s = max(host_overhead_s, config.resolved_baseline.iteration_overhead_s)
 
     # ---- public views --------------------------------------------------------------------
 
@@ -165,9 +168,12 @@ class WaveScheduler:
         """Admissions that waited for a live request computing their prefix."""
         return self.admission.num_prefix_waits
 
-    def _num_prepared(self) -> int:
-        prepared = getattr(self.admission, "prepared", None)
-        return prepared.qsize() if prepared is not None else 0
+    def speculation_discarded(self) -> None:
+        """Count one dropped speculative plan: in the stats and the exported counter
+        (``wavepp_speculations_discarded_total``); every drop, here or in the strategy,
+        counts through this."""
+        self.core.stats.num_speculations_discarded += 1
+        self.telemetry.speculation_discarded()
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -273,7 +279,7 @@ class WaveScheduler:
             # was planned; else dropped, and planned now as without it.
             spec = self.admission.take_speculation()
             if spec is not None and not speculation.holds(core, spec):
-                self.admission.speculation_discarded()
+                self.speculation_discarded()
                 spec = None
             slept_s = 0.0
             host_started_s = time.perf_counter()
@@ -288,7 +294,7 @@ class WaveScheduler:
             if spec is not None:
                 scheduled = speculation.schedule_speculated(core, spec)
                 if scheduled is None:  # something changed during the host time: plan again
-                    self.admission.speculation_discarded()
+                    self.speculation_discarded()
                     slept_s += await self._host_time(loop.time())
                 else:
                     self.stats.num_speculative_plans += 1
@@ -299,7 +305,11 @@ class WaveScheduler:
                     planning_started_s=time.time(),
                 )
             if scheduled is None:
-                if core.active and self.config.resolved_one_chunk_inflight and core.num_inflight:
+                if (
+                    core.active
+                    and self.config.resolved_baseline.one_chunk_inflight
+                    and core.num_inflight
+                ):
                     # Every request left has a chunk in flight: wait for one to come back
                     # (or for the next host iteration, which may find new requests).
                     self._slot_freed.clear()
