@@ -3,7 +3,7 @@
 One stage's ``StageKVManager`` (pool sized for the run), 4096-token prompts in 64-token blocks,
 ``--rounds`` rounds of ``--batch`` requests: each round's probe-reserve batch, encoded as a
 controller sends it; each round released a few rounds later in a release batch, as
-``wavepp bench admission`` does. Workloads as that benchmark's: ``short-suffix`` (8 prefixes of
+``wavepp bench agreement`` does. Workloads as that benchmark's: ``short-suffix`` (8 prefixes of
 3,904 tokens cached first, a new 192-token suffix each: 61 of 64 blocks hit) and ``mixed``
 (nothing cached; half the prompts share a 2,048-token prefix). Only the handler calls are timed
 (``time.process_time``, the garbage collector's generations frozen after set-up, as the stage
@@ -37,7 +37,7 @@ MODEL_ID = "micro"
 
 
 def prompts(workload: str, num_requests: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompts, prefixes to cache first), as ``wavepp.bench.admission``'s workloads."""
+    """(prompts, prefixes to cache first), as ``wavepp.bench.agreement``'s workloads."""
     rng = np.random.Generator(np.random.PCG64(1))
     if workload == "mixed":
         shared = rng.integers(0, 32000, PROMPT_TOKENS // 2).tolist()
@@ -56,7 +56,7 @@ def prompts(workload: str, num_requests: int) -> tuple[list[list[int]], list[lis
 def measure(workload: str, batch: int, rounds: int, held_rounds: int = 8) -> dict[str, float]:
     """Microseconds of CPU per request per stage: probe-reserve, release (steady state: the
     round from ``held_rounds`` rounds ago is released after each round, as
-    ``wavepp bench admission`` releases what its replica no longer holds)."""
+    ``wavepp bench agreement`` releases what its replica no longer holds)."""
     all_prompts, prefixes = prompts(workload, batch * rounds)
     hashes = [hash_prompt_blocks(p, BLOCK_SIZE, MODEL_ID) for p in all_prompts]
     blocks_per_prompt = PROMPT_TOKENS // BLOCK_SIZE + 1

@@ -30,8 +30,12 @@ def _run(model: str, stages: int, reuse: str, concurrency: int, mode: str, per_c
     config, planner_cost = runtime_config(spec, Setting(model, concurrency, reuse, mode))
     config = config.model_copy(
         update={
-            "baseline_budget_accounting": ARGS.baseline_budget,
-            "baseline_iteration_overhead_s": ARGS.baseline_overhead_ms / 1e3,
+            "baseline": config.baseline.model_copy(
+                update={
+                    "budget_accounting": ARGS.baseline_budget,
+                    "iteration_overhead_s": ARGS.baseline_overhead_ms / 1e3,
+                }
+            ),
         }
     )
     workload = preset_workload(reuse, per_c * concurrency, vocab_size=config.model.vocab_size)

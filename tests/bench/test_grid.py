@@ -16,6 +16,7 @@ from wavepp.bench.grid import (
     write_csv,
 )
 from wavepp.cli import main
+from wavepp.runtime.config import AgreementMode
 from wavepp.runtime.scheduling.scheduler import StageSpan, WaveStats
 
 
@@ -38,7 +39,7 @@ def test_ablation_reverts_exactly_one_mechanism() -> None:
     config, planner = runtime_config(spec, setting)
     assert config.mode == "wave"
     assert config.resolved_chunk_policy == "static"
-    assert config.resolved_async_agreement and config.resolved_local_prepare
+    assert config.resolved_agreement is AgreementMode.ASYNC and config.resolved_local_prepare
     stage = config.cost_model or {}
     assert planner.c == pytest.approx(0.2 * float(stage["c"]))  # planner gets the scaled model
 

@@ -46,7 +46,7 @@ async def test_nats_restart_between_waves_every_client_reconnects(tmp_path) -> N
 async def test_nats_restart_under_load_loses_no_request(tmp_path) -> None:  # noqa: ANN001
     """Restart the server while 6 requests run: plans in flight to a stage and done messages in
     flight to the scheduler are lost with it (core NATS). Every request must still be answered
-    once, ok: stages fetch missed plans from the scheduler (``{p}.plan.replay``), the scheduler
+    once, ok: stages fetch missed plans from the scheduler (``{p}.plan.resend``), the scheduler
     republishes outstanding plans and pulls missed done messages after its reconnect, and an
     agreement whose reply was lost is retried: no stage runs a plan on the previous plan's
     activations, and the scheduler never waits for a done message that never comes.

@@ -19,7 +19,7 @@ from wavepp.api.messages import (
     KVEventBatch,
     MicroBatchPlan,
     PlannedChunk,
-    PlanReplayReply,
+    PlanResendReply,
     Renew,
     RequestResult,
 )
@@ -194,16 +194,16 @@ def test_a_plan_of_an_epoch_the_stage_left_is_dropped() -> None:
     assert all(stage.sequencer.epoch == pipe.core.epoch for stage in pipe.stages)
 
 
-def test_forged_replay_reply_is_ignored() -> None:
-    """A replay reply decides which ids a stage skips: one without the scheduler's tag is not
+def test_forged_resend_reply_is_ignored() -> None:
+    """A resend reply decides which ids a stage skips: one without the scheduler's tag is not
     applied (the worker asks again)."""
     pipe = MiniPipeline(KEY)
     pipe.run(_requests(1))
     stage = pipe.stages[0]
-    forged = PlanReplayReply(epoch=pipe.core.epoch, next_id=10**6, plans=[])
-    assert stage.replay_items(forged) is None
-    genuine = pipe.key.sign(PlanReplayReply(epoch=pipe.core.epoch, next_id=3, plans=[]))
-    assert stage.replay_items(genuine) == []
+    forged = PlanResendReply(epoch=pipe.core.epoch, next_id=10**6, plans=[])
+    assert stage.resend_items(forged) is None
+    genuine = pipe.key.sign(PlanResendReply(epoch=pipe.core.epoch, next_id=3, plans=[]))
+    assert stage.resend_items(genuine) == []
 
 
 # ---- reservation hog, release of in-flight ids -----------------------------------------------

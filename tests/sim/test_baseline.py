@@ -82,7 +82,7 @@ def test_sync_microbatch_size_follows_the_budget_accounting(accounting: str, lar
     tokens) per micro-batch; "exact" all 8 returning requests (4,096); "estimated" credits only
     prefix blocks that started live requests hold, and the 8 in flight use the preset's 8
     different prefixes (round-robin), so it is "none" here."""
-    config, planner_cost = _config("sync", baseline_budget_accounting=accounting)
+    config, planner_cost = _config("sync", baseline={"budget_accounting": accounting})
     tokens = _microbatch_tokens(config, planner_cost, 128)
     assert max(tokens[len(tokens) // 2 :]) == largest, tokens  # after the cold warm-up
 
@@ -104,7 +104,7 @@ def _spans_by_microbatch(config: RuntimeConfig, planner_cost: CostModel) -> dict
 
 @pytest.mark.parametrize("one_chunk", [True, False])
 def test_sync_keeps_one_chunk_of_a_request_in_flight(one_chunk: bool) -> None:
-    config, planner_cost = _config("sync", 1, baseline_one_chunk_inflight=one_chunk)
+    config, planner_cost = _config("sync", 1, baseline={"one_chunk_inflight": one_chunk})
     spans = _spans_by_microbatch(config, planner_cost)
     ids = sorted(spans)[-3:]  # the request's three chunks (after the warm-up)
     overlaps = [spans[b][0][0] < spans[a][3][1] for a, b in zip(ids, ids[1:], strict=False)]
@@ -131,8 +131,7 @@ def _run_admission(lockstep: bool) -> tuple[float, list[int]]:
         "sync",
         1,
         num_kv_blocks=[900, 700, 800, 1000],
-        baseline_lockstep_admission=lockstep,
-        baseline_iteration_overhead_s=0.0,
+        baseline={"lockstep_admission": lockstep, "iteration_overhead_s": 0.0},
     )
     loop = VirtualClockLoop(start_s=10.0)
     try:
@@ -159,8 +158,8 @@ def _one_request_wall_s(config: RuntimeConfig, planner_cost: CostModel, **latenc
 
 
 def test_iteration_overhead_is_paid_before_each_sync_microbatch() -> None:
-    base, planner_cost = _config("sync", 1, baseline_iteration_overhead_s=0.0)
-    slow, _ = _config("sync", 1, baseline_iteration_overhead_s=0.015)
+    base, planner_cost = _config("sync", 1, baseline={"iteration_overhead_s": 0.0})
+    slow, _ = _config("sync", 1, baseline={"iteration_overhead_s": 0.015})
     delta_s = _one_request_wall_s(slow, planner_cost) - _one_request_wall_s(base, planner_cost)
     assert delta_s == pytest.approx(0.015)
     # The scheduler's own host time counts toward it (a top-up, not an addition) ...
@@ -182,8 +181,8 @@ def test_an_idle_baseline_loop_pays_its_host_time_after_the_request_arrives() ->
         )
         return simulate(config, planner_cost, workload, concurrency=1, latencies=ZERO).wall_s
 
-    base, planner_cost = _config("sync", 1, baseline_iteration_overhead_s=0.0)
-    slow, _ = _config("sync", 1, baseline_iteration_overhead_s=0.015)
+    base, planner_cost = _config("sync", 1, baseline={"iteration_overhead_s": 0.0})
+    slow, _ = _config("sync", 1, baseline={"iteration_overhead_s": 0.015})
     assert wall_s(slow, planner_cost) - wall_s(base, planner_cost) == pytest.approx(3 * 0.015)
 
 
@@ -200,12 +199,14 @@ def test_wave_mode_ignores_the_baseline_switches() -> None:
     plain, planner_cost = _config("wave")
     switched, _ = _config(
         "wave",
-        baseline_budget_accounting="exact",
-        baseline_one_chunk_inflight=False,
-        baseline_lockstep_admission=False,
-        baseline_iteration_overhead_s=0.015,
+        baseline={
+            "budget_accounting": "exact",
+            "one_chunk_inflight": False,
+            "lockstep_admission": False,
+            "iteration_overhead_s": 0.015,
+        },
     )
-    assert plain.baseline_budget_accounting == "none"  # the defaults were on, then off
+    assert plain.baseline.budget_accounting == "none"  # the defaults were on, then off
     workload = preset_workload("high", 48, vocab_size=plain.model.vocab_size)
     reports = [
         simulate(config, planner_cost, workload, concurrency=8) for config in (plain, switched)

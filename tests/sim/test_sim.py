@@ -10,6 +10,7 @@ import pytest
 from wavepp.bench.grid import GridSpec, Setting, run_workload, runtime_config
 from wavepp.bench.workloads import ideal_hit_ratio, preset_workload, shared_prefix_workload
 from wavepp.runtime.agreement import AgreementController
+from wavepp.runtime.config import BaselineConfig
 from wavepp.runtime.kv import StageKVManager
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
@@ -87,7 +88,9 @@ def test_sim_time_is_the_cost_model_time() -> None:
     spec = GridSpec(time_scale=0.5, num_stages=1, num_kv_blocks=1024)
     config, planner_cost = runtime_config(spec, Setting("glm-5.2", 1, "low", "sync"))
     # no modelled host loop either (tests/sim/test_baseline.py checks that one)
-    config = config.model_copy(update={"num_stages": 1, "baseline_iteration_overhead_s": 0.0})
+    config = config.model_copy(
+        update={"num_stages": 1, "baseline": BaselineConfig(iteration_overhead_s=0.0)}
+    )
     workload = shared_prefix_workload(
         1, num_prefix_tokens=0, num_suffix_tokens=2048, num_prefixes=1, vocab_size=1024
     )

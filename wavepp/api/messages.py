@@ -15,11 +15,11 @@ Subjects (``{p}`` is the pipeline's subject prefix, e.g. ``wavepp.default``):
 | ``{p}.plan``                    | publish        | ``MicroBatchPlan`` (all stages)  |
 | ``{p}.done``                    | publish        | ``MicroBatchDone`` (every stage) |
 | ``{p}.kv_events.{rank}``        | publish        | ``KVEventBatch``                 |
-| ``{p}.plan.replay``             | request-reply  | ``PlanReplay`` -> ``PlanReplayReply`` |
-| ``{p}.stage.{rank}.dones``      | request-reply  | ``DoneReplay`` -> ``DoneReplayReply`` |
+| ``{p}.plan.resend``             | request-reply  | ``PlanResend`` -> ``PlanResendReply`` |
+| ``{p}.stage.{rank}.dones``      | request-reply  | ``DoneResend`` -> ``DoneResendReply`` |
 | ``{p}.resync``                  | publish        | ``StageResync`` (a stage reconnected) |
 
-Plans and done messages are core NATS (at most once); the replay subjects make their delivery
+Plans and done messages are core NATS (at most once); the resend subjects make their delivery
 gap-free across a NATS reconnect (see ``wavepp.runtime.stage.sequencing``).
 """
 
@@ -159,7 +159,7 @@ class KVEventBatch(_Message):
 # --------------------------------------------------------------------------- gap-free delivery
 
 
-class PlanReplay(_Message):
+class PlanResend(_Message):
     """A stage asks the scheduler for the plans of ``epoch`` with ids in ``[from_id, to_id)``
     (``to_id`` None: no upper bound) that it missed."""
 
@@ -169,7 +169,7 @@ class PlanReplay(_Message):
     rank: int = Field(default=-1, ge=-1)
 
 
-class PlanReplayReply(_Message):
+class PlanResendReply(_Message):
     """Every plan the scheduler still holds in the asked range, in id order. Any other id in
     the range below ``next_id`` is gone (it expired); ``epoch`` is the scheduler's own."""
 
@@ -179,14 +179,14 @@ class PlanReplayReply(_Message):
     mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned
 
 
-class DoneReplay(_Message):
+class DoneResend(_Message):
     """The scheduler asks a stage for its done messages of ``microbatch_ids`` (lost ones)."""
 
     epoch: str = Field(max_length=64)
     microbatch_ids: list[int] = Field(max_length=4096)
 
 
-class DoneReplayReply(_Message):
+class DoneResendReply(_Message):
     """The done messages the stage still has among those asked (the rest are not done yet)."""
 
     rank: int

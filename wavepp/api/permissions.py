@@ -13,8 +13,8 @@ namespace: two same-named pools in two namespaces under one NATS account have sa
 
 | user                          | publishes                                        | subscribes                                  |
 | ----------------------------- | ------------------------------------------------ | ------------------------------------------- |
-| ``stage-{pipeline}-{r}``      | ``{p}.done``, ``{p}.kv_events.{r}``, ``{p}.resync``, ``{p}.plan.replay`` (request), its rendezvous bucket ``WAVEPP_RDZV_{ns}_{pipeline}`` | ``{p}.stage.{r}.kv`` / ``.kvb``, ``{p}.stages.kvb``, ``{p}.stage.{r}.dones``, ``{p}.plan`` |
-| ``admission-{pipeline}``      | ``{p}.plan``, ``{p}.stage.*.kv`` / ``.kvb`` / ``.dones``, ``{p}.stages.kvb`` (requests), heartbeat, ``wavepp.{ns}.{pool}.result.>``, ``$KV`` results, JetStream API of its intake stream and the results bucket | ``{p}.done``, ``{p}.plan.replay``, ``{p}.resync``, ``{p}.kv_events.*`` |
+| ``stage-{pipeline}-{r}``      | ``{p}.done``, ``{p}.kv_events.{r}``, ``{p}.resync``, ``{p}.plan.resend`` (request), its rendezvous bucket ``WAVEPP_RDZV_{ns}_{pipeline}`` | ``{p}.stage.{r}.kv`` / ``.kvb``, ``{p}.stages.kvb``, ``{p}.stage.{r}.dones``, ``{p}.plan`` |
+| ``admission-{pipeline}``      | ``{p}.plan``, ``{p}.stage.*.kv`` / ``.kvb`` / ``.dones``, ``{p}.stages.kvb`` (requests), heartbeat, ``wavepp.{ns}.{pool}.result.>``, ``$KV`` results, JetStream API of its intake stream and the results bucket | ``{p}.done``, ``{p}.plan.resend``, ``{p}.resync``, ``{p}.kv_events.*`` |
 | ``cleanup-{ns}-{pool}``       | the operator at deletion: ``$JS.API.STREAM.LIST``, then ``$JS.API.STREAM.DELETE`` of exactly the pool's streams | its inbox |
 | ``gateway-{pool}``            | every replica's ``intake`` (JetStream), ``wavepp.{ns}.{pool}.prefill``, JetStream API of the intake streams and results bucket (read) | ``wavepp.{ns}.{pool}.result.>``, ``wavepp.{ns}.*.admission.heartbeat``, ``{p}.kv_events.*``, ``wavepp.{ns}.{pool}.prefill`` |
 
@@ -113,7 +113,7 @@ def gateway_user_name(pool: str) -> str:
 
 
 def stage_user(pipeline: str, rank: int, *, namespace: str) -> NatsUser:
-    """A stage: its own kv and done-replay endpoints, the replica's plans; publishes its dones,
+    """A stage: its own kv and done-resend endpoints, the replica's plans; publishes its dones,
     its KV events, resync, and asks the scheduler for missed plans."""
     name = stage_user_name(pipeline, rank)
     s = ReplicaSubjects(replica_prefix(pipeline, namespace=namespace))
@@ -126,7 +126,7 @@ def stage_user(pipeline: str, rank: int, *, namespace: str) -> NatsUser:
                 s.done,
                 s.kv_events(rank),
                 s.resync,
-                s.plan_replay,
+                s.plan_resend,
                 # the replica's group epoch (runtime.stage.rendezvous): re-form in place
                 kv_subjects(rendezvous),
                 jetstream_info(),
@@ -171,7 +171,7 @@ def admission_user(pipeline: str, pool: str, *, namespace: str) -> NatsUser:
             ),
             subscribe=(
                 s.done,
-                s.plan_replay,
+                s.plan_resend,
                 s.resync,
                 s.kv_events("*"),
                 f"{inbox_prefix(name)}.>",

@@ -9,7 +9,7 @@ passes as another's::
     mac         = HMAC-SHA256(replica key, message type + NUL + JSON of the message without mac)
                   as 32 hex digits (128 bits)
 
-Signed messages: ``MicroBatchPlan`` and ``PlanReplayReply`` (scheduler -> stages), the KV ops
+Signed messages: ``MicroBatchPlan`` and ``PlanResendReply`` (scheduler -> stages), the KV ops
 (admission -> stage), ``MicroBatchDone`` (stage -> scheduler), ``KVEventBatch`` (stage ->
 gateway), ``Heartbeat`` and ``PrefillResult`` (admission -> gateway and the results bucket);
 binary, through ``mac_bytes``: the batched KV rounds (admission -> stages) and their replies

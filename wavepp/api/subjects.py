@@ -13,9 +13,9 @@ labels (no ``.`` or ``_``), so the names below never collide across namespaces.
 | ``{p}.stage.{r}.kvb``                 | request-reply         | KVBatch -> KVBatchReply (one stage)  |
 | ``{p}.stages.kvb``                    | request, S replies    | KVBatch -> KVBatchReply from every stage (one publish per round) |
 | ``{p}.plan``                          | publish               | MicroBatchPlan (scheduler -> stages) |
-| ``{p}.plan.replay``                   | request-reply         | PlanReplay -> PlanReplayReply        |
+| ``{p}.plan.resend``                   | request-reply         | PlanResend -> PlanResendReply        |
 | ``{p}.done``                          | publish               | MicroBatchDone (stages -> scheduler) |
-| ``{p}.stage.{r}.dones``               | request-reply         | DoneReplay -> DoneReplayReply        |
+| ``{p}.stage.{r}.dones``               | request-reply         | DoneResend -> DoneResendReply        |
 | ``{p}.resync``                        | publish               | StageResync                          |
 | ``{p}.kv_events.{r}``                 | publish               | KVEventBatch                         |
 | ``{p}.intake``                        | JetStream stream subj | IntakeRequest; Nats-Msg-Id = key     |
@@ -80,7 +80,7 @@ class ReplicaSubjects:
         return f"{self.prefix}.stages.kvb"
 
     def stage_dones(self, rank: int | str) -> str:
-        """``{p}.stage.{r}.dones``: replay of a stage's done messages (request-reply); ``"*"``: all."""
+        """``{p}.stage.{r}.dones``: resend of a stage's done messages (request-reply); ``"*"``: all."""
         return f"{self.prefix}.stage.{rank}.dones"
 
     def kv_events(self, rank: int | str) -> str:
@@ -93,9 +93,9 @@ class ReplicaSubjects:
         return f"{self.prefix}.plan"
 
     @property
-    def plan_replay(self) -> str:
-        """``{p}.plan.replay``: a stage asks the scheduler for plans it missed."""
-        return f"{self.prefix}.plan.replay"
+    def plan_resend(self) -> str:
+        """``{p}.plan.resend``: a stage asks the scheduler for plans it missed."""
+        return f"{self.prefix}.plan.resend"
 
     @property
     def done(self) -> str:

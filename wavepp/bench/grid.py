@@ -33,7 +33,7 @@ from typing import Any
 
 from wavepp.bench.report import ReplayReport, run_closed_loop
 from wavepp.bench.workloads import Workload, ideal_hit_ratio, mooncake_workload, preset_workload
-from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.config import AgreementMode, RuntimeConfig
 from wavepp.runtime.model_config import get_preset
 from wavepp.runtime.planning.catalogue import derived_cost_model
 from wavepp.runtime.request import PromptRequest
@@ -56,7 +56,7 @@ __all__ = [
 
 # name -> RuntimeConfig overrides applied in wave mode (one mechanism reverted to the baseline)
 ABLATIONS: dict[str, dict[str, Any]] = {
-    "agreement-sync": {"async_agreement": False},
+    "agreement-sync": {"agreement": AgreementMode.SYNC},
     "chunking-static": {"chunk_policy": "static"},
     "local-prepare-off": {"local_prepare": False},
 }

@@ -1,7 +1,7 @@
-"""``wavepp bench grid|admission|plot``: the side-by-side benchmark, its microbenchmark, plots.
+"""``wavepp bench grid|agreement|plot``: the side-by-side benchmark, its microbenchmark, plots.
 
 wavepp bench grid --concurrency 8,32       # models x concurrency x reuse, wave vs sync
-wavepp bench admission --stages 2,4,8         # agreements/s and latency over real NATS
+wavepp bench agreement --stages 2,4,8         # agreements/s and latency over real NATS
 wavepp bench plot docs/bench/grid.csv         # PNG plots from a grid CSV
 """
 
@@ -86,57 +86,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "folder under the system's temporary directory, named on stderr)",
     )
     grid.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    adm = sub.add_parser(
-        "admission",
+    agr = sub.add_parser(
+        "agreement",
         help="agreements/s and latency over real NATS",
         description="agreements/s and latency over real NATS",
         formatter_class=HelpFormatter,
     )
-    adm.add_argument("--stages", default="2,4,8", help="stages S per replica")
-    adm.add_argument("--requests", type=int, default=400, help="agreements per setting")
-    adm.add_argument(
+    agr.add_argument("--stages", default="2,4,8", help="stages S per replica")
+    agr.add_argument("--requests", type=int, default=400, help="agreements per setting")
+    agr.add_argument(
         "--concurrency",
         dest="in_flight",
         default=None,
         help="closed loop: agreements in flight at once per replica, comma-separated (default "
         "1,16,64; not with --rate)",
     )
-    add_deprecated_alias(adm, "--in-flight", "--concurrency", "in_flight")
-    adm.add_argument(
+    add_deprecated_alias(agr, "--in-flight", "--concurrency", "in_flight")
+    agr.add_argument(
         "--rate",
         default=None,
         help="open loop instead: requests arrive as a Poisson process of this many per second "
         "per replica (comma-separated), latency from each arrival (not with --concurrency)",
     )
-    adm.add_argument(
-        "--batch-limits", default="512", help="most requests per admission round (1: unbatched)"
+    agr.add_argument(
+        "--batch-limits", default="512", help="most requests per agreement round (1: unbatched)"
     )
-    adm.add_argument(
+    agr.add_argument(
         "--rounds-in-flight",
         default="1",
-        help="admission rounds under way at once per replica, comma-separated (the "
+        help="agreement rounds under way at once per replica, comma-separated (the "
         "controller's max_rounds_in_flight; past it, arrivals wait and share the next round)",
     )
-    adm.add_argument("--replicas", default="1", help="replicas R sharing one nats-server")
-    adm.add_argument(
+    agr.add_argument("--replicas", default="1", help="replicas R sharing one nats-server")
+    agr.add_argument(
         "--workload",
         default="mixed",
         help="mixed (half share a prefix, nothing cached) or short-suffix (8 cached long "
         "prefixes, a short new suffix each); comma-separated for both",
     )
-    adm.add_argument("--prompt-tokens", type=int, default=4096, help="tokens per prompt")
-    adm.add_argument(
+    agr.add_argument("--prompt-tokens", type=int, default=4096, help="tokens per prompt")
+    agr.add_argument(
         "--suffix-tokens", type=int, default=192, help="new tokens per prompt (short-suffix)"
     )
-    adm.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
-    adm.add_argument(
+    agr.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    agr.add_argument(
         "--prefix-refs",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="a round names a prefix the stages remember from an earlier round by reference "
         "(--no-prefix-refs: every hash sent)",
     )
-    adm.add_argument(
+    agr.add_argument(
         "--stage-processes",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -144,34 +144,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the controller's process: on a few shared cores S extra processes cost more CPU than "
         "they take off the controller)",
     )
-    adm.add_argument(
+    agr.add_argument(
         "--stage-hosts",
         type=int,
         default=0,
         help="stage host processes sharing, round robin, the ranks not kept in this process "
         "(default 0: all in this process; not with --stage-processes)",
     )
-    adm.add_argument(
+    agr.add_argument(
         "--stages-in-process",
         type=int,
         default=None,
         help="needs --stage-hosts: ranks 0..K-1 stay in the controller's process (default S // "
         "2: on a 2-core machine half the stages beside the controller, half in one stage host)",
     )
-    adm.add_argument(
+    agr.add_argument(
         "--connection-per-stage",
         action="store_true",
         help="each stage KV server on a NATS connection of its own (default: one connection per "
         "process for the ranks it serves; not with --stage-processes, where each has one)",
     )
-    adm.add_argument(
+    agr.add_argument(
         "--held",
         type=int,
         default=256,
         help="admitted requests each replica holds before releasing the oldest (requests in "
         "prefill: the steady state's pins and reservations; releases are batched per round)",
     )
-    adm.add_argument("--json", action="store_true", help="stdout: the rows as one JSON line only")
+    agr.add_argument("--json", action="store_true", help="stdout: the rows as one JSON line only")
     plot = sub.add_parser(
         "plot",
         help="PNG plots from a grid CSV",
@@ -190,8 +190,8 @@ def _fail(flag: str, message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "grid":
         return _run_grid(args)
-    if args.bench_command == "admission":
-        return _run_admission(args)
+    if args.bench_command == "agreement":
+        return _run_agreement(args)
     return _run_plot(args)
 
 
@@ -287,14 +287,14 @@ def _run_grid(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_admission(args: argparse.Namespace) -> int:
+def _run_agreement(args: argparse.Namespace) -> int:
     import asyncio
 
-    from wavepp.bench.admission import (
+    from wavepp.bench.agreement import (
         WORKLOADS,
-        AdmissionSetting,
+        AgreementSetting,
         format_table,
-        run_admission_bench,
+        run_agreement_bench,
     )
 
     if args.rate is not None and args.in_flight is not None:
@@ -345,7 +345,7 @@ def _run_admission(args: argparse.Namespace) -> int:
         return _fail("--stages-in-process", "needs --stage-hosts N >= 1 (without it every "
                      "stage runs in the controller's process)")  # fmt: skip
     settings = [
-        AdmissionSetting(
+        AgreementSetting(
             s,
             k,
             b,
@@ -369,7 +369,7 @@ def _run_admission(args: argparse.Namespace) -> int:
         for m in lists["rounds_in_flight"]
     ]
     results = asyncio.run(
-        run_admission_bench(
+        run_agreement_bench(
             settings,
             num_requests=args.requests,
             num_prompt_tokens=args.prompt_tokens,

@@ -277,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
             mode=args.mode,
             chunk_tokens=args.chunk_tokens,
             chunk_policy=args.chunk_policy,
-            async_agreement=None if args.agreement is None else args.agreement == "async",
+            agreement=args.agreement,
             local_prepare=None if args.local_prepare is None else args.local_prepare == "on",
             max_inflight=args.max_inflight,
             telemetry=telemetry,

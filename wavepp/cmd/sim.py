@@ -158,10 +158,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.baseline_overhead_ms <= 1000:
         return _fail("--baseline-overhead-ms", f"{args.baseline_overhead_ms}: must be in [0, 1000]")
     baseline_fields = {
-        "baseline_budget_accounting": args.baseline_budget,
-        "baseline_iteration_overhead_s": args.baseline_overhead_ms / 1e3,
-        "baseline_one_chunk_inflight": args.baseline_one_chunk,
-        "baseline_lockstep_admission": args.baseline_lockstep,
+        "budget_accounting": args.baseline_budget,
+        "iteration_overhead_s": args.baseline_overhead_ms / 1e3,
+        "one_chunk_inflight": args.baseline_one_chunk,
+        "lockstep_admission": args.baseline_lockstep,
     }
     try:
         config, _ = runtime_config(spec, Setting(args.model, 1, args.reuse, "wave"))
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
                     spec, Setting(args.model, concurrency, args.reuse, mode)
                 )
                 config = RuntimeConfig.model_validate(
-                    {**config.model_dump(), "num_kv_blocks": kv_blocks, **baseline_fields}
+                    {**config.model_dump(), "num_kv_blocks": kv_blocks, "baseline": baseline_fields}
                 )
             except ValueError as exc:
                 return _fail("configuration", str(exc))

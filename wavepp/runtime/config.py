@@ -6,6 +6,7 @@ stages agree on the model, the partition, the block size and the mode.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -15,6 +16,50 @@ from wavepp.runtime.model_config import TP_ARCHITECTURES, ModelConfig, partition
 from wavepp.telemetry.settings import TelemetrySettings
 
 Mode = Literal["wave", "sync"]
+
+
+class AgreementMode(StrEnum):
+    """When a request's prefix agreement runs; selects the admission strategy
+    (``scheduling.admission.STRATEGIES``). The values are the ``--agreement`` flag's."""
+
+    ASYNC = "async"  # concurrently with execution, off the critical path (AsyncAdmission)
+    SYNC = "sync"  # in the scheduling loop, one request at a time (SyncAdmission)
+
+
+class BaselineConfig(BaseModel):
+    """The TensorRT-LLM baseline's fidelity switches (docs/bench/baseline.md): each models one
+    way TensorRT-LLM's PP executor behaves. They apply in ``mode="sync"`` only; read them through
+    ``RuntimeConfig.resolved_baseline``, which is ``BASELINE_OFF`` in wave mode."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+    # NOTE: what the static policy charges a request's first chunk against chunk_tokens
+    # (TRT-LLM's max_num_tokens) before its cached prefix is known: "none" the whole remaining
+    # prompt (before PR 11637), "estimated" the prompt minus the prefix that live requests hold
+    # (PR 11637's estimate under MAX_UTILIZATION, before PR 15066), "exact" only the new tokens.
+    budget_accounting: Literal["none", "estimated", "exact"] = "none"
+    # NOTE: a request's next chunk waits until its previous one came back from the last stage
+    # (TRT-LLM _add_inflight_ids; the micro-batch scheduler skips requests in execution).
+    one_chunk_inflight: bool = True
+    # NOTE: the simulator agrees on prefixes without KV round trips and gives every stage the
+    # smallest stage's capacity (TRT-LLM ranks stay in lockstep: equal pools, identical
+    # operations in identical order). The real runtime still agrees over NATS.
+    lockstep_admission: bool = True
+    # NOTE: TRT-LLM rank 0's host loop between the oldest micro-batch's return and the next
+    # launch (fetch, schedule, prepare resources, prepare inputs), seconds; the sync scheduler's
+    # own time from a free slot to the publish counts toward it (it tops up, never adds).
+    # 0.005 / 0.010 / 0.015: PR 15584's context-phase host stages after / before that PR
+    # (4.8 / 9.3 ms), and above them (PR 17257: 12.5 ms per generation iteration).
+    iteration_overhead_s: float = Field(0.005, ge=0.0, le=1.0)
+
+
+# Every switch off: what wave mode (and the dynamic policy's budget) sees.
+BASELINE_OFF = BaselineConfig(
+    budget_accounting="exact",
+    one_chunk_inflight=False,
+    lockstep_admission=False,
+    iteration_overhead_s=0.0,
+)
 
 
 class RuntimeConfig(BaseModel):
@@ -73,28 +118,10 @@ class RuntimeConfig(BaseModel):
     # (c + W / S, docs/bench/bound.md) instead of from chunk_tokens; False for the ablation.
     closed_loop_fill: bool | None = None
     chunk_policy: Literal["dynamic", "static"] | None = None
-    # NOTE: the baseline's fidelity switches (docs/bench/baseline.md): each models one way
-    # TensorRT-LLM's PP executor behaves, and each applies in mode="sync" only (wave mode never
-    # reads them). budget_accounting: what the static policy charges a request's first chunk
-    # against chunk_tokens (TRT-LLM's max_num_tokens) before its cached prefix is known: "none"
-    # the whole remaining prompt (before PR 11637), "estimated" the prompt minus the prefix that
-    # live requests hold (PR 11637's estimate under MAX_UTILIZATION, before PR 15066), "exact"
-    # only the new tokens.
-    baseline_budget_accounting: Literal["none", "estimated", "exact"] = "none"
-    # NOTE: a request's next chunk waits until its previous one came back from the last stage
-    # (TRT-LLM _add_inflight_ids; the micro-batch scheduler skips requests in execution).
-    baseline_one_chunk_inflight: bool = True
-    # NOTE: the simulator agrees on prefixes without KV round trips and gives every stage the
-    # smallest stage's capacity (TRT-LLM ranks stay in lockstep: equal pools, identical
-    # operations in identical order). The real runtime still agrees over NATS.
-    baseline_lockstep_admission: bool = True
-    # NOTE: TRT-LLM rank 0's host loop between the oldest micro-batch's return and the next
-    # launch (fetch, schedule, prepare resources, prepare inputs), seconds; the sync scheduler's
-    # own time from a free slot to the publish counts toward it (it tops up, never adds).
-    # 0.005 / 0.010 / 0.015: PR 15584's context-phase host stages after / before that PR
-    # (4.8 / 9.3 ms), and above them (PR 17257: 12.5 ms per generation iteration).
-    baseline_iteration_overhead_s: float = Field(0.005, ge=0.0, le=1.0)
-    async_agreement: bool | None = None
+    # NOTE: the baseline's emulation switches (sync mode only; see BaselineConfig).
+    baseline: BaselineConfig = Field(default_factory=BaselineConfig)
+    # NOTE: None: async in wave mode, sync in sync mode (an ablation overrides it).
+    agreement: AgreementMode | None = None
     local_prepare: bool | None = None
     prefix_wait: bool | None = None
     prefix_wait_min_fraction: float = Field(0.25, ge=0.0, le=1.0)
@@ -278,27 +305,20 @@ class RuntimeConfig(BaseModel):
         return self.closed_loop_fill if self.closed_loop_fill is not None else self.mode == "wave"
 
     @property
-    def resolved_budget_accounting(self) -> Literal["none", "estimated", "exact"]:
-        """How the static policy charges a first chunk; "exact" outside sync mode."""
-        is_baseline = self.mode == "sync" and self.resolved_chunk_policy == "static"
-        return self.baseline_budget_accounting if is_baseline else "exact"
+    def resolved_baseline(self) -> BaselineConfig:
+        """The baseline switches as they apply: ``baseline`` in sync mode (its budget
+        accounting "exact" unless the chunk policy is static), ``BASELINE_OFF`` otherwise."""
+        if self.mode != "sync":
+            return BASELINE_OFF
+        if self.resolved_chunk_policy != "static":
+            return self.baseline.model_copy(update={"budget_accounting": "exact"})
+        return self.baseline
 
     @property
-    def resolved_one_chunk_inflight(self) -> bool:
-        return self.mode == "sync" and self.baseline_one_chunk_inflight
-
-    @property
-    def resolved_lockstep_admission(self) -> bool:
-        return self.mode == "sync" and self.baseline_lockstep_admission
-
-    @property
-    def resolved_iteration_overhead_s(self) -> float:
-        """Least host time from a free slot to a plan's publish, seconds (0 outside sync)."""
-        return self.baseline_iteration_overhead_s if self.mode == "sync" else 0.0
-
-    @property
-    def resolved_async_agreement(self) -> bool:
-        return self.async_agreement if self.async_agreement is not None else self.mode == "wave"
+    def resolved_agreement(self) -> AgreementMode:
+        if self.agreement is not None:
+            return self.agreement
+        return AgreementMode.ASYNC if self.mode == "wave" else AgreementMode.SYNC
 
     @property
     def resolved_local_prepare(self) -> bool:
@@ -318,13 +338,17 @@ class RuntimeConfig(BaseModel):
         """Wave mode: a request whose prefix a live request is computing waits for it (only
         with async agreement; the sync loop agrees late enough on its own)."""
         wait = self.prefix_wait if self.prefix_wait is not None else self.mode == "wave"
-        return wait and self.resolved_async_agreement
+        return wait and self.resolved_agreement is AgreementMode.ASYNC
 
     @property
     def resolved_speculative_planning(self) -> bool:
         """Speculative planning: wave mode with async agreement only (sync agrees on the
         critical path, one request at a time)."""
-        return self.speculative_planning and self.mode == "wave" and self.resolved_async_agreement
+        return (
+            self.speculative_planning
+            and self.mode == "wave"
+            and self.resolved_agreement is AgreementMode.ASYNC
+        )
 
     @property
     def resolved_max_inflight(self) -> int:

@@ -21,12 +21,12 @@ class SimLatencies:
     """Simulated costs outside the stages' compute, seconds (virtual, not scaled).
 
     Defaults: the order of a NATS request-reply (~1 ms) and a publish (~0.5 ms) between
-    processes on one host, as ``wavepp bench admission`` and the emulated runs measure them;
+    processes on one host, as ``wavepp bench agreement`` and the emulated runs measure them;
     change them to model a network.
 
     ``schedule_s``: the scheduler's own host time per micro-batch on the critical path (done
     handling, planning, plan serialisation), which the virtual clock otherwise gets for free;
-    both modes pay it (sync mode at least ``RuntimeConfig.baseline_iteration_overhead_s``).
+    both modes pay it (sync mode at least ``BaselineConfig.iteration_overhead_s``).
     Default 0 here so that unit tests isolate what they test; ``wavepp sim`` charges 1.65 ms,
     the scheduler's mean host time per micro-batch as a replay reports it (replay JSON
     ``scheduler_host_ms_mean``; docs/bench/baseline.md).

@@ -36,12 +36,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.planning import CostModel
+from wavepp.runtime.scheduling.admission import AdmissionHost, AdmissionStrategy
 from wavepp.runtime.scheduling.core import planner_for
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.scheduling.transport import BusPlanTransport
@@ -63,6 +64,8 @@ class SimPipeline:
         stage_cost_models: per-stage cost models (unscaled; the stage multiplies by
             config.time_scale); default: CostModel.from_dict(config.cost_model) on every stage.
         latencies: simulated transport and preparation costs.
+        admission: builds the scheduler's admission strategy (``WaveScheduler``'s
+            ``admission``; default: the one the config selects).
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class SimPipeline:
         *,
         stage_cost_models: Sequence[CostModel] | None = None,
         latencies: SimLatencies | None = None,
+        admission: Callable[[AdmissionHost], AdmissionStrategy] | None = None,
     ) -> None:
         if stage_cost_models is None:
             if config.cost_model is None:
@@ -86,6 +90,7 @@ class SimPipeline:
         self.planner_cost_model = planner_cost_model
         self.stage_cost_models = list(stage_cost_models)
         self.latencies = latencies or SimLatencies()
+        self.admission = admission
         self.bus: SimBus | None = None
         self.stages: list[SimStage] = []
         self.controller: AgreementController | None = None
@@ -109,7 +114,7 @@ class SimPipeline:
         self.bus = SimBus(self.latencies.bus_latency_s)
         capacities = [config.kv_blocks_of(rank) for rank in range(config.num_stages)]
         kv_rtt_s = self.latencies.kv_rtt_s
-        if config.resolved_lockstep_admission:
+        if config.resolved_baseline.lockstep_admission:
             # TRT-LLM's ranks take the smallest pool (an allreduce MIN) and stay in lockstep
             # by identical operations: agreement is free of round trips (baseline.md).
             capacities = [min(capacities)] * config.num_stages
@@ -143,6 +148,7 @@ class SimPipeline:
             self.controller,
             planner,
             host_overhead_s=self.latencies.schedule_s,
+            admission=self.admission,
         )
         await self.scheduler.start()
 

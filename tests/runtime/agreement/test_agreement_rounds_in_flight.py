@@ -1,7 +1,7 @@
 """``max_rounds_in_flight`` (``AgreementController`` and ``AgreementRounds``): below it an
 arrival starts a round of its own at once; at it, arrivals wait for a round to finish and share
 the next one (on a few shared cores fewer, larger rounds cost less CPU per agreement:
-``wavepp bench admission --rounds-in-flight``)."""
+``wavepp bench agreement --rounds-in-flight``)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ async def test_at_the_limit_arrivals_wait_and_share_the_next_round() -> None:
 
 async def test_by_default_one_round_is_in_flight() -> None:
     """Overlapping rounds split the same arrivals into more, smaller rounds, each costing every
-    stage a message (measured in ``wavepp bench admission --rate``: worse at every rate)."""
+    stage a message (measured in ``wavepp bench agreement --rate``: worse at every rate)."""
     assert await _rounds_of_three_staggered(None) == [1, 2]
 
 

@@ -16,8 +16,8 @@ import asyncio
 from typing import Any
 
 from wavepp.api.messages import (
-    DoneReplay,
-    DoneReplayReply,
+    DoneResend,
+    DoneResendReply,
     MicroBatchDone,
     MicroBatchPlan,
     RequestResult,
@@ -39,21 +39,21 @@ BLOCK = 16
 class MiddleStageLate:
     """A PlanTransport of S=3 stages that finish each plan at once; per plan the done messages
     arrive rank 0, rank 2, then rank 1 (the middle stage's last), or rank 1's never
-    (``lose_middle``: lost, and not in the stage's replay log either)."""
+    (``lose_middle``: lost, and not in the stage's resend log either)."""
 
     def __init__(
         self,
         managers: list[StageKVManager],
         *,
         lose_middle: bool = False,
-        replay_middle: bool = False,
+        resend_middle: bool = False,
         bus_key: BusKey | None = None,
     ) -> None:
         self.managers = managers
         self.bus_key = bus_key  # signs the done messages (the scheduler checks them)
         self.wire: dict[int, bytes | None] = {}  # the JSON each plan was published as
         self.lose_middle = lose_middle
-        self.replay_middle = replay_middle  # the lost done is in the stage's replay log
+        self.resend_middle = resend_middle  # the lost done is in the stage's resend log
         self.plans: dict[int, MicroBatchPlan] = {}
         self.handlers: PlanHandlers | None = None
         self.queue: asyncio.Queue[MicroBatchDone] = asyncio.Queue()
@@ -101,11 +101,11 @@ class MiddleStageLate:
                 continue
             self.queue.put_nowait(self._done(plan, rank))
 
-    async def request_dones(self, rank: int, ask: DoneReplay, timeout_s: float) -> DoneReplayReply:
-        if not (self.replay_middle and rank == MIDDLE):
-            return DoneReplayReply(rank=rank, dones=[])
+    async def request_dones(self, rank: int, ask: DoneResend, timeout_s: float) -> DoneResendReply:
+        if not (self.resend_middle and rank == MIDDLE):
+            return DoneResendReply(rank=rank, dones=[])
         dones = [self._done(self.plans[i], rank) for i in ask.microbatch_ids if i in self.plans]
-        return DoneReplayReply(rank=rank, dones=dones)
+        return DoneResendReply(rank=rank, dones=dones)
 
     async def subscribe(self, subject: str, cb: Any) -> None:
         return None
@@ -118,7 +118,7 @@ class MiddleStageLate:
 def _scheduler(
     *,
     lose_middle: bool = False,
-    replay_middle: bool = False,
+    resend_middle: bool = False,
     deadline_s: float = 300.0,
     bus_key: BusKey | None = None,
 ) -> tuple[WaveScheduler, dict[str, list[tuple[int, int]]]]:
@@ -142,7 +142,7 @@ def _scheduler(
         answered[outcome.request_id] = list(outcome.stage_agreed_blocks)
 
     transport = MiddleStageLate(
-        managers, lose_middle=lose_middle, replay_middle=replay_middle, bus_key=bus_key
+        managers, lose_middle=lose_middle, resend_middle=resend_middle, bus_key=bus_key
     )
     scheduler = WaveScheduler(config, transport, controller, planner, on_outcome=on_outcome)
     return scheduler, answered
@@ -180,7 +180,7 @@ def test_a_request_is_answered_after_every_stage_reported_it() -> None:
 
 
 def test_a_lost_middle_done_cannot_hold_a_result_past_the_deadline() -> None:
-    """Rank 1's done never comes (and its replay has nothing): the result is answered at the
+    """Rank 1's done never comes (and its resend has nothing): the result is answered at the
     micro-batch deadline, as it is, without rank 1's report."""
 
     async def main() -> tuple[RequestOutcome, list[tuple[int, int]]]:
@@ -200,13 +200,13 @@ def test_a_lost_middle_done_cannot_hold_a_result_past_the_deadline() -> None:
 
 
 def test_a_lost_middle_done_is_pulled_soon_instead_of_waiting_for_the_deadline() -> None:
-    """Rank 1's done is lost on the bus but kept in its replay log: the held result asks rank 1
+    """Rank 1's done is lost on the bus but kept in its resend log: the held result asks rank 1
     for it after HELD_PULL_DELAY_S and is answered with every stage's report, long before the
     300 s micro-batch deadline: a done lost while nothing else arrives does not hold the answer
     until the deadline."""
 
     async def main() -> tuple[RequestOutcome, list[tuple[int, int]], float]:
-        scheduler, answered = _scheduler(lose_middle=True, replay_middle=True)
+        scheduler, answered = _scheduler(lose_middle=True, resend_middle=True)
         await scheduler.start()
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -226,7 +226,7 @@ def test_a_lost_middle_done_is_pulled_soon_instead_of_waiting_for_the_deadline()
 
 def test_each_plan_goes_out_as_its_signed_json_serialised_once() -> None:
     """The scheduler hands the transport the plan's wire JSON (signing serialised it already):
-    it decodes to exactly the plan kept for replay, with a valid tag, chunk for chunk the token
+    it decodes to exactly the plan kept for resend, with a valid tag, chunk for chunk the token
     ids of the prompt."""
     key = BusKey(bytes(range(32))).for_replica("p")
     prompts = {f"r{i}": _prompt(i, 40 + 50 * i) for i in range(4)}

@@ -20,7 +20,7 @@ def lossy_arrivals(draw: st.DrawFn) -> tuple[int, list[int]]:
 
 
 @given(lossy_arrivals())
-def test_every_plan_once_in_order_after_a_replay(case: tuple[int, list[int]]) -> None:
+def test_every_plan_once_in_order_after_a_resend(case: tuple[int, list[int]]) -> None:
     n, arrivals = case
     seq: PlanSequencer[int] = PlanSequencer()
     out: list[int] = []
@@ -30,7 +30,7 @@ def test_every_plan_once_in_order_after_a_replay(case: tuple[int, list[int]]) ->
         gap = seq.gap()
         if gap is not None:
             assert gap[0] == seq.next_id < gap[1]
-    # The scheduler still holds every plan (nothing expired): an open replay fills every hole;
+    # The scheduler still holds every plan (nothing expired): an open resend fills every hole;
     # a stage that never heard of the epoch gets the scheduler's republished plans instead.
     if seq.epoch:
         out += seq.settle("e", n, [(i, i) for i in range(seq.next_id, n)])
@@ -52,15 +52,15 @@ def test_expired_plans_are_skipped_and_the_rest_run_in_order(
         out += seq.offer("e", i, i)
     if not arrivals:
         return  # the stage never heard of the epoch: nothing to settle
-    replay = [(i, i) for i in range(n) if i not in expired]
-    out += seq.settle("e", n, replay)
+    resent = [(i, i) for i in range(n) if i not in expired]
+    out += seq.settle("e", n, resent)
     expected = sorted((set(range(n)) - expired) | set(arrivals))
     assert out == expected
     gone_after_first = [i for i in range(n) if i not in expected and expected and i > expected[0]]
     assert seq.num_skipped == len(gone_after_first)
 
 
-def test_a_hole_holds_later_plans_until_the_replay() -> None:
+def test_a_hole_holds_later_plans_until_the_resend() -> None:
     seq: PlanSequencer[str] = PlanSequencer()
     assert seq.offer("e", 0, "p0") == ["p0"]
     assert seq.offer("e", 2, "p2") == [] and seq.offer("e", 3, "p3") == []
@@ -75,7 +75,7 @@ def test_a_new_epoch_starts_over_and_asks_for_what_came_before_its_first_plan() 
     seq.offer("old", 0, "a")
     assert seq.offer("new", 1_000, "b") == []
     assert seq.gap() == (0, 1_000)
-    # Nothing of the new epoch came before 1000: the replay settles the gap without a skip.
+    # Nothing of the new epoch came before 1000: the resend settles the gap without a skip.
     assert seq.settle("new", 1_000, []) == ["b"]
     assert seq.num_skipped == 0
     assert seq.settle("old", 5, [(1_001, "x")]) == [], "a reply for another epoch is ignored"
@@ -104,7 +104,7 @@ def test_ledger_counts_each_stage_once_and_forgets_complete_plans() -> None:
     assert ledger.owners(10) == ["a", "b"]
     assert ledger.report(10, 2) is Report.LAST
     assert ledger.report(10, 2) is Report.UNKNOWN and 10 not in ledger
-    assert ledger.replay(0) == [(11, "p11")]
+    assert ledger.resend(0) == [(11, "p11")]
     with pytest.raises(ValueError, match="rank"):
         ledger.report(11, 3)
     with pytest.raises(ValueError, match="must exceed"):
@@ -120,7 +120,7 @@ def test_ledger_finds_done_messages_lost_before_a_later_one() -> None:
     ledger.report(3, 1)
     assert ledger.missing_before(1, 3) == [1, 2]
     assert ledger.unreported(1) == [1, 2, 4]
-    assert ledger.replay(1, 3) == [(1, 1), (2, 2)]
+    assert ledger.resend(1, 3) == [(1, 1), (2, 2)]
     ledger.drop(2)
     assert ledger.report(2, 0) is Report.UNKNOWN
     assert ledger.clear() == [0, 1, 3, 4] and len(ledger) == 0

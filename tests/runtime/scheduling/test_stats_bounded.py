@@ -18,8 +18,8 @@ import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from wavepp.api.messages import (
-    DoneReplay,
-    DoneReplayReply,
+    DoneResend,
+    DoneResendReply,
     MicroBatchDone,
     MicroBatchPlan,
     RequestResult,
@@ -96,7 +96,7 @@ class InstantStages:
                 )
             )
 
-    async def request_dones(self, rank: int, ask: DoneReplay, timeout_s: float) -> DoneReplayReply:
+    async def request_dones(self, rank: int, ask: DoneResend, timeout_s: float) -> DoneResendReply:
         raise AssertionError("no done message is lost in memory")
 
     async def subscribe(self, subject: str, cb: Any) -> None:

@@ -1,6 +1,11 @@
 """Admission strategies: how a request gets from the intake to the planning set.
 
-wave (``AsyncAdmission``, WavePP)::
+``AdmissionStrategy`` is the contract the scheduler drives (its abstract methods are every call
+``WaveScheduler`` makes); ``RuntimeConfig.resolved_agreement`` (an ``AgreementMode``) picks one
+of the two implementations through ``STRATEGIES``, and ``WaveScheduler(admission=...)`` plugs in
+any other.
+
+async (``AsyncAdmission``, WavePP)::
 
     intake --> admission tasks (<= max_agreements_in_flight, concurrent with execution;
                lookahead-bounded; optionally waiting for a live request computing its prefix)
@@ -12,8 +17,7 @@ sync (``SyncAdmission``, the baseline; mirrors TensorRT-LLM's ``_executor_loop_p
     until the reservation fits (head of line waits) --> planning set
 
 Both call the admission controller (agreement over the stage clients) and hand the result to
-the scheduler's ``SchedulerCore``; neither touches the transport. ``WaveScheduler`` picks one
-from ``RuntimeConfig.resolved_async_agreement``.
+the scheduler's ``SchedulerCore``; neither touches the transport.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Protocol
 
 from wavepp.runtime.agreement import (
@@ -30,7 +36,7 @@ from wavepp.runtime.agreement import (
     StageUnavailableError,
     Ticket,
 )
-from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.config import AgreementMode, RuntimeConfig
 from wavepp.runtime.request import RequestStatus
 from wavepp.runtime.scheduling import speculation
 from wavepp.runtime.scheduling.core import RequestRecord, SchedulerCore
@@ -58,10 +64,25 @@ class AdmissionHost(Protocol):
         """Tell the callers of the requests the core answered."""
         ...
 
+    def speculation_discarded(self) -> None:
+        """Count one dropped speculative plan."""
+        ...
 
-class _Admission:
-    """What both strategies share: the scheduler they feed, and the capacity signal that a
-    release raises (a refused reservation waits for it)."""
+
+class AdmissionStrategy(ABC):
+    """How requests get from the scheduler's intake into the core's planning set.
+
+    The abstract methods are every call ``WaveScheduler`` makes on its strategy. A strategy
+    takes records from ``scheduler.intake``, agrees on each (``scheduler.controller.agree``),
+    hands the admitted ones to ``scheduler.core`` (``admitted`` then ``activate``, or
+    ``fail`` + ``scheduler.deliver_finished`` for a refused one) and must never touch the
+    transport. The concrete helpers (the capacity signal a release raises, ``_admitted``,
+    ``_fail``) are shared by the implementations; a strategy may use or ignore them.
+
+    Attributes:
+        num_agreement_retries: agreements retried after a stage did not answer.
+        num_prefix_waits: admissions that waited for a live request computing their prefix.
+    """
 
     def __init__(self, scheduler: AdmissionHost) -> None:
         self.scheduler = scheduler
@@ -74,45 +95,64 @@ class _Admission:
         self._capacity_generation = 0
         self._capacity_changed = asyncio.Condition()
 
-    def speculation_discarded(self) -> None:
-        """Count one dropped speculative plan: in the stats and the exported counter
-        (``wavepp_speculations_discarded_total``); every drop, here or in the scheduler's
-        loop, counts through this."""
-        self.core.stats.num_speculations_discarded += 1
-        self.telemetry.speculation_discarded()
+    # ---- the contract (what the scheduler calls) ------------------------------------------
 
+    @abstractmethod
     def start(self) -> list[asyncio.Task[None]]:
-        """Background tasks of the strategy (the scheduler cancels them at stop)."""
-        return []
+        """Start the strategy's background tasks; returns them (the scheduler cancels them
+        at stop)."""
 
+    @abstractmethod
     def tasks(self) -> list[asyncio.Task[None]]:
         """Tasks under way now (cancelled at stop)."""
-        return []
 
+    @abstractmethod
+    async def gather(self) -> None:
+        """Called by the scheduling loop once a pipeline slot is free: move admitted requests
+        into the core's planning set (``core.activate``), waiting as the strategy sees fit.
+        Returning with nothing plannable is allowed (the loop calls again)."""
+
+    @abstractmethod
     def more_work_queued(self) -> bool:
         """Requests on their way to the planning set that the planner should wait for."""
-        return False
 
+    @abstractmethod
     def take_queued(self) -> list[RequestRecord]:
-        """Admitted records not yet in the planning set (a re-form re-admits them)."""
-        return []
+        """Admitted records not yet in the planning set, in order, removed from the strategy
+        (a re-form re-admits them)."""
 
+    @abstractmethod
+    def num_prepared(self) -> int:
+        """Admitted records waiting to enter the planning set (a telemetry gauge)."""
+
+    @abstractmethod
     def reopen(self) -> None:
         """A re-form ended: admit again."""
 
+    @abstractmethod
+    async def released(self) -> None:
+        """Requests released their pins and reservations: wake what waits on capacity or on a
+        prefix owner."""
+
+    @abstractmethod
+    async def microbatch_published(self) -> None:
+        """A plan went out (the admission lookahead has room again)."""
+
+    @abstractmethod
     def take_speculation(self) -> Speculation | None:
         """The micro-batch planned speculatively during the last ``gather``, if any (handed over
         once)."""
-        return None
 
+    @abstractmethod
     def take_idle_wake_s(self) -> float | None:
         """Event-loop time at which the last ``gather`` got a request after waiting with
-        nothing to plan, if it did (handed over once): the baseline's host loop starts its
-        iteration then (``SyncAdmission``)."""
-        return None
+        nothing to plan, if it did and the strategy counts host time from then (handed over
+        once; ``SyncAdmission``)."""
 
-    async def released(self) -> None:
-        """Requests released their pins and reservations: wake what waits on capacity."""
+    # ---- shared helpers -------------------------------------------------------------------
+
+    async def _capacity_released(self) -> None:
+        """Wake what waits in ``_wait_for_capacity``."""
         async with self._capacity_changed:
             self._capacity_generation += 1
             self._capacity_changed.notify_all()
@@ -141,7 +181,7 @@ class _Admission:
         self.core.admitted(record, ticket)
 
 
-class AsyncAdmission(_Admission):
+class AsyncAdmission(AdmissionStrategy):
     """Agreements run concurrently with execution, off the critical path (wave mode)."""
 
     def __init__(self, scheduler: AdmissionHost) -> None:
@@ -189,6 +229,9 @@ class AsyncAdmission(_Admission):
             except asyncio.QueueEmpty:
                 return taken
 
+    def num_prepared(self) -> int:
+        return self.prepared.qsize()
+
     def reopen(self) -> None:
         self._open.set()
 
@@ -196,14 +239,16 @@ class AsyncAdmission(_Admission):
         spec, self.speculation = self.speculation, None
         return spec
 
+    def take_idle_wake_s(self) -> float | None:
+        return None  # host time counts from the end of gather (agreements ran ahead)
+
     async def released(self) -> None:
         if self.config.resolved_prefix_wait:
             await _notify(self._prefixes_changed)
-        await super().released()
+        await self._capacity_released()
         self._open.set()
 
     async def microbatch_published(self) -> None:
-        """A plan went out: the lookahead has room again."""
         await _notify(self._lookahead_changed)
 
     # ---- intake -> admission tasks --------------------------------------------------------
@@ -356,7 +401,7 @@ class AsyncAdmission(_Admission):
                 if ticket is None or ticket.num_agreed_blocks != spec.predicted[record.request_id]:
                     # Refused, failed, or another L*: the speculation is no plan; drop it now.
                     self.speculation = None
-                    self.speculation_discarded()
+                    self.scheduler.speculation_discarded()
 
     def _maybe_speculate(self) -> None:
         """While ``gather`` waits for agreements: plan from their predicted L*
@@ -479,7 +524,7 @@ class AsyncAdmission(_Admission):
             core.activate(self.take_queued())
 
 
-class SyncAdmission(_Admission):
+class SyncAdmission(AdmissionStrategy):
     """Agreement on the critical path, one request at a time (the baseline).
 
     TensorRT-LLM's PP loop: the first rank schedules; new requests get their KV resources on
@@ -494,8 +539,32 @@ class SyncAdmission(_Admission):
         self._head_refusals = 0
         self._idle_wake_s: float | None = None
 
+    def start(self) -> list[asyncio.Task[None]]:
+        return []  # it agrees inside gather, on the scheduling loop
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        return []
+
+    def more_work_queued(self) -> bool:
+        return False  # gather takes from the intake itself; nothing sits in between
+
+    def take_queued(self) -> list[RequestRecord]:
+        return []  # an admitted record enters the planning set at once
+
+    def num_prepared(self) -> int:
+        return 0
+
+    def reopen(self) -> None:
+        return None  # gather never closes
+
+    async def released(self) -> None:
+        await self._capacity_released()
+
     async def microbatch_published(self) -> None:
         return None
+
+    def take_speculation(self) -> Speculation | None:
+        return None  # it agrees on the critical path: nothing to plan ahead
 
     def take_idle_wake_s(self) -> float | None:
         wake_s, self._idle_wake_s = self._idle_wake_s, None
@@ -545,6 +614,13 @@ class SyncAdmission(_Admission):
             ticket.num_refusals = self._head_refusals
             self._admitted(record, ticket)
             core.activate([record])
+
+
+# The strategy each ``AgreementMode`` (``RuntimeConfig.resolved_agreement``) selects.
+STRATEGIES: dict[AgreementMode, Callable[[AdmissionHost], AdmissionStrategy]] = {
+    AgreementMode.ASYNC: AsyncAdmission,
+    AgreementMode.SYNC: SyncAdmission,
+}
 
 
 async def _notify(condition: asyncio.Condition) -> None:

@@ -177,7 +177,7 @@ class SchedulerCore(DoneAccounting):
             num_refusals=ticket.num_refusals,
             stage_hits=ticket.stage_hits,
         )
-        accounting = self.config.resolved_budget_accounting
+        accounting = self.config.resolved_baseline.budget_accounting
         record.progress = RequestProgress(
             request_id=request.request_id,
             num_prompt_tokens=request.num_tokens,
@@ -226,10 +226,12 @@ class SchedulerCore(DoneAccounting):
 
     def is_plannable(self, record: RequestRecord) -> bool:
         """The planner may cut ``record`` now: not a baseline request with a chunk in flight
-        (``RuntimeConfig.baseline_one_chunk_inflight``, TRT-LLM's ``_add_inflight_ids``)."""
+        (``BaselineConfig.one_chunk_inflight``, TRT-LLM's ``_add_inflight_ids``)."""
         if record.progress is None:
             return False
-        return not (self.config.resolved_one_chunk_inflight and record.num_inflight_microbatches)
+        return not (
+            self.config.resolved_baseline.one_chunk_inflight and record.num_inflight_microbatches
+        )
 
     def plannable_budget_tokens(self) -> int:
         """Tokens the static budget would charge to plan every plannable request of the
@@ -246,7 +248,7 @@ class SchedulerCore(DoneAccounting):
         blocks of its prompt that started live requests hold, capped by its agreed prefix
         (PR 11637's estimate as MAX_UTILIZATION computed it before PR 15066: blocks with live
         references only; docs/bench/baseline.md)."""
-        if self.config.resolved_budget_accounting != "estimated":
+        if self.config.resolved_baseline.budget_accounting != "estimated":
             return
         for record in self.active:
             self._estimate_credit(record)
@@ -263,7 +265,7 @@ class SchedulerCore(DoneAccounting):
         progress.num_credited_tokens = num_held * self.config.block_size
 
     def _started(self, record: RequestRecord) -> None:
-        if self.config.resolved_budget_accounting != "estimated":
+        if self.config.resolved_baseline.budget_accounting != "estimated":
             return
         if record.request_id in self._started_hashes:
             return

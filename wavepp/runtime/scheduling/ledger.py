@@ -3,8 +3,8 @@
 Pure logic, no I/O. The scheduler keeps every plan here from publish until all S stages reported
 it done (or it expired), so that
 
-* a stage that missed a plan (a NATS reconnect) gets it replayed (:meth:`PlanLedger.replay`),
-* a done message that arrives twice (a replay answer and a late original) counts once
+* a stage that missed a plan (a NATS reconnect) gets it resent (:meth:`PlanLedger.resend`),
+* a done message that arrives twice (a resend answer and a late original) counts once
   (:meth:`PlanLedger.report`),
 * a done message lost on the way is noticed: stages report micro-batches in id order, so when
   rank r reports m, every earlier outstanding micro-batch r has not reported is missing
@@ -123,7 +123,7 @@ class PlanLedger(Generic[P]):
         """Every outstanding id ``rank`` has not reported, ascending."""
         return [mb for mb, entry in self._entries.items() if rank not in entry.reported]
 
-    def replay(self, from_id: int, to_id: int | None = None) -> list[tuple[int, P]]:
+    def resend(self, from_id: int, to_id: int | None = None) -> list[tuple[int, P]]:
         """The outstanding plans with ``from_id <= id < to_id`` (no bound when None), ascending."""
         return [
             (mb, entry.plan)

@@ -9,7 +9,7 @@ publishes its done after sending its activations on, so the last stage's done (w
 can arrive first. The answer promises every stage's report (``stage_agreed_blocks``, the
 service's per-stage timings), so the result waits in ``_held_results`` for the late done; the
 slot and the pins are freed at the last stage's report. A done lost for good is
-replayed on a gap or a resync; failing that, the micro-batch's deadline answers the held
+resent on a gap or a resync; failing that, the micro-batch's deadline answers the held
 results as they are (``expire``).
 
 Trust nothing: a done message counts only with this scheduler's epoch (an empty one never), a

@@ -3,7 +3,7 @@
 ``WaveScheduler`` is the driver: it owns the asyncio side (intake queue, loops, timers) and
 calls three parts that hold no I/O of their own::
 
-    submit --> intake --> admission strategy (admission.py: AsyncAdmission | SyncAdmission)
+    submit --> intake --> AdmissionStrategy (admission.py: AsyncAdmission, SyncAdmission)
                              prefix agreement (AgreementController)
                           --> SchedulerCore (core.py): request records, planning, done
                               accounting, deadlines, re-form; the one "finish a request" path
@@ -18,7 +18,7 @@ in flight.
 
 Delivery across NATS reconnects: plans carry this scheduler's ``epoch`` and consecutive ids and
 stay in a ``PlanLedger`` until every stage reported them done. Stages ask for plans they missed
-(``{p}.plan.replay``); after a reconnect the scheduler republishes the outstanding plans and
+(``{p}.plan.resend``); after a reconnect the scheduler republishes the outstanding plans and
 asks each stage for the done messages it has not seen (``{p}.stage.{r}.dones``), also when a
 stage says it reconnected (``{p}.resync``) or reports a later micro-batch first. Done messages
 count once per (micro-batch, stage). An agreement a stage did not answer is retried for
@@ -34,10 +34,10 @@ import time
 from collections.abc import Callable
 
 from wavepp.api.messages import (
-    DoneReplay,
+    DoneResend,
     MicroBatchDone,
-    PlanReplay,
-    PlanReplayReply,
+    PlanResend,
+    PlanResendReply,
     StageResync,
 )
 from wavepp.runtime.agreement import AgreementController
@@ -45,7 +45,7 @@ from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import ChunkPlanner
 from wavepp.runtime.request import PromptRequest, RequestOutcome
 from wavepp.runtime.scheduling import speculation
-from wavepp.runtime.scheduling.admission import AsyncAdmission, SyncAdmission
+from wavepp.runtime.scheduling.admission import STRATEGIES, AdmissionHost, AdmissionStrategy
 from wavepp.runtime.scheduling.core import RequestRecord, SchedulerCore
 from wavepp.runtime.scheduling.stats import StageSpan, WaveStats
 from wavepp.runtime.scheduling.transport import PlanTransport
@@ -72,6 +72,9 @@ class WaveScheduler:
         first_microbatch_id: the first plan's id.
         stats: where micro-batch statistics accumulate (default: a WaveStats of the default
             window).
+        host_overhead_s: the least host time before each plan's publish, seconds.
+        admission: builds the admission strategy from this scheduler (default: the one
+            ``config.resolved_agreement`` selects in ``STRATEGIES``).
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class WaveScheduler:
         first_microbatch_id: int = 0,
         stats: WaveStats | None = None,
         host_overhead_s: float = 0.0,
+        admission: Callable[[AdmissionHost], AdmissionStrategy] | None = None,
     ) -> None:
         self.config = config
         self.transport = transport
@@ -103,7 +107,7 @@ class WaveScheduler:
             bus_key=controller.bus_key,
         )
         self.intake: asyncio.Queue[RequestRecord] = asyncio.Queue()
-        # Recovery counters (a NATS reconnect): plans replayed or republished to stages, done
+        # Recovery counters (a NATS reconnect): plans resent or republished to stages, done
         # messages recovered from stages; admitted requests sent back to admission by a re-form.
         self.num_plans_resent = 0
         self.num_dones_recovered = 0
@@ -112,12 +116,11 @@ class WaveScheduler:
             config.pipeline,
             self.num_stages,
             self.core.stats,
-            lambda: {"intake": self.intake.qsize(), "prepared": self._num_prepared()},
+            lambda: {"intake": self.intake.qsize(), "prepared": self.admission.num_prepared()},
             bus_key=self.core.bus_key,
         )
-        self.admission: AsyncAdmission | SyncAdmission = (
-            AsyncAdmission(self) if config.resolved_async_agreement else SyncAdmission(self)
-        )
+        make_admission = admission or STRATEGIES[config.resolved_agreement]
+        self.admission: AdmissionStrategy = make_admission(self)
         self._slot_freed = asyncio.Event()
         self._plans_open = asyncio.Event()  # cleared while the replica re-forms
         self._plans_open.set()
@@ -125,11 +128,11 @@ class WaveScheduler:
         self._background: set[asyncio.Task[None]] = set()  # done pulls, release retries
         # NOTE: the least host time before each plan's publish, on the critical path: the
         # caller's model of this scheduler's own cost (the simulator, where CPU is free), and
-        # in sync mode at least TRT-LLM's host loop (baseline_iteration_overhead_s). Sync counts
-        # from the free slot (its agreement is TRT-LLM's fetch and prepare_resources), or from
-        # the request's arrival when its loop had nothing to run; wave from the end of gather
-        # (its agreements ran ahead, off the critical path).
-        self._host_floor_s = max(host_overhead_s, config.resolved_iteration_overhead_s)
+        # in sync mode at least TRT-LLM's host loop (BaselineConfig.iteration_overhead_s). Sync
+        # counts from the free slot (its agreement is TRT-LLM's fetch and prepare_resources), or
+        # from the request's arrival when its loop had nothing to run; wave from the end of
+        # gather (its agreements ran ahead, off the critical path).
+        self._host_floor_s = max(host_overhead_s, config.resolved_baseline.iteration_overhead_s)
 
     # ---- public views --------------------------------------------------------------------
 
@@ -165,9 +168,12 @@ class WaveScheduler:
         """Admissions that waited for a live request computing their prefix."""
         return self.admission.num_prefix_waits
 
-    def _num_prepared(self) -> int:
-        prepared = getattr(self.admission, "prepared", None)
-        return prepared.qsize() if prepared is not None else 0
+    def speculation_discarded(self) -> None:
+        """Count one dropped speculative plan: in the stats and the exported counter
+        (``wavepp_speculations_discarded_total``); every drop, here or in the strategy,
+        counts through this."""
+        self.core.stats.num_speculations_discarded += 1
+        self.telemetry.speculation_discarded()
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -207,7 +213,7 @@ class WaveScheduler:
     def resume_plans(self, *, readmit: bool = True) -> None:
         """Publish plans again (every stage subscribed); see :meth:`pause_plans`.
 
-        The outstanding plans are forgotten (no replay to the new stages: the stages that held
+        The outstanding plans are forgotten (no resend to the new stages: the stages that held
         their requests are gone). With ``readmit`` (after a re-form: the new stages hold no
         KV state of anything admitted before), every admitted request not yet answered goes
         back to admission and is agreed and computed again on the new stages; its
@@ -273,7 +279,7 @@ class WaveScheduler:
             # was planned; else dropped, and planned now as without it.
             spec = self.admission.take_speculation()
             if spec is not None and not speculation.holds(core, spec):
-                self.admission.speculation_discarded()
+                self.speculation_discarded()
                 spec = None
             slept_s = 0.0
             host_started_s = time.perf_counter()
@@ -288,7 +294,7 @@ class WaveScheduler:
             if spec is not None:
                 scheduled = speculation.schedule_speculated(core, spec)
                 if scheduled is None:  # something changed during the host time: plan again
-                    self.admission.speculation_discarded()
+                    self.speculation_discarded()
                     slept_s += await self._host_time(loop.time())
                 else:
                     self.stats.num_speculative_plans += 1
@@ -299,7 +305,11 @@ class WaveScheduler:
                     planning_started_s=time.time(),
                 )
             if scheduled is None:
-                if core.active and self.config.resolved_one_chunk_inflight and core.num_inflight:
+                if (
+                    core.active
+                    and self.config.resolved_baseline.one_chunk_inflight
+                    and core.num_inflight
+                ):
                     # Every request left has a chunk in flight: wait for one to come back
                     # (or for the next host iteration, which may find new requests).
                     self._slot_freed.clear()
@@ -404,20 +414,20 @@ class WaveScheduler:
 
     # ---- gap-free delivery across reconnects (PlanHandlers) ------------------------------
 
-    def on_plan_replay(self, ask: PlanReplay) -> PlanReplayReply:
+    def on_plan_resend(self, ask: PlanResend) -> PlanResendReply:
         """The plans a stage missed (none from another epoch)."""
         core = self.core
         plans = (
-            [plan for _, plan in core.ledger.replay(ask.from_id, ask.to_id)]
+            [plan for _, plan in core.ledger.resend(ask.from_id, ask.to_id)]
             if ask.epoch == core.epoch
             else []
         )
         if plans:
             log.warning(
-                "replaying plans %s to stage %d", [p.microbatch_id for p in plans], ask.rank
+                "resending plans %s to stage %d", [p.microbatch_id for p in plans], ask.rank
             )
         self.num_plans_resent += len(plans)
-        reply = PlanReplayReply(epoch=core.epoch, next_id=core.next_microbatch_id, plans=plans)
+        reply = PlanResendReply(epoch=core.epoch, next_id=core.next_microbatch_id, plans=plans)
         return reply if core.bus_key is None else core.bus_key.sign(reply)
 
     def on_resync(self, notice: StageResync) -> None:
@@ -427,7 +437,7 @@ class WaveScheduler:
     async def on_reconnected(self) -> None:
         """Republish the outstanding plans (stages drop the ones they have) and ask every stage
         for the done messages this side has not seen."""
-        for _, plan in self.core.ledger.replay(0):
+        for _, plan in self.core.ledger.resend(0):
             await self.transport.publish_plan(plan, None)
             self.num_plans_resent += 1
         for rank in range(self.num_stages):
@@ -447,13 +457,13 @@ class WaveScheduler:
             self._in_background(self._pull_dones(rank, microbatch_ids))
 
     async def _pull_dones(self, rank: int, microbatch_ids: list[int]) -> None:
-        ask = DoneReplay(epoch=self.core.epoch, microbatch_ids=microbatch_ids[:4096])
+        ask = DoneResend(epoch=self.core.epoch, microbatch_ids=microbatch_ids[:4096])
         try:
             reply = await self.transport.request_dones(
                 rank, ask, min(2.0, self.config.request_timeout_s)
             )
         except Exception as exc:  # noqa: BLE001 - it resyncs when it reconnects
-            log.warning("done replay from stage %d failed: %r", rank, exc)
+            log.warning("done resend from stage %d failed: %r", rank, exc)
             return
         for done in reply.dones:
             if done.rank == rank and self.core.ledger.report_pending(done.microbatch_id, rank):

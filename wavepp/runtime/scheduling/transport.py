@@ -2,7 +2,7 @@
 
     scheduler --publish_plan-->  {p}.plan            (every stage)
     scheduler <--on_done-------  {p}.done            (each stage, each micro-batch)
-    scheduler <--on_plan_replay- {p}.plan.replay     (a stage that missed plans asks)
+    scheduler <--on_plan_resend- {p}.plan.resend     (a stage that missed plans asks)
     scheduler <--on_resync-----  {p}.resync          (a stage reconnected)
     scheduler --request_dones--> {p}.stage.{r}.dones (ask a stage for done messages again)
     scheduler <--on_reconnected- the connection came back
@@ -23,12 +23,12 @@ from typing import Any, Protocol, TypeVar
 from pydantic import BaseModel
 
 from wavepp.api.messages import (
-    DoneReplay,
-    DoneReplayReply,
+    DoneResend,
+    DoneResendReply,
     MicroBatchDone,
     MicroBatchPlan,
-    PlanReplay,
-    PlanReplayReply,
+    PlanResend,
+    PlanResendReply,
     StageResync,
 )
 from wavepp.api.subjects import ReplicaSubjects
@@ -43,7 +43,7 @@ class PlanHandlers(Protocol):
 
     async def on_done(self, done: MicroBatchDone) -> None: ...
 
-    def on_plan_replay(self, ask: PlanReplay) -> PlanReplayReply: ...
+    def on_plan_resend(self, ask: PlanResend) -> PlanResendReply: ...
 
     def on_resync(self, notice: StageResync) -> None: ...
 
@@ -54,7 +54,7 @@ class PlanTransport(Protocol):
     """The scheduler's side of plan and done delivery; see the module docstring."""
 
     async def start(self, handlers: PlanHandlers) -> None:
-        """Subscribe to done, plan-replay and resync messages; call back on reconnect."""
+        """Subscribe to done, plan-resend and resync messages; call back on reconnect."""
         ...
 
     async def publish_plan(
@@ -64,7 +64,7 @@ class PlanTransport(Protocol):
         the plan's JSON when the caller has it already, else the transport serialises it)."""
         ...
 
-    async def request_dones(self, rank: int, ask: DoneReplay, timeout_s: float) -> DoneReplayReply:
+    async def request_dones(self, rank: int, ask: DoneResend, timeout_s: float) -> DoneResendReply:
         """Ask stage ``rank`` for done messages again.
 
         Raises:
@@ -109,10 +109,10 @@ class BusPlanTransport:
             if done is not None:
                 await handlers.on_done(done)
 
-        async def on_plan_replay(msg: Any) -> None:
-            ask = decode(PlanReplay, msg.data, "plan replay ask")
+        async def on_plan_resend(msg: Any) -> None:
+            ask = decode(PlanResend, msg.data, "plan resend ask")
             if ask is not None:
-                reply = handlers.on_plan_replay(ask)
+                reply = handlers.on_plan_resend(ask)
                 await msg.respond(reply.model_dump_json().encode())
 
         async def on_resync(msg: Any) -> None:
@@ -121,7 +121,7 @@ class BusPlanTransport:
                 handlers.on_resync(notice)
 
         self._subs.append(await self.bus.subscribe(self.subjects.done, cb=on_done))
-        self._subs.append(await self.bus.subscribe(self.subjects.plan_replay, cb=on_plan_replay))
+        self._subs.append(await self.bus.subscribe(self.subjects.plan_resend, cb=on_plan_resend))
         self._subs.append(await self.bus.subscribe(self.subjects.resync, cb=on_resync))
         self._on_reconnect(handlers.on_reconnected)
         # twice: nats-py writes a flush's PING ahead of the SUBs still pending, so one PONG does
@@ -139,11 +139,11 @@ class BusPlanTransport:
             data = plan.model_dump_json().encode()
         await self.bus.publish(self.subjects.plan, data, headers=headers)
 
-    async def request_dones(self, rank: int, ask: DoneReplay, timeout_s: float) -> DoneReplayReply:
+    async def request_dones(self, rank: int, ask: DoneResend, timeout_s: float) -> DoneResendReply:
         msg = await self.bus.request(
             self.subjects.stage_dones(rank), ask.model_dump_json().encode(), timeout=timeout_s
         )
-        return DoneReplayReply.model_validate_json(msg.data)
+        return DoneResendReply.model_validate_json(msg.data)
 
     async def subscribe(self, subject: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
         sub = await self.bus.subscribe(subject, cb=cb)

@@ -5,7 +5,7 @@
     chunk       ChunkSpec: a chunk as an engine sees it (no torch)
     worker      StageWorker: the stage process's I/O around the core (NATS, torch.distributed,
                 the compute thread)
-    sequencing  PlanSequencer: plans applied in id order, gaps detected and replayed
+    sequencing  PlanSequencer: plans applied in id order, gaps detected and resent
     engine/     StageEngine backends (torch, emulated) and their shared paged-KV base
     calibrate   measure an engine on an (L, x) grid and fit the cost model
 

@@ -9,18 +9,18 @@ One micro-batch through one stage, and who calls what::
 
     KV request -> handle_kv(payload) -> KVReply          pins and reservations, in the KV manager
     plan       -> receive_plan(plan) -> plans in id order, each once (PlanSequencer; the caller
-                  fills holes from the scheduler's replay through ``sequencer``)
+                  fills holes from the scheduler's resend through ``sequencer``)
                -> accept(plan) -> StageWork: block tables from the KV manager, L* per chunk
                   (a request's first chunk tells the manager its L*), an error when a
                   request is not reserved here, prepare on arrival or later
     [caller]      prepare, wait for the previous stage's activations, execute (or sleep)
                -> results(work, ...) -> one RequestResult per last chunk (last stage only)
                -> done_message(work, ...) -> MicroBatchDone
-    after      -> complete(work, done): done kept for replay, computed blocks cached, counted
+    after      -> complete(work, done): done kept for resend, computed blocks cached, counted
                -> take_kv_events() -> KVEventBatch of blocks stored/removed, to publish
     lease timer-> expire() -> ids of requests whose lease passed (released)
 
-Trust: with the replica's bus key (``wavepp.api.signing``) a plan or replay reply whose tag is
+Trust: with the replica's bus key (``wavepp.api.signing``) a plan or resend reply whose tag is
 missing or wrong is dropped and counted (``num_forged``), never sequenced, so a forged plan can
 neither run nor make the real plan with its id a duplicate; done messages and KV events leave
 signed. A plan without an epoch, or of an epoch this stage has left, is dropped too (a repeated
@@ -46,7 +46,7 @@ from wavepp.api.messages import (
     KVReply,
     MicroBatchDone,
     MicroBatchPlan,
-    PlanReplayReply,
+    PlanResendReply,
     RequestResult,
 )
 from wavepp.api.signing import BusKey
@@ -110,7 +110,7 @@ class StageCore:
         local_prepare: prepare a micro-batch when its plan arrives (off the critical path).
         clock: seconds stamped on preparation (``time.time`` in the stage process: done
             messages cross processes; the virtual clock in the simulator).
-        done_log_size: done messages kept for the scheduler's replay asks, > 0.
+        done_log_size: done messages kept for the scheduler's resend asks, > 0.
         bus_key: the replica's key (``BusKey.for_replica``); None: unsigned messages are
             accepted and nothing is signed (insecure mode).
 
@@ -146,7 +146,7 @@ class StageCore:
         self._done_log_size = done_log_size
         self._done_log: OrderedDict[tuple[str, int], MicroBatchDone] = OrderedDict()
         self.bus_key = bus_key
-        self.num_forged = 0  # plans and replay replies dropped: no epoch, a left epoch, bad mac
+        self.num_forged = 0  # plans and resend replies dropped: no epoch, a left epoch, bad mac
         self._retired_epochs: OrderedDict[str, None] = OrderedDict()
 
     # ---- KV requests ---------------------------------------------------------------------
@@ -219,10 +219,10 @@ class StageCore:
             return False
         return self.bus_key is None or self.bus_key.verify(plan)
 
-    def replay_items(
-        self, reply: PlanReplayReply
+    def resend_items(
+        self, reply: PlanResendReply
     ) -> list[tuple[int, tuple[MicroBatchPlan, PlanHeaders]]] | None:
-        """The authentic plans of a replay reply, for ``sequencer.settle``; None when the reply
+        """The authentic plans of a resend reply, for ``sequencer.settle``; None when the reply
         itself is not authentic (bad tag, no epoch: ignore it and ask again)."""
         if (
             not reply.epoch
@@ -353,7 +353,7 @@ class StageCore:
         self.execute_s += max(0.0, done.execute_end_s - done.execute_start_s)
 
     def dones(self, epoch: str, microbatch_ids: Iterable[int]) -> list[MicroBatchDone]:
-        """The kept done messages of ``epoch`` among ``microbatch_ids`` (a replay ask)."""
+        """The kept done messages of ``epoch`` among ``microbatch_ids`` (a resend ask)."""
         return [
             self._done_log[(epoch, mb)] for mb in microbatch_ids if (epoch, mb) in self._done_log
         ]

@@ -9,13 +9,13 @@ stage runs plans through a :class:`PlanSequencer`:
   per plan within the epoch;
 * a plan is handed to the compute thread only when every earlier id of its epoch was handed over
   or is known to be gone; a later plan is held meanwhile;
-* a hole (``gap()``) is filled by asking the scheduler to replay it: the scheduler retains each
+* a hole (``gap()``) is filled by asking the scheduler to resend it: the scheduler retains each
   plan until every stage reported it done (or it expired), so the reply is authoritative — an id
   below the scheduler's next id that the reply does not carry is gone (:meth:`settle`);
-* duplicates (a republished or replayed plan) are dropped.
+* duplicates (a republished or resent plan) are dropped.
 
 A new epoch (a new scheduler) resets the sequence to id 0, so the first plan of an epoch opens
-a gap ``[0, first id)`` that one replay settles (normally with no plans).
+a gap ``[0, first id)`` that one resend settles (normally with no plans).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ class PlanSequencer(Generic[T]):
         return (self.next_id, lowest) if lowest > self.next_id else None
 
     def settle(self, epoch: str, limit: int, items: Iterable[tuple[int, T]]) -> list[T]:
-        """Apply an authoritative replay: ``items`` are all the plans the scheduler still holds
-        in the replayed range, and every other id below ``limit`` is gone.
+        """Apply an authoritative resend: ``items`` are all the plans the scheduler still holds
+        in the resent range, and every other id below ``limit`` is gone.
 
         Returns the items now deliverable, in id order. A reply for another epoch changes
         nothing (the stage moved on).
@@ -94,7 +94,7 @@ class PlanSequencer(Generic[T]):
 
     def flush_held(self) -> list[T]:
         """Give up on the holes: hand over everything held, in id order, skipping the ids not
-        held (used when the epoch's scheduler is gone and nobody can replay them)."""
+        held (used when the epoch's scheduler is gone and nobody can resend them)."""
         if not self._held:
             return []
         return self._drain(limit=max(self._held) + 1)

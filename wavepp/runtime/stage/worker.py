@@ -22,7 +22,7 @@ Threads and ownership::
 
 Plans arrive from one publisher on one subject; the core's ``PlanSequencer`` hands them to the
 compute thread in id order, exactly once; this worker fills a hole left by a NATS reconnect from
-the scheduler's replay (``{p}.plan.replay``), so the activations of micro-batch m on the wire
+the scheduler's resend (``{p}.plan.resend``), so the activations of micro-batch m on the wire
 between two stages always belong to m. Done messages are kept a while (by the core) and resent
 on the scheduler's ask (``{p}.stage.{r}.dones``); after its own reconnect a stage says so on
 ``{p}.resync``. A micro-batch whose block tables cannot be built (a lease expired, a bad plan)
@@ -56,13 +56,13 @@ from nats.aio.msg import Msg
 
 from wavepp.api.messages import (
     KV_REQUEST_ADAPTER,
-    DoneReplay,
-    DoneReplayReply,
+    DoneResend,
+    DoneResendReply,
     KVReply,
     MicroBatchDone,
     MicroBatchPlan,
-    PlanReplay,
-    PlanReplayReply,
+    PlanResend,
+    PlanResendReply,
     RequestResult,
     StageResync,
 )
@@ -83,7 +83,7 @@ __all__ = ["StageWorker", "build_engine", "check_environment"]
 
 
 _MAX_PENDING_SENDS = 16
-_DONE_LOG = 1024  # done messages kept for the scheduler's replay asks
+_DONE_LOG = 1024  # done messages kept for the scheduler's resend asks
 _IDLE_BEAT_S = 1.0  # the idle compute thread's beat period
 
 
@@ -140,8 +140,8 @@ class StageWorker:
         # exception that ended it. /healthz and /readyz read compute_alive.
         self.compute_beat = time.monotonic()
         self.compute_error: BaseException | None = None
-        self._replay_task: asyncio.Task[None] | None = None
-        self._open_replay = False  # the next replay asks for every plan from next_id on
+        self._resend_task: asyncio.Task[None] | None = None
+        self._open_resend = False  # the next resend asks for every plan from next_id on
         # The process group of the current epoch (None: single stage), its compute thread's
         # generation; ``is_formed`` is False from a group failure until the next epoch formed.
         self._pg = group
@@ -162,7 +162,7 @@ class StageWorker:
         # a round to every stage of the replica at once (one publish; the reply names the rank)
         await self.nc.subscribe(self.subjects.stages_kv_batch, cb=self._on_kv_batch)
         await self.nc.subscribe(self.subjects.plan, cb=self._on_plan)
-        await self.nc.subscribe(self.subjects.stage_dones(self.rank), cb=self._on_done_replay)
+        await self.nc.subscribe(self.subjects.stage_dones(self.rank), cb=self._on_done_resend)
         on_reconnect(self.nc, self._on_reconnected)
         await flush_in_order(self.nc)  # subscribed on the server before it says it serves
         log.info("stage %d serving layers %s", self.rank, self.config.layers_of(self.rank))
@@ -332,46 +332,46 @@ class StageWorker:
     # ---- gap-free plan delivery ----------------------------------------------------------
 
     def _fill_gaps(self) -> None:
-        """Start the replay task when plans wait on a hole (or after a reconnect)."""
-        wanted = self._open_replay or self.core.sequencer.gap() is not None
-        if wanted and (self._replay_task is None or self._replay_task.done()):
-            self._replay_task = asyncio.ensure_future(self._replay_loop())
+        """Start the resend task when plans wait on a hole (or after a reconnect)."""
+        wanted = self._open_resend or self.core.sequencer.gap() is not None
+        if wanted and (self._resend_task is None or self._resend_task.done()):
+            self._resend_task = asyncio.ensure_future(self._resend_loop())
 
-    async def _replay_loop(self) -> None:
+    async def _resend_loop(self) -> None:
         """Ask the scheduler for missed plans until no hole is left; back off while it is away."""
         delay_s = 0.05
         while True:
             epoch = self.core.sequencer.epoch
-            if self._open_replay and epoch:
+            if self._open_resend and epoch:
                 span: tuple[int, int | None] | None = (self.core.sequencer.next_id, None)
             else:
                 span = self.core.sequencer.gap()
-            self._open_replay = False
+            self._open_resend = False
             if span is None:
                 return
-            ask = PlanReplay(epoch=epoch, from_id=span[0], to_id=span[1], rank=self.rank)
+            ask = PlanResend(epoch=epoch, from_id=span[0], to_id=span[1], rank=self.rank)
             try:
                 msg = await self.nc.request(
-                    self.subjects.plan_replay,
+                    self.subjects.plan_resend,
                     ask.model_dump_json().encode(),
                     timeout=min(2.0, self.config.request_timeout_s),
                 )
-                reply = PlanReplayReply.model_validate_json(msg.data)
-                items = self.core.replay_items(reply)
+                reply = PlanResendReply.model_validate_json(msg.data)
+                items = self.core.resend_items(reply)
                 if items is None:
-                    raise ValueError("replay reply without an epoch or a valid mac")
+                    raise ValueError("resend reply without an epoch or a valid mac")
             except Exception as exc:  # noqa: BLE001 - no responder yet, timeout, a bad reply
-                log.warning("stage %d: plan replay %s failed: %r", self.rank, span, exc)
+                log.warning("stage %d: plan resend %s failed: %r", self.rank, span, exc)
                 if span[1] is None:
-                    self._open_replay = True
+                    self._open_resend = True
                 await asyncio.sleep(delay_s)
                 delay_s = min(1.0, delay_s * 2)
                 continue
             if reply.epoch != epoch:
                 # The scheduler that published the held plans is gone: run what we hold, in
-                # order, rather than wait for plans nobody can replay.
+                # order, rather than wait for plans nobody can resend.
                 log.warning(
-                    "stage %d: replay answered by epoch %s, held plans are of %s; running them",
+                    "stage %d: resend answered by epoch %s, held plans are of %s; running them",
                     self.rank,
                     reply.epoch,
                     epoch,
@@ -394,7 +394,7 @@ class StageWorker:
     async def _on_reconnected(self) -> None:
         """After a NATS reconnect: fetch plans published meanwhile, let the scheduler ask for
         done messages it may have lost."""
-        self._open_replay = True
+        self._open_resend = True
         self._fill_gaps()
         try:
             await self.nc.publish(
@@ -403,13 +403,13 @@ class StageWorker:
         except Exception as exc:  # noqa: BLE001 - the scheduler's own reconnect asks anyway
             log.warning("stage %d: resync notice failed: %r", self.rank, exc)
 
-    async def _on_done_replay(self, msg: Msg) -> None:
+    async def _on_done_resend(self, msg: Msg) -> None:
         try:
-            ask = DoneReplay.model_validate_json(msg.data)
+            ask = DoneResend.model_validate_json(msg.data)
         except ValueError as exc:
-            log.error("stage %d: invalid done replay ask dropped: %s", self.rank, exc)
+            log.error("stage %d: invalid done resend ask dropped: %s", self.rank, exc)
             return
-        reply = DoneReplayReply(
+        reply = DoneResendReply(
             rank=self.rank, dones=self.core.dones(ask.epoch, ask.microbatch_ids)
         )
         await msg.respond(reply.model_dump_json().encode())

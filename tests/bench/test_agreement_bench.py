@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from wavepp.bench.admission import AdmissionSetting, format_table, run_admission_bench
+from wavepp.bench.agreement import AgreementSetting, format_table, run_agreement_bench
 
 
-async def test_admission_bench_measures_each_setting() -> None:
+async def test_agreement_bench_measures_each_setting() -> None:
     settings = [
-        AdmissionSetting(1, 1),
-        AdmissionSetting(3, 4, batch_limit=2),
-        AdmissionSetting(2, 4, replicas=2, workload="short-suffix"),
+        AgreementSetting(1, 1),
+        AgreementSetting(3, 4, batch_limit=2),
+        AgreementSetting(2, 4, replicas=2, workload="short-suffix"),
     ]
-    results = await run_admission_bench(
+    results = await run_agreement_bench(
         settings, num_requests=12, num_prompt_tokens=256, suffix_tokens=32, block_size=16
     )
     assert [(r["stages"], r["in_flight"], r["replicas"]) for r in results] == [
@@ -38,9 +38,9 @@ async def test_admission_bench_measures_each_setting() -> None:
 
 async def test_bad_settings_name_the_field() -> None:
     with pytest.raises(ValueError, match="workload"):
-        await run_admission_bench([AdmissionSetting(1, 1, workload="nope")])
+        await run_agreement_bench([AgreementSetting(1, 1, workload="nope")])
     with pytest.raises(ValueError, match="suffix_tokens"):
-        await run_admission_bench([AdmissionSetting(1, 1)], num_prompt_tokens=8, suffix_tokens=9)
+        await run_agreement_bench([AgreementSetting(1, 1)], num_prompt_tokens=8, suffix_tokens=9)
 
 
 async def test_stage_kv_servers_can_run_in_processes_of_their_own() -> None:
@@ -49,8 +49,8 @@ async def test_stage_kv_servers_can_run_in_processes_of_their_own() -> None:
     is gone after."""
     import multiprocessing
 
-    [row] = await run_admission_bench(
-        [AdmissionSetting(2, 4, workload="short-suffix", stage_processes=True)],
+    [row] = await run_agreement_bench(
+        [AgreementSetting(2, 4, workload="short-suffix", stage_processes=True)],
         num_requests=16,
         num_prompt_tokens=256,
         suffix_tokens=32,
@@ -66,10 +66,10 @@ async def test_stage_kv_servers_can_run_in_processes_of_their_own() -> None:
 async def test_the_run_is_a_steady_state_that_releases_what_it_admitted() -> None:
     """``held_requests``: each replica keeps the latest admitted requests (as requests in
     prefill) and releases older ones in batches: a stage ends holding exactly that many."""
-    rows = await run_admission_bench(
+    rows = await run_agreement_bench(
         [
-            AdmissionSetting(2, 4, workload="short-suffix", held_requests=5),
-            AdmissionSetting(2, 4, workload="short-suffix", held_requests=0),
+            AgreementSetting(2, 4, workload="short-suffix", held_requests=5),
+            AgreementSetting(2, 4, workload="short-suffix", held_requests=0),
         ],
         num_requests=40,
         num_prompt_tokens=256,
@@ -85,18 +85,18 @@ async def test_the_stages_of_a_process_share_one_connection_unless_asked(
 ) -> None:
     """In-process stages share one NATS connection (the controller has its own); with
     ``connection_per_stage`` each stage has its own, as before."""
-    import wavepp.bench.admission as admission
+    import wavepp.bench.agreement as agreement
 
     names: list[str] = []
-    connect = admission.connect
+    connect = agreement.connect
 
     async def counting_connect(url: str, **kwargs: object) -> object:
         names.append(str(kwargs.get("name")))
         return await connect(url, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(admission, "connect", counting_connect)
-    [row] = await run_admission_bench(
-        [AdmissionSetting(3, 2, workload="short-suffix", connection_per_stage=per_stage)],
+    monkeypatch.setattr(agreement, "connect", counting_connect)
+    [row] = await run_agreement_bench(
+        [AgreementSetting(3, 2, workload="short-suffix", connection_per_stage=per_stage)],
         num_requests=6,
         num_prompt_tokens=128,
         suffix_tokens=32,
@@ -112,8 +112,8 @@ async def test_stage_hosts_serve_the_ranks_not_kept_in_this_process() -> None:
     beside the controller. L* covers the cached prefix on both kinds of stage."""
     import multiprocessing
 
-    [row] = await run_admission_bench(
-        [AdmissionSetting(3, 4, workload="short-suffix", stage_hosts=1, stages_in_process=1)],
+    [row] = await run_agreement_bench(
+        [AgreementSetting(3, 4, workload="short-suffix", stage_hosts=1, stages_in_process=1)],
         num_requests=16,
         num_prompt_tokens=256,
         suffix_tokens=32,
@@ -127,22 +127,22 @@ async def test_stage_hosts_serve_the_ranks_not_kept_in_this_process() -> None:
 
 
 def test_one_stage_host_takes_the_upper_half_of_the_ranks_by_default() -> None:
-    from wavepp.bench.admission import _stage_layout
+    from wavepp.bench.agreement import _stage_layout
 
-    assert _stage_layout(AdmissionSetting(8, 1, stage_hosts=1)) == [[4, 5, 6, 7]]
-    assert _stage_layout(AdmissionSetting(3, 1, stage_hosts=2)) == [[1], [2]]
-    assert _stage_layout(AdmissionSetting(4, 1, stage_hosts=1, stages_in_process=0)) == [
+    assert _stage_layout(AgreementSetting(8, 1, stage_hosts=1)) == [[4, 5, 6, 7]]
+    assert _stage_layout(AgreementSetting(3, 1, stage_hosts=2)) == [[1], [2]]
+    assert _stage_layout(AgreementSetting(4, 1, stage_hosts=1, stages_in_process=0)) == [
         [0, 1, 2, 3]
     ]
-    assert _stage_layout(AdmissionSetting(4, 1, stage_hosts=1, stages_in_process=9)) == []
-    assert _stage_layout(AdmissionSetting(4, 1)) == []  # no hosts: all in this process
-    assert _stage_layout(AdmissionSetting(2, 1, stage_processes=True)) == [[0], [1]]
+    assert _stage_layout(AgreementSetting(4, 1, stage_hosts=1, stages_in_process=9)) == []
+    assert _stage_layout(AgreementSetting(4, 1)) == []  # no hosts: all in this process
+    assert _stage_layout(AgreementSetting(2, 1, stage_processes=True)) == [[0], [1]]
 
 
 async def test_bad_layout_and_held_settings_name_the_field() -> None:
     for field in ("stage_hosts", "stages_in_process", "held_requests"):
         with pytest.raises(ValueError, match=field):
-            await run_admission_bench([AdmissionSetting(1, 1, **{field: -1})])
+            await run_agreement_bench([AgreementSetting(1, 1, **{field: -1})])
 
 
 @pytest.mark.parametrize("flag", ["--stage-hosts", "--stages-in-process", "--held"])
@@ -151,7 +151,7 @@ def test_cli_refuses_a_negative_layout_or_held_flag(
 ) -> None:
     from wavepp import cli
 
-    assert cli.main(["bench", "admission", flag, "-1"]) == 2
+    assert cli.main(["bench", "agreement", flag, "-1"]) == 2
     assert f"{flag}: -1: must be >= 0" in capsys.readouterr().err
 
 
@@ -172,7 +172,7 @@ def test_cli_refuses_a_layout_flag_it_would_ignore(
 ) -> None:
     from wavepp import cli
 
-    assert cli.main(["bench", "admission", "--stages", "2", "--requests", "1", *flags]) == 2
+    assert cli.main(["bench", "agreement", "--stages", "2", "--requests", "1", *flags]) == 2
     assert named in capsys.readouterr().err
 
 
@@ -180,12 +180,12 @@ async def test_open_loop_arrivals_do_not_wait_for_answers() -> None:
     """``rate``: requests arrive as a Poisson process and are agreed at once, however many are
     outstanding: far past what the stages answer, most are outstanding together, and rounds
     (at most one in flight) batch them; every one is agreed and, with nothing held, released."""
-    [fast, slow] = await run_admission_bench(
+    [fast, slow] = await run_agreement_bench(
         [
-            AdmissionSetting(
+            AgreementSetting(
                 2, 1, workload="short-suffix", rate=1e6, rounds_in_flight=1, held_requests=0
             ),  # fmt: skip
-            AdmissionSetting(2, 1, workload="short-suffix", rate=500.0),
+            AgreementSetting(2, 1, workload="short-suffix", rate=500.0),
         ],
         num_requests=30,
         num_prompt_tokens=256,
@@ -203,9 +203,9 @@ async def test_open_loop_arrivals_do_not_wait_for_answers() -> None:
 
 async def test_a_rate_or_rounds_limit_out_of_range_names_the_field() -> None:
     with pytest.raises(ValueError, match="rate"):
-        await run_admission_bench([AdmissionSetting(1, 1, rate=0.0)])
+        await run_agreement_bench([AgreementSetting(1, 1, rate=0.0)])
     with pytest.raises(ValueError, match="rounds_in_flight"):
-        await run_admission_bench([AdmissionSetting(1, 1, rounds_in_flight=0)])
+        await run_agreement_bench([AgreementSetting(1, 1, rounds_in_flight=0)])
 
 
 @pytest.mark.parametrize(
@@ -222,5 +222,5 @@ def test_cli_refuses_a_bad_open_loop_flag(
 ) -> None:
     from wavepp import cli
 
-    assert cli.main(["bench", "admission", "--stages", "2", "--requests", "1", *flags]) == 2
+    assert cli.main(["bench", "agreement", "--stages", "2", "--requests", "1", *flags]) == 2
     assert named in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Admission cadence microbenchmark: agreements per second and latency over real NATS.
+"""Prefix agreement microbenchmark: agreements per second and latency over real NATS.
 
 An embedded nats-server, R replicas of S stage KV servers (each a ``StageKVManager`` answering
 the stage's agreement subjects with the stage process's own handlers, ``serve_stage_kv``; the
@@ -12,7 +12,7 @@ finished micro-batch's requests. So the run is a steady state: every agreement i
 again, and the stages hold a bounded number of requests (CPU per agreement includes the
 release).
 
-Where the stage KV servers run (``AdmissionSetting``): all in this process's event loop (the
+Where the stage KV servers run (``AgreementSetting``): all in this process's event loop (the
 controller's, the default), or in stage host processes: ``stage_processes`` one per stage (as
 in production), or ``stage_hosts`` processes sharing the ranks from ``stages_in_process`` on
 (ranks below it stay in this process). On a 2-core machine the layout decides how much of the
@@ -68,7 +68,7 @@ from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order
 
-__all__ = ["WORKLOADS", "AdmissionSetting", "format_table", "run_admission_bench"]
+__all__ = ["WORKLOADS", "AgreementSetting", "format_table", "run_agreement_bench"]
 
 WORKLOADS = ("mixed", "short-suffix")
 _NUM_SHARED_PREFIXES = 8
@@ -76,7 +76,7 @@ _MODEL_ID = "admbench"
 
 
 @dataclass(frozen=True)
-class AdmissionSetting:
+class AgreementSetting:
     """One row: S stages x R replicas, ``in_flight`` agreements outstanding per replica.
 
     ``stage_processes``: one process per stage KV server; else ``stage_hosts`` processes (0:
@@ -231,7 +231,7 @@ def _proc_cpu_s(pid: int | None) -> float | None:
 
 async def _one_setting(
     server: EmbeddedNatsServer,
-    setting: AdmissionSetting,
+    setting: AgreementSetting,
     *,
     num_requests: int,
     num_prompt_tokens: int,
@@ -327,7 +327,7 @@ async def _one_setting(
             outstanding[replica] -= 1
             latencies[replica].append(time.perf_counter() - arrived)
             if ticket is None:
-                raise RuntimeError("admission bench pool too small: a reservation was refused")
+                raise RuntimeError("agreement bench pool too small: a reservation was refused")
             agreed_blocks.append(ticket.num_agreed_blocks)
             held[replica].append(request.request_id)
             if not release_due[replica] and len(held[replica]) > setting.held_requests:
@@ -434,7 +434,7 @@ async def _one_setting(
     }
 
 
-def _stage_layout(setting: AdmissionSetting) -> list[list[int]]:
+def _stage_layout(setting: AgreementSetting) -> list[list[int]]:
     """The ranks each stage host process serves (the other ranks run in the controller's
     process): with ``stage_processes`` one process per rank; else ``stage_hosts`` processes
     sharing the ranks from ``stages_in_process`` on, round robin."""
@@ -453,8 +453,8 @@ def _cpu_of(pids: Sequence[int | None]) -> float:
     return sum(_proc_cpu_s(pid) or 0.0 for pid in pids)
 
 
-async def run_admission_bench(
-    settings: Sequence[AdmissionSetting],
+async def run_agreement_bench(
+    settings: Sequence[AgreementSetting],
     *,
     num_requests: int = 400,
     num_prompt_tokens: int = 4096,
@@ -525,7 +525,7 @@ async def run_admission_bench(
 
 
 def format_table(results: Sequence[dict[str, Any]]) -> str:
-    """Markdown table of ``run_admission_bench`` results."""
+    """Markdown table of ``run_agreement_bench`` results."""
     lines = [
         "| workload | S | R | in flight / replica (or offered rate) | batch limit | rounds in "
         "flight | stage hosts | held | "
