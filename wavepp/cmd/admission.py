@@ -24,8 +24,12 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wavepp.cmd.common import add_deprecated_alias, finite_float
-from wavepp.cmd.stage import add_nats_args, add_replica_config_args
+from wavepp.cmd.common import (
+    add_deprecated_alias,
+    add_nats_args,
+    add_replica_config_args,
+    finite_float,
+)
 
 if TYPE_CHECKING:
     from wavepp.runtime.serving.service import AdmissionService
@@ -93,16 +97,10 @@ def run(args: argparse.Namespace) -> int:
 
     exit_with_parent()
     from wavepp.cmd.common import config_exit_code, startup_failure
-    from wavepp.cmd.stage import (
-        POOL_ENV,
-        ArgError,
-        apply_nats_tls,
-        check_creds,
-        check_port,
-        runtime_config_from_args,
-        start_health_server,
-    )
+    from wavepp.launch.flags import POOL_ENV, ArgError, apply_nats_tls, check_creds, check_port
+    from wavepp.launch.replica import runtime_config_from_args
     from wavepp.runtime.planning import CostModel
+    from wavepp.runtime.serving.health import start_health_server
     from wavepp.runtime.serving.service import AdmissionService
     from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
     from wavepp.runtime.transport.natsio import connect

@@ -121,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.bench.workloads import REUSE_PRESETS, shared_prefix_workload
     from wavepp.runtime.config import RuntimeConfig
     from wavepp.runtime.planning.catalogue import list_models
-    from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS
-    from wavepp.runtime.serving.from_spec import default_emulated_kv_blocks
+    from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_emulated_kv_blocks
     from wavepp.sim.bus import SimLatencies
     from wavepp.sim.run import simulate
 

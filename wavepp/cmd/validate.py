@@ -36,7 +36,7 @@ def _check_key_files(spec: object, config: str) -> str:
     """The first problem with the tenants' ``apiKeysFile``s (read as ``wavepp up`` reads them,
     relative to the spec's folder) naming the field (``spec.tenants[0].apiKeysFile: ...``),
     or "" when there is none."""
-    from wavepp.cmd.common import key_files_problem
+    from wavepp.launch.gateway import key_files_problem
 
     folder = Path(config).resolve().parent
     key_files: dict[str, str] = {}
@@ -68,7 +68,7 @@ def _absent_pvc_mount(raw: dict[str, Any]) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from wavepp.api.spec import SpecError, SpecFileError, check_spec, read_spec_mapping
-    from wavepp.runtime.serving.from_spec import (
+    from wavepp.launch.runtime_config import (
         checkpoint_tokenizer,
         runtime_configs_from_spec,
         with_checkpoint_layers,

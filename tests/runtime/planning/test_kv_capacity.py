@@ -11,6 +11,7 @@ import pytest
 
 from wavepp.api.spec import WavePipelineSpec
 from wavepp.bench.trace import TokenMapper, load_trace
+from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.runtime.agreement import AdmissionController, AgreementRefused
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning.catalogue import H200, GPUSpec, LayerCost, ModelSpec
@@ -21,7 +22,6 @@ from wavepp.runtime.planning.memory import (
     derived_stage_memory,
 )
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 
 ROOT = Path(__file__).resolve().parents[3]
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
