@@ -1,5 +1,7 @@
-"""What every subcommand shares: one-line error text, the ``--help`` formatter, deprecated flag
-aliases, and start-up checks run before anything starts (a busy port, an unreachable NATS).
+"""What every subcommand shares: the flags of the pipeline processes (``--nats-*``, where a
+replica's configuration comes from, ``--model DIR``), the ``--help`` formatter, deprecated flag
+aliases, the exit code of a configuration error, and start-up checks run before anything
+starts (a busy port, an unreachable NATS). What the flags resolve to is ``wavepp.launch``'s.
 
 Flag naming scheme (the same meaning has the same name in every subcommand):
 
