@@ -8,5 +8,6 @@ replica         a stage's or admission's RuntimeConfig from its flags and enviro
 gateway         the gateway's GatewayConfig from the spec and ``pool.json``, or its flags
 up              what ``wavepp up`` runs (``plan_up``) and its children's command lines
 replay          the replica ``wavepp replay`` runs, from its flags
+sim             the settings ``wavepp sim`` simulates, from its flags
 flags           ``ArgError``, the checks of flags the pipeline processes share, one-line errors
 """
