@@ -35,6 +35,7 @@ __all__ = [
     "key_files_problem",
     "pool_replicas",
     "replica_info",
+    "spec_key_files_problem",
 ]
 
 
@@ -236,3 +237,22 @@ def key_files_problem(key_files: dict[str, str]) -> str:
     except KeyFileError as exc:
         return f"apiKeysFile: {exc}"
     return ""
+
+
+def spec_key_files_problem(spec: WavePipelineSpec, spec_path: str) -> str:
+    """The first problem with the tenants' ``apiKeysFile``s (read as ``wavepp up`` reads them,
+    relative to the spec's folder) naming the field (``spec.tenants[0].apiKeysFile: ...``),
+    or "" when there is none."""
+    folder = Path(spec_path).resolve().parent
+    key_files: dict[str, str] = {}
+    for index, tenant in enumerate(getattr(spec, "tenants", [])):
+        if not tenant.api_keys_file:
+            continue
+        path = str(folder / tenant.api_keys_file)
+        problem = key_files_problem({tenant.name: path})
+        if problem:
+            return f"spec.tenants[{index}].{problem}"
+        key_files[tenant.name] = path
+    # NOTE: what only the files together can break (a key in two tenants' files).
+    problem = key_files_problem(key_files)
+    return f"spec.tenants[*].{problem}" if problem else ""

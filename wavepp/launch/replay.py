@@ -9,16 +9,15 @@ emulated model's derived one, ``planning.memory.default_emulated_kv_blocks``, el
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from wavepp.bench.trace import TokenMapper
 from wavepp.launch.flags import FlagError
+from wavepp.launch.replica import planner_cost_model
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.hf_config import load_model_dir, normalize_hf_config, read_hf_config
 from wavepp.runtime.model_config import get_preset
@@ -48,11 +47,6 @@ def _validation_summary(exc: object) -> str:
         where = ".".join(str(p) for p in error.get("loc", ())) or "<config>"
         lines.append(f"{where}: {error['msg']}")
     return "; ".join(lines)
-
-
-def _packaged_cost_model(name: str) -> dict[str, object]:
-    path = resources.files("wavepp.runtime.planning") / "calibration" / name
-    return json.loads(path.read_text())
 
 
 def _telemetry_settings(args: argparse.Namespace) -> TelemetrySettings:
@@ -190,13 +184,7 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
                 f"{_MAX_DERIVED_KV_BLOCKS}: give --kv-blocks",
             )
         config = RuntimeConfig.model_validate(config.model_dump() | {"num_kv_blocks": derived})
-    if args.cost_model:
-        planner_model = CostModel.from_dict(json.loads(Path(args.cost_model).read_text()))
-    elif stage_cost is not None:
-        planner_model = stage_cost
-    else:
-        planner_model = CostModel.from_dict(_packaged_cost_model("tiny-llama-cpu-2layers.json"))
-
+    planner_model = planner_cost_model(config, args.cost_model)
     return ReplayPlan(
         config=config,
         planner_cost_model=planner_model,

@@ -12,7 +12,9 @@ laid over either.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from importlib import resources
 from pathlib import Path
 
 from wavepp.api.spec import MAX_REPLICAS, SpecError, SpecFileError, WavePipelineSpec, load_spec_file
@@ -27,9 +29,11 @@ from wavepp.launch.flags import (
 )
 from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.planning import CostModel
 from wavepp.telemetry.settings import TelemetrySettings
 
 __all__ = [
+    "planner_cost_model",
     "runtime_config_from_args",
     "telemetry_from_spec",
     "with_checkpoint",
@@ -167,3 +171,25 @@ def _runtime_config_from_source(
     except ValueError as exc:
         raise ArgError(f"--replica {args.replica}: {describe_error(exc)}") from None
     return config.model_copy(update={"telemetry": telemetry_from_spec(spec, env)})
+
+
+PACKAGED_PLANNER_COST_MODEL = "tiny-llama-cpu-2layers.json"
+"""The planner's cost model when none is given and the engine is not emulated: a fit measured
+on a CPU (``wavepp calibrate``), shipped in ``wavepp/runtime/planning/calibration/``."""
+
+
+def planner_cost_model(config: RuntimeConfig, path: str = "") -> CostModel:
+    """What a replica's planner budgets with: the CostModel JSON at ``path`` when given
+    (``--planner-cost-model``, ``--cost-model``), else the config's (the emulated engine's
+    derived model), else ``PACKAGED_PLANNER_COST_MODEL``.
+
+    Raises:
+        OSError: ``path`` cannot be read.
+        ValueError: its JSON is not a CostModel.
+    """
+    if path:
+        return CostModel.from_dict(json.loads(Path(path).read_text()))
+    if config.cost_model is not None:
+        return CostModel.from_dict(config.cost_model)
+    packaged = resources.files("wavepp.runtime.planning") / "calibration"
+    return CostModel.from_dict(json.loads((packaged / PACKAGED_PLANNER_COST_MODEL).read_text()))

@@ -58,6 +58,7 @@ from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
 from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_emulated_kv_blocks
 
 __all__ = [
+    "absent_pvc_mount",
     "checkpoint_dir",
     "checkpoint_tokenizer",
     "stage_device",
@@ -203,6 +204,19 @@ def _checkpoint_model(spec: WavePipelineSpec, path: str, dtype: str) -> ModelCon
                 "checkpoint decides the shape: state its value or leave the field out",
             )
     return model.model_copy(update={"name": spec.model.name, "dtype": dtype})
+
+
+def absent_pvc_mount(raw: dict[str, Any]) -> str | None:
+    """The PVC's mount path when the checkpoint comes from ``model.pvc`` (torch engine, no
+    ``model.path``) and that path is not a directory here; else None."""
+    model = raw.get("model")
+    if raw.get("engine", "torch") != "torch" or not isinstance(model, dict):
+        return None
+    pvc = model.get("pvc")
+    if model.get("path") is not None or not isinstance(pvc, dict):
+        return None
+    mount = pvc.get("mountPath", "/models")
+    return mount if isinstance(mount, str) and not Path(mount).is_dir() else None
 
 
 def with_checkpoint_layers(raw: Mapping[str, Any]) -> dict[str, Any]:
