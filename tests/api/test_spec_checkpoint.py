@@ -15,9 +15,9 @@ import pytest
 
 from wavepp import cli
 from wavepp.api.spec import SpecError, check_spec
-from wavepp.cmd.gateway import gateway_config_from_spec
 from wavepp.gateway.validation import BadRequest, parse_completion_batch, parse_prefill
-from wavepp.runtime.serving.from_spec import runtime_configs_from_spec, with_checkpoint_layers
+from wavepp.launch.gateway import gateway_config_from_spec
+from wavepp.launch.runtime_config import runtime_configs_from_spec, with_checkpoint_layers
 
 pytest.importorskip("transformers")
 from wavepp.bench.checkpoints import save_random_checkpoint  # noqa: E402

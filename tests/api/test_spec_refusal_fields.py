@@ -11,12 +11,12 @@ import pytest
 
 from wavepp import cli
 from wavepp.api.spec import SpecError, check_spec
-from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.serving.from_spec import (
+from wavepp.launch.runtime_config import (
     SPEC_FIELD_OF,
     runtime_config_spec_error,
     runtime_configs_from_spec,
 )
+from wavepp.runtime.config import RuntimeConfig
 
 
 def _one_line(message: str) -> None:
@@ -58,7 +58,8 @@ def test_emulated_tp2_names_the_model() -> None:
     """``wavepp stage --config emu.yaml --tensor-parallel-size 2`` for glm-5.2 names the model,
     not a family it lacks (``... the emulated engine with family 'llama'``); the spec check
     refuses it earlier."""
-    from wavepp.cmd.stage import ArgError, with_tensor_parallel
+    from wavepp.launch.flags import ArgError
+    from wavepp.launch.replica import with_tensor_parallel
 
     config = RuntimeConfig(num_stages=2, engine="emulated", cost_model={})
     config = config.model_copy(

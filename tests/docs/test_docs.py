@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from wavepp.api.spec import check_spec
-from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
+from wavepp.launch.runtime_config import runtime_configs_from_spec
 
 REPO = Path(__file__).resolve().parents[2]
 

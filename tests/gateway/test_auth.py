@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 from gateway_support import tiny_gateway_config
 
+from wavepp.api.pod import API_KEYS_DIR
 from wavepp.api.spec import SpecError, WavePipelineSpec, check_spec
 from wavepp.cmd.api_key import new_key, rotate
-from wavepp.cmd.gateway import gateway_config_from_spec
 from wavepp.gateway import auth as auth_module
 from wavepp.gateway.auth import (
     MAX_KEYS_PER_TENANT,
@@ -29,8 +29,8 @@ from wavepp.gateway.auth import (
 )
 from wavepp.gateway.core import Gateway
 from wavepp.gateway.tenants import FairShareQueue, LimitExceeded, TenantPolicy
+from wavepp.launch.gateway import gateway_config_from_spec
 from wavepp.operator import builders
-from wavepp.operator.containers import API_KEYS_DIR
 from wavepp.operator.naming import PipelineRef
 from wavepp.operator.observe import Observed
 from wavepp.operator.reconcile import Defaults, plan

@@ -24,8 +24,8 @@ from wavepp.gateway.validation import (
     parse_completion,
     parse_prefill,
 )
+from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.runtime.kv import hash_prompt_blocks
-from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 
 # ---------------------------------------------------------------------------- fair share
 

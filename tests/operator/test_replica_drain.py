@@ -44,9 +44,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from wavepp.api.prefill import Heartbeat
 from wavepp.api.spec import check_spec
 from wavepp.api.subjects import heartbeat_subject
-from wavepp.cmd.gateway import gateway_config_from_spec
 from wavepp.gateway.core import Gateway
 from wavepp.gateway.validation import ParsedRequest
+from wavepp.launch.gateway import gateway_config_from_spec
 from wavepp.operator import builders as b
 from wavepp.runtime.stage.metrics import STAGE_PROMETHEUS_NAMES
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port

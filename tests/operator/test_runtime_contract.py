@@ -36,11 +36,12 @@ from pod_support import (
 from wavepp.api.natsauth import TrustRoot
 from wavepp.api.spec import CONFIG_EXIT_CODE, MAX_REPLICAS, check_spec, load_spec_file
 from wavepp.cli import main as cli_main
-from wavepp.cmd.gateway import gateway_config_from_spec, pool_replicas
-from wavepp.cmd.stage import ArgError, resolve_rank, runtime_config_from_args
+from wavepp.launch.flags import ArgError, resolve_rank
+from wavepp.launch.gateway import gateway_config_from_spec, pool_replicas
+from wavepp.launch.replica import runtime_config_from_args
+from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.operator import builders as b
 from wavepp.operator import natscreds
-from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
 RAW_SPEC: dict[str, Any] = {

@@ -46,10 +46,10 @@ from wavepp.api.spec import (
     WavePipelineSpec,
     check_spec,
 )
-from wavepp.cmd.gateway import gateway_config_from_spec
-from wavepp.cmd.stage import telemetry_from_spec
+from wavepp.launch.gateway import gateway_config_from_spec
+from wavepp.launch.replica import telemetry_from_spec
+from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.operator.reconcile import Apply, Create, Defaults, Observed, plan
-from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 
 DEFAULTS = Defaults(image="img:1", nats_url="nats://n:4222")
 BASE: dict[str, Any] = {
@@ -102,7 +102,7 @@ class Entry:
 
 
 R, O, L = "runtime", "operator", "lifecycle"  # noqa: E741 - the table's column
-FS = "runtime.serving.from_spec.runtime_configs_from_spec"
+FS = "launch.runtime_config.runtime_configs_from_spec"
 BLD = "operator.builders"
 
 FIELDS: dict[str, Entry] = {
@@ -331,49 +331,49 @@ FIELDS: dict[str, Entry] = {
     ),
     "tenants[].name": Entry(
         R,
-        "cmd.gateway.gateway_config_from_spec: TenantPolicy",
+        "launch.gateway.gateway_config_from_spec: TenantPolicy",
         {"tenants": [{"name": "b"}]},
         context={"tenants": [{"name": "a"}]},
     ),
     "tenants[].cacheSalt": Entry(
         R,
-        "cmd.gateway.gateway_config_from_spec: cache_salt",
+        "launch.gateway.gateway_config_from_spec: cache_salt",
         {"tenants": [{"name": "a", "cacheSalt": "s"}]},
         context={"tenants": [{"name": "a"}]},
     ),
     "tenants[].weight": Entry(
         R,
-        "cmd.gateway.gateway_config_from_spec: weight",
+        "launch.gateway.gateway_config_from_spec: weight",
         {"tenants": [{"name": "a", "weight": 3}]},
         context={"tenants": [{"name": "a"}]},
     ),
     "tenants[].priority": Entry(
         R,
-        "cmd.gateway.gateway_config_from_spec: TenantPolicy.priority",
+        "launch.gateway.gateway_config_from_spec: TenantPolicy.priority",
         {"tenants": [{"name": "a", "priority": 2}]},
         context={"tenants": [{"name": "a"}]},
     ),
     "tenants[].maxConcurrency": Entry(
         R,
-        "cmd.gateway.gateway_config_from_spec: TenantPolicy.max_concurrency",
+        "launch.gateway.gateway_config_from_spec: TenantPolicy.max_concurrency",
         {"tenants": [{"name": "a", "maxConcurrency": 3}]},
         context={"tenants": [{"name": "a"}]},
     ),
     "tenants[].maxQueued": Entry(
         R,
-        "cmd.gateway.gateway_config_from_spec: TenantPolicy.max_queued",
+        "launch.gateway.gateway_config_from_spec: TenantPolicy.max_queued",
         {"tenants": [{"name": "a", "maxQueued": 5}]},
         context={"tenants": [{"name": "a"}]},
     ),
     "tenants[].tokensPerSecond": Entry(
         R,
-        "cmd.gateway.gateway_config_from_spec: TenantPolicy.tokens_per_s",
+        "launch.gateway.gateway_config_from_spec: TenantPolicy.tokens_per_s",
         {"tenants": [{"name": "a", "tokensPerSecond": 100.0}]},
         context={"tenants": [{"name": "a"}]},
     ),
     "tenants[].burstTokens": Entry(
         R,
-        "cmd.gateway.gateway_config_from_spec: TenantPolicy.burst_tokens",
+        "launch.gateway.gateway_config_from_spec: TenantPolicy.burst_tokens",
         {"tenants": [{"name": "a", "tokensPerSecond": 100.0, "burstTokens": 500}]},
         context={"tenants": [{"name": "a", "tokensPerSecond": 100.0}]},
     ),
@@ -385,7 +385,7 @@ FIELDS: dict[str, Entry] = {
     ),
     "tenants[].apiKeysFile": Entry(
         "up",
-        "cmd.up.run: policy_from_spec(api_keys_file=the spec's folder / file); the operator "
+        "launch.up.plan_up: policy_from_spec(api_keys_file=the spec's folder / file); the operator "
         "refuses it (Degraded naming spec.tenants.apiKeysFile)",
         {"tenants": [{"name": "a", "apiKeysFile": "a.keys"}]},
         context={"tenants": [{"name": "a"}]},
@@ -431,15 +431,17 @@ FIELDS: dict[str, Entry] = {
     ),
     "telemetry.otlpEndpoint": Entry(
         R,
-        "cmd.stage.telemetry_from_spec; containers env",
+        "launch.replica.telemetry_from_spec; containers env",
         {"telemetry": {"otlpEndpoint": "http://o:4317"}},
     ),
     "telemetry.samplingRatio": Entry(
-        R, "cmd.stage.telemetry_from_spec; containers env", {"telemetry": {"samplingRatio": 0.5}}
+        R,
+        "launch.replica.telemetry_from_spec; containers env",
+        {"telemetry": {"samplingRatio": 0.5}},
     ),
     "telemetry.metricsPort": Entry(
         R,
-        "cmd.stage.telemetry_from_spec; admission's metrics port",
+        "launch.replica.telemetry_from_spec; admission's metrics port",
         {"telemetry": {"metricsPort": 9500}},
     ),
     "restartBudget.maxRestarts": Entry(
@@ -637,7 +639,7 @@ def read_lifecycle(raw: dict[str, Any]) -> str:
 
 
 def read_up(raw: dict[str, Any]) -> str:
-    """The tenant policies ``wavepp up`` gives its gateway (``cmd.up.run``: key files relative
+    """The tenant policies ``wavepp up`` gives its gateway (``launch.up.plan_up``: key files relative
     to the spec's folder, here ``/spec``)."""
     from wavepp.gateway.tenants import policy_from_spec
 

@@ -14,10 +14,11 @@ import torch
 import yaml
 
 from wavepp.api.spec import check_spec
-from wavepp.cmd.stage import add_arguments, runtime_config_from_args
+from wavepp.cmd.stage import add_arguments
+from wavepp.launch.replica import runtime_config_from_args
+from wavepp.launch.runtime_config import model_config_from_spec, runtime_configs_from_spec
 from wavepp.operator import builders as b
 from wavepp.operator.reconcile import Apply, Create, Defaults, Observed, plan
-from wavepp.runtime.serving.from_spec import model_config_from_spec, runtime_configs_from_spec
 from wavepp.runtime.stage.chunk import ChunkSpec
 from wavepp.runtime.stage.worker import build_engine
 

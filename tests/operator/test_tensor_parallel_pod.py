@@ -32,8 +32,8 @@ from pod_support import (
 from proc_support import children_running
 
 from wavepp.api.spec import check_spec
+from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.operator import builders as b
-from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 from wavepp.runtime.stage.engine import ChunkSpec, make_engine
 from wavepp.runtime.stage.engine.tensor_parallel import tp_device
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port

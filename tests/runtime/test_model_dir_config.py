@@ -13,7 +13,9 @@ import pytest
 from trace_data import TRACE
 
 from wavepp.api.spec import WavePipelineSpec
-from wavepp.cmd.stage import ArgError, add_arguments, runtime_config_from_args
+from wavepp.cmd.stage import add_arguments
+from wavepp.launch.flags import ArgError
+from wavepp.launch.replica import runtime_config_from_args
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.hf_config import load_model_dir, model_config_from_hf
 from wavepp.runtime.model_config import balanced_partition

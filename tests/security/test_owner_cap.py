@@ -13,13 +13,13 @@ from pydantic import ValidationError
 from wavepp.api.kv_batch import BatchOp, KVBatch, ReserveEntry, encode_batch
 from wavepp.api.kv_reply import EntryResult, EntryStatus, KVBatchReply, decode_reply
 from wavepp.api.spec import check_spec
+from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
 from wavepp.runtime.model_config import ModelConfig
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 from wavepp.runtime.serving.local import LocalPipeline
 
 pytestmark = pytest.mark.timeout(120)
@@ -162,7 +162,7 @@ def test_a_round_refused_by_the_cap_says_so() -> None:
 def test_the_gateway_refuses_a_prompt_longer_than_the_cap_allows() -> None:
     """The gateway's prompt limit came from the stages' pools alone: with a lower cap it took
     prompts the admission can never hold and failed them after queueing (attack-3)."""
-    from wavepp.cmd.gateway import gateway_model_fields
+    from wavepp.launch.gateway import gateway_model_fields
 
     assert gateway_model_fields(_config())["max_prompt_tokens"] == POOL * BLOCK
     capped = gateway_model_fields(_config(max_blocks_per_owner=8))

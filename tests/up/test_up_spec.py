@@ -1,4 +1,4 @@
-"""The pure parts of ``wavepp up`` (``cmd.up_spec``) a first run depends on: the spec's
+"""The pure parts of ``wavepp up`` (``launch.up``) a first run depends on: the spec's
 ``rollout.drainTimeoutSeconds`` reaches the admissions and up's own stop, fields only the
 operator applies are named at start, ``--tensor-parallel-size``, and metrics bound to
 ``--host``. No process of the service is started here (one short child in the stop test)."""
@@ -17,9 +17,9 @@ import pytest
 
 from wavepp import cli
 from wavepp.api.spec import check_spec
-from wavepp.cmd.up import Supervisor
-from wavepp.cmd.up_spec import (
-    UpSpecError,
+from wavepp.launch.flags import FlagError
+from wavepp.launch.runtime_config import runtime_configs_from_spec
+from wavepp.launch.up import (
     child_commands,
     drain_times,
     local_resources,
@@ -28,7 +28,7 @@ from wavepp.cmd.up_spec import (
     spec_mapping,
     with_telemetry,
 )
-from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
+from wavepp.runtime.serving.processes import Supervisor
 from wavepp.telemetry.metrics import PrometheusExport
 
 
@@ -167,7 +167,7 @@ def test_tensor_parallel_flag_sets_the_spec_and_the_serving_line() -> None:
 
 
 def test_tensor_parallel_flag_replaces_the_spec_value_and_refuses_zero() -> None:
-    with pytest.raises(UpSpecError) as exc:
+    with pytest.raises(FlagError) as exc:
         spec_mapping(_up_args("--tensor-parallel-size", "0"))
     assert exc.value.flag == "--tensor-parallel-size"
     assert "0: must be >= 1" in str(exc.value)

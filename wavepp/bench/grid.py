@@ -36,9 +36,9 @@ from wavepp.bench.workloads import Workload, ideal_hit_ratio, mooncake_workload,
 from wavepp.runtime.config import AgreementMode, RuntimeConfig
 from wavepp.runtime.model_config import get_preset
 from wavepp.runtime.planning.catalogue import derived_cost_model
+from wavepp.runtime.planning.memory import default_emulated_kv_blocks
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.scheduling.stats import WaveStats
-from wavepp.runtime.serving.from_spec import default_emulated_kv_blocks
 from wavepp.runtime.serving.local import LocalPipeline
 
 __all__ = [

@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
 import sys
-from importlib import resources
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wavepp.cmd.common import add_deprecated_alias, finite_float
-from wavepp.cmd.stage import add_nats_args, add_replica_config_args
+from wavepp.cmd.common import (
+    add_deprecated_alias,
+    add_nats_args,
+    add_replica_config_args,
+    finite_float,
+)
 
 if TYPE_CHECKING:
     from wavepp.runtime.serving.service import AdmissionService
@@ -93,16 +94,9 @@ def run(args: argparse.Namespace) -> int:
 
     exit_with_parent()
     from wavepp.cmd.common import config_exit_code, startup_failure
-    from wavepp.cmd.stage import (
-        POOL_ENV,
-        ArgError,
-        apply_nats_tls,
-        check_creds,
-        check_port,
-        runtime_config_from_args,
-        start_health_server,
-    )
-    from wavepp.runtime.planning import CostModel
+    from wavepp.launch.flags import POOL_ENV, ArgError, apply_nats_tls, check_creds, check_port
+    from wavepp.launch.replica import planner_cost_model, runtime_config_from_args
+    from wavepp.runtime.serving.health import start_health_server
     from wavepp.runtime.serving.service import AdmissionService
     from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
     from wavepp.runtime.transport.natsio import connect
@@ -148,17 +142,7 @@ def run(args: argparse.Namespace) -> int:
     if failure is not None:
         print(f"wavepp admission: {failure}", file=sys.stderr)
         return 2
-    if args.planner_cost_model:
-        cost = CostModel.from_dict(json.loads(Path(args.planner_cost_model).read_text()))
-    elif config.cost_model is not None:
-        cost = CostModel.from_dict(config.cost_model)
-    else:
-        path = (
-            resources.files("wavepp.runtime.planning")
-            / "calibration"
-            / "tiny-llama-cpu-2layers.json"
-        )
-        cost = CostModel.from_dict(json.loads(path.read_text()))
+    cost = planner_cost_model(config, args.planner_cost_model)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s admission[{config.pipeline}] %(levelname)s %(name)s: %(message)s",

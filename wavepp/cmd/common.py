@@ -1,5 +1,7 @@
-"""What every subcommand shares: one-line error text, the ``--help`` formatter, deprecated flag
-aliases, and start-up checks run before anything starts (a busy port, an unreachable NATS).
+"""What every subcommand shares: the flags of the pipeline processes (``--nats-*``, where a
+replica's configuration comes from, ``--model DIR``), the ``--help`` formatter, deprecated flag
+aliases, the exit code of a configuration error, and start-up checks run before anything
+starts (a busy port, an unreachable NATS). What the flags resolve to is ``wavepp.launch``'s.
 
 Flag naming scheme (the same meaning has the same name in every subcommand):
 
@@ -40,14 +42,15 @@ from urllib.parse import urlparse
 __all__ = [
     "HelpFormatter",
     "add_deprecated_alias",
+    "add_model_dir_arg",
+    "add_nats_args",
+    "add_nats_tls_args",
     "add_nats_wait_arg",
     "check_nats_reachable",
-    "check_port_free",
     "config_exit_code",
-    "describe_error",
     "finite_float",
     "fresh_out_dir",
-    "key_files_problem",
+    "add_replica_config_args",
     "startup_failure",
 ]
 
@@ -63,19 +66,6 @@ def config_exit_code(env: Mapping[str, str]) -> int:
     except ValueError:
         return 2
     return code if 1 <= code <= 125 else 2
-
-
-def describe_error(exc: BaseException) -> str:
-    """One line for ``exc``: pydantic errors as ``field: message; ...`` (no input dumps or
-    links), anything else with its whitespace folded."""
-    errors = getattr(exc, "errors", None)
-    if callable(errors) and type(exc).__name__ == "ValidationError":
-        parts = []
-        for err in errors():
-            where = ".".join(str(p) for p in err.get("loc", ())) or "value"
-            parts.append(f"{where}: {' '.join(str(err.get('msg', '')).split())}")
-        return "; ".join(parts)
-    return " ".join(str(exc).split())
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -155,24 +145,6 @@ def fresh_out_dir(prefix: str) -> str:
     return tempfile.mkdtemp(prefix=f"wavepp-{prefix}-")
 
 
-def check_port_free(host: str, port: int) -> str | None:
-    """None when ``host:port`` can be bound now, else one line saying why (port 0 is free).
-
-    A check, not a reservation: another process may still take the port before the server
-    binds it; the server then reports the bind error itself.
-    """
-    if port == 0:
-        return None
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            return f"{host}:{port} cannot be bound: {exc.strerror or exc}"
-    return None
-
-
 def check_nats_reachable(url: str, timeout_s: float = 30.0) -> str | None:
     """None once a TCP connection to some server of ``url`` opens, trying every 0.2 s for
     ``timeout_s`` seconds (a server that starts later is waited for); else one line naming the
@@ -202,6 +174,8 @@ def startup_failure(
     bound (:func:`check_port_free`; a port None: nothing to bind), or else no NATS server of
     ``nats_url`` answered within ``nats_timeout_s`` seconds (:func:`check_nats_reachable`).
     None: neither."""
+    from wavepp.launch.flags import check_port_free
+
     for flag, host, port in ports:
         if port is not None:
             busy = check_port_free(host, port)
@@ -209,26 +183,6 @@ def startup_failure(
                 return f"{flag}: {busy}"
     unreachable = check_nats_reachable(nats_url, nats_timeout_s)
     return f"--nats-url {unreachable}" if unreachable else None
-
-
-def key_files_problem(key_files: dict[str, str]) -> str:
-    """The first problem with the tenants' API key files (tenant -> path), read as the gateway
-    reads them at start (``gateway.auth.authenticator_for``), as ``apiKeysFile: ...``; "" when
-    every file loads."""
-    from wavepp.gateway.auth import KeyFileError, authenticator_for
-
-    try:
-        authenticator_for(
-            key_files,
-            poll_s=1.0,
-            failure_burst=1,
-            failures_per_s=1.0,
-            clock=time.monotonic,
-            wall_clock=time.time,
-        )
-    except KeyFileError as exc:
-        return f"apiKeysFile: {exc}"
-    return ""
 
 
 def add_nats_wait_arg(parser: argparse.ArgumentParser) -> None:
@@ -239,3 +193,45 @@ def add_nats_wait_arg(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="wait this long for the NATS server to accept connections, then exit 2",
     )
+
+
+def add_replica_config_args(parser: argparse.ArgumentParser, *, runtime_config_help: str) -> None:
+    """Where a replica's RuntimeConfig comes from (read by ``runtime_config_from_args``):
+    ``--runtime-config F`` or ``--config SPEC --replica I``, and ``--model DIR``."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--runtime-config", help=runtime_config_help)
+    source.add_argument(
+        "--config", help="WavePipeline spec (YAML/JSON, e.g. /etc/wavepp/spec.json); with --replica"
+    )
+    parser.add_argument("--replica", type=int, default=None, help="replica index (with --config)")
+    add_model_dir_arg(parser)
+
+
+def add_nats_args(
+    parser: argparse.ArgumentParser, *, url_help: str = "NATS server URL (with JetStream)"
+) -> None:
+    """``--nats-url`` (required), ``--nats-creds``, ``--nats-tls-*`` and the connect wait."""
+    parser.add_argument("--nats-url", required=True, help=url_help)
+    parser.add_argument("--nats-creds", default=None, help="NATS credentials file (.creds)")
+    add_nats_tls_args(parser)
+    add_nats_wait_arg(parser)
+
+
+def add_model_dir_arg(parser: argparse.ArgumentParser) -> None:
+    """``--model DIR``: serve the Hugging Face checkpoint in DIR (overrides the config's model)."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="Hugging Face checkpoint directory (config.json + safetensors): the model and "
+        "RuntimeConfig.model_dir, overriding the configuration's model",
+    )
+
+
+def add_nats_tls_args(parser: argparse.ArgumentParser) -> None:
+    """``--nats-tls-ca/--nats-tls-cert/--nats-tls-key`` (PEM files; see ``NatsTLS``)."""
+    parser.add_argument(
+        "--nats-tls-ca", default=None, help="CA of the NATS server's certificate: connect over TLS"
+    )
+    parser.add_argument("--nats-tls-cert", default=None, help="client certificate (mutual TLS)")
+    parser.add_argument("--nats-tls-key", default=None, help="client key (mutual TLS)")

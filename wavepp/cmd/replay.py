@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import sys
-from importlib import resources
 from pathlib import Path
 
 from wavepp.cmd.common import finite_float
@@ -140,175 +139,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-_MAX_DERIVED_KV_BLOCKS = 1 << 22
-
-
 def _fail(flag: str, message: str) -> int:
     print(f"wavepp replay: {flag}: {message}", file=sys.stderr)
     return 2
 
 
-def _checkpoint_partition(model_dir: str, num_stages: int) -> list[int]:
-    """``engine.balance.checkpoint_partition``, imported only for a checkpoint: it imports torch
-    (~2 s of CPU), which this process needs for nothing else (its stages import their own)."""
-    from wavepp.runtime.stage.engine.balance import checkpoint_partition
-
-    return checkpoint_partition(model_dir, num_stages)
-
-
-def _validation_summary(exc: object) -> str:
-    """One line per error: the field path and pydantic's message, without input dumps."""
-    lines = []
-    for error in exc.errors():  # type: ignore[attr-defined]
-        where = ".".join(str(p) for p in error.get("loc", ())) or "<config>"
-        lines.append(f"{where}: {error['msg']}")
-    return "; ".join(lines)
-
-
-def _packaged_cost_model(name: str) -> dict[str, object]:
-    path = resources.files("wavepp.runtime.planning") / "calibration" / name
-    return json.loads(path.read_text())
-
-
-def _telemetry_settings(args: argparse.Namespace):  # noqa: ANN202 - TelemetrySettings
-    """Telemetry flags -> settings; --timeline needs the spans in a JSON-lines file."""
-    import tempfile
-
-    from wavepp.telemetry.settings import TelemetrySettings
-
-    exporter = args.trace_exporter
-    path = args.trace_out
-    if exporter is None:
-        exporter = "jsonl" if (path or args.timeline) else "none"
-    if args.timeline and exporter != "jsonl":
-        raise ValueError(
-            f"--timeline reads a JSON-lines span file; got --trace-exporter {exporter}"
-        )
-    if exporter == "jsonl" and not path:
-        path = str(Path(tempfile.mkdtemp(prefix="wavepp-trace-")) / "spans.jsonl")
-    if path and Path(path).exists():
-        Path(path).unlink()  # one run per file: the timeline and trace-view read all of it
-    return TelemetrySettings(
-        exporter=exporter,
-        endpoint=args.otlp_endpoint,
-        sampling_ratio=args.trace_sampling,
-        jsonl_path=path,
-        metrics_port=args.metrics_port,
-    )
-
-
 def run(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
     from rich.table import Table
 
     from wavepp.bench.replay import replay_records
     from wavepp.bench.summary_text import clean_source, stage_rows, summary_rows
-    from wavepp.bench.trace import TokenMapper, load_trace
-    from wavepp.runtime.config import RuntimeConfig
-    from wavepp.runtime.hf_config import load_model_dir, normalize_hf_config, read_hf_config
-    from wavepp.runtime.model_config import get_preset
-    from wavepp.runtime.planning import CostModel
-    from wavepp.runtime.planning.catalogue import ModelSpec, derived_cost_model, list_models
-    from wavepp.runtime.planning.from_config import spec_from_hf_config
-    from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS
-    from wavepp.runtime.serving.from_spec import default_emulated_kv_blocks
+    from wavepp.bench.trace import load_trace
+    from wavepp.launch.flags import FlagError
+    from wavepp.launch.replay import plan_replay
 
     err = Console(stderr=True)
     try:
-        telemetry = _telemetry_settings(args)
-    except ValueError as exc:
-        return _fail("--trace-exporter/--trace-out/--timeline", str(exc))
-    if not Path(args.trace).is_file():
-        return _fail("TRACE", f"{args.trace}: no such file")
-    if args.limit is not None and args.limit < 1:
-        return _fail("--limit", f"{args.limit}: must be >= 1")
-    if args.concurrency < 1:
-        return _fail("--concurrency", f"{args.concurrency}: must be >= 1")
-    model_dir: str | None = None
-    try:
-        if Path(args.model).is_dir():
-            if args.engine != "torch":
-                return _fail(
-                    "--model", f"{args.model}: a checkpoint directory needs --engine torch"
-                )
-            model_dir = str(Path(args.model).resolve())
-            model = load_model_dir(model_dir).model_copy(update={"seed": args.seed})
-        else:
-            model = get_preset(args.model).model_copy(update={"seed": args.seed})
-        kv_blocks = (
-            [int(v) for v in str(args.kv_blocks).split(",")] if args.kv_blocks is not None else []
-        )
-    except ValueError as exc:
-        return _fail("--model/--kv-blocks", str(exc))
-    kv_blocks_source = "--kv-blocks" if kv_blocks else f"fixed default {FIXED_KV_BLOCKS}"
-    stage_cost: CostModel | None = None
-    emulate: str | ModelSpec = args.emulate
-    if args.engine == "emulated":
-        if Path(args.emulate).is_dir():
-            try:
-                emulate = spec_from_hf_config(
-                    normalize_hf_config(read_hf_config(args.emulate)),
-                    name=load_model_dir(args.emulate).name,
-                )
-            except (ValueError, KeyError) as exc:
-                return _fail("--emulate", f"{args.emulate}: {exc}")
-        elif args.emulate not in list_models():
-            return _fail(
-                "--emulate", f"{args.emulate!r}: choose one of {list_models()} or a checkpoint DIR"
-            )
-        try:
-            stage_cost = derived_cost_model(emulate, num_stages=args.stages)
-        except ValueError as exc:
-            return _fail("--stages", str(exc))
-    try:
-        config = RuntimeConfig(
-            model=model,
-            model_dir=model_dir,
-            partition=_checkpoint_partition(model_dir, args.stages) if model_dir else None,
-            state_interval_blocks=args.state_interval_blocks,
-            engine=args.engine,
-            cost_model=stage_cost.to_dict() if stage_cost else None,
-            time_scale=args.time_scale,
-            num_stages=args.stages,
-            block_size=args.block_size,
-            num_kv_blocks=kv_blocks or [FIXED_KV_BLOCKS],
-            mode=args.mode,
-            chunk_tokens=args.chunk_tokens,
-            chunk_policy=args.chunk_policy,
-            agreement=args.agreement,
-            local_prepare=None if args.local_prepare is None else args.local_prepare == "on",
-            max_inflight=args.max_inflight,
-            telemetry=telemetry,
-        )
-        mapper = TokenMapper(args.tokens_per_block, model.vocab_size, seed=args.seed)
-    except ValidationError as exc:
-        return _fail("configuration", _validation_summary(exc))
-    except ValueError as exc:
-        return _fail("configuration", str(exc))
-    if args.engine == "emulated" and not kv_blocks:
-        try:
-            derived, kv_blocks_source = default_emulated_kv_blocks(config, emulate)
-        except ValueError as exc:
-            return _fail("--kv-blocks (default)", str(exc))
-        if max(derived) > _MAX_DERIVED_KV_BLOCKS:
-            # NOTE: a tiny checkpoint emulated at H200 derives tens of millions of blocks; a
-            # block pool that size takes minutes to build.
-            return _fail(
-                "--kv-blocks (default)",
-                f"derived {max(derived)} blocks per stage ({kv_blocks_source}); above "
-                f"{_MAX_DERIVED_KV_BLOCKS}: give --kv-blocks",
-            )
-        config = RuntimeConfig.model_validate(config.model_dump() | {"num_kv_blocks": derived})
+        plan = plan_replay(args)
+    except FlagError as exc:
+        return _fail(exc.flag, str(exc))
+    config, planner_model, mapper = plan.config, plan.planner_cost_model, plan.mapper
+    kv_blocks_source, model, telemetry = plan.kv_blocks_source, config.model, config.telemetry
     kv_blocks = config.num_kv_blocks
-    if args.cost_model:
-        planner_model = CostModel.from_dict(json.loads(Path(args.cost_model).read_text()))
-    elif stage_cost is not None:
-        planner_model = stage_cost
-    else:
-        planner_model = CostModel.from_dict(_packaged_cost_model("tiny-llama-cpu-2layers.json"))
-
     records, invalid = load_trace(args.trace, args.limit)
     for error in invalid:
         err.print(f"[yellow]skipped invalid trace line[/]: {error}")

@@ -117,61 +117,17 @@ def _fail(flag: str, message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wavepp.bench.grid import GridSpec, Setting, runtime_config
     from wavepp.bench.workloads import REUSE_PRESETS, shared_prefix_workload
-    from wavepp.runtime.config import RuntimeConfig
-    from wavepp.runtime.planning.catalogue import list_models
-    from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS
-    from wavepp.runtime.serving.from_spec import default_emulated_kv_blocks
-    from wavepp.sim.bus import SimLatencies
+    from wavepp.launch.flags import FlagError
+    from wavepp.launch.sim import plan_sim
     from wavepp.sim.run import simulate
 
-    if args.model not in list_models():
-        return _fail("--model", f"{args.model!r}: choose from {list_models()}")
     try:
-        concurrencies = [int(v) for v in args.concurrency.split(",") if v]
-    except ValueError as exc:
-        return _fail("--concurrency", str(exc))
-    if not concurrencies or min(concurrencies) < 1:
-        return _fail("--concurrency", f"{args.concurrency!r}: need integers >= 1")
-    if args.time_scale <= 0:
-        return _fail("--time-scale", f"{args.time_scale}: must be > 0")
-    if args.kv_blocks is not None and args.kv_blocks < 1:
-        return _fail("--kv-blocks", f"{args.kv_blocks}: must be >= 1")
-    try:
-        latencies = SimLatencies(
-            kv_rtt_s=args.kv_rtt_ms / 1e3,
-            bus_latency_s=args.bus_ms / 1e3,
-            hop_s=args.hop_ms / 1e3,
-            schedule_s=args.schedule_ms / 1e3,
-        )
-        spec = GridSpec(
-            models=(args.model,),
-            num_stages=args.stages,
-            time_scale=args.time_scale,
-            block_size=args.block_size,
-            num_kv_blocks=args.kv_blocks or FIXED_KV_BLOCKS,  # the default: per stage below
-            chunk_tokens=args.chunk_tokens,
-        )
-    except ValueError as exc:
-        return _fail("--kv-rtt-ms/--bus-ms/--hop-ms/--schedule-ms", str(exc))
-    if not 0 <= args.baseline_overhead_ms <= 1000:
-        return _fail("--baseline-overhead-ms", f"{args.baseline_overhead_ms}: must be in [0, 1000]")
-    baseline_fields = {
-        "budget_accounting": args.baseline_budget,
-        "iteration_overhead_s": args.baseline_overhead_ms / 1e3,
-        "one_chunk_inflight": args.baseline_one_chunk,
-        "lockstep_admission": args.baseline_lockstep,
-    }
-    try:
-        config, _ = runtime_config(spec, Setting(args.model, 1, args.reuse, "wave"))
-        if args.kv_blocks is not None:
-            kv_blocks = [config.kv_blocks_of(rank) for rank in range(config.num_stages)]
-            kv_blocks_source = "--kv-blocks"
-        else:
-            kv_blocks, kv_blocks_source = default_emulated_kv_blocks(config, args.model)
-    except ValueError as exc:
-        return _fail("--kv-blocks (default)", str(exc))
+        plan = plan_sim(args)
+    except FlagError as exc:
+        return _fail(exc.flag, str(exc))
+    kv_blocks, kv_blocks_source = plan.kv_blocks, plan.kv_blocks_source
+    latencies, baseline_fields = plan.latencies, plan.baseline_fields
     print(f"kv blocks per stage: {kv_blocks} ({kv_blocks_source})", file=sys.stderr)
     print(
         f"baseline (sync): {baseline_fields}; scheduler host time {latencies.schedule_s * 1e3:g} "
@@ -190,19 +146,14 @@ def run(args: argparse.Namespace) -> int:
         "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
         file=table_out,
     )
-    for concurrency in concurrencies:
+    for concurrency in plan.concurrencies:
         num_requests = args.requests or 32 * concurrency
         summaries = {}
         for mode in ("wave", "sync"):
             try:
-                config, planner_cost = runtime_config(
-                    spec, Setting(args.model, concurrency, args.reuse, mode)
-                )
-                config = RuntimeConfig.model_validate(
-                    {**config.model_dump(), "num_kv_blocks": kv_blocks, "baseline": baseline_fields}
-                )
-            except ValueError as exc:
-                return _fail("configuration", str(exc))
+                config, planner_cost = plan.config(concurrency, mode)
+            except FlagError as exc:
+                return _fail(exc.flag, str(exc))
             workload = shared_prefix_workload(
                 num_requests,
                 num_prefix_tokens=int(preset.num_prefix_tokens * factor),

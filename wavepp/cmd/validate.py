@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 
@@ -32,43 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool", default="default", help="pool name the replicas are named by")
 
 
-def _check_key_files(spec: object, config: str) -> str:
-    """The first problem with the tenants' ``apiKeysFile``s (read as ``wavepp up`` reads them,
-    relative to the spec's folder) naming the field (``spec.tenants[0].apiKeysFile: ...``),
-    or "" when there is none."""
-    from wavepp.cmd.common import key_files_problem
-
-    folder = Path(config).resolve().parent
-    key_files: dict[str, str] = {}
-    for index, tenant in enumerate(getattr(spec, "tenants", [])):
-        if not tenant.api_keys_file:
-            continue
-        path = str(folder / tenant.api_keys_file)
-        problem = key_files_problem({tenant.name: path})
-        if problem:
-            return f"spec.tenants[{index}].{problem}"
-        key_files[tenant.name] = path
-    # NOTE: what only the files together can break (a key in two tenants' files).
-    problem = key_files_problem(key_files)
-    return f"spec.tenants[*].{problem}" if problem else ""
-
-
-def _absent_pvc_mount(raw: dict[str, Any]) -> str | None:
-    """The PVC's mount path when the checkpoint comes from ``model.pvc`` (torch engine, no
-    ``model.path``) and that path is not a directory here; else None."""
-    model = raw.get("model")
-    if raw.get("engine", "torch") != "torch" or not isinstance(model, dict):
-        return None
-    pvc = model.get("pvc")
-    if model.get("path") is not None or not isinstance(pvc, dict):
-        return None
-    mount = pvc.get("mountPath", "/models")
-    return mount if isinstance(mount, str) and not Path(mount).is_dir() else None
-
-
 def run(args: argparse.Namespace) -> int:
     from wavepp.api.spec import SpecError, SpecFileError, check_spec, read_spec_mapping
-    from wavepp.runtime.serving.from_spec import (
+    from wavepp.launch.gateway import spec_key_files_problem
+    from wavepp.launch.runtime_config import (
+        absent_pvc_mount,
         checkpoint_tokenizer,
         runtime_configs_from_spec,
         with_checkpoint_layers,
@@ -77,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     defaults = {"default_image": "local", "default_nats_url": "nats://embedded"}
     try:
         stated = read_spec_mapping(args.config)
-        absent_mount = _absent_pvc_mount(stated)
+        absent_mount = absent_pvc_mount(stated)
         raw = stated if absent_mount else with_checkpoint_layers(stated)
     except SpecFileError as exc:
         print(f"wavepp validate: {exc}", file=sys.stderr)
@@ -99,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     except SpecError as exc:
         print(f"wavepp validate: {args.config}: {exc}", file=sys.stderr)
         return 2
-    key_problem = _check_key_files(spec, args.config)
+    key_problem = spec_key_files_problem(spec, args.config)
     if key_problem:
         print(f"wavepp validate: {args.config}: {key_problem}", file=sys.stderr)
         return 2

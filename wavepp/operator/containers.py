@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
+from wavepp.api.pod import API_KEYS_DIR, API_KEYS_ENTRY, DRAIN_EXIT_MARGIN_S
 from wavepp.api.spec import CONFIG_EXIT_CODE, WavePipelineSpec
 from wavepp.operator.naming import (
     POD_INDEX_LABEL,
@@ -30,14 +31,9 @@ SPEC_FILE = f"{CONFIG_DIR}/spec.json"
 POOL_DIR = "/etc/wavepp-pool"
 POOL_FILE = f"{POOL_DIR}/pool.json"
 NATS_TLS_DIR = "/etc/wavepp-nats-tls"
-API_KEYS_DIR = "/etc/wavepp-keys"  # gateway only: {API_KEYS_DIR}/{tenant}/keys, a Secret each
-API_KEYS_ENTRY = "keys"  # the entry of a tenant's apiKeySecret that lists its keys
 HTTP_PORT = 8080  # admission and gateway API
 HEALTH_PORT = 8081  # stage: /startupz /readyz /healthz
 RENDEZVOUS_PORT = 29500  # torch.distributed init (tcp://{rank-0 pod}:29500)
-# The admission pod's grace period is rollout.drainTimeoutSeconds; its drain (serving what its
-# intake holds after SIGTERM) ends this much earlier, leaving time to answer and exit cleanly.
-DRAIN_EXIT_MARGIN_S = 5.0
 
 Component = Literal["stage", "admission", "gateway"]
 
@@ -255,11 +251,6 @@ def config_volumes(
             mount["subPath"] = spec.model.pvc.sub_path
         mounts.append(mount)
     return volumes, mounts
-
-
-def api_keys_path(tenant: str) -> str:
-    """Where the gateway reads ``tenant``'s keys: its ``apiKeySecret``'s mount."""
-    return f"{API_KEYS_DIR}/{tenant}/{API_KEYS_ENTRY}"
 
 
 def api_key_volumes(spec: WavePipelineSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

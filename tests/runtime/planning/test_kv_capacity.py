@@ -12,6 +12,7 @@ from trace_data import TRACE
 
 from wavepp.api.spec import WavePipelineSpec
 from wavepp.bench.trace import TokenMapper, load_trace
+from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.runtime.agreement import AgreementController, AgreementRefused
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning.catalogue import H200, GPUSpec, LayerCost, ModelSpec
@@ -22,7 +23,6 @@ from wavepp.runtime.planning.memory import (
     derived_stage_memory,
 )
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
 
 ROOT = Path(__file__).resolve().parents[3]
 # The engine's largest micro-batch: the scheduler's cap where the config has one.

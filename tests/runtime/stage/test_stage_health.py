@@ -13,8 +13,8 @@ import pytest
 
 from wavepp.api.messages import MicroBatchPlan, PlannedChunk
 from wavepp.api.spec import check_spec
-from wavepp.cmd.stage import start_health_server
-from wavepp.runtime.serving.from_spec import runtime_configs_from_spec
+from wavepp.launch.runtime_config import runtime_configs_from_spec
+from wavepp.runtime.serving.health import start_health_server
 from wavepp.runtime.stage import worker as worker_module
 from wavepp.runtime.stage.process import StageReadiness
 from wavepp.runtime.stage.rendezvous import open_rendezvous

@@ -236,7 +236,8 @@ def test_tp2_x_pp2_equals_the_reference(tmp_path: Path) -> None:
 
 def test_unsharded_family_and_bad_sizes_are_refused_by_name(tmp_path: Path) -> None:
     from wavepp.bench.checkpoints import save_random_checkpoint
-    from wavepp.cmd.stage import ArgError, with_tensor_parallel
+    from wavepp.launch.flags import ArgError
+    from wavepp.launch.replica import with_tensor_parallel
     from wavepp.runtime.config import RuntimeConfig
 
     save_random_checkpoint("kimi_linear", tmp_path, num_layers=2, vocab_size=VOCAB)

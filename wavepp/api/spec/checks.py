@@ -35,7 +35,7 @@ ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
     "timeScale": ("emulated",),
     "emulate": ("emulated",),
 }
-"""The ``engineOptions`` keys the runtime reads (``runtime.serving.from_spec``) and the engines
+"""The ``engineOptions`` keys the runtime reads (``launch.runtime_config``) and the engines
 that read them; any other key, or a key for another engine, is refused."""
 
 MODEL_CONFIG_EXTRA: tuple[str, ...] = ("ropeTheta", "rmsNormEps", "maxPosition")

@@ -138,7 +138,7 @@ class WavePipelineSpec(WireModel):
 
     def serves_checkpoint(self) -> bool:
         """The torch engine serves a checkpoint (``model.path`` or the PVC): shape from its
-        config.json, layers split by cost without ``layerPartition`` (``from_spec``)."""
+        config.json, layers split by cost without ``layerPartition`` (``launch.runtime_config``)."""
         return self.engine == "torch" and (self.model.path or self.model.pvc) is not None
 
     def stage_layer_ranges(self) -> list[tuple[int, int]]:

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 from wavepp.runtime.planning.catalogue import get_model, stage_layer_ranges
 from wavepp.runtime.planning.shapes import GPUSpec, ModelSpec
@@ -334,3 +335,40 @@ def default_kv_blocks(
         "wavepp.runtime.planning.memory"
     )
     return [stage.num_blocks for stage in stages], source
+
+
+class ReplicaShape(Protocol):
+    """What :func:`default_emulated_kv_blocks` reads of a replica's RuntimeConfig."""
+
+    num_stages: int
+    block_size: int
+    max_microbatch_tokens: int
+    chunk_tokens: int
+
+
+def default_emulated_kv_blocks(
+    config: ReplicaShape, emulate: str | ModelSpec
+) -> tuple[list[int], str]:
+    """The emulated engine's KV capacity when none is given: derived per stage from the
+    emulated model and device (:func:`default_kv_blocks`) for ``config``'s stages,
+    block size and largest micro-batch.
+
+    Args:
+        config: the replica's config (a RuntimeConfig: num_stages, block_size, the largest
+            micro-batch).
+        emulate: the emulated model's name (``catalogue.list_models()``) or its ModelSpec.
+
+    Returns:
+        (blocks per stage, a one-line source to show the user).
+
+    Raises:
+        ValueError: the model's weights fit no stage (names model, stages, memory needed).
+    """
+    # NOTE: the activation workspace is sized for the engine's largest micro-batch: the
+    # larger of max_microbatch_tokens and chunk_tokens (the static policy's budget).
+    return default_kv_blocks(
+        emulate,
+        num_stages=config.num_stages,
+        block_size=config.block_size,
+        max_microbatch_tokens=max(config.max_microbatch_tokens, config.chunk_tokens),
+    )

@@ -1,7 +1,7 @@
-"""Serving: the admission service process, the local (in-process) pipeline, spec -> config.
+"""Serving: the admission service process, the local (in-process) pipeline, local processes.
 
 service    AdmissionService (``wavepp admission``): durable intake, scheduler, results
-local      LocalPipeline: nats-server + stages + scheduler in one process tree (replay, up)
-from_spec  WavePipelineSpec -> per-replica RuntimeConfig (one rule for every process)
+local      LocalPipeline: nats-server + stages + scheduler in one process tree (replay, bench)
+processes  the one supervisor of local child processes and the builder of each child's command
 lifecycle  child-process environment and exit-with-parent
 """

@@ -4,7 +4,8 @@ admission controller + wave scheduler in the calling process.
     async with LocalPipeline(config) as pipeline:
         outcome = await pipeline.scheduler.submit(PromptRequest("r1", token_ids))
 
-Stage processes are ``wavepp stage`` commands (the same ones pods run). Startup waits for every
+Stage processes are ``wavepp stage`` commands (the same ones pods run), started and stopped
+by ``processes.Supervisor`` (logs ``LOG_DIR/stage<rank>.log``). Startup waits for every
 stage to answer a health probe, with a deadline, and fails fast (with the stage's log tail) if a
 stage process dies. Shutdown stops the scheduler, then SIGTERMs the stages, waits, kills.
 """
@@ -16,7 +17,6 @@ import contextlib
 import logging
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,13 +31,18 @@ from wavepp.runtime.planning import CostModel
 from wavepp.runtime.scheduling.core import planner_for
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
-from wavepp.runtime.serving.lifecycle import child_env
+from wavepp.runtime.serving.processes import Supervisor, stage_command
 from wavepp.runtime.transport.buskey import BUS_KEY_ENV, bus_key_or_new
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
 from wavepp.telemetry import tracing
 from wavepp.telemetry.metrics import get_metrics, setup_metrics, shutdown_metrics
 
 log = logging.getLogger(__name__)
+
+
+def _stage_name(rank: int) -> str:
+    """The supervisor's name (and log file stem) of stage ``rank``."""
+    return f"stage{rank}"
 
 
 class LocalPipeline:
@@ -58,7 +63,8 @@ class LocalPipeline:
         self.startup_timeout_s = startup_timeout_s
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="wavepp-stages-"))
         self.server: EmbeddedNatsServer | None = None
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.supervisor = Supervisor(self.log_dir, prog="wavepp")
+        self._stage_names: list[str] = []
         self.nc: NATS | None = None
         self.controller: AgreementController | None = None
         self.scheduler: WaveScheduler | None = None
@@ -76,44 +82,27 @@ class LocalPipeline:
         assert self.server is not None, "pipeline not started"
         return self.server.url
 
-    def stage_command(self, rank: int, dist_url: str) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "wavepp.cli",
-            "stage",
-            "--runtime-config",
-            str(self._config_path),
-            "--rank",
-            str(rank),
-            "--nats-url",
-            self.nats_url,
-            "--dist-url",
-            dist_url,
-        ]
+    @property
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        """The stage processes, by rank (empty before start and after stop)."""
+        return [self.supervisor.procs[_stage_name(r)] for r in range(len(self._stage_names))]
 
-    def start_stage(self, rank: int, dist_url: str) -> subprocess.Popen[bytes]:
-        out = open(self.log_dir / f"stage{rank}.log", "ab")  # noqa: SIM115 - owned by the child
-        env = child_env(
-            dict(
-                os.environ,
-                OMP_NUM_THREADS=str(self.config.torch_threads),
-                **{BUS_KEY_ENV: self.bus_key.hex()},
+    def start_stages(self, dist_url: str) -> None:
+        """Start the S stage processes (``processes.stage_command``), rendezvous ``dist_url``."""
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS=str(self.config.torch_threads),
+            **{BUS_KEY_ENV: self.bus_key.hex()},
+        )
+        self._stage_names = [_stage_name(rank) for rank in range(self.config.num_stages)]
+        for rank, name in enumerate(self._stage_names):
+            command = stage_command(
+                str(self._config_path), rank, nats_url=self.nats_url, dist_url=dist_url
             )
-        )
-        return subprocess.Popen(
-            self.stage_command(rank, dist_url),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+            self.supervisor.start(name, command, env)
 
     def stage_log_tail(self, rank: int, num_lines: int = 20) -> str:
-        path = self.log_dir / f"stage{rank}.log"
-        if not path.exists():
-            return ""
-        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+        return self.supervisor.log_tail(_stage_name(rank), num_lines)
 
     async def __aenter__(self) -> LocalPipeline:
         try:
@@ -138,8 +127,7 @@ class LocalPipeline:
         if not self.external_nats_url:
             self.server = EmbeddedNatsServer()
             self.server.start()
-        dist_url = f"tcp://127.0.0.1:{free_port()}"
-        self.procs = [self.start_stage(rank, dist_url) for rank in range(self.config.num_stages)]
+        self.start_stages(f"tcp://127.0.0.1:{free_port()}")
         self.nc = await connect(
             self.nats_url, name=f"{self.config.pipeline}-scheduler", anonymous_ok=True
         )
@@ -212,15 +200,8 @@ class LocalPipeline:
         if self.scheduler is not None:
             self.scheduler.pause_plans()  # a plan must reach all new stages or none
         try:
-            for proc in self.procs:
-                if proc.poll() is None:
-                    proc.kill()
-            for proc in self.procs:
-                await asyncio.to_thread(proc.wait, 10)
-            dist_url = f"tcp://127.0.0.1:{free_port()}"
-            self.procs = [
-                self.start_stage(rank, dist_url) for rank in range(self.config.num_stages)
-            ]
+            await asyncio.to_thread(self.supervisor.kill, self._stage_names)
+            self.start_stages(f"tcp://127.0.0.1:{free_port()}")
             await self.wait_formed()
         finally:
             if self.scheduler is not None:
@@ -234,16 +215,8 @@ class LocalPipeline:
             with contextlib.suppress(Exception):
                 await self.nc.drain()
             self.nc = None
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                await asyncio.to_thread(proc.wait, 10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                await asyncio.to_thread(proc.wait, 10)
-        self.procs = []
+        await asyncio.to_thread(self.supervisor.stop, self._stage_names)
+        self._stage_names = []
         if self.server is not None:
             self.server.stop()
             self.server = None

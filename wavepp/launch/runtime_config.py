@@ -1,8 +1,8 @@
 """WavePipeline spec -> the RuntimeConfig of each pipeline replica (``wavepp up``, pods).
 
 The spec (``wavepp.api.spec.WavePipelineSpec``) is the operator's and ``wavepp up``'s single
-source of truth; this module is the one place that turns it into what the runtime's processes
-read. The api layer may not import the runtime, hence this lives here.
+source of truth; this module turns it into the RuntimeConfig every replica's process reads
+(the rest of each process's configuration is resolved beside it, in ``wavepp.launch``).
 
 ``spec.engineOptions`` (free-form in the CRD) is read for runtime knobs the spec has no field for:
 
@@ -54,13 +54,13 @@ from wavepp.api.subjects import replica_pipeline_name
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.hf_config import load_model_dir, normalize_hf_config, read_hf_config
 from wavepp.runtime.model_config import PRESETS, ModelConfig, partition_layers
-from wavepp.runtime.planning.catalogue import ModelSpec, derived_cost_model, list_models
-from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_kv_blocks
+from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
+from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_emulated_kv_blocks
 
 __all__ = [
+    "absent_pvc_mount",
     "checkpoint_dir",
     "checkpoint_tokenizer",
-    "default_emulated_kv_blocks",
     "stage_device",
     "model_config_from_spec",
     "replica_pipeline_name",
@@ -206,6 +206,19 @@ def _checkpoint_model(spec: WavePipelineSpec, path: str, dtype: str) -> ModelCon
     return model.model_copy(update={"name": spec.model.name, "dtype": dtype})
 
 
+def absent_pvc_mount(raw: dict[str, Any]) -> str | None:
+    """The PVC's mount path when the checkpoint comes from ``model.pvc`` (torch engine, no
+    ``model.path``) and that path is not a directory here; else None."""
+    model = raw.get("model")
+    if raw.get("engine", "torch") != "torch" or not isinstance(model, dict):
+        return None
+    pvc = model.get("pvc")
+    if model.get("path") is not None or not isinstance(pvc, dict):
+        return None
+    mount = pvc.get("mountPath", "/models")
+    return mount if isinstance(mount, str) and not Path(mount).is_dir() else None
+
+
 def with_checkpoint_layers(raw: Mapping[str, Any]) -> dict[str, Any]:
     """``raw`` (a spec mapping, camelCase) with ``model.config.numLayers`` read from the
     checkpoint's config.json when it serves a checkpoint (torch engine, ``model.path`` or
@@ -242,33 +255,6 @@ def with_checkpoint_layers(raw: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def default_emulated_kv_blocks(
-    config: RuntimeConfig, emulate: str | ModelSpec
-) -> tuple[list[int], str]:
-    """The emulated engine's KV capacity when none is given: derived per stage from the
-    emulated model and device (``planning.memory.default_kv_blocks``) for ``config``'s stages,
-    block size and largest micro-batch.
-
-    Args:
-        config: the replica's config (num_stages, block_size, the largest micro-batch).
-        emulate: the emulated model's name (``catalogue.list_models()``) or its ModelSpec.
-
-    Returns:
-        (blocks per stage, a one-line source to show the user).
-
-    Raises:
-        ValueError: the model's weights fit no stage (names model, stages, memory needed).
-    """
-    # NOTE: the activation workspace is sized for the engine's largest micro-batch: the
-    # larger of max_microbatch_tokens and chunk_tokens (the static policy's budget).
-    return default_kv_blocks(
-        emulate,
-        num_stages=config.num_stages,
-        block_size=config.block_size,
-        max_microbatch_tokens=max(config.max_microbatch_tokens, config.chunk_tokens),
-    )
-
-
 def _kv_blocks(
     spec: WavePipelineSpec,
     model: ModelConfig,
@@ -276,7 +262,7 @@ def _kv_blocks(
     ranges: list[tuple[int, int]],
 ) -> list[int] | None:
     """Explicit capacity (memoryPerStageBytes over the KV bytes of each stage's ``ranges``,
-    kvBlocks); None: the emulated engine's default (``default_emulated_kv_blocks``);
+    kvBlocks); None: the emulated engine's default (``planning.memory.default_emulated_kv_blocks``);
     FIXED_KV_BLOCKS for the torch engine."""
     if spec.cache.memory_per_stage_bytes is not None:
         blocks = []

@@ -1,0 +1,103 @@
+"""The one supervisor of local child processes and the one builder of each child's command line
+(``wavepp.runtime.serving.processes``): what ``wavepp up``, ``wavepp replay`` and ``wavepp bench
+grid`` start is what each subcommand's own parser reads, and ``processes.json`` follows every
+start and restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from wavepp import cli
+from wavepp.runtime.serving.lifecycle import PARENT_PID_ENV
+from wavepp.runtime.serving.processes import (
+    Supervisor,
+    admission_command,
+    gateway_command,
+    stage_command,
+)
+
+
+def _parsed(command: list[str]):  # noqa: ANN202 - argparse.Namespace
+    """``command`` (``python -m wavepp.cli SUB ...``) parsed by SUB's own parser."""
+    assert command[:3] == [sys.executable, "-m", "wavepp.cli"]
+    argv = command[3:]
+    return cli.build_parser(argv[:1]).parse_args(argv)
+
+
+def test_stage_command_parses_with_and_without_metrics_and_creds() -> None:
+    bare = _parsed(stage_command("/s/rc.json", 1, nats_url="nats://h:1", dist_url="tcp://h:2"))
+    assert (bare.runtime_config, bare.rank, bare.nats_url, bare.dist_url) == (
+        "/s/rc.json",
+        "1",
+        "nats://h:1",
+        "tcp://h:2",
+    )
+    assert bare.metrics_port is None and bare.nats_creds is None
+    full = _parsed(
+        stage_command(
+            "/s/rc.json",
+            0,
+            nats_url="nats://h:1",
+            dist_url="tcp://h:2",
+            metrics_port=9401,
+            metrics_host="10.0.0.1",
+            nats_creds="/c/stage.creds",
+        )
+    )
+    assert (full.metrics_port, full.metrics_host, full.nats_creds) == (
+        9401,
+        "10.0.0.1",
+        "/c/stage.creds",
+    )
+
+
+def test_admission_and_gateway_commands_parse() -> None:
+    admission = _parsed(
+        admission_command(
+            "/s/rc.json",
+            nats_url="nats://h:1",
+            pool="p",
+            ack_wait_s=7.5,
+            drain_s=25.0,
+            metrics_host="0.0.0.0",
+            nats_creds="/c/a.creds",
+        )
+    )
+    assert (admission.pool, admission.ack_wait_s, admission.drain_timeout_s) == ("p", 7.5, 25.0)
+    assert (admission.metrics_host, admission.nats_creds) == ("0.0.0.0", "/c/a.creds")
+    gateway = _parsed(gateway_command("/s/gw.json", nats_url="nats://h:1", host="h", port=8123))
+    assert (gateway.gateway_config, gateway.host, gateway.port, gateway.nats_creds) == (
+        "/s/gw.json",
+        "h",
+        8123,
+        None,
+    )
+
+
+def test_restart_reruns_the_command_and_rewrites_the_state_file(tmp_path: Path) -> None:
+    """A restart starts the same command with the same environment (and the parent pid), counts
+    it, appends to the child's log, and ``processes.json`` names the new pid."""
+    state = tmp_path / "processes.json"
+    sup = Supervisor(tmp_path / "logs", state_file=state)
+    sup.info = {"endpoint": "http://127.0.0.1:1"}
+    script = f"import os; print(os.environ['WHO'], os.environ['{PARENT_PID_ENV}'], flush=True)"
+    sup.start("child", [sys.executable, "-c", script], {"WHO": "first", "PATH": ""})
+    first_pid = sup.procs["child"].pid
+    assert json.loads(state.read_text())["pids"] == {"child": first_pid}
+    sup.procs["child"].wait(30)
+    assert sup.exited("child")
+    sup.restart("child")
+    sup.procs["child"].wait(30)
+    written = json.loads(state.read_text())
+    assert written["endpoint"] == "http://127.0.0.1:1"
+    assert written["restarts"] == {"child": 1}
+    assert written["pids"] == {"child": sup.procs["child"].pid} != {"child": first_pid}
+    deadline = time.monotonic() + 10
+    while sup.log_tail("child").count("first") < 2:
+        assert time.monotonic() < deadline, sup.log_tail("child")
+        time.sleep(0.05)
+    assert sup.log_tail("child").splitlines() == [f"first {os.getpid()}"] * 2

@@ -1,0 +1,13 @@
+"""The one place that turns a WavePipeline spec (a file, the custom resource's ``spec.json``)
+and command-line flags into each process's configuration. The subcommands (``wavepp.cmd``)
+parse flags and call it; the operator renders the same spec into pods whose processes read
+it through here.
+
+runtime_config  spec -> one RuntimeConfig per replica (model, checkpoint, KV capacity, device)
+replica         a stage's or admission's RuntimeConfig from its flags and environment; telemetry
+gateway         the gateway's GatewayConfig from the spec and ``pool.json``, or its flags
+up              what ``wavepp up`` runs (``plan_up``) and its children's command lines
+replay          the replica ``wavepp replay`` runs, from its flags
+sim             the settings ``wavepp sim`` simulates, from its flags
+flags           ``ArgError``, the checks of flags the pipeline processes share, one-line errors
+"""

@@ -1,0 +1,193 @@
+"""The replica ``wavepp replay`` runs (``LocalPipeline``), from its flags: the model (a preset
+with random torch weights, or a checkpoint directory split by cost), the engine (torch, or
+emulated with the cost model of ``--emulate``), the KV capacity (``--kv-blocks``, else the
+emulated model's derived one, ``planning.memory.default_emulated_kv_blocks``, else
+``FIXED_KV_BLOCKS``), the planner's cost model, the telemetry and the trace's token mapping
+(:func:`plan_replay`; every refusal a :class:`FlagError` naming the flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from wavepp.bench.trace import TokenMapper
+from wavepp.launch.flags import FlagError
+from wavepp.launch.replica import planner_cost_model
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.hf_config import load_model_dir, normalize_hf_config, read_hf_config
+from wavepp.runtime.model_config import get_preset
+from wavepp.runtime.planning import CostModel
+from wavepp.runtime.planning.catalogue import ModelSpec, derived_cost_model, list_models
+from wavepp.runtime.planning.from_config import spec_from_hf_config
+from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_emulated_kv_blocks
+from wavepp.telemetry.settings import TelemetrySettings
+
+__all__ = ["ReplayPlan", "plan_replay"]
+
+_MAX_DERIVED_KV_BLOCKS = 1 << 22
+
+
+def _checkpoint_partition(model_dir: str, num_stages: int) -> list[int]:
+    """``engine.balance.checkpoint_partition``, imported only for a checkpoint: it imports torch
+    (~2 s of CPU), which this process needs for nothing else (its stages import their own)."""
+    from wavepp.runtime.stage.engine.balance import checkpoint_partition
+
+    return checkpoint_partition(model_dir, num_stages)
+
+
+def _validation_summary(exc: object) -> str:
+    """One line per error: the field path and pydantic's message, without input dumps."""
+    lines = []
+    for error in exc.errors():  # type: ignore[attr-defined]
+        where = ".".join(str(p) for p in error.get("loc", ())) or "<config>"
+        lines.append(f"{where}: {error['msg']}")
+    return "; ".join(lines)
+
+
+def _telemetry_settings(args: argparse.Namespace) -> TelemetrySettings:
+    """Telemetry flags -> settings; --timeline needs the spans in a JSON-lines file (a fresh
+    one unless ``--trace-out`` names it; an existing ``--trace-out`` file is removed: one run
+    per file)."""
+    exporter = args.trace_exporter
+    path = args.trace_out
+    if exporter is None:
+        exporter = "jsonl" if (path or args.timeline) else "none"
+    if args.timeline and exporter != "jsonl":
+        raise ValueError(
+            f"--timeline reads a JSON-lines span file; got --trace-exporter {exporter}"
+        )
+    if exporter == "jsonl" and not path:
+        path = str(Path(tempfile.mkdtemp(prefix="wavepp-trace-")) / "spans.jsonl")
+    if path and Path(path).exists():
+        Path(path).unlink()  # one run per file: the timeline and trace-view read all of it
+    return TelemetrySettings(
+        exporter=exporter,
+        endpoint=args.otlp_endpoint,
+        sampling_ratio=args.trace_sampling,
+        jsonl_path=path,
+        metrics_port=args.metrics_port,
+    )
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """What ``wavepp replay`` runs.
+
+    Attributes:
+        config: the replica's RuntimeConfig (its telemetry from the flags).
+        planner_cost_model: what the planner budgets with (``--cost-model``, else the emulated
+            model's, else the packaged tiny-llama CPU fit).
+        mapper: trace hash ids -> token ids (``--tokens-per-block``, the model's vocabulary,
+            ``--seed``).
+        kv_blocks_source: where the KV capacity came from, one line.
+    """
+
+    config: RuntimeConfig
+    planner_cost_model: CostModel
+    mapper: TokenMapper
+    kv_blocks_source: str
+
+
+def plan_replay(args: argparse.Namespace) -> ReplayPlan:
+    """Resolve ``wavepp replay``'s flags (``cmd.replay.add_arguments``) into a
+    :class:`ReplayPlan`, checking the telemetry flags, TRACE, ``--limit``, ``--concurrency``,
+    the model, ``--emulate`` and the configuration, in that order.
+
+    Raises:
+        FlagError: the first refusal, naming the flag.
+    """
+    try:
+        telemetry = _telemetry_settings(args)
+    except ValueError as exc:
+        raise FlagError("--trace-exporter/--trace-out/--timeline", str(exc)) from None
+    if not Path(args.trace).is_file():
+        raise FlagError("TRACE", f"{args.trace}: no such file")
+    if args.limit is not None and args.limit < 1:
+        raise FlagError("--limit", f"{args.limit}: must be >= 1")
+    if args.concurrency < 1:
+        raise FlagError("--concurrency", f"{args.concurrency}: must be >= 1")
+    model_dir: str | None = None
+    if Path(args.model).is_dir() and args.engine != "torch":
+        raise FlagError("--model", f"{args.model}: a checkpoint directory needs --engine torch")
+    try:
+        if Path(args.model).is_dir():
+            model_dir = str(Path(args.model).resolve())
+            model = load_model_dir(model_dir).model_copy(update={"seed": args.seed})
+        else:
+            model = get_preset(args.model).model_copy(update={"seed": args.seed})
+        kv_blocks = (
+            [int(v) for v in str(args.kv_blocks).split(",")] if args.kv_blocks is not None else []
+        )
+    except ValueError as exc:
+        raise FlagError("--model/--kv-blocks", str(exc)) from None
+    kv_blocks_source = "--kv-blocks" if kv_blocks else f"fixed default {FIXED_KV_BLOCKS}"
+    stage_cost: CostModel | None = None
+    emulate: str | ModelSpec = args.emulate
+    if args.engine == "emulated":
+        if Path(args.emulate).is_dir():
+            try:
+                emulate = spec_from_hf_config(
+                    normalize_hf_config(read_hf_config(args.emulate)),
+                    name=load_model_dir(args.emulate).name,
+                )
+            except (ValueError, KeyError) as exc:
+                raise FlagError("--emulate", f"{args.emulate}: {exc}") from None
+        elif args.emulate not in list_models():
+            raise FlagError(
+                "--emulate", f"{args.emulate!r}: choose one of {list_models()} or a checkpoint DIR"
+            )
+        try:
+            stage_cost = derived_cost_model(emulate, num_stages=args.stages)
+        except ValueError as exc:
+            raise FlagError("--stages", str(exc)) from None
+    try:
+        config = RuntimeConfig(
+            model=model,
+            model_dir=model_dir,
+            partition=_checkpoint_partition(model_dir, args.stages) if model_dir else None,
+            state_interval_blocks=args.state_interval_blocks,
+            engine=args.engine,
+            cost_model=stage_cost.to_dict() if stage_cost else None,
+            time_scale=args.time_scale,
+            num_stages=args.stages,
+            block_size=args.block_size,
+            num_kv_blocks=kv_blocks or [FIXED_KV_BLOCKS],
+            mode=args.mode,
+            chunk_tokens=args.chunk_tokens,
+            chunk_policy=args.chunk_policy,
+            agreement=args.agreement,
+            local_prepare=None if args.local_prepare is None else args.local_prepare == "on",
+            max_inflight=args.max_inflight,
+            telemetry=telemetry,
+        )
+        mapper = TokenMapper(args.tokens_per_block, model.vocab_size, seed=args.seed)
+    except ValidationError as exc:
+        raise FlagError("configuration", _validation_summary(exc)) from None
+    except ValueError as exc:
+        raise FlagError("configuration", str(exc)) from None
+    if args.engine == "emulated" and not kv_blocks:
+        try:
+            derived, kv_blocks_source = default_emulated_kv_blocks(config, emulate)
+        except ValueError as exc:
+            raise FlagError("--kv-blocks (default)", str(exc)) from None
+        if max(derived) > _MAX_DERIVED_KV_BLOCKS:
+            # NOTE: a tiny checkpoint emulated at H200 derives tens of millions of blocks; a
+            # block pool that size takes minutes to build.
+            raise FlagError(
+                "--kv-blocks (default)",
+                f"derived {max(derived)} blocks per stage ({kv_blocks_source}); above "
+                f"{_MAX_DERIVED_KV_BLOCKS}: give --kv-blocks",
+            )
+        config = RuntimeConfig.model_validate(config.model_dump() | {"num_kv_blocks": derived})
+    planner_model = planner_cost_model(config, args.cost_model)
+    return ReplayPlan(
+        config=config,
+        planner_cost_model=planner_model,
+        mapper=mapper,
+        kv_blocks_source=kv_blocks_source,
+    )

@@ -1,0 +1,195 @@
+"""The RuntimeConfig of one replica's process (``wavepp stage``, ``wavepp admission``) from its
+flags and environment.
+
+Two ways to name it: ``--runtime-config F`` (a resolved RuntimeConfig JSON, ``wavepp up``
+writes one per replica), or ``--config SPEC --replica I`` (the operator's ``spec.json``): then
+``runtime_configs_from_spec(spec, pool=P, namespace=N)[0]`` renamed to replica I, with P from
+``--pool`` or ``$WAVEPP_PIPELINE``, N from ``$WAVEPP_NAMESPACE`` (default ``local``) and the
+telemetry of :func:`telemetry_from_spec`. ``--model DIR`` and ``--tensor-parallel-size T`` are
+laid over either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from importlib import resources
+from pathlib import Path
+
+from wavepp.api.spec import MAX_REPLICAS, SpecError, SpecFileError, WavePipelineSpec, load_spec_file
+from wavepp.api.subjects import replica_pipeline_name
+from wavepp.launch.flags import (
+    METRICS_PORT_ENV,
+    NAMESPACE_ENV,
+    POOL_ENV,
+    ArgError,
+    check_port,
+    describe_error,
+)
+from wavepp.launch.runtime_config import runtime_configs_from_spec
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.planning import CostModel
+from wavepp.telemetry.settings import TelemetrySettings
+
+__all__ = [
+    "planner_cost_model",
+    "runtime_config_from_args",
+    "telemetry_from_spec",
+    "with_checkpoint",
+    "with_tensor_parallel",
+]
+
+
+def with_tensor_parallel(config: RuntimeConfig, size: int | None) -> RuntimeConfig:
+    """``config`` with ``--tensor-parallel-size`` laid over it (None: unchanged).
+
+    Raises:
+        ArgError: a size the config refuses (the family, the engine, the heads; names the flag).
+    """
+    if size is None:
+        return config
+    try:
+        return RuntimeConfig.model_validate(config.model_dump() | {"tensor_parallel_size": size})
+    except ValueError as exc:
+        raise ArgError(f"--tensor-parallel-size {size}: {describe_error(exc)}") from None
+
+
+def telemetry_from_spec(
+    spec: WavePipelineSpec, env: dict[str, str] | os._Environ[str]
+) -> TelemetrySettings:
+    """The processes' TelemetrySettings from ``spec.telemetry`` (what the pods' env says too).
+
+    ``otlpEndpoint`` set: OTLP export (HTTP when the endpoint is on port 4318 or ends in
+    ``/v1/traces``, else gRPC) at ``samplingRatio``; unset: no tracing. ``metricsPort``: the
+    Prometheus port, overridden by ``$WAVEPP_METRICS_PORT`` (the operator sets both alike).
+
+    Raises:
+        ArgError: ``$WAVEPP_METRICS_PORT`` is not an integer in [0, 65535].
+    """
+    endpoint = spec.telemetry.otlp_endpoint or ""
+    is_http = ":4318" in endpoint or endpoint.rstrip("/").endswith("/v1/traces")
+    metrics_port: int = spec.telemetry.metrics_port
+    if env.get(METRICS_PORT_ENV):
+        try:
+            metrics_port = int(env[METRICS_PORT_ENV])
+        except ValueError:
+            raise ArgError(
+                f"${METRICS_PORT_ENV} {env[METRICS_PORT_ENV]!r}: must be an integer"
+            ) from None
+        check_port(f"${METRICS_PORT_ENV}", metrics_port)
+    return TelemetrySettings(
+        exporter=("otlp-http" if is_http else "otlp-grpc") if endpoint else "none",
+        endpoint=endpoint,
+        sampling_ratio=spec.telemetry.sampling_ratio,
+        metrics_port=metrics_port,
+    )
+
+
+def runtime_config_from_args(
+    args: argparse.Namespace, env: dict[str, str] | os._Environ[str]
+) -> RuntimeConfig:
+    """The process's RuntimeConfig from ``--runtime-config`` or ``--config/--replica/--pool``,
+    with ``--model DIR`` (when given) laid over it (``RuntimeConfig.with_model_dir``).
+
+    Args:
+        args: parsed flags with ``runtime_config``, ``config``, ``replica``, ``pool``,
+            ``nats_url``.
+        env: the process environment (``WAVEPP_PIPELINE``, ``WAVEPP_NAMESPACE``: the
+            namespace of every NATS name, default ``local``; ``WAVEPP_METRICS_PORT``).
+
+    Returns:
+        The RuntimeConfig; from a spec, with ``telemetry`` from :func:`telemetry_from_spec`.
+
+    Raises:
+        ArgError: unreadable or invalid file, replica out of range, no pool name, or a bad
+            ``--model`` directory (names the flag).
+    """
+    config = _runtime_config_from_source(args, env)
+    if getattr(args, "model", None):
+        try:
+            config = with_checkpoint(config, args.model)
+        except ValueError as exc:
+            raise ArgError(f"--model {args.model}: {exc}") from exc
+    return config
+
+
+def with_checkpoint(config: RuntimeConfig, model_dir: str) -> RuntimeConfig:
+    """``config`` serving the checkpoint in ``model_dir`` (``RuntimeConfig.with_model_dir``);
+    without an explicit partition, the layers are split by active parameters per stage
+    (``engine.balance.checkpoint_partition``), the same in every process.
+
+    Raises:
+        ValueError: a bad directory, config.json or split (names the field).
+    """
+    from wavepp.runtime.stage.engine.balance import checkpoint_partition
+
+    if config.partition is not None:
+        return config.with_model_dir(model_dir)
+    partition = checkpoint_partition(model_dir, config.num_stages)
+    # NOTE: validate model and partition together (the old partition fits the old model).
+    return RuntimeConfig.model_validate(
+        config.with_model_dir_unchecked(model_dir) | {"partition": partition}
+    )
+
+
+def _runtime_config_from_source(
+    args: argparse.Namespace, env: dict[str, str] | os._Environ[str]
+) -> RuntimeConfig:
+
+    if args.runtime_config:
+        try:
+            return RuntimeConfig.model_validate_json(Path(args.runtime_config).read_text())
+        except (OSError, ValueError) as exc:
+            raise ArgError(
+                f"--runtime-config {args.runtime_config}: {describe_error(exc)}"
+            ) from None
+    if args.replica is None:
+        raise ArgError(f"--replica: required with --config {args.config}")
+    pool = args.pool or env.get(POOL_ENV)
+    if not pool:
+        raise ArgError(f"--pool: required with --config unless ${POOL_ENV} is set")
+    try:
+        spec = load_spec_file(args.config).resolved(
+            default_image="local", default_nats_url=args.nats_url
+        )
+        configs = runtime_configs_from_spec(
+            spec, pool=pool, namespace=env.get(NAMESPACE_ENV) or "local"
+        )
+    except SpecFileError as exc:
+        raise ArgError(f"--config {exc}") from None
+    except (SpecError, ValueError) as exc:
+        raise ArgError(f"--config {args.config}: {describe_error(exc)}") from None
+    # NOTE: not bounded by spec.replicas: the file is per spec hash, which leaves replicas out,
+    # so a replica added by a scale-up reads the file written before it (replicas were fewer).
+    if not 0 <= args.replica < MAX_REPLICAS:
+        raise ArgError(f"--replica {args.replica}: must be in [0, {MAX_REPLICAS})")
+    try:  # validated: a long pool name plus "-r{i}" may pass the pipeline name's limit
+        config = type(configs[0]).model_validate(
+            configs[0].model_dump() | {"pipeline": replica_pipeline_name(pool, args.replica)}
+        )
+    except ValueError as exc:
+        raise ArgError(f"--replica {args.replica}: {describe_error(exc)}") from None
+    return config.model_copy(update={"telemetry": telemetry_from_spec(spec, env)})
+
+
+PACKAGED_PLANNER_COST_MODEL = "tiny-llama-cpu-2layers.json"
+"""The planner's cost model when none is given and the engine is not emulated: a fit measured
+on a CPU (``wavepp calibrate``), shipped in ``wavepp/runtime/planning/calibration/``."""
+
+
+def planner_cost_model(config: RuntimeConfig, path: str = "") -> CostModel:
+    """What a replica's planner budgets with: the CostModel JSON at ``path`` when given
+    (``--planner-cost-model``, ``--cost-model``), else the config's (the emulated engine's
+    derived model), else ``PACKAGED_PLANNER_COST_MODEL``.
+
+    Raises:
+        OSError: ``path`` cannot be read.
+        ValueError: its JSON is not a CostModel.
+    """
+    if path:
+        return CostModel.from_dict(json.loads(Path(path).read_text()))
+    if config.cost_model is not None:
+        return CostModel.from_dict(config.cost_model)
+    packaged = resources.files("wavepp.runtime.planning") / "calibration"
+    return CostModel.from_dict(json.loads((packaged / PACKAGED_PLANNER_COST_MODEL).read_text()))

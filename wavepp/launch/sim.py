@@ -1,0 +1,136 @@
+"""The settings ``wavepp sim`` simulates, from its flags: the model's derived H200 cost model,
+the concurrencies, the simulated latencies, the KV capacity (``--kv-blocks``, else derived per
+stage, ``planning.memory.default_emulated_kv_blocks``), the baseline's fidelity switches, and
+each (concurrency, mode)'s RuntimeConfig (``bench.grid.runtime_config`` with those laid over
+it). Every refusal is a :class:`FlagError` naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from wavepp.bench.grid import GridSpec, Setting, runtime_config
+from wavepp.launch.flags import FlagError
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.planning import CostModel
+from wavepp.runtime.planning.catalogue import list_models
+from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_emulated_kv_blocks
+from wavepp.sim.bus import SimLatencies
+
+__all__ = ["SimPlan", "plan_sim"]
+
+
+@dataclass(frozen=True)
+class SimPlan:
+    """What ``wavepp sim`` runs.
+
+    Attributes:
+        model: the emulated model (``catalogue.list_models()``).
+        reuse: the workload preset (``bench.workloads.REUSE_PRESETS``).
+        concurrencies: closed-loop concurrencies, each >= 1.
+        grid: the grid's fixed settings (stages, time scale, block size, chunk budget).
+        latencies: the simulated bus, KV and scheduler latencies (seconds).
+        baseline_fields: the baseline's (``--mode sync``) ``RuntimeConfig.baseline`` section.
+        kv_blocks: KV capacity per stage in blocks (S entries).
+        kv_blocks_source: where it came from, one line.
+    """
+
+    model: str
+    reuse: str
+    concurrencies: list[int]
+    grid: GridSpec
+    latencies: SimLatencies
+    baseline_fields: dict[str, Any]
+    kv_blocks: list[int]
+    kv_blocks_source: str
+
+    def config(self, concurrency: int, mode: str) -> tuple[RuntimeConfig, CostModel]:
+        """The RuntimeConfig and planner cost model of one setting (``mode`` wave or sync).
+
+        Raises:
+            FlagError: RuntimeConfig refuses the setting (``configuration``).
+        """
+        try:
+            config, planner_cost = runtime_config(
+                self.grid, Setting(self.model, concurrency, self.reuse, mode)
+            )
+            config = RuntimeConfig.model_validate(
+                {
+                    **config.model_dump(),
+                    "num_kv_blocks": self.kv_blocks,
+                    "baseline": self.baseline_fields,
+                }
+            )
+        except ValueError as exc:
+            raise FlagError("configuration", str(exc)) from None
+        return config, planner_cost
+
+
+def plan_sim(args: argparse.Namespace) -> SimPlan:
+    """Resolve ``wavepp sim``'s flags (``cmd.sim.add_arguments``) into a :class:`SimPlan`,
+    checking ``--model``, ``--concurrency``, ``--time-scale``, ``--kv-blocks``, the latencies,
+    ``--baseline-overhead-ms`` and the derived KV capacity, in that order.
+
+    Raises:
+        FlagError: the first refusal, naming the flag.
+    """
+    if args.model not in list_models():
+        raise FlagError("--model", f"{args.model!r}: choose from {list_models()}")
+    try:
+        concurrencies = [int(v) for v in args.concurrency.split(",") if v]
+    except ValueError as exc:
+        raise FlagError("--concurrency", str(exc)) from None
+    if not concurrencies or min(concurrencies) < 1:
+        raise FlagError("--concurrency", f"{args.concurrency!r}: need integers >= 1")
+    if args.time_scale <= 0:
+        raise FlagError("--time-scale", f"{args.time_scale}: must be > 0")
+    if args.kv_blocks is not None and args.kv_blocks < 1:
+        raise FlagError("--kv-blocks", f"{args.kv_blocks}: must be >= 1")
+    try:
+        latencies = SimLatencies(
+            kv_rtt_s=args.kv_rtt_ms / 1e3,
+            bus_latency_s=args.bus_ms / 1e3,
+            hop_s=args.hop_ms / 1e3,
+            schedule_s=args.schedule_ms / 1e3,
+        )
+        grid = GridSpec(
+            models=(args.model,),
+            num_stages=args.stages,
+            time_scale=args.time_scale,
+            block_size=args.block_size,
+            num_kv_blocks=args.kv_blocks or FIXED_KV_BLOCKS,  # the default: per stage below
+            chunk_tokens=args.chunk_tokens,
+        )
+    except ValueError as exc:
+        raise FlagError("--kv-rtt-ms/--bus-ms/--hop-ms/--schedule-ms", str(exc)) from None
+    if not 0 <= args.baseline_overhead_ms <= 1000:
+        raise FlagError(
+            "--baseline-overhead-ms", f"{args.baseline_overhead_ms}: must be in [0, 1000]"
+        )
+    baseline_fields = {
+        "budget_accounting": args.baseline_budget,
+        "iteration_overhead_s": args.baseline_overhead_ms / 1e3,
+        "one_chunk_inflight": args.baseline_one_chunk,
+        "lockstep_admission": args.baseline_lockstep,
+    }
+    try:
+        config, _ = runtime_config(grid, Setting(args.model, 1, args.reuse, "wave"))
+        if args.kv_blocks is not None:
+            kv_blocks = [config.kv_blocks_of(rank) for rank in range(config.num_stages)]
+            kv_blocks_source = "--kv-blocks"
+        else:
+            kv_blocks, kv_blocks_source = default_emulated_kv_blocks(config, args.model)
+    except ValueError as exc:
+        raise FlagError("--kv-blocks (default)", str(exc)) from None
+    return SimPlan(
+        model=args.model,
+        reuse=args.reuse,
+        concurrencies=concurrencies,
+        grid=grid,
+        latencies=latencies,
+        baseline_fields=baseline_fields,
+        kv_blocks=kv_blocks,
+        kv_blocks_source=kv_blocks_source,
+    )

@@ -1,0 +1,194 @@
+"""The local child processes of ``wavepp up``, ``wavepp replay`` and ``wavepp bench grid``: one
+supervisor and one builder of each child's command line.
+
+Every child is ``python -m wavepp.cli <subcommand>`` (the commands pods run), started in its own
+session (a Ctrl-C reaches only the parent, which stops the children in order) with
+``WAVEPP_PARENT_PID`` set (``lifecycle.child_env``: a child ends when its parent dies). Its
+stdout and stderr go to ``LOG_DIR/<name>.log`` (appended across restarts). The nats-server's
+command line is built once, by ``transport.natsio.EmbeddedNatsServer``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from wavepp.runtime.serving.lifecycle import child_env
+
+__all__ = [
+    "Supervisor",
+    "admission_command",
+    "gateway_command",
+    "stage_command",
+]
+
+
+def _cli() -> list[str]:
+    return [sys.executable, "-m", "wavepp.cli"]
+
+
+def _creds(path: str | None) -> list[str]:
+    return [] if path is None else ["--nats-creds", path]
+
+
+def stage_command(
+    runtime_config: str,
+    rank: int,
+    *,
+    nats_url: str,
+    dist_url: str,
+    metrics_port: int | None = None,
+    metrics_host: str | None = None,
+    nats_creds: str | None = None,
+) -> list[str]:
+    """``wavepp stage`` for stage ``rank`` of the replica whose RuntimeConfig JSON is
+    ``runtime_config``, joining the torch.distributed group at ``dist_url``; ``--metrics-port``
+    (bound to ``metrics_host``) only when ``metrics_port`` is given; ``--nats-creds`` only when
+    ``nats_creds`` is."""
+    metrics = (
+        ["--metrics-port", str(metrics_port), "--metrics-host", str(metrics_host)]
+        if metrics_port
+        else []
+    )
+    return [
+        *_cli(), "stage", "--runtime-config", runtime_config, "--rank", str(rank),
+        "--nats-url", nats_url, "--dist-url", dist_url, *metrics, *_creds(nats_creds),
+    ]  # fmt: skip
+
+
+def admission_command(
+    runtime_config: str,
+    *,
+    nats_url: str,
+    pool: str,
+    ack_wait_s: float,
+    drain_s: float,
+    metrics_host: str,
+    nats_creds: str | None = None,
+) -> list[str]:
+    """``wavepp admission`` of the replica whose RuntimeConfig JSON is ``runtime_config`` in pool
+    ``pool``: intake redelivery after ``ack_wait_s`` seconds, draining for ``drain_s`` seconds
+    on SIGTERM, metrics bound to ``metrics_host``."""
+    return [
+        *_cli(), "admission", "--runtime-config", runtime_config, "--nats-url", nats_url,
+        "--pool", pool, "--ack-wait-s", str(ack_wait_s), "--drain-timeout-s", f"{drain_s:g}",
+        "--metrics-host", metrics_host, *_creds(nats_creds),
+    ]  # fmt: skip
+
+
+def gateway_command(
+    gateway_config: str, *, nats_url: str, host: str, port: int, nats_creds: str | None = None
+) -> list[str]:
+    """``wavepp gateway`` serving the GatewayConfig JSON ``gateway_config`` on ``host:port``."""
+    return [
+        *_cli(), "gateway", "--gateway-config", gateway_config, "--nats-url", nats_url,
+        "--host", host, "--port", str(port), *_creds(nats_creds),
+    ]  # fmt: skip
+
+
+class Supervisor:
+    """Starts, restarts and stops named child processes.
+
+    Args:
+        log_dir: where ``<name>.log`` goes (created).
+        state_file: when given, rewritten (atomically) at every start and restart: ``info``
+            plus ``pids`` (name -> pid) and ``restarts`` (name -> count), e.g.
+            ``processes.json`` of ``wavepp up``.
+        prog: the program named in the restart line on stderr.
+    """
+
+    def __init__(
+        self, log_dir: Path, *, state_file: Path | None = None, prog: str = "wavepp up"
+    ) -> None:
+        self.log_dir = log_dir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.state_file = state_file
+        self.prog = prog
+        self.commands: dict[str, list[str]] = {}
+        self.envs: dict[str, Mapping[str, str] | None] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.num_restarts: dict[str, int] = {}
+        self.info: dict[str, object] = {}
+
+    def start(self, name: str, command: list[str], env: Mapping[str, str] | None = None) -> None:
+        """Start ``command`` as child ``name`` in a new session, with ``env`` (default: this
+        process's environment) and ``WAVEPP_PARENT_PID``; output appended to its log."""
+        self.commands[name] = command
+        self.envs[name] = env
+        out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        self.procs[name] = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=child_env(env),
+        )
+        self.write_state()
+
+    def restart(self, name: str) -> None:
+        """Start ``name`` again with the same command and environment; counted, one line."""
+        self.num_restarts[name] = self.num_restarts.get(name, 0) + 1
+        print(f"{self.prog}: {name} exited; restarting", file=sys.stderr, flush=True)
+        self.start(name, self.commands[name], self.envs[name])
+
+    def exited(self, name: str) -> bool:
+        """Whether child ``name`` has exited."""
+        return self.procs[name].poll() is not None
+
+    def write_state(self) -> None:
+        if self.state_file is None:
+            return
+        state = {
+            **self.info,
+            "pids": {name: proc.pid for name, proc in self.procs.items()},
+            "restarts": self.num_restarts,
+        }
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.state_file)
+
+    def log_tail(self, name: str, num_lines: int = 20) -> str:
+        path = self.log_dir / f"{name}.log"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return "\n".join(lines[-num_lines:])
+
+    def last_error(self, name: str) -> str:
+        """The child's last log line that looks like an error (else its last line), one line."""
+        lines = [ln.strip() for ln in self.log_tail(name, 60).splitlines() if ln.strip()]
+        for line in reversed(lines):
+            if "Error" in line or "error" in line or line.startswith("wavepp"):
+                return line
+        return lines[-1] if lines else "no output"
+
+    def stop(self, names: list[str], grace_s: float = 10.0) -> None:
+        """SIGTERM the ``names`` still running, wait up to ``grace_s`` seconds for all of them
+        (together), then SIGKILL those left."""
+        for name in names:
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + grace_s
+        for name in names:
+            proc = self.procs.get(name)
+            if proc is None:
+                continue
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+    def kill(self, names: list[str]) -> None:
+        """SIGKILL the ``names`` still running and reap them (up to 10 s each)."""
+        for name in names:
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        for name in names:
+            proc = self.procs.get(name)
+            if proc is not None:
+                proc.wait(10)
