@@ -48,6 +48,9 @@ def _run(model: str, stages: int, reuse: str, concurrency: int, mode: str, per_c
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time-scale", type=float, default=1.0, help="default: %(default)s")
+    parser.add_argument(
+        "--decimals", type=int, default=2, help="digits of each efficiency; default: %(default)s"
+    )
     parser.add_argument("--models", default="glm-5.2,minimax-m2.7", help="default: %(default)s")
     parser.add_argument("--stages", default="4,8", help="default: %(default)s")
     parser.add_argument(
@@ -107,7 +110,10 @@ def main() -> None:
                         num_at_bound += wave["efficiency"] >= 0.95
                         label = f"{model} {reuse} S={stages} C={concurrency}"
                         worst = min(worst, (wave["efficiency"], label))
-                    cells.append(f"{wave['efficiency']:.2f}/{sync['efficiency']:.2f} x{ratio:.2f}")
+                    digits = ARGS.decimals
+                    cells.append(
+                        f"{wave['efficiency']:.{digits}f}/{sync['efficiency']:.{digits}f} x{ratio:.2f}"
+                    )
                 print(f"| {model} | {reuse} | {stages} | " + " | ".join(cells) + " |", flush=True)
     total = (
         len(ARGS.models.split(","))

@@ -25,6 +25,7 @@ from nats.aio.client import Client as NATS
 
 from wavepp.api.messages import Health
 from wavepp.runtime.agreement import AgreementController, StageUnavailableError
+from wavepp.runtime.agreement.coordinator import check_stage_versions
 from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
@@ -160,7 +161,13 @@ class LocalPipeline:
         await self.scheduler.start()
 
     async def wait_formed(self) -> None:
-        """Wait until every stage answers a health probe; fail fast if one died."""
+        """Wait until every stage answers a health probe; fail fast if one died.
+
+        Raises:
+            RuntimeError: a stage process exited.
+            TimeoutError: a stage did not answer within ``startup_timeout_s``.
+            StageVersionError: a stage speaks another agreement protocol version.
+        """
         assert self.controller is not None
         deadline = time.monotonic() + self.startup_timeout_s
         for stage in self.controller.stages:
@@ -174,6 +181,7 @@ class LocalPipeline:
                 try:
                     with contextlib.suppress(asyncio.TimeoutError):
                         reply = await asyncio.wait_for(stage.call(Health()), 2.0)
+                        check_stage_versions([reply])  # StageVersionError: another build
                         if reply.ok:
                             break
                 except StageUnavailableError:
