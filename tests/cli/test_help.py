@@ -129,17 +129,6 @@ def test_bare_command_prints_usage_and_runs_nothing(
     assert err.startswith("usage: wavepp " + " ".join(argv)) and "nothing was run" in err
 
 
-def test_deprecated_alias_still_works_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
-    parser = COMMANDS["admission"]
-    args = parser.parse_args(
-        ["--runtime-config", "x", "--nats-url", "n", "--max-concurrent", "3", "--port", "9"]
-    )
-    assert args.max_outstanding == 3 and args.health_port == 9
-    err = capsys.readouterr().err
-    assert "--max-concurrent is deprecated; use --max-outstanding" in err
-    assert "--port is deprecated; use --health-port" in err
-
-
 def test_command_reference_shows_required_flags_as_required() -> None:
     """The command reference shows a required group as required (``wavepp stage
     (--runtime-config CONFIG | --config CONFIG)``, not both in brackets) as argparse enforces

@@ -22,7 +22,6 @@ import sys
 from typing import TYPE_CHECKING
 
 from wavepp.cmd.common import (
-    add_deprecated_alias,
     add_nats_args,
     add_replica_config_args,
     finite_float,
@@ -72,11 +71,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="CostModel JSON for the planner (default: the config's, else the packaged "
         "tiny-llama CPU fit)",
-    )
-    add_deprecated_alias(parser, "--port", "--health-port", "health_port", type=int)
-    add_deprecated_alias(parser, "--host", "--health-host", "health_host")
-    add_deprecated_alias(
-        parser, "--max-concurrent", "--max-outstanding", "max_outstanding", type=int
     )
 
 

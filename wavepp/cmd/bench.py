@@ -13,7 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from wavepp.cmd.common import HelpFormatter, add_deprecated_alias, finite_float, fresh_out_dir
+from wavepp.cmd.common import HelpFormatter, finite_float, fresh_out_dir
 
 BARE_IS_USAGE = [("grid",)]
 
@@ -101,7 +101,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="closed loop: agreements in flight at once per replica, comma-separated (default "
         "1,16,64; not with --rate)",
     )
-    add_deprecated_alias(agr, "--in-flight", "--concurrency", "in_flight")
     agr.add_argument(
         "--rate",
         default=None,

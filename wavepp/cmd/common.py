@@ -1,6 +1,5 @@
 """What every subcommand shares: the flags of the pipeline processes (``--nats-*``, where a
-replica's configuration comes from, ``--model DIR``), the ``--help`` formatter, deprecated flag
-aliases, the exit code of a configuration error, and start-up checks run before anything
+replica's configuration comes from, ``--model DIR``), the ``--help`` formatter, the exit code of a configuration error, and start-up checks run before anything
 starts (a busy port, an unreachable NATS). What the flags resolve to is ``wavepp.launch``'s.
 
 Flag naming scheme (the same meaning has the same name in every subcommand):
@@ -23,8 +22,6 @@ environment: its configuration errors then exit 78, which the operator reads as 
 config" (Degraded/InvalidRuntimeConfig, not restarted); transient start-up failures (a busy
 port, an unreachable NATS) stay 2 (:func:`config_exit_code`).
 
-A renamed flag keeps its old spelling for one release (:func:`add_deprecated_alias`): it still
-works and prints one line on stderr naming the new flag.
 """
 
 from __future__ import annotations
@@ -32,16 +29,13 @@ from __future__ import annotations
 import argparse
 import math
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
 from urllib.parse import urlparse
 
 __all__ = [
     "HelpFormatter",
-    "add_deprecated_alias",
     "add_model_dir_arg",
     "add_nats_args",
     "add_nats_tls_args",
@@ -81,51 +75,6 @@ class HelpFormatter(argparse.HelpFormatter):
             if not (isinstance(action.default, bool) and action.nargs == 0):
                 text += " (default: %(default)s)"
         return text
-
-
-class _DeprecatedAlias(argparse.Action):
-    """Stores into the new flag's dest and prints one deprecation line on stderr."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
-        self.new_flag = kwargs.pop("new_flag")
-        self.prog = kwargs.pop("prog", "wavepp")
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        print(
-            f"{parser.prog}: {option_string} is deprecated; use {self.new_flag}",
-            file=sys.stderr,
-        )
-        setattr(namespace, self.dest, values)
-
-
-def add_deprecated_alias(
-    parser: argparse.ArgumentParser | Any, old: str, new: str, dest: str, **kwargs: Any
-) -> None:
-    """Accept ``old`` as a hidden, deprecated spelling of ``new`` (same ``dest``).
-
-    Args:
-        parser: the parser (or group) holding ``new``.
-        old: the old flag, e.g. ``--max-concurrent``.
-        new: the flag that replaced it, named in the warning.
-        dest: the new flag's destination.
-        kwargs: ``type`` and the like, as the new flag has them.
-    """
-    parser.add_argument(
-        old,
-        dest=dest,
-        action=_DeprecatedAlias,
-        new_flag=new,
-        help=argparse.SUPPRESS,
-        default=argparse.SUPPRESS,
-        **kwargs,
-    )
 
 
 def finite_float(text: str) -> float:

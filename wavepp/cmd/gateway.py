@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from wavepp.cmd.common import add_deprecated_alias, add_nats_args
+from wavepp.cmd.common import add_nats_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the operator's pool.json (with --config): pool name, replicas",
     )
-    add_deprecated_alias(parser, "--pool", "--pool-file", "pool_file")
     add_nats_args(parser)
     parser.add_argument(
         "--host",

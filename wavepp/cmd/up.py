@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wavepp.cmd.common import add_deprecated_alias, finite_float
+from wavepp.cmd.common import finite_float
 
 if TYPE_CHECKING:
     from wavepp.launch.up import UpPlan
@@ -146,7 +146,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=300.0,
         help="not serving this long after start: stop everything, exit 2",
     )
-    add_deprecated_alias(parser, "--name", "--pool", "pool")
     parser.add_argument(
         "--log-dir",
         default="",
