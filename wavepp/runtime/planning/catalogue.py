@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.planning.published import MODELS, get_model, list_models
-from wavepp.runtime.planning.shapes import CPU, H200, MODELS_MD, GPUSpec, LayerCost, ModelSpec
+from wavepp.runtime.planning.shapes import CPU, H200, MODELS_MD, GPUSpec, LayerCost, ModelShape
 
 __all__ = [
     "CPU",
@@ -63,7 +63,7 @@ __all__ = [
     "H200",
     "LayerCost",
     "MODELS",
-    "ModelSpec",
+    "ModelShape",
     "derived_cost_model",
     "derived_stage_cost_models",
     "get_model",
@@ -101,7 +101,7 @@ def stage_layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]
 
 
 def _layers_cost_model(
-    spec: ModelSpec, gpu: GPUSpec, first: int, last: int, num_stages: int
+    spec: ModelShape, gpu: GPUSpec, first: int, last: int, num_stages: int
 ) -> CostModel:
     layers = spec.layers[first:last]
     flops = gpu.flops_per_s
@@ -123,7 +123,7 @@ def _layers_cost_model(
     )
 
 
-def _source(spec: ModelSpec, gpu: GPUSpec, what: str, num_stages: int) -> str:
+def _source(spec: ModelShape, gpu: GPUSpec, what: str, num_stages: int) -> str:
     return (
         f"derived: {spec.name} {what}, {num_stages} stages @ {gpu.name} "
         f"({gpu.peak_flops / 1e12:g} TFLOP/s x MFU {gpu.mfu:g}, "
@@ -133,7 +133,7 @@ def _source(spec: ModelSpec, gpu: GPUSpec, what: str, num_stages: int) -> str:
 
 
 def derived_stage_cost_models(
-    model: str | ModelSpec, gpu: GPUSpec | None = None, *, num_stages: int
+    model: str | ModelShape, gpu: GPUSpec | None = None, *, num_stages: int
 ) -> list[CostModel]:
     """One derived CostModel per stage of an even layer split (stage_layer_ranges).
 
@@ -157,7 +157,7 @@ def derived_stage_cost_models(
 
 
 def derived_cost_model(
-    model: str | ModelSpec,
+    model: str | ModelShape,
     gpu: GPUSpec | None = None,
     *,
     num_stages: int,

@@ -1,4 +1,4 @@
-"""A ``ModelSpec`` (per-layer FLOPs, bytes, parameters) from a checkpoint's config.json.
+"""A ``ModelShape`` (per-layer FLOPs, bytes, parameters) from a checkpoint's config.json.
 
 ``wavepp replay --engine emulated --emulate DIR`` emulates the model a checkpoint directory
 describes, with the same formulas as the built-in published models (``published.py``,
@@ -31,7 +31,7 @@ from wavepp.runtime.planning.shapes import (
     H200,
     KDA_CHUNK_TOKENS,
     LayerCost,
-    ModelSpec,
+    ModelShape,
     MoE,
     activation_bytes_per_token,
     gqa_weights,
@@ -68,8 +68,8 @@ def _moe(cfg: Mapping[str, Any], d: int, expert_ffn: int) -> MoE | None:
     )
 
 
-def spec_from_hf_config(cfg: Mapping[str, Any], *, name: str) -> ModelSpec:
-    """The ModelSpec of a supported checkpoint config (emulated at H200).
+def spec_from_hf_config(cfg: Mapping[str, Any], *, name: str) -> ModelShape:
+    """The ModelShape of a supported checkpoint config (emulated at H200).
 
     Args:
         cfg: the normalised config.json dict.
@@ -173,7 +173,7 @@ def spec_from_hf_config(cfg: Mapping[str, Any], *, name: str) -> ModelSpec:
     mlp_width = mlp_activation_width(dense_ffn)
     if moe is not None:
         mlp_width = max(mlp_width, moe.activation_width())
-    return ModelSpec(
+    return ModelShape(
         name=name,
         hf_repo=note,
         layers=tuple(layers),

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from wavepp.runtime.planning.catalogue import get_model, stage_layer_ranges
-from wavepp.runtime.planning.shapes import GPUSpec, ModelSpec
+from wavepp.runtime.planning.shapes import GPUSpec, ModelShape
 
 __all__ = [
     "DEFAULT_MEMORY_UTILIZATION",
@@ -127,7 +127,7 @@ class StageMemory:
 
 
 def _stage_memory(
-    spec: ModelSpec,
+    spec: ModelShape,
     gpu: GPUSpec,
     *,
     rank: int,
@@ -170,7 +170,7 @@ def _stage_memory(
 
 
 def derived_stage_memory(
-    model: str | ModelSpec,
+    model: str | ModelShape,
     *,
     num_stages: int,
     block_size: int,
@@ -182,7 +182,7 @@ def derived_stage_memory(
     """Each stage's memory budget and KV capacity (formula and assumptions: module docstring).
 
     Args:
-        model: a name from ``catalogue.list_models()``, or a ModelSpec.
+        model: a name from ``catalogue.list_models()``, or a ModelShape.
         num_stages: S; stages hold an even layer split (``stage_layer_ranges``).
         block_size: tokens per KV block.
         max_microbatch_tokens: new tokens of the largest micro-batch (the activation workspace).
@@ -201,7 +201,7 @@ def derived_stage_memory(
             attention layers); or the weights and activations leave no KV block, naming the
             model, stage count, GPUs per stage and the memory needed.
     """
-    spec = model if isinstance(model, ModelSpec) else get_model(model)
+    spec = model if isinstance(model, ModelShape) else get_model(model)
     gpu = spec.default_gpu if gpu is None else gpu
     for name, value in (
         ("block_size", block_size),
@@ -266,7 +266,7 @@ def _format_bytes(num_bytes: float) -> str:
 
 
 def derived_kv_blocks(
-    model: str | ModelSpec,
+    model: str | ModelShape,
     *,
     num_stages: int,
     block_size: int,
@@ -294,7 +294,7 @@ def derived_kv_blocks(
 
 
 def default_kv_blocks(
-    model: str | ModelSpec, *, num_stages: int, block_size: int, max_microbatch_tokens: int
+    model: str | ModelShape, *, num_stages: int, block_size: int, max_microbatch_tokens: int
 ) -> tuple[list[int], str]:
     """The emulated engine's KV capacity when none is given, and where it comes from.
 
@@ -347,7 +347,7 @@ class ReplicaShape(Protocol):
 
 
 def default_emulated_kv_blocks(
-    config: ReplicaShape, emulate: str | ModelSpec
+    config: ReplicaShape, emulate: str | ModelShape
 ) -> tuple[list[int], str]:
     """The emulated engine's KV capacity when none is given: derived per stage from the
     emulated model and device (:func:`default_kv_blocks`) for ``config``'s stages,
@@ -356,7 +356,7 @@ def default_emulated_kv_blocks(
     Args:
         config: the replica's config (a RuntimeConfig: num_stages, block_size, the largest
             micro-batch).
-        emulate: the emulated model's name (``catalogue.list_models()``) or its ModelSpec.
+        emulate: the emulated model's name (``catalogue.list_models()``) or its ModelShape.
 
     Returns:
         (blocks per stage, a one-line source to show the user).
