@@ -11,8 +11,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from wavepp.api.layer_split import split_layers
 from wavepp.api.subjects import ReplicaSubjects, replica_prefix
-from wavepp.runtime.model_config import TP_ARCHITECTURES, ModelConfig, partition_layers
+from wavepp.runtime.model_config import TP_ARCHITECTURES, ModelConfig
 from wavepp.telemetry.settings import TelemetrySettings
 
 Mode = Literal["wave", "sync"]
@@ -177,7 +178,7 @@ class RuntimeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> RuntimeConfig:
-        partition_layers(self.model.num_layers, self.num_stages, self.partition)
+        split_layers(self.model.num_layers, self.num_stages, self.partition)
         if len(self.num_kv_blocks) not in (1, self.num_stages):
             raise ValueError(
                 f"num_kv_blocks has {len(self.num_kv_blocks)} entries; give 1 (all stages) "
@@ -289,7 +290,7 @@ class RuntimeConfig(BaseModel):
         return pool if cap is None else min(pool, cap)
 
     def layers_of(self, rank: int) -> tuple[int, int]:
-        return partition_layers(self.model.num_layers, self.num_stages, self.partition)[rank]
+        return split_layers(self.model.num_layers, self.num_stages, self.partition)[rank]
 
     @property
     def resolved_chunk_policy(self) -> Literal["dynamic", "static"]:

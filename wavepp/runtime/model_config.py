@@ -1,4 +1,4 @@
-"""Model shapes for the stage engines, and how the layers are split into pipeline stages.
+"""Model shapes for the stage engines, and the cost-balanced layer split of a checkpoint.
 
 A :class:`ModelConfig` describes a Llama-style decoder (RMSNorm, RoPE, grouped-query attention,
 SwiGLU, no biases, untied ``lm_head``). It carries no weights: the torch engine builds seeded
@@ -23,7 +23,6 @@ __all__ = [
     "ModelConfig",
     "balanced_partition",
     "get_preset",
-    "partition_layers",
 ]
 
 # NOTE: the most decoder layers a model may have (config.json's num_hidden_layers, and
@@ -151,58 +150,6 @@ def get_preset(name: str) -> ModelConfig:
         raise ValueError(
             f"model name={name!r} is not a preset; choose one of {sorted(PRESETS)}"
         ) from None
-
-
-def partition_layers(
-    num_layers: int, num_stages: int, partition: Sequence[int] | None = None
-) -> list[tuple[int, int]]:
-    """Split ``num_layers`` decoder layers into contiguous per-stage ranges.
-
-    Without ``partition`` the split is balanced: every stage gets ``num_layers // num_stages``
-    layers and the first ``num_layers % num_stages`` stages one more (the last stage already
-    carries the final norm and ``lm_head``).
-
-    Args:
-        num_layers: total decoder layers of the model (>= num_stages).
-        num_stages: pipeline stages S (>= 1).
-        partition: optional explicit layer counts per stage, length S, each >= 1, summing to
-            ``num_layers``.
-
-    Returns:
-        ``[(first_layer, last_layer), ...]`` of length S; stage r holds ``[first, last)``.
-
-    Raises:
-        ValueError: a count is out of range, or ``partition`` has the wrong length or sum.
-    """
-    if num_stages < 1:
-        raise ValueError(f"num_stages={num_stages} must be >= 1")
-    if num_layers < num_stages:
-        raise ValueError(
-            f"num_layers={num_layers} must be >= num_stages={num_stages} "
-            "(every stage holds at least one layer)"
-        )
-    if partition is None:
-        base, extra = divmod(num_layers, num_stages)
-        counts = [base + (1 if r < extra else 0) for r in range(num_stages)]
-    else:
-        counts = [int(c) for c in partition]
-        if len(counts) != num_stages:
-            raise ValueError(
-                f"partition={list(partition)} has {len(counts)} entries; "
-                f"it needs one per stage (num_stages={num_stages})"
-            )
-        if any(c < 1 for c in counts):
-            raise ValueError(f"partition={counts}: every stage needs >= 1 layer")
-        if sum(counts) != num_layers:
-            raise ValueError(
-                f"partition={counts} sums to {sum(counts)}; it must sum to num_layers={num_layers}"
-            )
-    ranges: list[tuple[int, int]] = []
-    first = 0
-    for count in counts:
-        ranges.append((first, first + count))
-        first += count
-    return ranges
 
 
 def balanced_partition(

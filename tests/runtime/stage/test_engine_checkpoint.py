@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from wavepp.api.layer_split import split_layers
 from wavepp.runtime.hf_config import load_model_dir
-from wavepp.runtime.stage.engine import ChunkSpec, make_engine, partition_layers
+from wavepp.runtime.stage.engine import ChunkSpec, make_engine
 from wavepp.runtime.stage.engine.checkpoint_engine import CheckpointStageEngine
 from wavepp.runtime.stage.engine.layers.kda import KDAAttention
 
@@ -58,7 +59,7 @@ class Pipeline:
         self.free: list[list[int]] = []
         self.tables: dict[str, list[list[int]]] = {}
         for rank, (first, last) in enumerate(
-            partition_layers(self.model.num_layers, num_stages, partition)
+            split_layers(self.model.num_layers, num_stages, partition)
         ):
             engine = make_engine(
                 "torch",

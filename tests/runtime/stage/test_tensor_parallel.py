@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 from proc_support import children_running
 
+from wavepp.api.layer_split import split_layers
 from wavepp.runtime.hf_config import load_model_dir
 from wavepp.runtime.model_config import ModelConfig
-from wavepp.runtime.stage.engine import ChunkSpec, make_engine, partition_layers
+from wavepp.runtime.stage.engine import ChunkSpec, make_engine
 from wavepp.runtime.stage.engine.tensor_parallel import (
     SINGLE,
     TensorParallelEngine,
@@ -102,7 +103,7 @@ def _engine(source: str | ModelConfig, stage: int, tp: TPGroup) -> Any:
         model, extra = source, {}
     else:
         model, extra = load_model_dir(source), {"model_dir": source}
-    first, last = partition_layers(model.num_layers, 2, PARTITION)[stage]
+    first, last = split_layers(model.num_layers, 2, PARTITION)[stage]
     engine = make_engine(
         "torch",
         model=model,

@@ -3,7 +3,7 @@
 Pure: no I/O, no torch. The model figures are the derived ones of ``planning.published``
 (docs/model-costs.md); the device is a ``GPUSpec`` with ``memory_bytes`` (H200: 141 GB).
 
-Formula, per stage r of an even layer split (``catalogue.stage_layer_ranges``), per GPU of the
+Formula, per stage r of the balanced layer split (``wavepp.api.layer_split``), per GPU of the
 stage's tensor-parallel group of t GPUs::
 
     usable     = memory_bytes * memory_utilization
@@ -65,7 +65,8 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from wavepp.runtime.planning.catalogue import get_model, stage_layer_ranges
+from wavepp.api.layer_split import split_layers
+from wavepp.runtime.planning.catalogue import get_model
 from wavepp.runtime.planning.shapes import GPUSpec, ModelShape
 
 __all__ = [
@@ -183,7 +184,7 @@ def derived_stage_memory(
 
     Args:
         model: a name from ``catalogue.list_models()``, or a ModelShape.
-        num_stages: S; stages hold an even layer split (``stage_layer_ranges``).
+        num_stages: S; stages hold the balanced layer split (``split_layers``).
         block_size: tokens per KV block.
         max_microbatch_tokens: new tokens of the largest micro-batch (the activation workspace).
         gpu: device; None uses the model's default (H200). Needs ``memory_bytes``.
@@ -218,7 +219,7 @@ def derived_stage_memory(
             f"gpu={gpu.name!r} has no memory_bytes: no KV capacity can be derived for "
             f"{spec.name}; give the capacity in blocks (--kv-blocks)"
         )
-    ranges = stage_layer_ranges(spec.num_layers, num_stages)
+    ranges = split_layers(spec.num_layers, num_stages)
     for rank, (first, last) in enumerate(ranges):
         if not any(layer.kv_bytes_per_token > 0 for layer in spec.layers[first:last]):
             raise ValueError(
