@@ -14,12 +14,11 @@ from typing import Any, Literal
 
 import pydantic
 
+from wavepp.runtime.families import FAMILIES
+
 __all__ = [
     "MAX_LAYERS",
     "PRESETS",
-    "SUPPORTED_ARCHITECTURES",
-    "TP_ARCHITECTURES",
-    "Architecture",
     "ModelConfig",
     "balanced_partition",
     "get_preset",
@@ -28,16 +27,6 @@ __all__ = [
 # NOTE: the most decoder layers a model may have (config.json's num_hidden_layers, and
 # balanced_partition's input); the largest published models have ~130.
 MAX_LAYERS = 1024
-
-# NOTE: Hugging Face ``model_type`` values the torch engine runs (``hf_config.py`` maps a
-# config.json onto ModelConfig; ``engine/architecture.py`` reads the family's own fields).
-Architecture = Literal["llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa", "kimi_linear"]
-SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
-    {"llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa", "kimi_linear"}
-)
-# NOTE: the families whose layers shard over a stage's tensor-parallel group
-# (``engine/tensor_parallel.py``); kimi_linear's KDA layers do not yet.
-TP_ARCHITECTURES: frozenset[str] = frozenset({"llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa"})
 
 
 class ModelConfig(pydantic.BaseModel):
@@ -51,9 +40,10 @@ class ModelConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
 
     name: str = pydantic.Field(default="tiny-llama", min_length=1)
-    # NOTE: the layer family; anything but "llama" runs only from a checkpoint directory
-    # (RuntimeConfig.model_dir), since random weights are generated for Llama only.
-    architecture: Architecture = "llama"
+    # NOTE: the layer family, a ``model_type`` of the registry (``wavepp.runtime.families``);
+    # anything but "llama" runs only from a checkpoint directory (RuntimeConfig.model_dir),
+    # since random weights are generated for Llama only.
+    architecture: str = "llama"
     # NOTE: cached values per token and layer, averaged over the layers, when the cache is not
     # GQA's K and V (MLA's latent, DSA's indexer keys, hybrids' attention-free layers); None:
     # 2 * num_kv_heads * head_dim. Set by ``hf_config`` from a checkpoint's config.json.
@@ -70,6 +60,15 @@ class ModelConfig(pydantic.BaseModel):
     max_position: int = pydantic.Field(default=131072, gt=0)
     seed: int = pydantic.Field(default=0, ge=0)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @pydantic.field_validator("architecture")
+    @classmethod
+    def _check_architecture(cls, value: str) -> str:
+        if value not in FAMILIES:
+            raise ValueError(
+                f"architecture={value!r} is not a model family; choose one of {sorted(FAMILIES)}"
+            )
+        return value
 
     @pydantic.model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:

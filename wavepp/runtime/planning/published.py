@@ -341,7 +341,7 @@ def list_models() -> list[str]:
 
 def get_model(model: str | ModelShape) -> ModelShape:
     """The ModelShape of a name in list_models(); a ModelShape is returned as is (e.g. one from
-    a checkpoint's config.json, ``from_config.spec_from_hf_config``).
+    a checkpoint's config.json, ``families.model_shape_from_hf``).
 
     Raises:
         ValueError: unknown name (the message lists the known ones).

@@ -2,7 +2,7 @@
 Kimi-Linear.
 
 Each decoder layer is ``h = h + attn(RMSNorm(h)); h = h + ffn(RMSNorm(h))`` with the attention
-and feed-forward blocks of its family (``architecture.py``, ``layers/``). Each attention layer
+and feed-forward blocks of its family's layer plan (``wavepp.runtime.families``, ``layers/``). Each attention layer
 owns its paged cache (K/V for GQA, the latent for MLA) over the stage's slots
 ``num_blocks * block_size``; the block tables, slot mapping and masks are the shared
 ``PreparedBatch`` (``base.py``), so chunking and prefix reuse work as for the Llama engine.
@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from wavepp.runtime.hf_config import model_config_from_hf, read_hf_config
+from wavepp.runtime.families import LayerPlan, family_of
+from wavepp.runtime.hf_config import layer_plan_from_hf, model_config_from_hf, read_hf_config
 from wavepp.runtime.model_config import ModelConfig
-from wavepp.runtime.stage.engine.architecture import Architecture
 from wavepp.runtime.stage.engine.base import (
     ChunkSpec,
     PagedStageEngineBase,
@@ -47,35 +47,35 @@ class _Layer:
 
     def __init__(
         self,
-        arch: Architecture,
+        plan: LayerPlan,
         index: int,
         get,  # noqa: ANN001
         interval: int,
         tp: TPGroup,
     ) -> None:
         p = f"model.layers.{index}."
-        d = arch.hidden_size
+        d = plan.hidden_size
         self.input_norm = get(p + "input_layernorm.weight", (d,))
         self.post_norm = get(p + "post_attention_layernorm.weight", (d,))
         self.attn: GQAAttention | MLAAttention | KDAAttention
-        if arch.is_linear(index):
-            assert arch.kda is not None and tp.size == 1, "checked by the engine"
-            self.attn = KDAAttention(arch.kda, get, p + "self_attn.", interval)
-        elif arch.mla is not None:
-            self.attn = MLAAttention(arch.mla, get, p + "self_attn.", tp)
+        if plan.is_linear(index):
+            assert plan.kda is not None and tp.size == 1, "checked by the engine"
+            self.attn = KDAAttention(plan.kda, get, p + "self_attn.", interval)
+        elif plan.mla is not None:
+            self.attn = MLAAttention(plan.mla, get, p + "self_attn.", tp)
         else:
-            assert arch.gqa is not None
-            self.attn = GQAAttention(arch.gqa, get, p + "self_attn.", tp)
+            assert plan.gqa is not None
+            self.attn = GQAAttention(plan.gqa, get, p + "self_attn.", tp)
         self.indexer: DSAIndexer | None = None
-        if arch.dsa is not None and arch.indexer_full[index]:
-            self.indexer = DSAIndexer(arch.dsa, get, p + "self_attn.indexer.")
-        self.uses_dsa = arch.dsa is not None
-        if arch.is_moe(index):
-            assert arch.moe is not None
-            self.ffn: SparseMoE | DenseMLP = SparseMoE(arch.moe, get, p, tp)
+        if plan.dsa is not None and plan.indexer_full[index]:
+            self.indexer = DSAIndexer(plan.dsa, get, p + "self_attn.indexer.")
+        self.uses_dsa = plan.dsa is not None
+        if plan.is_moe(index):
+            assert plan.moe is not None
+            self.ffn: SparseMoE | DenseMLP = SparseMoE(plan.moe, get, p, tp)
         else:
-            self.ffn = DenseMLP(d, arch.dense_intermediate, get, p + arch.mlp_prefix, tp)
-        self.eps = arch.eps
+            self.ffn = DenseMLP(d, plan.dense_intermediate, get, p + plan.mlp_prefix, tp)
+        self.eps = plan.eps
 
     def forward(
         self, h: torch.Tensor, batch: TorchPreparedBatch, shared: dict[str, object]
@@ -166,13 +166,14 @@ class CheckpointStageEngine(PagedStageEngineBase):
         if self.device.type == "cpu" and dtype != torch.float32:
             raise ValueError(f"model.dtype={model.dtype!r} on device 'cpu'; use float32 on CPU")
         self.model = model
-        self.arch = Architecture.from_hf(cfg)
-        self.arch.check_stage_start(first_layer)
-        if tp.size > 1 and self.arch.kda is not None:
+        self.plan = layer_plan_from_hf(cfg)
+        self.plan.check_stage_start(first_layer)
+        family = family_of(self.plan.model_type)
+        if tp.size > 1 and not family.tensor_parallel:
             raise ValueError(
                 f"tensor_parallel_size={tp.size} (--tensor-parallel-size / "
-                f"spec.tensorParallelSize): family {self.arch.model_type!r} (KDA linear "
-                "attention) is not sharded; use 1"
+                f"spec.tensorParallelSize): family {family.model_type!r} ({family.summary}) "
+                "is not sharded; use 1"
             )
         self.tp = tp
         self.hidden_size = model.hidden_size
@@ -183,7 +184,7 @@ class CheckpointStageEngine(PagedStageEngineBase):
             first_layer,
             last_layer,
             model.num_layers,
-            tie_word_embeddings=self.arch.tie_word_embeddings,
+            tie_word_embeddings=self.plan.tie_word_embeddings,
         )
         wanted = set(names)
         used: set[str] = set()
@@ -198,7 +199,7 @@ class CheckpointStageEngine(PagedStageEngineBase):
             used.add(name)
             return t.to(device=self.device, dtype=dtype).contiguous()
 
-        a = self.arch
+        a = self.plan
         # NOTE: only the TP leader returns logits: followers read no final norm and no lm_head.
         has_head = self.is_last and tp.is_leader
         self._embed = (
@@ -263,7 +264,7 @@ class CheckpointStageEngine(PagedStageEngineBase):
             chunks, vocab_size=self.model.vocab_size, max_position=self.model.max_position
         )
         cos, sin = rope_cos_sin(
-            base.positions, self.arch.rotary_dim, self.arch.rope_theta, self.activation_dtype
+            base.positions, self.plan.rotary_dim, self.plan.rope_theta, self.activation_dtype
         )
         return TorchPreparedBatch(
             **base.base_fields(),
@@ -297,6 +298,6 @@ class CheckpointStageEngine(PagedStageEngineBase):
             self.tp,
             self._final_norm,
             self._lm_head,
-            eps=self.arch.eps,
+            eps=self.plan.eps,
             device=self.device,
         )

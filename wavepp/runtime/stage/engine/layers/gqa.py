@@ -18,11 +18,10 @@ k_norm are RMSNorms of width heads * head_dim; partial rotary from ``partial_rot
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from wavepp.runtime.families.layer_plan import GQAShape
 from wavepp.runtime.stage.engine.layers.common import (
     WeightGetter,
     apply_rope_rotate_half,
@@ -31,28 +30,7 @@ from wavepp.runtime.stage.engine.layers.common import (
 )
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
-__all__ = ["GQAAttention", "GQAShape"]
-
-
-@dataclass(frozen=True)
-class GQAShape:
-    """Shape of one GQA attention block.
-
-    Attributes:
-        hidden_size: model width.
-        num_heads, num_kv_heads, head_dim: query heads, K/V heads, per-head width.
-        rotary_dim: rotated dims of each head (<= head_dim, even).
-        qk_norm: MiniMax-M2's RMSNorm on q and k (whole projection width).
-        eps: RMSNorm epsilon.
-    """
-
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rotary_dim: int
-    qk_norm: bool
-    eps: float
+__all__ = ["GQAAttention"]
 
 
 class GQAAttention:
