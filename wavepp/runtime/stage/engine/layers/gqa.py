@@ -68,9 +68,33 @@ class GQAAttention:
 
     def allocate(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate a zeroed cache of ``num_slots`` token slots (drops the old one)."""
-        self.cache = torch.zeros(
-            (2, num_slots, self.kv_heads, self.shape.head_dim), device=device, dtype=dtype
+        self.use_cache(
+            torch.zeros(
+                (2, num_slots, self.kv_heads, self.shape.head_dim), device=device, dtype=dtype
+            )
         )
+
+    def use_cache(self, cache: torch.Tensor) -> None:
+        """Adopt ``cache`` [2, num_slots, num_kv_heads / T, head_dim] (e.g. a view into a
+        stage-wide tensor) as this layer's cache, dropping the old one.
+
+        Raises:
+            ValueError: ``cache`` of another shape.
+        """
+        if (
+            cache.dim() != 4
+            or cache.shape[0] != 2
+            or cache.shape[2:]
+            != (
+                self.kv_heads,
+                self.shape.head_dim,
+            )
+        ):
+            raise ValueError(
+                f"cache of shape {tuple(cache.shape)}; a GQA layer needs "
+                f"[2, num_slots, {self.kv_heads}, {self.shape.head_dim}]"
+            )
+        self.cache = cache
 
     def forward(self, x: torch.Tensor, p) -> torch.Tensor:  # noqa: ANN001 (TorchPreparedBatch)
         """[T, hidden] normed activations -> [T, hidden] attention output (before residual)."""
