@@ -7,13 +7,11 @@ docs/model-costs.md "Per-token prefill cost"). Pure: it takes the parsed, normal
 family's ``model_shape`` in the registry (``wavepp.runtime.families``) calls one of the three
 functions below:
 
-| model_type  | attention                                             | weights    |
-| ----------- | ----------------------------------------------------- | ---------- |
-| llama       | GQA, 4 H d_h FLOPs per pair                            | config dtype |
-| minimax_m2  | GQA (QK-norm ignored) + MoE                            | config dtype |
-| deepseek_v3 | MLA in MHA mode (re-expanding the cached latent)       | config dtype |
-| glm_moe_dsa | MLA + DSA as ``published._dsa_model`` (MQA mode, top-k) | FP8 blocks, as published |
-| kimi_linear | KDA (no L term) + MLA in MHA mode                      | config dtype |
+| function          | attention                                               | weights      |
+| ----------------- | ------------------------------------------------------- | ------------ |
+| gqa_model_shape   | GQA (QK-norm ignored), 4 H d_h FLOPs per pair; dense or MoE | config dtype |
+| mla_model_shape   | MLA in MHA mode (re-expanding the cached latent) + MoE; KDA layers (no L term) with ``linear_attention`` | config dtype |
+| dsa_model_shape   | MLA + DSA as ``published._dsa_model`` (MQA mode, top-k)  | FP8 blocks, as published |
 
 Approximations: the KDA output gate and decay are charged as ``shapes.kda_weights`` counts them
 (full-rank gate, rank-d decay), HF Kimi-Linear's are low-rank; norms and biases are not counted.
