@@ -177,7 +177,7 @@ def test_readme_first_command_replays_200_requests() -> None:
     [
         (["--engine", "emulated", "--stages", "0"], "--stages"),
         (["--engine", "emulated", "--stages", "100"], "--stages"),
-        (["--stages", "9"], "num_stages=9"),
+        (["--stages", "9"], "stages=9 exceeds the model's 8 layers"),
         (["--kv-blocks", "10,20"], "num_kv_blocks"),
         (["--concurrency", "0"], "--concurrency"),
     ],

@@ -18,7 +18,6 @@ from wavepp.api.spec import (
     WavePipelineSpec,
     check_spec,
     load_spec_file,
-    split_layers,
 )
 
 BASE: dict[str, Any] = {"model": {"name": "tiny-llama"}, "stages": 4}
@@ -173,13 +172,6 @@ def test_model_config_extra_keys_are_model_config_fields() -> None:
     from wavepp.runtime.model_config import ModelConfig
 
     assert {to_snake(k) for k in MODEL_CONFIG_EXTRA} <= set(ModelConfig.model_fields)
-
-
-@pytest.mark.parametrize(("num_layers", "num_stages"), [(8, 1), (8, 3), (8, 8), (61, 4), (93, 7)])
-def test_split_matches_the_runtime_partition(num_layers: int, num_stages: int) -> None:
-    from wavepp.runtime.model_config import partition_layers
-
-    assert split_layers(num_layers, num_stages) == partition_layers(num_layers, num_stages)
 
 
 def test_example_is_a_valid_spec() -> None:

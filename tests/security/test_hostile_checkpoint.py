@@ -280,7 +280,7 @@ def test_malformed_config_json_is_one_error(tmp_path: Path, text: str | bytes, m
 
 
 def test_a_missing_family_field_is_named_by_the_partition(tmp_path: Path) -> None:
-    """Architecture.from_hf's KeyError (a minimax config without num_local_experts) was a
+    """The layer plan's KeyError (a minimax config without num_local_experts) was a
     traceback from validate's cost split."""
     cfg = _patched(model_type="minimax_m2", num_experts_per_tok=2)
     root = _ckpt(tmp_path / "m", cfg)

@@ -1,4 +1,4 @@
-"""Small random Hugging Face checkpoints of the torch engine's families (tests, demos).
+"""Small random Hugging Face checkpoints of every registered model family (tests, demos).
 
 ``save_random_checkpoint(family, DIR)`` builds a transformers model from a tiny config, gives
 every weight a random value that makes routing and norms matter (the library's init leaves
@@ -16,14 +16,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILIES", "MISSING_TRANSFORMERS", "hf_config_kwargs", "save_random_checkpoint"]
+from wavepp.runtime.families import FAMILIES
+
+__all__ = ["MISSING_TRANSFORMERS", "hf_config_kwargs", "save_random_checkpoint"]
 
 MISSING_TRANSFORMERS = (
     "needs the transformers package (a test dependency): pip install -e '.[test]' in the "
     "repository (or pip install transformers)"
 )
-
-FAMILIES = ("llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa", "kimi_linear")
 
 # The DeepSeek-V3 shape GLM-5 shares: MLA attention (low-rank q and kv) and routed experts.
 _MLA_MOE: dict[str, Any] = {
@@ -181,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("family", choices=FAMILIES, help="model family (config.json model_type)")
+    parser.add_argument(
+        "family", choices=sorted(FAMILIES), help="model family (config.json model_type)"
+    )
     parser.add_argument("out_dir", help="directory to write config.json and the safetensors into")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (num_hidden_layers)")
     parser.add_argument("--vocab", type=int, default=256, help="vocabulary size (token ids)")

@@ -19,11 +19,11 @@ from wavepp.bench.trace import TokenMapper
 from wavepp.launch.flags import FlagError
 from wavepp.launch.replica import planner_cost_model
 from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.families import model_shape_from_hf
 from wavepp.runtime.hf_config import load_model_dir, normalize_hf_config, read_hf_config
 from wavepp.runtime.model_config import get_preset
 from wavepp.runtime.planning import CostModel
-from wavepp.runtime.planning.catalogue import ModelSpec, derived_cost_model, list_models
-from wavepp.runtime.planning.from_config import spec_from_hf_config
+from wavepp.runtime.planning.catalogue import ModelShape, derived_cost_model, list_models
 from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_emulated_kv_blocks
 from wavepp.telemetry.settings import TelemetrySettings
 
@@ -127,11 +127,11 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
         raise FlagError("--model/--kv-blocks", str(exc)) from None
     kv_blocks_source = "--kv-blocks" if kv_blocks else f"fixed default {FIXED_KV_BLOCKS}"
     stage_cost: CostModel | None = None
-    emulate: str | ModelSpec = args.emulate
+    emulate: str | ModelShape = args.emulate
     if args.engine == "emulated":
         if Path(args.emulate).is_dir():
             try:
-                emulate = spec_from_hf_config(
+                emulate = model_shape_from_hf(
                     normalize_hf_config(read_hf_config(args.emulate)),
                     name=load_model_dir(args.emulate).name,
                 )

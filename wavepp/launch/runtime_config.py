@@ -49,11 +49,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from wavepp.api.layer_split import split_layers
 from wavepp.api.spec import MODEL_PRESET_NUM_LAYERS, SpecError, WavePipelineSpec
 from wavepp.api.subjects import replica_pipeline_name
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.hf_config import load_model_dir, normalize_hf_config, read_hf_config
-from wavepp.runtime.model_config import PRESETS, ModelConfig, partition_layers
+from wavepp.runtime.model_config import PRESETS, ModelConfig
 from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
 from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_emulated_kv_blocks
 
@@ -322,7 +323,7 @@ def runtime_configs_from_spec(
                 raise SpecError("stages", f"{exc} ({model_dir})") from None
         model_dir = str(Path(model_dir).resolve())
     try:
-        ranges = partition_layers(model.num_layers, spec.num_stages, partition)
+        ranges = split_layers(model.num_layers, spec.num_stages, partition)
     except ValueError as exc:
         raise SpecError("layerPartition", str(exc)) from None
     cost_model = None

@@ -11,8 +11,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from wavepp.api.layer_split import split_layers
 from wavepp.api.subjects import ReplicaSubjects, replica_prefix
-from wavepp.runtime.model_config import TP_ARCHITECTURES, ModelConfig, partition_layers
+from wavepp.runtime.families import TENSOR_PARALLEL
+from wavepp.runtime.model_config import ModelConfig
 from wavepp.telemetry.settings import TelemetrySettings
 
 Mode = Literal["wave", "sync"]
@@ -91,7 +93,7 @@ class RuntimeConfig(BaseModel):
     model_dir: str | None = None
     # NOTE: processes (one per device: cuda:i, or the CPU) computing one stage with tensor
     # parallelism (``stage/engine/tensor_parallel.py``); `wavepp stage` starts them. The torch
-    # engine only, for the families in ``TP_ARCHITECTURES``; anything else is refused.
+    # engine only, for the families in ``families.TENSOR_PARALLEL``; anything else is refused.
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     # NOTE: hybrid models (kimi_linear): each linear-attention layer stores its recurrent state
     # after every k-th block of a request, and the agreement's L* is a multiple of k blocks.
@@ -177,7 +179,7 @@ class RuntimeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> RuntimeConfig:
-        partition_layers(self.model.num_layers, self.num_stages, self.partition)
+        split_layers(self.model.num_layers, self.num_stages, self.partition)
         if len(self.num_kv_blocks) not in (1, self.num_stages):
             raise ValueError(
                 f"num_kv_blocks has {len(self.num_kv_blocks)} entries; give 1 (all stages) "
@@ -188,7 +190,7 @@ class RuntimeConfig(BaseModel):
         if self.engine == "emulated" and self.cost_model is None:
             raise ValueError("engine=emulated needs cost_model (a CostModel.to_dict())")
         tp = self.tensor_parallel_size
-        if tp != 1 and (self.engine != "torch" or self.model.architecture not in TP_ARCHITECTURES):
+        if tp != 1 and (self.engine != "torch" or self.model.architecture not in TENSOR_PARALLEL):
             # NOTE: the emulated engine sleeps a cost model; its ``model`` keeps the default
             # architecture (llama), so name the model, not a family it does not compute.
             what = (
@@ -200,7 +202,7 @@ class RuntimeConfig(BaseModel):
             raise ValueError(
                 f"tensor_parallel_size={tp} (--tensor-parallel-size / spec.tensorParallelSize): "
                 f"tensor parallelism inside a stage is not implemented for {what} (implemented: "
-                f"the torch engine with {', '.join(sorted(TP_ARCHITECTURES))}); use 1 and more "
+                f"the torch engine with {', '.join(sorted(TENSOR_PARALLEL))}); use 1 and more "
                 "pipeline stages"
             )
         if tp != 1 and self.model.num_heads % tp:
@@ -289,7 +291,7 @@ class RuntimeConfig(BaseModel):
         return pool if cap is None else min(pool, cap)
 
     def layers_of(self, rank: int) -> tuple[int, int]:
-        return partition_layers(self.model.num_layers, self.num_stages, self.partition)[rank]
+        return split_layers(self.model.num_layers, self.num_stages, self.partition)[rank]
 
     @property
     def resolved_chunk_policy(self) -> Literal["dynamic", "static"]:

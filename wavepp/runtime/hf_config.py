@@ -4,15 +4,11 @@
 ``config.json`` and safetensors weights (one ``model.safetensors`` or shards with
 ``model.safetensors.index.json``). The scheduler, planner and block hashing need only the
 generic shape (layers, width, vocabulary) that :func:`model_config_from_hf` takes from it; the
-torch engine reads the family-specific fields itself (``engine/architecture.py``).
+family's layer plan reads its own fields (``families.ModelFamily.layer_plan``).
 
-| ``model_type``  | family                                                       |
-| --------------- | ------------------------------------------------------------ |
-| ``llama``       | RMSNorm, RoPE, GQA, SwiGLU                                   |
-| ``deepseek_v3`` | MLA (latent KV cache) + MoE (grouped top-k, shared experts)  |
-| ``minimax_m2``  | GQA with QK-norm and partial RoPE + MoE (sigmoid top-k)      |
-| ``glm_moe_dsa`` | MLA + DSA sparse attention (indexer key cache) + MoE         |
-| ``kimi_linear`` | KDA linear attention (state per k blocks) + MLA, MoE         |
+Which ``model_type`` values are served, and each one's aliases and attention shape, is the
+model-family registry's (``wavepp.runtime.families``); this module checks the fields and reads
+the generic part.
 """
 
 from __future__ import annotations
@@ -26,12 +22,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from wavepp.runtime.model_config import MAX_LAYERS, SUPPORTED_ARCHITECTURES, ModelConfig
+from wavepp.runtime.families import FAMILIES, LayerPlan, family_of
+from wavepp.runtime.families.contract import required
+from wavepp.runtime.model_config import MAX_LAYERS, ModelConfig
 
 __all__ = [
     "FIELD_LIMITS",
     "MAX_CONFIG_BYTES",
     "check_hf_fields",
+    "layer_plan_from_hf",
     "load_model_dir",
     "model_config_from_hf",
     "normalize_hf_config",
@@ -101,24 +100,13 @@ _BOOLS = (
 _STRINGS = ("model_type", "hidden_act")
 _PER_LAYER = ("layer_types", "mlp_layer_types", "indexer_types")
 
-# NOTE: transformers writes some configs under their ``attribute_map`` names; these are the
-# canonical names each family's fields are read by (KimiLinearConfig.attribute_map).
-_ALIASES: dict[str, dict[str, str]] = {
-    "kimi_linear": {
-        "model_max_length": "max_position_embeddings",
-        "moe_renormalize": "norm_topk_prob",
-        "num_expert_group": "n_group",
-        "num_experts": "num_local_experts",
-        "num_experts_per_token": "num_experts_per_tok",
-        "num_shared_experts": "n_shared_experts",
-    },
-}
-
 
 def normalize_hf_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """``cfg`` with its family's aliased field names replaced by the canonical ones."""
+    """``cfg`` with its family's aliased field names (``ModelFamily.aliases``) replaced by the
+    canonical ones."""
     out = dict(cfg)
-    for alias, name in _ALIASES.get(str(cfg.get("model_type")), {}).items():
+    family = FAMILIES.get(str(cfg.get("model_type")))
+    for alias, name in (family.aliases if family else {}).items():
         if alias in out and name not in out:
             out[name] = out.pop(alias)
     return out
@@ -151,7 +139,7 @@ def check_hf_fields(cfg: Mapping[str, Any], where: str = "config.json") -> None:
     """Check the type and range of every config.json field the readers use (before any of
     them converts one): integers in :data:`FIELD_LIMITS`, finite positive floats, booleans,
     strings, ``rope_parameters`` an object, per-layer type lists of strings. A family's
-    aliased names (``_ALIASES``) are checked under the name the file uses; null is absent.
+    aliased names (``ModelFamily.aliases``) are checked under the name the file uses; null is absent.
 
     Raises:
         ValueError: the first bad field, named with its value and limit (one line).
@@ -159,8 +147,8 @@ def check_hf_fields(cfg: Mapping[str, Any], where: str = "config.json") -> None:
     model_type = cfg.get("model_type")
     names = {key: key for key in FIELD_LIMITS}
     names |= {key: key for key in (*_FLOAT_LIMITS, *_BOOLS, *_STRINGS, *_PER_LAYER)}
-    if isinstance(model_type, str):
-        names |= _ALIASES.get(model_type, {})
+    if isinstance(model_type, str) and model_type in FAMILIES:
+        names |= FAMILIES[model_type].aliases
     for key, canonical in names.items():
         value = cfg.get(key)
         if value is None:
@@ -195,14 +183,6 @@ def check_hf_fields(cfg: Mapping[str, Any], where: str = "config.json") -> None:
             raise ValueError(f"{where}: rope_parameters.{key}={_shown(rope[key])} must be a string")
 
 
-def _required(cfg: Mapping[str, Any], key: str, where: str) -> Any:
-    if cfg.get(key) is None:
-        raise ValueError(
-            f"{where}: field {key!r} is missing; a {cfg.get('model_type')} config needs it"
-        )
-    return cfg[key]
-
-
 def model_config_from_hf(
     cfg: Mapping[str, Any], *, name: str, where: str = "config.json"
 ) -> ModelConfig:
@@ -223,12 +203,7 @@ def model_config_from_hf(
     """
     check_hf_fields(cfg, where)
     cfg = normalize_hf_config(cfg)
-    arch = cfg.get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"{where}: model_type={arch!r} is not supported by the torch engine; "
-            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
+    family = family_of(cfg.get("model_type"), where)
     rope = cfg.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
@@ -238,52 +213,37 @@ def model_config_from_hf(
         )
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise ValueError(f"{where}: attention_bias/mlp_bias = true is not implemented")
-    heads = int(_required(cfg, "num_attention_heads", where))
-    kv_values: float | None = None
-    if arch in ("deepseek_v3", "glm_moe_dsa", "kimi_linear"):
-        head_dim = int(_required(cfg, "qk_nope_head_dim", where)) + int(
-            _required(cfg, "qk_rope_head_dim", where)
-        )
-        kv_heads = heads
-        kv_values = _latent_values_per_token(cfg, where)
-    else:
-        head_dim = int(cfg.get("head_dim") or int(_required(cfg, "hidden_size", where)) // heads)
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    attention = family.attention(cfg, where)
     try:
         return ModelConfig(
             name=name,
-            architecture=arch,
-            vocab_size=int(_required(cfg, "vocab_size", where)),
-            hidden_size=int(_required(cfg, "hidden_size", where)),
-            intermediate_size=int(_required(cfg, "intermediate_size", where)),
-            num_layers=int(_required(cfg, "num_hidden_layers", where)),
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
+            architecture=family.model_type,
+            vocab_size=int(required(cfg, "vocab_size", where)),
+            hidden_size=int(required(cfg, "hidden_size", where)),
+            intermediate_size=int(required(cfg, "intermediate_size", where)),
+            num_layers=int(required(cfg, "num_hidden_layers", where)),
+            num_heads=attention.num_heads,
+            num_kv_heads=attention.num_kv_heads,
+            head_dim=attention.head_dim,
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position=int(cfg.get("max_position_embeddings", 131072)),
-            kv_values_per_token_per_layer=kv_values,
+            kv_values_per_token_per_layer=attention.kv_values_per_token_per_layer,
         )
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
 
 
-def _latent_values_per_token(cfg: Mapping[str, Any], where: str) -> float:
-    """Cached values per token and layer, averaged over the layers: the MLA latent
-    (kv_lora_rank + qk_rope_head_dim) in attention layers, plus the DSA indexer key
-    (index_head_dim) in GLM-5's "full" layers; Kimi's KDA layers cache nothing per token (their
-    state is per block boundary, see ``engine/layers/kda.py``)."""
-    n = int(_required(cfg, "num_hidden_layers", where))
-    latent = int(_required(cfg, "kv_lora_rank", where)) + int(cfg["qk_rope_head_dim"])
-    total = float(latent * n)
-    if cfg.get("model_type") == "glm_moe_dsa":
-        types = cfg.get("indexer_types") or ["full"] * n
-        total += int(_required(cfg, "index_head_dim", where)) * sum(t == "full" for t in types)
-    if cfg.get("model_type") == "kimi_linear":
-        types = cfg.get("layer_types") or []
-        total = float(latent * sum(t == "full_attention" for t in types))
-    return total / n
+def layer_plan_from_hf(cfg: Mapping[str, Any]) -> LayerPlan:
+    """What each decoder layer of a parsed ``config.json`` runs: its family's
+    ``layer_plan`` of the normalised config (checked by :func:`model_config_from_hf` first).
+
+    Raises:
+        ValueError: an unsupported model_type, or a field outside what the layers implement.
+        KeyError: a field the family needs is missing (its name).
+    """
+    cfg = normalize_hf_config(cfg)
+    return family_of(cfg.get("model_type")).layer_plan(cfg)
 
 
 def read_json_file(path: Path, *, max_bytes: int) -> tuple[Any, bytes]:

@@ -1,4 +1,4 @@
-"""Model shapes for the stage engines, and how the layers are split into pipeline stages.
+"""Model shapes for the stage engines, and the cost-balanced layer split of a checkpoint.
 
 A :class:`ModelConfig` describes a Llama-style decoder (RMSNorm, RoPE, grouped-query attention,
 SwiGLU, no biases, untied ``lm_head``). It carries no weights: the torch engine builds seeded
@@ -14,31 +14,19 @@ from typing import Any, Literal
 
 import pydantic
 
+from wavepp.runtime.families import FAMILIES
+
 __all__ = [
     "MAX_LAYERS",
     "PRESETS",
-    "SUPPORTED_ARCHITECTURES",
-    "TP_ARCHITECTURES",
-    "Architecture",
     "ModelConfig",
     "balanced_partition",
     "get_preset",
-    "partition_layers",
 ]
 
 # NOTE: the most decoder layers a model may have (config.json's num_hidden_layers, and
 # balanced_partition's input); the largest published models have ~130.
 MAX_LAYERS = 1024
-
-# NOTE: Hugging Face ``model_type`` values the torch engine runs (``hf_config.py`` maps a
-# config.json onto ModelConfig; ``engine/architecture.py`` reads the family's own fields).
-Architecture = Literal["llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa", "kimi_linear"]
-SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
-    {"llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa", "kimi_linear"}
-)
-# NOTE: the families whose layers shard over a stage's tensor-parallel group
-# (``engine/tensor_parallel.py``); kimi_linear's KDA layers do not yet.
-TP_ARCHITECTURES: frozenset[str] = frozenset({"llama", "deepseek_v3", "minimax_m2", "glm_moe_dsa"})
 
 
 class ModelConfig(pydantic.BaseModel):
@@ -52,9 +40,10 @@ class ModelConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
 
     name: str = pydantic.Field(default="tiny-llama", min_length=1)
-    # NOTE: the layer family; anything but "llama" runs only from a checkpoint directory
-    # (RuntimeConfig.model_dir), since random weights are generated for Llama only.
-    architecture: Architecture = "llama"
+    # NOTE: the layer family, a ``model_type`` of the registry (``wavepp.runtime.families``);
+    # anything but "llama" runs only from a checkpoint directory (RuntimeConfig.model_dir),
+    # since random weights are generated for Llama only.
+    architecture: str = "llama"
     # NOTE: cached values per token and layer, averaged over the layers, when the cache is not
     # GQA's K and V (MLA's latent, DSA's indexer keys, hybrids' attention-free layers); None:
     # 2 * num_kv_heads * head_dim. Set by ``hf_config`` from a checkpoint's config.json.
@@ -71,6 +60,15 @@ class ModelConfig(pydantic.BaseModel):
     max_position: int = pydantic.Field(default=131072, gt=0)
     seed: int = pydantic.Field(default=0, ge=0)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @pydantic.field_validator("architecture")
+    @classmethod
+    def _check_architecture(cls, value: str) -> str:
+        if value not in FAMILIES:
+            raise ValueError(
+                f"architecture={value!r} is not a model family; choose one of {sorted(FAMILIES)}"
+            )
+        return value
 
     @pydantic.model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
@@ -151,58 +149,6 @@ def get_preset(name: str) -> ModelConfig:
         raise ValueError(
             f"model name={name!r} is not a preset; choose one of {sorted(PRESETS)}"
         ) from None
-
-
-def partition_layers(
-    num_layers: int, num_stages: int, partition: Sequence[int] | None = None
-) -> list[tuple[int, int]]:
-    """Split ``num_layers`` decoder layers into contiguous per-stage ranges.
-
-    Without ``partition`` the split is balanced: every stage gets ``num_layers // num_stages``
-    layers and the first ``num_layers % num_stages`` stages one more (the last stage already
-    carries the final norm and ``lm_head``).
-
-    Args:
-        num_layers: total decoder layers of the model (>= num_stages).
-        num_stages: pipeline stages S (>= 1).
-        partition: optional explicit layer counts per stage, length S, each >= 1, summing to
-            ``num_layers``.
-
-    Returns:
-        ``[(first_layer, last_layer), ...]`` of length S; stage r holds ``[first, last)``.
-
-    Raises:
-        ValueError: a count is out of range, or ``partition`` has the wrong length or sum.
-    """
-    if num_stages < 1:
-        raise ValueError(f"num_stages={num_stages} must be >= 1")
-    if num_layers < num_stages:
-        raise ValueError(
-            f"num_layers={num_layers} must be >= num_stages={num_stages} "
-            "(every stage holds at least one layer)"
-        )
-    if partition is None:
-        base, extra = divmod(num_layers, num_stages)
-        counts = [base + (1 if r < extra else 0) for r in range(num_stages)]
-    else:
-        counts = [int(c) for c in partition]
-        if len(counts) != num_stages:
-            raise ValueError(
-                f"partition={list(partition)} has {len(counts)} entries; "
-                f"it needs one per stage (num_stages={num_stages})"
-            )
-        if any(c < 1 for c in counts):
-            raise ValueError(f"partition={counts}: every stage needs >= 1 layer")
-        if sum(counts) != num_layers:
-            raise ValueError(
-                f"partition={counts} sums to {sum(counts)}; it must sum to num_layers={num_layers}"
-            )
-    ranges: list[tuple[int, int]] = []
-    first = 0
-    for count in counts:
-        ranges.append((first, first + count))
-        first += count
-    return ranges
 
 
 def balanced_partition(

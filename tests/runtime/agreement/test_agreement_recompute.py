@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from wavepp.api.layer_split import split_layers
 from wavepp.runtime.agreement import AgreementController, LocalStageClient
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.model_config import ModelConfig
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.stage.engine import ChunkSpec, make_engine, partition_layers
+from wavepp.runtime.stage.engine import ChunkSpec, make_engine
 from wavepp.runtime.stage.engine.base import build_prepared_batch
 from wavepp.runtime.stage.engine.layers.kda import KDAAttention
 
@@ -109,7 +110,7 @@ def llama_engines(num_stages: int) -> list:
             last_layer=last,
             num_layers_total=LLAMA.num_layers,
         )
-        for first, last in partition_layers(LLAMA.num_layers, num_stages)
+        for first, last in split_layers(LLAMA.num_layers, num_stages)
     ]
 
 
@@ -191,7 +192,7 @@ def kimi_engines(model_dir: Path) -> list:
             model_dir=model_dir,
             state_interval_blocks=K,
         )
-        for first, last in partition_layers(model.num_layers, 2, [3, 2])
+        for first, last in split_layers(model.num_layers, 2, [3, 2])
     ]
 
 

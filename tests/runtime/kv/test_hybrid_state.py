@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from wavepp.api.layer_split import split_layers
 from wavepp.runtime.agreement import AgreementController, LocalStageClient
 from wavepp.runtime.hf_config import load_model_dir
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.stage.engine import ChunkSpec, make_engine, partition_layers
+from wavepp.runtime.stage.engine import ChunkSpec, make_engine
 from wavepp.runtime.stage.engine.layers.kda import KDAAttention
 
 pytest.importorskip("transformers")
@@ -34,7 +35,7 @@ class Stages:
     def __init__(self, model_dir: Path, partition: list[int]) -> None:
         model = load_model_dir(model_dir)
         self.engines = []
-        for first, last in partition_layers(model.num_layers, len(partition), partition):
+        for first, last in split_layers(model.num_layers, len(partition), partition):
             engine = make_engine(
                 "torch",
                 model=model,

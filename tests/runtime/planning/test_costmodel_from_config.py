@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from wavepp.runtime.families import model_shape_from_hf
 from wavepp.runtime.hf_config import normalize_hf_config
 from wavepp.runtime.planning.catalogue import derived_cost_model, get_model
-from wavepp.runtime.planning.from_config import spec_from_hf_config
 
 # Published config.json fields (docs/model-costs.md): GLM-5.2 and MiniMax-M2.7.
 GLM_5_2 = {
@@ -49,7 +49,7 @@ MINIMAX_M2_7 = {
     ("cfg", "published"), [(GLM_5_2, "glm-5.2"), (MINIMAX_M2_7, "minimax-m2.7")]
 )
 def test_config_json_gives_the_published_models_compute(cfg, published) -> None:
-    spec = spec_from_hf_config(cfg, name="x")
+    spec = model_shape_from_hf(cfg, name="x")
     ref = get_model(published)
     assert spec.num_layers == ref.num_layers
     assert spec.linear_flops_per_token() == pytest.approx(ref.linear_flops_per_token())
@@ -57,13 +57,14 @@ def test_config_json_gives_the_published_models_compute(cfg, published) -> None:
 
 
 def test_every_family_gives_a_stage_cost_model() -> None:
-    from wavepp.bench.checkpoints import FAMILIES, hf_config_kwargs
+    from wavepp.bench.checkpoints import hf_config_kwargs
+    from wavepp.runtime.families import FAMILIES
 
     transformers = pytest.importorskip("transformers")
     for family in FAMILIES:
         kwargs = hf_config_kwargs(family, num_layers=6)
         cfg = normalize_hf_config(transformers.AutoConfig.for_model(family, **kwargs).to_dict())
-        spec = spec_from_hf_config(cfg, name=family)
+        spec = model_shape_from_hf(cfg, name=family)
         assert spec.num_layers == 6
         kinds = {layer.kind for layer in spec.layers}
         if family in ("deepseek_v3", "glm_moe_dsa", "kimi_linear"):
@@ -78,4 +79,4 @@ def test_every_family_gives_a_stage_cost_model() -> None:
 
 def test_unknown_model_type_is_refused() -> None:
     with pytest.raises(ValueError, match="model_type='qwen3_next'"):
-        spec_from_hf_config({**MINIMAX_M2_7, "model_type": "qwen3_next"}, name="x")
+        model_shape_from_hf({**MINIMAX_M2_7, "model_type": "qwen3_next"}, name="x")

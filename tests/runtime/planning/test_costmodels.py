@@ -20,7 +20,6 @@ from wavepp.runtime.planning.catalogue import (
     derived_stage_cost_models,
     get_model,
     list_models,
-    stage_layer_ranges,
 )
 
 PAPER_MODELS = ["glm-5.2", "minimax-m2.7", "kimi-k3", "deepseek-v3.2"]
@@ -135,46 +134,6 @@ def test_sparse_attention_and_recurrence_terms() -> None:
     assert kda[0].other_flops_per_token == pytest.approx(17e6, rel=0.05)
     mla = [layer for layer in get_model("kimi-k3").layers if layer.kind.startswith("mla")]
     assert mla[0].context_flops_per_token == 2 * 512 * 96 * (128 + 128)
-
-
-def test_stage_layer_ranges() -> None:
-    assert stage_layer_ranges(78, 4) == [(0, 20), (20, 40), (40, 59), (59, 78)]
-    assert stage_layer_ranges(8, 1) == [(0, 8)]
-    for num_layers, num_stages in [(93, 7), (61, 8), (62, 62)]:
-        ranges = stage_layer_ranges(num_layers, num_stages)
-        assert ranges[0][0] == 0 and ranges[-1][1] == num_layers
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
-        sizes = [last - first for first, last in ranges]
-        assert max(sizes) - min(sizes) <= 1
-    with pytest.raises(ValueError, match="num_stages"):
-        stage_layer_ranges(4, 5)
-
-
-@pytest.mark.parametrize("model", list_models())
-@pytest.mark.parametrize("num_stages", [1, 2, 4])
-def test_stage_costs_sum_to_the_whole(model: str, num_stages: int) -> None:
-    gpu = get_model(model).default_gpu
-    whole = derived_cost_model(model, num_stages=1, layers=None)
-    stages = derived_stage_cost_models(model, num_stages=num_stages)
-    assert len(stages) == num_stages
-    # The fixed launch overhead is paid per stage; everything else adds up.
-    assert sum(s.c - gpu.overhead_s for s in stages) == pytest.approx(whole.c - gpu.overhead_s)
-    for name in ("g", "b", "a"):
-        assert sum(getattr(s, name) for s in stages) == pytest.approx(getattr(whole, name))
-    for L, x in [(0, 1), (0, 8192), (65536, 4096)]:
-        assert sum(s.chunk_cost_s(L, x) for s in stages) == pytest.approx(whole.chunk_cost_s(L, x))
-
-
-@pytest.mark.parametrize("model", list_models())
-def test_costs_positive_and_monotone(model: str) -> None:
-    for stage in derived_stage_cost_models(model, num_stages=4):
-        assert stage.c > 0 and stage.b > 0 and stage.a > 0 and stage.g > 0
-        assert stage.label == "derived"
-        previous = 0.0
-        for x in (1, 16, 512, 4096, 8192):
-            costs = [stage.microbatch_cost_s([(L, x)]) for L in (0, 1024, 32768, 131072)]
-            assert costs == sorted(costs) and costs[0] > previous
-            previous = costs[0]
 
 
 def test_kimi_stage_without_mla_layers_has_no_l_term() -> None:

@@ -15,7 +15,7 @@ from wavepp.bench.trace import TokenMapper, load_trace
 from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.runtime.agreement import AgreementController, AgreementRefused
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.planning.catalogue import H200, GPUSpec, LayerCost, ModelSpec
+from wavepp.runtime.planning.catalogue import H200, GPUSpec, LayerCost, ModelShape
 from wavepp.runtime.planning.memory import (
     FIXED_KV_BLOCKS,
     default_kv_blocks,
@@ -30,7 +30,7 @@ LARGEST_MICROBATCH_TOKENS = max(RuntimeConfig().max_microbatch_tokens, 8192)
 TOY_GPU = GPUSpec("toy", peak_flops=1.0, hbm_bytes_per_s=1.0, memory_bytes=1000.0)
 
 
-def _toy_model(weight_bytes: float, kv_bytes: list[float], num_kv_heads: int = 1) -> ModelSpec:
+def _toy_model(weight_bytes: float, kv_bytes: list[float], num_kv_heads: int = 1) -> ModelShape:
     layers = tuple(
         LayerCost(
             kind="toy",
@@ -45,7 +45,7 @@ def _toy_model(weight_bytes: float, kv_bytes: list[float], num_kv_heads: int = 1
         )
         for kv in kv_bytes
     )
-    return ModelSpec(
+    return ModelShape(
         name="toy",
         hf_repo="(none)",
         layers=layers,

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from wavepp.api.layer_split import split_layers
+from wavepp.runtime.families import FAMILIES
 from wavepp.runtime.hf_config import load_model_dir
-from wavepp.runtime.stage.engine import ChunkSpec, make_engine, partition_layers
+from wavepp.runtime.stage.engine import ChunkSpec, make_engine
 from wavepp.runtime.stage.engine.checkpoint_engine import CheckpointStageEngine
 from wavepp.runtime.stage.engine.layers.kda import KDAAttention
 
@@ -34,9 +36,7 @@ VOCAB = 256
 SPLITS = [(1, None), (2, [3, 2]), (4, [1, 2, 1, 1])]
 
 
-@pytest.fixture(
-    scope="module", params=["deepseek_v3", "glm_moe_dsa", "minimax_m2", "kimi_linear", "llama"]
-)
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
 def checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     out = tmp_path_factory.mktemp(request.param)
     model = save_random_checkpoint(request.param, out, num_layers=NUM_LAYERS, vocab_size=VOCAB)
@@ -58,7 +58,7 @@ class Pipeline:
         self.free: list[list[int]] = []
         self.tables: dict[str, list[list[int]]] = {}
         for rank, (first, last) in enumerate(
-            partition_layers(self.model.num_layers, num_stages, partition)
+            split_layers(self.model.num_layers, num_stages, partition)
         ):
             engine = make_engine(
                 "torch",

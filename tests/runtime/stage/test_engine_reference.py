@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from wavepp.runtime.stage.engine import ChunkSpec, ModelConfig, make_engine, partition_layers
+from wavepp.api.layer_split import split_layers
+from wavepp.runtime.stage.engine import ChunkSpec, ModelConfig, make_engine
 from wavepp.runtime.stage.engine.torch_engine import TorchStageEngine, build_full_state_dict
 
 transformers = pytest.importorskip("transformers")
@@ -69,7 +70,7 @@ class Pipeline:
         self.block_size = block_size
         self.engines = []
         self.free: list[list[int]] = []
-        for rank, (first, last) in enumerate(partition_layers(CONFIG.num_layers, num_stages)):
+        for rank, (first, last) in enumerate(split_layers(CONFIG.num_layers, num_stages)):
             engine = make_engine(
                 "torch",
                 model=CONFIG,

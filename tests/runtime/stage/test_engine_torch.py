@@ -13,7 +13,6 @@ from wavepp.runtime.stage.engine import (
     StageEngine,
     get_preset,
     make_engine,
-    partition_layers,
 )
 from wavepp.runtime.stage.engine.torch_engine import (
     TorchStageEngine,
@@ -58,28 +57,6 @@ def chunk(
 
 
 # ---------------------------------------------------------------- model config, partition
-
-
-def test_partition_layers_balanced_and_explicit() -> None:
-    assert partition_layers(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
-    assert partition_layers(8, 2) == [(0, 4), (4, 8)]
-    assert partition_layers(3, 1) == [(0, 3)]
-    assert partition_layers(8, 3, [2, 5, 1]) == [(0, 2), (2, 7), (7, 8)]
-
-
-@pytest.mark.parametrize(
-    ("args", "match"),
-    [
-        ((8, 3, [2, 5]), "partition"),
-        ((8, 3, [2, 5, 2]), "partition.*sums to 9"),
-        ((8, 2, [8, 0]), "partition"),
-        ((2, 3, None), "num_layers=2"),
-        ((4, 0, None), "num_stages=0"),
-    ],
-)
-def test_partition_layers_errors(args: tuple, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        partition_layers(*args)
 
 
 def test_model_config_validation_and_presets() -> None:

@@ -20,7 +20,8 @@ Validation happens in three places, each catching what it can:
 :func:`check_spec` runs 2 and 3 and returns every problem as a :class:`SpecIssue` with the field
 path (``spec.layerPartition``), which the operator writes into the pipeline's conditions.
 
-The package: ``models`` (``WavePipelineSpec``, its cross-field checks, the layer split),
+The package: ``models`` (``WavePipelineSpec``, its cross-field checks; the layer split is
+``wavepp.api.layer_split``'s),
 ``parts`` (the section models: model, resources, cache, scheduler, NATS, tenants, autoscaling,
 telemetry, restart budget, rollout; the bounds ``MAX_REPLICAS`` and ``MAX_TENANTS``), ``errors`` (:class:`SpecError`), ``base`` (the wire base class),
 ``engine_options`` (the free-form ``engineOptions``' keys, types and bounds), ``checks`` (what
@@ -49,7 +50,6 @@ from wavepp.api.spec.models import (
     PLURAL,
     SpecError,
     WavePipelineSpec,
-    split_layers,
 )
 from wavepp.api.spec.parts import (
     MAX_REPLICAS,
@@ -126,6 +126,5 @@ __all__ = [
     "load_spec_file",
     "read_spec_mapping",
     "spec_issues",
-    "split_layers",
     "validation_issues",
 ]

@@ -1,4 +1,4 @@
-"""The WavePipeline spec model: ``WavePipelineSpec``, its cross-field checks, and the layer split.
+"""The WavePipeline spec model: ``WavePipelineSpec`` and its cross-field checks.
 
 Field names: Python attributes are snake_case, the wire format (CRD, JSON, YAML) is camelCase as
 Kubernetes objects are; both are accepted on input, camelCase is written. The section models live
@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
+from wavepp.api.layer_split import LayerSplitError, split_layers
 from wavepp.api.spec.base import WireModel
 from wavepp.api.spec.checks import check_engine
 from wavepp.api.spec.engine_options import check_engine_options
@@ -143,7 +144,7 @@ class WavePipelineSpec(WireModel):
 
     def stage_layer_ranges(self) -> list[tuple[int, int]]:
         """``[(first, last), ...]`` per stage; stage r holds layers ``[first, last)``."""
-        return split_layers(self.num_layers(), self.num_stages, self.layer_partition)
+        return _split(self.num_layers(), self.num_stages, self.layer_partition)
 
     def gpus_per_stage(self) -> int:
         """GPUs each stage pod requests (``resources.gpusPerStage``, else the TP size; 0 for
@@ -220,59 +221,21 @@ class WavePipelineSpec(WireModel):
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
-def split_layers(
-    num_layers: int, num_stages: int, layer_partition: list[int] | None = None
+def _split(
+    num_layers: int, num_stages: int, layer_partition: list[int] | None
 ) -> list[tuple[int, int]]:
-    """Split ``num_layers`` into contiguous per-stage ranges (same rule as the runtime).
-
-    Args:
-        num_layers: decoder layers of the model (>= num_stages).
-        num_stages: stages S (>= 1).
-        layer_partition: optional layers per stage (length S, each >= 1, sum num_layers).
-
-    Returns:
-        ``[(first, last), ...]`` of length S; the balanced split gives the first
-        ``num_layers % S`` stages one more layer.
-
-    Raises:
-        SpecError: naming ``stages`` or ``layerPartition``.
-    """
-    if num_stages > num_layers:
-        raise SpecError(
-            "stages",
-            f"stages={num_stages} exceeds the model's {num_layers} layers; every stage needs "
-            f"at least one layer: use stages <= {num_layers}",
-        )
-    if layer_partition is None:
-        base, extra = divmod(num_layers, num_stages)
-        counts = [base + (1 if r < extra else 0) for r in range(num_stages)]
-    else:
-        counts = list(layer_partition)
-        if len(counts) != num_stages:
-            raise SpecError(
-                "layerPartition",
-                f"has {len(counts)} entries for stages={num_stages}; give one count per stage",
-            )
-        if any(c < 1 for c in counts):
-            raise SpecError("layerPartition", f"{counts}: every stage needs >= 1 layer")
-        if sum(counts) != num_layers:
-            raise SpecError(
-                "layerPartition",
-                f"{counts} sums to {sum(counts)} layers; the model has {num_layers}",
-            )
-    ranges = []
-    first = 0
-    for count in counts:
-        ranges.append((first, first + count))
-        first += count
-    return ranges
+    """:func:`~wavepp.api.layer_split.split_layers`, its refusal as a :class:`SpecError`."""
+    try:
+        return split_layers(num_layers, num_stages, layer_partition)
+    except LayerSplitError as exc:
+        raise SpecError(exc.field, exc.message) from None
 
 
 def _check_cross_fields(spec: WavePipelineSpec) -> None:
     """Checks that need several fields; raises :class:`SpecError` naming the first bad one."""
     num_layers = spec.model.num_layers()
     if num_layers is not None:
-        split_layers(num_layers, spec.num_stages, spec.layer_partition)
+        _split(num_layers, spec.num_stages, spec.layer_partition)
     elif spec.layer_partition is not None and len(spec.layer_partition) != spec.num_stages:
         raise SpecError(
             "layerPartition",

@@ -53,9 +53,10 @@ micro-batch per stage are assumptions, not measurements.
 
 from __future__ import annotations
 
+from wavepp.api.layer_split import split_layers
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.planning.published import MODELS, get_model, list_models
-from wavepp.runtime.planning.shapes import CPU, H200, MODELS_MD, GPUSpec, LayerCost, ModelSpec
+from wavepp.runtime.planning.shapes import CPU, H200, MODELS_MD, GPUSpec, LayerCost, ModelShape
 
 __all__ = [
     "CPU",
@@ -63,45 +64,16 @@ __all__ = [
     "H200",
     "LayerCost",
     "MODELS",
-    "ModelSpec",
+    "ModelShape",
     "derived_cost_model",
     "derived_stage_cost_models",
     "get_model",
     "list_models",
-    "stage_layer_ranges",
 ]
 
 
-def stage_layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """Even split of num_layers decoder layers over num_stages stages.
-
-    Sizes differ by at most one; the first num_layers % num_stages stages get one more layer
-    (the last stage also holds the lm_head). Same rule as the engines' balanced split
-    (wavepp.runtime.stage.worker.engine.model_config.partition_layers).
-
-    Returns:
-        [first, last) per stage, in stage order, contiguous and covering [0, num_layers).
-
-    Raises:
-        ValueError: num_stages < 1 or num_stages > num_layers.
-    """
-    if not 1 <= num_stages <= num_layers:
-        raise ValueError(
-            f"num_stages={num_stages}: must be in [1, num_layers={num_layers}] (a stage holds "
-            "at least one layer)"
-        )
-    base, extra = divmod(num_layers, num_stages)
-    sizes = [base + (1 if stage < extra else 0) for stage in range(num_stages)]
-    ranges = []
-    first = 0
-    for size in sizes:
-        ranges.append((first, first + size))
-        first += size
-    return ranges
-
-
 def _layers_cost_model(
-    spec: ModelSpec, gpu: GPUSpec, first: int, last: int, num_stages: int
+    spec: ModelShape, gpu: GPUSpec, first: int, last: int, num_stages: int
 ) -> CostModel:
     layers = spec.layers[first:last]
     flops = gpu.flops_per_s
@@ -123,7 +95,7 @@ def _layers_cost_model(
     )
 
 
-def _source(spec: ModelSpec, gpu: GPUSpec, what: str, num_stages: int) -> str:
+def _source(spec: ModelShape, gpu: GPUSpec, what: str, num_stages: int) -> str:
     return (
         f"derived: {spec.name} {what}, {num_stages} stages @ {gpu.name} "
         f"({gpu.peak_flops / 1e12:g} TFLOP/s x MFU {gpu.mfu:g}, "
@@ -133,9 +105,9 @@ def _source(spec: ModelSpec, gpu: GPUSpec, what: str, num_stages: int) -> str:
 
 
 def derived_stage_cost_models(
-    model: str | ModelSpec, gpu: GPUSpec | None = None, *, num_stages: int
+    model: str | ModelShape, gpu: GPUSpec | None = None, *, num_stages: int
 ) -> list[CostModel]:
-    """One derived CostModel per stage of an even layer split (stage_layer_ranges).
+    """One derived CostModel per stage of the balanced layer split (``split_layers``).
 
     Args:
         model: a name from list_models().
@@ -152,12 +124,12 @@ def derived_stage_cost_models(
     gpu = spec.default_gpu if gpu is None else gpu
     return [
         _layers_cost_model(spec, gpu, first, last, num_stages)
-        for first, last in stage_layer_ranges(spec.num_layers, num_stages)
+        for first, last in split_layers(spec.num_layers, num_stages)
     ]
 
 
 def derived_cost_model(
-    model: str | ModelSpec,
+    model: str | ModelShape,
     gpu: GPUSpec | None = None,
     *,
     num_stages: int,
@@ -182,7 +154,7 @@ def derived_cost_model(
     """
     spec = get_model(model)
     gpu = spec.default_gpu if gpu is None else gpu
-    ranges = stage_layer_ranges(spec.num_layers, num_stages)
+    ranges = split_layers(spec.num_layers, num_stages)
     if layers is not None:
         first, last = spec.layer_range(layers)
         return _layers_cost_model(spec, gpu, first, last, num_stages)

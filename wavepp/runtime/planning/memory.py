@@ -3,7 +3,7 @@
 Pure: no I/O, no torch. The model figures are the derived ones of ``planning.published``
 (docs/model-costs.md); the device is a ``GPUSpec`` with ``memory_bytes`` (H200: 141 GB).
 
-Formula, per stage r of an even layer split (``catalogue.stage_layer_ranges``), per GPU of the
+Formula, per stage r of the balanced layer split (``wavepp.api.layer_split``), per GPU of the
 stage's tensor-parallel group of t GPUs::
 
     usable     = memory_bytes * memory_utilization
@@ -65,8 +65,9 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from wavepp.runtime.planning.catalogue import get_model, stage_layer_ranges
-from wavepp.runtime.planning.shapes import GPUSpec, ModelSpec
+from wavepp.api.layer_split import split_layers
+from wavepp.runtime.planning.catalogue import get_model
+from wavepp.runtime.planning.shapes import GPUSpec, ModelShape
 
 __all__ = [
     "DEFAULT_MEMORY_UTILIZATION",
@@ -127,7 +128,7 @@ class StageMemory:
 
 
 def _stage_memory(
-    spec: ModelSpec,
+    spec: ModelShape,
     gpu: GPUSpec,
     *,
     rank: int,
@@ -170,7 +171,7 @@ def _stage_memory(
 
 
 def derived_stage_memory(
-    model: str | ModelSpec,
+    model: str | ModelShape,
     *,
     num_stages: int,
     block_size: int,
@@ -182,8 +183,8 @@ def derived_stage_memory(
     """Each stage's memory budget and KV capacity (formula and assumptions: module docstring).
 
     Args:
-        model: a name from ``catalogue.list_models()``, or a ModelSpec.
-        num_stages: S; stages hold an even layer split (``stage_layer_ranges``).
+        model: a name from ``catalogue.list_models()``, or a ModelShape.
+        num_stages: S; stages hold the balanced layer split (``split_layers``).
         block_size: tokens per KV block.
         max_microbatch_tokens: new tokens of the largest micro-batch (the activation workspace).
         gpu: device; None uses the model's default (H200). Needs ``memory_bytes``.
@@ -201,7 +202,7 @@ def derived_stage_memory(
             attention layers); or the weights and activations leave no KV block, naming the
             model, stage count, GPUs per stage and the memory needed.
     """
-    spec = model if isinstance(model, ModelSpec) else get_model(model)
+    spec = model if isinstance(model, ModelShape) else get_model(model)
     gpu = spec.default_gpu if gpu is None else gpu
     for name, value in (
         ("block_size", block_size),
@@ -218,7 +219,7 @@ def derived_stage_memory(
             f"gpu={gpu.name!r} has no memory_bytes: no KV capacity can be derived for "
             f"{spec.name}; give the capacity in blocks (--kv-blocks)"
         )
-    ranges = stage_layer_ranges(spec.num_layers, num_stages)
+    ranges = split_layers(spec.num_layers, num_stages)
     for rank, (first, last) in enumerate(ranges):
         if not any(layer.kv_bytes_per_token > 0 for layer in spec.layers[first:last]):
             raise ValueError(
@@ -266,7 +267,7 @@ def _format_bytes(num_bytes: float) -> str:
 
 
 def derived_kv_blocks(
-    model: str | ModelSpec,
+    model: str | ModelShape,
     *,
     num_stages: int,
     block_size: int,
@@ -294,7 +295,7 @@ def derived_kv_blocks(
 
 
 def default_kv_blocks(
-    model: str | ModelSpec, *, num_stages: int, block_size: int, max_microbatch_tokens: int
+    model: str | ModelShape, *, num_stages: int, block_size: int, max_microbatch_tokens: int
 ) -> tuple[list[int], str]:
     """The emulated engine's KV capacity when none is given, and where it comes from.
 
@@ -347,7 +348,7 @@ class ReplicaShape(Protocol):
 
 
 def default_emulated_kv_blocks(
-    config: ReplicaShape, emulate: str | ModelSpec
+    config: ReplicaShape, emulate: str | ModelShape
 ) -> tuple[list[int], str]:
     """The emulated engine's KV capacity when none is given: derived per stage from the
     emulated model and device (:func:`default_kv_blocks`) for ``config``'s stages,
@@ -356,7 +357,7 @@ def default_emulated_kv_blocks(
     Args:
         config: the replica's config (a RuntimeConfig: num_stages, block_size, the largest
             micro-batch).
-        emulate: the emulated model's name (``catalogue.list_models()``) or its ModelSpec.
+        emulate: the emulated model's name (``catalogue.list_models()``) or its ModelShape.
 
     Returns:
         (blocks per stage, a one-line source to show the user).

@@ -1,4 +1,4 @@
-"""The paper's models (and tiny-llama) as ``ModelSpec``s, from the published shapes in
+"""The paper's models (and tiny-llama) as ``ModelShape``s, from the published shapes in
 docs/model-costs.md (architecture table, config.json fields). Pure: no I/O, no torch.
 """
 
@@ -16,7 +16,7 @@ from wavepp.runtime.planning.shapes import (
     H200,
     KDA_CHUNK_TOKENS,
     MXFP4_BYTES,
-    ModelSpec,
+    ModelShape,
     MoE,
     activation_bytes_per_token,
     gqa_weights,
@@ -49,7 +49,7 @@ def _dsa_model(
     dense_ffn: int,
     moe: MoE,
     vocab: int,
-) -> ModelSpec:
+) -> ModelShape:
     """MLA + DSA (+ MoE) models: GLM-5.2 and DeepSeek-V3.2, FP8 block-scaled weights."""
     mla = mla_weights(d, heads, q_lora, kv_lora, nope, rope, v, gated=False)
     indexer = indexer_weights(d, q_lora, index_heads, index_dim)
@@ -84,7 +84,7 @@ def _dsa_model(
                 kv_bytes_per_token=latent_bytes + (DSA_INDEXER_KEY_BYTES if has_indexer else 0),
             )
         )
-    return ModelSpec(
+    return ModelShape(
         name=name,
         hf_repo=hf_repo,
         layers=tuple(layers),
@@ -104,7 +104,7 @@ def _dsa_model(
     )
 
 
-def _glm_5_2() -> ModelSpec:
+def _glm_5_2() -> ModelShape:
     # docs/model-costs.md: indexer in 21 "full" layers 0, 1, 2, 6, 10, ..., 74 (IndexShare).
     indexer_layers = frozenset([0, 1, 2, *range(6, 75, 4)])
     assert len(indexer_layers) == 21, "GLM-5.2 has 21 indexer layers (docs/model-costs.md)"
@@ -137,7 +137,7 @@ def _glm_5_2() -> ModelSpec:
     )
 
 
-def _deepseek_v3_2() -> ModelSpec:
+def _deepseek_v3_2() -> ModelShape:
     return _dsa_model(
         name="deepseek-v3.2",
         hf_repo="deepseek-ai/DeepSeek-V3.2",
@@ -167,7 +167,7 @@ def _deepseek_v3_2() -> ModelSpec:
     )
 
 
-def _minimax_m2_7() -> ModelSpec:
+def _minimax_m2_7() -> ModelShape:
     d, heads, kv_heads, head_dim, vocab = 3072, 48, 8, 128, 200064
     moe = MoE(
         d=d,
@@ -190,7 +190,7 @@ def _minimax_m2_7() -> ModelSpec:
         kv_bytes_per_token=2 * kv_heads * head_dim * BF16_BYTES,
         num_kv_heads=kv_heads,
     )
-    return ModelSpec(
+    return ModelShape(
         name="minimax-m2.7",
         hf_repo="MiniMaxAI/MiniMax-M2.7",
         layers=(layer,) * 62,
@@ -204,7 +204,7 @@ def _minimax_m2_7() -> ModelSpec:
     )
 
 
-def _kimi_k3() -> ModelSpec:
+def _kimi_k3() -> ModelShape:
     d, vocab = 7168, 163840
     heads, q_lora, kv_lora, nope, rope, v = 96, 1536, 512, 128, 64, 128
     kda_heads, kda_dim, decay_rank = 96, 128, 128
@@ -259,7 +259,7 @@ def _kimi_k3() -> ModelSpec:
                 other_flops_per_token=float(recurrence),
             )
         layers.append(layer)
-    return ModelSpec(
+    return ModelShape(
         name="kimi-k3",
         hf_repo="moonshotai/Kimi-K3",
         layers=tuple(layers),
@@ -281,7 +281,7 @@ def _kimi_k3() -> ModelSpec:
     )
 
 
-def _tiny_llama() -> ModelSpec:
+def _tiny_llama() -> ModelShape:
     """The project's "tiny-llama" preset (wavepp.runtime.stage.worker.engine.model_config), fp32 on CPU.
 
     Llama-style: hidden 128, 8 layers, 4 heads, 2 KV heads, head_dim 32, SwiGLU 352, vocab 1024.
@@ -300,7 +300,7 @@ def _tiny_llama() -> ModelSpec:
         kv_bytes_per_token=2 * kv_heads * head_dim * FP32_BYTES,
         num_kv_heads=kv_heads,
     )
-    return ModelSpec(
+    return ModelShape(
         name="tiny-llama",
         hf_repo="(none: random weights from a config)",
         layers=(layer,) * num_layers,
@@ -318,7 +318,7 @@ def _tiny_llama() -> ModelSpec:
     )
 
 
-_BUILDERS: dict[str, Callable[[], ModelSpec]] = {
+_BUILDERS: dict[str, Callable[[], ModelShape]] = {
     "glm-5.2": _glm_5_2,
     "minimax-m2.7": _minimax_m2_7,
     "kimi-k3": _kimi_k3,
@@ -327,10 +327,10 @@ _BUILDERS: dict[str, Callable[[], ModelSpec]] = {
 }
 
 
-MODELS: dict[str, ModelSpec] = {name: build() for name, build in _BUILDERS.items()}
+MODELS: dict[str, ModelShape] = {name: build() for name, build in _BUILDERS.items()}
 
 
-"""Model name -> ModelSpec: the paper's GLM-5.2, MiniMax-M2.7, Kimi K3, plus DeepSeek-V3.2 and
+"""Model name -> ModelShape: the paper's GLM-5.2, MiniMax-M2.7, Kimi K3, plus DeepSeek-V3.2 and
 tiny-llama."""
 
 
@@ -339,14 +339,14 @@ def list_models() -> list[str]:
     return list(MODELS)
 
 
-def get_model(model: str | ModelSpec) -> ModelSpec:
-    """The ModelSpec of a name in list_models(); a ModelSpec is returned as is (e.g. one from
-    a checkpoint's config.json, ``from_config.spec_from_hf_config``).
+def get_model(model: str | ModelShape) -> ModelShape:
+    """The ModelShape of a name in list_models(); a ModelShape is returned as is (e.g. one from
+    a checkpoint's config.json, ``families.model_shape_from_hf``).
 
     Raises:
         ValueError: unknown name (the message lists the known ones).
     """
-    if isinstance(model, ModelSpec):
+    if isinstance(model, ModelShape):
         return model
     try:
         return MODELS[model]

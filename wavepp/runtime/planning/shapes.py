@@ -1,5 +1,5 @@
 """The vocabulary of the derived cost models: a GPU's roofline (``GPUSpec``, ``H200``, ``CPU``), a
-layer's cost per token and per (query, key) pair (``LayerCost``), a model (``ModelSpec``), and the
+layer's cost per token and per (query, key) pair (``LayerCost``), a model (``ModelShape``), and the
 weight counts of the layer kinds (MLA, GQA, KDA, the DSA indexer, MLP, MoE). Formulas and
 assumptions: ``wavepp.runtime.planning.catalogue``'s docstring. Pure: no I/O, no torch.
 """
@@ -149,7 +149,7 @@ class LayerCost:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelShape:
     """A model's per-layer costs, from docs/model-costs.md.
 
     Attributes:

@@ -8,7 +8,6 @@ from wavepp.runtime.model_config import (
     PRESETS,
     ModelConfig,
     get_preset,
-    partition_layers,
 )
 from wavepp.runtime.stage.engine.base import (
     ChunkSpec,
@@ -31,5 +30,4 @@ __all__ = [
     "build_prepared_batch",
     "get_preset",
     "make_engine",
-    "partition_layers",
 ]

@@ -16,9 +16,9 @@ import os
 import re
 from pathlib import Path
 
-from wavepp.runtime.hf_config import read_hf_config
+from wavepp.runtime.families import LayerPlan
+from wavepp.runtime.hf_config import layer_plan_from_hf, read_hf_config
 from wavepp.runtime.model_config import balanced_partition
-from wavepp.runtime.stage.engine.architecture import Architecture
 from wavepp.runtime.stage.engine.checkpoint import CheckpointReader
 
 __all__ = ["checkpoint_partition", "layer_active_params"]
@@ -27,8 +27,8 @@ _EXPERT = re.compile(r"^model\.layers\.(\d{1,9})\..*\.experts\.\d+\.")
 _LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.")
 
 
-def layer_active_params(model_dir: str | os.PathLike[str]) -> tuple[list[float], Architecture]:
-    """Active parameters per token of each decoder layer, and the architecture.
+def layer_active_params(model_dir: str | os.PathLike[str]) -> tuple[list[float], LayerPlan]:
+    """Active parameters per token of each decoder layer, and the layer plan.
 
     Reads config.json (fields checked and bounded by ``read_hf_config``) and the safetensors
     headers (no tensor data).
@@ -39,27 +39,27 @@ def layer_active_params(model_dir: str | os.PathLike[str]) -> tuple[list[float],
     """
     cfg = read_hf_config(model_dir)
     try:
-        arch = Architecture.from_hf(cfg)
+        plan = layer_plan_from_hf(cfg)
     except KeyError as exc:
         raise ValueError(
             f"{Path(model_dir) / 'config.json'}: field {exc.args[0]!r} is missing; a "
             f"{cfg.get('model_type')} config needs it"
         ) from None
     reader = CheckpointReader(model_dir)
-    dense = [0.0] * arch.num_layers
-    experts = [0.0] * arch.num_layers
+    dense = [0.0] * plan.num_layers
+    experts = [0.0] * plan.num_layers
     for _file, shapes in reader.shard_shapes():
         for name, (shape, _dtype) in shapes.items():
             m = _LAYER.match(name)
-            if not m or int(m.group(1)) >= arch.num_layers:
+            if not m or int(m.group(1)) >= plan.num_layers:
                 continue
             numel = 1
             for dim in shape:
                 numel *= dim
             target = experts if _EXPERT.match(name) else dense
             target[int(m.group(1))] += numel
-    share = arch.moe.top_k / arch.moe.num_experts if arch.moe is not None else 0.0
-    return [d + share * e for d, e in zip(dense, experts, strict=True)], arch
+    share = plan.moe.top_k / plan.moe.num_experts if plan.moe is not None else 0.0
+    return [d + share * e for d, e in zip(dense, experts, strict=True)], plan
 
 
 def checkpoint_partition(model_dir: str | os.PathLike[str], num_stages: int) -> list[int]:
@@ -73,13 +73,13 @@ def checkpoint_partition(model_dir: str | os.PathLike[str], num_stages: int) -> 
         ValueError: S out of range or no allowed split (names them), or as
             :func:`layer_active_params`.
     """
-    costs, arch = layer_active_params(model_dir)
+    costs, plan = layer_active_params(model_dir)
     allowed = None
-    if arch.dsa is not None:
-        allowed = list(arch.indexer_full)
+    if plan.dsa is not None:
+        allowed = list(plan.indexer_full)
     return balanced_partition(
         costs,
         num_stages,
         allowed_starts=allowed,
-        last_extra=float(arch.vocab_size * arch.hidden_size),
+        last_extra=float(plan.vocab_size * plan.hidden_size),
     )

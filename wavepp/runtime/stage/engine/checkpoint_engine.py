@@ -1,111 +1,30 @@
-"""Torch stage engine over a Hugging Face checkpoint: Llama, DeepSeek-V3, MiniMax-M2, GLM-5,
-Kimi-Linear.
+"""Torch stage engine over a Hugging Face checkpoint directory: every registered family
+(``wavepp.runtime.families``: Llama, DeepSeek-V3, MiniMax-M2, GLM-5, Kimi-Linear).
 
-Each decoder layer is ``h = h + attn(RMSNorm(h)); h = h + ffn(RMSNorm(h))`` with the attention
-and feed-forward blocks of its family (``architecture.py``, ``layers/``). Each attention layer
-owns its paged cache (K/V for GQA, the latent for MLA) over the stage's slots
-``num_blocks * block_size``; the block tables, slot mapping and masks are the shared
-``PreparedBatch`` (``base.py``), so chunking and prefix reuse work as for the Llama engine.
-
-The stage reads only its own tensors from the checkpoint (``checkpoint.py``); ``bytes_read``
-says how many bytes that was. With tensor parallelism (``tensor_parallel.py``) each TP rank reads
-only its share of the sharded tensors and holds its heads' cache.
+The forward is :class:`~wavepp.runtime.stage.engine.decoder.DecoderStageEngine`'s; this class
+reads ``config.json`` (its layer plan must agree with the runtime's ``ModelConfig``) and only
+this stage's tensors from the checkpoint (``checkpoint.py``); ``bytes_read`` says how many bytes
+that was. With tensor parallelism (``tensor_parallel.py``) each TP rank reads only its share of
+the sharded tensors and holds its heads' cache.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
 import torch
 
-from wavepp.runtime.hf_config import model_config_from_hf, read_hf_config
+from wavepp.runtime.families import family_of
+from wavepp.runtime.hf_config import layer_plan_from_hf, model_config_from_hf, read_hf_config
 from wavepp.runtime.model_config import ModelConfig
-from wavepp.runtime.stage.engine.architecture import Architecture
-from wavepp.runtime.stage.engine.base import (
-    ChunkSpec,
-    PagedStageEngineBase,
-    PreparedBatch,
-    StageOutput,
-)
 from wavepp.runtime.stage.engine.checkpoint import CheckpointReader, stage_tensor_names
-from wavepp.runtime.stage.engine.layers.common import rms_norm, rope_cos_sin
-from wavepp.runtime.stage.engine.layers.dsa import DSAIndexer
-from wavepp.runtime.stage.engine.layers.gqa import GQAAttention
-from wavepp.runtime.stage.engine.layers.kda import KDAAttention
-from wavepp.runtime.stage.engine.layers.mla import MLAAttention
-from wavepp.runtime.stage.engine.layers.moe import DenseMLP, SparseMoE
+from wavepp.runtime.stage.engine.decoder import DecoderStageEngine, torch_dtype
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
-from wavepp.runtime.stage.engine.torch_common import causal_masks, last_stage_output, stage_input
-from wavepp.runtime.stage.engine.torch_engine import TorchPreparedBatch, torch_dtype
 
 __all__ = ["CheckpointStageEngine"]
 
 
-class _Layer:
-    """One decoder layer: norms, attention block, feed-forward block."""
-
-    def __init__(
-        self,
-        arch: Architecture,
-        index: int,
-        get,  # noqa: ANN001
-        interval: int,
-        tp: TPGroup,
-    ) -> None:
-        p = f"model.layers.{index}."
-        d = arch.hidden_size
-        self.input_norm = get(p + "input_layernorm.weight", (d,))
-        self.post_norm = get(p + "post_attention_layernorm.weight", (d,))
-        self.attn: GQAAttention | MLAAttention | KDAAttention
-        if arch.is_linear(index):
-            assert arch.kda is not None and tp.size == 1, "checked by the engine"
-            self.attn = KDAAttention(arch.kda, get, p + "self_attn.", interval)
-        elif arch.mla is not None:
-            self.attn = MLAAttention(arch.mla, get, p + "self_attn.", tp)
-        else:
-            assert arch.gqa is not None
-            self.attn = GQAAttention(arch.gqa, get, p + "self_attn.", tp)
-        self.indexer: DSAIndexer | None = None
-        if arch.dsa is not None and arch.indexer_full[index]:
-            self.indexer = DSAIndexer(arch.dsa, get, p + "self_attn.indexer.")
-        self.uses_dsa = arch.dsa is not None
-        if arch.is_moe(index):
-            assert arch.moe is not None
-            self.ffn: SparseMoE | DenseMLP = SparseMoE(arch.moe, get, p, tp)
-        else:
-            self.ffn = DenseMLP(d, arch.dense_intermediate, get, p + arch.mlp_prefix, tp)
-        self.eps = arch.eps
-
-    def forward(
-        self, h: torch.Tensor, batch: TorchPreparedBatch, shared: dict[str, object]
-    ) -> torch.Tensor:
-        """One layer; ``shared`` carries the DSA selection from a full layer to the shared
-        layers after it (within this stage and micro-batch)."""
-        x = rms_norm(h, self.input_norm, self.eps)
-        if self.uses_dsa:
-            assert isinstance(self.attn, MLAAttention)
-            q, q_resid = self.attn.queries(x, batch)
-            self.attn.write_latents(x, batch)
-            if self.indexer is not None:
-                assert q_resid is not None
-                shared["dsa_masks"] = self.indexer.select(x, q_resid, batch)
-            h = h + self.attn.attend_chunks(q, batch, shared["dsa_masks"])
-        else:
-            h = h + self.attn.forward(x, batch)
-        return h + self.ffn.forward(rms_norm(h, self.post_norm, self.eps))
-
-    def allocate(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.attn.allocate(num_slots, device, dtype)
-        if self.indexer is not None:
-            self.indexer.allocate(num_slots, device, dtype)
-
-    @property
-    def cache_bytes(self) -> int:
-        return self.attn.cache_bytes + (self.indexer.cache_bytes if self.indexer else 0)
-
-
-class CheckpointStageEngine(PagedStageEngineBase):
+class CheckpointStageEngine(DecoderStageEngine):
     """Decoder layers ``[first_layer, last_layer)`` of a checkpoint over a paged cache."""
 
     def __init__(
@@ -166,24 +85,22 @@ class CheckpointStageEngine(PagedStageEngineBase):
         if self.device.type == "cpu" and dtype != torch.float32:
             raise ValueError(f"model.dtype={model.dtype!r} on device 'cpu'; use float32 on CPU")
         self.model = model
-        self.arch = Architecture.from_hf(cfg)
-        self.arch.check_stage_start(first_layer)
-        if tp.size > 1 and self.arch.kda is not None:
+        plan = layer_plan_from_hf(cfg)
+        plan.check_stage_start(first_layer)
+        family = family_of(plan.model_type)
+        if tp.size > 1 and not family.tensor_parallel:
             raise ValueError(
                 f"tensor_parallel_size={tp.size} (--tensor-parallel-size / "
-                f"spec.tensorParallelSize): family {self.arch.model_type!r} (KDA linear "
-                "attention) is not sharded; use 1"
+                f"spec.tensorParallelSize): family {family.model_type!r} ({family.summary}) "
+                "is not sharded; use 1"
             )
-        self.tp = tp
-        self.hidden_size = model.hidden_size
-        self.activation_dtype = dtype
         self.reader = CheckpointReader(model_dir)
         names = stage_tensor_names(
             self.reader.weight_map,
             first_layer,
             last_layer,
             model.num_layers,
-            tie_word_embeddings=self.arch.tie_word_embeddings,
+            tie_word_embeddings=plan.tie_word_embeddings,
         )
         wanted = set(names)
         used: set[str] = set()
@@ -198,30 +115,13 @@ class CheckpointStageEngine(PagedStageEngineBase):
             used.add(name)
             return t.to(device=self.device, dtype=dtype).contiguous()
 
-        a = self.arch
-        # NOTE: only the TP leader returns logits: followers read no final norm and no lm_head.
+        self._build(plan, get, dtype=dtype, tp=tp, state_interval_blocks=state_interval_blocks)
         has_head = self.is_last and tp.is_leader
-        self._embed = (
-            get("model.embed_tokens.weight", (a.vocab_size, a.hidden_size))
-            if self.is_first or (has_head and a.tie_word_embeddings)
-            else None
-        )
-        self._layers = [
-            _Layer(a, i, get, state_interval_blocks, tp) for i in range(first_layer, last_layer)
-        ]
-        self._final_norm = get("model.norm.weight", (a.hidden_size,)) if has_head else None
-        self._lm_head = None
-        if has_head:
-            self._lm_head = (
-                self._embed
-                if a.tie_word_embeddings
-                else get("lm_head.weight", (a.vocab_size, a.hidden_size))
-            )
         self.reader.close()
         unused = sorted(set(names) - used)
         if not has_head:
             unused = [n for n in unused if n not in ("model.norm.weight", "lm_head.weight")]
-            if self.is_last and a.tie_word_embeddings and not self.is_first:
+            if self.is_last and plan.tie_word_embeddings and not self.is_first:
                 unused = [n for n in unused if n != "model.embed_tokens.weight"]
         if unused:
             raise ValueError(
@@ -233,70 +133,3 @@ class CheckpointStageEngine(PagedStageEngineBase):
     def bytes_read(self) -> int:
         """Tensor bytes this stage read from the checkpoint."""
         return self.reader.bytes_read
-
-    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
-        """Allocate every local layer's zeroed cache of num_blocks * block_size slots.
-
-        Bytes per token and layer: GQA 2 * kv_heads * head_dim * elem; MLA (kv_lora_rank +
-        qk_rope_head_dim) * elem, plus index_head_dim * elem in a DSA full layer.
-
-        Raises:
-            ValueError: num_blocks or block_size < 1.
-        """
-        super().allocate_kv(num_blocks, block_size)
-        for layer in self._layers:
-            layer.allocate(num_blocks * block_size, self.device, self.activation_dtype)
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        """Bytes of the allocated caches (0 before allocate_kv)."""
-        return sum(layer.cache_bytes for layer in self._layers)
-
-    def prepare(self, chunks: Sequence[ChunkSpec]) -> TorchPreparedBatch:
-        """Block tables, slots, positions, RoPE tables ([T, rotary_dim]) and causal masks.
-
-        Raises:
-            ValueError: a chunk field is invalid (see ``build_prepared_batch``).
-            RuntimeError: allocate_kv has not run.
-        """
-        base = self._prepare_common(
-            chunks, vocab_size=self.model.vocab_size, max_position=self.model.max_position
-        )
-        cos, sin = rope_cos_sin(
-            base.positions, self.arch.rotary_dim, self.arch.rope_theta, self.activation_dtype
-        )
-        return TorchPreparedBatch(
-            **base.base_fields(),
-            rope_cos=cos,
-            rope_sin=sin,
-            attn_masks=causal_masks(base.chunks, self.device),
-        )
-
-    @torch.inference_mode()
-    def execute(self, prepared: PreparedBatch, hidden_in: torch.Tensor | None) -> StageOutput:
-        """Run this stage's layers (see ``TorchStageEngine.execute`` for the contract)."""
-        self._check_execute_args(prepared, hidden_in)
-        if not isinstance(prepared, TorchPreparedBatch):
-            raise ValueError("prepared is not a TorchPreparedBatch; use this engine's prepare()")
-        h = stage_input(
-            prepared,
-            hidden_in,
-            self._embed,
-            is_first=self.is_first,
-            device=self.device,
-            dtype=self.activation_dtype,
-        )
-        shared: dict[str, object] = {}
-        for layer in self._layers:
-            h = layer.forward(h, prepared, shared)
-        if not self.is_last:
-            return StageOutput(hidden=h)
-        return last_stage_output(
-            h,
-            prepared,
-            self.tp,
-            self._final_norm,
-            self._lm_head,
-            eps=self.arch.eps,
-            device=self.device,
-        )

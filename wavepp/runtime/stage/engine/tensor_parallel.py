@@ -22,7 +22,8 @@ MLA's latent cache is per token, not per head, so it is replicated on every rank
 expands its own heads from it). Dense and expert FFNs split their intermediate dimension (each
 expert's, the shared experts' too); the router, the norms, the embedding, the DSA indexer and
 its key cache are replicated; ``lm_head`` is read by the leader only. Kimi-Linear's KDA layers
-are not sharded: that family is refused for T > 1 (``model_config.TP_ARCHITECTURES``).
+are not sharded: that family is refused for T > 1 (its ``ModelFamily.tensor_parallel`` is
+false, ``wavepp.runtime.families``).
 """
 
 from __future__ import annotations

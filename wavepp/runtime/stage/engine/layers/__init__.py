@@ -1,6 +1,7 @@
-"""Decoder-layer families of the checkpoint engine (``engine/checkpoint_engine.py``).
+"""Decoder-layer kinds of the torch engines (``engine/decoder.py``).
 
-One module per family, each a plain class holding its stage-local weights (no ``nn.Module``):
+One module per layer kind, each a plain class holding its stage-local weights (no
+``nn.Module``); its shape is a pure dataclass of ``wavepp.runtime.families.layer_plan``:
 
 | module       | what                                                                   |
 | ------------ | ---------------------------------------------------------------------- |

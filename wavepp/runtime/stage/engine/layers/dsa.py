@@ -20,33 +20,13 @@ other partitions. Sources: DeepSeek-V3.2 report (lightning indexer); HF
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from wavepp.runtime.families.layer_plan import DSAShape
 from wavepp.runtime.stage.engine.layers.common import WeightGetter, apply_rope_interleaved
 
-__all__ = ["DSAIndexer", "DSAShape"]
-
-
-@dataclass(frozen=True)
-class DSAShape:
-    """Indexer shape (HF ``GlmMoeDsaConfig`` names).
-
-    Attributes:
-        hidden_size, q_lora_rank: model width and MLA's query latent width.
-        n_heads, head_dim: indexer heads H_I and their width D.
-        rope_dim: RoPE'd leading dims of D (``qk_rope_head_dim``).
-        topk: tokens each query keeps (``index_topk``).
-    """
-
-    hidden_size: int
-    q_lora_rank: int
-    n_heads: int
-    head_dim: int
-    rope_dim: int
-    topk: int
+__all__ = ["DSAIndexer"]
 
 
 class DSAIndexer:

@@ -18,11 +18,10 @@ k_norm are RMSNorms of width heads * head_dim; partial rotary from ``partial_rot
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from wavepp.runtime.families.layer_plan import GQAShape
 from wavepp.runtime.stage.engine.layers.common import (
     WeightGetter,
     apply_rope_rotate_half,
@@ -31,28 +30,7 @@ from wavepp.runtime.stage.engine.layers.common import (
 )
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
-__all__ = ["GQAAttention", "GQAShape"]
-
-
-@dataclass(frozen=True)
-class GQAShape:
-    """Shape of one GQA attention block.
-
-    Attributes:
-        hidden_size: model width.
-        num_heads, num_kv_heads, head_dim: query heads, K/V heads, per-head width.
-        rotary_dim: rotated dims of each head (<= head_dim, even).
-        qk_norm: MiniMax-M2's RMSNorm on q and k (whole projection width).
-        eps: RMSNorm epsilon.
-    """
-
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rotary_dim: int
-    qk_norm: bool
-    eps: float
+__all__ = ["GQAAttention"]
 
 
 class GQAAttention:
@@ -90,9 +68,33 @@ class GQAAttention:
 
     def allocate(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate a zeroed cache of ``num_slots`` token slots (drops the old one)."""
-        self.cache = torch.zeros(
-            (2, num_slots, self.kv_heads, self.shape.head_dim), device=device, dtype=dtype
+        self.use_cache(
+            torch.zeros(
+                (2, num_slots, self.kv_heads, self.shape.head_dim), device=device, dtype=dtype
+            )
         )
+
+    def use_cache(self, cache: torch.Tensor) -> None:
+        """Adopt ``cache`` [2, num_slots, num_kv_heads / T, head_dim] (e.g. a view into a
+        stage-wide tensor) as this layer's cache, dropping the old one.
+
+        Raises:
+            ValueError: ``cache`` of another shape.
+        """
+        if (
+            cache.dim() != 4
+            or cache.shape[0] != 2
+            or cache.shape[2:]
+            != (
+                self.kv_heads,
+                self.shape.head_dim,
+            )
+        ):
+            raise ValueError(
+                f"cache of shape {tuple(cache.shape)}; a GQA layer needs "
+                f"[2, num_slots, {self.kv_heads}, {self.shape.head_dim}]"
+            )
+        self.cache = cache
 
     def forward(self, x: torch.Tensor, p) -> torch.Tensor:  # noqa: ANN001 (TorchPreparedBatch)
         """[T, hidden] normed activations -> [T, hidden] attention output (before residual)."""

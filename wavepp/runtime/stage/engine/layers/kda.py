@@ -29,26 +29,13 @@ Sources: Kimi Linear report (KDA); HF ``modeling_kimi_linear.KimiLinearDeltaAtte
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from wavepp.runtime.families.layer_plan import KDAShape
 from wavepp.runtime.stage.engine.layers.common import WeightGetter
 
-__all__ = ["KDAAttention", "KDAShape"]
-
-
-@dataclass(frozen=True)
-class KDAShape:
-    """Shape of one KDA layer (HF ``KimiLinearConfig``: ``linear_num_heads``,
-    ``linear_head_dim``, ``linear_conv_kernel_dim``)."""
-
-    hidden_size: int
-    num_heads: int
-    head_dim: int
-    conv_kernel: int
-    eps: float
+__all__ = ["KDAAttention"]
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -24,11 +24,10 @@ Sources: DeepSeek-V2 paper sec. 2.1; HF ``modeling_deepseek_v3.DeepseekV3Attenti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from wavepp.runtime.families.layer_plan import MLAShape
 from wavepp.runtime.stage.engine.layers.common import (
     WeightGetter,
     apply_rope_interleaved,
@@ -38,43 +37,7 @@ from wavepp.runtime.stage.engine.layers.common import (
 )
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
-__all__ = ["MLAAttention", "MLAShape"]
-
-
-@dataclass(frozen=True)
-class MLAShape:
-    """Shape of one MLA block (HF ``DeepseekV3Config`` names).
-
-    Attributes:
-        hidden_size, num_heads: model width, attention heads H.
-        q_lora_rank: rank of the query compression, or None (a plain ``q_proj``).
-        kv_lora_rank: width of the cached latent c.
-        qk_nope_head_dim, qk_rope_head_dim, v_head_dim: per-head widths.
-        rope_interleave: RoPE on interleaved pairs (DeepSeek weights, GLM) or rotate-half.
-        eps: RMSNorm epsilon of ``q_a_layernorm`` / ``kv_a_layernorm`` (HF: 1e-6 fixed).
-    """
-
-    hidden_size: int
-    num_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope_interleave: bool
-    eps: float = 1e-6
-    # NOTE: Kimi-Linear's MLA applies no positional encoding (the rope dims pass unrotated).
-    use_rope: bool = True
-
-    @property
-    def qk_head_dim(self) -> int:
-        """d_nope + d_rope: query/key width per head."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def latent_dim(self) -> int:
-        """Cached values per token: kv_lora_rank + d_rope."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
+__all__ = ["MLAAttention"]
 
 
 def _no_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

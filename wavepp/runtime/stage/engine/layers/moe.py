@@ -23,15 +23,14 @@ in. Sources: DeepSeek-V3 report sec. 2.1.2; HF ``DeepseekV3TopkRouter``, ``Deeps
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from wavepp.runtime.families.layer_plan import MoEShape
 from wavepp.runtime.stage.engine.layers.common import WeightGetter
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
-__all__ = ["NAMING", "DenseMLP", "MoEShape", "SparseMoE"]
+__all__ = ["NAMING", "DenseMLP", "SparseMoE"]
 
 # style -> (block prefix, (gate, up, down) expert names, score-correction bias name)
 NAMING: dict[str, tuple[str, tuple[str, str, str], str]] = {
@@ -72,36 +71,6 @@ class DenseMLP:
         gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
         out = F.linear(F.silu(gate) * up, self.down)
         return self.tp.all_reduce(out) if self.reduce else out
-
-
-@dataclass(frozen=True)
-class MoEShape:
-    """Shape and routing of one MoE block.
-
-    Attributes:
-        hidden_size: model width.
-        num_experts, top_k: routed experts and experts per token.
-        expert_intermediate: each expert's FFN width.
-        n_group, topk_group: grouped routing (1, 1 = plain top-k).
-        norm_topk_prob: renormalise the chosen weights to sum 1.
-        routed_scaling_factor: multiplier of the routed weights.
-        shared_intermediate: width of the fused shared experts (0 = none).
-        style: checkpoint naming (see ``NAMING``): ``"deepseek"`` (``mlp.experts.{e}.gate_proj``,
-            bias in ``mlp.gate``), ``"minimax"`` (``block_sparse_moe.experts.{e}.w1/w3/w2``, bias
-            in ``block_sparse_moe``) or ``"kimi"`` (``block_sparse_moe``, w1/w3/w2, bias in
-            ``gate``).
-    """
-
-    hidden_size: int
-    num_experts: int
-    top_k: int
-    expert_intermediate: int
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    shared_intermediate: int
-    style: str
 
 
 class SparseMoE:

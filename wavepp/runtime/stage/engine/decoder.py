@@ -1,0 +1,270 @@
+"""The torch engines' decoder stack: a :class:`LayerPlan`'s layers over paged caches.
+
+Each decoder layer is ``h = h + attn(RMSNorm(h)); h = h + ffn(RMSNorm(h))`` with the attention
+and feed-forward blocks its plan names (``wavepp.runtime.families.layer_plan``; one module per
+layer kind in ``layers/``). Each attention layer owns its paged cache (K/V for GQA, the latent
+for MLA) over the stage's slots ``num_blocks * block_size``; the block tables, slot mapping and
+masks are the shared ``PreparedBatch`` (``base.py``). The first stage embeds token ids; the last
+applies the final RMSNorm and ``lm_head`` to the last token of each ``is_last`` chunk only.
+
+:class:`DecoderStageEngine` is the one forward of every family; its subclasses only say where
+the weights come from: ``CheckpointStageEngine`` (a Hugging Face checkpoint directory) and
+``TorchStageEngine`` (seeded or given Llama weights of a ``ModelConfig``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from wavepp.runtime.families import LayerPlan
+from wavepp.runtime.model_config import ModelConfig
+from wavepp.runtime.stage.engine.base import (
+    ChunkSpec,
+    PagedStageEngineBase,
+    PreparedBatch,
+    StageOutput,
+)
+from wavepp.runtime.stage.engine.layers.common import WeightGetter, rms_norm, rope_cos_sin
+from wavepp.runtime.stage.engine.layers.dsa import DSAIndexer
+from wavepp.runtime.stage.engine.layers.gqa import GQAAttention
+from wavepp.runtime.stage.engine.layers.kda import KDAAttention
+from wavepp.runtime.stage.engine.layers.mla import MLAAttention
+from wavepp.runtime.stage.engine.layers.moe import DenseMLP, SparseMoE
+from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
+
+__all__ = ["DecoderStageEngine", "TorchPreparedBatch", "causal_masks", "torch_dtype"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Map a ModelConfig dtype name to a torch dtype."""
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True, eq=False)
+class TorchPreparedBatch(PreparedBatch):
+    """:class:`PreparedBatch` plus the torch engines' per-batch tensors.
+
+    Attributes:
+        rope_cos, rope_sin: [T, rotary_dim] RoPE tables at ``positions`` (activation dtype).
+        attn_masks: per chunk, [x_i, L_i + x_i] bool, True where query j may attend key k
+            (k <= L_i + j).
+    """
+
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    attn_masks: tuple[torch.Tensor, ...]
+
+
+def causal_masks(chunks: Sequence[ChunkSpec], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per chunk, a [x_i, L_i + x_i] bool mask, True where query j may attend key k
+    (k <= L_i + j): the chunk's whole context ``[0, L_i + x_i)`` is read from the paged cache."""
+    masks = []
+    for chunk in chunks:
+        key_pos = torch.arange(chunk.context_end, device=device)
+        query_pos = torch.arange(chunk.context_offset, chunk.context_end, device=device)
+        masks.append(key_pos[None, :] <= query_pos[:, None])
+    return tuple(masks)
+
+
+class _Layer:
+    """One decoder layer: norms, attention block, feed-forward block."""
+
+    def __init__(
+        self,
+        plan: LayerPlan,
+        index: int,
+        get: WeightGetter,
+        interval: int,
+        tp: TPGroup,
+    ) -> None:
+        p = f"model.layers.{index}."
+        d = plan.hidden_size
+        self.input_norm = get(p + "input_layernorm.weight", (d,))
+        self.post_norm = get(p + "post_attention_layernorm.weight", (d,))
+        self.attn: GQAAttention | MLAAttention | KDAAttention
+        if plan.is_linear(index):
+            assert plan.kda is not None and tp.size == 1, "checked by the engine"
+            self.attn = KDAAttention(plan.kda, get, p + "self_attn.", interval)
+        elif plan.mla is not None:
+            self.attn = MLAAttention(plan.mla, get, p + "self_attn.", tp)
+        else:
+            assert plan.gqa is not None
+            self.attn = GQAAttention(plan.gqa, get, p + "self_attn.", tp)
+        self.indexer: DSAIndexer | None = None
+        if plan.dsa is not None and plan.indexer_full[index]:
+            self.indexer = DSAIndexer(plan.dsa, get, p + "self_attn.indexer.")
+        self.uses_dsa = plan.dsa is not None
+        if plan.is_moe(index):
+            assert plan.moe is not None
+            self.ffn: SparseMoE | DenseMLP = SparseMoE(plan.moe, get, p, tp)
+        else:
+            self.ffn = DenseMLP(d, plan.dense_intermediate, get, p + plan.mlp_prefix, tp)
+        self.eps = plan.eps
+
+    def forward(
+        self, h: torch.Tensor, batch: TorchPreparedBatch, shared: dict[str, object]
+    ) -> torch.Tensor:
+        """One layer; ``shared`` carries the DSA selection from a full layer to the shared
+        layers after it (within this stage and micro-batch)."""
+        x = rms_norm(h, self.input_norm, self.eps)
+        if self.uses_dsa:
+            assert isinstance(self.attn, MLAAttention)
+            q, q_resid = self.attn.queries(x, batch)
+            self.attn.write_latents(x, batch)
+            if self.indexer is not None:
+                assert q_resid is not None
+                shared["dsa_masks"] = self.indexer.select(x, q_resid, batch)
+            h = h + self.attn.attend_chunks(q, batch, shared["dsa_masks"])
+        else:
+            h = h + self.attn.forward(x, batch)
+        return h + self.ffn.forward(rms_norm(h, self.post_norm, self.eps))
+
+    def allocate(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.attn.allocate(num_slots, device, dtype)
+        if self.indexer is not None:
+            self.indexer.allocate(num_slots, device, dtype)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.attn.cache_bytes + (self.indexer.cache_bytes if self.indexer else 0)
+
+
+class DecoderStageEngine(PagedStageEngineBase):
+    """Decoder layers ``[first_layer, last_layer)`` of a :class:`LayerPlan` over paged caches.
+
+    Subclasses run ``PagedStageEngineBase.__init__``, set ``model`` (the generic shape), then
+    call :meth:`_build` with the plan and their weight getter.
+    """
+
+    model: ModelConfig
+    plan: LayerPlan
+    tp: TPGroup
+
+    def _build(
+        self,
+        plan: LayerPlan,
+        get: WeightGetter,
+        *,
+        dtype: torch.dtype,
+        tp: TPGroup = SINGLE,
+        state_interval_blocks: int = 1,
+    ) -> None:
+        """Load this stage's weights through ``get`` (this TP rank's share) and build its
+        layers; only the TP leader of the last stage reads the final norm and ``lm_head``.
+
+        Raises:
+            ValueError: a weight missing or misshapen (from ``get``), or a width the TP size
+                does not divide (names it).
+        """
+        self.plan = plan
+        self.tp = tp
+        self.hidden_size = plan.hidden_size
+        self.activation_dtype = dtype
+        has_head = self.is_last and tp.is_leader  # followers return no logits
+        self._embed = (
+            get("model.embed_tokens.weight", (plan.vocab_size, plan.hidden_size))
+            if self.is_first or (has_head and plan.tie_word_embeddings)
+            else None
+        )
+        self._layers = [
+            _Layer(plan, i, get, state_interval_blocks, tp)
+            for i in range(self.first_layer, self.last_layer)
+        ]
+        self._final_norm = get("model.norm.weight", (plan.hidden_size,)) if has_head else None
+        self._lm_head = None
+        if has_head:
+            self._lm_head = (
+                self._embed
+                if plan.tie_word_embeddings
+                else get("lm_head.weight", (plan.vocab_size, plan.hidden_size))
+            )
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        """Allocate every local layer's zeroed cache of num_blocks * block_size slots.
+
+        Bytes per token and layer: GQA 2 * kv_heads * head_dim * elem; MLA (kv_lora_rank +
+        qk_rope_head_dim) * elem, plus index_head_dim * elem in a DSA full layer.
+
+        Raises:
+            ValueError: num_blocks or block_size < 1.
+        """
+        super().allocate_kv(num_blocks, block_size)
+        for layer in self._layers:
+            layer.allocate(num_blocks * block_size, self.device, self.activation_dtype)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the allocated caches (0 before allocate_kv)."""
+        return sum(layer.cache_bytes for layer in self._layers)
+
+    def prepare(self, chunks: Sequence[ChunkSpec]) -> TorchPreparedBatch:
+        """Block tables, slots, positions, RoPE tables ([T, rotary_dim]) and causal masks.
+
+        Raises:
+            ValueError: a chunk field is invalid (see ``build_prepared_batch``).
+            RuntimeError: allocate_kv has not run.
+        """
+        base = self._prepare_common(
+            chunks, vocab_size=self.model.vocab_size, max_position=self.model.max_position
+        )
+        cos, sin = rope_cos_sin(
+            base.positions, self.plan.rotary_dim, self.plan.rope_theta, self.activation_dtype
+        )
+        return TorchPreparedBatch(
+            **base.base_fields(),
+            rope_cos=cos,
+            rope_sin=sin,
+            attn_masks=causal_masks(base.chunks, self.device),
+        )
+
+    @torch.inference_mode()
+    def execute(self, prepared: PreparedBatch, hidden_in: torch.Tensor | None) -> StageOutput:
+        """Run this stage's layers on a prepared micro-batch.
+
+        Args:
+            prepared: from this engine's :meth:`prepare` (same KV allocation).
+            hidden_in: [num_tokens, hidden_size] from the previous stage; None on stage 0.
+
+        Returns:
+            :class:`StageOutput`: ``hidden`` [num_tokens, hidden_size] (None on the last
+            stage) and, on the last stage's TP leader, float32 [vocab_size] logits per
+            ``is_last`` chunk.
+
+        Raises:
+            ValueError: prepared by another engine or for another allocation, or hidden_in of
+                the wrong shape / presence.
+        """
+        self._check_execute_args(prepared, hidden_in)
+        if not isinstance(prepared, TorchPreparedBatch):
+            raise ValueError("prepared is not a TorchPreparedBatch; use this engine's prepare()")
+        if self.is_first:
+            assert self._embed is not None and prepared.token_ids is not None
+            h = F.embedding(prepared.token_ids, self._embed)
+        else:
+            assert hidden_in is not None
+            h = hidden_in.to(device=self.device, dtype=self.activation_dtype)
+        shared: dict[str, object] = {}
+        for layer in self._layers:
+            h = layer.forward(h, prepared, shared)
+        if not self.is_last:
+            return StageOutput(hidden=h)
+        if not self.tp.is_leader or not prepared.logits_rows:
+            return StageOutput(hidden=None)  # a follower: the leader computes the logits
+        assert self._final_norm is not None and self._lm_head is not None
+        rows = torch.tensor([r for _, r in prepared.logits_rows], device=self.device)
+        logits = F.linear(rms_norm(h[rows], self._final_norm, self.plan.eps), self._lm_head)
+        logits = logits.to(torch.float32)
+        return StageOutput(
+            hidden=None,
+            last_token_logits={rid: logits[i] for i, (rid, _) in enumerate(prepared.logits_rows)},
+        )
