@@ -217,10 +217,3 @@ def context_from_traceparent(traceparent: str) -> Context | None:
     if not trace.get_current_span(ctx).get_span_context().is_valid:
         return None
     return ctx
-
-
-def link_to(traceparent: str) -> Link | None:
-    ctx = context_from_traceparent(traceparent)
-    if ctx is None:
-        return None
-    return Link(trace.get_current_span(ctx).get_span_context())

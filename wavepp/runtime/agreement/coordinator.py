@@ -285,12 +285,6 @@ class AgreementController:
         self._live.difference_update(request_ids)
         await self._rounds.release(request_ids)
 
-    async def _release_quietly(self, request_ids: list[str]) -> None:
-        try:
-            await asyncio.shield(self._rounds.release(request_ids))
-        except Exception as exc:  # the lease frees what we could not
-            log.warning("release of %s failed (%s); leases will expire", request_ids, exc)
-
     @property
     def live_request_ids(self) -> frozenset[str]:
         """Requests whose leases this controller renews (agreed, not released)."""

@@ -193,15 +193,6 @@ class BlockPool:
             block_ids.append(block_id)
         return block_ids
 
-    def pin_longest_cache_hit(self, block_hashes: Sequence[BlockHash]) -> list[int]:
-        """``find_longest_cache_hit`` and ``pin`` of its result in one pass (the probe's hot
-        path: one dict lookup and one ref count per block).
-
-        Returns:
-            The pinned block ids, block order (as ``find_longest_cache_hit``).
-        """
-        return list(self.pin_cache_hit(block_hashes).block_ids)
-
     def pin_cache_hit(
         self,
         block_hashes: Sequence[BlockHash],

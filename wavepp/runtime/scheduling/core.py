@@ -220,10 +220,6 @@ class SchedulerCore(DoneAccounting):
     def has_free_slot(self) -> bool:
         return len(self.inflight) < self.config.resolved_max_inflight
 
-    def remaining_new_tokens(self) -> int:
-        """New tokens of the planning set not yet planned."""
-        return sum(record.num_unplanned_tokens for record in self.active)
-
     def is_plannable(self, record: RequestRecord) -> bool:
         """The planner may cut ``record`` now: not a baseline request with a chunk in flight
         (``BaselineConfig.one_chunk_inflight``, TRT-LLM's ``_add_inflight_ids``)."""
@@ -235,8 +231,8 @@ class SchedulerCore(DoneAccounting):
 
     def plannable_budget_tokens(self) -> int:
         """Tokens the static budget would charge to plan every plannable request of the
-        planning set whole (the sync admission fills up to ``chunk_tokens`` of it); equals
-        ``remaining_new_tokens`` when the baseline switches are off."""
+        planning set whole (the sync admission fills up to ``chunk_tokens`` of it); equals their
+        unplanned new tokens when the baseline switches are off."""
         return sum(
             record.progress.num_charged_tokens
             for record in self.active
