@@ -87,7 +87,7 @@ class Snapshot:
 def snapshot(manager: StageKVManager) -> Snapshot:
     return Snapshot(
         requests=manager.request_ids(),
-        tables={rid: manager.receipt(rid).block_ids for rid in manager.request_ids()},
+        tables={rid: manager.held_blocks(rid) for rid in manager.request_ids()},
         num_free_blocks=manager.pool.num_free_blocks,
         num_pinned_blocks=manager.pool.num_pinned_blocks,
     )

@@ -413,7 +413,7 @@ async def test_a_fanout_round_through_the_stage_handlers_pins_on_every_stage(nc)
     controller = AgreementController(clients, block_size=4, model_id="m", bus_key=key)
     ticket = await controller.agree(PromptRequest("r1", list(range(20))))
     assert ticket is not None
-    assert all(m.receipt("r1") is not None for m in managers)
+    assert all(m.held_blocks("r1") for m in managers)
     batch = KVBatch(BatchOp.RELEASE, ("r1",), owner="repeater", seq=1)
     payload = encode_batch(batch, key)
     first = await NatsStageClient.call_batch_all(clients, payload)

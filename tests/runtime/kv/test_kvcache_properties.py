@@ -368,9 +368,9 @@ class StageKVManagerMachine(RuleBasedStateMachine):
         ):
             expected_hit += 1
         assert self.manager.probe_pin(request_id, request.block_hashes, lease_s) == expected_hit
-        receipt = self.manager.receipt(request_id)
-        assert receipt.request_id == request_id and len(receipt.block_ids) == expected_hit
-        request.held_block_ids = list(receipt.block_ids)
+        held = self.manager.held_blocks(request_id)
+        assert len(held) == expected_hit
+        request.held_block_ids = list(held)
         for block_id, block_hash in zip(request.held_block_ids, request.block_hashes, strict=False):
             assert self.pool.block_hash(block_id) == block_hash
             request.hash_snapshot[block_id] = block_hash
@@ -405,7 +405,7 @@ class StageKVManagerMachine(RuleBasedStateMachine):
         if table is None:
             assert should_refuse, "refused although enough blocks were free"
             del self.requests[request_id]
-            assert self.manager.receipt(request_id).block_ids == ()
+            assert self.manager.held_blocks(request_id) == ()
             assert self.pool.num_pinned_blocks == num_pinned_before - sum(
                 refs[block_id] == 1 for block_id in hit
             )
@@ -513,7 +513,7 @@ class StageKVManagerMachine(RuleBasedStateMachine):
     @invariant()
     def held_blocks_keep_their_ids_and_hashes(self) -> None:
         for request_id, request in self.requests.items():
-            assert list(self.manager.receipt(request_id).block_ids) == request.held_block_ids
+            assert list(self.manager.held_blocks(request_id)) == request.held_block_ids
             if request.is_reserved:
                 assert self.manager.block_table(request_id) == request.held_block_ids
             for block_id, block_hash in request.hash_snapshot.items():

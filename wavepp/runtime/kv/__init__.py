@@ -21,7 +21,6 @@ from wavepp.runtime.kv.hashing import (
     hash_prompt_blocks,
     root_block_hash,
 )
-from wavepp.runtime.kv.held import PinReceipt
 from wavepp.runtime.kv.manager import StageKVManager
 from wavepp.runtime.kv.pool import BlockPool, CacheHit, KVEvent
 from wavepp.runtime.kv.recent import RecentPrefixes
@@ -32,7 +31,6 @@ __all__ = [
     "BlockPool",
     "CacheHit",
     "KVEvent",
-    "PinReceipt",
     "PromptHasher",
     "RecentPrefixes",
     "StageKVManager",

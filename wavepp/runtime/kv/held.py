@@ -1,5 +1,5 @@
-"""What a stage's KV manager keeps per request: the caller's ``PinReceipt`` and the manager's own
-record of a held request (its pins, block table, hashes, lease, owner). Pure data."""
+"""What a stage's KV manager keeps per request: its pins, block table, hashes, lease and owner.
+Pure data."""
 
 from __future__ import annotations
 
@@ -9,29 +9,11 @@ from dataclasses import dataclass
 from wavepp.runtime.kv.hashing import BlockHash
 
 
-@dataclass(frozen=True)
-class PinReceipt:
-    """What one request holds on one stage; ``StageKVManager.release`` accepts it.
-
-    The defaults mean "held nothing": releasing a default (lost) receipt releases nothing and
-    returns False, so a lost receipt leaks visibly instead of freeing another holder's pin.
-
-    Attributes:
-        request_id: The holder; "" for none.
-        block_ids: Blocks held when the receipt was issued, block order (informational).
-    """
-
-    request_id: str = ""
-    block_ids: tuple[int, ...] = ()
-
-
 @dataclass(slots=True)
 class HeldRequest:
     request_id: str
-    # pinned cached prefix from probe_pin (length = local hit h_s);
-    # tuples, not lists: a tuple of ints leaves the garbage collector's lists at its first pass
-    # (a stage holds hundreds of requests: their tables' lists made every young-generation
-    # collection walk ~200k items, up to 2.8 ms, the admission bench's p99)
+    # pinned cached prefix from probe_pin (length = local hit h_s); tuples, not lists: a tuple
+    # of ints leaves the garbage collector's lists at its first pass (runtime/heap.py)
     hit_block_ids: tuple[int, ...]
     lease_expiry_s: float  # clock() time after which expire() releases the request
     seq: int  # admission order, breaks ties between equal expiries

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from wavepp.api.hash_chain import common_prefix
 from wavepp.runtime.kv.hashing import BlockHash
-from wavepp.runtime.kv.held import HeldRequest, PinReceipt, check_lease
+from wavepp.runtime.kv.held import HeldRequest, check_lease
 from wavepp.runtime.kv.pool import BlockPool, CacheHit, KVEvent
 from wavepp.runtime.kv.recent import RecentPrefixes
 
@@ -123,7 +123,7 @@ class StageKVManager:
         ``clock() + lease_s``, and the hashes of the first probe are kept.
 
         Args:
-            request_id: Non-empty id ("" is the receipt placeholder).
+            request_id: Non-empty id.
             block_hashes: The prompt's full-block hashes (``hash_prompt_blocks``); kept for
                 ``mark_computed``.
             lease_s: Seconds until ``expire`` may release the request, > 0, <= ``max_lease_s``.
@@ -346,23 +346,21 @@ class StageKVManager:
         """The held requests (probed or reserved), in admission order."""
         return list(self._requests)
 
-    def receipt(self, request_id: str) -> PinReceipt:
-        """What ``request_id`` holds now; ``PinReceipt()`` (held nothing) if not held."""
+    def held_blocks(self, request_id: str) -> tuple[int, ...]:
+        """The blocks ``request_id`` holds now (pins, then its reservation), block order; ()
+        when it holds nothing here."""
         held = self._requests.get(request_id)
-        if held is None:
-            return PinReceipt()
-        return PinReceipt(request_id, tuple(self._held_block_ids(held)))
+        return () if held is None else tuple(self._held_block_ids(held))
 
     def held_request_ids(self) -> list[str]:
         """Ids of the requests held (pinned or reserved), oldest first."""
         return list(self._requests)
 
-    def release(self, request_id: str | PinReceipt, *, owner: str | None = None) -> bool:
+    def release(self, request_id: str, *, owner: str | None = None) -> bool:
         """Drop everything the request holds, tail first; cached blocks stay cached for reuse.
 
         Args:
-            request_id: The request's id, or a ``PinReceipt`` (the default receipt names no
-                request and releases nothing).
+            request_id: The request's id.
             owner: Release only if this owner holds it (a message from the bus); None: the
                 stage itself (lease expiry), whoever holds it.
 
@@ -370,8 +368,6 @@ class StageKVManager:
             True if the request was held (now released), False otherwise (no effect; also when
             another owner holds it).
         """
-        if isinstance(request_id, PinReceipt):
-            request_id = request_id.request_id
         held = self._requests.get(request_id)
         if held is None or (owner is not None and held.owner != owner):
             return False
