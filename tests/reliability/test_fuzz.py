@@ -227,7 +227,7 @@ def test_every_message_model_rejects_garbage_with_a_validation_error(
 def test_every_message_is_versioned_and_refuses_another_version(
     model: type[BaseModel], version: int
 ) -> None:
-    assert model.model_fields["v"].default == m.PROTOCOL_VERSION
+    assert model.model_fields["v"].get_default(call_default_factory=True) == m.PROTOCOL_VERSION
     with pytest.raises(ValidationError) as info:
         model.model_validate({"v": version})
     assert any(err["loc"][:1] == ("v",) for err in info.value.errors())

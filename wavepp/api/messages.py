@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 PROTOCOL_VERSION = 1
 """The one version of the bus protocol: JSON messages (``v``), agreement batches and replies."""
@@ -36,9 +36,23 @@ RequestId = Annotated[str, Field(min_length=1, max_length=256)]
 HexHash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
+def _this_version() -> int:
+    return PROTOCOL_VERSION
+
+
 class _Message(BaseModel):
+    """A JSON bus message: ``v`` is this build's ``PROTOCOL_VERSION`` (the default), and a
+    message naming another version is refused (a ValidationError on ``v``)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
-    v: Literal[1] = PROTOCOL_VERSION
+    v: int = Field(default_factory=_this_version)
+
+    @field_validator("v")
+    @classmethod
+    def _same_version(cls, value: int) -> int:
+        if value != PROTOCOL_VERSION:
+            raise ValueError(f"protocol version {value}; this build speaks {PROTOCOL_VERSION}")
+        return value
 
 
 # --------------------------------------------------------------------------- agreement (KV ops)
@@ -81,13 +95,17 @@ class KVReply(_Message):
     """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
-    v: int = PROTOCOL_VERSION  # type: ignore[assignment]
     rank: int
     ok: bool = True
     error: str = ""
     num_free_blocks: int = 0
     num_blocks: int = 0
     group_epoch: int = 0
+
+    @field_validator("v")
+    @classmethod
+    def _same_version(cls, value: int) -> int:
+        return value  # any version: the admission names it in its refusal
 
 
 # --------------------------------------------------------------------------- wave execution

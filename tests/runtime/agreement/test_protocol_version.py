@@ -108,3 +108,42 @@ def test_a_batch_or_a_reply_of_another_version_does_not_decode() -> None:
     assert decode_reply(reply).rank == 0
     with pytest.raises(KVWireError, match=f"version: {OTHER}; .*version {PROTOCOL_VERSION}"):
         decode_reply(reply[:3] + bytes([OTHER]) + reply[4:])
+
+
+def test_json_messages_follow_the_protocol_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``v`` of every JSON message is ``PROTOCOL_VERSION`` as it stands, not a copy of its
+    number: after a version change a build's own messages still decode, and the old version's
+    are refused; ``KVReply`` (a health answer) decodes any version so it can be named."""
+    from wavepp.api import messages
+
+    monkeypatch.setattr(messages, "PROTOCOL_VERSION", PROTOCOL_VERSION + 1)
+    renew = messages.Renew(request_ids=["r"], lease_s=5)
+    assert renew.v == PROTOCOL_VERSION + 1
+    assert messages.Renew.model_validate_json(renew.model_dump_json()) == renew
+    with pytest.raises(ValueError, match="v"):
+        messages.Renew.model_validate({"v": PROTOCOL_VERSION, "request_ids": ["r"], "lease_s": 5})
+    assert KVReply.model_validate({"v": PROTOCOL_VERSION, "rank": 0}).v == PROTOCOL_VERSION
+
+
+async def test_local_pipeline_refuses_a_stage_of_another_version() -> None:
+    """``LocalPipeline.wait_formed`` (``wavepp replay``, ``bench grid``) refuses a stage whose
+    health reply names another protocol version, as the admission service does."""
+    from types import SimpleNamespace
+
+    from wavepp.runtime.serving import local
+    from wavepp.runtime.serving.local import LocalPipeline
+
+    async def answer(_message: object) -> KVReply:
+        return KVReply(ok=True, rank=0, v=PROTOCOL_VERSION + 1)
+
+    pipeline = object.__new__(LocalPipeline)
+    pipeline.controller = SimpleNamespace(stages=[SimpleNamespace(rank=0, call=answer)])
+    pipeline._stage_names = [local._stage_name(0)]
+    pipeline.supervisor = SimpleNamespace(
+        procs={local._stage_name(0): SimpleNamespace(poll=lambda: None)}
+    )
+    pipeline.startup_timeout_s = 5.0
+    with pytest.raises(
+        StageVersionError, match=f"version {PROTOCOL_VERSION + 1}.*version {PROTOCOL_VERSION}"
+    ):
+        await pipeline.wait_formed()
