@@ -33,7 +33,7 @@ async def _no_pins_left(pipeline, timeout_s: float = 5.0) -> list[tuple[int, int
         await asyncio.sleep(0.05)
 
 
-# ------------------------------------------------------------------------------ item 7
+# ------------------------------------------------------------------------------
 
 
 @pytest.mark.serial  # compares time-to-first-token of cold and warm prompts
@@ -72,7 +72,7 @@ async def test_tenant_b_replaying_tenant_a_prompts_gets_no_hit_and_no_timing_sig
     print("tenant isolation: median TTFT (s)", {k: round(v, 4) for k, v in ttft.items()})
 
 
-# ------------------------------------------------------------------------------ item 4
+# ------------------------------------------------------------------------------
 
 
 async def test_unequal_kv_capacity_under_reuse_keeps_stages_in_agreement(
@@ -110,7 +110,7 @@ async def test_unequal_kv_capacity_under_reuse_keeps_stages_in_agreement(
           f"{sum(o.num_cached_tokens for o in outcomes)} cached tokens")  # fmt: skip
 
 
-# ------------------------------------------------------------------------------ item 5
+# ------------------------------------------------------------------------------
 
 
 async def test_memory_pressure_waits_instead_of_failing_and_never_deadlocks(
@@ -137,7 +137,7 @@ async def test_memory_pressure_waits_instead_of_failing_and_never_deadlocks(
           f"{sum(o.num_refusals for o in fitted)} refusals, 0 failed")  # fmt: skip
 
 
-# ------------------------------------------------------------------------------ item 3
+# ------------------------------------------------------------------------------
 
 
 @pytest.mark.serial  # the recovery has a 0.25 s margin

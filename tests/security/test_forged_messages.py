@@ -172,7 +172,7 @@ def test_forged_plan_with_the_next_id_cannot_make_the_real_one_a_duplicate(mac: 
 
 
 def test_a_plan_of_an_epoch_the_stage_left_is_dropped() -> None:
-    """A captured genuine plan of an earlier scheduler, replayed, cannot reset a stage's
+    """A captured genuine plan of an earlier scheduler, sent again, cannot reset a stage's
     sequence (it would make the current epoch's next plans wait on a hole)."""
     old = MiniPipeline(KEY)
     old.run(_requests(1))
@@ -328,7 +328,7 @@ def _beat(ready: bool, seq: int, sent_at_s: float, instance: str = "i1") -> Hear
 def test_forged_heartbeats_are_refused_and_beats_are_rate_limited() -> None:
     """The issue: a forged ``ready: false`` flapped /readyz, a forged ``ready: true`` kept a
     dead replica routed. Refused: unsigned, another replica's tag, the wrong subject, a
-    replayed (or too old) genuine one; and at most one per 0.1 s per replica."""
+    repeated (or too old) genuine one; and at most one per 0.1 s per replica."""
     guard = BusGuard(KEY, ["p0", "p1"])
     key0 = KEY.for_replica("p0")
     wall = 5000.0
@@ -336,7 +336,7 @@ def test_forged_heartbeats_are_refused_and_beats_are_rate_limited() -> None:
     assert not guard.heartbeat("p0", _beat(False, 2, wall), 0.5, wall)  # unsigned
     assert not guard.heartbeat("p0", KEY.for_replica("p1").sign(_beat(False, 2, wall)), 0.5, wall)
     assert not guard.heartbeat("p1", key0.sign(_beat(False, 2, wall)), 0.5, wall)  # subject
-    assert not guard.heartbeat("p0", key0.sign(_beat(True, 1, wall)), 0.5, wall)  # replayed
+    assert not guard.heartbeat("p0", key0.sign(_beat(True, 1, wall)), 0.5, wall)  # repeated
     assert not guard.heartbeat("p0", key0.sign(_beat(True, 9, wall - 60)), 0.5, wall)  # old
     assert guard.heartbeat("p0", key0.sign(_beat(True, 2, wall)), 0.5, wall)
     # A burst of genuine-looking beats: one per min_heartbeat_interval_s counts.

@@ -177,7 +177,7 @@ def _attacker(data: st.DataObject):  # noqa: ANN202
                 for rid in stage.manager.request_ids()
             }
             # A request keeps its pins while the scheduler has it live (the last stage's genuine
-            # report of its last micro-batch releases it; a replayed genuine done may be that).
+            # report of its last micro-batch releases it; a repeated genuine done may be that).
             lost = {(r, rid) for r, rid in unanswered - still if rid in tap.pipe.core.live}
             assert not lost, f"{action.__name__} freed pins of unanswered requests: {lost}"
 
@@ -228,7 +228,7 @@ def test_duplicated_and_reordered_done_messages_never_change_an_answer(
 @given(data=st.data())
 def test_forged_heartbeats_never_change_the_pool_or_readiness(data: st.DataObject) -> None:
     """Genuine heartbeats every 0.5 s (the replica dies at some point); forged ones (any
-    fields, unsigned or another key's, or a genuine one replayed) at any time: the router's
+    fields, unsigned or another key's, or a genuine one repeated) at any time: the router's
     view (in the pool, ready) at every step equals the one from the genuine beats alone."""
     from wavepp.api.prefill import Heartbeat
     from wavepp.gateway.router import PoolRouter

@@ -490,5 +490,5 @@ def test_a_tokenizer_file_that_is_too_large_or_not_a_regular_file_is_refused(
     os.mkfifo(fifo)
     started = time.monotonic()
     with pytest.raises(ValueError, match="not a regular file"):
-        http.load_tokenizer(str(fifo))  # before: handed to transformers, which read the FIFO
+        http.load_tokenizer(str(fifo))  # not handed to transformers, which would read the FIFO
     assert time.monotonic() - started < 5.0

@@ -103,7 +103,7 @@ def test_sim_time_is_the_cost_model_time() -> None:
 @pytest.mark.serial  # the emulated run's throughput is wall time
 @pytest.mark.parametrize("mode", ["wave", pytest.param("sync", marks=pytest.mark.slow)])
 def test_sim_matches_the_emulated_run_within_10_percent(mode: str) -> None:
-    """The issue's check: same setting, real stage processes vs the simulator."""
+    """Same setting, real stage processes vs the simulator."""
     spec = _spec(time_scale=0.5)
     setting = Setting("glm-5.2", 4, "low", mode)
     config, planner_cost = runtime_config(spec, setting)

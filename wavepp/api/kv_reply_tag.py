@@ -16,7 +16,7 @@ replies that verify for its batch and the rank they name and drops any other
 does not tag its refusal of a batch that did not verify: a forger could otherwise ask it, under
 the owner and the next op number, for a tagged refusal to answer a round to come with. A stage's
 refusal of a repeated (verified) batch is tagged: only a batch already applied is refused that
-way. Cost: one HMAC-SHA256 of the reply, about 2 us per reply on either side for up to 128
+way. Cost: one HMAC-SHA256 of the reply on either side for up to 128
 entries. Pure: no I/O.
 """
 

@@ -1,6 +1,6 @@
 """``wavepp sim``: wave vs sync on the discrete-event simulator (virtual clock).
 
-The real scheduler, admission controller, planner and per-stage BlockPools run; stages, NATS and
+The real scheduler, agreement controller, planner and per-stage BlockPools run; stages, NATS and
 activations are simulated (``wavepp.sim.pipeline``). For settings too big or too slow to run in
 real time: PP 8, long contexts, time scale 1.
 

@@ -3,7 +3,7 @@
 Each replica's stages publish KV events (``{p}.kv_events.{rank}``: block hashes stored and
 removed). The router keeps, per replica and stage, the set of block hashes the stage holds (a
 shadow index), so it can estimate a replica's reusable prefix for a prompt the same way the
-admission controller computes L*: the number of leading block hashes held on *every* stage.
+agreement controller computes L*: the number of leading block hashes held on *every* stage.
 The index of a stage holds at most that stage's block count (``stage_blocks``; a stage cannot
 hold more): a stored hash past it evicts the oldest one, so a flood of KV events cannot grow it.
 
@@ -11,7 +11,7 @@ hold more): a stored hash past it evicts the oldest one, so a flood of KV events
         -> longest reusable prefix (blocks), ties -> fewest requests outstanding,
            ties -> the replica after the last chosen one (round-robin among equals)
 
-A replica is in the pool while it sends heartbeats (its admission controller's) within
+A replica is in the pool while it sends heartbeats (its admission service's) within
 ``timeout_s`` and its last one said ``ready`` (every stage formed, no re-form under way); one
 that stops or turns not ready leaves the pool, and the gateway re-routes its pending requests,
 unless it is *draining* (told to stop on a scale-down: not ready, but it finishes what it was

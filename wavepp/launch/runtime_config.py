@@ -36,8 +36,8 @@ from its config.json (a ``model.config`` field or a preset's layer count that di
 refused naming the field; ``model.name`` stays the served name), and without
 ``layerPartition`` the layers are split by active parameters per stage
 (``engine.balance.checkpoint_partition``, the same split ``wavepp stage --model`` makes). A path
-without config.json is refused (``RuntimeConfig.weights``, Llama safetensors shaped by the
-spec, is no longer reachable from a spec: a checkpoint carries its own shape).
+without config.json is refused (a spec serves a checkpoint with its own shape, never
+``RuntimeConfig.weights``, Llama safetensors shaped by the spec).
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ class BaselineConfig(BaseModel):
 
     # NOTE: what the static policy charges a request's first chunk against chunk_tokens
     # (TRT-LLM's max_num_tokens) before its cached prefix is known: "none" the whole remaining
-    # prompt (before PR 11637), "estimated" the prompt minus the prefix that live requests hold
-    # (PR 11637's estimate under MAX_UTILIZATION, before PR 15066), "exact" only the new tokens.
+    # prompt, "estimated" the prompt minus the prefix that live requests hold (TensorRT-LLM
+    # PR 11637's estimate under MAX_UTILIZATION), "exact" only the new tokens (PR 15066).
     budget_accounting: Literal["none", "estimated", "exact"] = "none"
     # NOTE: a request's next chunk waits until its previous one came back from the last stage
     # (TRT-LLM _add_inflight_ids; the micro-batch scheduler skips requests in execution).
@@ -50,8 +50,7 @@ class BaselineConfig(BaseModel):
     # NOTE: TRT-LLM rank 0's host loop between the oldest micro-batch's return and the next
     # launch (fetch, schedule, prepare resources, prepare inputs), seconds; the sync scheduler's
     # own time from a free slot to the publish counts toward it (it tops up, never adds).
-    # 0.005 / 0.010 / 0.015: PR 15584's context-phase host stages after / before that PR
-    # (4.8 / 9.3 ms), and above them (PR 17257: 12.5 ms per generation iteration).
+    # Default and range: TensorRT-LLM PRs 15584 and 17257 (figures: docs/bench/baseline.md).
     iteration_overhead_s: float = Field(0.005, ge=0.0, le=1.0)
 
 

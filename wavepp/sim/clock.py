@@ -3,7 +3,7 @@
 ``loop.time()`` is a number the loop advances itself: whenever no callback is ready, the loop
 would block in ``select(timeout)`` until its next timer; here ``select`` instead moves the clock
 forward by ``timeout`` and returns at once. So ``asyncio.sleep(t)`` takes no wall time, timers
-fire in order, and code written for asyncio (the real scheduler, admission controller, leases)
+fire in order, and code written for asyncio (the real scheduler, agreement controller, leases)
 runs unchanged. CPU time spent in callbacks costs zero virtual time.
 
 The loop has no real I/O: registering a file descriptor is accepted (the loop's own self-pipe)

@@ -114,7 +114,7 @@ class SimStage:
         due = core.receive_plan(plan)
         if core.sequencer.gap() is not None:
             # The simulated bus loses no plan: a hole can only be the ids before this epoch's
-            # first plan, which no stage ever got (the worker learns that from a replay).
+            # first plan, which no stage ever got (the worker learns that from a resend).
             due += core.sequencer.flush_held()
         for ready, _ in due:
             work = core.accept(ready)

@@ -272,7 +272,7 @@ async def test_the_mirror_holds_no_more_hashes_than_a_stage_remembers(
         ticket = await asyncio.wait_for(controller.agree(request), 10)
         assert ticket is not None
         await controller.release([request.request_id])
-    assert controller.num_unresolved == 0  # before: root 0 named by reference, dropped there
+    assert controller.num_unresolved == 0  # root 0 goes in full: the stage dropped it
     sent = controller._rounds._sent._sequences  # the mirror's kept sequences
     assert sum(map(len, sent.values())) <= bound
     assert any(referenced for _, referenced in clients[0].payloads)  # references were used

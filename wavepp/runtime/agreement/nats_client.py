@@ -328,8 +328,8 @@ class _BatchMux:
         if call.dropped is None:
             call.dropped = [0] * len(call.clients)
             log.warning(
-                "a reply naming stage %d on %s did not verify (tag missing or wrong: a stage of "
-                "an earlier release or with another bus key, or a forger answering for it); "
+                "a reply naming stage %d on %s did not verify (tag missing or wrong: a stage "
+                "with another bus key, or a forger answering for it); "
                 "dropped, waiting for the stage's own (logged once per round)",
                 call.clients[index].rank,
                 call.fanout or call.clients[index].batch_subject,

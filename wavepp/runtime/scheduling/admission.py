@@ -16,7 +16,7 @@ sync (``SyncAdmission``, the baseline; mirrors TensorRT-LLM's ``_executor_loop_p
     scheduling loop, on the critical path: for each new request probe-reserve, retrying
     until the reservation fits (head of line waits) --> planning set
 
-Both call the admission controller (agreement over the stage clients) and hand the result to
+Both call the agreement controller (``AgreementController``, over the stage clients) and hand the result to
 the scheduler's ``SchedulerCore``; neither touches the transport.
 """
 

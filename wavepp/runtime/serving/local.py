@@ -1,5 +1,5 @@
 """A whole pipeline on this machine: an embedded nats-server, S stage processes, and the
-admission controller + wave scheduler in the calling process.
+agreement controller + wave scheduler in the calling process.
 
     async with LocalPipeline(config) as pipeline:
         outcome = await pipeline.scheduler.submit(PromptRequest("r1", token_ids))
@@ -197,7 +197,7 @@ class LocalPipeline:
         """Re-form the replica: kill every stage process, start all S again with a new dist url.
 
         A torch.distributed group cannot be rejoined once a member died, so every stage restarts
-        (empty KV caches) and forms a new group. The scheduler and the admission controller stay;
+        (empty KV caches) and forms a new group. The scheduler and the agreement controller stay;
         the scheduler publishes no plan meanwhile (``pause_plans``). Returns once every new
         stage answers a health probe (``wait_formed``), i.e. has subscribed to the plans.
 
