@@ -58,12 +58,16 @@ class ModelFamily(ABC):
         summary: the family's layers in a few words (docs and error messages).
         aliases: ``config.json`` name -> canonical name (transformers' ``attribute_map``).
         tensor_parallel: its layers shard over a stage's tensor-parallel group.
+        recurrent_state: some layers carry a recurrent state that only moves forward (a chunk
+            cannot be computed again at a position the state has passed: ``wavepp calibrate``
+            refuses such a family).
     """
 
     model_type: ClassVar[str]
     summary: ClassVar[str]
     aliases: ClassVar[Mapping[str, str]] = {}
     tensor_parallel: ClassVar[bool]
+    recurrent_state: ClassVar[bool] = False
 
     @abstractmethod
     def attention(self, cfg: Mapping[str, Any], where: str) -> AttentionShape:

@@ -174,6 +174,7 @@ class KimiLinear(ModelFamily):
     summary = "KDA linear attention (state per k blocks) + MLA, MoE"
     # NOTE: the KDA layers are not sharded over a tensor-parallel group.
     tensor_parallel = False
+    recurrent_state = True
     aliases = {
         "model_max_length": "max_position_embeddings",
         "moe_renormalize": "norm_topk_prob",

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from wavepp.runtime.families import family_of
 from wavepp.runtime.model_config import ModelConfig
 from wavepp.runtime.stage.engine.base import ChunkSpec
 from wavepp.runtime.stage.engine.checkpoint_engine import CheckpointStageEngine
@@ -97,10 +98,10 @@ def measure_stage_costs(
             )
     engine: TorchStageEngine | CheckpointStageEngine
     if model_dir is not None:
-        if model.architecture == "kimi_linear":
+        if family_of(model.architecture).recurrent_state:
             raise ValueError(
-                "model_dir: kimi_linear (hybrid) cannot be calibrated: its linear-attention "
-                "state cannot revisit a position"
+                f"model_dir: {model.architecture} (hybrid) cannot be calibrated: its "
+                "linear-attention state cannot revisit a position"
             )
         if num_layers + 1 > model.num_layers:
             raise ValueError(
