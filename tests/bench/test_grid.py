@@ -12,10 +12,10 @@ from wavepp.bench.grid import (
     markdown_table,
     median_rows,
     read_csv,
-    runtime_config,
     write_csv,
 )
 from wavepp.cli import main
+from wavepp.launch.grid import runtime_config
 from wavepp.runtime.config import AgreementMode
 from wavepp.runtime.scheduling.scheduler import StageSpan, WaveStats
 
@@ -132,6 +132,8 @@ def test_repeats_pair_each_wave_run_with_its_sync_run_and_report_medians() -> No
         (["bench", "grid", "--reuse", "medium"], "--reuse"),
         (["bench", "grid", "--concurrency", "0"], "--concurrency"),
         (["bench", "grid", "--ablations", "x"], "--ablations"),
+        (["bench", "grid", "--time-scale", "0"], "--time-scale"),
+        (["bench", "grid", "--trace-requests", "0"], "--trace-requests"),
         (["bench", "grid", "--repeats", "0"], "--repeats"),
         (["bench", "grid", "--reuse", "mooncake"], "--trace"),
         (["bench", "grid", "--reuse", "mooncake", "--trace", "/no/such.jsonl"], "--trace"),

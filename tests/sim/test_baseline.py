@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from wavepp.bench.grid import GridSpec, Setting, runtime_config
+from wavepp.bench.grid import GridSpec, Setting
 from wavepp.bench.workloads import preset_workload, shared_prefix_workload
+from wavepp.launch.grid import runtime_config
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import ChunkPlanner, CostModel, RequestProgress
 from wavepp.runtime.request import PromptRequest

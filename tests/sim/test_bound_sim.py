@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from wavepp.bench.grid import GridSpec, Setting, runtime_config
+from wavepp.bench.grid import GridSpec, Setting
 from wavepp.bench.workloads import ideal_cached_tokens, preset_workload
+from wavepp.launch.grid import runtime_config
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.planning.bound import RequestWork, pipeline_bound

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import pytest
 
-from wavepp.bench.grid import GridSpec, Setting, runtime_config
+from wavepp.bench.grid import GridSpec, Setting
 from wavepp.bench.workloads import preset_workload
+from wavepp.launch.grid import runtime_config
 from wavepp.sim.bus import SimLatencies
 from wavepp.sim.run import simulate
 

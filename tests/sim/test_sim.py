@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from wavepp.bench.grid import GridSpec, Setting, run_workload, runtime_config
+from wavepp.bench.grid import GridSpec, Setting, run_workload
 from wavepp.bench.workloads import ideal_hit_ratio, preset_workload, shared_prefix_workload
+from wavepp.launch.grid import runtime_config
 from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.config import BaselineConfig
 from wavepp.runtime.kv import StageKVManager

@@ -18,6 +18,9 @@ the median over repeats (``median_rows``), with the smallest and largest paired 
 Stage idle (``idle_by_stage``): within the measured window [first execute start, last execute
 end], the time each stage is not executing, and its largest single gap; this is how the report
 says which stage idles and when.
+
+Each setting's RuntimeConfig and planner cost model come from the caller
+(``launch.grid.runtime_config``); this module runs them and keeps the books.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import asyncio
 import csv
 import io
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,9 +37,6 @@ from typing import Any
 from wavepp.bench.report import ReplayReport, run_closed_loop
 from wavepp.bench.workloads import Workload, ideal_hit_ratio, mooncake_workload, preset_workload
 from wavepp.runtime.config import AgreementMode, RuntimeConfig
-from wavepp.runtime.model_config import get_preset
-from wavepp.runtime.planning.catalogue import derived_cost_model
-from wavepp.runtime.planning.memory import default_emulated_kv_blocks
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.scheduling.stats import WaveStats
 from wavepp.runtime.serving.local import LocalPipeline
@@ -49,7 +49,6 @@ __all__ = [
     "idle_by_stage",
     "markdown_table",
     "median_rows",
-    "run_grid",
     "run_setting",
     "write_csv",
 ]
@@ -164,29 +163,6 @@ def grid_settings(spec: GridSpec) -> list[Setting]:
     return runs
 
 
-def runtime_config(spec: GridSpec, setting: Setting) -> tuple[RuntimeConfig, Any]:
-    """The stages' RuntimeConfig and the planner's cost model (scaled by time_scale)."""
-    stage_cost = derived_cost_model(setting.model, num_stages=spec.num_stages)
-    overrides = ABLATIONS.get(setting.ablation, {})
-    config = RuntimeConfig(
-        model=get_preset("tiny-llama"),
-        engine="emulated",
-        cost_model=stage_cost.to_dict(),
-        time_scale=spec.time_scale,
-        num_stages=spec.num_stages,
-        block_size=spec.block_size,
-        num_kv_blocks=[spec.num_kv_blocks or 4096],
-        mode=setting.mode,  # type: ignore[arg-type]
-        chunk_tokens=spec.chunk_tokens,
-        **overrides,
-    )
-    if spec.num_kv_blocks is None:
-        blocks, _ = default_emulated_kv_blocks(config, setting.model)
-        config = RuntimeConfig.model_validate(config.model_dump() | {"num_kv_blocks": blocks})
-    # The planner budgets with the stages' own cost, at the stages' time scale.
-    return config, stage_cost.scaled(spec.time_scale)
-
-
 def idle_by_stage(stats: WaveStats, num_stages: int) -> tuple[list[float], list[float]]:
     """Per stage: idle seconds and the largest idle gap within the execution window.
 
@@ -243,9 +219,15 @@ async def run_workload(
         )
 
 
-def run_setting(spec: GridSpec, setting: Setting) -> dict[str, Any]:
-    """Run one setting on a fresh pipeline; returns one CSV row (CSV_COLUMNS, no ratio yet)."""
-    config, planner_cost = runtime_config(spec, setting)
+def run_setting(
+    spec: GridSpec, setting: Setting, config: RuntimeConfig, planner_cost: Any
+) -> dict[str, Any]:
+    """Run one setting on a fresh pipeline with its stages' ``config`` and the planner's cost
+    model (``launch.grid.runtime_config``); returns one CSV row (CSV_COLUMNS, no ratio yet).
+
+    Raises:
+        ValueError: reuse 'mooncake' without ``spec.trace``.
+    """
     if setting.reuse == "mooncake":
         if not spec.trace:
             raise ValueError("reuse 'mooncake' needs GridSpec.trace")
@@ -342,23 +324,6 @@ def median_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         row["ratio_max"] = max(ratios) if ratios else ""
         out.append(row)
     return out
-
-
-def run_grid(
-    spec: GridSpec,
-    *,
-    on_row: Callable[[Setting, dict[str, Any]], None] | None = None,
-    settings: Sequence[Setting] | None = None,
-) -> list[dict[str, Any]]:
-    """Run every setting of the grid (or ``settings``); returns the rows with ratios."""
-    rows = []
-    for setting in settings if settings is not None else grid_settings(spec):
-        row = run_setting(spec, setting)
-        rows.append(row)
-        if on_row is not None:
-            on_row(setting, row)
-    add_ratios(rows)
-    return rows
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: str | Path) -> None:

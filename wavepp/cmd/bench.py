@@ -18,14 +18,6 @@ from wavepp.cmd.common import HelpFormatter, finite_float, fresh_out_dir
 BARE_IS_USAGE = [("grid",)]
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    """Comma-separated integers; ValueError naming the text otherwise."""
-    try:
-        return tuple(int(v) for v in text.split(",") if v)
-    except ValueError:
-        raise ValueError(f"{text!r}: need comma-separated integers, e.g. 1,16,128") from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     grid = sub.add_parser(
@@ -198,67 +190,19 @@ def _run_grid(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from wavepp.bench.grid import (
-        ABLATIONS,
-        GridSpec,
-        add_ratios,
-        grid_settings,
-        markdown_table,
-        run_setting,
-        write_csv,
-    )
-    from wavepp.bench.workloads import REUSE_PRESETS
-    from wavepp.runtime.planning.catalogue import list_models
+    from wavepp.bench.grid import add_ratios, markdown_table, run_setting, write_csv
+    from wavepp.launch.flags import FlagError
+    from wavepp.launch.grid import plan_grid
 
     try:
-        spec = GridSpec(
-            models=tuple(m for m in args.models.split(",") if m),
-            concurrencies=_ints(args.concurrency),
-            reuses=tuple(r for r in args.reuse.split(",") if r),
-            ablations=tuple(a for a in args.ablations.split(",") if a),
-            ablation_concurrency=args.ablation_concurrency,
-            ablation_reuse=args.ablation_reuse,
-            num_stages=args.stages,
-            time_scale=args.time_scale,
-            block_size=args.block_size,
-            num_kv_blocks=args.kv_blocks,
-            chunk_tokens=args.chunk_tokens,
-            min_requests=args.min_requests,
-            requests_per_concurrency=args.requests_per_concurrency,
-            repeats=args.repeats,
-            trace=args.trace,
-            trace_requests=args.trace_requests,
-        )
-    except ValueError as exc:
-        flag = "--concurrency"
-        if "repeats" in str(exc):
-            flag = "--repeats"
-        elif "trace" in str(exc):
-            flag = "--trace"
-        return _fail(flag, str(exc))
-    for model in spec.models:
-        if model not in list_models():
-            return _fail("--models", f"{model!r}: choose from {list_models()}")
-    if spec.trace and not Path(spec.trace).is_file():
-        return _fail("--trace", f"{spec.trace}: no such file")
-    if spec.trace_requests < 1:
-        return _fail("--trace-requests", f"{spec.trace_requests}: must be >= 1")
-    for reuse in (*spec.reuses, spec.ablation_reuse):
-        if reuse not in REUSE_PRESETS and reuse != "mooncake":
-            choices = [*sorted(REUSE_PRESETS), "mooncake (with --trace)"]
-            return _fail("--reuse", f"{reuse!r}: choose from {choices}")
-    for name in spec.ablations:
-        if name not in ABLATIONS:
-            return _fail("--ablations", f"{name!r}: choose from {sorted(ABLATIONS)}")
-    if not spec.concurrencies or min(spec.concurrencies) < 1:
-        return _fail("--concurrency", f"{args.concurrency!r}: need integers >= 1")
-    if args.time_scale <= 0:
-        return _fail("--time-scale", f"{args.time_scale}: must be > 0")
+        plan = plan_grid(args)
+    except FlagError as exc:
+        return _fail(exc.flag, str(exc))
+    spec, settings = plan.spec, plan.settings
     out = Path(args.out or fresh_out_dir("grid"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"wavepp bench grid: writing into {out}", file=sys.stderr)
     command = "wavepp bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-    settings = grid_settings(spec)
     err = Console(stderr=True)
     rows = []
     with Progress(
@@ -271,7 +215,7 @@ def _run_grid(args: argparse.Namespace) -> int:
         task = progress.add_task("grid", total=len(settings))
         for setting in settings:
             progress.update(task, description=setting.label)
-            rows.append(run_setting(spec, setting))
+            rows.append(run_setting(spec, setting, *plan.config(setting)))
             add_ratios(rows)
             write_csv(rows, out / "grid.csv")  # partial results survive an interruption
             progress.advance(task)
@@ -295,6 +239,7 @@ def _run_agreement(args: argparse.Namespace) -> int:
         format_table,
         run_agreement_bench,
     )
+    from wavepp.launch.flags import comma_ints
 
     if args.rate is not None and args.in_flight is not None:
         return _fail("--rate", "not with --concurrency (open loop or closed loop, not both)")
@@ -314,7 +259,7 @@ def _run_agreement(args: argparse.Namespace) -> int:
              "rounds_in_flight": "--rounds-in-flight"}  # fmt: skip
     for flag, name in flags.items():
         try:
-            lists[flag] = _ints(getattr(args, flag))
+            lists[flag] = comma_ints(getattr(args, flag))
         except ValueError as exc:
             return _fail(name, str(exc))
         if not lists[flag] or min(lists[flag]) < 1:

@@ -27,6 +27,7 @@ __all__ = [
     "check_creds",
     "check_port",
     "check_port_free",
+    "comma_ints",
     "describe_error",
     "resolve_rank",
 ]
@@ -144,3 +145,15 @@ def check_port_free(host: str, port: int) -> str | None:
         except OSError as exc:
             return f"{host}:{port} cannot be bound: {exc.strerror or exc}"
     return None
+
+
+def comma_ints(text: str) -> tuple[int, ...]:
+    """Comma-separated integers (empty items skipped).
+
+    Raises:
+        ValueError: an item is not an integer; the message names ``text``.
+    """
+    try:
+        return tuple(int(v) for v in text.split(",") if v)
+    except ValueError:
+        raise ValueError(f"{text!r}: need comma-separated integers, e.g. 1,16,128") from None

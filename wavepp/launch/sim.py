@@ -1,8 +1,8 @@
 """The settings ``wavepp sim`` simulates, from its flags: the model's derived H200 cost model,
 the concurrencies, the simulated latencies, the KV capacity (``--kv-blocks``, else derived per
 stage, ``planning.memory.default_emulated_kv_blocks``), the baseline's fidelity switches, and
-each (concurrency, mode)'s RuntimeConfig (``bench.grid.runtime_config`` with those laid over
-it). Every refusal is a :class:`FlagError` naming the flag.
+each (concurrency, mode)'s RuntimeConfig (``launch.grid.runtime_config`` with those laid
+over it). Every refusal is a :class:`FlagError` naming the flag.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from wavepp.bench.grid import GridSpec, Setting, runtime_config
+from wavepp.bench.grid import GridSpec, Setting
 from wavepp.launch.flags import FlagError
+from wavepp.launch.grid import runtime_config
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.planning.catalogue import list_models

@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from wavepp.bench.grid import GridSpec, Setting, runtime_config
+from wavepp.bench.grid import GridSpec, Setting
+from wavepp.launch.grid import runtime_config
 from wavepp.runtime.config import AgreementMode, RuntimeConfig
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.request import PromptRequest, RequestOutcome, RequestStatus

@@ -23,7 +23,8 @@ from wavepp.api.messages import (
     RequestResult,
 )
 from wavepp.api.signing import BusKey
-from wavepp.bench.grid import GridSpec, Setting, runtime_config
+from wavepp.bench.grid import GridSpec, Setting
+from wavepp.launch.grid import runtime_config
 from wavepp.runtime.agreement import AgreementController, LocalStageClient
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.planning import ChunkPlanner

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wavepp.bench.grid import GridSpec, Setting, runtime_config
+from wavepp.bench.grid import GridSpec, Setting
 from wavepp.bench.workloads import shared_prefix_workload
+from wavepp.launch.grid import runtime_config
 from wavepp.runtime.request import PromptRequest, RequestOutcome
 from wavepp.sim.clock import VirtualClockLoop
 from wavepp.sim.pipeline import SimPipeline

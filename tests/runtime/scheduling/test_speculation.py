@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from wavepp.bench.grid import GridSpec, Setting, runtime_config
+from wavepp.bench.grid import GridSpec, Setting
 from wavepp.bench.workloads import preset_workload
+from wavepp.launch.grid import runtime_config
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.scheduling import speculation
 from wavepp.runtime.scheduling.speculation import AgreedPrefixIndex

@@ -24,8 +24,9 @@ from wavepp.api.messages import (
     MicroBatchPlan,
     RequestResult,
 )
-from wavepp.bench.grid import GridSpec, Setting, runtime_config
+from wavepp.bench.grid import GridSpec, Setting
 from wavepp.bench.report import run_closed_loop
+from wavepp.launch.grid import runtime_config
 from wavepp.runtime.agreement import AgreementController, LocalStageClient
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.planning import ChunkPlanner

@@ -230,7 +230,8 @@ def test_bad_rank_is_refused() -> None:
 def test_the_simulator_and_the_worker_drive_the_same_core() -> None:
     """Both construct ``StageCore``; the simulated stage keeps no copy of its logic."""
     import wavepp.sim.stage as sim_stage
-    from wavepp.bench.grid import GridSpec, Setting, runtime_config
+    from wavepp.bench.grid import GridSpec, Setting
+    from wavepp.launch.grid import runtime_config
     from wavepp.runtime.planning import CostModel
     from wavepp.runtime.stage.worker import StageWorker
     from wavepp.sim.bus import SimBus, SimLatencies

@@ -1,0 +1,125 @@
+"""The runs ``wavepp bench grid`` makes, from its flags (:func:`plan_grid`; every refusal a
+:class:`FlagError` naming the flag), and the RuntimeConfig of one grid setting
+(:func:`runtime_config`, which ``wavepp sim`` shares): the emulated engine on the model's
+derived H200 cost model of its slowest stage, the KV capacity (``GridSpec.num_kv_blocks``, else
+derived per stage, ``planning.memory.default_emulated_kv_blocks``) and the setting's ablation.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from wavepp.bench.grid import ABLATIONS, GridSpec, Setting, grid_settings
+from wavepp.bench.workloads import REUSE_PRESETS
+from wavepp.launch.flags import FlagError, comma_ints
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.model_config import get_preset
+from wavepp.runtime.planning import CostModel
+from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
+from wavepp.runtime.planning.memory import default_emulated_kv_blocks
+
+__all__ = ["GridPlan", "plan_grid", "runtime_config"]
+
+
+def runtime_config(spec: GridSpec, setting: Setting) -> tuple[RuntimeConfig, CostModel]:
+    """The stages' RuntimeConfig of one setting and the planner's cost model (the stages' own
+    cost, scaled by ``spec.time_scale``).
+
+    Raises:
+        ValueError: RuntimeConfig refuses the setting, or no KV capacity can be derived.
+    """
+    stage_cost = derived_cost_model(setting.model, num_stages=spec.num_stages)
+    overrides = ABLATIONS.get(setting.ablation, {})
+    config = RuntimeConfig(
+        model=get_preset("tiny-llama"),
+        engine="emulated",
+        cost_model=stage_cost.to_dict(),
+        time_scale=spec.time_scale,
+        num_stages=spec.num_stages,
+        block_size=spec.block_size,
+        num_kv_blocks=[spec.num_kv_blocks or 4096],
+        mode=setting.mode,  # type: ignore[arg-type]
+        chunk_tokens=spec.chunk_tokens,
+        **overrides,
+    )
+    if spec.num_kv_blocks is None:
+        blocks, _ = default_emulated_kv_blocks(config, setting.model)
+        config = RuntimeConfig.model_validate(config.model_dump() | {"num_kv_blocks": blocks})
+    # The planner budgets with the stages' own cost, at the stages' time scale.
+    return config, stage_cost.scaled(spec.time_scale)
+
+
+@dataclass(frozen=True)
+class GridPlan:
+    """What ``wavepp bench grid`` runs.
+
+    Attributes:
+        spec: the grid (models x concurrencies x reuses, ablations, repeats, fixed settings).
+        settings: every run in order (``bench.grid.grid_settings``).
+    """
+
+    spec: GridSpec
+    settings: list[Setting]
+
+    def config(self, setting: Setting) -> tuple[RuntimeConfig, CostModel]:
+        """The RuntimeConfig and planner cost model of one of :attr:`settings`
+        (:func:`runtime_config`)."""
+        return runtime_config(self.spec, setting)
+
+
+def plan_grid(args: argparse.Namespace) -> GridPlan:
+    """Resolve ``wavepp bench grid``'s flags (``cmd.bench.add_arguments``) into a
+    :class:`GridPlan`, checking the grid (``--concurrency``, ``--repeats``, ``--trace``), then
+    ``--models``, ``--trace``, ``--trace-requests``, ``--reuse``, ``--ablations``,
+    ``--concurrency`` and ``--time-scale``, in that order.
+
+    Raises:
+        FlagError: the first refusal, naming the flag.
+    """
+    try:
+        spec = GridSpec(
+            models=tuple(m for m in args.models.split(",") if m),
+            concurrencies=comma_ints(args.concurrency),
+            reuses=tuple(r for r in args.reuse.split(",") if r),
+            ablations=tuple(a for a in args.ablations.split(",") if a),
+            ablation_concurrency=args.ablation_concurrency,
+            ablation_reuse=args.ablation_reuse,
+            num_stages=args.stages,
+            time_scale=args.time_scale,
+            block_size=args.block_size,
+            num_kv_blocks=args.kv_blocks,
+            chunk_tokens=args.chunk_tokens,
+            min_requests=args.min_requests,
+            requests_per_concurrency=args.requests_per_concurrency,
+            repeats=args.repeats,
+            trace=args.trace,
+            trace_requests=args.trace_requests,
+        )
+    except ValueError as exc:
+        flag = "--concurrency"
+        if "repeats" in str(exc):
+            flag = "--repeats"
+        elif "trace" in str(exc):
+            flag = "--trace"
+        raise FlagError(flag, str(exc)) from None
+    for model in spec.models:
+        if model not in list_models():
+            raise FlagError("--models", f"{model!r}: choose from {list_models()}")
+    if spec.trace and not Path(spec.trace).is_file():
+        raise FlagError("--trace", f"{spec.trace}: no such file")
+    if spec.trace_requests < 1:
+        raise FlagError("--trace-requests", f"{spec.trace_requests}: must be >= 1")
+    for reuse in (*spec.reuses, spec.ablation_reuse):
+        if reuse not in REUSE_PRESETS and reuse != "mooncake":
+            choices = [*sorted(REUSE_PRESETS), "mooncake (with --trace)"]
+            raise FlagError("--reuse", f"{reuse!r}: choose from {choices}")
+    for name in spec.ablations:
+        if name not in ABLATIONS:
+            raise FlagError("--ablations", f"{name!r}: choose from {sorted(ABLATIONS)}")
+    if not spec.concurrencies or min(spec.concurrencies) < 1:
+        raise FlagError("--concurrency", f"{args.concurrency!r}: need integers >= 1")
+    if args.time_scale <= 0:
+        raise FlagError("--time-scale", f"{args.time_scale}: must be > 0")
+    return GridPlan(spec=spec, settings=grid_settings(spec))
