@@ -200,8 +200,7 @@ def test_missing_vllm_environment_is_a_clear_exit(tmp_path: Path) -> None:
 )
 def test_small_run_end_to_end(tmp_path: Path) -> None:
     trace = REPO / "data" / "traces" / "conversation_trace.jsonl"
-    if not trace.exists():
-        pytest.skip(f"no trace at {trace}")
+    assert trace.exists(), f"the trace ships with the repository: {trace}"
     out = subprocess.run(
         [
             sys.executable,
