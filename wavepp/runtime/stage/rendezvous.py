@@ -8,6 +8,7 @@ starts a new epoch that the survivors join without restarting::
     KV bucket WAVEPP_RDZV_{ns}_{pipeline} (api.subjects.rendezvous_bucket)
       epoch          -> "E"     the epoch being formed or served
       join.E.r       -> ""      rank r joined epoch E
+      alive.E.r      -> "n"     rank r's beat in epoch E (a counter, put every PEER_BEAT_S)
 
     a fresh process of rank r:  E = epoch (created as 1 when absent)
                                 join.E.r exists?  a former process of r was in E: bump E -> E+1
@@ -23,6 +24,11 @@ re-form; without the key it cannot name them ahead of time (each epoch's namespa
 listing one epoch's keys, which the store allows, tells nothing of the next), and junk written
 once it sees them is not read. Without a bus key the prefix stays ``wavepp/epoch/{E}/``. What a
 client of the store can still do is in docs/reliability.md ("The stages' store").
+
+A stage of epoch E beats ``alive.E.{rank}`` and reads its peers' beats; a peer whose beat has
+not changed for ``PEER_SILENCE_S`` (by the reader's own clock: no clock is compared across hosts)
+is gone, and with it the group (:class:`PeerPresence`, pure): the stage's readiness turns false
+(its ``/readyz`` 503) at most ``PEER_SILENCE_S`` + 2 x ``PEER_BEAT_S`` after a peer dies.
 
 The rules are :func:`decide_join` (pure). Without JetStream (``LocalPipeline``'s plain
 nats-server) there is no bucket: the stages form epoch 0 once (a dead stage then
@@ -55,6 +61,43 @@ POLL_S = 0.1
 
 
 MAX_EPOCH = 2**31
+# A stage beats every PEER_BEAT_S; a peer silent for PEER_SILENCE_S is gone (seconds).
+PEER_BEAT_S = 0.25
+PEER_SILENCE_S = 1.2
+
+
+def alive_key(epoch: int, rank: int) -> str:
+    """Rank ``rank``'s beat in epoch ``epoch`` (pure)."""
+    return f"alive.{epoch}.{rank}"
+
+
+class PeerPresence:
+    """Which peers of one epoch still beat (pure: the caller passes the time).
+
+    Args:
+        peers: the other ranks of the group.
+        now: monotonic seconds at the epoch's start (every peer counts as just seen).
+        silence_s: a peer whose beat has not changed for longer is gone (> 0).
+
+    Raises:
+        ValueError: ``silence_s`` <= 0.
+    """
+
+    def __init__(self, peers: list[int], now: float, silence_s: float = PEER_SILENCE_S) -> None:
+        if not silence_s > 0:
+            raise ValueError(f"silence_s={silence_s}: must be > 0")
+        self.silence_s = silence_s
+        self._last: dict[int, tuple[bytes | None, float]] = {r: (None, now) for r in peers}
+
+    def observe(self, rank: int, beat: bytes | None, now: float) -> None:
+        """``rank``'s beat read at ``now`` (None: no beat yet); a changed value counts as seen."""
+        value, _ = self._last[rank]
+        if beat is not None and beat != value:
+            self._last[rank] = (beat, now)
+
+    def missing(self, now: float) -> list[int]:
+        """The peers silent for longer than ``silence_s`` at ``now``, ascending."""
+        return sorted(r for r, (_, seen) in self._last.items() if now - seen > self.silence_s)
 
 
 def epoch_of(value: bytes | None, revision: int) -> int:
@@ -278,6 +321,22 @@ class EpochRendezvous:
             if all(joined):
                 return True
             await asyncio.sleep(POLL_S)
+
+    async def beat(self, epoch: int, count: int) -> None:
+        """Put this rank's beat ``count`` for ``epoch``."""
+        await self.kv.put(alive_key(epoch, self.rank), str(count).encode())
+
+    async def peer_beats(self, epoch: int) -> dict[int, bytes | None]:
+        """Every other rank's beat in ``epoch`` (None: none yet)."""
+        beats: dict[int, bytes | None] = {}
+        for rank in range(self.num_stages):
+            if rank == self.rank:
+                continue
+            try:
+                beats[rank] = (await self.kv.get(alive_key(epoch, rank))).value
+            except KeyNotFoundError:
+                beats[rank] = None
+        return beats
 
     async def wait_newer(self, epoch: int) -> int:
         """Return the bucket's epoch once it is above ``epoch`` (polls every ``POLL_S``)."""

@@ -73,7 +73,12 @@ from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.stage.build import build_engine, check_environment
 from wavepp.runtime.stage.core import StageCore, StageWork
 from wavepp.runtime.stage.engine import PreparedBatch, StageEngine
-from wavepp.runtime.stage.rendezvous import EpochRendezvous, StageGroupFactory
+from wavepp.runtime.stage.rendezvous import (
+    PEER_BEAT_S,
+    EpochRendezvous,
+    PeerPresence,
+    StageGroupFactory,
+)
 from wavepp.runtime.transport.natsio import flush_in_order, on_reconnect
 from wavepp.telemetry.pipeline import StageTelemetry
 
@@ -151,6 +156,10 @@ class StageWorker:
         self.is_formed = True
         self.num_reforms = 0
         self._generation = 0
+        # Peers of the current epoch that stopped beating in the rendezvous bucket (their
+        # process is gone: so is the group); empty without a rendezvous (a single epoch).
+        self.missing_peers: list[int] = []
+        self._presence: PeerPresence | None = None
 
     # ---- loop thread ---------------------------------------------------------------------
 
@@ -168,14 +177,16 @@ class StageWorker:
         log.info("stage %d serving layers %s", self.rank, self.config.layers_of(self.rank))
         expiry = asyncio.create_task(self._expire_loop())
         watcher = asyncio.create_task(self._watch_epochs()) if self.rendezvous else None
+        beats = asyncio.create_task(self._watch_peers()) if self.rendezvous else None
         self.is_serving = True
         try:
             await stop.wait()
         finally:
             self.is_serving = False
             expiry.cancel()
-            if watcher is not None:
-                watcher.cancel()
+            for task in (watcher, beats):
+                if task is not None:
+                    task.cancel()
             self._work.put(None)
 
     def _start_compute(self) -> None:
@@ -200,6 +211,38 @@ class StageWorker:
             except Exception:  # noqa: BLE001 - a member left again: wait for the next epoch
                 log.exception("stage %d: forming epoch %d failed", self.rank, epoch)
                 self.group_epoch = max(self.group_epoch, epoch)
+
+    @property
+    def is_group_complete(self) -> bool:
+        """Formed in the current epoch and every peer of it still beating (readiness)."""
+        return self.is_formed and not self.missing_peers
+
+    async def _watch_peers(self) -> None:
+        """Beat this stage's key of the current epoch and follow its peers' beats
+        (``rendezvous.PeerPresence``) every ``PEER_BEAT_S``; ``missing_peers`` names those
+        gone."""
+        assert self.rendezvous is not None
+        epoch, count = -1, 0
+        while True:
+            now = time.monotonic()
+            if epoch != self.group_epoch or self._presence is None:
+                epoch = self.group_epoch
+                peers = [r for r in range(self.config.num_stages) if r != self.rank]
+                self._presence = PeerPresence(peers, now)
+            try:
+                count += 1
+                await self.rendezvous.beat(epoch, count)
+                for rank, beat in (await self.rendezvous.peer_beats(epoch)).items():
+                    self._presence.observe(rank, beat, time.monotonic())
+            except Exception as exc:  # noqa: BLE001 - a reconnecting server: peers unseen meanwhile
+                log.debug("stage %d: peer beats: %r", self.rank, exc)
+            missing = self._presence.missing(time.monotonic())
+            if missing and not self.missing_peers:
+                log.warning(
+                    "stage %d: peer(s) %s of epoch %d silent; group gone", self.rank, missing, epoch
+                )
+            self.missing_peers = missing
+            await asyncio.sleep(PEER_BEAT_S)
 
     def _on_group_error(self, generation: int, exc: BaseException) -> None:
         """A send/receive of the group failed (a peer died): out of service until re-formed."""
