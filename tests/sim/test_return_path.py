@@ -17,7 +17,7 @@ not a scheduling fault. With it (``RuntimeConfig.speculative_planning``, the def
 scheduler plans the successor's micro-batch from its predicted L* while the agreement's round
 trip is under way, and publishes it when the reply matches), the host time runs during the round
 trip instead of after it, so the two terms become max(round trip, host time): 1.65 ms instead of
-2.65 ms per round here (0.951-0.958 of the bound, docs/bench/README.md).
+2.65 ms per round here (0.951-0.958 of the bound, docs/bench/simulator.md).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ controller's, the default), or in stage host processes: ``stage_processes`` one 
 in production), or ``stage_hosts`` processes sharing the ranks from ``stages_in_process`` on
 (ranks below it stay in this process). On a 2-core machine the layout decides how much of the
 work runs at once: all in one process leaves the second core to the nats-server alone; S + 1
-processes cost more CPU per agreement than they take off the controller (docs/bench/README.md);
+processes cost more CPU per agreement than they take off the controller (docs/bench/cadence.md);
 half the ranks beside the controller and half in one stage host puts about the same work on
 each core. In production every stage is its own host, and none of the stage work is on the
 controller's core.

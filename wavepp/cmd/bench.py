@@ -2,7 +2,7 @@
 
 wavepp bench grid --concurrency 8,32       # models x concurrency x reuse, wave vs sync
 wavepp bench agreement --stages 2,4,8         # agreements/s and latency over real NATS
-wavepp bench plot docs/bench/grid.csv         # PNG plots from a grid CSV
+wavepp bench plot docs/bench/h200/grid.csv    # PNG plots from a grid CSV
 """
 
 from __future__ import annotations

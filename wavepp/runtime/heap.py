@@ -11,8 +11,8 @@ young generation piles up, to be walked in one long pause inside whichever round
 Collected after every answered round, the same objects are walked once each (each tuple of ints
 or hashes leaves the collector's lists at its first pass), in short pauses that overlap the
 controller's reading of the replies. ``threshold0`` stays CPython's: lowering it shortens the
-pauses but costs the stage CPU in collections (pause lengths and costs: docs/bench/README.md,
-"the young generation is collected right after a round is answered").
+pauses but costs the stage CPU in collections (pause lengths and costs: docs/bench/cadence.md,
+"The young generation is collected right after a round is answered").
 """
 
 from __future__ import annotations

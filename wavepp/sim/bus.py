@@ -29,7 +29,7 @@ class SimLatencies:
     both modes pay it (sync mode at least ``BaselineConfig.iteration_overhead_s``).
     Default 0 here so that unit tests isolate what they test; ``wavepp sim`` charges 1.65 ms,
     the scheduler's mean host time per micro-batch as a replay reports it (replay JSON
-    ``scheduler_host_ms_mean``; docs/bench/baseline.md).
+    ``scheduler_host_ms_mean``; docs/bench/simulator.md).
     """
 
     kv_rtt_s: float = 1e-3

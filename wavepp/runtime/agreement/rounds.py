@@ -46,7 +46,7 @@ the next one, so the batch grows with the load: one request per round when they 
 time, hundreds when they come faster than a round trip. The default is one round at a time:
 every round costs each stage a message and the controller S replies whatever its size, so
 overlapping rounds split the same arrivals into more, smaller rounds (latency by rounds in
-flight: docs/bench/README.md, "Admission cadence in open loop").
+flight: docs/bench/cadence.md, "One round in flight").
 
 A stage handles its messages in order, each round's entries atomically per request (pin, then
 reserve or hold nothing); a reservation that does not fit is refused (the request retries),

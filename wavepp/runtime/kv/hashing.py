@@ -168,7 +168,7 @@ class PromptHasher:
     Agentic and chat prompts share thousands of tokens with the one before and add a few
     hundred, so the cost is one encoding of the prompt's token ids to u32 bytes
     (``array("I")``), a binary search for the shared blocks and one sha256 per new block
-    (timings: docs/bench/README.md, "Prompt hashing").
+    (timings: docs/bench/cadence.md, "Prompt hashing").
 
     Args:
         block_size: Tokens per block, > 0.

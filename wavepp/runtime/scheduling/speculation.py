@@ -1,6 +1,6 @@
 """Speculative planning: build the next plan while the agreement's round trip is under way.
 
-At small C (C = S, MiniMax-M2.7 high reuse: docs/bench/README.md) stage 0 idles one return path
+At small C (C = S, MiniMax-M2.7 high reuse: docs/bench/simulator.md) stage 0 idles one return path
 per round: the last stage's done, the successor's agreement (one round trip), the scheduler's
 host time, the plan on the bus. The host time need not wait for the agreement's reply: the
 planner needs only the agreed prefix L* of each request, and the scheduler can predict it from
