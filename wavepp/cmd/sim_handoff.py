@@ -6,7 +6,8 @@ decode instance over a modelled link (``wavepp.runtime.stage.handoff_model``), s
 Columns: prefill throughput (prompt tokens/s) and TTFT without / with the handoff and their
 ratio; the handoff's p50 / p99 seconds from a request's first token to its last byte landed
 from every stage; the fraction of bytes landed by the first token (overlapped with the
-prefill); the busiest stage link's utilisation; the most blocks a stage's handoff held at once.
+prefill); the busiest stage link's utilisation; the share of a stage's KV pool the handoff's
+leases held, time-averaged and at peak (the largest over the stages).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def run_handoff(
     print(
         "| model | S | C | reuse | prompt tokens | tok/s without | tok/s with | ratio | "
         "TTFT p50 without/with (s) | TTFT p99 without/with (s) | handoff p50/p99 (ms) | "
-        "overlapped | link util max | peak leased blocks |\n"
+        "overlapped | link util max | leased KV mean/peak |\n"
         "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | ---: "
         "| ---: |",
         file=out,
@@ -123,6 +124,12 @@ def run_handoff(
             summaries[name] = report.summary()
         off, on = summaries["without"], summaries["with"]
         figures = on["handoff"]
+        peak_leased = max(
+            blocks / capacity
+            for blocks, capacity in zip(
+                figures["peak_leased_blocks"], on["kv_blocks_per_stage"], strict=True
+            )
+        )
         ratio = on["throughput_tokens_per_s"] / max(off["throughput_tokens_per_s"], 1e-9)
         print(
             f"| {plan.model} | {config.num_stages} | {concurrency} | {plan.reuse} | "
@@ -132,7 +139,7 @@ def run_handoff(
             f"{off['ttft_p99_s']:.3f}/{on['ttft_p99_s']:.3f} | "
             f"{figures['handoff_s_p50'] * 1e3:.2f}/{figures['handoff_s_p99'] * 1e3:.2f} | "
             f"{figures['overlapped_fraction']:.2f} | {max(figures['link_utilisation']):.2f} | "
-            f"{max(figures['peak_leased_blocks'])} |",
+            f"{max(figures['mean_leased_fraction']):.4f}/{peak_leased:.3f} |",
             file=out,
             flush=True,
         )

@@ -165,3 +165,6 @@ def test_summary_counts_tails_overlap_and_only_the_requests_it_is_given() -> Non
     assert summary["overlapped_fraction"] == pytest.approx(80 / 127, abs=1e-4)
     assert summary["link_queued_s_max"] == 0.0
     assert summary["link_utilisation"] == [pytest.approx(1.27 / 10.0, abs=1e-4)]
+    # the lease held a's 3 blocks from its last chunk's end (2.0) to its landing (2.47), in a
+    # pool of 8 blocks, over a 10 s window
+    assert summary["mean_leased_fraction"] == [pytest.approx(3 * 0.47 / 10.0 / 8, abs=1e-5)]

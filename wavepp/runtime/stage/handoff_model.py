@@ -50,12 +50,21 @@ class HandoffRecord:
         done: its last chunk was queued (the record is complete).
         leased_blocks: the blocks the lease holds (empty before the last chunk and after
             the lease ended).
+        num_lease_blocks: how many blocks its lease held (0 before its last chunk).
+        lease_start_s: when its lease began (its last chunk's end on this stage).
     """
 
     request_id: str
     transfers: list[Transfer] = field(default_factory=list)
     done: bool = False
     leased_blocks: tuple[int, ...] = ()
+    num_lease_blocks: int = 0
+    lease_start_s: float = 0.0
+
+    @property
+    def lease_block_s(self) -> float:
+        """Block-seconds its lease held: num_lease_blocks x (landed_s - lease_start_s)."""
+        return self.num_lease_blocks * (self.landed_s - self.lease_start_s) if self.done else 0.0
 
     @property
     def num_bytes(self) -> float:
@@ -132,6 +141,8 @@ class ModelledHandoff:
                 blocks = self.manager.held_blocks(request_id)
                 self.manager.pool.pin(blocks)
                 record.leased_blocks = blocks
+                record.num_lease_blocks = len(blocks)
+                record.lease_start_s = now_s
                 self.num_leased_blocks += len(blocks)
                 self.peak_leased_blocks = max(self.peak_leased_blocks, self.num_leased_blocks)
                 heapq.heappush(self._leases, (transfer.landed_s, request_id))
@@ -179,10 +190,14 @@ def summarize_handoffs(
         ``link_queued_s_max``: the longest a transfer waited for its link (0 when the links
         keep up); ``link_utilisation``: per stage, the seconds its link spent on
         those requests / ``wall_s``;
-        ``peak_leased_blocks``: per stage, the most block references the handoff held at once.
+        ``peak_leased_blocks``: per stage, the most block references the handoff held at once
+        (warm-up included); ``mean_leased_fraction``: per stage, the time-average of the
+        blocks those requests' leases held, as a fraction of the stage's pool (the KV capacity
+        the handoff takes from admission).
     """
     tails, total, overlapped, queued = [], 0.0, 0.0, 0.0
     stage_bytes = [0.0] * len(handoffs)
+    lease_block_s = [0.0] * len(handoffs)
     for request_id, first_s in first_token_s.items():
         records = [h.records.get(request_id) for h in handoffs]
         if any(r is None or not r.done for r in records):
@@ -192,6 +207,7 @@ def summarize_handoffs(
         for rank, record in enumerate(records):
             assert record is not None
             stage_bytes[rank] += record.num_bytes
+            lease_block_s[rank] += record.lease_block_s
             for transfer in record.transfers:
                 total += transfer.num_bytes
                 if transfer.landed_s <= first_s:
@@ -211,4 +227,8 @@ def summarize_handoffs(
             for h, num_bytes in zip(handoffs, stage_bytes, strict=True)
         ],
         "peak_leased_blocks": [h.peak_leased_blocks for h in handoffs],
+        "mean_leased_fraction": [
+            round(block_s / wall_s / h.manager.pool.num_blocks, 5) if wall_s > 0 else 0.0
+            for h, block_s in zip(handoffs, lease_block_s, strict=True)
+        ],
     }
