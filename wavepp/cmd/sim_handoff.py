@@ -6,8 +6,9 @@ decode instance over a modelled link (``wavepp.runtime.stage.handoff_model``), s
 Columns: prefill throughput (prompt tokens/s) and TTFT without / with the handoff and their
 ratio; the handoff's p50 / p99 seconds from a request's first token to its last byte landed
 from every stage; the fraction of bytes landed by the first token (overlapped with the
-prefill); the busiest stage link's utilisation; the share of a stage's KV pool the handoff's
-leases held, time-averaged and at peak (the largest over the stages).
+prefill); the busiest stage link's load (link seconds needed / window: above 1 the link bounds
+throughput); the largest share of a stage's KV pool the handoff's leases held at once; prompt
+tokens per second until the last byte reached decode.
 """
 
 from __future__ import annotations
@@ -99,9 +100,9 @@ def run_handoff(
     print(
         "| model | S | C | reuse | prompt tokens | tok/s without | tok/s with | ratio | "
         "TTFT p50 without/with (s) | TTFT p99 without/with (s) | handoff p50/p99 (ms) | "
-        "overlapped | link util max | leased KV mean/peak |\n"
+        "overlapped | link load max | peak leased KV | tok/s to decode |\n"
         "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | ---: "
-        "| ---: |",
+        "| ---: | ---: |",
         file=out,
     )
     results = []
@@ -138,8 +139,9 @@ def run_handoff(
             f"{off['ttft_p50_s']:.3f}/{on['ttft_p50_s']:.3f} | "
             f"{off['ttft_p99_s']:.3f}/{on['ttft_p99_s']:.3f} | "
             f"{figures['handoff_s_p50'] * 1e3:.2f}/{figures['handoff_s_p99'] * 1e3:.2f} | "
-            f"{figures['overlapped_fraction']:.2f} | {max(figures['link_utilisation']):.2f} | "
-            f"{max(figures['mean_leased_fraction']):.4f}/{peak_leased:.3f} |",
+            f"{figures['overlapped_fraction']:.2f} | {max(figures['link_load']):.2f} | "
+            f"{peak_leased:.3f} | "
+            f"{on['prompt_tokens'] / figures['handoff_window_s']:.0f} |",
             file=out,
             flush=True,
         )

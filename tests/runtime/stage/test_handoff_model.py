@@ -164,7 +164,28 @@ def test_summary_counts_tails_overlap_and_only_the_requests_it_is_given() -> Non
     assert summary["handoff_s_p50"] == pytest.approx(0.47)
     assert summary["overlapped_fraction"] == pytest.approx(80 / 127, abs=1e-4)
     assert summary["link_queued_s_max"] == 0.0
-    assert summary["link_utilisation"] == [pytest.approx(1.27 / 10.0, abs=1e-4)]
-    # the lease held a's 3 blocks from its last chunk's end (2.0) to its landing (2.47), in a
-    # pool of 8 blocks, over a 10 s window
-    assert summary["mean_leased_fraction"] == [pytest.approx(3 * 0.47 / 10.0 / 8, abs=1e-5)]
+    assert summary["link_load"] == [pytest.approx(1.27 / 10.0, abs=1e-4)]
+    # the window (10 s, ending at the last first token, 2.0) plus a's last byte 0.47 s later
+    assert summary["handoff_window_s"] == pytest.approx(10.47)
+
+
+def test_leases_count_a_shared_block_once() -> None:
+    core, handoff = make()
+    pool = core.manager.pool
+    admit(core, "warm", PROMPT)
+    run_chunk(core, 0, "warm", PROMPT, 0, last=True)
+    kv(core, BatchOp.RELEASE, "warm")
+    # a and b share the 3 cached blocks; each adds one fresh block for its 13th token
+    for index, request_id in enumerate(("a", "b")):
+        assert admit(core, request_id, [*PROMPT, 90 + index]) == 3
+        work = run_chunk(core, 1 + index, request_id, [90 + index], 12, last=True)
+        handoff.microbatch_done(work, 1.0 + index)
+    assert handoff.num_leased_blocks == 5 == handoff.peak_leased_blocks  # 3 shared + 2 own
+    kv(core, BatchOp.RELEASE, "a", "b")
+    shared = core.manager.pool.find_longest_cache_hit(
+        hash_prompt_blocks(PROMPT, BLOCK, model_id=MODEL_ID)
+    )
+    assert [pool.ref_cnt(b) for b in shared] == [2, 2, 2]  # one reference per lease
+    handoff.finish_due(10.0)
+    assert handoff.num_leased_blocks == 0 and [pool.ref_cnt(b) for b in shared] == [0, 0, 0]
+    pool.check_invariants()

@@ -27,6 +27,8 @@ request gets no handoff here.
 from __future__ import annotations
 
 import heapq
+import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,21 +52,12 @@ class HandoffRecord:
         done: its last chunk was queued (the record is complete).
         leased_blocks: the blocks the lease holds (empty before the last chunk and after
             the lease ended).
-        num_lease_blocks: how many blocks its lease held (0 before its last chunk).
-        lease_start_s: when its lease began (its last chunk's end on this stage).
     """
 
     request_id: str
     transfers: list[Transfer] = field(default_factory=list)
     done: bool = False
     leased_blocks: tuple[int, ...] = ()
-    num_lease_blocks: int = 0
-    lease_start_s: float = 0.0
-
-    @property
-    def lease_block_s(self) -> float:
-        """Block-seconds its lease held: num_lease_blocks x (landed_s - lease_start_s)."""
-        return self.num_lease_blocks * (self.landed_s - self.lease_start_s) if self.done else 0.0
 
     @property
     def num_bytes(self) -> float:
@@ -95,8 +88,14 @@ class ModelledHandoff:
         self.records: dict[str, HandoffRecord] = {}
         self._queued_tokens: dict[str, int] = {}
         self._leases: list[tuple[float, str]] = []  # (landed_s, request id), a heap
-        self.num_leased_blocks = 0  # block references the handoff holds now
-        self.peak_leased_blocks = 0  # the most it held at once
+        self._lease_refs: Counter[int] = Counter()  # block id -> leases holding it
+        self.peak_leased_blocks = 0  # the most distinct blocks leases held at once
+
+    @property
+    def num_leased_blocks(self) -> int:
+        """Distinct blocks at least one lease holds now (a block several requests share, a
+        common prefix, counts once: what the leases keep out of the pool)."""
+        return len(self._lease_refs)
 
     @property
     def num_leased(self) -> int:
@@ -141,10 +140,8 @@ class ModelledHandoff:
                 blocks = self.manager.held_blocks(request_id)
                 self.manager.pool.pin(blocks)
                 record.leased_blocks = blocks
-                record.num_lease_blocks = len(blocks)
-                record.lease_start_s = now_s
-                self.num_leased_blocks += len(blocks)
-                self.peak_leased_blocks = max(self.peak_leased_blocks, self.num_leased_blocks)
+                self._lease_refs.update(blocks)
+                self.peak_leased_blocks = max(self.peak_leased_blocks, len(self._lease_refs))
                 heapq.heappush(self._leases, (transfer.landed_s, request_id))
         return transfers
 
@@ -160,7 +157,10 @@ class ModelledHandoff:
             _, request_id = heapq.heappop(self._leases)
             record = self.records[request_id]
             self.manager.pool.free(record.leased_blocks)
-            self.num_leased_blocks -= len(record.leased_blocks)
+            self._lease_refs.subtract(record.leased_blocks)
+            for block_id in record.leased_blocks:
+                if self._lease_refs[block_id] <= 0:
+                    del self._lease_refs[block_id]
             record.leased_blocks = ()
             finished.append(request_id)
         return finished
@@ -179,7 +179,7 @@ def summarize_handoffs(
         first_token_s: request id -> when its first token came out of the last stage (its
             prefill ended), same clock as the transfers; requests outside it (warm-up) are
             not counted.
-        wall_s: the measured window's length, seconds (for link utilisation).
+        wall_s: the measured window's length, seconds; it ends at the last first token.
 
     Returns:
         ``handoff_requests``: requests counted (a request every stage handed over);
@@ -188,32 +188,35 @@ def summarize_handoffs(
         its decode waits for after the prefill); ``overlapped_fraction``: the fraction of
         those bytes landed by their request's first token (sent while the prefill ran);
         ``link_queued_s_max``: the longest a transfer waited for its link (0 when the links
-        keep up); ``link_utilisation``: per stage, the seconds its link spent on
-        those requests / ``wall_s``;
-        ``peak_leased_blocks``: per stage, the most block references the handoff held at once
-        (warm-up included); ``mean_leased_fraction``: per stage, the time-average of the
-        blocks those requests' leases held, as a fraction of the stage's pool (the KV capacity
-        the handoff takes from admission).
+        keep up); ``link_load``: per stage, the seconds its link needs for those requests /
+        ``wall_s`` (above 1 the link, not the compute, bounds throughput: transfers end after
+        the window and leases pile up); ``handoff_window_s``: ``wall_s`` plus how long after
+        the last first token the last byte landed (prompt tokens / it: the rate at which KV
+        reaches decode); ``peak_leased_blocks``: per stage, the most distinct blocks the
+        handoff's leases held at once (warm-up included).
     """
     tails, total, overlapped, queued = [], 0.0, 0.0, 0.0
     stage_bytes = [0.0] * len(handoffs)
-    lease_block_s = [0.0] * len(handoffs)
+    last_landed_s = -math.inf
     for request_id, first_s in first_token_s.items():
         records = [h.records.get(request_id) for h in handoffs]
         if any(r is None or not r.done for r in records):
             continue
         landed_s = max(r.landed_s for r in records if r is not None)
         tails.append(landed_s - first_s)
+        last_landed_s = max(last_landed_s, landed_s)
         for rank, record in enumerate(records):
             assert record is not None
             stage_bytes[rank] += record.num_bytes
-            lease_block_s[rank] += record.lease_block_s
             for transfer in record.transfers:
                 total += transfer.num_bytes
                 if transfer.landed_s <= first_s:
                     overlapped += transfer.num_bytes
                 queued = max(queued, transfer.queued_s)
     tail = np.array(tails) if tails else np.array([0.0])
+    window_s = wall_s
+    if tails:
+        window_s += max(0.0, last_landed_s - max(first_token_s.values()))
     return {
         "handoff_requests": len(tails),
         "kv_bytes_transferred": round(total),
@@ -222,13 +225,10 @@ def summarize_handoffs(
         "handoff_s_max": round(float(tail.max()), 6),
         "overlapped_fraction": round(overlapped / total, 4) if total else 0.0,
         "link_queued_s_max": round(queued, 6),
-        "link_utilisation": [
+        "link_load": [
             round(num_bytes / h.link.bytes_per_s / wall_s, 4) if wall_s > 0 else 0.0
             for h, num_bytes in zip(handoffs, stage_bytes, strict=True)
         ],
+        "handoff_window_s": round(window_s, 6),
         "peak_leased_blocks": [h.peak_leased_blocks for h in handoffs],
-        "mean_leased_fraction": [
-            round(block_s / wall_s / h.manager.pool.num_blocks, 5) if wall_s > 0 else 0.0
-            for h, block_s in zip(handoffs, lease_block_s, strict=True)
-        ],
     }
