@@ -20,6 +20,9 @@ What is real and what is simulated::
                                                          baseline's iteration overhead)
                                                        sync lockstep admission: no KV RTT,
                                                          every pool the smallest stage's
+                                                       KV handoff to decode (``handoff``): each
+                                                         stage's ModelledHandoff (real leases
+                                                         on its pool) over a modelled link
 
 Everything runs on a ``VirtualClockLoop``: sleeps take no wall time, so PP 8 or 128k-token
 contexts at time scale 1 take seconds. CPU time of the real scheduling code is free in virtual
