@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from wavepp.cmd import sim_handoff
 from wavepp.cmd.common import finite_float
 
 BARE_IS_USAGE = [()]
@@ -106,6 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lockstep admission: no KV round trips, every stage the smallest capacity "
         "(default %(default)s)",
     )
+    sim_handoff.add_arguments(parser)
     parser.add_argument(
         "--json", action="store_true", help="stdout: the JSON results only (the table on stderr)"
     )
@@ -119,11 +121,13 @@ def _fail(flag: str, message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from wavepp.bench.workloads import REUSE_PRESETS, shared_prefix_workload
     from wavepp.launch.flags import FlagError
+    from wavepp.launch.handoff import check_handoff_flags
     from wavepp.launch.sim import plan_sim
     from wavepp.sim.run import simulate
 
     try:
         plan = plan_sim(args)
+        check_handoff_flags(args)
     except FlagError as exc:
         return _fail(exc.flag, str(exc))
     kv_blocks, kv_blocks_source = plan.kv_blocks, plan.kv_blocks_source
@@ -138,6 +142,23 @@ def run(args: argparse.Namespace) -> int:
     )
     preset = REUSE_PRESETS[args.reuse]
     factor = args.prompt_tokens / 4096 if args.prompt_tokens else 1.0
+
+    def workload_of(num_requests: int, config):  # noqa: ANN001, ANN202 - a RuntimeConfig
+        return shared_prefix_workload(
+            num_requests,
+            num_prefix_tokens=int(preset.num_prefix_tokens * factor),
+            num_suffix_tokens=max(1, int(preset.num_suffix_tokens * factor)),
+            num_prefixes=preset.num_prefixes,
+            vocab_size=config.model.vocab_size,
+        )
+
+    if args.handoff:
+        handoff_results = sim_handoff.run_handoff(args, plan, workload_of, _fail)
+        if isinstance(handoff_results, int):
+            return handoff_results
+        if args.json:
+            print(json.dumps(handoff_results))
+        return 0
     results = []
     table_out = sys.stderr if args.json else sys.stdout  # --json: stdout holds JSON only
     print(
@@ -154,13 +175,7 @@ def run(args: argparse.Namespace) -> int:
                 config, planner_cost = plan.config(concurrency, mode)
             except FlagError as exc:
                 return _fail(exc.flag, str(exc))
-            workload = shared_prefix_workload(
-                num_requests,
-                num_prefix_tokens=int(preset.num_prefix_tokens * factor),
-                num_suffix_tokens=max(1, int(preset.num_suffix_tokens * factor)),
-                num_prefixes=preset.num_prefixes,
-                vocab_size=config.model.vocab_size,
-            )
+            workload = workload_of(num_requests, config)
             report = simulate(
                 config, planner_cost, workload, concurrency=concurrency, latencies=latencies
             )

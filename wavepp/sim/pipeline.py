@@ -20,6 +20,9 @@ What is real and what is simulated::
                                                          baseline's iteration overhead)
                                                        sync lockstep admission: no KV RTT,
                                                          every pool the smallest stage's
+                                                       KV handoff to decode (``handoff``): each
+                                                         stage's ModelledHandoff (real leases
+                                                         on its pool) over a modelled link
 
 Everything runs on a ``VirtualClockLoop``: sleeps take no wall time, so PP 8 or 128k-token
 contexts at time scale 1 take seconds. CPU time of the real scheduling code is free in virtual
@@ -42,10 +45,12 @@ from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.planning import CostModel
+from wavepp.runtime.planning.handoff_cost import HandoffModel
 from wavepp.runtime.scheduling.admission import AdmissionHost, AdmissionStrategy
 from wavepp.runtime.scheduling.core import planner_for
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.scheduling.transport import BusPlanTransport
+from wavepp.runtime.stage.handoff_model import ModelledHandoff
 from wavepp.sim.bus import SimBus, SimLatencies
 from wavepp.sim.stage import SimStage, SimStageClient
 
@@ -66,6 +71,8 @@ class SimPipeline:
         latencies: simulated transport and preparation costs.
         admission: builds the scheduler's admission strategy (``WaveScheduler``'s
             ``admission``; default: the one the config selects).
+        handoff: every stage hands its layers' KV to a decode instance over its modelled link
+            (``runtime.stage.handoff_model``), or None (no handoff).
     """
 
     def __init__(
@@ -76,6 +83,7 @@ class SimPipeline:
         stage_cost_models: Sequence[CostModel] | None = None,
         latencies: SimLatencies | None = None,
         admission: Callable[[AdmissionHost], AdmissionStrategy] | None = None,
+        handoff: HandoffModel | None = None,
     ) -> None:
         if stage_cost_models is None:
             if config.cost_model is None:
@@ -91,6 +99,11 @@ class SimPipeline:
         self.stage_cost_models = list(stage_cost_models)
         self.latencies = latencies or SimLatencies()
         self.admission = admission
+        if handoff is not None and len(handoff.stages) != config.num_stages:
+            raise ValueError(
+                f"handoff has {len(handoff.stages)} stages; num_stages={config.num_stages}"
+            )
+        self.handoff = handoff
         self.bus: SimBus | None = None
         self.stages: list[SimStage] = []
         self.controller: AgreementController | None = None
@@ -125,8 +138,19 @@ class SimPipeline:
                 clock=loop.time,
                 max_blocks_per_owner=config.max_blocks_per_owner,
             )
+            handoff = None
+            if self.handoff is not None:
+                handoff = ModelledHandoff(
+                    manager, self.handoff.stage_link(rank), self.handoff.stages[rank]
+                )
             stage = SimStage(
-                rank, config, self.stage_cost_models[rank], self.latencies, self.bus, manager
+                rank,
+                config,
+                self.stage_cost_models[rank],
+                self.latencies,
+                self.bus,
+                manager,
+                handoff=handoff,
             )
             if self.stages:
                 self.stages[-1].next_stage = stage

@@ -14,7 +14,9 @@ from wavepp.bench.report import ReplayReport, run_closed_loop
 from wavepp.bench.workloads import Workload
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
+from wavepp.runtime.planning.handoff_cost import HandoffModel
 from wavepp.runtime.request import PromptRequest
+from wavepp.runtime.stage.handoff_model import summarize_handoffs
 from wavepp.sim.bus import SimLatencies
 from wavepp.sim.clock import VirtualClockLoop
 from wavepp.sim.pipeline import SimPipeline
@@ -29,10 +31,15 @@ async def _simulate(
     concurrency: int,
     stage_cost_models: Sequence[CostModel] | None,
     latencies: SimLatencies | None,
+    handoff: HandoffModel | None,
 ) -> ReplayReport:
     loop = asyncio.get_running_loop()
     pipeline = SimPipeline(
-        config, planner_cost_model, stage_cost_models=stage_cost_models, latencies=latencies
+        config,
+        planner_cost_model,
+        stage_cost_models=stage_cost_models,
+        latencies=latencies,
+        handoff=handoff,
     )
     async with pipeline:
         scheduler = pipeline.scheduler
@@ -40,7 +47,7 @@ async def _simulate(
         for index, prompt in enumerate(workload.warmup):
             await scheduler.submit(PromptRequest(f"warmup-{index}", prompt, arrival_s=loop.time()))
         # The scheduler stamps finish times with time.time(); use the virtual clock's.
-        return await run_closed_loop(
+        report = await run_closed_loop(
             scheduler,
             config,
             list(zip(workload.request_ids, workload.prompts, strict=True)),
@@ -53,6 +60,14 @@ async def _simulate(
             if stage_cost_models
             else None,
         )
+        handoffs = [stage.handoff for stage in pipeline.stages if stage.handoff is not None]
+        if handoffs:
+            first_token_s = {o.request_id: o.finished_s for o in report.outcomes if o.ok}
+            report.extra["handoff"] = {
+                "link": handoff.link.name if handoff is not None else "",
+                **summarize_handoffs(handoffs, first_token_s, wall_s=report.wall_s),
+            }
+        return report
 
 
 def simulate(
@@ -63,6 +78,7 @@ def simulate(
     concurrency: int,
     stage_cost_models: Sequence[CostModel] | None = None,
     latencies: SimLatencies | None = None,
+    handoff: HandoffModel | None = None,
 ) -> ReplayReport:
     """Simulate ``workload`` (warm-up, then closed loop at ``concurrency``) on a virtual clock.
 
@@ -74,6 +90,8 @@ def simulate(
         concurrency: closed-loop requests in flight (>= 1).
         stage_cost_models: optional per-stage models.
         latencies: simulated transport costs (SimLatencies defaults if None).
+        handoff: every stage hands its KV to a decode instance over its modelled link; the
+            report's ``extra["handoff"]`` then holds ``summarize_handoffs``' figures.
 
     Returns:
         The report; its times are virtual seconds.
@@ -87,7 +105,13 @@ def simulate(
     try:
         return loop.run_until_complete(
             _simulate(
-                config, planner_cost_model, workload, concurrency, stage_cost_models, latencies
+                config,
+                planner_cost_model,
+                workload,
+                concurrency,
+                stage_cost_models,
+                latencies,
+                handoff,
             )
         )
     finally:

@@ -13,6 +13,7 @@ from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import StageKVManager
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.stage.core import StageCore, StageWork
+from wavepp.runtime.stage.handoff_model import ModelledHandoff
 from wavepp.sim.bus import SimBus, SimLatencies
 
 
@@ -58,7 +59,10 @@ class SimStage:
       critical path), execution a sleep of ``time_scale`` x the stage's cost-model time;
     * activations reach ``next_stage`` ``latencies.hop_s`` after execution;
     * ``MicroBatchDone`` goes out on ``config.subjects.done``; KV events are drained and
-      dropped (nothing subscribes to them in the simulator).
+      dropped (nothing subscribes to them in the simulator);
+    * with a ``handoff``, each micro-batch's KV is queued on the stage's modelled link at its
+      end (before its done message goes out) and the handoff's leases end on timers at their
+      landing times; the compute loop never waits for the link.
 
     Args:
         rank: the stage's rank.
@@ -67,6 +71,7 @@ class SimStage:
         latencies: simulated transport and preparation costs.
         bus: the simulated bus the done messages go out on.
         manager: the stage's KV manager (its clock should be the loop's).
+        handoff: the stage's modelled KV handoff over ``manager``, or None (no handoff).
     """
 
     def __init__(
@@ -77,8 +82,10 @@ class SimStage:
         latencies: SimLatencies,
         bus: SimBus,
         manager: StageKVManager,
+        handoff: ModelledHandoff | None = None,
     ) -> None:
         self.rank = rank
+        self.handoff = handoff
         self.config = config
         self.cost_model = cost_model
         self.latencies = latencies
@@ -107,6 +114,10 @@ class SimStage:
     @property
     def is_last(self) -> bool:
         return self.core.is_last
+
+    def _finish_handoffs(self) -> None:
+        assert self.handoff is not None, "a handoff timer without a handoff"
+        self.handoff.finish_due(asyncio.get_running_loop().time())
 
     async def on_plan(self, msg: Any) -> None:
         plan = MicroBatchPlan.model_validate_json(msg.data)
@@ -155,6 +166,11 @@ class SimStage:
                 work, execute_start_s=exec_start, execute_end_s=exec_end, results=results
             )
             core.complete(work, done)
+            if self.handoff is not None:
+                last = {c.request_id for c in work.plan.chunks if c.is_last}
+                for transfer in self.handoff.microbatch_done(work, exec_end):
+                    if transfer.request_id in last:  # the lease ends when it lands
+                        loop.call_at(transfer.landed_s, self._finish_handoffs)
             core.manager.take_events()  # nothing subscribes to KV events in the simulator
             await self.bus.publish(self.config.subjects.done, done.model_dump_json().encode())
             if self.next_stage is not None:

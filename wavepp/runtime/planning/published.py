@@ -21,6 +21,7 @@ from wavepp.runtime.planning.shapes import (
     activation_bytes_per_token,
     gqa_weights,
     indexer_weights,
+    kda_state_bytes,
     kda_weights,
     make_layer,
     mla_weights,
@@ -207,7 +208,7 @@ def _minimax_m2_7() -> ModelShape:
 def _kimi_k3() -> ModelShape:
     d, vocab = 7168, 163840
     heads, q_lora, kv_lora, nope, rope, v = 96, 1536, 512, 128, 64, 128
-    kda_heads, kda_dim, decay_rank = 96, 128, 128
+    kda_heads, kda_dim, decay_rank, kda_conv = 96, 128, 128, 4
     # Routed experts in a 3584-wide latent; 2 full-width shared experts (docs/model-costs.md).
     moe = MoE(
         d=d,
@@ -257,6 +258,7 @@ def _kimi_k3() -> ModelShape:
                 mlp_bytes=mlp_bytes,
                 mlp_params=mlp_params,
                 other_flops_per_token=float(recurrence),
+                state_bytes_per_request=kda_state_bytes(kda_heads, kda_dim, kda_conv),
             )
         layers.append(layer)
     return ModelShape(

@@ -135,6 +135,8 @@ class LayerCost:
         num_kv_heads: how many ways tensor parallelism can split the layer's per-token KV:
             GQA's K KV heads; 1 for MLA, whose compressed latent (and DSA indexer key) every
             rank holds whole (vLLM's MLA backends use one KV head, replicated per TP rank).
+        state_bytes_per_request: bytes the layer holds once per request whatever its length
+            (KDA's recurrent state and short-convolution tails; 0 for attention layers).
     """
 
     kind: str
@@ -146,6 +148,7 @@ class LayerCost:
     num_params: float
     weight_bytes: float
     num_kv_heads: int = 1
+    state_bytes_per_request: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -310,6 +313,7 @@ def make_layer(
     context_flops_per_token: float = 0.0,
     kv_bytes_per_token: float = 0.0,
     num_kv_heads: int = 1,
+    state_bytes_per_request: float = 0.0,
 ) -> LayerCost:
     return LayerCost(
         kind=kind,
@@ -321,6 +325,17 @@ def make_layer(
         num_params=float(attention_weights + mlp_params),
         weight_bytes=attention_weights * attention_bytes_per_weight + mlp_bytes,
         num_kv_heads=num_kv_heads,
+        state_bytes_per_request=state_bytes_per_request,
+    )
+
+
+def kda_state_bytes(heads: int, head_dim: int, conv_kernel: int) -> float:
+    """KDA state per request and layer (docs/model-costs.md "KV bytes per token" [K4]): the fp32
+    recurrent state H*d_k*d_v*4 (d_k = d_v) plus the BF16 short-convolution tails of q, k and v,
+    3*H*d_k*(conv_kernel - 1)*2."""
+    return (
+        heads * head_dim * head_dim * FP32_BYTES
+        + 3 * heads * head_dim * (conv_kernel - 1) * BF16_BYTES
     )
 
 
