@@ -85,13 +85,20 @@ def test_the_pod_monitor_scrapes_the_gateway_port_that_serves_the_series() -> No
     ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
     # the http endpoint keeps only gateway pods (an admission pod's http port has no /metrics)
     (http,) = [e for e in monitor["spec"]["podMetricsEndpoints"] if e["port"] == "http"]
+    component = {
+        "sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
+        "targetLabel": "component",
+    }  # the label the chart's alert rules select on
     assert http["relabelings"] == [
         {
             "sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
             "regex": "gateway",
             "action": "keep",
-        }
+        },
+        component,
     ]
+    (metrics,) = [e for e in monitor["spec"]["podMetricsEndpoints"] if e["port"] == "metrics"]
+    assert metrics["relabelings"] == [component]
     spec = WavePipelineSpec.model_validate({"model": {"name": "tiny-llama"}, "stages": 2})
     ref = PipelineRef("p", "team-a", "uid-1")
     gateway = builders.build_gateway_deployment(ref, spec, builders.spec_hash(spec))

@@ -148,7 +148,12 @@ async def test_dead_controller_pins_are_released_by_lease_expiry(tmp_path) -> No
     a prompt that needs the whole of the smallest stage."""
     config = emulated_config([12, 10, 12], lease_s=1.0)
     async with make_pipeline(config, str(tmp_path)) as pipeline:
-        nc = await connect(pipeline.nats_url, name="doomed-controller")
+        assert pipeline.auth is not None  # a member: it holds the admission user's creds
+        nc = await connect(
+            pipeline.nats_url,
+            name="doomed-controller",
+            creds=pipeline.auth.admission(config.pipeline),
+        )
         doomed = AgreementController(
             [NatsStageClient(nc, config.subject_prefix, r) for r in range(3)],
             block_size=BLOCK_SIZE,

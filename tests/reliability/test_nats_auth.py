@@ -7,6 +7,8 @@ package, an optional extra, so the dependency is ``nats-py[nkeys]``; a test that
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 from nats_auth_support import AuthFiles, make_auth_files  # noqa: E402
@@ -81,3 +83,37 @@ async def test_subject_permissions_confine_a_user_to_its_pipeline(auth_files: Au
         await other.close()
     assert got == []
     assert any("permissions violation" in e and "wavepp.p2.plan" in e for e in errors), errors
+
+
+async def test_nats_auth_files_carry_the_accounts_store_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``wavepp nats-auth files DIR --jetstream-max-bytes N``: a server including its
+    ``auth.conf`` reports N as the account's disk limit to a user minted from its
+    ``account.seed`` (what the gateway exports); a negative N is refused, naming the flag."""
+    from wavepp.api.natsauth import mint_user_creds
+    from wavepp.api.permissions import gateway_user
+    from wavepp.cli import main
+
+    limit = 3 * 2**20
+    assert (
+        main(["nats-auth", "files", str(tmp_path / "auth"), "--jetstream-max-bytes", str(limit)])
+        == 0
+    )
+    assert main(["nats-auth", "files", str(tmp_path / "bad"), "--jetstream-max-bytes", "-1"]) == 2
+    assert "--jetstream-max-bytes: -1: must be >= 0" in capsys.readouterr().err
+    seed = (tmp_path / "auth" / "account.seed").read_text().strip()
+    creds = tmp_path / "gateway.creds"
+    creds.write_text(mint_user_creds(seed, gateway_user("p", ["p-r0"], namespace="local")))
+    config = tmp_path / "server.conf"
+    config.write_text(
+        (tmp_path / "auth" / "auth.conf").read_text()
+        + f"jetstream: {{ store_dir: {json.dumps(str(tmp_path / 'js'))} }}\n"
+    )
+    with EmbeddedNatsServer(config_file=str(config)) as server:
+        nc = await connect(server.url, name="gateway", creds=str(creds), allow_reconnect=False)
+        try:
+            info = await nc.jetstream().account_info()
+        finally:
+            await nc.close()
+    assert info.limits.max_storage == limit

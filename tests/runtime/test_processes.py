@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -80,7 +81,9 @@ def test_admission_and_gateway_commands_parse() -> None:
 
 def test_restart_reruns_the_command_and_rewrites_the_state_file(tmp_path: Path) -> None:
     """A restart starts the same command with the same environment (and the parent pid), counts
-    it, appends to the child's log, and ``processes.json`` names the new pid."""
+    it, appends to the child's log after one line naming the restart (so a restarted child's
+    repeated start-up lines are not taken for lines written twice), and ``processes.json``
+    names the new pid."""
     state = tmp_path / "processes.json"
     sup = Supervisor(tmp_path / "logs", state_file=state)
     sup.info = {"endpoint": "http://127.0.0.1:1"}
@@ -100,4 +103,10 @@ def test_restart_reruns_the_command_and_rewrites_the_state_file(tmp_path: Path) 
     while sup.log_tail("child").count("first") < 2:
         assert time.monotonic() < deadline, sup.log_tail("child")
         time.sleep(0.05)
-    assert sup.log_tail("child").splitlines() == [f"first {os.getpid()}"] * 2
+    first, restarted, again = sup.log_tail("child").splitlines()
+    assert first == again == f"first {os.getpid()}"
+    assert re.fullmatch(
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} wavepp up: child restarted \(restart 1; "
+        r"the previous process exited with code 0\)",
+        restarted,
+    ), restarted

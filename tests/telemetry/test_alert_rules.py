@@ -25,6 +25,7 @@ ALERTS = {
     "WavePPReservationRefusalsClimbing",
     "WavePPAgreementP99High",
     "WavePPAuthFailuresSpiking",
+    "WavePPJetStreamStoreNearFull",
 }
 
 

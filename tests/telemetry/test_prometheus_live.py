@@ -10,7 +10,8 @@ load (prefix hits, misses, a 429, a 401, KV pressure), then through Prometheus's
   ``metricsQuery``, expanded as the adapter does for the operator's HPA (``matchLabels``
   namespace and pool), returns the one value the HPA reads;
 - the chart's alert rules (a copy with every ``for:`` at 0 s: the chart's are minutes) load,
-  none fires on the healthy run, and ``WavePPStageDown`` fires for a stage after it is killed.
+  none fires on the healthy run, and ``WavePPStageDown`` fires for a stage after it is killed;
+  the JetStream store's use against its limit (``--jetstream-max-bytes``) is there to watch.
 
 The table of queries and result counts is printed (``-s``) and kept in docs/observability.md.
 Scrape targets carry the labels the chart's PodMonitor gives (``namespace``, ``component``).
@@ -56,6 +57,7 @@ BLOCK = 16
 KV_BLOCKS = 64
 NAMESPACE = "wavepp-live"  # the target label a PodMonitor sets from the pod's namespace
 POOL = "default"  # wavepp up's --pool default
+STORE_LIMIT = 256 * 2**20  # --jetstream-max-bytes: the store gauges' limit series exists
 
 # expr -> why it may return nothing under this load (every other query must return data)
 LEGITIMATELY_EMPTY = {
@@ -118,7 +120,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     for tenant in tenants:
         keys[tenant["name"]] = new_key()
         rotate(tmp / tenant["apiKeysFile"], keys[tenant["name"]], None, datetime.now(UTC))
-    service = start_up(tmp, spec, timeout_s=180)
+    service = start_up(tmp, spec, ["--jetstream-max-bytes", str(STORE_LIMIT)], timeout_s=180)
     prometheus = None
     try:
         up_s = time.monotonic() - started
@@ -270,7 +272,15 @@ def test_every_panel_rule_and_alert_on_live_data(live: dict[str, Any]) -> None:
     # the alert rules: loaded, healthy, silent on the healthy run
     groups = prometheus.api("rules")["groups"]
     loaded = [r for g in groups for r in g["rules"]]
-    assert len(loaded) == 7 and all(r["health"] == "ok" for r in loaded), loaded
+    assert len(loaded) == 8 and all(r["health"] == "ok" for r in loaded), loaded
+    # the store alert's ratio is there to watch (the rule is silent at this fill)
+    store = prometheus.query(
+        "max without (instance, pod) (wavepp_gateway_jetstream_store_used_bytes"
+        " / wavepp_gateway_jetstream_store_limit_bytes)"
+    )
+    rows.append(("alerts", "WavePPJetStreamStoreNearFull's ratio", len(store),
+                 _fmt(float(store[0]["value"][1])) if store else ""))  # fmt: skip
+    assert len(store) == 1 and 0 < float(store[0]["value"][1]) < 0.85, store
     firing_healthy = [a["labels"]["alertname"] for a in prometheus.firing()]
     assert "WavePPStageDown" not in firing_healthy, prometheus.firing()
 

@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from wavepp.gateway.metrics import GATEWAY_PROMETHEUS_NAMES, GatewayLoad, GatewayMetrics
+from wavepp.gateway.metrics import (
+    GATEWAY_PROMETHEUS_NAMES,
+    GatewayLoad,
+    GatewayMetrics,
+    JetStreamStore,
+)
 from wavepp.telemetry.metrics import (
     PROMETHEUS_NAMES,
     setup_metrics,
@@ -70,6 +75,7 @@ def gateway_exported() -> dict[str, set[str]]:
         num_requests_in_gateway=2,
         max_queued_requests=1024,
         is_replica_up={"p-r0": True},
+        jetstream_store=JetStreamStore(used_bytes=3 * 2**20, limit_bytes=2**30),
     )
     metrics = GatewayMetrics(lambda: load)
     try:
@@ -126,9 +132,39 @@ def test_gateway_series_and_labels(gateway_exported: dict[str, set[str]]) -> Non
         "wavepp_gateway_replica_up": {"replica"},
         "wavepp_gateway_routed_reusable_blocks_total": {"replica"},
         "wavepp_gateway_auth_failures_total": {"reason"},
+        "wavepp_gateway_jetstream_store_used_bytes": set(),
+        "wavepp_gateway_jetstream_store_limit_bytes": set(),
     }
     for name in GATEWAY_PROMETHEUS_NAMES:
         assert name in gateway_exported or f"{name}_bucket" in gateway_exported, name
+
+
+@pytest.mark.parametrize(
+    ("store", "expected"),
+    [
+        (JetStreamStore(used_bytes=5, limit_bytes=100), {"used": 5.0, "limit": 100.0}),
+        (JetStreamStore.from_account_info(7, -1), {"used": 7.0}),  # no account limit
+        (None, {}),  # no account info answered yet
+    ],
+)
+def test_gateway_store_gauges(store: JetStreamStore | None, expected: dict[str, float]) -> None:
+    """The store gauges carry the account info's values; the limit series exists only with a
+    limit, and neither before the first answer (a ratio over nothing stays empty, no alert)."""
+    load = GatewayLoad({}, {}, 0, 1, {}, jetstream_store=store)
+    metrics = GatewayMetrics(lambda: load)
+    try:
+        body, _ = metrics.scrape()
+    finally:
+        metrics.shutdown()
+    values = {
+        sample.name.removeprefix("wavepp_gateway_jetstream_store_").removesuffix("_bytes"): (
+            sample.value
+        )
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+        if sample.name.startswith("wavepp_gateway_jetstream_store_")
+    }
+    assert values == expected
 
 
 def test_three_dashboards() -> None:

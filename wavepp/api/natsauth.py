@@ -117,7 +117,19 @@ class TrustRoot:
     system_public: str
 
     @classmethod
-    def new(cls) -> TrustRoot:
+    def new(cls, *, max_store_bytes: int | None = None) -> TrustRoot:
+        """Fresh keys. ``max_store_bytes``: the account's JetStream disk limit in bytes (the
+        server enforces it on the account, and every user reads it back in its JetStream
+        account info's ``limits.max_storage``); None: unlimited within the server's own.
+
+        Raises:
+            ValueError: ``max_store_bytes`` is not a positive number of bytes.
+        """
+        if max_store_bytes is not None and max_store_bytes <= 0:
+            raise ValueError(f"max_store_bytes: {max_store_bytes}, must be > 0 (or None)")
+        limits = dict(_ACCOUNT_LIMITS)
+        if max_store_bytes is not None:
+            limits["disk_storage"] = max_store_bytes
         operator = _new_keypair(nkeys.PREFIX_BYTE_OPERATOR)
         account = _new_keypair(nkeys.PREFIX_BYTE_ACCOUNT)
         system = _new_keypair(nkeys.PREFIX_BYTE_ACCOUNT)
@@ -128,7 +140,7 @@ class TrustRoot:
                 operator,
                 account.public_key.decode(),
                 "wavepp",
-                {"type": "account", "limits": _ACCOUNT_LIMITS},
+                {"type": "account", "limits": limits},
             ),
             account_public=account.public_key.decode(),
             account_seed=account.seed.decode(),

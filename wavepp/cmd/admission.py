@@ -98,11 +98,6 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.telemetry.metrics import setup_metrics, shutdown_metrics
 
     try:
-        bus_key = load_bus_key()  # a bad WAVEPP_BUS_KEY: one line, before anything connects
-    except BusKeyError as exc:
-        print(f"wavepp admission: {exc}", file=sys.stderr)
-        return 2
-    try:
         config = runtime_config_from_args(args, os.environ)
         pool = args.pool or os.environ.get(POOL_ENV)
         if not pool:
@@ -128,6 +123,17 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return config_exit_code(os.environ)
+    # Logging first, then everything that may log (the bus key's warning included): a record
+    # emitted before would reach logging's last-resort handler, without time or component.
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s admission[{config.pipeline}] %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        bus_key = load_bus_key()  # a bad WAVEPP_BUS_KEY: one line, before anything connects
+    except BusKeyError as exc:
+        print(f"wavepp admission: {exc}", file=sys.stderr)
+        return 2
     failure = startup_failure(
         args.nats_url,
         args.nats_connect_timeout_s,
@@ -137,10 +143,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"wavepp admission: {failure}", file=sys.stderr)
         return 2
     cost = planner_cost_model(config, args.planner_cost_model)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s admission[{config.pipeline}] %(levelname)s %(name)s: %(message)s",
-    )
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -62,6 +62,11 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.launch.gateway import gateway_config_from_args
     from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
 
+    # Logging first, then everything that may log (the bus key's warning included): a record
+    # emitted before would reach logging's last-resort handler, without time or component.
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s"
+    )
     try:
         config = gateway_config_from_args(args)
         check_creds(args.nats_creds)
@@ -90,9 +95,6 @@ def run(args: argparse.Namespace) -> int:
     if args.nats_creds:
         # NOTE: run_gateway opens its connection with natsio.connect, which reads this.
         os.environ["WAVEPP_NATS_CREDS"] = args.nats_creds
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s"
-    )
     try:
         asyncio.run(run_gateway(config, args.nats_url, host, args.port, tokenizer=tokenizer))
     except OSError as exc:

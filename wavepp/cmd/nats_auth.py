@@ -6,7 +6,8 @@
 The Secret (what the Helm chart mounts) holds ``auth.conf``, a nats-server include in operator
 mode that trusts only the fresh WavePP account (``wavepp.api.natsauth``), and ``account.seed``,
 with which the operator signs each pipeline component's user. Keep it secret: whoever has the
-seed can mint any user of the account.
+seed can mint any user of the account. ``--jetstream-max-bytes N`` caps the account's
+JetStream disk use at N bytes (enforced by the server; the gateway exports use and limit).
 """
 
 from __future__ import annotations
@@ -26,12 +27,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", nargs="?", default="", help="(files) the folder to write")
     parser.add_argument("--name", default="wavepp-nats-auth", help="(secret) the Secret's name")
     parser.add_argument("--namespace", default="", help="(secret) its namespace")
+    parser.add_argument(
+        "--jetstream-max-bytes",
+        type=int,
+        default=0,
+        help="the account's JetStream disk limit in bytes (0: none beyond the server's); the "
+        "gateway exports it beside the store's use (wavepp_gateway_jetstream_store_*)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from wavepp.api.natsauth import TrustRoot
 
-    trust = TrustRoot.new()
+    if args.jetstream_max_bytes < 0:
+        print(
+            f"wavepp nats-auth: --jetstream-max-bytes: {args.jetstream_max_bytes}: must be >= 0",
+            file=sys.stderr,
+        )
+        return 2
+    trust = TrustRoot.new(max_store_bytes=args.jetstream_max_bytes or None)
     files = {"auth.conf": trust.auth_config(), "account.seed": trust.account_seed + "\n"}
     if args.action == "files":
         if not args.dir:

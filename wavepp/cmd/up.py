@@ -158,7 +158,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--jetstream-max-bytes",
         type=int,
         default=0,
-        help="JetStream's disk limit in bytes (0: the server's default, from free space)",
+        help="JetStream's disk limit in bytes (0: the server's default, from free space); also "
+        "the NATS account's limit, which the gateway exports (wavepp_gateway_jetstream_store_*)",
     )
     parser.add_argument(
         "--insecure-nats",

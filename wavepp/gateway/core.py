@@ -56,7 +56,7 @@ from wavepp.gateway.config import (
     IntakeUnavailable,
     ReplicaUnavailable,
 )
-from wavepp.gateway.metrics import GatewayLoad, GatewayMetrics
+from wavepp.gateway.metrics import GatewayLoad, GatewayMetrics, JetStreamStore
 from wavepp.gateway.router import PoolRouter
 from wavepp.gateway.tenants import FairShareQueue, LimitExceeded, TenantLimiter
 from wavepp.gateway.trust import BusGuard
@@ -119,6 +119,8 @@ class Gateway:
         # When the server last answered this gateway (clock); None: not watched (not started).
         self.bus_answered_s: float | None = None
         self._bus_watch: asyncio.Task[None] | None = None
+        # The account's JetStream store as the last account info said (None: none yet).
+        self.jetstream_store: JetStreamStore | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -154,13 +156,17 @@ class Gateway:
     async def _watch_bus(self) -> None:
         """Keep ``bus_answered_s``: one round trip to the server per ``BUS_CHECK_S``. Any
         answer counts, a refusal too (JetStream disabled); none within ``BUS_SILENT_S`` does
-        not. (Not ``nc.flush``: a flush that times out leaves its PONG's future cancelled in
-        nats-py 2.16, and the late PONG then ends the connection's read loop.)"""
+        not. An answer also updates ``jetstream_store`` (the store gauges). (Not
+        ``nc.flush``: a flush that times out leaves its PONG's future cancelled in nats-py
+        2.16, and the late PONG then ends the connection's read loop.)"""
         js = self.nc.jetstream(timeout=BUS_SILENT_S)
         while True:
             try:
-                await js.account_info()
+                info = await js.account_info()
                 self.bus_answered_s = self.clock()
+                self.jetstream_store = JetStreamStore.from_account_info(
+                    info.storage, info.limits.max_storage
+                )
             except (APIError, NoRespondersError):
                 self.bus_answered_s = self.clock()
             except Exception:  # noqa: BLE001, S110 - no answer (paused, reconnecting): silent
@@ -315,6 +321,7 @@ class Gateway:
             num_requests_in_gateway=self.num_requests_in_gateway,
             max_queued_requests=self.config.max_queued_requests,
             is_replica_up={r.name: self.router.in_pool(r.name, now) for r in self.router.replicas},
+            jetstream_store=self.jetstream_store,
         )
 
     @property

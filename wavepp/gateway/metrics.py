@@ -20,6 +20,8 @@ table's, with exactly the labels it names: the export adds no ``otel_scope_*`` l
 | wavepp.gateway.replica_up            | obs. gauge | (none)     | wavepp_gateway_replica_up{replica}                  |
 | wavepp.gateway.routed_reusable_blocks| counter    | {block}    | wavepp_gateway_routed_reusable_blocks_total{replica}|
 | wavepp.gateway.auth_failures         | counter    | {request}  | wavepp_gateway_auth_failures_total{reason}          |
+| wavepp.gateway.jetstream_store_used  | obs. gauge | By         | wavepp_gateway_jetstream_store_used_bytes           |
+| wavepp.gateway.jetstream_store_limit | obs. gauge | By         | wavepp_gateway_jetstream_store_limit_bytes          |
 
 ``code`` is the HTTP status answered (the NATS API counts the status it puts in its reply);
 ``tenant`` is ``unknown`` for a request whose tenant could not be read or is not configured
@@ -31,6 +33,13 @@ never the client's address).
 backlog``): the pool's requests queued or running in the gateway, labelled with the pool (the
 WavePipeline's name) so that an HPA's External metric selects one pipeline; the chart's
 prometheus-adapter rule (``charts/wavepp/templates/prometheus-adapter-rules.yaml``) serves it.
+
+``wavepp_gateway_jetstream_store_*_bytes``: the JetStream file store of the gateway's NATS
+account (its intake streams and results bucket, with every other WavePP stream of the account),
+as the server's account info last answered (``JetStreamStore``). The limit series exists only
+where the account has a disk limit (``wavepp up --jetstream-max-bytes``, ``wavepp nats-auth
+--jetstream-max-bytes``); their ratio is what the chart's ``WavePPJetStreamStoreNearFull``
+alert watches. Neither series exists before the first answer.
 """
 
 from __future__ import annotations
@@ -55,10 +64,28 @@ GATEWAY_PROMETHEUS_NAMES: tuple[str, ...] = (
     "wavepp_gateway_replica_up",
     "wavepp_gateway_routed_reusable_blocks_total",
     "wavepp_gateway_auth_failures_total",
+    "wavepp_gateway_jetstream_store_used_bytes",
+    "wavepp_gateway_jetstream_store_limit_bytes",
 )
 
 # Bucket bounds in seconds (no 60 s bucket, unlike the runtime's TTFT histogram).
 GATEWAY_TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(frozen=True)
+class JetStreamStore:
+    """The account's JetStream file store, from the server's account info: ``used_bytes`` on
+    disk; ``limit_bytes`` the account's disk limit, None where it has none (then only the
+    server's ``max_file_store`` bounds it, which account info does not report)."""
+
+    used_bytes: int
+    limit_bytes: int | None
+
+    @classmethod
+    def from_account_info(cls, storage: int, max_storage: int | None) -> JetStreamStore:
+        """From account info's ``storage`` and ``limits.max_storage`` (-1 or 0: no limit)."""
+        limit = max_storage if max_storage is not None and max_storage > 0 else None
+        return cls(used_bytes=storage, limit_bytes=limit)
 
 
 @dataclass(frozen=True)
@@ -67,7 +94,8 @@ class GatewayLoad:
 
     ``num_queued_by_tenant``: requests in the fair-share queue; ``num_active_by_tenant``:
     requests queued or running; ``num_requests_in_gateway``: all tenants (what the queue limit
-    counts); ``max_queued_requests``: that limit; ``is_replica_up``: replica -> in the pool.
+    counts); ``max_queued_requests``: that limit; ``is_replica_up``: replica -> in the pool;
+    ``jetstream_store``: the account's store as last read (None: not read yet).
     """
 
     num_queued_by_tenant: Mapping[str, int]
@@ -75,6 +103,7 @@ class GatewayLoad:
     num_requests_in_gateway: int
     max_queued_requests: int
     is_replica_up: Mapping[str, bool]
+    jetstream_store: JetStreamStore | None = None
 
 
 class GatewayMetrics:
@@ -154,6 +183,18 @@ class GatewayMetrics:
             callbacks=[self._observe_replica_up],
             description="Replica in the pool (heartbeat)",
         )
+        meter.create_observable_gauge(
+            "wavepp.gateway.jetstream_store_used",
+            callbacks=[self._observe_store_used],
+            unit="By",
+            description="JetStream file store used by the NATS account",
+        )
+        meter.create_observable_gauge(
+            "wavepp.gateway.jetstream_store_limit",
+            callbacks=[self._observe_store_limit],
+            unit="By",
+            description="The NATS account's JetStream disk limit",
+        )
 
     # ---- recording -----------------------------------------------------------------------
 
@@ -208,5 +249,15 @@ class GatewayMetrics:
         load = self._read_load()
         return [Observation(int(up), {"replica": r}) for r, up in load.is_replica_up.items()]
 
+    def _observe_store_used(self, _options: CallbackOptions) -> Iterable[Observation]:
+        store = self._read_load().jetstream_store
+        return [] if store is None else [Observation(store.used_bytes)]
 
-__all__ = ["GATEWAY_PROMETHEUS_NAMES", "GatewayLoad", "GatewayMetrics"]
+    def _observe_store_limit(self, _options: CallbackOptions) -> Iterable[Observation]:
+        store = self._read_load().jetstream_store
+        return (
+            [] if store is None or store.limit_bytes is None else [Observation(store.limit_bytes)]
+        )
+
+
+__all__ = ["GATEWAY_PROMETHEUS_NAMES", "GatewayLoad", "GatewayMetrics", "JetStreamStore"]

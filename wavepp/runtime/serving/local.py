@@ -8,6 +8,14 @@ Stage processes are ``wavepp stage`` commands (the same ones pods run), started 
 by ``processes.Supervisor`` (logs ``LOG_DIR/stage<rank>.log``). Startup waits for every
 stage to answer a health probe, with a deadline, and fails fast (with the stage's log tail) if a
 stage process dies. Shutdown stops the scheduler, then SIGTERMs the stages, waits, kills.
+
+The bus is secured as under ``wavepp up``: the embedded nats-server trusts only fresh keys
+(``transport.auth.write_pool_auth``, written to ``LOG_DIR/nats-auth/``, mode 0700) and refuses
+anonymous clients; each stage connects as its own stage user and the scheduler as the replica's
+admission user (``wavepp.api.permissions``); every round, plan and done is signed with the bus
+key (the environment's ``WAVEPP_BUS_KEY``, else a new one), handed to the stages through their
+environment. With ``nats_url`` (an external server) no credentials are made: the processes use
+``WAVEPP_NATS_CREDS`` if set.
 """
 
 from __future__ import annotations
@@ -33,12 +41,16 @@ from wavepp.runtime.scheduling.core import planner_for
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.serving.processes import Supervisor, stage_command
+from wavepp.runtime.transport.auth import PoolAuth, write_pool_auth
 from wavepp.runtime.transport.buskey import BUS_KEY_ENV, bus_key_or_new
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
 from wavepp.telemetry import tracing
 from wavepp.telemetry.metrics import get_metrics, setup_metrics, shutdown_metrics
 
 log = logging.getLogger(__name__)
+
+# The pool name of a local pipeline's NATS users (``wavepp up``'s default ``--pool``).
+LOCAL_POOL = "default"
 
 
 def _stage_name(rank: int) -> str:
@@ -72,6 +84,8 @@ class LocalPipeline:
         self._config_path = self.log_dir / "runtime-config.json"
         # The bus key the stages and this scheduler sign with: the environment's, else a new one.
         self.bus_key = bus_key_or_new()
+        # The embedded server's trust root and each component's credentials (after start).
+        self.auth: PoolAuth | None = None
         # Telemetry of this (scheduler) process, unless the caller set it up already (tests).
         self._owns_tracing = False
         self._owns_metrics = False
@@ -96,9 +110,14 @@ class LocalPipeline:
             **{BUS_KEY_ENV: self.bus_key.hex()},
         )
         self._stage_names = [_stage_name(rank) for rank in range(self.config.num_stages)]
+        pipeline = self.config.pipeline
         for rank, name in enumerate(self._stage_names):
             command = stage_command(
-                str(self._config_path), rank, nats_url=self.nats_url, dist_url=dist_url
+                str(self._config_path),
+                rank,
+                nats_url=self.nats_url,
+                dist_url=dist_url,
+                nats_creds=None if self.auth is None else self.auth.stage(pipeline, rank),
             )
             self.supervisor.start(name, command, env)
 
@@ -126,11 +145,23 @@ class LocalPipeline:
                 setup_metrics(self.config.telemetry, "wavepp-scheduler") is not None
             )
         if not self.external_nats_url:
-            self.server = EmbeddedNatsServer()
+            self.auth = write_pool_auth(
+                self.log_dir / "nats-auth",
+                pool=LOCAL_POOL,
+                replicas={self.config.pipeline: self.config.num_stages},
+                namespace=self.config.namespace,
+                store_dir=None,
+            )
+            self.server = EmbeddedNatsServer(
+                config_file=self.auth.server_config,
+                log_file=str(self.log_dir / "nats-server.log"),
+            )
             self.server.start()
         self.start_stages(f"tcp://127.0.0.1:{free_port()}")
         self.nc = await connect(
-            self.nats_url, name=f"{self.config.pipeline}-scheduler", anonymous_ok=True
+            self.nats_url,
+            name=f"{self.config.pipeline}-scheduler",
+            creds=None if self.auth is None else self.auth.admission(self.config.pipeline),
         )
         replica_key = self.bus_key.for_replica(self.config.pipeline)
         stages = NatsStageClient.for_replica(

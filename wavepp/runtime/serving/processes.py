@@ -4,7 +4,8 @@ supervisor and one builder of each child's command line.
 Every child is ``python -m wavepp.cli <subcommand>`` (the commands pods run), started in its own
 session (a Ctrl-C reaches only the parent, which stops the children in order) with
 ``WAVEPP_PARENT_PID`` set (``lifecycle.child_env``: a child ends when its parent dies). Its
-stdout and stderr go to ``LOG_DIR/<name>.log`` (appended across restarts). The nats-server's
+stdout and stderr go to ``LOG_DIR/<name>.log`` (appended across restarts, each restart
+announced by one line there). The nats-server's
 command line is built once, by ``transport.natsio.EmbeddedNatsServer``.
 """
 
@@ -119,21 +120,38 @@ class Supervisor:
         process's environment) and ``WAVEPP_PARENT_PID``; output appended to its log."""
         self.commands[name] = command
         self.envs[name] = env
-        out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        self.procs[name] = subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=child_env(env),
-        )
-        self.write_state()
+        self._spawn(name, None)
 
     def restart(self, name: str) -> None:
-        """Start ``name`` again with the same command and environment; counted, one line."""
-        self.num_restarts[name] = self.num_restarts.get(name, 0) + 1
+        """Start ``name`` again with the same command and environment; counted, one line on
+        stderr, and one in the child's log before the new process's output (a restarted child
+        logs its start-up lines again: the line tells a restart from lines written twice)."""
+        num = self.num_restarts[name] = self.num_restarts.get(name, 0) + 1
+        code = self.procs[name].poll()
         print(f"{self.prog}: {name} exited; restarting", file=sys.stderr, flush=True)
-        self.start(name, self.commands[name], self.envs[name])
+        self._spawn(
+            name,
+            f"{self.prog}: {name} restarted (restart {num}; the previous process exited with "
+            f"code {code})",
+        )
+
+    def _spawn(self, name: str, note: str | None) -> None:
+        """Start child ``name``'s command, its output appended to its log after ``note`` (a
+        line stamped like the children's log records: local time, milliseconds)."""
+        with open(self.log_dir / f"{name}.log", "ab") as out:
+            if note is not None:
+                now = time.time()
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+                out.write(f"{stamp},{int(now * 1000) % 1000:03d} {note}\n".encode())
+                out.flush()
+            self.procs[name] = subprocess.Popen(
+                self.commands[name],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=child_env(self.envs[name]),
+            )
+        self.write_state()
 
     def exited(self, name: str) -> bool:
         """Whether child ``name`` has exited."""

@@ -64,7 +64,9 @@ def write_pool_auth(
         replicas: pipeline -> number of stages.
         namespace: the namespace token of the pool's NATS names (``local`` for ``wavepp up``).
         store_dir: JetStream's store (None: no JetStream, e.g. ``LocalPipeline``).
-        max_file_store_bytes: JetStream's disk limit (None: the server's default).
+        max_file_store_bytes: JetStream's disk limit (None: the server's default): the
+            server's ``max_file_store`` and the account's own limit, which its users read in
+            their JetStream account info (the gateway exports it, ``wavepp.gateway.metrics``).
 
     Raises:
         ValueError: a pool or pipeline name that cannot be a NATS user name.
@@ -72,7 +74,7 @@ def write_pool_auth(
     """
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o700)
-    trust = TrustRoot.new()
+    trust = TrustRoot.new(max_store_bytes=max_file_store_bytes)
     users = users_for_pool(pool, replicas, namespace=namespace)
     if store_dir is None:
         config = trust.auth_config()
