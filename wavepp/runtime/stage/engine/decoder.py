@@ -98,6 +98,7 @@ class _Layer:
         get: WeightGetter,
         interval: int,
         tp: TPGroup,
+        compile_dense: bool = False,
     ) -> None:
         p = f"model.layers.{index}."
         d = plan.hidden_size
@@ -123,6 +124,16 @@ class _Layer:
             self.ffn = DenseMLP(d, plan.dense_intermediate, get, p + plan.mlp_prefix, tp)
         self.eps = plan.eps
         self._ffn_part = "moe" if isinstance(self.ffn, SparseMoE) else "mlp"
+        self._dense_block = None
+        if compile_dense and isinstance(self.ffn, DenseMLP):
+            self._dense_block = torch.compile(self._dense_eager, dynamic=True)
+            if isinstance(self.attn, GQAAttention):
+                self.attn.project = torch.compile(self.attn.project, dynamic=True)
+
+    def _dense_eager(self, h: torch.Tensor) -> torch.Tensor:
+        """``h + mlp(RMSNorm(h))``: the dense feed-forward half of the layer."""
+        assert isinstance(self.ffn, DenseMLP)
+        return h + self.ffn.forward(rms_norm(h, self.post_norm, self.eps))
 
     def forward(
         self, h: torch.Tensor, batch: TorchPreparedBatch, shared: dict[str, object]
@@ -145,6 +156,9 @@ class _Layer:
                 h = h + self.attn.forward(x, batch)
         else:
             h = h + self.attn.forward(x, batch)
+        if self._dense_block is not None:
+            with region("mlp"):  # the compiled block: the norm, the MLP, the residual
+                return self._dense_block(h)
         with region("norm"):
             x = rms_norm(h, self.post_norm, self.eps)
         with region(self._ffn_part):
@@ -179,14 +193,26 @@ class DecoderStageEngine(PagedStageEngineBase):
         dtype: torch.dtype,
         tp: TPGroup = SINGLE,
         state_interval_blocks: int = 1,
+        compile: bool = False,
     ) -> None:
         """Load this stage's weights through ``get`` (this TP rank's share) and build its
         layers; only the TP leader of the last stage reads the final norm and ``lm_head``.
 
+        With ``compile``, ``torch.compile`` (dynamic token count) takes each layer's
+        per-token dense parts: the dense feed-forward half (post-attention norm, SwiGLU,
+        residual) and GQA's input projections with q/k norms and RoPE; attention over the
+        paged cache, MoE and linear attention stay eager. Compiled code is built on a part's
+        first call.
+
         Raises:
-            ValueError: a weight missing or misshapen (from ``get``), or a width the TP size
-                does not divide (names it).
+            ValueError: a weight missing or misshapen (from ``get``), a width the TP size
+                does not divide (names it), or ``compile`` with tensor parallelism.
         """
+        if compile and tp.size > 1:
+            raise ValueError(
+                f"compile=True (RuntimeConfig.torch_compile, engineOptions.torchCompile) with "
+                f"tensor_parallel_size={tp.size}: compiled layers do not all-reduce; use one"
+            )
         self.plan = plan
         self.tp = tp
         self.hidden_size = plan.hidden_size
@@ -198,7 +224,7 @@ class DecoderStageEngine(PagedStageEngineBase):
             else None
         )
         self._layers = [
-            _Layer(plan, i, get, state_interval_blocks, tp)
+            _Layer(plan, i, get, state_interval_blocks, tp, compile)
             for i in range(self.first_layer, self.last_layer)
         ]
         self._final_norm = get("model.norm.weight", (plan.hidden_size,)) if has_head else None

@@ -98,24 +98,30 @@ class GQAAttention:
             )
         self.cache = cache
 
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, hidden] normed activations -> roped q [T, H/T, d], roped k and v
+        [T, KV/T, d] (q/k normed first with qk_norm); ``cos``/``sin`` as ``rope_cos_sin``."""
+        s = self.shape
+        num_tokens = x.shape[0]
+        q_dim, kv_dim = self.heads * s.head_dim, self.kv_heads * s.head_dim
+        q, k, v = F.linear(x, self.qkv).split([q_dim, kv_dim, kv_dim], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = rms_norm_sharded(q, self.q_norm, s.eps, s.num_heads * s.head_dim, self.tp)
+            k = rms_norm_sharded(k, self.k_norm, s.eps, s.num_kv_heads * s.head_dim, self.tp)
+        q = apply_rope_rotate_half(q.view(num_tokens, self.heads, s.head_dim), cos, sin)
+        k = apply_rope_rotate_half(k.view(num_tokens, self.kv_heads, s.head_dim), cos, sin)
+        return q, k, v.view(num_tokens, self.kv_heads, s.head_dim)
+
     def forward(self, x: torch.Tensor, p) -> torch.Tensor:  # noqa: ANN001 (TorchPreparedBatch)
         """[T, hidden] normed activations -> [T, hidden] attention output (before residual)."""
         s = self.shape
         assert self.cache is not None, "allocate() runs before forward()"
         num_tokens = x.shape[0]
-        q_dim, kv_dim = self.heads * s.head_dim, self.kv_heads * s.head_dim
+        q_dim = self.heads * s.head_dim
         with region("qkv"):
-            q, k, v = F.linear(x, self.qkv).split([q_dim, kv_dim, kv_dim], dim=-1)
-            if self.q_norm is not None and self.k_norm is not None:
-                q = rms_norm_sharded(q, self.q_norm, s.eps, s.num_heads * s.head_dim, self.tp)
-                k = rms_norm_sharded(k, self.k_norm, s.eps, s.num_kv_heads * s.head_dim, self.tp)
-            q = apply_rope_rotate_half(
-                q.view(num_tokens, self.heads, s.head_dim), p.rope_cos, p.rope_sin
-            )
-            k = apply_rope_rotate_half(
-                k.view(num_tokens, self.kv_heads, s.head_dim), p.rope_cos, p.rope_sin
-            )
-            v = v.view(num_tokens, self.kv_heads, s.head_dim)
+            q, k, v = self.project(x, p.rope_cos, p.rope_sin)
         with region("kv_write"):
             self.cache[0].index_copy_(0, p.slot_mapping, p.written(k))
             self.cache[1].index_copy_(0, p.slot_mapping, p.written(v))
