@@ -142,16 +142,22 @@ def run_engine(engine: TorchStageEngine, batches: list[list[ChunkSpec]], device:
     return time.perf_counter() - began
 
 
-def profile_engine(engine: TorchStageEngine, batches: list[list[ChunkSpec]]) -> list[str]:
-    """One profiled engine pass: its per-part table."""
+def profile_engine(
+    engine: TorchStageEngine, batches: list[list[ChunkSpec]], device: str
+) -> list[str]:
+    """One profiled engine pass: its per-part table (on CUDA: GPU kernel time per part)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         began = time.perf_counter()
         for mb in batches:
             engine.execute(engine.prepare(mb), None)
+        _sync(device)
         wall_us = (time.perf_counter() - began) * 1e6
-    return part_table(region_totals_us(prof.key_averages()), wall_us, len(batches))
+    field = "device_time_total" if cuda else "cpu_time_total"
+    return part_table(region_totals_us(prof.key_averages(), field), wall_us, len(batches))
 
 
 async def _closed_loop(scheduler: Any, prompts: list[list[int]], concurrency: int) -> None:
@@ -316,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
         lines.append(f"hf      {tps['hf']:>10.0f} tokens/s")
         lines.append(f"engine  {tps['engine']:>10.0f} tokens/s  {result['engine_over_hf']:.3f}x hf")
         if args.profile:
-            table = profile_engine(engine, batches)
+            table = profile_engine(engine, batches, args.device)
             result["profile"] = table
             lines.append("per-part profile of one engine pass:")
             lines.extend(table)

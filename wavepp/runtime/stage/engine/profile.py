@@ -57,15 +57,17 @@ def region(part: str) -> contextlib.AbstractContextManager[Any]:
     return _NULL
 
 
-def region_totals_us(events: Iterable[Any]) -> dict[str, float]:
-    """Total CPU time (microseconds) per part from ``profiler.key_averages()``: the events
-    whose key is ``wavepp.<part>``; a part never entered is absent."""
+def region_totals_us(events: Iterable[Any], field: str = "cpu_time_total") -> dict[str, float]:
+    """Total time (microseconds) per part from ``profiler.key_averages()``: the events whose
+    key is ``wavepp.<part>``; a part never entered is absent. ``field``: ``cpu_time_total``
+    (host time: on a CPU the part's compute) or ``device_time_total`` (the GPU kernels run
+    inside the part, with ``ProfilerActivity.CUDA``)."""
     totals: dict[str, float] = {}
     for event in events:
         key = getattr(event, "key", "")
         if key.startswith(PREFIX) and key[len(PREFIX) :] in PARTS:
             part = key[len(PREFIX) :]
-            totals[part] = totals.get(part, 0.0) + float(event.cpu_time_total)
+            totals[part] = totals.get(part, 0.0) + float(getattr(event, field))
     return totals
 
 
