@@ -4,7 +4,9 @@ Same model, same prompts, same cores, measured side by side in one run: the rand
 of ``vs_vllm.CHECKPOINT_SHAPE`` (hidden 512, 8 layers, 8 heads, 2 KV heads, float32; seeded
 weights, ``TorchStageEngine``), loaded into transformers' ``LlamaForCausalLM`` (SDPA attention)
 as well. Prompts: the first ``--requests`` records of the in-repo Mooncake trace, 16 tokens per
-trace block (``vs_vllm_stats.trace_prompts``). Each side runs ``--repeats`` times, sides
+trace block (``vs_vllm_stats.trace_prompts``), the tokens drawn anew for every repeat (and the
+warm-up) so that no pass finds an earlier one's prompts in a cache: what a pipeline reuses is the
+trace's own prefix sharing within the pass. Each side runs ``--repeats`` times, sides
 alternated; a side's figure is the median of its repeats (prompt tokens per second of wall
 time). Ratios are of medians taken in this run.
 
@@ -223,17 +225,20 @@ def _median(xs: list[float]) -> float:
 async def pipeline_sides(
     args: argparse.Namespace,
     config: ModelConfig,
-    prompts: list[list[int]],
+    prompt_sets: list[list[list[int]]],
     hf_pass: Callable[[list[list[int]]], float],
     tokens: int,
 ) -> dict[str, Any]:
+    """``prompt_sets[0]``: the warm-up's; ``prompt_sets[1 + r]``: repeat r's (same lengths and
+    prefix sharing, other tokens, so no pass finds an earlier pass's prompts cached)."""
     sides = [PipelineSide(config, s, args.threads, args) for s in args.stages]
     times: dict[str, list[float]] = {"hf": []} | {f"pipeline-{s.stages}": [] for s in sides}
     try:
         for side in sides:
             await side.start()
-            await side.run(prompts[: min(4, len(prompts))], 2)  # warm-up, not timed
+            await side.run(prompt_sets[0][: min(4, len(prompt_sets[0]))], 2)  # not timed
         for rep in range(args.repeats):
+            prompts = prompt_sets[1 + rep]
             order: list[Any] = ["hf", *sides]
             if rep % 2:
                 order.reverse()
@@ -244,7 +249,7 @@ async def pipeline_sides(
                     times[f"pipeline-{side.stages}"].append(
                         await side.run(prompts, args.concurrency)
                     )
-                _progress(f"repeat {rep}: {list(times.items())}")
+            _progress(f"repeat {rep}: {times}")
     finally:
         for side in sides:
             await side.stop()
@@ -258,9 +263,13 @@ def _progress(message: str) -> None:
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     config = model_config(args.dtype)
-    prompts = trace_prompts(
-        args.trace, args.requests, tokens_per_block=16, vocab_size=config.vocab_size, seed=1
-    )
+    prompt_sets = [
+        trace_prompts(
+            args.trace, args.requests, tokens_per_block=16, vocab_size=config.vocab_size, seed=s
+        )
+        for s in range(1 + args.repeats)
+    ]
+    prompts = prompt_sets[1]
     args.longest = max(len(p) for p in prompts)
     tokens = sum(len(p) for p in prompts)
     hf = hf_model(config, args.device)
@@ -282,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
     }
     lines: list[str] = []
     if args.stages:
-        tps = asyncio.run(pipeline_sides(args, config, prompts, hf_pass, tokens))
+        tps = asyncio.run(pipeline_sides(args, config, prompt_sets, hf_pass, tokens))
         result["concurrency"] = args.concurrency
         result["tokens_per_s"] = tps
         for name, value in tps.items():
