@@ -209,6 +209,12 @@ FIELDS: dict[str, Entry] = {
     "engineOptions.torchThreads": Entry(
         R, f"{FS}: torch_threads", {"engineOptions": {"torchThreads": 2}}
     ),
+    "engineOptions.torchCompile": Entry(
+        R,
+        f"{FS}: torch_compile",
+        {"engineOptions": {"torchCompile": True}},
+        refusal=({"engineOptions": {"torchCompile": "yes"}}, "must be true or false"),
+    ),
     "engineOptions.seed": Entry(
         R,
         f"{FS}: ModelConfig.seed",

@@ -257,3 +257,36 @@ def test_metrics_ports_that_include_the_gateway_port_are_refused_at_start(
     assert code == 2 and len(err) == 1, err
     assert "telemetry.metricsPort 18086" in err[0] and "--port 18090" in err[0], err
     assert "18086..18091" in err[0]
+
+
+# ---- 5. --planner-cost-model ------------------------------------------------------------------
+
+
+def test_planner_cost_model_reaches_every_admission_and_a_bad_one_is_refused(
+    tmp_path: Path,
+) -> None:
+    from wavepp.launch.up import plan_up
+
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps({"c": 1e-3, "g": 1e-6, "b": 1e-5, "a": 1e-8, "label": "measured"}))
+    args = _up_args("--stages", "2", "--port", "0", "--planner-cost-model", str(fit))
+    plan = plan_up(args)
+    commands = child_commands(
+        plan.configs,
+        [str(tmp_path / "r0.json")],
+        ["tcp://127.0.0.1:1"],
+        args=args,
+        nats_url="nats://127.0.0.1:4222",
+        port=8000,
+        drain_s=plan.drain_s,
+        creds=None,
+        gateway_config=str(tmp_path / "gateway.json"),
+    )
+    admission = next(_sub_args(c) for n, c in commands if n.startswith("admission-"))
+    assert admission.planner_cost_model == str(fit.resolve())
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    for path, why in ((bad, "missing coefficients"), (tmp_path / "missing.json", "No such file")):
+        with pytest.raises(FlagError, match=why) as refused:
+            plan_up(_up_args("--stages", "2", "--port", "0", "--planner-cost-model", str(path)))
+        assert refused.value.flag == "--planner-cost-model"

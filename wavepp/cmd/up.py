@@ -82,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="processes computing each stage, one per device (spec.tensorParallelSize), "
         "replacing the spec's",
     )
+    parser.add_argument(
+        "--planner-cost-model",
+        default="",
+        metavar="FILE",
+        help="the chunk planner's CostModel JSON, e.g. one fitted for the served checkpoint by "
+        "`wavepp calibrate --model DIR --out FILE` (default: the packaged CPU fit)",
+    )
     parser.add_argument("--pool", default="default", help="pool name (NATS subjects, results)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     parser.add_argument("--port", type=int, default=8000, help="gateway port (0: a free one)")

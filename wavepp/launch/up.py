@@ -38,7 +38,7 @@ from wavepp.gateway.config import GatewayConfig
 from wavepp.gateway.tenants import TenantPolicy, policy_from_spec
 from wavepp.launch.flags import FlagError, check_port_free
 from wavepp.launch.gateway import gateway_model_fields, key_files_problem, replica_info
-from wavepp.launch.replica import telemetry_from_spec
+from wavepp.launch.replica import planner_cost_model, telemetry_from_spec
 from wavepp.launch.runtime_config import (
     checkpoint_tokenizer,
     runtime_configs_from_spec,
@@ -295,6 +295,7 @@ def child_commands(
             drain_s=drain_s,
             metrics_host=args.host,
             nats_creds=creds_of(admission_user_name(config.pipeline)),
+            planner_cost_model=getattr(args, "planner_cost_model", ""),
         )
         out.append((f"admission-{config.pipeline}", command))
     command = gateway_command(
@@ -365,7 +366,8 @@ def plan_up(args: argparse.Namespace) -> UpPlan:
     RuntimeConfigs and telemetry), the process count (at most ``MAX_LOCAL_PROCESSES``), the
     gateway's flags (``--max-outstanding``, ``--max-queued``, ``--tokenizer``, ``--port``: in
     range and free now), ``--max-stage-restarts``, the tenants (``--tenant-limits``, the spec's
-    key files), ``--jetstream-max-bytes``.
+    key files), ``--jetstream-max-bytes``, ``--planner-cost-model`` (a readable CostModel JSON;
+    made absolute for the admissions).
 
     Raises:
         FlagError: the first refusal, naming the flag (``--config`` for the spec's fields).
@@ -435,6 +437,14 @@ def plan_up(args: argparse.Namespace) -> UpPlan:
     )
     if args.jetstream_max_bytes < 0:
         raise FlagError("--jetstream-max-bytes", f"{args.jetstream_max_bytes}: must be >= 0")
+    if args.planner_cost_model:
+        try:
+            planner_cost_model(first, args.planner_cost_model)
+        except (OSError, ValueError, TypeError) as exc:
+            raise FlagError(
+                "--planner-cost-model", f"{args.planner_cost_model}: not a CostModel JSON: {exc}"
+            ) from None
+        args.planner_cost_model = str(Path(args.planner_cost_model).resolve())
     return UpPlan(
         raw=raw,
         spec=spec,

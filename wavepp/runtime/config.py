@@ -174,6 +174,9 @@ class RuntimeConfig(BaseModel):
     # silently ignored.
     weights: str | None = None
     torch_threads: int = Field(1, ge=1)
+    # NOTE: ``torch.compile`` of the torch engine's dense per-token layer parts (dynamic token
+    # count; built on first use); needs engine torch and tensor_parallel_size 1.
+    torch_compile: bool = False
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
 
     @model_validator(mode="after")
@@ -188,6 +191,11 @@ class RuntimeConfig(BaseModel):
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: every entry must be >= 1")
         if self.engine == "emulated" and self.cost_model is None:
             raise ValueError("engine=emulated needs cost_model (a CostModel.to_dict())")
+        if self.torch_compile and (self.engine != "torch" or self.tensor_parallel_size != 1):
+            raise ValueError(
+                f"torch_compile=True needs engine='torch' and tensor_parallel_size=1 (got "
+                f"engine={self.engine!r}, tensor_parallel_size={self.tensor_parallel_size})"
+            )
         tp = self.tensor_parallel_size
         if tp != 1 and (self.engine != "torch" or self.model.architecture not in TENSOR_PARALLEL):
             # NOTE: the emulated engine sleeps a cost model; its ``model`` keeps the default

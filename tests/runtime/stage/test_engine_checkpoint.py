@@ -51,8 +51,16 @@ def reference_logits(model: torch.nn.Module, tokens: Sequence[int]) -> torch.Ten
 class Pipeline:
     """Checkpoint stages in sequence, each with its own shuffled block pool."""
 
-    def __init__(self, model_dir: Path, partition: list[int] | None, num_stages: int) -> None:
-        self.model = load_model_dir(model_dir)
+    def __init__(
+        self,
+        model_dir: Path,
+        partition: list[int] | None,
+        num_stages: int,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+    ) -> None:
+        self.model = load_model_dir(model_dir).model_copy(update={"dtype": dtype})
         self.block_size = 4
         self.engines: list[CheckpointStageEngine] = []
         self.free: list[list[int]] = []
@@ -67,6 +75,7 @@ class Pipeline:
                 last_layer=last,
                 num_layers_total=self.model.num_layers,
                 model_dir=model_dir,
+                device=device,
             )
             assert isinstance(engine, CheckpointStageEngine)
             num_blocks = 40 + 5 * rank
@@ -105,7 +114,7 @@ class Pipeline:
                 hidden = out.hidden
                 logits = out.last_token_logits
             offset += n
-        return logits[rid]
+        return logits[rid].cpu()
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -264,3 +273,20 @@ def test_dsa_stage_must_begin_at_a_full_indexer_layer(glm_dir):
     model_dir, _ = glm_dir
     with pytest.raises(ValueError, match="begins at layer 2, a DSA 'shared' layer"):
         Pipeline(model_dir, [2, 3], 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("dtype", "atol"), [("float32", 1e-3), ("bfloat16", 0.25)])
+def test_cuda_chunked_prefix_reuse_matches_reference(checkpoint, dtype, atol):  # noqa: ANN001
+    """Every family on CUDA: chunks with and without cached context (the fused lower-right
+    causal kernel, grouped experts), 2 stages, against transformers' float32 forward."""
+    model_dir, model = checkpoint
+    rng = random.Random(11)
+    first = [rng.randrange(VOCAB) for _ in range(26)]
+    second = first[:16] + [rng.randrange(VOCAB) for _ in range(9)]
+    pipe = Pipeline(model_dir, [3, 2], 2, device="cuda", dtype=dtype)
+    pipe.add("a", len(first))
+    assert close(pipe.run("a", first, 0, [10, 16]), reference_logits(model, first)) < atol
+    pipe.add("b", len(second), share="a", shared_blocks=4)
+    assert close(pipe.run("b", second, 16, [4, 5]), reference_logits(model, second)) < atol

@@ -66,7 +66,14 @@ class Request:
 class Pipeline:
     """Stage engines in sequence, each with its own block pool (shuffled free ids)."""
 
-    def __init__(self, num_stages: int, num_blocks: Sequence[int], block_size: int) -> None:
+    def __init__(
+        self,
+        num_stages: int,
+        num_blocks: Sequence[int],
+        block_size: int,
+        *,
+        compile: bool = False,
+    ) -> None:
         self.block_size = block_size
         self.engines = []
         self.free: list[list[int]] = []
@@ -77,6 +84,7 @@ class Pipeline:
                 first_layer=first,
                 last_layer=last,
                 num_layers_total=CONFIG.num_layers,
+                compile=compile,
             )
             engine.allocate_kv(num_blocks[rank], block_size)
             self.engines.append(engine)
@@ -163,10 +171,18 @@ def test_chunked_pipeline_matches_hf(
     assert_close(logits, hf_last_logits(hf_model, request.tokens))
 
 
-@pytest.mark.parametrize("num_stages", [2, 3])
-def test_prefix_reuse_matches_hf(hf_model: torch.nn.Module, num_stages: int) -> None:
+@pytest.mark.parametrize(
+    ("num_stages", "compile"),
+    [
+        (2, False),
+        (3, False),
+        pytest.param(2, True, marks=pytest.mark.timeout(600), id="2-compiled"),
+    ],
+)
+def test_prefix_reuse_matches_hf(hf_model: torch.nn.Module, num_stages: int, compile: bool) -> None:
+    """Chunks with and without cached context; ``compile``: the torch.compile switch on."""
     block_size = 8
-    pipeline = Pipeline(num_stages, [30, 45, 37][:num_stages], block_size)
+    pipeline = Pipeline(num_stages, [30, 45, 37][:num_stages], block_size, compile=compile)
     first = Request("first", random_tokens(29, seed=2))
     pipeline.add_request(first)
     assert_close(pipeline.run_chunked(first, 0, [11, 18]), hf_last_logits(hf_model, first.tokens))

@@ -159,6 +159,7 @@ def test_prepare_builds_slot_mapping_positions_and_tables() -> None:
     # query j of chunk a (position 3 + j) sees keys 0..3+j
     assert p.attn_masks[0].shape == (6, 9)
     assert p.attn_masks[0].sum(dim=1).tolist() == [4, 5, 6, 7, 8, 9]
+    assert p.attn_masks[1] is None  # no cached context: SDPA's causal path, no mask
     assert p.rope_cos.shape == (8, CONFIG.head_dim)
 
 
@@ -336,3 +337,14 @@ def test_cuda_bfloat16_close_to_cpu_float32() -> None:
         got = gpu.execute(gpu.prepare([spec]), None).last_token_logits["r"]
         assert got.device.type == "cuda" and got.dtype == torch.float32
         torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=atol)
+
+
+def test_torch_compile_is_refused_where_it_cannot_be_honoured() -> None:
+    from wavepp.runtime.config import RuntimeConfig
+
+    cost = {"c": 1e-4, "g": 1e-7, "b": 1e-5, "a": 1e-8}
+    with pytest.raises(pydantic.ValidationError, match="torch_compile=True needs engine='torch'"):
+        RuntimeConfig(engine="emulated", cost_model=cost, torch_compile=True)
+    with pytest.raises(pydantic.ValidationError, match="tensor_parallel_size=2"):
+        RuntimeConfig(num_stages=1, tensor_parallel_size=2, torch_compile=True)
+    assert RuntimeConfig(num_stages=1, torch_compile=True).torch_compile

@@ -31,6 +31,7 @@ ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
     "leaseSeconds": ("torch", "emulated"),
     "maxBlocksPerOwner": ("torch", "emulated"),
     "torchThreads": ("torch", "emulated"),
+    "torchCompile": ("torch",),
     "seed": ("torch",),
     "timeScale": ("emulated",),
     "emulate": ("emulated",),

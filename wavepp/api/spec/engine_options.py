@@ -14,6 +14,7 @@ a test checks its keys are these.
 | ``timeScale``    | number                                | in (0, 1000]                       |
 | ``emulate``      | string (a cost model's name)          | 1 to 128 characters                |
 | ``torchThreads`` | int                                   | in [1, 1024]                       |
+| ``torchCompile`` | bool (``torch.compile`` the layers' dense parts) | true or false            |
 | ``seed``         | int                                   | in [0, 2**63 - 1]                  |
 | ``maxInflight``  | int (micro-batches in flight)         | in [1, 1024]                       |
 | ``leaseSeconds`` | number (pin and reservation lease)    | in (0, 86400]                      |
@@ -55,6 +56,11 @@ def _kv_blocks(value: object) -> None:
         _int("kvBlocks", item, 1, MAX_KV_BLOCKS)
 
 
+def _bool(key: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise SpecError(f"engineOptions.{key}", f"{value!r:.60}: must be true or false")
+
+
 def _string(key: str, value: object) -> None:
     if not isinstance(value, str) or not 1 <= len(value) <= 128:
         raise SpecError(f"engineOptions.{key}", f"{value!r:.60}: must be a string")
@@ -65,6 +71,7 @@ _CHECKS: dict[str, Any] = {
     "timeScale": lambda v: _number("timeScale", v, 1000.0),
     "emulate": lambda v: _string("emulate", v),
     "torchThreads": lambda v: _int("torchThreads", v, 1, 1024),
+    "torchCompile": lambda v: _bool("torchCompile", v),
     "seed": lambda v: _int("seed", v, 0, 2**63 - 1),
     "maxInflight": lambda v: _int("maxInflight", v, 1, 1024),
     "leaseSeconds": lambda v: _number("leaseSeconds", v, 86400.0),

@@ -70,14 +70,17 @@ def admission_command(
     drain_s: float,
     metrics_host: str,
     nats_creds: str | None = None,
+    planner_cost_model: str = "",
 ) -> list[str]:
     """``wavepp admission`` of the replica whose RuntimeConfig JSON is ``runtime_config`` in pool
     ``pool``: intake redelivery after ``ack_wait_s`` seconds, draining for ``drain_s`` seconds
-    on SIGTERM, metrics bound to ``metrics_host``."""
+    on SIGTERM, metrics bound to ``metrics_host``, its planner budgeting with the CostModel JSON
+    ``planner_cost_model`` when given (else the admission's default)."""
+    cost = ["--planner-cost-model", planner_cost_model] if planner_cost_model else []
     return [
         *_cli(), "admission", "--runtime-config", runtime_config, "--nats-url", nats_url,
         "--pool", pool, "--ack-wait-s", str(ack_wait_s), "--drain-timeout-s", f"{drain_s:g}",
-        "--metrics-host", metrics_host, *_creds(nats_creds),
+        "--metrics-host", metrics_host, *_creds(nats_creds), *cost,
     ]  # fmt: skip
 
 

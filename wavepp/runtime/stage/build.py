@@ -67,6 +67,8 @@ def build_engine(config: RuntimeConfig, rank: int, tp: TPGroup = SINGLE) -> Stag
         extra["state_interval_blocks"] = config.state_interval_blocks
     elif config.weights is not None:
         extra["weights_path"] = config.weights
+    if config.torch_compile:
+        extra["compile"] = True
     engine = make_engine(
         config.engine,
         model=config.model,

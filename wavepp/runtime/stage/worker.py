@@ -73,6 +73,7 @@ from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.stage.build import build_engine, check_environment
 from wavepp.runtime.stage.core import StageCore, StageWork
 from wavepp.runtime.stage.engine import PreparedBatch, StageEngine
+from wavepp.runtime.stage.engine.profile import region
 from wavepp.runtime.stage.rendezvous import (
     PEER_BEAT_S,
     EpochRendezvous,
@@ -545,7 +546,8 @@ class StageWorker:
                 hidden_in = torch.empty(
                     num_tokens, engine.hidden_size, dtype=engine.activation_dtype
                 )
-                pg.recv([hidden_in], self.rank - 1, 0).wait()
+                with region("recv"):
+                    pg.recv([hidden_in], self.rank - 1, 0).wait()
                 self.compute_beat = time.monotonic()
             results: list[RequestResult] = []
             hidden_out = None
@@ -585,7 +587,8 @@ class StageWorker:
                         num_tokens, engine.hidden_size, dtype=engine.activation_dtype
                     )
                 hidden_out = hidden_out.contiguous()
-                pending_sends.append((pg.send([hidden_out], self.rank + 1, 0), hidden_out))
+                with region("send"):
+                    pending_sends.append((pg.send([hidden_out], self.rank + 1, 0), hidden_out))
                 while len(pending_sends) > _MAX_PENDING_SENDS:
                     pending_sends.popleft()[0].wait()
 

@@ -38,6 +38,7 @@ class CheckpointStageEngine(DecoderStageEngine):
         device: torch.device | str = "cpu",
         state_interval_blocks: int = 1,
         tp: TPGroup = SINGLE,
+        compile: bool = False,
     ) -> None:
         """Read ``model_dir/config.json`` and this stage's tensors (this TP rank's share).
 
@@ -49,6 +50,7 @@ class CheckpointStageEngine(DecoderStageEngine):
             device: "cpu" (float32 only) or a CUDA device.
             state_interval_blocks: linear-attention (KDA) layers keep their recurrent state
                 after every k-th block of a request (``RuntimeConfig.state_interval_blocks``).
+            compile: ``torch.compile`` the layers' dense parts (``DecoderStageEngine._build``).
             tp: this process's place in the stage's tensor-parallel group (``SINGLE``: none).
 
         Raises:
@@ -115,7 +117,14 @@ class CheckpointStageEngine(DecoderStageEngine):
             used.add(name)
             return t.to(device=self.device, dtype=dtype).contiguous()
 
-        self._build(plan, get, dtype=dtype, tp=tp, state_interval_blocks=state_interval_blocks)
+        self._build(
+            plan,
+            get,
+            dtype=dtype,
+            tp=tp,
+            state_interval_blocks=state_interval_blocks,
+            compile=compile,
+        )
         has_head = self.is_last and tp.is_leader
         self.reader.close()
         unused = sorted(set(names) - used)

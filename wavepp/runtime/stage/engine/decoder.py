@@ -28,12 +28,18 @@ from wavepp.runtime.stage.engine.base import (
     PreparedBatch,
     StageOutput,
 )
-from wavepp.runtime.stage.engine.layers.common import WeightGetter, rms_norm, rope_cos_sin
+from wavepp.runtime.stage.engine.layers.common import (
+    WeightGetter,
+    causal_mask,
+    rms_norm,
+    rope_cos_sin,
+)
 from wavepp.runtime.stage.engine.layers.dsa import DSAIndexer
 from wavepp.runtime.stage.engine.layers.gqa import GQAAttention
 from wavepp.runtime.stage.engine.layers.kda import KDAAttention
 from wavepp.runtime.stage.engine.layers.mla import MLAAttention
 from wavepp.runtime.stage.engine.layers.moe import DenseMLP, SparseMoE
+from wavepp.runtime.stage.engine.profile import region
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
 __all__ = ["DecoderStageEngine", "TorchPreparedBatch", "causal_masks", "torch_dtype"]
@@ -56,24 +62,30 @@ class TorchPreparedBatch(PreparedBatch):
 
     Attributes:
         rope_cos, rope_sin: [T, rotary_dim] RoPE tables at ``positions`` (activation dtype).
-        attn_masks: per chunk, [x_i, L_i + x_i] bool, True where query j may attend key k
-            (k <= L_i + j).
+        attn_masks: per chunk, None where attention needs no materialised mask (the chunk
+            has no cached context, L_i = 0: SDPA's causal kernel; or a CUDA device: the fused
+            lower-right causal kernel), else [x_i, L_i + x_i] bool, True where query j may
+            attend key k (k <= L_i + j) (``layers.common.attend``).
     """
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
-    attn_masks: tuple[torch.Tensor, ...]
+    attn_masks: tuple[torch.Tensor | None, ...]
 
 
-def causal_masks(chunks: Sequence[ChunkSpec], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Per chunk, a [x_i, L_i + x_i] bool mask, True where query j may attend key k
-    (k <= L_i + j): the chunk's whole context ``[0, L_i + x_i)`` is read from the paged cache."""
-    masks = []
-    for chunk in chunks:
-        key_pos = torch.arange(chunk.context_end, device=device)
-        query_pos = torch.arange(chunk.context_offset, chunk.context_end, device=device)
-        masks.append(key_pos[None, :] <= query_pos[:, None])
-    return tuple(masks)
+def causal_masks(
+    chunks: Sequence[ChunkSpec], device: torch.device
+) -> tuple[torch.Tensor | None, ...]:
+    """Per chunk, what :func:`~wavepp.runtime.stage.engine.layers.common.attend` takes for
+    causal attention over the chunk's context ``[0, L_i + x_i)``: None when ``L_i = 0`` or on
+    CUDA, else the [x_i, L_i + x_i] bool mask ``causal_mask(L_i, x_i)`` (built once per
+    micro-batch, shared by the layers)."""
+    return tuple(
+        None
+        if chunk.context_offset == 0 or device.type == "cuda"
+        else causal_mask(chunk.context_offset, chunk.num_tokens, device)
+        for chunk in chunks
+    )
 
 
 class _Layer:
@@ -86,6 +98,7 @@ class _Layer:
         get: WeightGetter,
         interval: int,
         tp: TPGroup,
+        compile_dense: bool = False,
     ) -> None:
         p = f"model.layers.{index}."
         d = plan.hidden_size
@@ -110,24 +123,46 @@ class _Layer:
         else:
             self.ffn = DenseMLP(d, plan.dense_intermediate, get, p + plan.mlp_prefix, tp)
         self.eps = plan.eps
+        self._ffn_part = "moe" if isinstance(self.ffn, SparseMoE) else "mlp"
+        self._dense_block = None
+        if compile_dense and isinstance(self.ffn, DenseMLP):
+            self._dense_block = torch.compile(self._dense_eager, dynamic=True)
+            if isinstance(self.attn, GQAAttention):
+                self.attn.project = torch.compile(self.attn.project, dynamic=True)
+
+    def _dense_eager(self, h: torch.Tensor) -> torch.Tensor:
+        """``h + mlp(RMSNorm(h))``: the dense feed-forward half of the layer."""
+        assert isinstance(self.ffn, DenseMLP)
+        return h + self.ffn.forward(rms_norm(h, self.post_norm, self.eps))
 
     def forward(
         self, h: torch.Tensor, batch: TorchPreparedBatch, shared: dict[str, object]
     ) -> torch.Tensor:
         """One layer; ``shared`` carries the DSA selection from a full layer to the shared
         layers after it (within this stage and micro-batch)."""
-        x = rms_norm(h, self.input_norm, self.eps)
+        with region("norm"):
+            x = rms_norm(h, self.input_norm, self.eps)
         if self.uses_dsa:
             assert isinstance(self.attn, MLAAttention)
             q, q_resid = self.attn.queries(x, batch)
-            self.attn.write_latents(x, batch)
+            latent = self.attn.write_latents(x, batch)
             if self.indexer is not None:
                 assert q_resid is not None
-                shared["dsa_masks"] = self.indexer.select(x, q_resid, batch)
-            h = h + self.attn.attend_chunks(q, batch, shared["dsa_masks"])
+                with region("attention"):
+                    shared["dsa_masks"] = self.indexer.select(x, q_resid, batch)
+            h = h + self.attn.attend_chunks(q, batch, shared["dsa_masks"], latent)
+        elif isinstance(self.attn, KDAAttention):
+            with region("linear_attn"):
+                h = h + self.attn.forward(x, batch)
         else:
             h = h + self.attn.forward(x, batch)
-        return h + self.ffn.forward(rms_norm(h, self.post_norm, self.eps))
+        if self._dense_block is not None:
+            with region("mlp"):  # the compiled block: the norm, the MLP, the residual
+                return self._dense_block(h)
+        with region("norm"):
+            x = rms_norm(h, self.post_norm, self.eps)
+        with region(self._ffn_part):
+            return h + self.ffn.forward(x)
 
     def allocate(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
         self.attn.allocate(num_slots, device, dtype)
@@ -158,14 +193,26 @@ class DecoderStageEngine(PagedStageEngineBase):
         dtype: torch.dtype,
         tp: TPGroup = SINGLE,
         state_interval_blocks: int = 1,
+        compile: bool = False,
     ) -> None:
         """Load this stage's weights through ``get`` (this TP rank's share) and build its
         layers; only the TP leader of the last stage reads the final norm and ``lm_head``.
 
+        With ``compile``, ``torch.compile`` (dynamic token count) takes each layer's
+        per-token dense parts: the dense feed-forward half (post-attention norm, SwiGLU,
+        residual) and GQA's input projections with q/k norms and RoPE; attention over the
+        paged cache, MoE and linear attention stay eager. Compiled code is built on a part's
+        first call.
+
         Raises:
-            ValueError: a weight missing or misshapen (from ``get``), or a width the TP size
-                does not divide (names it).
+            ValueError: a weight missing or misshapen (from ``get``), a width the TP size
+                does not divide (names it), or ``compile`` with tensor parallelism.
         """
+        if compile and tp.size > 1:
+            raise ValueError(
+                f"compile=True (RuntimeConfig.torch_compile, engineOptions.torchCompile) with "
+                f"tensor_parallel_size={tp.size}: compiled layers do not all-reduce; use one"
+            )
         self.plan = plan
         self.tp = tp
         self.hidden_size = plan.hidden_size
@@ -177,7 +224,7 @@ class DecoderStageEngine(PagedStageEngineBase):
             else None
         )
         self._layers = [
-            _Layer(plan, i, get, state_interval_blocks, tp)
+            _Layer(plan, i, get, state_interval_blocks, tp, compile)
             for i in range(self.first_layer, self.last_layer)
         ]
         self._final_norm = get("model.norm.weight", (plan.hidden_size,)) if has_head else None
@@ -214,6 +261,10 @@ class DecoderStageEngine(PagedStageEngineBase):
             ValueError: a chunk field is invalid (see ``build_prepared_batch``).
             RuntimeError: allocate_kv has not run.
         """
+        with region("prepare"):
+            return self._prepare(chunks)
+
+    def _prepare(self, chunks: Sequence[ChunkSpec]) -> TorchPreparedBatch:
         base = self._prepare_common(
             chunks, vocab_size=self.model.vocab_size, max_position=self.model.max_position
         )
@@ -249,7 +300,8 @@ class DecoderStageEngine(PagedStageEngineBase):
             raise ValueError("prepared is not a TorchPreparedBatch; use this engine's prepare()")
         if self.is_first:
             assert self._embed is not None and prepared.token_ids is not None
-            h = F.embedding(prepared.token_ids, self._embed)
+            with region("embed"):
+                h = F.embedding(prepared.token_ids, self._embed)
         else:
             assert hidden_in is not None
             h = hidden_in.to(device=self.device, dtype=self.activation_dtype)
@@ -261,9 +313,10 @@ class DecoderStageEngine(PagedStageEngineBase):
         if not self.tp.is_leader or not prepared.logits_rows:
             return StageOutput(hidden=None)  # a follower: the leader computes the logits
         assert self._final_norm is not None and self._lm_head is not None
-        rows = torch.tensor([r for _, r in prepared.logits_rows], device=self.device)
-        logits = F.linear(rms_norm(h[rows], self._final_norm, self.plan.eps), self._lm_head)
-        logits = logits.to(torch.float32)
+        with region("head"):
+            rows = torch.tensor([r for _, r in prepared.logits_rows], device=self.device)
+            logits = F.linear(rms_norm(h[rows], self._final_norm, self.plan.eps), self._lm_head)
+            logits = logits.to(torch.float32)
         return StageOutput(
             hidden=None,
             last_token_logits={rid: logits[i] for i, (rid, _) in enumerate(prepared.logits_rows)},

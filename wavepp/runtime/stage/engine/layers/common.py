@@ -11,12 +11,14 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from wavepp.runtime.stage.engine.tensor_parallel import TPGroup
 
 __all__ = [
     "WeightGetter",
     "attend",
+    "causal_mask",
     "apply_rope_interleaved",
     "apply_rope_rotate_half",
     "rms_norm",
@@ -100,31 +102,51 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+def causal_mask(context_offset: int, num_tokens: int, device: torch.device) -> torch.Tensor:
+    """[x, L + x] bool, True where query j (position L + j) may attend key k (k <= L + j):
+    the causal mask aligned to the bottom right, for ``L`` = ``context_offset``, ``x`` =
+    ``num_tokens``."""
+    return torch.ones(
+        (num_tokens, context_offset + num_tokens), dtype=torch.bool, device=device
+    ).tril(context_offset)
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """Softmax attention of one chunk.
+    """Softmax attention of one chunk through SDPA.
 
     Args:
-        q: [x, heads, d_qk] queries.
-        k: [L + x, kv_heads, d_qk] keys (kv_heads divides heads).
+        q: [x, heads, d_qk] queries of positions ``[L, L + x)``.
+        k: [L + x, kv_heads, d_qk] keys of positions ``[0, L + x)`` (kv_heads divides heads).
         v: [L + x, kv_heads, d_v] values.
-        mask: [x, L + x] bool, True where a query may attend a key.
+        mask: [x, L + x] bool, True where a query may attend a key; None: causal (query j
+            attends keys ``<= L + j``) without a materialised mask: SDPA's ``is_causal``
+            kernel path when L = 0, else ``torch.nn.attention.bias.causal_lower_right`` (a
+            fused kernel on CUDA; a dense mask on other devices, so callers there pass one).
         scale: softmax scale.
 
     Returns:
         [x, heads, d_v].
     """
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=k.shape[1] != q.shape[1],
-    )
+    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    gqa = k.shape[1] != q.shape[1]
+    if mask is not None:
+        out = F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+    elif q.shape[0] == k.shape[0]:
+        out = F.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+    else:
+        bias = causal_lower_right(q.shape[0], k.shape[0])
+        if gqa:  # the fused lower-right kernels take equal head counts
+            group = q.shape[1] // k.shape[1]
+            kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, scale=scale)
     return out[0].transpose(0, 1)

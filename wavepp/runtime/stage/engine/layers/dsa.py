@@ -24,7 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from wavepp.runtime.families.layer_plan import DSAShape
-from wavepp.runtime.stage.engine.layers.common import WeightGetter, apply_rope_interleaved
+from wavepp.runtime.stage.engine.layers.common import (
+    WeightGetter,
+    apply_rope_interleaved,
+    causal_mask,
+)
 
 __all__ = ["DSAIndexer"]
 
@@ -74,10 +78,9 @@ class DSAIndexer:
         self.cache.index_copy_(0, p.slot_mapping, p.written(k))
         weights = F.linear(x, self.weights_proj).float() * s.n_heads**-0.5  # [T, H_I]
         masks = []
-        for chunk, start, key_slots, causal in zip(
-            p.chunks, p.row_starts, p.key_slots, p.attn_masks, strict=True
-        ):
+        for chunk, start, key_slots in zip(p.chunks, p.row_starts, p.key_slots, strict=True):
             end = start + chunk.num_tokens
+            causal = causal_mask(chunk.context_offset, chunk.num_tokens, x.device)
             keys = self.cache[key_slots].float()  # [n, D]
             scores = F.relu(torch.einsum("thd,nd->thn", q[start:end].float(), keys))
             scores = scores * s.head_dim**-0.5

@@ -5,7 +5,8 @@ Per layer, for ``x`` = the input-normed activations [T, hidden]::
     q, k, v = x Wq^T, x Wk^T, x Wv^T
     MiniMax-M2 only: q = RMSNorm(q) over all heads at once, k = RMSNorm(k)   (qk_norm)
     q, k = RoPE(q, k) on the first rotary_dim dims (rotate-half), the rest pass through
-    cache[slot_mapping] = k, v;  per chunk: softmax(q K^T * head_dim^-0.5 + causal) V
+    cache[slot_mapping] = k, v;  per chunk: softmax(q K^T * head_dim^-0.5 + causal) V, K and V
+        the chunk's own k, v when it has no cached context, else gathered from the cache
     out = o Wo^T
 
 Tensor parallelism (T ranks): each rank holds heads ``H/T`` and K/V heads ``KV/T`` (rows of
@@ -28,6 +29,7 @@ from wavepp.runtime.stage.engine.layers.common import (
     attend,
     rms_norm_sharded,
 )
+from wavepp.runtime.stage.engine.profile import region
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
 __all__ = ["GQAAttention"]
@@ -96,35 +98,48 @@ class GQAAttention:
             )
         self.cache = cache
 
-    def forward(self, x: torch.Tensor, p) -> torch.Tensor:  # noqa: ANN001 (TorchPreparedBatch)
-        """[T, hidden] normed activations -> [T, hidden] attention output (before residual)."""
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, hidden] normed activations -> roped q [T, H/T, d], roped k and v
+        [T, KV/T, d] (q/k normed first with qk_norm); ``cos``/``sin`` as ``rope_cos_sin``."""
         s = self.shape
-        assert self.cache is not None, "allocate() runs before forward()"
         num_tokens = x.shape[0]
         q_dim, kv_dim = self.heads * s.head_dim, self.kv_heads * s.head_dim
         q, k, v = F.linear(x, self.qkv).split([q_dim, kv_dim, kv_dim], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             q = rms_norm_sharded(q, self.q_norm, s.eps, s.num_heads * s.head_dim, self.tp)
             k = rms_norm_sharded(k, self.k_norm, s.eps, s.num_kv_heads * s.head_dim, self.tp)
-        q = apply_rope_rotate_half(
-            q.view(num_tokens, self.heads, s.head_dim), p.rope_cos, p.rope_sin
-        )
-        k = apply_rope_rotate_half(
-            k.view(num_tokens, self.kv_heads, s.head_dim), p.rope_cos, p.rope_sin
-        )
-        v = v.view(num_tokens, self.kv_heads, s.head_dim)
-        self.cache[0].index_copy_(0, p.slot_mapping, p.written(k))
-        self.cache[1].index_copy_(0, p.slot_mapping, p.written(v))
+        q = apply_rope_rotate_half(q.view(num_tokens, self.heads, s.head_dim), cos, sin)
+        k = apply_rope_rotate_half(k.view(num_tokens, self.kv_heads, s.head_dim), cos, sin)
+        return q, k, v.view(num_tokens, self.kv_heads, s.head_dim)
+
+    def forward(self, x: torch.Tensor, p) -> torch.Tensor:  # noqa: ANN001 (TorchPreparedBatch)
+        """[T, hidden] normed activations -> [T, hidden] attention output (before residual)."""
+        s = self.shape
+        assert self.cache is not None, "allocate() runs before forward()"
+        num_tokens = x.shape[0]
+        q_dim = self.heads * s.head_dim
+        with region("qkv"):
+            q, k, v = self.project(x, p.rope_cos, p.rope_sin)
+        with region("kv_write"):
+            self.cache[0].index_copy_(0, p.slot_mapping, p.written(k))
+            self.cache[1].index_copy_(0, p.slot_mapping, p.written(v))
         out = torch.empty_like(q)
         scale = s.head_dim**-0.5
         for chunk, start, key_slots, mask in zip(
             p.chunks, p.row_starts, p.key_slots, p.attn_masks, strict=True
         ):
             end = start + chunk.num_tokens
-            out[start:end] = attend(
-                q[start:end], self.cache[0][key_slots], self.cache[1][key_slots], mask, scale
-            )
-        return self.tp.all_reduce(F.linear(out.reshape(num_tokens, q_dim), self.o))
+            if chunk.context_offset == 0:  # the context is the chunk's own new tokens
+                ck, cv = k[start:end], v[start:end]
+            else:
+                with region("kv_gather"):
+                    ck, cv = self.cache[0][key_slots], self.cache[1][key_slots]
+            with region("attention"):
+                out[start:end] = attend(q[start:end], ck, cv, mask, scale)
+        with region("attn_out"):
+            return self.tp.all_reduce(F.linear(out.reshape(num_tokens, q_dim), self.o))
 
     @property
     def cache_bytes(self) -> int:

@@ -7,8 +7,9 @@ Per layer, for ``x`` = the input-normed activations [T, hidden]::
     c, k_rot = split(x Wkva^T, [kv_lora_rank, d_rope]);  c = RMSNorm(c)
     q_rot, k_rot = RoPE(q_rot, k_rot)   (interleaved pairs, or rotate-half)
     cache[slot_mapping] = [c | k_rot]   the latent, (kv_lora_rank + d_rope) values per token
-    per chunk: gather the context's latents, expand: [k_nope | v] = c Wkvb^T per head,
-               k = [k_nope | k_rot (shared by all heads)],  o = softmax(q k^T * scale + mask) v
+    per chunk: its context's latents (a chunk without cached context: its own new ones), expand:
+               [k_nope | v] = c Wkvb^T per head, k = [k_nope | k_rot (shared by all heads)],
+               o = softmax(q k^T * scale + mask) v
     out = o Wo^T
 
 The cache holds the compressed latent, not expanded K/V: (kv_lora_rank + d_rope) values per
@@ -35,6 +36,7 @@ from wavepp.runtime.stage.engine.layers.common import (
     attend,
     rms_norm,
 )
+from wavepp.runtime.stage.engine.profile import region
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
 __all__ = ["MLAAttention"]
@@ -91,6 +93,10 @@ class MLAAttention:
 
     def queries(self, x: torch.Tensor, p) -> tuple[torch.Tensor, torch.Tensor | None]:  # noqa: ANN001
         """[T, H/T, qk_head_dim] roped queries, and the normed q latent (None without q_lora)."""
+        with region("qkv"):
+            return self._queries(x, p)
+
+    def _queries(self, x: torch.Tensor, p) -> tuple[torch.Tensor, torch.Tensor | None]:  # noqa: ANN001
         s = self.shape
         if self.q_a is None:
             q_resid = None
@@ -103,20 +109,24 @@ class MLAAttention:
         q_rot = self._rope(q_rot, p.rope_cos, p.rope_sin)
         return torch.cat((q_nope, q_rot), dim=-1), q_resid
 
-    def write_latents(self, x: torch.Tensor, p) -> None:  # noqa: ANN001
-        """Compute the new tokens' latents ``[RMSNorm(c) | RoPE(k_rot)]`` and write them."""
+    def write_latents(self, x: torch.Tensor, p) -> torch.Tensor:  # noqa: ANN001
+        """Compute the new tokens' latents ``[RMSNorm(c) | RoPE(k_rot)]`` [T, latent_dim],
+        write them, and return them."""
         s = self.shape
         assert self.cache is not None, "allocate() runs before forward()"
-        c, k_rot = F.linear(x, self.kv_a).split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
-        c = rms_norm(c, self.kv_a_norm, s.eps)
-        k_rot = self._rope(k_rot[:, None, :], p.rope_cos, p.rope_sin)[:, 0]
-        self.cache.index_copy_(0, p.slot_mapping, p.written(torch.cat((c, k_rot), dim=-1)))
+        with region("qkv"):
+            c, k_rot = F.linear(x, self.kv_a).split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
+            c = rms_norm(c, self.kv_a_norm, s.eps)
+            k_rot = self._rope(k_rot[:, None, :], p.rope_cos, p.rope_sin)[:, 0]
+            latent = torch.cat((c, k_rot), dim=-1)
+        with region("kv_write"):
+            self.cache.index_copy_(0, p.slot_mapping, p.written(latent))
+        return latent
 
-    def expand(self, key_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys [n, H/T, qk_head_dim] and values [n, H/T, v_head_dim] of the cached slots."""
+    def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [n, H/T, qk_head_dim] and values [n, H/T, v_head_dim] of latents
+        [n, latent_dim]."""
         s = self.shape
-        assert self.cache is not None
-        latent = self.cache[key_slots]
         c, k_rot = latent.split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
         kv = F.linear(c, self.kv_b).view(-1, self.heads, s.qk_nope_head_dim + s.v_head_dim)
         k_nope, v = kv.split([s.qk_nope_head_dim, s.v_head_dim], dim=-1)
@@ -133,12 +143,16 @@ class MLAAttention:
                 top-k selection); None: causal.
         """
         q, _ = self.queries(x, p)
-        self.write_latents(x, p)
-        return self.attend_chunks(q, p, p.attn_masks if masks is None else masks)
+        latent = self.write_latents(x, p)
+        return self.attend_chunks(q, p, p.attn_masks if masks is None else masks, latent)
 
-    def attend_chunks(self, q: torch.Tensor, p, masks) -> torch.Tensor:  # noqa: ANN001
-        """Attention of every chunk over its gathered, expanded context, then ``o_proj``."""
+    def attend_chunks(self, q: torch.Tensor, p, masks, latent: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        """Attention of every chunk over its expanded context, then ``o_proj``: a chunk with
+        no cached context expands its own rows of ``latent`` (the new tokens' [T,
+        latent_dim], as ``write_latents`` returns), any other gathers its context's latents
+        from the cache. ``masks``: per chunk a mask for ``attend`` (None: causal)."""
         s = self.shape
+        assert self.cache is not None
         num_tokens = q.shape[0]
         out = q.new_empty((num_tokens, self.heads, s.v_head_dim))
         scale = s.qk_head_dim**-0.5
@@ -146,9 +160,13 @@ class MLAAttention:
             p.chunks, p.row_starts, p.key_slots, masks, strict=True
         ):
             end = start + chunk.num_tokens
-            k, v = self.expand(key_slots)
-            out[start:end] = attend(q[start:end], k, v, mask, scale)
-        return self.tp.all_reduce(F.linear(out.reshape(num_tokens, -1), self.o))
+            with region("kv_gather"):
+                own = chunk.context_offset == 0
+                k, v = self.expand(latent[start:end] if own else self.cache[key_slots])
+            with region("attention"):
+                out[start:end] = attend(q[start:end], k, v, mask, scale)
+        with region("attn_out"):
+            return self.tp.all_reduce(F.linear(out.reshape(num_tokens, -1), self.o))
 
     @property
     def cache_bytes(self) -> int:

@@ -17,8 +17,9 @@ replicated, so every rank routes alike; one all-reduce sums a block's partial ou
 
 Routing is per token, so a token's output does not depend on which chunk or micro-batch it is
 in. Sources: DeepSeek-V3 report sec. 2.1.2; HF ``DeepseekV3TopkRouter``, ``DeepseekV3MoE``,
-``MiniMaxM2TopKRouter``, ``MiniMaxM2SparseMoeBlock``; experts applied as HF's eager
-``*Experts.forward`` (one matmul per hit expert, ``index_add_``).
+``MiniMaxM2TopKRouter``, ``MiniMaxM2SparseMoeBlock``; experts applied as grouped matrix
+products over the (token, expert) pairs sorted by expert (vLLM's and HF's grouped-GEMM MoE
+layout), equal to HF's eager ``*Experts.forward`` up to summation order.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from wavepp.runtime.families.layer_plan import MoEShape
 from wavepp.runtime.stage.engine.layers.common import WeightGetter
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
-__all__ = ["NAMING", "DenseMLP", "SparseMoE"]
+__all__ = ["NAMING", "DenseMLP", "SparseMoE", "grouped_linear"]
 
 # style -> (block prefix, (gate, up, down) expert names, score-correction bias name)
 NAMING: dict[str, tuple[str, tuple[str, str, str], str]] = {
@@ -145,14 +146,60 @@ class SparseMoE:
         return idx, weights * s.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, hidden]: routed experts' weighted sum plus the shared experts."""
+        """[n, hidden] -> [n, hidden]: routed experts' weighted sum plus the shared experts.
+
+        The n * k (token, expert) pairs are sorted by expert, so each expert's tokens are one
+        contiguous group, and each projection runs as one grouped matrix product over all
+        experts (:func:`grouped_linear`); ``index_add_`` sums every token's k outputs."""
         idx, weights = self.route(x)
-        out = torch.zeros_like(x)
-        for expert in torch.unique(idx).tolist():
-            token, slot = torch.where(idx == expert)
-            gate, up = F.linear(x[token], self.gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[expert])
-            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        k = idx.shape[1]
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        ends = torch.bincount(flat, minlength=self.shape.num_experts).cumsum(0)
+        gate, up = grouped_linear(x.index_select(0, token), self.gate_up, ends).chunk(2, dim=-1)
+        y = grouped_linear(F.silu(gate) * up, self.down, ends)
+        y = y * weights.reshape(-1)[order, None]
+        out = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
         if self.shared is not None:
             out = out + self.shared.forward(x)
         return self.tp.all_reduce(out)
+
+
+def _grouped_mm_fits(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``torch.nn.functional.grouped_mm`` takes these operands: float32 on CPU or
+    bfloat16 on CUDA, rows and weight matrices 16-byte aligned."""
+    if (rows.device.type, rows.dtype) not in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
+        return False
+    elem = rows.element_size()
+    return all((dim * elem) % 16 == 0 for dim in (weight.shape[1], weight.shape[2])) and all(
+        t.data_ptr() % 16 == 0 for t in (rows, weight)
+    )
+
+
+def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Per group g, ``rows[ends[g-1]:ends[g]] @ weight[g].T``, concatenated.
+
+    Args:
+        rows: [m, in] rows sorted by group.
+        weight: [G, out, in] one matrix per group.
+        ends: [G] int64 cumulative row counts (``ends[-1] == m``; equal neighbours: an
+            empty group).
+
+    Returns:
+        [m, out] in ``rows``' dtype: one ``torch.nn.functional.grouped_mm`` call where its
+        kernels take the operands (:func:`_grouped_mm_fits`), else one matmul per non-empty
+        group.
+    """
+    if rows.shape[0] == 0:
+        return rows.new_zeros((0, weight.shape[1]))
+    rows = rows.contiguous()
+    if _grouped_mm_fits(rows, weight):
+        return F.grouped_mm(rows, weight.transpose(1, 2), offs=ends.to(torch.int32))
+    out = rows.new_empty((rows.shape[0], weight.shape[1]))
+    bounds = [0, *ends.tolist()]
+    for g in range(weight.shape[0]):
+        lo, hi = bounds[g], bounds[g + 1]
+        if hi > lo:
+            out[lo:hi] = F.linear(rows[lo:hi], weight[g])
+    return out

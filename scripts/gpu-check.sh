@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One prepared check of the torch engine on a CUDA GPU (sized for an H200), inside 10 minutes:
+#   1. the GPU reference tests (pytest -m gpu: every family on CUDA in bfloat16 and float32,
+#      chunked with prefix reuse, against transformers' float32 forward);
+#   2. the engine's tokens/s against one monolithic transformers forward of the same model,
+#      side by side, bfloat16, with the per-part profile (benchmarks/engine_vs_hf.py), eager
+#      and with the torch.compile switch;
+#   3. the cost model fitted on the GPU (wavepp calibrate --device cuda).
+# Each step has its own time limit; a failed step is reported and the others still run; the
+# exit status is the number of failed steps. Outputs go to $OUT (default ./gpu-check-out).
+#
+#   scripts/gpu-check.sh             run on cuda
+#   scripts/gpu-check.sh --dry-run   print the steps, run nothing
+#   scripts/gpu-check.sh --cpu       the same steps on the CPU at toy sizes (checks the script)
+set -u
+cd "$(dirname "$0")/.."
+
+mode=cuda
+case "${1:-}" in
+  "") ;;
+  --dry-run) mode=dry ;;
+  --cpu) mode=cpu ;;
+  *) echo "usage: $0 [--dry-run | --cpu]" >&2; exit 2 ;;
+esac
+
+OUT="${OUT:-gpu-check-out}"
+PY="${PYTHON:-python}"
+# NOTE: --cpu checks the script, not a speed: its limits are the GPU's times 4 (a loaded CPU).
+if [ "$mode" = cpu ]; then
+  device=cpu dtype=float32 requests=2 batch=2 threads=2 repeats=1 cal_repeats=1 scale=4
+else
+  device=cuda dtype=bfloat16 requests=120 batch=8 threads=16 repeats=2 cal_repeats=3 scale=1
+fi
+bench=("$PY" benchmarks/engine_vs_hf.py --device "$device" --dtype "$dtype"
+  --requests "$requests" --batch "$batch" --chunk-tokens 2048 --threads "$threads"
+  --repeats "$repeats" --profile --json)
+steps=(
+  "gpu-tests|180|$PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/stage"
+  "engine-vs-hf|150|${bench[*]}"
+  "engine-vs-hf-compiled|150|${bench[*]} --compile"
+  "calibrate|90|$PY -m wavepp.cli calibrate --device $device --repeats $cal_repeats --out $OUT/cost-model-$device.json"
+)
+
+if [ "$mode" = dry ]; then
+  for step in "${steps[@]}"; do
+    IFS='|' read -r name limit command <<<"$step"
+    echo "$name (limit ${limit}s): $command"
+  done
+  exit 0
+fi
+
+mkdir -p "$OUT"
+if [ "$mode" = cuda ]; then
+  "$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.cuda.get_device_name(0))' \
+    | tee "$OUT/device.txt" || exit 1
+  nvidia-smi >>"$OUT/device.txt" 2>&1 || true
+fi
+failed=0
+for step in "${steps[@]}"; do
+  IFS='|' read -r name limit command <<<"$step"
+  echo "== $name (limit ${limit}s): $command"
+  began=$(date +%s)
+  timeout "$((limit * scale))" bash -c "$command" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "   rc=$rc in $(( $(date +%s) - began ))s; tail of $OUT/$name.log:"
+  tail -n 25 "$OUT/$name.log" | sed 's/^/   | /'
+  [ "$rc" -eq 0 ] || failed=$((failed + 1))
+done
+echo "== $failed step(s) failed; outputs in $OUT"
+exit "$failed"
