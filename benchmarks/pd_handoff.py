@@ -179,7 +179,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         handoff_lease_s=args.lease_s,
         torch_threads=1,
     )
-    cost = CostModel(c=1e-3, g=1e-6, b=1e-5, a=1e-8, label="guess", source="pd_handoff")
+    cost = CostModel(c=1e-3, g=1e-6, b=1e-5, a=1e-8, label="derived", source="pd_handoff: a rough CPU cost, only for chunk sizes")
     try:
         async with LocalPipeline(config, cost, log_dir=str(work / "stages")) as pipeline:
             await asyncio.to_thread(engine.wait_ready, args.startup_timeout_s)

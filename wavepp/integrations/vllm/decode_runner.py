@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -25,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stats-path", default="")
     parser.add_argument("--memory-utilization", type=float, default=0.1)
     args = parser.parse_args(argv)
+    # The answers own stdout; whatever vLLM prints goes to stderr.
+    answers_out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -46,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_connector_extra_config={"stats_path": args.stats_path},
         ),
     )
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True}), file=answers_out, flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -68,15 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         ]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         answers = []
-        for r, out in zip(batch, outputs, strict=False):
-            completion = out.outputs[0]
+        for r, result in zip(batch, outputs, strict=True):
+            completion = result.outputs[0]
             error = (
                 ""
                 if completion.finish_reason in ("length", "stop")
                 else str(completion.finish_reason)
             )
             answers.append({"id": r["id"], "tokens": list(completion.token_ids), "error": error})
-        print(json.dumps(answers), flush=True)
+        print(json.dumps(answers), file=answers_out, flush=True)
     return 0
 
 
