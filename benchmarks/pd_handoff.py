@@ -123,7 +123,8 @@ class DecodeEngine:
     def pulls(self) -> list[dict[str, Any]]:
         if not self.stats_path.exists():
             return []
-        return [json.loads(x) for x in self.stats_path.read_text().splitlines() if x.strip()]
+        text = self.stats_path.read_text()
+        return [json.loads(x) for x in text[: text.rfind("\n") + 1].splitlines() if x.strip()]
 
     def tail(self, lines: int = 30) -> str:
         try:
@@ -179,7 +180,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         handoff_lease_s=args.lease_s,
         torch_threads=1,
     )
-    cost = CostModel(c=1e-3, g=1e-6, b=1e-5, a=1e-8, label="derived", source="pd_handoff: a rough CPU cost, only for chunk sizes")
+    cost = CostModel(
+        c=1e-3,
+        g=1e-6,
+        b=1e-5,
+        a=1e-8,
+        label="derived",
+        source="pd_handoff: a rough CPU cost, only for chunk sizes",
+    )
     try:
         async with LocalPipeline(config, cost, log_dir=str(work / "stages")) as pipeline:
             await asyncio.to_thread(engine.wait_ready, args.startup_timeout_s)

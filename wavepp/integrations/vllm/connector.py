@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from wavepp.api.kv_handoff import PARAMS_KEY, HandoffError, HandoffParams
 from wavepp.integrations.vllm.layout import write_cpu_cache
-from wavepp.integrations.vllm.pull import pull_request
+from wavepp.integrations.vllm.pull import KVTransport, TcpTransport
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -96,7 +96,7 @@ class WavePPConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._stats_path = str(extra.get("stats_path", ""))
-        self._timeout_s = float(extra.get("timeout_s", 30.0))
+        self._transport: KVTransport = TcpTransport(float(extra.get("timeout_s", 30.0)))
         self._pending: dict[str, _Load] = {}  # scheduler: allocated, not yet sent to workers
         self._offered: dict[str, tuple[int, int]] = {}  # scheduler: request -> (start, count)
         self._load_errors: set[int] = set()  # worker: blocks whose load failed
@@ -167,7 +167,7 @@ class WavePPConnector(KVConnectorBase_V1):
         record: dict[str, Any] = {"request_id": load.request_id, "bytes": 0, "ok": True}
         try:
             params = HandoffParams.from_json(load.params)
-            pulled = pull_request(params, timeout_s=self._timeout_s)
+            pulled = self._transport.pull(params)
             for index, cache in caches.items():
                 if index >= len(pulled.layers):
                     raise HandoffError(

@@ -1,16 +1,23 @@
-"""Pull one request's KV from every stage of a WavePP pipeline (``wavepp.api.kv_handoff``'s
-protocol); standard library and torch only.
+"""Pull one request's KV from every stage of a WavePP pipeline; standard library and torch only.
 
-``pull_request(params)`` returns checkpoint layer i's K/V as a tensor [2, num_tokens,
-num_kv_heads, head_dim] for every layer, then releases the stages' leases. Stages are pulled
-concurrently (one thread each). Any failure raises ``HandoffError`` naming the stage and the
-cause; the stages release their lease when the connection breaks, or when it expires.
+``KVTransport`` is the extension point: ``pull(params)`` returns checkpoint layer i's K/V as a
+tensor [2, num_tokens, num_kv_heads, head_dim] for every layer, having released the stages'
+leases. ``TcpTransport`` (the default) speaks ``wavepp.api.kv_handoff``'s framed, authenticated
+protocol, one connection per stage, stages pulled concurrently (one thread each). Any failure
+raises ``HandoffError`` naming the stage and the cause; the stages release their lease when the
+connection breaks, or when it expires.
+
+A transport over an RDMA library (NIXL, Mooncake's transfer engine) implements ``pull`` by
+reading the stages' registered cache regions: the token check, the lease and the release stay
+on the TCP control connection (the ``pull`` answer would carry the regions' descriptors instead
+of the bytes); see docs/pd.md.
 """
 
 from __future__ import annotations
 
 import socket
 import time
+from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -26,7 +33,7 @@ from wavepp.api.kv_handoff import (
     write_json,
 )
 
-__all__ = ["PulledKV", "pull_request", "pull_stage", "stage_stats"]
+__all__ = ["KVTransport", "PulledKV", "TcpTransport", "pull_request", "pull_stage", "stage_stats"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -99,8 +106,27 @@ def pull_stage(
         raise HandoffError(f"{where}: {exc!r}") from exc
 
 
+class KVTransport(ABC):
+    """How the decode side gets a handed-off request's KV from the stages."""
+
+    @abstractmethod
+    def pull(self, params: HandoffParams) -> PulledKV:
+        """Every layer's K/V of the request (``PulledKV.layers[i]``: checkpoint layer i), the
+        stages' leases released. Raises ``HandoffError`` naming the stage and the cause."""
+
+
+class TcpTransport(KVTransport):
+    """``wavepp.api.kv_handoff``'s TCP protocol; ``timeout_s`` per socket operation."""
+
+    def __init__(self, timeout_s: float = 30.0) -> None:
+        self.timeout_s = timeout_s
+
+    def pull(self, params: HandoffParams) -> PulledKV:
+        return pull_request(params, timeout_s=self.timeout_s)
+
+
 def pull_request(params: HandoffParams, *, timeout_s: float = 30.0) -> PulledKV:
-    """Every stage's layers of the request, concurrently; see the module docstring."""
+    """Every stage's layers of the request over TCP, concurrently (module docstring)."""
     began = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(params.stages)) as pool:
         parts = list(pool.map(lambda s: pull_stage(params, s, timeout_s=timeout_s), params.stages))

@@ -10,8 +10,8 @@ Failure cases, each ending with every pin of the request released on this stage:
 
 - the client's token is wrong or expired: refused (``{"ok": false, "error": ...}``), nothing read,
   the lease untouched (a stranger cannot cancel someone's handoff);
-- the connection breaks or times out after an authenticated pull began (decode gone): the lease
-  is released at once;
+- the connection breaks or times out after an authenticated pull began, or closes after it
+  without a release (decode gone): the lease is released at once;
 - nobody pulls or releases before the lease ends: ``HandoffLeases.expire`` (the worker's timer).
 
 Overlap: each transfer's wall interval is kept with the stage's execute intervals
@@ -209,7 +209,9 @@ class HandoffServer:
             while True:
                 try:
                     ask = await _read_json(reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
+                except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                    if request_id:  # pulled, then left without releasing: decode gone
+                        raise HandoffError("the client left before releasing") from exc
                     return  # the client left between asks
                 op = ask.get("op")
                 if op == "stats":
