@@ -79,6 +79,7 @@ class DecodeEngine:
     def __init__(self, vllm_python: Path, model_dir: Path, work: Path, max_model_len: int) -> None:
         self.stats_path = work / "handoff-stats.jsonl"
         self.log_path = work / "vllm.log"
+        self.stats_path.unlink(missing_ok=True)  # this engine's pulls only
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env |= {
             "PYTHONPATH": str(REPO),  # the connector: standard library, torch and vLLM only
@@ -251,7 +252,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     mismatched = sum(
         1 for rid, tokens in reference.items() if handed.get(rid) != tokens or not tokens
     )
+    details = []
+    for rid, tokens in reference.items():
+        got = handed.get(rid) or []
+        if got != tokens:
+            first = next((k for k, (a, b) in enumerate(zip(got, tokens)) if a != b), len(got))
+            o = outcomes.get(rid)
+            details.append(
+                {
+                    "id": rid,
+                    "prompt_tokens": len(prompts[int(rid[1:])]),
+                    "cached_tokens": o.num_cached_tokens if o is not None else -1,
+                    "first_differing_token": first,
+                }
+            )
     return {
+        "mismatches": details[:10],
         "requests": len(prompts),
         "decode_tokens_per_request": args.decode_tokens,
         "mismatched_requests": mismatched,

@@ -235,9 +235,10 @@ class HandoffServer:
         except (HandoffError, ConnectionError, TimeoutError, asyncio.IncompleteReadError) as exc:
             if request_id and self.leases.release(request_id):
                 self.num_broken += 1
-                log.warning(
-                    "handoff of %s broke (%r): decode side gone; lease released", request_id, exc
-                )
+                log.warning("handoff of %s broke (%r); lease released", request_id, exc)
+            if isinstance(exc, HandoffError):
+                with contextlib.suppress(Exception):
+                    await _send(writer, encode_json({"ok": False, "error": str(exc)}))
         finally:
             writer.close()
             with contextlib.suppress(Exception):
@@ -247,7 +248,11 @@ class HandoffServer:
         lease = self.leases.get(request_id)
         assert lease is not None, "checked by _check_token"
         began = self.clock()
-        caches = list(self.layer_caches())
+        try:
+            caches = list(self.layer_caches())
+        except (AttributeError, ValueError) as exc:  # an engine without K/V caches
+            self.leases.release(request_id)
+            raise HandoffError(f"this stage cannot serve its KV: {exc}") from exc
         first = caches[0]
         await _send(
             writer,
