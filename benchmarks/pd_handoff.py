@@ -256,7 +256,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for rid, tokens in reference.items():
         got = handed.get(rid) or []
         if got != tokens:
-            first = next((k for k, (a, b) in enumerate(zip(got, tokens)) if a != b), len(got))
+            first = next(
+                (k for k, (a, b) in enumerate(zip(got, tokens, strict=False)) if a != b), len(got)
+            )
             o = outcomes.get(rid)
             details.append(
                 {
