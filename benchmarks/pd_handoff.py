@@ -60,8 +60,16 @@ CHECKPOINT_SHAPE: dict[str, Any] = {
 }
 
 
+LM_HEAD_SCALE = 30.0
+"""The random checkpoint's output projection is scaled by this: with the default init (std
+0.02) a tiny model's logits are nearly flat, so greedy decoding meets near-ties that float32
+differences of 1e-6 between two engines' kernels flip (vLLM's own prefill vs WavePP's, whose
+KV equals transformers' here). Scaling the logits widens every gap without touching the KV."""
+
+
 def make_checkpoint(out_dir: Path, seed: int = 0) -> Path:
-    """Write (once) the random-weight float32 Llama checkpoint of ``CHECKPOINT_SHAPE``."""
+    """Write (once) the random-weight float32 Llama checkpoint of ``CHECKPOINT_SHAPE``, its
+    ``lm_head`` scaled by ``LM_HEAD_SCALE``."""
     if (out_dir / "config.json").exists():
         return out_dir
     import torch
@@ -69,7 +77,10 @@ def make_checkpoint(out_dir: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     config = LlamaConfig(**CHECKPOINT_SHAPE, bos_token_id=0, eos_token_id=1)
-    LlamaForCausalLM(config).to(torch.float32).eval().save_pretrained(str(out_dir))
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(LM_HEAD_SCALE)
+    model.save_pretrained(str(out_dir))
     return out_dir
 
 
