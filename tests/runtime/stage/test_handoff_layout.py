@@ -1,14 +1,13 @@
-"""Layout conversions of the handoff, checked against an independent reference: the stage reads
-a request's tokens out of its paged cache (block size 4), and the vLLM side writes them into
-vLLM's CPU cache (block size 8, head-major, K rows then V rows per block and head) where vLLM's
-CPU attention finds them (its view [B, H, 2N, C] split in halves)."""
+"""Layout conversions of the handoff: the stage reads a request's tokens out of its paged cache
+(block size 4) by its block table; the vLLM side maps them to its own blocks (size 8) and
+converts range and dtype for the backend's cache writer (which the end-to-end test runs)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from wavepp.integrations.vllm.layout import slots_of, write_cpu_cache
+from wavepp.integrations.vllm.layout import kv_for_backend, slots_of
 from wavepp.runtime.stage.handoff_server import overlap_seconds, read_layer_kv
 
 
@@ -24,34 +23,20 @@ def test_stage_read_follows_the_block_table() -> None:
         read_layer_kv(cache, table, block, 13)
 
 
-def test_vllm_cpu_cache_write_matches_the_backend_view() -> None:
-    num_blocks, heads, block, dim = 6, 2, 8, 4
-    cache = torch.zeros(num_blocks, heads, block, 2 * dim, dtype=torch.float32)
-    kv = torch.randn(2, 13, heads, dim, dtype=torch.float64)  # dtype converted on write
-    table = [4, 1]
-    write_cpu_cache(cache, kv, table, start=2, count=10)
-    # how vLLM's CPU attention reads it: view [B, H, 2N, C], K = first N rows, V = the rest
-    key_cache, value_cache = cache.view(num_blocks, heads, 2 * block, dim).chunk(2, dim=2)
-    for t in range(13):
-        b, row = table[t // block], t % block
-        written = 2 <= t < 12
-        for h in range(heads):
-            want_k = kv[0, t, h].float() if written else torch.zeros(dim)
-            want_v = kv[1, t, h].float() if written else torch.zeros(dim)
-            assert torch.equal(key_cache[b, h, row], want_k), (t, h)
-            assert torch.equal(value_cache[b, h, row], want_v), (t, h)
-    assert cache[[0, 2, 3, 5]].abs().sum() == 0  # no other block touched
-
-
-def test_write_refuses_mismatched_shapes() -> None:
-    cache = torch.zeros(4, 2, 8, 8)
-    with pytest.raises(ValueError, match=r"needs \[2, tokens, 2, 4\]"):
-        write_cpu_cache(cache, torch.zeros(2, 5, 3, 4), [0], 0, 5)
-    with pytest.raises(ValueError, match="need more than 1 blocks"):
-        write_cpu_cache(cache, torch.zeros(2, 12, 2, 4), [0], 0, 12)
-    with pytest.raises(ValueError, match="contiguous"):
-        write_cpu_cache(torch.zeros(4, 2, 8, 7), torch.zeros(2, 1, 2, 4), [0], 0, 1)
-    assert slots_of([3, 1], 8, 6, 4).tolist() == [30, 31, 8, 9]
+def test_vllm_side_slots_and_kv_conversion() -> None:
+    # vLLM blocks of 8: token t of a request with blocks [4, 1] sits at slot block * 8 + row
+    assert slots_of([4, 1], 8, 2, 10).tolist() == [34, 35, 36, 37, 38, 39, 8, 9, 10, 11]
+    with pytest.raises(ValueError, match="need more than 2 blocks"):
+        slots_of([4, 1], 8, 10, 7)
+    kv = torch.randn(2, 13, 2, 4, dtype=torch.float64)
+    key, value = kv_for_backend(kv, 2, 10, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+    assert key.shape == value.shape == (10, 2, 4) and key.dtype == torch.float32
+    assert key.is_contiguous() and value.is_contiguous()
+    assert torch.equal(key, kv[0, 2:12].float()) and torch.equal(value, kv[1, 2:12].float())
+    with pytest.raises(ValueError, match=r"needs \[2, tokens, 3, 4\]"):
+        kv_for_backend(kv, 0, 1, num_kv_heads=3, head_dim=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="holds 13 tokens"):
+        kv_for_backend(kv, 5, 9, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 
 
 def test_overlap_seconds_counts_union_of_busy_time() -> None:

@@ -10,7 +10,8 @@ Load it on the decode instance::
 torch and vLLM). A request whose ``kv_transfer_params`` carry ``wavepp_handoff`` (the prefill
 answer's, ``wavepp.runtime.serving.handoff``) has its prompt's KV pulled from every stage
 (``pull.pull_request``: checkpoint layer i from the stage owning it) and written into vLLM's
-paged cache (``layout.write_cpu_cache``) before the forward that follows; vLLM then computes
+paged cache (through the attention backend's own cache writer, ``do_kv_cache_update``, at the
+slots of ``layout.slots_of``) before the forward that follows; vLLM then computes
 only the prompt's last token (its logits) and decodes. Requests without it are untouched.
 
 Scheduler side: ``get_num_new_matched_tokens`` offers prompt tokens ``[num_computed,
@@ -25,8 +26,8 @@ that fails (stage gone, lease ended, wrong token) marks the request's blocks as 
 ``kv_connector_extra_config``: ``stats_path`` (optional): one JSON line per pull appended there
 ({"request_id", "bytes", "seconds", "ok", "error"}); ``timeout_s`` (default 30): per stage.
 
-Only vLLM's CPU attention layout is written; another backend's cache raises ValueError naming
-its shape (see ``layout``).
+The backend writes its own layout, so any attention backend with ``do_kv_cache_update`` and a
+K/V cache works; MLA (a latent cache) is not handed off (WavePP's stages refuse it).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from wavepp.api.kv_handoff import PARAMS_KEY, HandoffError, HandoffParams
-from wavepp.integrations.vllm.layout import write_cpu_cache
+from wavepp.integrations.vllm.layout import kv_for_backend, slots_of
 from wavepp.integrations.vllm.pull import KVTransport, TcpTransport
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ class WavePPConnector(KVConnectorBase_V1):
         self._pending: dict[str, _Load] = {}  # scheduler: allocated, not yet sent to workers
         self._offered: dict[str, tuple[int, int]] = {}  # scheduler: request -> (start, count)
         self._load_errors: set[int] = set()  # worker: blocks whose load failed
+        self._block_size = int(vllm_config.cache_config.block_size)
 
     # ---- scheduler side ------------------------------------------------------------------
 
@@ -153,27 +155,37 @@ class WavePPConnector(KVConnectorBase_V1):
         assert isinstance(meta, WavePPConnectorMetadata)
         if not meta.loads:
             return
-        caches: dict[int, torch.Tensor] = {}
+        layers: dict[int, Any] = {}
         for name, layer in forward_context.no_compile_layers.items():
-            cache = getattr(layer, "kv_cache", None)
             match = _LAYER_INDEX.search(name)
-            if isinstance(cache, torch.Tensor) and match is not None:
-                caches[int(match.group(1))] = cache
+            if isinstance(getattr(layer, "kv_cache", None), torch.Tensor) and match is not None:
+                layers[int(match.group(1))] = layer
         for load in meta.loads:
-            self._load(load, caches)
+            self._load(load, layers)
 
-    def _load(self, load: _Load, caches: dict[int, torch.Tensor]) -> None:
+    def _load(self, load: _Load, layers: dict[int, Any]) -> None:
         began = time.perf_counter()
         record: dict[str, Any] = {"request_id": load.request_id, "bytes": 0, "ok": True}
         try:
             params = HandoffParams.from_json(load.params)
             pulled = self._transport.pull(params)
-            for index, cache in caches.items():
+            slots = slots_of(load.block_ids, self._block_size, load.start, load.count)
+            for index, layer in layers.items():
                 if index >= len(pulled.layers):
                     raise HandoffError(
                         f"layer {index}: the stages handed over {len(pulled.layers)} layers"
                     )
-                write_cpu_cache(cache, pulled.layers[index], load.block_ids, load.start, load.count)
+                cache = layer.kv_cache
+                key, value = kv_for_backend(
+                    pulled.layers[index],
+                    load.start,
+                    load.count,
+                    num_kv_heads=layer.num_kv_heads,
+                    head_dim=layer.head_size,
+                    dtype=cache.dtype,
+                )
+                # the backend's own cache writer: its in-block layout, its slot mapping
+                layer.impl.do_kv_cache_update(layer, key, value, cache, slots.to(cache.device))
             record["bytes"] = pulled.num_bytes
         except (HandoffError, ValueError) as exc:
             log.error("WavePP handoff of %s failed: %s", load.request_id, exc)
