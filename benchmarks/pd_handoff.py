@@ -61,10 +61,10 @@ CHECKPOINT_SHAPE: dict[str, Any] = {
 
 
 LM_HEAD_SCALE = 30.0
-"""The random checkpoint's output projection is scaled by this: with the default init (std
-0.02) a tiny model's logits are nearly flat, so greedy decoding meets near-ties that float32
-differences of 1e-6 between two engines' kernels flip (vLLM's own prefill vs WavePP's, whose
-KV equals transformers' here). Scaling the logits widens every gap without touching the KV."""
+"""The random checkpoint's output projection is scaled by this: a tiny random model's logits
+are nearly flat, and greedy decoding should be decided by margins far above the float32
+differences between two engines' kernels (vLLM's own prefill vs WavePP's). Scaling the logits
+widens every gap without touching the KV."""
 
 
 def make_checkpoint(out_dir: Path, seed: int = 0) -> Path:
@@ -277,6 +277,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "prompt_tokens": len(prompts[int(rid[1:])]),
                     "cached_tokens": o.num_cached_tokens if o is not None else -1,
                     "first_differing_token": first,
+                    "handed_tokens": got,
+                    "own_tokens": tokens,
                 }
             )
     return {
