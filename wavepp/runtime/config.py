@@ -141,7 +141,7 @@ class RuntimeConfig(BaseModel):
     # request asking for a handoff fails); handoff_advertise is the host the decode engine
     # dials ("": the listen host). A handed-off request's blocks stay pinned at most
     # handoff_lease_s seconds after its prefill, until pulled and released.
-    handoff_listen: str = "127.0.0.1:0"
+    handoff_listen: str = Field("127.0.0.1:0", pattern=r"^$|^[^\s:]*:\d{1,5}$")
     handoff_advertise: str = ""
     handoff_lease_s: float = Field(60.0, gt=0)
     # NOTE: blocks one owner (one admission instance: ``AgreementController.owner``) may hold

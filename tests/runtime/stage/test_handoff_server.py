@@ -133,3 +133,14 @@ async def test_unkeyed_stage_and_cacheless_engine_refuse() -> None:
         assert len(server.leases) == 0 and server.leases.pool.num_pinned_blocks == 0
     finally:
         await server.stop()
+
+
+def test_handoff_listen_is_validated() -> None:
+    from pydantic import ValidationError
+
+    from wavepp.runtime.config import RuntimeConfig
+
+    assert RuntimeConfig(handoff_listen="0.0.0.0:7000").handoff_listen == "0.0.0.0:7000"
+    assert RuntimeConfig(handoff_listen="").handoff_listen == ""
+    with pytest.raises(ValidationError, match="handoff_listen"):
+        RuntimeConfig(handoff_listen="no-port")
