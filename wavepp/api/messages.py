@@ -101,6 +101,7 @@ class KVReply(_Message):
     num_free_blocks: int = 0
     num_blocks: int = 0
     group_epoch: int = 0
+    handoff_addr: str = ""  # health: the stage's KV transfer server "host:port" ("": none)
 
     @field_validator("v")
     @classmethod
@@ -126,6 +127,9 @@ class PlannedChunk(_Message):
     token_ids: list[int]
     is_last: bool
     return_logits: bool = False
+    # > 0 on a last chunk whose request is handed to a decode engine: every stage keeps the
+    # request's blocks pinned until then (Unix seconds; wavepp.api.kv_handoff's token covers it)
+    handoff_expires: float = Field(0.0, ge=0)
 
 
 class MicroBatchPlan(_Message):

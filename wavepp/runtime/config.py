@@ -136,6 +136,14 @@ class RuntimeConfig(BaseModel):
     max_prepared: int = Field(64, ge=1)
     max_agreements_in_flight: int = Field(16, ge=1)
     lease_s: float = Field(30.0, gt=0)
+    # NOTE: KV handoff to a decode engine (wavepp.runtime.stage.handoff_server). Each stage
+    # serves pulls on handoff_listen ("host:port"; port 0: any free one; "": no server, and a
+    # request asking for a handoff fails); handoff_advertise is the host the decode engine
+    # dials ("": the listen host). A handed-off request's blocks stay pinned at most
+    # handoff_lease_s seconds after its prefill, until pulled and released.
+    handoff_listen: str = Field("127.0.0.1:0", pattern=r"^$|^[^\s:]*:\d{1,5}$")
+    handoff_advertise: str = ""
+    handoff_lease_s: float = Field(60.0, gt=0)
     # NOTE: blocks one owner (one admission instance: ``AgreementController.owner``) may hold
     # pinned or reserved on one stage at once (``StageKVManager``); a reservation past it is
     # refused like a full pool (the request waits for its owner's own releases), and a prompt

@@ -21,6 +21,10 @@ class PromptRequest:
     cache_salt: str = ""
     arrival_s: float = field(default_factory=time.time)
     return_logits: bool = False
+    # Hand the prompt's KV to a decode engine (wavepp.api.kv_handoff): the stages keep it
+    # pinned for handoff_lease_s seconds after the prefill; the outcome's handoff_expires says
+    # until when.
+    handoff: bool = False
     # NOTE: memo of the prompt's block hashes (a pure function of the fields above), so the
     # scheduler and the controller hash each prompt once.
     block_hashes: list[bytes] | None = field(default=None, repr=False, compare=False)
@@ -75,6 +79,7 @@ class RequestOutcome:
     agreement_s: float = 0.0
     num_refusals: int = 0
     stage_hits: tuple[int, ...] = ()
+    handoff_expires: float = 0.0  # > 0: the stages hold its KV for a decode engine until then
     # (rank, L*) as each stage reported it for each of the request's chunks
     stage_agreed_blocks: list[tuple[int, int]] = field(default_factory=list)
 

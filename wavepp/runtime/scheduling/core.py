@@ -410,6 +410,7 @@ class SchedulerCore(DoneAccounting):
                     ],
                     is_last=chunk.is_last,
                     return_logits=request.return_logits and chunk.is_last,
+                    handoff_expires=self._handoff_expires(record) if chunk.is_last else 0.0,
                 )
             )
             if chunk.request_id not in request_ids:
@@ -428,6 +429,17 @@ class SchedulerCore(DoneAccounting):
         self.stats.record_microbatch(sum(c.num_tokens for c in chunks))
         self._prune_active()
         return scheduled
+
+    def _handoff_expires(self, record: RequestRecord) -> float:
+        """0.0, or for a request handed to a decode engine (``PromptRequest.handoff``) the end
+        of its KV's handoff lease on the stages: clock seconds + ``handoff_lease_s``, to the
+        millisecond (what a handoff token covers), recorded on its outcome."""
+        if not record.request.handoff:
+            return 0.0
+        expires = round(self.clock() + self.config.handoff_lease_s, 3)
+        assert record.outcome is not None, f"{record.request.request_id}: planned before admission"
+        record.outcome.handoff_expires = expires
+        return expires
 
     def plan_of(self, scheduled: ScheduledMicroBatch, traceparent: str = "") -> MicroBatchPlan:
         """The plan every stage runs for ``scheduled``; kept in the ledger until all S report it."""

@@ -28,6 +28,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from nats.aio.client import Client as NATS
 
@@ -37,9 +38,11 @@ from wavepp.runtime.agreement.coordinator import check_stage_versions
 from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
+from wavepp.runtime.request import RequestOutcome
 from wavepp.runtime.scheduling.core import planner_for
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
+from wavepp.runtime.serving.handoff import kv_transfer_params, stage_endpoints
 from wavepp.runtime.serving.processes import Supervisor, stage_command
 from wavepp.runtime.transport.auth import PoolAuth, write_pool_auth
 from wavepp.runtime.transport.buskey import BUS_KEY_ENV, bus_key_or_new
@@ -89,6 +92,8 @@ class LocalPipeline:
         # Telemetry of this (scheduler) process, unless the caller set it up already (tests).
         self._owns_tracing = False
         self._owns_metrics = False
+        # Each stage's KV transfer server, by rank (from its health reply; "" none).
+        self.handoff_addrs: list[str] = []
 
     @property
     def nats_url(self) -> str:
@@ -201,6 +206,7 @@ class LocalPipeline:
         """
         assert self.controller is not None
         deadline = time.monotonic() + self.startup_timeout_s
+        self.handoff_addrs = ["" for _ in self.controller.stages]
         for stage in self.controller.stages:
             while True:
                 proc = self.procs[stage.rank]
@@ -214,6 +220,7 @@ class LocalPipeline:
                         reply = await asyncio.wait_for(stage.call(Health()), 2.0)
                         check_stage_versions([reply])  # StageVersionError: another build
                         if reply.ok:
+                            self.handoff_addrs[stage.rank] = reply.handoff_addr
                             break
                 except StageUnavailableError:
                     pass
@@ -223,6 +230,30 @@ class LocalPipeline:
                         + self.stage_log_tail(stage.rank)
                     )
                 await asyncio.sleep(0.1)
+
+    def kv_transfer_params(self, outcome: RequestOutcome) -> dict[str, Any]:
+        """The ``kv_transfer_params`` that hand ``outcome``'s KV to a decode engine
+        (``serving.handoff``).
+
+        Raises:
+            ValueError: the request did not ask for a handoff, failed, or a stage has no
+                transfer server.
+        """
+        if not outcome.ok or not outcome.handoff_expires:
+            raise ValueError(
+                f"request {outcome.request_id!r}: no KV to hand off "
+                f"({outcome.error or 'PromptRequest.handoff was not set'})"
+            )
+        endpoints = stage_endpoints(
+            self.handoff_addrs, [self.config.layers_of(r) for r in range(self.config.num_stages)]
+        )
+        return kv_transfer_params(
+            self.bus_key.for_replica(self.config.pipeline),
+            outcome.request_id,
+            outcome.num_prompt_tokens,
+            outcome.handoff_expires,
+            endpoints,
+        )
 
     async def restart_stages(self) -> None:
         """Re-form the replica: kill every stage process, start all S again with a new dist url.

@@ -70,10 +70,12 @@ from wavepp.api.signing import BusKey
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.heap import collect_young_soon
 from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.kv.handoff import HandoffLeases
 from wavepp.runtime.stage.build import build_engine, check_environment
 from wavepp.runtime.stage.core import StageCore, StageWork
 from wavepp.runtime.stage.engine import PreparedBatch, StageEngine
 from wavepp.runtime.stage.engine.profile import region
+from wavepp.runtime.stage.handoff_server import HandoffServer
 from wavepp.runtime.stage.rendezvous import (
     PEER_BEAT_S,
     EpochRendezvous,
@@ -133,6 +135,16 @@ class StageWorker:
         )
         self.is_first = rank == 0
         self.is_last = rank == config.num_stages - 1
+        first_layer, last_layer = config.layers_of(rank)
+        self.handoff_leases = HandoffLeases(self.core.manager.pool)
+        self.handoff = HandoffServer(
+            self.handoff_leases,
+            lambda: engine.gqa_kv_caches(),  # type: ignore[attr-defined]
+            first_layer=first_layer,
+            last_layer=last_layer,
+            block_size=config.block_size,
+            key=self.core.bus_key,
+        )
         self.prefix = config.subject_prefix
         self.subjects = config.subjects
         self._work: queue.Queue[tuple[StageWork, PreparedBatch | None] | None] = queue.Queue()
@@ -174,6 +186,10 @@ class StageWorker:
         await self.nc.subscribe(self.subjects.plan, cb=self._on_plan)
         await self.nc.subscribe(self.subjects.stage_dones(self.rank), cb=self._on_done_resend)
         on_reconnect(self.nc, self._on_reconnected)
+        if self.config.handoff_listen:
+            host, _, port = self.config.handoff_listen.rpartition(":")
+            addr = await self.handoff.start(host, int(port), self.config.handoff_advertise)
+            log.info("stage %d: KV handoff server on %s", self.rank, addr)
         await flush_in_order(self.nc)  # subscribed on the server before it says it serves
         log.info("stage %d serving layers %s", self.rank, self.config.layers_of(self.rank))
         expiry = asyncio.create_task(self._expire_loop())
@@ -185,6 +201,8 @@ class StageWorker:
         finally:
             self.is_serving = False
             expiry.cancel()
+            await self.handoff.stop()
+            self.handoff_leases.release_all()
             for task in (watcher, beats):
                 if task is not None:
                     task.cancel()
@@ -266,6 +284,7 @@ class StageWorker:
         old_queue.put(None)  # the old compute thread leaves after its current step
         self._pg = None  # its last reference goes with that thread: peers' receives fail
         released = self.core.reform()
+        self.handoff_leases.release_all()
         while not await self.rendezvous.join(epoch):
             epoch = await self.rendezvous.wait_newer(epoch)
         self.group_epoch = epoch
@@ -306,6 +325,8 @@ class StageWorker:
             reply = self.core.handle_kv(msg.data)
             if self.group_epoch:
                 reply = reply.model_copy(update={"group_epoch": self.group_epoch})
+            if self.handoff.addr:
+                reply = reply.model_copy(update={"handoff_addr": self.handoff.addr})
         else:
             reply = self._refuse_kv(msg.data)
         await msg.respond(reply.model_dump_json().encode())
@@ -344,6 +365,10 @@ class StageWorker:
             await asyncio.sleep(min(1.0, self.config.lease_s / 4))
             for request_id in self.core.expire():
                 log.warning("stage %d: lease of %s expired; released", self.rank, request_id)
+            for request_id in self.handoff_leases.expire(time.time()):
+                log.warning(
+                    "stage %d: handoff lease of %s ended unpulled; released", self.rank, request_id
+                )
             await self._publish_events()
 
     async def _publish_events(self) -> None:
@@ -474,7 +499,26 @@ class StageWorker:
     def _after_microbatch(self, work: StageWork, done: MicroBatchDone) -> None:
         self.telemetry.microbatch_done(work.plan, done)
         self.core.complete(work, done)
+        self.handoff.record_execute(done.execute_start_s, done.execute_end_s)
+        if not done.error:
+            self._hold_handoffs(work)
         asyncio.ensure_future(self._publish_done(done))
+
+    def _hold_handoffs(self, work: StageWork) -> None:
+        """Pin the blocks of each request of ``work`` whose prefill ended here and that is
+        handed to a decode engine (``handoff_expires``), before the scheduler releases it."""
+        for c in work.plan.chunks:
+            if not (c.is_last and c.handoff_expires):
+                continue
+            try:
+                self.handoff_leases.hold(
+                    c.request_id,
+                    tuple(self.core.manager.block_table(c.request_id)),
+                    c.context_offset + len(c.token_ids),
+                    c.handoff_expires,
+                )
+            except (KeyError, ValueError) as exc:
+                log.warning("stage %d: no handoff for %s: %s", self.rank, c.request_id, exc)
 
     async def _publish_done(self, done: MicroBatchDone) -> None:
         await self.nc.publish(self.subjects.done, done.model_dump_json().encode())

@@ -249,6 +249,24 @@ class DecoderStageEngine(PagedStageEngineBase):
         for layer in self._layers:
             layer.allocate(num_blocks * block_size, self.device, self.activation_dtype)
 
+    def gqa_kv_caches(self) -> list[torch.Tensor]:
+        """Each local layer's paged K/V cache [2, num_slots, num_kv_heads / T, head_dim], layer
+        order (views: what the layers read and write).
+
+        Raises:
+            ValueError: a layer's attention keeps no K/V (MLA latents, linear attention), or
+                the cache is not allocated.
+        """
+        caches: list[torch.Tensor] = []
+        for index, layer in enumerate(self._layers, start=self.first_layer):
+            if not isinstance(layer.attn, GQAAttention) or layer.attn.cache is None:
+                raise ValueError(
+                    f"layer {index}: {type(layer.attn).__name__} keeps no allocated K/V cache; "
+                    "a KV handoff serves grouped-query attention layers only"
+                )
+            caches.append(layer.attn.cache)
+        return caches
+
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of the allocated caches (0 before allocate_kv)."""

@@ -1,0 +1,340 @@
+"""WavePP prefill -> vLLM decode through the KV handoff, checked against vLLM's own prefill.
+
+A random-weight Hugging Face Llama checkpoint (``CHECKPOINT_SHAPE``, float32, made in
+``--work-dir``) is prefilled by a WavePP pipeline of 2 stage processes (``LocalPipeline``, blocks
+of ``--wavepp-block-size`` tokens) and decoded by one vLLM engine (``decode_runner`` in vLLM's
+environment, ``--vllm-python``, blocks of 32 tokens, ``WavePPConnector``). Prompts: the first
+``--requests`` records of the Mooncake trace (``data/traces``), ``--tokens-per-block`` tokens per
+trace block, so requests share prefixes as in the trace and reuse cached blocks on the stages.
+
+Each request is submitted with ``handoff=True`` at concurrency ``--concurrency``; as its prefill
+answer arrives its ``kv_transfer_params`` go to vLLM in batches of ``--decode-batch`` (while the
+pipeline prefills the rest), and vLLM pulls each request's KV from both stages and decodes
+``--decode-tokens`` tokens greedily. Then vLLM prefills and decodes the same prompts itself;
+``mismatched_requests`` counts prompts whose decoded tokens differ.
+
+Printed (``--json``: one JSON line): ``requests``, ``decode_tokens_per_request``,
+``mismatched_requests``, ``failed_handoffs``, ``kv_bytes_transferred`` (sum over pulls),
+``handoff_s_p50/p99`` (one request's pull from both stages and its write into vLLM's cache,
+in vLLM's worker), ``prefill_s_p50`` (WavePP time to first token), ``overlapped_fraction`` (of
+the stages' transfer seconds, the part during which the same stage was computing a
+micro-batch), ``transfer_gb_s`` (bytes over the stages' summed transfer seconds),
+``cached_fraction`` (cached prompt tokens on the stages), ``stage_pins_left`` (pinned blocks
+on the stages at the end: 0 when every lease ended).
+
+    scripts/vllm-venv.sh
+    python benchmarks/pd_handoff.py --json
+
+This is a benchmark: it measures and prints; it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = REPO / "data" / "traces" / "conversation_trace.jsonl"
+DEFAULT_VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+STAGES = 2
+VLLM_BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
+CHECKPOINT_SHAPE: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # head_dim 32: the smallest vLLM's CPU attention takes
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+
+LM_HEAD_SCALE = 30.0
+"""The random checkpoint's output projection is scaled by this: a tiny random model's logits
+are nearly flat, and greedy decoding should be decided by margins far above the float32
+differences between two engines' kernels (vLLM's own prefill vs WavePP's). Scaling the logits
+widens every gap without touching the KV."""
+
+
+def make_checkpoint(out_dir: Path, seed: int = 0) -> Path:
+    """Write (once) the random-weight float32 Llama checkpoint of ``CHECKPOINT_SHAPE``, its
+    ``lm_head`` scaled by ``LM_HEAD_SCALE``."""
+    if (out_dir / "config.json").exists():
+        return out_dir
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**CHECKPOINT_SHAPE, bos_token_id=0, eos_token_id=1)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(LM_HEAD_SCALE)
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+class DecodeEngine:
+    """``decode_runner`` in vLLM's environment: one JSON batch per line in, one answer out."""
+
+    def __init__(self, vllm_python: Path, model_dir: Path, work: Path, max_model_len: int) -> None:
+        self.stats_path = work / "handoff-stats.jsonl"
+        self.log_path = work / "vllm.log"
+        self.stats_path.unlink(missing_ok=True)  # this engine's pulls only
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env |= {
+            "PYTHONPATH": str(REPO),  # the connector: standard library, torch and vLLM only
+            "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", "all"),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # one process: killing it ends the engine
+        }
+        self.proc = subprocess.Popen(
+            [
+                str(vllm_python),
+                *("-m", "wavepp.integrations.vllm.decode_runner", "--model", str(model_dir)),
+                *("--block-size", str(VLLM_BLOCK_SIZE), "--stats-path", str(self.stats_path)),
+                *("--max-model-len", str(max_model_len)),
+            ],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(self.log_path, "wb"),  # noqa: SIM115 (closed with the process)
+            text=True,
+            start_new_session=True,
+        )
+        self._lock = threading.Lock()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the engine says it is ready. RuntimeError (log tail) if it exits."""
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line or not json.loads(line).get("ready"):
+            raise RuntimeError(f"vLLM decode engine did not start:\n{self.tail()}")
+
+    def decode(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One batch through the engine (thread-safe: one batch at a time)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        with self._lock:
+            self.proc.stdin.write(json.dumps(batch) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"vLLM decode engine exited:\n{self.tail()}")
+        return json.loads(line)
+
+    def pulls(self) -> list[dict[str, Any]]:
+        if not self.stats_path.exists():
+            return []
+        text = self.stats_path.read_text()
+        return [json.loads(x) for x in text[: text.rfind("\n") + 1].splitlines() if x.strip()]
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation; nan for no values."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from wavepp.bench.workloads import mooncake_workload
+    from wavepp.integrations.vllm.pull import stage_stats
+    from wavepp.runtime.config import RuntimeConfig
+    from wavepp.runtime.hf_config import load_model_dir
+    from wavepp.runtime.planning import CostModel
+    from wavepp.runtime.request import PromptRequest
+    from wavepp.runtime.serving.local import LocalPipeline
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="pd-handoff-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = make_checkpoint(work / "model")
+    prompts = mooncake_workload(
+        args.trace,
+        args.requests,
+        tokens_per_block=args.tokens_per_block,
+        vocab_size=CHECKPOINT_SHAPE["vocab_size"],
+        seed=1,
+    ).prompts
+    max_len = max(len(p) for p in prompts) + args.decode_tokens + 1
+    engine = DecodeEngine(Path(args.vllm_python), model_dir, work, max_len)
+    config = RuntimeConfig(
+        model=load_model_dir(model_dir),
+        model_dir=str(model_dir),
+        engine="torch",
+        num_stages=STAGES,
+        block_size=args.wavepp_block_size,
+        num_kv_blocks=[args.kv_blocks],
+        handoff_lease_s=args.lease_s,
+        torch_threads=1,
+    )
+    cost = CostModel(
+        c=1e-3,
+        g=1e-6,
+        b=1e-5,
+        a=1e-8,
+        label="derived",
+        source="pd_handoff: a rough CPU cost, only for chunk sizes",
+    )
+    try:
+        async with LocalPipeline(config, cost, log_dir=str(work / "stages")) as pipeline:
+            await asyncio.to_thread(engine.wait_ready, args.startup_timeout_s)
+            scheduler = pipeline.scheduler
+            assert scheduler is not None
+            outcomes: dict[str, Any] = {}
+            handed: dict[str, list[int]] = {}
+            queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+            sem = asyncio.Semaphore(args.concurrency)
+
+            async def prefill(i: int) -> None:
+                async with sem:
+                    o = await scheduler.submit(PromptRequest(f"p{i}", prompts[i], handoff=True))
+                outcomes[o.request_id] = o
+                if o.ok:
+                    params = pipeline.kv_transfer_params(o)
+                    await queue.put(
+                        {
+                            "id": o.request_id,
+                            "prompt": prompts[i],
+                            "max_tokens": args.decode_tokens,
+                            "kv_transfer_params": params,
+                        }
+                    )
+
+            async def decoder() -> None:
+                done = False
+                while not done:
+                    batch = [await queue.get()]
+                    while len(batch) < args.decode_batch and not queue.empty():
+                        batch.append(queue.get_nowait())
+                    if batch[-1] is None:
+                        batch.pop()
+                        done = True
+                    if batch:
+                        for answer in await asyncio.to_thread(engine.decode, batch):
+                            handed[answer["id"]] = answer["tokens"] if not answer["error"] else []
+
+            began = time.perf_counter()
+            decoding = asyncio.create_task(decoder())
+            await asyncio.gather(*(prefill(i) for i in range(len(prompts))))
+            await queue.put(None)
+            await decoding
+            handoff_wall_s = time.perf_counter() - began
+            own = await asyncio.to_thread(
+                engine.decode,
+                [
+                    {"id": f"p{i}", "prompt": p, "max_tokens": args.decode_tokens}
+                    for i, p in enumerate(prompts)
+                ],
+            )
+            reference = {a["id"]: a["tokens"] for a in own}
+            stats = [await asyncio.to_thread(stage_stats, a) for a in pipeline.handoff_addrs]
+    finally:
+        engine.stop()
+    pulls = engine.pulls()
+    ok_pulls = [p for p in pulls if p["ok"]]
+    transfer_s = sum(float(s["transfer_s"]) for s in stats)
+    overlapped_s = sum(float(s["overlapped_s"]) for s in stats)
+    ok = [o for o in outcomes.values() if o.ok]
+    mismatched = sum(
+        1 for rid, tokens in reference.items() if handed.get(rid) != tokens or not tokens
+    )
+    details = []
+    for rid, tokens in reference.items():
+        got = handed.get(rid) or []
+        if got != tokens:
+            first = next(
+                (k for k, (a, b) in enumerate(zip(got, tokens, strict=False)) if a != b), len(got)
+            )
+            o = outcomes.get(rid)
+            details.append(
+                {
+                    "id": rid,
+                    "prompt_tokens": len(prompts[int(rid[1:])]),
+                    "cached_tokens": o.num_cached_tokens if o is not None else -1,
+                    "first_differing_token": first,
+                    "handed_tokens": got,
+                    "own_tokens": tokens,
+                }
+            )
+    return {
+        "mismatches": details[:10],
+        "requests": len(prompts),
+        "decode_tokens_per_request": args.decode_tokens,
+        "mismatched_requests": mismatched,
+        "failed_prefills": len(prompts) - len(ok),
+        "failed_handoffs": len(pulls) - len(ok_pulls),
+        "kv_bytes_transferred": sum(int(p["bytes"]) for p in ok_pulls),
+        "handoff_s_p50": percentile([p["seconds"] for p in ok_pulls], 0.5),
+        "handoff_s_p99": percentile([p["seconds"] for p in ok_pulls], 0.99),
+        "prefill_s_p50": percentile([o.ttft_s for o in ok], 0.5),
+        "overlapped_fraction": overlapped_s / transfer_s if transfer_s else 0.0,
+        "transfer_gb_s": sum(int(s["bytes_sent"]) for s in stats) / transfer_s / 1e9
+        if transfer_s
+        else 0.0,
+        "cached_fraction": sum(o.num_cached_tokens for o in ok)
+        / max(1, sum(o.num_prompt_tokens for o in ok)),
+        "prompt_tokens_mean": statistics.fmean(len(p) for p in prompts),
+        "stage_pins_left": sum(int(s["pinned_blocks"]) for s in stats),
+        "wall_s": handoff_wall_s,
+        "wavepp_block_size": args.wavepp_block_size,
+        "vllm_block_size": VLLM_BLOCK_SIZE,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--decode-batch", type=int, default=8)
+    parser.add_argument("--tokens-per-block", type=int, default=16, help="per trace block")
+    parser.add_argument("--wavepp-block-size", type=int, default=16)
+    parser.add_argument("--kv-blocks", type=int, default=4096, help="per stage")
+    parser.add_argument("--lease-s", type=float, default=120.0)
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE))
+    parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
+    parser.add_argument("--work-dir", default="")
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    args = parser.parse_args(argv)
+    if not Path(args.vllm_python).exists():
+        print(
+            f"no vLLM environment at {args.vllm_python}: run scripts/vllm-venv.sh", file=sys.stderr
+        )
+        return 2
+    report = asyncio.run(run(args))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for key, value in report.items():
+            print(f"{key:28s} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
