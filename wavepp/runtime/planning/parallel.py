@@ -270,7 +270,7 @@ def parse_layout(text: str, *, max_group_size: int = H200_NVLINK.max_group_size)
 
     Raises:
         ValueError: unknown syntax, S < 1, or t outside [1, max_group_size] (one NVLink
-            domain); the message names the layout and the limit.
+            domain) or not a power of two; the message names the layout and the limit.
     """
     spec = text.strip().lower()
     pp = _PP.match(spec)
@@ -294,6 +294,8 @@ def parse_layout(text: str, *, max_group_size: int = H200_NVLINK.max_group_size)
             f"layout {text!r}: group size t={size} must be in [1, {max_group_size}] (GPUs of "
             "one NVLink domain; tensor/expert parallelism across nodes is not modelled)"
         )
+    if size & (size - 1):
+        raise ValueError(f"layout {text!r}: group size t={size} must be a power of two")
     return Layout(num_stages, kind, size, mode, spec)
 
 
