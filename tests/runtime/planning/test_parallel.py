@@ -151,3 +151,15 @@ def test_small_shape_loss_grows_with_the_split() -> None:
     assert all(r > 1 for r in ratios)
     assert ratios == sorted(ratios)
     assert math.isfinite(ratios[-1])
+
+
+def test_ep_imbalance_slows_only_expert_parallel_moe() -> None:
+    layout = parse_layout("tep8")
+    [even] = replica_stage_cost_models("glm-5.2", layout)
+    [skewed] = replica_stage_cost_models("glm-5.2", layout, ep_imbalance=1.5)
+    assert skewed.b > even.b and skewed.c == even.c and skewed.a == even.a
+    [tp_even] = replica_stage_cost_models("glm-5.2", parse_layout("tp8"))
+    [tp_skewed] = replica_stage_cost_models("glm-5.2", parse_layout("tp8"), ep_imbalance=1.5)
+    assert tp_skewed.b == tp_even.b  # TP holds every expert on every rank: no imbalance
+    with pytest.raises(ValueError, match="ep_imbalance=0.5: must be finite and >= 1"):
+        replica_stage_cost_models("glm-5.2", layout, ep_imbalance=0.5)

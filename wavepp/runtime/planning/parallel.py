@@ -331,6 +331,7 @@ def _layer_terms(
     group: str,
     t: int,
     microbatch_tokens: int,
+    ep_imbalance: float,
 ) -> _Terms:
     flops, bandwidth = gpu.flops_per_s, gpu.bytes_per_s
     linear = layer.linear_flops_per_token
@@ -377,6 +378,8 @@ def _layer_terms(
         else:
             shard = gemm_efficiency(per_expert, split.mlp_width, groups=moe.num_experts / t)
         loss_mlp = shard / whole
+        if group != "tp":  # the busiest rank's experts decide the layer's time
+            loss_mlp /= ep_imbalance
     compute_b = (attention / loss_attention + layer.other_flops_per_token + mlp / loss_mlp) / (
         t * flops
     )
@@ -416,6 +419,7 @@ def replica_stage_cost_models(
     gpu: GPUSpec | None = None,
     link: Interconnect = H200_NVLINK,
     microbatch_tokens: int = 8192,
+    ep_imbalance: float = 1.0,
 ) -> list[CostModel]:
     """One derived CostModel per stage of ``layout`` (formulas: module docstring).
 
@@ -425,6 +429,12 @@ def replica_stage_cost_models(
         gpu: roofline; None uses the model's default (H200).
         link: the fabric inside a stage's group.
         microbatch_tokens: M of the small-shape GEMM efficiency (the engine's micro-batch).
+        ep_imbalance: expert-parallel load imbalance, the busiest rank's routed tokens over
+            the mean (>= 1); multiplies tep/ep MoE compute. 1.0 (uniform routing, the
+            default) is what every other term assumes; DeepSeek's EPLB (github.com/deepseek-ai
+            /EPLB) exists because real routing is not uniform. No published figure for the
+            paper's models is used: the anchor check (docs/bench/layouts.md) reports the value
+            that would close the gap instead.
 
     Returns:
         S models in stage order. At t = 1 each equals ``catalogue.derived_stage_cost_models``'
@@ -432,12 +442,15 @@ def replica_stage_cost_models(
 
     Raises:
         ValueError: unknown model, S outside [1, num_layers], t above the link's domain,
-            microbatch_tokens < 1, or a model without LayerSplit geometry at t > 1.
+            microbatch_tokens < 1, ep_imbalance < 1, or a model without LayerSplit geometry
+            at t > 1.
     """
     spec = get_model(model)
     gpu = spec.default_gpu if gpu is None else gpu
     if microbatch_tokens < 1:
         raise ValueError(f"microbatch_tokens={microbatch_tokens}: must be >= 1")
+    if not math.isfinite(ep_imbalance) or ep_imbalance < 1:
+        raise ValueError(f"ep_imbalance={ep_imbalance}: must be finite and >= 1")
     t = layout.group_size
     if t > link.max_group_size:
         raise ValueError(
@@ -446,7 +459,7 @@ def replica_stage_cost_models(
     models = []
     for first, last in split_layers(spec.num_layers, layout.num_stages):
         terms = [
-            _layer_terms(layer, gpu, link, layout.group, t, microbatch_tokens)
+            _layer_terms(layer, gpu, link, layout.group, t, microbatch_tokens, ep_imbalance)
             for layer in spec.layers[first:last]
         ]
         lm_head = spec.lm_head_weight_bytes / t if last == spec.num_layers else 0.0
