@@ -2,9 +2,10 @@
 same GPUs, per setting, on the simulator (``wavepp sim --parallel``, one subprocess per setting).
 
     python benchmarks/layouts_grid.py --model kimi-k3 \\
-        --parallel pp8xtp2-wave,pp8xtp2-sync,pp2xtp8-sync,pp2xtep8-sync \\
+        --parallel pp8xtp2-wave,pp8xtp2-sync,pp2xtp8-sync \\
         --concurrency 1,2,4,8,16,32,64 --reuse low,high --prompt-tokens 8192,32768 \\
-        --requests-per-c 4 --out docs/bench/layouts_kimi-k3.csv
+        --requests-per-c 8 --min-requests 32 --out docs/bench/layouts_kimi-k3.csv \\
+        -- --baseline-budget exact
     python benchmarks/layouts_grid.py --summarize docs/bench/layouts_kimi-k3.csv --wave pp8xtp2-wave
 
 Each setting runs max(--min-requests, --requests-per-c x C) requests. The CSV holds one row per
