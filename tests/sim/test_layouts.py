@@ -9,6 +9,8 @@ import re
 import pytest
 
 from wavepp.cli import main as cli_main
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.planning.parallel import parse_layout, replica_kv_blocks
 
 SMALL = ["--reuse", "high", "--prompt-tokens", "2048", "--requests", "8"]
 
@@ -38,8 +40,17 @@ def test_one_row_per_layout_and_concurrency(capsys: pytest.CaptureFixture[str]) 
     assert by[("tp8", 2)]["ttft_p50_s"] < by[("pp8-sync", 2)]["ttft_p50_s"]
     assert by[("tp8", 2)]["stages"] == 1 and by[("tp8", 2)]["mode"] == "sync"
     assert by[("pp2xtep4-sync", 2)]["group_size"] == 4
-    # EP keeps each request's KV on one rank: t x the TP capacity (MiniMax: GQA heads split).
-    assert by[("ep8", 2)]["kv_blocks_per_stage"][0] > by[("tp8", 2)]["kv_blocks_per_stage"][0]
+    # Every layout's capacity is the one derivation's (planning.parallel over planning.memory),
+    # at the engine's largest micro-batch.
+    largest = max(8192, RuntimeConfig().max_microbatch_tokens)
+    for row in rows:
+        expected = replica_kv_blocks(
+            "minimax-m2.7",
+            parse_layout(row["parallel"]),
+            block_size=64,
+            max_microbatch_tokens=largest,
+        )
+        assert row["kv_blocks_per_stage"] == expected
 
 
 def test_recommend_ranks_layouts(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from wavepp.runtime.planning.catalogue import derived_stage_cost_models
+from wavepp.runtime.planning.memory import derived_stage_memory
 from wavepp.runtime.planning.parallel import (
     H200_NVLINK,
     Interconnect,
@@ -103,7 +104,16 @@ def test_kv_capacity_per_layout() -> None:
         "glm-5.2", parse_layout("ep8"), block_size=64, max_microbatch_tokens=16384
     )
     assert len(tp8) == 1 and tp8[0] > 0
-    assert ep8 == [8 * tp8[0]]  # MLA latent replicated on TP ranks; EP ranks hold their own
+    # MLA latent replicated on TP ranks; EP ranks hold their own requests' KV, less the room
+    # the attention weights take whole on every rank.
+    [stage] = derived_stage_memory(
+        "glm-5.2", num_stages=1, block_size=64, max_microbatch_tokens=16384, num_gpus_per_stage=8
+    )
+    spec = get_model("glm-5.2")
+    attention = sum(layer.split.attention_weight_bytes for layer in spec.layers)  # type: ignore[union-attr]
+    per_rank = math.floor((stage.kv_bytes - attention * 7 / 8) / (spec.kv_bytes_per_token() * 64))
+    assert ep8 == [8 * per_rank]
+    assert tp8[0] < ep8[0] < 8 * tp8[0]
     with pytest.raises(ValueError, match="kimi-k3 on 1 stages of 8 x H200 does not fit"):
         replica_kv_blocks("kimi-k3", parse_layout("tep8"), block_size=64,
                           max_microbatch_tokens=16384)  # fmt: skip

@@ -72,9 +72,8 @@ NCCL_DEBUG log). One NVLink domain holds 8 GPUs (HGX H200); groups larger than t
 
 KV capacity (``replica_kv_blocks``): ``planning.memory`` with t GPUs per stage (weights / t; an
 MLA latent replicated on every tp/tep rank, GQA heads split over min(t, K)); ep keeps each
-request's KV on one rank, so its capacity is t times one rank's. ep's replicated attention
-weights are counted / t there (an over-estimate of its KV by the attention weights, < 1 % of
-Kimi K3's).
+request's whole KV on one rank and the attention weights whole on every rank, so its capacity
+is t times what one rank has left after those.
 
 Pure: no I/O, no torch.
 """
@@ -505,5 +504,24 @@ def replica_kv_blocks(
         gpu=gpu,
         num_gpus_per_stage=layout.group_size,
     )
-    scale = layout.group_size if layout.group == "ep" else 1
-    return [stage.num_blocks * scale for stage in stages]
+    if layout.group != "ep":
+        return [stage.num_blocks for stage in stages]
+    # ep: each rank holds the attention weights whole (memory divided them by t) and the whole
+    # per-token KV of its own requests (memory split GQA heads); t ranks, t pools.
+    spec = get_model(model)
+    t = layout.group_size
+    blocks = []
+    for stage in stages:
+        layers = spec.layers[stage.layers[0] : stage.layers[1]]
+        extra = sum(layer.split.attention_weight_bytes for layer in layers if layer.split)
+        free = stage.kv_bytes - extra * (1 - 1 / t)
+        kv_per_token = sum(layer.kv_bytes_per_token for layer in layers)
+        per_rank = math.floor(free / (kv_per_token * block_size)) if free > 0 else 0
+        if per_rank < 1:
+            raise ValueError(
+                f"{spec.name} on {layout.num_stages} stages of {t} GPUs ({layout.label}): stage "
+                f"{stage.rank} leaves {free / 1e9:.3g} GB per rank for KV after weights with "
+                "the attention replicated on every rank; no KV block fits"
+            )
+        blocks.append(per_rank * t)
+    return blocks
