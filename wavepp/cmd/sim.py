@@ -21,7 +21,12 @@ BARE_IS_USAGE = [()]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="glm-5.2", help="derived H200 cost model")
-    parser.add_argument("--stages", type=int, default=4, help="pipeline stages S")
+    parser.add_argument(
+        "--stages",
+        type=int,
+        default=None,
+        help="pipeline stages S (default 4; not with --parallel)",
+    )
     parser.add_argument(
         "--concurrency", default="128", help="closed-loop requests in flight, comma-separated"
     )
@@ -108,6 +113,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default %(default)s)",
     )
     sim_handoff.add_arguments(parser)
+    layouts = parser.add_argument_group(
+        "layouts: PP wave/sync against TP, TEP, EP and PP x TP on the same GPUs "
+        "(wavepp.runtime.planning.parallel; docs/bench/layouts.md)"
+    )
+    layouts.add_argument(
+        "--parallel",
+        default=None,
+        help="comma-separated layouts, all of one GPU count: pp<S>[x<tp|tep|ep><t>][-wave|-sync] "
+        "(a pipeline, default wave) or <tp|tep|ep><t> (one stage, chunked prefill at "
+        "--chunk-tokens); e.g. pp8-wave,pp8-sync,tp8,tep8,pp4xtp2",
+    )
+    layouts.add_argument(
+        "--recommend",
+        action="store_true",
+        help="rank layouts by throughput (TTFT beside): those of --parallel, or every layout of "
+        "--gpus GPUs that holds the model",
+    )
+    layouts.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="GPUs of the replica for --recommend without --parallel (default 8)",
+    )
     parser.add_argument(
         "--json", action="store_true", help="stdout: the JSON results only (the table on stderr)"
     )
@@ -125,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.launch.sim import plan_sim
     from wavepp.sim.run import simulate
 
+    if args.parallel is not None or args.recommend:
+        from wavepp.cmd.sim_layouts import run_layouts
+
+        return run_layouts(args)
     try:
         plan = plan_sim(args)
         check_handoff_flags(args)
@@ -183,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         w, s = summaries["wave"], summaries["sync"]
         ratio = w["throughput_tokens_per_s"] / max(s["throughput_tokens_per_s"], 1e-9)
         print(
-            f"| {args.model} | {args.stages} | {concurrency} | {args.reuse} | "
+            f"| {args.model} | {plan.grid.num_stages} | {concurrency} | {args.reuse} | "
             f"{len(workload.prompts[0])} | {w['throughput_tokens_per_s']:.0f} | "
             f"{s['throughput_tokens_per_s']:.0f} | **{ratio:.2f}** | "
             f"{w['bound_tokens_per_s']:.0f} | {w['efficiency']:.2f}/{s['efficiency']:.2f} | "

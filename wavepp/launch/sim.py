@@ -98,7 +98,7 @@ def plan_sim(args: argparse.Namespace) -> SimPlan:
         )
         grid = GridSpec(
             models=(args.model,),
-            num_stages=args.stages,
+            num_stages=4 if args.stages is None else args.stages,
             time_scale=args.time_scale,
             block_size=args.block_size,
             num_kv_blocks=args.kv_blocks or FIXED_KV_BLOCKS,  # the default: per stage below

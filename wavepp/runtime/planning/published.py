@@ -83,6 +83,10 @@ def _dsa_model(
                 other_flops_per_token=float(DSA_TOP_K * mqa_pair),
                 pair_flops=float(index_pair if has_indexer else 0),
                 kv_bytes_per_token=latent_bytes + (DSA_INDEXER_KEY_BYTES if has_indexer else 0),
+                hidden_size=d,
+                attention_width=heads * (nope + rope),
+                mlp_width=dense_ffn if index < num_dense else moe.expert_ffn,
+                moe=None if index < num_dense else moe,
             )
         )
     return ModelShape(
@@ -190,6 +194,10 @@ def _minimax_m2_7() -> ModelShape:
         pair_flops=float(4 * heads * head_dim),  # docs/model-costs.md: GQA 4*H*d_h*P
         kv_bytes_per_token=2 * kv_heads * head_dim * BF16_BYTES,
         num_kv_heads=kv_heads,
+        hidden_size=d,
+        attention_width=heads * head_dim,
+        mlp_width=moe.expert_ffn,
+        moe=moe,
     )
     return ModelShape(
         name="minimax-m2.7",
@@ -231,12 +239,14 @@ def _kimi_k3() -> ModelShape:
     moe_params = moe.router() + moe.all_routed() + moe.shared() + moe.latent()
     layers = []
     for index in range(93):
+        layer_moe: MoE | None
         if index == 0:  # first_k_dense_replace 1
             mlp_active = mlp_params = mlp_weights(d, 33792)
             mlp_bytes = mlp_params * BF16_BYTES
-            mlp_kind = "dense"
+            mlp_kind, layer_moe, mlp_width = "dense", None, 33792
         else:
             mlp_active, mlp_params, mlp_bytes, mlp_kind = moe.active(), moe_params, moe_bytes, "moe"
+            layer_moe, mlp_width = moe, moe.expert_ffn
         if index in mla_layers:
             layer = make_layer(
                 f"mla+{mlp_kind}",
@@ -248,6 +258,10 @@ def _kimi_k3() -> ModelShape:
                 pair_flops=float(mha_pair),
                 context_flops_per_token=float(reexpand),
                 kv_bytes_per_token=(kv_lora + rope) * BF16_BYTES,
+                hidden_size=d,
+                attention_width=heads * (nope + rope),
+                mlp_width=mlp_width,
+                moe=layer_moe,
             )
         else:
             layer = make_layer(
@@ -259,6 +273,10 @@ def _kimi_k3() -> ModelShape:
                 mlp_params=mlp_params,
                 other_flops_per_token=float(recurrence),
                 state_bytes_per_request=kda_state_bytes(kda_heads, kda_dim, kda_conv),
+                hidden_size=d,
+                attention_width=kda_heads * kda_dim,
+                mlp_width=mlp_width,
+                moe=layer_moe,
             )
         layers.append(layer)
     return ModelShape(
@@ -301,6 +319,9 @@ def _tiny_llama() -> ModelShape:
         pair_flops=float(4 * heads * head_dim),
         kv_bytes_per_token=2 * kv_heads * head_dim * FP32_BYTES,
         num_kv_heads=kv_heads,
+        hidden_size=d,
+        attention_width=heads * head_dim,
+        mlp_width=d_ff,
     )
     return ModelShape(
         name="tiny-llama",

@@ -137,6 +137,9 @@ class LayerCost:
             rank holds whole (vLLM's MLA backends use one KV head, replicated per TP rank).
         state_bytes_per_request: bytes the layer holds once per request whatever its length
             (KDA's recurrent state and short-convolution tails; 0 for attention layers).
+        split: how the layer divides over a tensor- or expert-parallel group
+            (``planning.parallel``); None where the shape does not carry it (a layer built
+            from an arbitrary config.json), which then prices only one GPU per stage.
     """
 
     kind: str
@@ -149,6 +152,32 @@ class LayerCost:
     weight_bytes: float
     num_kv_heads: int = 1
     state_bytes_per_request: float = 0.0
+    split: LayerSplit | None = None
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """The geometry tensor and expert parallelism divide (``planning.parallel`` prices it).
+
+    Attributes:
+        hidden_size: d, elements per token of the residual stream: what an all-reduce or an
+            expert dispatch/combine moves per token.
+        attention_flops_per_token: the attention projections' share of the layer's
+            ``linear_flops_per_token`` (the rest is the MLP or MoE).
+        attention_weight_bytes: the attention projections' share of ``weight_bytes``.
+        attention_width: N of the attention projections tensor parallelism splits (query heads
+            x head width), elements.
+        mlp_width: N tensor parallelism splits in the feed-forward block: the dense MLP's d_ff,
+            or one routed expert's intermediate width f.
+        moe: the MoE geometry of the layer, None for a dense MLP.
+    """
+
+    hidden_size: int
+    attention_flops_per_token: float
+    attention_weight_bytes: float
+    attention_width: int
+    mlp_width: int
+    moe: MoE | None = None
 
 
 @dataclass(frozen=True)
@@ -314,7 +343,23 @@ def make_layer(
     kv_bytes_per_token: float = 0.0,
     num_kv_heads: int = 1,
     state_bytes_per_request: float = 0.0,
+    hidden_size: int = 0,
+    attention_width: int = 0,
+    mlp_width: int = 0,
+    moe: MoE | None = None,
 ) -> LayerCost:
+    """One LayerCost; with ``hidden_size`` > 0 it carries its ``LayerSplit`` (the attention
+    share of FLOPs and weight bytes follows from ``attention_weights``)."""
+    split = None
+    if hidden_size > 0:
+        split = LayerSplit(
+            hidden_size=hidden_size,
+            attention_flops_per_token=2.0 * attention_weights,
+            attention_weight_bytes=attention_weights * attention_bytes_per_weight,
+            attention_width=attention_width,
+            mlp_width=mlp_width,
+            moe=moe,
+        )
     return LayerCost(
         kind=kind,
         linear_flops_per_token=2.0 * (attention_weights + mlp_active_weights),
@@ -326,6 +371,7 @@ def make_layer(
         weight_bytes=attention_weights * attention_bytes_per_weight + mlp_bytes,
         num_kv_heads=num_kv_heads,
         state_bytes_per_request=state_bytes_per_request,
+        split=split,
     )
 
 
