@@ -9,11 +9,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 # uv installs the same packages as pip in a fraction of the time (38 s against ~3 min here). It
-# reads no pip configuration, so pip's local wheel folder (PIP_FIND_LINKS) is passed on; pip is the
-# fallback.
+# reads no pip configuration, so pip's local wheel folders (PIP_FIND_LINKS, pip.conf's
+# find-links) are passed on; pip is the fallback.
 python -m pip install -q uv || true
 FIND_LINKS=()
-for links in ${PIP_FIND_LINKS:-}; do
+for links in ${PIP_FIND_LINKS:-} $(python -m pip config get global.find-links 2>/dev/null || true); do
   [ -d "$links" ] && FIND_LINKS+=(--find-links "$links")
 done
 if ! python -m uv pip install -q --python .venv/bin/python "${FIND_LINKS[@]}" -e ".[test]"; then

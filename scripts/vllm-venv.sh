@@ -39,10 +39,11 @@ if [ ! -x "$DIR/bin/python" ]; then
   "$PY" -m venv "$DIR"
 fi
 # uv resolves and fetches in parallel: the install takes 1-2 min here against 8-14 min with pip.
-# It reads no pip configuration, so pip's local wheel folder (PIP_FIND_LINKS) is passed on.
+# It reads no pip configuration, so pip's local wheel folders (PIP_FIND_LINKS, pip.conf's
+# find-links) are passed on.
 "$DIR/bin/python" -m pip install -q uv
 FIND_LINKS=()
-for links in ${PIP_FIND_LINKS:-}; do
+for links in ${PIP_FIND_LINKS:-} $("$DIR/bin/python" -m pip config get global.find-links 2>/dev/null || true); do
   [ -d "$links" ] && FIND_LINKS+=(--find-links "$links")
 done
 if ! "$DIR/bin/python" -m uv pip install -q --python "$DIR/bin/python" "${FIND_LINKS[@]}" \
