@@ -36,14 +36,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import BlockPool, StageKVManager
-from wavepp.runtime.planning import CostModel
-from wavepp.runtime.scheduling.admission import AdmissionHost, AdmissionStrategy
-from wavepp.runtime.scheduling.core import planner_for
+from wavepp.runtime.planning import CostModel, planner_for
+from wavepp.runtime.scheduling.admission import STRATEGIES, AdmissionStrategy
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.scheduling.transport import BusPlanTransport
 from wavepp.sim.bus import SimBus, SimLatencies
@@ -64,8 +63,9 @@ class SimPipeline:
         stage_cost_models: per-stage cost models (unscaled; the stage multiplies by
             config.time_scale); default: CostModel.from_dict(config.cost_model) on every stage.
         latencies: simulated transport and preparation costs.
-        admission: builds the scheduler's admission strategy (``WaveScheduler``'s
-            ``admission``; default: the one the config selects).
+        admission: the scheduler's admission strategy class (``WaveScheduler``'s
+            ``admission``; default: the one the config selects). Its ``agrees_in_lockstep``
+            decides how the stages' pools and KV round trips are simulated.
     """
 
     def __init__(
@@ -75,7 +75,7 @@ class SimPipeline:
         *,
         stage_cost_models: Sequence[CostModel] | None = None,
         latencies: SimLatencies | None = None,
-        admission: Callable[[AdmissionHost], AdmissionStrategy] | None = None,
+        admission: type[AdmissionStrategy] | None = None,
     ) -> None:
         if stage_cost_models is None:
             if config.cost_model is None:
@@ -90,7 +90,7 @@ class SimPipeline:
         self.planner_cost_model = planner_cost_model
         self.stage_cost_models = list(stage_cost_models)
         self.latencies = latencies or SimLatencies()
-        self.admission = admission
+        self.admission = admission or STRATEGIES[config.resolved_agreement]
         self.bus: SimBus | None = None
         self.stages: list[SimStage] = []
         self.controller: AgreementController | None = None
@@ -114,7 +114,7 @@ class SimPipeline:
         self.bus = SimBus(self.latencies.bus_latency_s)
         capacities = [config.kv_blocks_of(rank) for rank in range(config.num_stages)]
         kv_rtt_s = self.latencies.kv_rtt_s
-        if config.resolved_baseline.lockstep_admission:
+        if self.admission.agrees_in_lockstep(config):
             # TRT-LLM's ranks take the smallest pool (an allreduce MIN) and stay in lockstep
             # by identical operations: agreement is free of round trips (baseline.md).
             capacities = [min(capacities)] * config.num_stages
