@@ -26,6 +26,8 @@ from wavepp.launch.up import (
     operator_only_warnings,
     serving_line,
     spec_mapping,
+    store_limit_config,
+    up_dirs,
     with_telemetry,
 )
 from wavepp.runtime.serving.processes import Supervisor
@@ -257,3 +259,31 @@ def test_metrics_ports_that_include_the_gateway_port_are_refused_at_start(
     assert code == 2 and len(err) == 1, err
     assert "telemetry.metricsPort 18086" in err[0] and "--port 18090" in err[0], err
     assert "18086..18091" in err[0]
+
+
+def test_up_dirs_default_under_the_state_folder_and_follow_their_flags(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    assert up_dirs(_up_args("--state-dir", str(state))) == (
+        state.resolve(),
+        state.resolve() / "logs",
+        state.resolve() / "jetstream",
+    )
+    assert state.is_dir()  # created
+    logs, store = tmp_path / "l", tmp_path / "js"
+    args = _up_args(
+        "--state-dir", str(state), "--log-dir", str(logs), "--jetstream-dir", str(store)
+    )
+    assert up_dirs(args)[1:] == (logs.resolve(), store.resolve())
+    fresh, _, _ = up_dirs(_up_args())
+    assert fresh.is_dir() and fresh.name.startswith("wavepp-up-")
+    fresh.rmdir()
+
+
+def test_the_insecure_servers_store_limit_is_a_config_file_only_when_capped(
+    tmp_path: Path,
+) -> None:
+    assert store_limit_config(tmp_path, 0) is None
+    assert not list(tmp_path.iterdir())
+    path = store_limit_config(tmp_path, 1 << 30)
+    assert path is not None
+    assert Path(path).read_text() == "jetstream: { max_file_store: 1073741824 }\n"

@@ -88,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
 
     exit_with_parent()
     from wavepp.cmd.common import config_exit_code, startup_failure
-    from wavepp.launch.flags import POOL_ENV, ArgError, apply_nats_tls, check_creds, check_port
-    from wavepp.launch.replica import planner_cost_model, runtime_config_from_args
+    from wavepp.launch.flags import ArgError, apply_nats_tls, check_creds, check_port
+    from wavepp.launch.replica import admission_pool, planner_cost_model, runtime_config_from_args
     from wavepp.runtime.serving.health import start_health_server
     from wavepp.runtime.serving.service import AdmissionService
     from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
@@ -104,9 +104,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         config = runtime_config_from_args(args, os.environ)
-        pool = args.pool or os.environ.get(POOL_ENV)
-        if not pool:
-            raise ArgError(f"--pool: give the pool name, or set ${POOL_ENV}")
+        pool = admission_pool(args, os.environ)
         check_creds(args.nats_creds)
         apply_nats_tls(args)
         check_port("--health-port", args.health_port)
