@@ -88,7 +88,13 @@ def run(args: argparse.Namespace) -> int:
 
     exit_with_parent()
     from wavepp.cmd.common import config_exit_code, startup_failure
-    from wavepp.launch.flags import ArgError, apply_nats_tls, check_creds, check_port
+    from wavepp.launch.flags import (
+        ArgError,
+        apply_nats_tls,
+        check_creds,
+        check_flag,
+        check_port,
+    )
     from wavepp.launch.replica import admission_pool, planner_cost_model, runtime_config_from_args
     from wavepp.runtime.serving.health import start_health_server
     from wavepp.runtime.serving.service import AdmissionService
@@ -108,23 +114,11 @@ def run(args: argparse.Namespace) -> int:
         check_creds(args.nats_creds)
         apply_nats_tls(args)
         check_port("--health-port", args.health_port)
+        check_flag("--ack-wait-s", args.ack_wait_s, args.ack_wait_s > 0, "> 0")
+        check_flag("--drain-timeout-s", args.drain_timeout_s, args.drain_timeout_s >= 0, ">= 0")
+        check_flag("--max-outstanding", args.max_outstanding, args.max_outstanding >= 1, ">= 1")
     except ArgError as exc:
         print(f"wavepp admission: {exc}", file=sys.stderr)
-        return config_exit_code(os.environ)
-    if args.ack_wait_s <= 0:
-        print(f"wavepp admission: --ack-wait-s {args.ack_wait_s}: must be > 0", file=sys.stderr)
-        return config_exit_code(os.environ)
-    if args.drain_timeout_s < 0:
-        print(
-            f"wavepp admission: --drain-timeout-s {args.drain_timeout_s}: must be >= 0",
-            file=sys.stderr,
-        )
-        return config_exit_code(os.environ)
-    if args.max_outstanding < 1:
-        print(
-            f"wavepp admission: --max-outstanding {args.max_outstanding}: must be >= 1",
-            file=sys.stderr,
-        )
         return config_exit_code(os.environ)
     failure = startup_failure(
         args.nats_url,

@@ -42,6 +42,7 @@ This module parses the flags and runs the steps of :func:`run`; what to run is r
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 import time
@@ -51,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wavepp.cmd.common import finite_float
+from wavepp.cmd.common import fail, finite_float
 
 if TYPE_CHECKING:
     from wavepp.launch.up import UpPlan
@@ -173,9 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _fail(flag: str, message: str) -> int:
-    print(f"wavepp up: {flag}: {message}", file=sys.stderr)
-    return 2
+_fail = functools.partial(fail, "up")
 
 
 def _is_ready(url: str) -> bool:

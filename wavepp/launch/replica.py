@@ -126,7 +126,7 @@ def stage_config_from_args(
 
     Raises:
         ArgError: as :func:`runtime_config_from_args`, a size the config refuses, or a
-            ``--metrics-port`` outside [1, 65535] (names the flag).
+            ``--metrics-port`` outside [0, 65535] (names the flag).
     """
     config = with_tensor_parallel(runtime_config_from_args(args, env), args.tensor_parallel_size)
     check_port("--metrics-port", args.metrics_port)
