@@ -584,25 +584,17 @@ def _round_up(value: int, multiple: int) -> int:
 class PlanningSwitches(Protocol):
     """The baseline's planning switches (``runtime.config.BaselineConfig``)."""
 
-    @property
-    def budget_accounting(self) -> BudgetAccounting: ...
-
-    @property
-    def one_chunk_inflight(self) -> bool: ...
+    budget_accounting: BudgetAccounting
+    one_chunk_inflight: bool
 
 
 class PlannerSettings(Protocol):
     """What ``planner_for`` reads of a replica's configuration (``runtime.config.RuntimeConfig``,
     which this pure room does not import)."""
 
-    @property
-    def chunk_tokens(self) -> int: ...
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def max_microbatch_tokens(self) -> int: ...
+    chunk_tokens: int
+    block_size: int
+    max_microbatch_tokens: int
 
     @property
     def resolved_chunk_policy(self) -> Literal["dynamic", "static"]: ...
