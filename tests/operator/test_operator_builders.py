@@ -9,8 +9,11 @@ from typing import Any
 import pytest
 from operator_support import kubernetes_validate
 
+from wavepp import cli
+from wavepp.api.cli_args import NatsArgs, admission_args, stage_args
 from wavepp.api.spec import WavePipelineSpec, check_spec
 from wavepp.operator import builders as b
+from wavepp.runtime.serving.processes import stage_command
 
 REF = b.PipelineRef(name="big", namespace="llm", uid="0b4c-uid")
 
@@ -344,3 +347,55 @@ def test_inference_pool_over_the_gateway_pods_off_by_default() -> None:
     assert pool["spec"]["endpointPickerRef"] == {
         "kind": "Service", "name": "wavepp-epp", "port": {"number": 9002}, "failureMode": "FailClose",
     }  # fmt: skip
+
+
+def test_the_pods_stage_args_and_the_local_stage_command_come_from_one_builder() -> None:
+    """A stage pod's args and ``wavepp up``'s stage command line are both
+    ``api.cli_args.stage_args``: for the same NATS settings and metrics port they carry the same
+    flags with the same values, in the same order, and ``wavepp stage``'s parser reads both."""
+    nats = NatsArgs(str(FULL.nats.url), creds="/etc/wavepp-nats/creds")
+    metrics_port = FULL.telemetry.metrics_port
+    pod = b.container_args("stage", FULL, REF, 2)
+    local = stage_command(
+        "/run/rc.json",
+        3,
+        nats_url=nats.url,
+        dist_url="tcp://127.0.0.1:29500",
+        metrics_port=metrics_port,
+        metrics_host="127.0.0.1",
+        nats_creds=nats.creds,
+    )
+    assert pod == stage_args(
+        nats,
+        config=b.SPEC_FILE,
+        replica=2,
+        rank="$(WAVEPP_RANK)",
+        dist_url="tcp://big-r2-0.big-r2:29500",
+        health_port=b.HEALTH_PORT,
+        metrics_port=metrics_port,
+    )
+    assert local[3:] == stage_args(
+        nats,
+        runtime_config="/run/rc.json",
+        rank="3",
+        dist_url="tcp://127.0.0.1:29500",
+        metrics_port=metrics_port,
+        metrics_host="127.0.0.1",
+    )
+    shared = ["--nats-url", "--nats-creds", "--rank", "--dist-url", "--metrics-port"]
+    for args in (pod, local[3:]):
+        assert [a for a in args if a in shared] == shared
+    parsed_pod = cli.build_parser(["stage"]).parse_args(pod)
+    parsed_local = cli.build_parser(["stage"]).parse_args(local[3:])
+    for field in ("nats_url", "nats_creds", "metrics_port"):
+        assert getattr(parsed_pod, field) == getattr(parsed_local, field), field
+
+
+@pytest.mark.parametrize("builder", [stage_args, admission_args])
+def test_a_process_takes_exactly_one_configuration_source(builder: Any) -> None:
+    nats = NatsArgs("nats://n:4222")
+    fields = {"rank": "0", "dist_url": "tcp://h:1"} if builder is stage_args else {"drain_s": 1.0}
+    with pytest.raises(ValueError, match="exactly one of config"):
+        builder(nats, **fields)
+    with pytest.raises(ValueError, match="exactly one of config"):
+        builder(nats, config="/s.json", runtime_config="/rc.json", **fields)

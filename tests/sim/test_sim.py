@@ -148,8 +148,7 @@ def test_a_split_target_of_k_microbatches_makes_k_not_k_plus_one(num_splits: int
     192 + 128 tokens: three micro-batches, each paying c on every stage (wave fell below sync
     at C = 1). For k = 3 (fit ~170 tokens) rounding down gave 4 x 128; one block more gives
     192 + 192 + 128."""
-    from wavepp.runtime.planning import Chunk, RequestProgress
-    from wavepp.runtime.scheduling.core import planner_for
+    from wavepp.runtime.planning import Chunk, RequestProgress, planner_for
 
     config, planner_cost = runtime_config(
         GridSpec(time_scale=1.0, num_stages=8), Setting("minimax-m2.7", 1, "high", "wave")

@@ -26,6 +26,8 @@ from wavepp.launch.up import (
     operator_only_warnings,
     serving_line,
     spec_mapping,
+    store_limit_config,
+    up_dirs,
     with_telemetry,
 )
 from wavepp.runtime.serving.processes import Supervisor
@@ -290,3 +292,31 @@ def test_planner_cost_model_reaches_every_admission_and_a_bad_one_is_refused(
         with pytest.raises(FlagError, match=why) as refused:
             plan_up(_up_args("--stages", "2", "--port", "0", "--planner-cost-model", str(path)))
         assert refused.value.flag == "--planner-cost-model"
+
+
+def test_up_dirs_default_under_the_state_folder_and_follow_their_flags(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    assert up_dirs(_up_args("--state-dir", str(state))) == (
+        state.resolve(),
+        state.resolve() / "logs",
+        state.resolve() / "jetstream",
+    )
+    assert state.is_dir()  # created
+    logs, store = tmp_path / "l", tmp_path / "js"
+    args = _up_args(
+        "--state-dir", str(state), "--log-dir", str(logs), "--jetstream-dir", str(store)
+    )
+    assert up_dirs(args)[1:] == (logs.resolve(), store.resolve())
+    fresh, _, _ = up_dirs(_up_args())
+    assert fresh.is_dir() and fresh.name.startswith("wavepp-up-")
+    fresh.rmdir()
+
+
+def test_the_insecure_servers_store_limit_is_a_config_file_only_when_capped(
+    tmp_path: Path,
+) -> None:
+    assert store_limit_config(tmp_path, 0) is None
+    assert not list(tmp_path.iterdir())
+    path = store_limit_config(tmp_path, 1 << 30)
+    assert path is not None
+    assert Path(path).read_text() == "jetstream: { max_file_store: 1073741824 }\n"

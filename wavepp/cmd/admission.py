@@ -88,8 +88,14 @@ def run(args: argparse.Namespace) -> int:
 
     exit_with_parent()
     from wavepp.cmd.common import config_exit_code, startup_failure
-    from wavepp.launch.flags import POOL_ENV, ArgError, apply_nats_tls, check_creds, check_port
-    from wavepp.launch.replica import planner_cost_model, runtime_config_from_args
+    from wavepp.launch.flags import (
+        ArgError,
+        apply_nats_tls,
+        check_creds,
+        check_flag,
+        check_port,
+    )
+    from wavepp.launch.replica import admission_pool, planner_cost_model, runtime_config_from_args
     from wavepp.runtime.serving.health import start_health_server
     from wavepp.runtime.serving.service import AdmissionService
     from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
@@ -99,29 +105,15 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = runtime_config_from_args(args, os.environ)
-        pool = args.pool or os.environ.get(POOL_ENV)
-        if not pool:
-            raise ArgError(f"--pool: give the pool name, or set ${POOL_ENV}")
+        pool = admission_pool(args, os.environ)
         check_creds(args.nats_creds)
         apply_nats_tls(args)
         check_port("--health-port", args.health_port)
+        check_flag("--ack-wait-s", args.ack_wait_s, args.ack_wait_s > 0, "> 0")
+        check_flag("--drain-timeout-s", args.drain_timeout_s, args.drain_timeout_s >= 0, ">= 0")
+        check_flag("--max-outstanding", args.max_outstanding, args.max_outstanding >= 1, ">= 1")
     except ArgError as exc:
         print(f"wavepp admission: {exc}", file=sys.stderr)
-        return config_exit_code(os.environ)
-    if args.ack_wait_s <= 0:
-        print(f"wavepp admission: --ack-wait-s {args.ack_wait_s}: must be > 0", file=sys.stderr)
-        return config_exit_code(os.environ)
-    if args.drain_timeout_s < 0:
-        print(
-            f"wavepp admission: --drain-timeout-s {args.drain_timeout_s}: must be >= 0",
-            file=sys.stderr,
-        )
-        return config_exit_code(os.environ)
-    if args.max_outstanding < 1:
-        print(
-            f"wavepp admission: --max-outstanding {args.max_outstanding}: must be >= 1",
-            file=sys.stderr,
-        )
         return config_exit_code(os.environ)
     # Logging first, then everything that may log (the bus key's warning included): a record
     # emitted before would reach logging's last-resort handler, without time or component.

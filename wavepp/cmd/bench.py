@@ -8,12 +8,13 @@ wavepp bench plot docs/bench/h200/grid.csv    # PNG plots from a grid CSV
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import sys
 from pathlib import Path
 
-from wavepp.cmd.common import HelpFormatter, finite_float, fresh_out_dir
+from wavepp.cmd.common import HelpFormatter, fail, finite_float, fresh_out_dir
 
 BARE_IS_USAGE = [("grid",)]
 
@@ -173,9 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plot.add_argument("--out", default=None, help="folder (default: beside the CSV)")
 
 
-def _fail(flag: str, message: str) -> int:
-    print(f"wavepp bench: {flag}: {message}", file=sys.stderr)
-    return 2
+_fail = functools.partial(fail, "bench")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,85 +232,14 @@ def _run_grid(args: argparse.Namespace) -> int:
 def _run_agreement(args: argparse.Namespace) -> int:
     import asyncio
 
-    from wavepp.bench.agreement import (
-        WORKLOADS,
-        AgreementSetting,
-        format_table,
-        run_agreement_bench,
-    )
-    from wavepp.launch.flags import comma_ints
+    from wavepp.bench.agreement import format_table, run_agreement_bench
+    from wavepp.launch.agreement import plan_agreement
+    from wavepp.launch.flags import FlagError
 
-    if args.rate is not None and args.in_flight is not None:
-        return _fail("--rate", "not with --concurrency (open loop or closed loop, not both)")
-    rates: list[float | None] = [None]
-    if args.rate is not None:
-        try:
-            rates = [float(x) for x in args.rate.split(",") if x]
-        except ValueError:
-            rates = []
-        if not rates or not all(0 < x < float("inf") for x in rates):
-            return _fail("--rate", f"{args.rate!r}: need numbers > 0 (agreements/s per replica)")
-    if args.in_flight is None:
-        args.in_flight = "1" if args.rate is not None else "1,16,64"
-    lists = {}
-    flags = {"stages": "--stages", "in_flight": "--concurrency",
-             "batch_limits": "--batch-limits", "replicas": "--replicas",
-             "rounds_in_flight": "--rounds-in-flight"}  # fmt: skip
-    for flag, name in flags.items():
-        try:
-            lists[flag] = comma_ints(getattr(args, flag))
-        except ValueError as exc:
-            return _fail(name, str(exc))
-        if not lists[flag] or min(lists[flag]) < 1:
-            return _fail(name, f"{getattr(args, flag)!r}: need integers >= 1")
-    workloads = [w for w in args.workload.split(",") if w]
-    for workload in workloads:
-        if workload not in WORKLOADS:
-            return _fail("--workload", f"{workload!r}: choose from {list(WORKLOADS)}")
-    if args.requests < 1:
-        return _fail("--requests", f"{args.requests}: must be >= 1")
-    if not 1 <= args.suffix_tokens <= args.prompt_tokens:
-        return _fail("--suffix-tokens", f"{args.suffix_tokens}: must be in [1, --prompt-tokens]")
-    for name, flag, low in (
-        ("stage_hosts", "--stage-hosts", 0),
-        ("stages_in_process", "--stages-in-process", 0),
-        ("held", "--held", 0),
-    ):
-        if (getattr(args, name) or 0) < low:
-            return _fail(flag, f"{getattr(args, name)}: must be >= {low}")
-    # a layout flag that would be ignored is refused (accepted but not honoured is a defect)
-    if args.stage_hosts and args.stage_processes:
-        return _fail("--stage-hosts", "not with --stage-processes (one process per stage)")
-    if args.connection_per_stage and args.stage_processes:
-        return _fail("--connection-per-stage", "not with --stage-processes (a connection each "
-                     "already)")  # fmt: skip
-    if args.stages_in_process is not None and not args.stage_hosts:
-        return _fail("--stages-in-process", "needs --stage-hosts N >= 1 (without it every "
-                     "stage runs in the controller's process)")  # fmt: skip
-    settings = [
-        AgreementSetting(
-            s,
-            k,
-            b,
-            r,
-            w,
-            args.stage_processes,
-            stage_hosts=args.stage_hosts,
-            stages_in_process=args.stages_in_process,
-            held_requests=args.held,
-            rate=rate,
-            rounds_in_flight=m,
-            connection_per_stage=args.connection_per_stage,
-            prefix_refs=args.prefix_refs,
-        )
-        for w in workloads
-        for r in lists["replicas"]
-        for s in lists["stages"]
-        for b in lists["batch_limits"]
-        for k in lists["in_flight"]
-        for rate in rates
-        for m in lists["rounds_in_flight"]
-    ]
+    try:
+        settings = plan_agreement(args)
+    except FlagError as exc:
+        return _fail(exc.flag, str(exc))
     results = asyncio.run(
         run_agreement_bench(
             settings,

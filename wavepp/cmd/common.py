@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -87,6 +88,12 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number")
     return value
+
+
+def fail(command: str, flag: str, message: str) -> int:
+    """Print ``wavepp COMMAND: FLAG: MESSAGE`` on stderr; returns 2 (a usage error)."""
+    print(f"wavepp {command}: {flag}: {message}", file=sys.stderr)
+    return 2
 
 
 def fresh_out_dir(prefix: str) -> str:

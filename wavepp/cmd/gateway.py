@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.cmd.common import config_exit_code, startup_failure
     from wavepp.gateway.http import load_tokenizer, run_gateway
     from wavepp.launch.flags import ArgError, apply_nats_tls, check_creds, describe_error
-    from wavepp.launch.gateway import gateway_config_from_args
+    from wavepp.launch.gateway import gateway_config_from_args, gateway_host
     from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
 
     # Logging first, then everything that may log (the bus key's warning included): a record
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         print(f"wavepp gateway: --port {args.port}: must be in [1, 65535]", file=sys.stderr)
         return config_exit_code(os.environ)
-    host = args.host or ("0.0.0.0" if args.config else "127.0.0.1")
+    host = gateway_host(args)
     failure = startup_failure(
         args.nats_url, args.nats_connect_timeout_s, [("--port", host, args.port)]
     )

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
-import sys
 from pathlib import Path
 
-from wavepp.cmd.common import finite_float
+from wavepp.cmd.common import fail, finite_float
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,9 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _fail(flag: str, message: str) -> int:
-    print(f"wavepp replay: {flag}: {message}", file=sys.stderr)
-    return 2
+_fail = functools.partial(fail, "replay")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,11 +10,12 @@ real time: PP 8, long contexts, time scale 1.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
 from wavepp.cmd import sim_handoff
-from wavepp.cmd.common import finite_float
+from wavepp.cmd.common import fail, finite_float
 
 BARE_IS_USAGE = [()]
 
@@ -141,9 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _fail(flag: str, message: str) -> int:
-    print(f"wavepp sim: {flag}: {message}", file=sys.stderr)
-    return 2
+_fail = functools.partial(fail, "sim")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -97,29 +97,20 @@ def run(args: argparse.Namespace) -> int:
         describe_error,
         resolve_rank,
     )
-    from wavepp.launch.replica import runtime_config_from_args, with_tensor_parallel
+    from wavepp.launch.replica import stage_config_from_args
     from wavepp.runtime.serving.health import start_health_server
     from wavepp.runtime.stage.build import check_environment
     from wavepp.runtime.stage.process import StageReadiness, TensorParallelLost, run_stage
     from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
 
     try:
-        config = runtime_config_from_args(args, os.environ)
-        config = with_tensor_parallel(config, args.tensor_parallel_size)
+        config = stage_config_from_args(args, os.environ)
         rank = resolve_rank(args.rank, os.environ)
         if args.nats_creds:  # the operator's per-rank file, should the kubelet not expand it
             args.nats_creds = args.nats_creds.replace("$(WAVEPP_RANK)", str(rank))
         check_creds(args.nats_creds)
         apply_nats_tls(args)
         check_port("--health-port", args.health_port)
-        check_port("--metrics-port", args.metrics_port)
-        # The stage's metrics port is its flag only (the config's is the admission's: under
-        # wavepp up both read one file on one host).
-        config = config.model_copy(
-            update={
-                "telemetry": config.telemetry.model_copy(update={"metrics_port": args.metrics_port})
-            }
-        )
         check_environment(config)
         load_bus_key()  # a bad WAVEPP_BUS_KEY is a one-line error here, not a traceback later
     except (ArgError, ValueError, BusKeyError) as exc:

@@ -42,9 +42,9 @@ This module parses the flags and runs the steps of :func:`run`; what to run is r
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wavepp.cmd.common import finite_float
+from wavepp.cmd.common import fail, finite_float
 
 if TYPE_CHECKING:
     from wavepp.launch.up import UpPlan
@@ -182,18 +182,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _fail(flag: str, message: str) -> int:
-    print(f"wavepp up: {flag}: {message}", file=sys.stderr)
-    return 2
-
-
-def _store_limit_config(state_dir: Path, max_bytes: int) -> str | None:
-    """A nats-server config that only caps JetStream's disk use (for ``--insecure-nats``)."""
-    if not max_bytes:
-        return None
-    path = state_dir / "nats-store-limit.conf"
-    path.write_text(f"jetstream: {{ max_file_store: {max_bytes} }}\n")
-    return str(path)
+_fail = functools.partial(fail, "up")
 
 
 def _is_ready(url: str) -> bool:
@@ -248,16 +237,11 @@ def run(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace, plan: UpPlan) -> _Up:
     """The state folder (``--state-dir`` or a fresh one), the supervisor writing
     ``processes.json`` there, ``gateway.json``, and the operator-only warnings on stderr."""
-    from wavepp.launch.up import operator_only_warnings
+    from wavepp.launch.up import operator_only_warnings, up_dirs
     from wavepp.runtime.serving.processes import Supervisor
 
-    state_dir = Path(args.state_dir or tempfile.mkdtemp(prefix="wavepp-up-")).resolve()
-    state_dir.mkdir(parents=True, exist_ok=True)
-    log_dir = Path(args.log_dir).resolve() if args.log_dir else state_dir / "logs"
+    state_dir, log_dir, store_dir = up_dirs(args)
     sup = Supervisor(log_dir, state_file=state_dir / "processes.json")
-    store_dir = (
-        Path(args.jetstream_dir).resolve() if args.jetstream_dir else state_dir / "jetstream"
-    )
     (state_dir / "gateway.json").write_text(plan.gateway.model_dump_json(indent=2))
     for line in operator_only_warnings(plan.raw):
         print(f"wavepp up: WARNING: {line}", file=sys.stderr, flush=True)
@@ -291,7 +275,7 @@ def _start_nats(up: _Up) -> int:
     """Start the nats-server (with fresh credentials unless ``--insecure-nats``) and its
     watchdog, and record the endpoints in ``processes.json``'s info. 0, or an exit code."""
     from wavepp.launch.flags import describe_error
-    from wavepp.launch.up import metrics_endpoints
+    from wavepp.launch.up import metrics_endpoints, store_limit_config
     from wavepp.runtime.serving.nats_watchdog import NatsWatchdog
     from wavepp.runtime.transport.auth import write_pool_auth
     from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
@@ -308,7 +292,7 @@ def _start_nats(up: _Up) -> int:
         server = EmbeddedNatsServer(
             jetstream=True,
             store_dir=str(up.store_dir),
-            config_file=_store_limit_config(up.state_dir, args.jetstream_max_bytes),
+            config_file=store_limit_config(up.state_dir, args.jetstream_max_bytes),
             log_file=str(sup.log_dir / "nats-server.log"),
             monitor_port=free_port(),
         )

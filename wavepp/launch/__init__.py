@@ -10,5 +10,6 @@ up              what ``wavepp up`` runs (``plan_up``) and its children's command
 replay          the replica ``wavepp replay`` runs, from its flags
 sim             the settings ``wavepp sim`` simulates, from its flags
 grid            the runs ``wavepp bench grid`` makes, from its flags; a grid setting's config
+agreement       the settings ``wavepp bench agreement`` measures, from its flags
 flags           ``ArgError``, the checks of flags the pipeline processes share, one-line errors
 """

@@ -98,6 +98,12 @@ def check_port(flag: str, port: int | None) -> None:
         raise ArgError(f"{flag} {port}: must be in [0, 65535]")
 
 
+def check_flag(flag: str, value: object, ok: bool, rule: str) -> None:
+    """Raise ArgError ``FLAG VALUE: must be RULE`` unless ``ok``."""
+    if not ok:
+        raise ArgError(f"{flag} {value}: must be {rule}")
+
+
 def apply_nats_tls(args: argparse.Namespace) -> None:
     """Check the ``--nats-tls-*`` files and export them for ``natsio.connect`` and children.
 

@@ -207,6 +207,12 @@ def gateway_config_from_args(
     return _override(config, args)
 
 
+def gateway_host(args: argparse.Namespace) -> str:
+    """The address the gateway binds: ``--host``, else every interface with ``--config`` (a
+    pod: the Service reaches it), else 127.0.0.1 (a local gateway is not exposed by default)."""
+    return args.host or ("0.0.0.0" if args.config else "127.0.0.1")
+
+
 def _override(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
     """``config`` with the flags that override it (``--routing``, ``--max-queued``)."""
     update: dict[str, object] = {}

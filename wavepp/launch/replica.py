@@ -33,8 +33,10 @@ from wavepp.runtime.planning import CostModel
 from wavepp.telemetry.settings import TelemetrySettings
 
 __all__ = [
+    "admission_pool",
     "planner_cost_model",
     "runtime_config_from_args",
+    "stage_config_from_args",
     "telemetry_from_spec",
     "with_checkpoint",
     "with_tensor_parallel",
@@ -112,6 +114,36 @@ def runtime_config_from_args(
         except ValueError as exc:
             raise ArgError(f"--model {args.model}: {exc}") from exc
     return config
+
+
+def stage_config_from_args(
+    args: argparse.Namespace, env: dict[str, str] | os._Environ[str]
+) -> RuntimeConfig:
+    """``wavepp stage``'s RuntimeConfig: :func:`runtime_config_from_args` with
+    ``--tensor-parallel-size`` laid over it and ``telemetry.metrics_port`` set to
+    ``--metrics-port`` (None: no metrics server). The stage's metrics port is its flag only: the
+    config's is the admission's (under ``wavepp up`` both read one file on one host).
+
+    Raises:
+        ArgError: as :func:`runtime_config_from_args`, a size the config refuses, or a
+            ``--metrics-port`` outside [0, 65535] (names the flag).
+    """
+    config = with_tensor_parallel(runtime_config_from_args(args, env), args.tensor_parallel_size)
+    check_port("--metrics-port", args.metrics_port)
+    telemetry = config.telemetry.model_copy(update={"metrics_port": args.metrics_port})
+    return config.model_copy(update={"telemetry": telemetry})
+
+
+def admission_pool(args: argparse.Namespace, env: dict[str, str] | os._Environ[str]) -> str:
+    """The pool an admission serves: ``--pool``, else ``$WAVEPP_PIPELINE``.
+
+    Raises:
+        ArgError: neither is set.
+    """
+    pool = args.pool or env.get(POOL_ENV)
+    if not pool:
+        raise ArgError(f"--pool: give the pool name, or set ${POOL_ENV}")
+    return pool
 
 
 def with_checkpoint(config: RuntimeConfig, model_dir: str) -> RuntimeConfig:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,6 +243,31 @@ def operator_only_warnings(raw: Any) -> list[str]:
 
 STOP_GRACE_S = 10.0
 """The least time ``wavepp up`` gives a child between SIGTERM and SIGKILL (seconds)."""
+
+
+def up_dirs(args: argparse.Namespace) -> tuple[Path, Path, Path]:
+    """Where a run keeps its files, absolute: the state folder (``--state-dir``, created, or a
+    fresh temporary one), the children's logs (``--log-dir`` or ``STATE/logs``) and the
+    JetStream store (``--jetstream-dir`` or ``STATE/jetstream``)."""
+    state_dir = Path(args.state_dir or tempfile.mkdtemp(prefix="wavepp-up-")).resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(args.log_dir).resolve() if args.log_dir else state_dir / "logs"
+    store_dir = (
+        Path(args.jetstream_dir).resolve() if args.jetstream_dir else state_dir / "jetstream"
+    )
+    return state_dir, log_dir, store_dir
+
+
+def store_limit_config(state_dir: Path, max_bytes: int) -> str | None:
+    """The nats-server config of ``--insecure-nats``, which only caps JetStream's disk use at
+    ``max_bytes`` (``--jetstream-max-bytes``), written to ``STATE/nats-store-limit.conf``;
+    None (no file) when ``max_bytes`` is 0. The authenticated server's config carries the same
+    cap (``runtime.transport.auth.write_pool_auth``)."""
+    if not max_bytes:
+        return None
+    path = state_dir / "nats-store-limit.conf"
+    path.write_text(f"jetstream: {{ max_file_store: {max_bytes} }}\n")
+    return str(path)
 
 
 def drain_times(spec: WavePipelineSpec) -> tuple[float, float]:

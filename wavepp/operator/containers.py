@@ -1,6 +1,6 @@
 """The container contract with the runtime's processes (``wavepp stage|admission|gateway``).
 
-All of it is here: :func:`container_args` (flags), :func:`_probes` (ports and the HTTP endpoints
+All of it is here: :func:`container_args` (flags, from ``wavepp.api.cli_args``), :func:`_probes` (ports and the HTTP endpoints
 the kubelet polls), the environment, the config volumes and the security contexts every pipeline
 pod runs with. The per-kind builders (``builders.py``) put these containers into objects.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
+from wavepp.api.cli_args import NatsArgs, admission_args, gateway_args, stage_args
 from wavepp.api.pod import API_KEYS_DIR, API_KEYS_ENTRY, DRAIN_EXIT_MARGIN_S
 from wavepp.api.spec import CONFIG_EXIT_CODE, WavePipelineSpec
 from wavepp.operator.naming import (
@@ -44,7 +45,8 @@ Component = Literal["stage", "admission", "gateway"]
 def container_args(
     component: Component, spec: WavePipelineSpec, ref: PipelineRef, replica: int | None = None
 ) -> list[str]:
-    """Arguments of ``wavepp <component>``: the one place that knows the runtime's flags.
+    """Arguments of ``wavepp <component>`` in a pod, from the runtime's one builder of each
+    process's arguments (``wavepp.api.cli_args``, which the local supervisor uses too).
 
     Args:
         component: stage, admission or gateway.
@@ -60,41 +62,37 @@ def container_args(
     Raises:
         ValueError: replica missing for stage/admission.
     """
-    args = [component, "--config", SPEC_FILE, "--nats-url", str(spec.nats.url)]
+    creds = None
     if spec.nats.credentials_secret:
         rendered = uses_rendered_creds(spec, ref)
-        args += ["--nats-creds", creds_path(component) if rendered else f"{NATS_CREDS_DIR}/creds"]
-    if spec.nats.tls_secret:
-        args += ["--nats-tls-ca", f"{NATS_TLS_DIR}/ca.crt"]
-        if spec.nats.tls_client_cert:
-            args += [
-                "--nats-tls-cert",
-                f"{NATS_TLS_DIR}/tls.crt",
-                "--nats-tls-key",
-                f"{NATS_TLS_DIR}/tls.key",
-            ]
-    if component in ("stage", "admission"):
-        if replica is None:
-            raise ValueError(f"container_args({component!r}): replica is required")
-        args += ["--replica", str(replica)]
-    if component == "stage":
-        sts = statefulset_name(ref.name, replica or 0)
-        args += [
-            "--rank",
-            "$(WAVEPP_RANK)",
-            "--dist-url",
-            f"tcp://{sts}-0.{sts}:{RENDEZVOUS_PORT}",
-            "--health-port",
-            str(HEALTH_PORT),
-            "--metrics-port",
-            str(spec.telemetry.metrics_port),
-        ]
-    elif component == "admission":
+        creds = creds_path(component) if rendered else f"{NATS_CREDS_DIR}/creds"
+    mutual = bool(spec.nats.tls_secret and spec.nats.tls_client_cert)
+    nats = NatsArgs(
+        str(spec.nats.url),
+        creds=creds,
+        tls_ca=f"{NATS_TLS_DIR}/ca.crt" if spec.nats.tls_secret else None,
+        tls_cert=f"{NATS_TLS_DIR}/tls.crt" if mutual else None,
+        tls_key=f"{NATS_TLS_DIR}/tls.key" if mutual else None,
+    )
+    if component == "gateway":
+        return gateway_args(nats, config=SPEC_FILE, pool_file=POOL_FILE, port=HTTP_PORT)
+    if replica is None:
+        raise ValueError(f"container_args({component!r}): replica is required")
+    if component == "admission":
         drain_s = max(0.0, spec.rollout.drain_timeout_s - DRAIN_EXIT_MARGIN_S)
-        args += ["--health-port", str(HTTP_PORT), "--drain-timeout-s", f"{drain_s:g}"]
-    else:
-        args += ["--pool-file", POOL_FILE, "--port", str(HTTP_PORT)]
-    return args
+        return admission_args(
+            nats, config=SPEC_FILE, replica=replica, health_port=HTTP_PORT, drain_s=drain_s
+        )
+    sts = statefulset_name(ref.name, replica)
+    return stage_args(
+        nats,
+        config=SPEC_FILE,
+        replica=replica,
+        rank="$(WAVEPP_RANK)",
+        dist_url=f"tcp://{sts}-0.{sts}:{RENDEZVOUS_PORT}",
+        health_port=HEALTH_PORT,
+        metrics_port=spec.telemetry.metrics_port,
+    )
 
 
 def _env(component: Component, spec: WavePipelineSpec, ref: PipelineRef) -> list[dict[str, Any]]:

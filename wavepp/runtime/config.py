@@ -30,8 +30,10 @@ class AgreementMode(StrEnum):
 
 class BaselineConfig(BaseModel):
     """The TensorRT-LLM baseline's fidelity switches (docs/bench/baseline.md): each models one
-    way TensorRT-LLM's PP executor behaves. They apply in ``mode="sync"`` only; read them through
-    ``RuntimeConfig.resolved_baseline``, which is ``BASELINE_OFF`` in wave mode."""
+    way TensorRT-LLM's PP executor behaves. They apply in ``mode="sync"`` only, as
+    ``RuntimeConfig.resolved_baseline`` (``BASELINE_OFF`` in wave mode), read by the planner
+    policy (``planning.planner_for``: budget accounting, one chunk in flight) and the admission
+    strategy (``AdmissionStrategy.host_floor_s``, ``agrees_in_lockstep``) only."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 

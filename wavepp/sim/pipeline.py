@@ -39,15 +39,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import BlockPool, StageKVManager
-from wavepp.runtime.planning import CostModel
+from wavepp.runtime.planning import CostModel, planner_for
 from wavepp.runtime.planning.handoff_cost import HandoffModel
-from wavepp.runtime.scheduling.admission import AdmissionHost, AdmissionStrategy
-from wavepp.runtime.scheduling.core import planner_for
+from wavepp.runtime.scheduling.admission import STRATEGIES, AdmissionStrategy
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.scheduling.transport import BusPlanTransport
 from wavepp.runtime.stage.handoff_model import ModelledHandoff
@@ -69,8 +68,9 @@ class SimPipeline:
         stage_cost_models: per-stage cost models (unscaled; the stage multiplies by
             config.time_scale); default: CostModel.from_dict(config.cost_model) on every stage.
         latencies: simulated transport and preparation costs.
-        admission: builds the scheduler's admission strategy (``WaveScheduler``'s
-            ``admission``; default: the one the config selects).
+        admission: the scheduler's admission strategy class (``WaveScheduler``'s
+            ``admission``; default: the one the config selects). Its ``agrees_in_lockstep``
+            decides how the stages' pools and KV round trips are simulated.
         handoff: every stage hands its layers' KV to a decode instance over its modelled link
             (``runtime.stage.handoff_model``), or None (no handoff).
     """
@@ -82,7 +82,7 @@ class SimPipeline:
         *,
         stage_cost_models: Sequence[CostModel] | None = None,
         latencies: SimLatencies | None = None,
-        admission: Callable[[AdmissionHost], AdmissionStrategy] | None = None,
+        admission: type[AdmissionStrategy] | None = None,
         handoff: HandoffModel | None = None,
     ) -> None:
         if stage_cost_models is None:
@@ -98,7 +98,7 @@ class SimPipeline:
         self.planner_cost_model = planner_cost_model
         self.stage_cost_models = list(stage_cost_models)
         self.latencies = latencies or SimLatencies()
-        self.admission = admission
+        self.admission = admission or STRATEGIES[config.resolved_agreement]
         if handoff is not None and len(handoff.stages) != config.num_stages:
             raise ValueError(
                 f"handoff has {len(handoff.stages)} stages; num_stages={config.num_stages}"
@@ -127,7 +127,7 @@ class SimPipeline:
         self.bus = SimBus(self.latencies.bus_latency_s)
         capacities = [config.kv_blocks_of(rank) for rank in range(config.num_stages)]
         kv_rtt_s = self.latencies.kv_rtt_s
-        if config.resolved_baseline.lockstep_admission:
+        if self.admission.agrees_in_lockstep(config):
             # TRT-LLM's ranks take the smallest pool (an allreduce MIN) and stay in lockstep
             # by identical operations: agreement is free of round trips (baseline.md).
             capacities = [min(capacities)] * config.num_stages

@@ -13,12 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from wavepp.runtime.config import BaselineConfig, RuntimeConfig
 from wavepp.runtime.planning import (
     Chunk,
     ChunkPlanner,
     CostModel,
     RequestProgress,
     fit_cost_model,
+    planner_for,
 )
 
 # -- CostModel ----------------------------------------------------------------------------------
@@ -587,3 +589,40 @@ def test_a_cut_one_block_further_stays_within_the_chunk_tokens_target() -> None:
     first = planner.plan_microbatch(requests, num_stages=2, num_inflight=0)
     assert [(c.request_id, c.num_tokens) for c in first] == [("r0", 8)]
     assert planner.microbatch_cost_s(first) <= planner.target_cost_s() * (1 + 1e-9)
+
+
+# -- the baseline's planning switches (planner policy) -------------------------------------------
+
+
+def test_the_dynamic_policy_refuses_inexact_budget_accounting() -> None:
+    with pytest.raises(ValueError, match="budget_accounting='none'.*dynamic"):
+        ChunkPlanner(LINEAR, policy="dynamic", budget_accounting="none")
+    with pytest.raises(ValueError, match="budget_accounting='rough'"):
+        ChunkPlanner(LINEAR, policy="static", budget_accounting="rough")  # type: ignore[arg-type]
+
+
+def test_one_chunk_inflight_holds_a_request_back_while_its_chunk_runs() -> None:
+    held = ChunkPlanner(LINEAR, policy="static", one_chunk_inflight=True)
+    free = ChunkPlanner(LINEAR, policy="static")
+    assert held.may_cut(0) and not held.may_cut(1)
+    assert free.may_cut(0) and free.may_cut(3)
+
+
+@pytest.mark.parametrize(
+    ("mode", "chunk_policy", "accounting", "one_chunk"),
+    [
+        ("wave", None, "exact", False),  # the baseline's switches are off in wave mode
+        ("sync", None, "none", True),
+        ("sync", "dynamic", "exact", True),  # the dynamic policy always accounts exactly
+    ],
+)
+def test_planner_for_applies_the_baseline_switches_as_the_config_resolves_them(
+    mode: str, chunk_policy: str | None, accounting: str, one_chunk: bool
+) -> None:
+    config = RuntimeConfig(
+        mode=mode,
+        chunk_policy=chunk_policy,
+        baseline=BaselineConfig(budget_accounting="none", one_chunk_inflight=True),
+    )
+    planner = planner_for(config, LINEAR)
+    assert (planner.budget_accounting, planner.one_chunk_inflight) == (accounting, one_chunk)

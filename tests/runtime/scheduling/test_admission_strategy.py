@@ -1,10 +1,12 @@
 """The admission strategy is a typed contract: ``AdmissionStrategy``'s abstract methods are what
-the scheduler calls, an ``AgreementMode`` selects the built-in one, and a strategy defined
-outside the runtime (here, in this test) drives the real scheduler in the simulator."""
+the scheduler calls, its pacing methods are what the loop and the simulator ask of it, an
+``AgreementMode`` selects the built-in one, and a strategy defined outside the runtime (here, in
+this test) drives the real scheduler in the simulator."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -90,16 +92,19 @@ def _config() -> tuple[RuntimeConfig, CostModel]:
 
 
 async def _serve(
-    config: RuntimeConfig, planner_cost: CostModel, prompts: list[list[int]]
+    config: RuntimeConfig,
+    planner_cost: CostModel,
+    prompts: list[list[int]],
+    strategy_class: type[OneRequestAtATime] = OneRequestAtATime,
 ) -> tuple[list[RequestOutcome], list[list[str]], OneRequestAtATime]:
     microbatches: dict[int, list[str]] = {}
     async with SimPipeline(
-        config, planner_cost, latencies=ZERO, admission=OneRequestAtATime
+        config, planner_cost, latencies=ZERO, admission=strategy_class
     ) as pipeline:
         scheduler = pipeline.scheduler
         assert scheduler is not None
         strategy = scheduler.admission
-        assert isinstance(strategy, OneRequestAtATime)
+        assert isinstance(strategy, strategy_class)
         scheduler.on_stage_done = lambda done, owners: microbatches.setdefault(
             done.microbatch_id, sorted(set(owners))
         )
@@ -143,7 +148,100 @@ def test_a_strategy_must_implement_every_call_the_scheduler_makes() -> None:
     with pytest.raises(TypeError, match="abstract"):
         Incomplete(object())  # type: ignore[abstract, arg-type]
     called = {name for name in dir(AdmissionStrategy) if not name.startswith("_")}
-    assert called == AdmissionStrategy.__abstractmethods__
+    assert called == AdmissionStrategy.__abstractmethods__ | PACING
+
+
+# What the scheduling loop and the simulator ask of a strategy, with defaults it may override.
+PACING = {"host_floor_s", "agrees_in_lockstep"}
+FLOOR_S = 2.0  # seconds; longer than the whole request takes without it
+
+
+class PacedOneRequestAtATime(OneRequestAtATime):
+    """``OneRequestAtATime`` whose every plan takes at least ``FLOOR_S`` of host time."""
+
+    def host_floor_s(self) -> float:
+        return FLOOR_S
+
+
+def _first_token_s(strategy_class: type[OneRequestAtATime]) -> tuple[float, int]:
+    """Virtual seconds from the submission of one 2,048-token prompt to its first token on the
+    last stage, and the number of micro-batches it took."""
+    config, planner_cost = _config()
+    microbatches: set[int] = set()
+
+    async def serve() -> float:
+        async with SimPipeline(
+            config, planner_cost, latencies=ZERO, admission=strategy_class
+        ) as pipeline:
+            scheduler = pipeline.scheduler
+            assert scheduler is not None and isinstance(scheduler.admission, strategy_class)
+            scheduler.on_stage_done = lambda done, _: microbatches.add(done.microbatch_id)
+            submitted_s = asyncio.get_running_loop().time()
+            outcome = await scheduler.submit(PromptRequest("r0", list(range(1, 2049))))
+            assert outcome.error == ""
+            finished_s = pipeline.finished_at_s("r0")
+            assert finished_s is not None
+            return finished_s - submitted_s
+
+    loop = VirtualClockLoop(start_s=10.0)
+    try:
+        return loop.run_until_complete(serve()), len(microbatches)
+    finally:
+        loop.close()
+
+
+def test_the_strategys_host_floor_delays_each_plan() -> None:
+    # Wave mode: the config's baseline is off, so only the strategy's override adds host time.
+    assert OneRequestAtATime.host_floor_s is AdmissionStrategy.host_floor_s
+    plain_s, _ = _first_token_s(OneRequestAtATime)
+    paced_s, num_microbatches = _first_token_s(PacedOneRequestAtATime)
+    # Each plan of the request waits the floor after the previous one went out.
+    assert plain_s < FLOOR_S
+    assert paced_s >= num_microbatches * FLOOR_S
+
+
+class LockstepOneRequestAtATime(OneRequestAtATime):
+    @classmethod
+    def agrees_in_lockstep(cls, config: RuntimeConfig) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("strategy_class", "pools"),
+    [(OneRequestAtATime, [900, 700, 800, 1000]), (LockstepOneRequestAtATime, [700] * 4)],
+)
+def test_the_strategy_decides_whether_the_simulator_agrees_in_lockstep(
+    strategy_class: type[OneRequestAtATime], pools: list[int]
+) -> None:
+    config, planner_cost = _config()
+    config = config.model_copy(update={"num_kv_blocks": [900, 700, 800, 1000]})
+
+    async def capacities() -> list[int]:
+        async with SimPipeline(
+            config, planner_cost, latencies=ZERO, admission=strategy_class
+        ) as pipeline:
+            return [stage.manager.pool.num_blocks for stage in pipeline.stages]
+
+    loop = VirtualClockLoop(start_s=10.0)
+    try:
+        assert loop.run_until_complete(capacities()) == pools
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize(
+    ("mode", "floor_s", "lockstep"), [("wave", 0.0, False), ("sync", 0.005, True)]
+)
+def test_the_built_in_pacing_is_the_baseline_as_the_config_resolves_it(
+    mode: str, floor_s: float, lockstep: bool
+) -> None:
+    config, _ = _config()
+    config = RuntimeConfig.model_validate({**config.model_dump(), "mode": mode})
+    strategy = STRATEGIES[config.resolved_agreement]
+    assert strategy.agrees_in_lockstep(config) is lockstep
+    assert config.baseline.iteration_overhead_s == 0.005  # the default this case reads
+    host = SimpleNamespace(core=None, config=config, controller=None, telemetry=None)
+    assert OneRequestAtATime(host).host_floor_s() == floor_s  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

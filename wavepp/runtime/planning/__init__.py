@@ -2,7 +2,7 @@
 
     cost_model  CostModel t(L, x) and fit_cost_model (least squares over measured timings)
     planner     RequestProgress, Chunk, ChunkPlanner: cut admitted requests into equal-cost
-                micro-batches
+                micro-batches; planner_for: the replica's planner from its RuntimeConfig
     catalogue   cost models derived from published model shapes at a stated GPU roofline
     calibration measured cost models shipped with the package (JSON)
 
@@ -11,6 +11,13 @@ Pure: no I/O, no torch, no NATS. Measuring a real engine (``wavepp calibrate``) 
 """
 
 from wavepp.runtime.planning.cost_model import CostModel, fit_cost_model
-from wavepp.runtime.planning.planner import Chunk, ChunkPlanner, RequestProgress
+from wavepp.runtime.planning.planner import Chunk, ChunkPlanner, RequestProgress, planner_for
 
-__all__ = ["Chunk", "ChunkPlanner", "CostModel", "RequestProgress", "fit_cost_model"]
+__all__ = [
+    "Chunk",
+    "ChunkPlanner",
+    "CostModel",
+    "RequestProgress",
+    "fit_cost_model",
+    "planner_for",
+]

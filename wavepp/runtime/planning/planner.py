@@ -13,9 +13,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from wavepp.runtime.planning.cost_model import CostModel, check_non_negative
+
+BudgetAccounting = Literal["none", "estimated", "exact"]
 
 # NOTE: a request's leftover that costs at most this fraction of the micro-batch budget rides
 # along (the micro-batch overshoots its target) instead of travelling alone later as a sliver
@@ -216,6 +218,8 @@ class ChunkPlanner:
         max_chunks_per_microbatch: int = 256,
         fill_idle_stages: bool | None = None,
         max_microbatch_tokens: int = DEFAULT_MAX_MICROBATCH_TOKENS,
+        budget_accounting: BudgetAccounting = "exact",
+        one_chunk_inflight: bool = False,
     ) -> None:
         """Create a planner.
 
@@ -229,10 +233,19 @@ class ChunkPlanner:
             fill_idle_stages: apply the at-least-S rule; default True for dynamic, False for
                 static (TRT-LLM does not shrink chunks).
             max_microbatch_tokens: the engine's largest micro-batch, new tokens (>= block_size).
+            budget_accounting: static only: what a request's first chunk is charged for its
+                cached prefix before the budget knows of it (``BaselineConfig``): "exact" only
+                its new tokens, "none" the whole remaining prompt, "estimated" the prompt less
+                the prefix started live requests hold. Read by the caller that fills
+                ``RequestProgress.num_credited_tokens`` (``SchedulerCore``).
+            one_chunk_inflight: a request is not cut again while one of its chunks is in
+                flight (TensorRT-LLM's micro-batch scheduler skips requests in execution);
+                ``may_cut`` applies it.
 
         Raises:
-            ValueError: on an unknown policy, non-positive sizes, or chunk_tokens not a
-                multiple of block_size.
+            ValueError: on an unknown policy or budget accounting, non-positive sizes,
+                chunk_tokens not a multiple of block_size, or budget_accounting other than
+                "exact" with the dynamic policy (it charges costs, not tokens).
         """
         models = (cost_model,) if isinstance(cost_model, CostModel) else tuple(cost_model)
         if not models or not all(isinstance(model, CostModel) for model in models):
@@ -241,6 +254,15 @@ class ChunkPlanner:
             )
         if policy not in ("dynamic", "static"):
             raise ValueError(f"policy={policy!r}: must be 'dynamic' or 'static'")
+        if budget_accounting not in ("none", "estimated", "exact"):
+            raise ValueError(
+                f"budget_accounting={budget_accounting!r}: must be 'none', 'estimated' or 'exact'"
+            )
+        if policy == "dynamic" and budget_accounting != "exact":
+            raise ValueError(
+                f"budget_accounting={budget_accounting!r}: the dynamic policy accounts exactly; "
+                "only the static policy takes 'none' or 'estimated'"
+            )
         if block_size < 1:
             raise ValueError(f"block_size={block_size}: must be >= 1")
         if chunk_tokens < block_size or chunk_tokens % block_size:
@@ -263,6 +285,13 @@ class ChunkPlanner:
         self.fill_idle_stages = (
             policy == "dynamic" if fill_idle_stages is None else fill_idle_stages
         )
+        self.budget_accounting: BudgetAccounting = budget_accounting
+        self.one_chunk_inflight = one_chunk_inflight
+
+    def may_cut(self, num_inflight_microbatches: int) -> bool:
+        """Whether a request with ``num_inflight_microbatches`` micro-batches in flight may get
+        another chunk now (always, unless ``one_chunk_inflight``)."""
+        return not (self.one_chunk_inflight and num_inflight_microbatches)
 
     @property
     def cost_models(self) -> tuple[CostModel, ...]:
@@ -550,3 +579,44 @@ def _best_num_splits(fixed_s: float, work_s: float, num_stages: int, max_splits:
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+class PlanningSwitches(Protocol):
+    """The baseline's planning switches (``runtime.config.BaselineConfig``)."""
+
+    budget_accounting: BudgetAccounting
+    one_chunk_inflight: bool
+
+
+class PlannerSettings(Protocol):
+    """What ``planner_for`` reads of a replica's configuration (``runtime.config.RuntimeConfig``,
+    which this pure room does not import)."""
+
+    chunk_tokens: int
+    block_size: int
+    max_microbatch_tokens: int
+
+    @property
+    def resolved_chunk_policy(self) -> Literal["dynamic", "static"]: ...
+
+    @property
+    def resolved_baseline(self) -> PlanningSwitches: ...
+
+
+def planner_for(
+    config: PlannerSettings, cost_model: CostModel | Sequence[CostModel]
+) -> ChunkPlanner:
+    """The replica's chunk planner: policy, chunk size, block size and largest micro-batch from
+    ``config``, and the baseline's planning switches as they apply
+    (``RuntimeConfig.resolved_baseline``: budget accounting, one chunk in flight);
+    ``cost_model`` is the slowest stage's (or one per stage)."""
+    baseline = config.resolved_baseline
+    return ChunkPlanner(
+        cost_model,
+        policy=config.resolved_chunk_policy,
+        chunk_tokens=config.chunk_tokens,
+        block_size=config.block_size,
+        max_microbatch_tokens=config.max_microbatch_tokens,
+        budget_accounting=baseline.budget_accounting,
+        one_chunk_inflight=baseline.one_chunk_inflight,
+    )

@@ -39,7 +39,7 @@ from wavepp.api.signing import BusKey
 from wavepp.runtime.agreement import Ticket
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv.inflight import InflightPrefixIndex
-from wavepp.runtime.planning import Chunk, ChunkPlanner, CostModel, RequestProgress
+from wavepp.runtime.planning import Chunk, ChunkPlanner, RequestProgress
 from wavepp.runtime.request import PromptRequest, RequestOutcome, RequestStatus
 from wavepp.runtime.scheduling.ledger import PlanLedger
 from wavepp.runtime.scheduling.outputs import DoneAccounting
@@ -52,7 +52,6 @@ __all__ = [
     "RequestRecord",
     "ScheduledMicroBatch",
     "SchedulerCore",
-    "planner_for",
 ]
 
 log = logging.getLogger(__name__)
@@ -177,7 +176,7 @@ class SchedulerCore(DoneAccounting):
             num_refusals=ticket.num_refusals,
             stage_hits=ticket.stage_hits,
         )
-        accounting = self.config.resolved_baseline.budget_accounting
+        accounting = self.planner.budget_accounting
         record.progress = RequestProgress(
             request_id=request.request_id,
             num_prompt_tokens=request.num_tokens,
@@ -221,18 +220,16 @@ class SchedulerCore(DoneAccounting):
         return len(self.inflight) < self.config.resolved_max_inflight
 
     def is_plannable(self, record: RequestRecord) -> bool:
-        """The planner may cut ``record`` now: not a baseline request with a chunk in flight
-        (``BaselineConfig.one_chunk_inflight``, TRT-LLM's ``_add_inflight_ids``)."""
-        if record.progress is None:
-            return False
-        return not (
-            self.config.resolved_baseline.one_chunk_inflight and record.num_inflight_microbatches
+        """The planner may cut ``record`` now: admitted, and not held back by a chunk in flight
+        (``ChunkPlanner.may_cut``: the baseline's one chunk in flight)."""
+        return record.progress is not None and self.planner.may_cut(
+            record.num_inflight_microbatches
         )
 
     def plannable_budget_tokens(self) -> int:
         """Tokens the static budget would charge to plan every plannable request of the
         planning set whole (the sync admission fills up to ``chunk_tokens`` of it); equals their
-        unplanned new tokens when the baseline switches are off."""
+        unplanned new tokens when the planner's budget accounting is exact."""
         return sum(
             record.progress.num_charged_tokens
             for record in self.active
@@ -244,7 +241,7 @@ class SchedulerCore(DoneAccounting):
         blocks of its prompt that started live requests hold, capped by its agreed prefix
         (PR 11637's estimate as MAX_UTILIZATION computed it before PR 15066: blocks with live
         references only; docs/bench/baseline.md)."""
-        if self.config.resolved_baseline.budget_accounting != "estimated":
+        if self.planner.budget_accounting != "estimated":
             return
         for record in self.active:
             self._estimate_credit(record)
@@ -261,7 +258,7 @@ class SchedulerCore(DoneAccounting):
         progress.num_credited_tokens = num_held * self.config.block_size
 
     def _started(self, record: RequestRecord) -> None:
-        if self.config.resolved_baseline.budget_accounting != "estimated":
+        if self.planner.budget_accounting != "estimated":
             return
         if record.request_id in self._started_hashes:
             return
@@ -549,18 +546,6 @@ class SchedulerCore(DoneAccounting):
         """The records answered since the last call, in order (the driver tells their callers)."""
         finished, self._finished = self._finished, []
         return finished
-
-
-def planner_for(config: RuntimeConfig, cost_model: CostModel | Sequence[CostModel]) -> ChunkPlanner:
-    """The replica's chunk planner: policy, chunk size, block size and largest micro-batch from
-    ``config``; ``cost_model`` is the slowest stage's (or one per stage)."""
-    return ChunkPlanner(
-        cost_model,
-        policy=config.resolved_chunk_policy,
-        chunk_tokens=config.chunk_tokens,
-        block_size=config.block_size,
-        max_microbatch_tokens=config.max_microbatch_tokens,
-    )
 
 
 def _forget_blocks(

@@ -3,7 +3,7 @@
 ``WaveScheduler`` is the driver: it owns the asyncio side (intake queue, loops, timers) and
 calls three parts that hold no I/O of their own::
 
-    submit --> intake --> AdmissionStrategy (admission.py: AsyncAdmission, SyncAdmission)
+    submit --> intake --> AdmissionStrategy (admission/: AsyncAdmission, SyncAdmission)
                              prefix agreement (AgreementController)
                           --> SchedulerCore (core.py): request records, planning, done
                               accounting, deadlines, re-form; the one "finish a request" path
@@ -45,7 +45,7 @@ from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import ChunkPlanner
 from wavepp.runtime.request import PromptRequest, RequestOutcome
 from wavepp.runtime.scheduling import speculation
-from wavepp.runtime.scheduling.admission import STRATEGIES, AdmissionHost, AdmissionStrategy
+from wavepp.runtime.scheduling.admission import STRATEGIES, AdmissionStrategy
 from wavepp.runtime.scheduling.core import RequestRecord, SchedulerCore
 from wavepp.runtime.scheduling.stats import StageSpan, WaveStats
 from wavepp.runtime.scheduling.transport import PlanTransport
@@ -73,8 +73,8 @@ class WaveScheduler:
         stats: where micro-batch statistics accumulate (default: a WaveStats of the default
             window).
         host_overhead_s: the least host time before each plan's publish, seconds.
-        admission: builds the admission strategy from this scheduler (default: the one
-            ``config.resolved_agreement`` selects in ``STRATEGIES``).
+        admission: the admission strategy's class, built from this scheduler (default: the
+            one ``config.resolved_agreement`` selects in ``STRATEGIES``).
     """
 
     def __init__(
@@ -89,7 +89,7 @@ class WaveScheduler:
         first_microbatch_id: int = 0,
         stats: WaveStats | None = None,
         host_overhead_s: float = 0.0,
-        admission: Callable[[AdmissionHost], AdmissionStrategy] | None = None,
+        admission: type[AdmissionStrategy] | None = None,
     ) -> None:
         self.config = config
         self.transport = transport
@@ -128,11 +128,12 @@ class WaveScheduler:
         self._background: set[asyncio.Task[None]] = set()  # done pulls, release retries
         # NOTE: the least host time before each plan's publish, on the critical path: the
         # caller's model of this scheduler's own cost (the simulator, where CPU is free), and
-        # in sync mode at least TRT-LLM's host loop (BaselineConfig.iteration_overhead_s). Sync
+        # at least the strategy's floor (``AdmissionStrategy.host_floor_s``: in sync mode
+        # TRT-LLM's host loop, BaselineConfig.iteration_overhead_s). Sync
         # counts from the free slot (its agreement is TRT-LLM's fetch and prepare_resources), or
         # from the request's arrival when its loop had nothing to run; wave from the end of
         # gather (its agreements ran ahead, off the critical path).
-        self._host_floor_s = max(host_overhead_s, config.resolved_baseline.iteration_overhead_s)
+        self._host_floor_s = max(host_overhead_s, self.admission.host_floor_s())
 
     # ---- public views --------------------------------------------------------------------
 
@@ -305,11 +306,7 @@ class WaveScheduler:
                     planning_started_s=time.time(),
                 )
             if scheduled is None:
-                if (
-                    core.active
-                    and self.config.resolved_baseline.one_chunk_inflight
-                    and core.num_inflight
-                ):
+                if core.active and core.planner.one_chunk_inflight and core.num_inflight:
                     # Every request left has a chunk in flight: wait for one to come back
                     # (or for the next host iteration, which may find new requests).
                     self._slot_freed.clear()

@@ -167,7 +167,7 @@ def speculate(
     with its predicted L*; touches no record. None when there is nothing to speculate on, the
     set would be under-full (the plan would wait for more anyway), or the planner made none.
     """
-    if not agreeing or core.config.resolved_baseline.budget_accounting != "exact":
+    if not agreeing or core.planner.budget_accounting != "exact":
         return None
     cpu_started_s = time.perf_counter()
     planning_started_s = time.time()

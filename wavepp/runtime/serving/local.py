@@ -37,9 +37,8 @@ from wavepp.runtime.agreement import AgreementController, StageUnavailableError
 from wavepp.runtime.agreement.coordinator import check_stage_versions
 from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.planning import CostModel
+from wavepp.runtime.planning import CostModel, planner_for
 from wavepp.runtime.request import RequestOutcome
-from wavepp.runtime.scheduling.core import planner_for
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.serving.handoff import kv_transfer_params, stage_endpoints

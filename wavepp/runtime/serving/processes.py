@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from wavepp.api.cli_args import NatsArgs, admission_args, gateway_args, stage_args
 from wavepp.runtime.serving.lifecycle import child_env
 
 __all__ = [
@@ -30,10 +31,6 @@ __all__ = [
 
 def _cli() -> list[str]:
     return [sys.executable, "-m", "wavepp.cli"]
-
-
-def _creds(path: str | None) -> list[str]:
-    return [] if path is None else ["--nats-creds", path]
 
 
 def stage_command(
@@ -49,16 +46,18 @@ def stage_command(
     """``wavepp stage`` for stage ``rank`` of the replica whose RuntimeConfig JSON is
     ``runtime_config``, joining the torch.distributed group at ``dist_url``; ``--metrics-port``
     (bound to ``metrics_host``) only when ``metrics_port`` is given; ``--nats-creds`` only when
-    ``nats_creds`` is."""
-    metrics = (
-        ["--metrics-port", str(metrics_port), "--metrics-host", str(metrics_host)]
-        if metrics_port
-        else []
-    )
+    ``nats_creds`` is. The arguments are ``api.cli_args.stage_args``'s, as in a pod."""
     return [
-        *_cli(), "stage", "--runtime-config", runtime_config, "--rank", str(rank),
-        "--nats-url", nats_url, "--dist-url", dist_url, *metrics, *_creds(nats_creds),
-    ]  # fmt: skip
+        *_cli(),
+        *stage_args(
+            NatsArgs(nats_url, creds=nats_creds),
+            runtime_config=runtime_config,
+            rank=str(rank),
+            dist_url=dist_url,
+            metrics_port=metrics_port or None,
+            metrics_host=metrics_host if metrics_port else None,
+        ),
+    ]
 
 
 def admission_command(
@@ -75,23 +74,35 @@ def admission_command(
     """``wavepp admission`` of the replica whose RuntimeConfig JSON is ``runtime_config`` in pool
     ``pool``: intake redelivery after ``ack_wait_s`` seconds, draining for ``drain_s`` seconds
     on SIGTERM, metrics bound to ``metrics_host``, its planner budgeting with the CostModel JSON
-    ``planner_cost_model`` when given (else the admission's default)."""
-    cost = ["--planner-cost-model", planner_cost_model] if planner_cost_model else []
+    ``planner_cost_model`` when given, else the admission's default (``api.cli_args.admission_args``)."""
     return [
-        *_cli(), "admission", "--runtime-config", runtime_config, "--nats-url", nats_url,
-        "--pool", pool, "--ack-wait-s", str(ack_wait_s), "--drain-timeout-s", f"{drain_s:g}",
-        "--metrics-host", metrics_host, *_creds(nats_creds), *cost,
-    ]  # fmt: skip
+        *_cli(),
+        *admission_args(
+            NatsArgs(nats_url, creds=nats_creds),
+            runtime_config=runtime_config,
+            pool=pool,
+            ack_wait_s=ack_wait_s,
+            drain_s=drain_s,
+            metrics_host=metrics_host,
+            planner_cost_model=planner_cost_model or None,
+        ),
+    ]
 
 
 def gateway_command(
     gateway_config: str, *, nats_url: str, host: str, port: int, nats_creds: str | None = None
 ) -> list[str]:
-    """``wavepp gateway`` serving the GatewayConfig JSON ``gateway_config`` on ``host:port``."""
+    """``wavepp gateway`` serving the GatewayConfig JSON ``gateway_config`` on ``host:port``
+    (``api.cli_args.gateway_args``)."""
     return [
-        *_cli(), "gateway", "--gateway-config", gateway_config, "--nats-url", nats_url,
-        "--host", host, "--port", str(port), *_creds(nats_creds),
-    ]  # fmt: skip
+        *_cli(),
+        *gateway_args(
+            NatsArgs(nats_url, creds=nats_creds),
+            gateway_config=gateway_config,
+            host=host,
+            port=port,
+        ),
+    ]
 
 
 class Supervisor:

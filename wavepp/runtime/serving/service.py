@@ -71,9 +71,8 @@ from wavepp.runtime.agreement import AgreementController, StageVersionError
 from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.heap import settle_heap
-from wavepp.runtime.planning import CostModel
+from wavepp.runtime.planning import CostModel, planner_for
 from wavepp.runtime.request import PromptRequest, RequestOutcome
-from wavepp.runtime.scheduling.core import planner_for
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.serving.reform import ReformTracker

@@ -1,23 +1,8 @@
-"""Admission strategies: how a request gets from the intake to the planning set.
+"""``AsyncAdmission``: WavePP's strategy, agreements concurrent with execution::
 
-``AdmissionStrategy`` is the contract the scheduler drives (its abstract methods are every call
-``WaveScheduler`` makes); ``RuntimeConfig.resolved_agreement`` (an ``AgreementMode``) picks one
-of the two implementations through ``STRATEGIES``, and ``WaveScheduler(admission=...)`` plugs in
-any other.
-
-async (``AsyncAdmission``, WavePP)::
-
-    intake --> admission tasks (<= max_agreements_in_flight, concurrent with execution;
-               lookahead-bounded; optionally waiting for a live request computing its prefix)
-               probe-reserve ---> prepared queue (bounded, max_prepared) --> planning set
-
-sync (``SyncAdmission``, the baseline; mirrors TensorRT-LLM's ``_executor_loop_pp``)::
-
-    scheduling loop, on the critical path: for each new request probe-reserve, retrying
-    until the reservation fits (head of line waits) --> planning set
-
-Both call the agreement controller (``AgreementController``, over the stage clients) and hand the result to
-the scheduler's ``SchedulerCore``; neither touches the transport.
+intake --> admission tasks (<= max_agreements_in_flight, concurrent with execution;
+           lookahead-bounded; optionally waiting for a live request computing its prefix)
+           probe-reserve ---> prepared queue (bounded, max_prepared) --> planning set
 """
 
 from __future__ import annotations
@@ -26,159 +11,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Protocol
 
-from wavepp.runtime.agreement import (
-    AgreementController,
-    AgreementRefused,
-    StageUnavailableError,
-    Ticket,
-)
-from wavepp.runtime.config import AgreementMode, RuntimeConfig
+from wavepp.runtime.agreement import AgreementRefused, StageUnavailableError, Ticket
 from wavepp.runtime.request import RequestStatus
 from wavepp.runtime.scheduling import speculation
-from wavepp.runtime.scheduling.core import RequestRecord, SchedulerCore
+from wavepp.runtime.scheduling.admission.contract import AdmissionHost, AdmissionStrategy
+from wavepp.runtime.scheduling.core import RequestRecord
 from wavepp.runtime.scheduling.speculation import Speculation
 from wavepp.telemetry import tracing
-from wavepp.telemetry.pipeline import PipelineTelemetry
 
 log = logging.getLogger(__name__)
 
 # Wave mode: an under-full micro-batch waits at most this fraction of the planner's target
 # micro-batch cost for requests still before their agreement (see AsyncAdmission.gather).
 UNDERFULL_WAIT_FRACTION = 0.05
-
-
-class AdmissionHost(Protocol):
-    """What a strategy needs of its scheduler (``WaveScheduler``)."""
-
-    config: RuntimeConfig
-    core: SchedulerCore
-    controller: AgreementController
-    telemetry: PipelineTelemetry
-    intake: asyncio.Queue[RequestRecord]
-
-    def deliver_finished(self) -> None:
-        """Tell the callers of the requests the core answered."""
-        ...
-
-    def speculation_discarded(self) -> None:
-        """Count one dropped speculative plan."""
-        ...
-
-
-class AdmissionStrategy(ABC):
-    """How requests get from the scheduler's intake into the core's planning set.
-
-    The abstract methods are every call ``WaveScheduler`` makes on its strategy. A strategy
-    takes records from ``scheduler.intake``, agrees on each (``scheduler.controller.agree``),
-    hands the admitted ones to ``scheduler.core`` (``admitted`` then ``activate``, or
-    ``fail`` + ``scheduler.deliver_finished`` for a refused one) and must never touch the
-    transport. The concrete helpers (the capacity signal a release raises, ``_admitted``,
-    ``_fail``) are shared by the implementations; a strategy may use or ignore them.
-
-    Attributes:
-        num_agreement_retries: agreements retried after a stage did not answer.
-        num_prefix_waits: admissions that waited for a live request computing their prefix.
-    """
-
-    def __init__(self, scheduler: AdmissionHost) -> None:
-        self.scheduler = scheduler
-        self.core = scheduler.core
-        self.config = scheduler.config
-        self.controller = scheduler.controller
-        self.telemetry = scheduler.telemetry
-        self.num_agreement_retries = 0
-        self.num_prefix_waits = 0
-        self._capacity_generation = 0
-        self._capacity_changed = asyncio.Condition()
-
-    # ---- the contract (what the scheduler calls) ------------------------------------------
-
-    @abstractmethod
-    def start(self) -> list[asyncio.Task[None]]:
-        """Start the strategy's background tasks; returns them (the scheduler cancels them
-        at stop)."""
-
-    @abstractmethod
-    def tasks(self) -> list[asyncio.Task[None]]:
-        """Tasks under way now (cancelled at stop)."""
-
-    @abstractmethod
-    async def gather(self) -> None:
-        """Called by the scheduling loop once a pipeline slot is free: move admitted requests
-        into the core's planning set (``core.activate``), waiting as the strategy sees fit.
-        Returning with nothing plannable is allowed (the loop calls again)."""
-
-    @abstractmethod
-    def more_work_queued(self) -> bool:
-        """Requests on their way to the planning set that the planner should wait for."""
-
-    @abstractmethod
-    def take_queued(self) -> list[RequestRecord]:
-        """Admitted records not yet in the planning set, in order, removed from the strategy
-        (a re-form re-admits them)."""
-
-    @abstractmethod
-    def num_prepared(self) -> int:
-        """Admitted records waiting to enter the planning set (a telemetry gauge)."""
-
-    @abstractmethod
-    def reopen(self) -> None:
-        """A re-form ended: admit again."""
-
-    @abstractmethod
-    async def released(self) -> None:
-        """Requests released their pins and reservations: wake what waits on capacity or on a
-        prefix owner."""
-
-    @abstractmethod
-    async def microbatch_published(self) -> None:
-        """A plan went out (the admission lookahead has room again)."""
-
-    @abstractmethod
-    def take_speculation(self) -> Speculation | None:
-        """The micro-batch planned speculatively during the last ``gather``, if any (handed over
-        once)."""
-
-    @abstractmethod
-    def take_idle_wake_s(self) -> float | None:
-        """Event-loop time at which the last ``gather`` got a request after waiting with
-        nothing to plan, if it did and the strategy counts host time from then (handed over
-        once; ``SyncAdmission``)."""
-
-    # ---- shared helpers -------------------------------------------------------------------
-
-    async def _capacity_released(self) -> None:
-        """Wake what waits in ``_wait_for_capacity``."""
-        async with self._capacity_changed:
-            self._capacity_generation += 1
-            self._capacity_changed.notify_all()
-
-    async def _wait_for_capacity(self, generation: int) -> None:
-        async with self._capacity_changed:
-            if generation == self._capacity_generation and self.core.num_inflight:
-                await self._capacity_changed.wait()
-                return
-        # Nothing in flight will free blocks: only lease expiry can. Back off.
-        await asyncio.sleep(0.05)
-
-    def _fail(self, record: RequestRecord, error: str) -> None:
-        self.core.fail(record, error)
-        self.scheduler.deliver_finished()
-
-    def _admitted(self, record: RequestRecord, ticket: Ticket) -> None:
-        request = record.request
-        self.telemetry.admitted(
-            request.request_id,
-            num_prompt_tokens=request.num_tokens,
-            num_cached_tokens=ticket.num_cached_tokens,
-            agreement_s=ticket.agreement_s,
-            num_refusals=ticket.num_refusals,
-        )
-        self.core.admitted(record, ticket)
 
 
 class AsyncAdmission(AdmissionStrategy):
@@ -268,12 +114,9 @@ class AsyncAdmission(AdmissionStrategy):
 
     def _estimated_new_tokens(self, record: RequestRecord) -> int:
         """What an agreeing request counts against the lookahead (a budget of new tokens):
-        its prompt less the leading blocks live requests hold pinned (cached on every stage).
-
-        Before, an agreeing request counted its whole prompt: under high reuse (4,096-token
-        prompts, 512 new) the default budget of (S + 1) x 8,192 tokens let only 18 agreements
-        start at once, so a returning group of 32 agreed in two rounds; with 32k-token agentic
-        prompts on 2 stages, one at a time.
+        its prompt less the leading blocks live requests hold pinned (cached on every stage),
+        so requests sharing a cached prefix do not exhaust the budget with tokens nobody
+        computes. At least 1.
         """
         request = record.request
         try:
@@ -442,11 +285,8 @@ class AsyncAdmission(AdmissionStrategy):
 
         Neither the wait nor the claim covers the leading blocks a live request holds pinned
         as its agreed prefix (``SchedulerCore.num_pinned_prefix_blocks``): those are cached on
-        every stage, nobody computes them. Before, the claim covered the whole prompt, so
-        requests sharing a cached prefix agreed one after another, a round trip each (found in
-        the closed loop at PP8, MiniMax-M2.7 high reuse, C = 256: a returning group of 32
-        requests over 8 prefixes agreed in four waves; the under-full wait ran out after three
-        and planned 24 of them, and the split persisted: efficiency 0.917).
+        every stage, nobody computes them (requests sharing a cached prefix would otherwise
+        agree one after another, a round trip each).
         """
         request = record.request
         try:
@@ -522,105 +362,6 @@ class AsyncAdmission(AdmissionStrategy):
             else:
                 break
             core.activate(self.take_queued())
-
-
-class SyncAdmission(AdmissionStrategy):
-    """Agreement on the critical path, one request at a time (the baseline).
-
-    TensorRT-LLM's PP loop: the first rank schedules; new requests get their KV resources on
-    the critical path, one at a time. A request that does not fit is retried until it does;
-    meanwhile the loop runs what it already has (never waits on blocks that only its own
-    unscheduled requests hold).
-    """
-
-    def __init__(self, scheduler: AdmissionHost) -> None:
-        super().__init__(scheduler)
-        self._head: RequestRecord | None = None  # the request being agreed, refused so far
-        self._head_refusals = 0
-        self._idle_wake_s: float | None = None
-
-    def start(self) -> list[asyncio.Task[None]]:
-        return []  # it agrees inside gather, on the scheduling loop
-
-    def tasks(self) -> list[asyncio.Task[None]]:
-        return []
-
-    def more_work_queued(self) -> bool:
-        return False  # gather takes from the intake itself; nothing sits in between
-
-    def take_queued(self) -> list[RequestRecord]:
-        return []  # an admitted record enters the planning set at once
-
-    def num_prepared(self) -> int:
-        return 0
-
-    def reopen(self) -> None:
-        return None  # gather never closes
-
-    async def released(self) -> None:
-        await self._capacity_released()
-
-    async def microbatch_published(self) -> None:
-        return None
-
-    def take_speculation(self) -> Speculation | None:
-        return None  # it agrees on the critical path: nothing to plan ahead
-
-    def take_idle_wake_s(self) -> float | None:
-        wake_s, self._idle_wake_s = self._idle_wake_s, None
-        return wake_s
-
-    async def gather(self) -> None:
-        core = self.core
-        intake = self.scheduler.intake
-        # NOTE: fills to chunk_tokens of what the static budget charges for the requests the
-        # planner may cut now (the baseline switches: budget accounting, one chunk in flight).
-        while core.plannable_budget_tokens() < self.config.chunk_tokens:
-            if self._head is None:
-                if core.active and intake.empty():
-                    return
-                idle = not core.active and intake.empty()
-                self._head = await intake.get()
-                if idle:
-                    # NOTE: TensorRT-LLM's loop with nothing to run blocks in
-                    # _fetch_new_requests; its host stages (the broadcast to the ranks,
-                    # scheduling, prepare_resources, _prepare_inputs) run once the request is in
-                    # hand, so the iteration's host time counts from here (docs/bench/baseline.md)
-                    self._idle_wake_s = asyncio.get_running_loop().time()
-                self._head.status = RequestStatus.AGREEING
-                self._head_refusals = 0
-            record = self._head
-            request = record.request
-            generation = self._capacity_generation
-            try:
-                with self.telemetry.request_context(request.request_id):
-                    ticket = await self.controller.agree(request)
-            except AgreementRefused as exc:
-                self._head = None
-                self._fail(record, str(exc))
-                continue
-            except Exception as exc:
-                log.exception("agreement for %s failed", request.request_id)
-                self._head = None
-                self._fail(record, f"agreement failed: {exc}")
-                continue
-            if ticket is None:
-                self._head_refusals += 1
-                if core.active:
-                    return
-                await self._wait_for_capacity(generation)
-                continue
-            self._head = None
-            ticket.num_refusals = self._head_refusals
-            self._admitted(record, ticket)
-            core.activate([record])
-
-
-# The strategy each ``AgreementMode`` (``RuntimeConfig.resolved_agreement``) selects.
-STRATEGIES: dict[AgreementMode, Callable[[AdmissionHost], AdmissionStrategy]] = {
-    AgreementMode.ASYNC: AsyncAdmission,
-    AgreementMode.SYNC: SyncAdmission,
-}
 
 
 async def _notify(condition: asyncio.Condition) -> None:

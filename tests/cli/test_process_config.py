@@ -1,0 +1,52 @@
+"""The per-process settings ``wavepp.launch`` resolves from a subcommand's flags and
+environment: a stage's own metrics port, the admission's pool, the gateway's bind address."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from wavepp import cli
+from wavepp.launch.flags import POOL_ENV, ArgError
+from wavepp.launch.gateway import gateway_host
+from wavepp.launch.replica import admission_pool, stage_config_from_args
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.telemetry.settings import TelemetrySettings
+
+
+def _parse(*argv: str):  # noqa: ANN202 - argparse.Namespace
+    return cli.build_parser(argv[:1]).parse_args(list(argv))
+
+
+def _runtime_config(tmp_path: Path) -> str:
+    path = tmp_path / "rc.json"
+    config = RuntimeConfig(telemetry=TelemetrySettings(metrics_port=9100))
+    path.write_text(config.model_dump_json())
+    return str(path)
+
+
+def test_a_stages_metrics_port_is_its_flag_not_the_configs(tmp_path: Path) -> None:
+    base = ("stage", "--runtime-config", _runtime_config(tmp_path), "--nats-url", "nats://x:1")
+    base += ("--dist-url", "tcp://x:1")
+    assert stage_config_from_args(_parse(*base), {}).telemetry.metrics_port is None
+    flagged = stage_config_from_args(_parse(*base, "--metrics-port", "9500"), {})
+    assert flagged.telemetry.metrics_port == 9500
+    with pytest.raises(ArgError, match="--metrics-port"):
+        stage_config_from_args(_parse(*base, "--metrics-port", "70000"), {})
+
+
+def test_the_admissions_pool_is_its_flag_else_the_environment(tmp_path: Path) -> None:
+    base = ("admission", "--runtime-config", _runtime_config(tmp_path), "--nats-url", "nats://x:1")
+    assert admission_pool(_parse(*base, "--pool", "flag"), {POOL_ENV: "env"}) == "flag"
+    assert admission_pool(_parse(*base), {POOL_ENV: "env"}) == "env"
+    with pytest.raises(ArgError, match="--pool"):
+        admission_pool(_parse(*base), {})
+
+
+def test_the_gateway_binds_every_interface_only_in_a_pod() -> None:
+    local = ("gateway", "--gateway-config", "g.json", "--nats-url", "nats://x:1")
+    pod = ("gateway", "--config", "s.json", "--pool-file", "p.json", "--nats-url", "nats://x:1")
+    assert gateway_host(_parse(*local)) == "127.0.0.1"
+    assert gateway_host(_parse(*pod)) == "0.0.0.0"
+    assert gateway_host(_parse(*pod, "--host", "10.0.0.7")) == "10.0.0.7"
