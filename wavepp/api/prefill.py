@@ -16,6 +16,8 @@ Subjects and JetStream objects (``{p}`` = a replica's subject prefix ``wavepp.{n
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from wavepp.api.subjects import MAX_PIPELINE_NAME, MAX_POOL_NAME
@@ -39,6 +41,7 @@ class IntakeRequest(_Msg):
     priority: int = 0
     arrival_s: float
     queued_s: float = 0.0  # time spent in the gateway's fair-share queue
+    handoff: bool = False  # hand the prompt's KV to a decode engine (PromptRequest.handoff)
 
 
 class StageTiming(BaseModel):
@@ -67,6 +70,9 @@ class PrefillResult(_Msg):
     stage_hits: list[int] = Field(default_factory=list)
     stages: list[StageTiming] = Field(default_factory=list)
     error: str = ""
+    # A handed-off request's (IntakeRequest.handoff): what the decode request consumes, the
+    # shape of wavepp.runtime.serving.handoff.kv_transfer_params (it holds the pull token).
+    kv_transfer_params: dict[str, Any] | None = None
     mac: str = Field(default="", max_length=64)  # wavepp.api.signing: HMAC tag, "" unsigned
 
 

@@ -426,6 +426,7 @@ class Gateway:
                     priority=request.priority,
                     arrival_s=arrival_s,
                     queued_s=self.clock() - queued_at,
+                    handoff=request.handoff,
                 )
                 result = await self._run(intake)
             finally:

@@ -9,7 +9,9 @@ The service runs prefill only, so a completion is the first token of each prompt
   with ``text`` (the decoded token; "" without a tokenizer), ``token_ids`` and
   ``finish_reason`` ``"length"``; ``usage`` summed over the prompts, with
   ``prompt_tokens_details.cached_tokens`` the reused prefix in tokens; ``wavepp``: each prompt's
-  ``PrefillResult`` (a list when there were several prompts).
+  ``PrefillResult`` (a list when there were several prompts); ``kv_transfer_params``: a
+  handed-off request's (``"kv_transfer_params": {"do_remote_decode": true}`` in the request, one
+  prompt), what the decode request consumes, as in vLLM's answer; null otherwise.
 - ``"stream": true``: ``text/event-stream``, one ``data:`` event per prompt (a
   ``text_completion`` chunk with its single token), then, with
   ``stream_options.include_usage``, one chunk with empty ``choices`` and the ``usage``, then
@@ -64,7 +66,7 @@ def completion_body(
     results: Sequence[PrefillResult], model: str, created: int, decode: Decode | None
 ) -> dict[str, object]:
     """The ``/v1/completions`` JSON answer for ``results`` (one per prompt, in order)."""
-    dumped = [r.model_dump(mode="json", exclude={"mac"}) for r in results]
+    dumped = [r.model_dump(mode="json", exclude={"mac", "kv_transfer_params"}) for r in results]
     return {
         "id": f"cmpl-{results[0].request_id}",
         "object": "text_completion",
@@ -73,6 +75,7 @@ def completion_body(
         "choices": [_choice(i, r, decode) for i, r in enumerate(results)],
         "usage": _usage(results),
         "wavepp": dumped[0] if len(dumped) == 1 else dumped,
+        "kv_transfer_params": results[0].kv_transfer_params if len(results) == 1 else None,
     }
 
 

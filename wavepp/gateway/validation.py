@@ -11,10 +11,14 @@ Two request shapes are accepted:
   1 when absent)::
 
       {"model": "tiny-llama", "prompt": "..." | [1, 2, 3] | ["...", "..."] | [[1, 2], [3]],
-       "max_tokens": 1, "user": "acme", "stream": false}
+       "max_tokens": 1, "user": "acme", "stream": false,
+       "kv_transfer_params": {"do_remote_decode": true}}
 
   A list of prompts (at most ``MAX_PROMPTS``) is one prefill each. The tenant is the
   ``X-WavePP-Tenant`` header, else ``user``, else the tenant ``default``.
+  ``kv_transfer_params`` (vLLM's disaggregated-serving protocol, see :func:`parse_kv_transfer`)
+  with ``do_remote_decode: true`` asks for a KV handoff to a decode engine: one prompt, not
+  streamed; the answer carries the ``kv_transfer_params`` the decode request consumes.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ __all__ = [
     "PromptLimits",
     "parse_completion",
     "parse_completion_batch",
+    "parse_kv_transfer",
     "parse_prefill",
     "tenant_hint",
 ]
@@ -82,6 +87,7 @@ class ParsedRequest:
     token_ids: list[int]
     priority: int = 0
     model: str = ""
+    handoff: bool = False  # hand the prompt's KV to a decode engine (kv_transfer_params)
 
 
 Tokenize = Callable[[str], list[int]]
@@ -208,6 +214,53 @@ def _prompt_list(prompt: object) -> list[object]:
     return [prompt]
 
 
+_NIXL_NULL_KEYS = frozenset({"remote_engine_id", "remote_block_ids", "remote_host", "remote_port"})
+"""Keys a P/D proxy puts in a prefill request's ``kv_transfer_params`` for NixlConnector, always
+null there (vLLM's disaggregated proxies); accepted only as null."""
+
+
+def parse_kv_transfer(value: object) -> bool:
+    """Whether a ``/v1/completions`` body's ``kv_transfer_params`` asks for a KV handoff.
+
+    Accepted: absent or null (no handoff); an object with ``do_remote_decode`` (true or false;
+    absent: false), ``do_remote_prefill`` (false or null: this service is the prefill side) and
+    the NixlConnector keys ``remote_engine_id``, ``remote_block_ids``, ``remote_host``,
+    ``remote_port`` (null only), as vLLM's disaggregated proxies send them.
+
+    Raises:
+        BadRequest: field ``kv_transfer_params`` (not an object) or
+            ``kv_transfer_params.<key>`` (an unknown key, or a value outside the above).
+    """
+    if value is None:
+        return False
+    if not isinstance(value, Mapping):
+        raise BadRequest(
+            "kv_transfer_params",
+            f'must be an object such as {{"do_remote_decode": true}}, got {type(value).__name__}',
+        )
+    known = {"do_remote_decode", "do_remote_prefill"} | _NIXL_NULL_KEYS
+    for key in sorted(value, key=str):
+        field = f"kv_transfer_params.{key!s:.40}"
+        if key not in known:
+            raise BadRequest(
+                field, f"unknown key; known: {sorted(known)} (this service is the prefill side)"
+            )
+        if key in _NIXL_NULL_KEYS and value[key] is not None:
+            raise BadRequest(field, "must be null in a prefill request")
+    prefill = value.get("do_remote_prefill")
+    if prefill not in (None, False):
+        raise BadRequest(
+            "kv_transfer_params.do_remote_prefill",
+            f"{prefill!r:.40}: this service runs the prefill; it consumes no remote KV",
+        )
+    decode = value.get("do_remote_decode", False)
+    if not isinstance(decode, bool):
+        raise BadRequest(
+            "kv_transfer_params.do_remote_decode", f"{decode!r:.40} must be true or false"
+        )
+    return decode
+
+
 def _check_stream(body: Mapping[str, object]) -> tuple[bool, bool]:
     stream = body.get("stream", False)
     if stream is None:
@@ -258,6 +311,9 @@ def parse_completion_batch(
     if body.get("n", 1) not in (1, None):
         raise BadRequest("n", "only n=1 is supported", limit=1)
     stream, include_usage = _check_stream(body)
+    handoff = parse_kv_transfer(body.get("kv_transfer_params"))
+    if handoff and stream:
+        raise BadRequest("stream", "a KV handoff (kv_transfer_params) is answered as one object")
     tenant = _check_tenant(tenant_header or body.get("user") or "default", limits)
     prompt = body.get("prompt")
     if prompt is None:
@@ -267,6 +323,10 @@ def parse_completion_batch(
         raise BadRequest(
             "prompt", f"{len(prompts)} prompts; at most {MAX_PROMPTS} per request", MAX_PROMPTS
         )
+    if handoff and len(prompts) != 1:
+        raise BadRequest(
+            "prompt", f"{len(prompts)} prompts; a KV handoff (kv_transfer_params) takes one", 1
+        )
     parsed = []
     for i, one in enumerate(prompts):
         field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -275,7 +335,7 @@ def parse_completion_batch(
         else:
             token_ids = _check_tokens(one, field, limits)
         parsed.append(
-            ParsedRequest(tenant, uuid.uuid4().hex, token_ids, 0, str(model or model_name))
+            ParsedRequest(tenant, uuid.uuid4().hex, token_ids, 0, str(model or model_name), handoff)
         )
     return CompletionRequest(parsed, str(model or model_name), stream, include_usage)
 

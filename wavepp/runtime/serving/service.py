@@ -48,6 +48,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -75,6 +76,7 @@ from wavepp.runtime.planning import CostModel, planner_for
 from wavepp.runtime.request import PromptRequest, RequestOutcome
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
+from wavepp.runtime.serving.handoff import kv_transfer_params, stage_endpoints
 from wavepp.runtime.serving.reform import ReformTracker
 from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
 from wavepp.runtime.transport.natsio import resend_after_reconnect
@@ -100,9 +102,11 @@ def result_from_outcome(
     *,
     replica: str,
     stages: list[StageTiming],
+    transfer: dict[str, Any] | None = None,
 ) -> PrefillResult:
     """The client's answer from a scheduler outcome. Times in seconds; TTFT from the gateway's
-    arrival (``request.arrival_s``, wall clock) to the first token."""
+    arrival (``request.arrival_s``, wall clock) to the first token. ``transfer``: a handed-off
+    request's ``kv_transfer_params`` (``serving.handoff``)."""
     return PrefillResult(
         request_id=request.request_id,
         tenant=request.tenant,
@@ -118,6 +122,7 @@ def result_from_outcome(
         stage_hits=list(outcome.stage_hits),
         stages=stages,
         error=outcome.error,
+        kv_transfer_params=transfer,
     )
 
 
@@ -213,6 +218,7 @@ class AdmissionService:
         )
         self.num_stages_formed = 0
         self.stage_epochs: tuple[int, ...] = ()
+        self.handoff_addrs: list[str] = []  # each stage's KV transfer server, its last health
         self.reform = ReformTracker()
         self.num_answered = 0
         self.num_duplicates = 0
@@ -260,6 +266,7 @@ class AdmissionService:
             replies = await asyncio.wait_for(self.controller.health(), 2.0)
             self.num_stages_formed = sum(1 for r in replies if r.ok)
             self.stage_epochs = tuple(r.group_epoch for r in replies)
+            self.handoff_addrs = [r.handoff_addr for r in replies]
         except StageVersionError:
             self.num_stages_formed = 0
             raise
@@ -532,20 +539,57 @@ class AdmissionService:
 
     async def _execute(self, request: IntakeRequest) -> PrefillResult:
         scheduler_id = f"{request.key}@{self.instance}"
+        if request.handoff and self.replica_key is None:
+            return PrefillResult(
+                request_id=request.request_id,
+                tenant=request.tenant,
+                replica=self.config.pipeline,
+                error="kv_transfer_params: this deployment has no bus key, so no decode engine "
+                "can be authenticated and every stage refuses a pull (WAVEPP_BUS_KEY)",
+            )
         outcome = await self.scheduler.submit(
             PromptRequest(
                 request_id=scheduler_id,
                 token_ids=request.token_ids,
                 cache_salt=request.cache_salt,
                 arrival_s=time.time(),
+                handoff=request.handoff,
             )
         )
         timings = self._timings.pop(scheduler_id, {})
+        transfer = None
+        if request.handoff and outcome.ok:
+            try:
+                transfer = self._kv_transfer_params(outcome)
+            except ValueError as exc:
+                outcome.error = str(exc)  # the stages' leases expire unpulled
         return result_from_outcome(
             request,
             outcome,
             replica=self.config.pipeline,
             stages=[timings[r] for r in sorted(timings)],
+            transfer=transfer,
+        )
+
+    def _kv_transfer_params(self, outcome: RequestOutcome) -> dict[str, Any]:
+        """The ``kv_transfer_params`` of a handed-off ``outcome`` (its scheduler id names the
+        stages' leases), stage addresses from the last health replies.
+
+        Raises:
+            ValueError: no lease was stamped, or a stage has no KV transfer server.
+        """
+        assert self.replica_key is not None, "checked before the request ran"
+        if not outcome.handoff_expires:
+            raise ValueError(f"request {outcome.request_id!r}: no handoff lease was stamped")
+        endpoints = stage_endpoints(
+            self.handoff_addrs, [self.config.layers_of(r) for r in range(self.config.num_stages)]
+        )
+        return kv_transfer_params(
+            self.replica_key,
+            outcome.request_id,
+            outcome.num_prompt_tokens,
+            outcome.handoff_expires,
+            endpoints,
         )
 
     # ---- per-stage timings ---------------------------------------------------------------
