@@ -40,7 +40,7 @@ async def _simulate(
         for index, prompt in enumerate(workload.warmup):
             await scheduler.submit(PromptRequest(f"warmup-{index}", prompt, arrival_s=loop.time()))
         # The scheduler stamps finish times with time.time(); use the virtual clock's.
-        return await run_closed_loop(
+        report = await run_closed_loop(
             scheduler,
             config,
             list(zip(workload.request_ids, workload.prompts, strict=True)),
@@ -53,6 +53,15 @@ async def _simulate(
             if stage_cost_models
             else None,
         )
+        # hits per tier and stage: device hits are the summary's stage_local_hit_blocks (both
+        # tiers); what came from the host tier, per stage
+        report.extra["host_loaded_blocks_per_stage"] = [
+            stage.num_loaded_blocks for stage in pipeline.stages
+        ]
+        report.extra["host_kv_blocks_per_stage"] = [
+            config.host_kv_blocks_of(rank) for rank in range(config.num_stages)
+        ]
+        return report
 
 
 def simulate(
