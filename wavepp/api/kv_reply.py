@@ -4,9 +4,12 @@ Layout (little-endian)::
 
     reply    "WKR" | u8 version | u8 op | u16 rank | u32 num_free_blocks | u32 num_blocks
              | u16 error length | error (UTF-8; a whole-batch fault, else empty)
-             | u32 count | count x (u8 status | u32 value | u16 length | UTF-8 error)
+             | u32 count | count x (u8 status | u32 value | u32 host | u16 length | UTF-8 error)
              | 32-byte tag (``wavepp.api.kv_reply_tag``; 32 zero bytes untagged)
       version ``wavepp.api.messages.PROTOCOL_VERSION``, the batch's
+      host    the tier split of an ok value: the last ``host`` of the h_s hit blocks are in the
+              stage's host tier (pinned there, loaded if L* needs them), the first
+              ``value - host`` on its device; host <= value, and 0 for any other status
       status 0 ok (value: the stage's hit blocks h_s), 1 refused (a reservation that does not
       fit now; nothing held), 2 invalid (the entry names the fault; nothing held), 3 unresolved
       (the entry's prefix reference is not held here: send the hashes; nothing held)
@@ -39,7 +42,7 @@ _NO_TAG = bytes(MAC_BYTES)
 _REPLY_MAGIC = b"WKR"
 _REPLY_HEADER = struct.Struct("<3sBBHIIH")
 _U32 = struct.Struct("<I")
-_RESULT = struct.Struct("<BIH")
+_RESULT = struct.Struct("<BIIH")
 
 
 class EntryStatus(IntEnum):
@@ -50,9 +53,13 @@ class EntryStatus(IntEnum):
 
 
 class EntryResult(NamedTuple):
+    """One entry's answer: ``value`` is h_s for an ok probe-reserve, of which ``host`` blocks
+    (the tail of the hit) are in the stage's host tier."""
+
     status: EntryStatus
     value: int = 0
     error: str = ""
+    host: int = 0
 
     @property
     def ok(self) -> bool:
@@ -90,12 +97,12 @@ def encode_reply(reply: KVBatchReply) -> bytes:
         _U32.pack(len(reply.results)),
     ]
     pack = _RESULT.pack
-    for status, value, text in reply.results:
+    for status, value, text, host in reply.results:
         if text:
             raw = text.encode()[:1024]
-            parts += [pack(status, value, len(raw)), raw]
+            parts += [pack(status, value, host, len(raw)), raw]
         else:
-            parts.append(pack(status, value, 0))
+            parts.append(pack(status, value, host, 0))
     parts.append(_NO_TAG)
     return b"".join(parts)
 
@@ -117,9 +124,19 @@ class _PlainResults(dict):  # type: ignore[type-arg]
     entries are looked up in one C-level ``map``, not decoded entry by entry in Python (the
     controller decodes S replies per round)."""
 
-    def __missing__(self, key: tuple[int, int]) -> EntryResult:
-        result = self[key] = EntryResult(_STATUSES[key[0]], key[1])
+    def __missing__(self, key: tuple[int, int, int]) -> EntryResult:
+        status, value, host = key
+        if host > value or (host and status):
+            raise KVWireError(_bad_host(host, value, status))
+        result = self[key] = EntryResult(_STATUSES[status], value, "", host)
         return result
+
+
+def _bad_host(host: int, value: int, status: int) -> str:
+    return (
+        f"host: {host} with value {value} and status {status}; must be <= value, and 0 unless "
+        "the status is ok"
+    )
 
 
 _PLAIN_RESULTS = _PlainResults()
@@ -127,8 +144,9 @@ _PLAIN_RESULTS = _PlainResults()
 
 @functools.lru_cache(maxsize=64)
 def _values_of(count: int) -> struct.Struct:
-    """The ``value`` fields of ``count`` text-less results (``u8 status | u32 value | u16 0``)."""
-    return struct.Struct("<" + "xIxx" * count)
+    """The ``value`` and ``host`` fields of ``count`` text-less results (``u8 status | u32
+    value | u32 host | u16 0``), interleaved."""
+    return struct.Struct("<" + "xIIxx" * count)
 
 
 _MAX_PLAIN_RESULTS = 4096  # distinct (status, value) pairs kept; cleared past it
@@ -159,22 +177,25 @@ def decode_reply(payload: bytes) -> KVBatchReply:
         raw = rest.tobytes()
         statuses = raw[0 :: _RESULT.size]
         # every text length 0 and every status known: the whole reply in C-level passes
-        if not raw[5 :: _RESULT.size].strip(b"\0") and not raw[6 :: _RESULT.size].strip(b"\0"):
+        if not raw[9 :: _RESULT.size].strip(b"\0") and not raw[10 :: _RESULT.size].strip(b"\0"):
             if not statuses or max(statuses) < len(_STATUSES):
-                values = _values_of(count).unpack(raw)
-                results = tuple(map(_PLAIN_RESULTS.__getitem__, zip(statuses, values, strict=True)))
+                fields = _values_of(count).unpack(raw)
+                keys = zip(statuses, fields[0::2], fields[1::2], strict=True)
+                results = tuple(map(_PLAIN_RESULTS.__getitem__, keys))
                 if len(_PLAIN_RESULTS) > _MAX_PLAIN_RESULTS:
                     _PLAIN_RESULTS.clear()
                 return KVBatchReply(batch_op, rank, free, blocks, results, error)
     results = []
     for _ in range(_count(count)):
-        status, value, n = reader.unpack(_RESULT, "result")
+        status, value, host, n = reader.unpack(_RESULT, "result")
+        if host > value or (host and status):
+            raise KVWireError(_bad_host(host, value, status))
         try:
             entry_status = EntryStatus(status)
         except ValueError as exc:
             raise KVWireError(
                 f"status: {status}; must be 0, 1, 2 or 3 (ok, refused, invalid, unresolved)"
             ) from exc
-        results.append(EntryResult(entry_status, value, reader.text(n, "result error")))
+        results.append(EntryResult(entry_status, value, reader.text(n, "result error"), host))
     reader.done()
     return KVBatchReply(batch_op, rank, free, blocks, tuple(results), error)

@@ -29,7 +29,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """The one version of the bus protocol: JSON messages (``v``), agreement batches and replies."""
 
 RequestId = Annotated[str, Field(min_length=1, max_length=256)]

@@ -179,13 +179,14 @@ def preset_workload(
 
 def mooncake_workload(
     path: str | Path,
-    limit: int,
+    limit: int | None,
     *,
     tokens_per_block: int = 512,
     vocab_size: int = 32000,
     seed: int = 0,
 ) -> Workload:
-    """The first ``limit`` valid requests of a Mooncake trace (no warm-up: the trace's own reuse).
+    """The first ``limit`` valid requests of a Mooncake trace (None: all of them; no warm-up: the
+    trace's own reuse).
 
     Raises:
         FileNotFoundError: no such trace.
@@ -194,7 +195,7 @@ def mooncake_workload(
     records, _invalid = load_trace(path, limit)
     mapper = TokenMapper(tokens_per_block, vocab_size, seed=seed)
     return Workload(
-        name=f"mooncake {Path(path).name} first {limit}",
+        name=f"mooncake {Path(path).name} " + (f"first {limit}" if limit else "all"),
         prompts=[mapper.prompt(r) for r in records],
         request_ids=[f"trace-{r.line_no}" for r in records],
     )
@@ -207,7 +208,10 @@ def ideal_cached_tokens(
 
     Block-granular (whole blocks only, like the runtime) and capped one token short of each
     prompt (at least one token is computed). Warm-up prompts fill the cache first. Prefix
-    identity is the token sequence itself (equivalent to the chained block hash).
+    identity is the token sequence itself (as the chained block hash), each block keyed by
+    Python's 64-bit hash of its tokens under its parent's key (a whole trace's blocks then
+    take megabytes, not a copy of every distinct block; a collision, odds about
+    n^2 / 2^64 for n distinct blocks, would count a miss as a hit).
 
     Args:
         prompts: token ids per request.
@@ -222,13 +226,14 @@ def ideal_cached_tokens(
     """
     if block_size < 1:
         raise ValueError(f"block_size={block_size}: must be >= 1")
-    ids: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent id, block tokens) -> id
+    ids: dict[tuple[int, int], int] = {}  # (parent id, hash of the block's tokens) -> id
     cached: set[int] = set()
 
     def blocks(prompt: Sequence[int]) -> list[int]:
         parent, keys = -1, []
         for start in range(0, len(prompt) - block_size + 1, block_size):
-            parent = ids.setdefault((parent, tuple(prompt[start : start + block_size])), len(ids))
+            block = hash(tuple(prompt[start : start + block_size]))
+            parent = ids.setdefault((parent, block), len(ids))
             keys.append(parent)
         return keys
 

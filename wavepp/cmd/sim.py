@@ -138,6 +138,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GPUs of the replica for --recommend without --parallel (default 8)",
     )
     parser.add_argument(
+        "--host-memory-gib",
+        type=finite_float,
+        default=0.0,
+        help="host KV tier per GPU, GiB (0: none); capacity and load time derived from the "
+        "model's KV bytes per token and PCIe 5.0 x16 (wavepp.launch.host_tier)",
+    )
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="replay this Mooncake trace (JSONL; --requests: its first N, default all) instead "
+        "of --reuse; prints the trace's infinite-cache bound beside the cached fraction",
+    )
+    parser.add_argument(
+        "--modes", default="wave,sync", help="modes run per concurrency (default %(default)s)"
+    )
+    parser.add_argument(
         "--json", action="store_true", help="stdout: the JSON results only (the table on stderr)"
     )
 
@@ -146,7 +162,12 @@ _fail = functools.partial(fail, "sim")
 
 
 def run(args: argparse.Namespace) -> int:
-    from wavepp.bench.workloads import REUSE_PRESETS, shared_prefix_workload
+    from wavepp.bench.workloads import (
+        REUSE_PRESETS,
+        ideal_hit_ratio,
+        mooncake_workload,
+        shared_prefix_workload,
+    )
     from wavepp.launch.flags import FlagError
     from wavepp.launch.handoff import check_handoff_flags
     from wavepp.launch.sim import plan_sim
@@ -164,6 +185,11 @@ def run(args: argparse.Namespace) -> int:
     kv_blocks, kv_blocks_source = plan.kv_blocks, plan.kv_blocks_source
     latencies, baseline_fields = plan.latencies, plan.baseline_fields
     print(f"kv blocks per stage: {kv_blocks} ({kv_blocks_source})", file=sys.stderr)
+    print(
+        f"host tier blocks per stage: {plan.host_fields['num_host_kv_blocks']} "
+        f"({plan.host_source})",
+        file=sys.stderr,
+    )
     print(
         f"baseline (sync): {baseline_fields}; scheduler host time {latencies.schedule_s * 1e3:g} "
         f"ms per micro-batch (both modes); requests per setting: "
@@ -198,19 +224,40 @@ def run(args: argparse.Namespace) -> int:
         "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
         file=table_out,
     )
+    bound = None
     for concurrency in plan.concurrencies:
         num_requests = args.requests or 32 * concurrency
         summaries = {}
-        for mode in ("wave", "sync"):
+        for mode in plan.modes:
             try:
                 config, planner_cost = plan.config(concurrency, mode)
             except FlagError as exc:
                 return _fail(exc.flag, str(exc))
-            workload = workload_of(num_requests, config)
+            if plan.trace is not None:
+                workload = mooncake_workload(
+                    plan.trace, args.requests or None, vocab_size=config.model.vocab_size
+                )
+                if bound is None:
+                    bound = ideal_hit_ratio(workload.prompts, config.block_size)
+            else:
+                workload = workload_of(num_requests, config)
             report = simulate(
                 config, planner_cost, workload, concurrency=concurrency, latencies=latencies
             )
             summaries[mode] = report.summary()
+            if bound is not None:
+                summary = summaries[mode]
+                fraction = summary["cache_hit_ratio"]
+                summary["infinite_cache_hit_ratio"] = round(bound, 4)
+                print(
+                    f"{mode} C={concurrency}: {summary['requests']} requests, cached fraction "
+                    f"{fraction:.4f}, infinite-cache bound {bound:.4f} "
+                    f"({fraction / bound if bound else 0.0:.3f} of it); host loads per stage {summary['host_loaded_blocks_per_stage']}",
+                    file=sys.stderr,
+                )
+        if set(summaries) != {"wave", "sync"}:
+            results.append({"concurrency": concurrency, "host": plan.host_fields, **summaries})
+            continue
         w, s = summaries["wave"], summaries["sync"]
         ratio = w["throughput_tokens_per_s"] / max(s["throughput_tokens_per_s"], 1e-9)
         print(
@@ -231,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
                 "kv_blocks_source": kv_blocks_source,
                 "baseline": baseline_fields,
                 "schedule_s": latencies.schedule_s,
+                "host": plan.host_fields,
                 **summaries,
             }
         )

@@ -9,6 +9,7 @@ gateway         the gateway's GatewayConfig from the spec and ``pool.json``, or 
 up              what ``wavepp up`` runs (``plan_up``) and its children's command lines
 replay          the replica ``wavepp replay`` runs, from its flags
 sim             the settings ``wavepp sim`` simulates, from its flags
+host_tier       the host KV tier's capacity and load time from host memory per GPU
 grid            the runs ``wavepp bench grid`` makes, from its flags; a grid setting's config
 agreement       the settings ``wavepp bench agreement`` measures, from its flags
 flags           ``ArgError``, the checks of flags the pipeline processes share, one-line errors

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from wavepp.bench.grid import GridSpec, Setting
 from wavepp.launch.flags import FlagError
 from wavepp.launch.grid import runtime_config
+from wavepp.launch.host_tier import host_tier_fields
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.planning.catalogue import list_models
@@ -36,6 +38,10 @@ class SimPlan:
         baseline_fields: the baseline's (``--mode sync``) ``RuntimeConfig.baseline`` section.
         kv_blocks: KV capacity per stage in blocks (S entries).
         kv_blocks_source: where it came from, one line.
+        host_fields: RuntimeConfig's host tier fields (``launch.host_tier``).
+        host_source: where they came from, one line.
+        trace: a Mooncake trace to replay instead of the reuse preset, or None.
+        modes: the modes run per concurrency ("wave", "sync").
     """
 
     model: str
@@ -46,6 +52,10 @@ class SimPlan:
     baseline_fields: dict[str, Any]
     kv_blocks: list[int]
     kv_blocks_source: str
+    host_fields: dict[str, Any]
+    host_source: str
+    trace: str | None
+    modes: tuple[str, ...]
 
     def config(self, concurrency: int, mode: str) -> tuple[RuntimeConfig, CostModel]:
         """The RuntimeConfig and planner cost model of one setting (``mode`` wave or sync).
@@ -61,6 +71,7 @@ class SimPlan:
                 {
                     **config.model_dump(),
                     "num_kv_blocks": self.kv_blocks,
+                    **self.host_fields,
                     "baseline": self.baseline_fields,
                 }
             )
@@ -72,7 +83,8 @@ class SimPlan:
 def plan_sim(args: argparse.Namespace) -> SimPlan:
     """Resolve ``wavepp sim``'s flags (``cmd.sim.add_arguments``) into a :class:`SimPlan`,
     checking ``--model``, ``--concurrency``, ``--time-scale``, ``--kv-blocks``, the latencies,
-    ``--baseline-overhead-ms`` and the derived KV capacity, in that order.
+    ``--baseline-overhead-ms``, the derived KV capacity, ``--host-memory-gib``, ``--trace`` and
+    ``--modes``, in that order.
 
     Raises:
         FlagError: the first refusal, naming the flag.
@@ -125,6 +137,21 @@ def plan_sim(args: argparse.Namespace) -> SimPlan:
             kv_blocks, kv_blocks_source = default_emulated_kv_blocks(config, args.model)
     except ValueError as exc:
         raise FlagError("--kv-blocks (default)", str(exc)) from None
+    try:
+        host_fields, host_source = host_tier_fields(
+            args.model,
+            args.host_memory_gib,
+            num_stages=config.num_stages,
+            block_size=config.block_size,
+            max_microbatch_tokens=max(config.max_microbatch_tokens, config.chunk_tokens),
+        )
+    except ValueError as exc:
+        raise FlagError("--host-memory-gib", str(exc)) from None
+    if args.trace is not None and not Path(args.trace).is_file():
+        raise FlagError("--trace", f"{args.trace!r}: no such file")
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if not modes or not set(modes) <= {"wave", "sync"}:
+        raise FlagError("--modes", f"{args.modes!r}: a comma-separated list of wave, sync")
     return SimPlan(
         model=args.model,
         reuse=args.reuse,
@@ -134,4 +161,8 @@ def plan_sim(args: argparse.Namespace) -> SimPlan:
         baseline_fields=baseline_fields,
         kv_blocks=kv_blocks,
         kv_blocks_source=kv_blocks_source,
+        host_fields=host_fields,
+        host_source=host_source,
+        trace=args.trace,
+        modes=modes,
     )

@@ -112,6 +112,13 @@ class RuntimeConfig(BaseModel):
     # the capacity derived from the emulated model and device
     # (wavepp.runtime.planning.memory.default_kv_blocks), which this room cannot import.
     num_kv_blocks: list[int] = Field(default_factory=lambda: [4096])
+    # NOTE: the host tier below each stage's device pool, in blocks of block_size tokens (one
+    # entry, all stages, or one per stage; 0: no host tier), and the seconds one block takes
+    # from host to device on each stage (unscaled: the simulator and the emulated engine
+    # multiply by time_scale). Resolved from cache.hostMemoryGiB / --host-memory-gib and the
+    # model's KV bytes per token by wavepp.launch.host_tier.
+    num_host_kv_blocks: list[int] = Field(default_factory=lambda: [0])
+    host_load_s_per_block: list[float] = Field(default_factory=lambda: [0.0])
     mode: Mode = "wave"
     chunk_tokens: int = Field(8192, ge=1)
     # NOTE: the engine's largest micro-batch, new tokens; both policies stay within it, and the
@@ -199,6 +206,17 @@ class RuntimeConfig(BaseModel):
             )
         if any(n < 1 for n in self.num_kv_blocks):
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: every entry must be >= 1")
+        for name, values in (
+            ("num_host_kv_blocks", self.num_host_kv_blocks),
+            ("host_load_s_per_block", self.host_load_s_per_block),
+        ):
+            if len(values) not in (1, self.num_stages):
+                raise ValueError(
+                    f"{name} has {len(values)} entries; give 1 (all stages) or "
+                    f"num_stages={self.num_stages}"
+                )
+            if any(not v >= 0 for v in values):
+                raise ValueError(f"{name}={values}: every entry must be >= 0")
         if self.engine == "emulated" and self.cost_model is None:
             raise ValueError("engine=emulated needs cost_model (a CostModel.to_dict())")
         if self.torch_compile and (self.engine != "torch" or self.tensor_parallel_size != 1):
@@ -299,6 +317,16 @@ class RuntimeConfig(BaseModel):
 
     def kv_blocks_of(self, rank: int) -> int:
         return self.num_kv_blocks[0] if len(self.num_kv_blocks) == 1 else self.num_kv_blocks[rank]
+
+    def host_kv_blocks_of(self, rank: int) -> int:
+        """Host tier capacity of stage ``rank`` in blocks (0: no host tier)."""
+        values = self.num_host_kv_blocks
+        return values[0] if len(values) == 1 else values[rank]
+
+    def host_load_s_of(self, rank: int) -> float:
+        """Seconds (unscaled) to load one block from host to device on stage ``rank``."""
+        values = self.host_load_s_per_block
+        return values[0] if len(values) == 1 else values[rank]
 
     def owner_blocks_of(self, rank: int) -> int:
         """Blocks one owner may hold on stage ``rank``: its pool, or ``max_blocks_per_owner``

@@ -12,6 +12,9 @@ What is real and what is simulated::
     ChunkPlanner: dynamic / static chunking
     StageKVManager + BlockPool per stage (pins,         stage compute: sleep time_scale x the
       reservations, LRU eviction, mark_computed)         stage's CostModel.microbatch_cost_s
+      and its HostTier (spill, pin, load)              host-to-device loads: time_scale x
+    HostLoadPolicy (load or recompute)                   host_load_s_per_block per block, one
+                                                         link per stage, in preparation
     handle_kv_batch (the stage's KV server)            activations: hop_s between stages
                                                        preparation: prepare_s on the critical
                                                          path when local_prepare is off
@@ -39,13 +42,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.kv import BlockPool, HostTier, StageKVManager
 from wavepp.runtime.planning import CostModel, planner_for
 from wavepp.runtime.planning.handoff_cost import HandoffModel
+from wavepp.runtime.planning.host_load import HostLoadPolicy
 from wavepp.runtime.scheduling.admission import STRATEGIES, AdmissionStrategy
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.scheduling.transport import BusPlanTransport
@@ -126,15 +130,18 @@ class SimPipeline:
         config = self.config
         self.bus = SimBus(self.latencies.bus_latency_s)
         capacities = [config.kv_blocks_of(rank) for rank in range(config.num_stages)]
+        host_capacities = [config.host_kv_blocks_of(rank) for rank in range(config.num_stages)]
         kv_rtt_s = self.latencies.kv_rtt_s
         if self.admission.agrees_in_lockstep(config):
             # TRT-LLM's ranks take the smallest pool (an allreduce MIN) and stay in lockstep
             # by identical operations: agreement is free of round trips (baseline.md).
             capacities = [min(capacities)] * config.num_stages
+            host_capacities = [min(host_capacities)] * config.num_stages
             kv_rtt_s = 0.0
         for rank in range(config.num_stages):
+            host = HostTier(host_capacities[rank]) if host_capacities[rank] else None
             manager = StageKVManager(
-                BlockPool(capacities[rank], config.block_size),
+                BlockPool(capacities[rank], config.block_size, host=host),
                 clock=loop.time,
                 max_blocks_per_owner=config.max_blocks_per_owner,
             )
@@ -163,6 +170,7 @@ class SimPipeline:
             model_id=config.model_id,
             lease_s=config.lease_s,
             stage_capacities=[min(c, config.max_blocks_per_owner or c) for c in capacities],
+            agreed_blocks=self._host_load_policy(host_capacities),
         )
         planner = planner_for(config, self.planner_cost_model)
         transport = BusPlanTransport(self.bus, config.subjects)  # the bus speaks nats.py's API
@@ -175,6 +183,20 @@ class SimPipeline:
             admission=self.admission,
         )
         await self.scheduler.start()
+
+    def _host_load_policy(self, host_capacities: Sequence[int]) -> Callable | None:
+        """L* with host tiers: load or recompute at the stages' cost and load times (scaled);
+        None without a host tier (L* = the least h_s)."""
+        config = self.config
+        if not any(host_capacities):
+            return None
+        scale = config.time_scale
+        policy = HostLoadPolicy(
+            [model.scaled(scale) for model in self.stage_cost_models],
+            [config.host_load_s_of(rank) * scale for rank in range(config.num_stages)],
+            config.block_size,
+        )
+        return policy.agreed_blocks
 
     async def stop(self) -> None:
         if self.scheduler is not None:

@@ -67,6 +67,14 @@ async def _simulate(
                 "link": handoff.link.name if handoff is not None else "",
                 **summarize_handoffs(handoffs, first_token_s, wall_s=report.wall_s),
             }
+        # hits per tier and stage: device hits are the summary's stage_local_hit_blocks (both
+        # tiers); what came from the host tier, per stage
+        report.extra["host_loaded_blocks_per_stage"] = [
+            stage.num_loaded_blocks for stage in pipeline.stages
+        ]
+        report.extra["host_kv_blocks_per_stage"] = [
+            config.host_kv_blocks_of(rank) for rank in range(config.num_stages)
+        ]
         return report
 
 

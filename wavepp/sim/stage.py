@@ -55,8 +55,10 @@ class SimStage:
     in for the stage's I/O on the virtual clock:
 
     * plans arrive from the ``SimBus`` (``on_plan``, subscribed to ``config.subjects.plan``);
-    * preparation is a sleep of ``latencies.prepare_s`` (on arrival in wave mode, else on the
-      critical path), execution a sleep of ``time_scale`` x the stage's cost-model time;
+    * preparation is a sleep of ``latencies.prepare_s`` plus the host tier's loads (on arrival
+      in wave mode, else on the critical path): ``time_scale`` x ``host_load_s_per_block`` per
+      block over one host-to-device link per stage (a load waits for the link to be free);
+      execution a sleep of ``time_scale`` x the stage's cost-model time;
     * activations reach ``next_stage`` ``latencies.hop_s`` after execution;
     * ``MicroBatchDone`` goes out on ``config.subjects.done``; KV events are drained and
       dropped (nothing subscribes to them in the simulator);
@@ -102,6 +104,20 @@ class SimStage:
         self.inbox: asyncio.Queue[StageWork] = asyncio.Queue()
         self.activations: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
         self.next_stage: SimStage | None = None
+        self.load_s_per_block = config.time_scale * config.host_load_s_of(rank)
+        self._link_free_at_s = 0.0  # virtual time this stage's host-to-device link is free
+        self.num_loaded_blocks = 0
+
+    def _prepare_end_s(self, work: StageWork, start_s: float) -> float:
+        """When the preparation started at ``start_s`` ends: ``prepare_s``, and the plan's
+        loads once the link is free."""
+        end_s = start_s + self.latencies.prepare_s
+        if work.num_loads:
+            self.num_loaded_blocks += work.num_loads
+            begin_s = max(start_s, self._link_free_at_s)
+            self._link_free_at_s = begin_s + work.num_loads * self.load_s_per_block
+            end_s = max(end_s, self._link_free_at_s)
+        return end_s
 
     @property
     def manager(self) -> StageKVManager:
@@ -130,7 +146,7 @@ class SimStage:
         for ready, _ in due:
             work = core.accept(ready)
             if work.prepare_on_arrival:
-                work.prepare_end_s = work.prepare_start_s + self.latencies.prepare_s
+                work.prepare_end_s = self._prepare_end_s(work, work.prepare_start_s)
             self.inbox.put_nowait(work)
 
     async def compute_loop(self) -> None:
@@ -150,7 +166,7 @@ class SimStage:
                     await asyncio.sleep(ready_at - loop.time())
             if not work.prepare_on_arrival and not work.error:
                 work.prepare_start_s = loop.time()
-                await asyncio.sleep(self.latencies.prepare_s)
+                await asyncio.sleep(self._prepare_end_s(work, loop.time()) - loop.time())
                 work.prepare_end_s = loop.time()
             exec_start = loop.time()
             if not work.error:

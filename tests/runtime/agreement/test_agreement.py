@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from wavepp.api.kv_batch import BatchOp, KVBatch, encode_batch
 from wavepp.api.kv_reply import KVBatchReply, decode_reply, encode_reply
-from wavepp.api.messages import KVReply, Renew
+from wavepp.api.messages import PROTOCOL_VERSION, KVReply, Renew
 from wavepp.api.signing import BusKey
 from wavepp.api.subjects import ReplicaSubjects
 from wavepp.runtime.agreement import (
@@ -110,7 +110,8 @@ def test_bad_kv_message_gets_a_clear_error_and_changes_nothing() -> None:
     assert not reply.ok and reply.rank == 3 and "lease_s" in reply.error
     reply = handle_kv_request(manager, 3, b"not json")
     assert not reply.ok and "invalid KV request" in reply.error
-    reply = handle_kv_request(manager, 3, b'{"v": 2, "op": "health"}')
+    other = PROTOCOL_VERSION + 1
+    reply = handle_kv_request(manager, 3, b'{"v": %d, "op": "health"}' % other)
     assert not reply.ok and "v" in reply.error
     reply = handle_kv_request(manager, 3, b'{"op": "probe_pin", "request_id": "r"}')
     assert not reply.ok and "op" in reply.error  # the two-message agreement is not spoken

@@ -538,12 +538,15 @@ def _reply_head(count: int) -> bytes:
     ("payload", "field"),
     [
         (
-            _reply_head(2) + struct.pack("<BIH", 0, 1, 0) + struct.pack("<BIH", 4, 1, 0) + MAC,
+            _reply_head(2)
+            + struct.pack("<BIIH", 0, 1, 0, 0)
+            + struct.pack("<BIIH", 4, 1, 0, 0)
+            + MAC,
             "status",
         ),
-        (_reply_head(1) + struct.pack("<BIH", 9, 1, 0) + MAC, "status"),
-        (_reply_head(2) + struct.pack("<BIH", 0, 1, 0) + MAC, "result"),
-        (_reply_head(1) + struct.pack("<BIH", 0, 1, 4) + b"ab" + MAC, "result error"),
+        (_reply_head(1) + struct.pack("<BIIH", 9, 1, 0, 0) + MAC, "status"),
+        (_reply_head(2) + struct.pack("<BIIH", 0, 1, 0, 0) + MAC, "result"),
+        (_reply_head(1) + struct.pack("<BIIH", 0, 1, 0, 4) + b"ab" + MAC, "result error"),
         (_reply_head(0), "tag"),
         (_reply_head(1)[:5], "header"),
         (b"XYZ" + _reply_head(0)[3:], "magic"),

@@ -53,7 +53,7 @@ from wavepp.api.kv_batch import KVBatch, encode_batch
 from wavepp.api.messages import PROTOCOL_VERSION, Health, KVReply, KVRequestMessage, Renew
 from wavepp.api.signing import BusKey
 from wavepp.runtime.agreement.clients import StageClient
-from wavepp.runtime.agreement.rounds import AgreementRounds, PendingAgreement
+from wavepp.runtime.agreement.rounds import AgreedBlocks, AgreementRounds, PendingAgreement
 from wavepp.runtime.kv import PromptHasher
 from wavepp.runtime.request import PromptRequest
 from wavepp.telemetry import tracing
@@ -111,6 +111,8 @@ class AgreementController:
     (``wavepp.runtime.agreement.rounds.AgreementRounds``; ValueError outside them).
     ``prefix_refs``: let a round name a prefix the stages remember from an earlier round by
     reference (``wavepp.api.kv_batch``); False sends every hash.
+    ``agreed_blocks``: L* from each stage's device and host hit (``AgreementRounds``; None:
+    the least h_s).
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class AgreementController:
         state_interval_blocks: int = 1,
         bus_key: BusKey | None = None,
         prefix_refs: bool = True,
+        agreed_blocks: AgreedBlocks | None = None,
     ) -> None:
         if not stages:
             raise ValueError("stages: need at least one stage client")
@@ -155,6 +158,7 @@ class AgreementController:
             encode=self._encode_batch,
             reply_key=bus_key,
             prefix_refs=prefix_refs,
+            agreed_blocks=agreed_blocks,
         )
 
     def block_hashes(self, request: PromptRequest) -> list[bytes]:

@@ -5,7 +5,9 @@ batch to each stage, carrying the block hashes and block count of every request 
 starts; each stage pins its local hit h_s and at once reserves the blocks after it (its block
 table: h_s cached ids, then fresh ones; it does not depend on L*). From the replies the round
 takes each request's L* = min(min over stages of h_s, (num_tokens - 1) // block_size), rounded
-down to ``state_interval_blocks``; L* reaches the stages with the plan (the request's first chunk
+down to ``state_interval_blocks``; with host tiers (a reply's ``host`` part of h_s) an
+``agreed_blocks`` policy may agree less, recomputing what loading would cost more
+(``planning.host_load.HostLoadPolicy``); L* reaches the stages with the plan (the request's first chunk
 starts at L* * block_size). A stage whose hit exceeds L* computes tokens [L* B, h_s B) again
 for its successors, writing none of them (``StageKVManager.start_chunk``). Requests that a
 stage refused (or that do not fit now, or whose entry was invalid) are released on every stage
@@ -126,6 +128,8 @@ class PendingAgreement:
 
 OnAdmitted = Callable[[PendingAgreement], Any]
 OnRefused = Callable[[PendingAgreement, str], BaseException]
+AgreedBlocks = Callable[[Sequence[int], Sequence[int], int], int]
+"""L* from (h_s per stage, the host part of each, the cap): ``HostLoadPolicy.agreed_blocks``."""
 
 
 class AgreementRounds:
@@ -148,6 +152,7 @@ class AgreementRounds:
         encode: Callable[[KVBatch], bytes] = encode_batch,
         reply_key: BusKey | None = None,
         prefix_refs: bool = True,
+        agreed_blocks: AgreedBlocks | None = None,
     ) -> None:
         if not 1 <= max_batch <= MAX_BATCH_ENTRIES:
             raise ValueError(f"max_batch: {max_batch}; must be in [1, {MAX_BATCH_ENTRIES}]")
@@ -163,6 +168,8 @@ class AgreementRounds:
         self.max_rounds_in_flight = max_rounds_in_flight
         # hybrid models: a prefix is reusable only up to a stored recurrent state, every k blocks
         self.state_interval_blocks = state_interval_blocks
+        # host tiers: L* from each stage's device and host hit (load or recompute); None: min h_s
+        self.agreed_blocks = agreed_blocks
         self._encode = encode  # the controller's: stamps its owner and op number, signs
         self._reply_key = reply_key  # the key it signs with: over NATS, only tagged replies
         self._admitted = admitted
@@ -386,7 +393,12 @@ class AgreementRounds:
                 continue
             hits = tuple(result.value for result in results)
             pending.stage_hits = hits
-            num_agreed = min(min(hits), (pending.request.num_tokens - 1) // self.block_size)
+            cap = (pending.request.num_tokens - 1) // self.block_size
+            if self.agreed_blocks is not None and any(result.host for result in results):
+                hosts = tuple(result.host for result in results)
+                num_agreed = min(self.agreed_blocks(hits, hosts, cap), min(hits), cap)
+            else:
+                num_agreed = min(min(hits), cap)
             pending.num_agreed_blocks = num_agreed - num_agreed % self.state_interval_blocks
             (refused if pending.abandoned else admitted).append(pending)
         self._trace(batch, "agreement.probe_reserve", started)

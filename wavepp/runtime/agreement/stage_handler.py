@@ -37,9 +37,9 @@ _UNRESOLVED = EntryResult(EntryStatus.UNRESOLVED)
 
 
 @lru_cache(maxsize=4096)
-def _ok(value: int) -> EntryResult:
+def _ok(value: int, host: int = 0) -> EntryResult:
     """An OK result (immutable, so shared: one per value, not one per entry)."""
-    return EntryResult(EntryStatus.OK, value)
+    return EntryResult(EntryStatus.OK, value, "", host)
 
 
 def handle_kv_request(
@@ -109,7 +109,8 @@ def handle_kv_batch(
     ``BlockPool.pin_cache_hit``), then every entry reserves the blocks after its hit
     (``StageKVManager.reserve``; refused: nothing held for it), so an entry's reservation never
     evicts a block a later entry of the round would have hit, and walks sharing a prefix stay
-    valid (no eviction between them); the reply's value is h_s. A malformed batch changes
+    valid (no eviction between them); the reply's value is h_s and its ``host`` the part of
+    h_s in the stage's host tier (pinned there by the probe). A malformed batch changes
     nothing and is answered with the batch-level ``error``; a bad entry is answered INVALID and
     holds nothing (what it pinned in the first pass is released), the other entries are
     applied. A release batch releases its entries (each answered OK).
@@ -221,7 +222,7 @@ def _probe_reserve(manager: StageKVManager, batch: KVBatch) -> tuple[EntryResult
             results[index] = EntryResult(EntryStatus.INVALID, 0, f"probe_reserve: {exc}")
             continue
         newly_pinned[index] = walks[index] is not None
-        results[index] = _ok(hit)
+        results[index] = _ok(hit, manager.num_host_hit_blocks(entry.request_id))
     for index, entry in enumerate(entries):
         result = results[index]
         assert result is not None

@@ -5,6 +5,8 @@ Layers, each pure (no I/O, no torch, no NATS; the clock is injected)::
     hashing   root_block_hash, hash_block_tokens, hash_prompt_blocks  (chained sha256),
               PromptHasher (the same, not hashing again what a recent prompt shared)
     pool      BlockPool: capacity, block hash -> block map, ref counts, LRU; queues KVEvents
+    host      HostTier: the host-memory tier below the pool (spilled blocks, LRU, pins) and
+              the ordered transfer log (Transfer) the engine applies
     manager   StageKVManager: probe/pin, reserve, mark computed, release, leases
     recent    RecentPrefixes: per owner and root, the latest probe-reserve entry's hashes (the
               prefixes a round names by reference)
@@ -21,6 +23,7 @@ from wavepp.runtime.kv.hashing import (
     hash_prompt_blocks,
     root_block_hash,
 )
+from wavepp.runtime.kv.host import HostTier, Transfer
 from wavepp.runtime.kv.manager import StageKVManager
 from wavepp.runtime.kv.pool import BlockPool, CacheHit, KVEvent
 from wavepp.runtime.kv.recent import RecentPrefixes
@@ -30,10 +33,12 @@ __all__ = [
     "BlockHash",
     "BlockPool",
     "CacheHit",
+    "HostTier",
     "KVEvent",
     "PromptHasher",
     "RecentPrefixes",
     "StageKVManager",
+    "Transfer",
     "hash_block_tokens",
     "hash_prompt_blocks",
     "root_block_hash",

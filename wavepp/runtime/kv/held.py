@@ -25,6 +25,10 @@ class HeldRequest:
     num_agreed_blocks: int = 0  # L*: from the first chunk (start_chunk); -1 unknown
     num_hashed_blocks: int = 0  # leading table blocks already passed to cache_full_blocks
     owner: str = ""  # who probed it (an admission instance); only it may reserve or release it
+    # host slots pinned by probe_pin: the host run right after the device hit (hit_block_ids),
+    # released once the first chunk loaded what L* needs (start_chunk) or with the request
+    host_slots: tuple[int, ...] = ()
+    num_loaded_blocks: int = 0  # table blocks after the device hit loaded from the host tier
 
 
 def check_lease(lease_s: float) -> None:

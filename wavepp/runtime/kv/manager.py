@@ -37,6 +37,15 @@ class StageKVManager:
     KV (``num_hit_blocks``: the engine skips those slots), and caching starts at block h_s, so a
     cached block is never written or hashed again.
 
+    With a host tier (``pool.host``), h_s = d_s + m_s: the device hit d_s (pinned device
+    blocks) plus the contiguous run of m_s blocks after it that the host tier holds (host
+    slots, pinned against host eviction by the probe). ``reserve`` allocates device blocks for
+    everything after d_s (what will be loaded and what will be computed). The first chunk's
+    L* decides: the table's blocks [d_s, max(d_s, L*)) are loaded from their pinned slots
+    (``BlockPool.load_blocks``, logged for the engine before the chunk runs) and count as hit;
+    the rest of the host run is computed, and every host pin is released then. A host slot is
+    pinned from the probe to that point, so the bytes a plan loads are the bytes probed.
+
     Every held request has a lease (``clock()`` seconds); ``expire`` releases any request
     whose lease passed, reserved or not, so a dead controller leaks no pins.
 
@@ -149,7 +158,7 @@ class StageKVManager:
         if held is not None:
             self._check_owner(held, owner)
             held.lease_expiry_s = max(held.lease_expiry_s, self._clock() + lease_s)
-            return len(held.hit_block_ids), None
+            return len(held.hit_block_ids) + len(held.host_slots), None
         block_hashes = tuple(block_hashes)
         recent = self._recent_walks
         if prior is None and block_hashes:
@@ -157,6 +166,11 @@ class StageKVManager:
             if latest is not None:
                 prior, num_shared = latest[1], common_prefix(latest[0], block_hashes)
         hit = self.pool.pin_cache_hit(block_hashes, prior, num_shared)
+        host_slots: tuple[int, ...] = ()
+        host = self.pool.host
+        if host is not None and host.num_cached:
+            host_slots = tuple(host.find_run(block_hashes, len(hit.block_ids)))
+            host.pin(host_slots)
         if block_hashes:
             recent[block_hashes[0]] = (block_hashes, hit)
             if len(recent) > self.recent_walks_kept:
@@ -170,8 +184,9 @@ class StageKVManager:
             self._num_admitted,
             block_hashes,
             owner=owner,
+            host_slots=host_slots,
         )
-        return len(hit.block_ids), hit
+        return len(hit.block_ids) + len(host_slots), hit
 
     def reserve(
         self,
@@ -182,8 +197,9 @@ class StageKVManager:
         owner: str = "",
         copy: bool = True,
     ) -> Sequence[int] | None:
-        """Keep the whole pinned hit (h_s blocks) and reserve the ``num_total_blocks - h_s``
-        blocks after it: the agreement's stage step, after ``probe_pin``.
+        """Keep the whole pinned device hit (d_s blocks; h_s without a host tier) and reserve
+        the ``num_total_blocks - d_s`` blocks after it, for what will be loaded from the host
+        tier and what will be computed: the agreement's stage step, after ``probe_pin``.
 
         Args:
             request_id: A probed request.
@@ -235,8 +251,12 @@ class StageKVManager:
         """A chunk of ``request_id`` starting at token ``context_offset`` is about to run here:
         a reserved request's first chunk names its L* (``context_offset // block_size``).
 
+        The first chunk also loads the host blocks L* needs (table blocks [d_s, L*) from
+        their pinned slots, ``BlockPool.load_blocks``) and releases every host pin.
+
         Returns ``num_hit_blocks`` in tokens: positions below it are in this stage's cached
-        blocks (computed, but none of their KV or state written: ``ChunkSpec.num_cached_tokens``).
+        or loaded blocks (computed, but none of their KV or state written:
+        ``ChunkSpec.num_cached_tokens``).
         Raises KeyError if the request is not reserved here, ValueError for a
         reserved request's first chunk off a block boundary or past the stage's hit.
         """
@@ -244,8 +264,9 @@ class StageKVManager:
         if held is None or held.block_table is None:
             raise KeyError(f"request {request_id!r} is not reserved on this stage")
         block_size = self.pool.block_size
-        num_hit_tokens = len(held.hit_block_ids) * block_size
+        num_device = len(held.hit_block_ids)
         if held.num_agreed_blocks < 0:
+            num_hit_tokens = (num_device + len(held.host_slots)) * block_size
             if context_offset % block_size or not 0 <= context_offset <= num_hit_tokens:
                 raise ValueError(
                     f"request {request_id!r}: first chunk at context_offset={context_offset}; "
@@ -253,13 +274,48 @@ class StageKVManager:
                     f"hit of {num_hit_tokens} tokens"
                 )
             held.num_agreed_blocks = context_offset // block_size
-        return num_hit_tokens
+            self._load_host_run(held)
+        return (num_device + held.num_loaded_blocks) * block_size
+
+    def _load_host_run(self, held: HeldRequest) -> None:
+        """The first chunk's loads: host run blocks below L*, then every host pin released."""
+        slots = held.host_slots
+        if not slots:
+            return
+        num_device = len(held.hit_block_ids)
+        num_loads = max(0, held.num_agreed_blocks - num_device)
+        host = self.pool.host
+        assert host is not None, "host slots held without a host tier"
+        if num_loads:
+            end = num_device + num_loads
+            self.pool.load_blocks(
+                held.block_table[num_device:end],  # type: ignore[index]
+                slots[:num_loads],
+                held.block_hashes[num_device:end],
+                held.block_hashes[num_device - 1] if num_device else None,
+            )
+            held.num_loaded_blocks = num_loads
+            held.num_hashed_blocks = end
+        held.host_slots = ()
+        host.release(slots)
+
+    def num_loaded_blocks(self, request_id: str) -> int:
+        """Blocks the request's first chunk loaded from the host tier here (0 if none, not
+        held, or not started)."""
+        held = self._requests.get(request_id)
+        return held.num_loaded_blocks if held is not None else 0
+
+    def num_host_hit_blocks(self, request_id: str) -> int:
+        """m_s: the host run after the device hit that the request pins here (0 once its first
+        chunk started, or if not held)."""
+        held = self._requests.get(request_id)
+        return len(held.host_slots) if held is not None else 0
 
     def num_hit_blocks(self, request_id: str) -> int:
         """The leading blocks of the request's table that are this stage's own cached hit,
         pinned by the probe and never written by this request (h_s); 0 if not held."""
         held = self._requests.get(request_id)
-        return len(held.hit_block_ids) if held is not None else 0
+        return len(held.hit_block_ids) + held.num_loaded_blocks if held is not None else 0
 
     def mark_computed(
         self,
@@ -375,6 +431,7 @@ class StageKVManager:
         block_ids = self._held_block_ids(held)
         self._count_owner_blocks(held.owner, -len(block_ids))
         self.pool.free(block_ids, validate=False)
+        self._release_host(held)
         return True
 
     def renew(self, request_ids: Iterable[str], lease_s: float, *, owner: str | None = None) -> int:
@@ -474,12 +531,18 @@ class StageKVManager:
             fresh_block_ids = self.pool.allocate(num_fresh)
         if fresh_block_ids is None:
             self.pool.free(held.hit_block_ids, validate=False)
+            self._release_host(held)
             self._count_owner_blocks(held.owner, -len(held.hit_block_ids))
             del self._requests[held.request_id]
             return False
         held.block_table = held.hit_block_ids + tuple(fresh_block_ids)
         self._count_owner_blocks(held.owner, num_fresh)
         return True
+
+    def _release_host(self, held: HeldRequest) -> None:
+        if held.host_slots:
+            slots, held.host_slots = held.host_slots, ()
+            self.pool.host.release(slots)  # type: ignore[union-attr]
 
     def _fits_owner_cap(self, owner: str, num_fresh: int) -> bool:
         if self.max_blocks_per_owner is None:

@@ -10,34 +10,13 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
+from wavepp.runtime.kv.events import KVEvent
 from wavepp.runtime.kv.hashing import BlockHash, check_block_hash
+from wavepp.runtime.kv.host import HostTier, Transfer
 
-
-@dataclass(frozen=True)
-class KVEvent:
-    """A change in the set of block hashes one stage holds; queued by the pool.
-
-    Apply events in order as set operations ("stored": add each hash, "removed": discard each
-    hash) and the result equals the stage's cached hash set. A "stored" event may name a hash
-    the stage already held (a duplicate block), so do not count stores.
-
-    Attributes:
-        kind: "stored" (blocks got hashes) or "removed" (blocks evicted).
-        block_hashes: For "stored", a chain in block order; for "removed", eviction order.
-        parent_block_hash: For "stored", the hash of the block before the first one (None when
-            the first one is the prompt's block 0); None for "removed".
-    """
-
-    kind: Literal["stored", "removed"]
-    block_hashes: tuple[BlockHash, ...]
-    parent_block_hash: BlockHash | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("stored", "removed"):
-            raise ValueError(f"kind must be 'stored' or 'removed', got {self.kind!r}")
+__all__ = ["BlockPool", "CacheHit", "KVEvent"]
 
 
 class CacheHit(NamedTuple):
@@ -83,9 +62,15 @@ class BlockPool:
       it into plain per-block references first.
     - pending ``KVEvent``s, drained by ``take_events``.
 
+    - the host tier below it (``host``, optional): every cached block this pool evicts is
+      spilled there with its hash, and a hash this pool caches leaves it (``HostTier``: the
+      tiers are exclusive). The host tier queues its own events (tier "host") and the ordered
+      transfer log; ``take_events`` and ``take_transfers`` drain both.
+
     Args:
         num_blocks: Capacity in blocks, > 0.
         block_size: Tokens per block, > 0 (metadata here: the pool never sees tokens).
+        host: The stage's host tier, or None (no host tier).
 
     Raises:
         ValueError: if ``num_blocks`` or ``block_size`` is not an int > 0.
@@ -94,13 +79,14 @@ class BlockPool:
     span_min_blocks = 8
     """Shortest shared prefix pinned as a span (a shorter one costs little per block)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, host: HostTier | None = None) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be an int > 0, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be an int > 0, got {block_size!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.host = host
         # NOTE: the one pinning mechanism. _ref[b] == 0: in the free queue (evictable if
         # hashed); > 0: pinned, never evicted. It counts the block's own references plus one
         # for the span holding it, if any (whose holders are counted in _holders).
@@ -369,6 +355,8 @@ class BlockPool:
             hashes[block_id] = block_hash
             hash_to_id[block_hash] = block_id
             self._stores += 1
+            if self.host is not None:
+                self.host.discard(block_hash)  # exclusive tiers
         self._events.append(KVEvent("stored", tuple(block_hashes), parent_block_hash))
 
     def free(self, block_ids: Sequence[int], *, validate: bool = True) -> None:
@@ -415,10 +403,54 @@ class BlockPool:
                 return
         self._release(block_ids)
 
+    def load_blocks(
+        self,
+        block_ids: Sequence[int],
+        slots: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        parent_block_hash: BlockHash | None,
+    ) -> None:
+        """Load pinned host slots into pinned device blocks, in chain order: each load is
+        logged (``take_transfers``) and the blocks take the hashes (``cache_full_blocks``:
+        one device "stored" event; a hash the device holds already leaves the copy a
+        duplicate). The slots' hashes leave the host index; the caller still holds its pins.
+
+        Raises:
+            ValueError: no host tier, mismatched lengths, a slot not pinned or not holding its
+                hash, or what ``cache_full_blocks`` refuses (nothing loaded then).
+        """
+        host = self.host
+        if host is None:
+            raise ValueError("slots: this pool has no host tier to load from")
+        if not len(block_ids) == len(slots) == len(block_hashes):
+            raise ValueError(
+                f"block_ids, slots and block_hashes have {len(block_ids)}, {len(slots)} and "
+                f"{len(block_hashes)} entries; pass one slot and one hash per block"
+            )
+        for slot, block_hash in zip(slots, block_hashes, strict=True):
+            if host.ref_cnt(slot) == 0 or host.slot_hash(slot) != block_hash:
+                raise ValueError(
+                    f"slots: slot {slot} is not pinned or does not hold hash "
+                    f"{block_hash.hex()[:16]}...; load only the slots a probe pinned"
+                )
+        for block_id in block_ids:
+            if self._ref[self._check_id(block_id, "block_ids")] == 0:
+                raise ValueError(f"block_ids: block {block_id} is not pinned (ref count 0)")
+        for slot, block_id in zip(slots, block_ids, strict=True):
+            host.load(slot, block_id)
+        self.cache_full_blocks(block_ids, block_hashes, parent_block_hash)
+
     def take_events(self) -> list[KVEvent]:
-        """Drain the pending events (oldest first); the pool's queue is empty afterwards."""
+        """Drain the pending events (oldest first; the host tier's after this pool's); the
+        queues are empty afterwards."""
         events, self._events = self._events, []
+        if self.host is not None:
+            events += self.host.take_events()
         return events
+
+    def take_transfers(self) -> list[Transfer]:
+        """Drain the host tier's transfer log (``HostTier.take_transfers``); [] without one."""
+        return self.host.take_transfers() if self.host is not None else []
 
     def check_invariants(self) -> None:
         """Check every structural invariant; for tests.
@@ -578,4 +610,8 @@ class BlockPool:
             evicted.append(block_hash)
             taken.append(block_id)
         self._evictions += num_blocks
+        if self.host is not None:
+            spill = self.host.spill
+            for block_id, block_hash in zip(taken[-num_blocks:], evicted, strict=True):
+                spill(block_id, block_hash)
         return evicted

@@ -51,7 +51,7 @@ from wavepp.api.messages import (
 )
 from wavepp.api.signing import BusKey
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch, handle_kv_request
-from wavepp.runtime.kv import StageKVManager
+from wavepp.runtime.kv import StageKVManager, Transfer
 from wavepp.runtime.stage.chunk import ChunkSpec
 from wavepp.runtime.stage.sequencing import PlanSequencer
 
@@ -79,6 +79,9 @@ class StageWork:
         error: "" or why the micro-batch cannot run on this stage; it then moves zeros of the
             right shape through the pipeline and its done message carries the error. The
             caller sets it when its engine fails.
+        transfers: the host tier's copies logged up to this plan's acceptance (spills of
+            evicted blocks, then this plan's loads; ``wavepp.runtime.kv.host``): the caller
+            applies them in order while preparing, before the micro-batch runs.
     """
 
     plan: MicroBatchPlan
@@ -88,6 +91,12 @@ class StageWork:
     prepare_start_s: float
     prepare_end_s: float
     error: str = ""
+    transfers: tuple[Transfer, ...] = ()
+
+    @property
+    def num_loads(self) -> int:
+        """Blocks this micro-batch's preparation loads from the host tier."""
+        return sum(transfer.kind == "load" for transfer in self.transfers)
 
     @property
     def num_tokens(self) -> int:
@@ -178,7 +187,8 @@ class StageCore:
 
     def take_kv_events(self) -> KVEventBatch | None:
         """Drain the KV manager's events into one message; None when there were none."""
-        events = self.manager.take_events()
+        # NOTE: the message speaks of the device tier; host-tier events are not published
+        events = [e for e in self.manager.take_events() if e.tier == "device"]
         if not events:
             return None
         return self._signed(
@@ -274,6 +284,7 @@ class StageCore:
             prepare_start_s=start_s,
             prepare_end_s=start_s,
             error=error,
+            transfers=tuple(self.manager.pool.take_transfers()),
         )
 
     # ---- after execution -----------------------------------------------------------------

@@ -119,6 +119,14 @@ class StageWorker:
         self.rank = rank
         self.nc = nc
         self.engine = engine
+        if config.host_kv_blocks_of(rank):
+            # the engines do not apply the host tier's transfer log yet: a host tier here would
+            # let a plan read device blocks whose bytes never arrived
+            raise ValueError(
+                f"num_host_kv_blocks={config.num_host_kv_blocks}: the stage worker's engines "
+                "do not move host-tier bytes; a host tier runs in the simulator only (wavepp "
+                "sim --host-memory-gib); give 0"
+            )
         # NOTE: done messages carry wall-clock seconds (time.time()): they cross processes.
         self.core = StageCore(
             StageKVManager(
