@@ -26,7 +26,9 @@ from wavepp.operator import builders as b
 REPO = Path(__file__).resolve().parents[2]
 REF = b.PipelineRef(name="tiny", namespace="ml", uid="uid-contract")
 CLUSTER_NATS_URL = "nats://nats.wavepp-system:4222"
-WAIT_S = 30.0
+# A stage pod is ready only once its whole group formed (every peer beating), so it waits for the
+# slowest of its peers to start: on 2 loaded cores with tensor-parallel followers, over 30 s.
+WAIT_S = 90.0
 
 
 def container_of(manifest: dict[str, Any]) -> dict[str, Any]:
