@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from wavepp.runtime.stage.engine.tensor_parallel import TPGroup
 
@@ -144,6 +143,10 @@ def attend(
             qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa
         )
     else:
+        # Imported here: torch.nn.attention.bias loads torch._dynamo (~2 s at process start),
+        # which a stage on the emulated engine, or on CPU (dense masks), never needs.
+        from torch.nn.attention.bias import causal_lower_right
+
         bias = causal_lower_right(q.shape[0], k.shape[0])
         if gqa:  # the fused lower-right kernels take equal head counts
             group = q.shape[1] // k.shape[1]
