@@ -163,9 +163,12 @@ class Kubelet:
                 start_new_session=True,
             )
 
-    def log_tail(self, name: str) -> str:
+    def log(self, name: str) -> str:
         path = self.tmp / f"{name}.log"
-        return path.read_text(errors="replace")[-2500:] if path.exists() else ""
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def log_tail(self, name: str) -> str:
+        return self.log(name)[-2500:]
 
     # -- the controllers' loop -----------------------------------------------------------
 
@@ -390,7 +393,11 @@ async def test_scale_1_3_1_under_load_the_pool_follows_and_nothing_is_lost(
         log = kubelet.log_tail(name)
         assert "drained in" in log and kubelet.procs[name].returncode == 0, log
     assert len(drained) == 2, drained
-    assert seen_draining == set(replicas[1:]), seen_draining  # left the pool as draining
+    # Each left the pool as draining: the gateways logged it (their /readyz shows the state for
+    # as little as DRAIN_SETTLE_S, which a poll on a loaded host can miss).
+    gateway_logs = "".join(kubelet.log(n) for n in kubelet.procs if "gateway" in n)
+    logged = {r for r in replicas[1:] if f"replica {r} draining" in gateway_logs}
+    assert logged | seen_draining == set(replicas[1:]), (logged, seen_draining)
     by_replica = {r: sum(1 for rec in records if rec[3].get("replica") == r) for r in replicas}
     during_down = [r for r in records if scaled_down <= r[0] + r[1] <= scaled_down + deleted_s]
     print(

@@ -348,6 +348,28 @@ def test_forged_heartbeats_are_refused_and_beats_are_rate_limited() -> None:
     assert guard.num_refused["heartbeat"] == 3
 
 
+def test_a_drains_first_beat_passes_the_rate_limit_once() -> None:
+    """A drain's first beat arriving within 0.1 s of the one before (beats bunch in transit on
+    a loaded host) was refused, so the gateway kept a leaving replica ready. It passes the
+    rate limit once; repeats and alternations are still limited."""
+    guard = BusGuard(KEY, ["p0"])
+    key0 = KEY.for_replica("p0")
+    wall = 5000.0
+
+    def beat(seq: int, draining: bool) -> Heartbeat:
+        return key0.sign(_beat(not draining, seq, wall).model_copy(update={"draining": draining}))
+
+    assert guard.heartbeat("p0", beat(1, False), 0.0, wall)
+    assert guard.heartbeat("p0", beat(2, True), 0.02, wall)  # the drain starts: not limited
+    assert not guard.heartbeat("p0", beat(3, True), 0.04, wall)  # a second: limited
+    assert not guard.heartbeat("p0", beat(4, False), 0.06, wall)
+    assert guard.heartbeat("p0", beat(5, False), 0.2, wall)
+    accepted = sum(
+        guard.heartbeat("p0", beat(6 + i, i % 2 == 1), 0.35 + i * 0.001, wall) for i in range(100)
+    )
+    assert accepted == 2  # one ordinary beat, one drain start: the flood stays bounded
+
+
 # ---- results, planted results ------------------------------------------------------------------
 
 

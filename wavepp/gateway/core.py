@@ -242,10 +242,7 @@ class Gateway:
         except ValueError:
             return
         if self.guard.heartbeat(replica, beat, self.clock(), time.time()):
-            self.router.on_heartbeat(
-                replica, self.clock(), is_ready=beat.ready, is_draining=beat.draining
-            )
-            self._dispatch()
+            self._take_beat(replica, beat)
 
     async def _on_pool_heartbeat(self, msg: Msg) -> None:
         """A heartbeat of any replica: add one of this pool not known yet (it scaled up),
@@ -282,9 +279,13 @@ class Gateway:
             if beat.pipeline not in self._watched:
                 await self._watch_kv_events(beat.pipeline)
             log.info("replica %s joined the pool", beat.pipeline)
-        self.router.on_heartbeat(
-            beat.pipeline, self.clock(), is_ready=beat.ready, is_draining=beat.draining
-        )
+        self._take_beat(beat.pipeline, beat)
+
+    def _take_beat(self, replica: str, beat: Heartbeat) -> None:
+        if self.router.on_heartbeat(
+            replica, self.clock(), is_ready=beat.ready, is_draining=beat.draining
+        ):
+            log.info("replica %s draining: out of the pool, it finishes what it was sent", replica)
         self._dispatch()
 
     async def _on_kv_events(self, replica: str, msg: Msg) -> None:

@@ -134,11 +134,14 @@ class PoolRouter:
 
     def on_heartbeat(
         self, replica: str, now_s: float, *, is_ready: bool, is_draining: bool = False
-    ) -> None:
+    ) -> bool:
+        """Take a heartbeat of ``replica``; True when it says the replica began to drain."""
         state = self.by_name[replica]
+        began = is_draining and not state.is_draining
         state.last_heartbeat_s = now_s
         state.is_ready = is_ready and not is_draining
         state.is_draining = is_draining
+        return began
 
     # ---- queries -------------------------------------------------------------------------
 

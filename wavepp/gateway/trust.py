@@ -9,7 +9,9 @@ publish any of them. ``BusGuard`` decides, per message, whether it is one the re
 |                           | tag checks with the replica's key, its ``seq`` is above the last     |
 |                           | accepted one of its instance and ``sent_at_s`` is within             |
 |                           | ``max_heartbeat_age_s`` of now; and at most one per                  |
-|                           | ``min_heartbeat_interval_s`` per replica (rate limit, always)        |
+|                           | ``min_heartbeat_interval_s`` per replica (rate limit, always), save  |
+|                           | the first ``draining`` beat after a beat that was not: a drain's     |
+|                           | first beat is never lost to beats bunched in transit                |
 | ``PrefillResult`` (subj.) | for a replica this request was routed to; with a key, signed by it   |
 | ``PrefillResult`` (store) | for this key, by a replica of the pool; with a key, signed by it     |
 | ``KVEventBatch``          | a rank of the replica; with a key, signed by the replica             |
@@ -78,6 +80,9 @@ class BusGuard:
         self.min_heartbeat_interval_s = min_heartbeat_interval_s
         self.max_heartbeat_age_s = max_heartbeat_age_s
         self._last_beat_s: dict[str, float] = {}
+        # Whether each replica's last accepted beat said draining (the rate limit's one
+        # exception; a sender alternating states gets at most two beats per interval).
+        self._draining: dict[str, bool] = {}
         self._seqs: dict[str, OrderedDict[str, int]] = {name: OrderedDict() for name in replicas}
         self.num_refused: Counter[str] = Counter()
 
@@ -114,6 +119,7 @@ class BusGuard:
         self.replicas.remove(name)
         del self._keys[name], self._seqs[name]
         self._last_beat_s.pop(name, None)
+        self._draining.pop(name, None)
 
     def _authentic(self, replica: str, msg: Heartbeat | PrefillResult | KVEventBatch) -> bool:
         if replica not in self._keys:
@@ -140,10 +146,16 @@ class BusGuard:
                 self.num_refused["heartbeat_repeated"] += 1
                 return False
         last_s = self._last_beat_s.get(replica)
-        if last_s is not None and now_s - last_s < self.min_heartbeat_interval_s:
+        starts_drain = beat.draining and not self._draining.get(replica, False)
+        if (
+            last_s is not None
+            and now_s - last_s < self.min_heartbeat_interval_s
+            and not starts_drain
+        ):
             self.num_refused["heartbeat_rate"] += 1
             return False
         self._last_beat_s[replica] = now_s
+        self._draining[replica] = beat.draining
         if self._keys[replica] is not None:
             seqs[beat.instance] = beat.seq
             seqs.move_to_end(beat.instance)
