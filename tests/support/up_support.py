@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +93,23 @@ def start_up(
     match = re.search(r"serving (http://\S+)", "".join(lines))
     assert match, "".join(lines)
     return UpService(proc, match.group(1), state_dir, lines)
+
+
+def wait_replicas_in_pool(service: UpService, count: int, timeout_s: float = 90.0) -> None:
+    """Wait until the gateway's /readyz has ``count`` replicas in its pool: `wavepp up` says
+    'serving' once one is, and a replica's processes serve /metrics only once formed."""
+    deadline = time.monotonic() + timeout_s
+    members: dict = {}
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{service.endpoint}/readyz", timeout=5.0) as response:
+                members = json.loads(response.read()).get("replicas", {})
+        except (urllib.error.URLError, OSError, ValueError):
+            members = {}
+        if sum(bool(m.get("in_pool")) for m in members.values()) >= count:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"{count} replicas not in the pool in {timeout_s} s: {members}")
 
 
 def stop_up(proc: subprocess.Popen[str]) -> int:

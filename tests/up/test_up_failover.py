@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from http_support import post_json
 from prometheus_client.parser import text_string_to_metric_families
-from up_support import UpService, start_up, stop_up
+from up_support import UpService, start_up, stop_up, wait_replicas_in_pool
 
 from wavepp.runtime.transport.natsio import free_port
 
@@ -80,6 +80,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[UpService, in
     }
     service = start_up(tmp_path_factory.mktemp("up-failover"), spec, timeout_s=180)
     try:
+        wait_replicas_in_pool(service, 2)  # every process's /metrics is then served
         yield service, metrics_port
     finally:
         stop_up(service.proc)
