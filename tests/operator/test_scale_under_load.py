@@ -355,7 +355,19 @@ async def test_scale_1_3_1_under_load_the_pool_follows_and_nothing_is_lost(
 
             scaled_down = time.monotonic()
             await cluster.edit_spec(PIPELINE, {"replicas": 1})
-            await wait_for(lambda: pool_is(one), timeout_s=30, what="replicas 1, 2 out of the pool")
+            try:
+                await wait_for(
+                    lambda: pool_is(one), timeout_s=60, what="replicas 1, 2 out of the pool"
+                )
+            except AssertionError as exc:
+                raise AssertionError(
+                    f"{exc}\npools as they changed: {changes[-4:]}\nkubelet: {kubelet.events[-12:]}"
+                    + "".join(
+                        f"\n{n}: {kubelet.log_tail(n)[-600:]}"
+                        for n in sorted(kubelet.procs)
+                        if "r1" in n or "gateway" in n
+                    )
+                ) from exc
             left_s = {r: left_at(r, scaled_down) - scaled_down for r in replicas[1:]}
 
             async def deleted() -> bool:
