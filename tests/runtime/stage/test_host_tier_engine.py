@@ -181,3 +181,31 @@ def test_prefix_round_trip_through_the_host_tier_matches_the_cold_forward(
     assert expected.std() > 0.3, "reference logits too flat for a meaningful check"
     assert (logits - expected).abs().max() < 1e-4
     assert int(torch.argmax(logits)) == int(torch.argmax(expected))
+
+
+def test_stage_metrics_count_host_spills_and_loads(llama_dir) -> None:  # noqa: ANN001
+    from types import SimpleNamespace
+
+    from wavepp.runtime.stage.metrics import StageMetrics, snapshot_of
+
+    stage = _Stage(llama_dir[0], num_blocks=8, num_slots=16)
+    worker = SimpleNamespace(
+        config=SimpleNamespace(pipeline="p"),
+        rank=1,
+        core=SimpleNamespace(manager=stage.manager, num_microbatches=3, execute_s=0.5),
+        is_formed=True,
+        group_epoch=0,
+        num_reforms=0,
+    )
+    metrics = StageMetrics(lambda: snapshot_of(worker))
+    rng = random.Random(1)
+    prefix = [rng.randrange(VOCAB) for _ in range(2 * BLOCK)]
+    stage.run("a", prefix + [1])
+    stage.run("filler", [rng.randrange(VOCAB) for _ in range(8 * BLOCK)])
+    stage.run("b", prefix + [2, 3])
+    text = metrics.scrape()[0].decode()
+    labels = 'pipeline="p",stage_rank="1"'
+    assert f'wavepp_stage_host_kv_blocks_total{{op="loaded",{labels}}} 2.0' in text, text
+    spilled = stage.manager.pool.host.num_spills  # type: ignore[union-attr]
+    assert spilled >= 2
+    assert f'wavepp_stage_host_kv_blocks_total{{op="spilled",{labels}}} {spilled}.0' in text
