@@ -209,3 +209,19 @@ def test_stage_metrics_count_host_spills_and_loads(llama_dir) -> None:  # noqa: 
     spilled = stage.manager.pool.host.num_spills  # type: ignore[union-attr]
     assert spilled >= 2
     assert f'wavepp_stage_host_kv_blocks_total{{op="spilled",{labels}}} {spilled}.0' in text
+
+
+def test_a_host_tier_on_a_tensor_parallel_stage_is_refused_by_name() -> None:
+    from wavepp.runtime.config import RuntimeConfig
+    from wavepp.runtime.model_config import ModelConfig
+
+    model = ModelConfig(num_layers=2, num_heads=4, num_kv_heads=2)
+    with pytest.raises(ValueError, match=r"num_host_kv_blocks=\[8\].*tensor_parallel_size=2"):
+        RuntimeConfig(
+            model=model,
+            engine="torch",
+            num_stages=1,
+            tensor_parallel_size=2,
+            num_host_kv_blocks=[8],
+        )
+    RuntimeConfig(model=model, engine="torch", num_stages=1, num_host_kv_blocks=[8])
