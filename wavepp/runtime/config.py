@@ -240,6 +240,14 @@ class RuntimeConfig(BaseModel):
                 f"the torch engine with {', '.join(sorted(TENSOR_PARALLEL))}); use 1 and more "
                 "pipeline stages"
             )
+        if tp != 1 and any(self.num_host_kv_blocks):
+            # NOTE: the leader alone applies the host tier's copies; its followers' shards
+            # would keep no host copy
+            raise ValueError(
+                f"num_host_kv_blocks={self.num_host_kv_blocks} (cache.hostMemoryGiB / "
+                f"--host-memory-gib) with tensor_parallel_size={tp}: a host tier runs on stages "
+                "of one process; give 0 or tensor parallel size 1"
+            )
         if tp != 1 and self.model.num_heads % tp:
             raise ValueError(
                 f"tensor_parallel_size={tp}: model.num_heads={self.model.num_heads} is not "

@@ -138,3 +138,29 @@ def test_emulated_errors() -> None:
         engine.execute(prepared, torch.zeros(50, 128))
     with pytest.raises(ValueError, match="block_ids"):
         engine.prepare([ChunkSpec("a", 0, 40, (1, 2), None, True)])
+
+
+def test_host_loads_delay_execute_on_one_link_fake_clock() -> None:
+    from wavepp.runtime.kv import Transfer
+
+    fake = FakeClock()
+    engine = emulated(
+        0, 2, time_scale=0.5, host_load_s_per_block=0.01, clock=fake.clock, sleep=fake.sleep
+    )
+    engine.allocate_host_kv(8)
+    # spills take no modelled time; 3 loads take 3 x 0.5 x 10 ms on the link from prepare
+    engine.apply_transfers([Transfer("spill", 1, 0), Transfer("load", 2, 0)])
+    engine.apply_transfers([Transfer("load", 3, 1), Transfer("load", 4, 2)])
+    prepared = engine.prepare(chunks_for(True))
+    assert engine.link_free_at_s == pytest.approx(100.0 + 0.015)
+    assert engine.num_loaded_blocks == 3
+    engine.execute(prepared, None)
+    cost_s = 0.5 * engine.stage_cost_s(prepared)
+    assert fake.now_s == pytest.approx(100.0 + 0.015 + cost_s)
+    # a prepare after the link is free again: no wait
+    engine.apply_transfers([Transfer("load", 5, 3)])
+    prepared = engine.prepare(chunks_for(True))
+    engine.execute(prepared, None)
+    assert fake.now_s == pytest.approx(100.0 + 0.015 + cost_s + 0.005 + cost_s)
+    with pytest.raises(ValueError, match=r"transfers\[0\]\.slot=8 is not in \[0, 8\)"):
+        engine.apply_transfers([Transfer("load", 5, 8)])

@@ -49,7 +49,8 @@ def check_environment(config: RuntimeConfig) -> None:
 
 
 def build_engine(config: RuntimeConfig, rank: int, tp: TPGroup = SINGLE) -> StageEngine:
-    """The stage's engine for its layer range (torch or emulated), with its KV allocated;
+    """The stage's engine for its layer range (torch or emulated), with its KV and host tier
+    (``num_host_kv_blocks``) allocated;
     the torch engine reads ``config.model_dir`` (a checkpoint, any family) or loads
     ``config.weights`` (Llama safetensors) when set (the config refuses both). With a TP
     group, this process's shard on its own device (``tp_device``); the caller wraps the
@@ -62,6 +63,7 @@ def build_engine(config: RuntimeConfig, rank: int, tp: TPGroup = SINGLE) -> Stag
 
         cost_model = CostModel.from_dict(config.cost_model or {})
         extra["time_scale"] = config.time_scale
+        extra["host_load_s_per_block"] = config.host_load_s_of(rank)
     elif config.model_dir is not None:
         extra["model_dir"] = config.model_dir
         extra["state_interval_blocks"] = config.state_interval_blocks
@@ -81,4 +83,5 @@ def build_engine(config: RuntimeConfig, rank: int, tp: TPGroup = SINGLE) -> Stag
         **extra,
     )
     engine.allocate_kv(config.kv_blocks_of(rank), config.block_size)
+    engine.allocate_host_kv(config.host_kv_blocks_of(rank))
     return engine

@@ -15,9 +15,13 @@ series carries ``pipeline`` (the replica) and ``stage_rank``; like the gateway's
 | wavepp.stage.group_formed         | obs gauge   | (none)       | wavepp_stage_group_formed                         |
 | wavepp.stage.group_epoch          | obs gauge   | (none)       | wavepp_stage_group_epoch                          |
 | wavepp.stage.reforms              | obs counter | {reform}     | wavepp_stage_reforms_total                        |
+| wavepp.stage.host_kv_blocks       | obs counter | {block}      | wavepp_stage_host_kv_blocks_total{op}             |
 
 ``state`` of a KV block: ``used`` (pinned by a request), ``cached`` (holding a hash, reusable,
 not pinned) and ``free`` (neither); the three add up to the stage's block count.
+``op`` of a host-tier block copy: ``spilled`` (an evicted device block written to the stage's
+host tier) and ``loaded`` (a host block loaded into a device block for a reused prefix: a host
+hit); both stay 0 without a host tier.
 ``group_formed`` is 1 while the stage's torch.distributed group is formed (0 while it re-forms);
 ``group_epoch`` the rendezvous epoch it formed in. Busy time per stage as the admission sees it stays ``wavepp_stage_busy_seconds_total``
 on the admission's port; ``wavepp_stage_execute_seconds_total`` is the stage's own count.
@@ -46,6 +50,7 @@ STAGE_PROMETHEUS_NAMES: tuple[str, ...] = (
     "wavepp_stage_group_formed",
     "wavepp_stage_group_epoch",
     "wavepp_stage_reforms_total",
+    "wavepp_stage_host_kv_blocks_total",
 )
 
 
@@ -63,12 +68,15 @@ class StageSnapshot:
     is_formed: bool
     group_epoch: int
     num_reforms: int
+    host_spilled: int = 0
+    host_loaded: int = 0
 
 
 def snapshot_of(worker: Any) -> StageSnapshot:
     """The live ``StageWorker``'s counters (its core's micro-batches and execute time, its KV
     pool). (Typed ``Any``: the worker imports this module, not the other way round.)"""
     pool = worker.core.manager.pool
+    host = pool.host
     used = pool.num_pinned_blocks
     cached = pool.num_evictable_blocks
     return StageSnapshot(
@@ -82,6 +90,8 @@ def snapshot_of(worker: Any) -> StageSnapshot:
         is_formed=worker.is_formed,
         group_epoch=worker.group_epoch,
         num_reforms=worker.num_reforms,
+        host_spilled=host.num_spills if host is not None else 0,
+        host_loaded=host.num_loads if host is not None else 0,
     )
 
 
@@ -136,6 +146,13 @@ class StageMetrics:
             unit="{reform}",
             description="Times this stage re-formed its group in place",
         )
+        meter.create_observable_counter(
+            "wavepp.stage.host_kv_blocks",
+            callbacks=[self._host_kv_blocks],
+            unit="{block}",
+            description="KV blocks copied between the device and the host tier, by op: "
+            "spilled (evicted to host), loaded (a host hit brought back)",
+        )
 
     @staticmethod
     def _labels(snapshot: StageSnapshot) -> dict[str, str | int]:
@@ -157,6 +174,14 @@ class StageMetrics:
             Observation(snapshot.kv_used, labels | {"state": "used"}),
             Observation(snapshot.kv_cached, labels | {"state": "cached"}),
             Observation(snapshot.kv_free, labels | {"state": "free"}),
+        ]
+
+    def _host_kv_blocks(self, _options: CallbackOptions) -> Iterable[Observation]:
+        snapshot = self.source()
+        labels = self._labels(snapshot)
+        return [
+            Observation(snapshot.host_spilled, labels | {"op": "spilled"}),
+            Observation(snapshot.host_loaded, labels | {"op": "loaded"}),
         ]
 
     def scrape(self) -> tuple[bytes, str]:

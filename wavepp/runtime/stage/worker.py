@@ -69,7 +69,7 @@ from wavepp.api.messages import (
 from wavepp.api.signing import BusKey
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.heap import collect_young_soon
-from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.kv import BlockPool, HostTier, StageKVManager
 from wavepp.runtime.kv.handoff import HandoffLeases
 from wavepp.runtime.stage.build import build_engine, check_environment
 from wavepp.runtime.stage.core import StageCore, StageWork
@@ -119,18 +119,16 @@ class StageWorker:
         self.rank = rank
         self.nc = nc
         self.engine = engine
-        if config.host_kv_blocks_of(rank):
-            # the engines do not apply the host tier's transfer log yet: a host tier here would
-            # let a plan read device blocks whose bytes never arrived
-            raise ValueError(
-                f"num_host_kv_blocks={config.num_host_kv_blocks}: the stage worker's engines "
-                "do not move host-tier bytes; a host tier runs in the simulator only (wavepp "
-                "sim --host-memory-gib); give 0"
-            )
         # NOTE: done messages carry wall-clock seconds (time.time()): they cross processes.
         self.core = StageCore(
             StageKVManager(
-                BlockPool(config.kv_blocks_of(rank), config.block_size),
+                BlockPool(
+                    config.kv_blocks_of(rank),
+                    config.block_size,
+                    host=HostTier(config.host_kv_blocks_of(rank))
+                    if config.host_kv_blocks_of(rank)
+                    else None,
+                ),
                 max_lease_s=config.lease_s,
                 max_blocks_per_owner=config.owner_blocks_of(rank),
             ),
@@ -496,6 +494,7 @@ class StageWorker:
         self.telemetry.plan_received(plan, headers)
         work = self.core.accept(plan)
         prepared = None
+        self._apply_transfers(work)
         if work.prepare_on_arrival:
             try:
                 prepared = self.engine.prepare(work.chunks)
@@ -503,6 +502,15 @@ class StageWorker:
                 work.error = f"stage {self.rank}: prepare failed: {exc}"
         work.prepare_end_s = time.time()
         self._work.put((work, prepared))
+
+    def _apply_transfers(self, work: StageWork) -> None:
+        """Issue ``work``'s host-tier copies (``StageEngine.apply_transfers``) as its plan is
+        accepted: every plan's, in plan order, whether it runs or not (a re-form drops queued
+        work, never a copy the pool's bookkeeping has made). A failure fails the micro-batch."""
+        try:
+            self.engine.apply_transfers(work.transfers)
+        except (ValueError, RuntimeError) as exc:
+            work.error = work.error or f"stage {self.rank}: host tier copies failed: {exc!r}"
 
     def _after_microbatch(self, work: StageWork, done: MicroBatchDone) -> None:
         self.telemetry.microbatch_done(work.plan, done)

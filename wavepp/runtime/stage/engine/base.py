@@ -23,17 +23,33 @@ Block ids are local to a stage: two stages may hold the same prefix in different
 stage may hold more of it than the agreed L* (``ChunkSpec.num_cached_tokens``): those positions
 are computed (the next stage needs their activations) but not written, so a block cached and
 shared with other requests is never written (``PreparedBatch.write_rows``).
+
+Host tier (``wavepp.runtime.kv.host``): the stage's pool spills blocks it evicts to host slots
+and loads agreed host blocks back into device blocks; it logs each copy as a ``Transfer``. The
+stage worker hands each micro-batch's log (``StageWork.transfers``) to ``apply_transfers``
+before the micro-batch is prepared, in plan order, whether or not the micro-batch runs::
+
+    allocate_kv(num_blocks, block_size); allocate_host_kv(num_slots)     # once, at start
+    plan m -> apply_transfers(m's log) -> prepare(m) -> execute(m)       # log order = copy order
+
+An engine that keeps KV bytes copies, for every layer it holds, the block's bytes (and any
+per-block state) between device block ``block_id`` and host slot ``slot``; the copies of one
+log are issued in log order and complete before any ``execute`` that follows them starts
+reading (an engine may issue them asynchronously and make ``execute`` wait). An engine that
+keeps no bytes models their time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from wavepp.runtime.kv import Transfer
 from wavepp.runtime.stage.chunk import ChunkSpec
 
 __all__ = [
@@ -133,6 +149,14 @@ class StageEngine(Protocol):
 
     def execute(self, prepared: PreparedBatch, hidden_in: torch.Tensor | None) -> StageOutput:
         """Run the micro-batch; ``hidden_in`` is [num_tokens, hidden_size] (None on stage 0)."""
+        ...
+
+    def allocate_host_kv(self, num_slots: int) -> None:
+        """Allocate the host tier's ``num_slots`` block slots (0: none)."""
+        ...
+
+    def apply_transfers(self, transfers: Sequence[Transfer]) -> None:
+        """Issue the host tier's copies, in order, before the next micro-batch runs."""
         ...
 
 
@@ -294,10 +318,12 @@ def build_prepared_batch(
     )
 
 
-class PagedStageEngineBase:
+class PagedStageEngineBase(ABC):
     """Shared bookkeeping of stage engines: layer range, KV geometry, batch checks.
 
-    Subclasses set ``hidden_size`` and ``activation_dtype`` and implement ``execute``.
+    Subclasses set ``hidden_size`` and ``activation_dtype`` and implement ``prepare``,
+    ``execute`` and the host tier's two methods (``allocate_host_kv``, ``apply_transfers``;
+    the module docstring's contract).
     """
 
     hidden_size: int
@@ -326,6 +352,64 @@ class PagedStageEngineBase:
         self.device = torch.device(device)
         self.num_blocks = 0
         self.block_size = 0
+        self.num_host_slots = 0
+
+    @abstractmethod
+    def prepare(self, chunks: Sequence[ChunkSpec]) -> PreparedBatch:
+        """Local preparation of a micro-batch; runs before its activations arrive."""
+
+    @abstractmethod
+    def execute(self, prepared: PreparedBatch, hidden_in: torch.Tensor | None) -> StageOutput:
+        """Run the micro-batch; ``hidden_in`` is [num_tokens, hidden_size] (None on stage 0)."""
+
+    @abstractmethod
+    def allocate_host_kv(self, num_slots: int) -> None:
+        """Give the stage a host tier of ``num_slots`` block slots (0: none), after
+        ``allocate_kv``; an ``allocate_kv`` later drops it. Implementations call
+        :meth:`_set_host_slots` first.
+
+        Raises:
+            ValueError: ``num_slots`` < 0.
+            RuntimeError: ``allocate_kv`` has not run.
+        """
+
+    @abstractmethod
+    def apply_transfers(self, transfers: Sequence[Transfer]) -> None:
+        """Issue the copies of one host-tier transfer log, in its order (module docstring):
+        "spill" copies device block ``block_id`` into host slot ``slot``, "load" host slot
+        ``slot`` into device block ``block_id``. Every copy issued completes before the next
+        ``execute`` reads the cache. Implementations call :meth:`_check_transfers` first.
+
+        Raises:
+            ValueError: a transfer's block id or slot out of range (named), or no host tier.
+        """
+
+    def _set_host_slots(self, num_slots: int) -> None:
+        """Record the host tier's size (the checks of ``allocate_host_kv``)."""
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0:
+            raise ValueError(f"num_host_kv_blocks={num_slots!r} must be an int >= 0")
+        if self.block_size == 0:
+            raise RuntimeError(
+                "allocate_kv(num_blocks, block_size) must run before allocate_host_kv"
+            )
+        self.num_host_slots = num_slots
+
+    def _check_transfers(self, transfers: Sequence[Transfer]) -> None:
+        """Every transfer names a device block in ``[0, num_blocks)`` and a host slot in
+        ``[0, num_host_slots)``; ValueError naming the first that does not."""
+        for index, transfer in enumerate(transfers):
+            if transfer.kind not in ("spill", "load"):
+                raise ValueError(f"transfers[{index}].kind={transfer.kind!r}: spill or load")
+            if not 0 <= transfer.block_id < self.num_blocks:
+                raise ValueError(
+                    f"transfers[{index}].block_id={transfer.block_id} is not in [0, "
+                    f"{self.num_blocks}) (num_blocks of this stage's KV cache)"
+                )
+            if not 0 <= transfer.slot < self.num_host_slots:
+                raise ValueError(
+                    f"transfers[{index}].slot={transfer.slot} is not in [0, "
+                    f"{self.num_host_slots}) (num_host_kv_blocks of this stage's host tier)"
+                )
 
     @property
     def num_local_layers(self) -> int:
@@ -333,7 +417,7 @@ class PagedStageEngineBase:
         return self.last_layer - self.first_layer
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
-        """Record the KV geometry (subclasses allocate memory on top).
+        """Record the KV geometry (subclasses allocate memory on top); drops the host tier.
 
         Raises:
             ValueError: num_blocks or block_size < 1.
@@ -344,6 +428,7 @@ class PagedStageEngineBase:
             raise ValueError(f"block_size={block_size} must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_host_slots = 0
 
     def _prepare_common(
         self,

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from wavepp.runtime.families import LayerPlan
+from wavepp.runtime.kv import Transfer
 from wavepp.runtime.model_config import ModelConfig
 from wavepp.runtime.stage.engine.base import (
     ChunkSpec,
@@ -28,6 +29,7 @@ from wavepp.runtime.stage.engine.base import (
     PreparedBatch,
     StageOutput,
 )
+from wavepp.runtime.stage.engine.host_copy import BlockStates, HostCopies, block_rows
 from wavepp.runtime.stage.engine.layers.common import (
     WeightGetter,
     causal_mask,
@@ -173,6 +175,22 @@ class _Layer:
     def cache_bytes(self) -> int:
         return self.attn.cache_bytes + (self.indexer.cache_bytes if self.indexer else 0)
 
+    def paged_caches(self) -> list[tuple[torch.Tensor, int]]:
+        """(cache, its token-slot dimension) of every paged cache the layer keeps: GQA's
+        [2, slots, kv_heads, head_dim] (1), MLA's latent [slots, latent_dim] (0), a DSA
+        indexer's keys [slots, head_dim] (0); KDA keeps none (its states are per block)."""
+        caches: list[tuple[torch.Tensor, int]] = []
+        if isinstance(self.attn, GQAAttention):
+            assert self.attn.cache is not None, "allocate() runs first"
+            caches.append((self.attn.cache, 1))
+        elif isinstance(self.attn, MLAAttention):
+            assert self.attn.cache is not None, "allocate() runs first"
+            caches.append((self.attn.cache, 0))
+        if self.indexer is not None:
+            assert self.indexer.cache is not None, "allocate() runs first"
+            caches.append((self.indexer.cache, 0))
+        return caches
+
 
 class DecoderStageEngine(PagedStageEngineBase):
     """Decoder layers ``[first_layer, last_layer)`` of a :class:`LayerPlan` over paged caches.
@@ -246,8 +264,54 @@ class DecoderStageEngine(PagedStageEngineBase):
             ValueError: num_blocks or block_size < 1.
         """
         super().allocate_kv(num_blocks, block_size)
+        self.host_copies = None
         for layer in self._layers:
             layer.allocate(num_blocks * block_size, self.device, self.activation_dtype)
+
+    host_copies: HostCopies | None = None
+    """The host tier's buffers and copies (``allocate_host_kv``); None without one."""
+
+    def allocate_host_kv(self, num_slots: int) -> None:
+        """Host buffers of ``num_slots`` blocks for every local layer's paged caches (pinned on
+        CUDA) and host slots for Kimi-Linear's per-block states; 0: no host tier. Bytes:
+        num_slots x the device bytes of one block over the stage's layers.
+
+        Raises:
+            ValueError: ``num_slots`` < 0.
+            RuntimeError: ``allocate_kv`` has not run.
+        """
+        self._set_host_slots(num_slots)
+        self.host_copies = None
+        if not num_slots:
+            return
+        caches = [
+            block_rows(cache, dim, self.block_size)
+            for layer in self._layers
+            for cache, dim in layer.paged_caches()
+        ]
+        states: list[BlockStates] = [
+            layer.attn.states for layer in self._layers if isinstance(layer.attn, KDAAttention)
+        ]
+        self.host_copies = HostCopies(caches, states, num_slots, self.device)
+
+    def apply_transfers(self, transfers: Sequence[Transfer]) -> None:
+        """Copy each block between its device block and host slot over every local layer,
+        in log order (``host_copy.HostCopies``: at once on CPU; on CUDA queued on a side
+        stream that ``execute`` waits for).
+
+        Raises:
+            ValueError: a block id or slot out of range (named), or transfers without a host
+                tier.
+        """
+        if not transfers:
+            return
+        if self.host_copies is None:
+            raise ValueError(
+                f"transfers: {len(transfers)} host-tier copies, but this stage has no host "
+                "tier (num_host_kv_blocks=0)"
+            )
+        self._check_transfers(transfers)
+        self.host_copies.apply(transfers)
 
     def gqa_kv_caches(self) -> list[torch.Tensor]:
         """Each local layer's paged K/V cache [2, num_slots, num_kv_heads / T, head_dim], layer
@@ -316,6 +380,8 @@ class DecoderStageEngine(PagedStageEngineBase):
         self._check_execute_args(prepared, hidden_in)
         if not isinstance(prepared, TorchPreparedBatch):
             raise ValueError("prepared is not a TorchPreparedBatch; use this engine's prepare()")
+        if self.host_copies is not None:
+            self.host_copies.wait()  # the loads issued before this micro-batch
         if self.is_first:
             assert self._embed is not None and prepared.token_ids is not None
             with region("embed"):

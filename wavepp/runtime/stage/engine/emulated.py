@@ -9,6 +9,12 @@ Activation row of token t at position p (emulated_hidden_size >= 2 columns)::
 
     [token_id, position, 0, ..., 0]     made by the first stage, passed on unchanged
 
+Host tier: ``allocate_host_kv`` records the slots (no bytes); ``apply_transfers`` counts the
+log's loads, and the next ``prepare`` (on arrival in wave mode, else on the critical path)
+queues them on the stage's one host-to-device link, ``time_scale * host_load_s_per_block``
+each, starting once the link is free; ``execute`` ends no earlier than its cost-model time
+after the loads queued before it landed (the simulator's ``SimStage`` charges the same).
+
 The last stage returns fake logits: a one-hot [emulated_vocab_size] float32 vector at
 ``(token_id + position) % emulated_vocab_size`` of each is_last chunk's last row, so a test can
 check that rows stayed aligned through the pipeline.
@@ -22,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from wavepp.runtime.kv import Transfer
 from wavepp.runtime.model_config import ModelConfig
 from wavepp.runtime.stage.engine.base import (
     ChunkSpec,
@@ -67,6 +74,7 @@ class EmulatedStageEngine(PagedStageEngineBase):
         time_scale: float = 1.0,
         emulated_hidden_size: int = 8,
         emulated_vocab_size: int = 16,
+        host_load_s_per_block: float = 0.0,
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -81,6 +89,8 @@ class EmulatedStageEngine(PagedStageEngineBase):
             time_scale: multiplies every sleep (> 0; e.g. 0.1 runs 10x faster than modelled).
             emulated_hidden_size: columns of the activations sent on (>= 2).
             emulated_vocab_size: length of the fake logits (>= 1).
+            host_load_s_per_block: modelled seconds one block takes from the host tier to the
+                device (>= 0; ``RuntimeConfig.host_load_s_per_block``), before ``time_scale``.
             clock, sleep: time source and sleep, injectable for fake-clock tests.
 
         Raises:
@@ -103,6 +113,8 @@ class EmulatedStageEngine(PagedStageEngineBase):
             raise ValueError(f"emulated_hidden_size={emulated_hidden_size} must be >= 2")
         if emulated_vocab_size < 1:
             raise ValueError(f"emulated_vocab_size={emulated_vocab_size} must be >= 1")
+        if not host_load_s_per_block >= 0:
+            raise ValueError(f"host_load_s_per_block={host_load_s_per_block} must be >= 0")
         self.model = model
         self.cost_model = cost_model
         self.time_scale = float(time_scale)
@@ -112,15 +124,40 @@ class EmulatedStageEngine(PagedStageEngineBase):
         self._clock = clock
         self._sleep = sleep
         self.last_cost_s = 0.0
+        self.load_s_per_block = self.time_scale * float(host_load_s_per_block)
+        self.link_free_at_s = 0.0  # clock seconds this stage's host-to-device link is free
+        self.num_loaded_blocks = 0
+        self._pending_loads = 0  # loads applied, not yet queued on the link
+
+    def allocate_host_kv(self, num_slots: int) -> None:
+        """Record the host tier's slots (the emulated stage keeps no bytes)."""
+        self._set_host_slots(num_slots)
+
+    def apply_transfers(self, transfers: Sequence[Transfer]) -> None:
+        """Count the log's loads for the next ``prepare`` (spills model no time: they leave
+        the device over the other direction of the link and nothing waits for them).
+
+        Raises:
+            ValueError: a block id or slot out of range (named).
+        """
+        self._check_transfers(transfers)
+        self._pending_loads += sum(transfer.kind == "load" for transfer in transfers)
 
     def prepare(self, chunks: Sequence[ChunkSpec]) -> PreparedBatch:
-        """Local preparation: the same block tables, slot mapping and positions as torch.
+        """Local preparation: the same block tables, slot mapping and positions as torch; the
+        host loads applied since the last one start on the link.
 
         Raises:
             ValueError: a chunk field is invalid (see ``build_prepared_batch``).
             RuntimeError: allocate_kv has not run.
         """
-        return self._prepare_common(chunks)
+        prepared = self._prepare_common(chunks)
+        if self._pending_loads:
+            num_loads, self._pending_loads = self._pending_loads, 0
+            self.num_loaded_blocks += num_loads
+            begin_s = max(self._clock(), self.link_free_at_s)
+            self.link_free_at_s = begin_s + num_loads * self.load_s_per_block
+        return prepared
 
     def stage_cost_s(self, prepared: PreparedBatch) -> float:
         """Modelled seconds of this micro-batch on this stage, before ``time_scale``."""
@@ -134,7 +171,8 @@ class EmulatedStageEngine(PagedStageEngineBase):
         """Take the modelled time and pass deterministic activations on.
 
         Wall time of the call is ``time_scale * stage_cost_s(prepared)`` (the sleep covers
-        what is left after building the outputs); ``last_cost_s`` records that target.
+        what is left after building the outputs), counted from when the host loads queued
+        before it have landed if that is later; ``last_cost_s`` records the cost-model part.
 
         Args:
             prepared: from this engine's :meth:`prepare`.
@@ -148,7 +186,7 @@ class EmulatedStageEngine(PagedStageEngineBase):
         Raises:
             ValueError: as the torch engine's execute.
         """
-        start_s = self._clock()
+        start_s = max(self._clock(), self.link_free_at_s)
         self._check_execute_args(prepared, hidden_in)
         target_s = self.time_scale * self.stage_cost_s(prepared)
         self.last_cost_s = target_s

@@ -295,13 +295,14 @@ class TorchStageEngine(DecoderStageEngine):
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         """Allocate a zeroed KV cache of ``num_blocks`` blocks of ``block_size`` tokens.
 
-        Re-allocation drops the previous content. Bytes: num_local_layers * 2 * num_blocks *
+        Re-allocation drops the previous content and the host tier. Bytes: num_local_layers * 2 * num_blocks *
         block_size * (num_kv_heads / T) * head_dim * dtype size.
 
         Raises:
             ValueError: num_blocks or block_size < 1.
         """
         PagedStageEngineBase.allocate_kv(self, num_blocks, block_size)
+        self.host_copies = None
         gqa = self.plan.gqa
         assert gqa is not None, "a Llama plan has GQA attention"
         kv_heads = gqa.num_kv_heads // self.tp.size
