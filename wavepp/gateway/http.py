@@ -3,7 +3,7 @@
 | route                    | answer                                                          |
 | ------------------------ | --------------------------------------------------------------- |
 | ``POST /v1/prefill``     | ``PrefillResult`` JSON (first token, prompt/cached tokens, TTFT, per-stage timings) |
-| ``POST /v1/completions`` | OpenAI text completion, prefill only (``max_tokens`` = 1); a list of prompts; ``stream`` as SSE (``openai_api``) |
+| ``POST /v1/completions`` | OpenAI text completion: with decode endpoints (``decode_urls``) a whole one, prefilled here and decoded on vLLM (``decode_flow``); without, prefill only (``max_tokens`` = 1; a list of prompts); ``stream`` as SSE (``openai_api``) |
 | ``GET /v1/models``       | the served model, OpenAI's list shape                           |
 | ``GET /healthz``         | 200 while the process and its NATS connection are up           |
 | ``GET /readyz``          | 200 when at least one replica is in the pool (all stages formed) |
@@ -49,6 +49,8 @@ from wavepp.api.subjects import prefill_subject
 from wavepp.gateway.auth import AuthError, authenticator_for
 from wavepp.gateway.config import INTAKE_RETRY_AFTER_S, GatewayConfig, IntakeUnavailable
 from wavepp.gateway.core import Gateway
+from wavepp.gateway.decode import DecodePool
+from wavepp.gateway.decode_flow import DecodeFlow
 from wavepp.gateway.errors import MAX_BODY_BYTES, error_body, error_middleware, metrics_tenant
 from wavepp.gateway.openai_api import completion_body, models_body, sse_events
 from wavepp.gateway.tenants import LimitExceeded
@@ -144,6 +146,15 @@ class GatewayServer:
         )
         self._tasks: set[asyncio.Task[None]] = set()
         self.started = int(time.time())
+        self.decode = (
+            DecodeFlow(
+                DecodePool(config.decode_urls),
+                model_name=config.model_name,
+                chunk_timeout_s=config.decode_timeout_s,
+            )
+            if config.decode_urls
+            else None
+        )
         self.app = web.Application(
             client_max_size=MAX_BODY_BYTES,
             middlewares=[error_middleware(gateway.metrics, gateway.tenants)],
@@ -158,6 +169,11 @@ class GatewayServer:
                 web.get("/metrics", self.handle_metrics),
             ]
         )
+        self.app.on_cleanup.append(self._close_decode)
+
+    async def _close_decode(self, app: web.Application) -> None:
+        if self.decode is not None:
+            await self.decode.close()
 
     @property
     def _encode(self) -> Callable[[str], list[int]] | None:
@@ -314,6 +330,16 @@ class GatewayServer:
         except BadRequest as exc:
             metrics.request_answered(metrics_tenant(hint, self.gateway.tenants), exc.status)
             return _error(exc, 400)
+        if batch.sampling is not None:
+            assert self.decode is not None  # sampling is set only with decode endpoints
+            first = batch.prompts[0]
+            return await self.decode.complete(
+                request,
+                batch,
+                prefill=lambda: self._prefill(first),
+                cache_salt=self.gateway.tenants[first.tenant].cache_salt,
+                answered=lambda status: metrics.request_answered(first.tenant, status),
+            )
         answers = await asyncio.gather(*(self._prefill(p) for p in batch.prompts))
         for status, _payload, _headers in answers:
             metrics.request_answered(batch.prompts[0].tenant, status)
