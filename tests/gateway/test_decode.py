@@ -4,12 +4,15 @@ for them (``validation.parse_completion_batch`` with and without decode endpoint
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 
 from wavepp.api.prefill import PrefillResult
 from wavepp.gateway.decode import (
     DecodePool,
+    chat_answer,
+    chat_chunk,
     completion_answer,
     decode_body,
     decode_error_message,
@@ -20,6 +23,7 @@ from wavepp.gateway.validation import (
     BadRequest,
     PromptLimits,
     Sampling,
+    parse_chat,
     parse_completion_batch,
 )
 
@@ -184,3 +188,88 @@ def test_with_decode_endpoints_a_completion_is_decoded() -> None:
             WITH_DECODE,
         )
     assert exc.value.field == "max_tokens" and "KV handoff" in str(exc.value)
+
+
+def test_chat_is_a_decoded_completion_of_the_templated_conversation() -> None:
+    def template(messages: list[dict[str, str]]) -> list[int]:
+        return [len(m["content"]) for m in messages] + [99]
+
+    body = {
+        "messages": [
+            {"role": "system", "content": "abc"},
+            {"role": "user", "content": [{"type": "text", "text": "de"}]},
+        ],
+        "max_completion_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+    }
+    batch = parse_chat(body, WITH_DECODE, template)
+    assert batch.prompts[0].token_ids == [3, 2, 99] and batch.prompts[0].handoff
+    assert batch.sampling == Sampling(8, 0.0) and batch.stream
+    refusals = [
+        (body, PREFILL_ONLY, template, "messages", 400),
+        (body, WITH_DECODE, None, "messages", 422),
+        ({**body, "messages": []}, WITH_DECODE, template, "messages", 400),
+        (
+            {**body, "messages": [{"role": "user"}]},
+            WITH_DECODE,
+            template,
+            "messages[0].content",
+            400,
+        ),
+        ({**body, "messages": [{"content": "x"}]}, WITH_DECODE, template, "messages[0].role", 400),
+        ({**body, "max_tokens": 999}, WITH_DECODE, template, "max_tokens", 400),
+        ({**body, "kv_transfer_params": {}}, WITH_DECODE, template, "kv_transfer_params", 400),
+    ]
+    for bad, limits, tmpl, field, status in refusals:
+        with pytest.raises(BadRequest) as exc:
+            parse_chat(bad, limits, tmpl)
+        assert (exc.value.field, exc.value.status) == (field, status), bad
+
+
+def test_chat_shapes_of_an_answer_and_a_chunk() -> None:
+    whole = completion_answer(
+        {"choices": [{"text": "hi", "token_ids": [5, 6], "finish_reason": "length"}]},
+        _result(),
+        model="tiny",
+        created=1,
+    )
+    chat = chat_answer(whole)
+    assert chat["object"] == "chat.completion" and chat["id"] == "chatcmpl-r1"
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    assert chat["choices"][0]["token_ids"] == [5, 6] and chat["usage"] == whole["usage"]
+    token, _, _ = stream_chunk(
+        {"choices": [{"text": "a", "token_ids": [5]}]},
+        _result(),
+        model="tiny",
+        created=1,
+        num_tokens_so_far=0,
+    )
+    assert token is not None
+    first, later = chat_chunk(token, first=True), chat_chunk(token, first=False)
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    assert later["choices"][0]["delta"] == {"content": "a"}
+
+
+def test_the_chat_template_comes_from_the_tokenizer_files(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    from up_support import build_tokenizer
+
+    from wavepp.gateway.chat_template import load_chat_template
+
+    directory = build_tokenizer(tmp_path / "tok")
+    assert load_chat_template(str(directory)) is None  # no template: chat is refused
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "unk_token": "[UNK]",
+                "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}w9{% endif %}",
+            }
+        )
+    )
+    template = load_chat_template(str(directory / "tokenizer.json"))
+    assert template is not None
+    assert template([{"role": "user", "content": "w1 w2"}]) == [2, 3, 10]

@@ -77,10 +77,17 @@ async def _fake_decode(behaviour: str) -> tuple[web.AppRunner, str]:
         assert body["kv_transfer_params"][PARAMS_KEY]["request_id"] == "r1"
         if behaviour == "error":
             return web.json_response({"error": {"message": "max_tokens too big"}}, status=400)
+        if behaviour == "ok" and not body["stream"]:
+            choice = {"index": 0, "text": "ab", "token_ids": [5, 6], "finish_reason": "length"}
+            return web.json_response({"choices": [choice], "usage": {"completion_tokens": 2}})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         chunk = {"choices": [{"index": 0, "text": "", "token_ids": [5]}]}
         await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        if behaviour == "ok":
+            usage = {"choices": [], "usage": {"completion_tokens": 1}}
+            await out.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+            return out
         # "break": the connection ends mid-stream, no [DONE] (a killed server)
         assert request.transport is not None
         request.transport.close()
@@ -95,13 +102,17 @@ async def _fake_decode(behaviour: str) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-async def _gateway(flow: DecodeFlow, result: PrefillResult, stream: bool, codes: list[int]):
+async def _gateway(
+    flow: DecodeFlow, result: PrefillResult, stream: bool, codes: list[int], chat: bool = False
+):
     async def handle(request: web.Request) -> web.StreamResponse:
         async def prefill() -> tuple[int, object, dict]:
             return 200, result, {}
 
+        batch = _batch(stream)
+        batch.include_usage = True
         return await flow.complete(
-            request, _batch(stream), prefill=prefill, cache_salt="s", answered=codes.append
+            request, batch, prefill=prefill, cache_salt="s", answered=codes.append, chat=chat
         )
 
     app = web.Application()
@@ -188,3 +199,38 @@ async def test_release_of_a_malformed_or_unreachable_handoff_is_logged_not_raise
         }
     }
     assert await release_handoff(unreachable, timeout_s=2.0) == 0
+
+
+async def test_chat_answers_and_streams_in_chat_shapes() -> None:
+    stages = [FakeStage()]
+    await stages[0].start()
+    decode, decode_url = await _fake_decode("ok")
+    runners = [decode]
+    try:
+        for stream in (False, True):
+            flow = DecodeFlow(DecodePool([decode_url]), model_name="tiny")
+            codes: list[int] = []
+            runner, url = await _gateway(flow, _result(stages), stream, codes, chat=True)
+            runners.append(runner)
+            async with aiohttp.ClientSession() as session, session.post(url, json={}) as response:
+                text = await response.text()
+            await flow.close()
+            assert codes == [200]
+            if not stream:
+                answer = json.loads(text)
+                assert answer["object"] == "chat.completion"
+                assert answer["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+                assert answer["usage"]["completion_tokens"] == 2
+                continue
+            events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            first, usage = json.loads(events[0]), json.loads(events[1])
+            assert first["object"] == "chat.completion.chunk"
+            assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 1
+        assert stages[0].released == []  # nothing failed: the decode side pulled (released)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        assert stages[0].server is not None
+        stages[0].server.close()

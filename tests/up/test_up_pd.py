@@ -10,7 +10,9 @@ cores) serves both tests, in order:
    and ``stream=True`` give the same greedy tokens as vLLM alone (the same vLLM server, asked
    directly, computing the prompt itself: prefix caching is off there); the repeats of the
    shared prefix report ``usage.prompt_tokens_details.cached_tokens`` > 0.
-2. the decode process killed mid-stream: the client gets an error event (``openai.APIError``)
+2. ``chat.completions.create`` (the gateway's tokenizer carries a chat template) gives the
+   tokens vLLM alone gives for the templated conversation, whole and streamed;
+3. the decode process killed mid-stream: the client gets an error event (``openai.APIError``)
    and no stage keeps a lease or a pinned block.
 
 Skipped, with the reason, where ``.venv-vllm`` (scripts/vllm-venv.sh) is absent.
@@ -31,9 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from up_support import UpService, start_up, stop_up
+from up_support import UpService, build_tokenizer, start_up, stop_up
 
 from wavepp.api.kv_handoff import PARAMS_KEY, HandoffParams
+from wavepp.gateway.chat_template import load_chat_template
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("torch")
@@ -50,6 +53,14 @@ pytestmark = [
         reason=f"no vLLM environment at {VLLM_PYTHON} (make it with scripts/vllm-venv.sh)",
     ),
 ]
+
+
+CHAT_TOKENIZER_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "unk_token": "[UNK]",
+    "chat_template": "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}"
+    "{% if add_generation_prompt %}w3{% endif %}",
+}
 
 
 def _make_checkpoint(out: Path) -> Path:
@@ -69,12 +80,15 @@ def _make_checkpoint(out: Path) -> Path:
 def pd_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpService]:
     tmp = tmp_path_factory.mktemp("pd")
     model = _make_checkpoint(tmp / "model")
+    # the gateway's tokenizer, with a chat template (vLLM runs without one: token ids only)
+    tokenizer = build_tokenizer(tmp / "tokenizer", vocab_size=1024)
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(CHAT_TOKENIZER_CONFIG))
     began = time.monotonic()
     service = start_up(
         tmp,
         None,
         [
-            "--model", str(model), "--stages", "2",
+            "--model", str(model), "--stages", "2", "--tokenizer", str(tokenizer),
             "--decode", "vllm", "--decode-python", str(VLLM_PYTHON),
             "--decode-args", "--max-num-seqs 8 --max-model-len 1024",
             "--startup-timeout-s", "600",
@@ -173,6 +187,36 @@ def test_openai_client_gets_vllms_own_greedy_tokens_and_the_prefix_is_reused(
     # the shared 64-token prefix (whole blocks) is reused by every repeat, and only by those
     assert cached[0] == 0 and all(c == 64 for c in cached[1:10]), cached
     assert all(c == 0 for c in cached[10:]), cached
+
+
+def test_chat_goes_through_the_chat_template(pd_service: UpService) -> None:
+    client = _client(pd_service)
+    model = client.models.list().data[0].id
+    decode_url = pd_service.processes()["decode"]["decode-0"]
+    messages = [
+        {"role": "system", "content": " ".join(f"w{i}" for i in range(100, 170))},
+        {"role": "user", "content": "w5 w6 w7 w8"},
+    ]
+    template = load_chat_template(str(pd_service.state_dir.parent / "tokenizer"))
+    assert template is not None
+    prompt = template(messages)
+    alone = _post(
+        f"{decode_url}/v1/completions",
+        {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+         "return_token_ids": True},
+    )["choices"][0]["token_ids"]  # fmt: skip
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, temperature=0
+    )
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].model_extra["token_ids"] == alone
+    assert chat.usage.prompt_tokens == len(prompt) and chat.usage.completion_tokens == 16
+    streamed: list[int] = []
+    for chunk in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, temperature=0, stream=True
+    ):
+        streamed += chunk.choices[0].model_extra["token_ids"]
+    assert streamed == alone
 
 
 def test_killed_decode_mid_stream_is_an_error_event_and_leaves_no_pins(

@@ -33,6 +33,8 @@ from wavepp.gateway.validation import Sampling
 __all__ = [
     "DEFAULT_DOWN_S",
     "DecodePool",
+    "chat_answer",
+    "chat_chunk",
     "completion_answer",
     "decode_body",
     "decode_error_message",
@@ -223,3 +225,47 @@ def decode_error_message(status: int, body: object) -> str:
     if not message:
         message = str(body)[:200]
     return f"decode endpoint answered {status}: {message}"
+
+
+def chat_answer(answer: Mapping[str, object]) -> dict[str, object]:
+    """A :func:`completion_answer` in ``/v1/chat/completions``' shape: ``chat.completion``,
+    each choice's text as the assistant's ``message`` (``token_ids`` kept)."""
+    choices = [
+        {
+            "index": c["index"],
+            "message": {"role": "assistant", "content": c["text"]},
+            "token_ids": c["token_ids"],
+            "logprobs": None,
+            "finish_reason": c["finish_reason"],
+        }
+        for c in answer["choices"]  # type: ignore[attr-defined]
+    ]
+    return {
+        **answer,
+        "id": f"chatcmpl-{str(answer['id']).removeprefix('cmpl-')}",
+        "object": "chat.completion",
+        "choices": choices,
+    }
+
+
+def chat_chunk(chunk: Mapping[str, object], *, first: bool) -> dict[str, object]:
+    """A :func:`stream_chunk` token or usage chunk in ``chat.completion.chunk`` shape: the
+    text as ``delta.content`` (the first chunk's delta also names the role)."""
+    choices = []
+    for c in chunk["choices"]:  # type: ignore[attr-defined]
+        delta = {"role": "assistant", "content": c["text"]} if first else {"content": c["text"]}
+        choices.append(
+            {
+                "index": c["index"],
+                "delta": delta,
+                "token_ids": c["token_ids"],
+                "logprobs": None,
+                "finish_reason": c["finish_reason"],
+            }
+        )
+    return {
+        **chunk,
+        "id": f"chatcmpl-{str(chunk['id']).removeprefix('cmpl-')}",
+        "object": "chat.completion.chunk",
+        "choices": choices,
+    }

@@ -48,6 +48,8 @@ from wavepp.api.kv_handoff import (
 from wavepp.api.prefill import PrefillResult
 from wavepp.gateway.decode import (
     DecodePool,
+    chat_answer,
+    chat_chunk,
     completion_answer,
     decode_body,
     decode_error_message,
@@ -197,10 +199,13 @@ class DecodeFlow:
         prefill: Prefill,
         cache_salt: str,
         answered: Answered,
+        chat: bool = False,
     ) -> web.StreamResponse:
         """Serve ``batch`` (one prompt, ``sampling`` set) as the module docstring says.
         ``prefill``: the gateway's prefill of ``batch.prompts[0]`` (status, PrefillResult or
-        error body, headers); ``answered(status)``: counts the answer in the metrics."""
+        error body, headers); ``answered(status)``: counts the answer in the metrics;
+        ``chat``: answer in ``/v1/chat/completions``' shapes (``decode.chat_answer``,
+        ``decode.chat_chunk``)."""
         status, payload, headers = await prefill()
         if status != 200:
             answered(status)
@@ -242,7 +247,7 @@ class DecodeFlow:
                         status=code,
                     )
                 if batch.stream:
-                    return await self._stream(request, url, response, result, batch, answered)
+                    return await self._stream(request, url, response, result, batch, answered, chat)
                 try:
                     answer = await response.json()
                 except (TimeoutError, ValueError, aiohttp.ClientError) as exc:
@@ -253,9 +258,10 @@ class DecodeFlow:
                         error_body("decode", message, kind="decode_error"), status=502
                     )
             answered(200)
-            return web.json_response(
-                completion_answer(answer, result, model=self.model_name, created=int(time.time()))
+            whole = completion_answer(
+                answer, result, model=self.model_name, created=int(time.time())
             )
+            return web.json_response(chat_answer(whole) if chat else whole)
         finally:
             if sent is not None:
                 self.pool.end(sent[0])
@@ -268,6 +274,7 @@ class DecodeFlow:
         result: PrefillResult,
         batch: CompletionRequest,
         answered: Answered,
+        chat: bool,
     ) -> web.StreamResponse:
         out = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -275,6 +282,7 @@ class DecodeFlow:
         await out.prepare(request)
         created = int(time.time())
         count = 0
+        sent_any = False
         usage: dict[str, object] | None = None
         try:
             async for raw in response.content:
@@ -294,6 +302,9 @@ class DecodeFlow:
                 )
                 usage = usage_chunk or usage
                 if token_chunk is not None:
+                    if chat:
+                        token_chunk = chat_chunk(token_chunk, first=not sent_any)
+                    sent_any = True
                     await out.write(f"data: {json.dumps(token_chunk)}\n\n".encode())
             else:
                 raise _DecodeBroke("the decode stream ended before [DONE]")
@@ -321,6 +332,8 @@ class DecodeFlow:
                 "created": created, "model": self.model_name, "choices": [],
                 "usage": pd_usage(result, count),
             }  # fmt: skip
+            if chat:
+                usage = chat_chunk(usage, first=False)
             await out.write(f"data: {json.dumps(usage)}\n\n".encode())
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()

@@ -43,6 +43,8 @@ __all__ = [
     "ParsedRequest",
     "PromptLimits",
     "Sampling",
+    "MAX_MESSAGES",
+    "parse_chat",
     "parse_completion",
     "parse_completion_batch",
     "parse_kv_transfer",
@@ -58,6 +60,8 @@ MAX_STOP_STRINGS = 4
 """``stop`` strings in one request (OpenAI's bound)."""
 MAX_TEMPERATURE = 2.0
 """Largest ``temperature`` (OpenAI's bound)."""
+MAX_MESSAGES = 256
+"""Messages in one ``/v1/chat/completions`` request."""
 DEFAULT_DECODE_TOKENS = 16
 """``max_tokens`` of a decoded completion that does not state it (OpenAI's default)."""
 
@@ -469,3 +473,81 @@ def parse_completion(
     if len(batch.prompts) != 1:
         raise BadRequest("prompt", "expected one prompt", limit=1)
     return batch.prompts[0]
+
+
+Messages = list[dict[str, str]]
+ChatTemplate = Callable[[Messages], list[int]]
+
+
+def _check_messages(messages: object) -> Messages:
+    if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
+        raise BadRequest(
+            "messages", f"must be a list of 1 to {MAX_MESSAGES} messages", limit=MAX_MESSAGES
+        )
+    out: Messages = []
+    for i, message in enumerate(messages):
+        field = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise BadRequest(field, 'must be an object {"role": ..., "content": ...}')
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise BadRequest(f"{field}.role", "required: a non-empty string")
+        if isinstance(content, list):  # OpenAI's content parts: text only
+            if not all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
+                raise BadRequest(f"{field}.content", "only text parts are supported")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"{field}.content", "must be a string or a list of text parts")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def parse_chat(
+    body: object,
+    limits: PromptLimits,
+    template: ChatTemplate | None,
+    *,
+    tenant_header: str | None = None,
+    model_name: str = "",
+) -> CompletionRequest:
+    """Validate an OpenAI ``/v1/chat/completions`` body into one decoded completion of the
+    templated conversation (``template``: the checkpoint's chat template, messages -> token
+    ids, ``add_generation_prompt``). Fields as a decoded ``/v1/completions`` request's, with
+    ``messages`` (1 to ``MAX_MESSAGES`` of ``{"role", "content"}``, content a string or text
+    parts) instead of ``prompt``; ``max_completion_tokens`` is read as ``max_tokens``.
+
+    Raises:
+        BadRequest: naming the field of the first problem; ``messages`` with status 422 when
+            there is no chat template, 400 without decode endpoints (a chat answer is
+            decoded); ``max_tokens`` out of [1, ``max_new_tokens``].
+    """
+    if not isinstance(body, Mapping):
+        raise BadRequest("body", "must be a JSON object")
+    if limits.max_new_tokens <= 1:
+        raise BadRequest(
+            "messages", f"{_PREFILL_ONLY}; chat completions are decoded on a decode engine"
+        )
+    if body.get("kv_transfer_params") is not None:
+        raise BadRequest("kv_transfer_params", "a KV handoff takes /v1/completions")
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    max_tokens = _check_max_tokens(body, limits, "decode")
+    sampling = _check_sampling(body, max_tokens, "decode")
+    model = body.get("model", model_name)
+    if model_name and model not in (model_name, None):
+        raise BadRequest("model", f"{model!r:.80}: this service serves {model_name!r}", status=404)
+    if body.get("n", 1) not in (1, None):
+        raise BadRequest("n", "only n=1 is supported", limit=1)
+    stream, include_usage = _check_stream(body)
+    tenant = _check_tenant(tenant_header or body.get("user") or "default", limits)
+    messages = _check_messages(body.get("messages"))
+    if template is None:
+        raise BadRequest(
+            "messages",
+            "the served checkpoint's tokenizer has no chat template (tokenizer_config.json "
+            "chat_template or chat_template.jinja); send /v1/completions with a prompt",
+            status=422,
+        )
+    token_ids = _check_tokens(template(messages), "messages", limits)
+    parsed = ParsedRequest(tenant, uuid.uuid4().hex, token_ids, 0, str(model or model_name), True)
+    return CompletionRequest([parsed], str(model or model_name), stream, include_usage, sampling)
