@@ -68,7 +68,9 @@ def _batch(stream: bool) -> CompletionRequest:
     return CompletionRequest([prompt], "tiny", stream=stream, sampling=Sampling(8))
 
 
-async def _fake_decode(behaviour: str) -> tuple[web.AppRunner, str]:
+async def _fake_decode(
+    behaviour: str, aborted: asyncio.Event | None = None
+) -> tuple[web.AppRunner, str]:
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "tiny"}]})
 
@@ -84,6 +86,16 @@ async def _fake_decode(behaviour: str) -> tuple[web.AppRunner, str]:
         await out.prepare(request)
         chunk = {"choices": [{"index": 0, "text": "", "token_ids": [5]}]}
         await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        if behaviour == "slow":  # one token every 0.2 s, until the gateway closes the request
+            try:
+                for _ in range(100):
+                    await asyncio.sleep(0.2)
+                    await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            except (ConnectionResetError, asyncio.CancelledError):
+                assert aborted is not None
+                aborted.set()
+                raise
+            return out
         if behaviour == "ok":
             usage = {"choices": [], "usage": {"completion_tokens": 1}}
             await out.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
@@ -232,5 +244,34 @@ async def test_chat_answers_and_streams_in_chat_shapes() -> None:
     finally:
         for runner in runners:
             await runner.cleanup()
+        assert stages[0].server is not None
+        stages[0].server.close()
+
+
+async def test_a_client_leaving_mid_stream_aborts_the_decode_and_releases_the_lease() -> None:
+    stages = [FakeStage()]
+    await stages[0].start()
+    aborted = asyncio.Event()
+    decode, decode_url = await _fake_decode("slow", aborted)
+    flow = DecodeFlow(DecodePool([decode_url]), model_name="tiny")
+    codes: list[int] = []
+    runner, url = await _gateway(flow, _result(stages), True, codes)
+    try:
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(url, json={})
+            first = await response.content.readline()
+            assert first.startswith(b"data: ")
+            response.close()  # the client goes away mid-stream
+        await asyncio.wait_for(aborted.wait(), 10)  # the decode request was closed too
+        for _ in range(100):
+            if codes:
+                break
+            await asyncio.sleep(0.05)
+        assert codes == [499] and stages[0].released == ["r1"]
+        assert flow.pool.num_in_flight(decode_url) == 0
+    finally:
+        await flow.close()
+        await runner.cleanup()
+        await decode.cleanup()
         assert stages[0].server is not None
         stages[0].server.close()
