@@ -96,10 +96,15 @@ def pd_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpService]:
         timeout_s=660,
     )  # fmt: skip
     print(f"wavepp up --decode vllm serving after {time.monotonic() - began:.0f} s")
+    serving = next(line for line in service.lines if "wavepp up: serving" in line)
+    assert f"decode on {service.processes()['decode']['decode-0']}" in serving, serving
     try:
         yield service
     finally:
+        decode_pid = service.processes()["pids"]["decode-0"]  # a restarted one's, if killed
         assert stop_up(service.proc) == 0, "".join(service.lines[-40:])
+        with pytest.raises(ProcessLookupError):  # the vLLM server and its engine stopped
+            os.killpg(decode_pid, 0)
 
 
 def _client(service: UpService) -> openai.OpenAI:
