@@ -175,6 +175,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "publish on every subject",
     )
     parser.add_argument(
+        "--decode",
+        choices=["vllm"],
+        default=None,
+        help="start local vLLM decode instances with WavePP's KV connector: /v1/completions "
+        "then serves whole completions (prefill here, decode there)",
+    )
+    parser.add_argument(
+        "--decode-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a running decode server (OpenAI-compatible vLLM with WavePP's connector as "
+        "kv_consumer), e.g. http://10.0.0.5:8100; repeatable",
+    )
+    parser.add_argument(
+        "--decode-python",
+        default="",
+        metavar="PY",
+        help="the Python that runs vLLM for --decode vllm (e.g. a virtual environment's "
+        "bin/python; default: this one)",
+    )
+    parser.add_argument(
+        "--decode-replicas", type=int, default=1, help="local decode instances (--decode vllm)"
+    )
+    parser.add_argument(
+        "--decode-args",
+        default="",
+        help='more vLLM server options for --decode vllm, as shell words (e.g. "--max-num-seqs 8")',
+    )
+    parser.add_argument(
+        "--decode-max-tokens",
+        type=int,
+        default=4096,
+        help="largest max_tokens of a decoded completion (with decode endpoints)",
+    )
+    parser.add_argument(
         "--max-stage-restarts",
         type=int,
         default=10,
@@ -208,6 +244,7 @@ class _Up:
     watchdog: NatsWatchdog | None = None
     stage_names: list[str] = field(default_factory=list)
     service_names: list[str] = field(default_factory=list)
+    decode_names: list[str] = field(default_factory=list)
 
     @property
     def endpoint(self) -> str:
@@ -331,6 +368,8 @@ def _start_nats(up: _Up) -> int:
         "stages": first.num_stages,
         "tensor_parallel_size": first.tensor_parallel_size,
         "drain_timeout_s": plan.drain_s,
+        "decode": {d.name: d.url for d in plan.decode},
+        "decode_urls": plan.decode_urls,
         **metrics_endpoints(plan.configs, args.host),
     }
     return 0
@@ -347,6 +386,9 @@ def _start_children(up: _Up) -> int:
 
     assert up.server is not None
     try:
+        for server in up.plan.decode:  # first: vLLM takes the longest to start
+            up.decode_names.append(server.name)
+            up.sup.start(server.name, server.command, env=server.env)
         paths = []
         for config in up.plan.configs:
             path = up.state_dir / f"{config.pipeline}.json"
@@ -392,7 +434,9 @@ def _supervise(up: _Up) -> int:
         if code:
             return code
         if not is_serving:
-            if _is_ready(f"http://127.0.0.1:{up.plan.port}/readyz"):
+            if _is_ready(f"http://127.0.0.1:{up.plan.port}/readyz") and all(
+                _is_ready(f"{url}/health") for url in up.plan.decode_urls
+            ):
                 is_serving = True
                 _print_serving(up)
             elif time.monotonic() > deadline:
@@ -446,10 +490,11 @@ def _check_stages(up: _Up, is_serving: bool) -> int:
 
 
 def _check_services(up: _Up, is_serving: bool) -> int:
-    """An admission or the gateway that died is restarted once serving (its requests are in
-    JetStream); during start-up one line and 2. 0 while all is well."""
+    """An admission, the gateway or a local decode instance that died is restarted once serving
+    (the admissions' requests are in JetStream; the gateway passes over a decode instance that
+    is down); during start-up one line and 2. 0 while all is well."""
     sup = up.sup
-    for name in up.service_names:
+    for name in up.service_names + up.decode_names:
         if not sup.exited(name):
             continue
         if not is_serving:
@@ -473,16 +518,18 @@ def _print_serving(up: _Up) -> None:
     print(
         serving_line(
             up.endpoint, up.args.pool, up.plan.configs, up.plan.tokenizer, up.server.url,
-            up.auth is not None, up.sup.log_dir,
+            up.auth is not None, up.sup.log_dir, up.plan.decode_urls,
         ),
         flush=True,
     )  # fmt: skip
 
 
 def _stop(up: _Up) -> None:
-    """Stop the gateway, then the admissions (each drains for up to its grace; its stages stay
-    up until it has left), then the stages, then the nats-server."""
+    """Stop the gateway, then the local decode instances (their whole process groups: vLLM's
+    engine runs in a child of its server), then the admissions (each drains for up to its
+    grace; its stages stay up until it has left), then the stages, then the nats-server."""
     up.sup.stop(["gateway"])
+    up.sup.stop(up.decode_names, group=True)
     up.sup.stop([n for n in up.service_names if n != "gateway"], up.plan.admission_grace_s)
     up.sup.stop(up.stage_names)
     if up.server is not None:

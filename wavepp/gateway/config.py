@@ -4,6 +4,8 @@ the gateway process, one ``ReplicaInfo`` per replica) and the errors its engine
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from wavepp.gateway.router import RoutingPolicy
@@ -67,6 +69,14 @@ class GatewayConfig(BaseModel):
     replica_unready_fail_s: float = Field(3.0, gt=0)
     max_replicas: int = Field(256, ge=1)
     tokenizer: str | None = None
+    # Decode endpoints (base URLs of OpenAI-compatible vLLM servers with WavePP's KV connector
+    # as kv_consumer): with any, /v1/completions serves whole completions (gateway.decode_flow),
+    # max_tokens up to decode_max_tokens; without, prefill only (max_tokens 1).
+    decode_urls: list[Annotated[str, Field(pattern=r"^https?://[^/\s]+/?$")]] = Field(
+        default_factory=list, max_length=256
+    )
+    decode_max_tokens: int = Field(4096, ge=2)
+    decode_timeout_s: float = Field(120.0, gt=0)
     # API keys (wavepp.gateway.auth): on when any tenant has api_keys_file.
     auth_poll_s: float = Field(1.0, ge=0)
     auth_failure_burst: int = Field(10, ge=1)
@@ -78,6 +88,7 @@ class GatewayConfig(BaseModel):
             vocab_size=self.vocab_size,
             max_prompt_tokens=self.max_prompt_tokens,
             tenants=frozenset(t.name for t in self.tenants),
+            max_new_tokens=self.decode_max_tokens if self.decode_urls else 1,
         )
 
 

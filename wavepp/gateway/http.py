@@ -3,7 +3,8 @@
 | route                    | answer                                                          |
 | ------------------------ | --------------------------------------------------------------- |
 | ``POST /v1/prefill``     | ``PrefillResult`` JSON (first token, prompt/cached tokens, TTFT, per-stage timings) |
-| ``POST /v1/completions`` | OpenAI text completion, prefill only (``max_tokens`` = 1); a list of prompts; ``stream`` as SSE (``openai_api``) |
+| ``POST /v1/completions`` | OpenAI text completion: with decode endpoints (``decode_urls``) a whole one, prefilled here and decoded on vLLM (``decode_flow``); without, prefill only (``max_tokens`` = 1; a list of prompts); ``stream`` as SSE (``openai_api``) |
+| ``POST /v1/chat/completions`` | with decode endpoints: the conversation through the checkpoint's chat template, decoded as above (422 without a template) |
 | ``GET /v1/models``       | the served model, OpenAI's list shape                           |
 | ``GET /healthz``         | 200 while the process and its NATS connection are up           |
 | ``GET /readyz``          | 200 when at least one replica is in the pool (all stages formed) |
@@ -47,15 +48,20 @@ from nats.aio.msg import Msg
 from wavepp.api.prefill import PrefillResult
 from wavepp.api.subjects import prefill_subject
 from wavepp.gateway.auth import AuthError, authenticator_for
+from wavepp.gateway.chat_template import load_chat_template
 from wavepp.gateway.config import INTAKE_RETRY_AFTER_S, GatewayConfig, IntakeUnavailable
 from wavepp.gateway.core import Gateway
+from wavepp.gateway.decode import DecodePool
+from wavepp.gateway.decode_flow import DecodeFlow
 from wavepp.gateway.errors import MAX_BODY_BYTES, error_body, error_middleware, metrics_tenant
 from wavepp.gateway.openai_api import completion_body, models_body, sse_events
 from wavepp.gateway.tenants import LimitExceeded
 from wavepp.gateway.validation import (
     BadRequest,
+    ChatTemplate,
     CompletionRequest,
     ParsedRequest,
+    parse_chat,
     parse_completion_batch,
     parse_prefill,
     tenant_hint,
@@ -129,10 +135,16 @@ def _first_line(exc: BaseException) -> str:
 class GatewayServer:
     """The HTTP app and NATS API over a started :class:`Gateway`."""
 
-    def __init__(self, gateway: Gateway, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        tokenizer: Tokenizer | None = None,
+        chat_template: ChatTemplate | None = None,
+    ) -> None:
         """Raises KeyFileError: a tenant's key file is missing or malformed."""
         self.gateway = gateway
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         config = gateway.config
         self.auth = authenticator_for(
             {t.name: t.api_keys_file for t in config.tenants if t.api_keys_file},
@@ -144,6 +156,15 @@ class GatewayServer:
         )
         self._tasks: set[asyncio.Task[None]] = set()
         self.started = int(time.time())
+        self.decode = (
+            DecodeFlow(
+                DecodePool(config.decode_urls),
+                model_name=config.model_name,
+                chunk_timeout_s=config.decode_timeout_s,
+            )
+            if config.decode_urls
+            else None
+        )
         self.app = web.Application(
             client_max_size=MAX_BODY_BYTES,
             middlewares=[error_middleware(gateway.metrics, gateway.tenants)],
@@ -152,12 +173,18 @@ class GatewayServer:
             [
                 web.post("/v1/prefill", self.handle_prefill),
                 web.post("/v1/completions", self.handle_completions),
+                web.post("/v1/chat/completions", self.handle_chat),
                 web.get("/v1/models", self.handle_models),
                 web.get("/healthz", self.handle_healthz),
                 web.get("/readyz", self.handle_readyz),
                 web.get("/metrics", self.handle_metrics),
             ]
         )
+        self.app.on_cleanup.append(self._close_decode)
+
+    async def _close_decode(self, app: web.Application) -> None:
+        if self.decode is not None:
+            await self.decode.close()
 
     @property
     def _encode(self) -> Callable[[str], list[int]] | None:
@@ -278,10 +305,11 @@ class GatewayServer:
             return self._auth_error(exc)
         return web.json_response(models_body(self.gateway.config.model_name, self.started))
 
-    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
-        """OpenAI ``/v1/completions``: every prompt of the body prefilled (concurrently), one
-        choice each; the first refused prompt's error answers the whole request."""
-        metrics = self.gateway.metrics
+    async def _openai_body(
+        self, request: web.Request
+    ) -> tuple[str | None, str | None, object] | web.Response:
+        """The OpenAI routes' common start: the API key's tenant (None: open mode), the tenant
+        header (the key's tenant when there is a key) and the JSON body; or the error answer."""
         try:
             key_tenant = self.authenticate(
                 request.headers.get("Authorization"), request.remote or ""
@@ -293,15 +321,66 @@ class GatewayServer:
             body = await self._json_body(request)
         except BadRequest as exc:
             label = key_tenant or metrics_tenant(tenant_header, self.gateway.tenants)
-            metrics.request_answered(label, exc.status)
+            self.gateway.metrics.request_answered(label, exc.status)
             return _error(exc, 400)
-        config = self.gateway.config
         if key_tenant is not None:
             try:
                 self.bind_tenant(key_tenant, tenant_header)
             except AuthError as exc:
                 return self._auth_error(exc)
             tenant_header = key_tenant  # the key's tenant; `user` is the end user's id then
+        return key_tenant, tenant_header, body
+
+    async def _decode(
+        self, request: web.Request, batch: CompletionRequest, *, chat: bool
+    ) -> web.StreamResponse:
+        """A whole completion: prefill here, decode on a decode endpoint (``decode_flow``)."""
+        assert self.decode is not None  # sampling is set only with decode endpoints
+        first = batch.prompts[0]
+        return await self.decode.complete(
+            request,
+            batch,
+            prefill=lambda: self._prefill(first),
+            cache_salt=self.gateway.tenants[first.tenant].cache_salt,
+            answered=lambda status: self.gateway.metrics.request_answered(first.tenant, status),
+            chat=chat,
+        )
+
+    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI ``/v1/chat/completions``: the conversation through the checkpoint's chat
+        template, then a whole completion as on ``/v1/completions`` (decode endpoints
+        needed; ``validation.parse_chat``)."""
+        start = await self._openai_body(request)
+        if isinstance(start, web.Response):
+            return start
+        _key_tenant, tenant_header, body = start
+        config = self.gateway.config
+        try:
+            batch = parse_chat(
+                body,
+                config.limits,
+                self.chat_template,
+                tenant_header=tenant_header,
+                model_name=config.model_name,
+            )
+        except BadRequest as exc:
+            hint = tenant_hint(body, tenant_header, completion=True)
+            self.gateway.metrics.request_answered(
+                metrics_tenant(hint, self.gateway.tenants), exc.status
+            )
+            return _error(exc, 400)
+        return await self._decode(request, batch, chat=True)
+
+    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI ``/v1/completions``: with decode endpoints one prompt decoded whole
+        (``decode_flow``); without, every prompt of the body prefilled (concurrently), one
+        choice each; the first refused prompt's error answers the whole request."""
+        metrics = self.gateway.metrics
+        start = await self._openai_body(request)
+        if isinstance(start, web.Response):
+            return start
+        _key_tenant, tenant_header, body = start
+        config = self.gateway.config
         hint = tenant_hint(body, tenant_header, completion=True)
         try:
             batch: CompletionRequest = parse_completion_batch(
@@ -314,6 +393,8 @@ class GatewayServer:
         except BadRequest as exc:
             metrics.request_answered(metrics_tenant(hint, self.gateway.tenants), exc.status)
             return _error(exc, 400)
+        if batch.sampling is not None:
+            return await self._decode(request, batch, chat=False)
         answers = await asyncio.gather(*(self._prefill(p) for p in batch.prompts))
         for status, _payload, _headers in answers:
             metrics.request_answered(batch.prompts[0].tenant, status)
@@ -430,12 +511,13 @@ async def run_gateway(
         loop.add_signal_handler(sig, stop.set)
     if tokenizer is None and config.tokenizer:
         tokenizer = load_tokenizer(config.tokenizer)
+    chat_template = load_chat_template(config.tokenizer) if config.tokenizer else None
     bus_key = load_bus_key()
     nc = await connect(nats_url, name=f"{config.pool}-gateway-{os.getpid()}")
     gateway = Gateway(config, nc, bus_key=bus_key)
     runner = None
     try:
-        server = GatewayServer(gateway, tokenizer)
+        server = GatewayServer(gateway, tokenizer, chat_template)
         if server.auth.enabled:
             keyless = sorted(t.name for t in config.tenants if not t.api_keys_file)
             log.info(

@@ -7,11 +7,11 @@ Two request shapes are accepted:
       {"tenant": "acme", "token_ids": [1, 2, 3] | "text": "...", "request_id": "r1",
        "priority": 0}
 
-- ``POST /v1/completions`` (OpenAI-compatible; prefill only, so ``max_tokens`` must be 1, and
-  1 when absent)::
+- ``POST /v1/completions`` (OpenAI-compatible)::
 
       {"model": "tiny-llama", "prompt": "..." | [1, 2, 3] | ["...", "..."] | [[1, 2], [3]],
        "max_tokens": 1, "user": "acme", "stream": false,
+       "temperature": 0.0, "seed": 7, "stop": "\n" | ["a", "b"],
        "kv_transfer_params": {"do_remote_decode": true}}
 
   A list of prompts (at most ``MAX_PROMPTS``) is one prefill each. The tenant is the
@@ -19,6 +19,13 @@ Two request shapes are accepted:
   ``kv_transfer_params`` (vLLM's disaggregated-serving protocol, see :func:`parse_kv_transfer`)
   with ``do_remote_decode: true`` asks for a KV handoff to a decode engine: one prompt, not
   streamed; the answer carries the ``kv_transfer_params`` the decode request consumes.
+
+  Without decode endpoints (``PromptLimits.max_new_tokens`` = 1) the service runs prefill only:
+  ``max_tokens`` must be 1 (1 when absent), the answer is greedy (``temperature`` 0 or absent)
+  and ``stop``/``seed`` are refused (one token is never stopped; greedy needs no seed). With
+  decode endpoints (``max_new_tokens`` > 1) a request without ``kv_transfer_params`` is a whole
+  completion (``CompletionRequest.sampling``): prefilled here, decoded on a decode engine;
+  ``max_tokens`` in [1, max_new_tokens] (16 when absent, OpenAI's default), one prompt.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ __all__ = [
     "CompletionRequest",
     "ParsedRequest",
     "PromptLimits",
+    "Sampling",
+    "MAX_MESSAGES",
+    "parse_chat",
     "parse_completion",
     "parse_completion_batch",
     "parse_kv_transfer",
@@ -46,6 +56,14 @@ _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 MAX_PRIORITY = 100
 MAX_PROMPTS = 64
 """Prompts in one ``/v1/completions`` request (each is its own prefill)."""
+MAX_STOP_STRINGS = 4
+"""``stop`` strings in one request (OpenAI's bound)."""
+MAX_TEMPERATURE = 2.0
+"""Largest ``temperature`` (OpenAI's bound)."""
+MAX_MESSAGES = 256
+"""Messages in one ``/v1/chat/completions`` request."""
+DEFAULT_DECODE_TOKENS = 16
+"""``max_tokens`` of a decoded completion that does not state it (OpenAI's default)."""
 
 
 class BadRequest(ValueError):
@@ -73,11 +91,26 @@ class BadRequest(ValueError):
 @dataclass(frozen=True)
 class PromptLimits:
     """Bounds of a prompt: ``vocab_size`` (ids in [0, vocab_size)), ``max_prompt_tokens``
-    (what every stage's KV cache holds), and the tenants that exist."""
+    (what every stage's KV cache holds), the tenants that exist, and ``max_new_tokens``: the
+    largest ``max_tokens`` of a completion (1: prefill only, no decode endpoints)."""
 
     vocab_size: int
     max_prompt_tokens: int
     tenants: frozenset[str]
+    max_new_tokens: int = 1
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a decode engine continues a prompt (OpenAI's fields, passed on as they are):
+    ``max_tokens`` >= 1, ``temperature`` in [0, ``MAX_TEMPERATURE``] (None: the engine's
+    default), ``seed`` (None: none), ``stop`` (at most ``MAX_STOP_STRINGS`` non-empty strings;
+    None: none)."""
+
+    max_tokens: int
+    temperature: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -197,12 +230,15 @@ def parse_prefill(
 @dataclass
 class CompletionRequest:
     """A validated ``/v1/completions`` body: one :class:`ParsedRequest` per prompt, in order;
-    ``stream``: answer as server-sent events; ``include_usage``: ``stream_options``' flag."""
+    ``stream``: answer as server-sent events; ``include_usage``: ``stream_options``' flag;
+    ``sampling``: set when the completion is decoded on a decode engine (then one prompt, its
+    ``handoff`` set), None when the prefill answers alone."""
 
     prompts: list[ParsedRequest]
     model: str
     stream: bool = False
     include_usage: bool = False
+    sampling: Sampling | None = None
 
 
 def _prompt_list(prompt: object) -> list[object]:
@@ -279,6 +315,78 @@ def _check_stream(body: Mapping[str, object]) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage", False))
 
 
+_PREFILL_ONLY = "this service runs prefill only (no decode endpoints: see wavepp up --decode)"
+_HANDOFF = "a KV handoff (kv_transfer_params) is answered with the first token"
+
+
+def _check_max_tokens(body: Mapping[str, object], limits: PromptLimits, mode: str) -> int:
+    """``max_tokens`` for ``mode`` ``decode`` (a whole completion), ``handoff`` (the prefill
+    side of a P/D proxy) or ``prefill`` (no decode endpoints)."""
+    default = DEFAULT_DECODE_TOKENS if mode == "decode" else 1
+    max_tokens = body.get("max_tokens", default)
+    if max_tokens is None:
+        max_tokens = default
+    limit = limits.max_new_tokens if mode == "decode" else 1
+    if (
+        isinstance(max_tokens, bool)
+        or not isinstance(max_tokens, int)
+        or not 1 <= max_tokens <= limit
+    ):
+        why = {
+            "decode": f"must be an int in [1, {limit}]",
+            "handoff": f"{_HANDOFF}; max_tokens must be 1",
+            "prefill": f"{_PREFILL_ONLY} and returns the first token; max_tokens must be 1",
+        }[mode]
+        raise BadRequest("max_tokens", f"{max_tokens!r:.40}: {why}", limit=limit)
+    return max_tokens
+
+
+def _check_sampling(body: Mapping[str, object], max_tokens: int, mode: str) -> Sampling:
+    """The sampling fields, checked; refused in ``prefill`` mode (one greedy token) unless
+    neutral. A ``handoff`` request (a P/D proxy's prefill) carries the decode side's fields:
+    checked, not applied here."""
+    temperature = body.get("temperature")
+    if temperature is not None and (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not 0 <= temperature <= MAX_TEMPERATURE
+    ):
+        raise BadRequest(
+            "temperature",
+            f"{temperature!r:.40} must be a number in [0, {MAX_TEMPERATURE:g}]",
+            limit=MAX_TEMPERATURE,
+        )
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise BadRequest("seed", f"{seed!r:.40} must be an integer")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (
+        not isinstance(stop, list)
+        or len(stop) > MAX_STOP_STRINGS
+        or not all(isinstance(x, str) and x for x in stop)
+    ):
+        raise BadRequest(
+            "stop",
+            f"must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
+            limit=MAX_STOP_STRINGS,
+        )
+    if mode == "prefill":
+        if temperature not in (None, 0):
+            raise BadRequest("temperature", f"{_PREFILL_ONLY}: its one token is greedy; send 0")
+        if seed is not None:
+            raise BadRequest("seed", f"{_PREFILL_ONLY}: a greedy token takes no seed")
+        if stop:
+            raise BadRequest("stop", f"{_PREFILL_ONLY}: one token is never stopped")
+    return Sampling(
+        max_tokens,
+        None if temperature is None else float(temperature),
+        seed,
+        None if stop is None else tuple(stop),
+    )
+
+
 def parse_completion_batch(
     body: object,
     limits: PromptLimits,
@@ -287,7 +395,8 @@ def parse_completion_batch(
     tenant_header: str | None = None,
     model_name: str = "",
 ) -> CompletionRequest:
-    """Validate an OpenAI ``/v1/completions`` body (prefill only: ``max_tokens`` = 1).
+    """Validate an OpenAI ``/v1/completions`` body (the module docstring says which fields,
+    with and without decode endpoints).
 
     Raises:
         BadRequest: naming the field (``prompt[2]``, ``max_tokens``, ...) and limit of the
@@ -295,23 +404,18 @@ def parse_completion_batch(
     """
     if not isinstance(body, Mapping):
         raise BadRequest("body", "must be a JSON object")
-    max_tokens = body.get("max_tokens", 1)
-    if max_tokens is None:
-        max_tokens = 1
-    if max_tokens != 1 or isinstance(max_tokens, bool):
-        raise BadRequest(
-            "max_tokens",
-            f"{max_tokens!r:.40}: this service runs prefill only and returns the first token; "
-            "max_tokens must be 1",
-            limit=1,
-        )
+    handoff = parse_kv_transfer(body.get("kv_transfer_params"))
+    # a whole completion: decode endpoints exist and the caller is not itself the P/D proxy
+    decode = limits.max_new_tokens > 1 and body.get("kv_transfer_params") is None
+    mode = "decode" if decode else "handoff" if body.get("kv_transfer_params") else "prefill"
+    max_tokens = _check_max_tokens(body, limits, mode)
+    sampling = _check_sampling(body, max_tokens, mode)
     model = body.get("model", model_name)
     if model_name and model not in (model_name, None):
         raise BadRequest("model", f"{model!r:.80}: this service serves {model_name!r}", status=404)
     if body.get("n", 1) not in (1, None):
         raise BadRequest("n", "only n=1 is supported", limit=1)
     stream, include_usage = _check_stream(body)
-    handoff = parse_kv_transfer(body.get("kv_transfer_params"))
     if handoff and stream:
         raise BadRequest("stream", "a KV handoff (kv_transfer_params) is answered as one object")
     tenant = _check_tenant(tenant_header or body.get("user") or "default", limits)
@@ -327,6 +431,10 @@ def parse_completion_batch(
         raise BadRequest(
             "prompt", f"{len(prompts)} prompts; a KV handoff (kv_transfer_params) takes one", 1
         )
+    if decode and len(prompts) != 1:
+        raise BadRequest(
+            "prompt", f"{len(prompts)} prompts; a decoded completion takes one per request", 1
+        )
     parsed = []
     for i, one in enumerate(prompts):
         field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -335,9 +443,13 @@ def parse_completion_batch(
         else:
             token_ids = _check_tokens(one, field, limits)
         parsed.append(
-            ParsedRequest(tenant, uuid.uuid4().hex, token_ids, 0, str(model or model_name), handoff)
+            ParsedRequest(
+                tenant, uuid.uuid4().hex, token_ids, 0, str(model or model_name), handoff or decode
+            )
         )
-    return CompletionRequest(parsed, str(model or model_name), stream, include_usage)
+    return CompletionRequest(
+        parsed, str(model or model_name), stream, include_usage, sampling if decode else None
+    )
 
 
 def parse_completion(
@@ -361,3 +473,81 @@ def parse_completion(
     if len(batch.prompts) != 1:
         raise BadRequest("prompt", "expected one prompt", limit=1)
     return batch.prompts[0]
+
+
+Messages = list[dict[str, str]]
+ChatTemplate = Callable[[Messages], list[int]]
+
+
+def _check_messages(messages: object) -> Messages:
+    if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
+        raise BadRequest(
+            "messages", f"must be a list of 1 to {MAX_MESSAGES} messages", limit=MAX_MESSAGES
+        )
+    out: Messages = []
+    for i, message in enumerate(messages):
+        field = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise BadRequest(field, 'must be an object {"role": ..., "content": ...}')
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise BadRequest(f"{field}.role", "required: a non-empty string")
+        if isinstance(content, list):  # OpenAI's content parts: text only
+            if not all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
+                raise BadRequest(f"{field}.content", "only text parts are supported")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"{field}.content", "must be a string or a list of text parts")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def parse_chat(
+    body: object,
+    limits: PromptLimits,
+    template: ChatTemplate | None,
+    *,
+    tenant_header: str | None = None,
+    model_name: str = "",
+) -> CompletionRequest:
+    """Validate an OpenAI ``/v1/chat/completions`` body into one decoded completion of the
+    templated conversation (``template``: the checkpoint's chat template, messages -> token
+    ids, ``add_generation_prompt``). Fields as a decoded ``/v1/completions`` request's, with
+    ``messages`` (1 to ``MAX_MESSAGES`` of ``{"role", "content"}``, content a string or text
+    parts) instead of ``prompt``; ``max_completion_tokens`` is read as ``max_tokens``.
+
+    Raises:
+        BadRequest: naming the field of the first problem; ``messages`` with status 422 when
+            there is no chat template, 400 without decode endpoints (a chat answer is
+            decoded); ``max_tokens`` out of [1, ``max_new_tokens``].
+    """
+    if not isinstance(body, Mapping):
+        raise BadRequest("body", "must be a JSON object")
+    if limits.max_new_tokens <= 1:
+        raise BadRequest(
+            "messages", f"{_PREFILL_ONLY}; chat completions are decoded on a decode engine"
+        )
+    if body.get("kv_transfer_params") is not None:
+        raise BadRequest("kv_transfer_params", "a KV handoff takes /v1/completions")
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    max_tokens = _check_max_tokens(body, limits, "decode")
+    sampling = _check_sampling(body, max_tokens, "decode")
+    model = body.get("model", model_name)
+    if model_name and model not in (model_name, None):
+        raise BadRequest("model", f"{model!r:.80}: this service serves {model_name!r}", status=404)
+    if body.get("n", 1) not in (1, None):
+        raise BadRequest("n", "only n=1 is supported", limit=1)
+    stream, include_usage = _check_stream(body)
+    tenant = _check_tenant(tenant_header or body.get("user") or "default", limits)
+    messages = _check_messages(body.get("messages"))
+    if template is None:
+        raise BadRequest(
+            "messages",
+            "the served checkpoint's tokenizer has no chat template (tokenizer_config.json "
+            "chat_template or chat_template.jinja); send /v1/completions with a prompt",
+            status=422,
+        )
+    token_ids = _check_tokens(template(messages), "messages", limits)
+    parsed = ParsedRequest(tenant, uuid.uuid4().hex, token_ids, 0, str(model or model_name), True)
+    return CompletionRequest([parsed], str(model or model_name), stream, include_usage, sampling)

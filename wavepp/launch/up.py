@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ from wavepp.api.spec import (
 )
 from wavepp.gateway.config import GatewayConfig
 from wavepp.gateway.tenants import TenantPolicy, policy_from_spec
+from wavepp.launch.decode import DecodeServer, check_vllm_python, decode_servers
 from wavepp.launch.flags import FlagError, check_port_free
 from wavepp.launch.gateway import gateway_model_fields, key_files_problem, replica_info
 from wavepp.launch.replica import planner_cost_model, telemetry_from_spec
@@ -337,18 +340,24 @@ def child_commands(
 
 def serving_line(
     endpoint: str, pool: str, configs: list[RuntimeConfig], tokenizer: str | None, nats_url: str, secure: bool,
-    log_dir: object,
+    log_dir: object, decode_urls: list[str] | None = None,
 ) -> str:  # fmt: skip
     """The line ``wavepp up`` prints once the gateway is ready: the endpoint, replicas x stages
-    (x tensor-parallel processes), engine, model, tokenizer, NATS and the logs."""
+    (x tensor-parallel processes), engine, model, tokenizer, the decode endpoints (whole
+    completions; none: prefill only), NATS and the logs."""
     first = configs[0]
+    decode = (
+        f"; decode on {', '.join(decode_urls)}"
+        if decode_urls
+        else "; prefill only (no decode endpoints)"
+    )
     tp = first.tensor_parallel_size
     return (
         f"wavepp up: serving {endpoint} (pool {pool}: {len(configs)} replica(s) x "
         f"{first.num_stages} {first.engine} stages"
         f"{f' x tensor parallel {tp}' if tp > 1 else ''} of {first.model.name}"
         f"{f' from {first.model_dir}' if first.model_dir else ''}"
-        f"{f', tokenizer {tokenizer}' if tokenizer else ''}; NATS {nats_url} "
+        f"{f', tokenizer {tokenizer}' if tokenizer else ''}{decode}; NATS {nats_url} "
         f"{'with auth' if secure else 'WITHOUT AUTH (--insecure-nats)'}; logs {log_dir})"
     )
 
@@ -373,6 +382,8 @@ class UpPlan:
         drain_s: the admissions' ``--drain-timeout-s`` (:func:`drain_times`).
         admission_grace_s: SIGTERM to SIGKILL of an admission (:func:`drain_times`).
         auth_line: the line saying whether API keys are required, printed once serving.
+        decode: the local decode instances to start (``--decode vllm``; :func:`plan_decode`).
+        decode_urls: every decode endpoint, local ones first (the gateway's ``decode_urls``).
     """
 
     raw: dict[str, Any]
@@ -384,6 +395,55 @@ class UpPlan:
     drain_s: float
     admission_grace_s: float
     auth_line: str
+    decode: list[DecodeServer] = field(default_factory=list)
+    decode_urls: list[str] = field(default_factory=list)
+
+
+_URL = re.compile(r"^https?://[^/\s]+/?$")
+
+
+def plan_decode(
+    args: argparse.Namespace, first: RuntimeConfig, on_cpu: bool
+) -> tuple[list[DecodeServer], list[str]]:
+    """The decode side from ``--decode``, ``--decode-url``, ``--decode-python``,
+    ``--decode-replicas``, ``--decode-args`` and ``--decode-max-tokens`` (``launch.decode``):
+    (local instances to start, every endpoint URL).
+
+    Raises:
+        FlagError: a ``--decode-url`` that is not ``http(s)://host:port``; ``--decode vllm``
+            without a checkpoint directory (``--model DIR`` or ``model.path``), with
+            ``--decode-replicas`` < 1, or with a ``--decode-python`` where vllm is not
+            importable; ``--decode-max-tokens`` < 2.
+    """
+    for url in args.decode_url:
+        if not _URL.match(url):
+            raise FlagError("--decode-url", f"{url!r}: must be http(s)://HOST:PORT")
+    if args.decode_max_tokens < 2:
+        raise FlagError("--decode-max-tokens", f"{args.decode_max_tokens}: must be >= 2")
+    servers: list[DecodeServer] = []
+    if args.decode == "vllm":
+        if not first.model_dir:
+            raise FlagError(
+                "--decode", "vllm needs the served checkpoint's directory: give --model DIR"
+            )
+        if args.decode_replicas < 1:
+            raise FlagError("--decode-replicas", f"{args.decode_replicas}: must be >= 1")
+        python = args.decode_python or sys.executable
+        check_vllm_python(python)
+        servers = decode_servers(
+            python=python,
+            model_dir=first.model_dir,
+            model_name=first.model.name,
+            dtype=first.model.dtype,
+            max_model_len=first.model.max_position,
+            ports=[free_port() for _ in range(args.decode_replicas)],
+            on_cpu=on_cpu,
+            extra_args=args.decode_args,
+        )
+    elif args.decode_python or args.decode_args:
+        flag = "--decode-python" if args.decode_python else "--decode-args"
+        raise FlagError(flag, "applies to --decode vllm only")
+    return servers, [s.url for s in servers] + [u.rstrip("/") for u in args.decode_url]
 
 
 def plan_up(args: argparse.Namespace) -> UpPlan:
@@ -449,6 +509,8 @@ def plan_up(args: argparse.Namespace) -> UpPlan:
             "caller may name any tenant"
         )
     first = configs[0]
+    on_cpu = spec.gpus_per_stage() == 0
+    decode, decode_urls = plan_decode(args, first, on_cpu)
     gateway = GatewayConfig(
         pool=args.pool,
         replicas=[replica_info(c.pipeline, c) for c in configs],
@@ -460,6 +522,8 @@ def plan_up(args: argparse.Namespace) -> UpPlan:
         request_timeout_s=args.request_timeout_s,
         replica_timeout_s=args.replica_timeout_s,
         tokenizer=str(Path(tokenizer).resolve()) if tokenizer else None,
+        decode_urls=decode_urls,
+        decode_max_tokens=args.decode_max_tokens,
     )
     if args.jetstream_max_bytes < 0:
         raise FlagError("--jetstream-max-bytes", f"{args.jetstream_max_bytes}: must be >= 0")
@@ -481,6 +545,8 @@ def plan_up(args: argparse.Namespace) -> UpPlan:
         drain_s=drain_s,
         admission_grace_s=admission_grace_s,
         auth_line=auth_line,
+        decode=decode,
+        decode_urls=decode_urls,
     )
 
 

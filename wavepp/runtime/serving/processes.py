@@ -12,6 +12,8 @@ command line is built once, by ``transport.natsio.EmbeddedNatsServer``.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -196,13 +198,25 @@ class Supervisor:
                 return line
         return lines[-1] if lines else "no output"
 
-    def stop(self, names: list[str], grace_s: float = 10.0) -> None:
+    def stop(self, names: list[str], grace_s: float = 10.0, *, group: bool = False) -> None:
         """SIGTERM the ``names`` still running, wait up to ``grace_s`` seconds for all of them
-        (together), then SIGKILL those left."""
+        (together), then SIGKILL those left. ``group``: signal each child's whole process group
+        (its session: the processes it started too), and SIGKILL what is left of the group once
+        the child exited."""
+
+        def signal_child(proc: subprocess.Popen[bytes], sig: int) -> None:
+            try:
+                if group:
+                    os.killpg(proc.pid, sig)
+                elif proc.poll() is None:
+                    proc.send_signal(sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
         for name in names:
             proc = self.procs.get(name)
             if proc is not None and proc.poll() is None:
-                proc.terminate()
+                signal_child(proc, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for name in names:
             proc = self.procs.get(name)
@@ -211,8 +225,10 @@ class Supervisor:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
+                signal_child(proc, signal.SIGKILL)
                 proc.wait(10)
+            if group:
+                signal_child(proc, signal.SIGKILL)
 
     def kill(self, names: list[str]) -> None:
         """SIGKILL the ``names`` still running and reap them (up to 10 s each)."""

@@ -1,0 +1,249 @@
+"""Whole completions through prefill/decode disaggregation, as a user runs them: the unchanged
+`openai` client against ``wavepp up --model DIR --stages 2 --decode vllm`` (2 WavePP stage
+processes prefill and hand their KV over; one real vLLM server with WavePP's connector
+decodes).
+
+One ``wavepp up`` (and so one vLLM start-up, which dominates: about 2-4 minutes on 2 busy
+cores) serves both tests, in order:
+
+1. 20 prompts, 10 of them sharing a 64-token prefix: ``completions.create(max_tokens=16)``
+   and ``stream=True`` give the same greedy tokens as vLLM alone (the same vLLM server, asked
+   directly, computing the prompt itself: prefix caching is off there); the repeats of the
+   shared prefix report ``usage.prompt_tokens_details.cached_tokens`` > 0.
+2. ``chat.completions.create`` (the gateway's tokenizer carries a chat template) gives the
+   tokens vLLM alone gives for the templated conversation, whole and streamed;
+3. the decode process killed mid-stream: the client gets an error event (``openai.APIError``)
+   and no stage keeps a lease or a pinned block.
+
+Skipped, with the reason, where ``.venv-vllm`` (scripts/vllm-venv.sh) is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import signal
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from up_support import UpService, build_tokenizer, start_up, stop_up
+
+from wavepp.api.kv_handoff import PARAMS_KEY, HandoffParams
+from wavepp.gateway.chat_template import load_chat_template
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("torch")
+from wavepp.integrations.vllm.pull import pull_request, stage_stats  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(
+        not VLLM_PYTHON.exists(),
+        reason=f"no vLLM environment at {VLLM_PYTHON} (make it with scripts/vllm-venv.sh)",
+    ),
+]
+
+
+CHAT_TOKENIZER_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "unk_token": "[UNK]",
+    "chat_template": "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}"
+    "{% if add_generation_prompt %}w3{% endif %}",
+}
+
+
+def _make_checkpoint(out: Path) -> Path:
+    """benchmarks/pd_handoff.py's checkpoint: a random float32 Llama whose scaled output
+    projection makes greedy choices robust to two engines' float differences."""
+    spec = importlib.util.spec_from_file_location(
+        "pd_handoff", REPO / "benchmarks" / "pd_handoff.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("pd_handoff", module)
+    spec.loader.exec_module(module)
+    return module.make_checkpoint(out)
+
+
+@pytest.fixture(scope="module")
+def pd_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpService]:
+    tmp = tmp_path_factory.mktemp("pd")
+    model = _make_checkpoint(tmp / "model")
+    # the gateway's tokenizer, with a chat template (vLLM runs without one: token ids only)
+    tokenizer = build_tokenizer(tmp / "tokenizer", vocab_size=1024)
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(CHAT_TOKENIZER_CONFIG))
+    began = time.monotonic()
+    service = start_up(
+        tmp,
+        None,
+        [
+            "--model", str(model), "--stages", "2", "--tokenizer", str(tokenizer),
+            "--decode", "vllm", "--decode-python", str(VLLM_PYTHON),
+            "--decode-args", "--max-num-seqs 8 --max-model-len 1024",
+            "--startup-timeout-s", "600",
+        ],
+        timeout_s=660,
+    )  # fmt: skip
+    print(f"wavepp up --decode vllm serving after {time.monotonic() - began:.0f} s")
+    serving = next(line for line in service.lines if "wavepp up: serving" in line)
+    assert f"decode on {service.processes()['decode']['decode-0']}" in serving, serving
+    try:
+        yield service
+    finally:
+        decode_pid = service.processes()["pids"]["decode-0"]  # a restarted one's, if killed
+        assert stop_up(service.proc) == 0, "".join(service.lines[-40:])
+        with pytest.raises(ProcessLookupError):  # the vLLM server and its engine stopped
+            os.killpg(decode_pid, 0)
+
+
+def _client(service: UpService) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{service.endpoint}/v1", api_key="unused", max_retries=0)
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def _stage_addrs(service: UpService) -> list[str]:
+    """The stages' transfer servers: from a handoff the gateway answers (then pulled, so that
+    its own lease ends)."""
+    answer = _post(
+        f"{service.endpoint}/v1/completions",
+        {"prompt": [3, 4, 5], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    )
+    params = HandoffParams.from_json(answer["kv_transfer_params"][PARAMS_KEY])
+    pull_request(params, timeout_s=30.0)
+    return [s.addr for s in params.stages]
+
+
+def _wait_no_pins(addrs: list[str], timeout_s: float) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = [stage_stats(a) for a in addrs]
+        if all(s["leases"] == 0 and s["pinned_blocks"] == 0 for s in stats):
+            return stats
+        assert time.monotonic() < deadline, f"pins left on the stages: {stats}"
+        time.sleep(0.2)
+
+
+def test_openai_client_gets_vllms_own_greedy_tokens_and_the_prefix_is_reused(
+    pd_service: UpService,
+) -> None:
+    client = _client(pd_service)
+    model = client.models.list().data[0].id
+    decode_url = pd_service.processes()["decode"]["decode-0"]
+    rng = random.Random(5)
+    shared = [rng.randrange(2, 1024) for _ in range(64)]
+    prompts = [shared + [rng.randrange(2, 1024) for _ in range(5 + i)] for i in range(10)]
+    prompts += [[rng.randrange(2, 1024) for _ in range(20 + 3 * i)] for i in range(10)]
+
+    def run(prompt: list[int]) -> tuple[list[int], list[int], list[int], int]:
+        """(vLLM alone's tokens, the gateway's, the gateway's streamed, cached tokens)."""
+        whole = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+        streamed: list[int] = []
+        usage = None
+        for chunk in client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        ):
+            if chunk.choices:
+                streamed += chunk.choices[0].model_extra["token_ids"]
+            else:
+                usage = chunk.usage
+        alone = _post(
+            f"{decode_url}/v1/completions",
+            {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+             "return_token_ids": True},
+        )["choices"][0]["token_ids"]  # fmt: skip
+        assert len(alone) == 16 and whole.usage.completion_tokens == 16
+        assert whole.usage.prompt_tokens == len(prompt)
+        assert usage is not None and usage.completion_tokens == len(streamed) == 16
+        tokens = whole.choices[0].model_extra["token_ids"]
+        return alone, tokens, streamed, whole.usage.prompt_tokens_details.cached_tokens
+
+    # the first prompt alone (it leaves the shared prefix on the stages), then the rest at
+    # once (vLLM batches their decodes)
+    answers = [run(prompts[0])]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        answers += list(pool.map(run, prompts[1:]))
+    mismatches = [(i, a) for i, a in enumerate(answers) if not a[0] == a[1] == a[2]]
+    cached = [a[3] for a in answers]
+    print(f"token-equal prompts: {len(prompts) - len(mismatches)}/{len(prompts)}; cached {cached}")
+    assert not mismatches, mismatches
+    # the shared 64-token prefix (whole blocks) is reused by every repeat, and only by those
+    assert cached[0] == 0 and all(c == 64 for c in cached[1:10]), cached
+    assert all(c == 0 for c in cached[10:]), cached
+
+
+def test_chat_goes_through_the_chat_template(pd_service: UpService) -> None:
+    client = _client(pd_service)
+    model = client.models.list().data[0].id
+    decode_url = pd_service.processes()["decode"]["decode-0"]
+    messages = [
+        {"role": "system", "content": " ".join(f"w{i}" for i in range(100, 170))},
+        {"role": "user", "content": "w5 w6 w7 w8"},
+    ]
+    template = load_chat_template(str(pd_service.state_dir.parent / "tokenizer"))
+    assert template is not None
+    prompt = template(messages)
+    alone = _post(
+        f"{decode_url}/v1/completions",
+        {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+         "return_token_ids": True},
+    )["choices"][0]["token_ids"]  # fmt: skip
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, temperature=0
+    )
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].model_extra["token_ids"] == alone
+    assert chat.usage.prompt_tokens == len(prompt) and chat.usage.completion_tokens == 16
+    streamed: list[int] = []
+    for chunk in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, temperature=0, stream=True
+    ):
+        streamed += chunk.choices[0].model_extra["token_ids"]
+    assert streamed == alone
+
+
+def test_killed_decode_mid_stream_is_an_error_event_and_leaves_no_pins(
+    pd_service: UpService,
+) -> None:
+    client = _client(pd_service)
+    model = client.models.list().data[0].id
+    addrs = _stage_addrs(pd_service)
+    _wait_no_pins(addrs, 10.0)
+    decode_pid = pd_service.processes()["pids"]["decode-0"]
+    stream = client.completions.create(
+        model=model, prompt=list(range(10, 90)), max_tokens=800, temperature=0, stream=True
+    )
+    received = 0
+    with pytest.raises(openai.APIError) as broke:
+        for chunk in stream:
+            received += len(chunk.choices[0].model_extra["token_ids"]) if chunk.choices else 0
+            if received >= 2 and received < 100:
+                os.killpg(decode_pid, signal.SIGKILL)  # vLLM's server and its engine
+                received = 100
+    assert received >= 100, "the stream ended without the kill"
+    assert "broke off the stream" in str(broke.value), broke.value
+    # the decode engine pulled the KV before decoding: nothing is left, well before the lease
+    # would end (handoff_lease_s)
+    _wait_no_pins(addrs, 10.0)

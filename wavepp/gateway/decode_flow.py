@@ -1,0 +1,345 @@
+"""A whole completion through prefill/decode disaggregation: the HTTP half of the gateway's
+decode path (aiohttp client). The pure parts (endpoint order, bodies, usage) are in
+``wavepp.gateway.decode``.
+
+``DecodeFlow.complete`` serves one validated ``/v1/completions`` request whose
+``CompletionRequest.sampling`` is set, after the gateway admitted it (API key -> tenant, limits,
+cache salt): it prefills the prompt on a WavePP replica with a KV handoff (``prefill``, the
+gateway's own path), then POSTs the decode request to the decode endpoints in
+``DecodePool.order`` (the next one when a connection is refused) and answers with the decode
+endpoint's completion, or streams its tokens as server-sent events as they come.
+
+Failures and what they release:
+
+- prefill refused or failed: its JSON error (status as ``/v1/prefill``); no lease was taken.
+- no decode endpoint reachable: 503 ``{"error": {"field": "decode", ...}}``; the handoff lease
+  is released on every stage (``release_handoff``) at once instead of at its expiry.
+- the decode endpoint answers an error: its status (4xx passed on, else 502) with field
+  ``decode`` and its message; lease released.
+- the decode endpoint breaks mid-stream (killed, connection lost, no chunk within
+  ``chunk_timeout_s``): a final SSE event ``data: {"error": {...}}`` (which the ``openai``
+  client raises as ``APIError``), then the stream ends; lease released (a decode engine that
+  pulled the KV released it already; a second release is refused by the stage and ignored).
+- the client goes away mid-stream: the decode response is closed (vLLM aborts the request)
+  and the lease released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+
+import aiohttp
+from aiohttp import web
+
+from wavepp.api.kv_handoff import (
+    LENGTH_BYTES,
+    PARAMS_KEY,
+    HandoffError,
+    HandoffParams,
+    encode_json,
+    expires_text,
+    parse_json_frame,
+)
+from wavepp.api.prefill import PrefillResult
+from wavepp.gateway.decode import (
+    DecodePool,
+    chat_answer,
+    chat_chunk,
+    completion_answer,
+    decode_body,
+    decode_error_message,
+    pd_usage,
+    stream_chunk,
+)
+from wavepp.gateway.errors import error_body
+from wavepp.gateway.validation import CompletionRequest
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DecodeFlow", "release_handoff"]
+
+Prefill = Callable[[], Awaitable[tuple[int, object, dict]]]
+Answered = Callable[[int], None]
+
+
+async def _release_stage(params: HandoffParams, addr: str, timeout_s: float) -> str:
+    host, _, port = addr.rpartition(":")
+    ask = {
+        "op": "release",
+        "request_id": params.request_id,
+        "expires": float(expires_text(params.expires)),
+        "token": params.token,
+    }
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+    try:
+        writer.write(encode_json(ask))
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readexactly(LENGTH_BYTES), timeout_s)
+        body = await asyncio.wait_for(reader.readexactly(int.from_bytes(head, "big")), timeout_s)
+        answer = parse_json_frame(body)
+        return "" if answer.get("ok") else str(answer.get("error", "refused"))
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def release_handoff(kv_transfer_params: Mapping[str, object], timeout_s: float = 5.0) -> int:
+    """End a handoff's lease on every stage now (``wavepp.api.kv_handoff``'s ``release`` op
+    with the prefill answer's token). Returns how many stages released it; a stage that holds
+    no such lease (already pulled, expired) or cannot be reached is logged, not raised."""
+    try:
+        params = HandoffParams.from_json(kv_transfer_params[PARAMS_KEY])  # type: ignore[arg-type]
+    except (KeyError, TypeError, HandoffError) as exc:
+        log.warning("handoff not released: %s", exc)
+        return 0
+    outcomes = await asyncio.gather(
+        *(_release_stage(params, s.addr, timeout_s) for s in params.stages),
+        return_exceptions=True,
+    )
+    released = 0
+    for stage, outcome in zip(params.stages, outcomes, strict=True):
+        if outcome == "":
+            released += 1
+        else:
+            log.info("release of %s on %s: %r", params.request_id, stage.addr, outcome)
+    return released
+
+
+class DecodeFlow:
+    """The decode half of whole completions (module docstring) over ``pool``'s endpoints.
+
+    ``connect_timeout_s``: to reach an endpoint; ``chunk_timeout_s``: the longest wait for the
+    decode endpoint's answer or next stream chunk (it includes the KV pull).
+    """
+
+    def __init__(
+        self,
+        pool: DecodePool,
+        *,
+        model_name: str,
+        connect_timeout_s: float = 5.0,
+        chunk_timeout_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pool = pool
+        self.model_name = model_name
+        self.connect_timeout_s = connect_timeout_s
+        self.chunk_timeout_s = chunk_timeout_s
+        self.clock = clock
+        self._session: aiohttp.ClientSession | None = None
+        self._models: dict[str, str] = {}  # endpoint -> the model name it serves
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=self.connect_timeout_s, sock_read=self.chunk_timeout_s
+                )
+            )
+        return self._session
+
+    async def _served_model(self, url: str) -> str:
+        """The model name ``url`` serves (its ``/v1/models``' first), asked once."""
+        if url not in self._models:
+            async with self.session.get(f"{url}/v1/models") as response:
+                response.raise_for_status()
+                data = (await response.json()).get("data") or [{}]
+                self._models[url] = str(data[0].get("id") or self.model_name)
+        return self._models[url]
+
+    async def _send(
+        self, result: PrefillResult, batch: CompletionRequest, cache_salt: str
+    ) -> tuple[str, aiohttp.ClientResponse] | None:
+        """POST the decode request to the first endpoint (``DecodePool.order``) that takes the
+        connection; (url, open response) with the endpoint counted in flight, or None when
+        none could be reached."""
+        assert batch.sampling is not None
+        for url in self.pool.order(self.clock()):
+            try:
+                body = decode_body(
+                    result,
+                    batch.prompts[0].token_ids,
+                    model=await self._served_model(url),
+                    sampling=batch.sampling,
+                    stream=batch.stream,
+                    cache_salt=cache_salt,
+                )
+                self.pool.begin(url)
+                try:
+                    response = await self.session.post(f"{url}/v1/completions", json=body)
+                except BaseException:
+                    self.pool.end(url)
+                    raise
+                return url, response
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+                log.warning("decode endpoint %s unreachable: %r", url, exc)
+                self.pool.mark_down(url, self.clock())
+            except aiohttp.ClientResponseError as exc:
+                log.warning("decode endpoint %s: /v1/models answered %s", url, exc.status)
+                self.pool.mark_down(url, self.clock())
+        return None
+
+    async def complete(
+        self,
+        request: web.Request,
+        batch: CompletionRequest,
+        *,
+        prefill: Prefill,
+        cache_salt: str,
+        answered: Answered,
+        chat: bool = False,
+    ) -> web.StreamResponse:
+        """Serve ``batch`` (one prompt, ``sampling`` set) as the module docstring says.
+        ``prefill``: the gateway's prefill of ``batch.prompts[0]`` (status, PrefillResult or
+        error body, headers); ``answered(status)``: counts the answer in the metrics;
+        ``chat``: answer in ``/v1/chat/completions``' shapes (``decode.chat_answer``,
+        ``decode.chat_chunk``)."""
+        status, payload, headers = await prefill()
+        if status != 200:
+            answered(status)
+            return web.json_response(payload, status=status, headers=headers)
+        assert isinstance(payload, PrefillResult)
+        result = payload
+        if not result.kv_transfer_params:
+            answered(500)
+            message = "the prefill answered without a KV handoff; it cannot be decoded"
+            return web.json_response(error_body("decode", message, kind="server_error"), status=500)
+        sent = None
+        try:
+            sent = await self._send(result, batch, cache_salt)
+            if sent is None:
+                await release_handoff(result.kv_transfer_params)
+                answered(503)
+                message = f"no decode endpoint reachable of {len(self.pool.urls)}"
+                return web.json_response(
+                    error_body("decode", message, kind="unavailable"),
+                    status=503,
+                    headers={"Retry-After": "1"},
+                )
+            url, response = sent
+            async with response:
+                if response.status != 200:
+                    try:
+                        error = await response.json(content_type=None)
+                    except (ValueError, aiohttp.ClientError):
+                        error = None
+                    await release_handoff(result.kv_transfer_params)
+                    code = response.status if 400 <= response.status < 500 else 502
+                    answered(code)
+                    return web.json_response(
+                        error_body(
+                            "decode",
+                            decode_error_message(response.status, error),
+                            kind="invalid_request_error" if code < 500 else "decode_error",
+                        ),
+                        status=code,
+                    )
+                if batch.stream:
+                    return await self._stream(request, url, response, result, batch, answered, chat)
+                try:
+                    answer = await response.json()
+                except (TimeoutError, ValueError, aiohttp.ClientError) as exc:
+                    await release_handoff(result.kv_transfer_params)
+                    answered(502)
+                    message = f"decode endpoint {url} failed mid-answer: {exc!r}"
+                    return web.json_response(
+                        error_body("decode", message, kind="decode_error"), status=502
+                    )
+            answered(200)
+            whole = completion_answer(
+                answer, result, model=self.model_name, created=int(time.time())
+            )
+            return web.json_response(chat_answer(whole) if chat else whole)
+        finally:
+            if sent is not None:
+                self.pool.end(sent[0])
+
+    async def _stream(
+        self,
+        request: web.Request,
+        url: str,
+        response: aiohttp.ClientResponse,
+        result: PrefillResult,
+        batch: CompletionRequest,
+        answered: Answered,
+        chat: bool,
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await out.prepare(request)
+        created = int(time.time())
+        count = 0
+        sent_any = False
+        usage: dict[str, object] | None = None
+        try:
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if isinstance(chunk, dict) and (
+                    chunk.get("error") or chunk.get("object") == "error"
+                ):
+                    raise _DecodeBroke(decode_error_message(200, chunk))
+                token_chunk, usage_chunk, count = stream_chunk(
+                    chunk, result, model=self.model_name, created=created, num_tokens_so_far=count
+                )
+                usage = usage_chunk or usage
+                if token_chunk is not None:
+                    if chat:
+                        token_chunk = chat_chunk(token_chunk, first=not sent_any)
+                    sent_any = True
+                    await out.write(f"data: {json.dumps(token_chunk)}\n\n".encode())
+            else:
+                raise _DecodeBroke("the decode stream ended before [DONE]")
+        except (ConnectionResetError, asyncio.CancelledError):
+            # the client went away: closing the decode response aborts the request there
+            response.close()
+            await release_handoff(result.kv_transfer_params)
+            answered(499)
+            raise
+        except (TimeoutError, _DecodeBroke, aiohttp.ClientError, ValueError) as exc:
+            response.close()
+            await release_handoff(result.kv_transfer_params)
+            answered(502)
+            message = f"decode endpoint {url} broke off the stream after {count} tokens: " + (
+                str(exc) if isinstance(exc, _DecodeBroke) else repr(exc)
+            )
+            event = error_body("decode", message, kind="decode_error")
+            with contextlib.suppress(ConnectionResetError):
+                await out.write(f"data: {json.dumps(event)}\n\n".encode())
+                await out.write_eof()
+            return out
+        if batch.include_usage:
+            usage = usage or {
+                "id": f"cmpl-{result.request_id}", "object": "text_completion",
+                "created": created, "model": self.model_name, "choices": [],
+                "usage": pd_usage(result, count),
+            }  # fmt: skip
+            if chat:
+                usage = chat_chunk(usage, first=False)
+            await out.write(f"data: {json.dumps(usage)}\n\n".encode())
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        answered(200)
+        return out
+
+
+class _DecodeBroke(Exception):
+    """The decode endpoint's stream failed (an error event, or it ended early)."""
