@@ -10,15 +10,16 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 
 from wavepp.api.messages import MicroBatchPlan, PlannedChunk
 from wavepp.api.spec import check_spec
 from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.runtime.serving.health import start_health_server
-from wavepp.runtime.stage import worker as worker_module
+from wavepp.runtime.stage.build import build_engine, check_environment
 from wavepp.runtime.stage.process import StageReadiness
 from wavepp.runtime.stage.rendezvous import open_rendezvous
-from wavepp.runtime.stage.worker import StageWorker, build_engine
+from wavepp.runtime.stage.worker import StageWorker
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
 
 pytestmark = pytest.mark.timeout(60)
@@ -164,9 +165,9 @@ def test_cuda_requested_but_absent_refuses_to_start(monkeypatch: pytest.MonkeyPa
     assert spec is not None
     config = runtime_configs_from_spec(spec, pool="p")[0]
     assert (config.device, config.model.dtype) == ("cuda", "bfloat16")
-    monkeypatch.setattr(worker_module.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"spec.resources.gpusPerStage > 0: .* sees no CUDA"):
-        worker_module.check_environment(config)
+        check_environment(config)
     missing = config.model_copy(update={"device": "cpu", "weights": "/nonexistent/ckpt"})
     with pytest.raises(ValueError, match="spec.model.path: '/nonexistent/ckpt' does not exist"):
-        worker_module.check_environment(missing)
+        check_environment(missing)
