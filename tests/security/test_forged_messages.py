@@ -29,7 +29,7 @@ from wavepp.gateway.router import PoolRouter
 from wavepp.gateway.trust import BusGuard
 from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.serving.service import stored_result_is_authentic
+from wavepp.runtime.serving.results import stored_result_is_authentic
 
 KEY = BusKey(b"k" * 32)
 WRONG_KEY = BusKey(b"w" * 32)
