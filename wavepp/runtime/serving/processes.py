@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from wavepp.api.cli_args import NatsArgs, admission_args, gateway_args, stage_args
+from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.serving.lifecycle import child_env
 
 __all__ = [
@@ -199,20 +200,7 @@ class Supervisor:
     def stop(self, names: list[str], grace_s: float = 10.0) -> None:
         """SIGTERM the ``names`` still running, wait up to ``grace_s`` seconds for all of them
         (together), then SIGKILL those left."""
-        for name in names:
-            proc = self.procs.get(name)
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + grace_s
-        for name in names:
-            proc = self.procs.get(name)
-            if proc is None:
-                continue
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_processes([self.procs[name] for name in names if name in self.procs], grace_s)
 
     def kill(self, names: list[str]) -> None:
         """SIGKILL the ``names`` still running and reap them (up to 10 s each)."""

@@ -3,15 +3,16 @@
 ``result_from_outcome`` turns a scheduler outcome into the client's ``PrefillResult``.
 ``ResultStore`` keeps each answer in the pool's JetStream results bucket under its key
 (``{tenant}.{request_id}``) so a redelivery or a duplicate is answered from it, not run again;
-an entry is trusted only when ``stored_result_is_authentic`` (signed by the replica it names).
-The admission service (``wavepp.runtime.serving.service``) owns one store.
+an entry is trusted only when its reader's check accepts it (``result_is_authentic``: signed
+by the replica it names). The admission service and the gateway each own one store.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -25,7 +26,7 @@ from wavepp.runtime.transport.natsio import resend_after_reconnect
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ResultStore", "result_from_outcome", "stored_result_is_authentic"]
+__all__ = ["ResultStore", "StoredResult", "result_from_outcome", "result_is_authentic"]
 
 
 def result_from_outcome(
@@ -58,35 +59,39 @@ def result_from_outcome(
     )
 
 
-def stored_result_is_authentic(bus_key: BusKey | None, key: str, data: bytes) -> bool:
-    """A results-bucket entry is a ``PrefillResult`` for ``key`` (``{tenant}.{request_id}``)
-    signed by the replica it names; without a bus key, any well-formed one for ``key``."""
-    try:
-        result = PrefillResult.model_validate_json(data)
-    except ValueError:
-        return False
+def result_is_authentic(bus_key: BusKey | None, key: str, result: PrefillResult) -> bool:
+    """A results-bucket entry under ``key`` (``{tenant}.{request_id}``) is a result for that
+    key signed by the replica it names; without a bus key, any result for ``key``."""
     if f"{result.tenant}.{result.request_id}" != key:
         return False
     return bus_key is None or bus_key.for_replica(result.replica).verify(result)
 
 
+class StoredResult(NamedTuple):
+    """A trusted results-bucket entry: its bytes as stored (republished as they are) and the
+    result they hold."""
+
+    data: bytes
+    result: PrefillResult
+
+
 class ResultStore:
-    """One replica's access to the pool's results bucket.
+    """The pool's results bucket, read and written by an admission service and a gateway.
 
     Args:
         nc: the process's NATS connection (owned by the caller).
         js: its JetStream context (calls wait out a paused server for its timeout).
-        bus_key: the deployment's bus key; None: any well-formed entry for its key is trusted.
-        replica: this replica's name (``RuntimeConfig.pipeline``).
+        trusted: whether an entry under a key (``{tenant}.{request_id}``) is one a replica of
+            the pool stored (``result_is_authentic``, or the gateway's ``BusGuard.stored``);
+            an entry it refuses is never an answer.
     """
 
     def __init__(
-        self, nc: NATS, js: JetStreamContext, bus_key: BusKey | None, replica: str
+        self, nc: NATS, js: JetStreamContext, trusted: Callable[[str, PrefillResult], bool]
     ) -> None:
         self.nc = nc
         self.js = js
-        self.bus_key = bus_key
-        self.replica = replica
+        self.trusted = trusted
         self.num_unstored = 0  # answered, but the result could not be stored (store full)
         self._kv = None  # the results bucket, opened right before the intake subscription
 
@@ -101,9 +106,10 @@ class ResultStore:
 
     async def put(self, key: str, data: bytes) -> None:
         """Keep the result for duplicates and redeliveries. A store that refuses it (full,
-        JetStream disabled) or stays silent past the JetStream context's timeout costs only that record:
-        the result is still answered and the message acked, never redelivered to run again and
-        again against a full store (which held accepted requests until the gateway's 504)."""
+        JetStream disabled) or stays silent past the JetStream context's timeout costs only
+        that record: the result is still answered and the message acked, never redelivered to
+        run again and again against a full store (which held accepted requests until the
+        gateway's 504)."""
         assert self._kv is not None, "results bucket opened before serving"
         try:
             await resend_after_reconnect(
@@ -113,9 +119,13 @@ class ResultStore:
             self.num_unstored += 1
             log.warning("result of %s not stored (%r); answered without the record", key, exc)
 
-    async def get(self, key: str) -> bytes | None:
-        """The stored result for ``key``; None when there is none or it is not authentic
-        (``stored_result_is_authentic``: an entry planted by a client is ignored)."""
+    async def get(self, key: str) -> StoredResult | None:
+        """The stored result for ``key``; None when there is none, or it is not a
+        ``PrefillResult`` the ``trusted`` check accepts (an entry planted by a client).
+
+        Raises:
+            what the lookup raises past a reconnect (a server that stays away).
+        """
         assert self._kv is not None, "results bucket opened before serving"
         try:
             entry = await resend_after_reconnect(
@@ -123,15 +133,11 @@ class ResultStore:
             )
         except KeyNotFoundError:
             return None
-        if entry.value is None or not stored_result_is_authentic(self.bus_key, key, entry.value):
-            log.error("results bucket entry %s ignored: not a result signed by a replica", key)
-            return None
-        return entry.value
-
-    def is_foreign_error(self, stored: bytes) -> bool:
-        """A stored result that failed on another replica."""
         try:
-            result = PrefillResult.model_validate_json(stored)
+            result = PrefillResult.model_validate_json(entry.value or b"")
         except ValueError:
-            return False
-        return bool(result.error) and result.replica != self.replica
+            result = None
+        if result is None or not self.trusted(key, result):
+            log.error("results bucket entry %s ignored: not a result a replica stored", key)
+            return None
+        return StoredResult(entry.value or b"", result)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -76,7 +77,7 @@ from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.serving.handoff import kv_transfer_params, stage_endpoints
 from wavepp.runtime.serving.reform import ReformTracker
-from wavepp.runtime.serving.results import ResultStore, result_from_outcome
+from wavepp.runtime.serving.results import ResultStore, result_from_outcome, result_is_authentic
 from wavepp.runtime.transport.jetstream import ensure_intake
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class AdmissionService:
         # JetStream calls (results get/put) wait out a paused or restarting server for as long
         # as the intake message stays ours (kept in progress meanwhile), not the client's 5 s.
         self.js = nc.jetstream(timeout=store_timeout_s)
-        self.results = ResultStore(nc, self.js, bus_key, config.pipeline)
+        self.results = ResultStore(nc, self.js, functools.partial(result_is_authentic, bus_key))
         stages = NatsStageClient.for_replica(
             nc, config.subject_prefix, config.num_stages, config.request_timeout_s
         )
@@ -414,12 +415,14 @@ class AdmissionService:
                 await msg.term()
                 return
             stored = await self.results.get(request.key)
-            if stored is not None and self.results.is_foreign_error(stored):
+            foreign = stored is not None and stored.result.replica != self.config.pipeline
+            if foreign and stored.result.error:
                 stored = None  # failed on a replica the gateway re-routed it from: run it here
             if stored is not None:
                 self.num_duplicates += 1
                 await self.nc.publish(
-                    result_subject(self.pool, request.key, namespace=self.config.namespace), stored
+                    result_subject(self.pool, request.key, namespace=self.config.namespace),
+                    stored.data,
                 )
                 await msg.ack()
                 return
@@ -435,8 +438,10 @@ class AdmissionService:
                     result = self.replica_key.sign(result)
                 data = result.model_dump_json().encode()
                 answered = await self.results.get(request.key) if result.error else None
-                if answered is not None and not PrefillResult.model_validate_json(answered).error:
-                    data = answered  # another replica answered it: an error never overwrites that
+                if answered is not None and not answered.result.error:
+                    data = (
+                        answered.data
+                    )  # another replica answered it: an error never overwrites that
                 else:
                     await self.results.put(request.key, data)
                 await self.nc.publish(
