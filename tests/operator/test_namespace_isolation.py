@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 from http_support import http_status, post_json
-from pod_support import kubelet_env, start_wavepp, stop_processes
+from pod_support import kubelet_env, start_wavepp
 
 from wavepp.api.spec import check_spec
 from wavepp.operator import builders as b
 from wavepp.operator.nats_cleanup import delete_pool_streams
+from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order, free_port
 
 NAMESPACES = ("team-a", "team-b")

@@ -37,7 +37,6 @@ from pod_support import (
     kubelet_env,
     localize,
     start_wavepp,
-    stop_processes,
 )
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,6 +47,7 @@ from wavepp.gateway.core import Gateway
 from wavepp.gateway.validation import ParsedRequest
 from wavepp.launch.gateway import gateway_config_from_spec
 from wavepp.operator import builders as b
+from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.stage.metrics import STAGE_PROMETHEUS_NAMES
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
 

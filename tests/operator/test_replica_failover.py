@@ -36,11 +36,11 @@ from pod_support import (
     localize,
     log_tail,
     start_wavepp,
-    stop_processes,
 )
 
 from wavepp.api.spec import check_spec
 from wavepp.operator import builders as b
+from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

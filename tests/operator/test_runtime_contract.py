@@ -29,7 +29,6 @@ from pod_support import (
     log_tail,
     probe_path,
     start_wavepp,
-    stop_processes,
     wait_200,
 )
 
@@ -42,6 +41,7 @@ from wavepp.launch.replica import runtime_config_from_args
 from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.operator import builders as b
 from wavepp.operator import natscreds
+from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
 RAW_SPEC: dict[str, Any] = {

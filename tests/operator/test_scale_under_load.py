@@ -38,9 +38,10 @@ from typing import Any
 
 import pytest
 from operator_support import NAMESPACE, Cluster, pod_status, wait_for
-from pod_support import Load, stop_processes
+from pod_support import Load
 
 from wavepp.operator import builders as b
+from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -112,7 +112,7 @@ FIELDS: dict[str, Entry] = {
     "model.path": Entry(
         R,
         f"{FS} -> RuntimeConfig.model_dir (shape from its config.json, split by cost) -> "
-        "stage.worker.build_engine",
+        "stage.build.build_engine",
         {"model": {"name": "tiny-llama", "path": CKPT}},
         refusal=(EMULATED | {"model": {"name": "tiny-llama", "path": "/w"}}, "loads no weights"),
     ),

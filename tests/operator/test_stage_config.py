@@ -19,8 +19,8 @@ from wavepp.launch.replica import runtime_config_from_args
 from wavepp.launch.runtime_config import model_config_from_spec, runtime_configs_from_spec
 from wavepp.operator import builders as b
 from wavepp.operator.reconcile import Apply, Create, Defaults, Observed, plan
+from wavepp.runtime.stage.build import build_engine
 from wavepp.runtime.stage.chunk import ChunkSpec
-from wavepp.runtime.stage.worker import build_engine
 
 REPO = Path(__file__).resolve().parents[2]
 

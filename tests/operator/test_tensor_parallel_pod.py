@@ -26,7 +26,6 @@ from pod_support import (
     localize,
     probe_path,
     start_wavepp,
-    stop_processes,
     wait_200,
 )
 from proc_support import children_running
@@ -34,6 +33,7 @@ from proc_support import children_running
 from wavepp.api.spec import check_spec
 from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.operator import builders as b
+from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.stage.engine import ChunkSpec, make_engine
 from wavepp.runtime.stage.engine.tensor_parallel import tp_device
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port

@@ -19,9 +19,9 @@ from wavepp.launch.replica import runtime_config_from_args
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.hf_config import load_model_dir, model_config_from_hf
 from wavepp.runtime.model_config import balanced_partition
+from wavepp.runtime.stage.build import build_engine
 from wavepp.runtime.stage.calibrate import measure_stage_costs
 from wavepp.runtime.stage.engine.balance import checkpoint_partition, layer_active_params
-from wavepp.runtime.stage.worker import build_engine
 
 pytest.importorskip("transformers")
 from wavepp.bench.checkpoints import save_random_checkpoint  # noqa: E402

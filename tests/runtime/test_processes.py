@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from wavepp import cli
+from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.serving.lifecycle import PARENT_PID_ENV
 from wavepp.runtime.serving.processes import (
     Supervisor,
@@ -110,3 +113,20 @@ def test_restart_reruns_the_command_and_rewrites_the_state_file(tmp_path: Path) 
         r"the previous process exited with code 0\)",
         restarted,
     ), restarted
+
+
+def test_stop_processes_terminates_then_kills_what_outlives_the_grace() -> None:
+    """SIGTERM first (a plain child ends by it); a child ignoring SIGTERM is SIGKILLed once
+    the shared grace period is over; a child already gone is only reaped."""
+    ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"
+    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stubborn = subprocess.Popen([sys.executable, "-c", ignore], stdout=subprocess.PIPE)
+    assert stubborn.stdout is not None and stubborn.stdout.readline()  # its handler is set
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    started = time.monotonic()
+    stop_processes([plain, stubborn, gone], grace_s=0.5)
+    assert plain.returncode == -signal.SIGTERM
+    assert stubborn.returncode == -signal.SIGKILL
+    assert gone.returncode == 0
+    assert time.monotonic() - started < 10

@@ -29,7 +29,7 @@ from wavepp.gateway.router import PoolRouter
 from wavepp.gateway.trust import BusGuard
 from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.serving.service import stored_result_is_authentic
+from wavepp.runtime.serving.results import result_is_authentic
 
 KEY = BusKey(b"k" * 32)
 WRONG_KEY = BusKey(b"w" * 32)
@@ -394,11 +394,9 @@ def test_planted_bucket_entries_are_not_answers() -> None:
     assert guard.stored("t.r1", genuine)
     assert not guard.stored("t.r1", _result("p0", 9))
     assert not guard.stored("t.other", genuine)  # a genuine entry moved under another key
-    data = genuine.model_dump_json().encode()
-    assert stored_result_is_authentic(KEY, "t.r1", data)
-    assert not stored_result_is_authentic(KEY, "t.r1", _result("p0", 9).model_dump_json().encode())
-    assert not stored_result_is_authentic(KEY, "t.r2", data)
-    assert not stored_result_is_authentic(KEY, "t.r1", b"{not json")
+    assert result_is_authentic(KEY, "t.r1", genuine)
+    assert not result_is_authentic(KEY, "t.r1", _result("p0", 9))
+    assert not result_is_authentic(KEY, "t.r2", genuine)
 
 
 # ---- KV-event flood ----------------------------------------------------------------------------

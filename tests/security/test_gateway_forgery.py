@@ -142,6 +142,8 @@ async def test_a_planted_bucket_entry_is_not_an_answer(js_server) -> None:  # no
         )
         assert (result.first_token_id, is_duplicate) == (GENUINE_TOKEN, False)
         assert gateway.guard.num_refused["stored_result"] >= 1
+        await bucket.put("t.q3", b"{not json")  # not a result at all: no answer either
+        assert await gateway.stored_result("t.q3") is None
     finally:
         await _close(gateway, ncs)
 

@@ -3,7 +3,7 @@
 A rendered container's args and env are resolved as the kubelet would (``kubelet_env``,
 ``expand``), its cluster paths, hosts and ports swapped for local ones (``localize``), the
 command run as ``python -m wavepp.cli ...`` (``start_wavepp``) and stopped with the others at
-the end (``stop_processes``).
+the end (``wavepp.runtime.procs.stop_processes``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,21 +100,6 @@ def start_wavepp(
             env=os.environ | env | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
             start_new_session=True,
         )
-
-
-def stop_processes(procs: Iterable[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM every process still running, in the order given, then wait for each (10 s; a
-    process still running then is killed and waited for)."""
-    procs = list(procs)
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 def log_tail(path: Path) -> str:

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
+from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.transport.natsio import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,14 +178,8 @@ class PrometheusServer:
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        if proc is not None:
+            stop_processes([proc])
 
     def api(self, path: str, **params: str) -> Any:
         """GET ``/api/v1/{path}``; its ``data``. Raises AssertionError on a non-success status

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -121,3 +122,18 @@ def stop_up(proc: subprocess.Popen[str]) -> int:
             proc.kill()
             return proc.wait(10)
     return proc.returncode
+
+
+def free_port_run(count: int) -> int:
+    """A port P with P .. P + count - 1 free (``wavepp up --metrics-port P`` numbers its
+    processes' metrics ports from P)."""
+    for _ in range(50):
+        port = free_port()  # below the ephemeral range: no outgoing connection takes P + i
+        try:
+            for other_port in range(port + 1, port + count):
+                with socket.socket() as other:
+                    other.bind(("127.0.0.1", other_port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no {count} adjacent free ports")

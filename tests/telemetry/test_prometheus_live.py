@@ -26,7 +26,6 @@ import math
 import os
 import re
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -46,10 +45,9 @@ from prometheus_support import (
     require,
     substitute,
 )
-from up_support import UpService, start_up, stop_up
+from up_support import UpService, free_port_run, start_up, stop_up
 
 from wavepp.cmd.api_key import new_key, rotate
-from wavepp.runtime.transport.natsio import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -75,20 +73,6 @@ LEGITIMATELY_EMPTY = {
 }
 
 
-def _free_port_run(count: int) -> int:
-    """A port P with P .. P + count - 1 free."""
-    for _ in range(50):
-        port = free_port()
-        try:
-            for other_port in range(port + 1, port + count):
-                with socket.socket() as other:
-                    other.bind(("127.0.0.1", other_port))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError(f"no {count} adjacent free ports")
-
-
 def _tokens(seed: int, num_blocks: int) -> list[int]:
     return [(seed * 7919 + 31 * i) % 1000 + 1 for i in range(num_blocks * BLOCK + 3)]
 
@@ -98,7 +82,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     require("prometheus")
     started = time.monotonic()
     tmp = tmp_path_factory.mktemp("prometheus-live")
-    metrics_port = _free_port_run(2 + 2 * 2)  # 2 admissions, then 2 x 2 stages
+    metrics_port = free_port_run(2 + 2 * 2)  # 2 admissions, then 2 x 2 stages
     tenants = [
         {"name": "default", "apiKeysFile": "keys/default.keys"},
         {"name": "acme", "apiKeysFile": "keys/acme.keys", "weight": 2, "maxConcurrency": 16},

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import threading
 import time
 import urllib.error
@@ -25,29 +24,13 @@ from typing import Any
 import pytest
 from http_support import post_json
 from prometheus_client.parser import text_string_to_metric_families
-from up_support import UpService, start_up, stop_up, wait_replicas_in_pool
-
-from wavepp.runtime.transport.natsio import free_port
+from up_support import UpService, free_port_run, start_up, stop_up, wait_replicas_in_pool
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 DASHBOARDS = sorted((Path(__file__).parents[2] / "dashboards").glob("*.json"))
 BLOCK = 16
 ANSWER_WITHIN_S = 5.0
-
-
-def _free_port_run(count: int) -> int:
-    """A port P with P .. P + count - 1 free."""
-    for _ in range(50):
-        port = free_port()  # below the ephemeral range: no outgoing connection takes P + i
-        try:
-            for other_port in range(port + 1, port + count):
-                with socket.socket() as other:
-                    other.bind(("127.0.0.1", other_port))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError(f"no {count} adjacent free ports")
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -68,7 +51,7 @@ def _tokens(seed: int, num_blocks: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[UpService, int]]:
-    metrics_port = _free_port_run(2 + 2 * 2)  # 2 admissions, then 2 x 2 stages
+    metrics_port = free_port_run(2 + 2 * 2)  # 2 admissions, then 2 x 2 stages
     spec = {
         "model": {"name": "tiny-llama"},
         "stages": 2,

@@ -25,30 +25,30 @@ MISSING_TRANSFORMERS = (
     "repository (or pip install transformers)"
 )
 
-# The DeepSeek-V3 shape GLM-5 shares: MLA attention (low-rank q and kv) and routed experts.
-_MLA_MOE: dict[str, Any] = {
+# The tiny shapes: GQA attention (Llama, MiniMax), MLA attention with experts (DeepSeek-V3 and
+# GLM-5 add a low-rank q and routed experts; Kimi its own experts and KDA).
+_GQA: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+_MLA: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "moe_intermediate_size": 32,
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
-    "q_lora_rank": 32,
     "kv_lora_rank": 16,
     "qk_nope_head_dim": 16,
     "qk_rope_head_dim": 8,
     "v_head_dim": 16,
-    "n_routed_experts": 8,
     "num_experts_per_tok": 2,
 }
+_MLA_MOE: dict[str, Any] = {**_MLA, "q_lora_rank": 32, "n_routed_experts": 8}
 
 _BASE: dict[str, dict[str, Any]] = {
-    "llama": {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-    },
+    "llama": {**_GQA, "intermediate_size": 128},
     "deepseek_v3": {
         **_MLA_MOE,
         "n_group": 4,
@@ -68,17 +68,8 @@ _BASE: dict[str, dict[str, Any]] = {
         "index_head_dim": 16,
     },
     "kimi_linear": {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "kv_lora_rank": 16,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
+        **_MLA,
         "num_local_experts": 8,
-        "num_experts_per_tok": 2,
         "n_group": 2,
         "topk_group": 1,
         "n_shared_experts": 1,
@@ -87,11 +78,8 @@ _BASE: dict[str, dict[str, Any]] = {
         "linear_conv_kernel_dim": 4,
     },
     "minimax_m2": {
-        "hidden_size": 64,
+        **_GQA,
         "intermediate_size": 32,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
         "num_local_experts": 8,
         "num_experts_per_tok": 2,
         "rope_parameters": {

@@ -60,14 +60,10 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "local-prepare-off": {"local_prepare": False},
 }
 
+# The columns that name a run's setting (one value per run, not a measurement).
+_SETTING_COLUMNS = ["model", "concurrency", "reuse", "mode", "ablation", "repeat", "requests"]
 CSV_COLUMNS = [
-    "model",
-    "concurrency",
-    "reuse",
-    "mode",
-    "ablation",
-    "repeat",
-    "requests",
+    *_SETTING_COLUMNS,
     "completed",
     "failed",
     "ideal_hit_ratio",
@@ -286,13 +282,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 # Per-run metrics aggregated over repeats; the rest of CSV_COLUMNS name the setting, repeat
 # the same value, or are per-stage strings.
 _NOT_MEDIAN = {
-    "model",
-    "concurrency",
-    "reuse",
-    "mode",
-    "ablation",
-    "repeat",
-    "requests",
+    *_SETTING_COLUMNS,
     "ideal_hit_ratio",
     "idle_s_by_stage",
     "max_gap_s_by_stage",

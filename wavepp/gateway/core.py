@@ -36,7 +36,7 @@ from collections.abc import Callable
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
-from nats.js.errors import APIError, KeyNotFoundError
+from nats.js.errors import APIError
 
 from wavepp.api.messages import KVEventBatch
 from wavepp.api.prefill import Heartbeat, IntakeRequest, PrefillResult
@@ -62,7 +62,8 @@ from wavepp.gateway.tenants import FairShareQueue, LimitExceeded, TenantLimiter
 from wavepp.gateway.trust import BusGuard
 from wavepp.gateway.validation import ParsedRequest
 from wavepp.runtime.kv import hash_prompt_blocks
-from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
+from wavepp.runtime.serving.results import ResultStore
+from wavepp.runtime.transport.jetstream import ensure_intake
 from wavepp.runtime.transport.natsio import flush_in_order, on_reconnect, resend_after_reconnect
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class Gateway:
         self.guard = BusGuard(
             bus_key, [r.pipeline for r in config.replicas], max_added=config.max_replicas
         )
-        self._kv = None
+        self.results = ResultStore(self.nc, self.js, self.guard.stored)
         self._subs: list[object] = []
         self._watched: set[str] = set()  # replicas whose KV events feed the router
         self._configured = {r.pipeline for r in config.replicas}
@@ -127,7 +128,7 @@ class Gateway:
     async def start(self) -> None:
         for replica in self.config.replicas:
             await ensure_intake(self.js, replica.pipeline, namespace=self.config.namespace)
-        self._kv = await ensure_results(self.js, self.config.pool, namespace=self.config.namespace)
+        await self.results.open(self.config.pool, self.config.namespace)
         self._subs.append(
             await self.nc.subscribe(
                 result_subject(self.config.pool, ">", namespace=self.config.namespace),
@@ -372,21 +373,9 @@ class Gateway:
     # ---- the request path ----------------------------------------------------------------
 
     async def stored_result(self, key: str) -> PrefillResult | None:
-        assert self._kv is not None, "gateway not started"
-        try:
-            entry = await resend_after_reconnect(
-                self.nc, functools.partial(self._kv.get, key), what=f"results lookup of {key}"
-            )
-        except KeyNotFoundError:
-            return None
-        try:
-            result = PrefillResult.model_validate_json(entry.value or b"")
-        except ValueError:
-            result = None
-        if result is None or not self.guard.stored(key, result):
-            log.error("results bucket entry %s ignored: not a result a replica stored", key)
-            return None
-        return result
+        """The trusted result stored for ``key``, or None (``ResultStore.get``)."""
+        stored = await self.results.get(key)
+        return None if stored is None else stored.result
 
     async def prefill(self, request: ParsedRequest) -> tuple[PrefillResult, bool]:
         """Serve one validated request.

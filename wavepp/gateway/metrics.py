@@ -49,27 +49,46 @@ from dataclasses import dataclass
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from wavepp.telemetry.metrics import PrometheusExport
-
-GATEWAY_PROMETHEUS_NAMES: tuple[str, ...] = (
-    "wavepp_gateway_requests_total",
-    "wavepp_gateway_prompt_tokens_total",
-    "wavepp_gateway_cached_tokens_total",
-    "wavepp_gateway_ttft_seconds",
-    "wavepp_gateway_queue_depth",
-    "wavepp_gateway_active_requests",
-    "wavepp_gateway_requests_in_gateway",
-    "wavepp_gateway_max_queued_requests",
-    "wavepp_gateway_backlog_requests",
-    "wavepp_gateway_replica_up",
-    "wavepp_gateway_routed_reusable_blocks_total",
-    "wavepp_gateway_auth_failures_total",
-    "wavepp_gateway_jetstream_store_used_bytes",
-    "wavepp_gateway_jetstream_store_limit_bytes",
-)
+from wavepp.telemetry.metrics import Instrument, PrometheusExport, attach
 
 # Bucket bounds in seconds (no 60 s bucket, unlike the runtime's TTFT histogram).
 GATEWAY_TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+# fmt: off
+GATEWAY_INSTRUMENTS = (
+    Instrument("wavepp.gateway.requests", "counter", "{request}", "_requests",
+               "Requests by tenant and HTTP status"),
+    Instrument("wavepp.gateway.prompt_tokens", "counter", "{token}", "_prompt_tokens",
+               "Prompt tokens served"),
+    Instrument("wavepp.gateway.cached_tokens", "counter", "{token}", "_cached_tokens",
+               "Prompt tokens served from cache"),
+    Instrument("wavepp.gateway.ttft", "histogram", "s", "_ttft", "Time to first token",
+               GATEWAY_TTFT_BUCKETS_S),
+    Instrument("wavepp.gateway.routed_reusable_blocks", "counter", "{block}", "_routed_reusable",
+               "Reusable blocks the router expected at the chosen replica"),
+    Instrument("wavepp.gateway.auth_failures", "counter", "{request}", "_auth_failures",
+               "Requests refused by authentication, by reason"),
+    Instrument("wavepp.gateway.queue_depth", "gauge", "{request}", "_observe_queued",
+               "Requests in the fair-share queue"),
+    Instrument("wavepp.gateway.active_requests", "gauge", "{request}", "_observe_active",
+               "Requests queued or running"),
+    Instrument("wavepp.gateway.requests_in_gateway", "gauge", "{request}", "_observe_in_gateway",
+               "Requests queued or running in the gateway, all tenants "
+               "(the queue limit counts these)"),
+    Instrument("wavepp.gateway.max_queued_requests", "gauge", "{request}", "_observe_max_queued",
+               "The queue limit: past it requests get 429 (field queue)"),
+    Instrument("wavepp.gateway.backlog_requests", "gauge", "{request}", "_observe_backlog",
+               "The pool's requests queued or running in the gateway (autoscaling)"),
+    Instrument("wavepp.gateway.replica_up", "gauge", "", "_observe_replica_up",
+               "Replica in the pool (heartbeat)"),
+    Instrument("wavepp.gateway.jetstream_store_used", "gauge", "By", "_observe_store_used",
+               "JetStream file store used by the NATS account"),
+    Instrument("wavepp.gateway.jetstream_store_limit", "gauge", "By", "_observe_store_limit",
+               "The NATS account's JetStream disk limit"),
+)
+# fmt: on
+GATEWAY_PROMETHEUS_NAMES = tuple(i.prometheus_name for i in GATEWAY_INSTRUMENTS)
 
 
 @dataclass(frozen=True)
@@ -117,84 +136,7 @@ class GatewayMetrics:
         self._read_load = read_load
         self.pool = pool
         self.export = PrometheusExport("wavepp-gateway", scope_labels=False, target_info=False)
-        meter = self.export.meter()
-        self._requests = meter.create_counter(
-            "wavepp.gateway.requests",
-            unit="{request}",
-            description="Requests by tenant and HTTP status",
-        )
-        self._prompt_tokens = meter.create_counter(
-            "wavepp.gateway.prompt_tokens", unit="{token}", description="Prompt tokens served"
-        )
-        self._cached_tokens = meter.create_counter(
-            "wavepp.gateway.cached_tokens",
-            unit="{token}",
-            description="Prompt tokens served from cache",
-        )
-        self._ttft = meter.create_histogram(
-            "wavepp.gateway.ttft",
-            unit="s",
-            description="Time to first token",
-            explicit_bucket_boundaries_advisory=list(GATEWAY_TTFT_BUCKETS_S),
-        )
-        self._routed_reusable = meter.create_counter(
-            "wavepp.gateway.routed_reusable_blocks",
-            unit="{block}",
-            description="Reusable blocks the router expected at the chosen replica",
-        )
-        self._auth_failures = meter.create_counter(
-            "wavepp.gateway.auth_failures",
-            unit="{request}",
-            description="Requests refused by authentication, by reason",
-        )
-        meter.create_observable_gauge(
-            "wavepp.gateway.queue_depth",
-            callbacks=[self._observe_queued],
-            unit="{request}",
-            description="Requests in the fair-share queue",
-        )
-        meter.create_observable_gauge(
-            "wavepp.gateway.active_requests",
-            callbacks=[self._observe_active],
-            unit="{request}",
-            description="Requests queued or running",
-        )
-        meter.create_observable_gauge(
-            "wavepp.gateway.requests_in_gateway",
-            callbacks=[self._observe_in_gateway],
-            unit="{request}",
-            description="Requests queued or running in the gateway, all tenants "
-            "(the queue limit counts these)",
-        )
-        meter.create_observable_gauge(
-            "wavepp.gateway.max_queued_requests",
-            callbacks=[self._observe_max_queued],
-            unit="{request}",
-            description="The queue limit: past it requests get 429 (field queue)",
-        )
-        meter.create_observable_gauge(
-            "wavepp.gateway.backlog_requests",
-            callbacks=[self._observe_backlog],
-            unit="{request}",
-            description="The pool's requests queued or running in the gateway (autoscaling)",
-        )
-        meter.create_observable_gauge(
-            "wavepp.gateway.replica_up",
-            callbacks=[self._observe_replica_up],
-            description="Replica in the pool (heartbeat)",
-        )
-        meter.create_observable_gauge(
-            "wavepp.gateway.jetstream_store_used",
-            callbacks=[self._observe_store_used],
-            unit="By",
-            description="JetStream file store used by the NATS account",
-        )
-        meter.create_observable_gauge(
-            "wavepp.gateway.jetstream_store_limit",
-            callbacks=[self._observe_store_limit],
-            unit="By",
-            description="The NATS account's JetStream disk limit",
-        )
+        attach(self, self.export.meter(), GATEWAY_INSTRUMENTS)
 
     # ---- recording -----------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
@@ -50,27 +51,107 @@ from wavepp.telemetry.settings import TelemetrySettings
 
 log = logging.getLogger(__name__)
 
-PROMETHEUS_NAMES: tuple[str, ...] = (
-    "wavepp_wave_fill_ratio",
-    "wavepp_bubble_ratio",
-    "wavepp_stage_busy_seconds_total",
-    "wavepp_stage_idle_seconds",
-    "wavepp_microbatches_total",
-    "wavepp_speculations_discarded_total",
-    "wavepp_admissions_total",
-    "wavepp_agreement_duration_seconds",
-    "wavepp_reservation_refusals_total",
-    "wavepp_prompt_tokens_total",
-    "wavepp_kv_evictions_total",
-    "wavepp_queue_depth",
-    "wavepp_ttft_seconds",
-    "wavepp_requests_completed_total",
-)
-
 # Bucket bounds in seconds: agreement is a NATS round trip or two (sub-ms to 1 s); TTFT spans
 # a short prompt on an idle pipeline to a long one behind a queue.
 AGREEMENT_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# The Prometheus suffix of each unit used here (the exporter's mapping; "1" and an annotation
+# such as "{request}" add none).
+_UNIT_SUFFIX = {"s": "seconds", "By": "bytes"}
+_RECORDED = ("counter", "histogram")
+
+
+@dataclass(frozen=True)
+class Instrument:
+    """One OpenTelemetry instrument as declared: the one place its name, kind, unit and
+    description are written; the instrument (``attach``) and its Prometheus series name
+    (``prometheus_name``) both come from it.
+
+    ``kind``: ``counter`` and ``histogram`` are recorded into, ``gauge`` and
+    ``observable_counter`` read by a callback at each collection. ``unit``: UCUM ("" none).
+    ``attr``: the owner's attribute (``attach``): the instrument itself for a recorded kind,
+    the callback for an observable one. ``buckets``: a histogram's bucket bounds, in ``unit``.
+    """
+
+    name: str
+    kind: Literal["counter", "histogram", "gauge", "observable_counter"]
+    unit: str
+    attr: str
+    description: str
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def prometheus_name(self) -> str:
+        """The series the Prometheus exporter makes of it: dots to underscores, the unit's
+        suffix (``_seconds``, ``_bytes``), ``_total`` for a counter (a histogram's series are
+        this name plus ``_bucket``, ``_count`` and ``_sum``)."""
+        name = self.name.replace(".", "_")
+        suffix = _UNIT_SUFFIX.get(self.unit)
+        if suffix and not name.endswith(f"_{suffix}"):
+            name += f"_{suffix}"
+        return name + "_total" if self.kind in ("counter", "observable_counter") else name
+
+
+def attach(owner: object, meter: Meter, instruments: Iterable[Instrument]) -> None:
+    """Create each of ``instruments`` on ``meter`` for ``owner``: a recorded one becomes
+    ``owner.<attr>``; an observable one calls ``owner.<attr>`` (``CallbackOptions`` ->
+    ``Observation``s) at each collection."""
+    for i in instruments:
+        common = {"unit": i.unit, "description": i.description}
+        if i.kind == "counter":
+            setattr(owner, i.attr, meter.create_counter(i.name, **common))
+        elif i.kind == "histogram":
+            bounds = list(i.buckets)
+            histogram = meter.create_histogram(
+                i.name, **common, explicit_bucket_boundaries_advisory=bounds
+            )
+            setattr(owner, i.attr, histogram)
+        else:
+            create = (
+                meter.create_observable_gauge
+                if i.kind == "gauge"
+                else meter.create_observable_counter
+            )
+            create(i.name, callbacks=[getattr(owner, i.attr)], **common)
+
+
+# fmt: off
+RUNTIME_INSTRUMENTS = (
+    Instrument("wavepp.wave_fill.ratio", "gauge", "1", "_observe_wave_fill",
+               "Busy time of all stages / (S x wall time of the execution window)"),
+    Instrument("wavepp.bubble.ratio", "gauge", "1", "_observe_bubble",
+               "1 - wave fill: the bubble fraction"),
+    Instrument("wavepp.stage.busy", "counter", "s", "stage_busy",
+               "Time stages spent executing micro-batches"),
+    Instrument("wavepp.stage.idle", "gauge", "s", "_observe_idle",
+               "Time each stage was idle in the execution window"),
+    Instrument("wavepp.microbatches", "counter", "{microbatch}", "microbatches",
+               "Micro-batches published"),
+    Instrument("wavepp.speculations.discarded", "counter", "{speculation}",
+               "speculations_discarded",
+               "Speculative plans dropped (an agreed L* differed from its prediction, an "
+               "agreement was refused or failed, or the planning set changed); planned again"),
+    Instrument("wavepp.admissions", "counter", "{request}", "admissions",
+               "Requests admitted (L* agreed)"),
+    Instrument("wavepp.agreement.duration", "histogram", "s", "agreement_duration",
+               "Agreement of one request: its probe-reserve rounds until admitted",
+               AGREEMENT_BUCKETS_S),
+    Instrument("wavepp.reservation.refusals", "counter", "{refusal}", "reservation_refusals",
+               "Reservations a stage refused (the request waited and retried)"),
+    Instrument("wavepp.prompt.tokens", "counter", "{token}", "prompt_tokens",
+               "Prompt tokens of admitted requests, by kind (cached: reused prefix)"),
+    Instrument("wavepp.kv.evictions", "counter", "{block}", "kv_evictions",
+               "Cached KV blocks evicted"),
+    Instrument("wavepp.queue.depth", "gauge", "{request}", "_observe_queues",
+               "Requests waiting, by queue (intake: before agreement; prepared: admitted)"),
+    Instrument("wavepp.ttft", "histogram", "s", "ttft",
+               "Time to first token: arrival to the last stage's result", TTFT_BUCKETS_S),
+    Instrument("wavepp.requests.completed", "counter", "{request}", "requests_completed",
+               "Requests finished"),
+)
+# fmt: on
+PROMETHEUS_NAMES = tuple(i.prometheus_name for i in RUNTIME_INSTRUMENTS)
 
 
 class PrometheusExport:
@@ -163,74 +244,7 @@ class RuntimeMetrics:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        meter = self.provider.get_meter("wavepp")
-        self.stage_busy = meter.create_counter(
-            "wavepp.stage.busy", unit="s", description="Time stages spent executing micro-batches"
-        )
-        self.microbatches = meter.create_counter(
-            "wavepp.microbatches", unit="{microbatch}", description="Micro-batches published"
-        )
-        self.speculations_discarded = meter.create_counter(
-            "wavepp.speculations.discarded",
-            unit="{speculation}",
-            description="Speculative plans dropped (an agreed L* differed from its prediction, "
-            "an agreement was refused or failed, or the planning set changed); planned again",
-        )
-        self.admissions = meter.create_counter(
-            "wavepp.admissions", unit="{request}", description="Requests admitted (L* agreed)"
-        )
-        self.agreement_duration = meter.create_histogram(
-            "wavepp.agreement.duration",
-            unit="s",
-            description="Agreement of one request: its probe-reserve rounds until admitted",
-            explicit_bucket_boundaries_advisory=list(AGREEMENT_BUCKETS_S),
-        )
-        self.reservation_refusals = meter.create_counter(
-            "wavepp.reservation.refusals",
-            unit="{refusal}",
-            description="Reservations a stage refused (the request waited and retried)",
-        )
-        self.prompt_tokens = meter.create_counter(
-            "wavepp.prompt.tokens",
-            unit="{token}",
-            description="Prompt tokens of admitted requests, by kind (cached: reused prefix)",
-        )
-        self.kv_evictions = meter.create_counter(
-            "wavepp.kv.evictions", unit="{block}", description="Cached KV blocks evicted"
-        )
-        self.ttft = meter.create_histogram(
-            "wavepp.ttft",
-            unit="s",
-            description="Time to first token: arrival to the last stage's result",
-            explicit_bucket_boundaries_advisory=list(TTFT_BUCKETS_S),
-        )
-        self.requests_completed = meter.create_counter(
-            "wavepp.requests.completed", unit="{request}", description="Requests finished"
-        )
-        meter.create_observable_gauge(
-            "wavepp.wave_fill.ratio",
-            callbacks=[self._observe_wave_fill],
-            unit="1",
-            description="Busy time of all stages / (S x wall time of the execution window)",
-        )
-        meter.create_observable_gauge(
-            "wavepp.bubble.ratio",
-            callbacks=[self._observe_bubble],
-            unit="1",
-            description="1 - wave fill: the bubble fraction",
-        )
-        meter.create_observable_gauge(
-            "wavepp.stage.idle",
-            callbacks=[self._observe_idle],
-            unit="s",
-            description="Time each stage was idle in the execution window",
-        )
-        meter.create_observable_gauge(
-            "wavepp.queue.depth",
-            callbacks=[self._observe_queues],
-            unit="{request}",
-            description="Requests waiting, by queue (intake: before agreement; prepared: admitted)",
-        )
+        attach(self, self.provider.get_meter("wavepp"), RUNTIME_INSTRUMENTS)
 
     def _snapshot(self) -> list[PipelineSource]:
         with self._lock:

@@ -13,37 +13,23 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from hf_reference import hf_llama, small_llama
 
 from wavepp.api.layer_split import split_layers
-from wavepp.runtime.stage.engine import ChunkSpec, ModelConfig, make_engine
-from wavepp.runtime.stage.engine.torch_engine import TorchStageEngine, build_full_state_dict
+from wavepp.runtime.stage.engine import ChunkSpec, make_engine
+from wavepp.runtime.stage.engine.torch_engine import TorchStageEngine
 
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.timeout(120)
 
-CONFIG = ModelConfig(
-    name="ref-llama",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=160,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    seed=7,
-)
+CONFIG = small_llama("ref-llama", seed=7)
 ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def hf_model() -> torch.nn.Module:
-    hf_config = transformers.LlamaConfig(**CONFIG.to_hf_llama_kwargs())
-    hf_config._attn_implementation = "eager"
-    model = transformers.LlamaForCausalLM(hf_config).eval()
-    result = model.load_state_dict(build_full_state_dict(CONFIG), strict=True)
-    assert not result.missing_keys and not result.unexpected_keys
-    return model
+    return hf_llama(CONFIG)
 
 
 def hf_last_logits(model: torch.nn.Module, tokens: Sequence[int]) -> torch.Tensor:

@@ -11,39 +11,24 @@ import time
 
 import pytest
 import torch
-import transformers
+from hf_reference import hf_llama, small_llama
 
 from wavepp.api.kv_handoff import PARAMS_KEY, HandoffError, HandoffParams
 from wavepp.integrations.vllm.pull import pull_request, pull_stage, stage_stats
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.model_config import ModelConfig
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.serving.local import LocalPipeline
-from wavepp.runtime.stage.engine.torch_engine import build_full_state_dict
 
 pytestmark = pytest.mark.slow
 
-MODEL = ModelConfig(
-    name="handoff-llama",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=160,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    seed=11,
-)
+MODEL = small_llama("handoff-llama", seed=11)
 BLOCK = 4
 
 
 def hf_kv(token_ids: list[int]) -> list[torch.Tensor]:
     """Per layer [2, num_tokens, num_kv_heads, head_dim] as transformers' Llama caches it."""
-    hf_config = transformers.LlamaConfig(**MODEL.to_hf_llama_kwargs())
-    hf_config._attn_implementation = "eager"
-    model = transformers.LlamaForCausalLM(hf_config).eval()
-    model.load_state_dict(build_full_state_dict(MODEL), strict=True)
+    model = hf_llama(MODEL)
     with torch.inference_mode():
         cache = model(torch.tensor([token_ids]), use_cache=True).past_key_values
     out = []

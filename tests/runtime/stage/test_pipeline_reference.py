@@ -12,36 +12,21 @@ import random
 
 import pytest
 import torch
-import transformers
+from hf_reference import hf_llama, small_llama
 
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.model_config import ModelConfig
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.serving.local import LocalPipeline
-from wavepp.runtime.stage.engine.torch_engine import build_full_state_dict
 
 pytestmark = pytest.mark.slow
 
-MODEL = ModelConfig(
-    name="ref-llama",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=160,
-    num_layers=6,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    seed=7,
-)
+MODEL = small_llama("ref-llama", seed=7, num_layers=6)
 BLOCK = 4
 
 
 def hf_last_logits(token_ids: list[int]) -> torch.Tensor:
-    hf_config = transformers.LlamaConfig(**MODEL.to_hf_llama_kwargs())
-    hf_config._attn_implementation = "eager"
-    model = transformers.LlamaForCausalLM(hf_config).eval()
-    model.load_state_dict(build_full_state_dict(MODEL), strict=True)
+    model = hf_llama(MODEL)
     with torch.inference_mode():
         return model(torch.tensor([token_ids])).logits[0, -1].float()
 

@@ -10,15 +10,16 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
+from stage_support import LostPeerGroup, emulated_two_stages, one_token_plan
 
-from wavepp.api.messages import MicroBatchPlan, PlannedChunk
 from wavepp.api.spec import check_spec
 from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.runtime.serving.health import start_health_server
-from wavepp.runtime.stage import worker as worker_module
+from wavepp.runtime.stage.build import build_engine, check_environment
 from wavepp.runtime.stage.process import StageReadiness
 from wavepp.runtime.stage.rendezvous import open_rendezvous
-from wavepp.runtime.stage.worker import StageWorker, build_engine
+from wavepp.runtime.stage.worker import StageWorker
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
 
 pytestmark = pytest.mark.timeout(60)
@@ -40,23 +41,8 @@ async def _wait(check, what: str, timeout_s: float = 10.0) -> None:  # noqa: ANN
 
 
 async def test_a_compute_thread_that_raises_fails_readiness_and_liveness(nats_server) -> None:
-    raw = {
-        "model": {"name": "tiny-llama"},
-        "engine": "emulated",
-        "stages": 2,
-        "engineOptions": {"kvBlocks": 64, "timeScale": 0.01},
-    }
-    spec, issues = check_spec(raw, default_image="i", default_nats_url=nats_server.url)
-    assert spec is not None, issues
-    config = runtime_configs_from_spec(spec, pool="health", namespace="t")[0]
+    config = emulated_two_stages("health", nats_server.url)
     rank = 1  # not the first stage: it receives activations before it computes
-
-    class LostPeerGroup:
-        """A process group whose peer is gone: its receive raises (as gloo's does)."""
-
-        def recv(self, tensors, src, tag):  # noqa: ANN001, ANN201
-            raise RuntimeError(f"Connection closed by peer (rank {src})")
-
     nc = await connect(nats_server.url, name="health-test")
     worker = StageWorker(config, rank, nc, build_engine(config, rank), group=LostPeerGroup())
     readiness = StageReadiness(is_formed=True, worker=worker)
@@ -79,16 +65,7 @@ async def test_a_compute_thread_that_raises_fails_readiness_and_liveness(nats_se
         await asyncio.sleep(1.5)
         assert worker.compute_alive and readiness.is_serving
 
-        plan = MicroBatchPlan(
-            microbatch_id=0,
-            epoch="e1",
-            chunks=[
-                PlannedChunk(
-                    request_id="r", chunk_index=0, context_offset=0, token_ids=[1, 2], is_last=True
-                )
-            ],
-        )
-        await nc.publish(config.subjects.plan, plan.model_dump_json().encode())
+        await nc.publish(config.subjects.plan, one_token_plan().model_dump_json().encode())
         await _wait(lambda: worker.compute_error is not None, "the compute thread to die")
         assert "Connection closed by peer" in repr(worker.compute_error)
         assert not worker.compute_alive
@@ -106,21 +83,8 @@ async def test_a_lost_peer_with_a_rendezvous_waits_to_re_form_and_stays_alive() 
     """With a rendezvous bucket (re-forming in place) the same lost peer takes the
     stage out of service (``is_formed`` False) but is no compute error: liveness stays 200, so
     the kubelet does not restart a stage that waits for its group's next epoch."""
-    raw = {
-        "model": {"name": "tiny-llama"},
-        "engine": "emulated",
-        "stages": 2,
-        "engineOptions": {"kvBlocks": 64, "timeScale": 0.01},
-    }
-    spec, issues = check_spec(raw, default_image="i", default_nats_url="nats://unused:4222")
-    assert spec is not None, issues
-    config = runtime_configs_from_spec(spec, pool="health", namespace="t")[0]
+    config = emulated_two_stages("health")
     rank = 1
-
-    class LostPeerGroup:
-        def recv(self, tensors, src, tag):  # noqa: ANN001, ANN201
-            raise RuntimeError(f"Connection closed by peer (rank {src})")
-
     with EmbeddedNatsServer(jetstream=True) as server:
         nc = await connect(server.url, name="health-rdzv-test")
         rendezvous = await open_rendezvous(nc, config.pipeline, rank, 2, namespace="t")
@@ -138,17 +102,7 @@ async def test_a_lost_peer_with_a_rendezvous_waits_to_re_form_and_stays_alive() 
         serving = asyncio.create_task(worker.serve(stop))
         try:
             await _wait(lambda: readiness.is_serving, "serving")
-            plan = MicroBatchPlan(
-                microbatch_id=0,
-                epoch="e1",
-                chunks=[
-                    PlannedChunk(
-                        request_id="r", chunk_index=0, context_offset=0, token_ids=[1, 2],
-                        is_last=True,
-                    )
-                ],
-            )  # fmt: skip
-            await nc.publish(config.subjects.plan, plan.model_dump_json().encode())
+            await nc.publish(config.subjects.plan, one_token_plan().model_dump_json().encode())
             await _wait(lambda: not worker.is_formed, "the group failure")
             assert worker.compute_error is None
             assert worker.compute_alive and readiness.is_alive
@@ -164,9 +118,9 @@ def test_cuda_requested_but_absent_refuses_to_start(monkeypatch: pytest.MonkeyPa
     assert spec is not None
     config = runtime_configs_from_spec(spec, pool="p")[0]
     assert (config.device, config.model.dtype) == ("cuda", "bfloat16")
-    monkeypatch.setattr(worker_module.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"spec.resources.gpusPerStage > 0: .* sees no CUDA"):
-        worker_module.check_environment(config)
+        check_environment(config)
     missing = config.model_copy(update={"device": "cpu", "weights": "/nonexistent/ckpt"})
     with pytest.raises(ValueError, match="spec.model.path: '/nonexistent/ckpt' does not exist"):
-        worker_module.check_environment(missing)
+        check_environment(missing)

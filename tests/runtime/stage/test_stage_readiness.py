@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 from http_support import http_status
+from stage_support import emulated_two_stages
 
-from wavepp.api.spec import check_spec
-from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.runtime.stage.rendezvous import PEER_BEAT_S, PEER_SILENCE_S, PeerPresence
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
@@ -44,18 +43,8 @@ def test_peer_presence_counts_a_peer_gone_only_after_its_beat_stops_changing() -
 @pytest.mark.serial
 @pytest.mark.timeout(180)
 def test_stage_whose_group_is_gone_answers_readyz_503_within_2_s(tmp_path: Path) -> None:
-    raw = {
-        "model": {"name": "tiny-llama"},
-        "engine": "emulated",
-        "stages": 2,
-        "engineOptions": {"kvBlocks": 64, "timeScale": 0.01},
-    }
-    spec, issues = check_spec(raw, default_image="i", default_nats_url="nats://unused:4222")
-    assert spec is not None, issues
     config = tmp_path / "runtime-config.json"
-    config.write_text(
-        runtime_configs_from_spec(spec, pool="ready", namespace="t")[0].model_dump_json()
-    )
+    config.write_text(emulated_two_stages("ready").model_dump_json())
     dist_url = f"tcp://127.0.0.1:{free_port()}"
     health = [free_port(), free_port()]
     procs: list[subprocess.Popen[bytes]] = []

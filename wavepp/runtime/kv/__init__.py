@@ -5,6 +5,8 @@ Layers, each pure (no I/O, no torch, no NATS; the clock is injected)::
     hashing   root_block_hash, hash_block_tokens, hash_prompt_blocks  (chained sha256),
               PromptHasher (the same, not hashing again what a recent prompt shared)
     pool      BlockPool: capacity, block hash -> block map, ref counts, LRU; queues KVEvents
+    refs      BlockRefs: BlockPool's reference mechanics (ref counts, spans, release,
+              eviction) and its invariants
     host      HostTier: the host-memory tier below the pool (spilled blocks, LRU, pins) and
               the ordered transfer log (Transfer) the engine applies
     manager   StageKVManager: probe/pin, reserve, mark computed, release, leases

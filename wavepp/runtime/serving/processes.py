@@ -12,8 +12,6 @@ command line is built once, by ``transport.natsio.EmbeddedNatsServer``.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from wavepp.api.cli_args import NatsArgs, admission_args, gateway_args, stage_args
+from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.serving.lifecycle import child_env
 
 __all__ = [
@@ -203,32 +202,9 @@ class Supervisor:
         (together), then SIGKILL those left. ``group``: signal each child's whole process group
         (its session: the processes it started too), and SIGKILL what is left of the group once
         the child exited."""
-
-        def signal_child(proc: subprocess.Popen[bytes], sig: int) -> None:
-            try:
-                if group:
-                    os.killpg(proc.pid, sig)
-                elif proc.poll() is None:
-                    proc.send_signal(sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-        for name in names:
-            proc = self.procs.get(name)
-            if proc is not None and proc.poll() is None:
-                signal_child(proc, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for name in names:
-            proc = self.procs.get(name)
-            if proc is None:
-                continue
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                signal_child(proc, signal.SIGKILL)
-                proc.wait(10)
-            if group:
-                signal_child(proc, signal.SIGKILL)
+        stop_processes(
+            [self.procs[name] for name in names if name in self.procs], grace_s, group=group
+        )
 
     def kill(self, names: list[str]) -> None:
         """SIGKILL the ``names`` still running and reap them (up to 10 s each)."""

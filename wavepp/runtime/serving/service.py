@@ -57,7 +57,6 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
 )
-from nats.js.errors import KeyNotFoundError
 
 from wavepp.api.messages import MicroBatchDone
 from wavepp.api.prefill import Heartbeat, IntakeRequest, PrefillResult, StageTiming
@@ -78,8 +77,8 @@ from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.serving.handoff import kv_transfer_params, stage_endpoints
 from wavepp.runtime.serving.reform import ReformTracker
-from wavepp.runtime.transport.jetstream import ensure_intake, ensure_results
-from wavepp.runtime.transport.natsio import resend_after_reconnect
+from wavepp.runtime.serving.results import ResultStore, result_from_outcome, result_is_authentic
+from wavepp.runtime.transport.jetstream import ensure_intake
 
 log = logging.getLogger(__name__)
 
@@ -94,48 +93,6 @@ DRAIN_UNFORMED_BEATS = 3
 MIN_BEAT_GAP_S = 0.15
 # How long a JetStream call of the service may wait for the server (a pause, a restart).
 STORE_TIMEOUT_S = 60.0
-
-
-def result_from_outcome(
-    request: IntakeRequest,
-    outcome: RequestOutcome,
-    *,
-    replica: str,
-    stages: list[StageTiming],
-    transfer: dict[str, Any] | None = None,
-) -> PrefillResult:
-    """The client's answer from a scheduler outcome. Times in seconds; TTFT from the gateway's
-    arrival (``request.arrival_s``, wall clock) to the first token. ``transfer``: a handed-off
-    request's ``kv_transfer_params`` (``serving.handoff``)."""
-    return PrefillResult(
-        request_id=request.request_id,
-        tenant=request.tenant,
-        replica=replica,
-        first_token_id=outcome.first_token_id,
-        num_prompt_tokens=outcome.num_prompt_tokens,
-        num_cached_tokens=outcome.num_cached_tokens,
-        ttft_s=max(0.0, outcome.finished_s - request.arrival_s),
-        queue_s=request.queued_s,
-        agreement_s=outcome.agreement_s,
-        admission_s=max(0.0, (outcome.admitted_s or outcome.finished_s) - outcome.arrival_s),
-        execute_s=max(0.0, outcome.finished_s - (outcome.first_scheduled_s or outcome.finished_s)),
-        stage_hits=list(outcome.stage_hits),
-        stages=stages,
-        error=outcome.error,
-        kv_transfer_params=transfer,
-    )
-
-
-def stored_result_is_authentic(bus_key: BusKey | None, key: str, data: bytes) -> bool:
-    """A results-bucket entry is a ``PrefillResult`` for ``key`` (``{tenant}.{request_id}``)
-    signed by the replica it names; without a bus key, any well-formed one for ``key``."""
-    try:
-        result = PrefillResult.model_validate_json(data)
-    except ValueError:
-        return False
-    if f"{result.tenant}.{result.request_id}" != key:
-        return False
-    return bus_key is None or bus_key.for_replica(result.replica).verify(result)
 
 
 class AdmissionService:
@@ -193,6 +150,7 @@ class AdmissionService:
         # JetStream calls (results get/put) wait out a paused or restarting server for as long
         # as the intake message stays ours (kept in progress meanwhile), not the client's 5 s.
         self.js = nc.jetstream(timeout=store_timeout_s)
+        self.results = ResultStore(nc, self.js, functools.partial(result_is_authentic, bus_key))
         stages = NatsStageClient.for_replica(
             nc, config.subject_prefix, config.num_stages, config.request_timeout_s
         )
@@ -222,17 +180,15 @@ class AdmissionService:
         self.reform = ReformTracker()
         self.num_answered = 0
         self.num_duplicates = 0
-        self.num_unstored = 0  # answered, but the result could not be stored (store full)
         self._running: dict[str, asyncio.Task[PrefillResult]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(max_concurrent)
         self._timings: dict[str, dict[int, StageTiming]] = defaultdict(dict)
-        self._kv = None  # the results bucket, opened right before the intake subscription
 
     @property
     def is_intake_open(self) -> bool:
         """The results bucket is open and the intake about to be (or being) served."""
-        return self._kv is not None
+        return self.results.is_open
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -281,7 +237,7 @@ class AdmissionService:
             await self.wait_formed()
             await self.scheduler.start()
             await ensure_intake(self.js, self.config.pipeline, namespace=self.config.namespace)
-            self._kv = await ensure_results(self.js, self.pool, namespace=self.config.namespace)
+            await self.results.open(self.pool, self.config.namespace)
             psub = await self.js.pull_subscribe(
                 intake_subject(self.config.pipeline, namespace=self.config.namespace),
                 durable="admission",
@@ -458,13 +414,15 @@ class AdmissionService:
                 log.error("invalid intake message terminated: %s", exc)
                 await msg.term()
                 return
-            stored = await self._stored(request.key)
-            if stored is not None and self._is_foreign_error(stored):
+            stored = await self.results.get(request.key)
+            foreign = stored is not None and stored.result.replica != self.config.pipeline
+            if foreign and stored.result.error:
                 stored = None  # failed on a replica the gateway re-routed it from: run it here
             if stored is not None:
                 self.num_duplicates += 1
                 await self.nc.publish(
-                    result_subject(self.pool, request.key, namespace=self.config.namespace), stored
+                    result_subject(self.pool, request.key, namespace=self.config.namespace),
+                    stored.data,
                 )
                 await msg.ack()
                 return
@@ -479,11 +437,13 @@ class AdmissionService:
                 if self.replica_key is not None:
                     result = self.replica_key.sign(result)
                 data = result.model_dump_json().encode()
-                answered = await self._stored(request.key) if result.error else None
-                if answered is not None and not PrefillResult.model_validate_json(answered).error:
-                    data = answered  # another replica answered it: an error never overwrites that
+                answered = await self.results.get(request.key) if result.error else None
+                if answered is not None and not answered.result.error:
+                    data = (
+                        answered.data
+                    )  # another replica answered it: an error never overwrites that
                 else:
-                    await self._store(request.key, data)
+                    await self.results.put(request.key, data)
                 await self.nc.publish(
                     result_subject(self.pool, request.key, namespace=self.config.namespace), data
                 )
@@ -495,41 +455,6 @@ class AdmissionService:
             log.exception("intake message failed; it will be redelivered")
         finally:
             self._slots.release()
-
-    async def _store(self, key: str, data: bytes) -> None:
-        """Keep the result for duplicates and redeliveries. A store that refuses it (full,
-        JetStream disabled) or stays silent past ``store_timeout_s`` costs only that record:
-        the result is still answered and the message acked, never redelivered to run again and
-        again against a full store (which held accepted requests until the gateway's 504)."""
-        assert self._kv is not None, "results bucket opened before serving"
-        try:
-            await resend_after_reconnect(
-                self.nc, functools.partial(self._kv.put, key, data), what=f"result of {key}"
-            )
-        except Exception as exc:  # noqa: BLE001 - APIError, NoResponders, timeout: same answer
-            self.num_unstored += 1
-            log.warning("result of %s not stored (%r); answered without the record", key, exc)
-
-    async def _stored(self, key: str) -> bytes | None:
-        assert self._kv is not None, "results bucket opened before serving"
-        try:
-            entry = await resend_after_reconnect(
-                self.nc, functools.partial(self._kv.get, key), what=f"results lookup of {key}"
-            )
-        except KeyNotFoundError:
-            return None
-        if entry.value is None or not stored_result_is_authentic(self.bus_key, key, entry.value):
-            log.error("results bucket entry %s ignored: not a result signed by a replica", key)
-            return None
-        return entry.value
-
-    def _is_foreign_error(self, stored: bytes) -> bool:
-        """A stored result that failed on another replica."""
-        try:
-            result = PrefillResult.model_validate_json(stored)
-        except ValueError:
-            return False
-        return bool(result.error) and result.replica != self.config.pipeline
 
     async def _keep_in_progress(self, msg: Msg) -> None:
         while True:

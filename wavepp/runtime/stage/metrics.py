@@ -39,19 +39,30 @@ from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from wavepp.telemetry.metrics import PrometheusExport
+from wavepp.telemetry.metrics import Instrument, PrometheusExport, attach
 
 log = logging.getLogger(__name__)
 
-STAGE_PROMETHEUS_NAMES: tuple[str, ...] = (
-    "wavepp_stage_microbatches_run_total",
-    "wavepp_stage_execute_seconds_total",
-    "wavepp_stage_kv_blocks",
-    "wavepp_stage_group_formed",
-    "wavepp_stage_group_epoch",
-    "wavepp_stage_reforms_total",
-    "wavepp_stage_host_kv_blocks_total",
+# fmt: off
+STAGE_INSTRUMENTS = (
+    Instrument("wavepp.stage.microbatches_run", "observable_counter", "{microbatch}",
+               "_observe_microbatches", "Micro-batches this stage finished"),
+    Instrument("wavepp.stage.execute", "observable_counter", "s", "_observe_execute",
+               "Wall time this stage spent executing micro-batches"),
+    Instrument("wavepp.stage.kv_blocks", "gauge", "{block}", "_kv_blocks",
+               "KV blocks by state: used (pinned), cached (reusable), free"),
+    Instrument("wavepp.stage.group_formed", "gauge", "", "_observe_formed",
+               "1 while the stage's torch.distributed group is formed"),
+    Instrument("wavepp.stage.group_epoch", "gauge", "", "_observe_epoch",
+               "The rendezvous epoch the stage's group formed in"),
+    Instrument("wavepp.stage.reforms", "observable_counter", "{reform}", "_observe_reforms",
+               "Times this stage re-formed its group in place"),
+    Instrument("wavepp.stage.host_kv_blocks", "observable_counter", "{block}", "_host_kv_blocks",
+               "KV blocks copied between the device and the host tier, by op: spilled (evicted "
+               "to host), loaded (a host hit brought back)"),
 )
+# fmt: on
+STAGE_PROMETHEUS_NAMES = tuple(i.prometheus_name for i in STAGE_INSTRUMENTS)
 
 
 @dataclass(frozen=True)
@@ -111,48 +122,12 @@ class StageMetrics:
         self.export = export or PrometheusExport(
             "wavepp-stage", scope_labels=False, target_info=False
         )
-        meter = self.export.meter()
-        meter.create_observable_counter(
-            "wavepp.stage.microbatches_run",
-            callbacks=[self._one(lambda s: s.num_microbatches)],
-            unit="{microbatch}",
-            description="Micro-batches this stage finished",
-        )
-        meter.create_observable_counter(
-            "wavepp.stage.execute",
-            callbacks=[self._one(lambda s: s.execute_s)],
-            unit="s",
-            description="Wall time this stage spent executing micro-batches",
-        )
-        meter.create_observable_gauge(
-            "wavepp.stage.kv_blocks",
-            callbacks=[self._kv_blocks],
-            unit="{block}",
-            description="KV blocks by state: used (pinned), cached (reusable), free",
-        )
-        meter.create_observable_gauge(
-            "wavepp.stage.group_formed",
-            callbacks=[self._one(lambda s: int(s.is_formed))],
-            description="1 while the stage's torch.distributed group is formed",
-        )
-        meter.create_observable_gauge(
-            "wavepp.stage.group_epoch",
-            callbacks=[self._one(lambda s: s.group_epoch)],
-            description="The rendezvous epoch the stage's group formed in",
-        )
-        meter.create_observable_counter(
-            "wavepp.stage.reforms",
-            callbacks=[self._one(lambda s: s.num_reforms)],
-            unit="{reform}",
-            description="Times this stage re-formed its group in place",
-        )
-        meter.create_observable_counter(
-            "wavepp.stage.host_kv_blocks",
-            callbacks=[self._host_kv_blocks],
-            unit="{block}",
-            description="KV blocks copied between the device and the host tier, by op: "
-            "spilled (evicted to host), loaded (a host hit brought back)",
-        )
+        self._observe_microbatches = self._one(lambda s: s.num_microbatches)
+        self._observe_execute = self._one(lambda s: s.execute_s)
+        self._observe_formed = self._one(lambda s: int(s.is_formed))
+        self._observe_epoch = self._one(lambda s: s.group_epoch)
+        self._observe_reforms = self._one(lambda s: s.num_reforms)
+        attach(self, self.export.meter(), STAGE_INSTRUMENTS)
 
     @staticmethod
     def _labels(snapshot: StageSnapshot) -> dict[str, str | int]:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from wavepp.api.signing import BusKey
 from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.stage.engine.tensor_parallel import TPGroup, serve_follower, tp_device
 from wavepp.runtime.stage.storekey import guarded_store, store_prefix
 from wavepp.runtime.transport.buskey import BUS_KEY_ENV, BUS_KEY_FILE_ENV
@@ -160,16 +161,7 @@ class FollowerSet:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Terminate the followers (then kill those still there after ``timeout_s``)."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs, timeout_s)
 
 
 def start_followers(

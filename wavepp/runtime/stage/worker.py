@@ -2,8 +2,9 @@
 
 The decisions (plan order, block tables, results, done messages, caching computed blocks) are
 the core's (``wavepp.runtime.stage.core``), shared with the simulator. This module moves bytes:
-NATS subscriptions, activations over torch.distributed, the compute thread, lease expiry.
-The process around it (connect, form, build the engine, signals, readiness) is
+NATS subscriptions, plan delivery, re-forming, lease expiry, on the asyncio loop thread; the
+compute thread (activations over torch.distributed, the engine) is
+``wavepp.runtime.stage.compute``, whose ``StageCompute`` this worker is. The process around it (connect, form, build the engine, signals, readiness) is
 ``wavepp.runtime.stage.process``.
 
 Threads and ownership::
@@ -43,13 +44,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
 import time
-from collections import deque
 from collections.abc import Mapping
-from functools import partial
 
-import torch
 import torch.distributed as dist
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -63,7 +60,6 @@ from wavepp.api.messages import (
     MicroBatchPlan,
     PlanResend,
     PlanResendReply,
-    RequestResult,
     StageResync,
 )
 from wavepp.api.signing import BusKey
@@ -71,10 +67,9 @@ from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.heap import collect_young_soon
 from wavepp.runtime.kv import BlockPool, HostTier, StageKVManager
 from wavepp.runtime.kv.handoff import HandoffLeases
-from wavepp.runtime.stage.build import build_engine, check_environment
+from wavepp.runtime.stage.compute import StageCompute
 from wavepp.runtime.stage.core import StageCore, StageWork
 from wavepp.runtime.stage.engine import PreparedBatch, StageEngine
-from wavepp.runtime.stage.engine.profile import region
 from wavepp.runtime.stage.handoff_server import HandoffServer
 from wavepp.runtime.stage.rendezvous import (
     PEER_BEAT_S,
@@ -87,15 +82,13 @@ from wavepp.telemetry.pipeline import StageTelemetry
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StageWorker", "build_engine", "check_environment"]
+__all__ = ["StageWorker"]
 
 
-_MAX_PENDING_SENDS = 16
 _DONE_LOG = 1024  # done messages kept for the scheduler's resend asks
-_IDLE_BEAT_S = 1.0  # the idle compute thread's beat period
 
 
-class StageWorker:
+class StageWorker(StageCompute):
     """Serves one stage: KV ops over NATS, plans, activations over torch.distributed.
 
     ``bus_key``: the deployment's bus key (``load_bus_key``); the stage signs and checks with
@@ -155,7 +148,7 @@ class StageWorker:
         self.subjects = config.subjects
         self._work: queue.Queue[tuple[StageWork, PreparedBatch | None] | None] = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._thread = None
         self.telemetry = StageTelemetry(rank)
         # NOTE: the readiness probe (/readyz): True between subscribing and the stop request.
         self.is_serving = False
@@ -213,16 +206,6 @@ class StageWorker:
                 if task is not None:
                     task.cancel()
             self._work.put(None)
-
-    def _start_compute(self) -> None:
-        """A compute thread for the current group and work queue (one per epoch)."""
-        self._thread = threading.Thread(
-            target=self._compute_loop,
-            args=(self._pg, self._work, self._generation),
-            name=f"compute-{self.group_epoch}",
-            daemon=True,
-        )
-        self._thread.start()
 
     # ---- re-forming in place -------------------------------------------------------------
 
@@ -304,21 +287,6 @@ class StageWorker:
             epoch,
             time.monotonic() - started,
             len(released),
-        )
-
-    @property
-    def compute_alive(self) -> bool:
-        """The compute thread runs, has not raised, and beat within the micro-batch deadline
-        (a receive or execute stuck longer fails its micro-batch anyway). While the stage waits
-        to re-form in place (its group broke, ``is_formed`` False) its epoch's thread has ended
-        by design: alive, unless something recorded a ``compute_error``."""
-        if self.compute_error is None and not self.is_formed:
-            return True
-        return (
-            self._thread is not None
-            and self._thread.is_alive()
-            and self.compute_error is None
-            and time.monotonic() - self.compute_beat < self.config.microbatch_deadline_s
         )
 
     @property
@@ -539,124 +507,3 @@ class StageWorker:
     async def _publish_done(self, done: MicroBatchDone) -> None:
         await self.nc.publish(self.subjects.done, done.model_dump_json().encode())
         await self._publish_events()
-
-    # ---- compute thread ------------------------------------------------------------------
-
-    def _compute_loop(
-        self,
-        pg: dist.ProcessGroup | None,
-        work_queue: queue.Queue[tuple[StageWork, PreparedBatch | None] | None],
-        generation: int,
-    ) -> None:
-        """One epoch's compute thread: activations over ``pg``; leaves when ``work_queue``
-        yields None, when its group fails (a peer died), or when a later epoch replaced it
-        (then it publishes nothing more).
-
-        What ends it is recorded: a failed send/receive of a stage that can re-form in place
-        (a rendezvous) takes it out of service until the next epoch (``_on_group_error``);
-        any other raise, or any raise without a rendezvous, is ``compute_error``
-        (``compute_alive`` turns False, so the pod's liveness and readiness fail and the
-        operator re-forms the replica)."""
-        torch.set_num_threads(self.config.torch_threads)
-        pending_sends: deque[tuple[dist.Work, torch.Tensor]] = deque()
-        try:
-            self._compute(pg, work_queue, generation, pending_sends)
-            for handle, _ in pending_sends:
-                handle.wait()
-        except Exception as exc:  # noqa: BLE001 - torch.distributed: a peer left the group
-            if self.rendezvous is None:
-                self.compute_error = exc
-                log.exception("stage %d: compute thread died", self.rank)
-                return
-            assert self._loop is not None, "compute thread started before serve()"
-            self._loop.call_soon_threadsafe(self._on_group_error, generation, exc)
-        except BaseException as exc:
-            self.compute_error = exc
-            log.exception("stage %d: compute thread died", self.rank)
-
-    def _next_work(
-        self, work_queue: queue.Queue[tuple[StageWork, PreparedBatch | None] | None]
-    ) -> tuple[StageWork, PreparedBatch | None] | None:
-        """The next item of the work queue, beating while idle."""
-        while True:
-            self.compute_beat = time.monotonic()
-            try:
-                return work_queue.get(timeout=_IDLE_BEAT_S)
-            except queue.Empty:
-                continue
-
-    def _compute(
-        self,
-        pg: dist.ProcessGroup | None,
-        work_queue: queue.Queue[tuple[StageWork, PreparedBatch | None] | None],
-        generation: int,
-        pending_sends: deque[tuple[dist.Work, torch.Tensor]],
-    ) -> None:
-        engine = self.engine
-        core = self.core
-        while True:
-            item = self._next_work(work_queue)
-            if item is None or generation != self._generation:
-                return
-            work, prepared = item
-            num_tokens = work.num_tokens
-            hidden_in = None
-            if not self.is_first:
-                assert pg is not None, "a stage after the first has a group"
-                hidden_in = torch.empty(
-                    num_tokens, engine.hidden_size, dtype=engine.activation_dtype
-                )
-                with region("recv"):
-                    pg.recv([hidden_in], self.rank - 1, 0).wait()
-                self.compute_beat = time.monotonic()
-            results: list[RequestResult] = []
-            hidden_out = None
-            exec_start = exec_end = time.time()
-            if not work.error:
-                try:
-                    if prepared is None:
-                        work.prepare_start_s = time.time()
-                        prepared = engine.prepare(work.chunks)
-                        work.prepare_end_s = time.time()
-                    exec_start = time.time()
-                    out = engine.execute(prepared, hidden_in)
-                    exec_end = time.time()
-                    hidden_out = out.hidden
-                    logits = out.last_token_logits
-                    results = core.results(
-                        work, partial(_first_token_id, logits), partial(_logits_list, logits)
-                    )
-                except Exception as exc:  # keep the pipeline moving; report the error
-                    log.exception(
-                        "stage %d: micro-batch %d failed", self.rank, work.plan.microbatch_id
-                    )
-                    work.error = f"stage {self.rank}: execute failed: {exc!r}"
-            if generation != self._generation:
-                return  # re-formed meanwhile: this micro-batch belongs to the old group
-            done = core.done_message(
-                work, execute_start_s=exec_start, execute_end_s=exec_end, results=results
-            )
-            # Cache the computed blocks before the activations leave: a release for this
-            # request can only follow the last stage's result, hence this send.
-            assert self._loop is not None, "compute thread started before serve()"
-            self._loop.call_soon_threadsafe(self._after_microbatch, work, done)
-            if not self.is_last:
-                assert pg is not None, "a stage before the last has a group"
-                if hidden_out is None or work.error:
-                    hidden_out = torch.zeros(
-                        num_tokens, engine.hidden_size, dtype=engine.activation_dtype
-                    )
-                hidden_out = hidden_out.contiguous()
-                with region("send"):
-                    pending_sends.append((pg.send([hidden_out], self.rank + 1, 0), hidden_out))
-                while len(pending_sends) > _MAX_PENDING_SENDS:
-                    pending_sends.popleft()[0].wait()
-
-
-def _first_token_id(logits: Mapping[str, torch.Tensor], request_id: str) -> int:
-    """The greedy first output token: argmax of the request's last-token logits."""
-    return int(torch.argmax(logits[request_id]).item())
-
-
-def _logits_list(logits: Mapping[str, torch.Tensor], request_id: str) -> list[float]:
-    return [float(v) for v in logits[request_id].tolist()]

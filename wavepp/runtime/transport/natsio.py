@@ -30,6 +30,7 @@ from nats.aio.client import Client as NATS
 
 from wavepp.api.natsauth import creds_user_name
 from wavepp.api.subjects import inbox_prefix
+from wavepp.runtime.procs import stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -290,14 +291,8 @@ class EmbeddedNatsServer:
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        if proc is not None:
+            stop_processes([proc], grace_s=5)
 
     def restart(self) -> None:
         self.stop()
