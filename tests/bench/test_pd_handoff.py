@@ -74,6 +74,12 @@ async def _stats(pipeline: LocalPipeline) -> list[dict]:
     not VLLM_PYTHON.exists(),
     reason=f"no vLLM environment at {VLLM_PYTHON} (make it with scripts/vllm-venv.sh)",
 )
+@pytest.mark.skipif(
+    os.environ.get("WAVEPP_BENCH_E2E") != "1",
+    reason="a benchmark's smoke run (vLLM starts: about 1 min); WAVEPP_BENCH_E2E=1 runs it. "
+    "tests/up/test_up_pd.py checks the same handoff (greedy tokens equal, a killed decode "
+    "leaks nothing) through wavepp up",
+)
 async def test_vllm_decodes_from_handed_over_kv_and_a_killed_decode_leaks_nothing(
     tmp_path: Path,
 ) -> None:

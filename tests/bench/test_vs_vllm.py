@@ -200,9 +200,9 @@ def test_missing_vllm_environment_is_a_clear_exit(tmp_path: Path) -> None:
     reason=f"no vLLM environment at {VLLM_PYTHON} (make it with scripts/vllm-venv.sh)",
 )
 @pytest.mark.skipif(
-    os.environ.get("WAVEPP_VS_VLLM_E2E") != "1",
+    os.environ.get("WAVEPP_BENCH_E2E") != "1",
     reason="a benchmark's smoke run (about 4 min: vLLM compiles at start); "
-    "WAVEPP_VS_VLLM_E2E=1 runs it",
+    "WAVEPP_BENCH_E2E=1 runs it",
 )
 def test_small_run_end_to_end(tmp_path: Path) -> None:
     trace = REPO / "data" / "traces" / "conversation_trace.jsonl"
