@@ -45,7 +45,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from wavepp.api.spec import SpecIssue, check_spec
+from wavepp.api.spec import SpecIssue, check_spec, decode_service_name
 from wavepp.operator import builders as b
 from wavepp.operator import natscreds
 from wavepp.operator.observe import (
@@ -410,10 +410,21 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
     inference_pool = b.build_inference_pool(ref, spec)
     if inference_pool is not None:
         actions.append(Apply(inference_pool))
+    decode_objects = [b.build_decode_deployment(ref, spec), b.build_decode_service(ref, spec)]
+    actions += [Apply(obj) for obj in decode_objects if obj is not None]
+    if decode_objects[0] is None:
+        decode_name = decode_service_name(ref.name)
+        for kind, objs in (("Deployment", observed.deployments), ("Service", observed.services)):
+            if any(meta_of(o)["name"] == decode_name for o in objs):
+                actions.append(Delete(kind, decode_name))
     policies = b.build_network_policies(ref, spec)
     actions += [Apply(p) for p in policies]
-    if not policies:
-        actions += [Delete("NetworkPolicy", meta_of(p)["name"]) for p in observed.network_policies]
+    rendered_policies = {meta_of(p)["name"] for p in policies}
+    actions += [
+        Delete("NetworkPolicy", meta_of(p)["name"])
+        for p in observed.network_policies
+        if meta_of(p)["name"] not in rendered_policies
+    ]
     hpa = b.build_hpa(ref, spec)
     if hpa is not None:
         actions.append(Apply(hpa))
