@@ -274,3 +274,39 @@ def test_the_emulated_engine_has_no_kv_to_hand_off() -> None:
     spec, issues = check_spec(raw, default_image="i", default_nats_url="nats://n")
     assert spec is None
     assert [i.field for i in issues] == ["spec.decode"], issues
+
+
+def _decode_condition(body: dict[str, Any], observed: Observed) -> dict[str, Any] | None:
+    conditions = plan(body, observed, 0.0, DEFAULTS).status["conditions"]
+    found = [c for c in conditions if c["type"] == "DecodeReady"]
+    assert len(found) <= 1
+    return found[0] if found else None
+
+
+def test_decode_ready_follows_the_decode_pods() -> None:
+    body = _body()
+    deployment = copy.deepcopy(_rendered(body)[("Deployment", "small-pd-decode")])
+    assert _decode_condition(body, Observed())["reason"] == "DecodeNotCreated"  # type: ignore[index]
+    deployment["status"] = {"readyReplicas": 0}
+    cond = _decode_condition(body, Observed(deployments=[deployment]))
+    assert cond is not None
+    assert (cond["status"], cond["reason"], cond["message"]) == (
+        "False",
+        "NoDecodePodReady",
+        "0/2 decode pods Ready",
+    )
+    deployment["status"] = {"readyReplicas": 1}
+    cond = _decode_condition(body, Observed(deployments=[deployment]))
+    assert cond is not None
+    assert (cond["status"], cond["reason"], cond["message"]) == (
+        "True",
+        "DecodePodsReady",
+        "1/2 decode pods Ready",
+    )
+    ref = {"name": "my-decode", "port": 9000, "podSelector": {"app": "my-decode"}}
+    cond = _decode_condition(_body({"decode": {"service": ref}}), Observed())
+    assert cond is not None
+    assert (cond["status"], cond["reason"]) == ("Unknown", "ExternalService")
+    body = _body()
+    del body["spec"]["decode"]
+    assert _decode_condition(body, Observed()) is None

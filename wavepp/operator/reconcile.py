@@ -151,6 +151,15 @@ class Plan:
     issues: list[SpecIssue] = field(default_factory=list)
 
 
+def _decode_pods(observed: Observed, name: str) -> tuple[int, int] | None:
+    """The decode Deployment ``name``'s (ready, desired) pods; None when it is not observed."""
+    for dep in observed.deployments:
+        if meta_of(dep)["name"] == name:
+            status = dep.get("status") or {}
+            return int(status.get("readyReplicas") or 0), int(dep["spec"].get("replicas", 1))
+    return None
+
+
 def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Defaults) -> Plan:
     """Decide what to change so the children move one safe step towards the spec.
 
@@ -461,6 +470,7 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         now,
         gateway_ready=any(gateway_pod_ready(p) for p in gateway_pods),
         gateway_error=gateway_error,
+        decode_pods=_decode_pods(observed, decode_service_name(ref.name)),
     )
     due = [max(0.5, t) for t in requeue]
     return Plan(actions=actions, status=status, requeue_after_s=min(due) if due else None)
