@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from operator_support import kubernetes_validate
+from operator_support import kubernetes_validate, pod_status
 
 from wavepp.api.pod import HANDOFF_PORT, POD_IP_ENV
 from wavepp.api.spec import DECODE_PORT, check_spec, decode_urls
@@ -285,18 +285,24 @@ def _decode_condition(body: dict[str, Any], observed: Observed) -> dict[str, Any
 
 def test_decode_ready_follows_the_decode_pods() -> None:
     body = _body()
-    deployment = copy.deepcopy(_rendered(body)[("Deployment", "small-pd-decode")])
+    deployment = _rendered(body)[("Deployment", "small-pd-decode")]
+    template = deployment["spec"]["template"]
+
+    def pod(name: str, phase: str) -> dict[str, Any]:
+        meta = {"name": name, "namespace": "default", "labels": template["metadata"]["labels"]}
+        return {"metadata": meta, "spec": template["spec"], "status": pod_status(phase)}
+
     assert _decode_condition(body, Observed())["reason"] == "DecodeNotCreated"  # type: ignore[index]
-    deployment["status"] = {"readyReplicas": 0}
-    cond = _decode_condition(body, Observed(deployments=[deployment]))
+    pods = [pod("d-1", "formed"), pod("d-2", "pending")]  # running, not Ready; unscheduled
+    cond = _decode_condition(body, Observed(deployments=[deployment], pods=pods))
     assert cond is not None
     assert (cond["status"], cond["reason"], cond["message"]) == (
         "False",
         "NoDecodePodReady",
         "0/2 decode pods Ready",
     )
-    deployment["status"] = {"readyReplicas": 1}
-    cond = _decode_condition(body, Observed(deployments=[deployment]))
+    pods[0] = pod("d-1", "warm")  # its readiness probe passes
+    cond = _decode_condition(body, Observed(deployments=[deployment], pods=pods))
     assert cond is not None
     assert (cond["status"], cond["reason"], cond["message"]) == (
         "True",

@@ -152,11 +152,17 @@ class Plan:
 
 
 def _decode_pods(observed: Observed, name: str) -> tuple[int, int] | None:
-    """The decode Deployment ``name``'s (ready, desired) pods; None when it is not observed."""
+    """The rendered decode pool's (Ready pods, desired pods): its pods (component ``decode``)
+    whose readiness probe (vLLM's ``/health``) passes, and its Deployment ``name``'s replicas;
+    None while that Deployment is not observed."""
     for dep in observed.deployments:
         if meta_of(dep)["name"] == name:
-            status = dep.get("status") or {}
-            return int(status.get("readyReplicas") or 0), int(dep["spec"].get("replicas", 1))
+            ready = sum(
+                1
+                for p in observed.pods
+                if labels_of(p).get(b.LABEL_COMPONENT) == "decode" and gateway_pod_ready(p)
+            )
+            return ready, int(dep["spec"].get("replicas", 1))
     return None
 
 

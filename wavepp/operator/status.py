@@ -82,7 +82,8 @@ def pipeline_status(
     """The observed state, with the drains this plan starts or ends already applied.
 
     With ``spec.decode`` a ``DecodeReady`` condition (:func:`decode_condition`; ``decode_pods``
-    = the rendered decode Deployment's (ready, desired) pods, None when it is not observed)
+    = the rendered decode pool's (Ready, desired) pods, None when its Deployment is not
+    observed)
     says whether whole completions can decode; Ready stays the prefill side's (a pipeline
     without a ready decode pod still serves ``max_tokens`` 1).
 
