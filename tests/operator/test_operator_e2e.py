@@ -463,3 +463,34 @@ async def test_wavepp_operator_command_runs_as_a_process(cluster: Cluster) -> No
         output, _ = await asyncio.wait_for(proc.communicate(), timeout=30)
     assert proc.returncode == 0, output.decode()[-3000:]
     assert b"Traceback" not in output, output.decode()[-3000:]
+
+
+async def test_a_decode_pool_is_rendered_and_both_pools_reach_ready(
+    cluster: Cluster, operator: Any
+) -> None:
+    """spec.decode.pool: the decode Deployment and Service come with the replicas; Ready (the
+    prefill side) and DecodeReady (a Ready decode pod) are reached; removing the section deletes
+    the decode objects and the condition."""
+    pool = {"replicas": 2, "image": "vllm-wavepp:1", "resources": {"gpus": 0}}
+    spec = tiny_spec(
+        replicas=1, model={"name": "tiny-llama", "pvc": {"claimName": "w"}}, decode={"pool": pool}
+    )
+    await cluster.create_pipeline("demo", spec)
+    dep = await wait_for(lambda: cluster.get("Deployment", "demo-decode"), what="decode pool")
+    assert dep["spec"]["replicas"] == 2
+    assert await cluster.get("Service", "demo-decode") is not None
+    await _wait_condition(cluster, "demo", "DecodeReady", "False", "NoDecodePodReady")
+    await wait_for(lambda: cluster.get("StatefulSet", "demo-r0"), what="sts r0")
+    await cluster.serve_replica("demo", 0)
+    await _wait_condition(cluster, "demo", "Ready", "True", "AllReplicasServing")
+    await cluster._create_pod("demo-decode-x", dep["spec"]["template"], "warm")
+    body = await _wait_condition(cluster, "demo", "DecodeReady", "True", "DecodePodsReady")
+    assert _condition(body, "DecodeReady")["message"] == "1/2 decode pods Ready"
+    assert _condition(body, "Ready")["status"] == "True"
+
+    await cluster.edit_spec("demo", {"decode": None})
+    await wait_for(lambda: _gone(cluster, "Deployment", "demo-decode"), what="decode deleted")
+    await wait_for(lambda: _gone(cluster, "Service", "demo-decode"), what="decode Service gone")
+    await wait_for(lambda: _gone(cluster, "NetworkPolicy", "demo-decode"), what="its policy gone")
+    body = await cluster.pipeline("demo")
+    assert _condition(body, "DecodeReady") == {}

@@ -531,6 +531,112 @@ FIELDS: dict[str, Entry] = {
 }
 
 
+SVC = {"name": "d", "port": 8000, "podSelector": {"app": "d"}}
+DB = "operator.decode_builders"
+PVC_MODEL = {"model": {"name": "tiny-llama", "pvc": {"claimName": "w"}}}
+
+
+def _service(**fields: Any) -> dict[str, Any]:
+    """A spec patch with a decode Service reference (``SVC`` with ``fields`` over it)."""
+    return {"decode": {"service": SVC | fields}}
+
+
+def _pool(**fields: Any) -> dict[str, Any]:
+    """A spec patch with a rendered decode pool (image v:1, ``fields`` over it) on a PVC."""
+    return PVC_MODEL | {"decode": {"pool": {"image": "v:1"} | fields}}
+
+
+def _pool_res(**fields: Any) -> dict[str, Any]:
+    return _pool(resources=fields)
+
+
+def _pool_tol(**fields: Any) -> dict[str, Any]:
+    return _pool(tolerations=[{"key": "k"} | fields])
+
+
+DECODE_FIELDS: dict[str, Entry] = {
+    "decode.service.name": Entry(
+        R,
+        "api.spec.decode_urls -> GatewayConfig.decode_urls",
+        _service(name="d2"),
+        context=_service(),
+        refusal=(_service(name="Bad_Name"), "should match pattern"),
+    ),
+    "decode.service.port": Entry(
+        R,
+        "api.spec.decode_urls -> GatewayConfig.decode_urls",
+        _service(port=9000),
+        context=_service(),
+        refusal=(_service(port=0), "greater than or equal to 1"),
+    ),
+    "decode.service.podSelector": Entry(
+        O,
+        f"{BLD}.build_network_policies: the stages' KV transfer rule",
+        _service(podSelector={"app": "e"}),
+        context=_service(),
+        refusal=(_service(podSelector={}), "required with networkPolicy.enabled"),
+    ),
+    "decode.pool.replicas": Entry(
+        O, f"{DB}.build_decode_deployment", _pool(replicas=3), context=_pool()
+    ),
+    "decode.pool.image": Entry(
+        O,
+        f"{DB}.build_decode_deployment",
+        _pool(image="v:2"),
+        context=_pool(),
+        refusal=(_pool(image=""), "at least 1 character"),
+    ),
+    "decode.pool.python": Entry(
+        O, f"{DB}.decode_command", _pool(python="python3.12"), context=_pool()
+    ),
+    "decode.pool.maxModelLen": Entry(
+        O, f"{DB}.decode_command", _pool(maxModelLen=2048), context=_pool()
+    ),
+    "decode.pool.args": Entry(
+        O, f"{DB}.decode_command", _pool(args=["--seed", "1"]), context=_pool()
+    ),
+    "decode.pool.nodeSelector": Entry(
+        O, f"{DB}.build_decode_deployment", _pool(nodeSelector={"a": "b"}), context=_pool()
+    ),
+    "decode.pool.resources.gpus": Entry(
+        O, f"{DB}: resources, CPU settings", _pool_res(gpus=0), context=_pool()
+    ),
+    "decode.pool.resources.gpuResourceName": Entry(
+        O, f"{DB}._resources", _pool_res(gpuResourceName="amd.com/gpu"), context=_pool()
+    ),
+    "decode.pool.resources.cpu": Entry(O, f"{DB}._resources", _pool_res(cpu="2"), context=_pool()),
+    "decode.pool.resources.memory": Entry(
+        O,
+        f"{DB}._resources",
+        _pool_res(memory="8Gi"),
+        context=_pool(),
+        refusal=(_pool_res(memory="lots"), "should match pattern"),
+    ),
+    "decode.pool.resources.sharedMemory": Entry(
+        O, f"{DB}._volumes: /dev/shm", _pool_res(sharedMemory="2Gi"), context=_pool()
+    ),
+    "decode.pool.tolerations[].key": Entry(
+        O, f"{DB}.build_decode_deployment", _pool_tol(), context=_pool()
+    ),
+    "decode.pool.tolerations[].operator": Entry(
+        O, f"{DB}.build_decode_deployment", _pool_tol(operator="Exists"), context=_pool_tol()
+    ),
+    "decode.pool.tolerations[].value": Entry(
+        O, f"{DB}.build_decode_deployment", _pool_tol(value="v"), context=_pool_tol()
+    ),
+    "decode.pool.tolerations[].effect": Entry(
+        O, f"{DB}.build_decode_deployment", _pool_tol(effect="NoSchedule"), context=_pool_tol()
+    ),
+    "decode.pool.tolerations[].tolerationSeconds": Entry(
+        O,
+        f"{DB}.build_decode_deployment",
+        _pool_tol(tolerationSeconds=5),
+        context=_pool_tol(),
+    ),
+}
+FIELDS |= DECODE_FIELDS
+
+
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
     found = [m for a in typing.get_args(annotation) for m in _models_in(a)]
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):

@@ -134,11 +134,13 @@ def test_operator_only_fields_are_named_one_line_each() -> None:
         "nats": {"url": "nats://nats:4222"},
         "rollout": {"drainTimeoutSeconds": 30},
         "telemetry": {"metricsPort": 9400},
+        "decode": {"service": {"name": "d", "port": 8000}},
     }
     lines = operator_only_warnings(raw)
     assert [line.split(":")[0] for line in lines] == [
         "spec.autoscaling",
         "spec.nodeSelector",
+        "spec.decode",
         "spec.resources.cpu",
         "spec.nats.url",
     ]

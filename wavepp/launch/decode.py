@@ -3,24 +3,16 @@ and local vLLM decode instances (``--decode vllm``, ``--decode-replicas N``) sta
 WavePP's KV connector.
 
 A local decode instance is vLLM's OpenAI-compatible server in vLLM's own environment
-(``--decode-python PY``: a Python where ``import vllm`` works; default this one)::
-
-    PY -m vllm.entrypoints.openai.api_server --model DIR --served-model-name NAME
-       --host 127.0.0.1 --port P --dtype D --max-model-len L --no-enable-prefix-caching
-       --kv-transfer-config '{"kv_connector": "WavePPConnector", "kv_role": "kv_consumer",
-                              "kv_connector_module_path": "wavepp.integrations.vllm.connector"}'
-       [CPU: --enforce-eager --block-size 32 --gpu-memory-utilization 0.1]
-       [no tokenizer files in DIR: --skip-tokenizer-init]
-
-with ``PYTHONPATH`` = the folder holding this ``wavepp`` package (the connector needs only the
-standard library, torch and vLLM) and, on CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, 1
-unless set). Prefix caching is off: every decode request brings its prompt's KV from the
-stages. ``--decode-args "..."`` appends vLLM options (shell words) after these.
+(``--decode-python PY``: a Python where ``import vllm`` works; default this one), its command
+line ``PY`` + ``wavepp.api.vllm_decode.vllm_decode_args`` (the one owner of it; the operator's
+decode pool runs the same) on ``127.0.0.1``, with ``PYTHONPATH`` = the folder holding this
+``wavepp`` package (the connector needs only the standard library, torch and vLLM) and, on CPU,
+``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, 1 unless set). ``--decode-args "..."`` appends
+vLLM options (shell words) after these.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import subprocess
@@ -28,6 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import wavepp
+from wavepp.api.vllm_decode import (
+    CONNECTOR_CONFIG,
+    CPU_BLOCK_SIZE,
+    CPU_KV_CACHE_ENV,
+    CPU_KV_CACHE_GIB,
+    TOKENIZER_FILES,
+    vllm_decode_args,
+)
 from wavepp.launch.flags import FlagError
 
 __all__ = [
@@ -37,21 +37,6 @@ __all__ = [
     "check_vllm_python",
     "decode_servers",
 ]
-
-CONNECTOR_CONFIG = {
-    "kv_connector": "WavePPConnector",
-    "kv_role": "kv_consumer",
-    "kv_connector_module_path": "wavepp.integrations.vllm.connector",
-}
-"""vLLM's ``--kv-transfer-config`` of a WavePP decode instance."""
-
-CPU_BLOCK_SIZE = 32
-"""vLLM's CPU attention takes KV blocks of a multiple of 32 tokens."""
-
-CPU_MEMORY_UTILIZATION = 0.1
-"""vLLM's ``--gpu-memory-utilization`` on CPU: the fraction of host memory it may plan for."""
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 @dataclass(frozen=True)
@@ -105,22 +90,20 @@ def decode_servers(
     base_env.pop("VIRTUAL_ENV", None)
     env = {**base_env, "PYTHONPATH": str(Path(wavepp.__file__).resolve().parent.parent)}
     if on_cpu:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    has_tokenizer = any((Path(model_dir) / f).exists() for f in _TOKENIZER_FILES)
+        env.setdefault(CPU_KV_CACHE_ENV, CPU_KV_CACHE_GIB)
+    has_tokenizer = any((Path(model_dir) / f).exists() for f in TOKENIZER_FILES)
     servers = []
     for i, port in enumerate(ports):
-        command = [
-            python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-            "--served-model-name", model_name, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", dtype, "--max-model-len", str(max_model_len),
-            "--no-enable-prefix-caching", "--disable-uvicorn-access-log",
-            "--kv-transfer-config", json.dumps(CONNECTOR_CONFIG),
-        ]  # fmt: skip
-        if on_cpu:
-            command += ["--enforce-eager", "--block-size", str(CPU_BLOCK_SIZE)]
-            command += ["--gpu-memory-utilization", str(CPU_MEMORY_UTILIZATION)]
-        if not has_tokenizer:
-            command.append("--skip-tokenizer-init")
+        command = [python] + vllm_decode_args(
+            model_dir=model_dir,
+            model_name=model_name,
+            host="127.0.0.1",
+            port=port,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            on_cpu=on_cpu,
+            has_tokenizer=has_tokenizer,
+        )
         servers.append(
             DecodeServer(f"decode-{i}", f"http://127.0.0.1:{port}", command + extra, dict(env))
         )

@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from wavepp.api.pod import api_keys_path
-from wavepp.api.spec import SpecError, SpecFileError, WavePipelineSpec, load_spec_file
+from wavepp.api.spec import (
+    SpecError,
+    SpecFileError,
+    WavePipelineSpec,
+    decode_urls,
+    load_spec_file,
+)
 from wavepp.gateway.config import GatewayConfig, ReplicaInfo
 from wavepp.gateway.tenants import TenantPolicy, default_cache_salt, policy_from_spec
 from wavepp.launch.flags import NAMESPACE_ENV, ArgError, describe_error
@@ -118,7 +124,9 @@ def gateway_config_from_spec(
     limit the spec sets (salt: the spec's, else ``tenant:{name}``), or one ``default`` tenant;
     a tenant's ``apiKeySecret`` is read from its mount, ``{API_KEYS_DIR}/{tenant}/keys``; the
     tokenizer is the checkpoint's ``tokenizer.json`` when ``model.path`` (or the PVC, mounted
-    into the gateway pod too) holds one, else none (text prompts: 422).
+    into the gateway pod too) holds one, else none (text prompts: 422); ``decode_urls`` the
+    Service of ``spec.decode`` (``wavepp.api.spec.decode_urls``: the rendered pool's or the
+    referenced one), none without it (prefill only).
 
     Args:
         spec: the resolved spec.
@@ -157,6 +165,7 @@ def gateway_config_from_spec(
         **gateway_model_fields(first),
         tenants=tenants,
         tokenizer=checkpoint_tokenizer(spec),
+        decode_urls=decode_urls(spec.decode, pipeline=pool, namespace=namespace),
         **extra,
     )
 

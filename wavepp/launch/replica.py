@@ -4,8 +4,10 @@ flags and environment.
 Two ways to name it: ``--runtime-config F`` (a resolved RuntimeConfig JSON, ``wavepp up``
 writes one per replica), or ``--config SPEC --replica I`` (the operator's ``spec.json``): then
 ``runtime_configs_from_spec(spec, pool=P, namespace=N)[0]`` renamed to replica I, with P from
-``--pool`` or ``$WAVEPP_PIPELINE``, N from ``$WAVEPP_NAMESPACE`` (default ``local``) and the
-telemetry of :func:`telemetry_from_spec`. ``--model DIR`` and ``--tensor-parallel-size T`` are
+``--pool`` or ``$WAVEPP_PIPELINE``, N from ``$WAVEPP_NAMESPACE`` (default ``local``), the
+telemetry of :func:`telemetry_from_spec` and, when the spec has a ``decode`` section, the KV
+transfer server of :func:`pod_handoff` (listening on every interface at ``HANDOFF_PORT``,
+advertising ``$POD_IP``). ``--model DIR`` and ``--tensor-parallel-size T`` are
 laid over either.
 """
 
@@ -17,6 +19,7 @@ import os
 from importlib import resources
 from pathlib import Path
 
+from wavepp.api.pod import HANDOFF_PORT, POD_IP_ENV
 from wavepp.api.spec import MAX_REPLICAS, SpecError, SpecFileError, WavePipelineSpec, load_spec_file
 from wavepp.api.subjects import replica_pipeline_name
 from wavepp.launch.flags import (
@@ -34,6 +37,7 @@ from wavepp.telemetry.settings import TelemetrySettings
 
 __all__ = [
     "admission_pool",
+    "pod_handoff",
     "planner_cost_model",
     "runtime_config_from_args",
     "stage_config_from_args",
@@ -202,7 +206,28 @@ def _runtime_config_from_source(
         )
     except ValueError as exc:
         raise ArgError(f"--replica {args.replica}: {describe_error(exc)}") from None
-    return config.model_copy(update={"telemetry": telemetry_from_spec(spec, env)})
+    update = {"telemetry": telemetry_from_spec(spec, env)} | pod_handoff(spec, env)
+    return config.model_copy(update=update)
+
+
+def pod_handoff(spec: WavePipelineSpec, env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """RuntimeConfig's KV transfer fields for a pod of ``spec``: with a ``decode`` section,
+    ``handoff_listen`` = ``0.0.0.0:HANDOFF_PORT`` (decode pods pull from other hosts) and
+    ``handoff_advertise`` = ``$POD_IP`` (the downward API's ``status.podIP``); without one,
+    none (the config's defaults).
+
+    Raises:
+        ArgError: a decode section and no ``$POD_IP``.
+    """
+    if spec.decode is None:
+        return {}
+    pod_ip = env.get(POD_IP_ENV, "")
+    if not pod_ip:
+        raise ArgError(
+            f"${POD_IP_ENV}: required with the spec's decode section (the address decode pods "
+            "pull the stages' KV from; the operator sets it from status.podIP)"
+        )
+    return {"handoff_listen": f"0.0.0.0:{HANDOFF_PORT}", "handoff_advertise": pod_ip}
 
 
 PACKAGED_PLANNER_COST_MODEL = "tiny-llama-cpu-2layers.json"

@@ -204,6 +204,7 @@ OPERATOR_ONLY_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("topology", "topology", _PLACEMENT),
     ("networkPolicy", "network_policy", "a NetworkPolicy the operator renders; wavepp up makes none (its NATS bus has per-process credentials)"),
     ("inferencePool", "inference_pool", "an InferencePool the operator renders; wavepp up makes none"),
+    ("decode", "decode", "the decode pool or Service of the operator's pods; wavepp up decodes with --decode vllm or --decode-url URL"),
     ("restartBudget", "restart_budget", "the operator's re-formation budget; wavepp up restarts a stage at most --max-stage-restarts times"),
 )  # fmt: skip
 """Top-level spec fields only the operator applies: (wire name, Python name, why)."""

@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from wavepp.api.spec import API_GROUP, API_VERSION, KIND, WavePipelineSpec
+from wavepp.api.pod import HANDOFF_PORT
+from wavepp.api.spec import API_GROUP, API_VERSION, DECODE_PORT, KIND, WavePipelineSpec
 from wavepp.operator.containers import (
     CONFIG_DIR,
     CONTAINER_SECURITY_CONTEXT,
@@ -31,6 +32,11 @@ from wavepp.operator.containers import (
     container_args,
     pod_container,
     pod_spec_common,
+)
+from wavepp.operator.decode_builders import (
+    build_decode_deployment,
+    build_decode_service,
+    decode_pod_selector,
 )
 from wavepp.operator.gateway_builders import (
     GATEWAY_REPLICAS,
@@ -62,6 +68,7 @@ __all__ = [
     "ANNOTATION_SPEC_HASH",
     "CONFIG_DIR",
     "CONTAINER_SECURITY_CONTEXT",
+    "HANDOFF_PORT",
     "HEALTH_PORT",
     "HTTP_PORT",
     "LABEL_COMPONENT",
@@ -83,6 +90,8 @@ __all__ = [
     "base_labels",
     "build_admission_deployment",
     "build_admission_service",
+    "build_decode_deployment",
+    "build_decode_service",
     "build_gateway_deployment",
     "build_gateway_service",
     "build_hpa",
@@ -393,7 +402,10 @@ def build_network_policies(ref: PipelineRef, spec: WavePipelineSpec) -> list[dic
     false): stage pods accept only the pipeline's stage pods (the rendezvous port and gloo/NCCL's
     activation connections, on ports they choose) and anyone on the health port (probes);
     admission pods accept the pipeline's gateway on the HTTP port and anyone on the metrics
-    port; the gateway accepts ``networkPolicy.gatewayFrom`` (default: its namespace's pods)."""
+    port; the gateway accepts ``networkPolicy.gatewayFrom`` (default: its namespace's pods).
+    With a ``decode`` section the stage pods also accept exactly the decode pods
+    (``decode_pod_selector``) on the KV transfer port ``HANDOFF_PORT``, and a rendered decode
+    pool's pods accept only the pipeline's gateway on ``DECODE_PORT``."""
     if not spec.network_policy.enabled:
         return []
 
@@ -416,11 +428,25 @@ def build_network_policies(ref: PipelineRef, spec: WavePipelineSpec) -> list[dic
         }
 
     gateway_from = list(spec.network_policy.gateway_from) or [{"podSelector": {}}]
+    stage_ingress: list[dict[str, Any]] = [
+        {"from": [{"podSelector": pods("stage")}]},
+        {"ports": [tcp(HEALTH_PORT)]},
+    ]
+    decode_pods = decode_pod_selector(ref, spec)
+    if decode_pods is not None:
+        stage_ingress.append(
+            {"from": [{"podSelector": {"matchLabels": decode_pods}}], "ports": [tcp(HANDOFF_PORT)]}
+        )
+    decode_policy = []
+    if spec.decode is not None and spec.decode.pool is not None:
+        decode_policy.append(
+            policy(
+                "decode",
+                [{"from": [{"podSelector": pods("gateway")}], "ports": [tcp(DECODE_PORT)]}],
+            )
+        )
     return [
-        policy(
-            "stage",
-            [{"from": [{"podSelector": pods("stage")}]}, {"ports": [tcp(HEALTH_PORT)]}],
-        ),
+        policy("stage", stage_ingress),
         policy(
             "admission",
             [
@@ -429,6 +455,7 @@ def build_network_policies(ref: PipelineRef, spec: WavePipelineSpec) -> list[dic
             ],
         ),
         policy("gateway", [{"from": gateway_from, "ports": [tcp(HTTP_PORT)]}]),
+        *decode_policy,
     ]
 
 

@@ -11,7 +11,13 @@ import math
 from typing import Any, Literal
 
 from wavepp.api.cli_args import NatsArgs, admission_args, gateway_args, stage_args
-from wavepp.api.pod import API_KEYS_DIR, API_KEYS_ENTRY, DRAIN_EXIT_MARGIN_S
+from wavepp.api.pod import (
+    API_KEYS_DIR,
+    API_KEYS_ENTRY,
+    DRAIN_EXIT_MARGIN_S,
+    HANDOFF_PORT,
+    POD_IP_ENV,
+)
 from wavepp.api.spec import CONFIG_EXIT_CODE, WavePipelineSpec
 from wavepp.operator.naming import (
     POD_INDEX_LABEL,
@@ -119,6 +125,10 @@ def _env(component: Component, spec: WavePipelineSpec, ref: PipelineRef) -> list
         env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": spec.telemetry.otlp_endpoint})
     if spec.nats.credentials_secret and uses_rendered_creds(spec, ref):
         env.append({"name": "WAVEPP_BUS_KEY_FILE", "value": BUS_KEY_FILE})
+    if spec.decode is not None and component != "gateway":
+        # A replica's processes read it with a decode section: the stage's KV transfer
+        # address (wavepp.launch.replica.pod_handoff).
+        env.append({"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     if component == "stage":
         env += list(spec.pod_template.env)
         env.insert(
@@ -177,7 +187,7 @@ def pod_container(
         "command": ["wavepp"],
         "args": container_args(component, spec, ref, replica),
         "env": _env(component, spec, ref),
-        "ports": ports + metrics_ports(component, spec),
+        "ports": ports + handoff_ports(component, spec) + metrics_ports(component, spec),
         "resources": resources,
         "volumeMounts": mounts,
         "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
@@ -191,6 +201,14 @@ def pod_container(
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
     return container
+
+
+def handoff_ports(component: Component, spec: WavePipelineSpec) -> list[dict[str, Any]]:
+    """The ``handoff`` port (KV transfers to decode pods), declared on the stage only and only
+    with a ``decode`` section (then its stage listens there: ``launch.replica.pod_handoff``)."""
+    if component != "stage" or spec.decode is None:
+        return []
+    return [{"name": "handoff", "containerPort": HANDOFF_PORT, "protocol": "TCP"}]
 
 
 def metrics_ports(component: Component, spec: WavePipelineSpec) -> list[dict[str, Any]]:

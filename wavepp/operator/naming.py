@@ -17,6 +17,8 @@ deterministic name (the operator may rerun any handler):
 | PodGroup (optional)        | {p}-r{i}                 | replica  |
 | NetworkPolicy              | {p}-stage, -admission, -gateway | pipeline |
 | InferencePool (optional)   | {p}                      | pipeline |
+| Deployment + Service       | {p}-decode (decode.pool) | pipeline |
+| NetworkPolicy (decode.pool)| {p}-decode               | pipeline |
 
 Stage pods are ``{p}-r{i}-{rank}``: the StatefulSet ordinal is the stage rank. The spec
 ConfigMap's name carries the spec hash (:func:`spec_hash`), so replicas on the old and the new
@@ -70,12 +72,18 @@ class PipelineRef:
 
 
 def spec_hash(spec: WavePipelineSpec) -> str:
-    """Hash of what a replica runs: the resolved spec without replicas/autoscaling/budget/rollout.
+    """Hash of what a replica runs: the resolved spec without replicas/autoscaling/budget/rollout
+    (and of ``decode.pool`` only its presence).
 
     Returns:
         10 lowercase hex characters of sha256 over canonical JSON (sorted keys).
     """
     wire = {k: v for k, v in spec.to_wire().items() if k not in _NOT_HASHED}
+    if "pool" in wire.get("decode", {}):
+        # A replica's processes see only that a pool exists (its Service is the gateway's
+        # decode URL; the stages serve KV transfers): the pool's size, image and args roll
+        # the decode Deployment alone.
+        wire["decode"] = {"pool": True}
     canonical = json.dumps(wire, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:10]
 

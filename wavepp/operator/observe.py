@@ -108,7 +108,7 @@ def pod_failure(pod: dict[str, Any]) -> str | None:
 
 
 def gateway_pod_ready(pod: dict[str, Any]) -> bool:
-    """A live gateway pod whose readiness probe passes."""
+    """A live gateway (or decode) pod whose readiness probe passes."""
     return not is_terminating(pod) and _condition(pod, "Ready") and not pod_failure(pod)
 
 

@@ -45,7 +45,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from wavepp.api.spec import SpecIssue, check_spec
+from wavepp.api.spec import SpecIssue, check_spec, decode_service_name
 from wavepp.operator import builders as b
 from wavepp.operator import natscreds
 from wavepp.operator.observe import (
@@ -149,6 +149,21 @@ class Plan:
     status: dict[str, Any]
     requeue_after_s: float | None = None
     issues: list[SpecIssue] = field(default_factory=list)
+
+
+def _decode_pods(observed: Observed, name: str) -> tuple[int, int] | None:
+    """The rendered decode pool's (Ready pods, desired pods): its pods (component ``decode``)
+    whose readiness probe (vLLM's ``/health``) passes, and its Deployment ``name``'s replicas;
+    None while that Deployment is not observed."""
+    for dep in observed.deployments:
+        if meta_of(dep)["name"] == name:
+            ready = sum(
+                1
+                for p in observed.pods
+                if labels_of(p).get(b.LABEL_COMPONENT) == "decode" and gateway_pod_ready(p)
+            )
+            return ready, int(dep["spec"].get("replicas", 1))
+    return None
 
 
 def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Defaults) -> Plan:
@@ -410,10 +425,21 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
     inference_pool = b.build_inference_pool(ref, spec)
     if inference_pool is not None:
         actions.append(Apply(inference_pool))
+    decode_objects = [b.build_decode_deployment(ref, spec), b.build_decode_service(ref, spec)]
+    actions += [Apply(obj) for obj in decode_objects if obj is not None]
+    if decode_objects[0] is None:
+        decode_name = decode_service_name(ref.name)
+        for kind, objs in (("Deployment", observed.deployments), ("Service", observed.services)):
+            if any(meta_of(o)["name"] == decode_name for o in objs):
+                actions.append(Delete(kind, decode_name))
     policies = b.build_network_policies(ref, spec)
     actions += [Apply(p) for p in policies]
-    if not policies:
-        actions += [Delete("NetworkPolicy", meta_of(p)["name"]) for p in observed.network_policies]
+    rendered_policies = {meta_of(p)["name"] for p in policies}
+    actions += [
+        Delete("NetworkPolicy", meta_of(p)["name"])
+        for p in observed.network_policies
+        if meta_of(p)["name"] not in rendered_policies
+    ]
     hpa = b.build_hpa(ref, spec)
     if hpa is not None:
         actions.append(Apply(hpa))
@@ -450,6 +476,7 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         now,
         gateway_ready=any(gateway_pod_ready(p) for p in gateway_pods),
         gateway_error=gateway_error,
+        decode_pods=_decode_pods(observed, decode_service_name(ref.name)),
     )
     due = [max(0.5, t) for t in requeue]
     return Plan(actions=actions, status=status, requeue_after_s=min(due) if due else None)

@@ -21,15 +21,16 @@ def iso_time(now: float) -> str:
 
 def condition_entry(
     type_: str,
-    status: bool,
+    status: bool | None,
     reason: str,
     message: str,
     previous: list[dict[str, Any]],
     now: float,
     generation: int | None,
 ) -> dict[str, Any]:
-    """A condition; lastTransitionTime is kept from ``previous`` while the status holds."""
-    status_text = "True" if status else "False"
+    """A condition (``status`` None: Unknown); lastTransitionTime is kept from ``previous``
+    while the status holds."""
+    status_text = "Unknown" if status is None else "True" if status else "False"
     since = iso_time(now)
     for old in previous:
         if old.get("type") == type_ and old.get("status") == status_text:
@@ -76,8 +77,15 @@ def pipeline_status(
     *,
     gateway_ready: bool,
     gateway_error: str | None = None,
+    decode_pods: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """The observed state, with the drains this plan starts or ends already applied.
+
+    With ``spec.decode`` a ``DecodeReady`` condition (:func:`decode_condition`; ``decode_pods``
+    = the rendered decode pool's (Ready, desired) pods, None when its Deployment is not
+    observed)
+    says whether whole completions can decode; Ready stays the prefill side's (a pipeline
+    without a ready decode pod still serves ``max_tokens`` 1).
 
     Ready needs every desired replica serving (each stage's pod Ready: its compute loop alive)
     and a Ready gateway pod; a replica stopped by a config error is Degraded with reason
@@ -223,6 +231,9 @@ def pipeline_status(
         condition_entry("Progressing", *progressing, previous, now, generation),
         condition_entry("Degraded", *degraded_cond, previous, now, generation),
     ]
+    decode = decode_condition(spec, decode_pods)
+    if decode is not None:
+        conditions.append(condition_entry("DecodeReady", *decode, previous, now, generation))
     if degraded or gateway_error is not None:
         phase = "Degraded"
     elif ready_cond[0]:
@@ -243,6 +254,31 @@ def pipeline_status(
         "replicaStatuses": [r.model_dump(by_alias=True, exclude_none=True) for r in replicas],
         "conditions": conditions,
     }
+
+
+def decode_condition(
+    spec: WavePipelineSpec, decode_pods: tuple[int, int] | None
+) -> tuple[bool | None, str, str] | None:
+    """``DecodeReady`` (status, reason, message); None without ``spec.decode``.
+
+    A rendered pool: True (``DecodePodsReady``) while at least one of its pods is Ready (vLLM's
+    ``/health`` answers), else False (``NoDecodePodReady``, ``DecodeScaledToZero`` at 0 pods,
+    ``DecodeNotCreated`` before its Deployment is observed). A referenced Service: Unknown
+    (``ExternalService``): the operator does not watch pods it did not create.
+    """
+    if spec.decode is None:
+        return None
+    if spec.decode.service is not None:
+        name = spec.decode.service.name
+        return None, "ExternalService", f"decode.service {name}: its pods are not watched"
+    assert spec.decode.pool is not None, "DecodeSpec holds a service or a pool"
+    if decode_pods is None:
+        return False, "DecodeNotCreated", "the decode Deployment is not observed yet"
+    ready, desired = decode_pods
+    if spec.decode.pool.replicas == 0:
+        return False, "DecodeScaledToZero", "decode.pool.replicas is 0"
+    message = f"{ready}/{desired} decode pods Ready"
+    return (True, "DecodePodsReady", message) if ready > 0 else (False, "NoDecodePodReady", message)
 
 
 def apply_failed_status(

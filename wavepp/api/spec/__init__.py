@@ -26,6 +26,7 @@ The package: ``models`` (``WavePipelineSpec``, its cross-field checks; the layer
 telemetry, restart budget, rollout; the bounds ``MAX_REPLICAS`` and ``MAX_TENANTS``), ``errors`` (:class:`SpecError`), ``base`` (the wire base class),
 ``engine_options`` (the free-form ``engineOptions``' keys, types and bounds), ``checks`` (what
 the engines honour: which engine reads which option, emulated models, TP, dtype per device),
+``decode`` (the ``decode`` section: a decode Service or pool, the gateway's decode URLs),
 ``sections`` (pod overlay, topology, NetworkPolicies, InferencePool), ``status`` (the status
 models, ``CONFIG_EXIT_CODE``), ``loading`` (:func:`load_spec_file`, :func:`check_spec`,
 :class:`SpecIssue`; every failure one line naming the field, infinities and NaN refused
@@ -33,6 +34,16 @@ anywhere). Import from ``wavepp.api.spec``.
 """
 
 from wavepp.api.spec.checks import EMULATED_MODELS, ENGINE_OPTIONS, MODEL_CONFIG_EXTRA
+from wavepp.api.spec.decode import (
+    DECODE_PORT,
+    MAX_DECODE_REPLICAS,
+    DecodePoolSpec,
+    DecodeResources,
+    DecodeServiceRef,
+    DecodeSpec,
+    decode_service_name,
+    decode_urls,
+)
 from wavepp.api.spec.engine_options import ENGINE_OPTION_KEYS, check_engine_options
 from wavepp.api.spec.loading import (
     SpecFileError,
@@ -85,6 +96,14 @@ from wavepp.api.spec.status import (
 
 __all__ = [
     "API_GROUP",
+    "DECODE_PORT",
+    "MAX_DECODE_REPLICAS",
+    "DecodePoolSpec",
+    "DecodeResources",
+    "DecodeServiceRef",
+    "DecodeSpec",
+    "decode_service_name",
+    "decode_urls",
     "CONFIG_EXIT_CODE",
     "API_VERSION",
     "ENGINE_OPTION_KEYS",

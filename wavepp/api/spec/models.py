@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 from wavepp.api.layer_split import LayerSplitError, split_layers
 from wavepp.api.spec.base import WireModel
 from wavepp.api.spec.checks import check_engine
+from wavepp.api.spec.decode import DecodeSpec, check_decode
 from wavepp.api.spec.engine_options import check_engine_options
 from wavepp.api.spec.errors import SpecError
 from wavepp.api.spec.parts import (
@@ -112,6 +113,14 @@ class WavePipelineSpec(WireModel):
     topology: TopologySpec = Field(default_factory=TopologySpec)
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     inference_pool: InferencePoolSpec = Field(default_factory=InferencePoolSpec)
+    decode: DecodeSpec | None = Field(
+        None,
+        description=(
+            "Where whole completions decode: an existing Service of vLLM decode servers "
+            "with WavePP's connector (service) or decode pods the operator renders (pool). "
+            "Unset: the gateway serves prefill only (max_tokens 1)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_layout(self) -> WavePipelineSpec:
@@ -256,6 +265,7 @@ def _check_cross_fields(spec: WavePipelineSpec) -> None:
             )
     check_engine(spec)
     check_engine_options(spec.engine_options)
+    check_decode(spec)
     budget = spec.restart_budget
     if budget.window_s is not None and budget.window_s < budget.least_window():
         raise SpecError(

@@ -51,7 +51,8 @@ class ReplicaStatus(WireModel):
 class Condition(WireModel):
     """A standard Kubernetes condition (metav1.Condition fields)."""
 
-    type: Literal["Ready", "Progressing", "Degraded"]
+    # DecodeReady: only with spec.decode (see wavepp.operator.status.decode_condition).
+    type: Literal["Ready", "Progressing", "Degraded", "DecodeReady"]
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
     message: str = ""

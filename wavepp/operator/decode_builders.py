@@ -1,0 +1,202 @@
+"""Manifest builders of the decode pool (pure; re-exported by ``builders``): the Deployment
+``{p}-decode`` of vLLM decode pods and its Service, rendered for ``spec.decode.pool``.
+
+Each decode pod runs the command line of ``wavepp.api.vllm_decode`` (the one ``wavepp up
+--decode vllm`` runs): vLLM's OpenAI server on ``0.0.0.0:DECODE_PORT`` with WavePP's connector
+as ``kv_consumer``, on the pipeline's checkpoint (``model.path``, the model's PVC mounted
+read-only), in the stages' dtype. It holds no WavePP secret: a handoff's token is minted by the
+stages and travels in each decode request's ``kv_transfer_params``. The gateway reaches the
+pods through the Service (``wavepp.api.spec.decode_urls``); the NetworkPolicies
+(``builders.build_network_policies``) let only the gateway reach them and only them reach the
+stages' KV transfer port.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wavepp.api.spec import DECODE_PORT, WavePipelineSpec, decode_service_name
+from wavepp.api.vllm_decode import CPU_KV_CACHE_ENV, CPU_KV_CACHE_GIB, vllm_decode_args
+from wavepp.operator.containers import CONTAINER_SECURITY_CONTEXT, pod_spec_common
+from wavepp.operator.naming import (
+    LABEL_COMPONENT,
+    LABEL_PIPELINE,
+    PipelineRef,
+    base_labels,
+    child_metadata,
+)
+
+__all__ = [
+    "DECODE_STARTUP_S",
+    "build_decode_deployment",
+    "build_decode_service",
+    "decode_command",
+    "decode_pod_selector",
+]
+
+DECODE_STARTUP_S = 1800
+"""Seconds a decode pod may take to load the checkpoint before its startup probe fails."""
+
+_PROBE_PERIOD_S = 10
+
+
+def decode_pod_selector(ref: PipelineRef, spec: WavePipelineSpec) -> dict[str, Any] | None:
+    """The matchLabels of the pipeline's decode pods: the rendered pool's, or the referenced
+    Service's ``podSelector``; None without a decode section (or a reference without one)."""
+    decode = spec.decode
+    if decode is None:
+        return None
+    if decode.pool is not None:
+        return {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "decode"}
+    assert decode.service is not None, "DecodeSpec holds a service or a pool"
+    return dict(decode.service.pod_selector) or None
+
+
+def decode_command(spec: WavePipelineSpec) -> list[str]:
+    """A decode pod's command: the pool's ``python`` + ``vllm_decode_args`` + ``args``.
+
+    The model directory is ``model.path`` (the resolved spec fills it from the PVC), the dtype
+    the stages' (``model.dtype``; the resolved spec fills it), CPU settings when the pool asks
+    for no GPU. The checkpoint is taken to hold its tokenizer (``--skip-tokenizer-init`` in
+    ``args`` otherwise).
+
+    Raises:
+        ValueError: no decode pool, or no model directory (an unresolved spec).
+    """
+    pool = spec.decode.pool if spec.decode is not None else None
+    if pool is None:
+        raise ValueError("decode_command: the spec has no decode.pool")
+    if not spec.model.path:
+        raise ValueError("decode_command: model.path is unset (resolve the spec first)")
+    on_cpu = pool.resources.gpus == 0
+    dtype = spec.model.dtype or ("float32" if spec.gpus_per_stage() == 0 else "bfloat16")
+    return [
+        pool.python,
+        *vllm_decode_args(
+            model_dir=spec.model.path,
+            model_name=spec.model.name,
+            host="0.0.0.0",
+            port=DECODE_PORT,
+            dtype=dtype,
+            max_model_len=pool.max_model_len,
+            on_cpu=on_cpu,
+            has_tokenizer=True,
+        ),
+        *pool.args,
+    ]
+
+
+def _resources(spec: WavePipelineSpec) -> dict[str, Any]:
+    assert spec.decode is not None and spec.decode.pool is not None
+    res = spec.decode.pool.resources
+    amounts: dict[str, Any] = {}
+    if res.cpu:
+        amounts["cpu"] = res.cpu
+    if res.memory:
+        amounts["memory"] = res.memory
+    if res.gpus > 0:
+        amounts[res.gpu_resource_name] = str(res.gpus)
+    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+
+
+def _volumes(spec: WavePipelineSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    assert spec.decode is not None and spec.decode.pool is not None
+    shm = spec.decode.pool.resources.shared_memory
+    volumes: list[dict[str, Any]] = [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    pvc = spec.model.pvc
+    if pvc is not None:
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True},
+            }
+        )
+        mount: dict[str, Any] = {"name": "model", "mountPath": pvc.mount_path, "readOnly": True}
+        if pvc.sub_path:
+            mount["subPath"] = pvc.sub_path
+        mounts.append(mount)
+    return volumes, mounts
+
+
+def build_decode_deployment(ref: PipelineRef, spec: WavePipelineSpec) -> dict[str, Any] | None:
+    """The Deployment ``{p}-decode`` of ``decode.pool.replicas`` vLLM decode pods (None
+    without a pool). Restricted pod security as every pipeline pod (non-root, read-only root
+    filesystem: vLLM writes only under /tmp, its ``HOME``); probes on vLLM's ``/health``, the
+    startup probe allowing :data:`DECODE_STARTUP_S`."""
+    pool = spec.decode.pool if spec.decode is not None else None
+    if pool is None:
+        return None
+    name = decode_service_name(ref.name)
+    volumes, mounts = _volumes(spec)
+    env = [{"name": "HOME", "value": "/tmp"}]
+    if pool.resources.gpus == 0:
+        env.append({"name": CPU_KV_CACHE_ENV, "value": CPU_KV_CACHE_GIB})
+
+    def health(period_s: int, failures: int) -> dict[str, Any]:
+        return {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": period_s,
+            "failureThreshold": failures,
+        }
+
+    container: dict[str, Any] = {
+        "name": "decode",
+        "image": pool.image,
+        "command": decode_command(spec),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": DECODE_PORT, "protocol": "TCP"}],
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "startupProbe": health(_PROBE_PERIOD_S, DECODE_STARTUP_S // _PROBE_PERIOD_S),
+        "readinessProbe": health(5, 3),
+        "livenessProbe": health(10, 6),
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    pod: dict[str, Any] = pod_spec_common(spec) | {
+        "containers": [container],
+        "volumes": volumes,
+        "automountServiceAccountToken": False,  # it needs no Kubernetes API
+    }
+    pod.pop("serviceAccountName", None)  # spec.serviceAccountName is the stages' and admission's
+    if pool.node_selector:
+        pod["nodeSelector"] = dict(pool.node_selector)
+    if pool.tolerations:
+        pod["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in pool.tolerations
+        ]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": child_metadata(ref, name, "decode"),
+        "spec": {
+            "replicas": pool.replicas,
+            "selector": {"matchLabels": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "decode"}},
+            "template": {"metadata": {"labels": base_labels(ref.name, "decode")}, "spec": pod},
+        },
+    }
+
+
+def build_decode_service(ref: PipelineRef, spec: WavePipelineSpec) -> dict[str, Any] | None:
+    """The ClusterIP Service ``{p}-decode`` on :data:`DECODE_PORT` over the pool's pods (None
+    without a pool): the gateway's decode endpoint."""
+    if spec.decode is None or spec.decode.pool is None:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_metadata(ref, decode_service_name(ref.name), "decode"),
+        "spec": {
+            "selector": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "decode"},
+            "ports": [{"name": "http", "port": DECODE_PORT, "targetPort": "http"}],
+        },
+    }
