@@ -1,4 +1,4 @@
-"""``wavepp up``'s decode flags resolved before anything starts (``launch.up.plan_decode``,
+"""``wavepp up``'s decode flags resolved before anything starts (``launch.decode.plan_decode``,
 ``launch.decode``): the vLLM server's command line and environment, the gateway's decode
 endpoints, the serving line, and a clear refusal naming the flag for each bad input. No
 process is started (one short probe of a Python)."""

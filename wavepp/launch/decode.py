@@ -8,14 +8,18 @@ line ``PY`` + ``wavepp.api.vllm_decode.vllm_decode_args`` (the one owner of it; 
 decode pool runs the same) on ``127.0.0.1``, with ``PYTHONPATH`` = the folder holding this
 ``wavepp`` package (the connector needs only the standard library, torch and vLLM) and, on CPU,
 ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, 1 unless set). ``--decode-args "..."`` appends
-vLLM options (shell words) after these.
+vLLM options (shell words) after these. ``plan_decode`` resolves the decode flags into the
+servers to start and the endpoints the gateway sends to.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import shlex
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +33,8 @@ from wavepp.api.vllm_decode import (
     vllm_decode_args,
 )
 from wavepp.launch.flags import FlagError
+from wavepp.runtime.config import RuntimeConfig
+from wavepp.runtime.transport.natsio import free_port
 
 __all__ = [
     "CONNECTOR_CONFIG",
@@ -36,6 +42,7 @@ __all__ = [
     "DecodeServer",
     "check_vllm_python",
     "decode_servers",
+    "plan_decode",
 ]
 
 
@@ -108,3 +115,50 @@ def decode_servers(
             DecodeServer(f"decode-{i}", f"http://127.0.0.1:{port}", command + extra, dict(env))
         )
     return servers
+
+
+_URL = re.compile(r"^https?://[^/\s]+/?$")
+
+
+def plan_decode(
+    args: argparse.Namespace, first: RuntimeConfig, on_cpu: bool
+) -> tuple[list[DecodeServer], list[str]]:
+    """The decode side from ``--decode``, ``--decode-url``, ``--decode-python``,
+    ``--decode-replicas``, ``--decode-args`` and ``--decode-max-tokens`` (``launch.decode``):
+    (local instances to start, every endpoint URL).
+
+    Raises:
+        FlagError: a ``--decode-url`` that is not ``http(s)://host:port``; ``--decode vllm``
+            without a checkpoint directory (``--model DIR`` or ``model.path``), with
+            ``--decode-replicas`` < 1, or with a ``--decode-python`` where vllm is not
+            importable; ``--decode-max-tokens`` < 2.
+    """
+    for url in args.decode_url:
+        if not _URL.match(url):
+            raise FlagError("--decode-url", f"{url!r}: must be http(s)://HOST:PORT")
+    if args.decode_max_tokens < 2:
+        raise FlagError("--decode-max-tokens", f"{args.decode_max_tokens}: must be >= 2")
+    servers: list[DecodeServer] = []
+    if args.decode == "vllm":
+        if not first.model_dir:
+            raise FlagError(
+                "--decode", "vllm needs the served checkpoint's directory: give --model DIR"
+            )
+        if args.decode_replicas < 1:
+            raise FlagError("--decode-replicas", f"{args.decode_replicas}: must be >= 1")
+        python = args.decode_python or sys.executable
+        check_vllm_python(python)
+        servers = decode_servers(
+            python=python,
+            model_dir=first.model_dir,
+            model_name=first.model.name,
+            dtype=first.model.dtype,
+            max_model_len=first.model.max_position,
+            ports=[free_port() for _ in range(args.decode_replicas)],
+            on_cpu=on_cpu,
+            extra_args=args.decode_args,
+        )
+    elif args.decode_python or args.decode_args:
+        flag = "--decode-python" if args.decode_python else "--decode-args"
+        raise FlagError(flag, "applies to --decode vllm only")
+    return servers, [s.url for s in servers] + [u.rstrip("/") for u in args.decode_url]

@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +37,7 @@ from wavepp.api.spec import (
 )
 from wavepp.gateway.config import GatewayConfig
 from wavepp.gateway.tenants import TenantPolicy, policy_from_spec
-from wavepp.launch.decode import DecodeServer, check_vllm_python, decode_servers
+from wavepp.launch.decode import DecodeServer, plan_decode
 from wavepp.launch.flags import FlagError, check_port_free
 from wavepp.launch.gateway import gateway_model_fields, key_files_problem, replica_info
 from wavepp.launch.replica import planner_cost_model, telemetry_from_spec
@@ -383,7 +381,7 @@ class UpPlan:
         drain_s: the admissions' ``--drain-timeout-s`` (:func:`drain_times`).
         admission_grace_s: SIGTERM to SIGKILL of an admission (:func:`drain_times`).
         auth_line: the line saying whether API keys are required, printed once serving.
-        decode: the local decode instances to start (``--decode vllm``; :func:`plan_decode`).
+        decode: the local decode instances to start (``--decode vllm``; ``launch.decode.plan_decode``).
         decode_urls: every decode endpoint, local ones first (the gateway's ``decode_urls``).
     """
 
@@ -398,53 +396,6 @@ class UpPlan:
     auth_line: str
     decode: list[DecodeServer] = field(default_factory=list)
     decode_urls: list[str] = field(default_factory=list)
-
-
-_URL = re.compile(r"^https?://[^/\s]+/?$")
-
-
-def plan_decode(
-    args: argparse.Namespace, first: RuntimeConfig, on_cpu: bool
-) -> tuple[list[DecodeServer], list[str]]:
-    """The decode side from ``--decode``, ``--decode-url``, ``--decode-python``,
-    ``--decode-replicas``, ``--decode-args`` and ``--decode-max-tokens`` (``launch.decode``):
-    (local instances to start, every endpoint URL).
-
-    Raises:
-        FlagError: a ``--decode-url`` that is not ``http(s)://host:port``; ``--decode vllm``
-            without a checkpoint directory (``--model DIR`` or ``model.path``), with
-            ``--decode-replicas`` < 1, or with a ``--decode-python`` where vllm is not
-            importable; ``--decode-max-tokens`` < 2.
-    """
-    for url in args.decode_url:
-        if not _URL.match(url):
-            raise FlagError("--decode-url", f"{url!r}: must be http(s)://HOST:PORT")
-    if args.decode_max_tokens < 2:
-        raise FlagError("--decode-max-tokens", f"{args.decode_max_tokens}: must be >= 2")
-    servers: list[DecodeServer] = []
-    if args.decode == "vllm":
-        if not first.model_dir:
-            raise FlagError(
-                "--decode", "vllm needs the served checkpoint's directory: give --model DIR"
-            )
-        if args.decode_replicas < 1:
-            raise FlagError("--decode-replicas", f"{args.decode_replicas}: must be >= 1")
-        python = args.decode_python or sys.executable
-        check_vllm_python(python)
-        servers = decode_servers(
-            python=python,
-            model_dir=first.model_dir,
-            model_name=first.model.name,
-            dtype=first.model.dtype,
-            max_model_len=first.model.max_position,
-            ports=[free_port() for _ in range(args.decode_replicas)],
-            on_cpu=on_cpu,
-            extra_args=args.decode_args,
-        )
-    elif args.decode_python or args.decode_args:
-        flag = "--decode-python" if args.decode_python else "--decode-args"
-        raise FlagError(flag, "applies to --decode vllm only")
-    return servers, [s.url for s in servers] + [u.rstrip("/") for u in args.decode_url]
 
 
 def plan_up(args: argparse.Namespace) -> UpPlan:
