@@ -15,9 +15,23 @@ time). Ratios are of medians taken in this run.
 - ``engine``: one in-process engine holding every layer: ``prepare`` + ``execute`` of
   micro-batches of ``--batch`` prompts, each prompt split in chunks of ``--chunk-tokens``
   (later chunks read their earlier chunks from the paged cache), same threads.
-- ``pipeline-S`` (``--stages 1,2``): ``LocalPipeline`` (real stage processes, NATS, gloo),
-  ``--concurrency`` requests out at a time (closed loop), each stage with
-  ``--threads / S`` (at least 1) torch threads; the ``hf`` side runs with ``--threads``.
+- ``pipeline-S`` (``--stages 1,2``): ``LocalPipeline`` (real stage processes, NATS, gloo; the
+  scheduler in this process), ``--concurrency`` requests out at a time (closed loop), each
+  stage with ``--threads / S`` (at least 1) torch threads; the ``hf`` side runs with
+  ``--threads``.
+- ``up-S`` (``--path local,up``): the same pipeline behind ``wavepp up`` (HTTP gateway,
+  JetStream intake, admission service, stage processes), driven by ``vs_vllm.drive``'s HTTP
+  client at the same concurrency. Both paths serve one WavePipeline spec (``bench_spec``;
+  ``local`` builds its RuntimeConfig from it as ``wavepp up`` does), so they differ only in
+  the control path; ``up-S / pipeline-S`` is printed. Each pass also records the CPU seconds
+  of every process of the side by role (stages, admission, gateway, nats-server, this
+  process), from ``/proc`` (Linux).
+- ``--source seeded,checkpoint``: the seeded model, and the same shape as a random-weight
+  Hugging Face checkpoint directory served as ``--model DIR`` serves it (checkpoint engine,
+  layers split by cost: ``-ckpt`` sides). ``--engine emulated`` (``--emulate``,
+  ``--time-scale``) replaces the layers by the cost model's sleeps: what is left is the
+  control path. ``--no-hf`` leaves the ``hf`` side out; ``--max-inflight`` sets the
+  micro-batches in flight (default: the runtime's, S).
 
 ``--profile`` adds one profiled engine pass (``torch.profiler``, the engine's named regions,
 ``wavepp/runtime/stage/engine/profile.py``) and prints its per-part table. ``--device cuda
@@ -26,6 +40,9 @@ object of every figure. This is a benchmark: it measures and prints; it asserts 
 
     python benchmarks/engine_vs_hf.py --requests 40 --profile
     python benchmarks/engine_vs_hf.py --requests 60 --stages 1,2 --threads 2 --json
+    python benchmarks/engine_vs_hf.py --requests 24 --stages 2 --threads 2 --path local,up \
+        --source seeded,checkpoint --no-hf --json
+    python benchmarks/engine_vs_hf.py --engine emulated --stages 2 --path local,up --json
 """
 
 from __future__ import annotations
@@ -38,7 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -178,27 +195,142 @@ async def _closed_loop(scheduler: Any, prompts: list[list[int]], concurrency: in
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
+def bench_spec(
+    args: Any, config: ModelConfig, stages: int, source: str = "seeded"
+) -> dict[str, Any]:
+    """The WavePipeline spec both pipeline paths serve (``local`` builds its RuntimeConfig from
+    it as ``wavepp up`` does; ``up`` is given it as ``--config``): ``stages`` stages of the
+    seeded ``config`` (torch; ``source`` ``checkpoint``: the same shape as a random-weight
+    Hugging Face checkpoint directory ``args.model_dir``, served as ``--model DIR`` serves it:
+    checkpoint engine, layers split by cost) or of ``--emulate``'s cost model (emulated, ``--time-scale``),
+    blocks of ``BLOCK_SIZE``, ``--threads / stages`` (at least 1) torch threads per stage,
+    ``--max-inflight`` micro-batches in flight (0: the runtime's default)."""
+    longest = args.longest
+    blocks = max(64, args.concurrency * 2 * (-(-longest // BLOCK_SIZE)))
+    options: dict[str, Any] = {
+        "kvBlocks": blocks,
+        "torchThreads": max(1, args.threads // stages),
+    }
+    if args.max_inflight:
+        options["maxInflight"] = args.max_inflight
+    spec: dict[str, Any] = {
+        "stages": stages,
+        "replicas": 1,
+        "engine": args.engine,
+        "cache": {"blockSize": BLOCK_SIZE},
+        "engineOptions": options,
+    }
+    if args.engine == "emulated":
+        spec["model"] = {"name": args.emulate}
+        options |= {"emulate": args.emulate, "timeScale": args.time_scale}
+    elif source == "checkpoint":
+        spec["model"] = {"name": config.name, "path": str(args.model_dir), "dtype": config.dtype}
+    else:
+        shape = {
+            "numLayers": config.num_layers,
+            "hiddenSize": config.hidden_size,
+            "intermediateSize": config.intermediate_size,
+            "numHeads": config.num_heads,
+            "numKvHeads": config.num_kv_heads,
+            "headDim": config.head_dim,
+            "vocabSize": config.vocab_size,
+            "maxPosition": config.max_position,
+        }
+        spec["model"] = {"name": config.name, "config": shape, "dtype": config.dtype}
+        options["seed"] = config.seed
+    return spec
+
+
+def runtime_config_of(spec: dict[str, Any]) -> Any:
+    """The replica's RuntimeConfig ``wavepp up --config`` builds from ``spec`` (pool
+    ``default``), without its telemetry."""
+    from wavepp.api.spec import check_spec
+    from wavepp.launch.runtime_config import runtime_configs_from_spec, with_checkpoint_layers
+    from wavepp.launch.up import local_resources
+
+    checked, issues = check_spec(
+        local_resources(with_checkpoint_layers(spec)),
+        default_image="local",
+        default_nats_url="nats://embedded",
+    )
+    if checked is None:
+        raise ValueError("bench spec refused: " + "; ".join(str(i) for i in issues))
+    return runtime_configs_from_spec(checked, pool="default")[0]
+
+
+def _proc_stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, user + system CPU seconds) of ``pid`` from ``/proc`` (Linux); None: gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks
+
+
+def _role(pid: int, root: int) -> str:
+    """What process ``pid`` is, from its command line: ``stage-R``, ``admission``,
+    ``gateway``, ``nats-server``, ``up`` (the parent), or ``bench`` (this process: under
+    ``local`` the scheduler and the client)."""
+    if pid == os.getpid():
+        return "bench"
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return "?"
+    if any("nats-server" in a for a in argv):
+        return "nats-server"
+    for role in ("stage", "admission", "gateway", "up"):
+        if role in argv:
+            if role == "stage" and "--rank" in argv:
+                return f"stage-{argv[argv.index('--rank') + 1]}"
+            return role
+    return "other" if pid != root else "root"
+
+
+def process_cpu_s(root: int, exclude: Collection[int] = ()) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by ``root`` and every process below it but
+    ``exclude`` and theirs, summed by role (``_role``); a side takes two around a pass."""
+    stats = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _proc_stat(int(entry.name))
+            if stat is not None:
+                stats[int(entry.name)] = stat
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, _) in stats.items():
+            if ppid == parent and pid not in tree and pid not in exclude:
+                tree.add(pid)
+                frontier.append(pid)
+    out: dict[str, float] = {}
+    for pid in tree:
+        if pid in stats:
+            role = _role(pid, root)
+            out[role] = out.get(role, 0.0) + stats[pid][1]
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 2) for k, v in sorted(after.items())}
+
+
 class PipelineSide:
-    """A started ``LocalPipeline`` of ``stages`` stages; ``run`` times one pass."""
+    """``LocalPipeline`` (the scheduler in this process) of ``spec``; ``run`` times one pass."""
 
-    def __init__(self, config: ModelConfig, stages: int, threads: int, args: Any) -> None:
-        from wavepp.runtime.config import RuntimeConfig
+    path = "local"
 
-        per_stage = max(1, threads // stages)
-        longest = args.longest
-        blocks = max(64, args.concurrency * 2 * (-(-longest // BLOCK_SIZE)))
-        self.config = RuntimeConfig(
-            model=config,
-            engine="torch",
-            num_stages=stages,
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=[blocks] * stages,
-            torch_threads=per_stage,
-            max_inflight=args.concurrency,
-        )
-        self.stages = stages
+    def __init__(self, spec: dict[str, Any], args: Any, suffix: str = "") -> None:
+        self.spec = spec
+        self.config = runtime_config_of(spec)
+        self.stages = int(spec["stages"])
+        self.name = f"pipeline-{self.stages}{suffix}"
         self.pipeline: Any = None
-        self.log_dir = tempfile.mkdtemp(prefix=f"wavepp-bench-s{stages}-")
+        self.cpu_s: list[dict[str, float]] = []  # per timed pass: CPU seconds by role
+        self.others: set[int] = set()  # the ``up`` sides' processes: not this side's
+        self.log_dir = tempfile.mkdtemp(prefix=f"wavepp-bench-s{self.stages}-")
 
     async def start(self) -> None:
         from wavepp.launch.replica import planner_cost_model
@@ -209,13 +341,59 @@ class PipelineSide:
         await self.pipeline.start()
 
     async def run(self, prompts: list[list[int]], concurrency: int) -> float:
+        cpu = process_cpu_s(os.getpid(), self.others)
         began = time.perf_counter()
         await _closed_loop(self.pipeline.scheduler, prompts, concurrency)
-        return time.perf_counter() - began
+        wall_s = time.perf_counter() - began
+        self.cpu_s.append(cpu_delta(cpu, process_cpu_s(os.getpid(), self.others)))
+        return wall_s
 
     async def stop(self) -> None:
         if self.pipeline is not None:
             await self.pipeline.stop()
+
+
+class UpSide:
+    """``wavepp up --config spec`` (gateway, JetStream intake, admission service, stages as
+    processes), driven over HTTP by ``vs_vllm.drive`` (``/v1/completions``, ``max_tokens``
+    1); ``run`` times one pass and raises on any failed request."""
+
+    path = "up"
+
+    def __init__(self, spec: dict[str, Any], args: Any, suffix: str = "") -> None:
+        from vs_vllm import Server, free_port
+
+        self.stages = int(spec["stages"])
+        self.name = f"up-{self.stages}{suffix}"
+        work = Path(tempfile.mkdtemp(prefix=f"wavepp-bench-up-s{self.stages}-"))
+        spec_path = work / "spec.json"
+        spec_path.write_text(json.dumps(spec, indent=2))
+        port = free_port()
+        argv = [
+            *(sys.executable, "-m", "wavepp.cli", "up", "--config", str(spec_path)),
+            *("--port", str(port), "--state-dir", str(work / "state")),
+            *("--max-outstanding", str(args.max_outstanding or args.concurrency)),
+        ]
+        self.server = Server("wavepp", argv, dict(os.environ), port, work / "up.log", "/readyz")
+        self.timeout_s = args.request_timeout_s
+        self.cpu_s: list[dict[str, float]] = []  # per timed pass: CPU seconds by role
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.server.start, 300.0)
+
+    async def run(self, prompts: list[list[int]], concurrency: int) -> float:
+        from vs_vllm import drive
+
+        assert self.server.proc is not None, "started"
+        cpu = process_cpu_s(self.server.proc.pid)
+        result = await drive(self.server, prompts, concurrency, 0, self.timeout_s)
+        self.cpu_s.append(cpu_delta(cpu, process_cpu_s(self.server.proc.pid)))
+        if result.errors:
+            raise RuntimeError(f"{self.name}: {result.errors} failed: {result.first_error}")
+        return result.wall_s
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.server.stop)
 
 
 def _median(xs: list[float]) -> float:
@@ -226,34 +404,60 @@ async def pipeline_sides(
     args: argparse.Namespace,
     config: ModelConfig,
     prompt_sets: list[list[list[int]]],
-    hf_pass: Callable[[list[list[int]]], float],
+    hf_pass: Callable[[list[list[int]]], float] | None,
     tokens: int,
 ) -> dict[str, Any]:
     """``prompt_sets[0]``: the warm-up's; ``prompt_sets[1 + r]``: repeat r's (same lengths and
-    prefix sharing, other tokens, so no pass finds an earlier pass's prompts cached)."""
-    sides = [PipelineSide(config, s, args.threads, args) for s in args.stages]
-    times: dict[str, list[float]] = {"hf": []} | {f"pipeline-{s.stages}": [] for s in sides}
+    prefix sharing, other tokens, so no pass finds an earlier pass's prompts cached). One side
+    per source, stage count and path (``local``: ``pipeline-S``; ``up``: ``up-S``; suffix
+    ``-ckpt`` for the checkpoint source), all started before the first timed pass; ``hf_pass``
+    None: no ``hf`` side. Returns ``tokens_per_s`` (side -> median prompt tokens/s) and
+    ``cpu_s`` (side -> per timed pass, CPU seconds by process role)."""
+    kinds = {"local": PipelineSide, "up": UpSide}
+    sources = args.source if args.engine == "torch" else ["seeded"]
+    sides = [
+        kinds[path](
+            bench_spec(args, config, s, source), args, "-ckpt" if source == "checkpoint" else ""
+        )
+        for source in sources
+        for s in args.stages
+        for path in args.path
+    ]
+    for side in sides:
+        if isinstance(side, PipelineSide):
+            _progress(f"{side.name}: layers per stage {side.config.partition or 'even'}")
+    times: dict[str, list[float]] = ({"hf": []} if hf_pass else {}) | {s.name: [] for s in sides}
     try:
         for side in sides:
             await side.start()
+        others = {s.server.proc.pid for s in sides if isinstance(s, UpSide) and s.server.proc}
+        for side in sides:
+            if isinstance(side, PipelineSide):
+                side.others = others
             await side.run(prompt_sets[0][: min(4, len(prompt_sets[0]))], 2)  # not timed
         for rep in range(args.repeats):
             prompts = prompt_sets[1 + rep]
-            order: list[Any] = ["hf", *sides]
+            order: list[Any] = (["hf"] if hf_pass else []) + sides
             if rep % 2:
                 order.reverse()
             for side in order:
                 if side == "hf":
+                    assert hf_pass is not None
                     times["hf"].append(hf_pass(prompts))
                 else:
-                    times[f"pipeline-{side.stages}"].append(
-                        await side.run(prompts, args.concurrency)
-                    )
+                    times[side.name].append(await side.run(prompts, args.concurrency))
             _progress(f"repeat {rep}: {times}")
     finally:
         for side in sides:
             await side.stop()
-    return {name: tokens / _median(t) for name, t in times.items()}
+    for side in sides:
+        for cpu in side.cpu_s[1:]:  # the first pass is the warm-up's
+            _progress(f"{side.name} CPU s by process: {cpu}")
+    cpu_s = {side.name: side.cpu_s[1:] for side in sides}
+    return {
+        "tokens_per_s": {name: tokens / _median(t) for name, t in times.items()},
+        "cpu_s": cpu_s,
+    }
 
 
 def _progress(message: str) -> None:
@@ -263,16 +467,23 @@ def _progress(message: str) -> None:
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     config = model_config(args.dtype)
+    if args.engine == "emulated":
+        args.longest = BLOCK_SIZE  # the pool's size does not change the model's vocabulary
+        vocab = runtime_config_of(bench_spec(args, config, 1)).model.vocab_size
+    else:
+        vocab = config.vocab_size
     prompt_sets = [
-        trace_prompts(
-            args.trace, args.requests, tokens_per_block=16, vocab_size=config.vocab_size, seed=s
-        )
+        trace_prompts(args.trace, args.requests, tokens_per_block=16, vocab_size=vocab, seed=s)
         for s in range(1 + args.repeats)
     ]
     prompts = prompt_sets[1]
     args.longest = max(len(p) for p in prompts)
     tokens = sum(len(p) for p in prompts)
-    hf = hf_model(config, args.device)
+    if "checkpoint" in args.source and args.engine == "torch":
+        from vs_vllm import make_checkpoint
+
+        args.model_dir = make_checkpoint(Path(tempfile.mkdtemp(prefix="wavepp-bench-ckpt-")))
+    hf = hf_model(config, args.device) if args.engine == "torch" and not args.no_hf else None
 
     def hf_pass(ps: list[list[int]]) -> float:
         torch.set_num_threads(args.threads)
@@ -291,15 +502,37 @@ def run(args: argparse.Namespace) -> int:
     }
     lines: list[str] = []
     if args.stages:
-        tps = asyncio.run(pipeline_sides(args, config, prompt_sets, hf_pass, tokens))
+        result |= {
+            "engine": args.engine,
+            "paths": args.path,
+            "sources": args.source,
+            "max_inflight": args.max_inflight,
+        }
+        measured = asyncio.run(
+            pipeline_sides(args, config, prompt_sets, hf_pass if hf else None, tokens)
+        )
+        tps = measured["tokens_per_s"]
+        result["cpu_s"] = measured["cpu_s"]
         result["concurrency"] = args.concurrency
         result["tokens_per_s"] = tps
         for name, value in tps.items():
-            lines.append(f"{name:<12} {value:>10.0f} tokens/s  {value / tps['hf']:.3f}x hf")
+            versus = f"  {value / tps['hf']:.3f}x hf" if "hf" in tps else ""
+            lines.append(f"{name:<12} {value:>10.0f} tokens/s{versus}")
         if {"pipeline-1", "pipeline-2"} <= tps.keys():
             r = tps["pipeline-2"] / tps["pipeline-1"]
             result["pipeline2_over_pipeline1"] = r
             lines.append(f"pipeline-2 / pipeline-1: {r:.3f}")
+        for s in args.stages:
+            for suffix in ("", "-ckpt"):
+                up, local = f"up-{s}{suffix}", f"pipeline-{s}{suffix}"
+                if {up, local} <= tps.keys():
+                    result[f"{up}/{local}"] = tps[up] / tps[local]
+                    lines.append(f"{up} / {local}: {tps[up] / tps[local]:.3f}")
+            for path in ("pipeline", "up"):
+                ckpt, seeded = f"{path}-{s}-ckpt", f"{path}-{s}"
+                if {ckpt, seeded} <= tps.keys():
+                    result[f"{ckpt}/{seeded}"] = tps[ckpt] / tps[seeded]
+                    lines.append(f"{ckpt} / {seeded}: {tps[ckpt] / tps[seeded]:.3f}")
     else:
         engine = TorchStageEngine(
             model=config,
@@ -338,7 +571,7 @@ def run(args: argparse.Namespace) -> int:
     result["load_avg_1m_end"] = os.getloadavg()[0]
     head = (
         f"{len(prompts)} prompts, {tokens} tokens, {args.threads} threads, {args.device} "
-        f"{args.dtype}, load avg {result['load_avg_1m']:.1f} -> {result['load_avg_1m_end']:.1f}"
+        f"{args.dtype}, {args.engine} engine, load avg {result['load_avg_1m']:.1f} -> {result['load_avg_1m_end']:.1f}"
     )
     print(head)
     print("\n".join(lines))
@@ -354,6 +587,20 @@ def _stages(text: str) -> list[int]:
     return values
 
 
+def _paths(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in ("local", "up") for v in values):
+        raise argparse.ArgumentTypeError(f"--path {text!r}: comma-separated local and/or up")
+    return values
+
+
+def _sources(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in ("seeded", "checkpoint") for v in values):
+        raise argparse.ArgumentTypeError(f"--source {text!r}: seeded and/or checkpoint")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -364,6 +611,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--stages", type=_stages, default=[], help="e.g. 1,2: pipeline mode")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--path", type=_paths, default=["local"], help="pipeline mode: local,up (see docstring)"
+    )
+    parser.add_argument("--engine", default="torch", choices=["torch", "emulated"])
+    parser.add_argument("--emulate", default="tiny-llama", help="emulated engine's cost model")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="emulated engine's")
+    parser.add_argument("--no-hf", action="store_true", help="pipeline mode: no hf side")
+    parser.add_argument(
+        "--source", type=_sources, default=["seeded"], help="torch: seeded,checkpoint"
+    )
+    parser.add_argument(
+        "--max-inflight", type=int, default=0, help="micro-batches in flight (0: the default)"
+    )
+    parser.add_argument(
+        "--max-outstanding", type=int, default=0, help="up: gateway's (0: --concurrency)"
+    )
+    parser.add_argument("--request-timeout-s", type=float, default=1800.0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--compile", action="store_true", help="engine's torch.compile switch")
@@ -374,6 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.no_hf and not args.stages:
+        print("--no-hf: only with --stages (the engine mode compares with hf)", file=sys.stderr)
+        return 2
     for name in ("requests", "repeats", "threads", "batch", "chunk_tokens", "concurrency"):
         if getattr(args, name) < 1:
             parser_error = f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1"

@@ -21,7 +21,11 @@ from wavepp.runtime.hf_config import load_model_dir, model_config_from_hf
 from wavepp.runtime.model_config import balanced_partition
 from wavepp.runtime.stage.build import build_engine
 from wavepp.runtime.stage.calibrate import measure_stage_costs
-from wavepp.runtime.stage.engine.balance import checkpoint_partition, layer_active_params
+from wavepp.runtime.stage.engine.balance import (
+    HEAD_PROMPT_TOKENS,
+    checkpoint_partition,
+    layer_active_params,
+)
 
 pytest.importorskip("transformers")
 from wavepp.bench.checkpoints import save_random_checkpoint  # noqa: E402
@@ -169,6 +173,19 @@ def test_checkpoint_split_balances_active_parameters(dsv3_dir: Path, tmp_path: P
     split = checkpoint_partition(glm, 4)
     starts = [sum(split[:i]) for i in range(4)]
     assert not {2, 5} & set(starts) and sum(split) == 6
+
+
+def test_lm_head_is_charged_for_one_row_per_prompt_not_per_token(tmp_path: Path) -> None:
+    """The head computes the last prompt token's logits only: a head that outweighs seven
+    decoder layers per token (vocab 4,096 x hidden 64) still leaves 8 equal layers split evenly,
+    where a per-token charge would put 7 layers on the first of 2 stages."""
+    save_random_checkpoint("llama", tmp_path, num_layers=8, vocab_size=4096)
+    costs, plan = layer_active_params(tmp_path)
+    assert len(set(costs)) == 1 and plan.vocab_size * plan.hidden_size > 7 * costs[0]
+    assert checkpoint_partition(tmp_path, 2) == [4, 4]
+    assert checkpoint_partition(tmp_path, 4) == [2, 2, 2, 2]
+    head = plan.vocab_size * plan.hidden_size / HEAD_PROMPT_TOKENS
+    assert balanced_partition(costs, 2, last_extra=head) == [4, 4]
 
 
 def test_calibrate_measures_a_checkpoint_stage(dsv3_dir: Path, tmp_path: Path) -> None:

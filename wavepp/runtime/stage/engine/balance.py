@@ -7,7 +7,11 @@ parameters per stage means equal linear prefill compute per stage; the attention
 (which grows with context) is not counted. MoE layers and dense first layers differ by several
 times in this cost (a DeepSeek-V3 MoE layer: ~0.6 G active, a dense one ~0.4 G), so a split by
 layer count is unbalanced where a split by cost is not. The embedding costs no FLOPs (a
-gather) and is not charged; ``lm_head`` is charged to the last stage for one token per request.
+gather) and is not charged. ``lm_head`` runs for one token per request (the last prompt token's
+logits), so per prompt token it costs ``vocab_size x hidden_size / L`` for a prompt of L tokens;
+the split charges it to the last stage at ``L = HEAD_PROMPT_TOKENS``. Charged per token instead
+(as if every token went through it), a head of 32,000 x 512 weighs as much as five decoder
+layers of hidden 512 and leaves a 2-stage split of 8 such layers at [7, 1].
 """
 
 from __future__ import annotations
@@ -21,7 +25,13 @@ from wavepp.runtime.hf_config import layer_plan_from_hf, read_hf_config
 from wavepp.runtime.model_config import balanced_partition
 from wavepp.runtime.stage.engine.checkpoint import CheckpointReader
 
-__all__ = ["checkpoint_partition", "layer_active_params"]
+__all__ = ["HEAD_PROMPT_TOKENS", "checkpoint_partition", "layer_active_params"]
+
+HEAD_PROMPT_TOKENS = 512
+"""The prompt length over which the split spreads ``lm_head``'s one row per request. Past a few
+dozen tokens the head weighs a small fraction of a decoder layer in every supported family
+(about vocab / (12 x hidden x L) of a dense layer), so the split does not depend on this value
+for real prompts; a fixed value keeps the split the same in every process of a replica."""
 
 _EXPERT = re.compile(r"^model\.layers\.(\d{1,9})\..*\.experts\.\d+\.")
 _LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.")
@@ -63,7 +73,8 @@ def layer_active_params(model_dir: str | os.PathLike[str]) -> tuple[list[float],
 
 
 def checkpoint_partition(model_dir: str | os.PathLike[str], num_stages: int) -> list[int]:
-    """Layer counts per stage balancing active parameters (lm_head on the last stage),
+    """Layer counts per stage balancing active parameters per prompt token (lm_head on the last
+    stage, one row per ``HEAD_PROMPT_TOKENS`` prompt tokens),
     beginning every stage where the family allows (a DSA 'full' indexer layer for GLM-5).
 
     Cost: O(S L^2) comparisons over L <= MAX_LAYERS layers (``read_hf_config`` bounds
@@ -81,5 +92,5 @@ def checkpoint_partition(model_dir: str | os.PathLike[str], num_stages: int) -> 
         costs,
         num_stages,
         allowed_starts=allowed,
-        last_extra=float(plan.vocab_size * plan.hidden_size),
+        last_extra=float(plan.vocab_size * plan.hidden_size) / HEAD_PROMPT_TOKENS,
     )

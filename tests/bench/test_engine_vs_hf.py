@@ -1,0 +1,88 @@
+"""benchmarks/engine_vs_hf.py's pipeline paths: ``local`` (LocalPipeline) and ``up`` (``wavepp
+up --config``) serve one spec, so the RuntimeConfig the benchmark gives LocalPipeline is the one
+``wavepp up`` plans from that spec; the per-process CPU accounting reads this process tree."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from wavepp import cli
+from wavepp.launch.up import plan_up
+
+REPO = Path(__file__).resolve().parents[2]
+BENCHMARKS = REPO / "benchmarks"
+
+
+def _load(name: str):
+    """Import benchmarks/NAME.py as module NAME (it imports its siblings by name)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("engine_vs_hf")
+
+
+def _args(*argv: str):
+    args = bench.build_parser().parse_args(["--stages", "2", *argv])
+    args.longest = 1000
+    return args
+
+
+@pytest.mark.parametrize(
+    "argv", [(), ("--engine", "emulated", "--time-scale", "2"), ("--max-inflight", "8")]
+)
+def test_local_side_runs_the_config_wavepp_up_plans_from_the_same_spec(
+    tmp_path: Path, argv: tuple[str, ...]
+) -> None:
+    args = _args(*argv)
+    spec = bench.bench_spec(args, bench.model_config("float32"), 2)
+    local = bench.runtime_config_of(spec)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    (up,) = plan_up(
+        cli.build_parser(["up"]).parse_args(["up", "--config", str(path), "--port", "0"])
+    ).configs
+    fields = set(type(local).model_fields) - {"telemetry"}
+    assert local.model_dump(include=fields) == up.model_dump(include=fields)
+    assert local.num_stages == 2 and local.num_kv_blocks == [max(64, 8 * 2 * 32)]
+    assert local.engine == args.engine and local.max_inflight == (args.max_inflight or None)
+
+
+def test_paths_and_sources_are_checked() -> None:
+    assert _args("--path", "local,up").path == ["local", "up"]
+    assert _args("--source", "checkpoint").source == ["checkpoint"]
+    for flag, value in (("--path", "local,cloud"), ("--source", "hub")):
+        with pytest.raises(SystemExit):
+            _args(flag, value)
+    assert bench.main(["--no-hf"]) == 2  # only with --stages
+
+
+def test_process_cpu_follows_the_tree_and_leaves_out_excluded_children() -> None:
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    child = subprocess.Popen(
+        [sys.executable, "-c", burn + "time.sleep(30)"], stdin=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while bench.process_cpu_s(os.getpid()).get("other", 0.0) < 0.25:
+            assert time.monotonic() < deadline, "the child's CPU was never counted"
+            time.sleep(0.1)
+        assert "other" not in bench.process_cpu_s(os.getpid(), exclude={child.pid})
+        assert bench.process_cpu_s(os.getpid())["bench"] > 0
+    finally:
+        child.kill()
+        child.wait()
