@@ -315,6 +315,12 @@ FIELDS: dict[str, Entry] = {
     "cache.memoryPerStageBytes": Entry(
         R, f"{FS}: num_kv_blocks", {"cache": {"memoryPerStageBytes": 1 << 20}}
     ),
+    "cache.hostMemoryGiB": Entry(
+        R,
+        f"{FS} -> launch.host_tier: num_host_kv_blocks; {BLD}._stage_resources: memory request",
+        {"cache": {"hostMemoryGiB": 1}},
+        refusal=({"cache": {"hostMemoryGiB": 4096}}, "less than or equal to 1024"),
+    ),
     "scheduler.mode": Entry(R, f"{FS}: mode", {"scheduler": {"mode": "sync"}}),
     "scheduler.chunkPolicy": Entry(
         R, f"{FS}: chunk_policy", {"scheduler": {"chunkPolicy": "static"}}
