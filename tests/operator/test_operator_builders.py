@@ -13,6 +13,7 @@ from wavepp import cli
 from wavepp.api.cli_args import NatsArgs, admission_args, stage_args
 from wavepp.api.spec import WavePipelineSpec, check_spec
 from wavepp.operator import builders as b
+from wavepp.operator.resources import host_tier_bytes
 from wavepp.runtime.serving.processes import stage_command
 
 REF = b.PipelineRef(name="big", namespace="llm", uid="0b4c-uid")
@@ -212,7 +213,7 @@ def test_stage_pods_request_the_host_memory_their_tier_holds(
     else:
         assert resources["limits"]["memory"] == limits
     if spec.cache.host_memory_gib and spec.engine == "torch":
-        assert b.host_tier_bytes(spec) == spec.cache.host_memory_gib * 2**30
+        assert host_tier_bytes(spec) == spec.cache.host_memory_gib * 2**30
 
 
 def test_admission_drains_within_the_rollout_timeout() -> None:

@@ -13,8 +13,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lightkube.utils.quantity import parse_quantity
-
 from wavepp.api.spec import API_GROUP, API_VERSION, KIND, WavePipelineSpec
 from wavepp.operator.containers import (
     CONFIG_DIR,
@@ -59,6 +57,7 @@ from wavepp.operator.naming import (
     stage_selector,
     statefulset_name,
 )
+from wavepp.operator.resources import stage_resources
 
 __all__ = [
     "ANNOTATION_SPEC_HASH",
@@ -192,46 +191,6 @@ def build_stage_service(ref: PipelineRef, replica: int) -> dict[str, Any]:
     }
 
 
-def host_tier_bytes(spec: WavePipelineSpec) -> int:
-    """Host memory a stage pod's KV host tier holds, bytes: ``cache.hostMemoryGiB`` per GPU x
-    the pod's GPUs (at least one: a CPU stage is one process) for the torch engine, rounded
-    up; 0 for the emulated engine (it keeps no KV bytes) or without a tier."""
-    if spec.engine != "torch" or not spec.cache.host_memory_gib:
-        return 0
-    return math.ceil(spec.cache.host_memory_gib * 2**30 * max(1, spec.gpus_per_stage()))
-
-
-def _memory_quantity(num_bytes: int) -> str:
-    """``num_bytes`` as a Kubernetes quantity: whole Gi or Mi when exact, else bytes."""
-    for unit, size in (("Gi", 2**30), ("Mi", 2**20)):
-        if num_bytes % size == 0:
-            return f"{num_bytes // size}{unit}"
-    return str(num_bytes)
-
-
-def _stage_resources(spec: WavePipelineSpec) -> dict[str, Any]:
-    """The stage container's requests and limits: ``resources.cpu``, ``resources.memory`` plus
-    the host KV tier (:func:`host_tier_bytes`; without ``resources.memory`` the tier alone is
-    requested and no memory limit set), the GPUs."""
-    amounts: dict[str, Any] = {}
-    if spec.resources.cpu:
-        amounts["cpu"] = spec.resources.cpu
-    host = host_tier_bytes(spec)
-    if spec.resources.memory:
-        memory = parse_quantity(spec.resources.memory)
-        amounts["memory"] = (
-            _memory_quantity(math.ceil(memory) + host) if host else spec.resources.memory
-        )
-    if spec.gpus_per_stage() > 0:
-        amounts[spec.resources.gpu_resource_name] = str(spec.gpus_per_stage())
-    requests = dict(amounts)
-    if host and not spec.resources.memory:
-        requests["memory"] = _memory_quantity(host)
-    if not requests:
-        return {}
-    return {"requests": requests} | ({"limits": dict(amounts)} if amounts else {})
-
-
 def _topology_spread(spec: WavePipelineSpec, ref: PipelineRef) -> list[dict[str, Any]]:
     """The spec's constraints; one without labelSelector counts this pipeline's stage pods."""
     constraints = []
@@ -274,7 +233,7 @@ def build_stage_statefulset(
     ]
     pod_spec: dict[str, Any] = pod_spec_common(spec) | {
         "containers": [
-            pod_container("stage", spec, ref, replica, ports, _stage_resources(spec), mounts)
+            pod_container("stage", spec, ref, replica, ports, stage_resources(spec), mounts)
         ],
         "volumes": volumes,
         "terminationGracePeriodSeconds": 30,
