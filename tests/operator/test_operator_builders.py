@@ -13,6 +13,7 @@ from wavepp import cli
 from wavepp.api.cli_args import NatsArgs, admission_args, stage_args
 from wavepp.api.spec import WavePipelineSpec, check_spec
 from wavepp.operator import builders as b
+from wavepp.operator.resources import host_tier_bytes
 from wavepp.runtime.serving.processes import stage_command
 
 REF = b.PipelineRef(name="big", namespace="llm", uid="0b4c-uid")
@@ -99,6 +100,8 @@ def test_every_child_passes_kubernetes_validate_strict(tmp_path: Path) -> None:
     objects = _all_children(FULL) + _all_children(_spec(resources={"gpusPerStage": 0}))
     auto = {"minReplicas": 1, "maxReplicas": 2, "metric": "cpu", "target": 70.0}
     objects.append(b.build_hpa(REF, _spec(autoscaling=auto)))
+    host = _spec(**HOST_TIER, resources={"gpusPerStage": 0})  # a memory request, no limit
+    objects.append(b.build_stage_statefulset(REF, host, b.spec_hash(host), 0))
     rc, output = kubernetes_validate(objects, tmp_path)
     assert rc == 0, output
 
@@ -172,6 +175,45 @@ def test_cpu_stages_request_no_gpu() -> None:
     spec = _spec(resources={"gpusPerStage": 0})
     container = _stage_container(b.build_stage_statefulset(REF, spec, b.spec_hash(spec), 0))
     assert container["resources"] == {}
+
+
+HOST_TIER: dict[str, Any] = {
+    "engine": "torch",
+    "model": {"name": "tiny-llama"},
+    "stages": 2,
+    "cache": {"hostMemoryGiB": 4},
+}
+
+
+@pytest.mark.parametrize(
+    ("raw", "requests", "limits"),
+    [
+        # a torch stage (one GPU by default) holds its host tier, 4 GiB per GPU x 1 GPU: the
+        # memory request and limit grow by it
+        ({"resources": {"memory": "8Gi"}}, "12Gi", "12Gi"),
+        ({"resources": {"memory": "1000M"}}, "5294967296", "5294967296"),  # 10^9 + 4 x 2^30
+        # without resources.memory the tier alone is requested, no limit is set
+        ({"resources": {"gpusPerStage": 0}}, "4Gi", None),
+        ({"cache": {"hostMemoryGiB": 0.5}, "resources": {"gpusPerStage": 0}}, "512Mi", None),
+        # no tier, or the emulated engine (it keeps no KV bytes): the spec's memory as it is
+        ({"cache": {"hostMemoryGiB": 0}, "resources": {"memory": "8Gi"}}, "8Gi", "8Gi"),
+        ({"engine": "emulated", "resources": {"memory": "8Gi"}}, "8Gi", "8Gi"),
+    ],
+)
+def test_stage_pods_request_the_host_memory_their_tier_holds(
+    raw: dict[str, Any], requests: str, limits: str | None
+) -> None:
+    spec = _spec(**(HOST_TIER | raw))
+    resources = _stage_container(b.build_stage_statefulset(REF, spec, b.spec_hash(spec), 0))[
+        "resources"
+    ]
+    assert resources["requests"]["memory"] == requests
+    if limits is None:
+        assert "memory" not in resources.get("limits", {})
+    else:
+        assert resources["limits"]["memory"] == limits
+    if spec.cache.host_memory_gib and spec.engine == "torch":
+        assert host_tier_bytes(spec) == spec.cache.host_memory_gib * 2**30
 
 
 def test_admission_drains_within_the_rollout_timeout() -> None:

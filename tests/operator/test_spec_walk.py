@@ -261,15 +261,15 @@ FIELDS: dict[str, Entry] = {
     ),
     "resources.gpuResourceName": Entry(
         O,
-        f"{BLD}._stage_resources",
+        "operator.resources.stage_resources",
         {"resources": {"gpusPerStage": 1, "gpuResourceName": "amd.com/gpu"}},
         context=GPU,
     ),
     "resources.cpu": Entry(
-        O, f"{BLD}._stage_resources", {"resources": {"gpusPerStage": 0, "cpu": "2"}}
+        O, "operator.resources.stage_resources", {"resources": {"gpusPerStage": 0, "cpu": "2"}}
     ),
     "resources.memory": Entry(
-        O, f"{BLD}._stage_resources", {"resources": {"gpusPerStage": 0, "memory": "1Gi"}}
+        O, "operator.resources.stage_resources", {"resources": {"gpusPerStage": 0, "memory": "1Gi"}}
     ),
     "resources.sharedMemory": Entry(
         O,
@@ -314,6 +314,12 @@ FIELDS: dict[str, Entry] = {
     "cache.blockSize": Entry(R, f"{FS}: block_size", {"cache": {"blockSize": 32}}),
     "cache.memoryPerStageBytes": Entry(
         R, f"{FS}: num_kv_blocks", {"cache": {"memoryPerStageBytes": 1 << 20}}
+    ),
+    "cache.hostMemoryGiB": Entry(
+        R,
+        f"{FS} -> launch.host_tier: num_host_kv_blocks; operator.resources.stage_resources: memory request",
+        {"cache": {"hostMemoryGiB": 1}},
+        refusal=({"cache": {"hostMemoryGiB": 4096}}, "less than or equal to 1024"),
     ),
     "scheduler.mode": Entry(R, f"{FS}: mode", {"scheduler": {"mode": "sync"}}),
     "scheduler.chunkPolicy": Entry(

@@ -67,6 +67,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "0.9; wavepp.runtime.planning.memory), 4096 for tiny-llama",
     )
     parser.add_argument(
+        "--host-memory-gib",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="host memory per GPU for each stage's host KV tier (0: none; spec "
+        "cache.hostMemoryGiB): blocks from --emulate's KV bytes per token per GPU (an H200 "
+        "model), else the model's KV bytes per token per layer x the stage's layers",
+    )
+    parser.add_argument(
         "--chunk-tokens", type=int, default=8192, help="static chunk budget (new tokens)"
     )
     parser.add_argument(
@@ -177,6 +186,10 @@ def run(args: argparse.Namespace) -> int:
         f"block size {config.block_size} tokens, KV capacity {kv_blocks} blocks per stage "
         f"({kv_blocks_source}), concurrency {args.concurrency}"
     )
+    if any(config.num_host_kv_blocks):
+        err.print(
+            f"host KV tier: {config.num_host_kv_blocks} blocks per stage ({plan.host_tier_source})"
+        )
     progress = Progress(
         "[progress.description]{task.description}",
         BarColumn(),
@@ -205,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "emulated":
         summary["model"] = args.emulate  # the torch preset only lends its vocabulary here
     summary["kv_blocks_source"] = clean_source(kv_blocks_source)
+    summary["host_kv_blocks"] = list(config.num_host_kv_blocks)
     summary["planner_cost_model"] = clean_source(planner_model.source or planner_model.label)
     # NOTE: with --json, stdout holds the JSON line only; the tables go to stderr.
     out = err if args.json else Console()

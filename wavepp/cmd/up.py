@@ -83,6 +83,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "replacing the spec's",
     )
     parser.add_argument(
+        "--host-memory-gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="host memory per GPU for each stage's host KV tier (0: none), replacing the "
+        "spec's cache.hostMemoryGiB",
+    )
+    parser.add_argument(
         "--planner-cost-model",
         default="",
         metavar="FILE",

@@ -2,7 +2,9 @@
 with random torch weights, or a checkpoint directory split by cost), the engine (torch, or
 emulated with the cost model of ``--emulate``), the KV capacity (``--kv-blocks``, else the
 emulated model's derived one, ``planning.memory.default_emulated_kv_blocks``, else
-``FIXED_KV_BLOCKS``), the planner's cost model, the telemetry and the trace's token mapping
+``FIXED_KV_BLOCKS``), the host KV tier (``--host-memory-gib``,
+``launch.host_tier.resolve_host_tier``), the planner's cost model, the telemetry and the trace's
+token mapping
 (:func:`plan_replay`; every refusal a :class:`FlagError` naming the flag).
 """
 
@@ -15,8 +17,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from wavepp.api.layer_split import split_layers
 from wavepp.bench.trace import TokenMapper
 from wavepp.launch.flags import FlagError
+from wavepp.launch.host_tier import resolve_host_tier
 from wavepp.launch.replica import planner_cost_model
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.families import model_shape_from_hf
@@ -85,12 +89,14 @@ class ReplayPlan:
         mapper: trace hash ids -> token ids (``--tokens-per-block``, the model's vocabulary,
             ``--seed``).
         kv_blocks_source: where the KV capacity came from, one line.
+        host_tier_source: where the host tier's size came from, one line ("no host tier").
     """
 
     config: RuntimeConfig
     planner_cost_model: CostModel
     mapper: TokenMapper
     kv_blocks_source: str
+    host_tier_source: str = "no host tier"
 
 
 def plan_replay(args: argparse.Namespace) -> ReplayPlan:
@@ -184,10 +190,24 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
                 f"{_MAX_DERIVED_KV_BLOCKS}: give --kv-blocks",
             )
         config = RuntimeConfig.model_validate(config.model_dump() | {"num_kv_blocks": derived})
+    try:
+        host_fields, host_source = resolve_host_tier(
+            config.model,
+            split_layers(config.model.num_layers, config.num_stages, config.partition),
+            args.host_memory_gib,
+            emulate=emulate if args.engine == "emulated" else None,
+            block_size=config.block_size,
+            max_microbatch_tokens=max(config.max_microbatch_tokens, config.chunk_tokens),
+            field="--host-memory-gib",
+        )
+        config = RuntimeConfig.model_validate(config.model_dump() | host_fields)
+    except ValueError as exc:
+        raise FlagError("--host-memory-gib", str(exc).removeprefix("--host-memory-gib: ")) from None
     planner_model = planner_cost_model(config, args.cost_model)
     return ReplayPlan(
         config=config,
         planner_cost_model=planner_model,
         mapper=mapper,
         kv_blocks_source=kv_blocks_source,
+        host_tier_source=host_source,
     )

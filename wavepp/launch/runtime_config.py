@@ -23,6 +23,12 @@ model and device (``wavepp.runtime.planning.memory.default_kv_blocks``: H200 mem
 the stage's weights and the activations of the largest micro-batch, over the KV bytes per token
 of its layers; 4096 for tiny-llama); otherwise (torch engine) 4096.
 
+Host KV tier (``cache.hostMemoryGiB`` per GPU; 0: none): each stage's tier in blocks and its
+load time per block (``launch.host_tier.resolve_host_tier``): for an emulated model with a
+device memory figure, the catalogue's KV bytes per token per GPU (as ``wavepp sim``); else the
+served model's (preset or checkpoint) KV bytes per token per layer x the stage's layers. An
+amount that holds no block of a stage is refused naming the field.
+
 The device follows the pod's resources: ``cuda`` when ``resources.gpusPerStage`` > 0 (torch),
 else ``cpu``; the dtype is ``model.dtype`` (default bfloat16 on CUDA, float32 on the CPU; the
 spec check refuses another dtype on the CPU). Keys other than those above are refused by the
@@ -52,6 +58,7 @@ from pydantic import ValidationError
 from wavepp.api.layer_split import split_layers
 from wavepp.api.spec import MODEL_PRESET_NUM_LAYERS, SpecError, WavePipelineSpec
 from wavepp.api.subjects import replica_pipeline_name
+from wavepp.launch.host_tier import NO_HOST_TIER, resolve_host_tier
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.hf_config import load_model_dir, normalize_hf_config, read_hf_config
 from wavepp.runtime.model_config import PRESETS, ModelConfig
@@ -285,6 +292,43 @@ def _kv_blocks(
         raise SpecError("engineOptions.kvBlocks", f"{raw!r}: give an int or a list") from None
 
 
+def _host_tier(
+    spec: WavePipelineSpec,
+    model: ModelConfig,
+    emulate: str | None,
+    ranges: list[tuple[int, int]],
+    base: dict[str, Any],
+) -> dict[str, list[Any]]:
+    """RuntimeConfig's host tier fields from ``cache.hostMemoryGiB``
+    (``launch.host_tier.resolve_host_tier``: the emulated model's catalogue figures, else the
+    served model's KV bytes per token per layer over each stage's ``ranges``).
+
+    Raises:
+        SpecError: an amount that holds no block of some stage, or an emulated model whose
+            per-GPU KV cannot be derived (names ``cache.hostMemoryGiB``).
+    """
+    field = "cache.hostMemoryGiB"
+    if not spec.cache.host_memory_gib:
+        return dict(NO_HOST_TIER)
+    # the largest micro-batch, as for the emulated device capacity (the spec leaves
+    # max_microbatch_tokens at its default)
+    largest = max(RuntimeConfig.model_fields["max_microbatch_tokens"].default, base["chunk_tokens"])
+    try:
+        fields, _source = resolve_host_tier(
+            model,
+            ranges,
+            spec.cache.host_memory_gib,
+            emulate=emulate,
+            block_size=spec.cache.block_size,
+            max_microbatch_tokens=largest,
+            field=field,
+        )
+    except ValueError as exc:
+        message = str(exc).removeprefix(f"{field}: ")
+        raise SpecError(field, message) from None
+    return fields
+
+
 def runtime_configs_from_spec(
     spec: WavePipelineSpec, *, pool: str, namespace: str = "local", read_checkpoint: bool = True
 ) -> list[RuntimeConfig]:
@@ -368,6 +412,7 @@ def runtime_configs_from_spec(
             base["num_kv_blocks"], _source = default_emulated_kv_blocks(probe, emulate)
         except ValueError as exc:
             raise SpecError("engineOptions.kvBlocks", f"unset, and its default: {exc}") from None
+    base |= _host_tier(spec, model, emulate, ranges, base)
     configs = []
     for replica in range(max(1, spec.num_replicas)):
         try:
@@ -399,6 +444,8 @@ SPEC_FIELD_OF = {
     "lease_s": "engineOptions.leaseSeconds",
     "max_blocks_per_owner": "engineOptions.maxBlocksPerOwner",
     "max_microbatch_tokens": "cache.blockSize",
+    "num_host_kv_blocks": "cache.hostMemoryGiB",
+    "host_load_s_per_block": "cache.hostMemoryGiB",
 }
 
 _LEADING_NAME = re.compile(r"([a-z_]+)(?:\.[a-z_]+)*\b")

@@ -55,8 +55,9 @@ DEFAULT_SPEC = {"model": {"name": "tiny-llama"}, "stages": 2}
 
 
 def spec_mapping(args: argparse.Namespace) -> dict[str, Any]:
-    """The raw spec from ``--config`` (or the default), ``--model``, ``--stages`` and
-    ``--tensor-parallel-size`` (``tensorParallelSize``), with a
+    """The raw spec from ``--config`` (or the default), ``--model``, ``--stages``,
+    ``--tensor-parallel-size`` (``tensorParallelSize``) and ``--host-memory-gib``
+    (``cache.hostMemoryGiB``), with a
     checkpoint's layer count from its config.json (``runtime_config.with_checkpoint_layers``).
 
     Raises:
@@ -92,6 +93,11 @@ def spec_mapping(args: argparse.Namespace) -> dict[str, Any]:
             raise FlagError("--tensor-parallel-size", f"{tp}: must be >= 1")
         raw.pop("tensor_parallel_size", None)
         raw["tensorParallelSize"] = tp
+    host_gib = getattr(args, "host_memory_gib", None)
+    if host_gib is not None:
+        # the spec check refuses a bad amount naming cache.hostMemoryGiB, the flag's field
+        cache = raw.get("cache") if isinstance(raw.get("cache"), dict) else {}
+        raw["cache"] = {**cache, "hostMemoryGiB": host_gib}
     try:
         return with_checkpoint_layers(raw)
     except SpecError as exc:
@@ -417,8 +423,9 @@ def plan_up(args: argparse.Namespace) -> UpPlan:
             ("--model", args.model),
             ("--stages", args.stages),
             ("--tensor-parallel-size", args.tensor_parallel_size),
+            ("--host-memory-gib", getattr(args, "host_memory_gib", None)),
         )
-        if v
+        if v is not None and v != ""
     ]
     source = args.config or (f"the spec of {' '.join(flags)}" if flags else "the default spec")
     flag = "--config" if args.config or not flags else "/".join(flags)

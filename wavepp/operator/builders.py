@@ -63,6 +63,7 @@ from wavepp.operator.naming import (
     stage_selector,
     statefulset_name,
 )
+from wavepp.operator.resources import stage_resources
 
 __all__ = [
     "ANNOTATION_SPEC_HASH",
@@ -199,17 +200,6 @@ def build_stage_service(ref: PipelineRef, replica: int) -> dict[str, Any]:
     }
 
 
-def _stage_resources(spec: WavePipelineSpec) -> dict[str, Any]:
-    amounts: dict[str, Any] = {}
-    if spec.resources.cpu:
-        amounts["cpu"] = spec.resources.cpu
-    if spec.resources.memory:
-        amounts["memory"] = spec.resources.memory
-    if spec.gpus_per_stage() > 0:
-        amounts[spec.resources.gpu_resource_name] = str(spec.gpus_per_stage())
-    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
-
-
 def _topology_spread(spec: WavePipelineSpec, ref: PipelineRef) -> list[dict[str, Any]]:
     """The spec's constraints; one without labelSelector counts this pipeline's stage pods."""
     constraints = []
@@ -252,7 +242,7 @@ def build_stage_statefulset(
     ]
     pod_spec: dict[str, Any] = pod_spec_common(spec) | {
         "containers": [
-            pod_container("stage", spec, ref, replica, ports, _stage_resources(spec), mounts)
+            pod_container("stage", spec, ref, replica, ports, stage_resources(spec), mounts)
         ],
         "volumes": volumes,
         "terminationGracePeriodSeconds": 30,

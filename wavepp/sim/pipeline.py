@@ -13,7 +13,7 @@ What is real and what is simulated::
     StageKVManager + BlockPool per stage (pins,         stage compute: sleep time_scale x the
       reservations, LRU eviction, mark_computed)         stage's CostModel.microbatch_cost_s
       and its HostTier (spill, pin, load)              host-to-device loads: time_scale x
-    HostLoadPolicy (load or recompute)                   host_load_s_per_block per block, one
+    host_load_policy (load or recompute)                 host_load_s_per_block per block, one
                                                          link per stage, in preparation
     handle_kv_batch (the stage's KV server)            activations: hop_s between stages
                                                        preparation: prepare_s on the critical
@@ -49,7 +49,7 @@ from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.kv import BlockPool, HostTier, StageKVManager
 from wavepp.runtime.planning import CostModel, planner_for
 from wavepp.runtime.planning.handoff_cost import HandoffModel
-from wavepp.runtime.planning.host_load import HostLoadPolicy
+from wavepp.runtime.planning.host_load import host_load_policy
 from wavepp.runtime.scheduling.admission import STRATEGIES, AdmissionStrategy
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.scheduling.transport import BusPlanTransport
@@ -185,18 +185,13 @@ class SimPipeline:
         await self.scheduler.start()
 
     def _host_load_policy(self, host_capacities: Sequence[int]) -> Callable | None:
-        """L* with host tiers: load or recompute at the stages' cost and load times (scaled);
-        None without a host tier (L* = the least h_s)."""
-        config = self.config
+        """L* with host tiers: load or recompute at the stages' cost and load times (scaled,
+        ``planning.host_load.host_load_policy``); None without a host tier (L* = the least
+        h_s)."""
         if not any(host_capacities):
             return None
-        scale = config.time_scale
-        policy = HostLoadPolicy(
-            [model.scaled(scale) for model in self.stage_cost_models],
-            [config.host_load_s_of(rank) * scale for rank in range(config.num_stages)],
-            config.block_size,
-        )
-        return policy.agreed_blocks
+        policy = host_load_policy(self.config, self.stage_cost_models, scale=self.config.time_scale)
+        return None if policy is None else policy.agreed_blocks
 
     async def stop(self) -> None:
         if self.scheduler is not None:

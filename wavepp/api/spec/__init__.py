@@ -23,7 +23,8 @@ path (``spec.layerPartition``), which the operator writes into the pipeline's co
 The package: ``models`` (``WavePipelineSpec``, its cross-field checks; the layer split is
 ``wavepp.api.layer_split``'s),
 ``parts`` (the section models: model, resources, cache, scheduler, NATS, tenants, autoscaling,
-telemetry, restart budget, rollout; the bounds ``MAX_REPLICAS`` and ``MAX_TENANTS``), ``errors`` (:class:`SpecError`), ``base`` (the wire base class),
+telemetry, restart budget, rollout; the bounds ``MAX_REPLICAS``, ``MAX_TENANTS`` and
+``MAX_HOST_MEMORY_GIB_PER_GPU``), ``errors`` (:class:`SpecError`), ``base`` (the wire base class),
 ``engine_options`` (the free-form ``engineOptions``' keys, types and bounds), ``checks`` (what
 the engines honour: which engine reads which option, emulated models, TP, dtype per device),
 ``decode`` (the ``decode`` section: a decode Service or pool, the gateway's decode URLs),
@@ -63,6 +64,7 @@ from wavepp.api.spec.models import (
     WavePipelineSpec,
 )
 from wavepp.api.spec.parts import (
+    MAX_HOST_MEMORY_GIB_PER_GPU,
     MAX_REPLICAS,
     MAX_TENANTS,
     MODEL_PRESET_NUM_LAYERS,
@@ -108,6 +110,7 @@ __all__ = [
     "API_VERSION",
     "ENGINE_OPTION_KEYS",
     "KIND",
+    "MAX_HOST_MEMORY_GIB_PER_GPU",
     "MAX_REPLICAS",
     "MAX_TENANTS",
     "EMULATED_MODELS",

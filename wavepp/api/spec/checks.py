@@ -1,6 +1,6 @@
 """What the engines honour, checked on the spec: the engine options and model keys the runtime
 reads, the emulated models, tensor parallelism (torch only: one process per GPU, or T CPU
-processes with gpusPerStage 0), dtype per device, weights per engine.
+processes with gpusPerStage 0; no host KV tier), dtype per device, weights per engine.
 
 Called by the spec's cross-field validation (``models``); every refusal is a :class:`SpecError`
 naming the field.
@@ -60,6 +60,12 @@ def check_engine(spec: Any) -> None:
             "tensorParallelSize",
             f"{tp}: tensor parallelism is implemented for the torch engine only (the emulated "
             "engine computes nothing to shard); use 1",
+        )
+    if tp != 1 and spec.cache.host_memory_gib > 0:
+        raise SpecError(
+            "cache.hostMemoryGiB",
+            f"{spec.cache.host_memory_gib:g} with tensorParallelSize={tp}: a host KV tier runs "
+            "on stages of one process; use 0 or tensorParallelSize 1",
         )
     gpus = spec.gpus_per_stage()
     if spec.engine == "torch" and gpus > tp:

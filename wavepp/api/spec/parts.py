@@ -37,6 +37,10 @@ MAX_REPLICAS = 256
 """Bound of ``spec.replicas`` (and ``autoscaling.maxReplicas``): pipeline copies in one pool."""
 MAX_TENANTS = 1024
 """Bound of ``spec.tenants``: tenants one gateway serves."""
+MAX_HOST_MEMORY_GIB_PER_GPU = 1024
+"""Bound of ``cache.hostMemoryGiB`` (and ``--host-memory-gib``): the most host memory per GPU a
+node can have, 8 TiB of DRAM (32 x 256 GiB DIMMs, the largest HGX H200 8-GPU servers) over 8
+GPUs."""
 
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -138,6 +142,17 @@ class CacheSpec(WireModel):
     block_size: int = Field(16, ge=1, le=4096, description="Tokens per KV block.")
     memory_per_stage_bytes: int | None = Field(
         None, ge=1, description="KV cache memory of each stage in bytes (default: engine's)."
+    )
+    host_memory_gib: float = Field(
+        0,
+        alias="hostMemoryGiB",
+        ge=0,
+        le=MAX_HOST_MEMORY_GIB_PER_GPU,
+        description=(
+            "Host memory per GPU, GiB, for each stage's host KV tier (blocks evicted from the "
+            "device pool, loaded back when reused); 0: no tier. A torch stage pod's memory "
+            "request (and limit, if set) grows by it. Needs tensorParallelSize 1."
+        ),
     )
 
 

@@ -15,11 +15,19 @@ H200 (SXM, on HGX H200 boards) and its host. ``PCIE_GEN5_X16_BYTES_PER_S``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from wavepp.runtime.planning.cost_model import CostModel
 
-__all__ = ["PCIE_GEN5_X16_BYTES_PER_S", "HostLoadPolicy", "load_s_per_block"]
+__all__ = [
+    "PCIE_GEN5_X16_BYTES_PER_S",
+    "HostLoadPolicy",
+    "HostTierShape",
+    "host_load_policy",
+    "load_s_per_block",
+    "serving_agreed_blocks",
+]
 
 PCIE_GEN5_X16_BYTES_PER_S = 32e9 * 16 * 128 / 130 / 8
 """PCIe 5.0 x16 per direction, bytes/s: 32 GT/s x 16 lanes x 128/130 / 8 bits = 63.0e9."""
@@ -109,3 +117,72 @@ class HostLoadPolicy:
             if cost < best_cost:
                 best, best_cost = k, cost
         return best
+
+
+class HostTierShape(Protocol):
+    """What :func:`host_load_policy` reads of a replica's RuntimeConfig."""
+
+    num_stages: int
+    block_size: int
+
+    def host_kv_blocks_of(self, rank: int) -> int: ...
+
+    def host_load_s_of(self, rank: int) -> float: ...
+
+
+def host_load_policy(
+    config: HostTierShape, cost_models: Sequence[CostModel], *, scale: float = 1.0
+) -> HostLoadPolicy | None:
+    """The replica's load-or-recompute policy, the agreement's ``agreed_blocks``.
+
+    Args:
+        config: the replica's config (its host tier sizes and load time per block, unscaled).
+        cost_models: each stage's cost model (S entries) or one for every stage, unscaled.
+        scale: multiplies compute and load alike (the emulated engine's and the simulator's
+            ``time_scale``; the choice does not depend on it, the figures do).
+
+    Returns:
+        None without a host tier on any stage (L* = the least h_s), else the policy.
+
+    Raises:
+        ValueError: cost_models has neither 1 nor S entries, or as ``HostLoadPolicy``.
+    """
+    stages = range(config.num_stages)
+    if not any(config.host_kv_blocks_of(rank) for rank in stages):
+        return None
+    if len(cost_models) not in (1, config.num_stages):
+        raise ValueError(
+            f"cost_models has {len(cost_models)} entries; give 1 or num_stages={config.num_stages}"
+        )
+    models = list(cost_models) * (config.num_stages // len(cost_models))
+    if scale != 1.0:
+        models = [model.scaled(scale) for model in models]
+    return HostLoadPolicy(
+        models, [config.host_load_s_of(rank) * scale for rank in stages], config.block_size
+    )
+
+
+class ServedReplica(HostTierShape, Protocol):
+    """What :func:`serving_agreed_blocks` reads: the host tier and the stages' cost model."""
+
+    cost_model: Mapping[str, object] | None
+
+
+def serving_agreed_blocks(
+    config: ServedReplica, planner_cost_model: CostModel
+) -> Callable[[Sequence[int], Sequence[int], int], int] | None:
+    """The agreement's ``agreed_blocks`` for a served replica (``LocalPipeline``, the admission service): compute at the
+    stages' own cost model when the config carries one (the emulated engine's, unscaled like
+    the load times; the engine multiplies both by ``time_scale``), else at the planner's (the
+    torch engine's measured fit, real seconds, as the load times).
+
+    Returns:
+        ``HostLoadPolicy.agreed_blocks`` of :func:`host_load_policy`; None without a host tier.
+    """
+    stage_model = (
+        CostModel.from_dict(config.cost_model)
+        if config.cost_model is not None
+        else planner_cost_model
+    )
+    policy = host_load_policy(config, [stage_model])
+    return None if policy is None else policy.agreed_blocks

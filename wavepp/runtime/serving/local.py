@@ -38,6 +38,7 @@ from wavepp.runtime.agreement.coordinator import check_stage_versions
 from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel, planner_for
+from wavepp.runtime.planning.host_load import serving_agreed_blocks
 from wavepp.runtime.request import RequestOutcome
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
@@ -183,6 +184,7 @@ class LocalPipeline:
                 self.config.owner_blocks_of(r) for r in range(self.config.num_stages)
             ],
             state_interval_blocks=self.config.state_interval_blocks,
+            agreed_blocks=serving_agreed_blocks(self.config, self.planner_cost_model),
             bus_key=replica_key,
         )
         await self.wait_formed()

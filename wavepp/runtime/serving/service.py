@@ -72,6 +72,7 @@ from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.heap import settle_heap
 from wavepp.runtime.planning import CostModel, planner_for
+from wavepp.runtime.planning.host_load import serving_agreed_blocks
 from wavepp.runtime.request import PromptRequest, RequestOutcome
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
@@ -161,6 +162,7 @@ class AdmissionService:
             lease_s=config.lease_s,
             stage_capacities=[config.owner_blocks_of(r) for r in range(config.num_stages)],
             state_interval_blocks=config.state_interval_blocks,
+            agreed_blocks=serving_agreed_blocks(config, planner_cost_model),
             bus_key=self.replica_key,
         )
         planner = planner_for(config, planner_cost_model)
