@@ -59,15 +59,10 @@ Assumed: T = 128 (CUTLASS's Hopper 128x128 tile), 132 SMs (H100/H200 SXM, NVIDIA
 Core GPU Architecture whitepaper), M = the engine's micro-batch tokens (``microbatch_tokens``),
 MoE as one grouped GEMM over the rank's experts with M*k/E tokens each (uniform routing).
 
-Interconnect (``H200_NVLINK``): NVLink 4, 18 links, 900 GB/s bidirectional per H200 (NVIDIA's
-MLPerf Inference v4.1 H200-SXM-141GBx8 system description: "18x 4th Gen NVLink, 900GB/s"),
-450 GB/s per direction. All-reduce bus bandwidth 475 GB/s: nccl-tests ``all_reduce_perf`` on 8 x
-H200, NCCL 2.20.3, peak busbw (NVIDIA/nccl-tests issue 272); NCCL's author gives ~480 GB/s with
-NVLink SHARP on 8 GPUs (NVIDIA/nccl-tests issue 212). All-to-all bus bandwidth 370 GB/s: the
-same reply's "effective NVLink bandwidth of 370GB/s" for non-all-reduce collectives (450 GB/s
-line rate less ~20 % protocol overhead). Latency 25 us per collective: NCCL's own tuning model
-on an 8 x H100 node predicts 25.9-26.5 us for 4-8 KB all-reduces (NVIDIA/nccl issue 1453,
-NCCL_DEBUG log). One NVLink domain holds 8 GPUs (HGX H200); groups larger than that are refused
+Interconnect (``H200_NVLINK``): NVLink 4, 900 GB/s bidirectional per H200 (450 GB/s per
+direction); all-reduce bus bandwidth 475 GB/s, all-to-all 370 GB/s, 25 us per collective.
+The source of each figure (system descriptions, nccl-tests and NCCL reports) is in
+docs/bench/layouts.md. One NVLink domain holds 8 GPUs (HGX H200); groups larger than that are refused
 (no inter-node tensor parallelism is modelled).
 
 KV capacity (``replica_kv_blocks``): ``planning.memory`` with t GPUs per stage (weights / t; an
