@@ -1,7 +1,8 @@
 """WavePP prefill -> vLLM decode through the KV handoff, checked against vLLM's own prefill.
 
-A random-weight Hugging Face Llama checkpoint (``CHECKPOINT_SHAPE``, float32, made in
-``--work-dir``) is prefilled by a WavePP pipeline of 2 stage processes (``LocalPipeline``, blocks
+A random-weight float32 Hugging Face checkpoint of ``--family`` (made in ``--work-dir``):
+``llama`` (``CHECKPOINT_SHAPE``) or ``minimax_m2`` (``MINIMAX_SHAPE``: GQA with QK-norm and
+partial RoPE, sigmoid-routed experts) is prefilled by a WavePP pipeline of 2 stage processes (``LocalPipeline``, blocks
 of ``--wavepp-block-size`` tokens) and decoded by one vLLM engine (``decode_runner`` in vLLM's
 environment, ``--vllm-python``, blocks of 32 tokens, ``WavePPConnector``). Prompts: the first
 ``--requests`` records of the Mooncake trace (``data/traces``), ``--tokens-per-block`` tokens per
@@ -24,6 +25,7 @@ on the stages at the end: 0 when every lease ended).
 
     scripts/vllm-venv.sh
     python benchmarks/pd_handoff.py --json
+    python benchmarks/pd_handoff.py --json --family minimax_m2
 
 This is a benchmark: it measures and prints; it asserts nothing.
 """
@@ -60,6 +62,30 @@ CHECKPOINT_SHAPE: dict[str, Any] = {
 }
 
 
+MINIMAX_SHAPE: dict[str, Any] = {
+    **{k: v for k, v in CHECKPOINT_SHAPE.items() if k != "intermediate_size"},
+    "head_dim": 32,
+    "intermediate_size": 64,  # per expert; vLLM's CPU experts need a multiple of 32
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+    },
+    # keys of the published MiniMax-M2 config.json that vLLM's model reads and transformers'
+    # MiniMaxM2Config does not write; rotary_dim = head_dim * partial_rotary_factor, so both
+    # engines rotate the same 16 dims of each head
+    "rotary_dim": 16,
+    "scoring_func": "sigmoid",
+    "use_routing_bias": True,
+}
+SHAPES: dict[str, dict[str, Any]] = {"llama": CHECKPOINT_SHAPE, "minimax_m2": MINIMAX_SHAPE}
+"""The checkpoint of each ``--family`` (Hugging Face ``model_type``): the GQA families that both
+WavePP's torch engine and vLLM's CPU build serve. The MLA families (``deepseek_v3``,
+``glm_moe_dsa``, ``kimi_linear``) cache a latent, which a stage does not hand off."""
+
+
 LM_HEAD_SCALE = 30.0
 """The random checkpoint's output projection is scaled by this: a tiny random model's logits
 are nearly flat, and greedy decoding should be decided by margins far above the float32
@@ -67,18 +93,35 @@ differences between two engines' kernels (vLLM's own prefill vs WavePP's). Scali
 widens every gap without touching the KV."""
 
 
-def make_checkpoint(out_dir: Path, seed: int = 0) -> Path:
-    """Write (once) the random-weight float32 Llama checkpoint of ``CHECKPOINT_SHAPE``, its
-    ``lm_head`` scaled by ``LM_HEAD_SCALE``."""
+def make_checkpoint(out_dir: Path, seed: int = 0, family: str = "llama") -> Path:
+    """Write (once) the random-weight float32 checkpoint of ``SHAPES[family]``, its ``lm_head``
+    scaled by ``LM_HEAD_SCALE``. In a MiniMax-M2 checkpoint the QK-norm and layer norm weights
+    are 1 + N(0, 0.1^2) and the routing biases N(0, 0.05^2) (transformers leaves them at 1 and
+    0), so that the handed-over K depends on the norms and the experts on the biases.
+
+    Raises:
+        ValueError: ``family`` is not a key of ``SHAPES``.
+    """
+    if family not in SHAPES:
+        raise ValueError(f"family={family!r}: choose one of {sorted(SHAPES)}")
     if (out_dir / "config.json").exists():
         return out_dir
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
-    config = LlamaConfig(**CHECKPOINT_SHAPE, bos_token_id=0, eos_token_id=1)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    config = transformers.AutoConfig.for_model(
+        family, **SHAPES[family], bos_token_id=0, eos_token_id=1
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     with torch.no_grad():
+        if family == "minimax_m2":
+            for param in model.parameters():
+                if param.dim() == 1:
+                    param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.copy_(0.05 * torch.randn_like(buf))
         model.lm_head.weight.mul_(LM_HEAD_SCALE)
     model.save_pretrained(str(out_dir))
     return out_dir
@@ -172,12 +215,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pd-handoff-"))
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = make_checkpoint(work / "model")
+    model_dir = make_checkpoint(work / f"model-{args.family}", family=args.family)
     prompts = mooncake_workload(
         args.trace,
         args.requests,
         tokens_per_block=args.tokens_per_block,
-        vocab_size=CHECKPOINT_SHAPE["vocab_size"],
+        vocab_size=SHAPES[args.family]["vocab_size"],
         seed=1,
     ).prompts
     max_len = max(len(p) for p in prompts) + args.decode_tokens + 1
@@ -283,6 +326,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             )
     return {
         "mismatches": details[:10],
+        "family": args.family,
         "requests": len(prompts),
         "decode_tokens_per_request": args.decode_tokens,
         "mismatched_requests": mismatched,
@@ -308,6 +352,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", choices=sorted(SHAPES), default="llama", help="model_type")
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)

@@ -64,6 +64,21 @@ def test_percentile() -> None:
     assert bench.percentile([0.0, 10.0], 0.99) == pytest.approx(9.9)
 
 
+def test_checkpoint_of_each_family(tmp_path: Path) -> None:
+    """The MiniMax-M2 checkpoint: vLLM's keys agree with what WavePP reads (the same rotated
+    dims, sigmoid routing); an unknown family is refused by name."""
+    from wavepp.runtime.hf_config import layer_plan_from_hf
+
+    with pytest.raises(ValueError, match="family='deepseek_v3': choose one of"):
+        bench.make_checkpoint(tmp_path / "x", family="deepseek_v3")
+    model_dir = bench.make_checkpoint(tmp_path / "mm", family="minimax_m2")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert cfg["model_type"] == "minimax_m2" and cfg["scoring_func"] == "sigmoid"
+    plan = layer_plan_from_hf(cfg)
+    assert plan.gqa is not None and plan.gqa.qk_norm and plan.moe is not None
+    assert plan.gqa.rotary_dim == cfg["rotary_dim"] == 16
+
+
 async def _stats(pipeline: LocalPipeline) -> list[dict]:
     return [await asyncio.to_thread(stage_stats, a) for a in pipeline.handoff_addrs]
 

@@ -66,3 +66,16 @@ def test_a_family_plugged_into_the_table_is_read_everywhere(monkeypatch) -> None
     assert plan.model_type == "llama_clone" and plan.gqa is not None and plan.num_layers == 3
     shape = model_shape_from_hf({**LLAMA, "model_type": "llama_clone"}, name="c")
     assert shape.layers == model_shape_from_hf(LLAMA, name="c").layers
+
+
+def test_minimax_routing_other_than_sigmoid_is_refused_by_name() -> None:
+    cfg = {
+        **LLAMA,
+        "model_type": "minimax_m2",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    }
+    assert layer_plan_from_hf(cfg).moe is not None
+    assert layer_plan_from_hf({**cfg, "scoring_func": "sigmoid"}).moe is not None
+    with pytest.raises(ValueError, match="scoring_func='softmax': MiniMax-M2 experts are routed"):
+        layer_plan_from_hf({**cfg, "scoring_func": "softmax"})

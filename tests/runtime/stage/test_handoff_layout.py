@@ -1,13 +1,21 @@
 """Layout conversions of the handoff: the stage reads a request's tokens out of its paged cache
 (block size 4) by its block table; the vLLM side maps them to its own blocks (size 8) and
-converts range and dtype for the backend's cache writer (which the end-to-end test runs)."""
+converts range and dtype for the backend's cache writer (which the end-to-end test runs).
+Per family: what a stage hands over is, layer by layer, the K/V transformers caches for the same
+checkpoint (K after the family's QK-norm and (partial) RoPE), or a refusal by name (MLA, KDA)."""
 
 from __future__ import annotations
+
+import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from wavepp.integrations.vllm.layout import kv_for_backend, slots_of
+from wavepp.runtime.families import FAMILIES
+from wavepp.runtime.hf_config import load_model_dir
+from wavepp.runtime.stage.engine import ChunkSpec, make_engine
 from wavepp.runtime.stage.handoff_server import overlap_seconds, read_layer_kv
 
 
@@ -44,3 +52,84 @@ def test_overlap_seconds_counts_union_of_busy_time() -> None:
     busy = [(1.0, 3.0), (2.0, 4.0), (9.0, 21.0)]
     assert overlap_seconds(spans, busy) == pytest.approx(3.0 + 1.0 + 1.0)
     assert overlap_seconds(spans, []) == 0.0
+
+
+def _prefill_two_stages(model_dir: Path, tokens: list[int], block: int) -> list[torch.Tensor]:
+    """Prefill ``tokens`` in two chunks on stages [0, 2) and [2, 4) (shuffled block tables);
+    each layer's K/V as the stage's handoff reads it: [2, num_tokens, kv_heads, head_dim]."""
+    model = load_model_dir(model_dir)
+    need = -(-len(tokens) // block)
+    engines, tables = [], []
+    for rank, (first, last) in enumerate([(0, 2), (2, 4)]):
+        engine = make_engine(
+            "torch",
+            model=model,
+            first_layer=first,
+            last_layer=last,
+            num_layers_total=4,
+            model_dir=model_dir,
+        )
+        engine.allocate_kv(need + 3, block)
+        ids = list(range(need + 3))
+        random.Random(rank).shuffle(ids)
+        engines.append(engine)
+        tables.append(tuple(ids[:need]))
+    split = len(tokens) // 2
+    for start, end in [(0, split), (split, len(tokens))]:
+        hidden = None
+        for rank, engine in enumerate(engines):
+            spec = ChunkSpec(
+                request_id="r",
+                context_offset=start,
+                num_tokens=end - start,
+                block_ids=tables[rank],
+                token_ids=tuple(tokens[start:end]) if rank == 0 else None,
+                is_last=end == len(tokens),
+            )
+            hidden = engine.execute(engine.prepare([spec]), hidden).hidden
+    return [
+        read_layer_kv(cache, table, block, len(tokens))
+        for engine, table in zip(engines, tables, strict=True)
+        for cache in engine.gqa_kv_caches()
+    ]
+
+
+GQA_FAMILIES = ["llama", "minimax_m2"]
+"""The registered families whose layers keep K/V (the others cache MLA latents or KDA states)."""
+
+
+def test_gqa_families_are_the_registered_ones_with_kv() -> None:
+    assert set(GQA_FAMILIES) <= set(FAMILIES)
+    assert set(FAMILIES) - set(GQA_FAMILIES) == {"deepseek_v3", "glm_moe_dsa", "kimi_linear"}
+
+
+@pytest.mark.parametrize("family", [*GQA_FAMILIES, "deepseek_v3"])
+def test_each_family_hands_over_transformers_kv_or_refuses(family: str, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")  # noqa: F841 (the reference's library)
+    from wavepp.bench.checkpoints import save_random_checkpoint
+
+    reference = save_random_checkpoint(family, tmp_path, num_layers=4, vocab_size=256)
+    tokens = [random.Random(5).randrange(256) for _ in range(19)]
+    if family not in GQA_FAMILIES:  # an MLA latent cache: no K/V to hand over
+        with pytest.raises(ValueError, match="a KV handoff serves grouped-query attention"):
+            _prefill_two_stages(tmp_path, tokens, block=4)
+        return
+    handed = _prefill_two_stages(tmp_path, tokens, block=4)
+    with torch.inference_mode():
+        cache = reference(torch.tensor([tokens]), use_cache=True).past_key_values
+    assert len(handed) == 4
+    for i, kv in enumerate(handed):
+        # transformers caches [batch, kv_heads, tokens, head_dim]; the wire is token-major
+        keys = cache.layers[i].keys[0].transpose(0, 1)
+        values = cache.layers[i].values[0].transpose(0, 1)
+        assert kv.shape == (2, len(tokens), *keys.shape[1:])
+        torch.testing.assert_close(kv[0], keys, atol=1e-4, rtol=0)
+        torch.testing.assert_close(kv[1], values, atol=1e-4, rtol=0)
+        # into vLLM blocks of 8 (block table [3, 0, 5]) and back: the same K/V
+        slots = slots_of([3, 0, 5], 8, 0, len(tokens))
+        key, value = kv_for_backend(
+            kv, 0, len(tokens), num_kv_heads=kv.shape[2], head_dim=kv.shape[3], dtype=torch.float32
+        )
+        paged = torch.zeros(2, 6 * 8, *kv.shape[2:])
+        paged[0, slots], paged[1, slots] = key, value
+        assert torch.equal(paged[:, slots], kv)

@@ -4,7 +4,8 @@ Config fields (HF ``LlamaConfig``, ``MiniMaxM2Config``): ``head_dim`` (default
 ``hidden_size / num_attention_heads``), ``num_key_value_heads`` (default the heads);
 MiniMax-M2 adds QK-norm, partial RoPE (``rotary_dim`` or ``rope_parameters.
 partial_rotary_factor``) and sigmoid top-k routing over ``num_local_experts`` experts of width
-``intermediate_size``, no shared experts. Pure: no torch, no I/O.
+``intermediate_size``, no shared experts (``scoring_func``, when present, must be ``"sigmoid"``).
+Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -100,6 +101,12 @@ class MiniMaxM2(ModelFamily):
             shared_intermediate=int(cfg.get("shared_intermediate_size") or 0),
             style="minimax",
         )
+        scoring = cfg.get("scoring_func", "sigmoid")
+        if scoring != "sigmoid":
+            raise ValueError(
+                f"scoring_func={scoring!r}: MiniMax-M2 experts are routed by sigmoid scores "
+                "(the published configs' 'sigmoid'); no other scoring is implemented"
+            )
         if moe.shared_intermediate:
             raise ValueError(
                 f"shared_intermediate_size={moe.shared_intermediate}: MiniMax shared "
