@@ -68,6 +68,7 @@ from wavepp.gateway.validation import (
 )
 from wavepp.runtime.transport.buskey import load_bus_key
 from wavepp.runtime.transport.natsio import connect, flush_in_order
+from wavepp.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ class GatewayServer:
                 DecodePool(config.decode_urls),
                 model_name=config.model_name,
                 chunk_timeout_s=config.decode_timeout_s,
+                metrics=gateway.metrics,
             )
             if config.decode_urls
             else None
@@ -516,6 +518,7 @@ async def run_gateway(
     nc = await connect(nats_url, name=f"{config.pool}-gateway-{os.getpid()}")
     gateway = Gateway(config, nc, bus_key=bus_key)
     runner = None
+    tracing.setup(config.telemetry, "wavepp-gateway")
     try:
         server = GatewayServer(gateway, tokenizer, chat_template)
         if server.auth.enabled:
@@ -542,3 +545,4 @@ async def run_gateway(
             await runner.cleanup()
         await gateway.stop()
         await nc.drain()
+        tracing.shutdown()
