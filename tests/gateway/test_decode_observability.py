@@ -347,3 +347,29 @@ async def test_failures_record_no_tpot_and_ttft_only_for_a_token_sent() -> None:
     # the refused one sent no token: nothing; the broken one sent its first token: TTFT only
     assert _histograms(metrics, "wavepp_gateway_completion_ttft_seconds").keys() == {"beta"}
     assert _histograms(metrics, "wavepp_gateway_time_per_output_token_seconds") == {}
+
+
+# ---- where the gateway's tracing settings come from -------------------------------------------
+
+
+def test_the_gateway_traces_as_the_spec_says_and_refuses_a_metrics_port(tmp_path: Any) -> None:
+    from wavepp import cli
+    from wavepp.api.spec import WavePipelineSpec
+    from wavepp.launch.gateway import gateway_config_from_spec
+    from wavepp.launch.up import plan_up
+
+    raw = {"model": {"name": "tiny-llama"}, "stages": 2, "engine": "emulated",
+           "telemetry": {"otlpEndpoint": "http://collector:4317", "samplingRatio": 0.25}}  # fmt: skip
+    spec = WavePipelineSpec.model_validate(raw).resolved(
+        default_image="i", default_nats_url="nats://n"
+    )
+    pod = gateway_config_from_spec(spec, {"pipeline": "p"}).telemetry
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(raw))
+    args = cli.build_parser(["up"]).parse_args(["up", "--port", "0", "--config", str(path)])
+    local = plan_up(args).gateway.telemetry
+    for telemetry in (pod, local):
+        assert (telemetry.exporter, telemetry.endpoint) == ("otlp-grpc", "http://collector:4317")
+        assert telemetry.sampling_ratio == 0.25 and telemetry.metrics_port is None
+    with pytest.raises(ValueError, match="telemetry.metrics_port"):
+        tiny_gateway_config(telemetry=TelemetrySettings(metrics_port=9100))

@@ -397,6 +397,7 @@ class GatewayServer:
             return _error(exc, 400)
         if batch.sampling is not None:
             return await self._decode(request, batch, chat=False)
+        admitted_s = time.monotonic()
         answers = await asyncio.gather(*(self._prefill(p) for p in batch.prompts))
         for status, _payload, _headers in answers:
             metrics.request_answered(batch.prompts[0].tenant, status)
@@ -407,6 +408,8 @@ class GatewayServer:
         assert all(isinstance(r, PrefillResult) for r in results)
         decode = self.tokenizer[1] if self.tokenizer is not None else None
         created = int(time.time())
+        # every prompt's one token goes out in this answer: the completion's first token
+        metrics.first_token_sent(batch.prompts[0].tenant, time.monotonic() - admitted_s)
         if batch.stream:
             events = sse_events(
                 results, config.model_name, created, decode, include_usage=batch.include_usage

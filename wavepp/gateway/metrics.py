@@ -36,7 +36,8 @@ never the client's address).
 client of ``/v1/completions`` and ``/v1/chat/completions`` sees (``decode.CompletionClock``):
 ``completion_ttft``, seconds from the request's admission (validated, before the gateway's queue)
 to the first generated token sent to the client (a non-streamed answer carries every token at
-once: its send); ``time_per_output_token``, per streamed request that ended normally with at
+once: its send; a prefill-only completion, ``max_tokens`` 1, is its answer, one sample per
+request whatever its number of prompts); ``time_per_output_token``, per streamed request that ended normally with at
 least two tokens, the mean seconds between the first token sent and the last
 (``(t_last - t_first) / (tokens - 1)``, the definition vLLM's per-request TPOT uses). A request
 that failed before its first token records neither; one that broke off mid-stream keeps its
