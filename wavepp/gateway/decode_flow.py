@@ -258,13 +258,17 @@ class DecodeFlow:
                 "completion.max_tokens": batch.sampling.max_tokens,
             },
         )
+        unanswered = 499  # the client left (cancelled) before an answer was counted
         try:
             with tracing.use_span(root):
                 return await self._complete(
                     request, batch, prefill, cache_salt, answered_once, chat, clock
                 )
+        except Exception:
+            unanswered = 500
+            raise
         finally:
-            _end(root, codes[-1] if codes else 499, clock)
+            _end(root, codes[-1] if codes else unanswered, clock)
 
     def _tokens_sent(self, tenant: str, clock: CompletionClock, num_tokens: int) -> None:
         """``num_tokens`` generated tokens were just sent to the client."""
@@ -445,8 +449,9 @@ def first_tenant(batch: CompletionRequest) -> str:
 
 
 def _end(root: Span | None, status: int, clock: CompletionClock) -> None:
-    """End the request's ``gateway.request`` span with the status answered (499: the client
-    left before an answer was counted) and the tokens sent; an error status marks it failed."""
+    """End the request's ``gateway.request`` span with the status answered (unanswered: 499
+    when the client left, 500 when the gateway raised) and the tokens sent; a status other than
+    200 marks it failed."""
     if root is None:
         return
     if status != 200:
