@@ -81,6 +81,8 @@ def gateway_exported() -> dict[str, set[str]]:
     try:
         metrics.request_answered("acme", 200)
         metrics.result_served("acme", num_prompt_tokens=32, num_cached_tokens=16, ttft_s=0.2)
+        metrics.first_token_sent("acme", 0.3)
+        metrics.output_tokens_paced("acme", 0.02)
         metrics.routed("p-r0", 2)
         metrics.auth_failed("invalid")
         body, content_type = metrics.scrape()
@@ -124,6 +126,12 @@ def test_gateway_series_and_labels(gateway_exported: dict[str, set[str]]) -> Non
         "wavepp_gateway_ttft_seconds_bucket": {"tenant", "le"},
         "wavepp_gateway_ttft_seconds_count": {"tenant"},
         "wavepp_gateway_ttft_seconds_sum": {"tenant"},
+        "wavepp_gateway_completion_ttft_seconds_bucket": {"tenant", "le"},
+        "wavepp_gateway_completion_ttft_seconds_count": {"tenant"},
+        "wavepp_gateway_completion_ttft_seconds_sum": {"tenant"},
+        "wavepp_gateway_time_per_output_token_seconds_bucket": {"tenant", "le"},
+        "wavepp_gateway_time_per_output_token_seconds_count": {"tenant"},
+        "wavepp_gateway_time_per_output_token_seconds_sum": {"tenant"},
         "wavepp_gateway_queue_depth": {"tenant"},
         "wavepp_gateway_active_requests": {"tenant"},
         "wavepp_gateway_requests_in_gateway": set(),

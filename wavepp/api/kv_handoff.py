@@ -7,7 +7,7 @@ A handoff moves one prefilled request's KV from each pipeline stage to a decode 
 decode side *pulls*: it opens one TCP connection per stage and speaks frames::
 
     frame := length (4 bytes, big-endian, <= MAX_FRAME_BYTES) || payload
-    client -> stage   JSON {"op": "pull", "request_id", "expires", "token"}
+    client -> stage   JSON {"op": "pull", "request_id", "expires", "token", "traceparent"?}
     stage  -> client  JSON {"ok": true, "num_tokens", "block_size", "first_layer",
                             "last_layer", "num_kv_heads", "head_dim", "dtype"}
                       then one binary frame per layer of [first_layer, last_layer): that
@@ -15,6 +15,10 @@ decode side *pulls*: it opens one TCP connection per stage and speaks frames::
                       [2, num_tokens, num_kv_heads, head_dim], little-endian ``dtype``
     client -> stage   JSON {"op": "release", "request_id", "expires", "token"}
     stage  -> client  JSON {"ok": true}
+
+``traceparent`` (optional, W3C): the span the pull belongs to (the gateway's ``decode``
+span, carried in ``HandoffParams.traceparent``); a traced stage records its ``handoff.pull``
+span under it.
 
 Any refusal or failure is one JSON frame ``{"ok": false, "error": "..."}`` naming the cause,
 and the stage closes the connection. ``{"op": "stats"}`` (no token) answers the stage's open
@@ -109,7 +113,9 @@ class HandoffParams:
 
     ``num_tokens``: prompt tokens whose KV the stages hold; ``expires``: Unix seconds when the
     stages drop the lease; ``token``: see the module docstring; ``stages``: one endpoint per
-    pipeline stage, rank order, their layer ranges tiling ``[0, num_layers)``.
+    pipeline stage, rank order, their layer ranges tiling ``[0, num_layers)``;
+    ``traceparent``: W3C, the trace the pull joins ("" none; the token does not cover it: it
+    names a span, it grants nothing).
     """
 
     request_id: str
@@ -117,15 +123,19 @@ class HandoffParams:
     expires: float
     token: str
     stages: tuple[StageEndpoint, ...]
+    traceparent: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "request_id": self.request_id,
             "num_tokens": self.num_tokens,
             "expires": float(expires_text(self.expires)),
             "token": self.token,
             "stages": [[s.addr, s.first_layer, s.last_layer] for s in self.stages],
         }
+        if self.traceparent:
+            out["traceparent"] = self.traceparent
+        return out
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> HandoffParams:
@@ -146,8 +156,9 @@ class HandoffParams:
                 expires=float(value["expires"]),
                 token=str(value["token"]),
                 stages=stages,
+                traceparent=str(value.get("traceparent") or ""),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise HandoffError(f"kv_transfer_params.{PARAMS_KEY}: malformed ({exc!r})") from exc
         if params.num_tokens < 1:
             raise HandoffError(

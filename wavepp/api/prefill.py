@@ -42,6 +42,9 @@ class IntakeRequest(_Msg):
     arrival_s: float
     queued_s: float = 0.0  # time spent in the gateway's fair-share queue
     handoff: bool = False  # hand the prompt's KV to a decode engine (PromptRequest.handoff)
+    # W3C traceparent of the gateway's span for this prefill ("": not traced there); the
+    # admission's ``request`` span becomes its child, so the request is one trace
+    traceparent: str = Field("", max_length=55)
 
 
 class StageTiming(BaseModel):

@@ -27,9 +27,11 @@ __all__ = [
     "CPU_KV_CACHE_ENV",
     "CPU_KV_CACHE_GIB",
     "CPU_MEMORY_UTILIZATION",
+    "OTLP_PROTOCOL_ENV",
     "TOKENIZER_FILES",
     "VLLM_SERVER_MODULE",
     "vllm_decode_args",
+    "vllm_tracing",
 ]
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -53,6 +55,10 @@ CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
 CPU_KV_CACHE_GIB = "1"
 """The KV cache (GiB) a CPU decode server gets unless its environment says otherwise."""
+
+OTLP_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+"""The OpenTelemetry variable vLLM's span exporter reads: ``grpc`` (its default) or
+``http/protobuf``."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 """A checkpoint directory holding any of these has a tokenizer vLLM can load."""
@@ -102,3 +108,16 @@ def vllm_decode_args(
     if not has_tokenizer:
         args.append("--skip-tokenizer-init")
     return args
+
+
+def vllm_tracing(exporter: str, endpoint: str) -> tuple[list[str], dict[str, str]]:
+    """The vLLM options and environment that make a decode server export its request spans
+    where WavePP's processes export theirs: (``["--otlp-traces-endpoint", endpoint]``,
+    ``{OTLP_PROTOCOL_ENV: "grpc" | "http/protobuf"}``) for ``exporter`` ``otlp-grpc`` or
+    ``otlp-http`` (``TelemetrySettings.exporter``) with an ``endpoint``; ([], {}) otherwise (vLLM
+    then records no spans; the gateway's traceparent header is ignored). vLLM's environment
+    needs the OpenTelemetry SDK and OTLP exporter packages for these options."""
+    if not endpoint or exporter not in ("otlp-grpc", "otlp-http"):
+        return [], {}
+    protocol = "grpc" if exporter == "otlp-grpc" else "http/protobuf"
+    return ["--otlp-traces-endpoint", endpoint], {OTLP_PROTOCOL_ENV: protocol}

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from wavepp.gateway.router import RoutingPolicy
 from wavepp.gateway.tenants import TenantPolicy
 from wavepp.gateway.validation import PromptLimits
+from wavepp.telemetry.settings import TelemetrySettings
 
 # Seconds a client is told to wait (``Retry-After``) when the intake refuses a request.
 INTAKE_RETRY_AFTER_S = 2.0
@@ -77,10 +78,23 @@ class GatewayConfig(BaseModel):
     )
     decode_max_tokens: int = Field(4096, ge=2)
     decode_timeout_s: float = Field(120.0, gt=0)
+    # Tracing of the gateway process (the pipeline's exporter and sampling ratio; spans of
+    # whole completions, gateway.decode_flow). The gateway serves its metrics on its own HTTP
+    # port: telemetry.metrics_port is refused here.
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     # API keys (wavepp.gateway.auth): on when any tenant has api_keys_file.
     auth_poll_s: float = Field(1.0, ge=0)
     auth_failure_burst: int = Field(10, ge=1)
     auth_failures_per_s: float = Field(0.2, gt=0)
+
+    @model_validator(mode="after")
+    def _check_telemetry(self) -> GatewayConfig:
+        if self.telemetry.metrics_port is not None:
+            raise ValueError(
+                "telemetry.metrics_port: the gateway serves /metrics on its own port; leave it "
+                "unset here"
+            )
+        return self
 
     @property
     def limits(self) -> PromptLimits:

@@ -65,6 +65,7 @@ from wavepp.runtime.kv import hash_prompt_blocks
 from wavepp.runtime.serving.results import ResultStore
 from wavepp.runtime.transport.jetstream import ensure_intake
 from wavepp.runtime.transport.natsio import flush_in_order, on_reconnect, resend_after_reconnect
+from wavepp.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -417,6 +418,9 @@ class Gateway:
                     arrival_s=arrival_s,
                     queued_s=self.clock() - queued_at,
                     handoff=request.handoff,
+                    # the caller's current span (decode_flow's ``prefill``): the admission's
+                    # request span joins its trace
+                    traceparent=tracing.current_traceparent(),
                 )
                 result = await self._run(intake)
             finally:

@@ -8,13 +8,20 @@ replica with a KV handoff, the gateway sends the endpoint (:func:`decode_body`):
     {"model", "prompt": [token ids], "max_tokens", "temperature"?, "seed"?, "stop"?,
      "stream", "stream_options": {"include_usage": true} (stream only),
      "return_token_ids": true, "cache_salt": <hex SHA-256 of the tenant's salt, 32 digits>,
-     "kv_transfer_params": <the prefill's>}
+     "kv_transfer_params": <the prefill's; its handoff with the decode span's "traceparent">}
+
+with the HTTP header ``traceparent`` (W3C) of the gateway's ``decode`` span when the gateway
+traces, so a vLLM started with ``--otlp-traces-endpoint`` records its request in that trace.
 
 and the endpoint pulls the prompt's KV from the stages and decodes. Its answer is passed on
 under the gateway's id and model (:func:`completion_answer`, :func:`stream_chunk`), each choice
 with the generated ``token_ids``, and ``usage`` (:func:`pd_usage`) counting the prompt, the
 completion and, as ``prompt_tokens_details.cached_tokens``, the prefix the WavePP stages agreed
 to reuse (``PrefillResult.num_cached_tokens``).
+
+``CompletionClock`` times one completion as its client sees it: time to first token from the
+admission, and the mean time per output token after the first (the gateway's
+``completion_ttft`` and ``time_per_output_token`` histograms).
 
 ``DecodePool`` picks the endpoint with the fewest requests in flight from this gateway (ties:
 the one chosen least recently); one that refused a connection is passed over for
@@ -27,11 +34,13 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from wavepp.api.kv_handoff import PARAMS_KEY
 from wavepp.api.prefill import PrefillResult
 from wavepp.gateway.validation import Sampling
 
 __all__ = [
     "DEFAULT_DOWN_S",
+    "CompletionClock",
     "DecodePool",
     "chat_answer",
     "chat_chunk",
@@ -99,6 +108,47 @@ class DecodePool:
         return self._endpoints[url].num_in_flight
 
 
+@dataclass
+class CompletionClock:
+    """One completion's token times as sent to its client (seconds of one monotonic clock).
+
+    ``admitted_s``: when the gateway admitted the request (validated, before its queue).
+    ``sent(num_tokens, now_s)`` after each write that carried ``num_tokens`` generated tokens
+    (writes of 0 tokens are not counted). Invariant: ``first_s <= last_s`` once a token was sent.
+    """
+
+    admitted_s: float
+    num_tokens: int = 0
+    first_s: float | None = None
+    last_s: float | None = None
+
+    def sent(self, num_tokens: int, now_s: float) -> bool:
+        """Count a write of ``num_tokens`` tokens at ``now_s``; True when it carried the
+        completion's first token (the moment its TTFT ends)."""
+        if num_tokens <= 0:
+            return False
+        first = self.first_s is None
+        if first:
+            self.first_s = now_s
+        self.last_s = now_s
+        self.num_tokens += num_tokens
+        return first
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Seconds from admission to the first token sent; None before it."""
+        return None if self.first_s is None else self.first_s - self.admitted_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean seconds between output tokens after the first: ``(last - first) / (tokens -
+        1)``; None with fewer than 2 tokens (a write of k tokens counts k, so a chunk carrying
+        several tokens lowers the mean as it should)."""
+        if self.first_s is None or self.last_s is None or self.num_tokens < 2:
+            return None
+        return (self.last_s - self.first_s) / (self.num_tokens - 1)
+
+
 def decode_body(
     result: PrefillResult,
     token_ids: Sequence[int],
@@ -107,11 +157,18 @@ def decode_body(
     sampling: Sampling,
     stream: bool,
     cache_salt: str,
+    traceparent: str = "",
 ) -> dict[str, object]:
     """The decode endpoint's ``/v1/completions`` body for a prefilled prompt (module
-    docstring). ``result`` carries the handoff's ``kv_transfer_params`` (ValueError if not)."""
+    docstring). ``result`` carries the handoff's ``kv_transfer_params`` (ValueError if not).
+    ``traceparent`` (W3C, "" none): set as the handoff's ``traceparent``, so the stages record
+    the KV pull in that trace (``wavepp.api.kv_handoff``)."""
     if not result.kv_transfer_params:
         raise ValueError(f"prefill of {result.request_id} carries no kv_transfer_params")
+    transfer = dict(result.kv_transfer_params)
+    handoff = transfer.get(PARAMS_KEY)
+    if traceparent and isinstance(handoff, Mapping):
+        transfer[PARAMS_KEY] = {**handoff, "traceparent": traceparent}
     body: dict[str, object] = {
         "model": model,
         "prompt": list(token_ids),
@@ -120,7 +177,7 @@ def decode_body(
         "return_token_ids": True,
         # vLLM's cache_salt takes at most 128 characters and no '@', '/' or '\\': a digest
         "cache_salt": hashlib.sha256(cache_salt.encode()).hexdigest()[:32],
-        "kv_transfer_params": result.kv_transfer_params,
+        "kv_transfer_params": transfer,
     }
     if sampling.temperature is not None:
         body["temperature"] = sampling.temperature

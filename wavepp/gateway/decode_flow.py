@@ -9,6 +9,22 @@ gateway's own path), then POSTs the decode request to the decode endpoints in
 ``DecodePool.order`` (the next one when a connection is refused) and answers with the decode
 endpoint's completion, or streams its tokens as server-sent events as they come.
 
+Tracing (when the gateway traces, ``GatewayConfig.telemetry``): one span tree per request,
+in the trace of the client's ``traceparent`` header when it sent one::
+
+    gateway.request      request.id, tenant, http.route, http.status_code, completion.tokens
+    ├── prefill          the gateway's prefill (queue, route, intake, answer); the replica's
+    │   └── request ...  ``request`` span and its agreement and stage spans
+    │                    (``wavepp.telemetry.pipeline``) through ``IntakeRequest.traceparent``
+    └── decode           from the decode request to its last chunk (decode.endpoint); its
+        ├── handoff.pull traceparent goes to the endpoint as the HTTP header ``traceparent``
+        │   (per stage)  (vLLM's own spans) and in the handoff (the stages' pull spans)
+        └── (vLLM)
+
+Metrics (``GatewayMetrics``): ``first_token_sent`` when the first generated token is written
+to the client (a non-streamed answer: when it is built), ``output_tokens_paced`` when a stream
+of two or more tokens ended normally (``decode.CompletionClock``).
+
 Failures and what they release:
 
 - prefill refused or failed: its JSON error (status as ``/v1/prefill``); no lease was taken.
@@ -35,6 +51,8 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import aiohttp
 from aiohttp import web
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, Status, StatusCode
 
 from wavepp.api.kv_handoff import (
     LENGTH_BYTES,
@@ -47,6 +65,7 @@ from wavepp.api.kv_handoff import (
 )
 from wavepp.api.prefill import PrefillResult
 from wavepp.gateway.decode import (
+    CompletionClock,
     DecodePool,
     chat_answer,
     chat_chunk,
@@ -57,7 +76,9 @@ from wavepp.gateway.decode import (
     stream_chunk,
 )
 from wavepp.gateway.errors import error_body
+from wavepp.gateway.metrics import GatewayMetrics
 from wavepp.gateway.validation import CompletionRequest
+from wavepp.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +136,8 @@ class DecodeFlow:
     """The decode half of whole completions (module docstring) over ``pool``'s endpoints.
 
     ``connect_timeout_s``: to reach an endpoint; ``chunk_timeout_s``: the longest wait for the
-    decode endpoint's answer or next stream chunk (it includes the KV pull).
+    decode endpoint's answer or next stream chunk (it includes the KV pull); ``metrics``: where
+    the completions' TTFT and time per output token are recorded (None: nowhere).
     """
 
     def __init__(
@@ -126,8 +148,10 @@ class DecodeFlow:
         connect_timeout_s: float = 5.0,
         chunk_timeout_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.pool = pool
+        self.metrics = metrics
         self.model_name = model_name
         self.connect_timeout_s = connect_timeout_s
         self.chunk_timeout_s = chunk_timeout_s
@@ -160,12 +184,14 @@ class DecodeFlow:
         return self._models[url]
 
     async def _send(
-        self, result: PrefillResult, batch: CompletionRequest, cache_salt: str
+        self, result: PrefillResult, batch: CompletionRequest, cache_salt: str, traceparent: str
     ) -> tuple[str, aiohttp.ClientResponse] | None:
         """POST the decode request to the first endpoint (``DecodePool.order``) that takes the
         connection; (url, open response) with the endpoint counted in flight, or None when
-        none could be reached."""
+        none could be reached. ``traceparent`` (W3C, "" none): the decode span's, sent as the
+        HTTP header and in the handoff (``decode.decode_body``)."""
         assert batch.sampling is not None
+        headers = {tracing.TRACEPARENT_HEADER: traceparent} if traceparent else None
         for url in self.pool.order(self.clock()):
             try:
                 body = decode_body(
@@ -175,10 +201,13 @@ class DecodeFlow:
                     sampling=batch.sampling,
                     stream=batch.stream,
                     cache_salt=cache_salt,
+                    traceparent=traceparent,
                 )
                 self.pool.begin(url)
                 try:
-                    response = await self.session.post(f"{url}/v1/completions", json=body)
+                    response = await self.session.post(
+                        f"{url}/v1/completions", json=body, headers=headers
+                    )
                 except BaseException:
                     self.pool.end(url)
                     raise
@@ -203,10 +232,68 @@ class DecodeFlow:
     ) -> web.StreamResponse:
         """Serve ``batch`` (one prompt, ``sampling`` set) as the module docstring says.
         ``prefill``: the gateway's prefill of ``batch.prompts[0]`` (status, PrefillResult or
-        error body, headers); ``answered(status)``: counts the answer in the metrics;
-        ``chat``: answer in ``/v1/chat/completions``' shapes (``decode.chat_answer``,
-        ``decode.chat_chunk``)."""
-        status, payload, headers = await prefill()
+        error body, headers), called inside the ``prefill`` span; ``answered(status)``: counts
+        the answer in the metrics; ``chat``: answer in ``/v1/chat/completions``' shapes
+        (``decode.chat_answer``, ``decode.chat_chunk``)."""
+        first = batch.prompts[0]
+        clock = CompletionClock(self.clock())
+        codes: list[int] = []
+
+        def answered_once(code: int) -> None:
+            codes.append(code)
+            answered(code)
+
+        assert batch.sampling is not None
+        client = tracing.context_from_traceparent(
+            request.headers.get(tracing.TRACEPARENT_HEADER, "")
+        )
+        root = tracing.start_span(
+            "gateway.request",
+            parent=client or Context(),  # the client's trace, else a trace of its own
+            attributes={
+                "request.id": first.request_id,
+                "tenant": first.tenant,
+                "http.route": "/v1/chat/completions" if chat else "/v1/completions",
+                "completion.stream": batch.stream,
+                "completion.max_tokens": batch.sampling.max_tokens,
+            },
+        )
+        unanswered = 499  # the client left (cancelled) before an answer was counted
+        try:
+            with tracing.use_span(root):
+                return await self._complete(
+                    request, batch, prefill, cache_salt, answered_once, chat, clock
+                )
+        except Exception:
+            unanswered = 500
+            raise
+        finally:
+            _end(root, codes[-1] if codes else unanswered, clock)
+
+    def _tokens_sent(self, tenant: str, clock: CompletionClock, num_tokens: int) -> None:
+        """``num_tokens`` generated tokens were just sent to the client."""
+        if clock.sent(num_tokens, self.clock()) and self.metrics is not None:
+            assert clock.ttft_s is not None
+            self.metrics.first_token_sent(tenant, clock.ttft_s)
+
+    async def _complete(
+        self,
+        request: web.Request,
+        batch: CompletionRequest,
+        prefill: Prefill,
+        cache_salt: str,
+        answered: Answered,
+        chat: bool,
+        clock: CompletionClock,
+    ) -> web.StreamResponse:
+        with tracing.span("prefill") as prefill_span:
+            status, payload, headers = await prefill()
+            if prefill_span is not None:
+                prefill_span.set_attribute("http.status_code", status)
+                if isinstance(payload, PrefillResult):
+                    prefill_span.set_attributes(
+                        {"replica": payload.replica, "tokens.cached": payload.num_cached_tokens}
+                    )
         if status != 200:
             answered(status)
             return web.json_response(payload, status=status, headers=headers)
@@ -217,8 +304,9 @@ class DecodeFlow:
             message = "the prefill answered without a KV handoff; it cannot be decoded"
             return web.json_response(error_body("decode", message, kind="server_error"), status=500)
         sent = None
+        decode_span = tracing.start_span("decode")
         try:
-            sent = await self._send(result, batch, cache_salt)
+            sent = await self._send(result, batch, cache_salt, tracing.traceparent_of(decode_span))
             if sent is None:
                 await release_handoff(result.kv_transfer_params)
                 answered(503)
@@ -229,6 +317,8 @@ class DecodeFlow:
                     headers={"Retry-After": "1"},
                 )
             url, response = sent
+            if decode_span is not None:
+                decode_span.set_attribute("decode.endpoint", url)
             async with response:
                 if response.status != 200:
                     try:
@@ -247,7 +337,9 @@ class DecodeFlow:
                         status=code,
                     )
                 if batch.stream:
-                    return await self._stream(request, url, response, result, batch, answered, chat)
+                    return await self._stream(
+                        request, url, response, result, batch, answered, chat, clock
+                    )
                 try:
                     answer = await response.json()
                 except (TimeoutError, ValueError, aiohttp.ClientError) as exc:
@@ -261,10 +353,14 @@ class DecodeFlow:
             whole = completion_answer(
                 answer, result, model=self.model_name, created=int(time.time())
             )
+            usage = whole["usage"]
+            assert isinstance(usage, dict)
+            self._tokens_sent(first_tenant(batch), clock, int(usage["completion_tokens"]))
             return web.json_response(chat_answer(whole) if chat else whole)
         finally:
             if sent is not None:
                 self.pool.end(sent[0])
+            tracing.end_span(decode_span, **{"completion.tokens": clock.num_tokens})
 
     async def _stream(
         self,
@@ -275,7 +371,9 @@ class DecodeFlow:
         batch: CompletionRequest,
         answered: Answered,
         chat: bool,
+        clock: CompletionClock,
     ) -> web.StreamResponse:
+        tenant = first_tenant(batch)
         out = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -297,6 +395,7 @@ class DecodeFlow:
                     chunk.get("error") or chunk.get("object") == "error"
                 ):
                     raise _DecodeBroke(decode_error_message(200, chunk))
+                previous = count
                 token_chunk, usage_chunk, count = stream_chunk(
                     chunk, result, model=self.model_name, created=created, num_tokens_so_far=count
                 )
@@ -306,6 +405,7 @@ class DecodeFlow:
                         token_chunk = chat_chunk(token_chunk, first=not sent_any)
                     sent_any = True
                     await out.write(f"data: {json.dumps(token_chunk)}\n\n".encode())
+                    self._tokens_sent(tenant, clock, count - previous)
             else:
                 raise _DecodeBroke("the decode stream ended before [DONE]")
         except (ConnectionResetError, asyncio.CancelledError):
@@ -338,7 +438,25 @@ class DecodeFlow:
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         answered(200)
+        if self.metrics is not None and clock.tpot_s is not None:
+            self.metrics.output_tokens_paced(tenant, clock.tpot_s)
         return out
+
+
+def first_tenant(batch: CompletionRequest) -> str:
+    """The tenant label of a whole completion (its one prompt's tenant)."""
+    return batch.prompts[0].tenant
+
+
+def _end(root: Span | None, status: int, clock: CompletionClock) -> None:
+    """End the request's ``gateway.request`` span with the status answered (unanswered: 499
+    when the client left, 500 when the gateway raised) and the tokens sent; a status other than
+    200 marks it failed."""
+    if root is None:
+        return
+    if status != 200:
+        root.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
+    tracing.end_span(root, **{"http.status_code": status, "completion.tokens": clock.num_tokens})
 
 
 class _DecodeBroke(Exception):

@@ -68,6 +68,7 @@ from wavepp.gateway.validation import (
 )
 from wavepp.runtime.transport.buskey import load_bus_key
 from wavepp.runtime.transport.natsio import connect, flush_in_order
+from wavepp.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ class GatewayServer:
                 DecodePool(config.decode_urls),
                 model_name=config.model_name,
                 chunk_timeout_s=config.decode_timeout_s,
+                metrics=gateway.metrics,
             )
             if config.decode_urls
             else None
@@ -395,6 +397,7 @@ class GatewayServer:
             return _error(exc, 400)
         if batch.sampling is not None:
             return await self._decode(request, batch, chat=False)
+        admitted_s = time.monotonic()
         answers = await asyncio.gather(*(self._prefill(p) for p in batch.prompts))
         for status, _payload, _headers in answers:
             metrics.request_answered(batch.prompts[0].tenant, status)
@@ -405,6 +408,8 @@ class GatewayServer:
         assert all(isinstance(r, PrefillResult) for r in results)
         decode = self.tokenizer[1] if self.tokenizer is not None else None
         created = int(time.time())
+        # every prompt's one token goes out in this answer: the completion's first token
+        metrics.first_token_sent(batch.prompts[0].tenant, time.monotonic() - admitted_s)
         if batch.stream:
             events = sse_events(
                 results, config.model_name, created, decode, include_usage=batch.include_usage
@@ -516,6 +521,7 @@ async def run_gateway(
     nc = await connect(nats_url, name=f"{config.pool}-gateway-{os.getpid()}")
     gateway = Gateway(config, nc, bus_key=bus_key)
     runner = None
+    tracing.setup(config.telemetry, "wavepp-gateway")
     try:
         server = GatewayServer(gateway, tokenizer, chat_template)
         if server.auth.enabled:
@@ -542,3 +548,4 @@ async def run_gateway(
             await runner.cleanup()
         await gateway.stop()
         await nc.drain()
+        tracing.shutdown()

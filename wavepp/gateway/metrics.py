@@ -12,6 +12,8 @@ table's, with exactly the labels it names: the export adds no ``otel_scope_*`` l
 | wavepp.gateway.prompt_tokens         | counter    | {token}    | wavepp_gateway_prompt_tokens_total{tenant}          |
 | wavepp.gateway.cached_tokens         | counter    | {token}    | wavepp_gateway_cached_tokens_total{tenant}          |
 | wavepp.gateway.ttft                  | histogram  | s          | wavepp_gateway_ttft_seconds_*{tenant}               |
+| wavepp.gateway.completion_ttft       | histogram  | s          | wavepp_gateway_completion_ttft_seconds_*{tenant}    |
+| wavepp.gateway.time_per_output_token | histogram  | s          | wavepp_gateway_time_per_output_token_seconds_*{tenant} |
 | wavepp.gateway.queue_depth           | obs. gauge | {request}  | wavepp_gateway_queue_depth{tenant}                  |
 | wavepp.gateway.active_requests       | obs. gauge | {request}  | wavepp_gateway_active_requests{tenant}              |
 | wavepp.gateway.requests_in_gateway   | obs. gauge | {request}  | wavepp_gateway_requests_in_gateway                  |
@@ -28,6 +30,18 @@ table's, with exactly the labels it names: the export adds no ``otel_scope_*`` l
 (with API keys: the key's tenant, whenever the key was valid). ``reason`` of an authentication
 failure: ``missing``, ``invalid``, ``tenant_mismatch``, ``rate_limited`` (never key material,
 never the client's address).
+
+``wavepp_gateway_ttft_seconds`` is the prefill's time to first token as the replica measured it
+(``PrefillResult.ttft_s``), one sample per prefill served. The completion histograms are what a
+client of ``/v1/completions`` and ``/v1/chat/completions`` sees (``decode.CompletionClock``):
+``completion_ttft``, seconds from the request's admission (validated, before the gateway's queue)
+to the first generated token sent to the client (a non-streamed answer carries every token at
+once: its send; a prefill-only completion, ``max_tokens`` 1, is its answer, one sample per
+request whatever its number of prompts); ``time_per_output_token``, per streamed request that ended normally with at
+least two tokens, the mean seconds between the first token sent and the last
+(``(t_last - t_first) / (tokens - 1)``, the definition vLLM's per-request TPOT uses). A request
+that failed before its first token records neither; one that broke off mid-stream keeps its
+TTFT and records no TPOT.
 
 ``wavepp_gateway_backlog_requests{pool}`` is the autoscaling signal (``spec.autoscaling.metric:
 backlog``): the pool's requests queued or running in the gateway, labelled with the pool (the
@@ -53,6 +67,8 @@ from wavepp.telemetry.metrics import Instrument, PrometheusExport, attach
 
 # Bucket bounds in seconds (no 60 s bucket, unlike the runtime's TTFT histogram).
 GATEWAY_TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Seconds between output tokens: a decode step of a few ms (one GPU) to seconds (a loaded CPU).
+GATEWAY_TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 # fmt: off
@@ -65,6 +81,12 @@ GATEWAY_INSTRUMENTS = (
                "Prompt tokens served from cache"),
     Instrument("wavepp.gateway.ttft", "histogram", "s", "_ttft", "Time to first token",
                GATEWAY_TTFT_BUCKETS_S),
+    Instrument("wavepp.gateway.completion_ttft", "histogram", "s", "_completion_ttft",
+               "Completions: admission to the first generated token sent to the client",
+               GATEWAY_TTFT_BUCKETS_S),
+    Instrument("wavepp.gateway.time_per_output_token", "histogram", "s", "_tpot",
+               "Streamed completions: mean seconds between output tokens after the first",
+               GATEWAY_TPOT_BUCKETS_S),
     Instrument("wavepp.gateway.routed_reusable_blocks", "counter", "{block}", "_routed_reusable",
                "Reusable blocks the router expected at the chosen replica"),
     Instrument("wavepp.gateway.auth_failures", "counter", "{request}", "_auth_failures",
@@ -152,6 +174,16 @@ class GatewayMetrics:
         self._prompt_tokens.add(num_prompt_tokens, attrs)
         self._cached_tokens.add(num_cached_tokens, attrs)
         self._ttft.record(ttft_s, attrs)
+
+    def first_token_sent(self, tenant: str, ttft_s: float) -> None:
+        """A completion's first generated token reached the client ``ttft_s`` seconds after
+        its admission (module doc)."""
+        self._completion_ttft.record(ttft_s, {"tenant": tenant})
+
+    def output_tokens_paced(self, tenant: str, tpot_s: float) -> None:
+        """A streamed completion ended normally; ``tpot_s``: its mean seconds between output
+        tokens after the first (module doc)."""
+        self._tpot.record(tpot_s, {"tenant": tenant})
 
     def auth_failed(self, reason: str) -> None:
         """Count one request refused by authentication (``reason``: see the module doc)."""

@@ -31,6 +31,7 @@ from wavepp.api.vllm_decode import (
     CPU_KV_CACHE_GIB,
     TOKENIZER_FILES,
     vllm_decode_args,
+    vllm_tracing,
 )
 from wavepp.launch.flags import FlagError
 from wavepp.runtime.config import RuntimeConfig
@@ -125,7 +126,10 @@ def plan_decode(
 ) -> tuple[list[DecodeServer], list[str]]:
     """The decode side from ``--decode``, ``--decode-url``, ``--decode-python``,
     ``--decode-replicas``, ``--decode-args`` and ``--decode-max-tokens`` (``launch.decode``):
-    (local instances to start, every endpoint URL).
+    (local instances to start, every endpoint URL). With an OTLP exporter in the replicas'
+    telemetry (``spec.telemetry.otlpEndpoint``) the local instances export their request spans
+    to the same endpoint (``vllm_decode.vllm_tracing``; before ``--decode-args``, which may
+    override it).
 
     Raises:
         FlagError: a ``--decode-url`` that is not ``http(s)://host:port``; ``--decode vllm``
@@ -148,6 +152,8 @@ def plan_decode(
             raise FlagError("--decode-replicas", f"{args.decode_replicas}: must be >= 1")
         python = args.decode_python or sys.executable
         check_vllm_python(python)
+        # the replicas' OTLP endpoint: vLLM's request spans join the gateway's traces there
+        trace_args, trace_env = vllm_tracing(first.telemetry.exporter, first.telemetry.endpoint)
         servers = decode_servers(
             python=python,
             model_dir=first.model_dir,
@@ -156,7 +162,8 @@ def plan_decode(
             max_model_len=first.model.max_position,
             ports=[free_port() for _ in range(args.decode_replicas)],
             on_cpu=on_cpu,
-            extra_args=args.decode_args,
+            extra_args=f"{shlex.join(trace_args)} {args.decode_args}".strip(),
+            environ={**os.environ, **trace_env},
         )
     elif args.decode_python or args.decode_args:
         flag = "--decode-python" if args.decode_python else "--decode-args"

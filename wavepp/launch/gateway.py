@@ -27,6 +27,7 @@ from wavepp.api.spec import (
 from wavepp.gateway.config import GatewayConfig, ReplicaInfo
 from wavepp.gateway.tenants import TenantPolicy, default_cache_salt, policy_from_spec
 from wavepp.launch.flags import NAMESPACE_ENV, ArgError, describe_error
+from wavepp.launch.replica import telemetry_from_spec
 from wavepp.launch.runtime_config import (
     checkpoint_tokenizer,
     replica_pipeline_name,
@@ -126,7 +127,8 @@ def gateway_config_from_spec(
     tokenizer is the checkpoint's ``tokenizer.json`` when ``model.path`` (or the PVC, mounted
     into the gateway pod too) holds one, else none (text prompts: 422); ``decode_urls`` the
     Service of ``spec.decode`` (``wavepp.api.spec.decode_urls``: the rendered pool's or the
-    referenced one), none without it (prefill only).
+    referenced one), none without it (prefill only); tracing as the replicas'
+    (``spec.telemetry``, ``replica.telemetry_from_spec``).
 
     Args:
         spec: the resolved spec.
@@ -166,6 +168,8 @@ def gateway_config_from_spec(
         tenants=tenants,
         tokenizer=checkpoint_tokenizer(spec),
         decode_urls=decode_urls(spec.decode, pipeline=pool, namespace=namespace),
+        # the pods' tracing (spec.telemetry: otlpEndpoint, samplingRatio); metrics: its port
+        telemetry=telemetry_from_spec(spec, {}).model_copy(update={"metrics_port": None}),
         **extra,
     )
 

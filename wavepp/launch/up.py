@@ -483,6 +483,8 @@ def plan_up(args: argparse.Namespace) -> UpPlan:
         tokenizer=str(Path(tokenizer).resolve()) if tokenizer else None,
         decode_urls=decode_urls,
         decode_max_tokens=args.decode_max_tokens,
+        # the replicas' tracing (exporter, endpoint, sampling); metrics on the gateway's port
+        telemetry=first.telemetry.model_copy(update={"metrics_port": None}),
     )
     if args.jetstream_max_bytes < 0:
         raise FlagError("--jetstream-max-bytes", f"{args.jetstream_max_bytes}: must be >= 0")

@@ -25,6 +25,9 @@ class PromptRequest:
     # pinned for handoff_lease_s seconds after the prefill; the outcome's handoff_expires says
     # until when.
     handoff: bool = False
+    # W3C traceparent of the caller's span (the gateway's): the request's root span becomes its
+    # child; "" starts a trace of its own.
+    traceparent: str = ""
     # NOTE: memo of the prompt's block hashes (a pure function of the fields above), so the
     # scheduler and the controller hash each prompt once.
     block_hashes: list[bytes] | None = field(default=None, repr=False, compare=False)

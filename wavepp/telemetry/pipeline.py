@@ -1,7 +1,9 @@
 """The runtime's telemetry hooks: one object in the scheduler process, one in each stage process.
 
-Span tree of one request (all in one trace; the root lives in the scheduler process, the stage
-spans in the stage processes, joined through the W3C traceparent of their parent)::
+Span tree of one request (all in one trace; ``request`` lives in the scheduler process, the stage
+spans in the stage processes, joined through the W3C traceparent of their parent). ``request`` is
+the trace's root, or, when the gateway traced the request (``IntakeRequest.traceparent``), a
+child of the gateway's ``prefill`` span (``wavepp.gateway.decode_flow``)::
 
     request                               request.id, tenant, tokens.prompt, tokens.cached, ...
     ├── agreement  (one per attempt)      prefix.agreed_blocks, agreement.refused, prefix.stage_hits
@@ -150,8 +152,16 @@ class PipelineTelemetry:
     # ---- requests ------------------------------------------------------------------------
 
     def request_arrived(
-        self, request_id: str, arrival_s: float, num_prompt_tokens: int, tenant: str
+        self,
+        request_id: str,
+        arrival_s: float,
+        num_prompt_tokens: int,
+        tenant: str,
+        *,
+        traceparent: str = "",
     ) -> None:
+        """Open the request's ``request`` span: a child of ``traceparent`` (the gateway's span,
+        W3C) when given and valid, else the root of a trace of its own."""
         self._tenants[request_id] = tenant
         if not tracing.is_enabled():
             return
@@ -161,7 +171,8 @@ class PipelineTelemetry:
         span = tracing.start_span(
             "request",
             start_s=arrival_s,
-            parent=Context(),  # a root: never a child of whatever is current in the caller
+            # the caller's span, else a root: never a child of whatever is current here
+            parent=tracing.context_from_traceparent(traceparent) or Context(),
             attributes={
                 "request.id": request_id,
                 "tenant": tenant,

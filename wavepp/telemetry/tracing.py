@@ -209,6 +209,15 @@ def traceparent_of(span: Span | None) -> str:
     return carrier.get(TRACEPARENT_HEADER, "")
 
 
+def current_traceparent() -> str:
+    """The W3C traceparent of the current span ("" when tracing is off, or no sampled span is
+    current): what a process puts in an outgoing message to continue the trace there."""
+    if _tracer is None:
+        return ""
+    current = trace.get_current_span()
+    return traceparent_of(current) if current.get_span_context().is_valid else ""
+
+
 def context_from_traceparent(traceparent: str) -> Context | None:
     """The remote parent context of a W3C traceparent (None if empty or malformed)."""
     if not traceparent:

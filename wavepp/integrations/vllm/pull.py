@@ -51,12 +51,15 @@ class PulledKV:
 
 
 def _ask(params: HandoffParams, op: str) -> dict[str, object]:
-    return {
+    ask: dict[str, object] = {
         "op": op,
         "request_id": params.request_id,
         "expires": float(expires_text(params.expires)),
         "token": params.token,
     }
+    if op == "pull" and params.traceparent:
+        ask["traceparent"] = params.traceparent
+    return ask
 
 
 def pull_stage(

@@ -243,6 +243,7 @@ class WaveScheduler:
             request.arrival_s,
             request.num_tokens,
             tenant_of(getattr(request, "tenant", ""), request.cache_salt),
+            traceparent=request.traceparent,
         )
         self.intake.put_nowait(self.core.add_request(request, future))
         return await future

@@ -481,6 +481,7 @@ class AdmissionService:
                 cache_salt=request.cache_salt,
                 arrival_s=time.time(),
                 handoff=request.handoff,
+                traceparent=request.traceparent,
             )
         )
         timings = self._timings.pop(scheduler_id, {})

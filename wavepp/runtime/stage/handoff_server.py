@@ -14,6 +14,11 @@ Failure cases, each ending with every pin of the request released on this stage:
   without a release (decode gone): the lease is released at once;
 - nobody pulls or releases before the lease ends: ``HandoffLeases.expire`` (the worker's timer).
 
+Tracing: a pull whose ask carries a ``traceparent`` (the gateway's ``decode`` span) is recorded,
+when this process traces, as a ``handoff.pull`` span under it (``request.id``,
+``handoff.first_layer``, ``handoff.last_layer``, ``handoff.bytes``; ``handoff.error`` when it
+broke off), from the token check to the last layer sent.
+
 Overlap: each transfer's wall interval is kept with the stage's execute intervals
 (``record_execute``); ``stats`` answers the seconds of transfer that overlapped the stage's
 compute (``overlap_seconds``).
@@ -43,6 +48,7 @@ from wavepp.api.kv_handoff import (
 )
 from wavepp.api.signing import BusKey
 from wavepp.runtime.kv.handoff import HandoffLeases
+from wavepp.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +237,7 @@ class HandoffServer:
                     request_id = ""
                     await _send(writer, encode_json({"ok": True}))
                     continue
-                await self._pull(request_id, writer)
+                await self._traced_pull(request_id, writer, str(ask.get("traceparent") or ""))
         except (HandoffError, ConnectionError, TimeoutError, asyncio.IncompleteReadError) as exc:
             if request_id and self.leases.release(request_id):
                 self.num_broken += 1
@@ -244,7 +250,32 @@ class HandoffServer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _pull(self, request_id: str, writer: asyncio.StreamWriter) -> None:
+    async def _traced_pull(
+        self, request_id: str, writer: asyncio.StreamWriter, traceparent: str
+    ) -> None:
+        """``_pull``, recorded as a ``handoff.pull`` span under ``traceparent`` (module doc)."""
+        parent = tracing.context_from_traceparent(traceparent) if tracing.is_enabled() else None
+        if parent is None:
+            await self._pull(request_id, writer)
+            return
+        began = self.clock()
+        attributes: dict[str, Any] = {
+            "request.id": request_id,
+            "handoff.first_layer": self.first_layer,
+            "handoff.last_layer": self.last_layer,
+        }
+        try:
+            attributes["handoff.bytes"] = await self._pull(request_id, writer)
+        except BaseException as exc:
+            attributes["handoff.error"] = repr(exc)[:200]
+            raise
+        finally:
+            tracing.record_span(
+                "handoff.pull", began, self.clock(), parent=parent, attributes=attributes
+            )
+
+    async def _pull(self, request_id: str, writer: asyncio.StreamWriter) -> int:
+        """Send the request's layers (the protocol's ``pull`` answer); returns the bytes sent."""
         lease = self.leases.get(request_id)
         assert lease is not None, "checked by _check_token"
         began = self.clock()
@@ -269,6 +300,7 @@ class HandoffServer:
                 }
             ),
         )
+        sent = 0
         for cache in caches:
             kv = await asyncio.to_thread(
                 read_layer_kv, cache, lease.block_ids, self.block_size, lease.num_tokens
@@ -277,8 +309,10 @@ class HandoffServer:
             writer.write(frame_header(len(data)))
             await _send(writer, data)
             self.bytes_sent += len(data)
+            sent += len(data)
         self.num_transfers += 1
         self._spans.append((began, self.clock()))
+        return sent
 
 
 async def _read_json(reader: asyncio.StreamReader) -> dict[str, Any]:
