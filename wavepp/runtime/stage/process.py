@@ -112,6 +112,7 @@ async def run_stage(
     followers = None
     watch: asyncio.Task[str] | None = None
     metrics = None
+    rendezvous = None
     try:
         if config.tensor_parallel_size > 1:
             from wavepp.runtime.stage.tp_launch import start_followers
@@ -169,6 +170,8 @@ async def run_stage(
             watch.cancel()
         if followers is not None:
             followers.stop()
+        if rendezvous is not None:
+            await rendezvous.close()
         await nc.drain()
         tracing.shutdown()
 
