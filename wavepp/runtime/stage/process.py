@@ -130,6 +130,8 @@ async def run_stage(
             epoch = await rendezvous.first_epoch()
             while not await rendezvous.join(epoch):
                 epoch = await rendezvous.wait_newer(epoch)
+            if config.num_stages == 1:
+                await rendezvous.close()  # no peers to follow: the bucket's watch ends here
         group = None
         if config.num_stages > 1:
             group = await asyncio.to_thread(factory.form, epoch)
