@@ -239,6 +239,47 @@ async def test_rendered_users_send_a_round_to_every_stage_with_one_publish(
                 await nc.close()
 
 
+async def test_rendered_stage_users_meet_through_the_rendezvous_watch(
+    trust: TrustRoot, tmp_path: Path
+) -> None:
+    """Under the rendered JWT credentials both stages of replica 0 open their rendezvous bucket,
+    join epoch 1 through its KV watch and see each other's beats, with no permission refused."""
+    from wavepp.runtime.stage.rendezvous import open_rendezvous
+
+    creds, config = _rendered_files(trust, tmp_path)
+    with EmbeddedNatsServer(config_file=str(config)) as server:
+        errors: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc).lower())
+
+        ncs = [
+            await connect(server.url, name=u, creds=creds[u], error_cb=on_error)
+            for u in ("stage-p-r0-0", "stage-p-r0-1")
+        ]
+        ranks = [
+            await open_rendezvous(nc, "p-r0", rank, 2, namespace="ns")
+            for rank, nc in enumerate(ncs)
+        ]
+        try:
+            assert all(r is not None for r in ranks)
+            assert await asyncio.gather(*(r.first_epoch() for r in ranks)) == [1, 1]
+            joined = asyncio.gather(*(r.join(1) for r in ranks))
+            assert await asyncio.wait_for(joined, 10) == [True, True]
+            await ranks[1].beat(1, 7)
+            deadline = asyncio.get_running_loop().time() + 5
+            while (await ranks[0].peer_beats(1))[1] != b"7":
+                assert asyncio.get_running_loop().time() < deadline, errors
+                await asyncio.sleep(0.05)
+            assert errors == []
+        finally:
+            for r in ranks:
+                if r is not None:
+                    await r.close()
+            for nc in ncs:
+                await nc.close()
+
+
 async def test_deletion_cleanup_under_nats_auth_removes_exactly_the_pools_streams(
     trust: TrustRoot, tmp_path: Path
 ) -> None:

@@ -44,6 +44,7 @@ from wavepp.api.subjects import (
     jetstream_stream_api,
     jetstream_stream_delete,
     jetstream_stream_list,
+    jetstream_watch_api,
     kv_stream,
     kv_subjects,
     prefill_subject,
@@ -131,6 +132,7 @@ def stage_user(pipeline: str, rank: int, *, namespace: str) -> NatsUser:
                 kv_subjects(rendezvous),
                 jetstream_info(),
                 *jetstream_stream_api(kv_stream(rendezvous)),
+                *jetstream_watch_api(kv_stream(rendezvous)),
             ),
             subscribe=(
                 s.stage_kv(rank),

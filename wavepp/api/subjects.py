@@ -182,6 +182,12 @@ def kv_subjects(bucket: str) -> str:
     return f"$KV.{bucket}.>"
 
 
+def kv_key_subject(bucket: str, key: str) -> str:
+    """``$KV.{bucket}.{key}``: the subject a put of ``key`` publishes to (its value is the
+    message body)."""
+    return f"$KV.{bucket}.{key}"
+
+
 def jetstream_info() -> str:
     """``$JS.API.INFO``: the account's JetStream info (nats-py asks it on first use)."""
     return "$JS.API.INFO"
@@ -207,6 +213,19 @@ def jetstream_stream_list() -> str:
 def jetstream_stream_delete(stream: str) -> str:
     """``$JS.API.STREAM.DELETE.{stream}``: remove one stream and its messages."""
     return f"$JS.API.STREAM.DELETE.{stream}"
+
+
+def jetstream_watch_api(stream: str) -> list[str]:
+    """The JetStream API subjects a KV watch of ``stream``'s bucket uses (an ephemeral ordered
+    push consumer: nats-py's ``KeyValue.watch``): create it, read its info, delete it, and
+    answer its flow control (``$JS.FC.{stream}.>``)."""
+    return [
+        f"$JS.API.CONSUMER.CREATE.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.INFO.{stream}.>",
+        f"$JS.API.CONSUMER.DELETE.{stream}.>",
+        f"$JS.FC.{stream}.>",
+    ]
 
 
 def jetstream_consumer_api(stream: str) -> list[str]:

@@ -112,6 +112,7 @@ async def run_stage(
     followers = None
     watch: asyncio.Task[str] | None = None
     metrics = None
+    rendezvous = None
     try:
         if config.tensor_parallel_size > 1:
             from wavepp.runtime.stage.tp_launch import start_followers
@@ -129,6 +130,8 @@ async def run_stage(
             epoch = await rendezvous.first_epoch()
             while not await rendezvous.join(epoch):
                 epoch = await rendezvous.wait_newer(epoch)
+            if config.num_stages == 1:
+                await rendezvous.close()  # no peers to follow: the bucket's watch ends here
         group = None
         if config.num_stages > 1:
             group = await asyncio.to_thread(factory.form, epoch)
@@ -169,6 +172,8 @@ async def run_stage(
             watch.cancel()
         if followers is not None:
             followers.stop()
+        if rendezvous is not None:
+            await rendezvous.close()
         await nc.drain()
         tracing.shutdown()
 

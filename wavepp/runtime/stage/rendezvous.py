@@ -25,8 +25,11 @@ listing one epoch's keys, which the store allows, tells nothing of the next), an
 once it sees them is not read. Without a bus key the prefix stays ``wavepp/epoch/{E}/``. What a
 client of the store can still do is in docs/reliability.md ("The stages' store").
 
-A stage of epoch E beats ``alive.E.{rank}`` and reads its peers' beats; a peer whose beat has
-not changed for ``PEER_SILENCE_S`` (by the reader's own clock: no clock is compared across hosts)
+Nothing polls the bucket: every stage keeps one KV watch of it (:class:`BucketView`, an ordered
+push consumer of the bucket's stream), and waits for an epoch, a join or a beat on what that
+watch delivered. A stage of epoch E publishes ``alive.E.{rank}`` (a KV put without the
+acknowledgement: a lost beat is replaced by the next) and reads its peers' beats from its
+watch; a peer whose beat has not changed for ``PEER_SILENCE_S`` (by the reader's own clock: no clock is compared across hosts)
 is gone, and with it the group (:class:`PeerPresence`, pure): the stage's readiness turns false
 (its ``/readyz`` 503) at most ``PEER_SILENCE_S`` + 2 x ``PEER_BEAT_S`` after a peer dies.
 
@@ -43,6 +46,7 @@ import datetime
 import ipaddress
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -51,13 +55,16 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 
 from wavepp.api.signing import BusKey
-from wavepp.api.subjects import rendezvous_bucket
+from wavepp.api.subjects import kv_key_subject, rendezvous_bucket
 from wavepp.runtime.stage.storekey import guarded_store, store_prefix
 
 log = logging.getLogger(__name__)
 
 EPOCH_KEY = "epoch"
-POLL_S = 0.1
+# A bucket watch that delivered nothing for REWATCH_S is replaced by a new one (seconds): a
+# serving stage's own beat comes back through it every PEER_BEAT_S, so only a lost watch (a
+# server restart) or an idle bucket goes this long without an update.
+REWATCH_S = 2.0
 
 
 MAX_EPOCH = 2**31
@@ -259,19 +266,126 @@ class StageGroupFactory:
         return dist.ProcessGroupGloo(store, self.rank, self.num_stages, self.timeout)
 
 
+class BucketView:
+    """The latest value and revision of every key of one KV bucket, kept by one watch.
+
+    The watch (``KeyValue.watch(">")``, an ordered push consumer) first delivers each key's last
+    value, then every put as it happens; :meth:`wait_for` wakes on each. A watch that delivers
+    nothing for ``rewatch_s`` seconds is stopped and made anew (it starts again from each key's
+    last value), so a watch lost to a server restart or a reconnect costs at most that long.
+    Deleted or purged keys leave the view. Call from one event loop; :meth:`close` ends it.
+
+    Raises:
+        ValueError: ``rewatch_s`` <= 0.
+    """
+
+    def __init__(self, kv, rewatch_s: float = REWATCH_S) -> None:  # noqa: ANN001 - KeyValue
+        if not rewatch_s > 0:
+            raise ValueError(f"rewatch_s={rewatch_s}: must be > 0")
+        self.kv = kv
+        self.rewatch_s = rewatch_s
+        self.num_watches = 0  # watches made (1 + the lost or idle ones replaced)
+        self._values: dict[str, tuple[bytes, int]] = {}
+        self._changed: asyncio.Condition | None = None
+        self._synced: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def get(self, key: str) -> tuple[bytes, int] | None:
+        """``key``'s last (value, revision) the watch delivered, or None (absent or deleted)."""
+        return self._values.get(key)
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        """Return once ``predicate()`` (which reads :meth:`get`) holds; it is evaluated after
+        the watch's first snapshot and after every update. Starts the watch on first use."""
+        if self._task is None:
+            self._changed, self._synced = asyncio.Condition(), asyncio.Event()
+            self._task = asyncio.create_task(self._follow())
+        assert self._changed is not None and self._synced is not None
+        await self._synced.wait()
+        async with self._changed:
+            await self._changed.wait_for(predicate)
+
+    async def close(self) -> None:
+        """Stop the watch (idempotent)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def _follow(self) -> None:
+        assert self._changed is not None and self._synced is not None
+        while True:
+            try:
+                watcher = await self.kv.watch(">")
+            except Exception as exc:  # noqa: BLE001 - a reconnecting server: try again
+                log.debug("rendezvous: watch: %r", exc)
+                await asyncio.sleep(self.rewatch_s)
+                continue
+            self.num_watches += 1
+            try:
+                while True:
+                    try:
+                        entry = await watcher.updates(timeout=self.rewatch_s)
+                    except TimeoutError:
+                        break  # silent: make the watch anew
+                    if entry is None:  # the snapshot of every key's last value is complete
+                        self._synced.set()
+                    elif entry is watcher.STOP_ITER:  # stopped under us
+                        break
+                    elif entry.operation in (None, "PUT"):
+                        self._values[entry.key] = (entry.value or b"", entry.revision)
+                    else:
+                        self._values.pop(entry.key, None)
+                    async with self._changed:
+                        self._changed.notify_all()
+            finally:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
+
+
 class EpochRendezvous:
     """The epoch protocol of the module docstring over one replica's KV bucket.
+
+    A fresh process's first read (:meth:`first_epoch`) and :meth:`current` ask the server;
+    :meth:`join`, :meth:`wait_newer` and :meth:`peer_beats` read the bucket's watch
+    (:class:`BucketView`) and never poll.
 
     Args:
         kv: the bucket (``open_rendezvous``).
         rank: this stage's rank.
         num_stages: S.
+        nc: the NATS connection the beats are published on, to the bucket's key subject
+            (None: beats are acknowledged puts through ``kv``).
+        bucket: the bucket's name (needed with ``nc``).
+        rewatch_s: the view's ``rewatch_s``.
     """
 
-    def __init__(self, kv, rank: int, num_stages: int) -> None:  # noqa: ANN001 - KeyValue
+    def __init__(  # noqa: ANN001 - KeyValue, NATS client
+        self,
+        kv,
+        rank: int,
+        num_stages: int,
+        *,
+        nc=None,
+        bucket: str = "",
+        rewatch_s: float = REWATCH_S,
+    ) -> None:
+        if nc is not None and not bucket:
+            raise ValueError("bucket: required with nc (the beats' subject names it)")
         self.kv = kv
         self.rank = rank
         self.num_stages = num_stages
+        self.nc = nc
+        self.bucket = bucket
+        self.view = BucketView(kv, rewatch_s)
+
+    async def close(self) -> None:
+        """Stop the bucket's watch."""
+        await self.view.close()
+
+    def _view_epoch(self) -> int | None:
+        entry = self.view.get(EPOCH_KEY)
+        return None if entry is None else epoch_of(*entry)
 
     async def current(self) -> int | None:
         """The bucket's epoch, or None when no stage started one yet."""
@@ -313,39 +427,45 @@ class EpochRendezvous:
             True once all S joined; False when a later epoch started meanwhile (join that).
         """
         await self.kv.put(join_key(epoch, self.rank), b"")
-        while True:
-            current = await self.current()
-            if current is not None and current > epoch:
-                return False
-            joined = [await self._has_joined(epoch, r) for r in range(self.num_stages)]
-            if all(joined):
-                return True
-            await asyncio.sleep(POLL_S)
+
+        def moved_on() -> bool:
+            current = self._view_epoch()
+            return current is not None and current > epoch
+
+        def all_joined() -> bool:
+            return all(self.view.get(join_key(epoch, r)) for r in range(self.num_stages))
+
+        await self.view.wait_for(lambda: moved_on() or all_joined())
+        return not moved_on()
 
     async def beat(self, epoch: int, count: int) -> None:
-        """Put this rank's beat ``count`` for ``epoch``."""
-        await self.kv.put(alive_key(epoch, self.rank), str(count).encode())
+        """Publish this rank's beat ``count`` for ``epoch`` (unacknowledged with ``nc``)."""
+        key, value = alive_key(epoch, self.rank), str(count).encode()
+        if self.nc is None:
+            await self.kv.put(key, value)
+        else:
+            await self.nc.publish(kv_key_subject(self.bucket, key), value)
 
     async def peer_beats(self, epoch: int) -> dict[int, bytes | None]:
-        """Every other rank's beat in ``epoch`` (None: none yet)."""
+        """Every other rank's last beat in ``epoch`` the watch delivered (None: none yet)."""
         beats: dict[int, bytes | None] = {}
         for rank in range(self.num_stages):
-            if rank == self.rank:
-                continue
-            try:
-                beats[rank] = (await self.kv.get(alive_key(epoch, rank))).value
-            except KeyNotFoundError:
-                beats[rank] = None
+            if rank != self.rank:
+                entry = self.view.get(alive_key(epoch, rank))
+                beats[rank] = None if entry is None else entry[0]
         return beats
 
     async def wait_newer(self, epoch: int) -> int:
-        """Return the bucket's epoch once it is above ``epoch`` (polls every ``POLL_S``)."""
-        while True:
-            with contextlib.suppress(Exception):  # a reconnecting server: ask again
-                current = await self.current()
-                if current is not None and current > epoch:
-                    return current
-            await asyncio.sleep(POLL_S)
+        """Return the bucket's epoch once the watch delivers one above ``epoch``."""
+
+        def newer() -> bool:
+            current = self._view_epoch()
+            return current is not None and current > epoch
+
+        await self.view.wait_for(newer)
+        current = self._view_epoch()
+        assert current is not None
+        return current
 
     async def _has_joined(self, epoch: int, rank: int) -> bool:
         try:
@@ -379,4 +499,4 @@ async def open_rendezvous(  # noqa: ANN001
     if kv is None:
         log.warning("stage %d: rendezvous bucket %s unavailable; forming once", rank, bucket)
         return None
-    return EpochRendezvous(kv, rank, num_stages)
+    return EpochRendezvous(kv, rank, num_stages, nc=nc, bucket=bucket)
