@@ -43,8 +43,8 @@ def hf_llama(config: ModelConfig) -> Any:  # noqa: ANN401 - transformers.LlamaFo
 
 
 def last_logits(model: Any, tokens: Sequence[int]) -> Any:  # noqa: ANN401 - torch.Tensor
-    """``model``'s (an :func:`hf_llama`) fp32 logits [vocab] of the last of ``tokens``, one
-    forward without a cache."""
+    """``model``'s (a transformers causal LM, e.g. :func:`hf_llama`) fp32 logits [vocab] of the
+    last of ``tokens``, one forward without a cache."""
     import torch
 
     with torch.inference_mode():

@@ -316,7 +316,7 @@ def child_commands(
             command = stage_args(
                 nats(stage_user_name(config.pipeline, rank)),
                 runtime_config=path,
-                rank=str(rank),
+                rank=rank,
                 dist_url=dist_urls[replica],
                 metrics_port=metrics_port,
                 metrics_host=None if metrics_port is None else args.host,

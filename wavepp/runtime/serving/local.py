@@ -123,7 +123,7 @@ class LocalPipeline:
             )
             command = wavepp_command(
                 stage_args(
-                    nats, runtime_config=str(self._config_path), rank=str(rank), dist_url=dist_url
+                    nats, runtime_config=str(self._config_path), rank=rank, dist_url=dist_url
                 )
             )
             self.supervisor.start(name, command, env)
