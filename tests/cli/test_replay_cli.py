@@ -13,7 +13,7 @@ import pytest
 from trace_data import TRACE
 
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.planning.memory import derived_kv_blocks
+from wavepp.runtime.planning.memory import default_kv_blocks
 
 pytestmark = pytest.mark.slow
 
@@ -116,9 +116,10 @@ def test_emulated_default_kv_capacity_replays_the_first_300_trace_requests() -> 
     assert summary["completed"] == 300 and summary["failed"] == 0, summary["errors"]
     # The engine's largest micro-batch: the scheduler's cap where the config has one.
     largest = max(RuntimeConfig().max_microbatch_tokens, 8192)
-    assert summary["kv_blocks_per_stage"] == derived_kv_blocks(
+    blocks, _ = default_kv_blocks(
         "glm-5.2", num_stages=4, block_size=16, max_microbatch_tokens=largest
     )
+    assert summary["kv_blocks_per_stage"] == blocks
     assert summary["kv_blocks_source"].startswith("derived: glm-5.2, 4 stages of 2 x H200")
     assert "KV capacity [" in stderr and "(derived: glm-5.2" in stderr
 

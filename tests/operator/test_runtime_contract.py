@@ -28,6 +28,7 @@ from pod_support import (
     localize,
     log_tail,
     probe_path,
+    stage_pod,
     start_wavepp,
     wait_200,
 )
@@ -321,19 +322,8 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
         try:
             stages = []
             for rank in range(spec.num_stages):
-                pod = b.stage_pod_name(REF.name, 0, rank)
-                labels = sts["spec"]["template"]["metadata"]["labels"] | {
-                    b.POD_INDEX_LABEL: str(rank)
-                }
-                port = free_port()
-                local = {
-                    "--dist-url": dist_url,
-                    "--health-port": str(port),
-                    "--metrics-port": str(free_port()),
-                }
-                proc, log = start(
-                    f"stage-{rank}", stage_c, local, kubelet_env(stage_c, pod, labels)
-                )
+                local, env, port = stage_pod(sts, stage_c, rank, dist_url)
+                proc, log = start(f"stage-{rank}", stage_c, local, env)
                 stages.append((proc, log, f"http://127.0.0.1:{port}"))
                 if rank == 0:
                     # Alone, the group cannot form: alive, but not started.

@@ -104,6 +104,13 @@ class Entry:
 R, O, L = "runtime", "operator", "lifecycle"  # noqa: E741 - the table's column
 FS = "launch.runtime_config.runtime_configs_from_spec"
 BLD = "operator.builders"
+GW = "launch.gateway.gateway_config_from_spec"
+
+
+def _tenant(**fields: Any) -> dict[str, Any]:
+    """A spec patch with one tenant ``a`` (``fields`` over its name)."""
+    return {"tenants": [{"name": "a"} | fields]}
+
 
 FIELDS: dict[str, Entry] = {
     "model.name": Entry(
@@ -342,65 +349,40 @@ FIELDS: dict[str, Entry] = {
         context={"nats": {"tlsSecret": "t"}},
     ),
     "tenants[].name": Entry(
-        R,
-        "launch.gateway.gateway_config_from_spec: TenantPolicy",
-        {"tenants": [{"name": "b"}]},
-        context={"tenants": [{"name": "a"}]},
+        R, f"{GW}: TenantPolicy", {"tenants": [{"name": "b"}]}, context=_tenant()
     ),
-    "tenants[].cacheSalt": Entry(
-        R,
-        "launch.gateway.gateway_config_from_spec: cache_salt",
-        {"tenants": [{"name": "a", "cacheSalt": "s"}]},
-        context={"tenants": [{"name": "a"}]},
-    ),
-    "tenants[].weight": Entry(
-        R,
-        "launch.gateway.gateway_config_from_spec: weight",
-        {"tenants": [{"name": "a", "weight": 3}]},
-        context={"tenants": [{"name": "a"}]},
-    ),
+    "tenants[].cacheSalt": Entry(R, f"{GW}: cache_salt", _tenant(cacheSalt="s"), context=_tenant()),
+    "tenants[].weight": Entry(R, f"{GW}: weight", _tenant(weight=3), context=_tenant()),
     "tenants[].priority": Entry(
-        R,
-        "launch.gateway.gateway_config_from_spec: TenantPolicy.priority",
-        {"tenants": [{"name": "a", "priority": 2}]},
-        context={"tenants": [{"name": "a"}]},
+        R, f"{GW}: TenantPolicy.priority", _tenant(priority=2), context=_tenant()
     ),
     "tenants[].maxConcurrency": Entry(
-        R,
-        "launch.gateway.gateway_config_from_spec: TenantPolicy.max_concurrency",
-        {"tenants": [{"name": "a", "maxConcurrency": 3}]},
-        context={"tenants": [{"name": "a"}]},
+        R, f"{GW}: TenantPolicy.max_concurrency", _tenant(maxConcurrency=3), context=_tenant()
     ),
     "tenants[].maxQueued": Entry(
-        R,
-        "launch.gateway.gateway_config_from_spec: TenantPolicy.max_queued",
-        {"tenants": [{"name": "a", "maxQueued": 5}]},
-        context={"tenants": [{"name": "a"}]},
+        R, f"{GW}: TenantPolicy.max_queued", _tenant(maxQueued=5), context=_tenant()
     ),
     "tenants[].tokensPerSecond": Entry(
-        R,
-        "launch.gateway.gateway_config_from_spec: TenantPolicy.tokens_per_s",
-        {"tenants": [{"name": "a", "tokensPerSecond": 100.0}]},
-        context={"tenants": [{"name": "a"}]},
+        R, f"{GW}: TenantPolicy.tokens_per_s", _tenant(tokensPerSecond=100.0), context=_tenant()
     ),
     "tenants[].burstTokens": Entry(
         R,
-        "launch.gateway.gateway_config_from_spec: TenantPolicy.burst_tokens",
-        {"tenants": [{"name": "a", "tokensPerSecond": 100.0, "burstTokens": 500}]},
-        context={"tenants": [{"name": "a", "tokensPerSecond": 100.0}]},
+        f"{GW}: TenantPolicy.burst_tokens",
+        _tenant(tokensPerSecond=100.0, burstTokens=500),
+        context=_tenant(tokensPerSecond=100.0),
     ),
     "tenants[].apiKeySecret": Entry(
         O,
         f"{BLD}.containers: the gateway's key volume (and api_keys_file at its mount)",
-        {"tenants": [{"name": "a", "apiKeySecret": "keys-a"}]},
-        context={"tenants": [{"name": "a"}]},
+        _tenant(apiKeySecret="keys-a"),
+        context=_tenant(),
     ),
     "tenants[].apiKeysFile": Entry(
         "up",
         "launch.up.plan_up: policy_from_spec(api_keys_file=the spec's folder / file); the operator "
         "refuses it (Degraded naming spec.tenants.apiKeysFile)",
-        {"tenants": [{"name": "a", "apiKeysFile": "a.keys"}]},
-        context={"tenants": [{"name": "a"}]},
+        _tenant(apiKeysFile="a.keys"),
+        context=_tenant(),
     ),
     "autoscaling.minReplicas": Entry(
         O,

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from hf_reference import last_logits
 
 from wavepp.api.spec import check_spec
 from wavepp.cmd.stage import add_arguments
@@ -138,8 +139,7 @@ def test_a_cpu_stage_given_model_path_serves_those_weights(tmp_path: Path) -> No
     )
 
     tokens = [(13 * i + 5) % 256 for i in range(21)]
-    with torch.inference_mode():
-        expected = model(torch.tensor([tokens])).logits[0, -1].float()
+    expected = last_logits(model, tokens)
 
     def pipeline_logits(cfg: Any) -> torch.Tensor:
         hidden = None

@@ -25,6 +25,7 @@ from pod_support import (
     kubelet_env,
     localize,
     probe_path,
+    stage_pod,
     start_wavepp,
     wait_200,
 )
@@ -134,17 +135,7 @@ def test_rendered_tp_stage_pods_start_two_processes_each_and_serve(tmp_path: Pat
         try:
             stages = []
             for rank in range(spec.num_stages):
-                pod = b.stage_pod_name(REF.name, 0, rank)
-                labels = sts["spec"]["template"]["metadata"]["labels"] | {
-                    b.POD_INDEX_LABEL: str(rank)
-                }
-                port = free_port()
-                local = {
-                    "--dist-url": dist_url,
-                    "--health-port": str(port),
-                    "--metrics-port": str(free_port()),
-                }
-                env = kubelet_env(stage_c, pod, labels)
+                local, env, port = stage_pod(sts, stage_c, rank, dist_url)
                 proc, log = start(f"stage-{rank}", stage_c, local, env)
                 stages.append((proc, log, f"http://127.0.0.1:{port}"))
             adm_env = kubelet_env(admission_c, "tiny-r0-admission-x", {})

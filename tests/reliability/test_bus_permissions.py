@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from nats.errors import NoRespondersError
+from reliability_support import wait_until
 
 from wavepp.api.kv_batch import BatchOp, KVBatch, encode_batch
 from wavepp.api.kv_reply import decode_reply
@@ -25,7 +26,7 @@ from wavepp.runtime.agreement import StageUnavailableError
 from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.transport.auth import PoolAuth, write_pool_auth
-from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order, wait_until
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order
 
 POOL = "pool1"
 REPLICAS = {"p1": 2, "p2": 1}

@@ -28,9 +28,9 @@ def _ephemeral_range() -> tuple[int, int]:
 
 
 def test_ports_are_distinct_and_outside_the_ephemeral_range() -> None:
-    """A CI run failed when a port chosen for one process was in use by the time it bound it:
-    bind(0) picks in the kernel's ephemeral range, which outgoing connections share, and two
-    picks can repeat. 300 ports in one process: none repeats, none is ephemeral."""
+    """``free_port`` picks outside the kernel's ephemeral range (which outgoing connections
+    share, so a port picked there can be taken before it is bound) and never repeats in one
+    process: 300 ports, none repeats, none is ephemeral."""
     low, high = _ephemeral_range()
     ports = [free_port() for _ in range(300)]
     assert len(set(ports)) == len(ports)

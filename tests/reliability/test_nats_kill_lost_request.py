@@ -17,12 +17,12 @@ import time
 import pytest
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import KeyValueConfig, StreamConfig
+from reliability_support import wait_until
 
 from wavepp.runtime.transport.natsio import (
     EmbeddedNatsServer,
     connect,
     resend_after_reconnect,
-    wait_until,
 )
 
 pytestmark = pytest.mark.timeout(60)

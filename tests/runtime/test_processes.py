@@ -1,5 +1,5 @@
-"""The one supervisor of local child processes and the one builder of each child's command line
-(``wavepp.runtime.serving.processes``): what ``wavepp up``, ``wavepp replay`` and ``wavepp bench
+"""The one supervisor of local child processes (``wavepp.runtime.serving.processes``) and the
+children's command lines (``api.cli_args``): what ``wavepp up``, ``wavepp replay`` and ``wavepp bench
 grid`` start is what each subcommand's own parser reads, and ``processes.json`` follows every
 start and restart."""
 
@@ -15,14 +15,10 @@ import time
 from pathlib import Path
 
 from wavepp import cli
+from wavepp.api.cli_args import NatsArgs, admission_args, gateway_args, stage_args
 from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.serving.lifecycle import PARENT_PID_ENV
-from wavepp.runtime.serving.processes import (
-    Supervisor,
-    admission_command,
-    gateway_command,
-    stage_command,
-)
+from wavepp.runtime.serving.processes import Supervisor, wavepp_command
 
 
 def _parsed(command: list[str]):  # noqa: ANN202 - argparse.Namespace
@@ -32,8 +28,16 @@ def _parsed(command: list[str]):  # noqa: ANN202 - argparse.Namespace
     return cli.build_parser(argv[:1]).parse_args(argv)
 
 
-def test_stage_command_parses_with_and_without_metrics_and_creds() -> None:
-    bare = _parsed(stage_command("/s/rc.json", 1, nats_url="nats://h:1", dist_url="tcp://h:2"))
+def test_stage_args_parse_with_and_without_metrics_and_creds() -> None:
+    """``wavepp stage``'s parser reads what ``stage_args`` builds; the metrics and credentials
+    flags appear only when given."""
+    bare = _parsed(
+        wavepp_command(
+            stage_args(
+                NatsArgs("nats://h:1"), runtime_config="/s/rc.json", rank="1", dist_url="tcp://h:2"
+            )
+        )
+    )
     assert (bare.runtime_config, bare.rank, bare.nats_url, bare.dist_url) == (
         "/s/rc.json",
         "1",
@@ -42,14 +46,15 @@ def test_stage_command_parses_with_and_without_metrics_and_creds() -> None:
     )
     assert bare.metrics_port is None and bare.nats_creds is None
     full = _parsed(
-        stage_command(
-            "/s/rc.json",
-            0,
-            nats_url="nats://h:1",
-            dist_url="tcp://h:2",
-            metrics_port=9401,
-            metrics_host="10.0.0.1",
-            nats_creds="/c/stage.creds",
+        wavepp_command(
+            stage_args(
+                NatsArgs("nats://h:1", creds="/c/stage.creds"),
+                runtime_config="/s/rc.json",
+                rank="0",
+                dist_url="tcp://h:2",
+                metrics_port=9401,
+                metrics_host="10.0.0.1",
+            )
         )
     )
     assert (full.metrics_port, full.metrics_host, full.nats_creds) == (
@@ -59,21 +64,27 @@ def test_stage_command_parses_with_and_without_metrics_and_creds() -> None:
     )
 
 
-def test_admission_and_gateway_commands_parse() -> None:
+def test_admission_and_gateway_args_parse() -> None:
+    """``wavepp admission`` and ``wavepp gateway`` read what their builders build."""
     admission = _parsed(
-        admission_command(
-            "/s/rc.json",
-            nats_url="nats://h:1",
-            pool="p",
-            ack_wait_s=7.5,
-            drain_s=25.0,
-            metrics_host="0.0.0.0",
-            nats_creds="/c/a.creds",
+        wavepp_command(
+            admission_args(
+                NatsArgs("nats://h:1", creds="/c/a.creds"),
+                runtime_config="/s/rc.json",
+                pool="p",
+                ack_wait_s=7.5,
+                drain_s=25.0,
+                metrics_host="0.0.0.0",
+            )
         )
     )
     assert (admission.pool, admission.ack_wait_s, admission.drain_timeout_s) == ("p", 7.5, 25.0)
     assert (admission.metrics_host, admission.nats_creds) == ("0.0.0.0", "/c/a.creds")
-    gateway = _parsed(gateway_command("/s/gw.json", nats_url="nats://h:1", host="h", port=8123))
+    gateway = _parsed(
+        wavepp_command(
+            gateway_args(NatsArgs("nats://h:1"), gateway_config="/s/gw.json", host="h", port=8123)
+        )
+    )
     assert (gateway.gateway_config, gateway.host, gateway.port, gateway.nats_creds) == (
         "/s/gw.json",
         "h",

@@ -48,8 +48,8 @@ def _expected(requests: list[PromptRequest]) -> dict[str, tuple[int, str]]:
 
 @pytest.mark.parametrize("key", [KEY, None], ids=["signed", "insecure"])
 def test_forged_last_stage_done_with_empty_epoch_is_dropped(key: BusKey | None) -> None:
-    """The issue: a last-stage done with an empty epoch was accepted (the epoch check skipped
-    an empty field): the forger's token answered, and pins were released mid-computation."""
+    """A last-stage done with an empty epoch is dropped like any other forgery: it answers no
+    request and releases no pin while the micro-batch computes."""
     pipe = MiniPipeline(key)
     requests = _requests()
     held_before: list[list[str]] = []
@@ -136,8 +136,8 @@ def test_a_result_for_a_request_the_microbatch_did_not_finish_is_dropped() -> No
 
 @pytest.mark.parametrize("mac", ["", "0" * 32, "wrong-key"])
 def test_forged_plan_with_the_next_id_cannot_make_the_real_one_a_duplicate(mac: str) -> None:
-    """The issue: a forged plan carrying the scheduler's epoch and the next id made every stage
-    drop the real plan as a duplicate (the request hung until the 300 s deadline)."""
+    """A forged plan carrying the scheduler's epoch and the next id is dropped, so no stage
+    takes the real plan for a duplicate and the request completes."""
     pipe = MiniPipeline(KEY)
     requests = _requests()
 
@@ -326,8 +326,8 @@ def _beat(ready: bool, seq: int, sent_at_s: float, instance: str = "i1") -> Hear
 
 
 def test_forged_heartbeats_are_refused_and_beats_are_rate_limited() -> None:
-    """The issue: a forged ``ready: false`` flapped /readyz, a forged ``ready: true`` kept a
-    dead replica routed. Refused: unsigned, another replica's tag, the wrong subject, a
+    """A forged heartbeat neither flaps /readyz (``ready: false``) nor keeps a dead replica
+    routed (``ready: true``). Refused: unsigned, another replica's tag, the wrong subject, a
     repeated (or too old) genuine one; and at most one per 0.1 s per replica."""
     guard = BusGuard(KEY, ["p0", "p1"])
     key0 = KEY.for_replica("p0")
@@ -387,8 +387,8 @@ def test_results_only_from_the_replica_routed_to_and_signed_by_it() -> None:
 
 
 def test_planted_bucket_entries_are_not_answers() -> None:
-    """The issue: an entry planted in the results bucket was returned for its request id for
-    the bucket's whole TTL (by the gateway and by a redelivering admission service)."""
+    """An entry planted in the results bucket is not an answer for its request id, to the
+    gateway or to a redelivering admission service."""
     guard = BusGuard(KEY, ["p0"])
     genuine = KEY.for_replica("p0").sign(_result("p0"))
     assert guard.stored("t.r1", genuine)
@@ -403,8 +403,8 @@ def test_planted_bucket_entries_are_not_answers() -> None:
 
 
 def test_kv_event_flood_cannot_grow_the_router_index_past_the_stage_block_count() -> None:
-    """The issue: 2.1 M stored hashes grew the gateway's index without bound (246 -> 478 MiB).
-    Each stage's index now holds at most that stage's block count; the newest hashes stay."""
+    """A flood of stored-block events does not grow the gateway's index without bound: each
+    stage's index holds at most that stage's block count; the newest hashes stay."""
     router = PoolRouter([("p0", 2, [64, 32])])
     batch = [bytes([i % 256, i // 256 % 256, i // 65536]) + b"\0" * 29 for i in range(100_000)]
     for start in range(0, len(batch), 1000):
@@ -449,7 +449,9 @@ def _joining_beat(name: str) -> Heartbeat:
 
 @pytest.mark.parametrize("keyed", [True, False], ids=["bus-key", "insecure"])
 def test_added_replicas_are_authenticated_bounded_and_forgotten(keyed: bool) -> None:
-    """Attack report #6: ``add_replica`` kept any name it was given, before any check."""
+    """``add_replica`` keeps a name only when its heartbeat names it (and, with the bus key, is
+    signed with that replica's key), at most ``max_added`` added names; a forgotten added name
+    frees its slot, a configured one stays."""
     key = KEY if keyed else None
     guard = BusGuard(key, ["p0"], max_added=2)
 

@@ -115,7 +115,8 @@ async def _close(gateway: Gateway, ncs) -> None:  # noqa: ANN001
 
 
 async def test_a_forged_result_published_first_does_not_answer(js_server) -> None:  # noqa: ANN001
-    """The issue: a forged result on the result subject won the race to the waiting gateway."""
+    """A forged result published first on the result subject does not answer the waiting
+    gateway; the genuine one does."""
     gateway, ncs = await _serve(js_server, forge_first=True)
     try:
         result, is_duplicate = await gateway.prefill(
@@ -128,8 +129,7 @@ async def test_a_forged_result_published_first_does_not_answer(js_server) -> Non
 
 
 async def test_a_planted_bucket_entry_is_not_an_answer(js_server) -> None:  # noqa: ANN001
-    """The issue: an entry planted in the results bucket was returned for that request id for
-    the bucket's whole TTL."""
+    """An entry planted in the results bucket is not returned for that request id."""
     gateway, ncs = await _serve(js_server, forge_first=False)
     try:
         bucket = await ncs[2].jetstream().key_value(results_bucket(POOL, namespace=NS))

@@ -119,7 +119,7 @@ def test_size_fields_are_bounded_naming_field_and_limit(
 
 
 def test_an_infinite_rope_theta_literal_is_refused(tmp_path: Path) -> None:
-    """``1e999`` parses to inf (was accepted as rope_theta=inf)."""
+    """``1e999`` parses to inf, refused as rope_theta, naming the field."""
     text = json.dumps(LLAMA)[:-1] + ', "rope_theta": 1e999}'
     root = tmp_path / "m"
     root.mkdir()
@@ -280,8 +280,8 @@ def test_malformed_config_json_is_one_error(tmp_path: Path, text: str | bytes, m
 
 
 def test_a_missing_family_field_is_named_by_the_partition(tmp_path: Path) -> None:
-    """The layer plan's KeyError (a minimax config without num_local_experts) was a
-    traceback from validate's cost split."""
+    """A minimax config without num_local_experts is refused in one line naming the field,
+    not a traceback from the cost split."""
     cfg = _patched(model_type="minimax_m2", num_experts_per_tok=2)
     root = _ckpt(tmp_path / "m", cfg)
     _one_line_error(

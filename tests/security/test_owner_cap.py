@@ -121,9 +121,8 @@ def test_the_spec_option_reaches_the_runtime_config_and_bad_values_are_named() -
 
 
 def test_the_cap_check_does_not_walk_every_held_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With a cap, each reservation asked how many blocks its owner holds by summing over every
-    held request: a round of 512 reservations with 20,480 held cost a stage 690 ms instead of
-    3 ms (attack-3 F3). The count is kept as requests change; a reservation reads it."""
+    """With a cap, a reservation reads its owner's block count, kept as requests change; it
+    walks at most one held request (not every one the stage holds)."""
     manager = StageKVManager(BlockPool(4096, BLOCK), max_blocks_per_owner=4000)
     for i in range(2000):
         manager.probe_pin(f"r{i}", (), 5.0, owner="adm")
@@ -146,8 +145,8 @@ def test_the_cap_check_does_not_walk_every_held_request(monkeypatch: pytest.Monk
 
 
 def test_a_round_refused_by_the_cap_says_so() -> None:
-    """A probe-reserve refused by the owner cap while the pool has room named only the pool
-    ("needs 4 blocks, 28 free of 32"), as if the pool were full (attack-3 F2)."""
+    """A probe-reserve refused by the owner cap while the pool has room names the cap and the
+    owner's holding, not the pool."""
     manager = StageKVManager(BlockPool(POOL, BLOCK), max_blocks_per_owner=6)
     entries = tuple(
         ReserveEntry(rid, tuple(hash_prompt_blocks([1] * 4 * BLOCK, BLOCK, rid)), 4)
@@ -160,8 +159,8 @@ def test_a_round_refused_by_the_cap_says_so() -> None:
 
 
 def test_the_gateway_refuses_a_prompt_longer_than_the_cap_allows() -> None:
-    """The gateway's prompt limit came from the stages' pools alone: with a lower cap it took
-    prompts the admission can never hold and failed them after queueing (attack-3)."""
+    """The gateway's prompt limit is the smaller of the stages' pools and the owner cap, so it
+    refuses at once a prompt the admission could never hold."""
     from wavepp.launch.gateway import gateway_model_fields
 
     assert gateway_model_fields(_config())["max_prompt_tokens"] == POOL * BLOCK

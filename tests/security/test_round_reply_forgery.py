@@ -1,12 +1,9 @@
-"""A batched admission round's replies are tagged (attack-2 F1): the stages of a replica answer
-one fan-out on one reply subject, which anyone who hears the round learns; without NATS auth
-(``wavepp up --insecure-nats`` keeps the bus key) a client answered first for every rank with a
-forged hit and the controller took it. With the bus key a stage tags its reply for the batch
-(owner, seq) and its rank (``kv_reply_tag.tag_reply``); the controller drops any other reply and
-waits for the stage's own.
-
-The tag's module is imported in the tests that use it, so that this file still imports on the
-code before the fix (where the forgery test fails on its L*)."""
+"""A batched agreement round's replies are tagged: the stages of a replica answer one fan-out on
+one reply subject, which anyone who hears the round learns, so without NATS auth (``wavepp up
+--insecure-nats`` keeps the bus key) a client could answer first for every rank with a forged
+hit. With the bus key a stage tags its reply for the batch (owner, seq) and its rank
+(``kv_reply_tag.tag_reply``); the controller drops any other reply and waits for the stage's
+own."""
 
 from __future__ import annotations
 

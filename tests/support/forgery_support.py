@@ -252,7 +252,7 @@ class MiniPipeline:
             scheduled = self.core.schedule(more_work_queued=False, planning_started_s=0.0)
             if scheduled is None:
                 break
-            plan = self.core.plan_of(scheduled)
+            plan, _ = self.core.encoded_plan_of(scheduled)
             self.genuine_plans.append(plan)
             if attacker is not None:
                 attacker(Tap(self, "plan", *self._seen()))

@@ -22,6 +22,7 @@ import pytest
 from http_support import http_status
 
 from wavepp.operator import builders as b
+from wavepp.runtime.transport.natsio import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 REF = b.PipelineRef(name="tiny", namespace="ml", uid="uid-contract")
@@ -60,6 +61,23 @@ def kubelet_env(
             assert label, f"unknown fieldRef {path}"
             env[item["name"]] = labels[label.group(1)]
     return env
+
+
+def stage_pod(
+    statefulset: dict[str, Any], container: dict[str, Any], rank: int, dist_url: str
+) -> tuple[dict[str, str], dict[str, str], int]:
+    """Stage ``rank`` of replica 0's pod made local: its local flags (``--dist-url``, a free
+    ``--health-port`` and ``--metrics-port``), the env the kubelet gives it (the pod's name and
+    its index label) and its health port."""
+    pod = b.stage_pod_name(REF.name, 0, rank)
+    labels = statefulset["spec"]["template"]["metadata"]["labels"] | {b.POD_INDEX_LABEL: str(rank)}
+    port = free_port()
+    local = {
+        "--dist-url": dist_url,
+        "--health-port": str(port),
+        "--metrics-port": str(free_port()),
+    }
+    return local, kubelet_env(container, pod, labels), port
 
 
 def expand(arg: str, env: dict[str, str]) -> str:

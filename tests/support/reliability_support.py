@@ -3,7 +3,10 @@ a real nats-server, and the admission controller + wave scheduler in the test's 
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
+from collections.abc import Callable
 
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.model_config import ModelConfig
@@ -46,3 +49,14 @@ async def stage_block_counts(pipeline: LocalPipeline) -> list[tuple[int, int]]:
     assert pipeline.controller is not None
     replies = await pipeline.controller.health()
     return [(reply.num_free_blocks, reply.num_blocks) for reply in replies]
+
+
+async def wait_until(
+    predicate: Callable[[], object], *, timeout_s: float, interval_s: float = 0.05
+) -> None:
+    """Poll ``predicate()`` (sync) until true; raise TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met in {timeout_s}s")
+        await asyncio.sleep(interval_s)

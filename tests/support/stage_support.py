@@ -3,6 +3,9 @@ stage health and readiness tests start a stage with."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from wavepp.api.messages import MicroBatchPlan, PlannedChunk
 from wavepp.api.spec import check_spec
 from wavepp.launch.runtime_config import runtime_configs_from_spec
@@ -36,3 +39,25 @@ def one_token_plan() -> MicroBatchPlan:
         request_id="r", chunk_index=0, context_offset=0, token_ids=[1, 2], is_last=True
     )
     return MicroBatchPlan(microbatch_id=0, epoch="e1", chunks=[chunk])
+
+
+def checkpoint_engines(model_dir: Path, partition: list[int], **options: Any) -> list[Any]:  # noqa: ANN401
+    """Torch stage engines of the checkpoint in ``model_dir``, ``partition[i]`` layers on stage
+    i, each made with ``options`` (``make_engine``'s keyword arguments)."""
+    from wavepp.api.layer_split import split_layers
+    from wavepp.runtime.hf_config import load_model_dir
+    from wavepp.runtime.stage.engine import make_engine
+
+    model = load_model_dir(model_dir)
+    return [
+        make_engine(
+            "torch",
+            model=model,
+            first_layer=first,
+            last_layer=last,
+            num_layers_total=model.num_layers,
+            model_dir=model_dir,
+            **options,
+        )
+        for first, last in split_layers(model.num_layers, len(partition), partition)
+    ]

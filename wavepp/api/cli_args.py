@@ -35,7 +35,7 @@ class NatsArgs:
 def stage_args(
     nats: NatsArgs,
     *,
-    rank: str,
+    rank: int | str,
     dist_url: str,
     config: str | None = None,
     runtime_config: str | None = None,
@@ -52,7 +52,7 @@ def stage_args(
     """
     return [
         "stage", *_config(config, "--runtime-config", runtime_config), *nats.args(),
-        *_opt("--replica", replica), "--rank", rank, "--dist-url", dist_url,
+        *_opt("--replica", replica), "--rank", str(rank), "--dist-url", dist_url,
         *_opt("--health-port", health_port), *_opt("--metrics-port", metrics_port),
         *_opt("--metrics-host", metrics_host),
     ]  # fmt: skip

@@ -27,7 +27,7 @@ import hmac
 import secrets
 from typing import Protocol, TypeVar
 
-__all__ = ["BusKey", "Signable", "verify_or_unsigned"]
+__all__ = ["BusKey", "Signable"]
 
 _MAC_HEX = 32  # 128-bit tags
 _KEY_BYTES = 32
@@ -127,8 +127,3 @@ class BusKey:
     def verify(self, msg: Signable) -> bool:
         """True when ``msg.mac`` is this key's tag of ``msg`` (constant-time compare)."""
         return bool(msg.mac) and hmac.compare_digest(msg.mac, self.mac(msg))
-
-
-def verify_or_unsigned(key: BusKey | None, msg: Signable) -> bool:
-    """``key.verify(msg)``; True for any message when there is no key (insecure mode)."""
-    return key is None or key.verify(msg)

@@ -51,12 +51,6 @@ def replica_prefix(pipeline: str, *, namespace: str) -> str:
     return f"wavepp.{namespace}.{pipeline}"
 
 
-def pipeline_of(subject: str) -> str:
-    """The pipeline of a replica subject ``wavepp.{ns}.{pipeline}.…`` (the inverse of
-    :func:`replica_prefix`; e.g. which replica sent a KV event batch)."""
-    return subject.split(".")[2]
-
-
 @dataclass(frozen=True)
 class ReplicaSubjects:
     """The subjects of one pipeline replica, under its prefix ``{p}`` (``wavepp.{ns}.{pipeline}``)."""

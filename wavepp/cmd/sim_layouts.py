@@ -14,9 +14,12 @@ With ``--json`` stdout holds one JSON list, one row per layout and concurrency: 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from typing import Any
+
+from wavepp.cmd.common import fail
 
 ROW_KEYS = (
     "requests",
@@ -33,9 +36,7 @@ ROW_KEYS = (
 )
 
 
-def _fail(flag: str, message: str) -> int:
-    print(f"wavepp sim: {flag}: {message}", file=sys.stderr)
-    return 2
+_fail = functools.partial(fail, "sim")
 
 
 def run_layouts(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from wavepp.api.cli_args import NatsArgs, admission_args, gateway_args, stage_args
 from wavepp.api.permissions import admission_user_name, gateway_user_name, stage_user_name
 from wavepp.api.pod import DRAIN_EXIT_MARGIN_S
 from wavepp.api.spec import (
@@ -48,7 +49,7 @@ from wavepp.launch.runtime_config import (
 )
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.hf_config import load_model_dir
-from wavepp.runtime.serving.processes import admission_command, gateway_command, stage_command
+from wavepp.runtime.serving.processes import wavepp_command
 from wavepp.runtime.transport.natsio import free_port
 
 DEFAULT_SPEC = {"model": {"name": "tiny-llama"}, "stages": 2}
@@ -304,42 +305,40 @@ def child_commands(
     its admission (``--drain-timeout-s drain_s``), then the gateway (``gateway_config``); every metrics server binds
     ``args.host`` as the gateway does. ``creds``: NATS user -> credentials file (None: none)."""
 
-    def creds_of(user: str) -> str | None:
-        return None if creds is None else creds[user]
+    def nats(user: str) -> NatsArgs:
+        return NatsArgs(nats_url, creds=None if creds is None else creds[user])
 
     out: list[tuple[str, list[str]]] = []
     for replica, config in enumerate(configs):
         path = config_paths[replica]
         for rank in range(config.num_stages):
-            command = stage_command(
-                path,
-                rank,
-                nats_url=nats_url,
+            metrics_port = stage_metrics_port(configs, replica, rank)
+            command = stage_args(
+                nats(stage_user_name(config.pipeline, rank)),
+                runtime_config=path,
+                rank=rank,
                 dist_url=dist_urls[replica],
-                metrics_port=stage_metrics_port(configs, replica, rank),
-                metrics_host=args.host,
-                nats_creds=creds_of(stage_user_name(config.pipeline, rank)),
+                metrics_port=metrics_port,
+                metrics_host=None if metrics_port is None else args.host,
             )
-            out.append((f"stage-{config.pipeline}-{rank}", command))
-        command = admission_command(
-            path,
-            nats_url=nats_url,
+            out.append((f"stage-{config.pipeline}-{rank}", wavepp_command(command)))
+        command = admission_args(
+            nats(admission_user_name(config.pipeline)),
+            runtime_config=path,
             pool=args.pool,
             ack_wait_s=args.ack_wait_s,
             drain_s=drain_s,
             metrics_host=args.host,
-            nats_creds=creds_of(admission_user_name(config.pipeline)),
-            planner_cost_model=getattr(args, "planner_cost_model", ""),
+            planner_cost_model=getattr(args, "planner_cost_model", "") or None,
         )
-        out.append((f"admission-{config.pipeline}", command))
-    command = gateway_command(
-        gateway_config,
-        nats_url=nats_url,
+        out.append((f"admission-{config.pipeline}", wavepp_command(command)))
+    command = gateway_args(
+        nats(gateway_user_name(args.pool)),
+        gateway_config=gateway_config,
         host=args.host,
         port=port,
-        nats_creds=creds_of(gateway_user_name(args.pool)),
     )
-    out.append(("gateway", command))
+    out.append(("gateway", wavepp_command(command)))
     return out
 
 

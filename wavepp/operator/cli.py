@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,16 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-events", action="store_true", help="post no Kubernetes Events")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
-
-
-def add_operator_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``operator`` on an argparse subparsers object; returns the new parser."""
-    parser = subparsers.add_parser(
-        "operator", help="run the Kubernetes operator (kopf)", description=__doc__
-    )
-    add_arguments(parser)
-    parser.set_defaults(_run=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

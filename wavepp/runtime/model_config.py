@@ -84,11 +84,6 @@ class ModelConfig(pydantic.BaseModel):
             )
         return self
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        """Query heads sharing one KV head (the GQA group size)."""
-        return self.num_heads // self.num_kv_heads
-
     def kv_bytes_per_token_per_layer(self) -> int:
         """KV cache bytes one token takes in one layer at ``dtype``: K and V for GQA, else
         ``kv_values_per_token_per_layer`` (rounded up; an average over the layers)."""

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import last_logits
+from stage_support import checkpoint_engines
 
 from wavepp.api.layer_split import split_layers
 from wavepp.runtime.agreement import AgreementController, LocalStageClient
@@ -175,25 +176,8 @@ def test_the_positions_a_stage_holds_cached_are_not_written() -> None:
 # --------------------------------------------------------------------------- hybrid
 
 pytest.importorskip("transformers")
-from wavepp.runtime.hf_config import load_model_dir  # noqa: E402
 
 K = 2  # a recurrent state after every 2nd block
-
-
-def kimi_engines(model_dir: Path) -> list:
-    model = load_model_dir(model_dir)
-    return [
-        make_engine(
-            "torch",
-            model=model,
-            first_layer=first,
-            last_layer=last,
-            num_layers_total=model.num_layers,
-            model_dir=model_dir,
-            state_interval_blocks=K,
-        )
-        for first, last in split_layers(model.num_layers, 2, [3, 2])
-    ]
 
 
 async def test_a_hybrid_stage_past_l_star_starts_from_the_state_at_l_star(kimi) -> None:  # noqa: ANN001
@@ -203,7 +187,9 @@ async def test_a_hybrid_stage_past_l_star_starts_from_the_state_at_l_star(kimi) 
     model_dir, model = kimi
     rng = random.Random(2)
     shared = [rng.randrange(256) for _ in range(22)]
-    pipeline = Pipeline(kimi_engines(model_dir), state_interval_blocks=K)
+    pipeline = Pipeline(
+        checkpoint_engines(model_dir, [3, 2], state_interval_blocks=K), state_interval_blocks=K
+    )
     await pipeline.serve("a", shared, [5, 11])
     hashes = pipeline.controller.block_hashes(PromptRequest("x", shared))
     pipeline.evict_tail(1, 2, hashes)
@@ -221,6 +207,4 @@ async def test_a_hybrid_stage_past_l_star_starts_from_the_state_at_l_star(kimi) 
     for layer, before in zip(kda0, states_before, strict=True):
         for block_id, state in before.items():
             assert layer.states[block_id] is state  # neither dropped nor rewritten
-    with torch.inference_mode():
-        reference = model(torch.tensor([prompt])).logits[0, -1].float()
-    assert (got - reference).abs().max() < 1e-4
+    assert (got - last_logits(model, prompt)).abs().max() < 1e-4

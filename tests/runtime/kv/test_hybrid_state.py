@@ -7,14 +7,13 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
+from hf_reference import last_logits
+from stage_support import checkpoint_engines
 
-from wavepp.api.layer_split import split_layers
 from wavepp.runtime.agreement import AgreementController, LocalStageClient
-from wavepp.runtime.hf_config import load_model_dir
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.stage.engine import ChunkSpec, make_engine
+from wavepp.runtime.stage.engine import ChunkSpec
 from wavepp.runtime.stage.engine.layers.kda import KDAAttention
 
 pytest.importorskip("transformers")
@@ -26,27 +25,11 @@ BS = 4  # tokens per block
 K = 2  # state after every 2nd block
 
 
-def reference(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(torch.tensor([tokens])).logits[0, -1].float()
-
-
 class Stages:
     def __init__(self, model_dir: Path, partition: list[int]) -> None:
-        model = load_model_dir(model_dir)
-        self.engines = []
-        for first, last in split_layers(model.num_layers, len(partition), partition):
-            engine = make_engine(
-                "torch",
-                model=model,
-                first_layer=first,
-                last_layer=last,
-                num_layers_total=model.num_layers,
-                model_dir=model_dir,
-                state_interval_blocks=K,
-            )
+        self.engines = checkpoint_engines(model_dir, partition, state_interval_blocks=K)
+        for engine in self.engines:
             engine.allocate_kv(32, BS)
-            self.engines.append(engine)
 
     def run(self, rid: str, tokens: list[int], table: list[int], start: int, sizes: list[int]):
         offset, logits = start, {}
@@ -82,7 +65,7 @@ def test_state_boundary_reuse_matches_reference_and_off_boundary_is_refused(kimi
     first = [rng.randrange(VOCAB) for _ in range(22)]
     table_a = list(range(6))
     got = stages.run("a", first, table_a, 0, [5, 11, 6])
-    assert (got - reference(model, first)).abs().max() < 1e-4
+    assert (got - last_logits(model, first)).abs().max() < 1e-4
     # 5 full blocks ran: states after blocks 2 and 4 (ids 1 and 3) in every KDA layer, and
     # no running state once the request's last chunk ran.
     for layer in stages.kda_layers():
@@ -91,7 +74,7 @@ def test_state_boundary_reuse_matches_reference_and_off_boundary_is_refused(kimi
     second = first[:13] + [rng.randrange(VOCAB) for _ in range(6)]
     table_b = table_a[:2] + [10, 11, 12]
     got = stages.run("b", second, table_b, 8, [3, 8])
-    assert (got - reference(model, second)).abs().max() < 1e-4
+    assert (got - last_logits(model, second)).abs().max() < 1e-4
     # Three shared blocks are not a state boundary with k = 2: refused, by position.
     with pytest.raises(ValueError, match="context_offset=12 has no recurrent state"):
         stages.run("c", second, table_a[:3] + [20, 21], 12, [7])

@@ -19,7 +19,6 @@ from wavepp.runtime.planning.catalogue import H200, GPUSpec, LayerCost, ModelSha
 from wavepp.runtime.planning.memory import (
     FIXED_KV_BLOCKS,
     default_kv_blocks,
-    derived_kv_blocks,
     derived_stage_memory,
 )
 from wavepp.runtime.request import PromptRequest
@@ -27,6 +26,13 @@ from wavepp.runtime.request import PromptRequest
 ROOT = Path(__file__).resolve().parents[3]
 # The engine's largest micro-batch: the scheduler's cap where the config has one.
 LARGEST_MICROBATCH_TOKENS = max(RuntimeConfig().max_microbatch_tokens, 8192)
+
+
+def _blocks(model: str | ModelShape, **kwargs: object) -> list[int]:
+    """Each stage's derived KV capacity in blocks (``derived_stage_memory``'s num_blocks)."""
+    return [stage.num_blocks for stage in derived_stage_memory(model, **kwargs)]  # type: ignore[arg-type]
+
+
 TOY_GPU = GPUSpec("toy", peak_flops=1.0, hbm_bytes_per_s=1.0, memory_bytes=1000.0)
 
 
@@ -103,11 +109,11 @@ def test_toy_model_needing_two_gpus_per_stage() -> None:
 
 def test_weights_that_fit_no_node_raise_naming_model_stages_and_memory() -> None:
     with pytest.raises(ValueError, match=r"kimi-k3 on 1 stages of 8 x H200 does not fit.*GB"):
-        derived_kv_blocks("kimi-k3", num_stages=1, block_size=16, max_microbatch_tokens=8192)
+        _blocks("kimi-k3", num_stages=1, block_size=16, max_microbatch_tokens=8192)
     with pytest.raises(
         ValueError, match=r"glm-5.2 on 4 stages of 1 x H200.*needs 199\.\d GB.*126\.9 GB is usable"
     ):
-        derived_kv_blocks(
+        _blocks(
             "glm-5.2",
             num_stages=4,
             block_size=16,
@@ -115,7 +121,7 @@ def test_weights_that_fit_no_node_raise_naming_model_stages_and_memory() -> None
             num_gpus_per_stage=1,
         )
     with pytest.raises(ValueError, match="no memory_bytes"):
-        derived_kv_blocks("tiny-llama", num_stages=2, block_size=16, max_microbatch_tokens=64)
+        _blocks("tiny-llama", num_stages=2, block_size=16, max_microbatch_tokens=64)
 
 
 def _first_300_prompt_tokens() -> list[int]:
@@ -164,7 +170,7 @@ def test_default_is_fixed_for_tiny_llama_and_derived_for_h200_models() -> None:
     blocks, source = default_kv_blocks(
         "minimax-m2.7", num_stages=4, block_size=64, max_microbatch_tokens=8192
     )
-    assert blocks == derived_kv_blocks(
+    assert blocks == _blocks(
         "minimax-m2.7", num_stages=4, block_size=64, max_microbatch_tokens=8192
     )
     assert source.startswith("derived: minimax-m2.7, 4 stages of 1 x H200 (141 GB x 0.9")
@@ -174,7 +180,7 @@ def test_default_is_fixed_for_tiny_llama_and_derived_for_h200_models() -> None:
 def test_more_activation_or_utilisation_moves_capacity_the_right_way() -> None:
     def blocks(**kwargs: float) -> int:
         base = {"num_stages": 8, "block_size": 16, "max_microbatch_tokens": 8192}
-        return sum(derived_kv_blocks("glm-5.2", **(base | kwargs)))  # type: ignore[arg-type]
+        return sum(_blocks("glm-5.2", **(base | kwargs)))  # type: ignore[arg-type]
 
     assert blocks(max_microbatch_tokens=16384) < blocks()
     assert blocks(memory_utilization=0.95) > blocks()
@@ -183,7 +189,7 @@ def test_more_activation_or_utilisation_moves_capacity_the_right_way() -> None:
 
 def test_spec_path_derives_for_emulated_and_keeps_explicit_and_torch_defaults() -> None:
     raw = {"model": {"name": "tiny-llama"}, "stages": 4, "engine": "emulated"}
-    derived = derived_kv_blocks(
+    derived = _blocks(
         "glm-5.2", num_stages=4, block_size=16, max_microbatch_tokens=LARGEST_MICROBATCH_TOKENS
     )
     spec = WavePipelineSpec.model_validate(raw | {"engineOptions": {"emulate": "glm-5.2"}})
@@ -213,7 +219,7 @@ def test_sim_uses_the_derived_capacity_unless_given() -> None:
         assert len(lines) == 1, "with --json stdout holds the JSON only"
         return json.loads(lines[0])[0]
 
-    derived = derived_kv_blocks(
+    derived = _blocks(
         "minimax-m2.7",
         num_stages=4,
         block_size=64,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from hf_reference import hf_llama, small_llama
+from hf_reference import hf_llama, last_logits, small_llama
 
 from wavepp.api.layer_split import split_layers
 from wavepp.runtime.stage.engine import ChunkSpec, make_engine
@@ -30,11 +30,6 @@ ATOL = 1e-4
 @pytest.fixture(scope="module")
 def hf_model() -> torch.nn.Module:
     return hf_llama(CONFIG)
-
-
-def hf_last_logits(model: torch.nn.Module, tokens: Sequence[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(torch.tensor([list(tokens)])).logits[0, -1].to(torch.float32)
 
 
 def random_tokens(num_tokens: int, seed: int) -> list[int]:
@@ -154,7 +149,7 @@ def test_chunked_pipeline_matches_hf(
     pipeline.add_request(request)
     assert len({tuple(t) for t in request.block_tables}) > 1, "block ids should differ per stage"
     logits = pipeline.run_chunked(request, 0, chunk_sizes)
-    assert_close(logits, hf_last_logits(hf_model, request.tokens))
+    assert_close(logits, last_logits(hf_model, request.tokens))
 
 
 @pytest.mark.parametrize(
@@ -171,7 +166,7 @@ def test_prefix_reuse_matches_hf(hf_model: torch.nn.Module, num_stages: int, com
     pipeline = Pipeline(num_stages, [30, 45, 37][:num_stages], block_size, compile=compile)
     first = Request("first", random_tokens(29, seed=2))
     pipeline.add_request(first)
-    assert_close(pipeline.run_chunked(first, 0, [11, 18]), hf_last_logits(hf_model, first.tokens))
+    assert_close(pipeline.run_chunked(first, 0, [11, 18]), last_logits(hf_model, first.tokens))
 
     # The second prompt shares 21 tokens: 2 full blocks (16 tokens) are reusable.
     num_common = 21
@@ -183,7 +178,7 @@ def test_prefix_reuse_matches_hf(hf_model: torch.nn.Module, num_stages: int, com
         assert second.block_tables[rank][:2] == first.block_tables[rank][:2]
     sizes = [6, len(second.tokens) - cached_tokens - 6]
     logits = pipeline.run_chunked(second, cached_tokens, sizes)
-    assert_close(logits, hf_last_logits(hf_model, second.tokens))
+    assert_close(logits, last_logits(hf_model, second.tokens))
 
 
 def test_prefix_reuse_reads_the_shared_blocks(hf_model: torch.nn.Module) -> None:
@@ -199,7 +194,7 @@ def test_prefix_reuse_reads_the_shared_blocks(hf_model: torch.nn.Module) -> None
     assert isinstance(engine, TorchStageEngine) and engine.kv_cache is not None
     engine.kv_cache[:, :, first.block_tables[1][1]] += 0.5
     logits = pipeline.run_chunked(second, 16, [5])
-    diff = (logits - hf_last_logits(hf_model, second.tokens)).abs().max().item()
+    diff = (logits - last_logits(hf_model, second.tokens)).abs().max().item()
     assert diff > 1e-3
 
 
@@ -215,7 +210,7 @@ def test_packed_microbatches_match_hf(hf_model: torch.nn.Module) -> None:
 
     out1 = pipeline.run_microbatch([(a, 0, 7, False), (b, 0, 12, False), (c, 0, 7, True)])
     assert set(out1) == {"c"}
-    assert_close(out1["c"], hf_last_logits(hf_model, c.tokens))
+    assert_close(out1["c"], last_logits(hf_model, c.tokens))
 
     # b's second chunk first, then a's last chunk; d reuses a's first block (4 tokens) and
     # starts in the same micro-batch that finishes a.
@@ -223,9 +218,9 @@ def test_packed_microbatches_match_hf(hf_model: torch.nn.Module) -> None:
     pipeline.add_request(d, shared_from=a, num_shared_blocks=1)
     out2 = pipeline.run_microbatch([(b, 12, 5, False), (a, 7, 12, True), (d, 4, 3, False)])
     assert set(out2) == {"a"}
-    assert_close(out2["a"], hf_last_logits(hf_model, a.tokens))
+    assert_close(out2["a"], last_logits(hf_model, a.tokens))
 
     out3 = pipeline.run_microbatch([(d, 7, 8, True), (b, 17, 9, True)])
     assert set(out3) == {"b", "d"}
-    assert_close(out3["b"], hf_last_logits(hf_model, b.tokens))
-    assert_close(out3["d"], hf_last_logits(hf_model, d.tokens))
+    assert_close(out3["b"], last_logits(hf_model, b.tokens))
+    assert_close(out3["d"], last_logits(hf_model, d.tokens))

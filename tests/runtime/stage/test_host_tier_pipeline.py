@@ -12,39 +12,17 @@ import random
 
 import pytest
 import torch
-import transformers
+from hf_reference import PIPELINE_COST, hf_llama, last_logits, small_llama
 
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.model_config import ModelConfig
-from wavepp.runtime.planning import CostModel
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.serving.local import LocalPipeline
-from wavepp.runtime.stage.engine.torch_engine import build_full_state_dict
 
 pytestmark = pytest.mark.slow
 
-MODEL = ModelConfig(
-    name="host-llama",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=160,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    seed=13,
-)
+MODEL = small_llama("host-llama", seed=13)
 BLOCK = 4
 DEVICE_BLOCKS = 10
-
-
-def hf_last_logits(token_ids: list[int]) -> torch.Tensor:
-    hf_config = transformers.LlamaConfig(**MODEL.to_hf_llama_kwargs())
-    hf_config._attn_implementation = "eager"
-    model = transformers.LlamaForCausalLM(hf_config).eval()
-    model.load_state_dict(build_full_state_dict(MODEL), strict=True)
-    with torch.inference_mode():
-        return model(torch.tensor([token_ids])).logits[0, -1].float()
 
 
 async def test_a_prefix_demoted_to_the_host_tier_is_reused_exactly(tmp_path) -> None:  # noqa: ANN001
@@ -58,13 +36,12 @@ async def test_a_prefix_demoted_to_the_host_tier_is_reused_exactly(tmp_path) -> 
         chunk_tokens=16,  # several chunks per prompt
         lease_s=30.0,
     )
-    cost = CostModel(c=1e-4, g=1e-7, b=1e-5, a=1e-8, label="measured", source="test")
     rng = random.Random(29)
     shared = [rng.randrange(MODEL.vocab_size) for _ in range(4 * BLOCK)]
     first = shared + [rng.randrange(MODEL.vocab_size) for _ in range(5)]
     filler = [rng.randrange(MODEL.vocab_size) for _ in range(DEVICE_BLOCKS * BLOCK)]
     second = shared + [rng.randrange(MODEL.vocab_size) for _ in range(7)]
-    async with LocalPipeline(config, cost, log_dir=str(tmp_path)) as pipeline:
+    async with LocalPipeline(config, PIPELINE_COST, log_dir=str(tmp_path)) as pipeline:
         scheduler = pipeline.scheduler
         a = await scheduler.submit(PromptRequest("a", first))
         f = await scheduler.submit(PromptRequest("f", filler))
@@ -75,6 +52,6 @@ async def test_a_prefix_demoted_to_the_host_tier_is_reused_exactly(tmp_path) -> 
     assert b.num_cached_tokens == 4 * BLOCK
     assert b.stage_hits == (4, 4), b.stage_hits
     got = torch.tensor(b.logits)
-    want = hf_last_logits(second)
+    want = last_logits(hf_llama(MODEL), second)
     assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
     assert b.first_token_id == int(torch.argmax(want))

@@ -11,12 +11,11 @@ import time
 
 import pytest
 import torch
-from hf_reference import hf_llama, small_llama
+from hf_reference import PIPELINE_COST, hf_llama, small_llama
 
 from wavepp.api.kv_handoff import PARAMS_KEY, HandoffError, HandoffParams
 from wavepp.integrations.vllm.pull import pull_request, pull_stage, stage_stats
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.planning import CostModel
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.serving.local import LocalPipeline
 
@@ -59,11 +58,10 @@ async def test_pulled_kv_matches_hf_and_leases_end_cleanly(tmp_path) -> None:  #
         chunk_tokens=8,  # several chunks per prompt
         handoff_lease_s=20.0,
     )
-    cost = CostModel(c=1e-4, g=1e-7, b=1e-5, a=1e-8, label="measured", source="test")
     rng = random.Random(5)
     shared = [rng.randrange(MODEL.vocab_size) for _ in range(12)]
     prompts = {f"r{i}": shared + [rng.randrange(256) for _ in range(3 + 5 * i)] for i in range(3)}
-    async with LocalPipeline(config, cost, log_dir=str(tmp_path)) as pipeline:
+    async with LocalPipeline(config, PIPELINE_COST, log_dir=str(tmp_path)) as pipeline:
         assert all(pipeline.handoff_addrs), pipeline.handoff_addrs
         start = [await asyncio.to_thread(stage_stats, a) for a in pipeline.handoff_addrs]
         scheduler = pipeline.scheduler

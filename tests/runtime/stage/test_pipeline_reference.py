@@ -12,10 +12,9 @@ import random
 
 import pytest
 import torch
-from hf_reference import hf_llama, small_llama
+from hf_reference import PIPELINE_COST, hf_llama, last_logits, small_llama
 
 from wavepp.runtime.config import RuntimeConfig
-from wavepp.runtime.planning import CostModel
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.serving.local import LocalPipeline
 
@@ -23,12 +22,6 @@ pytestmark = pytest.mark.slow
 
 MODEL = small_llama("ref-llama", seed=7, num_layers=6)
 BLOCK = 4
-
-
-def hf_last_logits(token_ids: list[int]) -> torch.Tensor:
-    model = hf_llama(MODEL)
-    with torch.inference_mode():
-        return model(torch.tensor([token_ids])).logits[0, -1].float()
 
 
 @pytest.mark.parametrize("mode", ["wave", "sync"])
@@ -43,14 +36,13 @@ async def test_pipelined_prefix_reuse_matches_monolithic_forward(mode: str, tmp_
         chunk_tokens=16,  # several chunks per prompt
         lease_s=30.0,
     )
-    cost = CostModel(c=1e-4, g=1e-7, b=1e-5, a=1e-8, label="measured", source="test")
     rng = random.Random(3)
     shared = [rng.randrange(MODEL.vocab_size) for _ in range(32)]  # 8 full blocks
 
     def prompt(n: int) -> list[int]:
         return shared + [rng.randrange(MODEL.vocab_size) for _ in range(n)]
 
-    async with LocalPipeline(config, cost, log_dir=str(tmp_path)) as pipeline:
+    async with LocalPipeline(config, PIPELINE_COST, log_dir=str(tmp_path)) as pipeline:
         scheduler = pipeline.scheduler
         first = await scheduler.submit(PromptRequest("a", prompt(9), return_logits=True))
         # Fillers (one at a time) push stage 1 (26 blocks) to evict the shared chain's tail.
@@ -82,9 +74,9 @@ async def test_pipelined_prefix_reuse_matches_monolithic_forward(mode: str, tmp_
             differing_hits += 1
     assert differing_hits >= 1, [o.stage_hits for o in outcomes]
     assert any(o.num_cached_tokens > 0 for o in reused)
+    reference = hf_llama(MODEL)
     for outcome in reused:
-        tokens = expected_prompts[outcome.request_id]
         got = torch.tensor(outcome.logits)
-        want = hf_last_logits(tokens)
+        want = last_logits(reference, expected_prompts[outcome.request_id])
         assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
         assert outcome.first_token_id == int(torch.argmax(want))

@@ -294,11 +294,6 @@ class AgreementController:
         """Requests whose leases this controller renews (agreed, not released)."""
         return frozenset(self._live)
 
-    @property
-    def num_live(self) -> int:
-        """Admitted requests not yet released (their leases are renewed)."""
-        return len(self._live)
-
     def forget(self, request_ids: Sequence[str]) -> None:
         """Stop renewing the leases of requests without releasing them: the stages that held
         their pins are gone (a re-form); nothing is sent."""

@@ -75,7 +75,6 @@ __all__ = [
     "GPUS_PER_STAGE_CHOICES",
     "StageMemory",
     "default_kv_blocks",
-    "derived_kv_blocks",
     "derived_stage_memory",
 ]
 
@@ -264,34 +263,6 @@ def _format_bytes(num_bytes: float) -> str:
         if num_bytes >= scale:
             return f"{num_bytes / scale:.4g} {unit}"
     return f"{num_bytes:.4g} B"
-
-
-def derived_kv_blocks(
-    model: str | ModelShape,
-    *,
-    num_stages: int,
-    block_size: int,
-    max_microbatch_tokens: int,
-    gpu: GPUSpec | None = None,
-    num_gpus_per_stage: int | None = None,
-    memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
-) -> list[int]:
-    """KV capacity in blocks, one per stage: ``derived_stage_memory``'s num_blocks.
-
-    Args and Raises: as ``derived_stage_memory``.
-    """
-    return [
-        stage.num_blocks
-        for stage in derived_stage_memory(
-            model,
-            num_stages=num_stages,
-            block_size=block_size,
-            max_microbatch_tokens=max_microbatch_tokens,
-            gpu=gpu,
-            num_gpus_per_stage=num_gpus_per_stage,
-            memory_utilization=memory_utilization,
-        )
-    ]
 
 
 def default_kv_blocks(

@@ -91,8 +91,6 @@ __all__ = [
     "H200_NVLINK",
     "Interconnect",
     "Layout",
-    "allreduce_s",
-    "alltoall_s",
     "gemm_efficiency",
     "parse_layout",
     "parse_layouts",
@@ -155,43 +153,6 @@ H200_NVLINK = Interconnect(
     latency_s=25e-6,
     max_group_size=8,
 )
-
-
-def allreduce_s(num_bytes: float, group_size: int, link: Interconnect) -> float:
-    """Seconds of one all-reduce of ``num_bytes`` per rank over ``group_size`` ranks.
-
-    nccl-tests' convention: time = bytes * 2(n-1)/n / busbw + latency; 0.0 for one rank.
-
-    Raises:
-        ValueError: negative bytes or group_size < 1.
-    """
-    _check_collective(num_bytes, group_size)
-    if group_size == 1:
-        return 0.0
-    n = group_size
-    return num_bytes * 2.0 * (n - 1) / n / link.allreduce_bus_bytes_per_s + link.latency_s
-
-
-def alltoall_s(num_bytes: float, group_size: int, link: Interconnect) -> float:
-    """Seconds of one all-to-all with ``num_bytes`` per rank (its whole send buffer).
-
-    nccl-tests' convention: time = bytes * (n-1)/n / busbw + latency; 0.0 for one rank.
-
-    Raises:
-        ValueError: negative bytes or group_size < 1.
-    """
-    _check_collective(num_bytes, group_size)
-    if group_size == 1:
-        return 0.0
-    n = group_size
-    return num_bytes * (n - 1) / n / link.alltoall_bus_bytes_per_s + link.latency_s
-
-
-def _check_collective(num_bytes: float, group_size: int) -> None:
-    if num_bytes < 0 or not math.isfinite(num_bytes):
-        raise ValueError(f"num_bytes={num_bytes!r}: must be finite and >= 0")
-    if group_size < 1:
-        raise ValueError(f"group_size={group_size}: must be >= 1")
 
 
 def gemm_efficiency(

@@ -9,7 +9,7 @@ controller) and the simulator share. It never awaits, publishes or sleeps; it ta
     submit(request)                   -----> add_request          -> RequestRecord (WAITING)
     admission strategy agreed         -----> admitted(record, ticket)            (ADMITTED)
     scheduling loop, a slot free      -----> schedule(...)        -> ScheduledMicroBatch
-      telemetry gives a traceparent   -----> plan_of(scheduled)   -> MicroBatchPlan (ledger)
+      telemetry gives a traceparent   -----> encoded_plan_of      -> MicroBatchPlan (ledger)
     a stage's MicroBatchDone          -----> update_from_done     -> DoneUpdate
     deadline tick                     -----> overdue / expire     -> ids to release
     the replica re-forms              -----> reform               -> records to re-admit
@@ -367,7 +367,7 @@ class SchedulerCore(DoneAccounting):
         """Cut the next micro-batch from the planning set; None when the planner made none.
 
         Marks each chunk's request RUNNING (PLANNED with its last chunk), counts it in flight,
-        and takes the micro-batch's id. The plan itself comes from ``plan_of``.
+        and takes the micro-batch's id. The plan itself comes from ``encoded_plan_of``.
         """
         self._estimate_credits()
         chunks = self.planner.plan_microbatch(
@@ -438,14 +438,11 @@ class SchedulerCore(DoneAccounting):
         record.outcome.handoff_expires = expires
         return expires
 
-    def plan_of(self, scheduled: ScheduledMicroBatch, traceparent: str = "") -> MicroBatchPlan:
-        """The plan every stage runs for ``scheduled``; kept in the ledger until all S report it."""
-        return self.encoded_plan_of(scheduled, traceparent)[0]
-
     def encoded_plan_of(
         self, scheduled: ScheduledMicroBatch, traceparent: str = ""
     ) -> tuple[MicroBatchPlan, bytes]:
-        """``plan_of`` and the plan's wire JSON, serialised once: signing serialises the plan
+        """The plan every stage runs for ``scheduled`` (kept in the ledger until all S report it)
+        and its wire JSON, serialised once: signing serialises the plan
         anyway, and serialising a plan costs time linear in its token ids (on the critical
         path: the stages wait for it)."""
         plan = MicroBatchPlan(

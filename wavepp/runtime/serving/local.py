@@ -32,6 +32,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
+from wavepp.api.cli_args import NatsArgs, stage_args
 from wavepp.api.messages import Health
 from wavepp.runtime.agreement import AgreementController, StageUnavailableError
 from wavepp.runtime.agreement.coordinator import check_stage_versions
@@ -43,7 +44,7 @@ from wavepp.runtime.request import RequestOutcome
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.serving.handoff import kv_transfer_params, stage_endpoints
-from wavepp.runtime.serving.processes import Supervisor, stage_command
+from wavepp.runtime.serving.processes import Supervisor, wavepp_command
 from wavepp.runtime.transport.auth import PoolAuth, write_pool_auth
 from wavepp.runtime.transport.buskey import BUS_KEY_ENV, bus_key_or_new
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
@@ -108,7 +109,7 @@ class LocalPipeline:
         return [self.supervisor.procs[_stage_name(r)] for r in range(len(self._stage_names))]
 
     def start_stages(self, dist_url: str) -> None:
-        """Start the S stage processes (``processes.stage_command``), rendezvous ``dist_url``."""
+        """Start the S stage processes (``api.cli_args.stage_args``), rendezvous ``dist_url``."""
         env = dict(
             os.environ,
             OMP_NUM_THREADS=str(self.config.torch_threads),
@@ -117,12 +118,13 @@ class LocalPipeline:
         self._stage_names = [_stage_name(rank) for rank in range(self.config.num_stages)]
         pipeline = self.config.pipeline
         for rank, name in enumerate(self._stage_names):
-            command = stage_command(
-                str(self._config_path),
-                rank,
-                nats_url=self.nats_url,
-                dist_url=dist_url,
-                nats_creds=None if self.auth is None else self.auth.stage(pipeline, rank),
+            nats = NatsArgs(
+                self.nats_url, creds=None if self.auth is None else self.auth.stage(pipeline, rank)
+            )
+            command = wavepp_command(
+                stage_args(
+                    nats, runtime_config=str(self._config_path), rank=rank, dist_url=dist_url
+                )
             )
             self.supervisor.start(name, command, env)
 

@@ -1,5 +1,5 @@
 """The local child processes of ``wavepp up``, ``wavepp replay`` and ``wavepp bench grid``: one
-supervisor and one builder of each child's command line.
+supervisor; each child's arguments come from ``api.cli_args``.
 
 Every child is ``python -m wavepp.cli <subcommand>`` (the commands pods run), started in its own
 session (a Ctrl-C reaches only the parent, which stops the children in order) with
@@ -15,95 +15,20 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from wavepp.api.cli_args import NatsArgs, admission_args, gateway_args, stage_args
 from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.serving.lifecycle import child_env
 
-__all__ = [
-    "Supervisor",
-    "admission_command",
-    "gateway_command",
-    "stage_command",
-]
+__all__ = ["Supervisor", "wavepp_command"]
 
 
-def _cli() -> list[str]:
-    return [sys.executable, "-m", "wavepp.cli"]
-
-
-def stage_command(
-    runtime_config: str,
-    rank: int,
-    *,
-    nats_url: str,
-    dist_url: str,
-    metrics_port: int | None = None,
-    metrics_host: str | None = None,
-    nats_creds: str | None = None,
-) -> list[str]:
-    """``wavepp stage`` for stage ``rank`` of the replica whose RuntimeConfig JSON is
-    ``runtime_config``, joining the torch.distributed group at ``dist_url``; ``--metrics-port``
-    (bound to ``metrics_host``) only when ``metrics_port`` is given; ``--nats-creds`` only when
-    ``nats_creds`` is. The arguments are ``api.cli_args.stage_args``'s, as in a pod."""
-    return [
-        *_cli(),
-        *stage_args(
-            NatsArgs(nats_url, creds=nats_creds),
-            runtime_config=runtime_config,
-            rank=str(rank),
-            dist_url=dist_url,
-            metrics_port=metrics_port or None,
-            metrics_host=metrics_host if metrics_port else None,
-        ),
-    ]
-
-
-def admission_command(
-    runtime_config: str,
-    *,
-    nats_url: str,
-    pool: str,
-    ack_wait_s: float,
-    drain_s: float,
-    metrics_host: str,
-    nats_creds: str | None = None,
-    planner_cost_model: str = "",
-) -> list[str]:
-    """``wavepp admission`` of the replica whose RuntimeConfig JSON is ``runtime_config`` in pool
-    ``pool``: intake redelivery after ``ack_wait_s`` seconds, draining for ``drain_s`` seconds
-    on SIGTERM, metrics bound to ``metrics_host``, its planner budgeting with the CostModel JSON
-    ``planner_cost_model`` when given, else the admission's default (``api.cli_args.admission_args``)."""
-    return [
-        *_cli(),
-        *admission_args(
-            NatsArgs(nats_url, creds=nats_creds),
-            runtime_config=runtime_config,
-            pool=pool,
-            ack_wait_s=ack_wait_s,
-            drain_s=drain_s,
-            metrics_host=metrics_host,
-            planner_cost_model=planner_cost_model or None,
-        ),
-    ]
-
-
-def gateway_command(
-    gateway_config: str, *, nats_url: str, host: str, port: int, nats_creds: str | None = None
-) -> list[str]:
-    """``wavepp gateway`` serving the GatewayConfig JSON ``gateway_config`` on ``host:port``
-    (``api.cli_args.gateway_args``)."""
-    return [
-        *_cli(),
-        *gateway_args(
-            NatsArgs(nats_url, creds=nats_creds),
-            gateway_config=gateway_config,
-            host=host,
-            port=port,
-        ),
-    ]
+def wavepp_command(args: Sequence[str]) -> list[str]:
+    """``python -m wavepp.cli`` (this interpreter) followed by ``args``, the arguments a pod
+    passes to ``wavepp``: one of ``api.cli_args.stage_args``, ``admission_args`` or
+    ``gateway_args``, so a local child and a pod read the same flags."""
+    return [sys.executable, "-m", "wavepp.cli", *args]
 
 
 class Supervisor:

@@ -487,12 +487,3 @@ async def fail_on_reconnect(nc: object, call: Callable[[], Awaitable[_T]]) -> _T
     if not answered:
         raise ReconnectedError("the connection reconnected while the request waited")
     return result
-
-
-async def wait_until(predicate, *, timeout_s: float, interval_s: float = 0.05) -> None:  # noqa: ANN001
-    """Poll ``predicate()`` (sync) until true; raise TimeoutError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met in {timeout_s}s")
-        await asyncio.sleep(interval_s)
