@@ -123,9 +123,14 @@ def test_the_adapter_rule_serves_the_name_the_hpa_asks_for(
     ]
     (rule,) = yaml.safe_load(config_map["data"]["custom-rules.yaml"])["rules"]
     assert _adapter_rule_name(rule, vllm_name) == DECODE_METRIC_NAMES[metric]
+    # the spelling an OpenMetrics scrape of vLLM stores (tests/telemetry/test_decode_adapter_rule)
+    underscored = vllm_name.replace(":", "_")
+    assert _adapter_rule_name(rule, underscored) == DECODE_METRIC_NAMES[metric]
     assert _adapter_rule_name(rule, f"{vllm_name}_by_reason") is None
     name_regex = re.search(r'__name__=~"([^"]+)"', rule["seriesQuery"])
     assert name_regex and re.fullmatch(name_regex.group(1), vllm_name)
+    assert re.fullmatch(name_regex.group(1), underscored)
+    assert not re.fullmatch(name_regex.group(1), f"{vllm_name}_by_reason")
     assert rule["resources"]["overrides"] == {
         "namespace": {"resource": "namespace"},
         "pod": {"resource": "pod"},
