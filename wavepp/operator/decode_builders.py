@@ -54,8 +54,8 @@ _PROBE_PERIOD_S = 10
 
 DECODE_DEREGISTER_S = 15
 """Seconds a terminating decode pod keeps serving before SIGTERM (its preStop hook): the time
-for its removal from the Service's endpoints to reach every node's proxy (kube-proxy applies
-EndpointSlice changes within about a second; the rest is margin)."""
+for its removal from the Service's endpoints to reach every node's proxy (an assumption, not
+measured here: Service proxies apply EndpointSlice changes within seconds)."""
 
 DECODE_TEARDOWN_S = 30
 """Seconds the grace period leaves after the drain for vLLM to stop its engine and exit."""
