@@ -16,10 +16,12 @@ vLLM starts in about a minute on CPU, so this runs only with ``WAVEPP_BENCH_E2E=
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -48,6 +50,19 @@ pytestmark = [
     ),
     pytest.mark.timeout(1800),
 ]
+
+
+def _make_checkpoint(out: Path) -> Path:
+    """benchmarks/pd_handoff.py's random float32 Llama (a head size vLLM's CPU attention
+    supports)."""
+    spec = importlib.util.spec_from_file_location(
+        "pd_handoff", REPO / "benchmarks" / "pd_handoff.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("pd_handoff", module)
+    spec.loader.exec_module(module)
+    return module.make_checkpoint(out)
 
 
 def _command(model_dir: Path, port: int) -> list[str]:
@@ -82,9 +97,7 @@ def _post(url: str, body: dict) -> urllib.request.Request:
 
 
 def test_sigterm_lets_the_request_in_flight_finish(tmp_path: Path) -> None:
-    from wavepp.bench.checkpoints import save_random_checkpoint
-
-    save_random_checkpoint("llama", tmp_path / "ckpt", num_layers=2, vocab_size=64)
+    _make_checkpoint(tmp_path / "ckpt")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env |= {"PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", "HOME": str(tmp_path)}
@@ -127,7 +140,9 @@ def test_sigterm_lets_the_request_in_flight_finish(tmp_path: Path) -> None:
             text = line.decode().strip()
             if not text.startswith("data:") or text.endswith("[DONE]"):
                 continue
-            for choice in json.loads(text[5:])["choices"]:
+            event = json.loads(text[5:])
+            assert "choices" in event, event  # an error event: the request was cut
+            for choice in event["choices"]:
                 token_ids += choice.get("token_ids") or []
                 finish = choice.get("finish_reason") or finish
         assert (len(token_ids), finish) == (NUM_TOKENS, "length"), events[-3:]
@@ -142,6 +157,9 @@ def test_sigterm_lets_the_request_in_flight_finish(tmp_path: Path) -> None:
         )
         assert not (late_tokens and finish_late == "length"), refused
         proc.wait(timeout=DRAIN_S + DECODE_TEARDOWN_S)
+        # vLLM's own account: the request was still running when SIGTERM came, and drained
+        log_text = (tmp_path / "vllm.log").read_text(errors="replace")
+        assert "draining in-flight requests count=1" in log_text, log_text[-3000:]
         print(
             f"drain: {NUM_TOKENS} tokens finished after SIGTERM; exited "
             f"{time.monotonic() - signalled:.1f} s after it (rc {proc.returncode}); "
