@@ -83,7 +83,8 @@ def test_the_pod_monitor_scrapes_the_gateway_port_that_serves_the_series() -> No
     objects = _chart("monitoring.podMonitor.enabled=true")
     (monitor,) = [o for o in objects if o["kind"] == "PodMonitor"]
     ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
-    # the http endpoint keeps only gateway pods (an admission pod's http port has no /metrics)
+    # the http endpoint keeps only gateway and decode pods (an admission pod's http port has
+    # no /metrics; vLLM serves its own on its http port: tests/operator/test_decode_scaling.py)
     (http,) = [e for e in monitor["spec"]["podMetricsEndpoints"] if e["port"] == "http"]
     component = {
         "sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
@@ -92,7 +93,7 @@ def test_the_pod_monitor_scrapes_the_gateway_port_that_serves_the_series() -> No
     assert http["relabelings"] == [
         {
             "sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
-            "regex": "gateway",
+            "regex": "gateway|decode",
             "action": "keep",
         },
         component,

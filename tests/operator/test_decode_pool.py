@@ -51,7 +51,8 @@ def test_the_example_renders_a_decode_pool_and_every_object_validates(tmp_path: 
     service = objects[("Service", "small-pd-decode")]
     pool = yaml.safe_load(EXAMPLE.read_text())["spec"]["decode"]["pool"]
 
-    assert deployment["spec"]["replicas"] == pool["replicas"] == 2
+    # The example autoscales the pool: the HPA owns the count (test_decode_scaling).
+    assert "replicas" not in deployment["spec"] and "replicas" not in pool
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["image"] == pool["image"]
@@ -66,7 +67,8 @@ def test_the_example_renders_a_decode_pool_and_every_object_validates(tmp_path: 
         on_cpu=False,
         has_tokenizer=True,
     )
-    assert container["command"] == ["python3", *expected, *pool["args"]]
+    drain = ["--shutdown-timeout", str(pool["drainSeconds"])]
+    assert container["command"] == ["python3", *expected, *drain, *pool["args"]]
     kv = container["command"][container["command"].index("--kv-transfer-config") + 1]
     assert json.loads(kv) == CONNECTOR_CONFIG
     assert container["resources"]["limits"] == {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": "1"}
@@ -96,21 +98,20 @@ def test_the_example_renders_a_decode_pool_and_every_object_validates(tmp_path: 
     assert {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in stage[
         "env"
     ]
-    # Decode pods take requests from the pipeline's gateway only.
+    # Decode pods take requests from the pipeline's gateway only (and Prometheus's scrapes:
+    # vLLM serves /metrics on the same port; test_decode_scaling).
     decode_policy = objects[("NetworkPolicy", "small-pd-decode")]["spec"]
     assert decode_policy["podSelector"]["matchLabels"] == decode_selector
-    assert decode_policy["ingress"] == [
-        {
-            "from": [
-                {
-                    "podSelector": {
-                        "matchLabels": {b.LABEL_PIPELINE: "small-pd", b.LABEL_COMPONENT: "gateway"}
-                    }
+    assert decode_policy["ingress"][0] == {
+        "from": [
+            {
+                "podSelector": {
+                    "matchLabels": {b.LABEL_PIPELINE: "small-pd", b.LABEL_COMPONENT: "gateway"}
                 }
-            ],
-            "ports": [{"protocol": "TCP", "port": DECODE_PORT}],
-        }
-    ]
+            }
+        ],
+        "ports": [{"protocol": "TCP", "port": DECODE_PORT}],
+    }
     rc, output = kubernetes_validate(list(objects.values()), tmp_path)
     assert rc == 0, output
 
@@ -286,6 +287,7 @@ def _decode_condition(body: dict[str, Any], observed: Observed) -> dict[str, Any
 def test_decode_ready_follows_the_decode_pods() -> None:
     body = _body()
     deployment = _rendered(body)[("Deployment", "small-pd-decode")]
+    deployment["spec"]["replicas"] = 2  # as the API server holds it: the HPA's count
     template = deployment["spec"]["template"]
 
     def pod(name: str, phase: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 # ruff: noqa: E501 - the table reads best one field a line
 import atexit
 import copy
+import dataclasses
 import datetime as dt
 import functools
 import json
@@ -621,7 +622,46 @@ DECODE_FIELDS: dict[str, Entry] = {
         _pool_tol(tolerationSeconds=5),
         context=_pool_tol(),
     ),
+    "decode.pool.drainSeconds": Entry(
+        O,
+        f"{DB}.decode_command (--shutdown-timeout), build_decode_deployment (grace period)",
+        _pool(drainSeconds=60),
+        context=_pool(),
+        refusal=(_pool(drainSeconds=0), "greater than or equal to 1"),
+    ),
+    "networkPolicy.scrapeFrom": Entry(
+        O,
+        f"{BLD}.build_network_policies: the decode pods' scrape rule",
+        {"networkPolicy": {"scrapeFrom": []}},
+        context=_pool(),
+    ),
 }
+_AUTO = {"maxReplicas": 4, "target": 8}
+for _key, _value in {
+    "minReplicas": 2,
+    "maxReplicas": 6,
+    "metric": "waiting",
+    "target": 4,
+    "scaleUpStabilizationSeconds": 0,
+    "scaleDownStabilizationSeconds": 60,
+}.items():
+    DECODE_FIELDS[f"decode.pool.autoscaling.{_key}"] = Entry(
+        O,
+        f"{DB}.build_decode_hpa",
+        _pool(autoscaling=_AUTO | {_key: _value}),
+        context=_pool(autoscaling=_AUTO),
+    )
+DECODE_FIELDS["decode.pool.autoscaling.minReplicas"] = dataclasses.replace(
+    DECODE_FIELDS["decode.pool.autoscaling.minReplicas"],
+    refusal=(
+        _pool(autoscaling={"minReplicas": 5, "maxReplicas": 4, "target": 8}),
+        "> maxReplicas=4",
+    ),
+)
+DECODE_FIELDS["decode.pool.replicas"] = dataclasses.replace(
+    DECODE_FIELDS["decode.pool.replicas"],
+    refusal=(_pool(replicas=2, autoscaling=_AUTO), "the HPA sets the decode pods' count"),
+)
 FIELDS |= DECODE_FIELDS
 
 

@@ -92,6 +92,30 @@ def adapter_external_rules() -> list[dict[str, Any]]:
     return yaml.safe_load(config_map["data"]["external-rules.yaml"])["externalRules"]
 
 
+def adapter_custom_rules() -> list[dict[str, Any]]:
+    """The chart's prometheus-adapter custom ``rules`` (per-object metrics: its ConfigMap's
+    ``custom-rules.yaml``), read as :func:`adapter_external_rules` reads the external ones."""
+    text = "\n".join(line for line in ADAPTER_RULES.read_text().splitlines() if "{{" not in line)
+    config_map = yaml.safe_load(text)
+    return yaml.safe_load(config_map["data"]["custom-rules.yaml"])["rules"]
+
+
+def adapter_pods_query(rule: dict[str, Any], series: str, namespace: str, pods: list[str]) -> str:
+    """``rule``'s ``metricsQuery`` as prometheus-adapter expands it for a Pods metric request
+    (an HPA's ``type: Pods``) over ``pods`` of ``namespace``: ``<<.Series>>`` the series name,
+    ``<<.LabelMatchers>>`` the namespace and the pods (a regex alternation),
+    ``<<.GroupBy>>`` the pod label. Pod names are DNS labels: nothing a regex escapes."""
+    for pod in pods:
+        assert re.fullmatch(r"[a-z0-9-]+", pod), pod
+    matchers = f'namespace="{namespace}",pod=~"{"|".join(pods)}"'
+    return (
+        rule["metricsQuery"]
+        .replace("<<.Series>>", series)
+        .replace("<<.LabelMatchers>>", matchers)
+        .replace("<<.GroupBy>>", "pod")
+    )
+
+
 def adapter_metrics_query(rule: dict[str, Any], matchers: dict[str, str]) -> str:
     """``rule``'s ``metricsQuery`` as prometheus-adapter expands it for an External metric
     request with ``matchLabels`` ``matchers``: ``<<.Series>>`` the series name,

@@ -7,7 +7,10 @@ decode path (aiohttp client). The pure parts (endpoint order, bodies, usage) are
 cache salt): it prefills the prompt on a WavePP replica with a KV handoff (``prefill``, the
 gateway's own path), then POSTs the decode request to the decode endpoints in
 ``DecodePool.order`` (the next one when a connection is refused) and answers with the decode
-endpoint's completion, or streams its tokens as server-sent events as they come.
+endpoint's completion, or streams its tokens as server-sent events as they come. Each request
+opens its own connection (none is kept alive): behind a Kubernetes Service that is what lets a
+scaled-down decode pod stop getting requests once it leaves the endpoints, and a new one get
+them at once.
 
 Tracing (when the gateway traces, ``GatewayConfig.telemetry``): one span tree per request,
 in the trace of the client's ``traceparent`` header when it sent one::
@@ -168,9 +171,13 @@ class DecodeFlow:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
+                # one connection per request: a decode Service's proxy picks a pod per
+                # connection, so each request goes to a pod that is in its endpoints now
+                # (a terminating pod gets none; a new one gets its share at once)
+                connector=aiohttp.TCPConnector(force_close=True),
                 timeout=aiohttp.ClientTimeout(
                     total=None, sock_connect=self.connect_timeout_s, sock_read=self.chunk_timeout_s
-                )
+                ),
             )
         return self._session
 

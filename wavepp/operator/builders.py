@@ -35,6 +35,7 @@ from wavepp.operator.containers import (
 )
 from wavepp.operator.decode_builders import (
     build_decode_deployment,
+    build_decode_hpa,
     build_decode_service,
     decode_pod_selector,
 )
@@ -92,6 +93,7 @@ __all__ = [
     "build_admission_deployment",
     "build_admission_service",
     "build_decode_deployment",
+    "build_decode_hpa",
     "build_decode_service",
     "build_gateway_deployment",
     "build_gateway_service",
@@ -390,12 +392,14 @@ def build_pdb(ref: PipelineRef, spec: WavePipelineSpec, replica: int) -> dict[st
 def build_network_policies(ref: PipelineRef, spec: WavePipelineSpec) -> list[dict[str, Any]]:
     """Ingress NetworkPolicies of the pipeline's pods (none when ``networkPolicy.enabled`` is
     false): stage pods accept only the pipeline's stage pods (the rendezvous port and gloo/NCCL's
-    activation connections, on ports they choose) and anyone on the health port (probes);
+    activation connections, on ports they choose) and anyone on the health port (probes) and
+    the metrics port (Prometheus; it serves nothing else);
     admission pods accept the pipeline's gateway on the HTTP port and anyone on the metrics
     port; the gateway accepts ``networkPolicy.gatewayFrom`` (default: its namespace's pods).
     With a ``decode`` section the stage pods also accept exactly the decode pods
     (``decode_pod_selector``) on the KV transfer port ``HANDOFF_PORT``, and a rendered decode
-    pool's pods accept only the pipeline's gateway on ``DECODE_PORT``."""
+    pool's pods accept only the pipeline's gateway and ``networkPolicy.scrapeFrom``
+    (Prometheus: vLLM serves /metrics on its API port) on ``DECODE_PORT``."""
     if not spec.network_policy.enabled:
         return []
 
@@ -421,6 +425,7 @@ def build_network_policies(ref: PipelineRef, spec: WavePipelineSpec) -> list[dic
     stage_ingress: list[dict[str, Any]] = [
         {"from": [{"podSelector": pods("stage")}]},
         {"ports": [tcp(HEALTH_PORT)]},
+        {"ports": [tcp(spec.telemetry.metrics_port)]},
     ]
     decode_pods = decode_pod_selector(ref, spec)
     if decode_pods is not None:
@@ -429,12 +434,12 @@ def build_network_policies(ref: PipelineRef, spec: WavePipelineSpec) -> list[dic
         )
     decode_policy = []
     if spec.decode is not None and spec.decode.pool is not None:
-        decode_policy.append(
-            policy(
-                "decode",
-                [{"from": [{"podSelector": pods("gateway")}], "ports": [tcp(DECODE_PORT)]}],
+        decode_ingress = [{"from": [{"podSelector": pods("gateway")}], "ports": [tcp(DECODE_PORT)]}]
+        if spec.network_policy.scrape_from:
+            decode_ingress.append(
+                {"from": list(spec.network_policy.scrape_from), "ports": [tcp(DECODE_PORT)]}
             )
-        )
+        decode_policy.append(policy("decode", decode_ingress))
     return [
         policy("stage", stage_ingress),
         policy(

@@ -63,6 +63,14 @@ AUTOSCALING_VALIDATIONS: list[dict[str, str]] = [
     },
 ]
 
+DECODE_POOL_VALIDATIONS: list[dict[str, str]] = [
+    {
+        "rule": "!(has(self.autoscaling) && has(self.replicas))",
+        "message": "with autoscaling the HPA sets the decode pods' count; drop replicas",
+        "fieldPath": ".replicas",
+    },
+]
+
 TENANT_VALIDATIONS: list[dict[str, str]] = [
     {
         "rule": "!has(self.apiKeysFile)",
@@ -152,6 +160,11 @@ def build_crd() -> dict[str, Any]:
     spec_schema["x-kubernetes-validations"] = SPEC_VALIDATIONS
     spec_schema["properties"]["autoscaling"]["x-kubernetes-validations"] = AUTOSCALING_VALIDATIONS
     spec_schema["properties"]["tenants"]["items"]["x-kubernetes-validations"] = TENANT_VALIDATIONS
+    pool_schema = spec_schema["properties"]["decode"]["properties"]["pool"]
+    pool_schema["x-kubernetes-validations"] = DECODE_POOL_VALIDATIONS
+    pool_schema["properties"]["autoscaling"]["x-kubernetes-validations"] = [
+        dict(rule) for rule in AUTOSCALING_VALIDATIONS
+    ]
     status_schema = to_structural(WavePipelineStatus.model_json_schema(by_alias=True))
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

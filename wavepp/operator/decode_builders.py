@@ -1,5 +1,6 @@
 """Manifest builders of the decode pool (pure; re-exported by ``builders``): the Deployment
-``{p}-decode`` of vLLM decode pods and its Service, rendered for ``spec.decode.pool``.
+``{p}-decode`` of vLLM decode pods, its Service and, with ``decode.pool.autoscaling``, its
+HorizontalPodAutoscaler, rendered for ``spec.decode.pool``.
 
 Each decode pod runs the command line of ``wavepp.api.vllm_decode`` (the one ``wavepp up
 --decode vllm`` runs): vLLM's OpenAI server on ``0.0.0.0:DECODE_PORT`` with WavePP's connector
@@ -9,13 +10,21 @@ stages and travels in each decode request's ``kv_transfer_params``. The gateway 
 pods through the Service (``wavepp.api.spec.decode_urls``); the NetworkPolicies
 (``builders.build_network_policies``) let only the gateway reach them and only them reach the
 stages' KV transfer port.
+
+Scale-down drains: a decode pod being removed first leaves the Service's endpoints (it is
+terminating) while its preStop hook waits :data:`DECODE_DEREGISTER_S` and it keeps serving, so
+that every node's Service proxy stops sending it new connections (the gateway opens one
+connection per decode request, so none is pinned to it); then SIGTERM makes vLLM stop taking
+requests and finish those it holds for up to ``decode.pool.drainSeconds``
+(``--shutdown-timeout``); ``terminationGracePeriodSeconds`` covers both plus
+:data:`DECODE_TEARDOWN_S`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from wavepp.api.spec import DECODE_PORT, WavePipelineSpec, decode_service_name
+from wavepp.api.spec import DECODE_METRICS, DECODE_PORT, WavePipelineSpec, decode_service_name
 from wavepp.api.vllm_decode import CPU_KV_CACHE_ENV, CPU_KV_CACHE_GIB, vllm_decode_args
 from wavepp.operator.containers import CONTAINER_SECURITY_CONTEXT, pod_spec_common
 from wavepp.operator.naming import (
@@ -27,8 +36,12 @@ from wavepp.operator.naming import (
 )
 
 __all__ = [
+    "DECODE_DEREGISTER_S",
+    "DECODE_METRIC_NAMES",
     "DECODE_STARTUP_S",
+    "DECODE_TEARDOWN_S",
     "build_decode_deployment",
+    "build_decode_hpa",
     "build_decode_service",
     "decode_command",
     "decode_pod_selector",
@@ -38,6 +51,20 @@ DECODE_STARTUP_S = 1800
 """Seconds a decode pod may take to load the checkpoint before its startup probe fails."""
 
 _PROBE_PERIOD_S = 10
+
+DECODE_DEREGISTER_S = 15
+"""Seconds a terminating decode pod keeps serving before SIGTERM (its preStop hook): the time
+for its removal from the Service's endpoints to reach every node's proxy (an assumption, not
+measured here: Service proxies apply EndpointSlice changes within seconds)."""
+
+DECODE_TEARDOWN_S = 30
+"""Seconds the grace period leaves after the drain for vLLM to stop its engine and exit."""
+
+DECODE_METRIC_NAMES: dict[str, str] = {
+    metric: vllm_name.replace(":", "_") for metric, vllm_name in DECODE_METRICS.items()
+}
+"""``decode.pool.autoscaling.metric`` -> the Pods metric the HPA asks for: vLLM's gauge with
+``:`` as ``_`` (the chart's prometheus-adapter rule serves it under that name)."""
 
 
 def decode_pod_selector(ref: PipelineRef, spec: WavePipelineSpec) -> dict[str, Any] | None:
@@ -57,7 +84,8 @@ def decode_command(spec: WavePipelineSpec) -> list[str]:
 
     The model directory is ``model.path`` (the resolved spec fills it from the PVC), the dtype
     the stages' (``model.dtype``; the resolved spec fills it), CPU settings when the pool asks
-    for no GPU. The checkpoint is taken to hold its tokenizer (``--skip-tokenizer-init`` in
+    for no GPU, ``--shutdown-timeout`` = ``drainSeconds`` (on SIGTERM vLLM finishes the
+    requests it holds for that long instead of aborting them). The checkpoint is taken to hold its tokenizer (``--skip-tokenizer-init`` in
     ``args`` otherwise).
 
     Raises:
@@ -82,6 +110,8 @@ def decode_command(spec: WavePipelineSpec) -> list[str]:
             on_cpu=on_cpu,
             has_tokenizer=True,
         ),
+        "--shutdown-timeout",
+        str(pool.drain_seconds),
         *pool.args,
     ]
 
@@ -129,7 +159,9 @@ def build_decode_deployment(ref: PipelineRef, spec: WavePipelineSpec) -> dict[st
     """The Deployment ``{p}-decode`` of ``decode.pool.replicas`` vLLM decode pods (None
     without a pool). Restricted pod security as every pipeline pod (non-root, read-only root
     filesystem: vLLM writes only under /tmp, its ``HOME``); probes on vLLM's ``/health``, the
-    startup probe allowing :data:`DECODE_STARTUP_S`."""
+    startup probe allowing :data:`DECODE_STARTUP_S`; the drain of the module docstring
+    (preStop, grace period). With ``autoscaling`` the manifest sets no ``replicas``: the HPA
+    owns the count, and the operator's server-side apply leaves it alone."""
     pool = spec.decode.pool if spec.decode is not None else None
     if pool is None:
         return None
@@ -159,6 +191,18 @@ def build_decode_deployment(ref: PipelineRef, spec: WavePipelineSpec) -> dict[st
         "startupProbe": health(_PROBE_PERIOD_S, DECODE_STARTUP_S // _PROBE_PERIOD_S),
         "readinessProbe": health(5, 3),
         "livenessProbe": health(10, 6),
+        # keep serving until the endpoint removal reached every proxy, then SIGTERM (drain)
+        "lifecycle": {
+            "preStop": {
+                "exec": {
+                    "command": [
+                        pool.python,
+                        "-c",
+                        f"import time; time.sleep({DECODE_DEREGISTER_S})",
+                    ]
+                }
+            }
+        },
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
@@ -166,6 +210,9 @@ def build_decode_deployment(ref: PipelineRef, spec: WavePipelineSpec) -> dict[st
         "containers": [container],
         "volumes": volumes,
         "automountServiceAccountToken": False,  # it needs no Kubernetes API
+        "terminationGracePeriodSeconds": DECODE_DEREGISTER_S
+        + pool.drain_seconds
+        + DECODE_TEARDOWN_S,
     }
     pod.pop("serviceAccountName", None)  # spec.serviceAccountName is the stages' and admission's
     if pool.node_selector:
@@ -174,15 +221,17 @@ def build_decode_deployment(ref: PipelineRef, spec: WavePipelineSpec) -> dict[st
         pod["tolerations"] = [
             t.model_dump(by_alias=True, exclude_none=True) for t in pool.tolerations
         ]
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "decode"}},
+        "template": {"metadata": {"labels": base_labels(ref.name, "decode")}, "spec": pod},
+    }
+    if pool.fixed_replicas is not None:
+        deployment_spec = {"replicas": pool.fixed_replicas} | deployment_spec
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": child_metadata(ref, name, "decode"),
-        "spec": {
-            "replicas": pool.replicas,
-            "selector": {"matchLabels": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "decode"}},
-            "template": {"metadata": {"labels": base_labels(ref.name, "decode")}, "spec": pod},
-        },
+        "spec": deployment_spec,
     }
 
 
@@ -198,5 +247,49 @@ def build_decode_service(ref: PipelineRef, spec: WavePipelineSpec) -> dict[str, 
         "spec": {
             "selector": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "decode"},
             "ports": [{"name": "http", "port": DECODE_PORT, "targetPort": "http"}],
+        },
+    }
+
+
+def _quantity(value: float) -> str:
+    """``value`` as a Kubernetes quantity in plain decimal (no exponent), to milli-units."""
+    return f"{value:.3f}".rstrip("0").rstrip(".")
+
+
+def build_decode_hpa(ref: PipelineRef, spec: WavePipelineSpec) -> dict[str, Any] | None:
+    """autoscaling/v2 HPA ``{p}-decode`` on the decode Deployment, or None without
+    ``decode.pool.autoscaling``.
+
+    A Pods metric (:data:`DECODE_METRIC_NAMES`: each decode pod's vLLM gauge, which the chart's
+    prometheus-adapter rule serves per pod), ``target`` = its average over the pool's pods
+    (the HPA's desired count is ceil(pods x average / target)); stabilisation windows as
+    ``behavior``. Scale-down removes pods the way the module docstring says (they drain).
+    """
+    pool = spec.decode.pool if spec.decode is not None else None
+    if pool is None or pool.autoscaling is None:
+        return None
+    auto = pool.autoscaling
+    name = decode_service_name(ref.name)
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": child_metadata(ref, name, "autoscaler"),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicas": auto.min_replicas,
+            "maxReplicas": auto.max_replicas,
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": DECODE_METRIC_NAMES[auto.metric]},
+                        "target": {"type": "AverageValue", "averageValue": _quantity(auto.target)},
+                    },
+                }
+            ],
+            "behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": auto.scale_up_window_s},
+                "scaleDown": {"stabilizationWindowSeconds": auto.scale_down_window_s},
+            },
         },
     }

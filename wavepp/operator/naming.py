@@ -19,6 +19,7 @@ deterministic name (the operator may rerun any handler):
 | InferencePool (optional)   | {p}                      | pipeline |
 | Deployment + Service       | {p}-decode (decode.pool) | pipeline |
 | NetworkPolicy (decode.pool)| {p}-decode               | pipeline |
+| HorizontalPodAutoscaler    | {p}-decode (autoscaling) | pipeline |
 
 Stage pods are ``{p}-r{i}-{rank}``: the StatefulSet ordinal is the stage rank. The spec
 ConfigMap's name carries the spec hash (:func:`spec_hash`), so replicas on the old and the new

@@ -440,11 +440,14 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         for p in observed.network_policies
         if meta_of(p)["name"] not in rendered_policies
     ]
-    hpa = b.build_hpa(ref, spec)
-    if hpa is not None:
-        actions.append(Apply(hpa))
-    elif observed.hpas:
-        actions.append(Delete("HorizontalPodAutoscaler", ref.name))
+    hpas = [h for h in (b.build_hpa(ref, spec), b.build_decode_hpa(ref, spec)) if h is not None]
+    actions += [Apply(h) for h in hpas]
+    rendered_hpas = {meta_of(h)["name"] for h in hpas}
+    actions += [
+        Delete("HorizontalPodAutoscaler", meta_of(h)["name"])
+        for h in observed.hpas
+        if meta_of(h)["name"] not in rendered_hpas
+    ]
     in_use = {current_hash} | {v.hash for v in views.values() if v.hash}
     for cm in observed.configmaps:
         hash_ = labels_of(cm).get(b.LABEL_SPEC_HASH)

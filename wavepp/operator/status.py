@@ -275,7 +275,7 @@ def decode_condition(
     if decode_pods is None:
         return False, "DecodeNotCreated", "the decode Deployment is not observed yet"
     ready, desired = decode_pods
-    if spec.decode.pool.replicas == 0:
+    if spec.decode.pool.fixed_replicas == 0:
         return False, "DecodeScaledToZero", "decode.pool.replicas is 0"
     message = f"{ready}/{desired} decode pods Ready"
     return (True, "DecodePodsReady", message) if ready > 0 else (False, "NoDecodePodReady", message)

@@ -36,8 +36,11 @@ anywhere). Import from ``wavepp.api.spec``.
 
 from wavepp.api.spec.checks import EMULATED_MODELS, ENGINE_OPTIONS, MODEL_CONFIG_EXTRA
 from wavepp.api.spec.decode import (
+    DECODE_METRICS,
     DECODE_PORT,
+    MAX_DECODE_DRAIN_S,
     MAX_DECODE_REPLICAS,
+    DecodeAutoscalingSpec,
     DecodePoolSpec,
     DecodeResources,
     DecodeServiceRef,
@@ -98,8 +101,11 @@ from wavepp.api.spec.status import (
 
 __all__ = [
     "API_GROUP",
+    "DECODE_METRICS",
     "DECODE_PORT",
+    "MAX_DECODE_DRAIN_S",
     "MAX_DECODE_REPLICAS",
+    "DecodeAutoscalingSpec",
     "DecodePoolSpec",
     "DecodeResources",
     "DecodeServiceRef",

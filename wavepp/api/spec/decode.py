@@ -9,7 +9,7 @@ The gateway's decode endpoint is :func:`decode_urls`; the stages then serve KV t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -18,8 +18,11 @@ from wavepp.api.spec.errors import SpecError
 from wavepp.api.spec.parts import Toleration
 
 __all__ = [
+    "DECODE_METRICS",
     "DECODE_PORT",
+    "MAX_DECODE_DRAIN_S",
     "MAX_DECODE_REPLICAS",
+    "DecodeAutoscalingSpec",
     "DecodePoolSpec",
     "DecodeResources",
     "DecodeServiceRef",
@@ -33,6 +36,16 @@ DECODE_PORT = 8000
 
 MAX_DECODE_REPLICAS = 256
 """The most decode pods one pool may ask for."""
+
+MAX_DECODE_DRAIN_S = 3600
+"""Bound of ``decode.pool.drainSeconds``."""
+
+DECODE_METRICS: dict[str, str] = {
+    "running": "vllm:num_requests_running",
+    "waiting": "vllm:num_requests_waiting",
+}
+"""``decode.pool.autoscaling.metric`` -> the vLLM gauge it reads (one series per engine of a
+decode pod: requests in the engine's running batch, and admitted but not yet scheduled)."""
 
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
 _DNS_LABEL = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
@@ -69,11 +82,73 @@ class DecodeResources(WireModel):
     shared_memory: str = Field("1Gi", pattern=_QUANTITY, description="Size of /dev/shm.")
 
 
+class DecodeAutoscalingSpec(WireModel):
+    """A HorizontalPodAutoscaler on the decode Deployment, on a per-pod vLLM gauge averaged
+    over the pool's pods."""
+
+    min_replicas: int = Field(1, ge=1, le=MAX_DECODE_REPLICAS, description="Fewest decode pods.")
+    max_replicas: int = Field(ge=1, le=MAX_DECODE_REPLICAS, description="Most decode pods.")
+    metric: Literal["running", "waiting"] = Field(
+        "running",
+        description=(
+            "running: requests in each pod's running batch (vllm:num_requests_running); "
+            "waiting: requests queued in each pod (vllm:num_requests_waiting). Served to the "
+            "HPA as the Pods metric vllm_num_requests_running / vllm_num_requests_waiting by "
+            "the chart's prometheus-adapter rule."
+        ),
+    )
+    target: float = Field(
+        ge=0.001,
+        le=100000,
+        description="The metric's average per decode pod the HPA holds (requests per pod).",
+    )
+    scale_up_window_s: int = Field(
+        30,
+        ge=0,
+        le=3600,
+        alias="scaleUpStabilizationSeconds",
+        description="HPA scale-up stabilisation window.",
+    )
+    scale_down_window_s: int = Field(
+        300,
+        ge=0,
+        le=3600,
+        alias="scaleDownStabilizationSeconds",
+        description="HPA scale-down stabilisation window.",
+    )
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> DecodeAutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise SpecError(
+                "decode.pool.autoscaling.minReplicas",
+                f"{self.min_replicas} > maxReplicas={self.max_replicas}",
+            )
+        return self
+
+
 class DecodePoolSpec(WireModel):
     """vLLM decode pods the operator renders (a Deployment ``{name}-decode`` and its Service):
     each runs ``wavepp.api.vllm_decode``'s command line on the pipeline's checkpoint."""
 
-    replicas: int = Field(1, ge=0, le=MAX_DECODE_REPLICAS, description="Decode pods.")
+    replicas: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_DECODE_REPLICAS,
+        description=("Decode pods; default 1. Not with autoscaling (the HPA sets the count then)."),
+    )
+    autoscaling: DecodeAutoscalingSpec | None = None
+    drain_seconds: int = Field(
+        600,
+        ge=1,
+        le=MAX_DECODE_DRAIN_S,
+        alias="drainSeconds",
+        description=(
+            "How long a decode pod that is scaled down or replaced keeps decoding the "
+            "requests it holds (vLLM's --shutdown-timeout, after the pod has left the "
+            "Service's endpoints); requests still running then are aborted."
+        ),
+    )
     image: str = Field(
         min_length=1,
         description=(
@@ -97,6 +172,31 @@ class DecodePoolSpec(WireModel):
     )
     node_selector: dict[str, str] = Field(default_factory=dict, description="Of decode pods.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Of decode pods.")
+
+    @model_validator(mode="after")
+    def _owned_settings(self) -> DecodePoolSpec:
+        if any(a == "--shutdown-timeout" or a.startswith("--shutdown-timeout=") for a in self.args):
+            raise SpecError(
+                "decode.pool.args",
+                "--shutdown-timeout is set from decode.pool.drainSeconds "
+                f"(1 to {MAX_DECODE_DRAIN_S}); drop it from args",
+            )
+        if self.autoscaling is not None and self.replicas is not None:
+            raise SpecError(
+                "decode.pool.replicas",
+                "with decode.pool.autoscaling the HPA sets the decode pods' count "
+                f"(minReplicas={self.autoscaling.min_replicas} to "
+                f"maxReplicas={self.autoscaling.max_replicas}); drop replicas",
+            )
+        return self
+
+    @property
+    def fixed_replicas(self) -> int | None:
+        """The decode pods' count the operator sets: ``replicas`` (default 1); None with
+        ``autoscaling`` (the HPA owns the count)."""
+        if self.autoscaling is not None:
+            return None
+        return 1 if self.replicas is None else self.replicas
 
 
 class DecodeSpec(WireModel):

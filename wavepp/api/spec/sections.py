@@ -57,6 +57,16 @@ class TopologySpec(WireModel):
     )
 
 
+DEFAULT_SCRAPE_FROM: tuple[dict[str, Any], ...] = (
+    {
+        "namespaceSelector": {},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    },
+)
+"""``networkPolicy.scrapeFrom``'s default: the Prometheus Operator's Prometheus pods (their
+``app.kubernetes.io/name`` label), whatever their namespace."""
+
+
 class NetworkPolicySpec(WireModel):
     """NetworkPolicies the operator creates for the pipeline's pods (ingress only)."""
 
@@ -64,8 +74,9 @@ class NetworkPolicySpec(WireModel):
         True,
         description=(
             "Stage pods take traffic only from the replica's stage pods (activations, "
-            "rendezvous) and on the health port; admission pods only from the pipeline's "
-            "gateway (and Prometheus on the metrics port); the gateway only from gatewayFrom."
+            "rendezvous) and on the health and metrics ports; admission pods only from the "
+            "pipeline's gateway (and Prometheus on the metrics port); the gateway only from "
+            "gatewayFrom; decode pods only from the gateway and scrapeFrom."
         ),
     )
     gateway_from: list[dict[str, Any]] = Field(
@@ -73,6 +84,15 @@ class NetworkPolicySpec(WireModel):
         description=(
             "core/v1 NetworkPolicyPeer list allowed to reach the gateway's HTTP port; empty: "
             "every pod of the pipeline's namespace."
+        ),
+    )
+    scrape_from: list[dict[str, Any]] = Field(
+        default_factory=lambda: [dict(peer) for peer in DEFAULT_SCRAPE_FROM],
+        description=(
+            "core/v1 NetworkPolicyPeer list allowed to reach a rendered decode pod's vLLM "
+            "port, where vLLM serves /metrics next to its API (Prometheus, for the decode "
+            "autoscaler's series); default: pods labelled app.kubernetes.io/name=prometheus "
+            "(the Prometheus Operator's) in any namespace; empty: none."
         ),
     )
 
