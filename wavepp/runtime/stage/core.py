@@ -37,7 +37,7 @@ on the asyncio loop thread, the manager's single owner.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -286,6 +286,21 @@ class StageCore:
             error=error,
             transfers=tuple(self.manager.pool.take_transfers()),
         )
+
+    def apply_transfers(self, work: StageWork, apply: Callable[[Sequence[Transfer]], None]) -> None:
+        """Apply ``work``'s host-tier copies with ``apply`` (the engine's ``apply_transfers``).
+
+        Whole or forgotten: when ``apply`` raises ValueError or RuntimeError (some copies may
+        have run), the pool forgets what the log claims (``BlockPool.discard_transfers``: the
+        host slots its spills wrote and the device blocks its loads filled lose their hashes),
+        so no later hit reads those bytes, and the micro-batch fails with ``work.error``.
+        Other exceptions propagate.
+        """
+        try:
+            apply(work.transfers)
+        except (ValueError, RuntimeError) as exc:
+            self.manager.pool.discard_transfers(work.transfers)
+            work.error = work.error or f"stage {self.rank}: host tier copies failed: {exc!r}"
 
     # ---- after execution -----------------------------------------------------------------
 
