@@ -48,3 +48,7 @@ def test_replay_reuses_through_the_host_tier_what_the_device_evicted(tmp_path: P
     assert without["cached_tokens"] == 0
     assert with_tier["cached_tokens"] == 4 * BLOCK
     assert with_tier["host_kv_blocks"] == [32, 32] and without["host_kv_blocks"] == [0]
+    # per tier and stage: the 4 prefix blocks came from each stage's host tier
+    assert with_tier["stage_host_reused_blocks"] == [4, 4]
+    assert with_tier["stage_host_hit_blocks"] == [4, 4]
+    assert without["stage_host_reused_blocks"] == without["stage_host_hit_blocks"] == [0, 0]
