@@ -13,6 +13,8 @@ One micro-batch through one stage, and who calls what::
                -> accept(plan) -> StageWork: block tables from the KV manager, L* per chunk
                   (a request's first chunk tells the manager its L*), an error when a
                   request is not reserved here, prepare on arrival or later
+               -> apply_transfers(work, engine.apply_transfers): the host tier's copies, or
+                  the pool forgets what a failed log claims and the micro-batch fails
     [caller]      prepare, wait for the previous stage's activations, execute (or sleep)
                -> results(work, ...) -> one RequestResult per last chunk (last stage only)
                -> done_message(work, ...) -> MicroBatchDone
