@@ -16,6 +16,7 @@ from wavepp.bench.grid import (
 )
 from wavepp.cli import main
 from wavepp.launch.grid import runtime_config
+from wavepp.launch.host_tier import host_tier_fields
 from wavepp.runtime.config import AgreementMode
 from wavepp.runtime.scheduling.scheduler import StageSpan, WaveStats
 
@@ -57,9 +58,18 @@ def test_idle_by_stage_finds_gaps_and_the_tail() -> None:
     assert gaps == pytest.approx([2.0, 1.0])
 
 
-def _row(model: str, c: int, mode: str, thr: float, ablation: str = "", repeat: int = 0) -> dict:
+def _row(
+    model: str,
+    c: int,
+    mode: str,
+    thr: float,
+    ablation: str = "",
+    repeat: int = 0,
+    host_memory_gib: float = 0.0,
+) -> dict:
     return {
         "model": model,
+        "host_memory_gib": host_memory_gib,
         "concurrency": c,
         "reuse": "high",
         "mode": mode,
@@ -137,6 +147,11 @@ def test_repeats_pair_each_wave_run_with_its_sync_run_and_report_medians() -> No
         (["bench", "grid", "--repeats", "0"], "--repeats"),
         (["bench", "grid", "--reuse", "mooncake"], "--trace"),
         (["bench", "grid", "--reuse", "mooncake", "--trace", "/no/such.jsonl"], "--trace"),
+        (["bench", "grid", "--host-memory-gib", "x"], "--host-memory-gib"),
+        (["bench", "grid", "--host-memory-gib", "0,-1"], "--host-memory-gib"),
+        (["bench", "grid", "--host-memory-gib", "2000"], "--host-memory-gib"),
+        (["bench", "grid", "--host-memory-gib", "1e-9"], "--host-memory-gib"),
+        (["bench", "grid", "--host-memory-gib", ","], "--host-memory-gib"),
         (["bench", "plot", "/no/such.csv"], "CSV"),
     ],
 )
@@ -152,3 +167,50 @@ def test_plot_cli_writes_pngs(tmp_path) -> None:  # noqa: ANN001
     assert main(["bench", "plot", str(tmp_path / "grid.csv")]) == 0
     for name in ("throughput.png", "wave_fill.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_host_tiers_are_a_grid_dimension_honoured_by_each_setting() -> None:
+    spec = GridSpec(
+        models=("glm-5.2",),
+        concurrencies=(8,),
+        reuses=("high",),
+        ablations=("chunking-static",),
+        host_memory_gib=(0.0, 64.0),
+    )
+    settings = grid_settings(spec)
+    assert [(s.host_memory_gib, s.mode, s.ablation) for s in settings] == [
+        (0.0, "wave", ""),
+        (0.0, "sync", ""),
+        (64.0, "wave", ""),
+        (64.0, "sync", ""),
+        (0.0, "wave", "chunking-static"),
+    ]
+    without, _ = runtime_config(spec, settings[0])
+    with_tier, _ = runtime_config(spec, settings[2])
+    assert without.num_host_kv_blocks == [0]
+    expected, _ = host_tier_fields(
+        "glm-5.2",
+        64.0,
+        num_stages=4,
+        block_size=spec.block_size,
+        max_microbatch_tokens=max(with_tier.max_microbatch_tokens, with_tier.chunk_tokens),
+    )
+    assert with_tier.num_host_kv_blocks == expected["num_host_kv_blocks"]
+    assert min(with_tier.num_host_kv_blocks) > 0
+    assert with_tier.host_load_s_per_block == expected["host_load_s_per_block"]
+
+
+def test_each_host_tier_is_paired_with_its_own_sync_run_and_has_a_column() -> None:
+    rows = [
+        _row("m", 8, "wave", 120.0),
+        _row("m", 8, "sync", 100.0),
+        _row("m", 8, "wave", 300.0, host_memory_gib=64.0),
+        _row("m", 8, "sync", 150.0, host_memory_gib=64.0),
+    ]
+    add_ratios(rows)
+    assert [r["ratio_vs_sync"] for r in rows] == [1.2, 1.0, 2.0, 1.0]
+    assert len(median_rows(rows)) == 4
+    table = markdown_table(rows, GridSpec())
+    assert "| model | host GiB | C |" in table
+    assert "| m | 0 | 8 | high |" in table and "| m | 64 | 8 | high |" in table
+    assert "**1.20**" in table and "**2.00**" in table and "WavePP wins 2 of 2" in table

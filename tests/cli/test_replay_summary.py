@@ -20,14 +20,16 @@ def test_stage_rows_put_local_hits_beside_the_agreed_prefix() -> None:
     summary = {
         "stages": 2,
         "stage_local_hit_blocks": [40, 25],
+        "stage_host_hit_blocks": [30, 0],
+        "stage_host_reused_blocks": [15, 0],
         "agreed_prefix_blocks": 25,
         "kv_blocks_per_stage": [2048, 1024],
         "layers_per_stage": [4, 4],
         "stage_busy_s": [1.0, 1.5],
     }
     rows = stage_rows(summary)
-    assert rows[0] == ("0", "4", "2,048", "40", "25", "15", "1.00")
-    assert rows[1] == ("1", "4", "1,024", "25", "25", "0", "1.50")
+    assert rows[0] == ("0", "4", "2,048", "40", "30", "25", "15", "15", "1.00")
+    assert rows[1] == ("1", "4", "1,024", "25", "0", "25", "0", "0", "1.50")
 
 
 def test_summary_words_name_units_and_strip_paths() -> None:

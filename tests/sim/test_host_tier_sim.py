@@ -46,6 +46,18 @@ def test_host_tier_brings_back_what_the_device_evicted() -> None:
     assert with_host["failed"] == without["failed"] == 0
     assert without["host_loaded_blocks_per_stage"] == [0, 0]
     assert min(with_host["host_loaded_blocks_per_stage"]) > 0  # host hits on every stage
+    # the summary's per-tier split, from the agreement's replies, agrees with the stages' loads
+    assert with_host["stage_host_reused_blocks"] == with_host["host_loaded_blocks_per_stage"]
+    assert all(
+        reused <= host <= hit
+        for reused, host, hit in zip(
+            with_host["stage_host_reused_blocks"],
+            with_host["stage_host_hit_blocks"],
+            with_host["stage_local_hit_blocks"],
+            strict=True,
+        )
+    )
+    assert without["stage_host_hit_blocks"] == without["stage_host_reused_blocks"] == [0, 0]
     assert with_host["cached_tokens"] > 2 * without["cached_tokens"]
     assert with_host["throughput_tokens_per_s"] > without["throughput_tokens_per_s"]
 

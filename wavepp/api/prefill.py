@@ -71,6 +71,7 @@ class PrefillResult(_Msg):
     admission_s: float = 0.0
     execute_s: float = 0.0
     stage_hits: list[int] = Field(default_factory=list)
+    stage_host_hits: list[int] = Field(default_factory=list)  # the host-tier part of each
     stages: list[StageTiming] = Field(default_factory=list)
     error: str = ""
     # A handed-off request's (IntakeRequest.handoff): what the decode request consumes, the

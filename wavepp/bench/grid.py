@@ -1,6 +1,6 @@
 """``wavepp bench grid``: WavePP (--mode wave) against the synchronous baseline, side by side.
 
-For every setting (model x concurrency x reuse) both modes run back to back, each on a fresh
+For every setting (model x host tier x concurrency x reuse) both modes run back to back, each on a fresh
 local pipeline (real nats-server, real ``wavepp stage`` processes, emulated engine sleeping
 ``time_scale`` x the derived H200 cost of the model's slowest stage). One run::
 
@@ -46,6 +46,7 @@ __all__ = [
     "GridSpec",
     "Setting",
     "grid_settings",
+    "host_gib_of",
     "idle_by_stage",
     "markdown_table",
     "median_rows",
@@ -61,7 +62,16 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 
 # The columns that name a run's setting (one value per run, not a measurement).
-_SETTING_COLUMNS = ["model", "concurrency", "reuse", "mode", "ablation", "repeat", "requests"]
+_SETTING_COLUMNS = [
+    "model",
+    "host_memory_gib",
+    "concurrency",
+    "reuse",
+    "mode",
+    "ablation",
+    "repeat",
+    "requests",
+]
 CSV_COLUMNS = [
     *_SETTING_COLUMNS,
     "completed",
@@ -80,6 +90,7 @@ CSV_COLUMNS = [
     "microbatches",
     "idle_s_by_stage",
     "max_gap_s_by_stage",
+    "host_reused_blocks_by_stage",
     "wall_s",
     "time_scale",
     "ratio_vs_sync",
@@ -111,6 +122,8 @@ class GridSpec:
     # reuse "mooncake": the first trace_requests requests of this Mooncake trace (its own reuse)
     trace: str | None = None
     trace_requests: int = 200
+    # host KV tier per GPU, GiB, one grid dimension (0: none; launch.host_tier)
+    host_memory_gib: tuple[float, ...] = (0.0,)
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -131,18 +144,25 @@ class Setting:
     mode: str
     ablation: str = ""
     repeat: int = 0
+    host_memory_gib: float = 0.0  # host KV tier per GPU (0: none)
 
     @property
     def label(self) -> str:
         extra = f" [{self.ablation}]" if self.ablation else ""
-        return f"{self.model} C={self.concurrency} {self.reuse} {self.mode}{extra} #{self.repeat}"
+        host = f" host {self.host_memory_gib:g} GiB" if self.host_memory_gib else ""
+        return (
+            f"{self.model}{host} C={self.concurrency} {self.reuse} {self.mode}{extra} "
+            f"#{self.repeat}"
+        )
 
 
 def grid_settings(spec: GridSpec) -> list[Setting]:
-    """Every run of the grid in order: per setting (wave, sync) x repeats; ablations last."""
+    """Every run of the grid in order: per setting (wave, sync) x repeats; ablations last (at
+    the first host tier)."""
     runs = [
-        Setting(model, c, reuse, mode, repeat=r)
+        Setting(model, c, reuse, mode, repeat=r, host_memory_gib=gib)
         for model in spec.models
+        for gib in spec.host_memory_gib
         for reuse in spec.reuses
         for c in spec.concurrencies
         for r in range(spec.repeats)
@@ -154,7 +174,15 @@ def grid_settings(spec: GridSpec) -> list[Setting]:
                 raise ValueError(f"ablation={name!r}: choose from {sorted(ABLATIONS)}")
             for r in range(spec.repeats):
                 runs.append(
-                    Setting(model, spec.ablation_concurrency, spec.ablation_reuse, "wave", name, r)
+                    Setting(
+                        model,
+                        spec.ablation_concurrency,
+                        spec.ablation_reuse,
+                        "wave",
+                        name,
+                        r,
+                        host_memory_gib=spec.host_memory_gib[0],
+                    )
                 )
     return runs
 
@@ -245,6 +273,7 @@ def run_setting(
     row = {key: summary.get(key, "") for key in CSV_COLUMNS}
     row.update(
         model=setting.model,
+        host_memory_gib=setting.host_memory_gib,
         concurrency=setting.concurrency,
         reuse=setting.reuse,
         mode=setting.mode,
@@ -255,14 +284,28 @@ def run_setting(
         ),
         idle_s_by_stage=" ".join(f"{v:.3f}" for v in idle),
         max_gap_s_by_stage=" ".join(f"{v:.3f}" for v in gaps),
+        host_reused_blocks_by_stage=" ".join(
+            str(v) for v in summary.get("stage_host_reused_blocks", [])
+        ),
         time_scale=spec.time_scale,
         ratio_vs_sync="",
     )
     return row
 
 
-def _key(row: dict[str, Any]) -> tuple[str, str, str, str]:
-    return (row["model"], str(row["concurrency"]), row["reuse"], str(row.get("repeat", 0) or 0))
+def host_gib_of(row: dict[str, Any]) -> str:
+    """A row's host tier, GiB per GPU, as one string ("0" for rows that predate the column)."""
+    return f"{float(row.get('host_memory_gib') or 0):g}"
+
+
+def _key(row: dict[str, Any]) -> tuple[str, str, str, str, str]:
+    return (
+        row["model"],
+        host_gib_of(row),
+        str(row["concurrency"]),
+        row["reuse"],
+        str(row.get("repeat", 0) or 0),
+    )
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -286,20 +329,29 @@ _NOT_MEDIAN = {
     "ideal_hit_ratio",
     "idle_s_by_stage",
     "max_gap_s_by_stage",
+    "host_reused_blocks_by_stage",
     "time_scale",
 }
 _MEDIAN_FIELDS = tuple(c for c in CSV_COLUMNS if c not in _NOT_MEDIAN)
 
 
 def median_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (model, C, reuse, mode, ablation): the median of each metric over repeats.
+    """One row per (model, host tier, C, reuse, mode, ablation): the median of each metric over
+    repeats.
 
     Adds ``repeats`` (runs aggregated), ``ratio_min`` and ``ratio_max`` (the extreme paired
     ratios). Rows keep their first-seen order; the per-stage idle strings are the first run's.
     """
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for r in rows:
-        key = (r["model"], str(r["concurrency"]), r["reuse"], r["mode"], r["ablation"] or "")
+        key = (
+            r["model"],
+            host_gib_of(r),
+            str(r["concurrency"]),
+            r["reuse"],
+            r["mode"],
+            r["ablation"] or "",
+        )
         groups.setdefault(key, []).append(r)
     out = []
     for members in groups.values():
@@ -366,19 +418,29 @@ def markdown_table(rows: Sequence[dict[str, Any]], spec: GridSpec, command: str 
         )
     if command:
         out.write(f"Command: `{command}`\n\n")
-    by_key: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    by_key: dict[tuple[str, str, str, str, str], dict[str, Any]] = {}
     for r in rows:
-        by_key[(r["model"], str(r["concurrency"]), r["reuse"], r["mode"] + r["ablation"])] = r
+        by_key[
+            (
+                r["model"],
+                host_gib_of(r),
+                str(r["concurrency"]),
+                r["reuse"],
+                r["mode"] + r["ablation"],
+            )
+        ] = r
     out.write(
-        "| model | C | reuse | hit wave/sync | tok/s wave | tok/s sync | ratio | "
+        "| model | host GiB | C | reuse | hit wave/sync | tok/s wave | tok/s sync | ratio | "
         "bound tok/s | efficiency wave/sync | "
         "TTFT p50 wave/sync (s) | TTFT p99 wave/sync (s) | wave fill wave/sync |\n"
     )
-    out.write("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- |\n")
+    out.write(
+        "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- |\n"
+    )
     wins = total = 0
     seen = []
     for r in rows:
-        key = (r["model"], str(r["concurrency"]), r["reuse"])
+        key = (r["model"], host_gib_of(r), str(r["concurrency"]), r["reuse"])
         if r["ablation"] or key in seen:
             continue
         seen.append(key)
@@ -400,7 +462,7 @@ def markdown_table(rows: Sequence[dict[str, Any]], spec: GridSpec, command: str 
         total += 1
         wins += ratio > 1.0
         out.write(
-            f"| {key[0]} | {key[1]} | {key[2]} | {_fmt(w['cache_hit_ratio'], 2)}/"
+            f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {_fmt(w['cache_hit_ratio'], 2)}/"
             f"{_fmt(s['cache_hit_ratio'], 2)} | {_fmt(w['throughput_tokens_per_s'], 0)} | "
             f"{_fmt(s['throughput_tokens_per_s'], 0)} | **{ratio:.2f}**{spread} | "
             f"{_fmt(w.get('bound_tokens_per_s', ''), 0)} | "
@@ -418,13 +480,13 @@ def markdown_table(rows: Sequence[dict[str, Any]], spec: GridSpec, command: str 
             "wave fill |\n| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |\n"
         )
         for r in ablations:
-            key = (r["model"], str(r["concurrency"]), r["reuse"])
+            key = (r["model"], host_gib_of(r), str(r["concurrency"]), r["reuse"])
             w, s = by_key.get((*key, "wave")), by_key.get((*key, "sync"))
             thr = float(r["throughput_tokens_per_s"])
             vs_sync = thr / float(s["throughput_tokens_per_s"]) if s else float("nan")
             vs_wave = thr / float(w["throughput_tokens_per_s"]) if w else float("nan")
             out.write(
-                f"| {key[0]} | {key[1]} | {key[2]} | {r['ablation']} | {thr:.0f} | "
+                f"| {key[0]} | {key[2]} | {key[3]} | {r['ablation']} | {thr:.0f} | "
                 f"{vs_sync:.2f} | {vs_wave:.2f} | {_fmt(r['ttft_p50_s'])} | "
                 f"{_fmt(r['wave_fill'], 2)} |\n"
             )

@@ -16,7 +16,7 @@ __all__ = ["plot_grid"]
 def plot_grid(rows: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]:
     """Write throughput.png (with the bound), efficiency.png and wave_fill.png into ``out_dir``.
 
-    One panel per (model, reuse); x = concurrency (log2), one line per mode; the median over
+    One panel per (model, reuse, host tier); x = concurrency (log2), one line per mode; the median over
     repeats. Ablation rows are left out.
 
     Returns:
@@ -27,12 +27,12 @@ def plot_grid(rows: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from wavepp.bench.grid import median_rows
+    from wavepp.bench.grid import host_gib_of, median_rows
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     base = [r for r in median_rows(rows) if not r.get("ablation")]
-    panels = sorted({(r["model"], r["reuse"]) for r in base})
+    panels = sorted({(r["model"], r["reuse"], host_gib_of(r)) for r in base})
     if not panels:
         return []
     written = []
@@ -44,7 +44,7 @@ def plot_grid(rows: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]
         fig, axes = plt.subplots(
             1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False, sharey=False
         )
-        for ax, (model, reuse) in zip(axes[0], panels, strict=True):
+        for ax, (model, reuse, gib) in zip(axes[0], panels, strict=True):
             lines = [("wave", metric, "o-"), ("sync", metric, "s--")]
             if metric == "throughput_tokens_per_s":
                 lines.append(("wave", "bound_tokens_per_s", "k:"))
@@ -54,6 +54,7 @@ def plot_grid(rows: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]
                     for r in base
                     if r["model"] == model
                     and r["reuse"] == reuse
+                    and host_gib_of(r) == gib
                     and r["mode"] == mode
                     and r.get(column) not in ("", None)
                 )
@@ -61,7 +62,8 @@ def plot_grid(rows: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]
                     xs, ys = zip(*points, strict=True)
                     ax.plot(xs, ys, style, label="bound" if column != metric else mode)
             ax.set_xscale("log", base=2)
-            ax.set_title(f"{model}, {reuse} reuse", fontsize=10)
+            host = f", host {gib} GiB" if gib != "0" else ""
+            ax.set_title(f"{model}, {reuse} reuse{host}", fontsize=10)
             ax.set_xlabel("concurrency")
             ax.grid(True, alpha=0.3)
         axes[0][0].set_ylabel(ylabel)

@@ -53,6 +53,14 @@ class ReplayReport:
         local_hits = [sum(o.stage_hits[r] for o in done if len(o.stage_hits) > r)
                       for r in range(num_stages)]  # fmt: skip
         agreed_blocks = sum(o.num_cached_tokens // self.config.block_size for o in done)
+        # per tier: m_s, the host part of each local hit, and what of L* each stage loaded
+        # from its host tier (L* - d_s where the device hit d_s = h_s - m_s falls short)
+        host_hits, host_reused = [0] * num_stages, [0] * num_stages
+        for o in done:
+            agreed = o.num_cached_tokens // self.config.block_size
+            for r, (hit, host) in enumerate(zip(o.stage_hits, o.stage_host_hits, strict=False)):
+                host_hits[r] += host
+                host_reused[r] += max(0, agreed - (hit - host))
         return {
             "requests": len(self.outcomes) + len(self.invalid),
             "completed": len(done),
@@ -99,6 +107,8 @@ class ReplayReport:
                 self.config.kv_blocks_of(r) for r in range(self.config.num_stages)
             ],
             "stage_local_hit_blocks": local_hits,
+            "stage_host_hit_blocks": host_hits,
+            "stage_host_reused_blocks": host_reused,
             "agreed_prefix_blocks": agreed_blocks,
             "layers_per_stage": None
             if self.config.engine == "emulated"

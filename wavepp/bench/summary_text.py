@@ -5,7 +5,9 @@ Units: ``tokens`` are prompt tokens; ``blocks`` are KV blocks of ``block_size`` 
 seconds. A stage's *local hit* is how many leading blocks of a prompt that stage held when the
 request was agreed; the *agreed prefix* (L*) is the smallest local hit over the stages (capped so
 the last token is computed): only it is reused, so blocks a stage held beyond it are recomputed
-there.
+there. With host tiers a local hit is the device run and then the host run after it (*host
+hit*); of the agreed prefix, a stage loads from its host tier what its device run falls short
+of (*from host*) and reads the rest from its device.
 """
 
 from __future__ import annotations
@@ -109,10 +111,13 @@ def summary_rows(summary: Mapping[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def stage_rows(summary: Mapping[str, Any]) -> list[tuple[str, ...]]:
-    """Per stage: ``(rank, layers, KV capacity (blocks), local hit (blocks), agreed prefix
-    (blocks), held but not shared (blocks), busy (s))``; totals over completed requests."""
+    """Per stage: ``(rank, layers, KV capacity (blocks), local hit (blocks), of it host hit
+    (blocks), agreed prefix (blocks), of it from host (blocks), held but not shared (blocks),
+    busy (s))``; totals over completed requests."""
     stages = int(summary.get("stages", 0))
     hits = summary.get("stage_local_hit_blocks") or [0] * stages
+    host_hits = summary.get("stage_host_hit_blocks") or [0] * stages
+    host_reused = summary.get("stage_host_reused_blocks") or [0] * stages
     capacity = summary.get("kv_blocks_per_stage") or [0] * stages
     layers = summary.get("layers_per_stage")
     busy = summary.get("stage_busy_s") or [0.0] * stages
@@ -123,7 +128,9 @@ def stage_rows(summary: Mapping[str, Any]) -> list[tuple[str, ...]]:
             "-" if not layers else str(layers[r]),
             f"{capacity[r]:,}",
             f"{hits[r]:,}",
+            f"{host_hits[r]:,}",
             f"{agreed:,}",
+            f"{host_reused[r]:,}",
             f"{max(0, hits[r] - agreed):,}",
             f"{busy[r]:.2f}",
         )

@@ -61,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     grid.add_argument("--chunk-tokens", type=int, default=8192, help="micro-batch token budget")
     grid.add_argument(
+        "--host-memory-gib",
+        default="0",
+        help="host KV tiers per GPU to run, GiB, comma-separated (a grid dimension; 0: none; "
+        "blocks and load time from each model's KV bytes per token, wavepp.launch.host_tier)",
+    )
+    grid.add_argument(
         "--min-requests", type=int, default=32, help="requests per setting: at least this"
     )
     grid.add_argument(

@@ -229,15 +229,16 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(*row)
     out.print(table)
     stages = Table(title=f"per stage (blocks of {config.block_size} tokens, summed over requests)")
-    for column in ("stage", "layers", "KV capacity", "local hit", "agreed prefix",
-                   "held, not shared", "busy (s)"):  # fmt: skip
+    for column in ("stage", "layers", "KV capacity", "local hit", "host hit", "agreed prefix",
+                   "from host", "held, not shared", "busy (s)"):  # fmt: skip
         stages.add_column(column, justify="right")
     for row in stage_rows(summary):
         stages.add_row(*row)
     out.print(stages)
     out.print(
-        "local hit: blocks of each prompt the stage held; agreed prefix: the blocks every "
-        "stage held (min over stages), the only ones reused; held, not shared: recomputed "
+        "local hit: blocks of each prompt the stage held (host hit: those in its host tier); "
+        "agreed prefix: the blocks every stage held (min over stages), the only ones reused "
+        "(from host: loaded from that stage's host tier); held, not shared: recomputed "
         "although that stage had them (unequal --kv-blocks evict differently)."
     )
     if args.timeline:

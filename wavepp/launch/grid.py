@@ -2,7 +2,9 @@
 :class:`FlagError` naming the flag), and the RuntimeConfig of one grid setting
 (:func:`runtime_config`, which ``wavepp sim`` shares): the emulated engine on the model's
 derived H200 cost model of its slowest stage, the KV capacity (``GridSpec.num_kv_blocks``, else
-derived per stage, ``planning.memory.default_emulated_kv_blocks``) and the setting's ablation.
+derived per stage, ``planning.memory.default_emulated_kv_blocks``), the setting's host tier
+(``launch.host_tier.host_tier_fields``: blocks and load time from the model's KV bytes per token
+per GPU) and its ablation.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from wavepp.bench.grid import ABLATIONS, GridSpec, Setting, grid_settings
 from wavepp.bench.workloads import REUSE_PRESETS
 from wavepp.launch.flags import FlagError, comma_ints
+from wavepp.launch.host_tier import check_host_memory_gib, host_tier_fields
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.model_config import get_preset
 from wavepp.runtime.planning import CostModel
@@ -28,7 +31,8 @@ def runtime_config(spec: GridSpec, setting: Setting) -> tuple[RuntimeConfig, Cos
     cost, scaled by ``spec.time_scale``).
 
     Raises:
-        ValueError: RuntimeConfig refuses the setting, or no KV capacity can be derived.
+        ValueError: RuntimeConfig refuses the setting, no KV capacity can be derived, or the
+            setting's host tier is refused (``host_tier_fields``, naming --host-memory-gib).
     """
     stage_cost = derived_cost_model(setting.model, num_stages=spec.num_stages)
     overrides = ABLATIONS.get(setting.ablation, {})
@@ -47,6 +51,15 @@ def runtime_config(spec: GridSpec, setting: Setting) -> tuple[RuntimeConfig, Cos
     if spec.num_kv_blocks is None:
         blocks, _ = default_emulated_kv_blocks(config, setting.model)
         config = RuntimeConfig.model_validate(config.model_dump() | {"num_kv_blocks": blocks})
+    if setting.host_memory_gib:
+        host_fields, _ = host_tier_fields(
+            setting.model,
+            setting.host_memory_gib,
+            num_stages=spec.num_stages,
+            block_size=spec.block_size,
+            max_microbatch_tokens=max(config.max_microbatch_tokens, config.chunk_tokens),
+        )
+        config = RuntimeConfig.model_validate(config.model_dump() | host_fields)
     # The planner budgets with the stages' own cost, at the stages' time scale.
     return config, stage_cost.scaled(spec.time_scale)
 
@@ -73,11 +86,14 @@ def plan_grid(args: argparse.Namespace) -> GridPlan:
     """Resolve ``wavepp bench grid``'s flags (``cmd.bench.add_arguments``) into a
     :class:`GridPlan`, checking the grid (``--concurrency``, ``--repeats``, ``--trace``), then
     ``--models``, ``--trace``, ``--trace-requests``, ``--reuse``, ``--ablations``,
-    ``--concurrency`` and ``--time-scale``, in that order.
+    ``--concurrency``, ``--time-scale`` and ``--host-memory-gib`` (a comma-separated list of
+    host tiers per GPU, each one a grid dimension's value; each must hold a block of every
+    model's stages), in that order.
 
     Raises:
         FlagError: the first refusal, naming the flag.
     """
+    host_tiers = _host_tiers(args.host_memory_gib)
     try:
         spec = GridSpec(
             models=tuple(m for m in args.models.split(",") if m),
@@ -96,6 +112,7 @@ def plan_grid(args: argparse.Namespace) -> GridPlan:
             repeats=args.repeats,
             trace=args.trace,
             trace_requests=args.trace_requests,
+            host_memory_gib=host_tiers,
         )
     except ValueError as exc:
         flag = "--concurrency"
@@ -122,4 +139,33 @@ def plan_grid(args: argparse.Namespace) -> GridPlan:
         raise FlagError("--concurrency", f"{args.concurrency!r}: need integers >= 1")
     if args.time_scale <= 0:
         raise FlagError("--time-scale", f"{args.time_scale}: must be > 0")
+    for model in spec.models:
+        for gib in spec.host_memory_gib:
+            try:
+                runtime_config(spec, Setting(model, 1, spec.reuses[0], "wave", host_memory_gib=gib))
+            except ValueError as exc:
+                raise FlagError(
+                    "--host-memory-gib", str(exc).removeprefix("--host-memory-gib: ")
+                ) from None
     return GridPlan(spec=spec, settings=grid_settings(spec))
+
+
+def _host_tiers(text: str) -> tuple[float, ...]:
+    """``--host-memory-gib``: comma-separated GiB per GPU, each in the range
+    ``launch.host_tier.check_host_memory_gib`` allows, at least one.
+
+    Raises:
+        FlagError: an item that is not such a number, or none at all.
+    """
+    try:
+        tiers = tuple(
+            check_host_memory_gib(float(v), "--host-memory-gib") for v in text.split(",") if v
+        )
+    except ValueError as exc:
+        message = str(exc).removeprefix("--host-memory-gib: ")
+        if "could not convert" in message:
+            message = f"{text!r}: need comma-separated GiB per GPU, e.g. 0,64,256"
+        raise FlagError("--host-memory-gib", message) from None
+    if not tiers:
+        raise FlagError("--host-memory-gib", f"{text!r}: give at least one amount (0: none)")
+    return tiers

@@ -81,7 +81,8 @@ class RequestOutcome:
     finished_s: float = 0.0
     agreement_s: float = 0.0
     num_refusals: int = 0
-    stage_hits: tuple[int, ...] = ()
+    stage_hits: tuple[int, ...] = ()  # h_s per stage at agreement, blocks (device + host)
+    stage_host_hits: tuple[int, ...] = ()  # m_s per stage: the host-tier part of h_s
     handoff_expires: float = 0.0  # > 0: the stages hold its KV for a decode engine until then
     # (rank, L*) as each stage reported it for each of the request's chunks
     stage_agreed_blocks: list[tuple[int, int]] = field(default_factory=list)

@@ -7,13 +7,15 @@ Asserted after every step:
 - both tiers' structural invariants (``check_invariants``);
 - exclusive tiers: no hash is indexed in both;
 - each host slot's ref count equals the pins the live probed requests hold on it, and a
-  pinned slot still holds the hash its probe found (pinned never evicted, never reused);
+  pinned slot still holds the hash its probe found (pinned never evicted, never reused), or
+  none once a failed log wrote it (then the plan that would load it is refused);
 - each tier's events, replayed as set operations, give that tier's cached hash set;
 - bytes: a model of every device block's and host slot's content, updated only by computing
-  and by applying the transfer log in order (as an engine does before it runs a chunk): every
-  hashed device block and indexed host slot holds the content of its hash, and every block a
-  chunk treats as cached or loaded holds the content of its prompt's hash there (no plan reads
-  wrong KV).
+  and by applying the transfer log in order when a plan takes it (as a stage's engine does
+  before it runs the chunk): with what is pending applied, every hashed device block and
+  indexed host slot holds the content of its hash, and every block a chunk treats as cached or
+  loaded holds the content of its prompt's hash there (no plan reads wrong KV), also after the
+  engine failed partway through a log (``BlockPool.discard_transfers``).
 
 Not asserted: a prefix-closed set per tier. Loading moves a chain's prefix to the device while
 its tail stays on the host (the hit is the device run and then the host run for that reason),
@@ -23,11 +25,13 @@ and LRU across requests may leave an unreachable tail, as in the device pool alo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from wavepp.runtime.kv import BlockPool, HostTier, StageKVManager, hash_prompt_blocks
+from wavepp.runtime.kv import BlockPool, HostTier, StageKVManager, Transfer, hash_prompt_blocks
 
 _NUM_BLOCKS = 6
 _NUM_SLOTS = 4
@@ -58,13 +62,23 @@ class TwoTierMachine(RuleBasedStateMachine):
         self.host_bytes: list[object] = [None] * _NUM_SLOTS
         self.shadow = {"device": set(), "host": set()}
         self.num_ids = 0
+        self.num_loads = 0  # coverage, read by the test below
+        self.num_refused_loads = 0
 
-    def _apply_transfers(self) -> None:
-        for transfer in self.pool.take_transfers():
+    def _copy(
+        self,
+        transfers: Sequence[Transfer],
+        device: list[object] | None = None,
+        host: list[object] | None = None,
+    ) -> None:
+        """Apply copies to the bytes model (this machine's, or the lists given)."""
+        device = self.device_bytes if device is None else device
+        host = self.host_bytes if host is None else host
+        for transfer in transfers:
             if transfer.kind == "spill":
-                self.host_bytes[transfer.slot] = self.device_bytes[transfer.block_id]
+                host[transfer.slot] = device[transfer.block_id]
             else:
-                self.device_bytes[transfer.block_id] = self.host_bytes[transfer.slot]
+                device[transfer.block_id] = host[transfer.slot]
 
     def _pick(self, data: st.DataObject, **state: bool) -> str:
         ids = sorted(
@@ -82,6 +96,9 @@ class TwoTierMachine(RuleBasedStateMachine):
 
     @rule(choices=_prompts, lease_s=st.sampled_from([1.0, 3.0]))
     def probe(self, choices: list[int], lease_s: float) -> None:
+        self._probe(choices, lease_s)
+
+    def _probe(self, choices: list[int], lease_s: float) -> str:
         self.num_ids += 1
         request_id = f"r{self.num_ids}"
         request = _Request(choices, self.now_s + lease_s)
@@ -103,30 +120,65 @@ class TwoTierMachine(RuleBasedStateMachine):
             self.host.slot_of(h) for h in request.block_hashes[num_device : num_device + num_host]
         )
         self.requests[request_id] = request
+        return request_id
 
     @precondition(lambda self: self._has(reserved=False))
     @rule(data=st.data())
     def reserve(self, data: st.DataObject) -> None:
-        request_id = self._pick(data, reserved=False)
+        self._reserve(self._pick(data, reserved=False))
+
+    def _reserve(self, request_id: str) -> bool:
         request = self.requests[request_id]
         table = self.manager.reserve(request_id, request.num_total, 1.0)
         if table is None:  # refused: nothing held, host pins included
             del self.requests[request_id]
-            return
+            return False
         request.reserved = True
         request.expiry_s = self.now_s + 1.0
+        return True
 
     @precondition(lambda self: self._has(reserved=True, started=False))
     @rule(data=st.data())
     def first_chunk(self, data: st.DataObject) -> None:
         """The plan: L* anywhere up to this stage's hit; loads, then the engine runs."""
         request_id = self._pick(data, reserved=True, started=False)
-        request = self.requests[request_id]
         hit = self.manager.num_hit_blocks(request_id) + self.manager.num_host_hit_blocks(request_id)
-        num_agreed = data.draw(st.integers(0, hit), label="L*")
-        num_cached = self.manager.start_chunk(request_id, num_agreed * _BLOCK_SIZE)
+        self._first_chunk(request_id, data.draw(st.integers(0, hit), label="L*"), data)
+
+    @rule(choices=_prompts, data=st.data())
+    def serve(self, choices: list[int], data: st.DataObject) -> None:
+        """One whole request in one step, at L* = its hit: fills the device pool, so blocks
+        spill, and brings back what the host tier holds (loads)."""
+        request_id = self._probe(choices, 1.0)
+        if not self._reserve(request_id):
+            return
+        hit = self.manager.num_hit_blocks(request_id) + self.manager.num_host_hit_blocks(request_id)
+        self._first_chunk(request_id, hit, data)
+        if request_id in self.requests:
+            del self.requests[request_id]
+            assert self.manager.release(request_id)
+
+    def _first_chunk(self, request_id: str, num_agreed: int, data: st.DataObject) -> None:
+        request = self.requests[request_id]
+        num_device = self.manager.num_hit_blocks(request_id)
+        try:
+            num_cached = self.manager.start_chunk(request_id, num_agreed * _BLOCK_SIZE)
+        except ValueError:
+            # only a host copy lost to a failed log refuses the plan; the micro-batch fails
+            # and the scheduler releases the request
+            loads = request.host_slots[: max(0, num_agreed - num_device)]
+            assert any(self.host.slot_hash(slot) is None for slot in loads)
+            del self.requests[request_id]
+            assert self.manager.release(request_id)
+            self.num_refused_loads += 1
+            return
         request.started, request.host_slots = True, ()
-        self._apply_transfers()  # the engine's preparation, before the chunk runs
+        transfers = self.pool.take_transfers()
+        self.num_loads += sum(t.kind == "load" for t in transfers)
+        if data.draw(st.booleans(), label="copies fail"):
+            self._fail_copies(data, transfers)
+            return  # the micro-batch fails: it reads and computes nothing
+        self._copy(transfers)  # the engine's preparation, before the chunk runs
         table = self.manager.block_table(request_id)
         for index in range(num_cached // _BLOCK_SIZE):  # what the chunk reads as cached
             assert self.device_bytes[table[index]] == request.block_hashes[index], (
@@ -136,6 +188,16 @@ class TwoTierMachine(RuleBasedStateMachine):
             full = index < len(request.block_hashes)
             self.device_bytes[table[index]] = request.block_hashes[index] if full else "partial"
         self.manager.mark_computed(request_id, len(request.token_ids))
+
+    def _fail_copies(self, data: st.DataObject, transfers: list[Transfer]) -> None:
+        """The engine raises after some of the log's copies ran; the pool forgets the log."""
+        self._copy(transfers[: data.draw(st.integers(0, len(transfers)), label="copies run")])
+        self.pool.discard_transfers(transfers)
+
+    @rule(data=st.data())
+    def pending_copies_fail(self, data: st.DataObject) -> None:
+        """A log of spills fails (its slots may be pinned by probes that will plan loads)."""
+        self._fail_copies(data, self.pool.take_transfers())
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
@@ -165,8 +227,8 @@ class TwoTierMachine(RuleBasedStateMachine):
             for slot in request.host_slots:
                 pins[slot] += 1
             num_device = self.manager.num_hit_blocks(request_id) if not request.started else 0
-            for offset, slot in enumerate(request.host_slots):
-                assert host.slot_hash(slot) == request.block_hashes[num_device + offset]
+            for offset, slot in enumerate(request.host_slots):  # None: lost to failed copies
+                assert host.slot_hash(slot) in (request.block_hashes[num_device + offset], None)
         assert [host.ref_cnt(s) for s in range(_NUM_SLOTS)] == pins
         for event in pool.take_events():
             apply = self.shadow[event.tier].update if event.kind == "stored" else None
@@ -176,14 +238,17 @@ class TwoTierMachine(RuleBasedStateMachine):
                 self.shadow[event.tier].difference_update(event.block_hashes)
         assert self.shadow["device"] == set(device)
         assert self.shadow["host"] == set(hosted)
-        self._apply_transfers()
+        # the log stays pending until a plan takes it (as on a stage); the bookkeeping
+        # holds for the bytes the engine will have once it applies what is pending
+        device_bytes, host_bytes = list(self.device_bytes), list(self.host_bytes)
+        self._copy(host.pending_transfers(), device_bytes, host_bytes)
         for block_id in range(_NUM_BLOCKS):
             block_hash = pool.block_hash(block_id)
             if block_hash is not None:
-                assert self.device_bytes[block_id] == block_hash, f"device block {block_id}"
+                assert device_bytes[block_id] == block_hash, f"device block {block_id}"
         for block_hash in hosted:
             slot = host.slot_of(block_hash)
-            assert self.host_bytes[slot] == block_hash, f"host slot {slot}"
+            assert host_bytes[slot] == block_hash, f"host slot {slot}"
 
     def teardown(self) -> None:
         if not hasattr(self, "manager"):

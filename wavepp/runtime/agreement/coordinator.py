@@ -76,6 +76,7 @@ class Ticket:
     agreement_s: float = 0.0
     admitted_at_s: float = 0.0
     stage_hits: tuple[int, ...] = ()
+    stage_host_hits: tuple[int, ...] = ()  # m_s per stage: the host-tier part of stage_hits
 
     @property
     def num_cached_tokens(self) -> int:
@@ -251,6 +252,7 @@ class AgreementController:
             agreement_s=time.monotonic() - pending.started_s,
             admitted_at_s=time.time(),
             stage_hits=pending.stage_hits,
+            stage_host_hits=pending.stage_host_hits,
         )
 
     @staticmethod

@@ -118,6 +118,7 @@ class PendingAgreement:
     trace_context: Context | None = None
     abandoned: bool = False  # the caller was cancelled: release whatever the round admits
     stage_hits: tuple[int, ...] = field(default=())
+    stage_host_hits: tuple[int, ...] = field(default=())  # m_s, the host part of each h_s
     num_agreed_blocks: int = 0
     send_full: bool = False  # a stage did not resolve its prefix reference: no reference now
 
@@ -393,9 +394,10 @@ class AgreementRounds:
                 continue
             hits = tuple(result.value for result in results)
             pending.stage_hits = hits
+            hosts = tuple(result.host for result in results)
+            pending.stage_host_hits = hosts
             cap = (pending.request.num_tokens - 1) // self.block_size
-            if self.agreed_blocks is not None and any(result.host for result in results):
-                hosts = tuple(result.host for result in results)
+            if self.agreed_blocks is not None and any(hosts):
                 num_agreed = min(self.agreed_blocks(hits, hosts, cap), min(hits), cap)
             else:
                 num_agreed = min(min(hits), cap)

@@ -115,6 +115,10 @@ class HostTier:
         """Pins on slot ``slot``."""
         return self._ref[slot]
 
+    def pending_transfers(self) -> tuple[Transfer, ...]:
+        """The transfer log not taken yet, oldest first (a copy; ``take_transfers`` drains)."""
+        return tuple(self._transfers)
+
     # ---- operations ---------------------------------------------------------------------
 
     def find_run(self, block_hashes: Sequence[BlockHash], start: int) -> list[int]:
@@ -224,6 +228,31 @@ class HostTier:
             del self._lru[slot]
             self._hash[slot] = None
             self._free.append(slot)
+
+    def invalidate(self, slots: Sequence[int]) -> None:
+        """Slots whose bytes are not what their hash says (a copy into them failed): each
+        one's hash leaves the index (a "removed" event) and the slot keeps no hash. An unpinned
+        slot is free at once; a pinned one stays pinned, holding nothing, so a load of it is
+        refused (``BlockPool.load_blocks`` checks the slot's hash) and its last release frees
+        it. A free slot is left alone.
+
+        Raises:
+            ValueError: a slot out of range. Nothing changes then.
+        """
+        for slot in slots:
+            if not (isinstance(slot, int) and 0 <= slot < self.num_slots):
+                raise ValueError(f"slots: {slot!r} is not in [0, {self.num_slots})")
+        for slot in dict.fromkeys(slots):
+            block_hash = self._hash[slot]
+            if block_hash is None:
+                continue
+            self._hash[slot] = None
+            if self._index.get(block_hash) == slot:
+                del self._index[block_hash]
+                self._event("removed", block_hash)
+                if self._ref[slot] == 0:
+                    del self._lru[slot]
+                    self._free.append(slot)
 
     def take_events(self) -> list[KVEvent]:
         """Drain this tier's events (tier "host"; oldest first): "stored" on a spill, "removed"

@@ -436,6 +436,40 @@ class BlockPool(BlockRefs):
             host.load(slot, block_id)
         self.cache_full_blocks(block_ids, block_hashes, parent_block_hash)
 
+    def discard_transfers(self, transfers: Sequence[Transfer]) -> None:
+        """Forget what a transfer log whose copies failed (all or some of them: the engine
+        raised while applying it) claims is in place, so that no later hit reads those bytes.
+
+        Every host slot a spill of the log wrote loses its hash (``HostTier.invalidate``: a
+        pinned one can no longer be loaded), and every device block a load of the log filled
+        loses the hash it took (one device "removed" event; counted as an eviction, so a
+        ``CacheHit`` taken before is stale). The blocks and slots keep their pins; what the
+        log's copies would have brought is computed again by whoever needs it.
+
+        Args:
+            transfers: the failed log, as ``take_transfers`` returned it (its order is kept:
+                nothing of this pool's bookkeeping has moved since).
+        """
+        if not transfers or self.host is None:
+            return
+        self.host.invalidate([t.slot for t in transfers if t.kind == "spill"])
+        hashes, hash_to_id, lru = self._hash, self._hash_to_id, self._lru
+        dropped: list[BlockHash] = []
+        for transfer in transfers:
+            block_id = transfer.block_id
+            block_hash = hashes[block_id]
+            if transfer.kind != "load" or block_hash is None:
+                continue
+            del hash_to_id[block_hash]
+            hashes[block_id] = None
+            dropped.append(block_hash)
+            if block_id in lru:  # unpinned since: uncached now, reused first
+                del lru[block_id]
+                self._uncached.append(block_id)
+        if dropped:
+            self._evictions += len(dropped)
+            self._events.append(KVEvent("removed", tuple(dropped), None))
+
     def take_events(self) -> list[KVEvent]:
         """Drain the pending events (oldest first; the host tier's after this pool's); the
         queues are empty afterwards."""

@@ -175,6 +175,7 @@ class SchedulerCore(DoneAccounting):
             agreement_s=ticket.agreement_s,
             num_refusals=ticket.num_refusals,
             stage_hits=ticket.stage_hits,
+            stage_host_hits=ticket.stage_host_hits,
         )
         accounting = self.planner.budget_accounting
         record.progress = RequestProgress(

@@ -53,6 +53,7 @@ def result_from_outcome(
         admission_s=max(0.0, (outcome.admitted_s or outcome.finished_s) - outcome.arrival_s),
         execute_s=max(0.0, outcome.finished_s - (outcome.first_scheduled_s or outcome.finished_s)),
         stage_hits=list(outcome.stage_hits),
+        stage_host_hits=list(outcome.stage_host_hits),
         stages=stages,
         error=outcome.error,
         kv_transfer_params=transfer,

@@ -13,6 +13,8 @@ One micro-batch through one stage, and who calls what::
                -> accept(plan) -> StageWork: block tables from the KV manager, L* per chunk
                   (a request's first chunk tells the manager its L*), an error when a
                   request is not reserved here, prepare on arrival or later
+               -> apply_transfers(work, engine.apply_transfers): the host tier's copies, or
+                  the pool forgets what a failed log claims and the micro-batch fails
     [caller]      prepare, wait for the previous stage's activations, execute (or sleep)
                -> results(work, ...) -> one RequestResult per last chunk (last stage only)
                -> done_message(work, ...) -> MicroBatchDone
@@ -37,7 +39,7 @@ on the asyncio loop thread, the manager's single owner.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -286,6 +288,21 @@ class StageCore:
             error=error,
             transfers=tuple(self.manager.pool.take_transfers()),
         )
+
+    def apply_transfers(self, work: StageWork, apply: Callable[[Sequence[Transfer]], None]) -> None:
+        """Apply ``work``'s host-tier copies with ``apply`` (the engine's ``apply_transfers``).
+
+        Whole or forgotten: when ``apply`` raises ValueError or RuntimeError (some copies may
+        have run), the pool forgets what the log claims (``BlockPool.discard_transfers``: the
+        host slots its spills wrote and the device blocks its loads filled lose their hashes),
+        so no later hit reads those bytes, and the micro-batch fails with ``work.error``.
+        Other exceptions propagate.
+        """
+        try:
+            apply(work.transfers)
+        except (ValueError, RuntimeError) as exc:
+            self.manager.pool.discard_transfers(work.transfers)
+            work.error = work.error or f"stage {self.rank}: host tier copies failed: {exc!r}"
 
     # ---- after execution -----------------------------------------------------------------
 

@@ -474,11 +474,9 @@ class StageWorker(StageCompute):
     def _apply_transfers(self, work: StageWork) -> None:
         """Issue ``work``'s host-tier copies (``StageEngine.apply_transfers``) as its plan is
         accepted: every plan's, in plan order, whether it runs or not (a re-form drops queued
-        work, never a copy the pool's bookkeeping has made). A failure fails the micro-batch."""
-        try:
-            self.engine.apply_transfers(work.transfers)
-        except (ValueError, RuntimeError) as exc:
-            work.error = work.error or f"stage {self.rank}: host tier copies failed: {exc!r}"
+        work, never a copy the pool's bookkeeping has made). A failure fails the micro-batch
+        and the pool forgets what the log claims (``StageCore.apply_transfers``)."""
+        self.core.apply_transfers(work, self.engine.apply_transfers)
 
     def _after_microbatch(self, work: StageWork, done: MicroBatchDone) -> None:
         self.telemetry.microbatch_done(work.plan, done)
