@@ -31,4 +31,3 @@ def test_bad_flags_are_refused_by_name(
     with pytest.raises(SystemExit) as exc:
         _load().main(argv)
     assert exc.value.code == 2 and named in capsys.readouterr().err
-
