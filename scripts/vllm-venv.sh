@@ -8,6 +8,9 @@
 # the CPU torch it pins (transformers' imports then fail with "operator torchvision::nms does not
 # exist"); text models need none of them, so they are removed.
 #
+# Not byte-compiled at install (uv's default): a process compiles the modules it imports, fewer than
+# the environment holds (docs/bench/decode_startup.md measures both).
+#
 # Idempotent: when DIR already imports vllm (and no torchvision), it prints the version and exits.
 # Environment: PYTHON (default python3, must be 3.11+), VLLM_VERSION (default 0.32.0).
 set -euo pipefail

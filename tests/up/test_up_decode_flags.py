@@ -106,14 +106,19 @@ def test_the_vllm_decode_server_command_and_environment(tmp_path: Path) -> None:
     assert command[-2:] == ["--max-num-seqs", "8"]
     env = servers[0].env
     assert env["PYTHONPATH"] == str(REPO) and "VIRTUAL_ENV" not in env and env["KEEP"] == "1"
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    kept = decode_servers(
+        python="p", model_dir=str(model), model_name="m", dtype="float32", max_model_len=8,
+        ports=[1], on_cpu=True, environ={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    )[0]  # fmt: skip
+    assert kept.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"  # the user's setting stands
     (model / "tokenizer.json").write_text("{}")
     gpu = decode_servers(
         python="p", model_dir=str(model), model_name="m", dtype="bfloat16", max_model_len=8,
         ports=[1], on_cpu=False, environ={},
     )[0]  # fmt: skip
     assert not {"--enforce-eager", "--skip-tokenizer-init", "--block-size"} & set(gpu.command)
-    assert "VLLM_CPU_KVCACHE_SPACE" not in gpu.env
+    assert not {"VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING"} & set(gpu.env)
     with pytest.raises(FlagError) as exc:
         decode_servers(
             python="p", model_dir=str(model), model_name="m", dtype="float32", max_model_len=8,

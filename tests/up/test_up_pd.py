@@ -3,8 +3,8 @@
 processes prefill and hand their KV over; one real vLLM server with WavePP's connector
 decodes).
 
-One ``wavepp up`` (and so one vLLM start-up, which dominates: about 2-4 minutes on 2 busy
-cores) serves both tests, in order:
+One ``wavepp up`` (and so one vLLM start-up, which dominates the module's time) serves all
+the tests, in order (the kills last):
 
 1. 20 prompts, 10 of them sharing a 64-token prefix: ``completions.create(max_tokens=16)``
    and ``stream=True`` give the same greedy tokens as vLLM alone (the same vLLM server, asked
@@ -12,8 +12,18 @@ cores) serves both tests, in order:
    shared prefix report ``usage.prompt_tokens_details.cached_tokens`` > 0.
 2. ``chat.completions.create`` (the gateway's tokenizer carries a chat template) gives the
    tokens vLLM alone gives for the templated conversation, whole and streamed;
-3. the decode process killed mid-stream: the client gets an error event (``openai.APIError``)
-   and no stage keeps a lease or a pinned block.
+3. the metrics the autoscalers read (every ``seriesQuery`` of the chart's prometheus-adapter
+   rules, and vLLM's ``vllm:num_requests_waiting``/``running``) are scraped from the processes
+   that export them: the gateway's ``/metrics`` and the decode server's;
+4. the last stage killed while it holds a prefill's blocks (under a load of long prompts, whole
+   and streamed): each request in flight at the kill, or sent before the restarted stage's
+   replica answers again, gets its tokens or a clean error (the JSON error shape, or an error
+   event), none hangs, none fails after that; ``wavepp up`` restarts the stage, the pipeline
+   answers with vLLM alone's tokens again, and no stage keeps a lease or a pinned block past
+   the handoff lease;
+5. the decode process killed mid-stream: the client gets an error event (``openai.APIError``)
+   and no stage keeps a lease or a pinned block (last: ``wavepp up`` restarts the decode
+   server, a whole vLLM start-up, which no later test waits for).
 
 Skipped, with the reason, where ``.venv-vllm`` (scripts/vllm-venv.sh) is absent.
 """
@@ -24,8 +34,10 @@ import importlib.util
 import json
 import os
 import random
+import re
 import signal
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -33,10 +45,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from up_support import UpService, build_tokenizer, start_up, stop_up
 
 from wavepp.api.kv_handoff import PARAMS_KEY, HandoffParams
 from wavepp.gateway.chat_template import load_chat_template
+from wavepp.operator.builders import BACKLOG_METRIC
+from wavepp.runtime.config import RuntimeConfig
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("torch")
@@ -44,6 +59,8 @@ from wavepp.integrations.vllm.pull import pull_request, stage_stats  # noqa: E40
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+CHART_TEMPLATES = sorted(REPO.glob("charts/*/templates/*.yaml"))
+DECODE_SCALING_METRICS = {"vllm:num_requests_waiting", "vllm:num_requests_running"}
 
 pytestmark = [
     pytest.mark.slow,
@@ -222,6 +239,138 @@ def test_chat_goes_through_the_chat_template(pd_service: UpService) -> None:
     ):
         streamed += chunk.choices[0].model_extra["token_ids"]
     assert streamed == alone
+
+
+def _metric_names(url: str) -> set[str]:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_the_autoscalers_metrics_are_exported_by_the_gateway_and_the_decode_server(
+    pd_service: UpService,
+) -> None:
+    # the metrics the chart's prometheus-adapter rules serve to the HPAs: vLLM's (vllm:...)
+    # come from the decode servers, WavePP's from the gateway
+    rules = "\n".join(path.read_text() for path in CHART_TEMPLATES)
+    served = set(re.findall(r"seriesQuery:\s*'([A-Za-z_:][A-Za-z0-9_:]*)", rules))
+    assert BACKLOG_METRIC in served, served  # the prefill pool's HPA (operator.builders)
+    decode = _metric_names(f"{pd_service.processes()['decode']['decode-0']}/metrics")
+    gateway = _metric_names(f"{pd_service.endpoint}/metrics")
+    assert DECODE_SCALING_METRICS <= decode, sorted(n for n in decode if "request" in n)
+    missing = {n for n in served if n not in (decode if n.startswith("vllm:") else gateway)}
+    assert not missing, f"named by the chart's adapter rules, exported by no process: {missing}"
+
+
+def _prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(2, 1024) for _ in range(length)]
+
+
+def test_stage_killed_mid_prefill_fails_its_requests_cleanly_and_the_pipeline_recovers(
+    pd_service: UpService,
+) -> None:
+    client = openai.OpenAI(
+        base_url=f"{pd_service.endpoint}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+    model = client.models.list().data[0].id
+    decode_url = pd_service.processes()["decode"]["decode-0"]
+    addrs = _stage_addrs(pd_service)
+    _wait_no_pins(addrs, 10.0)
+    stage_pids = {n: p for n, p in pd_service.processes()["pids"].items() if n.startswith("stage-")}
+    victim = max(stage_pids)  # the last stage (one replica: stage-<replica>-<rank>)
+    victim_addr = max(addrs, key=lambda a: stage_stats(a)["first_layer"])
+    # (sent, finished, completion tokens or the error)
+    records: list[tuple[float, float, list[int] | openai.APIError]] = []
+    stop = threading.Event()
+
+    def load(seed: int) -> None:
+        """Long distinct prompts (a prefill of many blocks), whole (even seed) or streamed."""
+        rng = random.Random(seed)
+        while not stop.is_set():
+            prompt = _prompt(rng, 700)
+            sent = time.monotonic()
+            try:
+                if seed % 2 == 0:
+                    answer = client.completions.create(
+                        model=model, prompt=prompt, max_tokens=2, temperature=0
+                    )
+                    outcome: list[int] | openai.APIError = answer.choices[0].model_extra[
+                        "token_ids"
+                    ]
+                else:
+                    outcome = []
+                    for chunk in client.completions.create(
+                        model=model, prompt=prompt, max_tokens=2, temperature=0, stream=True
+                    ):
+                        outcome += chunk.choices[0].model_extra["token_ids"]
+            except openai.APIError as exc:
+                outcome = exc
+            records.append((sent, time.monotonic(), outcome))
+
+    threads = [threading.Thread(target=load, args=(seed,), daemon=True) for seed in (40, 41, 42)]
+    for thread in threads:
+        thread.start()
+    # the kill lands while the victim holds blocks that no handoff lease holds: a request
+    # between its agreement and its prefill's end
+    deadline = time.monotonic() + 120
+    while True:
+        stats = stage_stats(victim_addr, timeout_s=5.0)
+        if stats["pinned_blocks"] > stats["lease_pinned_blocks"]:
+            break
+        assert time.monotonic() < deadline, f"no prefill seen on {victim}: {stats}"
+    os.kill(stage_pids[victim], signal.SIGKILL)
+    killed = time.monotonic()
+    while pd_service.processes()["restarts"].get(victim, 0) < 1:
+        assert time.monotonic() < killed + 120, "wavepp up did not restart the stage"
+        time.sleep(0.1)
+    restarted = time.monotonic()
+    while not any(sent > restarted and isinstance(o, list) for sent, _, o in list(records)):
+        assert time.monotonic() < killed + 240, (
+            f"no answer after the restart: {[(round(s - killed, 1), o) for s, _, o in records]}\n"
+            + "".join(pd_service.lines[-30:])
+        )
+        time.sleep(0.2)
+    stop.set()
+    for thread in threads:
+        thread.join(150)
+    in_flight = [(done - sent, o) for sent, done, o in records if sent < killed < done]
+    print(
+        f"stage kill mid-prefill: {len(in_flight)} in flight at the kill: "
+        f"{[(round(t, 1), o if isinstance(o, list) else type(o).__name__) for t, o in in_flight]}; "
+        f"restarted {restarted - killed:.1f} s after the kill"
+    )
+    assert in_flight, "no request was in flight at the kill"
+    recovered = min(sent for sent, _, o in records if sent > restarted and isinstance(o, list))
+    for sent, done, outcome in records:
+        # tokens, or the JSON error shape (a status) or a final error event, with a message;
+        # none waits out the client's timeout
+        assert done - sent < 100 and not isinstance(outcome, openai.APITimeoutError), outcome
+        if isinstance(outcome, list):
+            assert len(outcome) == 2, outcome
+        else:
+            assert outcome.message and sent < recovered, (sent - killed, outcome)
+    # the re-formed pipeline hands over KV that decodes to vLLM alone's tokens
+    prompt = _prompt(random.Random(43), 300)
+    alone = _post(
+        f"{decode_url}/v1/completions",
+        {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+         "return_token_ids": True},
+    )["choices"][0]["token_ids"]  # fmt: skip
+    answer = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    assert answer.choices[0].model_extra["token_ids"] == alone
+    now = pd_service.processes()["pids"]
+    assert now[victim] != stage_pids[victim]
+    assert all(now[n] == pid for n, pid in stage_pids.items() if n != victim)
+    # nothing the failed requests held stays on either stage: a lease of a prefill that no
+    # decode request pulls ends at its expiry (handoff_lease_s)
+    addrs = _stage_addrs(pd_service)
+    expired = sum(stage_stats(a)["expired"] for a in addrs)
+    waited = time.monotonic()
+    _wait_no_pins(addrs, RuntimeConfig.model_fields["handoff_lease_s"].default + 30.0)
+    print(
+        f"no pins {time.monotonic() - waited:.1f} s after the load; leases ended unpulled: "
+        f"{sum(stage_stats(a)['expired'] for a in addrs) - expired}"
+    )
 
 
 def test_killed_decode_mid_stream_is_an_error_event_and_leaves_no_pins(

@@ -7,8 +7,13 @@ A local decode instance is vLLM's OpenAI-compatible server in vLLM's own environ
 line ``PY`` + ``wavepp.api.vllm_decode.vllm_decode_args`` (the one owner of it; the operator's
 decode pool runs the same) on ``127.0.0.1``, with ``PYTHONPATH`` = the folder holding this
 ``wavepp`` package (the connector needs only the standard library, torch and vLLM) and, on CPU,
-``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, 1 unless set). ``--decode-args "..."`` appends
-vLLM options (shell words) after these. ``plan_decode`` resolves the decode flags into the
+``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, 1 unless set) and
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (unless set): the model then runs in vLLM's engine-core
+process (its uni-process executor) instead of a worker process of its own, which vLLM's CPU
+platform would start and pin to cores (``OMP_PLACES``). One interpreter fewer to start, and the
+instance's threads are not pinned to cores the local stages share; the server and its engine
+core stay one process group, so stopping the group stops the engine. ``--decode-args "..."``
+appends vLLM options (shell words) after these. ``plan_decode`` resolves the decode flags into the
 servers to start and the endpoints the gateway sends to.
 """
 
@@ -37,9 +42,14 @@ from wavepp.launch.flags import FlagError
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.transport.natsio import free_port
 
+CPU_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+"""vLLM's switch between a worker process per model replica (1) and the model in its
+engine-core process (0); a local CPU instance gets 0 unless its environment says otherwise."""
+
 __all__ = [
     "CONNECTOR_CONFIG",
     "CPU_BLOCK_SIZE",
+    "CPU_MULTIPROCESSING_ENV",
     "DecodeServer",
     "check_vllm_python",
     "decode_servers",
@@ -99,6 +109,7 @@ def decode_servers(
     env = {**base_env, "PYTHONPATH": str(Path(wavepp.__file__).resolve().parent.parent)}
     if on_cpu:
         env.setdefault(CPU_KV_CACHE_ENV, CPU_KV_CACHE_GIB)
+        env.setdefault(CPU_MULTIPROCESSING_ENV, "0")
     has_tokenizer = any((Path(model_dir) / f).exists() for f in TOKENIZER_FILES)
     servers = []
     for i, port in enumerate(ports):
