@@ -17,7 +17,7 @@ import time
 import pytest
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import KeyValueConfig, StreamConfig
-from reliability_support import wait_until
+from reliability_support import stopped, wait_until
 
 from wavepp.runtime.transport.natsio import (
     EmbeddedNatsServer,
@@ -53,6 +53,9 @@ async def test_a_request_lost_with_a_killed_server_is_sent_again_after_the_recon
 
         sent_before = nc.stats["out_msgs"]
         os.kill(server.pid, signal.SIGSTOP)
+        # Stopped before anything is written: a server thread still running would read and
+        # answer the requests (the plain one then succeeds).
+        await wait_until(lambda: stopped(server.pid), timeout_s=10)
         plain = asyncio.create_task(timed(plain_kv.get("k")))
         get = asyncio.create_task(
             timed(resend_after_reconnect(nc, lambda: kv.get("k"), what="kv get"))

@@ -4,6 +4,7 @@ a real nats-server, and the admission controller + wave scheduler in the test's 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import Callable
@@ -60,3 +61,16 @@ async def wait_until(
         if time.monotonic() > deadline:
             raise TimeoutError(f"condition not met in {timeout_s}s")
         await asyncio.sleep(interval_s)
+
+
+def stopped(pid: int) -> bool:
+    """True once every thread of ``pid`` is in the stopped state (``T`` in
+    ``/proc/PID/task/TID/stat``). ``kill(pid, SIGSTOP)`` returns before the signal took effect:
+    a thread running on another core goes on until the kernel interrupts it."""
+    tasks = os.listdir(f"/proc/{pid}/task")
+    for tid in tasks:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        if state not in ("T", "t"):
+            return False
+    return bool(tasks)
