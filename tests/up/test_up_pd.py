@@ -260,6 +260,12 @@ def test_the_autoscalers_metrics_are_exported_by_the_gateway_and_the_decode_serv
     assert DECODE_SCALING_METRICS <= decode, sorted(n for n in decode if "request" in n)
     missing = {n for n in served if n not in (decode if n.startswith("vllm:") else gateway)}
     assert not missing, f"named by the chart's adapter rules, exported by no process: {missing}"
+    # rules that select by a name pattern (vLLM's names: ':' in text, '_' in OpenMetrics)
+    patterns = re.findall(r'seriesQuery:\s*\'\{__name__=~"([^"]+)"', rules)
+    assert patterns, "the chart's decode rule selects vLLM's metrics by a __name__ pattern"
+    for pattern in patterns:
+        matched = {n for n in decode | gateway if re.fullmatch(pattern, n)}
+        assert matched, f"no process exports a metric matching the adapter rule's {pattern!r}"
 
 
 def _prompt(rng: random.Random, length: int) -> list[int]:
