@@ -3,6 +3,11 @@
 # Used by the README's second command and by .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The suite starts hundreds of Python processes (stages, gateways, vLLM), most importing torch.
+# uv installs without byte-code, so with PYTHONDONTWRITEBYTECODE set (some images set it) every
+# one of them compiles torch from source again, which about doubles the CPU an import takes.
+# Let the first import of each module write its byte-code; the rest read it.
+unset PYTHONDONTWRITEBYTECODE
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
