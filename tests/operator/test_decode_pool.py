@@ -318,3 +318,23 @@ def test_decode_ready_follows_the_decode_pods() -> None:
     body = _body()
     del body["spec"]["decode"]
     assert _decode_condition(body, Observed()) is None
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "protocol"),
+    [("http://otel:4318/v1/traces", "http/protobuf"), ("otel:4317", "grpc"), (None, None)],
+)
+def test_the_decode_pods_export_their_spans_where_the_pipelines_do(
+    endpoint: str | None, protocol: str | None
+) -> None:
+    body = _body({"telemetry": {"otlpEndpoint": endpoint}} if endpoint else None)
+    deployment = _rendered(body)[("Deployment", "small-pd-decode")]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    command, env = container["command"], {e["name"]: e.get("value") for e in container["env"]}
+    if endpoint is None:
+        assert "--otlp-traces-endpoint" not in command
+        assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in env
+        return
+    at = command.index("--otlp-traces-endpoint")
+    assert command[at + 1] == endpoint
+    assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == protocol

@@ -66,15 +66,13 @@ def telemetry_from_spec(
 ) -> TelemetrySettings:
     """The processes' TelemetrySettings from ``spec.telemetry`` (what the pods' env says too).
 
-    ``otlpEndpoint`` set: OTLP export (HTTP when the endpoint is on port 4318 or ends in
-    ``/v1/traces``, else gRPC) at ``samplingRatio``; unset: no tracing. ``metricsPort``: the
+    ``otlpEndpoint`` set: OTLP export (``TelemetrySpec.exporter``) at ``samplingRatio``; unset:
+    no tracing. ``metricsPort``: the
     Prometheus port, overridden by ``$WAVEPP_METRICS_PORT`` (the operator sets both alike).
 
     Raises:
         ArgError: ``$WAVEPP_METRICS_PORT`` is not an integer in [0, 65535].
     """
-    endpoint = spec.telemetry.otlp_endpoint or ""
-    is_http = ":4318" in endpoint or endpoint.rstrip("/").endswith("/v1/traces")
     metrics_port: int = spec.telemetry.metrics_port
     if env.get(METRICS_PORT_ENV):
         try:
@@ -85,8 +83,8 @@ def telemetry_from_spec(
             ) from None
         check_port(f"${METRICS_PORT_ENV}", metrics_port)
     return TelemetrySettings(
-        exporter=("otlp-http" if is_http else "otlp-grpc") if endpoint else "none",
-        endpoint=endpoint,
+        exporter=spec.telemetry.exporter(),
+        endpoint=spec.telemetry.otlp_endpoint or "",
         sampling_ratio=spec.telemetry.sampling_ratio,
         metrics_port=metrics_port,
     )

@@ -25,7 +25,12 @@ from __future__ import annotations
 from typing import Any
 
 from wavepp.api.spec import DECODE_METRICS, DECODE_PORT, WavePipelineSpec, decode_service_name
-from wavepp.api.vllm_decode import CPU_KV_CACHE_ENV, CPU_KV_CACHE_GIB, vllm_decode_args
+from wavepp.api.vllm_decode import (
+    CPU_KV_CACHE_ENV,
+    CPU_KV_CACHE_GIB,
+    vllm_decode_args,
+    vllm_tracing,
+)
 from wavepp.operator.containers import CONTAINER_SECURITY_CONTEXT, pod_spec_common
 from wavepp.operator.naming import (
     LABEL_COMPONENT,
@@ -85,8 +90,11 @@ def decode_command(spec: WavePipelineSpec) -> list[str]:
     The model directory is ``model.path`` (the resolved spec fills it from the PVC), the dtype
     the stages' (``model.dtype``; the resolved spec fills it), CPU settings when the pool asks
     for no GPU, ``--shutdown-timeout`` = ``drainSeconds`` (on SIGTERM vLLM finishes the
-    requests it holds for that long instead of aborting them). The checkpoint is taken to hold its tokenizer (``--skip-tokenizer-init`` in
-    ``args`` otherwise).
+    requests it holds for that long instead of aborting them), and with ``telemetry.otlpEndpoint``
+    the options that export vLLM's request spans there (``vllm_decode.vllm_tracing``: the
+    gateway's ``traceparent`` then joins them to the request's trace; the image needs the
+    OpenTelemetry SDK). The checkpoint is taken to hold its tokenizer
+    (``--skip-tokenizer-init`` in ``args`` otherwise).
 
     Raises:
         ValueError: no decode pool, or no model directory (an unresolved spec).
@@ -112,8 +120,13 @@ def decode_command(spec: WavePipelineSpec) -> list[str]:
         ),
         "--shutdown-timeout",
         str(pool.drain_seconds),
+        *_tracing(spec)[0],
         *pool.args,
     ]
+
+
+def _tracing(spec: WavePipelineSpec) -> tuple[list[str], dict[str, str]]:
+    return vllm_tracing(spec.telemetry.exporter(), spec.telemetry.otlp_endpoint or "")
 
 
 def _resources(spec: WavePipelineSpec) -> dict[str, Any]:
@@ -170,6 +183,7 @@ def build_decode_deployment(ref: PipelineRef, spec: WavePipelineSpec) -> dict[st
     env = [{"name": "HOME", "value": "/tmp"}]
     if pool.resources.gpus == 0:
         env.append({"name": CPU_KV_CACHE_ENV, "value": CPU_KV_CACHE_GIB})
+    env += [{"name": k, "value": v} for k, v in sorted(_tracing(spec)[1].items())]
 
     def health(period_s: int, failures: int) -> dict[str, Any]:
         return {

@@ -301,6 +301,15 @@ class TelemetrySpec(WireModel):
     sampling_ratio: float = Field(0.1, ge=0, le=1, description="Trace sampling ratio.")
     metrics_port: int = Field(9400, ge=1, le=65535, description="Prometheus port of each pod.")
 
+    def exporter(self) -> Literal["otlp-http", "otlp-grpc", "none"]:
+        """The span exporter ``otlpEndpoint`` implies: OTLP over HTTP when the endpoint is on
+        port 4318 or ends in ``/v1/traces``, gRPC otherwise; ``none`` without an endpoint."""
+        endpoint = self.otlp_endpoint or ""
+        if not endpoint:
+            return "none"
+        is_http = ":4318" in endpoint or endpoint.rstrip("/").endswith("/v1/traces")
+        return "otlp-http" if is_http else "otlp-grpc"
+
 
 class RestartBudgetSpec(WireModel):
     """How many re-formations a replica may need before the operator stops it."""
