@@ -312,7 +312,7 @@ def test_a_users_subjects_streams_and_buckets_are_all_of_its_namespace() -> None
                 assert subject.startswith(f"wavepp.{ns}."), subject
             elif subject.startswith(("$JS.API.STREAM", "$JS.API.CONSUMER", "$JS.API.DIRECT")):
                 assert f"_{ns}_" in subject, subject
-            elif subject.startswith(("$KV.", "$JS.ACK.")):
+            elif subject.startswith(("$KV.", "$JS.ACK.", "$JS.FC.")):
                 assert f"_{ns}_" in subject, subject
             else:
                 assert subject == "$JS.API.INFO" or subject.startswith("_INBOX."), subject
