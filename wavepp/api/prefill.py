@@ -89,6 +89,9 @@ class PrefillResult(_Msg):
     stage_host_hits: list[int] = Field(default_factory=list)  # the host-tier part of each
     stages: list[StageTiming] = Field(default_factory=list)
     error: str = ""
+    # The error has a transient cause (a stage did not answer: down, or its replica re-forming):
+    # the same request may succeed when sent again (the gateway answers 503 with Retry-After).
+    retryable: bool = False
     # A handed-off request's (IntakeRequest.handoff): what the decode request consumes, the
     # shape of wavepp.runtime.serving.handoff.kv_transfer_params (it holds the pull token).
     kv_transfer_params: dict[str, Any] | None = None
