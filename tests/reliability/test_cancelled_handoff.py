@@ -6,7 +6,8 @@ admission service and the gateway in the test's process. The admission's plans a
 has not ended when the gateway gives up on it (its client leaves); the prefill then ends (plans
 released, as after the re-form) and its handoff lease is gone from every stage at once, not
 after ``handoff_lease_s``. A cancelled message delivered later (a redelivery) is acked unserved.
-The same run shows the measure sees a lease: an answered request's lease stays until released.
+A retry of the cancelled request (same id) is answered. The same run shows the measure sees a
+lease: an answered request's lease stays until released.
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ async def test_a_request_the_gateway_gave_up_on_leaves_no_handoff_lease(tmp_path
         service_task = asyncio.create_task(service.run(stop))
         gateway = Gateway(
             tiny_gateway_config(
-                replicas=[ReplicaInfo(pipeline="p-r0", num_stages=2)], max_prompt_tokens=4096
+                replicas=[ReplicaInfo(pipeline="p-r0", num_stages=2)],
+                max_prompt_tokens=4096,
+                request_timeout_s=30.0,
             ),
             gateway_nc,
             bus_key=pipeline.bus_key,
@@ -116,6 +119,16 @@ async def test_a_request_the_gateway_gave_up_on_leaves_no_handoff_lease(tmp_path
         assert service.num_cancelled == 1
         assert await gateway.stored_result("default.left") is None  # nobody waits for it
 
+        # the client retries with the same request id, within the intake's duplicate window:
+        # answered (a new message, not the cancelled one deduplicated and never answered)
+        retried, is_duplicate = await gateway.prefill(
+            ParsedRequest("default", "left", random_tokens(2, 200), handoff=True)
+        )
+        assert retried.kv_transfer_params and not is_duplicate, retried.error
+        assert _leases(addrs) == [1, 1]
+        assert await release_handoff(retried.kv_transfer_params) == 2
+        await wait_until(lambda: _no_pins(addrs), timeout_s=10)
+
         # a cancelled message delivered later (a redelivery) is acked, not prefilled
         js = gateway_nc.jetstream()
         late = IntakeRequest(
@@ -126,7 +139,7 @@ async def test_a_request_the_gateway_gave_up_on_leaves_no_handoff_lease(tmp_path
         await gateway_nc.publish(
             cancel_subject("p-r0", namespace=config.namespace), cancel.model_dump_json().encode()
         )
-        await wait_until(lambda: len(service.cancelled) == 2, timeout_s=5)
+        await wait_until(lambda: late in service.cancelled, timeout_s=5)
         await js.publish(
             intake_subject("p-r0", namespace=config.namespace),
             late.model_dump_json().encode(),

@@ -26,6 +26,9 @@ def test_a_cancel_names_one_message_by_key_and_arrival() -> None:
     memory.add(IntakeCancel(key="t.a", arrival_s=6.0), now_s=1.0)
     assert _request("t.a", 6.0) in memory and _request("t.a", 5.0) not in memory
     assert len(memory) == 1
+    memory.discard("t.a")  # a retry of it is served
+    memory.discard("t.zz")  # none: nothing happens
+    assert _request("t.a", 6.0) not in memory and len(memory) == 0
 
 
 def test_entries_expire_after_memory_s_and_past_the_cap_oldest_first() -> None:

@@ -79,6 +79,8 @@ log = logging.getLogger(__name__)
 # request waiting for its answer does not fail for it.
 BUS_CHECK_S = 0.5
 BUS_SILENT_S = 2.0
+# How many keys given up on (cancelled) the gateway remembers, for retries of them (``_run``).
+MAX_GIVEN_UP = 65536
 
 
 class Gateway:
@@ -115,6 +117,9 @@ class Gateway:
         self._pending: dict[str, asyncio.Future[PrefillResult]] = {}
         self._waiters: dict[str, asyncio.Future[PrefillResult]] = {}
         self._routed: dict[str, set[str]] = {}  # key -> replicas its intake was published to
+        # keys this gateway gave up on and cancelled (``_cancel``), oldest first, at most
+        # MAX_GIVEN_UP: a retry of one is published anew, not deduplicated into the cancelled one
+        self._given_up: dict[str, bool] = {}
         self.guard = BusGuard(
             bus_key, [r.pipeline for r in config.replicas], max_added=config.max_replicas
         )
@@ -503,6 +508,10 @@ class Gateway:
             .model_dump_json()
             .encode()
         )
+        self._given_up.pop(intake.key, None)
+        self._given_up[intake.key] = True
+        while len(self._given_up) > MAX_GIVEN_UP:
+            del self._given_up[next(iter(self._given_up))]
         for name in sorted(replicas):
             with contextlib.suppress(Exception):
                 await self.nc.publish(cancel_subject(name, namespace=self.config.namespace), cancel)
@@ -535,17 +544,25 @@ class Gateway:
                     # Wait for the store as long as the request may (a paused server is
                     # not a lost request); a refusal (store full, JetStream off) is at once.
                     # Sent again if the server died with it (deduplicated by the id).
-                    ack = await resend_after_reconnect(
-                        self.nc,
-                        lambda replica=replica: self.js.publish(
-                            intake_subject(replica.name, namespace=self.config.namespace),
-                            data,
-                            stream=intake_stream(replica.name, namespace=self.config.namespace),
-                            headers={"Nats-Msg-Id": intake.key},
-                            timeout=max(deadline - self.clock(), 0.001),
-                        ),
-                        what=f"intake publish of {intake.key}",
-                    )
+                    msg_id = intake.key
+                    while True:
+                        ack = await resend_after_reconnect(
+                            self.nc,
+                            lambda replica=replica, msg_id=msg_id: self.js.publish(
+                                intake_subject(replica.name, namespace=self.config.namespace),
+                                data,
+                                stream=intake_stream(replica.name, namespace=self.config.namespace),
+                                headers={"Nats-Msg-Id": msg_id},
+                                timeout=max(deadline - self.clock(), 0.001),
+                            ),
+                            what=f"intake publish of {intake.key}",
+                        )
+                        if not (ack.duplicate and self._given_up.pop(intake.key, False)):
+                            break
+                        # A retry of a request this gateway gave up on (and cancelled) within
+                        # the stream's duplicate window: the cancelled message will not be
+                        # answered, so this one goes as a new message (its own arrival).
+                        msg_id = f"{intake.key}@{intake.arrival_s!r}"
                 except (APIError, NoRespondersError) as exc:
                     raise IntakeUnavailable(
                         f"intake of {replica.name} refused the request: {exc}",

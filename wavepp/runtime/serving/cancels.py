@@ -52,6 +52,10 @@ class CancelMemory:
                 break
             del self._entries[oldest]
 
+    def discard(self, key: str) -> None:
+        """Forget the cancel of ``key`` (a retry of it is served); none: nothing happens."""
+        self._entries.pop(key, None)
+
     def __contains__(self, request: IntakeRequest) -> bool:
         """``request`` (its key and arrival) was cancelled."""
         entry = self._entries.get(request.key)

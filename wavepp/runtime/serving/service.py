@@ -38,8 +38,10 @@ on (answered with an error, or its client left). The service remembers it
 (``cancels.CancelMemory``); the cancelled message (same key and ``arrival_s``) is then acked
 unserved when it is delivered (a redelivery), and one already running (kept in progress, or
 re-admitted after a re-form) has its KV handoff lease released on every stage as soon as its
-prefill ends, its result neither stored nor published. A cancel lost on the bus leaves the
-lease to its expiry (``handoff_lease_s``).
+prefill ends, its result neither stored nor published; a retry of it (same key, another
+arrival) that comes while it runs revokes the cancel and gets its answer. A cancel lost on the
+bus (none of the replica's admission instances subscribed: one restarting) leaves the lease to
+its expiry (``handoff_lease_s``).
 
 With a bus key (``wavepp.api.signing``; ``bus_key``) the service signs its KV ops, plans,
 heartbeats (numbered, stamped) and results with its replica's key, and answers a redelivery
@@ -449,11 +451,15 @@ class AdmissionService:
                 log.error("invalid intake message terminated: %s", exc)
                 await msg.term()
                 return
-            if request in self.cancelled and request.key not in self._running:
-                log.info("%s: cancelled by the gateway; acked unserved", request.key)
-                self.num_cancelled += 1
-                await msg.ack()
-                return
+            if request in self.cancelled:
+                if request.key not in self._running:
+                    log.info("%s: cancelled by the gateway; acked unserved", request.key)
+                    self.num_cancelled += 1
+                    await msg.ack()
+                    return
+            elif request.key in self._running:
+                # a retry (another arrival) joins the cancelled one's run: it is answered
+                self.cancelled.discard(request.key)
             stored = await self.results.get(request.key)
             foreign = stored is not None and stored.result.replica != self.config.pipeline
             if foreign and stored.result.error:
