@@ -1,5 +1,6 @@
 """The HTTP layer's error mapping, without a pipeline: a request the pipeline failed is a 500
-in the documented error shape, a wrong method a 405, both counted under the tenant.
+in the documented error shape (a 503 with Retry-After when the failure is transient), a wrong
+method a 405, all counted under the tenant.
 
 The Gateway core is replaced by a stand-in whose ``prefill`` returns a failed result (a
 pipeline failing on demand is what this test needs and a real one cannot give cheaply); the
@@ -24,8 +25,11 @@ CONFIG = tiny_gateway_config(tenants=[TenantPolicy(name="alice", cache_salt="a")
 
 async def test_failed_request_is_500_in_the_error_shape_and_405_too() -> None:
     async def prefill(request):  # noqa: ANN001, ANN202 - the stand-in's one method
+        # "r" requests fail for a transient cause (a stage re-forming)
+        transient = request.request_id.startswith("r")
+        error = "agreement failed: stage 1: no stage listens" if transient else "stage 1 lost"
         return PrefillResult(
-            request_id=request.request_id, tenant="alice", error="stage 1 lost"
+            request_id=request.request_id, tenant="alice", error=error, retryable=transient
         ), False
 
     metrics = GatewayMetrics(lambda: GatewayLoad({}, {}, 0, 1, {}))
@@ -44,11 +48,17 @@ async def test_failed_request_is_500_in_the_error_shape_and_405_too() -> None:
         assert (
             body["error"]["type"] == "server_error" and body["error"]["message"] == "stage 1 lost"
         )
+        response = await client.post(
+            "/v1/prefill", json={"tenant": "alice", "request_id": "r1", "token_ids": [1, 2]}
+        )
+        body = await response.json()
+        assert response.status == 503 and response.headers["Retry-After"] == "2"
+        assert body["error"]["type"] == "unavailable" and "no stage listens" in str(body)
         response = await client.get("/v1/prefill", headers={"X-WavePP-Tenant": "alice"})
         body = await response.json()
         assert response.status == 405 and body["error"]["field"] == "method"
         response = await client.post("/v1/prefill", json={"tenant": "alice", "token_ids": "x"})
         assert response.status == 400
     scrape = metrics.scrape()[0].decode()
-    for code in (500, 405, 400):
+    for code in (500, 503, 405, 400):
         assert f'wavepp_gateway_requests_total{{code="{code}",tenant="alice"}} 1.0' in scrape

@@ -16,6 +16,7 @@ from wavepp.api.kv_reply import decode_reply
 from wavepp.api.permissions import users_for_pool
 from wavepp.api.subjects import (
     ReplicaSubjects,
+    cancel_subject,
     heartbeat_subject,
     intake_subject,
     prefill_subject,
@@ -128,6 +129,7 @@ async def test_anonymous_and_foreign_clients_are_refused(server: EmbeddedNatsSer
         ("stage-p1-1", "admission-p1", P1.done),
         ("gateway-pool1", "gateway-pool1", prefill_subject(POOL, namespace=NS)),
         ("admission-p1", "gateway-pool1", result_subject(POOL, "t.r1", namespace=NS)),
+        ("gateway-pool1", "admission-p1", cancel_subject("p1", namespace=NS)),
     ],
 )
 async def test_a_component_publishes_its_own_subjects(
@@ -159,6 +161,10 @@ async def test_a_component_publishes_its_own_subjects(
         # only the gateway's user may publish on the prefill request path
         ("stage-p1-0", "gateway-pool1", prefill_subject(POOL, namespace=NS)),
         ("admission-p1", "gateway-pool1", prefill_subject(POOL, namespace=NS)),
+        # only the gateway withdraws a request (IntakeCancel): a stage or another replica's
+        # admission cannot make a replica drop one
+        ("stage-p1-0", "admission-p1", cancel_subject("p1", namespace=NS)),
+        ("admission-p2", "admission-p1", cancel_subject("p1", namespace=NS)),
     ],
 )
 async def test_a_component_cannot_publish_another_components_subjects(

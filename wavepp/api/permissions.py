@@ -14,9 +14,9 @@ namespace: two same-named pools in two namespaces under one NATS account have sa
 | user                          | publishes                                        | subscribes                                  |
 | ----------------------------- | ------------------------------------------------ | ------------------------------------------- |
 | ``stage-{pipeline}-{r}``      | ``{p}.done``, ``{p}.kv_events.{r}``, ``{p}.resync``, ``{p}.plan.resend`` (request), its rendezvous bucket ``WAVEPP_RDZV_{ns}_{pipeline}`` | ``{p}.stage.{r}.kv`` / ``.kvb``, ``{p}.stages.kvb``, ``{p}.stage.{r}.dones``, ``{p}.plan`` |
-| ``admission-{pipeline}``      | ``{p}.plan``, ``{p}.stage.*.kv`` / ``.kvb`` / ``.dones``, ``{p}.stages.kvb`` (requests), heartbeat, ``wavepp.{ns}.{pool}.result.>``, ``$KV`` results, JetStream API of its intake stream and the results bucket | ``{p}.done``, ``{p}.plan.resend``, ``{p}.resync``, ``{p}.kv_events.*`` |
+| ``admission-{pipeline}``      | ``{p}.plan``, ``{p}.stage.*.kv`` / ``.kvb`` / ``.dones``, ``{p}.stages.kvb`` (requests), heartbeat, ``wavepp.{ns}.{pool}.result.>``, ``$KV`` results, JetStream API of its intake stream and the results bucket | ``{p}.done``, ``{p}.cancel``, ``{p}.plan.resend``, ``{p}.resync``, ``{p}.kv_events.*`` |
 | ``cleanup-{ns}-{pool}``       | the operator at deletion: ``$JS.API.STREAM.LIST``, then ``$JS.API.STREAM.DELETE`` of exactly the pool's streams | its inbox |
-| ``gateway-{pool}``            | every replica's ``intake`` (JetStream), ``wavepp.{ns}.{pool}.prefill``, JetStream API of the intake streams and results bucket (read) | ``wavepp.{ns}.{pool}.result.>``, ``wavepp.{ns}.*.admission.heartbeat``, ``{p}.kv_events.*``, ``wavepp.{ns}.{pool}.prefill`` |
+| ``gateway-{pool}``            | every replica's ``intake`` (JetStream) and ``cancel``, ``wavepp.{ns}.{pool}.prefill``, JetStream API of the intake streams and results bucket (read) | ``wavepp.{ns}.{pool}.result.>``, ``wavepp.{ns}.*.admission.heartbeat``, ``{p}.kv_events.*``, ``wavepp.{ns}.{pool}.prefill`` |
 
 Every user also subscribes to its own reply inbox ``_INBOX.{user}.>`` (nobody else may, so
 replies cannot be read by another component) and may answer requests it received
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from wavepp.api.subjects import (
     ReplicaSubjects,
+    cancel_subject,
     heartbeat_subject,
     heartbeat_wildcard,
     inbox_prefix,
@@ -173,6 +174,7 @@ def admission_user(pipeline: str, pool: str, *, namespace: str) -> NatsUser:
             ),
             subscribe=(
                 s.done,
+                cancel_subject(pipeline, namespace=namespace),
                 s.plan_resend,
                 s.resync,
                 s.kv_events("*"),
@@ -199,6 +201,7 @@ def gateway_user(pool: str, pipelines: list[str], *, namespace: str) -> NatsUser
     for pipeline in pipelines:
         publish += [
             intake_subject(pipeline, namespace=namespace),
+            cancel_subject(pipeline, namespace=namespace),
             *jetstream_stream_api(intake_stream(pipeline, namespace=namespace)),
         ]
         subscribe += [

@@ -47,6 +47,21 @@ class IntakeRequest(_Msg):
     traceparent: str = Field("", max_length=55)
 
 
+class IntakeCancel(_Msg):
+    """The gateway gave up on one intake message (it answered the client with an error, or the
+    client left): the replica must not serve it, and the KV handoff lease of a prefill already
+    under way is released when it ends, not at its expiry. Published to ``{p}.cancel`` of
+    every replica the message was published to (``wavepp.api.subjects.cancel_subject``).
+
+    ``key`` and ``arrival_s`` are the ``IntakeRequest``'s: a later request with the same key
+    (a client retry, a new ``arrival_s``) is not cancelled by it.
+    """
+
+    key: str
+    arrival_s: float
+    reason: str = Field("", max_length=500)
+
+
 class StageTiming(BaseModel):
     """One stage's share of a request: summed over the micro-batches holding its chunks."""
 
@@ -74,6 +89,9 @@ class PrefillResult(_Msg):
     stage_host_hits: list[int] = Field(default_factory=list)  # the host-tier part of each
     stages: list[StageTiming] = Field(default_factory=list)
     error: str = ""
+    # The error has a transient cause (a stage did not answer: down, or its replica re-forming):
+    # the same request may succeed when sent again (the gateway answers 503 with Retry-After).
+    retryable: bool = False
     # A handed-off request's (IntakeRequest.handoff): what the decode request consumes, the
     # shape of wavepp.runtime.serving.handoff.kv_transfer_params (it holds the pull token).
     kv_transfer_params: dict[str, Any] | None = None

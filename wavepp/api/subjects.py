@@ -19,6 +19,7 @@ labels (no ``.`` or ``_``), so the names below never collide across namespaces.
 | ``{p}.resync``                        | publish               | StageResync                          |
 | ``{p}.kv_events.{r}``                 | publish               | KVEventBatch                         |
 | ``{p}.intake``                        | JetStream stream subj | IntakeRequest; Nats-Msg-Id = key     |
+| ``{p}.cancel``                        | publish               | IntakeCancel (gateway -> admission)  |
 | stream ``WAVEPP_INTAKE_{ns}_{pipeline}`` | work queue, file   | dedup window: duplicates answered once |
 | KV bucket ``WAVEPP_RESULTS_{ns}_{pool}`` | JetStream KV, TTL  | key -> PrefillResult (idempotence)   |
 | ``wavepp.{ns}.{pool}.result.{key}``   | publish               | PrefillResult to the waiting gateway |
@@ -105,6 +106,11 @@ class ReplicaSubjects:
 def intake_subject(pipeline: str, *, namespace: str) -> str:
     """``{p}.intake``: the subject of a replica's intake stream."""
     return f"{replica_prefix(pipeline, namespace=namespace)}.intake"
+
+
+def cancel_subject(pipeline: str, *, namespace: str) -> str:
+    """``{p}.cancel``: the gateway withdraws an intake message it gave up on (IntakeCancel)."""
+    return f"{replica_prefix(pipeline, namespace=namespace)}.cancel"
 
 
 def intake_stream(pipeline: str, *, namespace: str) -> str:

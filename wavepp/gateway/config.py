@@ -15,6 +15,9 @@ from wavepp.telemetry.settings import TelemetrySettings
 
 # Seconds a client is told to wait (``Retry-After``) when the intake refuses a request.
 INTAKE_RETRY_AFTER_S = 2.0
+# Seconds a client is told to wait when the replica failed its request for a transient cause
+# (``PrefillResult.retryable``: a stage not answering, its replica re-forming).
+REPLICA_RETRY_AFTER_S = 2.0
 
 
 class IntakeUnavailable(Exception):

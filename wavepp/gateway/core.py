@@ -14,6 +14,9 @@ request after validation::
        replica in the pool, fail after ``replica_unready_fail_s`` with ReplicaUnavailable;
        a replica that leaves because it drains (scale-down: heartbeat ``draining``) is
        waited for, not re-routed from, while it beats)
+    -> given up (an error raised, or the caller cancelled: its client left): ``IntakeCancel``
+       to every replica it was published to, which then neither serves it later (a
+       redelivery, a re-admission) nor keeps its KV handoff lease (``AdmissionService``)
 
 The pool follows the heartbeats (``heartbeat_wildcard``: the heartbeats of its namespace): a replica of this pool that was not
 configured is added when it beats (a scale-up), one silent for ``replica_forget_s`` is dropped
@@ -39,10 +42,11 @@ from nats.errors import NoRespondersError
 from nats.js.errors import APIError
 
 from wavepp.api.messages import KVEventBatch
-from wavepp.api.prefill import Heartbeat, IntakeRequest, PrefillResult
+from wavepp.api.prefill import Heartbeat, IntakeCancel, IntakeRequest, PrefillResult
 from wavepp.api.signing import BusKey
 from wavepp.api.subjects import (
     ReplicaSubjects,
+    cancel_subject,
     heartbeat_subject,
     heartbeat_wildcard,
     intake_stream,
@@ -75,6 +79,8 @@ log = logging.getLogger(__name__)
 # request waiting for its answer does not fail for it.
 BUS_CHECK_S = 0.5
 BUS_SILENT_S = 2.0
+# How many keys given up on (cancelled) the gateway remembers, for retries of them (``_run``).
+MAX_GIVEN_UP = 65536
 
 
 class Gateway:
@@ -111,6 +117,9 @@ class Gateway:
         self._pending: dict[str, asyncio.Future[PrefillResult]] = {}
         self._waiters: dict[str, asyncio.Future[PrefillResult]] = {}
         self._routed: dict[str, set[str]] = {}  # key -> replicas its intake was published to
+        # keys this gateway gave up on and cancelled (``_cancel``), oldest first, at most
+        # MAX_GIVEN_UP: a retry of one is published anew, not deduplicated into the cancelled one
+        self._given_up: dict[str, bool] = {}
         self.guard = BusGuard(
             bus_key, [r.pipeline for r in config.replicas], max_added=config.max_replicas
         )
@@ -475,98 +484,144 @@ class Gateway:
         deadline = self.clock() + self.config.request_timeout_s
         excluded: list[str] = []
         data = intake.model_dump_json().encode()
+        answered = False
         try:
-            while True:
+            result = await self._route(intake, hashes, waiter, routed, deadline, excluded, data)
+            answered = True
+            return result
+        finally:
+            self._waiters.pop(intake.key, None)
+            self._routed.pop(intake.key, None)
+            if not answered and routed:
+                await self._cancel(intake, routed)
+
+    async def _cancel(self, intake: IntakeRequest, replicas: set[str]) -> None:
+        """Withdraw ``intake`` from every replica it was published to (``IntakeCancel``): the
+        gateway answers its client with an error (or the client left), so a replica that runs
+        it later (a redelivery, a re-admission after its stages re-form) must not prefill it
+        or must release its KV handoff lease at once. Best effort: a lost cancel leaves the
+        lease to its expiry (``handoff_lease_s``)."""
+        cancel = (
+            IntakeCancel(
+                key=intake.key, arrival_s=intake.arrival_s, reason="the gateway gave up on it"
+            )
+            .model_dump_json()
+            .encode()
+        )
+        self._given_up.pop(intake.key, None)
+        self._given_up[intake.key] = True
+        while len(self._given_up) > MAX_GIVEN_UP:
+            del self._given_up[next(iter(self._given_up))]
+        for name in sorted(replicas):
+            with contextlib.suppress(Exception):
+                await self.nc.publish(cancel_subject(name, namespace=self.config.namespace), cancel)
+
+    async def _route(
+        self,
+        intake: IntakeRequest,
+        hashes: list[bytes],
+        waiter: asyncio.Future[PrefillResult],
+        routed: set[str],
+        deadline: float,
+        excluded: list[str],
+        data: bytes,
+    ) -> PrefillResult:
+        """Publish ``intake`` to a replica and wait for its answer, re-routing as the module
+        docstring says; raises as ``prefill`` does."""
+        while True:
+            try:
+                replica, num_reusable = self.router.choose(hashes, self.clock(), exclude=excluded)
+            except LookupError:
+                excluded = []
+                replica, num_reusable = self.router.choose(hashes, self.clock())
+            self.metrics.routed(replica.name, num_reusable)
+            routed_in_pool = self.router.in_pool(replica.name, self.clock())
+            unready_since: float | None = None
+            routed.add(replica.name)
+            replica.num_outstanding += 1
+            try:
                 try:
-                    replica, num_reusable = self.router.choose(
-                        hashes, self.clock(), exclude=excluded
-                    )
-                except LookupError:
-                    excluded = []
-                    replica, num_reusable = self.router.choose(hashes, self.clock())
-                self.metrics.routed(replica.name, num_reusable)
-                routed_in_pool = self.router.in_pool(replica.name, self.clock())
-                unready_since: float | None = None
-                routed.add(replica.name)
-                replica.num_outstanding += 1
-                try:
-                    try:
-                        # Wait for the store as long as the request may (a paused server is
-                        # not a lost request); a refusal (store full, JetStream off) is at once.
-                        # Sent again if the server died with it (deduplicated by the id).
+                    # Wait for the store as long as the request may (a paused server is
+                    # not a lost request); a refusal (store full, JetStream off) is at once.
+                    # Sent again if the server died with it (deduplicated by the id).
+                    msg_id = intake.key
+                    while True:
                         ack = await resend_after_reconnect(
                             self.nc,
-                            lambda replica=replica: self.js.publish(
+                            lambda replica=replica, msg_id=msg_id: self.js.publish(
                                 intake_subject(replica.name, namespace=self.config.namespace),
                                 data,
                                 stream=intake_stream(replica.name, namespace=self.config.namespace),
-                                headers={"Nats-Msg-Id": intake.key},
+                                headers={"Nats-Msg-Id": msg_id},
                                 timeout=max(deadline - self.clock(), 0.001),
                             ),
                             what=f"intake publish of {intake.key}",
                         )
-                    except (APIError, NoRespondersError) as exc:
-                        raise IntakeUnavailable(
-                            f"intake of {replica.name} refused the request: {exc}",
-                            INTAKE_RETRY_AFTER_S,
-                        ) from exc
-                    if ack.duplicate:
-                        # Accepted before (a client retry after a gateway restart): its answer
-                        # may have been published before our waiter existed; the KV has it.
+                        if not (ack.duplicate and self._given_up.pop(intake.key, False)):
+                            break
+                        # A retry of a request this gateway gave up on (and cancelled) within
+                        # the stream's duplicate window: the cancelled message will not be
+                        # answered, so this one goes as a new message (its own arrival).
+                        msg_id = f"{intake.key}@{intake.arrival_s!r}"
+                except (APIError, NoRespondersError) as exc:
+                    raise IntakeUnavailable(
+                        f"intake of {replica.name} refused the request: {exc}",
+                        INTAKE_RETRY_AFTER_S,
+                    ) from exc
+                if ack.duplicate:
+                    # Accepted before (a client retry after a gateway restart): its answer
+                    # may have been published before our waiter existed; the KV has it.
+                    stored = await self.stored_result(intake.key)
+                    if stored is not None:
+                        return stored
+                while True:
+                    done, _ = await asyncio.wait({waiter}, timeout=0.25)
+                    if done:
+                        result = waiter.result()
+                        if not (result.error and result.replica in excluded):
+                            return result
+                        # The replica it left failed it; the one it runs on answers.
+                        waiter = asyncio.get_running_loop().create_future()
+                        self._waiters[intake.key] = waiter
+                        continue
+                    now = self.clock()
+                    if now > deadline:
                         stored = await self.stored_result(intake.key)
                         if stored is not None:
                             return stored
-                    while True:
-                        done, _ = await asyncio.wait({waiter}, timeout=0.25)
-                        if done:
-                            result = waiter.result()
-                            if not (result.error and result.replica in excluded):
-                                return result
-                            # The replica it left failed it; the one it runs on answers.
-                            waiter = asyncio.get_running_loop().create_future()
-                            self._waiters[intake.key] = waiter
-                            continue
-                        now = self.clock()
-                        if now > deadline:
+                        raise TimeoutError(
+                            f"no answer for {intake.key} in {self.config.request_timeout_s}s"
+                        )
+                    others = [r for r in self.router.pool(now) if r.name != replica.name]
+                    if (
+                        self.router.in_pool(replica.name, now)
+                        or self.router.is_finishing(replica.name, now)
+                        or self.is_bus_silent(now)
+                    ):
+                        # In the pool, or draining (a scale-down): it answers what it
+                        # was sent; re-routed only if it falls silent. A silent bus (the
+                        # nats-server paused) is not the replica leaving.
+                        unready_since = None
+                    elif others:
+                        log.warning(
+                            "replica %s left the pool; re-routing %s", replica.name, intake.key
+                        )
+                        excluded.append(replica.name)
+                        break
+                    elif routed_in_pool:
+                        unready_since = now if unready_since is None else unready_since
+                        if now - unready_since > self.config.replica_unready_fail_s:
                             stored = await self.stored_result(intake.key)
                             if stored is not None:
                                 return stored
-                            raise TimeoutError(
-                                f"no answer for {intake.key} in {self.config.request_timeout_s}s"
+                            raise ReplicaUnavailable(
+                                f"replica {replica.name} left the pool (a stage dead or "
+                                f"re-forming) {now - unready_since:.1f} s ago and no other "
+                                f"replica is in it; {intake.request_id} was not answered, "
+                                "retry it"
                             )
-                        others = [r for r in self.router.pool(now) if r.name != replica.name]
-                        if (
-                            self.router.in_pool(replica.name, now)
-                            or self.router.is_finishing(replica.name, now)
-                            or self.is_bus_silent(now)
-                        ):
-                            # In the pool, or draining (a scale-down): it answers what it
-                            # was sent; re-routed only if it falls silent. A silent bus (the
-                            # nats-server paused) is not the replica leaving.
-                            unready_since = None
-                        elif others:
-                            log.warning(
-                                "replica %s left the pool; re-routing %s", replica.name, intake.key
-                            )
-                            excluded.append(replica.name)
-                            break
-                        elif routed_in_pool:
-                            unready_since = now if unready_since is None else unready_since
-                            if now - unready_since > self.config.replica_unready_fail_s:
-                                stored = await self.stored_result(intake.key)
-                                if stored is not None:
-                                    return stored
-                                raise ReplicaUnavailable(
-                                    f"replica {replica.name} left the pool (a stage dead or "
-                                    f"re-forming) {now - unready_since:.1f} s ago and no other "
-                                    f"replica is in it; {intake.request_id} was not answered, "
-                                    "retry it"
-                                )
-                finally:
-                    replica.num_outstanding -= 1
-        finally:
-            self._waiters.pop(intake.key, None)
-            self._routed.pop(intake.key, None)
+            finally:
+                replica.num_outstanding -= 1
 
 
 __all__ = ["Gateway", "GatewayMetrics", "LimitExceeded"]

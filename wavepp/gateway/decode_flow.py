@@ -50,22 +50,13 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 
-from wavepp.api.kv_handoff import (
-    LENGTH_BYTES,
-    PARAMS_KEY,
-    HandoffError,
-    HandoffParams,
-    encode_json,
-    expires_text,
-    parse_json_frame,
-)
 from wavepp.api.prefill import PrefillResult
 from wavepp.gateway.decode import (
     CompletionClock,
@@ -81,6 +72,7 @@ from wavepp.gateway.decode import (
 from wavepp.gateway.errors import error_body
 from wavepp.gateway.metrics import GatewayMetrics
 from wavepp.gateway.validation import CompletionRequest
+from wavepp.runtime.serving.handoff import release_handoff
 from wavepp.telemetry import tracing
 
 log = logging.getLogger(__name__)
@@ -89,50 +81,6 @@ __all__ = ["DecodeFlow", "release_handoff"]
 
 Prefill = Callable[[], Awaitable[tuple[int, object, dict]]]
 Answered = Callable[[int], None]
-
-
-async def _release_stage(params: HandoffParams, addr: str, timeout_s: float) -> str:
-    host, _, port = addr.rpartition(":")
-    ask = {
-        "op": "release",
-        "request_id": params.request_id,
-        "expires": float(expires_text(params.expires)),
-        "token": params.token,
-    }
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
-    try:
-        writer.write(encode_json(ask))
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readexactly(LENGTH_BYTES), timeout_s)
-        body = await asyncio.wait_for(reader.readexactly(int.from_bytes(head, "big")), timeout_s)
-        answer = parse_json_frame(body)
-        return "" if answer.get("ok") else str(answer.get("error", "refused"))
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-
-
-async def release_handoff(kv_transfer_params: Mapping[str, object], timeout_s: float = 5.0) -> int:
-    """End a handoff's lease on every stage now (``wavepp.api.kv_handoff``'s ``release`` op
-    with the prefill answer's token). Returns how many stages released it; a stage that holds
-    no such lease (already pulled, expired) or cannot be reached is logged, not raised."""
-    try:
-        params = HandoffParams.from_json(kv_transfer_params[PARAMS_KEY])  # type: ignore[arg-type]
-    except (KeyError, TypeError, HandoffError) as exc:
-        log.warning("handoff not released: %s", exc)
-        return 0
-    outcomes = await asyncio.gather(
-        *(_release_stage(params, s.addr, timeout_s) for s in params.stages),
-        return_exceptions=True,
-    )
-    released = 0
-    for stage, outcome in zip(params.stages, outcomes, strict=True):
-        if outcome == "":
-            released += 1
-        else:
-            log.info("release of %s on %s: %r", params.request_id, stage.addr, outcome)
-    return released
 
 
 class DecodeFlow:

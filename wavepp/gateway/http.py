@@ -24,7 +24,9 @@ no such route, 405 wrong method, 413 body over ``errors.MAX_BODY_BYTES`` (``limi
 without a tokenizer, 429 over a tenant limit, too many failed keys, or past the gateway's queue
 limit (``field`` ``queue``, ``limit`` = ``max_queued_requests``; both with ``Retry-After``), 500
 the pipeline failed the request, 503 intake unavailable (JetStream store full or disabled: at
-once, never after accepting the request; with ``Retry-After``), 504 no answer in time. aiohttp's own
+once, never after accepting the request), no replica in the pool, or the replica failed it
+for a transient cause (``PrefillResult.retryable``: a stage down or re-forming) (all three
+with ``Retry-After``), 504 no answer in time. aiohttp's own
 errors (413, 404, 405) are rewritten by ``errors.error_middleware``. The NATS API on
 ``wavepp.{ns}.{pool}.prefill`` (queue group ``gateway``) takes the ``/v1/prefill`` body and answers
 ``{"status": code, "body": ...}``.
@@ -49,7 +51,12 @@ from wavepp.api.prefill import PrefillResult
 from wavepp.api.subjects import prefill_subject
 from wavepp.gateway.auth import AuthError, authenticator_for
 from wavepp.gateway.chat_template import load_chat_template
-from wavepp.gateway.config import INTAKE_RETRY_AFTER_S, GatewayConfig, IntakeUnavailable
+from wavepp.gateway.config import (
+    INTAKE_RETRY_AFTER_S,
+    REPLICA_RETRY_AFTER_S,
+    GatewayConfig,
+    IntakeUnavailable,
+)
 from wavepp.gateway.core import Gateway
 from wavepp.gateway.decode import DecodePool
 from wavepp.gateway.decode_flow import DecodeFlow
@@ -232,6 +239,9 @@ class GatewayServer:
             log.exception("prefill failed")
             retry = {"Retry-After": str(max(1, math.ceil(INTAKE_RETRY_AFTER_S)))}
             return 503, error_body("intake", str(exc), kind="unavailable"), retry
+        if result.error and result.retryable:
+            retry = {"Retry-After": str(max(1, math.ceil(REPLICA_RETRY_AFTER_S)))}
+            return 503, error_body("request", result.error, kind="unavailable"), retry
         if result.error:
             return 500, error_body("request", result.error, kind="server_error"), {}
         return 200, result, ({"X-WavePP-Duplicate": "true"} if is_duplicate else {})

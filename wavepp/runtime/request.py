@@ -84,6 +84,9 @@ class RequestOutcome:
     stage_hits: tuple[int, ...] = ()  # h_s per stage at agreement, blocks (device + host)
     stage_host_hits: tuple[int, ...] = ()  # m_s per stage: the host-tier part of h_s
     handoff_expires: float = 0.0  # > 0: the stages hold its KV for a decode engine until then
+    # failed for a transient cause (a stage did not answer its agreement: down or re-forming);
+    # the same prompt may be served when sent again
+    is_retryable: bool = False
     # (rank, L*) as each stage reported it for each of the request's chunks
     stage_agreed_blocks: list[tuple[int, int]] = field(default_factory=list)
 

@@ -153,10 +153,13 @@ class SchedulerCore(DoneAccounting):
         self._finish(record, error=f"request_id {record.request_id!r} is already in flight")
         return True
 
-    def fail(self, record: RequestRecord, error: str) -> None:
+    def fail(self, record: RequestRecord, error: str, *, is_retryable: bool = False) -> None:
         """A request that ends before admission (its prompt can never fit, an agreement
-        error)."""
+        error); ``is_retryable``: a transient cause (``RequestOutcome.is_retryable``)."""
         self._finish(record, error=error)
+        assert record.outcome is not None
+        if is_retryable and record.outcome.error == error:
+            record.outcome.is_retryable = True
 
     def admitted(self, record: RequestRecord, ticket: Ticket) -> None:
         """The agreement succeeded: index the record (ADMITTED); the planner sees it once the

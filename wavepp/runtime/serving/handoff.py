@@ -8,18 +8,36 @@ carries ``kv_transfer_params`` that the decode engine's request consumes.
 
 A P/D router passes them unchanged into the decode request, as it does a NixlConnector's; the
 decode engine's ``WavePPConnector`` pulls the KV from the stages named there.
+
+``release_handoff`` ends such a lease on every stage at once (the gateway when the decode
+fails, the admission when the gateway cancelled the request) instead of at its expiry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from wavepp.api.kv_handoff import HANDOFF_DOMAIN, PARAMS_KEY, HandoffParams, StageEndpoint
+from wavepp.api.kv_handoff import (
+    HANDOFF_DOMAIN,
+    LENGTH_BYTES,
+    PARAMS_KEY,
+    HandoffError,
+    HandoffParams,
+    StageEndpoint,
+    encode_json,
+    expires_text,
+    parse_json_frame,
+)
 from wavepp.api.kv_handoff import token_payload as _payload
 from wavepp.api.signing import BusKey
 
-__all__ = ["handoff_token", "kv_transfer_params", "stage_endpoints"]
+log = logging.getLogger(__name__)
+
+__all__ = ["handoff_token", "kv_transfer_params", "release_handoff", "stage_endpoints"]
 
 
 def handoff_token(replica_key: BusKey, request_id: str, expires: float) -> str:
@@ -61,3 +79,47 @@ def kv_transfer_params(
         stages=tuple(endpoints),
     )
     return {"do_remote_prefill": True, "do_remote_decode": False, PARAMS_KEY: params.to_json()}
+
+
+async def _release_stage(params: HandoffParams, addr: str, timeout_s: float) -> str:
+    host, _, port = addr.rpartition(":")
+    ask = {
+        "op": "release",
+        "request_id": params.request_id,
+        "expires": float(expires_text(params.expires)),
+        "token": params.token,
+    }
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+    try:
+        writer.write(encode_json(ask))
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readexactly(LENGTH_BYTES), timeout_s)
+        body = await asyncio.wait_for(reader.readexactly(int.from_bytes(head, "big")), timeout_s)
+        answer = parse_json_frame(body)
+        return "" if answer.get("ok") else str(answer.get("error", "refused"))
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def release_handoff(kv_transfer_params: Mapping[str, object], timeout_s: float = 5.0) -> int:
+    """End a handoff's lease on every stage now (``wavepp.api.kv_handoff``'s ``release`` op
+    with the prefill answer's token). Returns how many stages released it; a stage that holds
+    no such lease (already pulled, expired) or cannot be reached is logged, not raised."""
+    try:
+        params = HandoffParams.from_json(kv_transfer_params[PARAMS_KEY])  # type: ignore[arg-type]
+    except (KeyError, TypeError, HandoffError) as exc:
+        log.warning("handoff not released: %s", exc)
+        return 0
+    outcomes = await asyncio.gather(
+        *(_release_stage(params, s.addr, timeout_s) for s in params.stages),
+        return_exceptions=True,
+    )
+    released = 0
+    for stage, outcome in zip(params.stages, outcomes, strict=True):
+        if outcome == "":
+            released += 1
+        else:
+            log.info("release of %s on %s: %r", params.request_id, stage.addr, outcome)
+    return released

@@ -56,6 +56,7 @@ def result_from_outcome(
         stage_host_hits=list(outcome.stage_host_hits),
         stages=stages,
         error=outcome.error,
+        retryable=outcome.is_retryable,
         kv_transfer_params=transfer,
     )
 

@@ -33,6 +33,16 @@ the other's answer (a stored error of another replica is run again here; an erro
 overwrites a stored answer). It subscribes to the pipeline's plans and done messages to report per-stage
 timings of each request (prepare and execute seconds, summed over the request's micro-batches).
 
+Cancels: the gateway publishes an ``IntakeCancel`` on ``{p}.cancel`` for a request it gave up
+on (answered with an error, or its client left). The service remembers it
+(``cancels.CancelMemory``); the cancelled message (same key and ``arrival_s``) is then acked
+unserved when it is delivered (a redelivery), and one already running (kept in progress, or
+re-admitted after a re-form) has its KV handoff lease released on every stage as soon as its
+prefill ends, its result neither stored nor published; a retry of it (same key, another
+arrival) that comes while it runs revokes the cancel and gets its answer. A cancel lost on the
+bus (none of the replica's admission instances subscribed: one restarting) leaves the lease to
+its expiry (``handoff_lease_s``).
+
 With a bus key (``wavepp.api.signing``; ``bus_key``) the service signs its KV ops, plans,
 heartbeats (numbered, stamped) and results with its replica's key, and answers a redelivery
 from the results bucket only with an entry whose tag checks (an entry planted by a client is
@@ -59,9 +69,16 @@ from nats.js.api import (
 )
 
 from wavepp.api.messages import MicroBatchDone
-from wavepp.api.prefill import Heartbeat, IntakeRequest, PrefillResult, StageTiming
+from wavepp.api.prefill import (
+    Heartbeat,
+    IntakeCancel,
+    IntakeRequest,
+    PrefillResult,
+    StageTiming,
+)
 from wavepp.api.signing import BusKey
 from wavepp.api.subjects import (
+    cancel_subject,
     heartbeat_subject,
     intake_stream,
     intake_subject,
@@ -76,7 +93,8 @@ from wavepp.runtime.planning.host_load import serving_agreed_blocks
 from wavepp.runtime.request import PromptRequest, RequestOutcome
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
-from wavepp.runtime.serving.handoff import kv_transfer_params, stage_endpoints
+from wavepp.runtime.serving.cancels import CancelMemory
+from wavepp.runtime.serving.handoff import kv_transfer_params, release_handoff, stage_endpoints
 from wavepp.runtime.serving.reform import ReformTracker
 from wavepp.runtime.serving.results import ResultStore, result_from_outcome, result_is_authentic
 from wavepp.runtime.transport.jetstream import ensure_intake
@@ -186,6 +204,8 @@ class AdmissionService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(max_concurrent)
         self._timings: dict[str, dict[int, StageTiming]] = defaultdict(dict)
+        self.cancelled = CancelMemory()
+        self.num_cancelled = 0  # cancelled messages acked unserved or released at once
 
     @property
     def is_intake_open(self) -> bool:
@@ -240,6 +260,10 @@ class AdmissionService:
             await self.scheduler.start()
             await ensure_intake(self.js, self.config.pipeline, namespace=self.config.namespace)
             await self.results.open(self.pool, self.config.namespace)
+            cancels = await self.nc.subscribe(
+                cancel_subject(self.config.pipeline, namespace=self.config.namespace),
+                cb=self._on_cancel,
+            )
             psub = await self.js.pull_subscribe(
                 intake_subject(self.config.pipeline, namespace=self.config.namespace),
                 durable="admission",
@@ -262,6 +286,8 @@ class AdmissionService:
             # connection's drain does not wait on it.
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await cancels.unsubscribe()
         finally:
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -408,6 +434,15 @@ class AdmissionService:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
+    async def _on_cancel(self, msg: Msg) -> None:
+        """Remember an ``IntakeCancel`` (module docstring); a malformed one is dropped."""
+        try:
+            cancel = IntakeCancel.model_validate_json(msg.data)
+        except ValueError as exc:
+            log.warning("invalid cancel dropped: %s", exc)
+            return
+        self.cancelled.add(cancel, time.monotonic())
+
     async def _handle(self, msg: Msg) -> None:
         try:
             try:
@@ -416,6 +451,15 @@ class AdmissionService:
                 log.error("invalid intake message terminated: %s", exc)
                 await msg.term()
                 return
+            if request in self.cancelled:
+                if request.key not in self._running:
+                    log.info("%s: cancelled by the gateway; acked unserved", request.key)
+                    self.num_cancelled += 1
+                    await msg.ack()
+                    return
+            elif request.key in self._running:
+                # a retry (another arrival) joins the cancelled one's run: it is answered
+                self.cancelled.discard(request.key)
             stored = await self.results.get(request.key)
             foreign = stored is not None and stored.result.replica != self.config.pipeline
             if foreign and stored.result.error:
@@ -436,6 +480,10 @@ class AdmissionService:
             keepalive = asyncio.create_task(self._keep_in_progress(msg))
             try:
                 result = await asyncio.shield(running)
+                if request in self.cancelled:
+                    await self._drop_cancelled(request, result)
+                    await msg.ack()
+                    return
                 if self.replica_key is not None:
                     result = self.replica_key.sign(result)
                 data = result.model_dump_json().encode()
@@ -457,6 +505,19 @@ class AdmissionService:
             log.exception("intake message failed; it will be redelivered")
         finally:
             self._slots.release()
+
+    async def _drop_cancelled(self, request: IntakeRequest, result: PrefillResult) -> None:
+        """A cancelled request's prefill ended: release its handoff lease on every stage now;
+        nobody waits for its result, which is neither stored nor published."""
+        self.num_cancelled += 1
+        released = 0
+        if result.kv_transfer_params:
+            released = await release_handoff(result.kv_transfer_params)
+        log.info(
+            "%s: cancelled by the gateway; its prefill ended, handoff released on %d stages",
+            request.key,
+            released,
+        )
 
     async def _keep_in_progress(self, msg: Msg) -> None:
         while True:

@@ -168,7 +168,11 @@ class AsyncAdmission(AdmissionStrategy):
             return False
         except Exception as exc:
             log.exception("agreement for %s failed", request.request_id)
-            self._fail(record, f"agreement failed: {exc}")
+            self._fail(
+                record,
+                f"agreement failed: {exc}",
+                is_retryable=isinstance(exc, StageUnavailableError),
+            )
             return False
         self._admitted(record, ticket)
         return True

@@ -153,8 +153,8 @@ class AdmissionStrategy(ABC):
         # Nothing in flight will free blocks: only lease expiry can. Back off.
         await asyncio.sleep(0.05)
 
-    def _fail(self, record: RequestRecord, error: str) -> None:
-        self.core.fail(record, error)
+    def _fail(self, record: RequestRecord, error: str, *, is_retryable: bool = False) -> None:
+        self.core.fail(record, error, is_retryable=is_retryable)
         self.scheduler.deliver_finished()
 
     def _admitted(self, record: RequestRecord, ticket: Ticket) -> None:

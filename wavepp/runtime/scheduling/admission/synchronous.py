@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from wavepp.runtime.agreement import AgreementRefused
+from wavepp.runtime.agreement import AgreementRefused, StageUnavailableError
 from wavepp.runtime.request import RequestStatus
 from wavepp.runtime.scheduling.admission.contract import AdmissionHost, AdmissionStrategy
 from wavepp.runtime.scheduling.core import RequestRecord
@@ -96,7 +96,11 @@ class SyncAdmission(AdmissionStrategy):
             except Exception as exc:
                 log.exception("agreement for %s failed", request.request_id)
                 self._head = None
-                self._fail(record, f"agreement failed: {exc}")
+                self._fail(
+                    record,
+                    f"agreement failed: {exc}",
+                    is_retryable=isinstance(exc, StageUnavailableError),
+                )
                 continue
             if ticket is None:
                 self._head_refusals += 1
