@@ -76,6 +76,9 @@ def test_dashboards_fill_under_wavepp_up(up: tuple[UpService, int]) -> None:
     # of them meet on one replica's stages: waves of four until a refusal was counted, 5 at most).
     for seed in range(4):
         assert _post(url, {"tenant": "default", "token_ids": _tokens(seed, 40)})[0] == 200
+    # an OpenAI completion served by the prefill alone (max_tokens 1): the completion TTFT
+    completion = {"prompt": _tokens(99, 2), "max_tokens": 1}
+    assert _post(f"{service.endpoint}/v1/completions", completion)[0] == 200
     endpoints = service.processes()["metrics"]
     for wave in range(5):
         answers: list[int] = []
@@ -113,7 +116,8 @@ def test_dashboards_fill_under_wavepp_up(up: tuple[UpService, int]) -> None:
     scraped: set[str] = set()
     for text in [_get(u) for u in endpoints.values()] + [_get(f"{service.endpoint}/metrics")]:
         for family in text_string_to_metric_families(text):
-            scraped |= {sample.name for sample in family.samples}
+            if family.samples:  # a histogram's family name (a panel's text may name it)
+                scraped |= {family.name} | {sample.name for sample in family.samples}
     queried: set[str] = set()
     for path in DASHBOARDS:
         queried |= set(re.findall(r"\bwavepp_[a-z0-9_]+", path.read_text()))
@@ -121,7 +125,13 @@ def test_dashboards_fill_under_wavepp_up(up: tuple[UpService, int]) -> None:
     # The store's limit gauge exists only where the JetStream store is capped (this spec sets
     # no cap); the live Prometheus check (tests/telemetry) caps it and reads the gauge.
     only_with_a_store_limit = {"wavepp_gateway_jetstream_store_limit_bytes"}
-    assert queried - scraped - only_with_a_store_limit == set()
+    # The time per output token needs tokens after the first: a decode engine, which this spec
+    # has none of (tests/gateway/test_decode_observability.py observes it).
+    only_with_decode = {
+        "wavepp_gateway_time_per_output_token_seconds",
+        "wavepp_gateway_time_per_output_token_seconds_bucket",
+    }
+    assert queried - scraped - only_with_a_store_limit - only_with_decode == set()
 
 
 def test_stage_killed_under_wavepp_up_no_request_fails(up: tuple[UpService, int]) -> None:
