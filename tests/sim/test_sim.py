@@ -244,3 +244,4 @@ def test_wavepp_sim_runs_32_x_c_requests_per_setting_by_default(
     results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     runs = [(r["concurrency"], r[mode]["requests"]) for r in results for mode in ("wave", "sync")]
     assert sorted(runs) == [(1, 32), (1, 32), (2, 64), (2, 64)]
+    assert {r[mode]["model"] for r in results for mode in ("wave", "sync")} == {"minimax-m2.7"}

@@ -244,7 +244,8 @@ def run(args: argparse.Namespace) -> int:
             report = simulate(
                 config, planner_cost, workload, concurrency=concurrency, latencies=latencies
             )
-            summaries[mode] = report.summary()
+            # the model simulated (its cost); the config's ModelConfig only shapes the tokens
+            summaries[mode] = report.summary() | {"model": plan.model}
             if bound is not None:
                 summary = summaries[mode]
                 fraction = summary["cache_hit_ratio"]
