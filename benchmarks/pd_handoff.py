@@ -1,10 +1,11 @@
 """WavePP prefill -> vLLM decode through the KV handoff, checked against vLLM's own prefill.
 
 A random-weight float32 Hugging Face checkpoint of ``--family`` (made in ``--work-dir``):
-``llama`` (``CHECKPOINT_SHAPE``) or ``minimax_m2`` (``MINIMAX_SHAPE``: GQA with QK-norm and
-partial RoPE, sigmoid-routed experts) is prefilled by a WavePP pipeline of 2 stage processes (``LocalPipeline``, blocks
+``llama`` (``CHECKPOINT_SHAPE``), ``minimax_m2`` (``MINIMAX_SHAPE``: GQA with QK-norm and
+partial RoPE, sigmoid-routed experts) or ``deepseek_v3`` (``DEEPSEEK_SHAPE``: MLA, a latent
+cache handed over as one "head" per token, and sigmoid-routed experts) is prefilled by a WavePP pipeline of 2 stage processes (``LocalPipeline``, blocks
 of ``--wavepp-block-size`` tokens) and decoded by one vLLM engine (``decode_runner`` in vLLM's
-environment, ``--vllm-python``, blocks of 32 tokens, ``WavePPConnector``). Prompts: the first
+environment, ``--vllm-python``, blocks of 32 tokens (16 for MLA), ``WavePPConnector``). Prompts: the first
 ``--requests`` records of the Mooncake trace (``data/traces``), ``--tokens-per-block`` tokens per
 trace block, so requests share prefixes as in the trace and reuse cached blocks on the stages.
 
@@ -26,6 +27,7 @@ on the stages at the end: 0 when every lease ended).
     scripts/vllm-venv.sh
     python benchmarks/pd_handoff.py --json
     python benchmarks/pd_handoff.py --json --family minimax_m2
+    python benchmarks/pd_handoff.py --json --family deepseek_v3
 
 This is a benchmark: it measures and prints; it asserts nothing.
 """
@@ -80,10 +82,39 @@ MINIMAX_SHAPE: dict[str, Any] = {
     "scoring_func": "sigmoid",
     "use_routing_bias": True,
 }
-SHAPES: dict[str, dict[str, Any]] = {"llama": CHECKPOINT_SHAPE, "minimax_m2": MINIMAX_SHAPE}
-"""The checkpoint of each ``--family`` (Hugging Face ``model_type``): the GQA families that both
-WavePP's torch engine and vLLM's CPU build serve. The MLA families (``deepseek_v3``,
-``glm_moe_dsa``, ``kimi_linear``) cache a latent, which a stage does not hand off."""
+DEEPSEEK_SHAPE: dict[str, Any] = {
+    **{k: v for k, v in CHECKPOINT_SHAPE.items() if k != "num_key_value_heads"},
+    "num_key_value_heads": 4,
+    "q_lora_rank": 64,
+    # vLLM's CPU MLA backend takes only a 576-wide latent row: kv_lora_rank 512 + rope 64
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "moe_intermediate_size": 64,  # per expert; vLLM's CPU experts need a multiple of 32
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True,
+    # keys of the published DeepSeek-V3 config.json that vLLM's model reads (it loads the
+    # routing bias only with noaux_tc) and transformers' DeepseekV3Config does not write
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+}
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama": CHECKPOINT_SHAPE,
+    "minimax_m2": MINIMAX_SHAPE,
+    "deepseek_v3": DEEPSEEK_SHAPE,
+}
+"""The checkpoint of each ``--family`` (Hugging Face ``model_type``): the families whose every
+layer a stage hands over (K/V, or an MLA latent) and that vLLM's CPU build loads. Of the others,
+``glm_moe_dsa`` adds DSA indexer keys and ``kimi_linear`` KDA states, neither handed over."""
+VLLM_BLOCK_SIZES: dict[str, int] = {"deepseek_v3": 16}
+"""vLLM's block size where it is not ``VLLM_BLOCK_SIZE``: its CPU MLA backend takes 16 only."""
 
 
 LM_HEAD_SCALE = 30.0
@@ -95,9 +126,10 @@ widens every gap without touching the KV."""
 
 def make_checkpoint(out_dir: Path, seed: int = 0, family: str = "llama") -> Path:
     """Write (once) the random-weight float32 checkpoint of ``SHAPES[family]``, its ``lm_head``
-    scaled by ``LM_HEAD_SCALE``. In a MiniMax-M2 checkpoint the QK-norm and layer norm weights
-    are 1 + N(0, 0.1^2) and the routing biases N(0, 0.05^2) (transformers leaves them at 1 and
-    0), so that the handed-over K depends on the norms and the experts on the biases.
+    scaled by ``LM_HEAD_SCALE``. In a MiniMax-M2 or DeepSeek-V3 checkpoint the norm weights (QK-
+    or latent norms, layer norms) are 1 + N(0, 0.1^2) and the routing biases N(0, 0.05^2)
+    (transformers leaves them at 1 and 0), so that the handed-over K or latent depends on the
+    norms and the experts on the biases.
 
     Raises:
         ValueError: ``family`` is not a key of ``SHAPES``.
@@ -115,7 +147,7 @@ def make_checkpoint(out_dir: Path, seed: int = 0, family: str = "llama") -> Path
     )
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     with torch.no_grad():
-        if family == "minimax_m2":
+        if family in ("minimax_m2", "deepseek_v3"):
             for param in model.parameters():
                 if param.dim() == 1:
                     param.copy_(1.0 + 0.1 * torch.randn_like(param))
@@ -130,7 +162,14 @@ def make_checkpoint(out_dir: Path, seed: int = 0, family: str = "llama") -> Path
 class DecodeEngine:
     """``decode_runner`` in vLLM's environment: one JSON batch per line in, one answer out."""
 
-    def __init__(self, vllm_python: Path, model_dir: Path, work: Path, max_model_len: int) -> None:
+    def __init__(
+        self,
+        vllm_python: Path,
+        model_dir: Path,
+        work: Path,
+        max_model_len: int,
+        block_size: int = VLLM_BLOCK_SIZE,
+    ) -> None:
         self.stats_path = work / "handoff-stats.jsonl"
         self.log_path = work / "vllm.log"
         self.stats_path.unlink(missing_ok=True)  # this engine's pulls only
@@ -145,7 +184,7 @@ class DecodeEngine:
             [
                 str(vllm_python),
                 *("-m", "wavepp.integrations.vllm.decode_runner", "--model", str(model_dir)),
-                *("--block-size", str(VLLM_BLOCK_SIZE), "--stats-path", str(self.stats_path)),
+                *("--block-size", str(block_size), "--stats-path", str(self.stats_path)),
                 *("--max-model-len", str(max_model_len)),
             ],
             env=env,
@@ -224,7 +263,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         seed=1,
     ).prompts
     max_len = max(len(p) for p in prompts) + args.decode_tokens + 1
-    engine = DecodeEngine(Path(args.vllm_python), model_dir, work, max_len)
+    vllm_block_size = VLLM_BLOCK_SIZES.get(args.family, VLLM_BLOCK_SIZE)
+    engine = DecodeEngine(Path(args.vllm_python), model_dir, work, max_len, vllm_block_size)
     config = RuntimeConfig(
         model=load_model_dir(model_dir),
         model_dir=str(model_dir),
@@ -346,7 +386,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "stage_pins_left": sum(int(s["pinned_blocks"]) for s in stats),
         "wall_s": handoff_wall_s,
         "wavepp_block_size": args.wavepp_block_size,
-        "vllm_block_size": VLLM_BLOCK_SIZE,
+        "vllm_block_size": vllm_block_size,
     }
 
 

@@ -66,11 +66,18 @@ def test_percentile() -> None:
 
 def test_checkpoint_of_each_family(tmp_path: Path) -> None:
     """The MiniMax-M2 checkpoint: vLLM's keys agree with what WavePP reads (the same rotated
-    dims, sigmoid routing); an unknown family is refused by name."""
+    dims, sigmoid routing); the DeepSeek-V3 one: the 576-wide latent vLLM-CPU's MLA backend
+    takes, and the routing keys under which vLLM loads the correction bias; a family with
+    caches the handoff does not carry is refused by name."""
     from wavepp.runtime.hf_config import layer_plan_from_hf
 
-    with pytest.raises(ValueError, match="family='deepseek_v3': choose one of"):
-        bench.make_checkpoint(tmp_path / "x", family="deepseek_v3")
+    with pytest.raises(ValueError, match="family='glm_moe_dsa': choose one of"):
+        bench.make_checkpoint(tmp_path / "x", family="glm_moe_dsa")
+    ds_dir = bench.make_checkpoint(tmp_path / "ds", family="deepseek_v3")
+    ds = json.loads((ds_dir / "config.json").read_text())
+    assert (ds["topk_method"], ds["scoring_func"]) == ("noaux_tc", "sigmoid")
+    mla = layer_plan_from_hf(ds).mla
+    assert mla is not None and mla.latent_dim == 576 and mla.rope_interleave
     model_dir = bench.make_checkpoint(tmp_path / "mm", family="minimax_m2")
     cfg = json.loads((model_dir / "config.json").read_text())
     assert cfg["model_type"] == "minimax_m2" and cfg["scoring_func"] == "sigmoid"

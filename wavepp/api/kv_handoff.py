@@ -9,10 +9,14 @@ decode side *pulls*: it opens one TCP connection per stage and speaks frames::
     frame := length (4 bytes, big-endian, <= MAX_FRAME_BYTES) || payload
     client -> stage   JSON {"op": "pull", "request_id", "expires", "token", "traceparent"?}
     stage  -> client  JSON {"ok": true, "num_tokens", "block_size", "first_layer",
-                            "last_layer", "num_kv_heads", "head_dim", "dtype"}
+                            "last_layer", "parts", "num_kv_heads", "head_dim", "dtype"}
                       then one binary frame per layer of [first_layer, last_layer): that
-                      layer's K then V of the prompt's tokens, C order
-                      [2, num_tokens, num_kv_heads, head_dim], little-endian ``dtype``
+                      layer's cache of the prompt's tokens, C order
+                      [parts, num_tokens, num_kv_heads, head_dim], little-endian ``dtype``
+
+``parts`` is 2 for grouped-query attention (K, then V) and 1 for multi-head latent attention
+(MLA), whose one "head" of ``head_dim = kv_lora_rank + qk_rope_head_dim`` is the normed latent
+followed by the roped key in the checkpoint's dimension order, as vLLM's MLA cache holds it.
     client -> stage   JSON {"op": "release", "request_id", "expires", "token"}
     stage  -> client  JSON {"ok": true}
 

@@ -2,7 +2,9 @@
 (block size 4) by its block table; the vLLM side maps them to its own blocks (size 8) and
 converts range and dtype for the backend's cache writer (which the end-to-end test runs).
 Per family: what a stage hands over is, layer by layer, the K/V transformers caches for the same
-checkpoint (K after the family's QK-norm and (partial) RoPE), or a refusal by name (MLA, KDA)."""
+checkpoint (K after the family's QK-norm and (partial) RoPE); for MLA the latent transformers
+caches (its roped key in the checkpoint's pair order, transformers' de-interleaved); or a
+refusal by name (DSA indexer keys, KDA states)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from wavepp.integrations.vllm.layout import kv_for_backend, slots_of
+from wavepp.integrations.vllm.layout import kv_for_backend, latent_for_backend, slots_of
 from wavepp.runtime.families import FAMILIES
 from wavepp.runtime.hf_config import load_model_dir
 from wavepp.runtime.stage.engine import ChunkSpec, make_engine
@@ -56,7 +58,7 @@ def test_overlap_seconds_counts_union_of_busy_time() -> None:
 
 def _prefill_two_stages(model_dir: Path, tokens: list[int], block: int) -> list[torch.Tensor]:
     """Prefill ``tokens`` in two chunks on stages [0, 2) and [2, 4) (shuffled block tables);
-    each layer's K/V as the stage's handoff reads it: [2, num_tokens, kv_heads, head_dim]."""
+    each layer's cache as the stage's handoff reads it: [parts, num_tokens, heads, dim]."""
     model = load_model_dir(model_dir)
     need = -(-len(tokens) // block)
     engines, tables = [], []
@@ -90,30 +92,68 @@ def _prefill_two_stages(model_dir: Path, tokens: list[int], block: int) -> list[
     return [
         read_layer_kv(cache, table, block, len(tokens))
         for engine, table in zip(engines, tables, strict=True)
-        for cache in engine.gqa_kv_caches()
+        for cache in engine.handoff_caches()
     ]
 
 
 GQA_FAMILIES = ["llama", "minimax_m2"]
-"""The registered families whose layers keep K/V (the others cache MLA latents or KDA states)."""
+"""The registered families whose layers keep K/V."""
+MLA_FAMILIES = ["deepseek_v3"]
+"""The registered families whose layers all keep an MLA latent and nothing else (glm_moe_dsa's
+layers add DSA indexer keys, kimi_linear's KDA states: neither is handed over)."""
 
 
-def test_gqa_families_are_the_registered_ones_with_kv() -> None:
-    assert set(GQA_FAMILIES) <= set(FAMILIES)
-    assert set(FAMILIES) - set(GQA_FAMILIES) == {"deepseek_v3", "glm_moe_dsa", "kimi_linear"}
+def test_handed_families_are_the_registered_ones_with_kv_or_latent() -> None:
+    assert set(GQA_FAMILIES + MLA_FAMILIES) <= set(FAMILIES)
+    assert set(FAMILIES) - set(GQA_FAMILIES + MLA_FAMILIES) == {"glm_moe_dsa", "kimi_linear"}
 
 
-@pytest.mark.parametrize("family", [*GQA_FAMILIES, "deepseek_v3"])
-def test_each_family_hands_over_transformers_kv_or_refuses(family: str, tmp_path: Path) -> None:
+def test_vllm_side_latent_split() -> None:
+    latent = torch.randn(1, 13, 1, 6 + 4, dtype=torch.float64)
+    c, k_pe = latent_for_backend(latent, 2, 10, kv_lora_rank=6, rope_dim=4, dtype=torch.float32)
+    assert c.shape == (10, 6) and k_pe.shape == (10, 1, 4) and c.dtype == torch.float32
+    assert c.is_contiguous() and k_pe.is_contiguous()
+    assert torch.equal(torch.cat((c, k_pe[:, 0]), dim=-1), latent[0, 2:12, 0].float())
+    with pytest.raises(ValueError, match=r"needs \[1, tokens, 1, 11\]"):
+        latent_for_backend(latent, 0, 1, kv_lora_rank=7, rope_dim=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="holds 13 tokens"):
+        latent_for_backend(latent, 5, 9, kv_lora_rank=6, rope_dim=4, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("family", "refusal"),
+    [
+        ("glm_moe_dsa", "a DSA indexer's key cache is not handed over"),
+        ("kimi_linear", "KDAAttention keeps no allocated K/V or MLA latent cache"),
+    ],
+)
+def test_a_stage_refuses_caches_the_handoff_does_not_carry(
+    family: str, refusal: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("transformers")
+    from wavepp.bench.checkpoints import save_random_checkpoint
+
+    save_random_checkpoint(family, tmp_path, num_layers=4, vocab_size=256)
+    engine = make_engine(
+        "torch",
+        model=load_model_dir(tmp_path),
+        first_layer=0,
+        last_layer=4,
+        num_layers_total=4,
+        model_dir=tmp_path,
+    )
+    engine.allocate_kv(4, 4)
+    with pytest.raises(ValueError, match=refusal):
+        engine.handoff_caches()
+
+
+@pytest.mark.parametrize("family", [*GQA_FAMILIES, *MLA_FAMILIES])
+def test_each_family_hands_over_transformers_cache(family: str, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")  # noqa: F841 (the reference's library)
     from wavepp.bench.checkpoints import save_random_checkpoint
 
     reference = save_random_checkpoint(family, tmp_path, num_layers=4, vocab_size=256)
     tokens = [random.Random(5).randrange(256) for _ in range(19)]
-    if family not in GQA_FAMILIES:  # an MLA latent cache: no K/V to hand over
-        with pytest.raises(ValueError, match="a KV handoff serves grouped-query attention"):
-            _prefill_two_stages(tmp_path, tokens, block=4)
-        return
     handed = _prefill_two_stages(tmp_path, tokens, block=4)
     with torch.inference_mode():
         cache = reference(torch.tensor([tokens]), use_cache=True).past_key_values
@@ -122,6 +162,9 @@ def test_each_family_hands_over_transformers_kv_or_refuses(family: str, tmp_path
         # transformers caches [batch, kv_heads, tokens, head_dim]; the wire is token-major
         keys = cache.layers[i].keys[0].transpose(0, 1)
         values = cache.layers[i].values[0].transpose(0, 1)
+        if family in MLA_FAMILIES:  # transformers caches the latent: (normed c, roped k)
+            _assert_latent_is(kv, keys, values)
+            continue
         assert kv.shape == (2, len(tokens), *keys.shape[1:])
         torch.testing.assert_close(kv[0], keys, atol=1e-4, rtol=0)
         torch.testing.assert_close(kv[1], values, atol=1e-4, rtol=0)
@@ -133,3 +176,23 @@ def test_each_family_hands_over_transformers_kv_or_refuses(family: str, tmp_path
         paged = torch.zeros(2, 6 * 8, *kv.shape[2:])
         paged[0, slots], paged[1, slots] = key, value
         assert torch.equal(paged[:, slots], kv)
+
+
+def _assert_latent_is(latent: torch.Tensor, normed: torch.Tensor, roped: torch.Tensor) -> None:
+    """``latent`` [1, T, 1, kv_lora_rank + rope] is transformers' MLA cache of the layer (its
+    "keys" the normed latent [T, 1, kv_lora_rank], its "values" the roped key [T, 1, rope],
+    de-interleaved: the wire keeps the checkpoint's pair order), and a vLLM CPU MLA cache row
+    (``do_kv_cache_update`` writes [latent | k_pe] at the slot) is the wire's row."""
+    num_tokens, _, rank = normed.shape
+    rope = roped.shape[-1]
+    assert latent.shape == (1, num_tokens, 1, rank + rope)
+    c, k_pe = latent_for_backend(
+        latent, 0, num_tokens, kv_lora_rank=rank, rope_dim=rope, dtype=torch.float32
+    )
+    torch.testing.assert_close(c, normed[:, 0], atol=1e-4, rtol=0)
+    de_interleaved = torch.cat((k_pe[..., 0::2], k_pe[..., 1::2]), dim=-1)
+    torch.testing.assert_close(de_interleaved, roped, atol=1e-4, rtol=0)
+    slots = slots_of([3, 0, 5], 8, 0, num_tokens)
+    flat = torch.zeros(6 * 8, rank + rope)
+    flat[slots, :rank], flat[slots, rank:] = c, k_pe[:, 0]
+    assert torch.equal(flat[slots], latent[0, :, 0])

@@ -26,8 +26,9 @@ that fails (stage gone, lease ended, wrong token) marks the request's blocks as 
 ``kv_connector_extra_config``: ``stats_path`` (optional): one JSON line per pull appended there
 ({"request_id", "bytes", "seconds", "ok", "error"}); ``timeout_s`` (default 30): per stage.
 
-The backend writes its own layout, so any attention backend with ``do_kv_cache_update`` and a
-K/V cache works; MLA (a latent cache) is not handed off (WavePP's stages refuse it).
+The backend writes its own layout, so any attention backend with ``do_kv_cache_update`` works:
+a K/V backend takes K and V (``layout.kv_for_backend``), an MLA backend (a layer with
+``kv_lora_rank``) the normed latent and the roped key (``layout.latent_for_backend``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from wavepp.api.kv_handoff import PARAMS_KEY, HandoffError, HandoffParams
-from wavepp.integrations.vllm.layout import kv_for_backend, slots_of
+from wavepp.integrations.vllm.layout import kv_for_backend, latent_for_backend, slots_of
 from wavepp.integrations.vllm.pull import KVTransport, TcpTransport
 
 if TYPE_CHECKING:
@@ -86,6 +87,39 @@ def _handoff_of(request: Request) -> dict[str, Any] | None:
     params = getattr(request, "kv_transfer_params", None) or {}
     value = params.get(PARAMS_KEY)
     return value if isinstance(value, dict) else None
+
+
+def _write_layer(layer: Any, kv: torch.Tensor, load: _Load, slots: torch.Tensor) -> None:
+    """Write tokens ``[load.start, load.start + load.count)`` of one pulled layer into vLLM's
+    cache at ``slots`` through the backend's own cache writer (its in-block layout).
+
+    Raises:
+        ValueError: the pulled layer's shape does not fit the layer's cache.
+    """
+    cache = layer.kv_cache
+    slots = slots.to(cache.device)
+    if hasattr(layer, "kv_lora_rank"):  # vLLM's MLAAttention: one latent "head" per token
+        latent, k_pe = latent_for_backend(
+            kv,
+            load.start,
+            load.count,
+            kv_lora_rank=int(layer.kv_lora_rank),
+            rope_dim=int(layer.qk_rope_head_dim),
+            dtype=cache.dtype,
+        )
+        layer.impl.do_kv_cache_update(
+            latent, k_pe, cache, slots, layer.kv_cache_dtype, layer._k_scale
+        )
+        return
+    key, value = kv_for_backend(
+        kv,
+        load.start,
+        load.count,
+        num_kv_heads=layer.num_kv_heads,
+        head_dim=layer.head_size,
+        dtype=cache.dtype,
+    )
+    layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
 
 
 class WavePPConnector(KVConnectorBase_V1):
@@ -175,17 +209,7 @@ class WavePPConnector(KVConnectorBase_V1):
                     raise HandoffError(
                         f"layer {index}: the stages handed over {len(pulled.layers)} layers"
                     )
-                cache = layer.kv_cache
-                key, value = kv_for_backend(
-                    pulled.layers[index],
-                    load.start,
-                    load.count,
-                    num_kv_heads=layer.num_kv_heads,
-                    head_dim=layer.head_size,
-                    dtype=cache.dtype,
-                )
-                # the backend's own cache writer: its in-block layout, its slot mapping
-                layer.impl.do_kv_cache_update(layer, key, value, cache, slots.to(cache.device))
+                _write_layer(layer, pulled.layers[index], load, slots)
             record["bytes"] = pulled.num_bytes
         except (HandoffError, ValueError) as exc:
             log.error("WavePP handoff of %s failed: %s", load.request_id, exc)

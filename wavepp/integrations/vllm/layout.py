@@ -7,6 +7,10 @@ block size); the connector hands K and V with those slots to the attention backe
 writer (``do_kv_cache_update``, the one vLLM's forward uses), so the backend's in-block layout
 (the CPU backend's ISA-specific packing, a GPU backend's NHD/HND) is never guessed here.
 ``kv_for_backend`` converts the rest explicitly: the token range, the dtype, the head shape.
+
+An MLA layer arrives as [1, num_tokens, 1, kv_lora_rank + qk_rope_head_dim] (the normed latent,
+then the roped key in the checkpoint's order: each row is what vLLM's MLA cache holds);
+``latent_for_backend`` splits it into the two inputs of an MLA backend's ``do_kv_cache_update``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["kv_for_backend", "slots_of"]
+__all__ = ["kv_for_backend", "latent_for_backend", "slots_of"]
 
 
 def slots_of(block_ids: Sequence[int], block_size: int, start: int, count: int) -> torch.Tensor:
@@ -59,3 +63,34 @@ def kv_for_backend(
         raise ValueError(f"kv holds {kv.shape[1]} tokens; tokens up to {start + count} asked")
     part = kv[:, start : start + count].to(dtype)
     return part[0].contiguous(), part[1].contiguous()
+
+
+def latent_for_backend(
+    latent: torch.Tensor,
+    start: int,
+    count: int,
+    *,
+    kv_lora_rank: int,
+    rope_dim: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The normed latent [count, kv_lora_rank] and the roped key [count, 1, rope_dim] of tokens
+    ``[start, start + count)`` of an MLA layer's ``latent`` [1, num_tokens, 1, kv_lora_rank +
+    rope_dim], contiguous, in ``dtype`` (what an MLA backend's ``do_kv_cache_update`` takes).
+
+    Raises:
+        ValueError: ``latent`` is not [1, tokens, 1, kv_lora_rank + rope_dim], or holds fewer
+            than ``start + count`` tokens.
+    """
+    width = kv_lora_rank + rope_dim
+    if latent.dim() != 4 or latent.shape[0] != 1 or tuple(latent.shape[2:]) != (1, width):
+        raise ValueError(
+            f"latent of shape {tuple(latent.shape)}; this MLA cache needs [1, tokens, 1, "
+            f"{width}] (kv_lora_rank {kv_lora_rank} + rope {rope_dim})"
+        )
+    if start + count > latent.shape[1]:
+        raise ValueError(
+            f"latent holds {latent.shape[1]} tokens; tokens up to {start + count} asked"
+        )
+    rows = latent[0, start : start + count, 0].to(dtype)
+    return rows[:, :kv_lora_rank].contiguous(), rows[:, None, kv_lora_rank:].contiguous()

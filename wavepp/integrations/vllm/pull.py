@@ -1,7 +1,8 @@
 """Pull one request's KV from every stage of a WavePP pipeline; standard library and torch only.
 
-``KVTransport`` is the extension point: ``pull(params)`` returns checkpoint layer i's K/V as a
-tensor [2, num_tokens, num_kv_heads, head_dim] for every layer, having released the stages'
+``KVTransport`` is the extension point: ``pull(params)`` returns checkpoint layer i's cache as a
+tensor [parts, num_tokens, num_kv_heads, head_dim] for every layer (K/V: parts 2; an MLA
+latent: parts 1, one head; ``wavepp.api.kv_handoff``), having released the stages'
 leases. ``TcpTransport`` (the default) speaks ``wavepp.api.kv_handoff``'s framed, authenticated
 protocol, one connection per stage, stages pulled concurrently (one thread each). Any failure
 raises ``HandoffError`` naming the stage and the cause; the stages release their lease when the
@@ -41,7 +42,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 @dataclass
 class PulledKV:
     """A request's KV from every stage: ``layers[i]`` is checkpoint layer i's
-    [2, num_tokens, num_kv_heads, head_dim]; ``num_bytes`` received; ``seconds`` wall."""
+    [parts, num_tokens, num_kv_heads, head_dim]; ``num_bytes`` received; ``seconds`` wall."""
 
     layers: list[torch.Tensor]
     num_tokens: int
@@ -90,7 +91,10 @@ def pull_stage(
             dtype = _DTYPES.get(str(head["dtype"]))
             if dtype is None:
                 raise HandoffError(f"{where}: dtype {head['dtype']!r} not supported")
-            shape = (2, num_tokens, int(head["num_kv_heads"]), int(head["head_dim"]))
+            parts = int(head["parts"])
+            if parts not in (1, 2):
+                raise HandoffError(f"{where}: parts={parts}; 2 (K, V) or 1 (MLA latent)")
+            shape = (parts, num_tokens, int(head["num_kv_heads"]), int(head["head_dim"]))
             expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
             layers: list[torch.Tensor] = []
             received = 0

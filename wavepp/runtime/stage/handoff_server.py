@@ -62,17 +62,18 @@ _KEPT_INTERVALS = 16384
 def read_layer_kv(
     cache: torch.Tensor, block_ids: Sequence[int], block_size: int, num_tokens: int
 ) -> torch.Tensor:
-    """One layer's K and V of a request's first ``num_tokens`` tokens.
+    """One layer's cache of a request's first ``num_tokens`` tokens.
 
     Args:
-        cache: the layer's paged cache [2, num_slots, num_kv_heads, head_dim] (slot of token t:
+        cache: the layer's paged cache [parts, num_slots, num_kv_heads, head_dim] (K/V: parts
+            2; an MLA latent: parts 1, one head) (slot of token t:
             ``block_ids[t // block_size] * block_size + t % block_size``).
         block_ids: the request's blocks in block order.
         block_size: tokens per block.
         num_tokens: tokens to read.
 
     Returns:
-        A contiguous copy [2, num_tokens, num_kv_heads, head_dim].
+        A contiguous copy [parts, num_tokens, num_kv_heads, head_dim].
 
     Raises:
         ValueError: ``block_ids`` cannot hold ``num_tokens``.
@@ -112,8 +113,9 @@ class HandoffServer:
 
     Args:
         leases: the stage's handoff leases (loop-thread owned, like its KV manager).
-        layer_caches: local layer i's cache [2, num_slots, num_kv_heads, head_dim], for
-            checkpoint layers ``[first_layer, last_layer)`` in order.
+        layer_caches: local layer i's cache [parts, num_slots, num_kv_heads, head_dim] (the
+            engine's ``handoff_caches``), for checkpoint layers ``[first_layer, last_layer)``
+            in order.
         first_layer, last_layer: the checkpoint layers this stage owns.
         block_size: tokens per block.
         key: the replica's key; tokens are its ``mac_bytes(HANDOFF_DOMAIN, ...)``. None: every
@@ -281,7 +283,7 @@ class HandoffServer:
         began = self.clock()
         try:
             caches = list(self.layer_caches())
-        except (AttributeError, ValueError) as exc:  # an engine without K/V caches
+        except (AttributeError, ValueError) as exc:  # an engine without a handed-over cache
             self.leases.release(request_id)
             raise HandoffError(f"this stage cannot serve its KV: {exc}") from exc
         first = caches[0]
@@ -294,6 +296,7 @@ class HandoffServer:
                     "block_size": self.block_size,
                     "first_layer": self.first_layer,
                     "last_layer": self.last_layer,
+                    "parts": int(first.shape[0]),
                     "num_kv_heads": int(first.shape[2]),
                     "head_dim": int(first.shape[3]),
                     "dtype": str(first.dtype).removeprefix("torch."),

@@ -138,7 +138,7 @@ class StageWorker(StageCompute):
         self.handoff_leases = HandoffLeases(self.core.manager.pool)
         self.handoff = HandoffServer(
             self.handoff_leases,
-            lambda: engine.gqa_kv_caches(),  # type: ignore[attr-defined]
+            lambda: engine.handoff_caches(),  # type: ignore[attr-defined]
             first_layer=first_layer,
             last_layer=last_layer,
             block_size=config.block_size,

@@ -313,22 +313,32 @@ class DecoderStageEngine(PagedStageEngineBase):
         self._check_transfers(transfers)
         self.host_copies.apply(transfers)
 
-    def gqa_kv_caches(self) -> list[torch.Tensor]:
-        """Each local layer's paged K/V cache [2, num_slots, num_kv_heads / T, head_dim], layer
-        order (views: what the layers read and write).
+    def handoff_caches(self) -> list[torch.Tensor]:
+        """Each local layer's paged cache as a KV handoff reads it, [parts, num_slots, heads,
+        dim], layer order (views: what the layers read and write): grouped-query attention's
+        K/V [2, num_slots, num_kv_heads / T, head_dim]; MLA's latent [1, num_slots, 1,
+        kv_lora_rank + qk_rope_head_dim] (the normed latent, then the roped key: one "head",
+        as vLLM's MLA cache holds it).
 
         Raises:
-            ValueError: a layer's attention keeps no K/V (MLA latents, linear attention), or
-                the cache is not allocated.
+            ValueError: a layer keeps no such cache (linear attention's states), keeps a
+                cache the handoff does not carry (a DSA indexer's keys), or is not allocated.
         """
         caches: list[torch.Tensor] = []
         for index, layer in enumerate(self._layers, start=self.first_layer):
-            if not isinstance(layer.attn, GQAAttention) or layer.attn.cache is None:
+            attn = layer.attn
+            if not isinstance(attn, GQAAttention | MLAAttention) or attn.cache is None:
                 raise ValueError(
-                    f"layer {index}: {type(layer.attn).__name__} keeps no allocated K/V cache; "
-                    "a KV handoff serves grouped-query attention layers only"
+                    f"layer {index}: {type(attn).__name__} keeps no allocated K/V or MLA "
+                    "latent cache; a KV handoff serves grouped-query and MLA attention layers"
                 )
-            caches.append(layer.attn.cache)
+            if layer.indexer is not None:
+                raise ValueError(
+                    f"layer {index}: a DSA indexer's key cache is not handed over; a KV "
+                    "handoff serves grouped-query and MLA attention layers without one"
+                )
+            cache = attn.cache
+            caches.append(cache if isinstance(attn, GQAAttention) else cache[None, :, None, :])
         return caches
 
     @property

@@ -19,6 +19,7 @@ __all__ = [
     "attend",
     "causal_mask",
     "apply_rope_interleaved",
+    "apply_rope_pairs",
     "apply_rope_rotate_half",
     "rms_norm",
     "rms_norm_sharded",
@@ -99,6 +100,17 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     c, s = cos[:, None, :half], sin[:, None, :half]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on pairs ``(x0, x1), (x2, x3), ...`` of ``x`` [T, heads, d], output in the same pair
+    order (GPT-J style, vLLM's ``is_neox_style=False``): ``apply_rope_interleaved``'s values,
+    re-interleaved. Dot products of two tensors both roped this way equal those of both roped
+    by ``apply_rope_interleaved`` (one permutation applied to both)."""
+    half = cos.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
 
 
 def causal_mask(context_offset: int, num_tokens: int, device: torch.device) -> torch.Tensor:

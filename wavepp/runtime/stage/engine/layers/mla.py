@@ -5,7 +5,7 @@ Per layer, for ``x`` = the input-normed activations [T, hidden]::
     q = x Wq^T                          or, with q_lora_rank:  q = RMSNorm(x Wqa^T) Wqb^T
     q -> [T, H, d_nope + d_rope];  q_nope, q_rot = split
     c, k_rot = split(x Wkva^T, [kv_lora_rank, d_rope]);  c = RMSNorm(c)
-    q_rot, k_rot = RoPE(q_rot, k_rot)   (interleaved pairs, or rotate-half)
+    q_rot, k_rot = RoPE(q_rot, k_rot)   (interleaved pairs, kept in pair order; or rotate-half)
     cache[slot_mapping] = [c | k_rot]   the latent, (kv_lora_rank + d_rope) values per token
     per chunk: its context's latents (a chunk without cached context: its own new ones), expand:
                [k_nope | v] = c Wkvb^T per head, k = [k_nope | k_rot (shared by all heads)],
@@ -13,7 +13,11 @@ Per layer, for ``x`` = the input-normed activations [T, hidden]::
     out = o Wo^T
 
 The cache holds the compressed latent, not expanded K/V: (kv_lora_rank + d_rope) values per
-token and layer against 2 * H * d_head for MHA. Expansion happens per chunk over its context
+token and layer against 2 * H * d_head for MHA. A cached row is what vLLM's MLA cache holds
+for the same checkpoint: the normed latent, then the roped key in the checkpoint's dimension
+order (interleaved RoPE keeps its pairs in place, as vLLM's ``is_neox_style=False`` rotary does;
+transformers de-interleaves q and k alike, which leaves every q.k unchanged), so a KV handoff
+copies rows as they are. Expansion happens per chunk over its context
 (the "MHA mode" of vLLM's MLA prefill; the absorbed "MQA mode" is not implemented).
 Tensor parallelism (T ranks): each rank holds ``H/T`` heads (rows of q_b / q_proj and kv_b,
 columns of o) and all-reduces o's partial sums; the low-rank q_a / kv_a projections and the
@@ -31,7 +35,7 @@ import torch.nn.functional as F
 from wavepp.runtime.families.layer_plan import MLAShape
 from wavepp.runtime.stage.engine.layers.common import (
     WeightGetter,
-    apply_rope_interleaved,
+    apply_rope_pairs,
     apply_rope_rotate_half,
     attend,
     rms_norm,
@@ -83,7 +87,7 @@ class MLAAttention:
         )
         self.o = get(prefix + "o_proj.weight", (s.hidden_size, s.num_heads * s.v_head_dim), 1)
         self.cache: torch.Tensor | None = None
-        self._rope = apply_rope_interleaved if s.rope_interleave else apply_rope_rotate_half
+        self._rope = apply_rope_pairs if s.rope_interleave else apply_rope_rotate_half
         if not s.use_rope:
             self._rope = _no_rope
 
