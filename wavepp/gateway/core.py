@@ -54,6 +54,7 @@ from wavepp.api.subjects import (
     replica_prefix,
     result_subject,
 )
+from wavepp.gateway.bus_watch import BusWatch
 from wavepp.gateway.config import (
     INTAKE_RETRY_AFTER_S,
     GatewayConfig,
@@ -73,12 +74,6 @@ from wavepp.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
-# The gateway asks the server for its JetStream account info every BUS_CHECK_S seconds; with
-# no answer for BUS_SILENT_S the bus itself is silent (a paused or restarting server): a replica
-# unheard meanwhile has not left the pool (its heartbeats are held in the same server), and a
-# request waiting for its answer does not fail for it.
-BUS_CHECK_S = 0.5
-BUS_SILENT_S = 2.0
 # How many keys given up on (cancelled) the gateway remembers, for retries of them (``_run``).
 MAX_GIVEN_UP = 65536
 
@@ -127,11 +122,7 @@ class Gateway:
         self._subs: list[object] = []
         self._watched: set[str] = set()  # replicas whose KV events feed the router
         self._configured = {r.pipeline for r in config.replicas}
-        # When the server last answered this gateway (clock); None: not watched (not started).
-        self.bus_answered_s: float | None = None
-        self._bus_watch: asyncio.Task[None] | None = None
-        # The account's JetStream store as the last account info said (None: none yet).
-        self.jetstream_store: JetStreamStore | None = None
+        self.bus = BusWatch(nc, clock)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -161,32 +152,16 @@ class Gateway:
         )
         await flush_in_order(self.nc)
         on_reconnect(self.nc, self.recover_results)
-        self.bus_answered_s = self.clock()
-        self._bus_watch = asyncio.create_task(self._watch_bus(), name="bus-watch")
-
-    async def _watch_bus(self) -> None:
-        """Keep ``bus_answered_s``: one round trip to the server per ``BUS_CHECK_S``. Any
-        answer counts, a refusal too (JetStream disabled); none within ``BUS_SILENT_S`` does
-        not. An answer also updates ``jetstream_store`` (the store gauges). (Not
-        ``nc.flush``: a flush that times out leaves its PONG's future cancelled in nats-py
-        2.16, and the late PONG then ends the connection's read loop.)"""
-        js = self.nc.jetstream(timeout=BUS_SILENT_S)
-        while True:
-            try:
-                info = await js.account_info()
-                self.bus_answered_s = self.clock()
-                self.jetstream_store = JetStreamStore.from_account_info(
-                    info.storage, info.limits.max_storage
-                )
-            except (APIError, NoRespondersError):
-                self.bus_answered_s = self.clock()
-            except Exception:  # noqa: BLE001, S110 - no answer (paused, reconnecting): silent
-                pass
-            await asyncio.sleep(BUS_CHECK_S)
+        self.bus.start()
 
     def is_bus_silent(self, now: float) -> bool:
-        """The server has not answered this gateway for ``BUS_SILENT_S`` (see ``_watch_bus``)."""
-        return self.bus_answered_s is not None and now - self.bus_answered_s > BUS_SILENT_S
+        """The server has not answered this gateway for a while (``BusWatch.is_silent``)."""
+        return self.bus.is_silent(now)
+
+    @property
+    def jetstream_store(self) -> JetStreamStore | None:
+        """The account's JetStream store as the bus watch last read it (None: not yet)."""
+        return self.bus.store
 
     async def _watch_kv_events(self, pipeline: str) -> None:
         self._watched.add(pipeline)
@@ -200,11 +175,7 @@ class Gateway:
         )
 
     async def stop(self) -> None:
-        if self._bus_watch is not None:
-            self._bus_watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._bus_watch
-            self._bus_watch = None
+        await self.bus.stop()
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()  # type: ignore[attr-defined]
