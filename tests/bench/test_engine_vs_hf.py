@@ -4,7 +4,6 @@ up --config``) serve one spec, so the RuntimeConfig the benchmark gives LocalPip
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bench_support import load_benchmark
 
 from wavepp import cli
 from wavepp.launch.up import plan_up
@@ -21,19 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
 
 
-def _load(name: str):
-    """Import benchmarks/NAME.py as module NAME (it imports its siblings by name)."""
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load("engine_vs_hf")
+bench = load_benchmark("engine_vs_hf")
 
 
 def _args(*argv: str):

@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from bench_support import load_benchmark
 
 from wavepp.api.kv_handoff import PARAMS_KEY, HandoffError, HandoffParams
 from wavepp.integrations.vllm.pull import pull_request, stage_stats
@@ -41,18 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "pd_handoff", REPO / "benchmarks" / "pd_handoff.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["pd_handoff"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
+bench = load_benchmark("pd_handoff")
 
 
 def test_missing_vllm_environment_is_a_clear_exit(tmp_path: Path) -> None:

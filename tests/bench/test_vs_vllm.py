@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -12,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_support import load_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
@@ -19,19 +19,8 @@ SCRIPT = BENCHMARKS / "vs_vllm.py"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 
-def _load(name: str):
-    """Import benchmarks/NAME.py as module NAME (the script imports its stats module by name,
-    as running it from benchmarks/ does; dataclasses resolve their module by name too)."""
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-vs = _load("vs_vllm_stats")
-script = _load("vs_vllm")
+vs = load_benchmark("vs_vllm_stats")
+script = load_benchmark("vs_vllm")
 
 
 def _write_trace(path: Path, records: list[dict]) -> Path:

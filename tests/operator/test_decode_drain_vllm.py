@@ -16,18 +16,17 @@ vLLM starts in about a minute on CPU, so this runs only with ``WAVEPP_BENCH_E2E=
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from bench_support import load_benchmark
 
 from wavepp.api.spec import check_spec
 from wavepp.operator.decode_builders import DECODE_TEARDOWN_S, decode_command
@@ -55,14 +54,7 @@ pytestmark = [
 def _make_checkpoint(out: Path) -> Path:
     """benchmarks/pd_handoff.py's random float32 Llama (a head size vLLM's CPU attention
     supports)."""
-    spec = importlib.util.spec_from_file_location(
-        "pd_handoff", REPO / "benchmarks" / "pd_handoff.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("pd_handoff", module)
-    spec.loader.exec_module(module)
-    return module.make_checkpoint(out)
+    return load_benchmark("pd_handoff").make_checkpoint(out)
 
 
 def _command(model_dir: Path, port: int) -> list[str]:

@@ -30,13 +30,11 @@ Skipped, with the reason, where ``.venv-vllm`` (scripts/vllm-venv.sh) is absent.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
 import re
 import signal
-import sys
 import threading
 import time
 import urllib.request
@@ -45,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from bench_support import load_benchmark
 from prometheus_client.parser import text_string_to_metric_families
 from up_support import UpService, build_tokenizer, start_up, stop_up
 
@@ -83,14 +82,7 @@ CHAT_TOKENIZER_CONFIG = {
 def _make_checkpoint(out: Path) -> Path:
     """benchmarks/pd_handoff.py's checkpoint: a random float32 Llama whose scaled output
     projection makes greedy choices robust to two engines' float differences."""
-    spec = importlib.util.spec_from_file_location(
-        "pd_handoff", REPO / "benchmarks" / "pd_handoff.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("pd_handoff", module)
-    spec.loader.exec_module(module)
-    return module.make_checkpoint(out)
+    return load_benchmark("pd_handoff").make_checkpoint(out)
 
 
 @pytest.fixture(scope="module")
