@@ -31,6 +31,11 @@ if [ -f scripts/install-helm.sh ]; then bash scripts/install-helm.sh || echo "he
 if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
   bash scripts/install-prometheus.sh || echo "prometheus not installed: the metrics checks skip"
 fi
+# Where the install can work (apt-get, as root), a missing prometheus fails those checks
+# instead of skipping them: a broken install must not pass as a skip.
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  export WAVEPP_REQUIRE_PROMETHEUS=1
+fi
 # vLLM's CPU build in its own environment (.venv-vllm): the decode engine of the KV handoff tests
 # and the peer of benchmarks/vs_vllm.py; those tests skip with a message where it is missing.
 if [ "${WAVEPP_SKIP_VLLM:-0}" != 1 ]; then
