@@ -17,8 +17,11 @@ Prints, in order:
    2.5 PFLOP/s and 8 TB/s HBM per GPU (the per-GPU table of Verda's "NVIDIA GB300 NVL72: GPU
    Architecture & Performance", verda.com/blog/gb300-nvl72-architecture), the H200's MFU 0.5
    and MBU 0.8 (assumed, as for every roofline here), all-reduce bus bandwidth 811 GB/s
-   (nccl-tests over multi-node NVLink on 2 x 4 GB200, NVLink 5: lixueduan.com, "GB200 MNNVL
-   实测带宽"), 25 us per collective (the H200's); the tile model keeps 132 SMs;
+   (NCCL micro-benchmark over multi-node NVLink on 2 hosts x 4 GB200, NVLink 5: lixueduan.com,
+   "GB200 MNNVL 实测带宽提升 10 倍"), 25 us per collective (the H200's); the tile model keeps
+   132 SMs. The same page measured 85 GB/s between the two hosts over InfiniBand: the
+   what-if's last line is TEP8 with its all-reduce on that network (two hosts outside one
+   NVLink domain);
 4. the values of each term alone that would put the ratio at 1.45 and 1.72 (the anchor).
 
     python benchmarks/layouts_anchor.py
@@ -129,6 +132,11 @@ def main() -> None:
         imbalance = EP_IMBALANCES[name].busiest_over_mean
         tep_x = capacity("tep8", gpu=GB300, link=GB300_NVLINK, ep_imbalance=imbalance)
         print(f"  with {name} {imbalance:.3f}: ratio {pp_gb300 / tep_x:.3f}")
+    over_ib = replace(
+        GB300_NVLINK, name="InfiniBand between the hosts", allreduce_bus_bytes_per_s=85e9
+    )
+    tep_ib = capacity("tep8", gpu=GB300, link=over_ib)
+    print(f"  TEP8's all-reduce over InfiniBand (85 GB/s): ratio {pp_gb300 / tep_ib:.3f}")
 
     print("\neach term alone, at the catalogue's other inputs (H200):")
     for target in (1.45, 1.72):
