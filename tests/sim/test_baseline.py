@@ -3,13 +3,16 @@ as its TensorRT-LLM behaviour says, and none changes wave mode."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import pytest
 
 from wavepp.bench.grid import GridSpec, Setting
 from wavepp.bench.workloads import preset_workload, shared_prefix_workload
+from wavepp.cmd.sim import add_arguments
 from wavepp.launch.grid import runtime_config
+from wavepp.launch.sim import plan_sim
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import ChunkPlanner, CostModel, RequestProgress
 from wavepp.runtime.request import PromptRequest
@@ -214,3 +217,50 @@ def test_wave_mode_ignores_the_baseline_switches() -> None:
     ]
     assert list(reports[0].stats.microbatch_tokens) == list(reports[1].stats.microbatch_tokens)
     assert reports[0].wall_s == reports[1].wall_s
+
+
+# -- prefix reuse (TensorRT-LLM enable_block_reuse; off for DSA models, PR 8405) ---------------
+
+
+def _cached_and_tokens(prefix_reuse: bool) -> tuple[int, int, int]:
+    """Cached prompt tokens, prompt tokens and computed micro-batch tokens of 24 high-reuse
+    requests on the sync baseline."""
+    config, planner_cost = _config("sync", baseline={"prefix_reuse": prefix_reuse})
+    workload = preset_workload("high", 24, vocab_size=config.model.vocab_size)
+    report = simulate(config, planner_cost, workload, concurrency=8, latencies=ZERO)
+    assert report.summary()["failed"] == 0
+    outcomes = report.outcomes
+    return (
+        sum(o.num_cached_tokens for o in outcomes),
+        sum(o.num_prompt_tokens for o in outcomes),
+        sum(report.stats.microbatch_tokens),
+    )
+
+
+def test_baseline_without_prefix_reuse_computes_every_prompt_token() -> None:
+    cached_on, prompt_on, computed_on = _cached_and_tokens(True)
+    cached_off, prompt_off, computed_off = _cached_and_tokens(False)
+    assert prompt_on == prompt_off
+    assert cached_on > prompt_on // 2  # high reuse: most of each later prompt is cached
+    assert computed_on == prompt_on - cached_on
+    assert cached_off == 0 and computed_off == prompt_off
+
+
+def test_wave_mode_reuses_prefixes_whatever_the_baseline_switch_says() -> None:
+    config, _ = _config("wave", baseline={"prefix_reuse": False})
+    assert config.resolved_baseline.prefix_reuse is True
+
+
+def test_an_unknown_prefix_reuse_value_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="baseline.prefix_reuse"):
+        _config("sync", baseline={"prefix_reuse": "sometimes"})
+
+
+def test_wavepp_sim_flag_reaches_the_sync_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    plan = plan_sim(parser.parse_args(["--stages", "4", "--no-baseline-prefix-reuse"]))
+    config, _ = plan.config(8, "sync")
+    assert config.resolved_baseline.prefix_reuse is False
+    default = plan_sim(parser.parse_args(["--stages", "4"]))
+    assert default.config(8, "sync")[0].resolved_baseline.prefix_reuse is True

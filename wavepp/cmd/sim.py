@@ -113,6 +113,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lockstep admission: no KV round trips, every stage the smallest capacity "
         "(default %(default)s)",
     )
+    baseline.add_argument(
+        "--baseline-prefix-reuse",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the prefix every stage holds (TRT-LLM enable_block_reuse); off: every "
+        "request computes its whole prompt, as TRT-LLM's DSA cache manager requires for MLA + "
+        "DSA models (PR 8405; default %(default)s)",
+    )
     sim_handoff.add_arguments(parser)
     layouts = parser.add_argument_group(
         "layouts: PP wave/sync against TP, TEP, EP and PP x TP on the same GPUs "

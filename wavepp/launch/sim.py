@@ -127,6 +127,7 @@ def plan_sim(args: argparse.Namespace) -> SimPlan:
         "iteration_overhead_s": args.baseline_overhead_ms / 1e3,
         "one_chunk_inflight": args.baseline_one_chunk,
         "lockstep_admission": args.baseline_lockstep,
+        "prefix_reuse": args.baseline_prefix_reuse,
     }
     try:
         config, _ = runtime_config(grid, Setting(args.model, 1, args.reuse, "wave"))

@@ -54,6 +54,12 @@ class BaselineConfig(BaseModel):
     # own time from a free slot to the publish counts toward it (it tops up, never adds).
     # Default and range: TensorRT-LLM PRs 15584 and 17257 (figures: docs/bench/baseline.md).
     iteration_overhead_s: float = Field(0.005, ge=0.0, le=1.0)
+    # NOTE: whether an admitted request reuses the prefix every stage holds (TensorRT-LLM's
+    # KvCacheConfig.enable_block_reuse). False: its agreed prefix is 0 blocks, so it computes
+    # its whole prompt; the stages' cached blocks stay as they are. TensorRT-LLM's DSA cache
+    # manager (MLA + DSA models: GLM-5.x, DeepSeek-V3.2) asserts block reuse disabled
+    # (NVIDIA/TensorRT-LLM PR 8405); docs/bench/layouts.md measures what it changes.
+    prefix_reuse: bool = True
 
 
 # Every switch off: what wave mode (and the dynamic policy's budget) sees.
@@ -62,6 +68,7 @@ BASELINE_OFF = BaselineConfig(
     one_chunk_inflight=False,
     lockstep_admission=False,
     iteration_overhead_s=0.0,
+    prefix_reuse=True,
 )
 
 

@@ -9,7 +9,10 @@ import pytest
 from wavepp.runtime.planning.catalogue import derived_stage_cost_models
 from wavepp.runtime.planning.memory import derived_stage_memory
 from wavepp.runtime.planning.parallel import (
+    EP_IMBALANCES,
     H200_NVLINK,
+    H200_NVLINK_RING,
+    EPImbalance,
     Interconnect,
     gemm_efficiency,
     parse_layout,
@@ -163,3 +166,33 @@ def test_ep_imbalance_slows_only_expert_parallel_moe() -> None:
     assert tp_skewed.b == tp_even.b  # TP holds every expert on every rank: no imbalance
     with pytest.raises(ValueError, match="ep_imbalance=0.5: must be finite and >= 1"):
         replica_stage_cost_models("glm-5.2", layout, ep_imbalance=0.5)
+
+
+def test_published_ep_imbalances_are_valid_and_order_eplb_below_no_eplb() -> None:
+    assert all(name == entry.name for name, entry in EP_IMBALANCES.items())
+    assert EP_IMBALANCES["uniform"].busiest_over_mean == 1.0
+    with_eplb = EP_IMBALANCES["trtllm-ep32-eplb"].busiest_over_mean
+    without = EP_IMBALANCES["trtllm-ep32-no-eplb"].busiest_over_mean
+    assert 1.0 < with_eplb < without  # (max - mean) / mean 0.109 and 1.564, plus one
+    layout = parse_layout("tep8")
+    [even] = replica_stage_cost_models("kimi-k3", layout)
+    [uniform] = replica_stage_cost_models(
+        "kimi-k3", layout, ep_imbalance=EP_IMBALANCES["uniform"].busiest_over_mean
+    )
+    [skewed] = replica_stage_cost_models("kimi-k3", layout, ep_imbalance=without)
+    assert uniform == even and skewed.b > even.b
+    with pytest.raises(ValueError, match="EPImbalance.busiest_over_mean=0.9: must be finite"):
+        EPImbalance("bad", 0.9, "a mean cannot exceed the busiest rank")
+
+
+def test_ring_all_reduce_slows_only_the_tensor_parallel_collectives() -> None:
+    assert H200_NVLINK_RING.allreduce_bus_bytes_per_s < H200_NVLINK.allreduce_bus_bytes_per_s
+    [nvls] = replica_stage_cost_models("kimi-k3", parse_layout("tep8"))
+    [ring] = replica_stage_cost_models("kimi-k3", parse_layout("tep8"), link=H200_NVLINK_RING)
+    assert ring.b > nvls.b and (ring.c, ring.g, ring.a) == (nvls.c, nvls.g, nvls.a)
+    pp = parse_layout("pp8")
+    terms = [
+        [(m.c, m.g, m.b, m.a) for m in replica_stage_cost_models("kimi-k3", pp, link=link)]
+        for link in (H200_NVLINK, H200_NVLINK_RING)
+    ]
+    assert terms[0] == terms[1]  # one GPU per stage: no collective to slow

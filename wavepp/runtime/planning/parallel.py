@@ -60,10 +60,16 @@ Core GPU Architecture whitepaper), M = the engine's micro-batch tokens (``microb
 MoE as one grouped GEMM over the rank's experts with M*k/E tokens each (uniform routing).
 
 Interconnect (``H200_NVLINK``): NVLink 4, 900 GB/s bidirectional per H200 (450 GB/s per
-direction); all-reduce bus bandwidth 475 GB/s, all-to-all 370 GB/s, 25 us per collective.
-The source of each figure (system descriptions, nccl-tests and NCCL reports) is in
-docs/bench/layouts.md. One NVLink domain holds 8 GPUs (HGX H200); groups larger than that are refused
-(no inter-node tensor parallelism is modelled).
+direction); all-reduce bus bandwidth 475 GB/s (NVLink SHARP, NCCL's default on NVSwitch
+systems), all-to-all 370 GB/s, 25 us per collective. ``H200_NVLINK_RING``: the same fabric
+with the ring all-reduce (NCCL_ALGO=Ring, no NVLink SHARP), 370 GB/s. The source of each
+figure (system descriptions, nccl-tests and NCCL reports) is in docs/bench/layouts.md. One
+NVLink domain holds 8 GPUs (HGX H200); groups larger than that are refused (no inter-node
+tensor parallelism is modelled).
+
+Expert-parallel load imbalance (``ep_imbalance``, the busiest rank's routed tokens over the
+mean; ``EP_IMBALANCES`` holds the published figures by name): multiplies a tep/ep layer's MoE
+compute, since the busiest rank decides the layer's time.
 
 KV capacity (``replica_kv_blocks``): ``planning.memory`` with t GPUs per stage (weights / t; an
 MLA latent replicated on every tp/tep rank, GQA heads split over min(t, K)); ep keeps each
@@ -87,8 +93,11 @@ from wavepp.runtime.planning.shapes import MODELS_MD, GPUSpec, LayerCost, ModelS
 
 __all__ = [
     "ACTIVATION_BYTES",
+    "EP_IMBALANCES",
     "GROUP_KINDS",
     "H200_NVLINK",
+    "H200_NVLINK_RING",
+    "EPImbalance",
     "Interconnect",
     "Layout",
     "gemm_efficiency",
@@ -153,6 +162,69 @@ H200_NVLINK = Interconnect(
     latency_s=25e-6,
     max_group_size=8,
 )
+
+
+H200_NVLINK_RING = Interconnect(
+    "H200 NVLink 4 via NVSwitch (8 GPUs), ring all-reduce",
+    allreduce_bus_bytes_per_s=370e9,
+    alltoall_bus_bytes_per_s=370e9,
+    latency_s=25e-6,
+    max_group_size=8,
+)
+
+
+@dataclass(frozen=True)
+class EPImbalance:
+    """A published expert-parallel load imbalance (``replica_stage_cost_models``'
+    ``ep_imbalance``).
+
+    Attributes:
+        name: the key in ``EP_IMBALANCES``.
+        busiest_over_mean: the busiest rank's routed tokens over the mean, >= 1 (a source
+            quoting (max - mean) / mean gives 1 + that).
+        source: where the figure comes from and what it measured (model, EP size, phase).
+
+    Raises:
+        ValueError: busiest_over_mean not finite or below 1.
+    """
+
+    name: str
+    busiest_over_mean: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.busiest_over_mean) or self.busiest_over_mean < 1:
+            raise ValueError(
+                f"EPImbalance.busiest_over_mean={self.busiest_over_mean!r}: must be finite and >= 1"
+            )
+
+
+_TRTLLM_BLOG4 = (
+    "NVIDIA TensorRT-LLM tech blog 4, 'Scaling Expert Parallelism in TensorRT-LLM (Part 1)', "
+    "Table 1: DeepSeek-R1 on 32 GB200, machine-translation dataset, decode, per-layer "
+    "per-iteration imbalance ratio (max - mean) / mean by rank, averaged"
+)
+
+
+EP_IMBALANCES: dict[str, EPImbalance] = {
+    entry.name: entry
+    for entry in (
+        EPImbalance("uniform", 1.0, "assumed: every rank routes the mean (uniform routing)"),
+        EPImbalance(
+            "trtllm-ep32-eplb",
+            1.109,
+            f"{_TRTLLM_BLOG4}: 0.109 with EPLB (9 expert slots per rank, EP 32)",
+        ),
+        EPImbalance(
+            "trtllm-ep32-no-eplb",
+            2.564,
+            f"{_TRTLLM_BLOG4}: 1.564 without EPLB (8 experts per rank, EP 32)",
+        ),
+    )
+}
+"""Published figures by name. Both measured figures are EP 32 in decode; the imbalance grows
+with the EP size (the same blog; SGLang's large-scale EP post, 2025-05-05), so at EP 8 they
+bound the busiest rank from above, with and without EPLB."""
 
 
 def gemm_efficiency(
@@ -386,10 +458,9 @@ def replica_stage_cost_models(
         microbatch_tokens: M of the small-shape GEMM efficiency (the engine's micro-batch).
         ep_imbalance: expert-parallel load imbalance, the busiest rank's routed tokens over
             the mean (>= 1); multiplies tep/ep MoE compute. 1.0 (uniform routing, the
-            default) is what every other term assumes; DeepSeek's EPLB (github.com/deepseek-ai
-            /EPLB) exists because real routing is not uniform. No published figure for the
-            paper's models is used: the anchor check (docs/bench/layouts.md) reports the value
-            that would close the gap instead.
+            default) is what every other term assumes; ``EP_IMBALANCES`` holds the published
+            figures (none for the paper's models; docs/bench/layouts.md's anchor check runs
+            them).
 
     Returns:
         S models in stage order. At t = 1 each equals ``catalogue.derived_stage_cost_models``'

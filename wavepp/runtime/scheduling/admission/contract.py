@@ -4,13 +4,15 @@
 overridable methods (``host_floor_s``, ``agrees_in_lockstep``) are how the loop and the
 simulator pace the strategy, by default the baseline's switches as the config resolves them
 (``RuntimeConfig.resolved_baseline``: all off in wave mode). The concrete helpers (the capacity
-signal a release raises, ``_admitted``, ``_fail``) are shared by the implementations.
+signal a release raises, ``_admitted``, ``_fail``) are shared by the implementations;
+``_admitted`` applies the baseline's ``prefix_reuse`` switch (off: the agreed prefix is 0 blocks).
 """
 
 from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from typing import Protocol
 
 from wavepp.runtime.agreement import AgreementController, Ticket
@@ -158,6 +160,10 @@ class AdmissionStrategy(ABC):
         self.scheduler.deliver_finished()
 
     def _admitted(self, record: RequestRecord, ticket: Ticket) -> None:
+        if not self.config.resolved_baseline.prefix_reuse and ticket.num_agreed_blocks:
+            # The baseline without block reuse: L* = 0, every stage computes the whole prompt
+            # (a stage whose hit exceeds L* recomputes and keeps its cached blocks as they are).
+            ticket = replace(ticket, num_agreed_blocks=0)
         request = record.request
         self.telemetry.admitted(
             request.request_id,
