@@ -39,6 +39,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from wavepp.bench.signals import exit_on_sigterm  # noqa: E402
 from wavepp.launch.decode import CPU_MULTIPROCESSING_ENV, decode_servers  # noqa: E402
 from wavepp.runtime.transport.natsio import free_port  # noqa: E402
 
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--variants: unknown {unknown}; known: {sorted(VARIANTS)}")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: must be >= 1")
+    exit_on_sigterm()  # a killed run stops the servers it started (``_round``'s finally)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="decode-startup-"))
     model = _checkpoint(work)
     rounds = []

@@ -66,6 +66,8 @@ from vs_vllm_stats import (
     vllm_num_blocks,
 )
 
+from wavepp.bench.signals import exit_on_sigterm
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO / "data" / "traces" / "conversation_trace.jsonl"
 DEFAULT_VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -418,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    exit_on_sigterm()  # a killed run stops both servers (``run``'s finally)
     try:
         return run(args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
