@@ -250,6 +250,18 @@ class DecodeEngine:
         self.proc.wait()
 
 
+def native_rope(family: str, choice: str) -> bool:
+    """Whether vLLM runs RoPE in PyTorch: ``choice`` ``auto`` (for ``NATIVE_ROPE_FAMILIES``),
+    ``native`` or ``kernel`` (vLLM-CPU's RoPE kernel).
+
+    Raises:
+        ValueError: ``choice`` is none of those.
+    """
+    if choice not in ("auto", "native", "kernel"):
+        raise ValueError(f"vllm_rope={choice!r}: choose auto, native or kernel")
+    return family in NATIVE_ROPE_FAMILIES if choice == "auto" else choice == "native"
+
+
 def _run_of(answer: dict[str, Any]) -> tuple[list[int], list[dict[int, float]]]:
     """A decode answer as (tokens, per-step {token: logprob}); a failed one is empty."""
     if answer.get("error"):
@@ -297,7 +309,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         work,
         max_len,
         vllm_block_size,
-        native_rope=args.family in NATIVE_ROPE_FAMILIES,
+        native_rope=native_rope(args.family, args.vllm_rope),
     )
     config = RuntimeConfig(
         model=load_model_dir(model_dir),
@@ -433,7 +445,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "wall_s": handoff_wall_s,
         "wavepp_block_size": args.wavepp_block_size,
         "vllm_block_size": vllm_block_size,
-        "vllm_native_rope": args.family in NATIVE_ROPE_FAMILIES,
+        "vllm_native_rope": native_rope(args.family, args.vllm_rope),
     }
 
 
@@ -453,6 +465,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
     parser.add_argument("--work-dir", default="")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--vllm-rope",
+        choices=("auto", "native", "kernel"),
+        default="auto",
+        help="vLLM's RoPE: PyTorch for NATIVE_ROPE_FAMILIES (auto), PyTorch, or its CPU kernel",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     args = parser.parse_args(argv)
     if args.logprobs < 1:

@@ -121,11 +121,6 @@ def vllm_caches(
     store.mkdir(parents=True, exist_ok=True)
     block = pd_handoff.VLLM_BLOCK_SIZES.get(args.family, pd_handoff.VLLM_BLOCK_SIZE)
     max_len = max(len(prompts[i]) for i in args.prompt_indices) + 2
-    native = (
-        args.family in pd_handoff.NATIVE_ROPE_FAMILIES
-        if args.vllm_rope == "auto"
-        else args.vllm_rope == "native"
-    )
     engine = pd_handoff.DecodeEngine(
         Path(args.vllm_python),
         model_dir,
@@ -133,7 +128,7 @@ def vllm_caches(
         max_len,
         block,
         save_kv_dir=store,
-        native_rope=native,
+        native_rope=pd_handoff.native_rope(args.family, args.vllm_rope),
     )
     out: dict[int, dict[int, Any]] = {}
     try:

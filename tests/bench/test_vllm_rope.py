@@ -28,6 +28,10 @@ def test_mla_families_run_vllm_rope_in_pytorch() -> None:
     mla = {f for f, shape in bench.SHAPES.items() if "kv_lora_rank" in shape}
     assert mla == {"deepseek_v3"} and mla <= bench.NATIVE_ROPE_FAMILIES
     assert "llama" not in bench.NATIVE_ROPE_FAMILIES
+    assert bench.native_rope("deepseek_v3", "auto") and not bench.native_rope("llama", "auto")
+    assert bench.native_rope("llama", "native") and not bench.native_rope("deepseek_v3", "kernel")
+    with pytest.raises(ValueError, match="vllm_rope='cuda': choose auto, native or kernel"):
+        bench.native_rope("llama", "cuda")
 
 
 @pytest.mark.slow
