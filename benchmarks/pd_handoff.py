@@ -19,11 +19,12 @@ tokens differ at all; ``mismatched_requests`` those that differ other than by a 
 the first differing step each run's token is among the other's top tokens and the reference's
 logprob gap between them is at most ``tie_margin``); ``near_tie_divergences`` the others that
 differ. ``logprob_noise`` is the largest |logprob difference| of one token at one step between
-the runs over all steps before a divergence; ``tie_margin`` = ``tie_margin_factor`` x that.
+the runs over all steps before a divergence; ``tie_margin`` = ``tie_margin_factor`` x that,
+or 0 (no divergence is a tie) where the noise exceeds ``logprob_noise_ceiling``.
 
 Printed (``--json``: one JSON line): ``requests``, ``decode_tokens_per_request``,
 ``strict_mismatched_requests``, ``mismatched_requests``, ``near_tie_divergences``,
-``logprob_noise``, ``tie_margin``, ``failed_handoffs``, ``kv_bytes_transferred`` (sum over pulls),
+``logprob_noise``, ``tie_margin``, ``logprob_noise_ceiling``, ``failed_handoffs``, ``kv_bytes_transferred`` (sum over pulls),
 ``handoff_s_p50/p99`` (one request's pull from both stages and its write into vLLM's cache,
 in vLLM's worker), ``prefill_s_p50`` (WavePP time to first token), ``overlapped_fraction`` (of
 the stages' transfer seconds, the part during which the same stage was computing a
@@ -427,6 +428,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "logprob_noise": verdicts.noise,
         "tie_margin": verdicts.margin,
         "tie_margin_factor": TIE_MARGIN_FACTOR,
+        "logprob_noise_ceiling": verdicts.ceiling,
         "logprobs_top_k": args.logprobs,
         "failed_prefills": len(prompts) - len(ok),
         "failed_handoffs": len(pulls) - len(ok_pulls),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from wavepp.bench.greedy_agreement import (
+    NOISE_CEILING,
     TIE_MARGIN_FACTOR,
     agreement,
     compare_greedy,
@@ -89,16 +90,36 @@ def test_agreement_derives_the_margin_from_the_measured_noise() -> None:
         # parts at step 1 on the 0.02 gap, under 2 * 0.015
         "b": ([5, 8, 9], [{5: -0.1}, {8: -0.6, 7: -0.61}, {9: -0.01}]),
     }
-    result = agreement(runs, reference)
+    result = agreement(runs, reference, ceiling=0.1)
     assert result.noise == pytest.approx(0.015)
     assert result.margin == pytest.approx(TIE_MARGIN_FACTOR * 0.015)
+    assert result.ceiling == 0.1 and not result.noise_above_ceiling
+    assert agreement(runs, reference).ceiling == NOISE_CEILING
     assert (result.strict_mismatches, result.mismatches, result.near_ties) == (1, 0, 1)
     # less noise: the same 0.02 gap is above the margin, a mismatch
     quiet = dict(runs, a=(REF_TOKENS, REF_LOGPROBS))
-    strict = agreement(quiet, reference)
+    strict = agreement(quiet, reference, ceiling=0.1)
     assert strict.margin == 0.0 and (strict.mismatches, strict.near_ties) == (1, 0)
     # a request without a run is a mismatch
     missing = agreement({"a": runs["a"]}, reference)
     assert missing.verdicts["b"].kind == "mismatch" and missing.mismatches == 1
     with pytest.raises(ValueError, match="factor=-2"):
         agreement(runs, reference, factor=-2.0)
+    with pytest.raises(ValueError, match="ceiling=-1"):
+        agreement(runs, reference, ceiling=-1.0)
+
+
+def test_noise_above_the_ceiling_grants_no_tie() -> None:
+    """A reference that computes something else makes the measured noise large; the margin it
+    would give must not turn real divergences into ties."""
+    reference = {"a": (REF_TOKENS, REF_LOGPROBS), "b": (REF_TOKENS, REF_LOGPROBS)}
+    runs = {
+        "a": (REF_TOKENS, [{5: -0.4, 6: -3.0}, {7: -0.6, 8: -0.62}, {9: -0.01}]),  # 0.3 off
+        "b": ([5, 8, 9], [{5: -0.1}, {8: -0.6, 7: -0.61}, {9: -0.01}]),  # parts on 0.02
+    }
+    wide = agreement(runs, reference, ceiling=1.0)
+    assert not wide.noise_above_ceiling and wide.near_ties == 1 and wide.mismatches == 0
+    result = agreement(runs, reference, ceiling=0.1)
+    assert result.noise == pytest.approx(0.3) and result.noise_above_ceiling
+    assert result.margin == 0.0 and (result.mismatches, result.near_ties) == (1, 0)
+    assert result.verdicts["b"].kind == "mismatch"
