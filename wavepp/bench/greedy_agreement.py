@@ -178,8 +178,7 @@ def agreement(
 ) -> Agreement:
     """Compare every request of ``reference`` or ``runs`` (id -> (tokens, logprobs)) with its
     counterpart (a request missing on one side counts as an empty run there: a mismatch). The
-    noise is
-    measured over all requests' matched steps, then each request is judged with
+    noise is measured over all requests' matched steps, then each request is judged with
     ``margin = factor * noise``, or 0 where the noise exceeds ``ceiling``.
 
     Raises:
