@@ -123,3 +123,30 @@ def test_noise_above_the_ceiling_grants_no_tie() -> None:
     assert result.noise == pytest.approx(0.3) and result.noise_above_ceiling
     assert result.margin == 0.0 and (result.mismatches, result.near_ties) == (1, 0)
     assert result.verdicts["b"].kind == "mismatch"
+
+
+def test_a_request_empty_on_both_sides_is_a_mismatch() -> None:
+    """Two runs that decoded nothing (both engines failed the request) agree on nothing."""
+    assert compare_greedy([], [], [], [], 1.0).kind == "mismatch"
+    result = agreement({}, {"a": ((), ())})
+    assert result.verdicts["a"].kind == "mismatch" and result.mismatches == 1
+
+
+def test_a_run_without_a_reference_is_a_mismatch() -> None:
+    """A request the reference did not answer is judged, not dropped from the count."""
+    runs = {"a": (REF_TOKENS, REF_LOGPROBS), "b": (REF_TOKENS, REF_LOGPROBS)}
+    result = agreement(runs, {"a": (REF_TOKENS, REF_LOGPROBS)})
+    assert set(result.verdicts) == {"a", "b"}
+    assert result.verdicts["b"].kind == "mismatch" and result.mismatches == 1
+
+
+def test_a_nan_logprob_is_no_tie_and_no_quiet_noise() -> None:
+    """A NaN gap is not 'at most the margin', and a NaN at a matched step is not 0 noise."""
+    nan = float("nan")
+    tokens = [5, 8, 9]
+    logprobs = [{5: -0.1}, {8: -0.6, 7: -0.61}, {9: -0.01}]
+    ref_logprobs = [REF_LOGPROBS[0], {7: nan, 8: -0.62}, REF_LOGPROBS[2]]
+    verdict = compare_greedy(tokens, logprobs, REF_TOKENS, ref_logprobs, margin=1.0)
+    assert verdict.kind == "mismatch"
+    noisy = [{5: nan, 6: -3.0}, *REF_LOGPROBS[1:]]
+    assert matched_logprob_noise(REF_TOKENS, noisy, REF_TOKENS, REF_LOGPROBS) != 0.0

@@ -6,9 +6,8 @@ store, writes junk under the names it can guess (the old ``wavepp/epoch/{E}/`` a
 ``wavepp/tp/``), and under the names it lists in the store for the epoch formed before
 (``TCPStore.list_keys`` shows every key): with a bus key the next group still forms and carries
 a tensor; without one the same junk fails it at once (gloo parses the junk as a peer's address:
-``std::bad_alloc``, or a segmentation fault of the whole process), as it did for every
-deployment before this change. That failing rank runs in a child process, so that a crash
-fails only the child.
+``std::bad_alloc``, or a segmentation fault of the whole process). That failing rank runs in a
+child process, so that a crash fails only the child.
 """
 
 from __future__ import annotations

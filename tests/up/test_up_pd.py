@@ -189,11 +189,17 @@ def test_openai_client_gets_vllms_own_greedy_tokens_and_the_prefix_is_reused(
         tokens = whole.choices[0].model_extra["token_ids"]
         return alone, tokens, streamed, whole.usage.prompt_tokens_details.cached_tokens
 
+    addrs = _stage_addrs(pd_service)
+    transfers = [stage_stats(a)["transfers"] for a in addrs]
     # the first prompt alone (it leaves the shared prefix on the stages), then the rest at
     # once (vLLM batches their decodes)
     answers = [run(prompts[0])]
     with ThreadPoolExecutor(max_workers=8) as pool:
         answers += list(pool.map(run, prompts[1:]))
+    # vLLM decoded from the stages' KV: it pulled every completion's handoff (whole and
+    # streamed) from both stages, instead of computing the prompts itself as it does alone
+    pulled = [stage_stats(a)["transfers"] - n for a, n in zip(addrs, transfers, strict=True)]
+    assert pulled == [2 * len(prompts)] * len(addrs), pulled
     mismatches = [(i, a) for i, a in enumerate(answers) if not a[0] == a[1] == a[2]]
     cached = [a[3] for a in answers]
     print(f"token-equal prompts: {len(prompts) - len(mismatches)}/{len(prompts)}; cached {cached}")

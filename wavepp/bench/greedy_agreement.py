@@ -24,6 +24,7 @@ margin is 0 and every divergence is a mismatch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -82,7 +83,7 @@ def matched_logprob_noise(
 ) -> float:
     """The largest |logprob difference| of one token at one step between the two runs over the
     steps before their first divergence, for the tokens both report at that step (0.0 where
-    none)."""
+    none; infinite where a difference is not a number: a NaN logprob is no float32 rounding)."""
     end = first_divergence(tokens, ref_tokens)
     end = min(len(tokens), len(ref_tokens)) if end is None else end
     end = min(end, len(logprobs), len(ref_logprobs))
@@ -90,7 +91,8 @@ def matched_logprob_noise(
     for step in range(end):
         mine, theirs = logprobs[step], ref_logprobs[step]
         for token in mine.keys() & theirs.keys():
-            worst = max(worst, abs(mine[token] - theirs[token]))
+            diff = abs(mine[token] - theirs[token])
+            worst = math.inf if math.isnan(diff) else max(worst, diff)
     return worst
 
 
@@ -103,7 +105,8 @@ def compare_greedy(
 ) -> Verdict:
     """The verdict on one request (module docstring). A divergence is a near-tie when each run's
     token is among the other's reported tokens at that step and the reference's gap between the
-    two is at most ``margin``; anything else that differs is a mismatch.
+    two is at most ``margin`` (a gap that is not a number is not); anything else that differs
+    is a mismatch, and so are two runs that both decoded no token.
 
     Raises:
         ValueError: ``margin`` is negative or not finite.
@@ -111,6 +114,8 @@ def compare_greedy(
     if not 0.0 <= margin < float("inf"):
         raise ValueError(f"margin={margin}: must be a finite logprob gap >= 0")
     step = first_divergence(tokens, ref_tokens)
+    if not tokens and not ref_tokens:
+        return Verdict("mismatch", 0, reason="neither run decoded a token")
     if step is None:
         return Verdict("equal")
     if step >= min(len(tokens), len(ref_tokens)):
@@ -126,7 +131,7 @@ def compare_greedy(
     if ref_token not in mine:
         return Verdict("mismatch", step, reason=f"reference token {ref_token} not in the top-k")
     gap = theirs[ref_token] - theirs[token]
-    if gap > margin:
+    if not gap <= margin:
         return Verdict(
             "mismatch", step, gap, reason=f"reference gap {gap:.3g} > margin {margin:.3g}"
         )
@@ -171,9 +176,9 @@ def agreement(
     factor: float = TIE_MARGIN_FACTOR,
     ceiling: float = NOISE_CEILING,
 ) -> Agreement:
-    """Compare every request of ``reference`` (id -> (tokens, logprobs)) with its run in
-    ``runs`` (a request missing there counts as an empty run: a mismatch). The noise is
-    measured over all requests' matched steps, then each request is judged with
+    """Compare every request of ``reference`` or ``runs`` (id -> (tokens, logprobs)) with its
+    counterpart (a request missing on one side counts as an empty run there: a mismatch). The
+    noise is measured over all requests' matched steps, then each request is judged with
     ``margin = factor * noise``, or 0 where the noise exceeds ``ceiling``.
 
     Raises:
@@ -184,12 +189,9 @@ def agreement(
     if not 0.0 <= ceiling < float("inf"):
         raise ValueError(f"ceiling={ceiling}: must be finite and >= 0")
     empty: tuple[Sequence[int], Logprobs] = ((), ())
-    noise = max(
-        (matched_logprob_noise(*runs.get(rid, empty), *ref) for rid, ref in reference.items()),
-        default=0.0,
-    )
+    ids = [*reference, *(rid for rid in runs if rid not in reference)]
+    pairs = {rid: (*runs.get(rid, empty), *reference.get(rid, empty)) for rid in ids}
+    noise = max((matched_logprob_noise(*pair) for pair in pairs.values()), default=0.0)
     margin = factor * noise if noise <= ceiling else 0.0
-    verdicts = {
-        rid: compare_greedy(*runs.get(rid, empty), *ref, margin) for rid, ref in reference.items()
-    }
+    verdicts = {rid: compare_greedy(*pair, margin) for rid, pair in pairs.items()}
     return Agreement(noise, margin, ceiling, verdicts)
