@@ -38,19 +38,6 @@ from wavepp.api.kv_handoff import PARAMS_KEY
 from wavepp.api.prefill import PrefillResult
 from wavepp.gateway.validation import Sampling
 
-__all__ = [
-    "DEFAULT_DOWN_S",
-    "CompletionClock",
-    "DecodePool",
-    "chat_answer",
-    "chat_chunk",
-    "completion_answer",
-    "decode_body",
-    "decode_error_message",
-    "pd_usage",
-    "stream_chunk",
-]
-
 DEFAULT_DOWN_S = 5.0
 """Seconds a decode endpoint that refused a connection is passed over (while another is up)."""
 

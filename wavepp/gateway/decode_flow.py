@@ -77,8 +77,6 @@ from wavepp.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecodeFlow", "release_handoff"]
-
 Prefill = Callable[[], Awaitable[tuple[int, object, dict]]]
 Answered = Callable[[int], None]
 

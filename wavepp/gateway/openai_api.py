@@ -25,8 +25,6 @@ from collections.abc import Callable, Sequence
 
 from wavepp.api.prefill import PrefillResult
 
-__all__ = ["completion_body", "models_body", "sse_events"]
-
 Decode = Callable[[list[int]], str]
 
 

@@ -17,20 +17,6 @@ from wavepp.api.spec.base import WireModel
 from wavepp.api.spec.errors import SpecError
 from wavepp.api.spec.parts import Toleration
 
-__all__ = [
-    "DECODE_METRICS",
-    "DECODE_PORT",
-    "MAX_DECODE_DRAIN_S",
-    "MAX_DECODE_REPLICAS",
-    "DecodeAutoscalingSpec",
-    "DecodePoolSpec",
-    "DecodeResources",
-    "DecodeServiceRef",
-    "DecodeSpec",
-    "decode_service_name",
-    "decode_urls",
-]
-
 DECODE_PORT = 8000
 """The HTTP port of a rendered decode pod (vLLM's OpenAI server) and of its Service."""
 
