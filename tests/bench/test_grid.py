@@ -18,7 +18,7 @@ from wavepp.cli import main
 from wavepp.launch.grid import runtime_config
 from wavepp.launch.host_tier import host_tier_fields
 from wavepp.runtime.config import AgreementMode
-from wavepp.runtime.scheduling.scheduler import StageSpan, WaveStats
+from wavepp.runtime.scheduling.stats import StageSpan, WaveStats
 
 
 def test_grid_has_every_setting_in_both_modes_and_the_ablations() -> None:

@@ -10,7 +10,7 @@ import pytest
 from operator_support import pod_status
 
 from wavepp.operator import builders as b
-from wavepp.operator.observe import ANNOTATION_MEMBERS
+from wavepp.operator.observe import ANNOTATION_MEMBERS, pod_failure, stage_phase
 from wavepp.operator.reconcile import (
     DRAIN_GRACE_S,
     Apply,
@@ -20,8 +20,6 @@ from wavepp.operator.reconcile import (
     Observed,
     Patch,
     plan,
-    pod_failure,
-    stage_phase,
 )
 
 DEFAULTS = Defaults(image="img:1", nats_url="nats://n:4222")

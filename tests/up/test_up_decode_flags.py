@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from wavepp import cli
-from wavepp.launch.decode import CONNECTOR_CONFIG, decode_servers
+from wavepp.api.vllm_decode import CONNECTOR_CONFIG
+from wavepp.launch.decode import decode_servers
 from wavepp.launch.flags import FlagError
 from wavepp.launch.up import plan_up, serving_line
 

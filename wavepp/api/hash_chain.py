@@ -3,8 +3,6 @@ encoder to send a shared prefix once and by a stage's KV manager to reuse an ear
 
 from __future__ import annotations
 
-__all__ = ["common_prefix"]
-
 
 def common_prefix(a: tuple[bytes, ...], b: tuple[bytes, ...]) -> int:
     """Length of the longest common prefix of two hash sequences. Chained block hashes are equal

@@ -60,23 +60,6 @@ from wavepp.api.hash_chain import common_prefix
 from wavepp.api.messages import PROTOCOL_VERSION
 from wavepp.api.signing import BusKey
 
-__all__ = [
-    "BLOCK_HASH_BYTES",
-    "MAX_BATCH_ENTRIES",
-    "MAX_BLOCKS_PER_BATCH",
-    "MAX_BLOCKS_PER_ENTRY",
-    "BatchOp",
-    "KVBatch",
-    "KVWireError",
-    "RECENT_REFERENCE",
-    "REFERENCED",
-    "ReserveEntry",
-    "Resolver",
-    "UnresolvedEntry",
-    "decode_batch",
-    "encode_batch",
-]
-
 RECENT_REFERENCE = 0xFFFFFFFF
 """``shared_from`` of a probe-reserve entry that names its first ``shared_len`` hashes by
 reference to the stage's remembered prefix (root hash and last hash on the wire)."""

@@ -44,26 +44,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "HANDOFF_DOMAIN",
-    "MAX_FRAME_BYTES",
-    "PARAMS_KEY",
-    "HandoffError",
-    "LENGTH_BYTES",
-    "HandoffParams",
-    "StageEndpoint",
-    "encode_json",
-    "expires_text",
-    "frame_header",
-    "parse_json_frame",
-    "read_frame",
-    "read_json",
-    "token_payload",
-    "tokens_equal",
-    "write_frame",
-    "write_json",
-]
-
 HANDOFF_DOMAIN = b"KVHandoff"
 """The HMAC domain of a handoff token (``BusKey.mac_bytes(HANDOFF_DOMAIN, token_payload(...))``)."""
 

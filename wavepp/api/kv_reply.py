@@ -29,15 +29,6 @@ from typing import NamedTuple
 from wavepp.api.kv_batch import MAC_BYTES, BatchOp, KVWireError, _count, _Reader
 from wavepp.api.messages import PROTOCOL_VERSION
 
-__all__ = [
-    "EntryResult",
-    "EntryStatus",
-    "KVBatchReply",
-    "decode_reply",
-    "encode_reply",
-    "reply_rank",
-]
-
 _NO_TAG = bytes(MAC_BYTES)
 _REPLY_MAGIC = b"WKR"
 _REPLY_HEADER = struct.Struct("<3sBBHIIH")

@@ -29,8 +29,6 @@ from wavepp.api.kv_batch import MAC_BYTES
 from wavepp.api.messages import PROTOCOL_VERSION
 from wavepp.api.signing import BusKey
 
-__all__ = ["batch_reply_tag_prefix", "reply_tag_prefix", "tag_reply", "verify_reply"]
-
 _DOMAIN = b"KVBatchReply"
 _REPLY_MAGIC = b"WKR"
 _RANK = slice(5, 7)  # a reply's u16 rank: after "WKR" | u8 version | u8 op

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["LayerSplitError", "split_layers"]
-
 
 class LayerSplitError(ValueError):
     """A stage count or layer counts that cannot split the model.

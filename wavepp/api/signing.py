@@ -27,8 +27,6 @@ import hmac
 import secrets
 from typing import Protocol, TypeVar
 
-__all__ = ["BusKey", "Signable"]
-
 _MAC_HEX = 32  # 128-bit tags
 _KEY_BYTES = 32
 

@@ -22,20 +22,6 @@ from __future__ import annotations
 
 import json
 
-__all__ = [
-    "CONNECTOR_CONFIG",
-    "CPU_BLOCK_SIZE",
-    "CPU_KV_CACHE_ENV",
-    "CPU_KV_CACHE_GIB",
-    "CPU_MEMORY_UTILIZATION",
-    "CPU_COMPILATION_CONFIG",
-    "OTLP_PROTOCOL_ENV",
-    "TOKENIZER_FILES",
-    "VLLM_SERVER_MODULE",
-    "vllm_decode_args",
-    "vllm_tracing",
-]
-
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 """The module ``python -m`` runs: vLLM's OpenAI-compatible server."""
 

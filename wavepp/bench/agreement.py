@@ -68,8 +68,6 @@ from wavepp.runtime.kv import BlockPool, StageKVManager, hash_prompt_blocks
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order
 
-__all__ = ["WORKLOADS", "AgreementSetting", "format_table", "run_agreement_bench"]
-
 WORKLOADS = ("mixed", "short-suffix")
 _NUM_SHARED_PREFIXES = 8
 _MODEL_ID = "admbench"

@@ -18,8 +18,6 @@ from typing import Any
 
 from wavepp.runtime.families import FAMILIES
 
-__all__ = ["MISSING_TRANSFORMERS", "hf_config_kwargs", "save_random_checkpoint"]
-
 MISSING_TRANSFORMERS = (
     "needs the transformers package (a test dependency): pip install -e '.[test]' in the "
     "repository (or pip install transformers)"

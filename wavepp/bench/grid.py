@@ -41,19 +41,6 @@ from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.scheduling.stats import WaveStats
 from wavepp.runtime.serving.local import LocalPipeline
 
-__all__ = [
-    "ABLATIONS",
-    "GridSpec",
-    "Setting",
-    "grid_settings",
-    "host_gib_of",
-    "idle_by_stage",
-    "markdown_table",
-    "median_rows",
-    "run_setting",
-    "write_csv",
-]
-
 # name -> RuntimeConfig overrides applied in wave mode (one mechanism reverted to the baseline)
 ABLATIONS: dict[str, dict[str, Any]] = {
     "agreement-sync": {"agreement": AgreementMode.SYNC},

@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_grid"]
-
 
 def plot_grid(rows: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]:
     """Write throughput.png (with the bound), efficiency.png and wave_fill.png into ``out_dir``.

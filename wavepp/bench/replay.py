@@ -11,14 +11,12 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
-from wavepp.bench.report import ReplayReport, bound_tokens_per_s, run_closed_loop
+from wavepp.bench.report import ReplayReport, bound_tokens_per_s
 from wavepp.bench.trace import TokenMapper, TraceError, TraceRecord
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.request import PromptRequest, RequestOutcome
 from wavepp.runtime.serving.local import LocalPipeline
-
-__all__ = ["ReplayReport", "replay_records", "run_closed_loop"]
 
 
 async def replay_records(

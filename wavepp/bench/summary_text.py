@@ -16,8 +16,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["clean_source", "summary_rows", "stage_rows"]
-
 _PATH = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.+-]+){2,}/?")
 
 

@@ -30,18 +30,6 @@ import numpy as np
 
 from wavepp.bench.trace import TokenMapper, load_trace
 
-__all__ = [
-    "REUSE_PRESETS",
-    "ReusePreset",
-    "Workload",
-    "classify_reuse",
-    "ideal_cached_tokens",
-    "ideal_hit_ratio",
-    "mooncake_workload",
-    "preset_workload",
-    "shared_prefix_workload",
-]
-
 LOW_REUSE_MAX = 0.4  # measured token hit ratio below this: "low"
 HIGH_REUSE_MIN = 0.6  # at or above this: "high"
 

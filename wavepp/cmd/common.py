@@ -35,21 +35,6 @@ import time
 from collections.abc import Mapping, Sequence
 from urllib.parse import urlparse
 
-__all__ = [
-    "HelpFormatter",
-    "add_model_dir_arg",
-    "add_nats_args",
-    "add_nats_tls_args",
-    "add_nats_wait_arg",
-    "check_nats_reachable",
-    "config_exit_code",
-    "finite_float",
-    "fresh_out_dir",
-    "add_replica_config_args",
-    "startup_failure",
-]
-
-
 CONFIG_EXIT_CODE_ENV = "WAVEPP_CONFIG_EXIT_CODE"
 
 

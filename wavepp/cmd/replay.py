@@ -93,24 +93,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="planner cost model JSON (calibrate --out; default: the emulated model's, or the "
         "packaged tiny-llama CPU fit)",
     )
-    parser.add_argument(
-        "--chunk-policy",
-        choices=["dynamic", "static"],
-        default=None,
-        help="ablation (default: from --mode: wave dynamic, sync static)",
-    )
-    parser.add_argument(
-        "--agreement",
-        choices=["async", "sync"],
-        default=None,
-        help="ablation (default: from --mode: wave async, sync sync)",
-    )
-    parser.add_argument(
-        "--local-prepare",
-        choices=["on", "off"],
-        default=None,
-        help="ablation (default: from --mode: wave on, sync off)",
-    )
+    # ablations: each mechanism's switch, (wave's value, sync's value)
+    for flag, (wave, sync) in (
+        ("--chunk-policy", ("dynamic", "static")),
+        ("--agreement", ("async", "sync")),
+        ("--local-prepare", ("on", "off")),
+    ):
+        parser.add_argument(
+            flag,
+            choices=[wave, sync],
+            default=None,
+            help=f"ablation (default: from --mode: wave {wave}, sync {sync})",
+        )
     parser.add_argument(
         "--max-inflight", type=int, default=None, help="micro-batches in flight (default: S)"
     )

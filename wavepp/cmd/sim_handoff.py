@@ -20,8 +20,6 @@ from typing import Any
 
 from wavepp.cmd.common import finite_float
 
-__all__ = ["add_arguments", "run_handoff"]
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--handoff`` and its link's flags (defaults: ``planning.handoff_cost.H200_RDMA``)."""

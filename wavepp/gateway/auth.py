@@ -39,20 +39,6 @@ from pathlib import Path
 
 from wavepp.gateway.tenants import TokenBucket
 
-__all__ = [
-    "MAX_KEYS_PER_TENANT",
-    "AuthError",
-    "Authenticator",
-    "FailureLimiter",
-    "KeyEntry",
-    "KeyFileError",
-    "KeyStore",
-    "authenticator_for",
-    "hash_key",
-    "key_line",
-    "parse_key_file",
-]
-
 log = logging.getLogger(__name__)
 
 MAX_KEYS_PER_TENANT = 2

@@ -68,6 +68,3 @@ class BusWatch:
     def is_silent(self, now: float) -> bool:
         """The server has not answered for ``BUS_SILENT_S`` (never, before ``start``)."""
         return self.answered_s is not None and now - self.answered_s > BUS_SILENT_S
-
-
-__all__ = ["BUS_CHECK_S", "BUS_SILENT_S", "BusWatch"]

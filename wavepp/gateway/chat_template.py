@@ -14,8 +14,6 @@ from wavepp.gateway.validation import ChatTemplate, Messages
 
 log = logging.getLogger(__name__)
 
-__all__ = ["has_chat_template", "load_chat_template"]
-
 
 def has_chat_template(directory: Path) -> bool:
     """Whether ``directory`` holds a chat template: ``chat_template.jinja``, or a

@@ -593,6 +593,3 @@ class Gateway:
                             )
             finally:
                 replica.num_outstanding -= 1
-
-
-__all__ = ["Gateway", "GatewayMetrics", "LimitExceeded"]

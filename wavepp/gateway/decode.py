@@ -36,20 +36,8 @@ from dataclasses import dataclass, field
 
 from wavepp.api.kv_handoff import PARAMS_KEY
 from wavepp.api.prefill import PrefillResult
+from wavepp.gateway.openai_api import completion_head
 from wavepp.gateway.validation import Sampling
-
-__all__ = [
-    "DEFAULT_DOWN_S",
-    "CompletionClock",
-    "DecodePool",
-    "chat_answer",
-    "chat_chunk",
-    "completion_answer",
-    "decode_body",
-    "decode_error_message",
-    "pd_usage",
-    "stream_chunk",
-]
 
 DEFAULT_DOWN_S = 5.0
 """Seconds a decode endpoint that refused a connection is passed over (while another is up)."""
@@ -230,10 +218,7 @@ def completion_answer(
         [_choice(c) for c in raw[:1] if isinstance(c, Mapping)] if isinstance(raw, list) else []
     )
     return {
-        "id": f"cmpl-{result.request_id}",
-        "object": "text_completion",
-        "created": created,
-        "model": model,
+        **completion_head(result.request_id, model, created),
         "choices": choices,
         "usage": pd_usage(result, _completion_tokens(answer, choices)),
         "wavepp": result.model_dump(mode="json", exclude={"mac", "kv_transfer_params"}),
@@ -251,8 +236,7 @@ def stream_chunk(
     """One decode SSE chunk as the gateway's: (the token chunk or None, the usage chunk or None,
     tokens counted so far). vLLM's usage chunk (empty ``choices``) becomes the gateway's usage
     chunk (:func:`pd_usage`); a chunk's ``token_ids`` add to the count."""
-    base = {"id": f"cmpl-{result.request_id}", "object": "text_completion", "created": created,
-            "model": model}  # fmt: skip
+    base = completion_head(result.request_id, model, created)
     raw = chunk.get("choices")
     choices = (
         [_choice(c) for c in raw[:1] if isinstance(c, Mapping)] if isinstance(raw, list) else []

@@ -71,13 +71,12 @@ from wavepp.gateway.decode import (
 )
 from wavepp.gateway.errors import error_body
 from wavepp.gateway.metrics import GatewayMetrics
+from wavepp.gateway.openai_api import completion_head
 from wavepp.gateway.validation import CompletionRequest
 from wavepp.runtime.serving.handoff import release_handoff
 from wavepp.telemetry import tracing
 
 log = logging.getLogger(__name__)
-
-__all__ = ["DecodeFlow", "release_handoff"]
 
 Prefill = Callable[[], Awaitable[tuple[int, object, dict]]]
 Answered = Callable[[int], None]
@@ -383,10 +382,10 @@ class DecodeFlow:
             return out
         if batch.include_usage:
             usage = usage or {
-                "id": f"cmpl-{result.request_id}", "object": "text_completion",
-                "created": created, "model": self.model_name, "choices": [],
+                **completion_head(result.request_id, self.model_name, created),
+                "choices": [],
                 "usage": pd_usage(result, count),
-            }  # fmt: skip
+            }
             if chat:
                 usage = chat_chunk(usage, first=False)
             await out.write(f"data: {json.dumps(usage)}\n\n".encode())

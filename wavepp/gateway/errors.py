@@ -19,8 +19,6 @@ from aiohttp import web
 
 from wavepp.gateway.metrics import GatewayMetrics
 
-__all__ = ["MAX_BODY_BYTES", "error_body", "error_middleware", "metrics_tenant"]
-
 MAX_BODY_BYTES = 16 * 1024 * 1024
 """Largest request body the gateway reads (413 past it)."""
 

@@ -232,6 +232,3 @@ class GatewayMetrics:
         return (
             [] if store is None or store.limit_bytes is None else [Observation(store.limit_bytes)]
         )
-
-
-__all__ = ["GATEWAY_PROMETHEUS_NAMES", "GatewayLoad", "GatewayMetrics", "JetStreamStore"]

@@ -25,8 +25,6 @@ from collections.abc import Callable, Sequence
 
 from wavepp.api.prefill import PrefillResult
 
-__all__ = ["completion_body", "models_body", "sse_events"]
-
 Decode = Callable[[list[int]], str]
 
 
@@ -62,16 +60,24 @@ def _choice(index: int, result: PrefillResult, decode: Decode | None) -> dict[st
     }
 
 
+def completion_head(request_id: str, model: str, created: int) -> dict[str, object]:
+    """What every OpenAI ``text_completion`` object and stream chunk starts with: ``id``
+    (``cmpl-`` + the request id), ``object``, ``created`` (Unix seconds) and ``model``."""
+    return {
+        "id": f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+    }
+
+
 def completion_body(
     results: Sequence[PrefillResult], model: str, created: int, decode: Decode | None
 ) -> dict[str, object]:
     """The ``/v1/completions`` JSON answer for ``results`` (one per prompt, in order)."""
     dumped = [r.model_dump(mode="json", exclude={"mac", "kv_transfer_params"}) for r in results]
     return {
-        "id": f"cmpl-{results[0].request_id}",
-        "object": "text_completion",
-        "created": created,
-        "model": model,
+        **completion_head(results[0].request_id, model, created),
         "choices": [_choice(i, r, decode) for i, r in enumerate(results)],
         "usage": _usage(results),
         "wavepp": dumped[0] if len(dumped) == 1 else dumped,
@@ -88,29 +94,16 @@ def sse_events(
     include_usage: bool,
 ) -> bytes:
     """The ``stream: true`` answer: one event per prompt, the usage chunk if asked, ``[DONE]``."""
-    ident = f"cmpl-{results[0].request_id}"
-    chunks: list[dict[str, object]] = []
-    for i, result in enumerate(results):
-        chunks.append(
-            {
-                "id": ident,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [_choice(i, result, decode)],
-                "wavepp": result.model_dump(mode="json", exclude={"mac"}),
-            }
-        )
+    head = completion_head(results[0].request_id, model, created)
+    chunks: list[dict[str, object]] = [
+        {
+            **head,
+            "choices": [_choice(i, result, decode)],
+            "wavepp": result.model_dump(mode="json", exclude={"mac"}),
+        }
+        for i, result in enumerate(results)
+    ]
     if include_usage:
-        chunks.append(
-            {
-                "id": ident,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": _usage(results),
-            }
-        )
+        chunks.append({**head, "choices": [], "usage": _usage(results)})
     events = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks] + ["data: [DONE]\n\n"]
     return "".join(events).encode()

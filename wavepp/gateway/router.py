@@ -29,8 +29,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["DEFAULT_STAGE_BLOCKS", "PoolRouter", "ReplicaState", "RoutingPolicy"]
-
 DEFAULT_STAGE_BLOCKS = 1 << 18
 """The index bound per stage when a replica's block counts are not given (hashes)."""
 

@@ -35,16 +35,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from wavepp.api.spec import TenantSpec
 
-__all__ = [
-    "FairShareQueue",
-    "policy_from_spec",
-    "LimitExceeded",
-    "TenantLimiter",
-    "TenantPolicy",
-    "TokenBucket",
-    "default_cache_salt",
-]
-
 T = TypeVar("T")
 
 

@@ -35,8 +35,6 @@ from wavepp.api.messages import KVEventBatch
 from wavepp.api.prefill import Heartbeat, PrefillResult
 from wavepp.api.signing import BusKey
 
-__all__ = ["BusGuard"]
-
 _INSTANCES_KEPT = 8  # per replica: the last instances whose heartbeat numbers are remembered
 
 

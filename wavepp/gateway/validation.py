@@ -37,21 +37,6 @@ from dataclasses import dataclass
 
 from wavepp.api.prefill import REQUEST_ID_PATTERN
 
-__all__ = [
-    "BadRequest",
-    "CompletionRequest",
-    "ParsedRequest",
-    "PromptLimits",
-    "Sampling",
-    "MAX_MESSAGES",
-    "parse_chat",
-    "parse_completion",
-    "parse_completion_batch",
-    "parse_kv_transfer",
-    "parse_prefill",
-    "tenant_hint",
-]
-
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 MAX_PRIORITY = 100
 MAX_PROMPTS = 64

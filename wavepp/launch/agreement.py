@@ -11,8 +11,6 @@ import argparse
 from wavepp.bench.agreement import WORKLOADS, AgreementSetting
 from wavepp.launch.flags import FlagError, comma_ints
 
-__all__ = ["plan_agreement"]
-
 
 def plan_agreement(args: argparse.Namespace) -> list[AgreementSetting]:
     """Every setting to measure, in order (workload, replicas, stages, batch limit,

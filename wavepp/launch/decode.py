@@ -30,8 +30,6 @@ from pathlib import Path
 
 import wavepp
 from wavepp.api.vllm_decode import (
-    CONNECTOR_CONFIG,
-    CPU_BLOCK_SIZE,
     CPU_KV_CACHE_ENV,
     CPU_KV_CACHE_GIB,
     TOKENIZER_FILES,
@@ -45,16 +43,6 @@ from wavepp.runtime.transport.natsio import free_port
 CPU_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 """vLLM's switch between a worker process per model replica (1) and the model in its
 engine-core process (0); a local CPU instance gets 0 unless its environment says otherwise."""
-
-__all__ = [
-    "CONNECTOR_CONFIG",
-    "CPU_BLOCK_SIZE",
-    "CPU_MULTIPROCESSING_ENV",
-    "DecodeServer",
-    "check_vllm_python",
-    "decode_servers",
-    "plan_decode",
-]
 
 
 @dataclass(frozen=True)

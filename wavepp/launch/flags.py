@@ -16,22 +16,6 @@ import socket
 import ssl
 from pathlib import Path
 
-__all__ = [
-    "METRICS_PORT_ENV",
-    "NAMESPACE_ENV",
-    "POOL_ENV",
-    "RANK_ENV",
-    "ArgError",
-    "FlagError",
-    "apply_nats_tls",
-    "check_creds",
-    "check_port",
-    "check_port_free",
-    "comma_ints",
-    "describe_error",
-    "resolve_rank",
-]
-
 RANK_ENV = "WAVEPP_RANK"
 POOL_ENV = "WAVEPP_PIPELINE"
 NAMESPACE_ENV = "WAVEPP_NAMESPACE"  # the pod's namespace (downward API): in every NATS name

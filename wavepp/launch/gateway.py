@@ -35,16 +35,6 @@ from wavepp.launch.runtime_config import (
 )
 from wavepp.runtime.config import RuntimeConfig
 
-__all__ = [
-    "gateway_config_from_args",
-    "gateway_config_from_spec",
-    "gateway_model_fields",
-    "key_files_problem",
-    "pool_replicas",
-    "replica_info",
-    "spec_key_files_problem",
-]
-
 
 def pool_replicas(pool_doc: dict[str, Any], num_spec_replicas: int) -> list[int]:
     """The replica indices the gateway routes to, from the operator's ``pool.json``.

@@ -23,8 +23,6 @@ from wavepp.runtime.planning import CostModel
 from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
 from wavepp.runtime.planning.memory import default_emulated_kv_blocks
 
-__all__ = ["GridPlan", "plan_grid", "runtime_config"]
-
 
 def runtime_config(spec: GridSpec, setting: Setting) -> tuple[RuntimeConfig, CostModel]:
     """The stages' RuntimeConfig of one setting and the planner's cost model (the stages' own

@@ -19,8 +19,6 @@ from wavepp.runtime.planning.handoff_cost import (
 from wavepp.runtime.planning.memory import derived_stage_memory
 from wavepp.runtime.planning.published import get_model
 
-__all__ = ["HANDOFF_FLAGS", "check_handoff_flags", "plan_handoff"]
-
 HANDOFF_FLAGS = ("--handoff-gbps", "--handoff-efficiency", "--handoff-latency-s")
 """The link's flags; each is refused without ``--handoff`` (a setting nothing would honour)."""
 

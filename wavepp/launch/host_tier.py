@@ -27,15 +27,6 @@ from wavepp.runtime.planning.catalogue import ModelShape, get_model
 from wavepp.runtime.planning.host_load import PCIE_GEN5_X16_BYTES_PER_S, load_s_per_block
 from wavepp.runtime.planning.memory import derived_stage_memory
 
-__all__ = [
-    "MAX_HOST_MEMORY_GIB_PER_GPU",
-    "NO_HOST_TIER",
-    "check_host_memory_gib",
-    "host_tier_fields",
-    "model_host_tier_fields",
-    "resolve_host_tier",
-]
-
 NO_HOST_TIER: dict[str, list[Any]] = {"num_host_kv_blocks": [0], "host_load_s_per_block": [0.0]}
 """RuntimeConfig's host tier fields without a tier."""
 

@@ -31,8 +31,6 @@ from wavepp.runtime.planning.catalogue import ModelShape, derived_cost_model, li
 from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_emulated_kv_blocks
 from wavepp.telemetry.settings import TelemetrySettings
 
-__all__ = ["ReplayPlan", "plan_replay"]
-
 _MAX_DERIVED_KV_BLOCKS = 1 << 22
 
 

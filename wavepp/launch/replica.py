@@ -35,17 +35,6 @@ from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
 from wavepp.telemetry.settings import TelemetrySettings
 
-__all__ = [
-    "admission_pool",
-    "pod_handoff",
-    "planner_cost_model",
-    "runtime_config_from_args",
-    "stage_config_from_args",
-    "telemetry_from_spec",
-    "with_checkpoint",
-    "with_tensor_parallel",
-]
-
 
 def with_tensor_parallel(config: RuntimeConfig, size: int | None) -> RuntimeConfig:
     """``config`` with ``--tensor-parallel-size`` laid over it (None: unchanged).

@@ -65,18 +65,6 @@ from wavepp.runtime.model_config import PRESETS, ModelConfig
 from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
 from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_emulated_kv_blocks
 
-__all__ = [
-    "absent_pvc_mount",
-    "checkpoint_dir",
-    "checkpoint_tokenizer",
-    "stage_device",
-    "model_config_from_spec",
-    "replica_pipeline_name",
-    "runtime_config_spec_error",
-    "runtime_configs_from_spec",
-    "with_checkpoint_layers",
-]
-
 _MODEL_FIELDS = (
     "num_layers",
     "hidden_size",

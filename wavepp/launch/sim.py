@@ -22,8 +22,6 @@ from wavepp.runtime.planning.catalogue import list_models
 from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_emulated_kv_blocks
 from wavepp.sim.bus import SimLatencies
 
-__all__ = ["SimPlan", "plan_sim"]
-
 
 @dataclass(frozen=True)
 class SimPlan:

@@ -34,8 +34,6 @@ from wavepp.runtime.planning.parallel import (
 )
 from wavepp.runtime.planning.published import get_model
 
-__all__ = ["LayoutRun", "LayoutsPlan", "candidate_layouts", "plan_layouts"]
-
 MAX_PIPELINE_STAGES = 8  # the simulated stages run the 8-layer tiny-llama config (emulated)
 
 

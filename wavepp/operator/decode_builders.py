@@ -40,18 +40,6 @@ from wavepp.operator.naming import (
     child_metadata,
 )
 
-__all__ = [
-    "DECODE_DEREGISTER_S",
-    "DECODE_METRIC_NAMES",
-    "DECODE_STARTUP_S",
-    "DECODE_TEARDOWN_S",
-    "build_decode_deployment",
-    "build_decode_hpa",
-    "build_decode_service",
-    "decode_command",
-    "decode_pod_selector",
-]
-
 DECODE_STARTUP_S = 1800
 """Seconds a decode pod may take to load the checkpoint before its startup probe fails."""
 

@@ -63,34 +63,9 @@ from wavepp.operator.observe import (
     labels_of,
     meta_of,
     pod_config_error,
-    pod_failure,
     replica_views,
-    stage_phase,
 )
 from wavepp.operator.status import invalid_status, pipeline_status
-
-__all__ = [
-    "ANNOTATION_DEGRADED",
-    "ANNOTATION_DRAIN",
-    "ANNOTATION_FORMING",
-    "ANNOTATION_MEMBERS",
-    "ANNOTATION_RESTARTS",
-    "DRAIN_GRACE_S",
-    "Action",
-    "Apply",
-    "Create",
-    "Defaults",
-    "Delete",
-    "DrainReason",
-    "Observed",
-    "Patch",
-    "Plan",
-    "invalid_status",
-    "plan",
-    "pod_failure",
-    "stage_phase",
-]
-
 
 # ---- actions ------------------------------------------------------------------------------
 

@@ -10,8 +10,6 @@ from lightkube.utils.quantity import parse_quantity
 
 from wavepp.api.spec import WavePipelineSpec
 
-__all__ = ["host_tier_bytes", "stage_resources"]
-
 
 def host_tier_bytes(spec: WavePipelineSpec) -> int:
     """Host memory a stage pod's KV host tier holds, bytes: ``cache.hostMemoryGiB`` per GPU x

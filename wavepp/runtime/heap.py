@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import gc
 
-__all__ = ["collect_young_soon", "settle_heap"]
-
 _scheduled: set[asyncio.AbstractEventLoop] = set()
 
 

@@ -26,18 +26,6 @@ from wavepp.runtime.families import FAMILIES, LayerPlan, family_of
 from wavepp.runtime.families.contract import required
 from wavepp.runtime.model_config import MAX_LAYERS, ModelConfig
 
-__all__ = [
-    "FIELD_LIMITS",
-    "MAX_CONFIG_BYTES",
-    "check_hf_fields",
-    "layer_plan_from_hf",
-    "load_model_dir",
-    "model_config_from_hf",
-    "normalize_hf_config",
-    "read_hf_config",
-    "read_json_file",
-]
-
 # NOTE: config.json is a few KB; the cap keeps a hostile one from costing memory (a 300 MB
 # file took 825 MB to parse). Read at call time, so a test may lower it.
 MAX_CONFIG_BYTES = 16 << 20

@@ -16,14 +16,6 @@ import pydantic
 
 from wavepp.runtime.families import FAMILIES
 
-__all__ = [
-    "MAX_LAYERS",
-    "PRESETS",
-    "ModelConfig",
-    "balanced_partition",
-    "get_preset",
-]
-
 # NOTE: the most decoder layers a model may have (config.json's num_hidden_layers, and
 # balanced_partition's input); the largest published models have ~130.
 MAX_LAYERS = 1024

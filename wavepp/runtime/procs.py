@@ -14,8 +14,6 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["stop_processes"]
-
 
 def _signal(proc: subprocess.Popen[Any], sig: int, group: bool) -> None:
     try:

@@ -18,8 +18,6 @@ import selectors
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["SimDeadlockError", "VirtualClockLoop"]
-
 
 class SimDeadlockError(RuntimeError):
     """Nothing is ready and no timer is pending: the simulated system waits forever."""

@@ -21,8 +21,6 @@ from wavepp.sim.bus import SimLatencies
 from wavepp.sim.clock import VirtualClockLoop
 from wavepp.sim.pipeline import SimPipeline
 
-__all__ = ["simulate"]
-
 
 async def _simulate(
     config: RuntimeConfig,

@@ -6,10 +6,6 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
-from wavepp.api.spec.errors import SpecError
-
-__all__ = ["SpecError", "WireModel"]
-
 
 class WireModel(BaseModel):
     """Base of the spec and status models: camelCase on the wire, snake_case in Python, both

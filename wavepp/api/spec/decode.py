@@ -15,21 +15,7 @@ from pydantic import Field, model_validator
 
 from wavepp.api.spec.base import WireModel
 from wavepp.api.spec.errors import SpecError
-from wavepp.api.spec.parts import Toleration
-
-__all__ = [
-    "DECODE_METRICS",
-    "DECODE_PORT",
-    "MAX_DECODE_DRAIN_S",
-    "MAX_DECODE_REPLICAS",
-    "DecodeAutoscalingSpec",
-    "DecodePoolSpec",
-    "DecodeResources",
-    "DecodeServiceRef",
-    "DecodeSpec",
-    "decode_service_name",
-    "decode_urls",
-]
+from wavepp.api.spec.parts import StabilizationWindows, Toleration
 
 DECODE_PORT = 8000
 """The HTTP port of a rendered decode pod (vLLM's OpenAI server) and of its Service."""
@@ -82,7 +68,7 @@ class DecodeResources(WireModel):
     shared_memory: str = Field("1Gi", pattern=_QUANTITY, description="Size of /dev/shm.")
 
 
-class DecodeAutoscalingSpec(WireModel):
+class DecodeAutoscalingSpec(StabilizationWindows):
     """A HorizontalPodAutoscaler on the decode Deployment, on a per-pod vLLM gauge averaged
     over the pool's pods."""
 
@@ -101,20 +87,6 @@ class DecodeAutoscalingSpec(WireModel):
         ge=0.001,
         le=100000,
         description="The metric's average per decode pod the HPA holds (requests per pod).",
-    )
-    scale_up_window_s: int = Field(
-        30,
-        ge=0,
-        le=3600,
-        alias="scaleUpStabilizationSeconds",
-        description="HPA scale-up stabilisation window.",
-    )
-    scale_down_window_s: int = Field(
-        300,
-        ge=0,
-        le=3600,
-        alias="scaleDownStabilizationSeconds",
-        description="HPA scale-down stabilisation window.",
     )
 
     @model_validator(mode="after")

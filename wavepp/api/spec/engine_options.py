@@ -29,8 +29,6 @@ from typing import Any
 
 from wavepp.api.spec.errors import SpecError
 
-__all__ = ["ENGINE_OPTION_KEYS", "check_engine_options"]
-
 MAX_KV_BLOCKS = 2**31 - 1
 
 

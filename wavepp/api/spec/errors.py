@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-__all__ = ["SpecError"]
-
 
 class SpecError(ValueError):
     """A spec value that cannot work, with the field that holds it.

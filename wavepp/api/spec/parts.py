@@ -258,7 +258,27 @@ class TenantSpec(WireModel):
         return self
 
 
-class AutoscalingSpec(WireModel):
+class StabilizationWindows(WireModel):
+    """A HorizontalPodAutoscaler's stabilisation windows, seconds in [0, 3600]; the
+    autoscaling sections of the pipeline and of its decode pool share them."""
+
+    scale_up_window_s: int = Field(
+        30,
+        ge=0,
+        le=3600,
+        alias="scaleUpStabilizationSeconds",
+        description="HPA scale-up stabilisation window (a burst does not add replicas at once).",
+    )
+    scale_down_window_s: int = Field(
+        300,
+        ge=0,
+        le=3600,
+        alias="scaleDownStabilizationSeconds",
+        description="HPA scale-down stabilisation window (a lull does not remove replicas).",
+    )
+
+
+class AutoscalingSpec(StabilizationWindows):
     """HorizontalPodAutoscaler on the pipeline's scale subresource."""
 
     min_replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
@@ -275,20 +295,6 @@ class AutoscalingSpec(WireModel):
     target: float = Field(
         gt=0,
         description="backlog: requests per replica; cpu: average utilisation in percent.",
-    )
-    scale_up_window_s: int = Field(
-        30,
-        ge=0,
-        le=3600,
-        alias="scaleUpStabilizationSeconds",
-        description="HPA scale-up stabilisation window (a burst does not add replicas at once).",
-    )
-    scale_down_window_s: int = Field(
-        300,
-        ge=0,
-        le=3600,
-        alias="scaleDownStabilizationSeconds",
-        description="HPA scale-down stabilisation window (a lull does not remove replicas).",
     )
 
 

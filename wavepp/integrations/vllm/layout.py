@@ -19,8 +19,6 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["kv_for_backend", "latent_for_backend", "slots_of"]
-
 
 def slots_of(block_ids: Sequence[int], block_size: int, start: int, count: int) -> torch.Tensor:
     """Global slots (block * block_size + row) of tokens ``[start, start + count)``.

@@ -34,8 +34,6 @@ from wavepp.api.kv_handoff import (
     write_json,
 )
 
-__all__ = ["KVTransport", "PulledKV", "TcpTransport", "pull_request", "pull_stage", "stage_stats"]
-
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -11,7 +11,6 @@ The agreement controller runs inside the admission (request admission into the p
 
 from wavepp.runtime.agreement.clients import (
     LocalStageClient,
-    StageClient,
     StageUnavailableError,
 )
 from wavepp.runtime.agreement.coordinator import (
@@ -26,7 +25,6 @@ __all__ = [
     "AgreementController",
     "AgreementRefused",
     "LocalStageClient",
-    "StageClient",
     "StageUnavailableError",
     "StageVersionError",
     "Ticket",

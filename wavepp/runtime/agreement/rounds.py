@@ -84,8 +84,6 @@ if TYPE_CHECKING:
 
     from wavepp.runtime.agreement.clients import StageClient
 
-__all__ = ["MAX_ROUND_BYTES", "AgreementRounds", "PendingAgreement", "StageProtocolError"]
-
 MAX_ROUND_BYTES = 1024 * 1024 - 64 * 1024
 """Most bytes of entries (and riding releases) in one round's message: below NATS's default
 ``max_payload`` of 1 MiB, with room for the batch's header, owner and tag."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from wavepp.runtime.families.contract import AttentionShape, ModelFamily
+from wavepp.runtime.families.contract import ModelFamily
 from wavepp.runtime.families.gqa import Llama, MiniMaxM2
 from wavepp.runtime.families.layer_plan import LayerPlan
 from wavepp.runtime.families.mla import DeepSeekV3, GlmMoeDsa, KimiLinear
@@ -33,7 +33,6 @@ from wavepp.runtime.planning.shapes import ModelShape
 __all__ = [
     "FAMILIES",
     "TENSOR_PARALLEL",
-    "AttentionShape",
     "LayerPlan",
     "ModelFamily",
     "family_of",

@@ -29,8 +29,6 @@ from typing import Any, ClassVar
 from wavepp.runtime.families.layer_plan import LayerPlan
 from wavepp.runtime.planning.shapes import ModelShape
 
-__all__ = ["AttentionShape", "ModelFamily", "per_layer", "required"]
-
 
 @dataclass(frozen=True)
 class AttentionShape:

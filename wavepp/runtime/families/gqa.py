@@ -18,8 +18,6 @@ from wavepp.runtime.families.layer_plan import GQAShape, LayerPlan, MoEShape, pl
 from wavepp.runtime.planning.from_config import gqa_model_shape
 from wavepp.runtime.planning.shapes import ModelShape
 
-__all__ = ["Llama", "MiniMaxM2"]
-
 
 def _gqa_attention(cfg: Mapping[str, Any], where: str) -> AttentionShape:
     heads = int(required(cfg, "num_attention_heads", where))

@@ -13,16 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "DSAShape",
-    "GQAShape",
-    "KDAShape",
-    "LayerPlan",
-    "MLAShape",
-    "MoEShape",
-    "plan_fields",
-]
-
 
 @dataclass(frozen=True)
 class GQAShape:

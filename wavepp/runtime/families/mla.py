@@ -28,8 +28,6 @@ from wavepp.runtime.families.layer_plan import (
 from wavepp.runtime.planning.from_config import dsa_model_shape, mla_model_shape
 from wavepp.runtime.planning.shapes import ModelShape
 
-__all__ = ["DeepSeekV3", "GlmMoeDsa", "KimiLinear"]
-
 
 def _mla_attention(
     cfg: Mapping[str, Any], where: str, cached: Callable[[int, int], float]

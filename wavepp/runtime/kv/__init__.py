@@ -18,8 +18,6 @@ Callers import from this package; the modules are its internals.
 """
 
 from wavepp.runtime.kv.hashing import (
-    BLOCK_HASH_NUM_BYTES,
-    BlockHash,
     PromptHasher,
     hash_block_tokens,
     hash_prompt_blocks,
@@ -31,8 +29,6 @@ from wavepp.runtime.kv.pool import BlockPool, CacheHit, KVEvent
 from wavepp.runtime.kv.recent import RecentPrefixes
 
 __all__ = [
-    "BLOCK_HASH_NUM_BYTES",
-    "BlockHash",
     "BlockPool",
     "CacheHit",
     "HostTier",

@@ -8,8 +8,6 @@ from typing import Literal
 
 from wavepp.runtime.kv.hashing import BlockHash
 
-__all__ = ["KVEvent"]
-
 
 @dataclass(frozen=True)
 class KVEvent:

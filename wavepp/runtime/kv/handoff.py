@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 from wavepp.runtime.kv.pool import BlockPool
 
-__all__ = ["HandoffLease", "HandoffLeases"]
-
 
 @dataclass(frozen=True)
 class HandoffLease:

@@ -31,8 +31,6 @@ from typing import Literal
 from wavepp.runtime.kv.events import KVEvent
 from wavepp.runtime.kv.hashing import BlockHash
 
-__all__ = ["HostTier", "Transfer"]
-
 
 @dataclass(frozen=True, slots=True)
 class Transfer:

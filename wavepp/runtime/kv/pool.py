@@ -21,8 +21,6 @@ from wavepp.runtime.kv.hashing import BlockHash, check_block_hash
 from wavepp.runtime.kv.host import HostTier, Transfer
 from wavepp.runtime.kv.refs import BlockRefs
 
-__all__ = ["BlockPool", "CacheHit", "KVEvent"]
-
 
 class CacheHit(NamedTuple):
     """The result of one ``BlockPool.pin_cache_hit`` walk: the leading blocks found (and pinned),

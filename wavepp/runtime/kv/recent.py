@@ -26,8 +26,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-__all__ = ["RecentPrefixes"]
-
 
 class RecentPrefixes:
     """Per (owner, root hash): the hashes of the owner's latest probe-reserve entry with that

@@ -16,8 +16,6 @@ from collections.abc import Sequence
 from wavepp.runtime.kv.hashing import BlockHash
 from wavepp.runtime.kv.host import HostTier
 
-__all__ = ["BlockRefs"]
-
 _INT_TYPES = frozenset((int, bool))
 
 

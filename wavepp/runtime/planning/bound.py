@@ -38,8 +38,6 @@ from dataclasses import dataclass
 
 from wavepp.runtime.planning.cost_model import CostModel
 
-__all__ = ["PipelineBound", "RequestWork", "pipeline_bound"]
-
 
 @dataclass(frozen=True)
 class RequestWork:

@@ -41,8 +41,6 @@ from wavepp.runtime.planning.shapes import (
     moe_weight_bytes,
 )
 
-__all__ = ["dsa_model_shape", "gqa_model_shape", "mla_model_shape"]
-
 
 def _moe_layers(cfg: Mapping[str, Any], n: int, has_moe: bool) -> list[bool]:
     if cfg.get("mlp_layer_types"):

@@ -58,16 +58,6 @@ from wavepp.api.layer_split import split_layers
 from wavepp.runtime.planning.published import get_model
 from wavepp.runtime.planning.shapes import ModelShape
 
-__all__ = [
-    "H200_RDMA",
-    "HandoffLink",
-    "HandoffModel",
-    "LinkSpec",
-    "StageHandoffBytes",
-    "Transfer",
-    "stage_handoff_bytes",
-]
-
 
 @dataclass(frozen=True)
 class LinkSpec:

@@ -20,15 +20,6 @@ from typing import Protocol
 
 from wavepp.runtime.planning.cost_model import CostModel
 
-__all__ = [
-    "PCIE_GEN5_X16_BYTES_PER_S",
-    "HostLoadPolicy",
-    "HostTierShape",
-    "host_load_policy",
-    "load_s_per_block",
-    "serving_agreed_blocks",
-]
-
 PCIE_GEN5_X16_BYTES_PER_S = 32e9 * 16 * 128 / 130 / 8
 """PCIe 5.0 x16 per direction, bytes/s: 32 GT/s x 16 lanes x 128/130 / 8 bits = 63.0e9."""
 

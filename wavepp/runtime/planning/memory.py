@@ -69,15 +69,6 @@ from wavepp.api.layer_split import split_layers
 from wavepp.runtime.planning.catalogue import get_model
 from wavepp.runtime.planning.shapes import GPUSpec, ModelShape
 
-__all__ = [
-    "DEFAULT_MEMORY_UTILIZATION",
-    "FIXED_KV_BLOCKS",
-    "GPUS_PER_STAGE_CHOICES",
-    "StageMemory",
-    "default_kv_blocks",
-    "derived_stage_memory",
-]
-
 DEFAULT_MEMORY_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
 
 

@@ -91,22 +91,6 @@ from wavepp.runtime.planning.memory import derived_stage_memory
 from wavepp.runtime.planning.published import get_model
 from wavepp.runtime.planning.shapes import MODELS_MD, GPUSpec, LayerCost, ModelShape
 
-__all__ = [
-    "ACTIVATION_BYTES",
-    "EP_IMBALANCES",
-    "GROUP_KINDS",
-    "H200_NVLINK",
-    "H200_NVLINK_RING",
-    "EPImbalance",
-    "Interconnect",
-    "Layout",
-    "gemm_efficiency",
-    "parse_layout",
-    "parse_layouts",
-    "replica_kv_blocks",
-    "replica_stage_cost_models",
-]
-
 GROUP_KINDS = ("tp", "tep", "ep")
 
 

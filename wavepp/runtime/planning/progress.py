@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 from wavepp.runtime.planning.cost_model import check_non_negative
 
-__all__ = ["Chunk", "RequestProgress"]
-
 
 @dataclass
 class RequestProgress:

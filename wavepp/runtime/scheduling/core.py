@@ -43,16 +43,9 @@ from wavepp.runtime.planning import Chunk, ChunkPlanner, RequestProgress
 from wavepp.runtime.request import PromptRequest, RequestOutcome, RequestStatus
 from wavepp.runtime.scheduling.ledger import PlanLedger
 from wavepp.runtime.scheduling.outputs import DoneAccounting
-from wavepp.runtime.scheduling.records import DoneUpdate, RequestRecord, ScheduledMicroBatch
+from wavepp.runtime.scheduling.records import RequestRecord, ScheduledMicroBatch
 from wavepp.runtime.scheduling.speculation import AgreedPrefixIndex
 from wavepp.runtime.scheduling.stats import WaveStats
-
-__all__ = [
-    "DoneUpdate",
-    "RequestRecord",
-    "ScheduledMicroBatch",
-    "SchedulerCore",
-]
 
 log = logging.getLogger(__name__)
 

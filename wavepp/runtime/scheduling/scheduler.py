@@ -47,11 +47,9 @@ from wavepp.runtime.request import PromptRequest, RequestOutcome
 from wavepp.runtime.scheduling import speculation
 from wavepp.runtime.scheduling.admission import STRATEGIES, AdmissionStrategy
 from wavepp.runtime.scheduling.core import RequestRecord, SchedulerCore
-from wavepp.runtime.scheduling.stats import StageSpan, WaveStats
+from wavepp.runtime.scheduling.stats import WaveStats
 from wavepp.runtime.scheduling.transport import PlanTransport
 from wavepp.telemetry.pipeline import ChunkInfo, PipelineTelemetry, tenant_of
-
-__all__ = ["RequestOutcome", "StageSpan", "WaveScheduler", "WaveStats"]
 
 log = logging.getLogger(__name__)
 

@@ -38,15 +38,6 @@ from wavepp.runtime.planning import Chunk, ChunkPlanner, RequestProgress
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.scheduling.records import RequestRecord, ScheduledMicroBatch
 
-__all__ = [
-    "AgreedPrefixIndex",
-    "Speculation",
-    "holds",
-    "predict_agreed_blocks",
-    "schedule_speculated",
-    "speculate",
-]
-
 DEFAULT_INDEX_ENTRIES = 65536  # block hashes remembered (~8 MiB at most with the dict's cost)
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from wavepp.api.prefill import IntakeCancel, IntakeRequest
 
-__all__ = ["CANCEL_MEMORY_S", "MAX_CANCELLED", "CancelMemory"]
-
 CANCEL_MEMORY_S = 600.0
 MAX_CANCELLED = 65536
 

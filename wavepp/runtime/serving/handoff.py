@@ -37,8 +37,6 @@ from wavepp.api.signing import BusKey
 
 log = logging.getLogger(__name__)
 
-__all__ = ["handoff_token", "kv_transfer_params", "release_handoff", "stage_endpoints"]
-
 
 def handoff_token(replica_key: BusKey, request_id: str, expires: float) -> str:
     """The token that lets one decode engine pull (and release) ``request_id``'s KV until

@@ -9,8 +9,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from aiohttp import web
 
-__all__ = ["start_health_server"]
-
 
 async def start_health_server(
     host: str, port: int, checks: dict[str, Callable[[], bool]]

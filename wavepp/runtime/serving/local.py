@@ -36,15 +36,14 @@ from wavepp.api.cli_args import NatsArgs, stage_args
 from wavepp.api.messages import Health
 from wavepp.runtime.agreement import AgreementController, StageUnavailableError
 from wavepp.runtime.agreement.coordinator import check_stage_versions
-from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel, planner_for
-from wavepp.runtime.planning.host_load import serving_agreed_blocks
 from wavepp.runtime.request import RequestOutcome
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.serving.handoff import kv_transfer_params, stage_endpoints
 from wavepp.runtime.serving.processes import Supervisor, wavepp_command
+from wavepp.runtime.serving.service import replica_controller
 from wavepp.runtime.transport.auth import PoolAuth, write_pool_auth
 from wavepp.runtime.transport.buskey import BUS_KEY_ENV, bus_key_or_new
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
@@ -170,24 +169,11 @@ class LocalPipeline:
             name=f"{self.config.pipeline}-scheduler",
             creds=None if self.auth is None else self.auth.admission(self.config.pipeline),
         )
-        replica_key = self.bus_key.for_replica(self.config.pipeline)
-        stages = NatsStageClient.for_replica(
+        self.controller = replica_controller(
             self.nc,
-            self.config.subject_prefix,
-            self.config.num_stages,
-            self.config.request_timeout_s,
-        )
-        self.controller = AgreementController(
-            stages,
-            block_size=self.config.block_size,
-            model_id=self.config.model_id,
-            lease_s=self.config.lease_s,
-            stage_capacities=[
-                self.config.owner_blocks_of(r) for r in range(self.config.num_stages)
-            ],
-            state_interval_blocks=self.config.state_interval_blocks,
-            agreed_blocks=serving_agreed_blocks(self.config, self.planner_cost_model),
-            bus_key=replica_key,
+            self.config,
+            self.planner_cost_model,
+            self.bus_key.for_replica(self.config.pipeline),
         )
         await self.wait_formed()
         planner = planner_for(self.config, self.planner_cost_model)

@@ -21,8 +21,6 @@ from pathlib import Path
 from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.serving.lifecycle import child_env
 
-__all__ = ["Supervisor", "wavepp_command"]
-
 
 def wavepp_command(args: Sequence[str]) -> list[str]:
     """``python -m wavepp.cli`` (this interpreter) followed by ``args``, the arguments a pod

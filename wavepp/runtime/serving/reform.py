@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-__all__ = ["ReformAction", "ReformTracker"]
-
 ReformAction = Literal["none", "pause", "resume", "readmit"]
 
 

@@ -26,8 +26,6 @@ from wavepp.runtime.transport.natsio import resend_after_reconnect
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ResultStore", "StoredResult", "result_from_outcome", "result_is_authentic"]
-
 
 def result_from_outcome(
     request: IntakeRequest,

@@ -114,6 +114,28 @@ MIN_BEAT_GAP_S = 0.15
 STORE_TIMEOUT_S = 60.0
 
 
+def replica_controller(
+    nc: NATS, config: RuntimeConfig, planner_cost_model: CostModel, replica_key: BusKey | None
+) -> AgreementController:
+    """The agreement controller of ``config``'s replica: its S stages over NATS (each call
+    bounded by ``request_timeout_s``), each stage's owner capacity in blocks, the serving L*
+    policy (``planning.host_load.serving_agreed_blocks``), rounds signed with ``replica_key``
+    (``BusKey.for_replica``; None: unsigned)."""
+    stages = NatsStageClient.for_replica(
+        nc, config.subject_prefix, config.num_stages, config.request_timeout_s
+    )
+    return AgreementController(
+        stages,
+        block_size=config.block_size,
+        model_id=config.model_id,
+        lease_s=config.lease_s,
+        stage_capacities=[config.owner_blocks_of(r) for r in range(config.num_stages)],
+        state_interval_blocks=config.state_interval_blocks,
+        agreed_blocks=serving_agreed_blocks(config, planner_cost_model),
+        bus_key=replica_key,
+    )
+
+
 class AdmissionService:
     """Serves one replica's intake; see the module docstring.
 
@@ -170,19 +192,7 @@ class AdmissionService:
         # as the intake message stays ours (kept in progress meanwhile), not the client's 5 s.
         self.js = nc.jetstream(timeout=store_timeout_s)
         self.results = ResultStore(nc, self.js, functools.partial(result_is_authentic, bus_key))
-        stages = NatsStageClient.for_replica(
-            nc, config.subject_prefix, config.num_stages, config.request_timeout_s
-        )
-        self.controller = AgreementController(
-            stages,
-            block_size=config.block_size,
-            model_id=config.model_id,
-            lease_s=config.lease_s,
-            stage_capacities=[config.owner_blocks_of(r) for r in range(config.num_stages)],
-            state_interval_blocks=config.state_interval_blocks,
-            agreed_blocks=serving_agreed_blocks(config, planner_cost_model),
-            bus_key=self.replica_key,
-        )
+        self.controller = replica_controller(nc, config, planner_cost_model, self.replica_key)
         planner = planner_for(config, planner_cost_model)
         # Micro-batch ids start at wall-clock ms: logs and traces of successive instances do
         # not repeat ids (the plans' epoch already keeps their done messages apart).

@@ -14,8 +14,6 @@ from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.stage.engine import StageEngine, make_engine
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup, tp_device
 
-__all__ = ["build_engine", "check_environment"]
-
 
 def check_environment(config: RuntimeConfig) -> None:
     """Refuse to start where the config cannot be honoured: CUDA asked for (the pod was given

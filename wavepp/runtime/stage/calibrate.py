@@ -25,8 +25,6 @@ from wavepp.runtime.stage.engine.base import ChunkSpec
 from wavepp.runtime.stage.engine.checkpoint_engine import CheckpointStageEngine
 from wavepp.runtime.stage.engine.torch_engine import TorchStageEngine
 
-__all__ = ["default_grid", "measure_stage_costs"]
-
 # NOTE: context is prefilled in pieces of at most this many tokens, which bounds the
 # [x, L + x] attention mask and score memory of the prefill.
 _MAX_PREFILL_TOKENS = 1024

@@ -57,8 +57,6 @@ from wavepp.runtime.kv import StageKVManager, Transfer
 from wavepp.runtime.stage.chunk import ChunkSpec
 from wavepp.runtime.stage.sequencing import PlanSequencer
 
-__all__ = ["PlanHeaders", "StageCore", "StageWork"]
-
 M = TypeVar("M", MicroBatchDone, KVEventBatch)
 
 PlanHeaders = Mapping[str, str] | None

@@ -39,8 +39,6 @@ from wavepp.runtime.kv import StageKVManager
 from wavepp.runtime.planning.handoff_cost import HandoffLink, StageHandoffBytes, Transfer
 from wavepp.runtime.stage.core import StageWork
 
-__all__ = ["HandoffRecord", "ModelledHandoff", "summarize_handoffs"]
-
 
 @dataclass
 class HandoffRecord:

@@ -52,8 +52,6 @@ from wavepp.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HandoffServer", "overlap_seconds", "read_layer_kv"]
-
 _JSON_LIMIT = 1 << 16
 _IO_TIMEOUT_S = 30.0
 _KEPT_INTERVALS = 16384

@@ -33,8 +33,6 @@ log = logging.getLogger(__name__)
 # every request waiting for the group's 120 s collective timeout).
 TP_STOPPED_LIMIT_S = 5.0
 
-__all__ = ["StageReadiness", "TensorParallelLost", "run_stage"]
-
 
 class TensorParallelLost(RuntimeError):
     """The stage stopped because a tensor-parallel follower exited or its group broke."""

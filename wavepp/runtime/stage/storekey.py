@@ -26,8 +26,6 @@ import torch.distributed as dist
 
 from wavepp.api.signing import BusKey
 
-__all__ = ["SignedStore", "guarded_store", "store_prefix"]
-
 PREFIX_DOMAIN = b"wavepp store namespace"
 VALUE_DOMAIN = b"wavepp store value"
 TAG_BYTES = 32

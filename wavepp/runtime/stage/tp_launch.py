@@ -44,15 +44,6 @@ from wavepp.runtime.stage.engine.tensor_parallel import TPGroup, serve_follower,
 from wavepp.runtime.stage.storekey import guarded_store, store_prefix
 from wavepp.runtime.transport.buskey import BUS_KEY_ENV, BUS_KEY_FILE_ENV
 
-__all__ = [
-    "FollowerSet",
-    "follower_env",
-    "form_tp_group",
-    "start_followers",
-    "tp_key",
-    "tp_prefix",
-]
-
 log = logging.getLogger(__name__)
 
 

@@ -82,8 +82,6 @@ from wavepp.telemetry.pipeline import StageTelemetry
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StageWorker"]
-
 
 _DONE_LOG = 1024  # done messages kept for the scheduler's resend asks
 

@@ -15,15 +15,6 @@ import os
 
 from wavepp.api.signing import BusKey
 
-__all__ = [
-    "BUS_KEY_ENV",
-    "BUS_KEY_FILE_ENV",
-    "BusKeyError",
-    "bus_key_or_new",
-    "ensure_bus_key",
-    "load_bus_key",
-]
-
 log = logging.getLogger(__name__)
 
 BUS_KEY_ENV = "WAVEPP_BUS_KEY"

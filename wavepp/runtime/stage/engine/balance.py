@@ -25,8 +25,6 @@ from wavepp.runtime.hf_config import layer_plan_from_hf, read_hf_config
 from wavepp.runtime.model_config import balanced_partition
 from wavepp.runtime.stage.engine.checkpoint import CheckpointReader
 
-__all__ = ["HEAD_PROMPT_TOKENS", "checkpoint_partition", "layer_active_params"]
-
 HEAD_PROMPT_TOKENS = 512
 """The prompt length over which the split spreads ``lm_head``'s one row per request. Past a few
 dozen tokens the head weighs a small fraction of a decoder layer in every supported family

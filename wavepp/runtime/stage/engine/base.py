@@ -52,15 +52,6 @@ import torch
 from wavepp.runtime.kv import Transfer
 from wavepp.runtime.stage.chunk import ChunkSpec
 
-__all__ = [
-    "ChunkSpec",
-    "PagedStageEngineBase",
-    "PreparedBatch",
-    "StageEngine",
-    "StageOutput",
-    "build_prepared_batch",
-]
-
 
 @dataclass(frozen=True, eq=False)
 class PreparedBatch:

@@ -28,8 +28,6 @@ import torch
 
 from wavepp.runtime.hf_config import read_json_file
 
-__all__ = ["MAX_INDEX_BYTES", "CheckpointReader", "stage_tensor_names"]
-
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 _LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.")  # no 5000-digit int()

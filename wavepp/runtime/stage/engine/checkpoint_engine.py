@@ -21,8 +21,6 @@ from wavepp.runtime.stage.engine.checkpoint import CheckpointReader, stage_tenso
 from wavepp.runtime.stage.engine.decoder import DecoderStageEngine, torch_dtype
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
-__all__ = ["CheckpointStageEngine"]
-
 
 class CheckpointStageEngine(DecoderStageEngine):
     """Decoder layers ``[first_layer, last_layer)`` of a checkpoint over a paged cache."""

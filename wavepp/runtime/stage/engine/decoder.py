@@ -44,8 +44,6 @@ from wavepp.runtime.stage.engine.layers.moe import DenseMLP, SparseMoE
 from wavepp.runtime.stage.engine.profile import region
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
-__all__ = ["DecoderStageEngine", "TorchPreparedBatch", "causal_masks", "torch_dtype"]
-
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,

@@ -37,8 +37,6 @@ from wavepp.runtime.stage.engine.base import (
     StageOutput,
 )
 
-__all__ = ["CostModelLike", "EmulatedStageEngine", "fake_logits"]
-
 
 class CostModelLike(Protocol):
     """Duck type of ``wavepp.runtime.planning.CostModel`` used here."""

@@ -24,8 +24,6 @@ import torch
 
 from wavepp.runtime.kv import Transfer
 
-__all__ = ["BlockStates", "HostCopies"]
-
 BlockStates = dict[int, tuple[torch.Tensor, ...]]
 """Per-block state of one layer: device block id -> its tensors (e.g. KDA's (S, conv tail))."""
 

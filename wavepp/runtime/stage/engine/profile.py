@@ -20,8 +20,6 @@ from typing import Any
 import torch
 from torch.autograd.profiler import record_function
 
-__all__ = ["PARTS", "part_table", "region", "region_totals_us"]
-
 PREFIX = "wavepp."
 PARTS: dict[str, str] = {
     "prepare": "plan handling: block tables, slots, positions, RoPE tables (engine.prepare)",

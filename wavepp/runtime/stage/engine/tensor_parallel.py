@@ -39,16 +39,6 @@ import torch.distributed as dist
 
 from wavepp.runtime.stage.chunk import ChunkSpec
 
-__all__ = [
-    "SINGLE",
-    "TPGroup",
-    "TensorParallelEngine",
-    "decode_chunks",
-    "encode_chunks",
-    "serve_follower",
-    "tp_device",
-]
-
 OP_STOP = 0
 OP_EXECUTE = 1
 

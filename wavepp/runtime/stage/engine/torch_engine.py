@@ -30,15 +30,6 @@ from wavepp.runtime.stage.engine.decoder import DecoderStageEngine, torch_dtype
 from wavepp.runtime.stage.engine.layers.gqa import GQAAttention
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
-__all__ = [
-    "TorchStageEngine",
-    "build_embedding_state_dict",
-    "build_full_state_dict",
-    "build_head_state_dict",
-    "build_layer_state_dict",
-    "build_stage_state_dict",
-]
-
 _LAYER_PARAM_NAMES = (
     "input_layernorm.weight",
     "self_attn.q_proj.weight",

@@ -14,18 +14,6 @@ import torch.nn.functional as F
 
 from wavepp.runtime.stage.engine.tensor_parallel import TPGroup
 
-__all__ = [
-    "WeightGetter",
-    "attend",
-    "causal_mask",
-    "apply_rope_interleaved",
-    "apply_rope_pairs",
-    "apply_rope_rotate_half",
-    "rms_norm",
-    "rms_norm_sharded",
-    "rope_cos_sin",
-]
-
 # NOTE: ``get(name, shape, dim=None)`` -> tensor of this stage (already on the engine's device
 # and dtype); ``shape`` is the checkpoint's full shape; with ``dim`` the result is this TP rank's
 # contiguous share along ``dim`` (``tensor_parallel.TPGroup.shard``). Raises ValueError naming

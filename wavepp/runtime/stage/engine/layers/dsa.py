@@ -30,8 +30,6 @@ from wavepp.runtime.stage.engine.layers.common import (
     causal_mask,
 )
 
-__all__ = ["DSAIndexer"]
-
 
 class DSAIndexer:
     """One full layer's indexer weights and its paged key cache ``[num_slots, head_dim]``."""

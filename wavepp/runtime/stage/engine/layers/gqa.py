@@ -32,8 +32,6 @@ from wavepp.runtime.stage.engine.layers.common import (
 from wavepp.runtime.stage.engine.profile import region
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
-__all__ = ["GQAAttention"]
-
 
 class GQAAttention:
     """One layer's GQA weights and its paged K/V cache

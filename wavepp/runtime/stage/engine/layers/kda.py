@@ -35,8 +35,6 @@ import torch.nn.functional as F
 from wavepp.runtime.families.layer_plan import KDAShape
 from wavepp.runtime.stage.engine.layers.common import WeightGetter
 
-__all__ = ["KDAAttention"]
-
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)

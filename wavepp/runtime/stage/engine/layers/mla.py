@@ -43,8 +43,6 @@ from wavepp.runtime.stage.engine.layers.common import (
 from wavepp.runtime.stage.engine.profile import region
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
-__all__ = ["MLAAttention"]
-
 
 def _no_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     del cos, sin

@@ -31,8 +31,6 @@ from wavepp.runtime.families.layer_plan import MoEShape
 from wavepp.runtime.stage.engine.layers.common import WeightGetter
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
-__all__ = ["NAMING", "DenseMLP", "SparseMoE", "grouped_linear"]
-
 # style -> (block prefix, (gate, up, down) expert names, score-correction bias name)
 NAMING: dict[str, tuple[str, tuple[str, str, str], str]] = {
     "deepseek": ("mlp.", ("gate_proj", "up_proj", "down_proj"), "gate.e_score_correction_bias"),
