@@ -59,6 +59,18 @@ def test_paths_and_sources_are_checked() -> None:
     assert bench.main(["--no-hf"]) == 2  # only with --stages
 
 
+def test_unpacked_sides_serve_a_spec_with_packing_off() -> None:
+    args = _args("--pack", "on,off")
+    assert args.pack == ["on", "off"]
+    config = bench.model_config("float32")
+    assert bench.runtime_config_of(bench.bench_spec(args, config, 2, pack=True)).pack_weights
+    off = bench.runtime_config_of(bench.bench_spec(args, config, 2, pack=False))
+    assert off.pack_weights is False
+    for value in ("on,on", "maybe", ""):
+        with pytest.raises(SystemExit):
+            _args("--pack", value)
+
+
 def test_process_cpu_follows_the_tree_and_leaves_out_excluded_children() -> None:
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
     child = subprocess.Popen(
