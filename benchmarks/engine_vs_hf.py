@@ -14,7 +14,9 @@ time). Ratios are of medians taken in this run.
   threads (the cores the engine or the pipeline uses).
 - ``engine``: one in-process engine holding every layer: ``prepare`` + ``execute`` of
   micro-batches of ``--batch`` prompts, each prompt split in chunks of ``--chunk-tokens``
-  (later chunks read their earlier chunks from the paged cache), same threads.
+  (later chunks read their earlier chunks from the paged cache), same threads. With ``--pack
+  on,off`` an ``engine-unpacked`` twin runs beside it, the two interleaved micro-batch by
+  micro-batch (``run_engines_interleaved``).
 - ``pipeline-S`` (``--stages 1,2``): ``LocalPipeline`` (real stage processes, NATS, gloo; the
   scheduler in this process), ``--concurrency`` requests out at a time (closed loop), each
   stage with ``--threads / S`` (at least 1) torch threads; the ``hf`` side runs with
@@ -153,6 +155,24 @@ def microbatches(prompts: list[list[int]], batch: int, chunk_tokens: int) -> lis
                 )
             out.append(mb)
     return out
+
+
+def run_engines_interleaved(
+    engines: dict[str, TorchStageEngine], batches: list[list[ChunkSpec]], device: str, rep: int
+) -> dict[str, float]:
+    """One pass of ``batches`` through every engine, interleaved micro-batch by micro-batch
+    (the engines' order rotated per micro-batch and per ``rep``), so that a change of load
+    during the pass falls on every engine alike. Returns engine -> seconds of its calls."""
+    names = list(engines)
+    spent = dict.fromkeys(names, 0.0)
+    for i, mb in enumerate(batches):
+        shift = (i + rep) % len(names)
+        for name in names[shift:] + names[:shift]:
+            began = time.perf_counter()
+            engines[name].execute(engines[name].prepare(mb), None)
+            _sync(device)
+            spent[name] += time.perf_counter() - began
+    return spent
 
 
 def run_engine(engine: TorchStageEngine, batches: list[list[ChunkSpec]], device: str) -> float:
@@ -576,11 +596,13 @@ def run(args: argparse.Namespace) -> int:
         names = ["hf", *engines]
         times: dict[str, list[float]] = {name: [] for name in names}
         for rep in range(args.repeats):
-            for side in names if rep % 2 == 0 else names[::-1]:
+            for side in ["hf", "engines"] if rep % 2 == 0 else ["engines", "hf"]:
                 if side == "hf":
                     times["hf"].append(hf_pass(prompts))
                 else:
-                    times[side].append(run_engine(engines[side], batches, args.device))
+                    spent = run_engines_interleaved(engines, batches, args.device, rep)
+                    for name, seconds in spent.items():
+                        times[name].append(seconds)
             _progress(f"repeat {rep}: {times}")
         tps = {name: tokens / _median(t) for name, t in times.items()}
         result["tokens_per_s"] = tps
