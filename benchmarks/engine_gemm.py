@@ -178,6 +178,8 @@ def measure(paths: dict[str, Fn], repeats: int, iters: int) -> dict[str, dict[st
 
 
 def _print_rows(title: str, rows: dict[str, dict[str, dict[str, float]]]) -> None:
+    if not rows:
+        return
     names = list(next(iter(rows.values())))
     print(f"\n{title}: ms (ratio = baseline ms / path ms; max |diff| vs baseline)")
     print(f"{'':>18}" + "".join(f"{n:>26}" for n in names))

@@ -30,6 +30,12 @@ def test_rows_cover_every_shape_and_context_and_paths_agree(capsys) -> None:
         assert all(cell["max_abs_diff"] < 1e-4 for cell in row.values())
 
 
+def test_no_contexts_means_no_attention_rows(capsys) -> None:
+    argv = ["--tokens", "4", "--contexts", "", "--repeats", "1", "--iters", "1", "--json"]
+    assert bench.main(argv) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["attention"] == {}
+
+
 def test_lists_are_checked() -> None:
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--tokens", "a"])
