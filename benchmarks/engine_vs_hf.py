@@ -14,7 +14,9 @@ time). Ratios are of medians taken in this run.
   threads (the cores the engine or the pipeline uses).
 - ``engine``: one in-process engine holding every layer: ``prepare`` + ``execute`` of
   micro-batches of ``--batch`` prompts, each prompt split in chunks of ``--chunk-tokens``
-  (later chunks read their earlier chunks from the paged cache), same threads.
+  (later chunks read their earlier chunks from the paged cache), same threads. With ``--pack
+  on,off`` an ``engine-unpacked`` twin runs beside it, the two interleaved micro-batch by
+  micro-batch (``run_engines_interleaved``).
 - ``pipeline-S`` (``--stages 1,2``): ``LocalPipeline`` (real stage processes, NATS, gloo; the
   scheduler in this process), ``--concurrency`` requests out at a time (closed loop), each
   stage with ``--threads / S`` (at least 1) torch threads; the ``hf`` side runs with
@@ -31,7 +33,9 @@ time). Ratios are of medians taken in this run.
   layers split by cost: ``-ckpt`` sides). ``--engine emulated`` (``--emulate``,
   ``--time-scale``) replaces the layers by the cost model's sleeps: what is left is the
   control path. ``--no-hf`` leaves the ``hf`` side out; ``--max-inflight`` sets the
-  micro-batches in flight (default: the runtime's, S).
+  micro-batches in flight (default: the runtime's, S). ``--pack on,off`` adds ``-unpacked``
+  sides (the engine's projections as plain ``F.linear``, ``engineOptions.packWeights:
+  false``) to the packed ones (the default) and prints each side over its unpacked twin.
 
 ``--profile`` adds one profiled engine pass (``torch.profiler``, the engine's named regions,
 ``wavepp/runtime/stage/engine/profile.py``) and prints its per-part table. ``--device cuda
@@ -153,6 +157,24 @@ def microbatches(prompts: list[list[int]], batch: int, chunk_tokens: int) -> lis
     return out
 
 
+def run_engines_interleaved(
+    engines: dict[str, TorchStageEngine], batches: list[list[ChunkSpec]], device: str, rep: int
+) -> dict[str, float]:
+    """One pass of ``batches`` through every engine, interleaved micro-batch by micro-batch
+    (the engines' order rotated per micro-batch and per ``rep``), so that a change of load
+    during the pass falls on every engine alike. Returns engine -> seconds of its calls."""
+    names = list(engines)
+    spent = dict.fromkeys(names, 0.0)
+    for i, mb in enumerate(batches):
+        shift = (i + rep) % len(names)
+        for name in names[shift:] + names[:shift]:
+            began = time.perf_counter()
+            engines[name].execute(engines[name].prepare(mb), None)
+            _sync(device)
+            spent[name] += time.perf_counter() - began
+    return spent
+
+
 def run_engine(engine: TorchStageEngine, batches: list[list[ChunkSpec]], device: str) -> float:
     began = time.perf_counter()
     for mb in batches:
@@ -196,7 +218,7 @@ async def _closed_loop(scheduler: Any, prompts: list[list[int]], concurrency: in
 
 
 def bench_spec(
-    args: Any, config: ModelConfig, stages: int, source: str = "seeded"
+    args: Any, config: ModelConfig, stages: int, source: str = "seeded", pack: bool = True
 ) -> dict[str, Any]:
     """The WavePipeline spec both pipeline paths serve (``local`` builds its RuntimeConfig from
     it as ``wavepp up`` does; ``up`` is given it as ``--config``): ``stages`` stages of the
@@ -204,7 +226,8 @@ def bench_spec(
     Hugging Face checkpoint directory ``args.model_dir``, served as ``--model DIR`` serves it:
     checkpoint engine, layers split by cost) or of ``--emulate``'s cost model (emulated, ``--time-scale``),
     blocks of ``BLOCK_SIZE``, ``--threads / stages`` (at least 1) torch threads per stage,
-    ``--max-inflight`` micro-batches in flight (0: the runtime's default)."""
+    ``--max-inflight`` micro-batches in flight (0: the runtime's default); ``pack`` False:
+    the torch engine's projections unpacked (``engineOptions.packWeights``)."""
     longest = args.longest
     blocks = max(64, args.concurrency * 2 * (-(-longest // BLOCK_SIZE)))
     options: dict[str, Any] = {
@@ -213,6 +236,8 @@ def bench_spec(
     }
     if args.max_inflight:
         options["maxInflight"] = args.max_inflight
+    if not pack and args.engine == "torch":
+        options["packWeights"] = False
     spec: dict[str, Any] = {
         "stages": stages,
         "replicas": 1,
@@ -415,13 +440,17 @@ async def pipeline_sides(
     ``cpu_s`` (side -> per timed pass, CPU seconds by process role)."""
     kinds = {"local": PipelineSide, "up": UpSide}
     sources = args.source if args.engine == "torch" else ["seeded"]
+    packs = args.pack if args.engine == "torch" else ["on"]
     sides = [
         kinds[path](
-            bench_spec(args, config, s, source), args, "-ckpt" if source == "checkpoint" else ""
+            bench_spec(args, config, s, source, pack == "on"),
+            args,
+            ("-ckpt" if source == "checkpoint" else "") + ("-unpacked" if pack == "off" else ""),
         )
         for source in sources
         for s in args.stages
         for path in args.path
+        for pack in packs
     ]
     for side in sides:
         if isinstance(side, PipelineSide):
@@ -498,6 +527,7 @@ def run(args: argparse.Namespace) -> int:
         "batch": args.batch,
         "chunk_tokens": args.chunk_tokens,
         "compile": args.compile,
+        "pack": args.pack,
         "load_avg_1m": os.getloadavg()[0],
     }
     lines: list[str] = []
@@ -522,6 +552,15 @@ def run(args: argparse.Namespace) -> int:
             r = tps["pipeline-2"] / tps["pipeline-1"]
             result["pipeline2_over_pipeline1"] = r
             lines.append(f"pipeline-2 / pipeline-1: {r:.3f}")
+        if {"pipeline-1-unpacked", "pipeline-2-unpacked"} <= tps.keys():
+            r = tps["pipeline-2-unpacked"] / tps["pipeline-1-unpacked"]
+            result["pipeline2_over_pipeline1_unpacked"] = r
+            lines.append(f"pipeline-2-unpacked / pipeline-1-unpacked: {r:.3f}")
+        for name in list(tps):
+            if f"{name}-unpacked" in tps:
+                r = tps[name] / tps[f"{name}-unpacked"]
+                result[f"{name}/{name}-unpacked"] = r
+                lines.append(f"{name} / {name}-unpacked: {r:.3f}")
         for s in args.stages:
             for suffix in ("", "-ckpt"):
                 up, local = f"up-{s}{suffix}", f"pipeline-{s}{suffix}"
@@ -534,35 +573,48 @@ def run(args: argparse.Namespace) -> int:
                     result[f"{ckpt}/{seeded}"] = tps[ckpt] / tps[seeded]
                     lines.append(f"{ckpt} / {seeded}: {tps[ckpt] / tps[seeded]:.3f}")
     else:
-        engine = TorchStageEngine(
-            model=config,
-            first_layer=0,
-            last_layer=config.num_layers,
-            num_layers_total=config.num_layers,
-            device=args.device,
-            state_dict=build_full_state_dict(config),
-            **({"compile": True} if args.compile else {}),
-        )
+        state = build_full_state_dict(config)
+        engines = {
+            "engine" + ("-unpacked" if pack == "off" else ""): TorchStageEngine(
+                model=config,
+                first_layer=0,
+                last_layer=config.num_layers,
+                num_layers_total=config.num_layers,
+                device=args.device,
+                state_dict=state,
+                pack_weights=pack == "on",
+                **({"compile": True} if args.compile else {}),
+            )
+            for pack in args.pack
+        }
         batches = microbatches(prompts, args.batch, args.chunk_tokens)
         per_prompt = -(-args.longest // BLOCK_SIZE)
-        engine.allocate_kv(per_prompt * args.batch, BLOCK_SIZE)
-        run_engine(engine, batches[:2], args.device)  # warm-up (and compile), not timed
+        for engine in engines.values():
+            engine.allocate_kv(per_prompt * args.batch, BLOCK_SIZE)
+            run_engine(engine, batches[:2], args.device)  # warm-up (and compile), not timed
         hf_pass(prompts[:2])
-        times: dict[str, list[float]] = {"hf": [], "engine": []}
+        names = ["hf", *engines]
+        times: dict[str, list[float]] = {name: [] for name in names}
         for rep in range(args.repeats):
-            order = ["hf", "engine"] if rep % 2 == 0 else ["engine", "hf"]
-            for side in order:
+            for side in ["hf", "engines"] if rep % 2 == 0 else ["engines", "hf"]:
                 if side == "hf":
                     times["hf"].append(hf_pass(prompts))
                 else:
-                    times["engine"].append(run_engine(engine, batches, args.device))
+                    spent = run_engines_interleaved(engines, batches, args.device, rep)
+                    for name, seconds in spent.items():
+                        times[name].append(seconds)
             _progress(f"repeat {rep}: {times}")
         tps = {name: tokens / _median(t) for name, t in times.items()}
         result["tokens_per_s"] = tps
-        result["engine_over_hf"] = tps["engine"] / tps["hf"]
         result["microbatches"] = len(batches)
         lines.append(f"hf      {tps['hf']:>10.0f} tokens/s")
-        lines.append(f"engine  {tps['engine']:>10.0f} tokens/s  {result['engine_over_hf']:.3f}x hf")
+        for name in engines:
+            result[f"{name}_over_hf"] = tps[name] / tps["hf"]
+            lines.append(f"{name:<7} {tps[name]:>10.0f} tokens/s  {tps[name] / tps['hf']:.3f}x hf")
+        if {"engine", "engine-unpacked"} <= tps.keys():
+            result["engine/engine-unpacked"] = tps["engine"] / tps["engine-unpacked"]
+            lines.append(f"engine / engine-unpacked: {result['engine/engine-unpacked']:.3f}")
+        engine = next(iter(engines.values()))
         if args.profile:
             table = profile_engine(engine, batches, args.device)
             result["profile"] = table
@@ -591,6 +643,13 @@ def _paths(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
     if not values or any(v not in ("local", "up") for v in values):
         raise argparse.ArgumentTypeError(f"--path {text!r}: comma-separated local and/or up")
+    return values
+
+
+def _packs(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in ("on", "off") for v in values) or len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"--pack {text!r}: on and/or off")
     return values
 
 
@@ -631,6 +690,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--compile", action="store_true", help="engine's torch.compile switch")
+    parser.add_argument(
+        "--pack",
+        type=_packs,
+        default=["on"],
+        help="on,off: sides with the engine's weights packed and (-unpacked) not",
+    )
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", action="store_true")
     return parser

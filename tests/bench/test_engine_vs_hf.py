@@ -59,6 +59,50 @@ def test_paths_and_sources_are_checked() -> None:
     assert bench.main(["--no-hf"]) == 2  # only with --stages
 
 
+def test_unpacked_sides_serve_a_spec_with_packing_off() -> None:
+    args = _args("--pack", "on,off")
+    assert args.pack == ["on", "off"]
+    config = bench.model_config("float32")
+    assert bench.runtime_config_of(bench.bench_spec(args, config, 2, pack=True)).pack_weights
+    off = bench.runtime_config_of(bench.bench_spec(args, config, 2, pack=False))
+    assert off.pack_weights is False
+    for value in ("on,on", "maybe", ""):
+        with pytest.raises(SystemExit):
+            _args("--pack", value)
+
+
+def test_interleaved_engines_each_run_every_microbatch() -> None:
+    """Each engine executes every micro-batch once per pass (its cache then holds every
+    prompt's keys: a later chunk's context was written by its own engine)."""
+    from wavepp.runtime.stage.engine import ModelConfig
+    from wavepp.runtime.stage.engine.torch_engine import TorchStageEngine
+
+    config = ModelConfig(
+        name="unit", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
+        num_heads=4, num_kv_heads=2, head_dim=8,
+    )  # fmt: skip
+    prompts = [[(3 * i + j) % 64 for i in range(n)] for j, n in enumerate((70, 40, 33))]
+    batches = bench.microbatches(prompts, 2, 32)
+    calls: dict[str, int] = {}
+    engines = {}
+    for name, pack in (("engine", True), ("engine-unpacked", False)):
+        engine = TorchStageEngine(
+            model=config, first_layer=0, last_layer=1, num_layers_total=1, pack_weights=pack
+        )
+        engine.allocate_kv(2 * 3, bench.BLOCK_SIZE)
+        execute = engine.execute
+
+        def counted(batch, hidden, _name=name, _execute=execute):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _execute(batch, hidden)
+
+        engine.execute = counted
+        engines[name] = engine
+    spent = bench.run_engines_interleaved(engines, batches, "cpu", rep=1)
+    assert set(spent) == set(engines) and all(s > 0 for s in spent.values())
+    assert calls == dict.fromkeys(engines, len(batches))
+
+
 def test_process_cpu_follows_the_tree_and_leaves_out_excluded_children() -> None:
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
     child = subprocess.Popen(

@@ -223,6 +223,12 @@ FIELDS: dict[str, Entry] = {
         {"engineOptions": {"torchCompile": True}},
         refusal=({"engineOptions": {"torchCompile": "yes"}}, "must be true or false"),
     ),
+    "engineOptions.packWeights": Entry(
+        R,
+        f"{FS}: pack_weights",
+        {"engineOptions": {"packWeights": False}},
+        refusal=({"engineOptions": {"packWeights": 0}}, "must be true or false"),
+    ),
     "engineOptions.seed": Entry(
         R,
         f"{FS}: ModelConfig.seed",

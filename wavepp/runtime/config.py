@@ -201,6 +201,10 @@ class RuntimeConfig(BaseModel):
     # NOTE: ``torch.compile`` of the torch engine's dense per-token layer parts (dynamic token
     # count; built on first use); needs engine torch and tensor_parallel_size 1.
     torch_compile: bool = False
+    # NOTE: the torch engine holds its projection weights pre-packed for its device's kernel
+    # (``engine/layers/linear.py``: oneDNN's layout on a CPU); False: plain ``F.linear``.
+    # Ignored by (and so refused as False with) the emulated engine.
+    pack_weights: bool = True
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
 
     @model_validator(mode="after")
@@ -230,6 +234,11 @@ class RuntimeConfig(BaseModel):
             raise ValueError(
                 f"torch_compile=True needs engine='torch' and tensor_parallel_size=1 (got "
                 f"engine={self.engine!r}, tensor_parallel_size={self.tensor_parallel_size})"
+            )
+        if not self.pack_weights and self.engine != "torch":
+            raise ValueError(
+                f"pack_weights=False needs engine='torch' (got engine={self.engine!r}, which "
+                "has no weights)"
             )
         tp = self.tensor_parallel_size
         if tp != 1 and (self.engine != "torch" or self.model.architecture not in TENSOR_PARALLEL):

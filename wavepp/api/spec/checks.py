@@ -32,6 +32,7 @@ ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
     "maxBlocksPerOwner": ("torch", "emulated"),
     "torchThreads": ("torch", "emulated"),
     "torchCompile": ("torch",),
+    "packWeights": ("torch",),
     "seed": ("torch",),
     "timeScale": ("emulated",),
     "emulate": ("emulated",),

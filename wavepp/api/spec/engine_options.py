@@ -15,6 +15,7 @@ a test checks its keys are these.
 | ``emulate``      | string (a cost model's name)          | 1 to 128 characters                |
 | ``torchThreads`` | int                                   | in [1, 1024]                       |
 | ``torchCompile`` | bool (``torch.compile`` the layers' dense parts) | true or false            |
+| ``packWeights``  | bool (pre-packed projection weights; default true) | true or false          |
 | ``seed``         | int                                   | in [0, 2**63 - 1]                  |
 | ``maxInflight``  | int (micro-batches in flight)         | in [1, 1024]                       |
 | ``leaseSeconds`` | number (pin and reservation lease)    | in (0, 86400]                      |
@@ -70,6 +71,7 @@ _CHECKS: dict[str, Any] = {
     "emulate": lambda v: _string("emulate", v),
     "torchThreads": lambda v: _int("torchThreads", v, 1, 1024),
     "torchCompile": lambda v: _bool("torchCompile", v),
+    "packWeights": lambda v: _bool("packWeights", v),
     "seed": lambda v: _int("seed", v, 0, 2**63 - 1),
     "maxInflight": lambda v: _int("maxInflight", v, 1, 1024),
     "leaseSeconds": lambda v: _number("leaseSeconds", v, 86400.0),

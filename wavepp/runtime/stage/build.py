@@ -69,6 +69,8 @@ def build_engine(config: RuntimeConfig, rank: int, tp: TPGroup = SINGLE) -> Stag
         extra["weights_path"] = config.weights
     if config.torch_compile:
         extra["compile"] = True
+    if config.engine == "torch":
+        extra["pack_weights"] = config.pack_weights
     engine = make_engine(
         config.engine,
         model=config.model,

@@ -37,6 +37,7 @@ class CheckpointStageEngine(DecoderStageEngine):
         state_interval_blocks: int = 1,
         tp: TPGroup = SINGLE,
         compile: bool = False,
+        pack_weights: bool = True,
     ) -> None:
         """Read ``model_dir/config.json`` and this stage's tensors (this TP rank's share).
 
@@ -49,6 +50,7 @@ class CheckpointStageEngine(DecoderStageEngine):
             state_interval_blocks: linear-attention (KDA) layers keep their recurrent state
                 after every k-th block of a request (``RuntimeConfig.state_interval_blocks``).
             compile: ``torch.compile`` the layers' dense parts (``DecoderStageEngine._build``).
+            pack_weights: pre-pack the projections' weights (``DecoderStageEngine._build``).
             tp: this process's place in the stage's tensor-parallel group (``SINGLE``: none).
 
         Raises:
@@ -122,6 +124,7 @@ class CheckpointStageEngine(DecoderStageEngine):
             tp=tp,
             state_interval_blocks=state_interval_blocks,
             compile=compile,
+            pack=pack_weights,
         )
         has_head = self.is_last and tp.is_leader
         self.reader.close()

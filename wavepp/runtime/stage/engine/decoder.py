@@ -99,8 +99,10 @@ class _Layer:
         interval: int,
         tp: TPGroup,
         compile_dense: bool = False,
+        pack: bool = True,
     ) -> None:
         p = f"model.layers.{index}."
+        pack = pack and not compile_dense  # inductor takes plain weights and plans its own
         d = plan.hidden_size
         self.input_norm = get(p + "input_layernorm.weight", (d,))
         self.post_norm = get(p + "post_attention_layernorm.weight", (d,))
@@ -109,19 +111,19 @@ class _Layer:
             assert plan.kda is not None and tp.size == 1, "checked by the engine"
             self.attn = KDAAttention(plan.kda, get, p + "self_attn.", interval)
         elif plan.mla is not None:
-            self.attn = MLAAttention(plan.mla, get, p + "self_attn.", tp)
+            self.attn = MLAAttention(plan.mla, get, p + "self_attn.", tp, pack=pack)
         else:
             assert plan.gqa is not None
-            self.attn = GQAAttention(plan.gqa, get, p + "self_attn.", tp)
+            self.attn = GQAAttention(plan.gqa, get, p + "self_attn.", tp, pack=pack)
         self.indexer: DSAIndexer | None = None
         if plan.dsa is not None and plan.indexer_full[index]:
             self.indexer = DSAIndexer(plan.dsa, get, p + "self_attn.indexer.")
         self.uses_dsa = plan.dsa is not None
         if plan.is_moe(index):
             assert plan.moe is not None
-            self.ffn: SparseMoE | DenseMLP = SparseMoE(plan.moe, get, p, tp)
+            self.ffn: SparseMoE | DenseMLP = SparseMoE(plan.moe, get, p, tp, pack=pack)
         else:
-            self.ffn = DenseMLP(d, plan.dense_intermediate, get, p + plan.mlp_prefix, tp)
+            self.ffn = DenseMLP(d, plan.dense_intermediate, get, p + plan.mlp_prefix, tp, pack=pack)
         self.eps = plan.eps
         self._ffn_part = "moe" if isinstance(self.ffn, SparseMoE) else "mlp"
         self._dense_block = None
@@ -210,9 +212,15 @@ class DecoderStageEngine(PagedStageEngineBase):
         tp: TPGroup = SINGLE,
         state_interval_blocks: int = 1,
         compile: bool = False,
+        pack: bool = True,
     ) -> None:
         """Load this stage's weights through ``get`` (this TP rank's share) and build its
         layers; only the TP leader of the last stage reads the final norm and ``lm_head``.
+
+        With ``pack`` (and without ``compile``), the attention and dense feed-forward
+        projections hold their weights as ``layers.linear.PackedLinear`` packs them (oneDNN's
+        layout on a CPU; plain ``F.linear`` elsewhere); MoE's routed experts, the router and
+        ``lm_head`` stay plain.
 
         With ``compile``, ``torch.compile`` (dynamic token count) takes each layer's
         per-token dense parts: the dense feed-forward half (post-attention norm, SwiGLU,
@@ -240,7 +248,7 @@ class DecoderStageEngine(PagedStageEngineBase):
             else None
         )
         self._layers = [
-            _Layer(plan, i, get, state_interval_blocks, tp, compile)
+            _Layer(plan, i, get, state_interval_blocks, tp, compile, pack)
             for i in range(self.first_layer, self.last_layer)
         ]
         self._final_norm = get("model.norm.weight", (plan.hidden_size,)) if has_head else None

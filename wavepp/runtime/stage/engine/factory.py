@@ -40,7 +40,7 @@ def make_engine(
             caller wraps the leader's engine in ``TensorParallelEngine``).
         **kw: torch: ``model_dir`` (a Hugging Face checkpoint directory: the checkpoint
             engine, any supported family; with ``state_interval_blocks``) or ``weights_path``
-            (Llama tensors); emulated: ``time_scale``, ``emulated_hidden_size``,
+            (Llama tensors), ``compile`` and ``pack_weights``; emulated: ``time_scale``, ``emulated_hidden_size``,
             ``clock``, ``sleep``.
 
     Returns:

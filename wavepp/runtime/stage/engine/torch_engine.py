@@ -216,6 +216,7 @@ class TorchStageEngine(DecoderStageEngine):
         state_dict: Mapping[str, torch.Tensor] | None = None,
         tp: TPGroup = SINGLE,
         compile: bool = False,
+        pack_weights: bool = True,
     ) -> None:
         """Build the stage and load or generate its weights.
 
@@ -228,6 +229,7 @@ class TorchStageEngine(DecoderStageEngine):
             weights_path: optional local ``.safetensors`` file or directory with HF Llama names.
             state_dict: optional in-memory weights with HF Llama names (e.g. a full one).
             compile: ``torch.compile`` the layers' dense parts (``DecoderStageEngine._build``).
+            pack_weights: pre-pack the projections' weights (``DecoderStageEngine._build``).
             tp: this process's place in the stage's tensor-parallel group.
 
         Raises:
@@ -281,7 +283,7 @@ class TorchStageEngine(DecoderStageEngine):
             return t.to(device=self.device, dtype=dtype).contiguous()
 
         plan = FAMILIES["llama"].layer_plan({**model.to_hf_llama_kwargs(), "model_type": "llama"})
-        self._build(plan, get, dtype=dtype, tp=tp, compile=compile)
+        self._build(plan, get, dtype=dtype, tp=tp, compile=compile, pack=pack_weights)
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         """Allocate a zeroed KV cache of ``num_blocks`` blocks of ``block_size`` tokens.

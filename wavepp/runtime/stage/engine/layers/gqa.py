@@ -20,7 +20,6 @@ k_norm are RMSNorms of width heads * head_dim; partial rotary from ``partial_rot
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from wavepp.runtime.families.layer_plan import GQAShape
 from wavepp.runtime.stage.engine.layers.common import (
@@ -29,6 +28,7 @@ from wavepp.runtime.stage.engine.layers.common import (
     attend,
     rms_norm_sharded,
 )
+from wavepp.runtime.stage.engine.layers.linear import PackedLinear
 from wavepp.runtime.stage.engine.profile import region
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
@@ -38,10 +38,17 @@ class GQAAttention:
     ``[2 (K, V), num_blocks * block_size, num_kv_heads / T, head_dim]``."""
 
     def __init__(
-        self, shape: GQAShape, get: WeightGetter, prefix: str, tp: TPGroup = SINGLE
+        self,
+        shape: GQAShape,
+        get: WeightGetter,
+        prefix: str,
+        tp: TPGroup = SINGLE,
+        *,
+        pack: bool = True,
     ) -> None:
         """Load ``{prefix}{q,k,v,o}_proj.weight`` (and ``q_norm``/``k_norm`` with qk_norm),
-        this TP rank's heads only.
+        this TP rank's heads only; q/k/v fused into one projection. ``pack``: the
+        projections may take ``PackedLinear``'s packed CPU path.
 
         Raises:
             ValueError: a tensor is missing or has the wrong shape (from ``get``), or the
@@ -54,14 +61,17 @@ class GQAAttention:
         tp.shard(s.num_kv_heads, "num_key_value_heads")
         self.heads, self.kv_heads = s.num_heads // tp.size, s.num_kv_heads // tp.size
         q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        self.qkv = torch.cat(
-            [
-                get(prefix + "q_proj.weight", (q_dim, s.hidden_size), 0),
-                get(prefix + "k_proj.weight", (kv_dim, s.hidden_size), 0),
-                get(prefix + "v_proj.weight", (kv_dim, s.hidden_size), 0),
-            ]
+        self.qkv = PackedLinear(
+            torch.cat(
+                [
+                    get(prefix + "q_proj.weight", (q_dim, s.hidden_size), 0),
+                    get(prefix + "k_proj.weight", (kv_dim, s.hidden_size), 0),
+                    get(prefix + "v_proj.weight", (kv_dim, s.hidden_size), 0),
+                ]
+            ),
+            pack=pack,
         )
-        self.o = get(prefix + "o_proj.weight", (s.hidden_size, q_dim), 1)
+        self.o = PackedLinear(get(prefix + "o_proj.weight", (s.hidden_size, q_dim), 1), pack=pack)
         self.q_norm = get(prefix + "q_norm.weight", (q_dim,), 0) if s.qk_norm else None
         self.k_norm = get(prefix + "k_norm.weight", (kv_dim,), 0) if s.qk_norm else None
         self.cache: torch.Tensor | None = None
@@ -104,7 +114,7 @@ class GQAAttention:
         s = self.shape
         num_tokens = x.shape[0]
         q_dim, kv_dim = self.heads * s.head_dim, self.kv_heads * s.head_dim
-        q, k, v = F.linear(x, self.qkv).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q, k, v = self.qkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             q = rms_norm_sharded(q, self.q_norm, s.eps, s.num_heads * s.head_dim, self.tp)
             k = rms_norm_sharded(k, self.k_norm, s.eps, s.num_kv_heads * s.head_dim, self.tp)
@@ -137,7 +147,7 @@ class GQAAttention:
             with region("attention"):
                 out[start:end] = attend(q[start:end], ck, cv, mask, scale)
         with region("attn_out"):
-            return self.tp.all_reduce(F.linear(out.reshape(num_tokens, q_dim), self.o))
+            return self.tp.all_reduce(self.o(out.reshape(num_tokens, q_dim)))
 
     @property
     def cache_bytes(self) -> int:

@@ -30,7 +30,6 @@ Sources: DeepSeek-V2 paper sec. 2.1; HF ``modeling_deepseek_v3.DeepseekV3Attenti
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from wavepp.runtime.families.layer_plan import MLAShape
 from wavepp.runtime.stage.engine.layers.common import (
@@ -40,6 +39,7 @@ from wavepp.runtime.stage.engine.layers.common import (
     attend,
     rms_norm,
 )
+from wavepp.runtime.stage.engine.layers.linear import PackedLinear
 from wavepp.runtime.stage.engine.profile import region
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
@@ -53,11 +53,18 @@ class MLAAttention:
     """One layer's MLA weights and its paged latent cache ``[num_slots, latent_dim]``."""
 
     def __init__(
-        self, shape: MLAShape, get: WeightGetter, prefix: str, tp: TPGroup = SINGLE
+        self,
+        shape: MLAShape,
+        get: WeightGetter,
+        prefix: str,
+        tp: TPGroup = SINGLE,
+        *,
+        pack: bool = True,
     ) -> None:
         """Load ``{prefix}q_a_proj / q_a_layernorm / q_b_proj`` (or ``q_proj``),
         ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj`` and ``o_proj`` weights
-        (the per-head ones for this TP rank's heads only).
+        (the per-head ones for this TP rank's heads only). ``pack``: the projections may take
+        ``PackedLinear``'s packed CPU path.
 
         Raises:
             ValueError: a tensor is missing or has the wrong shape (from ``get``), or the
@@ -69,21 +76,36 @@ class MLAAttention:
         tp.shard(s.num_heads, "num_attention_heads")
         self.heads = s.num_heads // tp.size
         hq = s.num_heads * s.qk_head_dim
+        self.q_a: PackedLinear | None
         if s.q_lora_rank is None:
             self.q_a = self.q_a_norm = None
-            self.q_b = get(prefix + "q_proj.weight", (hq, s.hidden_size), 0)
+            self.q_b = PackedLinear(
+                get(prefix + "q_proj.weight", (hq, s.hidden_size), 0), pack=pack
+            )
         else:
-            self.q_a = get(prefix + "q_a_proj.weight", (s.q_lora_rank, s.hidden_size))
+            self.q_a = PackedLinear(
+                get(prefix + "q_a_proj.weight", (s.q_lora_rank, s.hidden_size)), pack=pack
+            )
             self.q_a_norm = get(prefix + "q_a_layernorm.weight", (s.q_lora_rank,))
-            self.q_b = get(prefix + "q_b_proj.weight", (hq, s.q_lora_rank), 0)
-        self.kv_a = get(prefix + "kv_a_proj_with_mqa.weight", (s.latent_dim, s.hidden_size))
-        self.kv_a_norm = get(prefix + "kv_a_layernorm.weight", (s.kv_lora_rank,))
-        self.kv_b = get(
-            prefix + "kv_b_proj.weight",
-            (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank),
-            0,
+            self.q_b = PackedLinear(
+                get(prefix + "q_b_proj.weight", (hq, s.q_lora_rank), 0), pack=pack
+            )
+        self.kv_a = PackedLinear(
+            get(prefix + "kv_a_proj_with_mqa.weight", (s.latent_dim, s.hidden_size)), pack=pack
         )
-        self.o = get(prefix + "o_proj.weight", (s.hidden_size, s.num_heads * s.v_head_dim), 1)
+        self.kv_a_norm = get(prefix + "kv_a_layernorm.weight", (s.kv_lora_rank,))
+        self.kv_b = PackedLinear(
+            get(
+                prefix + "kv_b_proj.weight",
+                (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank),
+                0,
+            ),
+            pack=pack,
+        )
+        self.o = PackedLinear(
+            get(prefix + "o_proj.weight", (s.hidden_size, s.num_heads * s.v_head_dim), 1),
+            pack=pack,
+        )
         self.cache: torch.Tensor | None = None
         self._rope = apply_rope_pairs if s.rope_interleave else apply_rope_rotate_half
         if not s.use_rope:
@@ -102,10 +124,10 @@ class MLAAttention:
         s = self.shape
         if self.q_a is None:
             q_resid = None
-            q = F.linear(x, self.q_b)
+            q = self.q_b(x)
         else:
-            q_resid = rms_norm(F.linear(x, self.q_a), self.q_a_norm, s.eps)
-            q = F.linear(q_resid, self.q_b)
+            q_resid = rms_norm(self.q_a(x), self.q_a_norm, s.eps)
+            q = self.q_b(q_resid)
         q = q.view(x.shape[0], self.heads, s.qk_head_dim)
         q_nope, q_rot = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
         q_rot = self._rope(q_rot, p.rope_cos, p.rope_sin)
@@ -117,7 +139,7 @@ class MLAAttention:
         s = self.shape
         assert self.cache is not None, "allocate() runs before forward()"
         with region("qkv"):
-            c, k_rot = F.linear(x, self.kv_a).split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
+            c, k_rot = self.kv_a(x).split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
             c = rms_norm(c, self.kv_a_norm, s.eps)
             k_rot = self._rope(k_rot[:, None, :], p.rope_cos, p.rope_sin)[:, 0]
             latent = torch.cat((c, k_rot), dim=-1)
@@ -130,7 +152,7 @@ class MLAAttention:
         [n, latent_dim]."""
         s = self.shape
         c, k_rot = latent.split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
-        kv = F.linear(c, self.kv_b).view(-1, self.heads, s.qk_nope_head_dim + s.v_head_dim)
+        kv = self.kv_b(c).view(-1, self.heads, s.qk_nope_head_dim + s.v_head_dim)
         k_nope, v = kv.split([s.qk_nope_head_dim, s.v_head_dim], dim=-1)
         k = torch.cat((k_nope, k_rot[:, None, :].expand(-1, self.heads, -1)), dim=-1)
         return k, v
@@ -168,7 +190,7 @@ class MLAAttention:
             with region("attention"):
                 out[start:end] = attend(q[start:end], k, v, mask, scale)
         with region("attn_out"):
-            return self.tp.all_reduce(F.linear(out.reshape(num_tokens, -1), self.o))
+            return self.tp.all_reduce(self.o(out.reshape(num_tokens, -1)))
 
     @property
     def cache_bytes(self) -> int:

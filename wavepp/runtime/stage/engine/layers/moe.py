@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from wavepp.runtime.families.layer_plan import MoEShape
 from wavepp.runtime.stage.engine.layers.common import WeightGetter
+from wavepp.runtime.stage.engine.layers.linear import PackedLinear
 from wavepp.runtime.stage.engine.tensor_parallel import SINGLE, TPGroup
 
 # style -> (block prefix, (gate, up, down) expert names, score-correction bias name)
@@ -42,7 +43,8 @@ NAMING: dict[str, tuple[str, tuple[str, str, str], str]] = {
 class DenseMLP:
     """SwiGLU MLP: ``{prefix}gate_proj``, ``up_proj``, ``down_proj`` (gate/up fused); with TP,
     this rank's ``intermediate / T`` share, its output all-reduced unless ``reduce`` is False
-    (the shared experts, summed with the routed experts' partial output first)."""
+    (the shared experts, summed with the routed experts' partial output first). ``pack``: the
+    projections may take ``PackedLinear``'s packed CPU path."""
 
     def __init__(
         self,
@@ -53,22 +55,28 @@ class DenseMLP:
         tp: TPGroup = SINGLE,
         *,
         reduce: bool = True,
+        pack: bool = True,
     ) -> None:
         tp.shard(intermediate, f"{prefix}intermediate_size")
         self.tp = tp
         self.reduce = reduce
-        self.gate_up = torch.cat(
-            [
-                get(prefix + "gate_proj.weight", (intermediate, hidden_size), 0),
-                get(prefix + "up_proj.weight", (intermediate, hidden_size), 0),
-            ]
+        self.gate_up = PackedLinear(
+            torch.cat(
+                [
+                    get(prefix + "gate_proj.weight", (intermediate, hidden_size), 0),
+                    get(prefix + "up_proj.weight", (intermediate, hidden_size), 0),
+                ]
+            ),
+            pack=pack,
         )
-        self.down = get(prefix + "down_proj.weight", (hidden_size, intermediate), 1)
+        self.down = PackedLinear(
+            get(prefix + "down_proj.weight", (hidden_size, intermediate), 1), pack=pack
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, hidden]."""
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        out = F.linear(F.silu(gate) * up, self.down)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        out = self.down(F.silu(gate) * up)
         return self.tp.all_reduce(out) if self.reduce else out
 
 
@@ -76,7 +84,13 @@ class SparseMoE:
     """Router, routed experts and shared experts of one MoE layer."""
 
     def __init__(
-        self, shape: MoEShape, get: WeightGetter, layer_prefix: str, tp: TPGroup = SINGLE
+        self,
+        shape: MoEShape,
+        get: WeightGetter,
+        layer_prefix: str,
+        tp: TPGroup = SINGLE,
+        *,
+        pack: bool = True,
     ) -> None:
         """Load the router, its score-correction bias, every expert and the shared experts
         (this TP rank's share of each expert's intermediate dimension).
@@ -86,6 +100,8 @@ class SparseMoE:
             get: the stage's weight getter.
             layer_prefix: ``model.layers.{i}.``.
             tp: this process's TP group.
+            pack: the shared experts' projections may take ``PackedLinear``'s packed CPU
+                path (the routed experts run as grouped products, unpacked).
 
         Raises:
             ValueError: a tensor is missing or has the wrong shape (from ``get``), or an
@@ -115,7 +131,9 @@ class SparseMoE:
         self.gate_up = torch.stack(gate_up)  # [E, 2f/T, d]
         self.down = torch.stack(down)  # [E, d, f/T]
         self.shared = (
-            DenseMLP(d, s.shared_intermediate, get, p + "shared_experts.", tp, reduce=False)
+            DenseMLP(
+                d, s.shared_intermediate, get, p + "shared_experts.", tp, reduce=False, pack=pack
+            )
             if s.shared_intermediate > 0
             else None
         )
