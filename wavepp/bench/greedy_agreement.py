@@ -29,17 +29,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = [
-    "NOISE_CEILING",
-    "TIE_MARGIN_FACTOR",
-    "Agreement",
-    "Verdict",
-    "agreement",
-    "compare_greedy",
-    "first_divergence",
-    "matched_logprob_noise",
-]
-
 TIE_MARGIN_FACTOR = 2.0
 """``margin = TIE_MARGIN_FACTOR * noise`` (module docstring: the two tokens' logprobs may each
 move by the noise)."""

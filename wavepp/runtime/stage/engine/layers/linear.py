@@ -18,8 +18,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PACK_HINT_ROWS", "PackedLinear"]
-
 # Rows (tokens) oneDNN's weight layout is tuned for: one 512-token chunk; the layout serves any
 # row count, the hint only picks the blocking.
 PACK_HINT_ROWS = 512
