@@ -25,9 +25,11 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class FakeStage:
-    """Answers ``release`` ok once per request id (then "no lease"), as a stage does."""
+    """Answers ``release`` ok once per request id (then "no lease"), as a stage does; with
+    ``refusal``, refuses every release with it (a stage whose lease already ended)."""
 
-    def __init__(self) -> None:
+    def __init__(self, refusal: str = "") -> None:
+        self.refusal = refusal
         self.released: list[str] = []
         self.server: asyncio.Server | None = None
         self.addr = ""
@@ -41,7 +43,8 @@ class FakeStage:
         ask = parse_json_frame(await reader.readexactly(int.from_bytes(head, "big")))
         first = ask["op"] == "release" and ask["request_id"] not in self.released
         self.released.append(ask["request_id"])
-        writer.write(encode_json({"ok": True} if first else {"ok": False, "error": "no lease"}))
+        refusal = self.refusal or (not first and "no lease")
+        writer.write(encode_json({"ok": False, "error": refusal} if refusal else {"ok": True}))
         await writer.drain()
         writer.close()
 
@@ -79,6 +82,8 @@ async def _fake_decode(
         assert body["kv_transfer_params"][PARAMS_KEY]["request_id"] == "r1"
         if behaviour == "error":
             return web.json_response({"error": {"message": "max_tokens too big"}}, status=400)
+        if behaviour == "500":  # vLLM's answer when its KV connector failed the load
+            return web.json_response({"error": {"message": "Internal server error"}}, status=500)
         if behaviour == "ok" and not body["stream"]:
             choice = {"index": 0, "text": "ab", "token_ids": [5, 6], "finish_reason": "length"}
             return web.json_response({"choices": [choice], "usage": {"completion_tokens": 2}})
@@ -191,6 +196,48 @@ async def test_every_decode_failure_answers_an_error_and_releases_the_lease() ->
         assert "after 1 tokens" in events[-1]["error"]["message"], events[-1]
         assert codes == [502] and [len(s.released) for s in stages] == [3, 3]
         assert flow.pool.num_in_flight(breaking_url) == 0
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        for stage in stages:
+            assert stage.server is not None
+            stage.server.close()
+
+
+async def test_a_failed_decode_names_each_stages_view_of_the_handoff() -> None:
+    """vLLM answers a failed KV load (lease lost, pull timed out) with a bare 500: the
+    gateway's error adds what each stage says of the handoff, so the cause reaches the
+    client; the same for a stream broken off."""
+    ended = "expires: the handoff lease of 'r1' ended at 5.000"
+    stages = [FakeStage(), FakeStage(refusal=ended)]
+    for stage in stages:
+        await stage.start()
+    result = _result(stages)
+    runners = []
+    try:
+        for behaviour, stream in (("500", False), ("break", True)):
+            stages[0].released.clear()  # a new lease, held until the gateway releases it
+            decode, decode_url = await _fake_decode(behaviour)
+            runners.append(decode)
+            flow = DecodeFlow(DecodePool([decode_url]), model_name="tiny")
+            codes: list[int] = []
+            runner, url = await _gateway(flow, result, stream, codes)
+            runners.append(runner)
+            async with aiohttp.ClientSession() as session, session.post(url, json={}) as answer:
+                if stream:
+                    lines = (await answer.text()).splitlines()
+                    body = json.loads(next(x for x in lines[::-1] if x.startswith("data:"))[5:])
+                else:
+                    assert answer.status == 502
+                    body = await answer.json()
+            await flow.close()
+            message = body["error"]["message"]
+            assert codes == [502] and body["error"]["field"] == "decode", body
+            assert "; the stages' handoff: " in message, message
+            held, lost = message.split("; the stages' handoff: ")[1].split("; ", 1)
+            assert held.startswith(stages[0].addr) and "held, not pulled" in held, message
+            assert lost == f"{stages[1].addr}: {ended}", message
+        assert message.startswith(f"decode endpoint {decode_url} broke off the stream"), message
     finally:
         for runner in runners:
             await runner.cleanup()

@@ -31,10 +31,15 @@ of two or more tokens ended normally (``decode.CompletionClock``).
 Failures and what they release:
 
 - prefill refused or failed: its JSON error (status as ``/v1/prefill``); no lease was taken.
-- no decode endpoint reachable: 503 ``{"error": {"field": "decode", ...}}``; the handoff lease
-  is released on every stage (``release_handoff``) at once instead of at its expiry.
+- no decode endpoint reachable (refused, or the connection lost before an answer): 503
+  ``{"error": {"field": "decode", ...}}``; the handoff lease is released on every stage
+  (``release_handoff``) at once instead of at its expiry.
 - the decode endpoint answers an error: its status (4xx passed on, else 502) with field
-  ``decode`` and its message; lease released.
+  ``decode`` and its message; lease released. vLLM answers a failed KV load as a bare 500
+  "Internal server error", so this message, and the mid-stream and mid-answer ones below, end
+  with the stages' view of the handoff (``describe_release``): still held and not pulled, or
+  how it ended on each stage (lease ended, its pull broke off, released after its pull); so
+  does the 503's.
 - the decode endpoint breaks mid-stream (killed, connection lost, no chunk within
   ``chunk_timeout_s``): a final SSE event ``data: {"error": {...}}`` (which the ``openai``
   client raises as ``APIError``), then the stream ends; lease released (a decode engine that
@@ -73,7 +78,11 @@ from wavepp.gateway.errors import error_body
 from wavepp.gateway.metrics import GatewayMetrics
 from wavepp.gateway.openai_api import completion_head
 from wavepp.gateway.validation import CompletionRequest
-from wavepp.runtime.serving.handoff import release_handoff
+from wavepp.runtime.serving.handoff import (
+    describe_release,
+    release_handoff,
+    release_handoff_report,
+)
 from wavepp.telemetry import tracing
 
 log = logging.getLogger(__name__)
@@ -262,9 +271,9 @@ class DecodeFlow:
         try:
             sent = await self._send(result, batch, cache_salt, tracing.traceparent_of(decode_span))
             if sent is None:
-                await release_handoff(result.kv_transfer_params)
+                stages = await _released(result)
                 answered(503)
-                message = f"no decode endpoint reachable of {len(self.pool.urls)}"
+                message = f"no decode endpoint reachable of {len(self.pool.urls)}{stages}"
                 return web.json_response(
                     error_body("decode", message, kind="unavailable"),
                     status=503,
@@ -279,13 +288,13 @@ class DecodeFlow:
                         error = await response.json(content_type=None)
                     except (ValueError, aiohttp.ClientError):
                         error = None
-                    await release_handoff(result.kv_transfer_params)
+                    stages = await _released(result)
                     code = response.status if 400 <= response.status < 500 else 502
                     answered(code)
                     return web.json_response(
                         error_body(
                             "decode",
-                            decode_error_message(response.status, error),
+                            decode_error_message(response.status, error) + stages,
                             kind="invalid_request_error" if code < 500 else "decode_error",
                         ),
                         status=code,
@@ -297,9 +306,9 @@ class DecodeFlow:
                 try:
                     answer = await response.json()
                 except (TimeoutError, ValueError, aiohttp.ClientError) as exc:
-                    await release_handoff(result.kv_transfer_params)
+                    stages = await _released(result)
                     answered(502)
-                    message = f"decode endpoint {url} failed mid-answer: {exc!r}"
+                    message = f"decode endpoint {url} failed mid-answer: {exc!r}{stages}"
                     return web.json_response(
                         error_body("decode", message, kind="decode_error"), status=502
                     )
@@ -370,11 +379,12 @@ class DecodeFlow:
             raise
         except (TimeoutError, _DecodeBroke, aiohttp.ClientError, ValueError) as exc:
             response.close()
-            await release_handoff(result.kv_transfer_params)
+            stages = await _released(result)
             answered(502)
             message = f"decode endpoint {url} broke off the stream after {count} tokens: " + (
                 str(exc) if isinstance(exc, _DecodeBroke) else repr(exc)
             )
+            message += stages
             event = error_body("decode", message, kind="decode_error")
             with contextlib.suppress(ConnectionResetError):
                 await out.write(f"data: {json.dumps(event)}\n\n".encode())
@@ -411,6 +421,14 @@ def _end(root: Span | None, status: int, clock: CompletionClock) -> None:
     if status != 200:
         root.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
     tracing.end_span(root, **{"http.status_code": status, "completion.tokens": clock.num_tokens})
+
+
+async def _released(result: PrefillResult) -> str:
+    """Release ``result``'s handoff on every stage; "; " + the stages' view of it
+    (``describe_release``: still held, or why not: lease ended, pull broken off, pulled), to
+    append to the error that names the decode endpoint's failure; "" when none answered."""
+    described = describe_release(await release_handoff_report(result.kv_transfer_params))
+    return f"; {described}" if described else ""
 
 
 class _DecodeBroke(Exception):

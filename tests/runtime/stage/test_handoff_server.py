@@ -1,7 +1,8 @@
 """A stage's handoff server in process, over real sockets: an authenticated pull returns the
 request's K/V per layer and releases its lease; a wrong token, an expired token, an unknown
-request or an unkeyed stage are refused with the cause; a client that disconnects after asking
-releases the lease; an engine without K/V caches answers an error and releases."""
+request or an unkeyed stage are refused with the cause (for a handoff that ended here: how it
+ended); a client that disconnects after asking releases the lease; an engine without K/V
+caches answers an error and releases."""
 
 from __future__ import annotations
 
@@ -104,6 +105,11 @@ async def test_pull_auth_and_release() -> None:
         stats = await asyncio.to_thread(stage_stats, server.addr)
         assert stats["leases"] == 0 and stats["broken"] == 1 and stats["refused"] == 4
         assert stats["transfers"] >= 1 and server.leases.pool.num_free_blocks == free0
+        # a later ask for an ended handoff is refused with how it ended
+        with pytest.raises(HandoffError, match="holds no handoff lease.*: released after its pu"):
+            await asyncio.to_thread(pull_request, _params(key, server, "r", 10))
+        with pytest.raises(HandoffError, match="holds no handoff lease.*: its pull broke off"):
+            await asyncio.to_thread(pull_request, params)
     finally:
         await server.stop()
 

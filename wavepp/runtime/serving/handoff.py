@@ -10,7 +10,9 @@ A P/D router passes them unchanged into the decode request, as it does a NixlCon
 decode engine's ``WavePPConnector`` pulls the KV from the stages named there.
 
 ``release_handoff`` ends such a lease on every stage at once (the gateway when the decode
-fails, the admission when the gateway cancelled the request) instead of at its expiry.
+fails, the admission when the gateway cancelled the request) instead of at its expiry;
+``release_handoff_report`` also says, per stage, whether it still held the lease or why not,
+which the gateway puts into a failed request's error (``describe_release``).
 """
 
 from __future__ import annotations
@@ -101,23 +103,44 @@ async def _release_stage(params: HandoffParams, addr: str, timeout_s: float) -> 
             await writer.wait_closed()
 
 
-async def release_handoff(kv_transfer_params: Mapping[str, object], timeout_s: float = 5.0) -> int:
+async def release_handoff_report(
+    kv_transfer_params: Mapping[str, object], timeout_s: float = 5.0
+) -> list[tuple[str, str]]:
     """End a handoff's lease on every stage now (``wavepp.api.kv_handoff``'s ``release`` op
-    with the prefill answer's token). Returns how many stages released it; a stage that holds
-    no such lease (already pulled, expired) or cannot be reached is logged, not raised."""
+    with the prefill answer's token). Returns one ``(stage address, outcome)`` per stage, rank
+    order: outcome "" when the stage still held the lease (nobody had pulled it; released now),
+    else why not, in the stage's words (lease ended, already pulled, pull broken off) or the
+    error that kept the stage from answering. A malformed ``kv_transfer_params`` gives []. Never
+    raises; each failure is logged."""
     try:
         params = HandoffParams.from_json(kv_transfer_params[PARAMS_KEY])  # type: ignore[arg-type]
     except (KeyError, TypeError, HandoffError) as exc:
         log.warning("handoff not released: %s", exc)
-        return 0
+        return []
     outcomes = await asyncio.gather(
         *(_release_stage(params, s.addr, timeout_s) for s in params.stages),
         return_exceptions=True,
     )
-    released = 0
+    report = []
     for stage, outcome in zip(params.stages, outcomes, strict=True):
-        if outcome == "":
-            released += 1
-        else:
+        if outcome != "":
             log.info("release of %s on %s: %r", params.request_id, stage.addr, outcome)
-    return released
+        text = outcome if isinstance(outcome, str) else f"unreachable ({outcome!r})"
+        report.append((stage.addr, text))
+    return report
+
+
+async def release_handoff(kv_transfer_params: Mapping[str, object], timeout_s: float = 5.0) -> int:
+    """``release_handoff_report``'s count of stages that still held the lease and released it."""
+    return sum(o == "" for _, o in await release_handoff_report(kv_transfer_params, timeout_s))
+
+
+def describe_release(report: Sequence[tuple[str, str]]) -> str:
+    """One line for a failed request's error: each stage's view of its handoff
+    (``release_handoff_report``), e.g. ``"the stages' handoff: 10.0.0.1:7000: held, not pulled
+    (released now); 10.0.0.2:7000: expires: the handoff lease of 'r1' ended at ..."``; "" for
+    an empty report."""
+    if not report:
+        return ""
+    views = (f"{addr}: {outcome or 'held, not pulled (released now)'}" for addr, outcome in report)
+    return "the stages' handoff: " + "; ".join(views)

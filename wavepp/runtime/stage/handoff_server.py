@@ -14,6 +14,10 @@ Failure cases, each ending with every pin of the request released on this stage:
   without a release (decode gone): the lease is released at once;
 - nobody pulls or releases before the lease ends: ``HandoffLeases.expire`` (the worker's timer).
 
+A refused ask for a handoff that ended here names how it ended (released, released after its
+pull, its pull broke off, or the lease's end): what the gateway tells a client whose decode
+failed (``wavepp.runtime.serving.handoff.release_handoff_report``).
+
 Tracing: a pull whose ask carries a ``traceparent`` (the gateway's ``decode`` span) is recorded,
 when this process traces, as a ``handoff.pull`` span under it (``request.id``,
 ``handoff.first_layer``, ``handoff.last_layer``, ``handoff.bytes``; ``handoff.error`` when it
@@ -30,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,6 +59,7 @@ log = logging.getLogger(__name__)
 _JSON_LIMIT = 1 << 16
 _IO_TIMEOUT_S = 30.0
 _KEPT_INTERVALS = 16384
+_KEPT_ENDINGS = 4096  # how many ended handoffs' causes a refusal can still name
 
 
 def read_layer_kv(
@@ -147,6 +152,7 @@ class HandoffServer:
         self.bytes_sent = 0
         self._spans: deque[tuple[float, float]] = deque(maxlen=_KEPT_INTERVALS)
         self._busy: deque[tuple[float, float]] = deque(maxlen=_KEPT_INTERVALS)
+        self._ended: OrderedDict[str, str] = OrderedDict()  # request id -> how its lease ended
 
     async def start(self, host: str, port: int, advertise_host: str = "") -> str:
         """Listen on ``host:port`` (0: any free port); returns the address clients use."""
@@ -204,10 +210,19 @@ class HandoffServer:
         if self.clock() >= expires:
             return f"expires: the handoff lease of {request_id!r} ended at {expires:.3f}"
         if self.leases.get(request_id) is None:
+            ended = self._ended.get(request_id)
             return f"request_id: {request_id!r} holds no handoff lease on layers " + (
-                f"[{self.first_layer}, {self.last_layer})"
+                f"[{self.first_layer}, {self.last_layer})" + (f": {ended}" if ended else "")
             )
         return ""
+
+    def _ended_by(self, request_id: str, cause: str) -> None:
+        """Remember how ``request_id``'s lease ended (the last ``_KEPT_ENDINGS``), so that a
+        later ask for it is refused with the cause."""
+        self._ended[request_id] = cause
+        self._ended.move_to_end(request_id)
+        while len(self._ended) > _KEPT_ENDINGS:
+            self._ended.popitem(last=False)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         request_id = ""
@@ -231,9 +246,11 @@ class HandoffServer:
                     self.num_refused += 1
                     await _send(writer, encode_json({"ok": False, "error": cause}))
                     return
+                pulled = request_id == str(ask["request_id"])  # by this connection
                 request_id = str(ask["request_id"])
                 if op == "release":
                     self.leases.release(request_id)
+                    self._ended_by(request_id, "released after its pull" if pulled else "released")
                     request_id = ""
                     await _send(writer, encode_json({"ok": True}))
                     continue
@@ -241,6 +258,7 @@ class HandoffServer:
         except (HandoffError, ConnectionError, TimeoutError, asyncio.IncompleteReadError) as exc:
             if request_id and self.leases.release(request_id):
                 self.num_broken += 1
+                self._ended_by(request_id, f"its pull broke off ({exc!r})")
                 log.warning("handoff of %s broke (%r); lease released", request_id, exc)
             if isinstance(exc, HandoffError):
                 with contextlib.suppress(Exception):
