@@ -55,7 +55,9 @@ GB300 = GPUSpec("GB300", peak_flops=2.5e15, hbm_bytes_per_s=8e12, mfu=0.5, mbu=0
 GB300_NVLINK = Interconnect(
     "GB300 NVLink 5 (8 GPUs of one NVLink domain)",
     allreduce_bus_bytes_per_s=811e9,
-    alltoall_bus_bytes_per_s=811e9,
+    # PP8 x TP1 runs no collective and TEP8 only all-reduces (planning.parallel); no GB300
+    # all-to-all measurement is sourced, so none is given (an ep layout here is refused).
+    alltoall_bus_bytes_per_s=None,
     latency_s=25e-6,
     max_group_size=8,
 )

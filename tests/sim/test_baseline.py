@@ -264,3 +264,6 @@ def test_wavepp_sim_flag_reaches_the_sync_config() -> None:
     assert config.resolved_baseline.prefix_reuse is False
     default = plan_sim(parser.parse_args(["--stages", "4"]))
     assert default.config(8, "sync")[0].resolved_baseline.prefix_reuse is True
+    # The wave vs sync comparison's budget default stays the paper's baseline (the layouts'
+    # is exact: tests/sim/test_layouts.py).
+    assert default.config(8, "sync")[0].resolved_baseline.budget_accounting == "none"

@@ -70,6 +70,23 @@ def test_recommend_ranks_layouts(capsys: pytest.CaptureFixture[str]) -> None:
     assert "lowest TTFT p50:" in captured.err
 
 
+def test_recommend_defaults_to_the_exact_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without ``--baseline-budget`` the layout comparison charges a chunk its new tokens only
+    (``launch.sim.LAYOUTS_BUDGET``). At high reuse the single-stage engine ranks first then;
+    charged its cached tokens (``none``, the wave vs sync default) it fits one request per chunk
+    and falls below the pipeline, the opposite ranking."""
+    setting = ["--model", "minimax-m2.7", "--concurrency", "8", "--reuse", "high"]
+    setting += ["--prompt-tokens", "8192", "--requests", "16", "--json"]
+    assert cli_main(["sim", "--recommend", "--parallel", "pp8-wave,tep8", *setting]) == 0
+    rows = {row["parallel"]: row for row in _rows(capsys)}
+    assert {row["baseline_budget"] for row in rows.values()} == {"exact"}
+    assert rows["tep8"]["rank"] == 1 and rows["pp8-wave"]["rank"] == 2
+    assert cli_main(["sim", "--parallel", "tep8", "--baseline-budget", "none", *setting]) == 0
+    (charged,) = _rows(capsys)
+    assert charged["baseline_budget"] == "none"
+    assert charged["throughput_tokens_per_s"] < rows["pp8-wave"]["throughput_tokens_per_s"]
+
+
 def test_recommend_names_the_layouts_that_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     # GLM-5.2's 746 GB fit no 4 H200s: every candidate refused with its memory, then an error.
     assert cli_main(["sim", "--model", "glm-5.2", "--recommend", "--gpus", "4"]) == 2

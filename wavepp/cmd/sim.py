@@ -86,11 +86,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     baseline.add_argument(
         "--baseline-budget",
         choices=["none", "estimated", "exact"],
-        default="none",
+        default=None,
         help="what a first chunk is charged against --chunk-tokens before its cached prefix is "
         "known: none = the whole prompt (TRT-LLM before PR 11637), estimated = minus the prefix "
         "live requests hold (PR 11637 under MAX_UTILIZATION, before PR 15066), exact = new "
-        "tokens only (default %(default)s)",
+        "tokens only. Default (launch.sim): exact with --parallel / --recommend (the layout "
+        "comparison: vLLM's and SGLang's schedulers count new tokens only, and a single-stage "
+        "engine charged its cached tokens fits one request per chunk at high reuse); "
+        "none for the wave vs sync pipeline comparison (the paper's TRT-LLM PP "
+        "baseline; docs/bench/baseline.md)",
     )
     baseline.add_argument(
         "--baseline-overhead-ms",

@@ -7,8 +7,9 @@ flags; ``wavepp.sim.run.simulate`` runs the real scheduler, planner and KV pools
 
 With ``--json`` stdout holds one JSON list, one row per layout and concurrency: ``parallel``,
 ``gpus``, ``throughput_tokens_per_s``, ``ttft_p50_s``, ``ttft_p99_s``, ``bound_tokens_per_s``,
-``efficiency`` (throughput / the layout's own physical bound), plus the setting and, with
-``--recommend``, ``rank`` (1 = highest throughput at that concurrency).
+``efficiency`` (throughput / the layout's own physical bound), ``baseline_budget`` (the sync
+layouts' budget accounting: ``exact`` unless ``--baseline-budget`` says otherwise), plus the
+setting and, with ``--recommend``, ``rank`` (1 = highest throughput at that concurrency).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def run_layouts(args: argparse.Namespace) -> int:
             f"{plan.kv_blocks[layout.label]}",
             file=sys.stderr,
         )
+    budget = sim.baseline_fields["budget_accounting"]
+    print(f"baseline budget (sync layouts): {budget}", file=sys.stderr)
     preset = REUSE_PRESETS[sim.reuse]
     factor = args.prompt_tokens / 4096 if args.prompt_tokens else 1.0
     table_out = sys.stderr if args.json else sys.stdout
@@ -108,6 +111,7 @@ def run_layouts(args: argparse.Namespace) -> int:
                 "reuse": sim.reuse,
                 "prompt_tokens": len(workload.prompts[0]),
                 "kv_blocks_per_stage": plan.kv_blocks[layout.label],
+                "baseline_budget": budget,
                 **{key: summary[key] for key in ROW_KEYS},
             }
             rows.append(row)

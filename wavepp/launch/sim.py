@@ -22,6 +22,15 @@ from wavepp.runtime.planning.catalogue import list_models
 from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_emulated_kv_blocks
 from wavepp.sim.bus import SimLatencies
 
+# ``--baseline-budget`` when not given (RuntimeConfig.baseline.budget_accounting). The wave vs
+# sync pipeline comparison keeps the paper's baseline, TensorRT-LLM's PP executor before its
+# PR 11637 (a first chunk charged its whole prompt). The layout comparison (``--parallel`` /
+# ``--recommend``, ``launch.sim_layouts``) charges new tokens only, as vLLM's and SGLang's
+# schedulers do: charged its cached tokens too, a single-stage engine at high reuse fits one
+# request per chunk (docs/bench/layouts.md).
+PIPELINE_BUDGET = "none"
+LAYOUTS_BUDGET = "exact"
+
 
 @dataclass(frozen=True)
 class SimPlan:
@@ -81,7 +90,8 @@ class SimPlan:
 def plan_sim(args: argparse.Namespace) -> SimPlan:
     """Resolve ``wavepp sim``'s flags (``cmd.sim.add_arguments``) into a :class:`SimPlan`,
     checking ``--model``, ``--concurrency``, ``--time-scale``, ``--kv-blocks``, the latencies,
-    ``--baseline-overhead-ms``, the derived KV capacity, ``--host-memory-gib``, ``--trace`` and
+    ``--baseline-overhead-ms`` (``--baseline-budget`` None: :data:`PIPELINE_BUDGET`), the
+    derived KV capacity, ``--host-memory-gib``, ``--trace`` and
     ``--modes``, in that order.
 
     Raises:
@@ -121,7 +131,7 @@ def plan_sim(args: argparse.Namespace) -> SimPlan:
             "--baseline-overhead-ms", f"{args.baseline_overhead_ms}: must be in [0, 1000]"
         )
     baseline_fields = {
-        "budget_accounting": args.baseline_budget,
+        "budget_accounting": args.baseline_budget or PIPELINE_BUDGET,
         "iteration_overhead_s": args.baseline_overhead_ms / 1e3,
         "one_chunk_inflight": args.baseline_one_chunk,
         "lockstep_admission": args.baseline_lockstep,

@@ -6,7 +6,8 @@ and mode, with, laid over it: every stage's derived cost model for the layout
 (``parallel.replica_stage_cost_models``; the planner budgets with their coefficient-wise
 maximum, at the time scale), each stage's KV capacity for the layout
 (``parallel.replica_kv_blocks``, the same derivation ``planning.memory`` gives the pipeline
-modes, or ``--kv-blocks`` on every stage), and the baseline's fidelity switches. A single-stage
+modes, or ``--kv-blocks`` on every stage), and the baseline's fidelity switches
+(``--baseline-budget`` not given: ``launch.sim.LAYOUTS_BUDGET``, new tokens only). A single-stage
 layout (tp/tep/ep) runs the synchronous scheduler: static chunks of ``--chunk-tokens`` (the
 engine's chunked prefill), prefix caching in its one pool, no cross-stage agreement. The other
 flags (latencies, baseline, concurrency, model) are checked by ``launch.sim.plan_sim``.
@@ -21,7 +22,7 @@ from dataclasses import dataclass, replace
 from wavepp.bench.grid import GridSpec, Setting
 from wavepp.launch.flags import FlagError
 from wavepp.launch.grid import runtime_config
-from wavepp.launch.sim import SimPlan, plan_sim
+from wavepp.launch.sim import LAYOUTS_BUDGET, SimPlan, plan_sim
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.planning.parallel import (
@@ -158,7 +159,14 @@ def plan_layouts(args: argparse.Namespace) -> LayoutsPlan:
         raise FlagError("--stages", "the layouts of --parallel / --recommend set the stages")
     # plan_sim checks the shared flags; a fixed capacity there keeps it from deriving the
     # pipeline's (the layouts derive their own below).
-    common = argparse.Namespace(**{**vars(args), "stages": 1, "kv_blocks": args.kv_blocks or 1})
+    common = argparse.Namespace(
+        **{
+            **vars(args),
+            "stages": 1,
+            "kv_blocks": args.kv_blocks or 1,
+            "baseline_budget": args.baseline_budget or LAYOUTS_BUDGET,
+        }
+    )
     sim = plan_sim(common)
     if args.recommend:
         flag = "--gpus"

@@ -41,6 +41,21 @@ def test_an_interconnect_refuses_a_negative_latency() -> None:
         Interconnect("bad", 1.0, 1.0, -1.0, 8)
 
 
+def test_a_fabric_without_an_all_to_all_figure_refuses_only_ep() -> None:
+    """All-to-all bandwidth None: tp and tep (all-reduces only) cost as on the same fabric with
+    any all-to-all figure; an ep group of a MoE model, which needs it, is refused naming it."""
+    unknown = Interconnect("no a2a", 475e9, None, 25e-6, 8)
+    known = Interconnect("a2a", 475e9, 370e9, 25e-6, 8)
+    for layout in ("tp8", "tep8", "pp2xtep4"):
+        ours = replica_stage_cost_models("kimi-k3", parse_layout(layout), link=unknown)
+        ref = replica_stage_cost_models("kimi-k3", parse_layout(layout), link=known)
+        assert [m.b for m in ours] == [m.b for m in ref]
+    with pytest.raises(ValueError, match="alltoall_bus_bytes_per_s"):
+        replica_stage_cost_models("kimi-k3", parse_layout("ep8"), link=unknown)
+    with pytest.raises(ValueError, match="allreduce_bus_bytes_per_s"):
+        Interconnect("bad", None, 1.0, 0.0, 8)  # type: ignore[arg-type]
+
+
 def test_gemm_efficiency_by_hand() -> None:
     # One 128 x 128 tile on 132 SMs: one wave, 1/132 of the GPU busy.
     assert gemm_efficiency(128, 128) == pytest.approx(1 / 132)

@@ -113,25 +113,29 @@ class Interconnect:
     Attributes:
         name: in words, for sources.
         allreduce_bus_bytes_per_s: nccl-tests all-reduce bus bandwidth, bytes/s.
-        alltoall_bus_bytes_per_s: nccl-tests all-to-all bus bandwidth, bytes/s.
+        alltoall_bus_bytes_per_s: nccl-tests all-to-all bus bandwidth, bytes/s; None where no
+            measurement is sourced (only an ``ep`` group's MoE dispatch and combine use it, and
+            an ``ep`` group on such a fabric is refused).
         latency_s: fixed cost of one collective, seconds.
         max_group_size: GPUs one domain connects; a larger group is refused.
 
     Raises:
-        ValueError: a bandwidth is not positive and finite, the latency negative, or the
-            domain smaller than 1.
+        ValueError: a bandwidth is not positive and finite (the all-to-all's may be None), the
+            latency negative, or the domain smaller than 1.
     """
 
     name: str
     allreduce_bus_bytes_per_s: float
-    alltoall_bus_bytes_per_s: float
+    alltoall_bus_bytes_per_s: float | None
     latency_s: float
     max_group_size: int
 
     def __post_init__(self) -> None:
         for field in ("allreduce_bus_bytes_per_s", "alltoall_bus_bytes_per_s"):
             value = getattr(self, field)
-            if not math.isfinite(value) or value <= 0:
+            if value is None and field == "alltoall_bus_bytes_per_s":
+                continue
+            if value is None or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"Interconnect.{field}={value!r}: must be finite and > 0")
         if not math.isfinite(self.latency_s) or self.latency_s < 0:
             raise ValueError(f"Interconnect.latency_s={self.latency_s!r}: must be >= 0")
@@ -404,6 +408,11 @@ def _layer_terms(
         if moe is None:
             comm_b, latencies = 0.0, 0
         else:
+            if link.alltoall_bus_bytes_per_s is None:
+                raise ValueError(
+                    f"layout ep{t} on {link.name}: Interconnect.alltoall_bus_bytes_per_s is None "
+                    "(no all-to-all measurement for this fabric); the ep group needs one"
+                )
             per_rank_bytes_per_token = (
                 moe.experts_per_token * d * (DISPATCH_BYTES + ACTIVATION_BYTES)
             )
@@ -452,8 +461,8 @@ def replica_stage_cost_models(
 
     Raises:
         ValueError: unknown model, S outside [1, num_layers], t above the link's domain,
-            microbatch_tokens < 1, ep_imbalance < 1, or a model without LayerSplit geometry
-            at t > 1.
+            microbatch_tokens < 1, ep_imbalance < 1, a model without LayerSplit geometry
+            at t > 1, or an ep group of a MoE model on a link without an all-to-all figure.
     """
     spec = get_model(model)
     gpu = spec.default_gpu if gpu is None else gpu
