@@ -18,7 +18,9 @@ time). Ratios are of medians taken in this run.
   on,off`` an ``engine-unpacked`` twin runs beside it, the two interleaved micro-batch by
   micro-batch (``run_engines_interleaved``).
 - ``pipeline-S`` (``--stages 1,2``): ``LocalPipeline`` (real stage processes, NATS, gloo; the
-  scheduler in this process), ``--concurrency`` requests out at a time (closed loop), each
+  scheduler in this process), ``--concurrency`` requests out at a time (closed loop; a list such
+  as ``8,32`` runs a pass per concurrency on the same servers, alternated: sides are named
+  ``NAME@C``), each
   stage with ``--threads / S`` (at least 1) torch threads; the ``hf`` side runs with
   ``--threads``.
 - ``up-S`` (``--path local,up``): the same pipeline behind ``wavepp up`` (HTTP gateway,
@@ -27,15 +29,20 @@ time). Ratios are of medians taken in this run.
   ``local`` builds its RuntimeConfig from it as ``wavepp up`` does), so they differ only in
   the control path; ``up-S / pipeline-S`` is printed. Each pass also records the CPU seconds
   of every process of the side by role (stages, admission, gateway, nats-server, this
-  process), from ``/proc`` (Linux).
+  process), from ``/proc`` (Linux), and, for ``up`` sides, what the planner and the stages did
+  in the pass from their Prometheus counters (``pass_summary``: micro-batches, tokens and
+  chunks per micro-batch, chunks over a cached context, each stage's busy fraction and CPU
+  seconds per 1,000 prompt tokens).
 - ``--source seeded,checkpoint``: the seeded model, and the same shape as a random-weight
   Hugging Face checkpoint directory served as ``--model DIR`` serves it (checkpoint engine,
   layers split by cost: ``-ckpt`` sides). ``--engine emulated`` (``--emulate``,
   ``--time-scale``) replaces the layers by the cost model's sleeps: what is left is the
   control path. ``--no-hf`` leaves the ``hf`` side out; ``--max-inflight`` sets the
-  micro-batches in flight (default: the runtime's, S). ``--pack on,off`` adds ``-unpacked``
+  micro-batches in flight (default: the runtime's); ``--pack on,off`` adds ``-unpacked``
   sides (the engine's projections as plain ``F.linear``, ``engineOptions.packWeights:
-  false``) to the packed ones (the default) and prints each side over its unpacked twin.
+  false``) to the packed ones (the default) and prints each side over its unpacked twin;
+  ``--return-microbatches 0,1`` makes a side per value of ``engineOptions.returnMicrobatches``
+  (suffix ``-rN``; 0 is the closed-loop target without a way back, S micro-batches a round).
 
 ``--profile`` adds one profiled engine pass (``torch.profiler``, the engine's named regions,
 ``wavepp/runtime/stage/engine/profile.py``) and prints its per-part table. ``--device cuda
@@ -218,7 +225,12 @@ async def _closed_loop(scheduler: Any, prompts: list[list[int]], concurrency: in
 
 
 def bench_spec(
-    args: Any, config: ModelConfig, stages: int, source: str = "seeded", pack: bool = True
+    args: Any,
+    config: ModelConfig,
+    stages: int,
+    source: str = "seeded",
+    pack: bool = True,
+    return_microbatches: int | None = None,
 ) -> dict[str, Any]:
     """The WavePipeline spec both pipeline paths serve (``local`` builds its RuntimeConfig from
     it as ``wavepp up`` does; ``up`` is given it as ``--config``): ``stages`` stages of the
@@ -227,9 +239,10 @@ def bench_spec(
     checkpoint engine, layers split by cost) or of ``--emulate``'s cost model (emulated, ``--time-scale``),
     blocks of ``BLOCK_SIZE``, ``--threads / stages`` (at least 1) torch threads per stage,
     ``--max-inflight`` micro-batches in flight (0: the runtime's default); ``pack`` False:
-    the torch engine's projections unpacked (``engineOptions.packWeights``)."""
+    the torch engine's projections unpacked (``engineOptions.packWeights``);
+    ``return_microbatches`` the closed-loop target's way back (None: the runtime's default)."""
     longest = args.longest
-    blocks = max(64, args.concurrency * 2 * (-(-longest // BLOCK_SIZE)))
+    blocks = max(64, max(args.concurrency) * 2 * (-(-longest // BLOCK_SIZE)))
     options: dict[str, Any] = {
         "kvBlocks": blocks,
         "torchThreads": max(1, args.threads // stages),
@@ -238,6 +251,8 @@ def bench_spec(
         options["maxInflight"] = args.max_inflight
     if not pack and args.engine == "torch":
         options["packWeights"] = False
+    if return_microbatches is not None:
+        options["returnMicrobatches"] = return_microbatches
     spec: dict[str, Any] = {
         "stages": stages,
         "replicas": 1,
@@ -342,6 +357,86 @@ def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     return {k: round(v - before.get(k, 0.0), 2) for k, v in sorted(after.items())}
 
 
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive local ports free now (``wavepp up``'s metrics
+    ports: the admission's, then each stage's)."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = int(probe.getsockname()[1])
+        if first + count > 65535:
+            continue
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def scrape_counters(url: str) -> dict[str, float]:
+    """Every sample of a Prometheus endpoint, ``name{label=value,...}`` -> value (labels
+    sorted, ``pipeline`` left out); {} when it does not answer."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 (local URL)
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(
+                f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "pipeline"
+            )
+            out[f"{sample.name}{{{labels}}}"] = float(sample.value)
+    return out
+
+
+def pass_summary(
+    counters: dict[str, float], cpu_s: dict[str, float], wall_s: float, stages: int
+) -> dict[str, Any]:
+    """What the planner and the stages did in one ``up`` pass, from the deltas of their
+    Prometheus counters (``UpSide``: ``role:series`` -> increase over the pass) and the CPU
+    seconds by process role: micro-batches the admission published, new tokens and chunks per
+    micro-batch, the fraction of chunks over a cached context and the mean context such a chunk
+    attended (tokens), per stage the fraction of the pass's wall time it executed and its CPU
+    seconds per 1,000 new tokens."""
+
+    def get(role: str, series: str) -> float:
+        return counters.get(f"{role}:{series}", 0.0)
+
+    first = "stage-0"
+    mbs = get(first, "wavepp_stage_microbatches_run_total{stage_rank=0}")
+    new = get(first, "wavepp_stage_tokens_total{kind=new,stage_rank=0}")
+    context = get(first, "wavepp_stage_tokens_total{kind=context,stage_rank=0}")
+    cached = get(first, "wavepp_stage_chunks_total{context=cached,stage_rank=0}")
+    chunks = cached + get(first, "wavepp_stage_chunks_total{context=none,stage_rank=0}")
+    out: dict[str, Any] = {
+        "microbatches": int(mbs),
+        "tokens_per_microbatch": round(new / mbs, 1) if mbs else 0.0,
+        "chunks_per_microbatch": round(chunks / mbs, 2) if mbs else 0.0,
+        "cached_context_chunk_fraction": round(cached / chunks, 3) if chunks else 0.0,
+        "context_per_cached_chunk": round(context / cached, 1) if cached else 0.0,
+        "busy_fraction": [],
+        "cpu_s_per_1k_tokens": [],
+    }
+    for rank in range(stages):
+        role = f"stage-{rank}"
+        busy = get(role, f"wavepp_stage_execute_seconds_total{{stage_rank={rank}}}")
+        out["busy_fraction"].append(round(busy / wall_s, 3) if wall_s > 0 else 0.0)
+        cpu = cpu_s.get(role, 0.0)
+        out["cpu_s_per_1k_tokens"].append(round(1000 * cpu / new, 3) if new else 0.0)
+    return out
+
+
 class PipelineSide:
     """``LocalPipeline`` (the scheduler in this process) of ``spec``; ``run`` times one pass."""
 
@@ -392,27 +487,48 @@ class UpSide:
         self.name = f"up-{self.stages}{suffix}"
         work = Path(tempfile.mkdtemp(prefix=f"wavepp-bench-up-s{self.stages}-"))
         spec_path = work / "spec.json"
+        spec = spec | {"telemetry": {"metricsPort": free_ports(1 + self.stages)}}
         spec_path.write_text(json.dumps(spec, indent=2))
         port = free_port()
         argv = [
             *(sys.executable, "-m", "wavepp.cli", "up", "--config", str(spec_path)),
             *("--port", str(port), "--state-dir", str(work / "state")),
-            *("--max-outstanding", str(args.max_outstanding or args.concurrency)),
+            *("--max-outstanding", str(args.max_outstanding or max(args.concurrency))),
         ]
+        self.state_dir = work / "state"
+        self.metrics_urls: dict[str, str] = {}  # role (admission, stage-R) -> /metrics URL
         self.server = Server("wavepp", argv, dict(os.environ), port, work / "up.log", "/readyz")
         self.timeout_s = args.request_timeout_s
         self.cpu_s: list[dict[str, float]] = []  # per timed pass: CPU seconds by role
+        self.counters: list[dict[str, float]] = []  # per timed pass: Prometheus counter deltas
+        self.walls: list[float] = []
 
     async def start(self) -> None:
         await asyncio.to_thread(self.server.start, 300.0)
+        info = json.loads((self.state_dir / "processes.json").read_text())
+        for url in (info.get("metrics") or {}).values():
+            self.metrics_urls["admission"] = url
+        for name, url in (info.get("stage_metrics") or {}).items():
+            self.metrics_urls[f"stage-{name.rsplit('-', 1)[1]}"] = url
+
+    def _scrape(self) -> dict[str, float]:
+        return {
+            f"{role}:{key}": value
+            for role, url in self.metrics_urls.items()
+            for key, value in scrape_counters(url).items()
+        }
 
     async def run(self, prompts: list[list[int]], concurrency: int) -> float:
         from vs_vllm import drive
 
         assert self.server.proc is not None, "started"
         cpu = process_cpu_s(self.server.proc.pid)
+        counters = await asyncio.to_thread(self._scrape)
         result = await drive(self.server, prompts, concurrency, 0, self.timeout_s)
         self.cpu_s.append(cpu_delta(cpu, process_cpu_s(self.server.proc.pid)))
+        after = await asyncio.to_thread(self._scrape)
+        self.counters.append({k: v - counters.get(k, 0.0) for k, v in after.items()})
+        self.walls.append(result.wall_s)
         if result.errors:
             raise RuntimeError(f"{self.name}: {result.errors} failed: {result.first_error}")
         return result.wall_s
@@ -432,8 +548,9 @@ async def pipeline_sides(
     hf_pass: Callable[[list[list[int]]], float] | None,
     tokens: int,
 ) -> dict[str, Any]:
-    """``prompt_sets[0]``: the warm-up's; ``prompt_sets[1 + r]``: repeat r's (same lengths and
-    prefix sharing, other tokens, so no pass finds an earlier pass's prompts cached). One side
+    """``prompt_sets[0]``: the warm-up's; ``prompt_sets[1 + r * len(C) + i]``: repeat r's at
+    the i-th concurrency C (same lengths and prefix sharing, other tokens, so no pass finds an
+    earlier pass's prompts cached; the ``hf`` side runs each repeat's first). One side
     per source, stage count and path (``local``: ``pipeline-S``; ``up``: ``up-S``; suffix
     ``-ckpt`` for the checkpoint source), all started before the first timed pass; ``hf_pass``
     None: no ``hf`` side. Returns ``tokens_per_s`` (side -> median prompt tokens/s) and
@@ -441,21 +558,33 @@ async def pipeline_sides(
     kinds = {"local": PipelineSide, "up": UpSide}
     sources = args.source if args.engine == "torch" else ["seeded"]
     packs = args.pack if args.engine == "torch" else ["on"]
+    returns = args.return_microbatches or [None]
     sides = [
         kinds[path](
-            bench_spec(args, config, s, source, pack == "on"),
+            bench_spec(args, config, s, source, pack == "on", r),
             args,
-            ("-ckpt" if source == "checkpoint" else "") + ("-unpacked" if pack == "off" else ""),
+            ("-ckpt" if source == "checkpoint" else "")
+            + ("-unpacked" if pack == "off" else "")
+            + ("" if r is None else f"-r{r}"),
         )
         for source in sources
         for s in args.stages
         for path in args.path
         for pack in packs
+        for r in returns
     ]
     for side in sides:
         if isinstance(side, PipelineSide):
             _progress(f"{side.name}: layers per stage {side.config.partition or 'even'}")
-    times: dict[str, list[float]] = ({"hf": []} if hf_pass else {}) | {s.name: [] for s in sides}
+    cs = args.concurrency
+
+    def key(name: str, c: int) -> str:
+        return name if len(cs) == 1 else f"{name}@{c}"
+
+    times: dict[str, list[float]] = ({"hf": []} if hf_pass else {}) | {
+        key(s.name, c): [] for s in sides for c in cs
+    }
+    summaries: dict[str, list[dict[str, Any]]] = {}
     try:
         for side in sides:
             await side.start()
@@ -465,16 +594,23 @@ async def pipeline_sides(
                 side.others = others
             await side.run(prompt_sets[0][: min(4, len(prompt_sets[0]))], 2)  # not timed
         for rep in range(args.repeats):
-            prompts = prompt_sets[1 + rep]
-            order: list[Any] = (["hf"] if hf_pass else []) + sides
+            order: list[Any] = (["hf"] if hf_pass else []) + [(s, c) for c in cs for s in sides]
             if rep % 2:
                 order.reverse()
-            for side in order:
-                if side == "hf":
+            for item in order:
+                if item == "hf":
                     assert hf_pass is not None
-                    times["hf"].append(hf_pass(prompts))
-                else:
-                    times[side.name].append(await side.run(prompts, args.concurrency))
+                    times["hf"].append(hf_pass(prompt_sets[1 + rep * len(cs)]))
+                    continue
+                side, c = item
+                prompts = prompt_sets[1 + rep * len(cs) + cs.index(c)]
+                times[key(side.name, c)].append(await side.run(prompts, c))
+                if isinstance(side, UpSide) and side.metrics_urls:
+                    summary = pass_summary(
+                        side.counters[-1], side.cpu_s[-1], side.walls[-1], side.stages
+                    )
+                    summaries.setdefault(key(side.name, c), []).append(summary)
+                    _progress(f"{key(side.name, c)} repeat {rep}: {summary}")
             _progress(f"repeat {rep}: {times}")
     finally:
         for side in sides:
@@ -486,6 +622,7 @@ async def pipeline_sides(
     return {
         "tokens_per_s": {name: tokens / _median(t) for name, t in times.items()},
         "cpu_s": cpu_s,
+        "passes": summaries,
     }
 
 
@@ -503,7 +640,7 @@ def run(args: argparse.Namespace) -> int:
         vocab = config.vocab_size
     prompt_sets = [
         trace_prompts(args.trace, args.requests, tokens_per_block=16, vocab_size=vocab, seed=s)
-        for s in range(1 + args.repeats)
+        for s in range(1 + args.repeats * (len(args.concurrency) if args.stages else 1))
     ]
     prompts = prompt_sets[1]
     args.longest = max(len(p) for p in prompts)
@@ -543,6 +680,7 @@ def run(args: argparse.Namespace) -> int:
         )
         tps = measured["tokens_per_s"]
         result["cpu_s"] = measured["cpu_s"]
+        result["passes"] = measured["passes"]
         result["concurrency"] = args.concurrency
         result["tokens_per_s"] = tps
         for name, value in tps.items():
@@ -561,17 +699,30 @@ def run(args: argparse.Namespace) -> int:
                 r = tps[name] / tps[f"{name}-unpacked"]
                 result[f"{name}/{name}-unpacked"] = r
                 lines.append(f"{name} / {name}-unpacked: {r:.3f}")
+        cs = args.concurrency
+        at = [""] if len(cs) == 1 else [f"@{c}" for c in cs]
+        pairs = []
         for s in args.stages:
-            for suffix in ("", "-ckpt"):
-                up, local = f"up-{s}{suffix}", f"pipeline-{s}{suffix}"
-                if {up, local} <= tps.keys():
-                    result[f"{up}/{local}"] = tps[up] / tps[local]
-                    lines.append(f"{up} / {local}: {tps[up] / tps[local]:.3f}")
+            for c in at:
+                for suffix in ("", "-ckpt"):
+                    pairs.append((f"up-{s}{suffix}{c}", f"pipeline-{s}{suffix}{c}"))
+                for path in ("pipeline", "up"):
+                    pairs.append((f"{path}-{s}-ckpt{c}", f"{path}-{s}{c}"))
             for path in ("pipeline", "up"):
-                ckpt, seeded = f"{path}-{s}-ckpt", f"{path}-{s}"
-                if {ckpt, seeded} <= tps.keys():
-                    result[f"{ckpt}/{seeded}"] = tps[ckpt] / tps[seeded]
-                    lines.append(f"{ckpt} / {seeded}: {tps[ckpt] / tps[seeded]:.3f}")
+                for suffix in ("", "-ckpt"):
+                    for c in at[1:]:
+                        pairs.append((f"{path}-{s}{suffix}{c}", f"{path}-{s}{suffix}{at[0]}"))
+        for name in list(tps):
+            for r in args.return_microbatches:
+                if "-r0" in name and r:
+                    pairs.append((name.replace("-r0", f"-r{r}"), name))
+        for top, bottom in pairs:
+            if {top, bottom} <= tps.keys():
+                result[f"{top}/{bottom}"] = tps[top] / tps[bottom]
+                lines.append(f"{top} / {bottom}: {tps[top] / tps[bottom]:.3f}")
+        for name, passes in measured["passes"].items():
+            for i, summary in enumerate(passes):
+                lines.append(f"{name} pass {i}: {json.dumps(summary)}")
     else:
         state = build_full_state_dict(config)
         engines = {
@@ -632,11 +783,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stages(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"--stages {text!r}: comma-separated integers >= 1")
-    return values
+def _positive_ints(flag: str) -> Callable[[str], list[int]]:
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            values = []
+        if not values or any(v < 1 for v in values):
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: comma-separated integers >= 1")
+        return values
+
+    return parse
+
+
+_stages = _positive_ints("--stages")
+
+
+def _counts(flag: str) -> Callable[[str], list[int]]:
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            values = []
+        if not values or any(v < 0 for v in values):
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: comma-separated integers >= 0")
+        return values
+
+    return parse
 
 
 def _paths(text: str) -> list[str]:
@@ -669,7 +842,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=4, help="prompts per engine micro-batch")
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--stages", type=_stages, default=[], help="e.g. 1,2: pipeline mode")
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--concurrency",
+        type=_positive_ints("--concurrency"),
+        default=[8],
+        help="e.g. 8,32: a pass per concurrency",
+    )
     parser.add_argument(
         "--path", type=_paths, default=["local"], help="pipeline mode: local,up (see docstring)"
     )
@@ -685,6 +863,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-outstanding", type=int, default=0, help="up: gateway's (0: --concurrency)"
+    )
+    parser.add_argument(
+        "--return-microbatches",
+        type=_counts("--return-microbatches"),
+        default=[],
+        help="e.g. 0,1: a side per value of engineOptions.returnMicrobatches (suffix -rN)",
     )
     parser.add_argument("--request-timeout-s", type=float, default=1800.0)
     parser.add_argument("--device", default="cpu")
@@ -706,7 +890,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_hf and not args.stages:
         print("--no-hf: only with --stages (the engine mode compares with hf)", file=sys.stderr)
         return 2
-    for name in ("requests", "repeats", "threads", "batch", "chunk_tokens", "concurrency"):
+    for name in ("requests", "repeats", "threads", "batch", "chunk_tokens"):
         if getattr(args, name) < 1:
             parser_error = f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1"
             print(parser_error, file=sys.stderr)

@@ -124,3 +124,37 @@ def test_process_cpu_follows_the_tree_and_leaves_out_excluded_children() -> None
     finally:
         child.kill()
         child.wait()
+
+
+def test_concurrency_and_return_microbatches_take_lists_and_reach_the_spec() -> None:
+    args = _args("--concurrency", "8,32", "--return-microbatches", "0,1")
+    assert args.concurrency == [8, 32] and args.return_microbatches == [0, 1]
+    spec = bench.bench_spec(args, bench.model_config("float32"), 2, return_microbatches=0)
+    assert spec["engineOptions"]["returnMicrobatches"] == 0
+    assert spec["engineOptions"]["kvBlocks"] == 32 * 2 * 32  # sized for the largest C
+    assert bench.runtime_config_of(spec).resolved_max_inflight == 2
+    for flag, value in (("--concurrency", "0"), ("--return-microbatches", "-1")):
+        with pytest.raises(SystemExit):
+            _args(flag, value)
+
+
+def test_pass_summary_reads_the_planner_and_the_stages_from_counter_deltas() -> None:
+    counters = {
+        "stage-0:wavepp_stage_microbatches_run_total{stage_rank=0}": 4.0,
+        "stage-0:wavepp_stage_tokens_total{kind=new,stage_rank=0}": 2000.0,
+        "stage-0:wavepp_stage_tokens_total{kind=context,stage_rank=0}": 900.0,
+        "stage-0:wavepp_stage_chunks_total{context=cached,stage_rank=0}": 2.0,
+        "stage-0:wavepp_stage_chunks_total{context=none,stage_rank=0}": 6.0,
+        "stage-0:wavepp_stage_execute_seconds_total{stage_rank=0}": 8.0,
+        "stage-1:wavepp_stage_execute_seconds_total{stage_rank=1}": 5.0,
+    }
+    summary = bench.pass_summary(counters, {"stage-0": 3.0, "stage-1": 1.0}, 10.0, 2)
+    assert summary == {
+        "microbatches": 4,
+        "tokens_per_microbatch": 500.0,
+        "chunks_per_microbatch": 2.0,
+        "cached_context_chunk_fraction": 0.25,
+        "context_per_cached_chunk": 450.0,
+        "busy_fraction": [0.8, 0.5],
+        "cpu_s_per_1k_tokens": [1.5, 0.5],
+    }

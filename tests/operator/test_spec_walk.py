@@ -205,6 +205,12 @@ FIELDS: dict[str, Entry] = {
     "engineOptions.maxInflight": Entry(
         R, f"{FS}: max_inflight", {"engineOptions": {"maxInflight": 3}}
     ),
+    "engineOptions.returnMicrobatches": Entry(
+        R,
+        f"{FS}: return_microbatches",
+        {"engineOptions": {"returnMicrobatches": 0}},
+        refusal=({"engineOptions": {"returnMicrobatches": -1}}, "must be in [0, 1024]"),
+    ),
     "engineOptions.leaseSeconds": Entry(
         R, f"{FS}: lease_s", {"engineOptions": {"leaseSeconds": 5}}
     ),

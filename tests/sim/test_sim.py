@@ -230,6 +230,24 @@ def test_a_burst_is_split_into_s_equal_microbatches_by_the_closed_loop_target() 
     assert list(report.stats.microbatch_tokens) == [4096] * 4
 
 
+def test_a_way_back_of_one_microbatch_splits_a_round_into_s_plus_one() -> None:
+    """The same burst with the way back of a round counted as one micro-batch time
+    (``return_microbatches`` 1, what a served replica plans with): S + 1 micro-batches hold the
+    round (whole requests of 512 tokens: 7, 7, 7, 7 and the 4 left), so stage 0 has the last
+    one to run while the first one's requests come back; S + 1 are in flight at most."""
+    spec = GridSpec(time_scale=1.0)
+    config, planner_cost = runtime_config(spec, Setting("glm-5.2", 32, "high", "wave"))
+    config = config.model_copy(update={"return_microbatches": 1})
+    assert config.resolved_max_inflight == config.num_stages + 1 == 5
+    workload = preset_workload("high", 32, vocab_size=config.model.vocab_size)
+    report = simulate(config, planner_cost, workload, concurrency=32)
+    tokens = list(report.stats.microbatch_tokens)
+    assert tokens == [7 * 512] * 4 + [4 * 512], tokens
+    # without the closed-loop target the way back counts for nothing: S in flight, as before
+    sync = config.model_copy(update={"closed_loop_fill": False})
+    assert sync.resolved_return_microbatches == 0 and sync.resolved_max_inflight == 4
+
+
 def test_wavepp_sim_runs_32_x_c_requests_per_setting_by_default(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

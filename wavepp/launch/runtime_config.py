@@ -13,7 +13,8 @@ source of truth; this module turns it into the RuntimeConfig every replica's pro
 | ``emulate``    | emulated engine: cost model name (``wavepp.runtime.planning.catalogue``) | model.name      |
 | ``torchThreads`` | torch threads per stage                                     | 1                  |
 | ``seed``       | weight seed of the torch engine                               | 0                  |
-| ``maxInflight`` | micro-batches in flight                                      | S                  |
+| ``maxInflight`` | micro-batches in flight                                      | S + returnMicrobatches |
+| ``returnMicrobatches`` | micro-batch times the closed-loop target counts for a round's way back (``RuntimeConfig.return_microbatches``) | ``SERVED_RETURN_MICROBATCHES`` (1) |
 | ``leaseSeconds`` | pin and reservation lease                                   | 30                 |
 | ``maxBlocksPerOwner`` | KV blocks one admission instance may hold on a stage    | the whole pool     |
 
@@ -64,6 +65,12 @@ from wavepp.runtime.hf_config import load_model_dir, normalize_hf_config, read_h
 from wavepp.runtime.model_config import PRESETS, ModelConfig
 from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
 from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_emulated_kv_blocks
+
+# NOTE: a served replica's finished requests come back through their clients, the gateway and
+# the JetStream intake before they are agreed and planned again: the closed-loop target counts
+# that way back as one micro-batch time (RuntimeConfig.return_microbatches; docs/bench/engine.md
+# measures it), unless engineOptions.returnMicrobatches says otherwise.
+SERVED_RETURN_MICROBATCHES = 1
 
 _MODEL_FIELDS = (
     "num_layers",
@@ -388,6 +395,7 @@ def runtime_configs_from_spec(
         "torch_compile": bool(options.get("torchCompile", False)),
         "pack_weights": bool(options.get("packWeights", True)),
         "max_inflight": options.get("maxInflight"),
+        "return_microbatches": options.get("returnMicrobatches", SERVED_RETURN_MICROBATCHES),
         "lease_s": float(options.get("leaseSeconds", 30.0)),
         "max_blocks_per_owner": options.get("maxBlocksPerOwner"),
     }
@@ -431,6 +439,7 @@ SPEC_FIELD_OF = {
     "torch_compile": "engineOptions.torchCompile",
     "pack_weights": "engineOptions.packWeights",
     "max_inflight": "engineOptions.maxInflight",
+    "return_microbatches": "engineOptions.returnMicrobatches",
     "lease_s": "engineOptions.leaseSeconds",
     "max_blocks_per_owner": "engineOptions.maxBlocksPerOwner",
     "max_microbatch_tokens": "cache.blockSize",

@@ -134,6 +134,14 @@ class RuntimeConfig(BaseModel):
     # NOTE: wave mode sizes each micro-batch from the work of every request in the system
     # (c + W / S, docs/bench/bound.md) instead of from chunk_tokens; False for the ablation.
     closed_loop_fill: bool | None = None
+    # NOTE: the closed-loop target counts the way back of a finished micro-batch's requests
+    # (answer, resubmission, intake, agreement, plan) as this many micro-batch times after
+    # their crossing of the S stages, and splits each round into up to max_inflight
+    # micro-batches (SchedulerCore.closed_loop_target_s); read only with the closed-loop
+    # target. 0: the zero-latency picture of docs/bench/bound.md (S micro-batches a round), as
+    # the simulator's closed loop returns a request at once; a served replica's requests come
+    # back through its clients, the gateway and the intake (launch.runtime_config: 1).
+    return_microbatches: int = Field(0, ge=0)
     chunk_policy: Literal["dynamic", "static"] | None = None
     # NOTE: the baseline's emulation switches (sync mode only; see BaselineConfig).
     baseline: BaselineConfig = Field(default_factory=BaselineConfig)
@@ -376,6 +384,12 @@ class RuntimeConfig(BaseModel):
         return self.closed_loop_fill if self.closed_loop_fill is not None else self.mode == "wave"
 
     @property
+    def resolved_return_microbatches(self) -> int:
+        """Micro-batch times the closed-loop target counts for a round's way back (see the
+        field): ``return_microbatches`` with the closed-loop target, else 0."""
+        return self.return_microbatches if self.resolved_closed_loop_fill else 0
+
+    @property
     def resolved_baseline(self) -> BaselineConfig:
         """The baseline switches as they apply: ``baseline`` in sync mode (its budget
         accounting "exact" unless the chunk policy is static), ``BASELINE_OFF`` otherwise."""
@@ -423,4 +437,7 @@ class RuntimeConfig(BaseModel):
 
     @property
     def resolved_max_inflight(self) -> int:
-        return self.max_inflight or self.num_stages
+        """Micro-batches in flight at most: ``max_inflight``, else S plus the micro-batch times
+        of a round's way back (``resolved_return_microbatches``), so that stage 0 has work while
+        the first micro-batch's requests come back."""
+        return self.max_inflight or self.num_stages + self.resolved_return_microbatches

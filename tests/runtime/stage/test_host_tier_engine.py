@@ -192,7 +192,15 @@ def test_stage_metrics_count_host_spills_and_loads(llama_dir) -> None:  # noqa: 
     worker = SimpleNamespace(
         config=SimpleNamespace(pipeline="p"),
         rank=1,
-        core=SimpleNamespace(manager=stage.manager, num_microbatches=3, execute_s=0.5),
+        core=SimpleNamespace(
+            manager=stage.manager,
+            num_microbatches=3,
+            execute_s=0.5,
+            num_chunks=0,
+            num_context_chunks=0,
+            num_new_tokens=0,
+            num_context_tokens=0,
+        ),
         is_formed=True,
         group_epoch=0,
         num_reforms=0,

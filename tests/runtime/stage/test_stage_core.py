@@ -176,6 +176,50 @@ def test_complete_marks_computed_blocks_cached_for_the_next_request() -> None:
     assert admit(core, "a2", PROMPT) == 3
 
 
+def test_complete_counts_chunks_over_a_cached_context_and_the_context_they_attend() -> None:
+    core = make_core()
+    admit(core, "a", PROMPT)
+    admit(core, "b", PROMPT[:4])
+    run(core, core.accept(plan(0, chunk("a", PROMPT[:6], 0, is_last=False))))
+    run(
+        core,
+        core.accept(
+            plan(
+                1,
+                chunk("a", PROMPT[6:], 6, is_last=True, index=1),
+                chunk("b", PROMPT[:4], 0, is_last=True),
+            )
+        ),
+    )
+    assert (core.num_chunks, core.num_context_chunks) == (3, 1)
+    assert (core.num_new_tokens, core.num_context_tokens) == (12 + 4, 6)
+    from types import SimpleNamespace
+
+    from wavepp.runtime.stage.metrics import StageMetrics, snapshot_of
+
+    worker = SimpleNamespace(
+        config=SimpleNamespace(pipeline="p"),
+        rank=0,
+        core=core,
+        is_formed=True,
+        group_epoch=0,
+        num_reforms=0,
+    )
+    metrics = StageMetrics(lambda: snapshot_of(worker))
+    try:
+        text = metrics.scrape()[0].decode()
+    finally:
+        metrics.shutdown()
+    labels = 'pipeline="p",stage_rank="0"'
+    for series in (
+        f'wavepp_stage_chunks_total{{context="none",{labels}}} 2.0',
+        f'wavepp_stage_chunks_total{{context="cached",{labels}}} 1.0',
+        f'wavepp_stage_tokens_total{{kind="new",{labels}}} 16.0',
+        f'wavepp_stage_tokens_total{{kind="context",{labels}}} 6.0',
+    ):
+        assert series in text, text
+
+
 def test_a_request_released_before_its_chunk_completes_caches_nothing() -> None:
     core = make_core()
     admit(core, "a", PROMPT)

@@ -28,6 +28,7 @@ checks the two agree.
 ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
     "kvBlocks": ("torch", "emulated"),
     "maxInflight": ("torch", "emulated"),
+    "returnMicrobatches": ("torch", "emulated"),
     "leaseSeconds": ("torch", "emulated"),
     "maxBlocksPerOwner": ("torch", "emulated"),
     "torchThreads": ("torch", "emulated"),

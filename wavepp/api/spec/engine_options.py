@@ -18,6 +18,7 @@ a test checks its keys are these.
 | ``packWeights``  | bool (pre-packed projection weights; default true) | true or false          |
 | ``seed``         | int                                   | in [0, 2**63 - 1]                  |
 | ``maxInflight``  | int (micro-batches in flight)         | in [1, 1024]                       |
+| ``returnMicrobatches`` | int (micro-batch times a closed-loop round's way back counts) | in [0, 1024] |
 | ``leaseSeconds`` | number (pin and reservation lease)    | in (0, 86400]                      |
 | ``maxBlocksPerOwner`` | int (KV blocks one admission instance may hold per stage) | in [1, 2**31 - 1] |
 """
@@ -74,6 +75,7 @@ _CHECKS: dict[str, Any] = {
     "packWeights": lambda v: _bool("packWeights", v),
     "seed": lambda v: _int("seed", v, 0, 2**63 - 1),
     "maxInflight": lambda v: _int("maxInflight", v, 1, 1024),
+    "returnMicrobatches": lambda v: _int("returnMicrobatches", v, 0, 1024),
     "leaseSeconds": lambda v: _number("leaseSeconds", v, 86400.0),
     "maxBlocksPerOwner": lambda v: _int("maxBlocksPerOwner", v, 1, MAX_KV_BLOCKS),
 }

@@ -293,10 +293,17 @@ class SchedulerCore(DoneAccounting):
 
     def closed_loop_target_s(self, extra_works_s: Sequence[float] = ()) -> float | None:
         """Seconds per micro-batch on the slowest stage so that m micro-batches hold the work of
-        every open request: c + W / m, m in [1, S] the count that finishes a round soonest
-        (m = S once W is large next to c; docs/bench/bound.md), capped by the engine's largest
-        micro-batch in the planner. None when off (``resolved_closed_loop_fill``) or before any
-        request was admitted.
+        every open request: c + W / m, m in [1, max_inflight] the count that finishes a round
+        soonest, capped by the engine's largest micro-batch in the planner. None when off
+        (``resolved_closed_loop_fill``) or before any request was admitted.
+
+        A round lasts at least m*c + W (the busiest stage) and (S - 1 + k + r)(c + W / m): a
+        request's k micro-batches cross the S stages one behind the other (GPipe's fill and
+        drain, Huang et al. 2019, section 2.3), then its successor takes r micro-batch times to
+        come back (``resolved_return_microbatches``: answer, resubmission, agreement, plan).
+        With r = 0 (no way back: docs/bench/bound.md) m = S once W is large next to c; with
+        r >= 1 m = S + r, so stage 0 runs the round's last r micro-batches while the first
+        one's requests return, for r more c a round.
 
         W sums each admitted, unfinished request's whole chunk work (once per round, however far
         it got) and, for open requests not admitted yet, the mean work of the admitted ones.
@@ -320,18 +327,17 @@ class SchedulerCore(DoneAccounting):
         num_unadmitted = max(0, self.num_open - len(works))
         total_s = sum(works) + num_unadmitted * mean_work_s
         fixed_s = self.planner.fixed_cost_s
-        # m micro-batches per round: a round lasts at least m*c + W (the busiest stage) and
-        # (S - 1 + k)(c + W/m), k = max(1, m / open requests) micro-batches per request, (its
-        # chunks cross the pipeline one behind the other: GPipe's fill and drain, Huang et al.
-        # 2019, section 2.3). With little work in the system (W small next to c) fewer than S
+        # m micro-batches per round (see the docstring), k = max(1, m / open requests) per
+        # request. With little work in the system (W small next to c) fewer than S
         # micro-batches finish a round sooner.
         num_open = max(1, self.num_open)
+        way_back = self.num_stages - 1 + self.config.resolved_return_microbatches
         num_microbatches = min(
-            range(1, self.num_stages + 1),
+            range(1, self.config.resolved_max_inflight + 1),
             key=lambda m: (
                 max(
                     m * fixed_s + total_s,
-                    (self.num_stages - 1 + max(1.0, m / num_open)) * (fixed_s + total_s / m),
+                    (way_back + max(1.0, m / num_open)) * (fixed_s + total_s / m),
                 ),
                 -m,
             ),

@@ -152,6 +152,13 @@ class StageCore:
         self.sequencer: PlanSequencer[tuple[MicroBatchPlan, PlanHeaders]] = PlanSequencer()
         self.num_microbatches = 0  # completed (complete() calls)
         self.execute_s = 0.0  # wall seconds of their execute phases (the stage's own metrics)
+        # NOTE: what those micro-batches held: chunks, and the chunks over a cached context
+        # (context_offset > 0: an earlier chunk of the prompt or a reused prefix, attended
+        # through the paged cache); new tokens, and the context tokens those chunks attended.
+        self.num_chunks = 0
+        self.num_context_chunks = 0
+        self.num_new_tokens = 0
+        self.num_context_tokens = 0
         self._done_log_size = done_log_size
         self._done_log: OrderedDict[tuple[str, int], MicroBatchDone] = OrderedDict()
         self.bus_key = bus_key
@@ -377,6 +384,12 @@ class StageCore:
                     pass  # released meanwhile (lease expiry): nothing to cache
         self.num_microbatches += 1
         self.execute_s += max(0.0, done.execute_end_s - done.execute_start_s)
+        for c in work.plan.chunks:
+            self.num_chunks += 1
+            self.num_new_tokens += len(c.token_ids)
+            if c.context_offset > 0:
+                self.num_context_chunks += 1
+                self.num_context_tokens += c.context_offset
 
     def dones(self, epoch: str, microbatch_ids: Iterable[int]) -> list[MicroBatchDone]:
         """The kept done messages of ``epoch`` among ``microbatch_ids`` (a resend ask)."""

@@ -16,12 +16,18 @@ series carries ``pipeline`` (the replica) and ``stage_rank``; like the gateway's
 | wavepp.stage.group_epoch          | obs gauge   | (none)       | wavepp_stage_group_epoch                          |
 | wavepp.stage.reforms              | obs counter | {reform}     | wavepp_stage_reforms_total                        |
 | wavepp.stage.host_kv_blocks       | obs counter | {block}      | wavepp_stage_host_kv_blocks_total{op}             |
+| wavepp.stage.chunks               | obs counter | {chunk}      | wavepp_stage_chunks_total{context}                |
+| wavepp.stage.tokens               | obs counter | {token}      | wavepp_stage_tokens_total{kind}                   |
 
 ``state`` of a KV block: ``used`` (pinned by a request), ``cached`` (holding a hash, reusable,
 not pinned) and ``free`` (neither); the three add up to the stage's block count.
 ``op`` of a host-tier block copy: ``spilled`` (an evicted device block written to the stage's
 host tier) and ``loaded`` (a host block loaded into a device block for a reused prefix: a host
 hit); both stay 0 without a host tier.
+``context`` of a chunk run: ``none`` (a chunk at position 0: it attends to itself only) and
+``cached`` (a chunk after an earlier chunk of its prompt or a reused prefix: it attends through
+the paged cache). ``kind`` of a token: ``new`` (computed: activation rows) and ``context`` (the
+cached positions the ``cached`` chunks attended, summed per chunk).
 ``group_formed`` is 1 while the stage's torch.distributed group is formed (0 while it re-forms);
 ``group_epoch`` the rendezvous epoch it formed in. Busy time per stage as the admission sees it stays ``wavepp_stage_busy_seconds_total``
 on the admission's port; ``wavepp_stage_execute_seconds_total`` is the stage's own count.
@@ -60,6 +66,12 @@ STAGE_INSTRUMENTS = (
     Instrument("wavepp.stage.host_kv_blocks", "observable_counter", "{block}", "_host_kv_blocks",
                "KV blocks copied between the device and the host tier, by op: spilled (evicted "
                "to host), loaded (a host hit brought back)"),
+    Instrument("wavepp.stage.chunks", "observable_counter", "{chunk}", "_chunks",
+               "Chunks this stage ran, by context: none (at position 0), cached (after an "
+               "earlier chunk or a reused prefix)"),
+    Instrument("wavepp.stage.tokens", "observable_counter", "{token}", "_tokens",
+               "Tokens of the chunks run, by kind: new (computed), context (cached positions "
+               "attended)"),
 )
 # fmt: on
 STAGE_PROMETHEUS_NAMES = tuple(i.prometheus_name for i in STAGE_INSTRUMENTS)
@@ -81,6 +93,10 @@ class StageSnapshot:
     num_reforms: int
     host_spilled: int = 0
     host_loaded: int = 0
+    num_chunks: int = 0
+    num_context_chunks: int = 0
+    num_new_tokens: int = 0
+    num_context_tokens: int = 0
 
 
 def snapshot_of(worker: Any) -> StageSnapshot:
@@ -103,6 +119,10 @@ def snapshot_of(worker: Any) -> StageSnapshot:
         num_reforms=worker.num_reforms,
         host_spilled=host.num_spills if host is not None else 0,
         host_loaded=host.num_loads if host is not None else 0,
+        num_chunks=worker.core.num_chunks,
+        num_context_chunks=worker.core.num_context_chunks,
+        num_new_tokens=worker.core.num_new_tokens,
+        num_context_tokens=worker.core.num_context_tokens,
     )
 
 
@@ -157,6 +177,23 @@ class StageMetrics:
         return [
             Observation(snapshot.host_spilled, labels | {"op": "spilled"}),
             Observation(snapshot.host_loaded, labels | {"op": "loaded"}),
+        ]
+
+    def _chunks(self, _options: CallbackOptions) -> Iterable[Observation]:
+        snapshot = self.source()
+        labels = self._labels(snapshot)
+        cached = snapshot.num_context_chunks
+        return [
+            Observation(snapshot.num_chunks - cached, labels | {"context": "none"}),
+            Observation(cached, labels | {"context": "cached"}),
+        ]
+
+    def _tokens(self, _options: CallbackOptions) -> Iterable[Observation]:
+        snapshot = self.source()
+        labels = self._labels(snapshot)
+        return [
+            Observation(snapshot.num_new_tokens, labels | {"kind": "new"}),
+            Observation(snapshot.num_context_tokens, labels | {"kind": "context"}),
         ]
 
     def scrape(self) -> tuple[bytes, str]:
