@@ -89,15 +89,31 @@ _BASE: dict[str, dict[str, Any]] = {
 }
 
 
-def hf_config_kwargs(family: str, *, num_layers: int, vocab_size: int = 256) -> dict[str, Any]:
-    """Keyword arguments of the tiny transformers config of ``family``.
+HEAD_DIM_FAMILIES = ("llama", "minimax_m2")
+"""The families whose attention head size ``--head-dim`` sets (GQA: K/V heads in the cache)."""
+
+
+def hf_config_kwargs(
+    family: str, *, num_layers: int, vocab_size: int = 256, head_dim: int | None = None
+) -> dict[str, Any]:
+    """Keyword arguments of the tiny transformers config of ``family``. ``head_dim`` (a
+    ``HEAD_DIM_FAMILIES`` family only; None: 16) sets the attention heads' size and the hidden
+    size to ``num_attention_heads * head_dim`` (vLLM's CPU attention takes heads of 32 or more).
 
     Raises:
-        ValueError: an unknown family.
+        ValueError: an unknown family; ``head_dim`` < 1 or for another family.
     """
     if family not in _BASE:
         raise ValueError(f"family={family!r}: choose one of {list(FAMILIES)}")
     extra: dict[str, Any] = {}
+    if head_dim is not None:
+        if family not in HEAD_DIM_FAMILIES:
+            raise ValueError(
+                f"head_dim: only for {', '.join(HEAD_DIM_FAMILIES)} (family={family!r})"
+            )
+        if head_dim < 1:
+            raise ValueError(f"head_dim={head_dim}: must be >= 1")
+        heads = _BASE[family]["num_attention_heads"]
     if family == "glm_moe_dsa":
         # IndexShare: every third layer (2, 5, ...) reuses the top-k of the layer before it.
         extra["indexer_types"] = ["shared" if i % 3 == 2 else "full" for i in range(num_layers)]
@@ -107,9 +123,12 @@ def hf_config_kwargs(family: str, *, num_layers: int, vocab_size: int = 256) -> 
             "full_attention" if i % 3 == 2 else "linear_attention" for i in range(num_layers)
         ]
         extra["mlp_layer_types"] = ["dense" if i == 0 else "sparse" for i in range(num_layers)]
+    base = dict(_BASE[family])
+    if head_dim is not None:
+        base |= {"head_dim": head_dim, "hidden_size": heads * head_dim}
     return {
         **extra,
-        **_BASE[family],
+        **base,
         "vocab_size": vocab_size,
         "num_hidden_layers": num_layers,
         "max_position_embeddings": 16384,
@@ -128,6 +147,7 @@ def save_random_checkpoint(
     vocab_size: int = 256,
     seed: int = 0,
     max_shard_size: str = "200KB",
+    head_dim: int | None = None,
 ) -> Any:
     """Build, randomise and save a tiny ``family`` model; returns the model (eval, fp32).
 
@@ -137,7 +157,9 @@ def save_random_checkpoint(
     import torch
     import transformers
 
-    kwargs = hf_config_kwargs(family, num_layers=num_layers, vocab_size=vocab_size)
+    kwargs = hf_config_kwargs(
+        family, num_layers=num_layers, vocab_size=vocab_size, head_dim=head_dim
+    )
     config = transformers.AutoConfig.for_model(family, **kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -174,14 +196,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (num_hidden_layers)")
     parser.add_argument("--vocab", type=int, default=256, help="vocabulary size (token ids)")
     parser.add_argument("--seed", type=int, default=0, help="torch seed of the random weights")
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        default=None,
+        help=f"attention head size ({', '.join(HEAD_DIM_FAMILIES)}; default 16); 32 or more "
+        "for vLLM's CPU attention (wavepp up --decode vllm)",
+    )
     args = parser.parse_args(argv)
+    if args.head_dim is not None:
+        try:
+            hf_config_kwargs(args.family, num_layers=1, head_dim=args.head_dim)
+        except ValueError as exc:
+            parser.error(f"--head-dim: {exc}")
     try:
         import transformers  # noqa: F401
     except ImportError:
         print(f"{parser.prog}: {MISSING_TRANSFORMERS}", file=sys.stderr)
         return 2
     save_random_checkpoint(
-        args.family, args.out_dir, num_layers=args.layers, vocab_size=args.vocab, seed=args.seed
+        args.family,
+        args.out_dir,
+        num_layers=args.layers,
+        vocab_size=args.vocab,
+        seed=args.seed,
+        head_dim=args.head_dim,
     )
     print(args.out_dir)
     return 0
