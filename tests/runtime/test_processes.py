@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from wavepp import cli
 from wavepp.api.cli_args import NatsArgs, admission_args, gateway_args, stage_args
 from wavepp.runtime.procs import stop_processes
@@ -124,6 +126,24 @@ def test_restart_reruns_the_command_and_rewrites_the_state_file(tmp_path: Path) 
         r"the previous process exited with code 0\)",
         restarted,
     ), restarted
+
+
+def test_a_restart_says_why_the_child_died_on_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The restart line names the exit code, the child's last error line and its log, so a
+    child that dies at start (vLLM refusing a checkpoint) is explained where the user looks."""
+    sup = Supervisor(tmp_path / "logs")
+    script = "import sys; print('loading', flush=True); sys.exit('RuntimeError: head_dim=16')"
+    sup.start("decode-0", [sys.executable, "-c", script])
+    sup.procs["decode-0"].wait(30)
+    sup.restart("decode-0")
+    sup.procs["decode-0"].wait(30)
+    line = capsys.readouterr().err.strip().splitlines()[0]
+    log = tmp_path / "logs" / "decode-0.log"
+    assert line == (
+        f"wavepp up: decode-0 exited (code 1: RuntimeError: head_dim=16); restarting (log {log})"
+    )
 
 
 def test_stop_processes_terminates_then_kills_what_outlives_the_grace() -> None:

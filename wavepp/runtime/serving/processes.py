@@ -62,11 +62,18 @@ class Supervisor:
 
     def restart(self, name: str) -> None:
         """Start ``name`` again with the same command and environment; counted, one line on
-        stderr, and one in the child's log before the new process's output (a restarted child
-        logs its start-up lines again: the line tells a restart from lines written twice)."""
+        stderr (the exit code, the child's last error line, ``last_error``, and its log's path:
+        why it died without opening the log), and one in the child's log before the new
+        process's output (a restarted child logs its start-up lines again: the line tells a
+        restart from lines written twice)."""
         num = self.num_restarts[name] = self.num_restarts.get(name, 0) + 1
         code = self.procs[name].poll()
-        print(f"{self.prog}: {name} exited; restarting", file=sys.stderr, flush=True)
+        print(
+            f"{self.prog}: {name} exited (code {code}: {self.last_error(name)}); restarting "
+            f"(log {self.log_dir / f'{name}.log'})",
+            file=sys.stderr,
+            flush=True,
+        )
         self._spawn(
             name,
             f"{self.prog}: {name} restarted (restart {num}; the previous process exited with "
