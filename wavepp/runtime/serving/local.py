@@ -41,9 +41,9 @@ from wavepp.runtime.planning import CostModel, planner_for
 from wavepp.runtime.request import RequestOutcome
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
+from wavepp.runtime.serving.controller import replica_controller
 from wavepp.runtime.serving.handoff import kv_transfer_params, stage_endpoints
 from wavepp.runtime.serving.processes import Supervisor, wavepp_command
-from wavepp.runtime.serving.service import replica_controller
 from wavepp.runtime.transport.auth import PoolAuth, write_pool_auth
 from wavepp.runtime.transport.buskey import BUS_KEY_ENV, bus_key_or_new
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port

@@ -84,16 +84,15 @@ from wavepp.api.subjects import (
     intake_subject,
     result_subject,
 )
-from wavepp.runtime.agreement import AgreementController, StageVersionError
-from wavepp.runtime.agreement.nats_client import NatsStageClient
+from wavepp.runtime.agreement import StageVersionError
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.heap import settle_heap
 from wavepp.runtime.planning import CostModel, planner_for
-from wavepp.runtime.planning.host_load import serving_agreed_blocks
 from wavepp.runtime.request import PromptRequest, RequestOutcome
 from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.serving.cancels import CancelMemory
+from wavepp.runtime.serving.controller import replica_controller
 from wavepp.runtime.serving.handoff import kv_transfer_params, release_handoff, stage_endpoints
 from wavepp.runtime.serving.reform import ReformTracker
 from wavepp.runtime.serving.results import ResultStore, result_from_outcome, result_is_authentic
@@ -112,28 +111,6 @@ DRAIN_UNFORMED_BEATS = 3
 MIN_BEAT_GAP_S = 0.15
 # How long a JetStream call of the service may wait for the server (a pause, a restart).
 STORE_TIMEOUT_S = 60.0
-
-
-def replica_controller(
-    nc: NATS, config: RuntimeConfig, planner_cost_model: CostModel, replica_key: BusKey | None
-) -> AgreementController:
-    """The agreement controller of ``config``'s replica: its S stages over NATS (each call
-    bounded by ``request_timeout_s``), each stage's owner capacity in blocks, the serving L*
-    policy (``planning.host_load.serving_agreed_blocks``), rounds signed with ``replica_key``
-    (``BusKey.for_replica``; None: unsigned)."""
-    stages = NatsStageClient.for_replica(
-        nc, config.subject_prefix, config.num_stages, config.request_timeout_s
-    )
-    return AgreementController(
-        stages,
-        block_size=config.block_size,
-        model_id=config.model_id,
-        lease_s=config.lease_s,
-        stage_capacities=[config.owner_blocks_of(r) for r in range(config.num_stages)],
-        state_interval_blocks=config.state_interval_blocks,
-        agreed_blocks=serving_agreed_blocks(config, planner_cost_model),
-        bus_key=replica_key,
-    )
 
 
 class AdmissionService:
