@@ -437,29 +437,6 @@ def parse_completion_batch(
     )
 
 
-def parse_completion(
-    body: object,
-    limits: PromptLimits,
-    tokenize: Tokenize | None = None,
-    *,
-    tenant_header: str | None = None,
-    model_name: str = "",
-) -> ParsedRequest:
-    """Validate a ``/v1/completions`` body holding one prompt (see
-    :func:`parse_completion_batch`).
-
-    Raises:
-        BadRequest: naming the field (and limit) of the first problem; ``prompt`` when the
-            body holds several prompts.
-    """
-    batch = parse_completion_batch(
-        body, limits, tokenize, tenant_header=tenant_header, model_name=model_name
-    )
-    if len(batch.prompts) != 1:
-        raise BadRequest("prompt", "expected one prompt", limit=1)
-    return batch.prompts[0]
-
-
 Messages = list[dict[str, str]]
 ChatTemplate = Callable[[Messages], list[int]]
 
