@@ -72,12 +72,12 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vs_vllm import CHECKPOINT_SHAPE, DEFAULT_TRACE  # noqa: E402
+from vs_vllm import CHECKPOINT_SHAPE  # noqa: E402
 from vs_vllm_stats import trace_prompts  # noqa: E402
 
+from wavepp.bench.vllm_args import DEFAULT_TRACE  # noqa: E402
 from wavepp.runtime.model_config import ModelConfig  # noqa: E402
 from wavepp.runtime.stage.engine.base import ChunkSpec  # noqa: E402
 from wavepp.runtime.stage.engine.profile import part_table, region_totals_us  # noqa: E402

@@ -55,9 +55,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from wavepp.bench.vllm_args import add_vllm_args, add_vllm_rope_arg, missing_vllm
+
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO / "data" / "traces" / "conversation_trace.jsonl"
-DEFAULT_VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 STAGES = 2
 VLLM_BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 CHECKPOINT_SHAPE: dict[str, Any] = {
@@ -459,28 +459,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--decode-batch", type=int, default=8)
     parser.add_argument("--logprobs", type=int, default=5, help="top tokens per step, >= 1")
-    parser.add_argument("--tokens-per-block", type=int, default=16, help="per trace block")
     parser.add_argument("--wavepp-block-size", type=int, default=16)
     parser.add_argument("--kv-blocks", type=int, default=4096, help="per stage")
     parser.add_argument("--lease-s", type=float, default=120.0)
-    parser.add_argument("--trace", default=str(DEFAULT_TRACE))
-    parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
-    parser.add_argument("--work-dir", default="")
-    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
-    parser.add_argument(
-        "--vllm-rope",
-        choices=("auto", "native", "kernel"),
-        default="auto",
-        help="vLLM's RoPE: PyTorch for NATIVE_ROPE_FAMILIES (auto), PyTorch, or its CPU kernel",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    add_vllm_args(parser)
+    add_vllm_rope_arg(parser)
     args = parser.parse_args(argv)
     if args.logprobs < 1:
         parser.error(f"--logprobs={args.logprobs}: must be >= 1 (the tie-aware comparison)")
-    if not Path(args.vllm_python).exists():
-        print(
-            f"no vLLM environment at {args.vllm_python}: run scripts/vllm-venv.sh", file=sys.stderr
-        )
+    if missing := missing_vllm(args):
+        print(missing, file=sys.stderr)
         return 2
     report = asyncio.run(run(args))
     if args.json:

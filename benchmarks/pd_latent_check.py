@@ -32,6 +32,8 @@ from typing import Any
 
 import pd_handoff
 
+from wavepp.bench.vllm_args import add_vllm_args, add_vllm_rope_arg, missing_vllm
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -189,19 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", choices=sorted(pd_handoff.SHAPES), default="deepseek_v3")
     parser.add_argument("--prompts", default="3,4,17", help="comma-separated prompt indices")
     parser.add_argument("--requests", type=int, default=50, help="trace records read")
-    parser.add_argument("--tokens-per-block", type=int, default=16, help="per trace block")
     parser.add_argument("--wavepp-block-size", type=int, default=16)
-    parser.add_argument("--trace", default=str(pd_handoff.DEFAULT_TRACE))
-    parser.add_argument("--vllm-python", default=str(pd_handoff.DEFAULT_VLLM_PYTHON))
-    parser.add_argument("--work-dir", default="")
-    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
-    parser.add_argument(
-        "--vllm-rope",
-        choices=("auto", "native", "kernel"),
-        default="auto",
-        help="vLLM's RoPE: as pd_handoff runs this family (auto), PyTorch, or its CPU kernel",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    add_vllm_args(parser)
+    add_vllm_rope_arg(parser)
     args = parser.parse_args(argv)
     try:
         args.prompt_indices = [int(x) for x in args.prompts.split(",") if x.strip()]
@@ -209,10 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--prompts={args.prompts!r}: comma-separated integers")
     if not args.prompt_indices or not all(0 <= i < args.requests for i in args.prompt_indices):
         parser.error(f"--prompts={args.prompts!r}: indices in [0, {args.requests})")
-    if not Path(args.vllm_python).exists():
-        print(
-            f"no vLLM environment at {args.vllm_python}: run scripts/vllm-venv.sh", file=sys.stderr
-        )
+    if missing := missing_vllm(args):
+        print(missing, file=sys.stderr)
         return 2
     report = run(args)
     if args.json:

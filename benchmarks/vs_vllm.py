@@ -67,10 +67,8 @@ from vs_vllm_stats import (
 )
 
 from wavepp.bench.signals import exit_on_sigterm
+from wavepp.bench.vllm_args import add_vllm_args, missing_vllm
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO / "data" / "traces" / "conversation_trace.jsonl"
-DEFAULT_VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 BLOCK_SIZE = 32
 """Tokens per KV block in both servers (vLLM's CPU attention needs a multiple of 32)."""
 STAGES = 2
@@ -302,8 +300,8 @@ def run(args: argparse.Namespace) -> int:
     concurrencies = parse_concurrency(args.concurrency)
     if args.requests < 1 or args.repeats < 1:
         raise ValueError("--requests and --repeats must be >= 1")
-    if not Path(args.vllm_python).exists():
-        _progress(f"no vLLM environment at {args.vllm_python}: run scripts/vllm-venv.sh first")
+    if missing := missing_vllm(args):
+        _progress(missing)
         return 2
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="vs-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -403,17 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", default="8,32", help="closed-loop concurrencies")
     parser.add_argument("--requests", type=int, default=300, help="first N trace requests")
     parser.add_argument("--repeats", type=int, default=2, help="runs per server and concurrency")
-    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake trace")
-    parser.add_argument("--tokens-per-block", type=int, default=16, help="per trace block")
+    add_vllm_args(parser, startup_timeout_s=1800.0)
     parser.add_argument("--warmup", type=int, default=8, help="untimed prompts per server")
     parser.add_argument("--model", help="checkpoint directory (default: make one in --work-dir)")
-    parser.add_argument("--work-dir", help="checkpoint, logs, spec (default: a temporary one)")
-    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--vllm-threads-bind", default="0|1", help="VLLM_CPU_OMP_THREADS_BIND")
     parser.add_argument("--vllm-memory-utilization", type=float, default=0.3)
-    parser.add_argument("--startup-timeout-s", type=float, default=1800.0)
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
     return parser
 

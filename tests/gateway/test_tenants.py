@@ -21,7 +21,7 @@ from wavepp.gateway.tenants import (
 from wavepp.gateway.validation import (
     BadRequest,
     PromptLimits,
-    parse_completion,
+    parse_completion_batch,
     parse_prefill,
 )
 from wavepp.launch.runtime_config import runtime_configs_from_spec
@@ -174,12 +174,13 @@ def test_parse_prefill_names_field_and_limit(body: object, field: str, limit: ob
 
 
 def test_parse_completion() -> None:
-    parsed = parse_completion({"prompt": [1, 2]}, LIMITS, model_name="m")
+    (parsed,) = parse_completion_batch({"prompt": [1, 2]}, LIMITS, model_name="m").prompts
     assert parsed.tenant == "default" and parsed.token_ids == [1, 2]
-    parsed = parse_completion({"prompt": ["x y"]}, LIMITS, lambda t: [3, 4], tenant_header="a")
+    batch = parse_completion_batch({"prompt": ["x y"]}, LIMITS, lambda t: [3, 4], tenant_header="a")
+    (parsed,) = batch.prompts
     assert parsed.tenant == "a" and parsed.token_ids == [3, 4]
     with pytest.raises(BadRequest) as info:
-        parse_completion({"prompt": [1], "max_tokens": 2}, LIMITS)
+        parse_completion_batch({"prompt": [1], "max_tokens": 2}, LIMITS)
     assert info.value.field == "max_tokens" and info.value.limit == 1
 
 

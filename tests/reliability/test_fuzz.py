@@ -24,7 +24,7 @@ from wavepp.gateway.validation import (
     BadRequest,
     ParsedRequest,
     PromptLimits,
-    parse_completion,
+    parse_completion_batch,
     parse_prefill,
 )
 from wavepp.runtime.agreement import handle_kv_request
@@ -318,15 +318,19 @@ def _tokenize(text: str) -> list[int]:
 @given(body=bodies, with_tokenizer=st.booleans())
 def test_http_bodies_parse_or_fail_with_a_field(body: object, with_tokenizer: bool) -> None:
     tokenize = _tokenize if with_tokenizer else None
-    for parse in (parse_prefill, parse_completion):
+    for parse in (
+        lambda *args: [parse_prefill(*args)],
+        lambda *args: parse_completion_batch(*args).prompts,
+    ):
         try:
-            parsed = parse(body, LIMITS, tokenize)
+            requests = parse(body, LIMITS, tokenize)
         except BadRequest as exc:
             # the field may be "" when the body's unknown key is "" itself
             assert isinstance(exc.field, str) and exc.message and 400 <= exc.status < 500
             assert exc.to_json()["error"]["field"] == exc.field
             continue
-        assert isinstance(parsed, ParsedRequest)
-        assert parsed.tenant in LIMITS.tenants
-        assert 1 <= len(parsed.token_ids) <= LIMITS.max_prompt_tokens
-        assert all(0 <= t < LIMITS.vocab_size for t in parsed.token_ids)
+        for parsed in requests:
+            assert isinstance(parsed, ParsedRequest)
+            assert parsed.tenant in LIMITS.tenants
+            assert 1 <= len(parsed.token_ids) <= LIMITS.max_prompt_tokens
+            assert all(0 <= t < LIMITS.vocab_size for t in parsed.token_ids)

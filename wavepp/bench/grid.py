@@ -37,7 +37,6 @@ from typing import Any
 from wavepp.bench.report import ReplayReport, run_closed_loop
 from wavepp.bench.workloads import Workload, ideal_hit_ratio, mooncake_workload, preset_workload
 from wavepp.runtime.config import AgreementMode, RuntimeConfig
-from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.scheduling.stats import WaveStats
 from wavepp.runtime.serving.local import LocalPipeline
 
@@ -219,8 +218,6 @@ async def run_workload(
     async with LocalPipeline(config, planner_cost_model) as pipeline:
         scheduler = pipeline.scheduler
         assert scheduler is not None, "pipeline started without a scheduler"
-        for index, prompt in enumerate(workload.warmup):
-            await scheduler.submit(PromptRequest(f"warmup-{index}", prompt))
         return await run_closed_loop(
             scheduler,
             config,

@@ -172,14 +172,18 @@ async def run_closed_loop(
     warmup: Sequence[Sequence[int]] = (),
     stage_cost_models: Sequence[CostModel] | None = None,
 ) -> ReplayReport:
-    """Submit ``(request_id, prompt)`` pairs closed-loop at ``concurrency`` and report.
+    """Submit the ``warmup`` prompts one at a time (ids ``warmup-0``, ...), then the
+    ``(request_id, prompt)`` pairs closed-loop at ``concurrency``, and report.
 
-    The measured window starts here (the scheduler's stats are reset in place, so its metrics
-    report this run), and warm-up requests submitted before do not count. ``clock`` stamps arrivals and the wall time (a simulator
-    passes its virtual clock); ``finished_at`` (if given) overrides each outcome's finish time.
-    The report carries the physical bound (``bound_tokens_per_s``) when the stages' cost is
-    known: ``stage_cost_models``, or the emulated engine's; ``warmup`` is what was cached before.
+    The measured window starts after the warm-up (the scheduler's stats are reset in place, so
+    its metrics report this run); warm-up requests, here or submitted before, do not count.
+    ``clock`` stamps arrivals and the wall time (a simulator passes its virtual clock);
+    ``finished_at`` (if given) overrides each outcome's finish time. The report carries the
+    physical bound (``bound_tokens_per_s``) when the stages' cost is known:
+    ``stage_cost_models``, or the emulated engine's; ``warmup`` is what was cached before.
     """
+    for index, prompt in enumerate(warmup):
+        await scheduler.submit(PromptRequest(f"warmup-{index}", list(prompt), arrival_s=clock()))
     scheduler.reset_stats()
     limiter = asyncio.Semaphore(concurrency)
     outcomes: list[RequestOutcome] = []

@@ -143,9 +143,16 @@ def shared_prefix_workload(
 
 
 def preset_workload(
-    reuse: str, num_requests: int, *, vocab_size: int = 32000, seed: int = 0
+    reuse: str,
+    num_requests: int,
+    *,
+    vocab_size: int = 32000,
+    seed: int = 0,
+    prompt_tokens: int = 0,
 ) -> Workload:
-    """``shared_prefix_workload`` with the knobs of ``REUSE_PRESETS[reuse]``.
+    """``shared_prefix_workload`` with the knobs of ``REUSE_PRESETS[reuse]``; ``prompt_tokens``
+    > 0 scales the prefix and suffix lengths by ``prompt_tokens / 4096`` (the "low" and "high"
+    prompt length; rounded down, the suffix at least 1 token), 0 keeps them.
 
     Raises:
         ValueError: unknown reuse level.
@@ -153,15 +160,17 @@ def preset_workload(
     if reuse not in REUSE_PRESETS:
         raise ValueError(f"reuse={reuse!r}: choose one of {sorted(REUSE_PRESETS)}")
     p = REUSE_PRESETS[reuse]
+    factor = prompt_tokens / 4096 if prompt_tokens else 1.0
+    prefix = int(p.num_prefix_tokens * factor)
+    suffix = max(1, int(p.num_suffix_tokens * factor))
     return shared_prefix_workload(
         num_requests,
-        num_prefix_tokens=p.num_prefix_tokens,
-        num_suffix_tokens=p.num_suffix_tokens,
+        num_prefix_tokens=prefix,
+        num_suffix_tokens=suffix,
         num_prefixes=p.num_prefixes,
         vocab_size=vocab_size,
         seed=seed,
-        name=f"{reuse} reuse: {p.num_prefixes} prefixes x {p.num_prefix_tokens} + unique "
-        f"{p.num_suffix_tokens} tokens",
+        name=f"{reuse} reuse: {p.num_prefixes} prefixes x {prefix} + unique {suffix} tokens",
     )
 
 

@@ -174,12 +174,7 @@ _fail = functools.partial(fail, "sim")
 
 
 def run(args: argparse.Namespace) -> int:
-    from wavepp.bench.workloads import (
-        REUSE_PRESETS,
-        ideal_hit_ratio,
-        mooncake_workload,
-        shared_prefix_workload,
-    )
+    from wavepp.bench.workloads import ideal_hit_ratio, mooncake_workload, preset_workload
     from wavepp.launch.flags import FlagError
     from wavepp.launch.handoff import check_handoff_flags
     from wavepp.launch.sim import plan_sim
@@ -209,16 +204,13 @@ def run(args: argparse.Namespace) -> int:
         "small)",
         file=sys.stderr,
     )
-    preset = REUSE_PRESETS[args.reuse]
-    factor = args.prompt_tokens / 4096 if args.prompt_tokens else 1.0
 
     def workload_of(num_requests: int, config):  # noqa: ANN001, ANN202 - a RuntimeConfig
-        return shared_prefix_workload(
+        return preset_workload(
+            args.reuse,
             num_requests,
-            num_prefix_tokens=int(preset.num_prefix_tokens * factor),
-            num_suffix_tokens=max(1, int(preset.num_suffix_tokens * factor)),
-            num_prefixes=preset.num_prefixes,
             vocab_size=config.model.vocab_size,
+            prompt_tokens=args.prompt_tokens,
         )
 
     if args.handoff:

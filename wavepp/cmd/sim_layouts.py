@@ -41,7 +41,7 @@ _fail = functools.partial(fail, "sim")
 
 
 def run_layouts(args: argparse.Namespace) -> int:
-    from wavepp.bench.workloads import REUSE_PRESETS, shared_prefix_workload
+    from wavepp.bench.workloads import preset_workload
     from wavepp.launch.flags import FlagError
     from wavepp.launch.sim_layouts import plan_layouts
     from wavepp.sim.run import simulate
@@ -65,8 +65,6 @@ def run_layouts(args: argparse.Namespace) -> int:
         )
     budget = sim.baseline_fields["budget_accounting"]
     print(f"baseline budget (sync layouts): {budget}", file=sys.stderr)
-    preset = REUSE_PRESETS[sim.reuse]
-    factor = args.prompt_tokens / 4096 if args.prompt_tokens else 1.0
     table_out = sys.stderr if args.json else sys.stdout
     print(
         "| model | parallel | GPUs | C | reuse | prompt tokens | tok/s | bound tok/s | "
@@ -82,12 +80,11 @@ def run_layouts(args: argparse.Namespace) -> int:
                 setting = plan.run(layout, concurrency)
             except FlagError as exc:
                 return _fail(exc.flag, str(exc))
-            workload = shared_prefix_workload(
+            workload = preset_workload(
+                sim.reuse,
                 num_requests,
-                num_prefix_tokens=int(preset.num_prefix_tokens * factor),
-                num_suffix_tokens=max(1, int(preset.num_suffix_tokens * factor)),
-                num_prefixes=preset.num_prefixes,
                 vocab_size=setting.config.model.vocab_size,
+                prompt_tokens=args.prompt_tokens,
             )
             report = simulate(
                 setting.config,

@@ -282,7 +282,16 @@ def parse_kv_transfer(value: object) -> bool:
     return decode
 
 
-def _check_stream(body: Mapping[str, object]) -> tuple[bool, bool]:
+def _check_openai_fields(body: Mapping[str, object], model_name: str) -> tuple[str, bool, bool]:
+    """An OpenAI body's ``model`` (404 unless the served ``model_name``; absent: that name),
+    ``n`` (1 only), ``stream`` and ``stream_options``, checked in that order: (model, stream,
+    include_usage)."""
+    model = body.get("model", model_name)
+    if model_name and model not in (model_name, None):
+        raise BadRequest("model", f"{model!r:.80}: this service serves {model_name!r}", status=404)
+    if body.get("n", 1) not in (1, None):
+        raise BadRequest("n", "only n=1 is supported", limit=1)
+    served = str(model or model_name)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -290,14 +299,14 @@ def _check_stream(body: Mapping[str, object]) -> tuple[bool, bool]:
         raise BadRequest("stream", f"{stream!r:.40} must be true or false")
     options = body.get("stream_options")
     if options is None:
-        return stream, False
+        return served, stream, False
     if not isinstance(options, Mapping) or not isinstance(
         options.get("include_usage", False), bool
     ):
         raise BadRequest("stream_options", 'must be {"include_usage": true|false}')
     if not stream:
         raise BadRequest("stream_options", "only with stream: true")
-    return stream, bool(options.get("include_usage", False))
+    return served, stream, bool(options.get("include_usage", False))
 
 
 _PREFILL_ONLY = "this service runs prefill only (no decode endpoints: see wavepp up --decode)"
@@ -395,12 +404,7 @@ def parse_completion_batch(
     mode = "decode" if decode else "handoff" if body.get("kv_transfer_params") else "prefill"
     max_tokens = _check_max_tokens(body, limits, mode)
     sampling = _check_sampling(body, max_tokens, mode)
-    model = body.get("model", model_name)
-    if model_name and model not in (model_name, None):
-        raise BadRequest("model", f"{model!r:.80}: this service serves {model_name!r}", status=404)
-    if body.get("n", 1) not in (1, None):
-        raise BadRequest("n", "only n=1 is supported", limit=1)
-    stream, include_usage = _check_stream(body)
+    model, stream, include_usage = _check_openai_fields(body, model_name)
     if handoff and stream:
         raise BadRequest("stream", "a KV handoff (kv_transfer_params) is answered as one object")
     tenant = _check_tenant(tenant_header or body.get("user") or "default", limits)
@@ -428,36 +432,9 @@ def parse_completion_batch(
         else:
             token_ids = _check_tokens(one, field, limits)
         parsed.append(
-            ParsedRequest(
-                tenant, uuid.uuid4().hex, token_ids, 0, str(model or model_name), handoff or decode
-            )
+            ParsedRequest(tenant, uuid.uuid4().hex, token_ids, 0, model, handoff or decode)
         )
-    return CompletionRequest(
-        parsed, str(model or model_name), stream, include_usage, sampling if decode else None
-    )
-
-
-def parse_completion(
-    body: object,
-    limits: PromptLimits,
-    tokenize: Tokenize | None = None,
-    *,
-    tenant_header: str | None = None,
-    model_name: str = "",
-) -> ParsedRequest:
-    """Validate a ``/v1/completions`` body holding one prompt (see
-    :func:`parse_completion_batch`).
-
-    Raises:
-        BadRequest: naming the field (and limit) of the first problem; ``prompt`` when the
-            body holds several prompts.
-    """
-    batch = parse_completion_batch(
-        body, limits, tokenize, tenant_header=tenant_header, model_name=model_name
-    )
-    if len(batch.prompts) != 1:
-        raise BadRequest("prompt", "expected one prompt", limit=1)
-    return batch.prompts[0]
+    return CompletionRequest(parsed, model, stream, include_usage, sampling if decode else None)
 
 
 Messages = list[dict[str, str]]
@@ -518,12 +495,7 @@ def parse_chat(
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     max_tokens = _check_max_tokens(body, limits, "decode")
     sampling = _check_sampling(body, max_tokens, "decode")
-    model = body.get("model", model_name)
-    if model_name and model not in (model_name, None):
-        raise BadRequest("model", f"{model!r:.80}: this service serves {model_name!r}", status=404)
-    if body.get("n", 1) not in (1, None):
-        raise BadRequest("n", "only n=1 is supported", limit=1)
-    stream, include_usage = _check_stream(body)
+    model, stream, include_usage = _check_openai_fields(body, model_name)
     tenant = _check_tenant(tenant_header or body.get("user") or "default", limits)
     messages = _check_messages(body.get("messages"))
     if template is None:
@@ -534,5 +506,5 @@ def parse_chat(
             status=422,
         )
     token_ids = _check_tokens(template(messages), "messages", limits)
-    parsed = ParsedRequest(tenant, uuid.uuid4().hex, token_ids, 0, str(model or model_name), True)
-    return CompletionRequest([parsed], str(model or model_name), stream, include_usage, sampling)
+    parsed = ParsedRequest(tenant, uuid.uuid4().hex, token_ids, 0, model, True)
+    return CompletionRequest([parsed], model, stream, include_usage, sampling)

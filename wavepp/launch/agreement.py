@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from wavepp.bench.agreement import WORKLOADS, AgreementSetting
-from wavepp.launch.flags import FlagError, comma_ints
+from wavepp.launch.flags import FlagError, positive_ints
 
 
 def plan_agreement(args: argparse.Namespace) -> list[AgreementSetting]:
@@ -39,17 +39,10 @@ def plan_agreement(args: argparse.Namespace) -> list[AgreementSetting]:
             else ("1" if args.rate is not None else "1,16,64")
         )
     }
-    lists = {}
     flags = {"stages": "--stages", "in_flight": "--concurrency",
              "batch_limits": "--batch-limits", "replicas": "--replicas",
              "rounds_in_flight": "--rounds-in-flight"}  # fmt: skip
-    for flag, name in flags.items():
-        try:
-            lists[flag] = comma_ints(given[flag])
-        except ValueError as exc:
-            raise FlagError(name, str(exc)) from None
-        if not lists[flag] or min(lists[flag]) < 1:
-            raise FlagError(name, f"{given[flag]!r}: need integers >= 1")
+    lists = {flag: positive_ints(name, given[flag]) for flag, name in flags.items()}
     workloads = [w for w in args.workload.split(",") if w]
     for workload in workloads:
         if workload not in WORKLOADS:

@@ -137,13 +137,16 @@ def check_port_free(host: str, port: int) -> str | None:
     return None
 
 
-def comma_ints(text: str) -> tuple[int, ...]:
-    """Comma-separated integers (empty items skipped).
+def positive_ints(flag: str, text: str) -> tuple[int, ...]:
+    """The comma-separated integers of ``flag`` (empty items skipped): at least one, each >= 1.
 
     Raises:
-        ValueError: an item is not an integer; the message names ``text``.
+        FlagError: naming ``flag``: an item is not an integer, or none is given, or one is < 1.
     """
     try:
-        return tuple(int(v) for v in text.split(",") if v)
+        values = tuple(int(v) for v in text.split(",") if v)
     except ValueError:
-        raise ValueError(f"{text!r}: need comma-separated integers, e.g. 1,16,128") from None
+        raise FlagError(flag, f"{text!r}: need comma-separated integers, e.g. 1,16,128") from None
+    if not values or min(values) < 1:
+        raise FlagError(flag, f"{text!r}: need integers >= 1")
+    return values

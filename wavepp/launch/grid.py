@@ -15,7 +15,7 @@ from pathlib import Path
 
 from wavepp.bench.grid import ABLATIONS, GridSpec, Setting, grid_settings
 from wavepp.bench.workloads import REUSE_PRESETS
-from wavepp.launch.flags import FlagError, comma_ints
+from wavepp.launch.flags import FlagError, positive_ints
 from wavepp.launch.host_tier import check_host_memory_gib, host_tier_fields
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.model_config import get_preset
@@ -82,20 +82,21 @@ class GridPlan:
 
 def plan_grid(args: argparse.Namespace) -> GridPlan:
     """Resolve ``wavepp bench grid``'s flags (``cmd.bench.add_arguments``) into a
-    :class:`GridPlan`, checking the grid (``--concurrency``, ``--repeats``, ``--trace``), then
-    ``--models``, ``--trace``, ``--trace-requests``, ``--reuse``, ``--ablations``,
-    ``--concurrency``, ``--time-scale`` and ``--host-memory-gib`` (a comma-separated list of
-    host tiers per GPU, each one a grid dimension's value; each must hold a block of every
-    model's stages), in that order.
+    :class:`GridPlan`, checking ``--host-memory-gib`` (a comma-separated list of host tiers per
+    GPU, each one a grid dimension's value), ``--concurrency``, the grid (``--repeats``,
+    ``--trace``), then ``--models``, ``--trace``, ``--trace-requests``, ``--reuse``,
+    ``--ablations``, ``--time-scale`` and that each host tier holds a block of every model's
+    stages, in that order.
 
     Raises:
         FlagError: the first refusal, naming the flag.
     """
     host_tiers = _host_tiers(args.host_memory_gib)
+    concurrencies = positive_ints("--concurrency", args.concurrency)
     try:
         spec = GridSpec(
             models=tuple(m for m in args.models.split(",") if m),
-            concurrencies=comma_ints(args.concurrency),
+            concurrencies=concurrencies,
             reuses=tuple(r for r in args.reuse.split(",") if r),
             ablations=tuple(a for a in args.ablations.split(",") if a),
             ablation_concurrency=args.ablation_concurrency,
@@ -112,13 +113,8 @@ def plan_grid(args: argparse.Namespace) -> GridPlan:
             trace_requests=args.trace_requests,
             host_memory_gib=host_tiers,
         )
-    except ValueError as exc:
-        flag = "--concurrency"
-        if "repeats" in str(exc):
-            flag = "--repeats"
-        elif "trace" in str(exc):
-            flag = "--trace"
-        raise FlagError(flag, str(exc)) from None
+    except ValueError as exc:  # GridSpec refuses repeats < 1 and mooncake without a trace
+        raise FlagError("--repeats" if "repeats" in str(exc) else "--trace", str(exc)) from None
     for model in spec.models:
         if model not in list_models():
             raise FlagError("--models", f"{model!r}: choose from {list_models()}")
@@ -133,8 +129,6 @@ def plan_grid(args: argparse.Namespace) -> GridPlan:
     for name in spec.ablations:
         if name not in ABLATIONS:
             raise FlagError("--ablations", f"{name!r}: choose from {sorted(ABLATIONS)}")
-    if not spec.concurrencies or min(spec.concurrencies) < 1:
-        raise FlagError("--concurrency", f"{args.concurrency!r}: need integers >= 1")
     if args.time_scale <= 0:
         raise FlagError("--time-scale", f"{args.time_scale}: must be > 0")
     for model in spec.models:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from wavepp.bench.grid import GridSpec, Setting
-from wavepp.launch.flags import FlagError
+from wavepp.launch.flags import FlagError, positive_ints
 from wavepp.launch.grid import runtime_config
 from wavepp.launch.host_tier import host_tier_fields
 from wavepp.runtime.config import RuntimeConfig
@@ -99,12 +99,7 @@ def plan_sim(args: argparse.Namespace) -> SimPlan:
     """
     if args.model not in list_models():
         raise FlagError("--model", f"{args.model!r}: choose from {list_models()}")
-    try:
-        concurrencies = [int(v) for v in args.concurrency.split(",") if v]
-    except ValueError as exc:
-        raise FlagError("--concurrency", str(exc)) from None
-    if not concurrencies or min(concurrencies) < 1:
-        raise FlagError("--concurrency", f"{args.concurrency!r}: need integers >= 1")
+    concurrencies = list(positive_ints("--concurrency", args.concurrency))
     if args.time_scale <= 0:
         raise FlagError("--time-scale", f"{args.time_scale}: must be > 0")
     if args.kv_blocks is not None and args.kv_blocks < 1:

@@ -57,6 +57,7 @@ from wavepp.operator.naming import (
     child_metadata,
     gateway_name,
     owner_reference,
+    pod_selector,
     pool_configmap_name,
     spec_configmap_name,
     spec_hash,
@@ -190,11 +191,7 @@ def build_stage_service(ref: PipelineRef, replica: int) -> dict[str, Any]:
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": {
-                LABEL_PIPELINE: ref.name,
-                LABEL_REPLICA: str(replica),
-                LABEL_COMPONENT: "stage",
-            },
+            "selector": pod_selector(ref.name, "stage", replica),
             "ports": [
                 {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT}
             ],
@@ -207,10 +204,7 @@ def _topology_spread(spec: WavePipelineSpec, ref: PipelineRef) -> list[dict[str,
     constraints = []
     for constraint in spec.topology_spread_constraints:
         c = dict(constraint)
-        c.setdefault(
-            "labelSelector",
-            {"matchLabels": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "stage"}},
-        )
+        c.setdefault("labelSelector", {"matchLabels": pod_selector(ref.name, "stage")})
         constraints.append(c)
     return constraints
 
@@ -232,7 +226,7 @@ def build_stage_statefulset(
         stopped: True for a replica stopped by its restart budget (0 pods).
     """
     name = statefulset_name(ref.name, replica)
-    selector = {LABEL_PIPELINE: ref.name, LABEL_REPLICA: str(replica), LABEL_COMPONENT: "stage"}
+    selector = pod_selector(ref.name, "stage", replica)
     volumes, mounts = config_volumes(spec, ref, hash_, "stage", replica)
     volumes.append(
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shared_memory}}
@@ -310,13 +304,7 @@ def _replica_affinity(
         pod_affinity["requiredDuringSchedulingIgnoredDuringExecution"] = [
             *pod_affinity.get("requiredDuringSchedulingIgnoredDuringExecution", []),
             {
-                "labelSelector": {
-                    "matchLabels": {
-                        LABEL_PIPELINE: ref.name,
-                        LABEL_REPLICA: str(replica),
-                        LABEL_COMPONENT: "stage",
-                    }
-                },
+                "labelSelector": {"matchLabels": pod_selector(ref.name, "stage", replica)},
                 "topologyKey": topology.replica_domain_key,
             },
         ]
@@ -329,7 +317,7 @@ def _replica_affinity(
                 "weight": 100,
                 "podAffinityTerm": {
                     "labelSelector": {
-                        "matchLabels": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "stage"},
+                        "matchLabels": pod_selector(ref.name, "stage"),
                         "matchExpressions": [
                             {"key": LABEL_REPLICA, "operator": "NotIn", "values": [str(replica)]}
                         ],
@@ -378,13 +366,7 @@ def build_pdb(ref: PipelineRef, spec: WavePipelineSpec, replica: int) -> dict[st
         "spec": {
             "minAvailable": spec.num_stages,
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
-            "selector": {
-                "matchLabels": {
-                    LABEL_PIPELINE: ref.name,
-                    LABEL_REPLICA: str(replica),
-                    LABEL_COMPONENT: "stage",
-                }
-            },
+            "selector": {"matchLabels": pod_selector(ref.name, "stage", replica)},
         },
     }
 
@@ -404,7 +386,7 @@ def build_network_policies(ref: PipelineRef, spec: WavePipelineSpec) -> list[dic
         return []
 
     def pods(component: str) -> dict[str, Any]:
-        return {"matchLabels": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: component}}
+        return {"matchLabels": pod_selector(ref.name, component)}
 
     def tcp(port: int) -> dict[str, Any]:
         return {"protocol": "TCP", "port": port}
@@ -465,7 +447,7 @@ def build_inference_pool(ref: PipelineRef, spec: WavePipelineSpec) -> dict[str, 
         "kind": "InferencePool",
         "metadata": child_metadata(ref, ref.name, "gateway"),
         "spec": {
-            "selector": {"matchLabels": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "gateway"}},
+            "selector": {"matchLabels": pod_selector(ref.name, "gateway")},
             "targetPorts": [{"number": HTTP_PORT}],
             "endpointPickerRef": {
                 "kind": "Service",
@@ -487,7 +469,7 @@ def build_admission_deployment(
     and exits; the operator replaces the stages only after the pod is gone.
     """
     name = admission_name(ref.name, replica)
-    selector = {LABEL_PIPELINE: ref.name, LABEL_REPLICA: str(replica), LABEL_COMPONENT: "admission"}
+    selector = pod_selector(ref.name, "admission", replica)
     volumes, mounts = config_volumes(spec, ref, hash_, "admission", replica)
     ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
     pod_spec = pod_spec_common(spec) | {
@@ -518,15 +500,12 @@ def build_admission_deployment(
 
 
 def _http_service(ref: PipelineRef, name: str, component: str, replica: int | None) -> dict:
-    selector = {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: component}
-    if replica is not None:
-        selector[LABEL_REPLICA] = str(replica)
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": child_metadata(ref, name, component, replica=replica),
         "spec": {
-            "selector": selector,
+            "selector": pod_selector(ref.name, component, replica),
             "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http"}],
         },
     }

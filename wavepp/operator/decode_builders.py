@@ -33,11 +33,10 @@ from wavepp.api.vllm_decode import (
 )
 from wavepp.operator.containers import CONTAINER_SECURITY_CONTEXT, pod_spec_common
 from wavepp.operator.naming import (
-    LABEL_COMPONENT,
-    LABEL_PIPELINE,
     PipelineRef,
     base_labels,
     child_metadata,
+    pod_selector,
 )
 
 DECODE_STARTUP_S = 1800
@@ -67,7 +66,7 @@ def decode_pod_selector(ref: PipelineRef, spec: WavePipelineSpec) -> dict[str, A
     if decode is None:
         return None
     if decode.pool is not None:
-        return {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "decode"}
+        return pod_selector(ref.name, "decode")
     assert decode.service is not None, "DecodeSpec holds a service or a pool"
     return dict(decode.service.pod_selector) or None
 
@@ -224,7 +223,7 @@ def build_decode_deployment(ref: PipelineRef, spec: WavePipelineSpec) -> dict[st
             t.model_dump(by_alias=True, exclude_none=True) for t in pool.tolerations
         ]
     deployment_spec: dict[str, Any] = {
-        "selector": {"matchLabels": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "decode"}},
+        "selector": {"matchLabels": pod_selector(ref.name, "decode")},
         "template": {"metadata": {"labels": base_labels(ref.name, "decode")}, "spec": pod},
     }
     if pool.fixed_replicas is not None:
@@ -247,7 +246,7 @@ def build_decode_service(ref: PipelineRef, spec: WavePipelineSpec) -> dict[str, 
         "kind": "Service",
         "metadata": child_metadata(ref, decode_service_name(ref.name), "decode"),
         "spec": {
-            "selector": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "decode"},
+            "selector": pod_selector(ref.name, "decode"),
             "ports": [{"name": "http", "port": DECODE_PORT, "targetPort": "http"}],
         },
     }

@@ -19,13 +19,12 @@ from wavepp.operator.containers import (
 )
 from wavepp.operator.naming import (
     ANNOTATION_SPEC_HASH,
-    LABEL_COMPONENT,
-    LABEL_PIPELINE,
     LABEL_SPEC_HASH,
     PipelineRef,
     base_labels,
     child_metadata,
     gateway_name,
+    pod_selector,
     pool_configmap_name,
 )
 
@@ -60,7 +59,7 @@ def build_gateway_deployment(ref: PipelineRef, spec: WavePipelineSpec, hash_: st
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
             },
-            "selector": {"matchLabels": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "gateway"}},
+            "selector": {"matchLabels": pod_selector(ref.name, "gateway")},
             "template": {
                 "metadata": {
                     "labels": base_labels(ref.name, "gateway") | {LABEL_SPEC_HASH: hash_},
@@ -80,10 +79,7 @@ def build_gateway_deployment(ref: PipelineRef, spec: WavePipelineSpec, hash_: st
                                     "podAffinityTerm": {
                                         "topologyKey": "kubernetes.io/hostname",
                                         "labelSelector": {
-                                            "matchLabels": {
-                                                LABEL_PIPELINE: ref.name,
-                                                LABEL_COMPONENT: "gateway",
-                                            }
+                                            "matchLabels": pod_selector(ref.name, "gateway")
                                         },
                                     },
                                 }
@@ -106,6 +102,6 @@ def build_gateway_pdb(ref: PipelineRef) -> dict[str, Any]:
         "spec": {
             "minAvailable": 1,
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
-            "selector": {"matchLabels": {LABEL_PIPELINE: ref.name, LABEL_COMPONENT: "gateway"}},
+            "selector": {"matchLabels": pod_selector(ref.name, "gateway")},
         },
     }

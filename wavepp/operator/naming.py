@@ -126,9 +126,16 @@ def base_labels(pipeline: str, component: str) -> dict[str, str]:
         "app.kubernetes.io/instance": pipeline,
         "app.kubernetes.io/component": component,
         "app.kubernetes.io/managed-by": "wavepp-operator",
-        LABEL_PIPELINE: pipeline,
-        LABEL_COMPONENT: component,
+        **pod_selector(pipeline, component),
     }
+
+
+def pod_selector(pipeline: str, component: str, replica: int | None = None) -> dict[str, str]:
+    """The matchLabels of a component's pods in a pipeline (of one replica when given)."""
+    labels = {LABEL_PIPELINE: pipeline, LABEL_COMPONENT: component}
+    if replica is not None:
+        labels[LABEL_REPLICA] = str(replica)
+    return labels
 
 
 def stage_selector(pipeline: str) -> str:

@@ -15,7 +15,6 @@ from wavepp.bench.workloads import Workload
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.planning.handoff_cost import HandoffModel
-from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.stage.handoff_model import summarize_handoffs
 from wavepp.sim.bus import SimLatencies
 from wavepp.sim.clock import VirtualClockLoop
@@ -42,8 +41,6 @@ async def _simulate(
     async with pipeline:
         scheduler = pipeline.scheduler
         assert scheduler is not None, "pipeline started without a scheduler"
-        for index, prompt in enumerate(workload.warmup):
-            await scheduler.submit(PromptRequest(f"warmup-{index}", prompt, arrival_s=loop.time()))
         # The scheduler stamps finish times with time.time(); use the virtual clock's.
         report = await run_closed_loop(
             scheduler,

@@ -11,21 +11,12 @@ Pure: no torch, no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from wavepp.runtime.families.contract import AttentionShape, ModelFamily, required
 from wavepp.runtime.families.layer_plan import GQAShape, LayerPlan, MoEShape, plan_fields
 from wavepp.runtime.planning.from_config import gqa_model_shape
 from wavepp.runtime.planning.shapes import ModelShape
-
-
-def _gqa_attention(cfg: Mapping[str, Any], where: str) -> AttentionShape:
-    heads = int(required(cfg, "num_attention_heads", where))
-    return AttentionShape(
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or int(required(cfg, "hidden_size", where)) // heads),
-    )
 
 
 def _gqa_shape(cfg: Mapping[str, Any], *, qk_norm: bool, rotary_dim: int | None) -> GQAShape:
@@ -46,15 +37,30 @@ def _gqa_shape(cfg: Mapping[str, Any], *, qk_norm: bool, rotary_dim: int | None)
     )
 
 
-class Llama(ModelFamily):
+class _GQAFamily(ModelFamily):
+    """A GQA family's attention reader and cost shape; ``routed_experts``: its MLP is MoE."""
+
+    tensor_parallel = True
+    routed_experts: ClassVar[bool]
+
+    def attention(self, cfg: Mapping[str, Any], where: str) -> AttentionShape:
+        heads = int(required(cfg, "num_attention_heads", where))
+        return AttentionShape(
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or int(required(cfg, "hidden_size", where)) // heads),
+        )
+
+    def model_shape(self, cfg: Mapping[str, Any], *, name: str) -> ModelShape:
+        return gqa_model_shape(cfg, name=name, routed_experts=self.routed_experts)
+
+
+class Llama(_GQAFamily):
     """RMSNorm, RoPE, GQA, dense SwiGLU (HF ``LlamaForCausalLM``)."""
 
     model_type = "llama"
     summary = "RMSNorm, RoPE, GQA, SwiGLU"
-    tensor_parallel = True
-
-    def attention(self, cfg: Mapping[str, Any], where: str) -> AttentionShape:
-        return _gqa_attention(cfg, where)
+    routed_experts = False
 
     def layer_plan(self, cfg: Mapping[str, Any]) -> LayerPlan:
         common = plan_fields(cfg)
@@ -69,19 +75,13 @@ class Llama(ModelFamily):
             moe_layers=(False,) * common["num_layers"],
         )
 
-    def model_shape(self, cfg: Mapping[str, Any], *, name: str) -> ModelShape:
-        return gqa_model_shape(cfg, name=name, routed_experts=False)
 
-
-class MiniMaxM2(ModelFamily):
+class MiniMaxM2(_GQAFamily):
     """GQA with QK-norm and partial RoPE + MoE (sigmoid top-k, bias, no shared experts)."""
 
     model_type = "minimax_m2"
     summary = "GQA with QK-norm and partial RoPE + MoE (sigmoid top-k)"
-    tensor_parallel = True
-
-    def attention(self, cfg: Mapping[str, Any], where: str) -> AttentionShape:
-        return _gqa_attention(cfg, where)
+    routed_experts = True
 
     def layer_plan(self, cfg: Mapping[str, Any]) -> LayerPlan:
         common = plan_fields(cfg)
@@ -119,6 +119,3 @@ class MiniMaxM2(ModelFamily):
             moe=moe,
             moe_layers=(True,) * common["num_layers"],
         )
-
-    def model_shape(self, cfg: Mapping[str, Any], *, name: str) -> ModelShape:
-        return gqa_model_shape(cfg, name=name, routed_experts=True)
