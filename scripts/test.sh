@@ -27,7 +27,7 @@ finish() {  # NAME MESSAGE: wait for NAME, print its output, and MESSAGE if it f
   local status=0
   [ -n "${STARTED[$1]:-}" ] || return 0
   wait "${STARTED[$1]}" || status=$?
-  echo "== $1"
+  echo "== $1 (done by ${SECONDS} s)"
   tail -n 20 "$LOGS/$1"
   [ "$status" = 0 ] || echo "$2"
 }
@@ -64,14 +64,14 @@ background byte-code python -m pytest --collect-only -qq -p no:cacheprovider
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   export WAVEPP_REQUIRE_PROMETHEUS=1
 fi
-echo "== ruff"
+echo "== ruff (${SECONDS} s since the start)"
 ruff check .
 ruff format --check .
-echo "== import contracts"
+echo "== import contracts (${SECONDS} s)"
 lint-imports
 finish vllm-venv "vllm not installed: the handoff's end-to-end tests skip"
 finish byte-code "collecting the suite failed (pytest below names why)"
-echo "== pytest"
+echo "== pytest (${SECONDS} s)"
 # --durations: CI prints the slowest tests (where the time goes, for keeping CI short).
 # Serial by default: two pytest-xdist workers (`bash scripts/test.sh -n 2 --dist loadfile`)
 # measured only ~10 % faster on this shared 2-core machine, too little yet for the risk of a
