@@ -23,12 +23,13 @@ background() {  # NAME COMMAND...: run COMMAND in the background, its output to 
   "$@" >"$LOGS/$name" 2>&1 &
   STARTED[$name]=$!
 }
-finish() {  # NAME MESSAGE: wait for NAME, print its output, and MESSAGE if it failed
+finish() {  # NAME MESSAGE [LINES]: wait for NAME, print its output's last LINES (20), and
+  # MESSAGE if it failed
   local status=0
   [ -n "${STARTED[$1]:-}" ] || return 0
   wait "${STARTED[$1]}" || status=$?
   echo "== $1 (done by ${SECONDS} s)"
-  tail -n 20 "$LOGS/$1"
+  tail -n "${3:-20}" "$LOGS/$1"
   [ "$status" = 0 ] || echo "$2"
 }
 if [ "${WAVEPP_SKIP_VLLM:-0}" != 1 ]; then
@@ -58,7 +59,7 @@ finish prometheus "prometheus not installed: the metrics checks skip"
 # uv installs without byte-code, so the first import of torch, transformers and the rest
 # compiles them (minutes of CPU on a clean clone, at pytest's collection otherwise). Collecting
 # the suite once in the background writes that byte-code while vLLM still installs.
-background byte-code python -m pytest --collect-only -qq -p no:cacheprovider
+background byte-code python -m pytest --collect-only -q -p no:cacheprovider
 # Where the install can work (apt-get, as root), a missing prometheus fails those checks
 # instead of skipping them: a broken install must not pass as a skip.
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
@@ -70,7 +71,7 @@ ruff format --check .
 echo "== import contracts (${SECONDS} s)"
 lint-imports
 finish vllm-venv "vllm not installed: the handoff's end-to-end tests skip"
-finish byte-code "collecting the suite failed (pytest below names why)"
+finish byte-code "collecting the suite failed (pytest below names why)" 1
 echo "== pytest (${SECONDS} s)"
 # --durations: CI prints the slowest tests (where the time goes, for keeping CI short).
 # Serial by default: two pytest-xdist workers (`bash scripts/test.sh -n 2 --dist loadfile`)
