@@ -212,9 +212,9 @@ def test_a_split_target_of_k_microbatches_makes_k_not_k_plus_one(num_splits: int
 
 
 def test_wave_is_not_below_sync_for_a_lone_high_reuse_request_on_eight_stages() -> None:
-    """C = 1, MiniMax-M2.7, high reuse, S = 8 (H200 time, the issue-12 sweep's host time):
-    wave split each request into 3 micro-batches for a 2-way target and ran at x0.97 of sync;
-    with 2 it is ahead. 8 requests keep it short; the simulator is deterministic."""
+    """C = 1, MiniMax-M2.7, high reuse, S = 8 (H200 time, the grid's default host time): a
+    lone request split for a 2-way target becomes 2 micro-batches, not 3, so wave is not behind
+    sync. 8 requests keep it short; the simulator is deterministic."""
     results = {}
     for mode in ("wave", "sync"):
         config, planner_cost = runtime_config(
