@@ -158,3 +158,25 @@ def test_pass_summary_reads_the_planner_and_the_stages_from_counter_deltas() -> 
         "busy_fraction": [0.8, 0.5],
         "cpu_s_per_1k_tokens": [1.5, 0.5],
     }
+
+
+def test_timeline_summary_splits_each_stage_idle_into_gaps_and_fill_or_drain() -> None:
+    from types import SimpleNamespace
+
+    def done(rank: int, start: float, end: float, tokens: int = 100) -> SimpleNamespace:
+        return SimpleNamespace(
+            rank=rank, execute_start_s=start, execute_end_s=end, num_tokens=tokens
+        )
+
+    # stage 0: [0, 1] [1, 2] [3, 4] (1 s waiting inside); stage 1: [1, 2] [2, 3] [4, 5]
+    dones = [done(0, 0, 1, 300), done(1, 1, 2), done(0, 1, 2, 100), done(1, 2, 3)]
+    dones += [done(0, 3, 4, 200), done(1, 4, 5)]
+    summary = bench.timeline_summary(dones, 10.0, 2)
+    assert summary == {
+        "microbatches": 3,
+        "tokens_per_microbatch": 200.0,
+        "busy_fraction": [0.3, 0.3],
+        "gap_s": [1.0, 1.0],
+        "edge_s": [1.0, 1.0],  # stage 0 drains the last 1 s, stage 1 fills the first
+    }
+    assert bench.timeline_summary(dones[:1], 10.0, 2) == {}  # a stage with no done: nothing
