@@ -443,7 +443,7 @@ def pass_summary(
 def timeline_summary(dones: list[Any], wall_s: float, stages: int) -> dict[str, Any]:
     """What the stages of one ``local`` pass did, from their done messages (``MicroBatchDone``:
     execute start and end, wall-clock seconds): micro-batches and new tokens per micro-batch
-    (stage 0's), per stage the fraction of the pass's wall time it executed, its idle seconds
+    (stage 0's; mean, least and most), per stage the fraction of the pass's wall time it executed, its idle seconds
     between its first execute and its last (``gap_s``: waiting for work inside the pass, not
     fill or drain) and before its first and after its last (``edge_s``: fill and drain, with
     the pass's start and end taken as stage 0's first start and the last stage's last end)."""
@@ -460,6 +460,7 @@ def timeline_summary(dones: list[Any], wall_s: float, stages: int) -> dict[str, 
     out: dict[str, Any] = {
         "microbatches": len(spans[0]),
         "tokens_per_microbatch": round(sum(n for *_, n in spans[0]) / len(spans[0]), 1),
+        "tokens_min_max": [min(n for *_, n in spans[0]), max(n for *_, n in spans[0])],
         "busy_fraction": [],
         "gap_s": [],
         "edge_s": [],
