@@ -243,7 +243,8 @@ def bench_spec(
     blocks of ``BLOCK_SIZE``, ``--threads / stages`` (at least 1) torch threads per stage,
     ``--max-inflight`` micro-batches in flight (0: the runtime's default); ``pack`` False:
     the torch engine's projections unpacked (``engineOptions.packWeights``);
-    ``return_microbatches`` the closed-loop target's way back (None: the runtime's default)."""
+    ``return_microbatches`` the closed-loop target's way back (None: the runtime's default);
+    ``--pin-cores``: each stage pinned to its share of the cores (``engineOptions.pinCores``)."""
     longest = args.longest
     blocks = max(64, max(args.concurrency) * 2 * (-(-longest // BLOCK_SIZE)))
     options: dict[str, Any] = {
@@ -256,6 +257,8 @@ def bench_spec(
         options["packWeights"] = False
     if return_microbatches is not None:
         options["returnMicrobatches"] = return_microbatches
+    if args.pin_cores:
+        options["pinCores"] = True
     spec: dict[str, Any] = {
         "stages": stages,
         "replicas": 1,
@@ -921,6 +924,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--compile", action="store_true", help="engine's torch.compile switch")
+    parser.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="pipeline sides: engineOptions.pinCores (each stage on its share of the cores)",
+    )
     parser.add_argument(
         "--pack",
         type=_packs,
