@@ -45,7 +45,9 @@ time). Ratios are of medians taken in this run.
   sides (the engine's projections as plain ``F.linear``, ``engineOptions.packWeights:
   false``) to the packed ones (the default) and prints each side over its unpacked twin;
   ``--return-microbatches 0,1`` makes a side per value of ``engineOptions.returnMicrobatches``
-  (suffix ``-rN``; 0 is the closed-loop target without a way back, S micro-batches a round).
+  (suffix ``-rN``; 0 is the closed-loop target without a way back, S micro-batches a round);
+  ``--pin off,on`` adds ``-pinned`` sides (``engineOptions.pinCores``: each stage process on its
+  share of the cores) and prints each over its floating twin.
 
 ``--profile`` adds one profiled engine pass (``torch.profiler``, the engine's named regions,
 ``wavepp/runtime/stage/engine/profile.py``) and prints its per-part table. ``--device cuda
@@ -234,6 +236,7 @@ def bench_spec(
     source: str = "seeded",
     pack: bool = True,
     return_microbatches: int | None = None,
+    pin: bool = False,
 ) -> dict[str, Any]:
     """The WavePipeline spec both pipeline paths serve (``local`` builds its RuntimeConfig from
     it as ``wavepp up`` does; ``up`` is given it as ``--config``): ``stages`` stages of the
@@ -244,7 +247,7 @@ def bench_spec(
     ``--max-inflight`` micro-batches in flight (0: the runtime's default); ``pack`` False:
     the torch engine's projections unpacked (``engineOptions.packWeights``);
     ``return_microbatches`` the closed-loop target's way back (None: the runtime's default);
-    ``--pin-cores``: each stage pinned to its share of the cores (``engineOptions.pinCores``)."""
+    ``pin``: each stage pinned to its share of the cores (``engineOptions.pinCores``)."""
     longest = args.longest
     blocks = max(64, max(args.concurrency) * 2 * (-(-longest // BLOCK_SIZE)))
     options: dict[str, Any] = {
@@ -257,7 +260,7 @@ def bench_spec(
         options["packWeights"] = False
     if return_microbatches is not None:
         options["returnMicrobatches"] = return_microbatches
-    if args.pin_cores:
+    if pin:
         options["pinCores"] = True
     spec: dict[str, Any] = {
         "stages": stages,
@@ -605,17 +608,19 @@ async def pipeline_sides(
     returns = args.return_microbatches or [None]
     sides = [
         kinds[path](
-            bench_spec(args, config, s, source, pack == "on", r),
+            bench_spec(args, config, s, source, pack == "on", r, pin == "on"),
             args,
             ("-ckpt" if source == "checkpoint" else "")
             + ("-unpacked" if pack == "off" else "")
-            + ("" if r is None else f"-r{r}"),
+            + ("" if r is None else f"-r{r}")
+            + ("-pinned" if pin == "on" else ""),
         )
         for source in sources
         for s in args.stages
         for path in args.path
         for pack in packs
         for r in returns
+        for pin in args.pin
     ]
     for side in sides:
         if isinstance(side, PipelineSide):
@@ -745,6 +750,12 @@ def run(args: argparse.Namespace) -> int:
             result["pipeline2_over_pipeline1_unpacked"] = r
             lines.append(f"pipeline-2-unpacked / pipeline-1-unpacked: {r:.3f}")
         for name in list(tps):
+            base, at_c, c_text = name.partition("@")
+            pinned = f"{base}-pinned{at_c}{c_text}"
+            if not base.endswith("-pinned") and pinned in tps:
+                r = tps[pinned] / tps[name]
+                result[f"{pinned}/{name}"] = r
+                lines.append(f"{pinned} / {name}: {r:.3f}")
             if f"{name}-unpacked" in tps:
                 r = tps[name] / tps[f"{name}-unpacked"]
                 result[f"{name}/{name}-unpacked"] = r
@@ -876,6 +887,13 @@ def _packs(text: str) -> list[str]:
     return values
 
 
+def _pins(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in ("on", "off") for v in values) or len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"--pin {text!r}: on and/or off")
+    return values
+
+
 def _sources(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
     if not values or any(v not in ("seeded", "checkpoint") for v in values):
@@ -925,9 +943,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--compile", action="store_true", help="engine's torch.compile switch")
     parser.add_argument(
-        "--pin-cores",
-        action="store_true",
-        help="pipeline sides: engineOptions.pinCores (each stage on its share of the cores)",
+        "--pin",
+        type=_pins,
+        default=["off"],
+        help="off,on: pipeline sides with each stage on its share of the cores "
+        "(engineOptions.pinCores; suffix -pinned) and not",
     )
     parser.add_argument(
         "--pack",

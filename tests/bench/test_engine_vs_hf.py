@@ -181,3 +181,14 @@ def test_timeline_summary_splits_each_stage_idle_into_gaps_and_fill_or_drain() -
         "edge_s": [1.0, 1.0],  # stage 0 drains the last 1 s, stage 1 fills the first
     }
     assert bench.timeline_summary(dones[:1], 10.0, 2) == {}  # a stage with no done: nothing
+
+
+def test_pin_makes_pinned_sides_whose_spec_pins_the_stages() -> None:
+    args = _args("--pin", "off,on")
+    assert args.pin == ["off", "on"]
+    config = bench.model_config("float32")
+    assert "pinCores" not in bench.bench_spec(args, config, 2)["engineOptions"]
+    assert bench.bench_spec(args, config, 2, pin=True)["engineOptions"]["pinCores"] is True
+    assert bench.runtime_config_of(bench.bench_spec(args, config, 2, pin=True)).pin_cores
+    with pytest.raises(SystemExit):
+        _args("--pin", "sometimes")
