@@ -32,7 +32,10 @@ time). Ratios are of medians taken in this run.
   process), from ``/proc`` (Linux), and, for ``up`` sides, what the planner and the stages did
   in the pass from their Prometheus counters (``pass_summary``: micro-batches, tokens and
   chunks per micro-batch, chunks over a cached context, each stage's busy fraction and CPU
-  seconds per 1,000 prompt tokens).
+  seconds per 1,000 prompt tokens); for ``local`` sides, the stages' timeline from their done
+  messages (``timeline_summary``: micro-batches, tokens per micro-batch, each stage's busy
+  fraction, its idle seconds inside the pass and at its fill or drain). The ``hf`` side runs
+  off the event loop, which the pipelines' schedulers share.
 - ``--source seeded,checkpoint``: the seeded model, and the same shape as a random-weight
   Hugging Face checkpoint directory served as ``--model DIR`` serves it (checkpoint engine,
   layers split by cost: ``-ckpt`` sides). ``--engine emulated`` (``--emulate``,
@@ -42,7 +45,9 @@ time). Ratios are of medians taken in this run.
   sides (the engine's projections as plain ``F.linear``, ``engineOptions.packWeights:
   false``) to the packed ones (the default) and prints each side over its unpacked twin;
   ``--return-microbatches 0,1`` makes a side per value of ``engineOptions.returnMicrobatches``
-  (suffix ``-rN``; 0 is the closed-loop target without a way back, S micro-batches a round).
+  (suffix ``-rN``; 0 is the closed-loop target without a way back, S micro-batches a round);
+  ``--pin off,on`` adds ``-pinned`` sides (``engineOptions.pinCores``: each stage process on its
+  share of the cores) and prints each over its floating twin.
 
 ``--profile`` adds one profiled engine pass (``torch.profiler``, the engine's named regions,
 ``wavepp/runtime/stage/engine/profile.py``) and prints its per-part table. ``--device cuda
@@ -231,6 +236,7 @@ def bench_spec(
     source: str = "seeded",
     pack: bool = True,
     return_microbatches: int | None = None,
+    pin: bool = False,
 ) -> dict[str, Any]:
     """The WavePipeline spec both pipeline paths serve (``local`` builds its RuntimeConfig from
     it as ``wavepp up`` does; ``up`` is given it as ``--config``): ``stages`` stages of the
@@ -240,7 +246,8 @@ def bench_spec(
     blocks of ``BLOCK_SIZE``, ``--threads / stages`` (at least 1) torch threads per stage,
     ``--max-inflight`` micro-batches in flight (0: the runtime's default); ``pack`` False:
     the torch engine's projections unpacked (``engineOptions.packWeights``);
-    ``return_microbatches`` the closed-loop target's way back (None: the runtime's default)."""
+    ``return_microbatches`` the closed-loop target's way back (None: the runtime's default);
+    ``pin``: each stage pinned to its share of the cores (``engineOptions.pinCores``)."""
     longest = args.longest
     blocks = max(64, max(args.concurrency) * 2 * (-(-longest // BLOCK_SIZE)))
     options: dict[str, Any] = {
@@ -253,6 +260,8 @@ def bench_spec(
         options["packWeights"] = False
     if return_microbatches is not None:
         options["returnMicrobatches"] = return_microbatches
+    if pin:
+        options["pinCores"] = True
     spec: dict[str, Any] = {
         "stages": stages,
         "replicas": 1,
@@ -437,6 +446,39 @@ def pass_summary(
     return out
 
 
+def timeline_summary(dones: list[Any], wall_s: float, stages: int) -> dict[str, Any]:
+    """What the stages of one ``local`` pass did, from their done messages (``MicroBatchDone``:
+    execute start and end, wall-clock seconds): micro-batches and new tokens per micro-batch
+    (stage 0's; mean, least and most), per stage the fraction of the pass's wall time it executed, its idle seconds
+    between its first execute and its last (``gap_s``: waiting for work inside the pass, not
+    fill or drain) and before its first and after its last (``edge_s``: fill and drain, with
+    the pass's start and end taken as stage 0's first start and the last stage's last end)."""
+    by_rank: dict[int, list[tuple[float, float, int]]] = {r: [] for r in range(stages)}
+    for done in dones:
+        by_rank.setdefault(done.rank, []).append(
+            (done.execute_start_s, done.execute_end_s, done.num_tokens)
+        )
+    spans = [sorted(by_rank[r]) for r in range(stages)]
+    if not all(spans):
+        return {}
+    first_s = spans[0][0][0]
+    last_s = spans[-1][-1][1]
+    out: dict[str, Any] = {
+        "microbatches": len(spans[0]),
+        "tokens_per_microbatch": round(sum(n for *_, n in spans[0]) / len(spans[0]), 1),
+        "tokens_min_max": [min(n for *_, n in spans[0]), max(n for *_, n in spans[0])],
+        "busy_fraction": [],
+        "gap_s": [],
+        "edge_s": [],
+    }
+    for span in spans:
+        busy = sum(end - start for start, end, _ in span)
+        out["busy_fraction"].append(round(busy / wall_s, 3) if wall_s > 0 else 0.0)
+        out["gap_s"].append(round(span[-1][1] - span[0][0] - busy, 3))
+        out["edge_s"].append(round(span[0][0] - first_s + last_s - span[-1][1], 3))
+    return out
+
+
 class PipelineSide:
     """``LocalPipeline`` (the scheduler in this process) of ``spec``; ``run`` times one pass."""
 
@@ -451,6 +493,8 @@ class PipelineSide:
         self.cpu_s: list[dict[str, float]] = []  # per timed pass: CPU seconds by role
         self.others: set[int] = set()  # the ``up`` sides' processes: not this side's
         self.log_dir = tempfile.mkdtemp(prefix=f"wavepp-bench-s{self.stages}-")
+        self.dones: list[Any] = []  # this pass's done messages (timeline_summary)
+        self.timelines: list[dict[str, Any]] = []  # per pass (the warm-up's first)
 
     async def start(self) -> None:
         from wavepp.launch.replica import planner_cost_model
@@ -459,13 +503,16 @@ class PipelineSide:
         cost = planner_cost_model(self.config)
         self.pipeline = LocalPipeline(self.config, cost, log_dir=self.log_dir)
         await self.pipeline.start()
+        self.pipeline.scheduler.on_stage_done = lambda done, _: self.dones.append(done)
 
     async def run(self, prompts: list[list[int]], concurrency: int) -> float:
         cpu = process_cpu_s(os.getpid(), self.others)
+        self.dones = []
         began = time.perf_counter()
         await _closed_loop(self.pipeline.scheduler, prompts, concurrency)
         wall_s = time.perf_counter() - began
         self.cpu_s.append(cpu_delta(cpu, process_cpu_s(os.getpid(), self.others)))
+        self.timelines.append(timeline_summary(self.dones, wall_s, self.stages))
         return wall_s
 
     async def stop(self) -> None:
@@ -561,17 +608,19 @@ async def pipeline_sides(
     returns = args.return_microbatches or [None]
     sides = [
         kinds[path](
-            bench_spec(args, config, s, source, pack == "on", r),
+            bench_spec(args, config, s, source, pack == "on", r, pin == "on"),
             args,
             ("-ckpt" if source == "checkpoint" else "")
             + ("-unpacked" if pack == "off" else "")
-            + ("" if r is None else f"-r{r}"),
+            + ("" if r is None else f"-r{r}")
+            + ("-pinned" if pin == "on" else ""),
         )
         for source in sources
         for s in args.stages
         for path in args.path
         for pack in packs
         for r in returns
+        for pin in args.pin
     ]
     for side in sides:
         if isinstance(side, PipelineSide):
@@ -600,11 +649,17 @@ async def pipeline_sides(
             for item in order:
                 if item == "hf":
                     assert hf_pass is not None
-                    times["hf"].append(hf_pass(prompt_sets[1 + rep * len(cs)]))
+                    # off the event loop: the pipelines' schedulers share it, and their
+                    # rounds in flight (the releases after the last pass) wait for replies
+                    hf_prompts = prompt_sets[1 + rep * len(cs)]
+                    times["hf"].append(await asyncio.to_thread(hf_pass, hf_prompts))
                     continue
                 side, c = item
                 prompts = prompt_sets[1 + rep * len(cs) + cs.index(c)]
                 times[key(side.name, c)].append(await side.run(prompts, c))
+                if isinstance(side, PipelineSide):
+                    summaries.setdefault(key(side.name, c), []).append(side.timelines[-1])
+                    _progress(f"{key(side.name, c)} repeat {rep}: {side.timelines[-1]}")
                 if isinstance(side, UpSide) and side.metrics_urls:
                     summary = pass_summary(
                         side.counters[-1], side.cpu_s[-1], side.walls[-1], side.stages
@@ -695,6 +750,12 @@ def run(args: argparse.Namespace) -> int:
             result["pipeline2_over_pipeline1_unpacked"] = r
             lines.append(f"pipeline-2-unpacked / pipeline-1-unpacked: {r:.3f}")
         for name in list(tps):
+            base, at_c, c_text = name.partition("@")
+            pinned = f"{base}-pinned{at_c}{c_text}"
+            if not base.endswith("-pinned") and pinned in tps:
+                r = tps[pinned] / tps[name]
+                result[f"{pinned}/{name}"] = r
+                lines.append(f"{pinned} / {name}: {r:.3f}")
             if f"{name}-unpacked" in tps:
                 r = tps[name] / tps[f"{name}-unpacked"]
                 result[f"{name}/{name}-unpacked"] = r
@@ -826,6 +887,13 @@ def _packs(text: str) -> list[str]:
     return values
 
 
+def _pins(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in ("on", "off") for v in values) or len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"--pin {text!r}: on and/or off")
+    return values
+
+
 def _sources(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
     if not values or any(v not in ("seeded", "checkpoint") for v in values):
@@ -874,6 +942,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--compile", action="store_true", help="engine's torch.compile switch")
+    parser.add_argument(
+        "--pin",
+        type=_pins,
+        default=["off"],
+        help="off,on: pipeline sides with each stage on its share of the cores "
+        "(engineOptions.pinCores; suffix -pinned) and not",
+    )
     parser.add_argument(
         "--pack",
         type=_packs,

@@ -158,3 +158,37 @@ def test_pass_summary_reads_the_planner_and_the_stages_from_counter_deltas() -> 
         "busy_fraction": [0.8, 0.5],
         "cpu_s_per_1k_tokens": [1.5, 0.5],
     }
+
+
+def test_timeline_summary_splits_each_stage_idle_into_gaps_and_fill_or_drain() -> None:
+    from types import SimpleNamespace
+
+    def done(rank: int, start: float, end: float, tokens: int = 100) -> SimpleNamespace:
+        return SimpleNamespace(
+            rank=rank, execute_start_s=start, execute_end_s=end, num_tokens=tokens
+        )
+
+    # stage 0: [0, 1] [1, 2] [3, 4] (1 s waiting inside); stage 1: [1, 2] [2, 3] [4, 5]
+    dones = [done(0, 0, 1, 300), done(1, 1, 2), done(0, 1, 2, 100), done(1, 2, 3)]
+    dones += [done(0, 3, 4, 200), done(1, 4, 5)]
+    summary = bench.timeline_summary(dones, 10.0, 2)
+    assert summary == {
+        "microbatches": 3,
+        "tokens_per_microbatch": 200.0,
+        "tokens_min_max": [100, 300],
+        "busy_fraction": [0.3, 0.3],
+        "gap_s": [1.0, 1.0],
+        "edge_s": [1.0, 1.0],  # stage 0 drains the last 1 s, stage 1 fills the first
+    }
+    assert bench.timeline_summary(dones[:1], 10.0, 2) == {}  # a stage with no done: nothing
+
+
+def test_pin_makes_pinned_sides_whose_spec_pins_the_stages() -> None:
+    args = _args("--pin", "off,on")
+    assert args.pin == ["off", "on"]
+    config = bench.model_config("float32")
+    assert "pinCores" not in bench.bench_spec(args, config, 2)["engineOptions"]
+    assert bench.bench_spec(args, config, 2, pin=True)["engineOptions"]["pinCores"] is True
+    assert bench.runtime_config_of(bench.bench_spec(args, config, 2, pin=True)).pin_cores
+    with pytest.raises(SystemExit):
+        _args("--pin", "sometimes")

@@ -50,3 +50,21 @@ def test_the_gateway_binds_every_interface_only_in_a_pod() -> None:
     assert gateway_host(_parse(*local)) == "127.0.0.1"
     assert gateway_host(_parse(*pod)) == "0.0.0.0"
     assert gateway_host(_parse(*pod, "--host", "10.0.0.7")) == "10.0.0.7"
+
+
+def test_a_stage_given_cores_it_cannot_use_exits_naming_cores(tmp_path: Path) -> None:
+    """``--cores`` is parsed and applied before the stage starts (``placement`` tests the rest
+    of its errors)."""
+    import subprocess
+    import sys
+
+    argv = ["stage", "--runtime-config", _runtime_config(tmp_path), "--rank", "0"]
+    argv += ["--nats-url", "nats://127.0.0.1:1", "--dist-url", "tcp://127.0.0.1:1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "wavepp.cli", *argv, "--cores", "99999"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "wavepp stage: --cores 99999: not cores this process may use" in done.stderr

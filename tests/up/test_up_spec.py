@@ -322,3 +322,28 @@ def test_the_insecure_servers_store_limit_is_a_config_file_only_when_capped(
     path = store_limit_config(tmp_path, 1 << 30)
     assert path is not None
     assert Path(path).read_text() == "jetstream: { max_file_store: 1073741824 }\n"
+
+
+def test_pin_cores_gives_every_stage_of_every_replica_its_own_share(tmp_path: Path) -> None:
+    from wavepp.runtime.stage.placement import launcher_cores, stage_cores
+
+    def stage_cores_of(raw: dict) -> list:
+        spec, configs = _spec_and_configs(raw)
+        commands = child_commands(
+            configs,
+            [str(tmp_path / f"r{i}.json") for i in range(len(configs))],
+            [f"tcp://127.0.0.1:{i + 1}" for i in range(len(configs))],
+            args=_up_args(),
+            nats_url="nats://127.0.0.1:4222",
+            port=8000,
+            drain_s=drain_times(spec)[0],
+            creds=None,
+            gateway_config=str(tmp_path / "gateway.json"),
+        )
+        return [_sub_args(c).cores for n, c in commands if n.startswith("stage-")]
+
+    raw = {"model": {"name": "tiny-llama"}, "stages": 2, "replicas": 2}
+    assert stage_cores_of(raw) == [None] * 4  # off by default: every stage floats
+    pinned = stage_cores_of(raw | {"engineOptions": {"pinCores": True}})
+    expected = [stage_cores(launcher_cores(), 4, i) for i in range(4)]
+    assert pinned == [None if c is None else ",".join(map(str, c)) for c in expected]

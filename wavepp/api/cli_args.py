@@ -43,9 +43,11 @@ def stage_args(
     health_port: int | None = None,
     metrics_port: int | None = None,
     metrics_host: str | None = None,
+    cores: tuple[int, ...] | None = None,
 ) -> list[str]:
     """``wavepp stage`` of stage ``rank`` (a number, or ``$(WAVEPP_RANK)`` for Kubernetes to
-    expand), joining the torch.distributed group at ``dist_url``.
+    expand), joining the torch.distributed group at ``dist_url``; ``cores``: the CPU ids it
+    restricts itself to (``runtime.stage.placement``; None: all it may use).
 
     Raises:
         ValueError: not exactly one of ``config`` and ``runtime_config``.
@@ -55,6 +57,7 @@ def stage_args(
         *_opt("--replica", replica), "--rank", str(rank), "--dist-url", dist_url,
         *_opt("--health-port", health_port), *_opt("--metrics-port", metrics_port),
         *_opt("--metrics-host", metrics_host),
+        *_opt("--cores", None if cores is None else ",".join(map(str, cores))),
     ]  # fmt: skip
 
 

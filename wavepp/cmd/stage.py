@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bind address of --metrics-port (wavepp up passes its --host)",
     )
     parser.add_argument(
+        "--cores",
+        default=None,
+        help="run on these CPU ids only, e.g. 0,1 (what a local launcher gives a stage with "
+        "engineOptions.pinCores; wavepp.runtime.stage.placement); default: every core allowed",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=None,
@@ -100,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.launch.replica import stage_config_from_args
     from wavepp.runtime.serving.health import start_health_server
     from wavepp.runtime.stage.build import check_environment
+    from wavepp.runtime.stage.placement import parse_cores, pin_to
     from wavepp.runtime.stage.process import StageReadiness, TensorParallelLost, run_stage
     from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
 
@@ -113,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         check_port("--health-port", args.health_port)
         check_environment(config)
         load_bus_key()  # a bad WAVEPP_BUS_KEY is a one-line error here, not a traceback later
+        if args.cores is not None:
+            pin_to(parse_cores(args.cores))  # before torch starts its threads
     except (ArgError, ValueError, BusKeyError) as exc:
         print(f"wavepp stage: {describe_error(exc)}", file=sys.stderr)
         return config_exit_code(os.environ)

@@ -50,6 +50,7 @@ from wavepp.launch.runtime_config import (
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.hf_config import load_model_dir
 from wavepp.runtime.serving.processes import wavepp_command
+from wavepp.runtime.stage.placement import launcher_cores, stage_cores
 from wavepp.runtime.transport.natsio import free_port
 
 DEFAULT_SPEC = {"model": {"name": "tiny-llama"}, "stages": 2}
@@ -303,16 +304,23 @@ def child_commands(
     """``wavepp up``'s children in start order, (name, command): per replica i its stages
     (``config_paths[i]``, rendezvous ``dist_urls[i]``, metrics on ``stage_metrics_port``) and
     its admission (``--drain-timeout-s drain_s``), then the gateway (``gateway_config``); every metrics server binds
-    ``args.host`` as the gateway does. ``creds``: NATS user -> credentials file (None: none)."""
+    ``args.host`` as the gateway does. ``creds``: NATS user -> credentials file (None: none).
+    With ``pin_cores`` each stage gets its share of this process's cores among every
+    replica's stages (``--cores``, ``placement.stage_cores``)."""
 
     def nats(user: str) -> NatsArgs:
         return NatsArgs(nats_url, creds=None if creds is None else creds[user])
 
     out: list[tuple[str, list[str]]] = []
+    all_stages = sum(config.num_stages for config in configs)
+    allowed = launcher_cores()
+    index = 0  # this stage's place among every replica's stages (its share of the cores)
     for replica, config in enumerate(configs):
         path = config_paths[replica]
         for rank in range(config.num_stages):
             metrics_port = stage_metrics_port(configs, replica, rank)
+            cores = stage_cores(allowed, all_stages, index) if config.pin_cores else None
+            index += 1
             command = stage_args(
                 nats(stage_user_name(config.pipeline, rank)),
                 runtime_config=path,
@@ -320,6 +328,7 @@ def child_commands(
                 dist_url=dist_urls[replica],
                 metrics_port=metrics_port,
                 metrics_host=None if metrics_port is None else args.host,
+                cores=cores,
             )
             out.append((f"stage-{config.pipeline}-{rank}", wavepp_command(command)))
         command = admission_args(

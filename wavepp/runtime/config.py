@@ -213,6 +213,10 @@ class RuntimeConfig(BaseModel):
     # (``engine/layers/linear.py``: oneDNN's layout on a CPU); False: plain ``F.linear``.
     # Ignored by (and so refused as False with) the emulated engine.
     pack_weights: bool = True
+    # NOTE: local launchers (``LocalPipeline``, ``wavepp up``) give each stage process a disjoint
+    # share of their cores (``wavepp stage --cores``, ``runtime.stage.placement``); a pod's
+    # stage is placed by the kubelet. False: every process floats over every core.
+    pin_cores: bool = False
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
 
     @model_validator(mode="after")

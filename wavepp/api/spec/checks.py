@@ -34,6 +34,7 @@ ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
     "torchThreads": ("torch", "emulated"),
     "torchCompile": ("torch",),
     "packWeights": ("torch",),
+    "pinCores": ("torch", "emulated"),
     "seed": ("torch",),
     "timeScale": ("emulated",),
     "emulate": ("emulated",),

@@ -16,6 +16,7 @@ a test checks its keys are these.
 | ``torchThreads`` | int                                   | in [1, 1024]                       |
 | ``torchCompile`` | bool (``torch.compile`` the layers' dense parts) | true or false            |
 | ``packWeights``  | bool (pre-packed projection weights; default true) | true or false          |
+| ``pinCores``     | bool (local launchers pin each stage to its share of the cores; default false) | true or false |
 | ``seed``         | int                                   | in [0, 2**63 - 1]                  |
 | ``maxInflight``  | int (micro-batches in flight)         | in [1, 1024]                       |
 | ``returnMicrobatches`` | int (micro-batch times a closed-loop round's way back counts) | in [0, 1024] |
@@ -73,6 +74,7 @@ _CHECKS: dict[str, Any] = {
     "torchThreads": lambda v: _int("torchThreads", v, 1, 1024),
     "torchCompile": lambda v: _bool("torchCompile", v),
     "packWeights": lambda v: _bool("packWeights", v),
+    "pinCores": lambda v: _bool("pinCores", v),
     "seed": lambda v: _int("seed", v, 0, 2**63 - 1),
     "maxInflight": lambda v: _int("maxInflight", v, 1, 1024),
     "returnMicrobatches": lambda v: _int("returnMicrobatches", v, 0, 1024),

@@ -56,6 +56,14 @@ LIVENESS_CHECK_S = 0.25
 """A fan-out round still missing a stage's reply after this long asks that stage's own KV
 subject whether anyone listens (again every as long, until the time-out)."""
 
+LATE_S = 0.1
+"""A call's time-out timer that runs more than this after its deadline was held up by the
+caller's own event loop (a callback that blocked it): the stages' replies may wait unread in
+the socket. The call is then given ``LIVENESS_CHECK_S`` more of a running loop, again each
+time that timer runs late too, these graces adding up to at most ``timeout_s``, before a stage
+is named; a timer on time names it at once. However long the caller blocked, a stage is blamed
+only for time its replies could have been read."""
+
 _HEALTH = Health().model_dump_json().encode()
 
 log = logging.getLogger(__name__)
@@ -119,6 +127,8 @@ class _Call:
         "reply_key",
         "tag_prefix",
         "dropped",
+        "timer",
+        "graces",
     )
 
     def __init__(
@@ -140,6 +150,8 @@ class _Call:
         self.reply_key = reply_key  # with a key: only replies tagged for this batch and rank
         self.tag_prefix = tag_prefix
         self.dropped: list[int] | None = None  # per client: replies dropped (tag missing/wrong)
+        self.timer: asyncio.TimerHandle | None = None  # the time-out (``_BatchMux._time_out``)
+        self.graces = 0  # time-outs put off because their timer ran late (LATE_S)
 
 
 class _BatchMux:
@@ -216,7 +228,7 @@ class _BatchMux:
         self._calls[key] = call
         reply_prefix = f"{self._prefix}{key}"
         timeout_s = min(client.timeout_s for client in clients)
-        timer = loop.call_later(timeout_s, self._time_out, key)
+        call.timer = loop.call_later(timeout_s, self._time_out, key, timeout_s)
         try:
             if fanout is not None:
                 check_s = min(client.liveness_check_s for client in clients)
@@ -237,14 +249,24 @@ class _BatchMux:
                     rank, "no reply to a batched round: NATS reconnected meanwhile"
                 ) from exc
         finally:
-            timer.cancel()
+            if call.timer is not None:
+                call.timer.cancel()
             if call.check is not None:
                 call.check.cancel()
             self._calls.pop(key, None)
 
-    def _time_out(self, key: str) -> None:
+    def _time_out(self, key: str, timeout_s: float) -> None:
+        """Fail call ``key`` naming its first stage without a reply; unless this timer ran
+        late (``LATE_S``: the caller's loop was blocked, a reply may be unread), then again
+        after ``LIVENESS_CHECK_S``, at most ``timeout_s`` of such graces in all."""
         call = self._calls.get(key)
         if call is None or call.future.done():
+            return
+        loop = asyncio.get_running_loop()
+        late = call.timer is not None and loop.time() - call.timer.when() > LATE_S
+        if late and call.graces * LIVENESS_CHECK_S < timeout_s:
+            call.graces += 1
+            call.timer = loop.call_later(LIVENESS_CHECK_S, self._time_out, key, timeout_s)
             return
         index = call.replies.index(None)
         client = call.clients[index]

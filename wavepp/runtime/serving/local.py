@@ -44,6 +44,7 @@ from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.serving.controller import replica_controller
 from wavepp.runtime.serving.handoff import kv_transfer_params, stage_endpoints
 from wavepp.runtime.serving.processes import Supervisor, wavepp_command
+from wavepp.runtime.stage.placement import launcher_cores, stage_cores
 from wavepp.runtime.transport.auth import PoolAuth, write_pool_auth
 from wavepp.runtime.transport.buskey import BUS_KEY_ENV, bus_key_or_new
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
@@ -115,17 +116,28 @@ class LocalPipeline:
             **{BUS_KEY_ENV: self.bus_key.hex()},
         )
         self._stage_names = [_stage_name(rank) for rank in range(self.config.num_stages)]
-        pipeline = self.config.pipeline
         for rank, name in enumerate(self._stage_names):
-            nats = NatsArgs(
-                self.nats_url, creds=None if self.auth is None else self.auth.stage(pipeline, rank)
+            self.supervisor.start(name, self.stage_command(rank, dist_url), env)
+
+    def stage_command(self, rank: int, dist_url: str) -> list[str]:
+        """Stage ``rank``'s ``wavepp stage`` command; with ``pin_cores`` it runs on its share
+        of this process's cores (``placement.stage_cores``, none when fewer than S)."""
+        pipeline = self.config.pipeline
+        nats = NatsArgs(
+            self.nats_url, creds=None if self.auth is None else self.auth.stage(pipeline, rank)
+        )
+        cores = None
+        if self.config.pin_cores:
+            cores = stage_cores(launcher_cores(), self.config.num_stages, rank)
+        return wavepp_command(
+            stage_args(
+                nats,
+                runtime_config=str(self._config_path),
+                rank=rank,
+                dist_url=dist_url,
+                cores=cores,
             )
-            command = wavepp_command(
-                stage_args(
-                    nats, runtime_config=str(self._config_path), rank=rank, dist_url=dist_url
-                )
-            )
-            self.supervisor.start(name, command, env)
+        )
 
     def stage_log_tail(self, rank: int, num_lines: int = 20) -> str:
         return self.supervisor.log_tail(_stage_name(rank), num_lines)

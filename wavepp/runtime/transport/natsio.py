@@ -433,7 +433,9 @@ class ReconnectedError(Exception):
 
 async def _unless_reconnected(nc: object, call: Callable[[], Awaitable[_T]]) -> tuple[bool, _T]:
     """``(True, await call())``, or ``(False, None)`` once ``nc`` reconnected first (the call
-    is then cancelled). Only connections made by :func:`connect` report reconnects."""
+    is then cancelled). Only connections made by :func:`connect` report reconnects. A caller
+    cancelled in the loop pass its call ended in leaves that outcome unseen (it raises
+    ``CancelledError``): an error there is marked retrieved, not logged as never retrieved."""
     if not isinstance(nc, NATS):
         return True, await call()
     reconnected = _next_reconnect.setdefault(nc, asyncio.Event())
@@ -447,6 +449,8 @@ async def _unless_reconnected(nc: object, call: Callable[[], Awaitable[_T]]) -> 
             attempt.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await attempt
+        elif not attempt.cancelled():
+            attempt.exception()  # seen here even when this caller leaves cancelled
     if attempt.cancelled():
         return False, None  # type: ignore[return-value]
     return True, attempt.result()
