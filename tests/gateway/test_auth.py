@@ -294,6 +294,20 @@ def test_operator_refuses_a_key_file_and_gateway_config_too() -> None:
         gateway_config_from_spec(spec, {"pipeline": "p"})
 
 
+def test_operator_refuses_pin_cores_naming_the_field() -> None:
+    """``engineOptions.pinCores`` is honoured by ``wavepp up``'s launcher only: the operator
+    renders nothing for it and marks the pipeline invalid, naming the field."""
+    raw = {**SPEC, "engineOptions": {"pinCores": True}}
+    body = {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}, "spec": raw}
+    result = plan(body, Observed(), 0.0, Defaults(image="i", nats_url="nats://n"))
+    assert result.actions == []
+    assert [i.field for i in result.issues] == ["spec.engineOptions.pinCores"]
+    assert "pinCores is for wavepp up" in result.issues[0].message
+    off = {**SPEC, "engineOptions": {"pinCores": False}}
+    body_off = {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}, "spec": off}
+    assert plan(body_off, Observed(), 0.0, Defaults(image="i", nats_url="nats://n")).issues == []
+
+
 def test_only_the_gateway_mounts_the_key_secrets_read_only_without_subpath() -> None:
     spec = WavePipelineSpec.model_validate(SPEC).resolved(
         default_image="i", default_nats_url="nats://n"

@@ -235,6 +235,13 @@ FIELDS: dict[str, Entry] = {
         {"engineOptions": {"packWeights": False}},
         refusal=({"engineOptions": {"packWeights": 0}}, "must be true or false"),
     ),
+    "engineOptions.pinCores": Entry(
+        R,
+        f"{FS}: pin_cores (wavepp up's launcher gives each stage its --cores; the operator "
+        "refuses it: Degraded naming spec.engineOptions.pinCores)",
+        {"engineOptions": {"pinCores": True}},
+        refusal=({"engineOptions": {"pinCores": 1}}, "must be true or false"),
+    ),
     "engineOptions.seed": Entry(
         R,
         f"{FS}: ModelConfig.seed",

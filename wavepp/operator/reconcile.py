@@ -45,7 +45,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from wavepp.api.spec import SpecIssue, check_spec, decode_service_name
+from wavepp.api.spec import SpecIssue, WavePipelineSpec, check_spec, decode_service_name
 from wavepp.operator import builders as b
 from wavepp.operator import natscreds
 from wavepp.operator.observe import (
@@ -141,6 +141,32 @@ def _decode_pods(observed: Observed, name: str) -> tuple[int, int] | None:
     return None
 
 
+def _up_only_issues(spec: WavePipelineSpec) -> list[SpecIssue]:
+    """The settings only ``wavepp up``'s local processes can honour, each one set an issue: a
+    pod cannot read a file of the machine that applied the spec (``tenants[].apiKeysFile``),
+    and a pod's stage is placed on cores by the kubelet, not by the spec
+    (``engineOptions.pinCores``: integer CPU requests under the static CPU manager policy give
+    a stage pod cores of its own)."""
+    issues = []
+    with_files = [t.name for t in spec.tenants if t.api_keys_file]
+    if with_files:
+        issues.append(
+            SpecIssue(
+                field="spec.tenants.apiKeysFile",
+                message=f"tenants {with_files}: apiKeysFile is for wavepp up; use apiKeySecret",
+            )
+        )
+    if spec.engine_options.get("pinCores"):
+        issues.append(
+            SpecIssue(
+                field="spec.engineOptions.pinCores",
+                message="pinCores is for wavepp up; in a pod the kubelet places the stage "
+                "(integer resources.cpu and the static CPU manager policy give it cores of its own)",
+            )
+        )
+    return issues
+
+
 def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Defaults) -> Plan:
     """Decide what to change so the children move one safe step towards the spec.
 
@@ -159,17 +185,10 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         default_nats_url=defaults.nats_url,
         default_otlp_endpoint=defaults.otlp_endpoint,
     )
-    with_files = [t.name for t in spec.tenants if t.api_keys_file] if spec else []
-    if with_files:  # a pod cannot read a file of the machine that applied the spec
-        spec, issues = (
-            None,
-            [
-                SpecIssue(
-                    field="spec.tenants.apiKeysFile",
-                    message=f"tenants {with_files}: apiKeysFile is for wavepp up; use apiKeySecret",
-                )
-            ],
-        )
+    if spec is not None:
+        up_only = _up_only_issues(spec)
+        if up_only:
+            spec, issues = None, up_only
     if spec is None:
         return Plan(actions=[], status=invalid_status(body, issues, now), issues=issues)
 

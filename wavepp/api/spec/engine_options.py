@@ -16,7 +16,7 @@ a test checks its keys are these.
 | ``torchThreads`` | int                                   | in [1, 1024]                       |
 | ``torchCompile`` | bool (``torch.compile`` the layers' dense parts) | true or false            |
 | ``packWeights``  | bool (pre-packed projection weights; default true) | true or false          |
-| ``pinCores``     | bool (local launchers pin each stage to its share of the cores; default false) | true or false |
+| ``pinCores``     | bool (wavepp up pins each stage to its share of the cores; the operator refuses it; default false) | true or false |
 | ``seed``         | int                                   | in [0, 2**63 - 1]                  |
 | ``maxInflight``  | int (micro-batches in flight)         | in [1, 1024]                       |
 | ``returnMicrobatches`` | int (micro-batch times a closed-loop round's way back counts) | in [0, 1024] |
