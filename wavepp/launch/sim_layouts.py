@@ -202,7 +202,7 @@ def plan_layouts(args: argparse.Namespace) -> LayoutsPlan:
     kv_blocks: dict[str, list[int]] = {}
     fitting: list[Layout] = []
     refused: list[tuple[Layout, str]] = []
-    largest = max(sim.grid.chunk_tokens, RuntimeConfig().max_microbatch_tokens)
+    largest = RuntimeConfig(chunk_tokens=sim.grid.chunk_tokens).largest_microbatch_tokens
     for layout in layouts:
         if args.kv_blocks is not None:
             kv_blocks[layout.label] = [args.kv_blocks] * layout.num_stages
