@@ -44,9 +44,6 @@ from wavepp.runtime.planning.memory import (
     derived_stage_memory,
 )
 
-NO_HOST_TIER: dict[str, list[Any]] = {"num_host_kv_blocks": [0], "host_load_s_per_block": [0.0]}
-"""RuntimeConfig's host tier fields without a tier."""
-
 
 class CapacityError(ValueError):
     """A capacity :func:`replica_capacity` cannot derive: ``field`` is the caller's name of the
@@ -175,7 +172,7 @@ def _host_tier(
     """
     gib = check_host_memory_gib(host_memory_gib)
     if gib == 0:
-        return dict(NO_HOST_TIER), "no host tier"
+        return {"num_host_kv_blocks": [0], "host_load_s_per_block": [0.0]}, "no host tier"
     if emulate is not None:
         shape = get_model(emulate)
         if shape.default_gpu.memory_bytes is not None:
