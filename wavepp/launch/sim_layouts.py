@@ -148,7 +148,8 @@ def candidate_layouts(num_gpus: int) -> list[Layout]:
 def plan_layouts(args: argparse.Namespace) -> LayoutsPlan:
     """Resolve ``--parallel`` (or ``--recommend`` with ``--gpus``) and the common flags.
 
-    Checks, in order: ``--stages`` (the layouts set it; refused alongside them), the common
+    Checks, in order: ``--stages`` (the layouts set it; refused alongside them),
+    ``--host-memory-gib`` (refused: the layouts run without a host tier), the common
     flags (``launch.sim.plan_sim``), ``--parallel`` (syntax, limits, at most 8 stages, one GPU
     count for all layouts), then each layout's KV capacity.
 
@@ -157,6 +158,10 @@ def plan_layouts(args: argparse.Namespace) -> LayoutsPlan:
     """
     if args.stages is not None:
         raise FlagError("--stages", "the layouts of --parallel / --recommend set the stages")
+    if args.host_memory_gib:
+        raise FlagError(
+            "--host-memory-gib", "the layouts of --parallel / --recommend run without a host tier"
+        )
     # plan_sim checks the shared flags; a fixed capacity there keeps it from deriving the
     # pipeline's (the layouts derive their own below).
     common = argparse.Namespace(
