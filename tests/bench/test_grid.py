@@ -15,8 +15,8 @@ from wavepp.bench.grid import (
     write_csv,
 )
 from wavepp.cli import main
+from wavepp.launch.capacity import host_tier_fields
 from wavepp.launch.grid import runtime_config
-from wavepp.launch.host_tier import host_tier_fields
 from wavepp.runtime.config import AgreementMode
 from wavepp.runtime.scheduling.stats import StageSpan, WaveStats
 
@@ -193,7 +193,7 @@ def test_host_tiers_are_a_grid_dimension_honoured_by_each_setting() -> None:
         64.0,
         num_stages=4,
         block_size=spec.block_size,
-        max_microbatch_tokens=max(with_tier.max_microbatch_tokens, with_tier.chunk_tokens),
+        max_microbatch_tokens=with_tier.largest_microbatch_tokens,
     )
     assert with_tier.num_host_kv_blocks == expected["num_host_kv_blocks"]
     assert min(with_tier.num_host_kv_blocks) > 0

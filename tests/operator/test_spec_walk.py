@@ -344,7 +344,7 @@ FIELDS: dict[str, Entry] = {
     ),
     "cache.hostMemoryGiB": Entry(
         R,
-        f"{FS} -> launch.host_tier: num_host_kv_blocks; operator.resources.stage_resources: memory request",
+        f"{FS} -> launch.capacity: num_host_kv_blocks; operator.resources.stage_resources: memory request",
         {"cache": {"hostMemoryGiB": 1}},
         refusal=({"cache": {"hostMemoryGiB": 4096}}, "less than or equal to 1024"),
     ),

@@ -237,5 +237,8 @@ def test_replay_emulates_a_checkpoint_and_refuses_an_absurd_derived_capacity(
         cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 2
-    assert "--kv-blocks (default): derived" in proc.stderr and "give --kv-blocks" in proc.stderr
+    assert (
+        "--kv-blocks: unset, and its default derives" in proc.stderr
+        and "give --kv-blocks" in proc.stderr
+    )
     assert dsv3_dir.name in proc.stderr  # the derivation names the checkpoint's model

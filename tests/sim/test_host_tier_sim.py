@@ -76,24 +76,24 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_sim_resolves_host_memory_per_gpu_into_blocks_and_load_time() -> None:
     plan = plan_sim(_args("--host-memory-gib", "64"))
-    blocks = plan.host_fields["num_host_kv_blocks"]
-    load_s = plan.host_fields["host_load_s_per_block"]
+    blocks = plan.capacity.num_host_kv_blocks
+    load_s = plan.capacity.host_load_s_per_block
     assert len(blocks) == len(load_s) == 4 and min(blocks) > 0
     # twice the memory, twice the blocks; the load time does not depend on it
     plan2 = plan_sim(_args("--host-memory-gib", "128"))
-    assert plan2.host_fields["num_host_kv_blocks"] == [pytest.approx(2 * b, abs=1) for b in blocks]
-    assert plan2.host_fields["host_load_s_per_block"] == load_s
+    assert plan2.capacity.num_host_kv_blocks == [pytest.approx(2 * b, abs=1) for b in blocks]
+    assert plan2.capacity.host_load_s_per_block == load_s
     config, _ = plan.config(64, "wave")
     assert config.num_host_kv_blocks == blocks
     off = plan_sim(_args())
-    assert off.host_fields["num_host_kv_blocks"] == [0]
+    assert off.capacity.num_host_kv_blocks == [0]
 
 
 @pytest.mark.parametrize("value", ["-1", "4096"])
 def test_sim_refuses_host_memory_out_of_range(value: str) -> None:
-    with pytest.raises(FlagError, match="--host-memory-gib") as caught:
+    with pytest.raises(FlagError) as caught:
         plan_sim(_args("--host-memory-gib", value))
-    assert "1024" in str(caught.value)
+    assert caught.value.flag == "--host-memory-gib" and "1024" in str(caught.value)
 
 
 def test_sim_replays_a_trace_slice_beside_its_infinite_cache_bound(
@@ -127,3 +127,27 @@ def test_sim_replays_a_trace_slice_beside_its_infinite_cache_bound(
     bound = wave["infinite_cache_hit_ratio"]
     assert 0 < wave["cached_tokens"] / wave["prompt_tokens"] <= bound + 1e-4
     assert "infinite-cache bound" in err
+
+
+@pytest.mark.parametrize(("model", "stages", "gib"), [("glm-5.2", 4, "64"), ("tiny-llama", 2, "1")])
+def test_sim_and_a_spec_derive_the_same_capacity(model: str, stages: int, gib: str) -> None:
+    """``wavepp sim`` and a WavePipeline spec of the same emulated model, stages, block size,
+    chunk budget and host memory run with the same device pool and host tier per stage: an
+    H200 model from its catalogue figures, tiny-llama (no memory figure) from its preset's KV
+    bytes per token per layer."""
+    from wavepp.api.spec import WavePipelineSpec
+    from wavepp.launch.runtime_config import runtime_configs_from_spec
+
+    plan = plan_sim(_args("--model", model, "--host-memory-gib", gib, "--stages", str(stages)))
+    raw = {
+        "engine": "emulated",
+        "model": {"name": model},
+        "stages": stages,
+        "cache": {"blockSize": 512, "hostMemoryGiB": float(gib)},
+        "scheduler": {"chunkTokens": 8192},
+    }
+    (config,) = runtime_configs_from_spec(WavePipelineSpec.model_validate(raw), pool="p")
+    sim_config, _ = plan.config(8, "wave")
+    for name in ("num_kv_blocks", "num_host_kv_blocks", "host_load_s_per_block"):
+        assert getattr(config, name) == getattr(sim_config, name), name
+    assert min(config.num_host_kv_blocks) > 0

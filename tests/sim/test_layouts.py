@@ -103,6 +103,7 @@ def test_recommend_names_the_layouts_that_do_not_fit(capsys: pytest.CaptureFixtu
         (["--parallel", "pp16xtp1"], "--parallel", "at most 8"),
         (["--parallel", "mp8"], "--parallel", "expected pp<S>"),
         (["--parallel", "tp8", "--stages", "8"], "--stages", "layouts"),
+        (["--parallel", "tp8", "--host-memory-gib", "64"], "--host-memory-gib", "host tier"),
         (["--parallel", "tp8", "--gpus", "8"], "--gpus", "only with --recommend"),
         (["--parallel", "tp8", "--concurrency", "0"], "--concurrency", ">= 1"),
         (["--recommend", "--gpus", "9"], "--gpus", "no layout fits"),

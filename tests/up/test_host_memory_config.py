@@ -1,6 +1,6 @@
 """``cache.hostMemoryGiB`` (and ``--host-memory-gib`` on ``wavepp up`` and ``wavepp replay``)
 becomes each stage's host tier in blocks and its load time per block, resolved in one place
-(``launch.runtime_config`` -> ``launch.host_tier.resolve_host_tier``) for presets, checkpoint
+(``launch.runtime_config`` -> ``launch.capacity.replica_capacity``) for presets, checkpoint
 directories and emulated models; a bad amount is refused naming the field and the limit. No
 process is started here."""
 
@@ -14,8 +14,8 @@ import pytest
 
 from wavepp import cli
 from wavepp.api.spec import MAX_HOST_MEMORY_GIB_PER_GPU, SpecError, check_spec
+from wavepp.launch.capacity import host_tier_fields
 from wavepp.launch.flags import FlagError
-from wavepp.launch.host_tier import host_tier_fields
 from wavepp.launch.replay import plan_replay
 from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.launch.up import spec_mapping
@@ -176,7 +176,7 @@ def test_replay_flag_sizes_the_host_tier_and_refuses_a_bad_amount() -> None:
     # tiny-llama, the torch engine on the CPU: float32, 512 B per token per layer, 4 layers a stage
     assert plan.config.num_host_kv_blocks == [GIB // 4 // (512 * 4 * 16)] * 2
     assert plan.config.host_load_s_per_block[0] > 0
-    assert "PCIe 5.0" in plan.host_tier_source
+    assert "PCIe 5.0" in plan.capacity.host_source
     assert plan_replay(_replay_args("--stages", "2")).config.num_host_kv_blocks == [0]
     for bad, words in (("2048", r"must be in \[0, 1024\]"), ("1e-12", "holds no KV block")):
         with pytest.raises(FlagError, match=words) as caught:

@@ -108,7 +108,7 @@ class GridSpec:
     # reuse "mooncake": the first trace_requests requests of this Mooncake trace (its own reuse)
     trace: str | None = None
     trace_requests: int = 200
-    # host KV tier per GPU, GiB, one grid dimension (0: none; launch.host_tier)
+    # host KV tier per GPU, GiB, one grid dimension (0: none; launch.capacity)
     host_memory_gib: tuple[float, ...] = (0.0,)
 
     def __post_init__(self) -> None:

@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host-memory-gib",
         default="0",
         help="host KV tiers per GPU to run, GiB, comma-separated (a grid dimension; 0: none; "
-        "blocks and load time from each model's KV bytes per token, wavepp.launch.host_tier)",
+        "blocks and load time from each model's KV bytes per token, wavepp.launch.capacity)",
     )
     grid.add_argument(
         "--min-requests", type=int, default=32, help="requests per setting: at least this"

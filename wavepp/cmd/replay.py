@@ -162,8 +162,7 @@ def run(args: argparse.Namespace) -> int:
     except FlagError as exc:
         return _fail(exc.flag, str(exc))
     config, planner_model, mapper = plan.config, plan.planner_cost_model, plan.mapper
-    kv_blocks_source, model, telemetry = plan.kv_blocks_source, config.model, config.telemetry
-    kv_blocks = config.num_kv_blocks
+    capacity, model, telemetry = plan.capacity, config.model, config.telemetry
     records, invalid = load_trace(args.trace, args.limit)
     for error in invalid:
         err.print(f"[yellow]skipped invalid trace line[/]: {error}")
@@ -177,12 +176,12 @@ def run(args: argparse.Namespace) -> int:
     err.print(
         f"replaying {len(records)} requests: {served} on {config.num_stages} {config.engine} "
         f"stages, mode={config.mode}, {args.tokens_per_block} tokens per trace block, "
-        f"block size {config.block_size} tokens, KV capacity {kv_blocks} blocks per stage "
-        f"({kv_blocks_source}), concurrency {args.concurrency}"
+        f"block size {config.block_size} tokens, KV capacity {capacity.num_kv_blocks} blocks "
+        f"per stage ({capacity.kv_blocks_source}), concurrency {args.concurrency}"
     )
     if any(config.num_host_kv_blocks):
         err.print(
-            f"host KV tier: {config.num_host_kv_blocks} blocks per stage ({plan.host_tier_source})"
+            f"host KV tier: {config.num_host_kv_blocks} blocks per stage ({capacity.host_source})"
         )
     progress = Progress(
         "[progress.description]{task.description}",
@@ -211,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     summary = report.summary()
     if args.engine == "emulated":
         summary["model"] = args.emulate  # the torch preset only lends its vocabulary here
-    summary["kv_blocks_source"] = clean_source(kv_blocks_source)
+    summary["kv_blocks_source"] = clean_source(capacity.kv_blocks_source)
     summary["host_kv_blocks"] = list(config.num_host_kv_blocks)
     summary["planner_cost_model"] = clean_source(planner_model.source or planner_model.label)
     # NOTE: with --json, stdout holds the JSON line only; the tables go to stderr.

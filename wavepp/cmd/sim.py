@@ -154,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=finite_float,
         default=0.0,
         help="host KV tier per GPU, GiB (0: none); capacity and load time derived from the "
-        "model's KV bytes per token and PCIe 5.0 x16 (wavepp.launch.host_tier)",
+        "model's KV bytes per token and PCIe 5.0 x16 (wavepp.launch.capacity)",
     )
     parser.add_argument(
         "--trace",
@@ -189,12 +189,13 @@ def run(args: argparse.Namespace) -> int:
         check_handoff_flags(args)
     except FlagError as exc:
         return _fail(exc.flag, str(exc))
-    kv_blocks, kv_blocks_source = plan.kv_blocks, plan.kv_blocks_source
-    latencies, baseline_fields = plan.latencies, plan.baseline_fields
-    print(f"kv blocks per stage: {kv_blocks} ({kv_blocks_source})", file=sys.stderr)
+    capacity, latencies, baseline_fields = plan.capacity, plan.latencies, plan.baseline_fields
     print(
-        f"host tier blocks per stage: {plan.host_fields['num_host_kv_blocks']} "
-        f"({plan.host_source})",
+        f"kv blocks per stage: {capacity.num_kv_blocks} ({capacity.kv_blocks_source})",
+        file=sys.stderr,
+    )
+    print(
+        f"host tier blocks per stage: {capacity.num_host_kv_blocks} ({capacity.host_source})",
         file=sys.stderr,
     )
     print(
@@ -261,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
         if set(summaries) != {"wave", "sync"}:
-            results.append({"concurrency": concurrency, "host": plan.host_fields, **summaries})
+            results.append({"concurrency": concurrency, "host": capacity.host_fields, **summaries})
             continue
         w, s = summaries["wave"], summaries["sync"]
         ratio = w["throughput_tokens_per_s"] / max(s["throughput_tokens_per_s"], 1e-9)
@@ -279,11 +280,11 @@ def run(args: argparse.Namespace) -> int:
             {
                 "concurrency": concurrency,
                 "ratio": round(ratio, 4),
-                "kv_blocks_per_stage": kv_blocks,
-                "kv_blocks_source": kv_blocks_source,
+                "kv_blocks_per_stage": capacity.num_kv_blocks,
+                "kv_blocks_source": capacity.kv_blocks_source,
                 "baseline": baseline_fields,
                 "schedule_s": latencies.schedule_s,
-                "host": plan.host_fields,
+                "host": capacity.host_fields,
                 **summaries,
             }
         )

@@ -76,13 +76,7 @@ def run_handoff(
 
     try:
         config, _ = plan.config(plan.concurrencies[0], "wave")
-        handoff = plan_handoff(
-            args,
-            model=plan.model,
-            num_stages=config.num_stages,
-            block_size=config.block_size,
-            max_microbatch_tokens=max(config.max_microbatch_tokens, config.chunk_tokens),
-        )
+        handoff = plan_handoff(args, model=plan.model, config=config)
     except FlagError as exc:
         return fail(exc.flag, str(exc))
     assert handoff is not None, "run_handoff runs with --handoff"

@@ -1,10 +1,9 @@
 """The runs ``wavepp bench grid`` makes, from its flags (:func:`plan_grid`; every refusal a
 :class:`FlagError` naming the flag), and the RuntimeConfig of one grid setting
 (:func:`runtime_config`, which ``wavepp sim`` shares): the emulated engine on the model's
-derived H200 cost model of its slowest stage, the KV capacity (``GridSpec.num_kv_blocks``, else
-derived per stage, ``planning.memory.default_emulated_kv_blocks``), the setting's host tier
-(``launch.host_tier.host_tier_fields``: blocks and load time from the model's KV bytes per token
-per GPU) and its ablation.
+derived H200 cost model of its slowest stage, its ablation, and its KV capacity
+(:func:`setting_capacity`: ``GridSpec.num_kv_blocks`` on every stage, else derived per stage,
+and the setting's host tier; ``launch.capacity.replica_capacity``).
 """
 
 from __future__ import annotations
@@ -15,13 +14,13 @@ from pathlib import Path
 
 from wavepp.bench.grid import ABLATIONS, GridSpec, Setting, grid_settings
 from wavepp.bench.workloads import REUSE_PRESETS
-from wavepp.launch.flags import FlagError, positive_ints
-from wavepp.launch.host_tier import check_host_memory_gib, host_tier_fields
+from wavepp.launch.capacity import Capacity, CapacityError, check_host_memory_gib, replica_capacity
+from wavepp.launch.flags import FlagError, describe_error, positive_ints
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.model_config import get_preset
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
-from wavepp.runtime.planning.memory import default_emulated_kv_blocks
+from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS
 
 
 def runtime_config(spec: GridSpec, setting: Setting) -> tuple[RuntimeConfig, CostModel]:
@@ -29,8 +28,8 @@ def runtime_config(spec: GridSpec, setting: Setting) -> tuple[RuntimeConfig, Cos
     cost, scaled by ``spec.time_scale``).
 
     Raises:
-        ValueError: RuntimeConfig refuses the setting, no KV capacity can be derived, or the
-            setting's host tier is refused (``host_tier_fields``, naming --host-memory-gib).
+        ValueError: RuntimeConfig refuses the setting; a CapacityError when no KV capacity can
+            be derived or the setting's host tier is refused (:func:`setting_capacity`).
     """
     stage_cost = derived_cost_model(setting.model, num_stages=spec.num_stages)
     overrides = ABLATIONS.get(setting.ablation, {})
@@ -41,25 +40,31 @@ def runtime_config(spec: GridSpec, setting: Setting) -> tuple[RuntimeConfig, Cos
         time_scale=spec.time_scale,
         num_stages=spec.num_stages,
         block_size=spec.block_size,
-        num_kv_blocks=[spec.num_kv_blocks or 4096],
+        num_kv_blocks=[FIXED_KV_BLOCKS],  # setting_capacity's below
         mode=setting.mode,  # type: ignore[arg-type]
         chunk_tokens=spec.chunk_tokens,
         **overrides,
     )
-    if spec.num_kv_blocks is None:
-        blocks, _ = default_emulated_kv_blocks(config, setting.model)
-        config = RuntimeConfig.model_validate(config.model_dump() | {"num_kv_blocks": blocks})
-    if setting.host_memory_gib:
-        host_fields, _ = host_tier_fields(
-            setting.model,
-            setting.host_memory_gib,
-            num_stages=spec.num_stages,
-            block_size=spec.block_size,
-            max_microbatch_tokens=max(config.max_microbatch_tokens, config.chunk_tokens),
-        )
-        config = RuntimeConfig.model_validate(config.model_dump() | host_fields)
+    config = setting_capacity(spec, setting, config).apply(config)
     # The planner budgets with the stages' own cost, at the stages' time scale.
     return config, stage_cost.scaled(spec.time_scale)
+
+
+def setting_capacity(spec: GridSpec, setting: Setting, config: RuntimeConfig) -> Capacity:
+    """The KV capacity of one setting whose stages' config is ``config``: ``spec.num_kv_blocks``
+    on every stage (None: derived from ``setting.model``), the host tier of
+    ``setting.host_memory_gib`` (``launch.capacity.replica_capacity``; flags' names).
+
+    Raises:
+        CapacityError: as ``replica_capacity``.
+    """
+    given = spec.num_kv_blocks
+    return replica_capacity(
+        config,
+        emulate=setting.model,
+        kv_blocks=None if given is None else [given] * spec.num_stages,
+        host_memory_gib=setting.host_memory_gib,
+    )
 
 
 @dataclass(frozen=True)
@@ -85,8 +90,8 @@ def plan_grid(args: argparse.Namespace) -> GridPlan:
     :class:`GridPlan`, checking ``--host-memory-gib`` (a comma-separated list of host tiers per
     GPU, each one a grid dimension's value), ``--concurrency``, the grid (``--repeats``,
     ``--trace``), then ``--models``, ``--trace``, ``--trace-requests``, ``--reuse``,
-    ``--ablations``, ``--time-scale`` and that each host tier holds a block of every model's
-    stages, in that order.
+    ``--ablations``, ``--time-scale`` and each model's capacity at each host tier (its derived
+    KV blocks, ``--kv-blocks``; a host tier that holds a block of every stage), in that order.
 
     Raises:
         FlagError: the first refusal, naming the flag.
@@ -135,26 +140,24 @@ def plan_grid(args: argparse.Namespace) -> GridPlan:
         for gib in spec.host_memory_gib:
             try:
                 runtime_config(spec, Setting(model, 1, spec.reuses[0], "wave", host_memory_gib=gib))
+            except CapacityError as exc:
+                raise FlagError(exc.field, exc.message) from None
             except ValueError as exc:
-                raise FlagError(
-                    "--host-memory-gib", str(exc).removeprefix("--host-memory-gib: ")
-                ) from None
+                raise FlagError("configuration", describe_error(exc)) from None
     return GridPlan(spec=spec, settings=grid_settings(spec))
 
 
 def _host_tiers(text: str) -> tuple[float, ...]:
     """``--host-memory-gib``: comma-separated GiB per GPU, each in the range
-    ``launch.host_tier.check_host_memory_gib`` allows, at least one.
+    ``launch.capacity.check_host_memory_gib`` allows, at least one.
 
     Raises:
         FlagError: an item that is not such a number, or none at all.
     """
     try:
-        tiers = tuple(
-            check_host_memory_gib(float(v), "--host-memory-gib") for v in text.split(",") if v
-        )
+        tiers = tuple(check_host_memory_gib(float(v)) for v in text.split(",") if v)
     except ValueError as exc:
-        message = str(exc).removeprefix("--host-memory-gib: ")
+        message = str(exc)
         if "could not convert" in message:
             message = f"{text!r}: need comma-separated GiB per GPU, e.g. 0,64,256"
         raise FlagError("--host-memory-gib", message) from None

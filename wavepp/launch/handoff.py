@@ -10,6 +10,7 @@ import argparse
 import math
 
 from wavepp.launch.flags import FlagError
+from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning.handoff_cost import (
     H200_RDMA,
     HandoffModel,
@@ -41,21 +42,16 @@ def check_handoff_flags(args: argparse.Namespace) -> bool:
 
 
 def plan_handoff(
-    args: argparse.Namespace,
-    *,
-    model: str,
-    num_stages: int,
-    block_size: int,
-    max_microbatch_tokens: int,
+    args: argparse.Namespace, *, model: str, config: RuntimeConfig
 ) -> HandoffModel | None:
     """Resolve ``--handoff`` and the link's flags (``HANDOFF_FLAGS``; None: the H200 default).
 
     Args:
         args: the parsed flags (``handoff`` and one attribute per ``HANDOFF_FLAGS``).
         model: the emulated model (``catalogue.list_models()``).
-        num_stages, block_size, max_microbatch_tokens: the pipeline's; they decide the GPUs
-            per stage t (``planning.memory.derived_stage_memory``; 1 for a device without a
-            memory figure).
+        config: the pipeline's; its stages, block size and largest micro-batch decide the
+            GPUs per stage t (``planning.memory.derived_stage_memory``; 1 for a device without
+            a memory figure).
 
     Returns:
         The handoff model, or None without ``--handoff``.
@@ -89,11 +85,13 @@ def plan_handoff(
         if get_model(model).default_gpu.memory_bytes is not None:
             num_gpus = derived_stage_memory(
                 model,
-                num_stages=num_stages,
-                block_size=block_size,
-                max_microbatch_tokens=max_microbatch_tokens,
+                num_stages=config.num_stages,
+                block_size=config.block_size,
+                max_microbatch_tokens=config.largest_microbatch_tokens,
             )[0].num_gpus
-        stages = stage_handoff_bytes(model, num_stages=num_stages, num_gpus_per_stage=num_gpus)
+        stages = stage_handoff_bytes(
+            model, num_stages=config.num_stages, num_gpus_per_stage=num_gpus
+        )
     except ValueError as exc:
         raise FlagError("--stages", str(exc)) from None
     return HandoffModel(link=link, stages=tuple(stages))

@@ -1,11 +1,9 @@
 """The replica ``wavepp replay`` runs (``LocalPipeline``), from its flags: the model (a preset
 with random torch weights, or a checkpoint directory split by cost), the engine (torch, or
-emulated with the cost model of ``--emulate``), the KV capacity (``--kv-blocks``, else the
-emulated model's derived one, ``planning.memory.default_emulated_kv_blocks``, else
-``FIXED_KV_BLOCKS``), the host KV tier (``--host-memory-gib``,
-``launch.host_tier.resolve_host_tier``), the planner's cost model, the telemetry and the trace's
-token mapping
-(:func:`plan_replay`; every refusal a :class:`FlagError` naming the flag).
+emulated with the cost model of ``--emulate``), the KV capacity (``--kv-blocks`` and
+``--host-memory-gib``, ``launch.capacity.replica_capacity``), the planner's cost model, the
+telemetry and the trace's token mapping (:func:`plan_replay`; every refusal a
+:class:`FlagError` naming the flag).
 """
 
 from __future__ import annotations
@@ -15,12 +13,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import ValidationError
-
-from wavepp.api.layer_split import split_layers
 from wavepp.bench.trace import TokenMapper
-from wavepp.launch.flags import FlagError
-from wavepp.launch.host_tier import resolve_host_tier
+from wavepp.launch.capacity import Capacity, CapacityError, replica_capacity
+from wavepp.launch.flags import FlagError, describe_error
 from wavepp.launch.replica import planner_cost_model
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.families import model_shape_from_hf
@@ -28,7 +23,7 @@ from wavepp.runtime.hf_config import load_model_dir, normalize_hf_config, read_h
 from wavepp.runtime.model_config import get_preset
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.planning.catalogue import ModelShape, derived_cost_model, list_models
-from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_emulated_kv_blocks
+from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS
 from wavepp.telemetry.settings import TelemetrySettings
 
 _MAX_DERIVED_KV_BLOCKS = 1 << 22
@@ -40,15 +35,6 @@ def _checkpoint_partition(model_dir: str, num_stages: int) -> list[int]:
     from wavepp.runtime.stage.engine.balance import checkpoint_partition
 
     return checkpoint_partition(model_dir, num_stages)
-
-
-def _validation_summary(exc: object) -> str:
-    """One line per error: the field path and pydantic's message, without input dumps."""
-    lines = []
-    for error in exc.errors():  # type: ignore[attr-defined]
-        where = ".".join(str(p) for p in error.get("loc", ())) or "<config>"
-        lines.append(f"{where}: {error['msg']}")
-    return "; ".join(lines)
 
 
 def _telemetry_settings(args: argparse.Namespace) -> TelemetrySettings:
@@ -86,15 +72,13 @@ class ReplayPlan:
             model's, else the packaged tiny-llama CPU fit).
         mapper: trace hash ids -> token ids (``--tokens-per-block``, the model's vocabulary,
             ``--seed``).
-        kv_blocks_source: where the KV capacity came from, one line.
-        host_tier_source: where the host tier's size came from, one line ("no host tier").
+        capacity: the KV capacity and where it came from (``launch.capacity``).
     """
 
     config: RuntimeConfig
     planner_cost_model: CostModel
     mapper: TokenMapper
-    kv_blocks_source: str
-    host_tier_source: str = "no host tier"
+    capacity: Capacity
 
 
 def plan_replay(args: argparse.Namespace) -> ReplayPlan:
@@ -125,11 +109,10 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
         else:
             model = get_preset(args.model).model_copy(update={"seed": args.seed})
         kv_blocks = (
-            [int(v) for v in str(args.kv_blocks).split(",")] if args.kv_blocks is not None else []
+            [int(v) for v in str(args.kv_blocks).split(",")] if args.kv_blocks is not None else None
         )
     except ValueError as exc:
         raise FlagError("--model/--kv-blocks", str(exc)) from None
-    kv_blocks_source = "--kv-blocks" if kv_blocks else f"fixed default {FIXED_KV_BLOCKS}"
     stage_cost: CostModel | None = None
     emulate: str | ModelShape = args.emulate
     if args.engine == "emulated":
@@ -160,7 +143,7 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
             time_scale=args.time_scale,
             num_stages=args.stages,
             block_size=args.block_size,
-            num_kv_blocks=kv_blocks or [FIXED_KV_BLOCKS],
+            num_kv_blocks=kv_blocks or [FIXED_KV_BLOCKS],  # the capacity's below
             mode=args.mode,
             chunk_tokens=args.chunk_tokens,
             chunk_policy=args.chunk_policy,
@@ -170,42 +153,30 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
             telemetry=telemetry,
         )
         mapper = TokenMapper(args.tokens_per_block, model.vocab_size, seed=args.seed)
-    except ValidationError as exc:
-        raise FlagError("configuration", _validation_summary(exc)) from None
     except ValueError as exc:
-        raise FlagError("configuration", str(exc)) from None
-    if args.engine == "emulated" and not kv_blocks:
-        try:
-            derived, kv_blocks_source = default_emulated_kv_blocks(config, emulate)
-        except ValueError as exc:
-            raise FlagError("--kv-blocks (default)", str(exc)) from None
-        if max(derived) > _MAX_DERIVED_KV_BLOCKS:
-            # NOTE: a tiny checkpoint emulated at H200 derives tens of millions of blocks; a
-            # block pool that size takes minutes to build.
-            raise FlagError(
-                "--kv-blocks (default)",
-                f"derived {max(derived)} blocks per stage ({kv_blocks_source}); above "
-                f"{_MAX_DERIVED_KV_BLOCKS}: give --kv-blocks",
-            )
-        config = RuntimeConfig.model_validate(config.model_dump() | {"num_kv_blocks": derived})
+        raise FlagError("configuration", describe_error(exc)) from None
     try:
-        host_fields, host_source = resolve_host_tier(
-            config.model,
-            split_layers(config.model.num_layers, config.num_stages, config.partition),
-            args.host_memory_gib,
+        capacity = replica_capacity(
+            config,
             emulate=emulate if args.engine == "emulated" else None,
-            block_size=config.block_size,
-            max_microbatch_tokens=max(config.max_microbatch_tokens, config.chunk_tokens),
-            field="--host-memory-gib",
+            kv_blocks=kv_blocks,
+            host_memory_gib=args.host_memory_gib,
         )
-        config = RuntimeConfig.model_validate(config.model_dump() | host_fields)
-    except ValueError as exc:
-        raise FlagError("--host-memory-gib", str(exc).removeprefix("--host-memory-gib: ")) from None
+    except CapacityError as exc:
+        raise FlagError(exc.field, exc.message) from None
+    if kv_blocks is None and max(capacity.num_kv_blocks) > _MAX_DERIVED_KV_BLOCKS:
+        # NOTE: a tiny checkpoint emulated at H200 derives tens of millions of blocks; a
+        # block pool that size takes minutes to build.
+        raise FlagError(
+            "--kv-blocks",
+            f"unset, and its default derives {max(capacity.num_kv_blocks)} blocks per stage "
+            f"({capacity.kv_blocks_source}); above {_MAX_DERIVED_KV_BLOCKS}: give --kv-blocks",
+        )
+    config = capacity.apply(config)
     planner_model = planner_cost_model(config, args.cost_model)
     return ReplayPlan(
         config=config,
         planner_cost_model=planner_model,
         mapper=mapper,
-        kv_blocks_source=kv_blocks_source,
-        host_tier_source=host_source,
+        capacity=capacity,
     )

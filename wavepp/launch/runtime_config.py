@@ -18,17 +18,15 @@ source of truth; this module turns it into the RuntimeConfig every replica's pro
 | ``leaseSeconds`` | pin and reservation lease                                   | 30                 |
 | ``maxBlocksPerOwner`` | KV blocks one admission instance may hold on a stage    | the whole pool     |
 
-KV capacity, first that applies: ``cache.memoryPerStageBytes`` over the KV bytes of the stage's
-layers; ``engineOptions.kvBlocks``; for the emulated engine, derived per stage from the emulated
-model and device (``wavepp.runtime.planning.memory.default_kv_blocks``: H200 memory x 0.9 minus
-the stage's weights and the activations of the largest micro-batch, over the KV bytes per token
-of its layers; 4096 for tiny-llama); otherwise (torch engine) 4096.
-
-Host KV tier (``cache.hostMemoryGiB`` per GPU; 0: none): each stage's tier in blocks and its
-load time per block (``launch.host_tier.resolve_host_tier``): for an emulated model with a
-device memory figure, the catalogue's KV bytes per token per GPU (as ``wavepp sim``); else the
-served model's (preset or checkpoint) KV bytes per token per layer x the stage's layers. An
-amount that holds no block of a stage is refused naming the field.
+KV capacity (``launch.capacity.replica_capacity``, as ``wavepp sim`` and ``wavepp replay``),
+first that applies: ``cache.memoryPerStageBytes`` over the KV bytes of the stage's layers;
+``engineOptions.kvBlocks``; for the emulated engine, derived per stage from the emulated model
+and device (H200 memory x 0.9 minus the stage's weights and the activations of the largest
+micro-batch, over the KV bytes per token of its layers; 4096 for tiny-llama); otherwise (torch
+engine) 4096. Host KV tier (``cache.hostMemoryGiB`` per GPU; 0: none): each stage's tier in
+blocks and its load time per block, from the emulated model's catalogue figures or the served
+model's KV bytes per token per layer x the stage's layers; an amount that holds no block of a
+stage is refused naming the field.
 
 The device follows the pod's resources: ``cuda`` when ``resources.gpusPerStage`` > 0 (torch),
 else ``cpu``; the dtype is ``model.dtype`` (default bfloat16 on CUDA, float32 on the CPU; the
@@ -59,12 +57,12 @@ from pydantic import ValidationError
 from wavepp.api.layer_split import split_layers
 from wavepp.api.spec import MODEL_PRESET_NUM_LAYERS, SpecError, WavePipelineSpec
 from wavepp.api.subjects import replica_pipeline_name
-from wavepp.launch.host_tier import NO_HOST_TIER, resolve_host_tier
+from wavepp.launch.capacity import SPEC_FIELDS, CapacityError, replica_capacity
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.hf_config import load_model_dir, normalize_hf_config, read_hf_config
 from wavepp.runtime.model_config import PRESETS, ModelConfig
 from wavepp.runtime.planning.catalogue import derived_cost_model, list_models
-from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_emulated_kv_blocks
+from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS
 
 # NOTE: a served replica's finished requests come back through their clients, the gateway and
 # the JetStream intake before they are agreed and planned again: the closed-loop target counts
@@ -259,14 +257,14 @@ def with_checkpoint_layers(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _kv_blocks(
-    spec: WavePipelineSpec,
-    model: ModelConfig,
-    emulate: str | None,
-    ranges: list[tuple[int, int]],
+    spec: WavePipelineSpec, model: ModelConfig, ranges: list[tuple[int, int]]
 ) -> list[int] | None:
-    """Explicit capacity (memoryPerStageBytes over the KV bytes of each stage's ``ranges``,
-    kvBlocks); None: the emulated engine's default (``planning.memory.default_emulated_kv_blocks``);
-    FIXED_KV_BLOCKS for the torch engine."""
+    """The capacity the spec gives: ``cache.memoryPerStageBytes`` over the KV bytes of each
+    stage's ``ranges``, else ``engineOptions.kvBlocks``; None: none given.
+
+    Raises:
+        SpecError: kvBlocks is neither an int nor a list of ints.
+    """
     if spec.cache.memory_per_stage_bytes is not None:
         blocks = []
         for first, last in ranges:
@@ -276,52 +274,13 @@ def _kv_blocks(
             blocks.append(max(1, spec.cache.memory_per_stage_bytes // block_bytes))
         return blocks
     raw = spec.engine_options.get("kvBlocks")
-    if raw is None and emulate is not None:
-        return None
     if raw is None:
-        raw = FIXED_KV_BLOCKS
+        return None
     values = raw if isinstance(raw, list) else [raw]
     try:
         return [int(v) for v in values]
     except (TypeError, ValueError):
         raise SpecError("engineOptions.kvBlocks", f"{raw!r}: give an int or a list") from None
-
-
-def _host_tier(
-    spec: WavePipelineSpec,
-    model: ModelConfig,
-    emulate: str | None,
-    ranges: list[tuple[int, int]],
-    base: dict[str, Any],
-) -> dict[str, list[Any]]:
-    """RuntimeConfig's host tier fields from ``cache.hostMemoryGiB``
-    (``launch.host_tier.resolve_host_tier``: the emulated model's catalogue figures, else the
-    served model's KV bytes per token per layer over each stage's ``ranges``).
-
-    Raises:
-        SpecError: an amount that holds no block of some stage, or an emulated model whose
-            per-GPU KV cannot be derived (names ``cache.hostMemoryGiB``).
-    """
-    field = "cache.hostMemoryGiB"
-    if not spec.cache.host_memory_gib:
-        return dict(NO_HOST_TIER)
-    # the largest micro-batch, as for the emulated device capacity (the spec leaves
-    # max_microbatch_tokens at its default)
-    largest = max(RuntimeConfig.model_fields["max_microbatch_tokens"].default, base["chunk_tokens"])
-    try:
-        fields, _source = resolve_host_tier(
-            model,
-            ranges,
-            spec.cache.host_memory_gib,
-            emulate=emulate,
-            block_size=spec.cache.block_size,
-            max_microbatch_tokens=largest,
-            field=field,
-        )
-    except ValueError as exc:
-        message = str(exc).removeprefix(f"{field}: ")
-        raise SpecError(field, message) from None
-    return fields
 
 
 def runtime_configs_from_spec(
@@ -384,7 +343,7 @@ def runtime_configs_from_spec(
         "tensor_parallel_size": spec.tensor_parallel_size,
         "partition": partition,
         "block_size": spec.cache.block_size,
-        "num_kv_blocks": _kv_blocks(spec, model, emulate, ranges),
+        "num_kv_blocks": [FIXED_KV_BLOCKS],  # the capacity's below
         "mode": spec.scheduler.mode,
         "chunk_tokens": spec.scheduler.chunk_tokens,
         "chunk_policy": spec.scheduler.chunk_policy,
@@ -400,17 +359,21 @@ def runtime_configs_from_spec(
         "lease_s": float(options.get("leaseSeconds", 30.0)),
         "max_blocks_per_owner": options.get("maxBlocksPerOwner"),
     }
-    if base["num_kv_blocks"] is None:
-        assert emulate is not None, "only the emulated engine derives its KV capacity"
-        try:
-            probe = RuntimeConfig(**(base | {"num_kv_blocks": [FIXED_KV_BLOCKS]}))
-        except ValueError as exc:
-            raise runtime_config_spec_error(exc) from None
-        try:
-            base["num_kv_blocks"], _source = default_emulated_kv_blocks(probe, emulate)
-        except ValueError as exc:
-            raise SpecError("engineOptions.kvBlocks", f"unset, and its default: {exc}") from None
-    base |= _host_tier(spec, model, emulate, ranges, base)
+    try:
+        probe = RuntimeConfig(**base)
+    except ValueError as exc:
+        raise runtime_config_spec_error(exc) from None
+    try:
+        capacity = replica_capacity(
+            probe,
+            emulate=emulate,
+            kv_blocks=_kv_blocks(spec, model, ranges),
+            host_memory_gib=spec.cache.host_memory_gib or 0.0,
+            fields=SPEC_FIELDS,
+        )
+    except CapacityError as exc:
+        raise SpecError(exc.field, exc.message) from None
+    base |= capacity.fields
     configs = []
     for replica in range(max(1, spec.num_replicas)):
         try:

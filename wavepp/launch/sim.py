@@ -1,8 +1,8 @@
 """The settings ``wavepp sim`` simulates, from its flags: the model's derived H200 cost model,
 the concurrencies, the simulated latencies, the KV capacity (``--kv-blocks``, else derived per
-stage, ``planning.memory.default_emulated_kv_blocks``), the baseline's fidelity switches, and
-each (concurrency, mode)'s RuntimeConfig (``launch.grid.runtime_config`` with those laid
-over it). Every refusal is a :class:`FlagError` naming the flag.
+stage, and ``--host-memory-gib``: ``launch.grid.setting_capacity``), the baseline's fidelity
+switches, and each (concurrency, mode)'s RuntimeConfig (``launch.grid.runtime_config`` with
+the baseline laid over it). Every refusal is a :class:`FlagError` naming the flag.
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from wavepp.bench.grid import GridSpec, Setting
+from wavepp.launch.capacity import Capacity, CapacityError
 from wavepp.launch.flags import FlagError, positive_ints
-from wavepp.launch.grid import runtime_config
-from wavepp.launch.host_tier import host_tier_fields
+from wavepp.launch.grid import runtime_config, setting_capacity
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
 from wavepp.runtime.planning.catalogue import list_models
-from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS, default_emulated_kv_blocks
 from wavepp.sim.bus import SimLatencies
 
 # ``--baseline-budget`` when not given (RuntimeConfig.baseline.budget_accounting). The wave vs
@@ -40,13 +39,12 @@ class SimPlan:
         model: the emulated model (``catalogue.list_models()``).
         reuse: the workload preset (``bench.workloads.REUSE_PRESETS``).
         concurrencies: closed-loop concurrencies, each >= 1.
-        grid: the grid's fixed settings (stages, time scale, block size, chunk budget).
+        grid: the grid's fixed settings (stages, time scale, block size, ``--kv-blocks``,
+            chunk budget).
         latencies: the simulated bus, KV and scheduler latencies (seconds).
         baseline_fields: the baseline's (``--mode sync``) ``RuntimeConfig.baseline`` section.
-        kv_blocks: KV capacity per stage in blocks (S entries).
-        kv_blocks_source: where it came from, one line.
-        host_fields: RuntimeConfig's host tier fields (``launch.host_tier``).
-        host_source: where they came from, one line.
+        host_memory_gib: the host tier per GPU, GiB (0: none).
+        capacity: the KV capacity every setting runs with (``launch.grid.setting_capacity``).
         trace: a Mooncake trace to replay instead of the reuse preset, or None.
         modes: the modes run per concurrency ("wave", "sync").
     """
@@ -57,10 +55,8 @@ class SimPlan:
     grid: GridSpec
     latencies: SimLatencies
     baseline_fields: dict[str, Any]
-    kv_blocks: list[int]
-    kv_blocks_source: str
-    host_fields: dict[str, Any]
-    host_source: str
+    host_memory_gib: float
+    capacity: Capacity
     trace: str | None
     modes: tuple[str, ...]
 
@@ -71,28 +67,26 @@ class SimPlan:
             FlagError: RuntimeConfig refuses the setting (``configuration``).
         """
         try:
-            config, planner_cost = runtime_config(
-                self.grid, Setting(self.model, concurrency, self.reuse, mode)
-            )
+            config, planner_cost = runtime_config(self.grid, self._setting(concurrency, mode))
             config = RuntimeConfig.model_validate(
-                {
-                    **config.model_dump(),
-                    "num_kv_blocks": self.kv_blocks,
-                    **self.host_fields,
-                    "baseline": self.baseline_fields,
-                }
+                config.model_dump() | {"baseline": self.baseline_fields}
             )
         except ValueError as exc:
             raise FlagError("configuration", str(exc)) from None
         return config, planner_cost
+
+    def _setting(self, concurrency: int, mode: str) -> Setting:
+        return Setting(
+            self.model, concurrency, self.reuse, mode, host_memory_gib=self.host_memory_gib
+        )
 
 
 def plan_sim(args: argparse.Namespace) -> SimPlan:
     """Resolve ``wavepp sim``'s flags (``cmd.sim.add_arguments``) into a :class:`SimPlan`,
     checking ``--model``, ``--concurrency``, ``--time-scale``, ``--kv-blocks``, the latencies,
     ``--baseline-overhead-ms`` (``--baseline-budget`` None: :data:`PIPELINE_BUDGET`), the
-    derived KV capacity, ``--host-memory-gib``, ``--trace`` and
-    ``--modes``, in that order.
+    configuration, the KV capacity (derived, ``--kv-blocks``; ``--host-memory-gib``),
+    ``--trace`` and ``--modes``, in that order.
 
     Raises:
         FlagError: the first refusal, naming the flag.
@@ -116,7 +110,7 @@ def plan_sim(args: argparse.Namespace) -> SimPlan:
             num_stages=4 if args.stages is None else args.stages,
             time_scale=args.time_scale,
             block_size=args.block_size,
-            num_kv_blocks=args.kv_blocks or FIXED_KV_BLOCKS,  # the default: per stage below
+            num_kv_blocks=args.kv_blocks,
             chunk_tokens=args.chunk_tokens,
         )
     except ValueError as exc:
@@ -132,25 +126,13 @@ def plan_sim(args: argparse.Namespace) -> SimPlan:
         "lockstep_admission": args.baseline_lockstep,
         "prefix_reuse": args.baseline_prefix_reuse,
     }
+    setting = Setting(args.model, 1, args.reuse, "wave", host_memory_gib=args.host_memory_gib)
     try:
-        config, _ = runtime_config(grid, Setting(args.model, 1, args.reuse, "wave"))
-        if args.kv_blocks is not None:
-            kv_blocks = [config.kv_blocks_of(rank) for rank in range(config.num_stages)]
-            kv_blocks_source = "--kv-blocks"
-        else:
-            kv_blocks, kv_blocks_source = default_emulated_kv_blocks(config, args.model)
+        config, _ = runtime_config(grid, setting)
+    except CapacityError as exc:
+        raise FlagError(exc.field, exc.message) from None
     except ValueError as exc:
-        raise FlagError("--kv-blocks (default)", str(exc)) from None
-    try:
-        host_fields, host_source = host_tier_fields(
-            args.model,
-            args.host_memory_gib,
-            num_stages=config.num_stages,
-            block_size=config.block_size,
-            max_microbatch_tokens=max(config.max_microbatch_tokens, config.chunk_tokens),
-        )
-    except ValueError as exc:
-        raise FlagError("--host-memory-gib", str(exc)) from None
+        raise FlagError("configuration", str(exc)) from None
     if args.trace is not None and not Path(args.trace).is_file():
         raise FlagError("--trace", f"{args.trace!r}: no such file")
     modes = tuple(m for m in args.modes.split(",") if m)
@@ -163,10 +145,8 @@ def plan_sim(args: argparse.Namespace) -> SimPlan:
         grid=grid,
         latencies=latencies,
         baseline_fields=baseline_fields,
-        kv_blocks=kv_blocks,
-        kv_blocks_source=kv_blocks_source,
-        host_fields=host_fields,
-        host_source=host_source,
+        host_memory_gib=args.host_memory_gib,
+        capacity=setting_capacity(grid, setting, config),
         trace=args.trace,
         modes=modes,
     )

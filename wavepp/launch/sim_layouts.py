@@ -148,7 +148,8 @@ def candidate_layouts(num_gpus: int) -> list[Layout]:
 def plan_layouts(args: argparse.Namespace) -> LayoutsPlan:
     """Resolve ``--parallel`` (or ``--recommend`` with ``--gpus``) and the common flags.
 
-    Checks, in order: ``--stages`` (the layouts set it; refused alongside them), the common
+    Checks, in order: ``--stages`` (the layouts set it; refused alongside them),
+    ``--host-memory-gib`` (refused: the layouts run without a host tier), the common
     flags (``launch.sim.plan_sim``), ``--parallel`` (syntax, limits, at most 8 stages, one GPU
     count for all layouts), then each layout's KV capacity.
 
@@ -157,6 +158,10 @@ def plan_layouts(args: argparse.Namespace) -> LayoutsPlan:
     """
     if args.stages is not None:
         raise FlagError("--stages", "the layouts of --parallel / --recommend set the stages")
+    if args.host_memory_gib:
+        raise FlagError(
+            "--host-memory-gib", "the layouts of --parallel / --recommend run without a host tier"
+        )
     # plan_sim checks the shared flags; a fixed capacity there keeps it from deriving the
     # pipeline's (the layouts derive their own below).
     common = argparse.Namespace(
@@ -202,7 +207,7 @@ def plan_layouts(args: argparse.Namespace) -> LayoutsPlan:
     kv_blocks: dict[str, list[int]] = {}
     fitting: list[Layout] = []
     refused: list[tuple[Layout, str]] = []
-    largest = max(sim.grid.chunk_tokens, RuntimeConfig().max_microbatch_tokens)
+    largest = RuntimeConfig(chunk_tokens=sim.grid.chunk_tokens).largest_microbatch_tokens
     for layout in layouts:
         if args.kv_blocks is not None:
             kv_blocks[layout.label] = [args.kv_blocks] * layout.num_stages

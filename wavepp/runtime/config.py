@@ -115,15 +115,14 @@ class RuntimeConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=4096)
     # NOTE: KV capacity per stage in blocks of block_size tokens: one entry (all stages) or one
     # per stage. The default 4096 is for the torch engine's tiny models; callers that build an
-    # emulated engine's config without an explicit capacity (replay, sim, the spec path) fill in
-    # the capacity derived from the emulated model and device
-    # (wavepp.runtime.planning.memory.default_kv_blocks), which this room cannot import.
+    # emulated engine's config without an explicit capacity get the one derived from the
+    # emulated model and device (wavepp.launch.capacity.replica_capacity).
     num_kv_blocks: list[int] = Field(default_factory=lambda: [4096])
     # NOTE: the host tier below each stage's device pool, in blocks of block_size tokens (one
     # entry, all stages, or one per stage; 0: no host tier), and the seconds one block takes
     # from host to device on each stage (unscaled: the simulator and the emulated engine
     # multiply by time_scale). Resolved from cache.hostMemoryGiB / --host-memory-gib and the
-    # model's KV bytes per token by wavepp.launch.host_tier.
+    # model's KV bytes per token by wavepp.launch.capacity.
     num_host_kv_blocks: list[int] = Field(default_factory=lambda: [0])
     host_load_s_per_block: list[float] = Field(default_factory=lambda: [0.0])
     mode: Mode = "wave"
@@ -345,6 +344,13 @@ class RuntimeConfig(BaseModel):
     def subjects(self) -> ReplicaSubjects:
         """This replica's NATS subjects (``wavepp.api.subjects``)."""
         return ReplicaSubjects(self.subject_prefix)
+
+    @property
+    def largest_microbatch_tokens(self) -> int:
+        """New tokens of the engine's largest micro-batch: the larger of max_microbatch_tokens
+        and chunk_tokens (the static policy's budget). The KV capacity leaves room for its
+        activations (``planning.memory``)."""
+        return max(self.max_microbatch_tokens, self.chunk_tokens)
 
     @property
     def model_id(self) -> str:

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
 
 from wavepp.api.layer_split import split_layers
 from wavepp.runtime.planning.catalogue import get_model
@@ -266,10 +265,11 @@ def default_kv_blocks(
     (tiny-llama, CPU roofline).
 
     Args:
-        model: a name from ``catalogue.list_models()``.
+        model: a name from ``catalogue.list_models()``, or a ModelShape.
         num_stages: S.
         block_size: tokens per KV block.
-        max_microbatch_tokens: new tokens of the largest micro-batch (e.g. chunk_tokens).
+        max_microbatch_tokens: new tokens of the largest micro-batch
+            (``RuntimeConfig.largest_microbatch_tokens``).
 
     Returns:
         (blocks per stage, S entries; a one-line source naming the derivation's inputs).
@@ -298,40 +298,3 @@ def default_kv_blocks(
         "wavepp.runtime.planning.memory"
     )
     return [stage.num_blocks for stage in stages], source
-
-
-class ReplicaShape(Protocol):
-    """What :func:`default_emulated_kv_blocks` reads of a replica's RuntimeConfig."""
-
-    num_stages: int
-    block_size: int
-    max_microbatch_tokens: int
-    chunk_tokens: int
-
-
-def default_emulated_kv_blocks(
-    config: ReplicaShape, emulate: str | ModelShape
-) -> tuple[list[int], str]:
-    """The emulated engine's KV capacity when none is given: derived per stage from the
-    emulated model and device (:func:`default_kv_blocks`) for ``config``'s stages,
-    block size and largest micro-batch.
-
-    Args:
-        config: the replica's config (a RuntimeConfig: num_stages, block_size, the largest
-            micro-batch).
-        emulate: the emulated model's name (``catalogue.list_models()``) or its ModelShape.
-
-    Returns:
-        (blocks per stage, a one-line source to show the user).
-
-    Raises:
-        ValueError: the model's weights fit no stage (names model, stages, memory needed).
-    """
-    # NOTE: the activation workspace is sized for the engine's largest micro-batch: the
-    # larger of max_microbatch_tokens and chunk_tokens (the static policy's budget).
-    return default_kv_blocks(
-        emulate,
-        num_stages=config.num_stages,
-        block_size=config.block_size,
-        max_microbatch_tokens=max(config.max_microbatch_tokens, config.chunk_tokens),
-    )
