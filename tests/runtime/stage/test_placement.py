@@ -42,6 +42,26 @@ def test_cores_flag_is_parsed_and_bad_values_name_it() -> None:
         pin_to([1_000_000])
 
 
+def test_a_core_outside_the_affinity_is_refused_even_beside_allowed_ones() -> None:
+    """The kernel keeps the allowed part of a mask and drops the rest without a word: a stage
+    given ``--cores 0,99`` on a 2-core host would run on core 0 alone."""
+    allowed = launcher_cores()
+    outside = max(allowed) + 1
+    code = (
+        "import os\n"
+        "from wavepp.runtime.stage.placement import pin_to\n"
+        f"pin_to([{allowed[0]}, {outside}])\n"
+        "print(sorted(os.sched_getaffinity(0)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=os.environ
+    )
+    assert done.returncode != 0, f"pinned to {done.stdout.strip()}, {outside} dropped silently"
+    assert f"--cores {allowed[0]},{outside}: not cores this process may use ({outside};" in (
+        done.stderr
+    )
+
+
 def test_a_pinned_process_and_the_threads_it_starts_run_on_its_cores_only() -> None:
     core = min(launcher_cores())
     code = (

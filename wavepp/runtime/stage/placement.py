@@ -57,15 +57,21 @@ def parse_cores(text: str) -> tuple[int, ...]:
 
 def pin_to(cores: Collection[int]) -> None:
     """Restrict this process's calling thread, and every thread it starts afterwards, to
-    ``cores``.
+    ``cores``, every one of which this process may use (the kernel would silently drop the
+    others).
 
     Raises:
-        ValueError: naming ``--cores``: none of ``cores`` is one this process may use.
+        ValueError: naming ``--cores``: a core this process may not use (or none at all).
     """
-    try:
-        os.sched_setaffinity(0, cores)
-    except OSError as exc:
+    allowed = launcher_cores()
+    outside = sorted(set(cores) - set(allowed))
+    if outside or not cores:
         raise ValueError(
             f"--cores {','.join(map(str, cores))}: not cores this process may use "
-            f"({','.join(map(str, launcher_cores()))}): {exc.strerror}"
-        ) from None
+            f"({','.join(map(str, outside)) or 'none given'}; it may use "
+            f"{','.join(map(str, allowed))})"
+        )
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError as exc:  # the cores allowed changed meanwhile (a cgroup's cpuset)
+        raise ValueError(f"--cores {','.join(map(str, cores))}: {exc.strerror}") from None
