@@ -26,9 +26,10 @@ def test_each_stage_gets_a_disjoint_contiguous_equal_share() -> None:
     # ids in ascending order whatever the order given; the remainder goes to nobody
     assert [stage_cores([6, 2, 4, 0, 9], 2, i) for i in range(2)] == [(0, 2), (4, 6)]
     assert stage_cores([3], 1, 0) == (3,)
-    assert stage_cores([0, 1], 3, 2) is None  # fewer cores than stages: they float
     with pytest.raises(ValueError, match="index=2"):
         stage_cores(range(4), 2, 2)
+    with pytest.raises(ValueError, match=r"engineOptions.pinCores: 3 stages on 2 cores"):
+        stage_cores([0, 1], 3, 2)
     with pytest.raises(ValueError, match="num_stages=0"):
         stage_cores(range(4), 0, 0)
 

@@ -15,14 +15,15 @@ import os
 from collections.abc import Collection
 
 
-def stage_cores(allowed: Collection[int], num_stages: int, index: int) -> tuple[int, ...] | None:
+def stage_cores(allowed: Collection[int], num_stages: int, index: int) -> tuple[int, ...]:
     """Stage ``index``'s share of ``allowed`` (CPU ids) among ``num_stages`` stages on one host:
     the ``index``-th of ``num_stages`` contiguous groups of ``len(allowed) // num_stages``
     cores, in ascending id order (cores past the last whole group are left to the control
-    processes); None when there are fewer cores than stages (nothing to share: they float).
+    processes).
 
     Raises:
-        ValueError: ``num_stages`` < 1 or ``index`` outside [0, num_stages).
+        ValueError: ``num_stages`` < 1 or ``index`` outside [0, num_stages); naming
+            ``engineOptions.pinCores``, fewer cores than stages (no share for each).
     """
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages}: must be >= 1")
@@ -31,7 +32,10 @@ def stage_cores(allowed: Collection[int], num_stages: int, index: int) -> tuple[
     cores = sorted(allowed)
     per_stage = len(cores) // num_stages
     if per_stage == 0:
-        return None
+        raise ValueError(
+            f"engineOptions.pinCores: {num_stages} stages on {len(cores)} cores: each stage "
+            "needs a core of its own (fewer stages, or pinCores false)"
+        )
     return tuple(cores[index * per_stage : (index + 1) * per_stage])
 
 
