@@ -6,7 +6,7 @@ itself, in stage order (``stage_cores``), and the stage restricts itself to it a
 (``pin_to``), before torch starts its threads: a stage's torch threads then never migrate onto
 another stage's core. The control processes (scheduler, admission, gateway, nats-server) are
 not placed: they float over every core. A pod's stage is alone in its container, placed by the
-kubelet's CPU manager; the operator passes no ``--cores``.
+kubelet's CPU manager; the operator refuses ``pinCores``.
 """
 
 from __future__ import annotations
