@@ -247,7 +247,8 @@ def bench_spec(
     ``--max-inflight`` micro-batches in flight (0: the runtime's default); ``pack`` False:
     the torch engine's projections unpacked (``engineOptions.packWeights``);
     ``return_microbatches`` the closed-loop target's way back (None: the runtime's default);
-    ``pin``: each stage pinned to its share of the cores (``engineOptions.pinCores``)."""
+    ``pin``: each stage pinned to its share of the cores (``engineOptions.pinCores``);
+    ``--compile``: the stages' ``engineOptions.torchCompile``."""
     longest = args.longest
     blocks = max(64, max(args.concurrency) * 2 * (-(-longest // BLOCK_SIZE)))
     options: dict[str, Any] = {
@@ -262,6 +263,8 @@ def bench_spec(
         options["returnMicrobatches"] = return_microbatches
     if pin:
         options["pinCores"] = True
+    if args.compile:
+        options["torchCompile"] = True
     spec: dict[str, Any] = {
         "stages": stages,
         "replicas": 1,
@@ -941,7 +944,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--request-timeout-s", type=float, default=1800.0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--compile", action="store_true", help="engine's torch.compile switch")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile switch: the engine's; with --stages, engineOptions.torchCompile",
+    )
     parser.add_argument(
         "--pin",
         type=_pins,
@@ -960,10 +967,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refused_flags(args: argparse.Namespace) -> str:
+    """Why flags given together cannot all be honoured ("" when they can): pipeline mode
+    (``--stages``) runs its stages on the CPU and profiles nothing; engine mode runs the torch
+    engine in this process, with none of the pipeline's flags."""
+    if args.stages:
+        if args.device != "cpu":
+            return f"--device {args.device}: only without --stages (the stages run on the CPU)"
+        if args.profile:
+            return "--profile: only without --stages (it profiles one engine pass)"
+        if args.compile and args.engine != "torch":
+            return "--compile: only with --engine torch"
+        return ""
+    defaults = build_parser().parse_args([])
+    for flag in (
+        "engine",
+        "pin",
+        "path",
+        "source",
+        "concurrency",
+        "max_inflight",
+        "max_outstanding",
+        "return_microbatches",
+    ):
+        if getattr(args, flag) != getattr(defaults, flag):
+            return f"--{flag.replace('_', '-')}: only with --stages (pipeline mode)"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.no_hf and not args.stages:
         print("--no-hf: only with --stages (the engine mode compares with hf)", file=sys.stderr)
+        return 2
+    refused = _refused_flags(args)
+    if refused:
+        print(refused, file=sys.stderr)
         return 2
     for name in ("requests", "repeats", "threads", "batch", "chunk_tokens"):
         if getattr(args, name) < 1:

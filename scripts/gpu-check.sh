@@ -12,7 +12,7 @@
 #   scripts/gpu-check.sh             run on cuda
 #   scripts/gpu-check.sh --dry-run   print the steps, run nothing
 #   scripts/gpu-check.sh --cpu       the same steps on the CPU at toy sizes (checks the script)
-set -u
+set -u -o pipefail
 cd "$(dirname "$0")/.."
 
 mode=cuda
@@ -34,8 +34,13 @@ fi
 bench=("$PY" benchmarks/engine_vs_hf.py --device "$device" --dtype "$dtype"
   --requests "$requests" --batch "$batch" --chunk-tokens 2048 --threads "$threads"
   --repeats "$repeats" --profile --json)
+gpu_tests="$PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/stage"
+if [ "$mode" != cpu ]; then
+  # on a GPU a skipped GPU test is a failed check (pytest's -ra summary lists each skip)
+  gpu_tests="$gpu_tests && ! grep -q '^SKIPPED' '$OUT/gpu-tests.log'"
+fi
 steps=(
-  "gpu-tests|180|$PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/stage"
+  "gpu-tests|180|$gpu_tests"
   "engine-vs-hf|150|${bench[*]}"
   "engine-vs-hf-compiled|150|${bench[*]} --compile"
   "calibrate|90|$PY -m wavepp.cli calibrate --device $device --repeats $cal_repeats --out $OUT/cost-model-$device.json"

@@ -192,3 +192,30 @@ def test_pin_makes_pinned_sides_whose_spec_pins_the_stages() -> None:
     assert bench.runtime_config_of(bench.bench_spec(args, config, 2, pin=True)).pin_cores
     with pytest.raises(SystemExit):
         _args("--pin", "sometimes")
+
+
+def test_compile_reaches_the_pipelines_spec() -> None:
+    config = bench.model_config("float32")
+    assert "torchCompile" not in bench.bench_spec(_args(), config, 2)["engineOptions"]
+    spec = bench.bench_spec(_args("--compile"), config, 2)
+    assert spec["engineOptions"]["torchCompile"] is True
+    assert bench.runtime_config_of(spec).torch_compile
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--stages", "2", "--device", "cuda"], "--device cuda: only without --stages"),
+        (["--stages", "2", "--profile"], "--profile: only without --stages"),
+        (["--stages", "2", "--engine", "emulated", "--compile"], "--compile: only with"),
+        (["--engine", "emulated"], "--engine: only with --stages"),
+        (["--pin", "on"], "--pin: only with --stages"),
+        (["--concurrency", "32"], "--concurrency: only with --stages"),
+        (["--return-microbatches", "1"], "--return-microbatches: only with --stages"),
+    ],
+)
+def test_flags_the_mode_would_not_honour_are_refused(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert bench.main(argv) == 2
+    assert named in capsys.readouterr().err

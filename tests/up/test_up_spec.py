@@ -324,8 +324,13 @@ def test_the_insecure_servers_store_limit_is_a_config_file_only_when_capped(
     assert Path(path).read_text() == "jetstream: { max_file_store: 1073741824 }\n"
 
 
-def test_pin_cores_gives_every_stage_of_every_replica_its_own_share(tmp_path: Path) -> None:
-    from wavepp.runtime.stage.placement import launcher_cores, stage_cores
+def test_pin_cores_gives_every_stage_of_every_replica_its_own_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight cores for 2 x 2 stages (patched: the host may have fewer cores than stages)."""
+    import wavepp.launch.up as up
+
+    monkeypatch.setattr(up, "launcher_cores", lambda: list(range(8)))
 
     def stage_cores_of(raw: dict) -> list:
         spec, configs = _spec_and_configs(raw)
@@ -345,5 +350,34 @@ def test_pin_cores_gives_every_stage_of_every_replica_its_own_share(tmp_path: Pa
     raw = {"model": {"name": "tiny-llama"}, "stages": 2, "replicas": 2}
     assert stage_cores_of(raw) == [None] * 4  # off by default: every stage floats
     pinned = stage_cores_of(raw | {"engineOptions": {"pinCores": True}})
-    expected = [stage_cores(launcher_cores(), 4, i) for i in range(4)]
-    assert pinned == [None if c is None else ",".join(map(str, c)) for c in expected]
+    assert pinned == ["0,1", "2,3", "4,5", "6,7"]
+
+
+def test_pin_cores_with_fewer_cores_than_stages_is_refused_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pinCores on 3 cores for 2 x 2 stages: ``wavepp up`` refuses at start, naming
+    ``engineOptions.pinCores`` and the counts, rather than letting every stage float; 4 cores
+    are enough."""
+    import wavepp.launch.up as up
+    from wavepp.launch.up import plan_up
+
+    spec = tmp_path / "spec.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "model": {"name": "tiny-llama"},
+                "stages": 2,
+                "replicas": 2,
+                "engineOptions": {"pinCores": True},
+            }
+        )
+    )
+    monkeypatch.setattr(up, "launcher_cores", lambda: [0, 1, 2])
+    with pytest.raises(FlagError, match=r"engineOptions.pinCores: 4 stages on 3 cores") as refused:
+        plan_up(_up_args("--config", str(spec), "--port", "0"))
+    assert refused.value.flag == "--config"
+    monkeypatch.setattr(up, "launcher_cores", lambda: [0, 1, 2, 3])
+    assert [
+        c.pin_cores for c in plan_up(_up_args("--config", str(spec), "--port", "0")).configs
+    ] == [True, True]

@@ -415,7 +415,8 @@ class UpPlan:
 def plan_up(args: argparse.Namespace) -> UpPlan:
     """Resolve ``wavepp up``'s flags (``cmd.up.add_arguments``) into an :class:`UpPlan`,
     checking them in this order: the spec (:func:`spec_mapping`, the spec check, the
-    RuntimeConfigs and telemetry), the process count (at most ``MAX_LOCAL_PROCESSES``), the
+    RuntimeConfigs and telemetry), the process count (at most ``MAX_LOCAL_PROCESSES``), a core
+    per stage with ``engineOptions.pinCores`` (``placement.stage_cores``), the
     gateway's flags (``--max-outstanding``, ``--max-queued``, ``--tokenizer``, ``--port``: in
     range and free now), ``--max-stage-restarts``, the tenants (``--tenant-limits``, the spec's
     key files), ``--jetstream-max-bytes``, ``--planner-cost-model`` (a readable CostModel JSON;
@@ -458,6 +459,12 @@ def plan_up(args: argparse.Namespace) -> UpPlan:
             f"{args.config}: spec.replicas x (spec.stages + 1) + 2 = {num_processes} local "
             f"processes; wavepp up runs at most {MAX_LOCAL_PROCESSES} (use the operator)",
         )
+    pinned = sum(c.num_stages for c in configs if c.pin_cores)
+    if pinned:
+        try:
+            stage_cores(launcher_cores(), sum(c.num_stages for c in configs), 0)
+        except ValueError as exc:
+            raise FlagError("--config", f"{source}: {exc}") from None
     _check_gateway_flags(args)
     port = args.port or free_port()
     tenants = _tenants(args, spec)

@@ -56,16 +56,21 @@ async def test_a_silent_stage_is_still_named_after_the_caller_blocked(nc) -> Non
     await nc.subscribe(subjects.stages_kv_batch, cb=silent)
     await nc.subscribe(subjects.stage_kv(1), cb=health)
     await flush_in_order(nc)
-    controller = AgreementController(
-        NatsStageClient.for_replica(nc, "wavepp.ts", 2, TIME_OUT_S),
-        block_size=BLOCK,
-        model_id=MODEL_ID,
-    )
+    clients = NatsStageClient.for_replica(nc, "wavepp.ts", 2, TIME_OUT_S)
+    controller = AgreementController(clients, block_size=BLOCK, model_id=MODEL_ID)
     agree = asyncio.ensure_future(controller.agree(PromptRequest("a", list(range(9)))))
-    await asyncio.sleep(0)
+    for _ in range(1000):  # the round in flight (its reply subscription made first)
+        if clients[0].batch_mux._calls:
+            break
+        await asyncio.sleep(0.001)
+    assert clients[0].batch_mux._calls, "the round was never sent"
+    began = time.monotonic()
     time.sleep(2 * TIME_OUT_S)
-    with pytest.raises(StageUnavailableError, match="stage 1: no reply"):
+    with pytest.raises(StageUnavailableError, match="stage 1: no reply") as failed:
         await asyncio.wait_for(agree, timeout=10)
+    # the time-out ran late, so the round had graces first (at most TIME_OUT_S of them)
+    assert "s of graces (this caller's event loop ran its time-out late)" in str(failed.value)
+    assert time.monotonic() - began < 2 * TIME_OUT_S + 2 * TIME_OUT_S + 1.0
 
 
 async def _fail_and_cancel_in_one_pass() -> None:

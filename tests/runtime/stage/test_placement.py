@@ -26,9 +26,10 @@ def test_each_stage_gets_a_disjoint_contiguous_equal_share() -> None:
     # ids in ascending order whatever the order given; the remainder goes to nobody
     assert [stage_cores([6, 2, 4, 0, 9], 2, i) for i in range(2)] == [(0, 2), (4, 6)]
     assert stage_cores([3], 1, 0) == (3,)
-    assert stage_cores([0, 1], 3, 2) is None  # fewer cores than stages: they float
     with pytest.raises(ValueError, match="index=2"):
         stage_cores(range(4), 2, 2)
+    with pytest.raises(ValueError, match=r"engineOptions.pinCores: 3 stages on 2 cores"):
+        stage_cores([0, 1], 3, 2)
     with pytest.raises(ValueError, match="num_stages=0"):
         stage_cores(range(4), 0, 0)
 
@@ -40,6 +41,26 @@ def test_cores_flag_is_parsed_and_bad_values_name_it() -> None:
             parse_cores(bad)
     with pytest.raises(ValueError, match="--cores 1000000: not cores this process may use"):
         pin_to([1_000_000])
+
+
+def test_a_core_outside_the_affinity_is_refused_even_beside_allowed_ones() -> None:
+    """The kernel keeps the allowed part of a mask and drops the rest without a word: a stage
+    given ``--cores 0,99`` on a 2-core host would run on core 0 alone."""
+    allowed = launcher_cores()
+    outside = max(allowed) + 1
+    code = (
+        "import os\n"
+        "from wavepp.runtime.stage.placement import pin_to\n"
+        f"pin_to([{allowed[0]}, {outside}])\n"
+        "print(sorted(os.sched_getaffinity(0)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=os.environ
+    )
+    assert done.returncode != 0, f"pinned to {done.stdout.strip()}, {outside} dropped silently"
+    assert f"--cores {allowed[0]},{outside}: not cores this process may use ({outside};" in (
+        done.stderr
+    )
 
 
 def test_a_pinned_process_and_the_threads_it_starts_run_on_its_cores_only() -> None:

@@ -60,8 +60,9 @@ LATE_S = 0.1
 """A call's time-out timer that runs more than this after its deadline was held up by the
 caller's own event loop (a callback that blocked it): the stages' replies may wait unread in
 the socket. The call is then given ``LIVENESS_CHECK_S`` more of a running loop, again each
-time that timer runs late too, these graces adding up to at most ``timeout_s``, before a stage
-is named; a timer on time names it at once. However long the caller blocked, a stage is blamed
+time that timer runs late too, these graces adding up to at most ``timeout_s`` rounded up to
+a whole ``LIVENESS_CHECK_S``, before a stage is named (the error says how many seconds of
+graces it was given); a timer on time names it at once. However long the caller blocked, a stage is blamed
 only for time its replies could have been read."""
 
 _HEALTH = Health().model_dump_json().encode()
@@ -272,6 +273,11 @@ class _BatchMux:
         client = call.clients[index]
         subject = call.fanout or client.batch_subject
         detail = f"no reply on {subject} within {client.timeout_s}s"
+        if call.graces:
+            detail += (
+                f" and {call.graces * LIVENESS_CHECK_S:g}s of graces (this caller's event loop"
+                " ran its time-out late)"
+            )
         if call.dropped is not None and call.dropped[index]:
             detail += (
                 f" ({call.dropped[index]} dropped: tag missing or wrong; a stage of an earlier"

@@ -121,7 +121,10 @@ class LocalPipeline:
 
     def stage_command(self, rank: int, dist_url: str) -> list[str]:
         """Stage ``rank``'s ``wavepp stage`` command; with ``pin_cores`` it runs on its share
-        of this process's cores (``placement.stage_cores``, none when fewer than S)."""
+        of this process's cores (``placement.stage_cores``).
+
+        Raises:
+            ValueError: naming ``engineOptions.pinCores``: fewer cores than stages."""
         pipeline = self.config.pipeline
         nats = NatsArgs(
             self.nats_url, creds=None if self.auth is None else self.auth.stage(pipeline, rank)

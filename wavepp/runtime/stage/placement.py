@@ -6,7 +6,7 @@ itself, in stage order (``stage_cores``), and the stage restricts itself to it a
 (``pin_to``), before torch starts its threads: a stage's torch threads then never migrate onto
 another stage's core. The control processes (scheduler, admission, gateway, nats-server) are
 not placed: they float over every core. A pod's stage is alone in its container, placed by the
-kubelet's CPU manager; the operator passes no ``--cores``.
+kubelet's CPU manager; the operator refuses ``pinCores``.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ import os
 from collections.abc import Collection
 
 
-def stage_cores(allowed: Collection[int], num_stages: int, index: int) -> tuple[int, ...] | None:
+def stage_cores(allowed: Collection[int], num_stages: int, index: int) -> tuple[int, ...]:
     """Stage ``index``'s share of ``allowed`` (CPU ids) among ``num_stages`` stages on one host:
     the ``index``-th of ``num_stages`` contiguous groups of ``len(allowed) // num_stages``
     cores, in ascending id order (cores past the last whole group are left to the control
-    processes); None when there are fewer cores than stages (nothing to share: they float).
+    processes).
 
     Raises:
-        ValueError: ``num_stages`` < 1 or ``index`` outside [0, num_stages).
+        ValueError: ``num_stages`` < 1 or ``index`` outside [0, num_stages); naming
+            ``engineOptions.pinCores``, fewer cores than stages (no share for each).
     """
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages}: must be >= 1")
@@ -31,7 +32,10 @@ def stage_cores(allowed: Collection[int], num_stages: int, index: int) -> tuple[
     cores = sorted(allowed)
     per_stage = len(cores) // num_stages
     if per_stage == 0:
-        return None
+        raise ValueError(
+            f"engineOptions.pinCores: {num_stages} stages on {len(cores)} cores: each stage "
+            "needs a core of its own (fewer stages, or pinCores false)"
+        )
     return tuple(cores[index * per_stage : (index + 1) * per_stage])
 
 
@@ -57,15 +61,21 @@ def parse_cores(text: str) -> tuple[int, ...]:
 
 def pin_to(cores: Collection[int]) -> None:
     """Restrict this process's calling thread, and every thread it starts afterwards, to
-    ``cores``.
+    ``cores``, every one of which this process may use (the kernel would silently drop the
+    others).
 
     Raises:
-        ValueError: naming ``--cores``: none of ``cores`` is one this process may use.
+        ValueError: naming ``--cores``: a core this process may not use (or none at all).
     """
-    try:
-        os.sched_setaffinity(0, cores)
-    except OSError as exc:
+    allowed = launcher_cores()
+    outside = sorted(set(cores) - set(allowed))
+    if outside or not cores:
         raise ValueError(
             f"--cores {','.join(map(str, cores))}: not cores this process may use "
-            f"({','.join(map(str, launcher_cores()))}): {exc.strerror}"
-        ) from None
+            f"({','.join(map(str, outside)) or 'none given'}; it may use "
+            f"{','.join(map(str, allowed))})"
+        )
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError as exc:  # the cores allowed changed meanwhile (a cgroup's cpuset)
+        raise ValueError(f"--cores {','.join(map(str, cores))}: {exc.strerror}") from None

@@ -102,7 +102,9 @@ class _Layer:
         pack: bool = True,
     ) -> None:
         p = f"model.layers.{index}."
-        pack = pack and not compile_dense  # inductor takes plain weights and plans its own
+        # torch.compile takes a dense layer's feed-forward half and GQA's input projections;
+        # inductor takes their weights plain (it plans its own layout), the rest stay packed
+        compiled = compile_dense and not plan.is_moe(index)
         d = plan.hidden_size
         self.input_norm = get(p + "input_layernorm.weight", (d,))
         self.post_norm = get(p + "post_attention_layernorm.weight", (d,))
@@ -114,7 +116,9 @@ class _Layer:
             self.attn = MLAAttention(plan.mla, get, p + "self_attn.", tp, pack=pack)
         else:
             assert plan.gqa is not None
-            self.attn = GQAAttention(plan.gqa, get, p + "self_attn.", tp, pack=pack)
+            self.attn = GQAAttention(
+                plan.gqa, get, p + "self_attn.", tp, pack=pack, pack_qkv=pack and not compiled
+            )
         self.indexer: DSAIndexer | None = None
         if plan.dsa is not None and plan.indexer_full[index]:
             self.indexer = DSAIndexer(plan.dsa, get, p + "self_attn.indexer.")
@@ -123,11 +127,14 @@ class _Layer:
             assert plan.moe is not None
             self.ffn: SparseMoE | DenseMLP = SparseMoE(plan.moe, get, p, tp, pack=pack)
         else:
-            self.ffn = DenseMLP(d, plan.dense_intermediate, get, p + plan.mlp_prefix, tp, pack=pack)
+            self.ffn = DenseMLP(
+                d, plan.dense_intermediate, get, p + plan.mlp_prefix, tp, pack=pack and not compiled
+            )
         self.eps = plan.eps
         self._ffn_part = "moe" if isinstance(self.ffn, SparseMoE) else "mlp"
         self._dense_block = None
-        if compile_dense and isinstance(self.ffn, DenseMLP):
+        if compiled:
+            assert isinstance(self.ffn, DenseMLP)
             self._dense_block = torch.compile(self._dense_eager, dynamic=True)
             if isinstance(self.attn, GQAAttention):
                 self.attn.project = torch.compile(self.attn.project, dynamic=True)
@@ -217,10 +224,10 @@ class DecoderStageEngine(PagedStageEngineBase):
         """Load this stage's weights through ``get`` (this TP rank's share) and build its
         layers; only the TP leader of the last stage reads the final norm and ``lm_head``.
 
-        With ``pack`` (and without ``compile``), the attention and dense feed-forward
-        projections hold their weights as ``layers.linear.PackedLinear`` packs them (oneDNN's
-        layout on a CPU; plain ``F.linear`` elsewhere); MoE's routed experts, the router and
-        ``lm_head`` stay plain.
+        With ``pack``, the attention and dense feed-forward projections hold their weights as
+        ``layers.linear.PackedLinear`` packs them (oneDNN's layout on a CPU; plain
+        ``F.linear`` elsewhere), but for the parts ``compile`` compiles; MoE's routed experts,
+        the router and ``lm_head`` stay plain.
 
         With ``compile``, ``torch.compile`` (dynamic token count) takes each layer's
         per-token dense parts: the dense feed-forward half (post-attention norm, SwiGLU,

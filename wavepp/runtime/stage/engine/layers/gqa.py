@@ -45,10 +45,12 @@ class GQAAttention:
         tp: TPGroup = SINGLE,
         *,
         pack: bool = True,
+        pack_qkv: bool | None = None,
     ) -> None:
         """Load ``{prefix}{q,k,v,o}_proj.weight`` (and ``q_norm``/``k_norm`` with qk_norm),
         this TP rank's heads only; q/k/v fused into one projection. ``pack``: the
-        projections may take ``PackedLinear``'s packed CPU path.
+        projections may take ``PackedLinear``'s packed CPU path; ``pack_qkv``: the fused
+        q/k/v projection's own switch (None: ``pack``; False where ``project`` is compiled).
 
         Raises:
             ValueError: a tensor is missing or has the wrong shape (from ``get``), or the
@@ -69,7 +71,7 @@ class GQAAttention:
                     get(prefix + "v_proj.weight", (kv_dim, s.hidden_size), 0),
                 ]
             ),
-            pack=pack,
+            pack=pack if pack_qkv is None else pack_qkv,
         )
         self.o = PackedLinear(get(prefix + "o_proj.weight", (s.hidden_size, q_dim), 1), pack=pack)
         self.q_norm = get(prefix + "q_norm.weight", (q_dim,), 0) if s.qk_norm else None
