@@ -21,6 +21,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -243,9 +244,41 @@ class PrometheusServer:
         """scrape URL -> health (``up``, ``down``, ``unknown``) of every active target."""
         return {t["scrapeUrl"]: t["health"] for t in self.api("targets")["activeTargets"]}
 
+    def wait_scraped_after(self, wall_s: float, timeout_s: float = 60.0) -> None:
+        """Wait until every active target's last scrape started after ``wall_s`` (seconds since
+        the epoch) and succeeded: from then on each series holds a sample that counts whatever
+        happened before ``wall_s``. A target's scrape may time out while the machine is loaded
+        (``scrape_timeout`` is the interval), so a fixed sleep does not give that.
+
+        Raises:
+            AssertionError: not within ``timeout_s``; names each target's last scrape and health.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            targets = self.api("targets")["activeTargets"]
+            late = {
+                t["scrapeUrl"]: (t["lastScrape"], t["health"])
+                for t in targets
+                if t["health"] != "up" or _rfc3339_s(t["lastScrape"]) <= wall_s
+            }
+            if targets and not late:
+                return
+            assert time.monotonic() < deadline, f"not scraped after {wall_s}: {late}"
+            time.sleep(0.2)
+
     def firing(self) -> list[dict[str, Any]]:
         """The alerts firing now (``/api/v1/alerts``, state ``firing``)."""
         return [a for a in self.api("alerts")["alerts"] if a["state"] == "firing"]
+
+
+def _rfc3339_s(stamp: str) -> float:
+    """Seconds since the epoch of Prometheus' RFC 3339 time (nanosecond digits, ``Z`` or an
+    offset); 0.0 for Go's zero time (a target not scraped yet)."""
+    match = re.fullmatch(r"(.+?T\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)", stamp)
+    assert match, stamp
+    whole, fraction, zone = match.groups()
+    parsed = datetime.fromisoformat(whole + ("+00:00" if zone == "Z" else zone))
+    return max(0.0, parsed.timestamp() + float(fraction or 0))
 
 
 def substitute(expr: str, values: dict[str, list[str]]) -> str:

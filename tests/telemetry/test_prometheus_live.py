@@ -158,8 +158,11 @@ async def _post(
         return response.status
 
 
-async def _mixed_load(endpoint: str, keys: dict[str, str]) -> dict[str, list[int]]:
-    """Misses, hits, KV pressure (evictions, refusals), a 429 and a 401; statuses by kind."""
+async def _mixed_load(
+    endpoint: str, keys: dict[str, str], prometheus: PrometheusServer
+) -> dict[str, list[int]]:
+    """Misses, hits, KV pressure (evictions, refusals), a 429 and a 401; statuses by kind.
+    Between the warm-up and the load, every target is scraped once (``prometheus``)."""
     url = f"{endpoint}/v1/prefill"
     statuses: dict[str, list[int]] = {}
     timeout = aiohttp.ClientTimeout(total=120)
@@ -174,14 +177,14 @@ async def _mixed_load(endpoint: str, keys: dict[str, str]) -> dict[str, list[int
             status = await _post(session, f"{endpoint}/v1/completions", body, key)
             statuses.setdefault("completion", []).append(status)
 
-        # one request per tenant first, two scrapes before the load: a counter's series appears
-        # at its first increment, and rate() sees only what comes after that first sample
+        # one request per tenant first, scraped before the load: a counter's series appears at
+        # its first increment, and rate() sees only what comes after that first sample
         await post("warm-up", {"token_ids": _tokens(900, 2)}, keys["acme"])
         await post("warm-up", {"token_ids": _tokens(901, 2)}, keys["default"])
         await post("warm-up", {"token_ids": _tokens(902, 1)[:16]}, keys["limited"])
         await complete(903, keys["acme"], False)
         await complete(904, keys["default"], True)
-        await asyncio.sleep(2.5)
+        await asyncio.to_thread(prometheus.wait_scraped_after, time.time())
         # misses, then the same prompts again: prefix hits; 40- to 50-block prompts on 64-block
         # stages, four at a time: evictions, refusals; for a few seconds of scrapes
         for wave in range(3):
@@ -222,7 +225,8 @@ def test_every_panel_rule_and_alert_on_live_data(live: dict[str, Any]) -> None:
     service: UpService = live["service"]
     prometheus: PrometheusServer = live["prometheus"]
     load_started = time.monotonic()
-    statuses = asyncio.run(_mixed_load(service.endpoint, live["keys"]))
+    statuses = asyncio.run(_mixed_load(service.endpoint, live["keys"], prometheus))
+    load_ended = time.time()
     load_s = time.monotonic() - load_started
     assert statuses["warm-up"] == [200] * 3, statuses
     assert statuses["miss"] == [200] * 18 and statuses["hit"] == [200] * 18, statuses
@@ -231,15 +235,9 @@ def test_every_panel_rule_and_alert_on_live_data(live: dict[str, Any]) -> None:
     assert statuses["bad key"] == [401], statuses
     assert statuses["completion"] == [200] * 8, statuses
 
-    # every target scraped and up, and the load's last counts scraped (two scrapes on)
-    deadline = time.monotonic() + 30
-    while True:
-        health = prometheus.targets_up()
-        if len(health) == len(live["targets"]) and set(health.values()) == {"up"}:
-            break
-        assert time.monotonic() < deadline, health
-        time.sleep(0.5)
-    time.sleep(2.5)
+    # every target up, and the load's last counts scraped
+    prometheus.wait_scraped_after(load_ended)
+    assert len(prometheus.targets_up()) == len(live["targets"]), prometheus.targets_up()
 
     rows: list[tuple[str, str, int, str]] = []  # (where, what, result count, largest value)
     empty: list[str] = []
