@@ -28,7 +28,6 @@ parses the flags and runs the stage; it imports nothing heavy at module level.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -107,7 +106,12 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.runtime.serving.health import start_health_server
     from wavepp.runtime.stage.build import check_environment
     from wavepp.runtime.stage.placement import parse_cores, pin_to
-    from wavepp.runtime.stage.process import StageReadiness, TensorParallelLost, run_stage
+    from wavepp.runtime.stage.process import (
+        StageReadiness,
+        TensorParallelLost,
+        run_leaving_threads,
+        run_stage,
+    )
     from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
 
     try:
@@ -170,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
 
     code = 0
     try:
-        asyncio.run(main())
+        run_leaving_threads(main())
     except KeyboardInterrupt:
         pass
     except TensorParallelLost as exc:
@@ -179,6 +183,6 @@ def run(args: argparse.Namespace) -> int:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    # The gloo process group and a compute thread blocked in recv() would hold the interpreter
-    # at exit; everything this process owns is already drained.
+    # The gloo process group and threads blocked in recv() or a group formation would hold the
+    # interpreter at exit; everything this process owns is already drained.
     os._exit(code)

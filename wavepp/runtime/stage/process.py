@@ -12,7 +12,9 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -174,6 +176,31 @@ async def run_stage(
             await rendezvous.close()
         await nc.drain()
         tracing.shutdown()
+
+
+def run_leaving_threads(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` on a new event loop, cancel the tasks it left, and close the loop without
+    joining the threads of the loop's default executor (``asyncio.to_thread``).
+
+    ``asyncio.run`` joins them, with no time limit on Python 3.11: a thread still blocked in a
+    group formation or a collective whose peer died (a TP follower killed, a stage gone) would
+    hold the process until that call's timeout (120 s or more) after everything the stage owns
+    has drained. The caller then leaves with ``os._exit``, which does not wait for them either.
+
+    Raises:
+        Whatever ``main`` raised (after the clean-up).
+    """
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(main)
+    finally:
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        if left:
+            loop.run_until_complete(asyncio.wait(left))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()  # shuts the default executor down without waiting for its threads
 
 
 async def _watch_followers(
