@@ -144,3 +144,55 @@ def test_a_view_refuses_a_nonpositive_rewatch_and_a_beat_subject_needs_the_bucke
         BucketView(object(), rewatch_s=0)
     with pytest.raises(ValueError, match="bucket"):
         EpochRendezvous(object(), 0, 2, nc=object())
+
+
+class _Entry:
+    key, value, revision, operation = "epoch", b"1", 1, "PUT"
+
+
+class _SwallowingWatcher:
+    """A watch whose ``updates`` returns an update instead of raising when cancelled: what
+    Python 3.11's ``asyncio.wait_for`` does when the cancellation and an update meet."""
+
+    STOP_ITER = object()
+
+    def __init__(self) -> None:
+        self.swallowed = 0
+        self.stopped = False
+        self.released = False  # the test's way out if close() never ends the watch
+
+    async def updates(self, timeout: float) -> object:
+        if self.released:
+            raise asyncio.CancelledError
+        try:
+            await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            self.swallowed += 1
+        return _Entry()
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+class _SwallowingKV:
+    def __init__(self) -> None:
+        self.watcher = _SwallowingWatcher()
+
+    async def watch(self, keys: str) -> _SwallowingWatcher:
+        return self.watcher
+
+
+async def test_close_ends_a_watch_that_dropped_its_cancellation() -> None:
+    kv = _SwallowingKV()
+    view = BucketView(kv, rewatch_s=30.0)
+    follow = asyncio.create_task(view.wait_for(lambda: False))
+    while view.get("epoch") is None:
+        await asyncio.sleep(0.01)
+    closing = asyncio.create_task(view.close())
+    await asyncio.wait({closing}, timeout=5)
+    closed = closing.done()
+    kv.watcher.released = True
+    await asyncio.wait({closing}, timeout=5)
+    follow.cancel()
+    # returned before the release: the watch ended although its cancels were lost
+    assert closed and kv.watcher.swallowed >= 1 and kv.watcher.stopped

@@ -65,6 +65,8 @@ EPOCH_KEY = "epoch"
 # serving stage's own beat comes back through it every PEER_BEAT_S, so only a lost watch (a
 # server restart) or an idle bucket goes this long without an update.
 REWATCH_S = 2.0
+# A watch's close cancels its task again after this long while it has not ended (BucketView.close).
+CLOSE_RETRY_S = 0.05
 
 
 MAX_EPOCH = 2**31
@@ -289,6 +291,7 @@ class BucketView:
         self._changed: asyncio.Condition | None = None
         self._synced: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
 
     def get(self, key: str) -> tuple[bytes, int] | None:
         """``key``'s last (value, revision) the watch delivered, or None (absent or deleted)."""
@@ -306,15 +309,24 @@ class BucketView:
             await self._changed.wait_for(predicate)
 
     async def close(self) -> None:
-        """Stop the watch (idempotent)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        """Stop the watch (idempotent); returns once its task has ended.
+
+        The task is cancelled again until it ends: on Python 3.11 ``asyncio.wait_for`` (under
+        ``KeyWatcher.updates``) drops a cancellation that arrives as an update does, and the
+        watch would then go on, with this call waiting on it for ever.
+        """
+        task = self._task
+        self._closing = True
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=CLOSE_RETRY_S)
+        if task is not None and not task.cancelled():
+            with contextlib.suppress(Exception):
+                task.result()  # retrieved: a watch that failed is not logged as unretrieved
 
     async def _follow(self) -> None:
         assert self._changed is not None and self._synced is not None
-        while True:
+        while not self._closing:
             try:
                 watcher = await self.kv.watch(">")
             except Exception as exc:  # noqa: BLE001 - a reconnecting server: try again
@@ -323,7 +335,7 @@ class BucketView:
                 continue
             self.num_watches += 1
             try:
-                while True:
+                while not self._closing:
                     try:
                         entry = await watcher.updates(timeout=self.rewatch_s)
                     except TimeoutError:
