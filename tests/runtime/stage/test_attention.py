@@ -76,6 +76,24 @@ def test_causal_attention_over_a_context_builds_no_mask(
     torch.testing.assert_close(got.double(), reference(q, k, v, offset), rtol=0, atol=1e-5)
 
 
+def test_mla_head_sizes_reach_sdpa_padded_to_equal_on_cpu(monkeypatch) -> None:
+    """A chunk without context whose keys are wider than its values (MLA) reaches SDPA with
+    equal head sizes (the CPU flash kernel's rule) and still equals the reference."""
+    q, k, v = inputs(9, 0, 4, 4, 24, 16, 5)
+    sdpa = F.scaled_dot_product_attention
+    seen: list[tuple[int, int]] = []
+
+    def recording(query, key, value, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        seen.append((query.shape[-1], value.shape[-1]))
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(common.F, "scaled_dot_product_attention", recording)
+    got = attend(q, k, v, None, 24**-0.5)
+    assert seen == [(24, 24)]
+    assert got.shape == (9, 4, 16)
+    torch.testing.assert_close(got.double(), reference(q, k, v, 0), rtol=0, atol=1e-5)
+
+
 def test_the_split_in_bfloat16_stays_within_rounding_of_float32() -> None:
     q, k, v = inputs(19, 45, 8, 2, 32, 32, 3)
     want = reference(q, k, v, 45).float()

@@ -125,7 +125,8 @@ def attend(
         v: [L + x, kv_heads, d_v] values.
         mask: [x, L + x] bool, True where a query may attend a key (a sparse selection, as
             DSA's top-k); None: causal (query j attends keys ``<= L + j``) without a
-            materialised mask: SDPA's ``is_causal`` kernel path when L = 0; else on CPU
+            materialised mask: SDPA's ``is_causal`` kernel path when L = 0 (on CPU with
+            ``d_qk != d_v`` zero-padded to equal head sizes, the flash kernel's); else on CPU
             :func:`attend_over_context` (two mask-free passes merged); on other devices
             ``torch.nn.attention.bias.causal_lower_right`` (a fused kernel on CUDA).
         scale: softmax scale.
@@ -140,9 +141,13 @@ def attend(
             qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
     elif q.shape[0] == k.shape[0]:
+        d_v = v.shape[-1]
+        if q.device.type == "cpu" and q.shape[-1] != d_v:
+            # the CPU flash kernel takes equal head sizes (else SDPA takes its math path)
+            qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in _equal_head_sizes(q, k, v))
         out = F.scaled_dot_product_attention(
             qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa
-        )
+        )[..., :d_v]
     elif q.device.type == "cpu":
         return attend_over_context(q, k, v, scale)
     else:
@@ -156,6 +161,20 @@ def attend(
             kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, scale=scale)
     return out[0].transpose(0, 1)
+
+
+def _equal_head_sizes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q``, ``k`` [.., d_qk] and ``v`` [.., d_v] with the narrower side zero-padded to
+    ``max(d_qk, d_v)`` (the CPU flash kernel's rule): zero dims add nothing to a dot
+    product, and zero value dims give zero output dims, cut by the caller."""
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    if d_v < d_qk:
+        v = F.pad(v, (0, d_qk - d_v))
+    elif d_qk < d_v:
+        q, k = F.pad(q, (0, d_v - d_qk)), F.pad(k, (0, d_v - d_qk))
+    return q, k, v
 
 
 def _flash_cpu(
@@ -193,8 +212,7 @@ def attend_over_context(
     (the merge of two attention states of cascade / split-KV attention; formula source:
     FlashInfer's tutorial "Attention States and Recursive Attention",
     https://docs.flashinfer.ai/tutorials/recursive_attention.html). When ``d_qk != d_v``
-    (MLA) the kernel's equal-head-size rule is met by zero-padding the narrower side (zero
-    dims add nothing to a dot product; zero value dims are cut from the output).
+    (MLA) the kernel's equal-head-size rule is met by zero-padding the narrower side.
 
     Args:
         q: [x, heads, d_qk] queries of positions ``[L, L + x)``, x >= 1.
@@ -216,11 +234,8 @@ def attend_over_context(
             f"attend_over_context needs CPU tensors and a context of >= 1 key; got device "
             f"{q.device.type}, {k.shape[0]} keys for {x} queries"
         )
-    d_qk, d_v = q.shape[-1], v.shape[-1]
-    if d_v < d_qk:
-        v = F.pad(v, (0, d_qk - d_v))
-    elif d_qk < d_v:
-        q, k = F.pad(q, (0, d_v - d_qk)), F.pad(k, (0, d_v - d_qk))
+    d_v = v.shape[-1]
+    q, k, v = _equal_head_sizes(q, k, v)
     o_a, lse_a = _flash_cpu(q, k[:context], v[:context], False, scale)
     o_b, lse_b = _flash_cpu(q, k[context:], v[context:], True, scale)
     weight_a = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
