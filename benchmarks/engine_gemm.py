@@ -11,11 +11,17 @@ For the shapes of the model ``vs_vllm.py`` serves (hidden 512, intermediate 1536
   ``_mkl_linear``, packed for exactly M rows, as inductor's CPU freezing uses it), and, when
   this interpreter has vLLM's CPU build, vLLM's ``onednn_mm`` (``create_onednn_mm``: what its
   CPU linear layers call).
-- attention of one 512-token chunk over ``--contexts`` tokens of cached context:
-  ``layers.common.attend`` as the engine calls it on a CPU (SDPA; its own K/V, causal kernel,
-  when the context is 0; else the gathered context with the dense causal mask) against vLLM's
-  CPU attention kernel (``cpu_attention_with_kv_cache`` over a paged cache of 32-token blocks)
-  when available.
+- attention of one 512-token chunk over ``--contexts`` tokens of cached context, for each
+  ``--attn-shapes`` (``gqa``: 8 heads of 64 over 2 KV heads, the served model's; ``mla``: 8
+  heads, keys of 192, values of 128, DeepSeek-V3's per-head MLA dims):
+  ``layers.common.attend`` as the engine calls it on a CPU (``attend``: SDPA's causal kernel
+  over its own K/V when the context is 0, else ``attend_over_context``, two mask-free passes
+  merged) against, when the context is > 0, ``attend`` given the dense [512, L + 512]
+  causal mask (``dense_mask``: the engine's CPU path before the split; the mask built once,
+  outside the timing, as a micro-batch shared it across layers), with ``--flex``
+  ``torch.compile``d ``flex_attention`` with a causal block mask (compiled per context
+  length, the compile not timed), and for ``gqa`` vLLM's CPU attention kernel
+  (``cpu_attention_with_kv_cache`` over a paged cache of 32-token blocks) when available.
 
 Every path's output is checked against the first (max abs difference printed). Each row times
 every path ``--repeats`` times, paths alternated (order rotated per repeat), each timing the
@@ -55,7 +61,9 @@ SHAPES = {
     "gate_up": (3072, 512),
     "down": (512, 1536),
 }
-HEADS, KV_HEADS, HEAD_DIM, CHUNK, BLOCK = 8, 2, 64, 512, 32
+CHUNK, BLOCK = 512, 32
+# name -> (heads, kv_heads, d_qk, d_v) of the attention rows.
+ATTN_SHAPES = {"gqa": (8, 2, 64, 64), "mla": (8, 8, 192, 128)}
 
 Fn = Callable[[], torch.Tensor]
 
@@ -87,22 +95,27 @@ def gemm_paths(x: torch.Tensor, w: torch.Tensor, ops: Any | None, pack_hint: int
     return paths
 
 
-def attention_paths(context: int, ops: Any | None) -> dict[str, Fn]:
-    """Callables computing one 512-token chunk's attention over ``context`` cached tokens."""
+def attention_paths(context: int, shape: str, ops: Any | None, flex: bool) -> dict[str, Fn]:
+    """Callables computing one 512-token chunk's attention over ``context`` cached tokens,
+    heads and head sizes of ``ATTN_SHAPES[shape]``."""
+    heads, kv_heads, d_qk, d_v = ATTN_SHAPES[shape]
     total = context + CHUNK
-    q = torch.randn(CHUNK, HEADS, HEAD_DIM)
-    k = torch.randn(total, KV_HEADS, HEAD_DIM)
-    v = torch.randn(total, KV_HEADS, HEAD_DIM)
-    scale = HEAD_DIM**-0.5
-    if context == 0:
-        paths: dict[str, Fn] = {"attend": lambda: attend(q, k, v, None, scale)}
-    else:
+    q = torch.randn(CHUNK, heads, d_qk)
+    k = torch.randn(total, kv_heads, d_qk)
+    v = torch.randn(total, kv_heads, d_v)
+    scale = d_qk**-0.5
+    paths: dict[str, Fn] = {"attend": lambda: attend(q, k, v, None, scale)}
+    if context > 0:
         mask = causal_mask(context, CHUNK, q.device)
-        paths = {"attend": lambda: attend(q, k, v, mask, scale)}
+        paths["dense_mask"] = lambda: attend(q, k, v, mask, scale)
+        if flex:
+            paths["flex"] = _flex_path(q, k, v, context, scale)
+    if shape != "gqa":
+        return paths
     if ops is not None and hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
         blocks = (total + BLOCK - 1) // BLOCK
         # vLLM's CPU layout: [blocks, kv_heads, 2 * block, head_dim], keys then values.
-        cache = torch.zeros(blocks, KV_HEADS, 2 * BLOCK, HEAD_DIM)
+        cache = torch.zeros(blocks, kv_heads, 2 * BLOCK, d_qk)
         kc, vc = cache.chunk(2, dim=2)
         # written by vLLM's own cache write (its ISA may lay a block out its own way)
         ops.cpu_attn_reshape_and_cache(k, v, kc, vc, torch.arange(total, dtype=torch.int64), "vec")
@@ -111,9 +124,9 @@ def attention_paths(context: int, ops: Any | None) -> dict[str, Fn]:
         table = torch.arange(blocks, dtype=torch.int32)[None, :]
         meta = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=1,
-            num_heads=HEADS,
-            num_kv_heads=KV_HEADS,
-            head_dim=HEAD_DIM,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=d_qk,
             seq_lens=seq_lens,
             dtype=q.dtype,
             query_start_loc=qsl,
@@ -145,6 +158,31 @@ def attention_paths(context: int, ops: Any | None) -> dict[str, Fn]:
 
         paths["vllm_cpu_attn"] = vllm_attn
     return paths
+
+
+def _flex_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, scale: float) -> Fn:
+    """``flex_attention`` compiled for these shapes with a block mask of the bottom-right
+    causal rule, as an ``attend`` ([x, heads, d] layout in and out); d_qk must equal d_v
+    for the compiled CPU kernel, so it pads as ``attend_over_context`` does."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    d_v = v.shape[-1]
+    if d_v < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - d_v))
+    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+
+    def causal(_b, _h, qi, ki):  # noqa: ANN001, ANN202
+        return ki <= qi + context
+
+    block_mask = create_block_mask(causal, None, None, q.shape[0], k.shape[0], device="cpu")
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def run() -> torch.Tensor:
+        out = compiled(qt, kt, vt, block_mask=block_mask, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)[..., :d_v]
+
+    run()  # the compile, not timed
+    return run
 
 
 def _time_ms(fn: Fn, iters: int) -> float:
@@ -180,12 +218,14 @@ def measure(paths: dict[str, Fn], repeats: int, iters: int) -> dict[str, dict[st
 def _print_rows(title: str, rows: dict[str, dict[str, dict[str, float]]]) -> None:
     if not rows:
         return
-    names = list(next(iter(rows.values())))
+    names = list(dict.fromkeys(n for row in rows.values() for n in row))
     print(f"\n{title}: ms (ratio = baseline ms / path ms; max |diff| vs baseline)")
     print(f"{'':>18}" + "".join(f"{n:>26}" for n in names))
     for key, row in rows.items():
         cells = "".join(
             f"{row[n]['ms']:>9.2f} x{row[n]['ratio']:<5.2f} {row[n]['max_abs_diff']:>8.1e}"
+            if n in row
+            else f"{'-':>26}"
             for n in names
         )
         print(f"{key:>18}{cells}")
@@ -206,7 +246,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             print(f"# {name} M={m} done", file=sys.stderr, flush=True)
     attn = {
-        f"ctx={c}": measure(attention_paths(c, ops), args.repeats, args.iters)
+        f"{shape} ctx={c}": measure(
+            attention_paths(c, shape, ops, args.flex), args.repeats, args.iters
+        )
+        for shape in args.attn_shapes
         for c in args.contexts
     }
     load1 = os.getloadavg()[0]
@@ -239,10 +282,29 @@ def _ints(text: str) -> list[int]:
     return [int(t) for t in text.split(",") if t]
 
 
+def _shapes(text: str) -> list[str]:
+    names = [t for t in text.split(",") if t]
+    unknown = sorted(set(names) - set(ATTN_SHAPES))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown --attn-shapes {unknown}; known {sorted(ATTN_SHAPES)}"
+        )
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=_ints, default=[512, 1024, 2048, 4096])
     parser.add_argument("--contexts", type=_ints, default=[0, 1024, 3072])
+    parser.add_argument(
+        "--attn-shapes",
+        type=_shapes,
+        default=["gqa"],
+        help=f"attention rows' shapes, comma-separated of {sorted(ATTN_SHAPES)}",
+    )
+    parser.add_argument(
+        "--flex", action="store_true", help="add compiled flex_attention (minutes to compile)"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--iters", type=int, default=5, help="calls per timing (median)")
     parser.add_argument("--threads", type=int, default=1)

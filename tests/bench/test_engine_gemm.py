@@ -16,10 +16,12 @@ bench = load_benchmark("engine_gemm")
 
 def test_rows_cover_every_shape_and_context_and_paths_agree(capsys) -> None:
     argv = ["--tokens", "8,40", "--contexts", "0,64", "--repeats", "2", "--iters", "1"]
+    argv += ["--attn-shapes", "gqa,mla"]
     assert bench.main([*argv, "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(result["gemm"]) == {f"{s} M={m}" for s in bench.SHAPES for m in (8, 40)}
-    assert set(result["attention"]) == {"ctx=0", "ctx=64"}
+    assert set(result["attention"]) == {f"{s} ctx={c}" for s in ("gqa", "mla") for c in (0, 64)}
+    assert set(result["attention"]["mla ctx=64"]) >= {"attend", "dense_mask"}
     for row in result["gemm"].values():
         assert row["F.linear"]["ratio"] == 1.0
         if torch.backends.mkldnn.is_available():
@@ -39,3 +41,5 @@ def test_no_contexts_means_no_attention_rows(capsys) -> None:
 def test_lists_are_checked() -> None:
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--tokens", "a"])
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--attn-shapes", "gqa,mha"])

@@ -22,6 +22,7 @@ from wavepp.runtime.families import FAMILIES
 from wavepp.runtime.hf_config import load_model_dir
 from wavepp.runtime.stage.engine import ChunkSpec, make_engine
 from wavepp.runtime.stage.engine.checkpoint_engine import CheckpointStageEngine
+from wavepp.runtime.stage.engine.layers import common
 from wavepp.runtime.stage.engine.layers.kda import KDAAttention
 
 transformers = pytest.importorskip("transformers")
@@ -136,6 +137,43 @@ def test_pipelined_chunked_prefix_reuse_matches_reference(checkpoint, num_stages
     pipe.add("b", len(second), share="a", shared_blocks=3)
     got = pipe.run("b", second, 12, [5, 6])
     assert close(got, reference_logits(reference, second)) < ATOL
+
+
+def test_causal_chunks_over_a_cached_context_attend_without_a_mask(checkpoint, monkeypatch):
+    """GQA and MLA (latent) layers attend a chunk over a cached context through the CPU split
+    (``layers.common.attend_over_context``): no causal mask is built, SDPA gets none, and the
+    logits still match the reference. GLM-5's DSA layers (index_topk 8) take the split for a
+    chunk whose whole context fits the top-k (positions 6 of [0, 7)) and their top-k mask for
+    one past it (12 tokens over 7)."""
+    model_dir, reference = checkpoint
+    sdpa = common.F.scaled_dot_product_attention
+    split = common.attend_over_context
+    calls: list[int] = []
+
+    def sdpa_without_mask(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        assert kwargs.get("attn_mask") is None, "a mask reached SDPA"
+        return sdpa(*args, **kwargs)
+
+    def counted_split(q, k, v, scale):  # noqa: ANN001, ANN202
+        calls.append(k.shape[0] - q.shape[0])
+        return split(q, k, v, scale)
+
+    def no_mask(*_args) -> None:  # noqa: ANN002
+        raise AssertionError("causal_mask was built")
+
+    dsa = load_model_dir(model_dir).architecture == "glm_moe_dsa"
+    if not dsa:
+        monkeypatch.setattr(common.F, "scaled_dot_product_attention", sdpa_without_mask)
+        monkeypatch.setattr(common, "causal_mask", no_mask)
+    monkeypatch.setattr(common, "attend_over_context", counted_split)
+    pipe = Pipeline(model_dir, [3, 2], 2)
+    tokens = [(5 * i + 1) % VOCAB for i in range(19)]
+    pipe.add("a", len(tokens))
+    assert close(pipe.run("a", tokens, 0, [6, 1, 12]), reference_logits(reference, tokens)) < ATOL
+    if dsa:
+        assert calls and set(calls) == {6}
+    else:  # every softmax-attention layer, for each of the two chunks after the first
+        assert sorted(set(calls)) == [6, 7] and len(calls) % 2 == 0
 
 
 def test_reused_prefix_is_read_from_the_cache(checkpoint):

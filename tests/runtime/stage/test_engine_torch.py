@@ -156,10 +156,6 @@ def test_prepare_builds_slot_mapping_positions_and_tables() -> None:
     assert p.key_slots[0].tolist() == [28, 29, 30, 31, 8, 9, 10, 11, 36]
     assert p.logits_rows == (("b", 7),)
     assert p.token_ids is None
-    # query j of chunk a (position 3 + j) sees keys 0..3+j
-    assert p.attn_masks[0].shape == (6, 9)
-    assert p.attn_masks[0].sum(dim=1).tolist() == [4, 5, 6, 7, 8, 9]
-    assert p.attn_masks[1] is None  # no cached context: SDPA's causal path, no mask
     assert p.rope_cos.shape == (8, CONFIG.head_dim)
 
 

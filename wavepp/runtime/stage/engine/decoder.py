@@ -4,7 +4,7 @@ Each decoder layer is ``h = h + attn(RMSNorm(h)); h = h + ffn(RMSNorm(h))`` with
 and feed-forward blocks its plan names (``wavepp.runtime.families.layer_plan``; one module per
 layer kind in ``layers/``). Each attention layer owns its paged cache (K/V for GQA, the latent
 for MLA) over the stage's slots ``num_blocks * block_size``; the block tables, slot mapping and
-masks are the shared ``PreparedBatch`` (``base.py``). The first stage embeds token ids; the last
+RoPE tables are the shared ``PreparedBatch`` (``base.py``). The first stage embeds token ids; the last
 applies the final RMSNorm and ``lm_head`` to the last token of each ``is_last`` chunk only.
 
 :class:`DecoderStageEngine` is the one forward of every family; its subclasses only say where
@@ -32,7 +32,6 @@ from wavepp.runtime.stage.engine.base import (
 from wavepp.runtime.stage.engine.host_copy import BlockStates, HostCopies, block_rows
 from wavepp.runtime.stage.engine.layers.common import (
     WeightGetter,
-    causal_mask,
     rms_norm,
     rope_cos_sin,
 )
@@ -62,30 +61,10 @@ class TorchPreparedBatch(PreparedBatch):
 
     Attributes:
         rope_cos, rope_sin: [T, rotary_dim] RoPE tables at ``positions`` (activation dtype).
-        attn_masks: per chunk, None where attention needs no materialised mask (the chunk
-            has no cached context, L_i = 0: SDPA's causal kernel; or a CUDA device: the fused
-            lower-right causal kernel), else [x_i, L_i + x_i] bool, True where query j may
-            attend key k (k <= L_i + j) (``layers.common.attend``).
     """
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
-    attn_masks: tuple[torch.Tensor | None, ...]
-
-
-def causal_masks(
-    chunks: Sequence[ChunkSpec], device: torch.device
-) -> tuple[torch.Tensor | None, ...]:
-    """Per chunk, what :func:`~wavepp.runtime.stage.engine.layers.common.attend` takes for
-    causal attention over the chunk's context ``[0, L_i + x_i)``: None when ``L_i = 0`` or on
-    CUDA, else the [x_i, L_i + x_i] bool mask ``causal_mask(L_i, x_i)`` (built once per
-    micro-batch, shared by the layers)."""
-    return tuple(
-        None
-        if chunk.context_offset == 0 or device.type == "cuda"
-        else causal_mask(chunk.context_offset, chunk.num_tokens, device)
-        for chunk in chunks
-    )
 
 
 class _Layer:
@@ -360,7 +339,7 @@ class DecoderStageEngine(PagedStageEngineBase):
         return sum(layer.cache_bytes for layer in self._layers)
 
     def prepare(self, chunks: Sequence[ChunkSpec]) -> TorchPreparedBatch:
-        """Block tables, slots, positions, RoPE tables ([T, rotary_dim]) and causal masks.
+        """Block tables, slots, positions and RoPE tables ([T, rotary_dim]).
 
         Raises:
             ValueError: a chunk field is invalid (see ``build_prepared_batch``).
@@ -380,7 +359,6 @@ class DecoderStageEngine(PagedStageEngineBase):
             **base.base_fields(),
             rope_cos=cos,
             rope_sin=sin,
-            attn_masks=causal_masks(base.chunks, self.device),
         )
 
     @torch.inference_mode()

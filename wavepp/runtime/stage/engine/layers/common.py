@@ -123,10 +123,12 @@ def attend(
         q: [x, heads, d_qk] queries of positions ``[L, L + x)``.
         k: [L + x, kv_heads, d_qk] keys of positions ``[0, L + x)`` (kv_heads divides heads).
         v: [L + x, kv_heads, d_v] values.
-        mask: [x, L + x] bool, True where a query may attend a key; None: causal (query j
-            attends keys ``<= L + j``) without a materialised mask: SDPA's ``is_causal``
-            kernel path when L = 0, else ``torch.nn.attention.bias.causal_lower_right`` (a
-            fused kernel on CUDA; a dense mask on other devices, so callers there pass one).
+        mask: [x, L + x] bool, True where a query may attend a key (a sparse selection, as
+            DSA's top-k); None: causal (query j attends keys ``<= L + j``) without a
+            materialised mask: SDPA's ``is_causal`` kernel path when L = 0 (on CPU with
+            ``d_qk != d_v`` zero-padded to equal head sizes, the flash kernel's); else on CPU
+            :func:`attend_over_context` (two mask-free passes merged); on other devices
+            ``torch.nn.attention.bias.causal_lower_right`` (a fused kernel on CUDA).
         scale: softmax scale.
 
     Returns:
@@ -139,12 +141,18 @@ def attend(
             qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
     elif q.shape[0] == k.shape[0]:
+        d_v = v.shape[-1]
+        if q.device.type == "cpu" and q.shape[-1] != d_v:
+            # the CPU flash kernel takes equal head sizes (else SDPA takes its math path)
+            qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in _equal_head_sizes(q, k, v))
         out = F.scaled_dot_product_attention(
             qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa
-        )
+        )[..., :d_v]
+    elif q.device.type == "cpu":
+        return attend_over_context(q, k, v, scale)
     else:
         # Imported here: torch.nn.attention.bias loads torch._dynamo (~2 s at process start),
-        # which a stage on the emulated engine, or on CPU (dense masks), never needs.
+        # which a stage on the emulated engine, or on CPU, never needs.
         from torch.nn.attention.bias import causal_lower_right
 
         bias = causal_lower_right(q.shape[0], k.shape[0])
@@ -153,3 +161,83 @@ def attend(
             kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, scale=scale)
     return out[0].transpose(0, 1)
+
+
+def _equal_head_sizes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q``, ``k`` [.., d_qk] and ``v`` [.., d_v] with the narrower side zero-padded to
+    ``max(d_qk, d_v)`` (the CPU flash kernel's rule): zero dims add nothing to a dot
+    product, and zero value dims give zero output dims, cut by the caller."""
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    if d_v < d_qk:
+        v = F.pad(v, (0, d_qk - d_v))
+    elif d_qk < d_v:
+        q, k = F.pad(q, (0, d_v - d_qk)), F.pad(k, (0, d_v - d_qk))
+    return q, k, v
+
+
+def _flash_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass of the CPU flash kernel: ``q`` [x, heads, d], ``k``/``v`` [n, kv_heads, d]
+    (kv_heads divides heads; the kernel maps head h to kv head ``h // (heads / kv_heads)``,
+    as SDPA's ``enable_gqa``); ``causal``: query j sees keys ``<= j`` (top-left). Returns
+    out [x, heads, d] (q's dtype) and the natural log-sum-exp of each query's scaled scores
+    [x, heads] (float32).
+
+    ``aten._scaled_dot_product_flash_attention_for_cpu`` is a private op (SDPA's CPU flash
+    path); public SDPA does not return the log-sum-exp. ``tests/runtime/stage/
+    test_attention.py`` pins its schema and its log-sum-exp.
+    """
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), 0.0, causal, scale=scale
+    )
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def attend_over_context(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of a chunk over a cached context, on CPU, with no mask built.
+
+    Query j (position ``L + j``) sees every context key ``[0, L)`` and the chunk's own keys
+    ``<= L + j``. Two mask-free passes of the CPU flash kernel: (a) the queries against keys
+    ``[0, L)``, (b) against the chunk's keys ``[L, L + x)`` with the top-left causal kernel,
+    each with its log-sum-exp ``lse``, merged exactly in float32::
+
+        out = (o_a * exp(lse_a - m) + o_b * exp(lse_b - m)) / (exp(lse_a - m) + exp(lse_b - m))
+            = o_b + (o_a - o_b) * sigmoid(lse_a - lse_b)          m = max(lse_a, lse_b)
+
+    (the merge of two attention states of cascade / split-KV attention; formula source:
+    FlashInfer's tutorial "Attention States and Recursive Attention",
+    https://docs.flashinfer.ai/tutorials/recursive_attention.html). When ``d_qk != d_v``
+    (MLA) the kernel's equal-head-size rule is met by zero-padding the narrower side.
+
+    Args:
+        q: [x, heads, d_qk] queries of positions ``[L, L + x)``, x >= 1.
+        k: [L + x, kv_heads, d_qk] keys of positions ``[0, L + x)``, L >= 1 (kv_heads
+            divides heads).
+        v: [L + x, kv_heads, d_v] values.
+        scale: softmax scale.
+
+    Returns:
+        [x, heads, d_v] in q's dtype.
+
+    Raises:
+        ValueError: not on CPU, or ``k`` has no context key (L < 1; causal attention over
+            the chunk alone is SDPA's ``is_causal``).
+    """
+    x, context = q.shape[0], k.shape[0] - q.shape[0]
+    if q.device.type != "cpu" or context < 1:
+        raise ValueError(
+            f"attend_over_context needs CPU tensors and a context of >= 1 key; got device "
+            f"{q.device.type}, {k.shape[0]} keys for {x} queries"
+        )
+    d_v = v.shape[-1]
+    q, k, v = _equal_head_sizes(q, k, v)
+    o_a, lse_a = _flash_cpu(q, k[:context], v[:context], False, scale)
+    o_b, lse_b = _flash_cpu(q, k[context:], v[context:], True, scale)
+    weight_a = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
+    o_a, o_b = o_a[..., :d_v].float(), o_b[..., :d_v].float()
+    return (o_b + (o_a - o_b) * weight_a).to(q.dtype)

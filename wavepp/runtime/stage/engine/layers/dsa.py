@@ -64,9 +64,17 @@ class DSAIndexer:
             (apply_rope_interleaved(x[..., :r], p.rope_cos, p.rope_sin), x[..., r:]), dim=-1
         )
 
-    def select(self, x: torch.Tensor, q_resid: torch.Tensor, p) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+    def select(
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        p,  # noqa: ANN001
+    ) -> tuple[torch.Tensor | None, ...]:
         """Write the new tokens' indexer keys, then per chunk a [x_i, L_i + x_i] bool mask:
-        True where the key is causal and among the query's top-k."""
+        True where the key is causal and among the query's top-k; None (plain causal
+        attention, ``attend``'s mask-free paths) where ``index_topk >= L_i + x_i``, as every
+        causal key is then selected. Sparse masks are genuine: a chunk past the top-k keeps its
+        dense mask."""
         s = self.shape
         assert self.cache is not None, "allocate() runs before forward()"
         num_tokens = x.shape[0]
@@ -75,17 +83,19 @@ class DSAIndexer:
         k = self._rope(k[:, None, :], p)[:, 0]
         self.cache.index_copy_(0, p.slot_mapping, p.written(k))
         weights = F.linear(x, self.weights_proj).float() * s.n_heads**-0.5  # [T, H_I]
-        masks = []
+        masks: list[torch.Tensor | None] = []
         for chunk, start, key_slots in zip(p.chunks, p.row_starts, p.key_slots, strict=True):
             end = start + chunk.num_tokens
+            if s.topk >= chunk.context_offset + chunk.num_tokens:
+                masks.append(None)
+                continue
             causal = causal_mask(chunk.context_offset, chunk.num_tokens, x.device)
             keys = self.cache[key_slots].float()  # [n, D]
             scores = F.relu(torch.einsum("thd,nd->thn", q[start:end].float(), keys))
             scores = scores * s.head_dim**-0.5
             index = torch.einsum("th,thn->tn", weights[start:end], scores)
             index = index.masked_fill(~causal, float("-inf"))
-            topk = min(s.topk, index.shape[-1])
-            chosen = index.topk(topk, dim=-1).indices
+            chosen = index.topk(s.topk, dim=-1).indices
             selected = torch.zeros_like(causal).scatter_(-1, chosen, True)
             masks.append(causal & selected)
         return tuple(masks)

@@ -137,9 +137,7 @@ class GQAAttention:
             self.cache[1].index_copy_(0, p.slot_mapping, p.written(v))
         out = torch.empty_like(q)
         scale = s.head_dim**-0.5
-        for chunk, start, key_slots, mask in zip(
-            p.chunks, p.row_starts, p.key_slots, p.attn_masks, strict=True
-        ):
+        for chunk, start, key_slots in zip(p.chunks, p.row_starts, p.key_slots, strict=True):
             end = start + chunk.num_tokens
             if chunk.context_offset == 0:  # the context is the chunk's own new tokens
                 ck, cv = k[start:end], v[start:end]
@@ -147,7 +145,7 @@ class GQAAttention:
                 with region("kv_gather"):
                     ck, cv = self.cache[0][key_slots], self.cache[1][key_slots]
             with region("attention"):
-                out[start:end] = attend(q[start:end], ck, cv, mask, scale)
+                out[start:end] = attend(q[start:end], ck, cv, None, scale)
         with region("attn_out"):
             return self.tp.all_reduce(self.o(out.reshape(num_tokens, q_dim)))
 

@@ -163,23 +163,26 @@ class MLAAttention:
         Args:
             x: activations after ``input_layernorm``.
             p: the prepared batch (``TorchPreparedBatch``).
-            masks: per chunk [x_i, L_i + x_i] bool masks replacing ``p.attn_masks`` (the DSA
-                top-k selection); None: causal.
+            masks: per chunk a [x_i, L_i + x_i] bool mask (the DSA top-k selection) or None
+                (causal); None: causal for every chunk.
         """
         q, _ = self.queries(x, p)
         latent = self.write_latents(x, p)
-        return self.attend_chunks(q, p, p.attn_masks if masks is None else masks, latent)
+        return self.attend_chunks(q, p, masks, latent)
 
     def attend_chunks(self, q: torch.Tensor, p, masks, latent: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
         """Attention of every chunk over its expanded context, then ``o_proj``: a chunk with
         no cached context expands its own rows of ``latent`` (the new tokens' [T,
         latent_dim], as ``write_latents`` returns), any other gathers its context's latents
-        from the cache. ``masks``: per chunk a mask for ``attend`` (None: causal)."""
+        from the cache. ``masks``: per chunk a mask for ``attend`` or None (causal, through
+        ``attend``'s mask-free paths); None: causal for every chunk."""
         s = self.shape
         assert self.cache is not None
         num_tokens = q.shape[0]
         out = q.new_empty((num_tokens, self.heads, s.v_head_dim))
         scale = s.qk_head_dim**-0.5
+        if masks is None:
+            masks = (None,) * len(p.chunks)
         for chunk, start, key_slots, mask in zip(
             p.chunks, p.row_starts, p.key_slots, masks, strict=True
         ):
