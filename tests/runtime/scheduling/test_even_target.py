@@ -1,11 +1,12 @@
 """The closed-loop target of a population larger than the micro-batches in flight sizes W from
 the mean work of the requests admitted last (``SchedulerCore.closed_loop_target_s``,
-``WORK_WINDOW``): one long prompt entering the population does not move the target of every
+``WORK_WINDOW``) when the replica counts a way back (``return_microbatches`` >= 1, a served
+replica): one long prompt entering the population does not raise the target of every
 micro-batch of its round, so consecutive micro-batches cost about the same.
 
 - unit: the target with 8 open requests is c + 8 x (mean work of the last admitted) / m, and
   stays there when a long prompt is admitted; with no more open requests than micro-batches in
-  flight it is the open requests' own work (c + W / m), as before;
+  flight, or without a way back, it is the open requests' own work (c + W / m), as before;
 - simulated (the runtime's scheduler, planner and admission on a virtual clock): a served
   two-stage replica (S + 1 micro-batches in flight) in a closed loop at C = 8 over the first 100
   records of the in-repo Mooncake trace plans no micro-batch, past the ramp-up and before the
@@ -36,10 +37,11 @@ SHORT, LONG = 512, 8192
 LAT = SimLatencies(kv_rtt_s=1e-3, bus_latency_s=5e-4, hop_s=2e-4, schedule_s=1.65e-3)
 
 
-def _core(concurrency: int) -> SchedulerCore:
+def _core(concurrency: int, return_microbatches: int = 1) -> SchedulerCore:
     config, planner_cost = runtime_config(
         GridSpec(time_scale=1.0, num_stages=2), Setting("minimax-m2.7", concurrency, "low", "wave")
     )
+    config = config.model_copy(update={"return_microbatches": return_microbatches})
     return SchedulerCore(config, planner_for(config, planner_cost), block_hashes=lambda _: [])
 
 
@@ -92,12 +94,16 @@ def test_a_long_prompt_moves_the_target_by_its_share_of_the_recent_mean() -> Non
     assert after < 0.6 * _target_of(core, own_s)
 
 
-def test_no_more_open_requests_than_in_flight_keeps_their_own_work() -> None:
-    core = _core(2)
-    assert core.config.resolved_max_inflight == 2
+@pytest.mark.parametrize(("num_open", "return_microbatches"), [(2, 1), (3, 1), (8, 0)])
+def test_few_open_requests_or_no_way_back_keep_their_own_work(
+    num_open: int, return_microbatches: int
+) -> None:
+    core = _core(num_open, return_microbatches)
+    assert core.config.resolved_max_inflight == 2 + return_microbatches
     for i in range(20):
         _finish(core, _admit(core, f"s{i}", SHORT))
-    records = [_admit(core, "a", SHORT), _admit(core, "long", LONG)]
+    records = [_admit(core, f"a{i}", SHORT) for i in range(num_open - 1)]
+    records.append(_admit(core, "long", LONG))
     total_s = sum(r.work_s for r in records)
     assert core.closed_loop_target_s() == pytest.approx(_target_of(core, total_s))
 

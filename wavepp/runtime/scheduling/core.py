@@ -53,8 +53,8 @@ _RECENT_OUTCOMES = 4096  # stages report in any order: outcomes kept a while aft
 # A planning set within this fraction of the closed-loop target counts as a full micro-batch
 # (agreements of requests returning together end a few microseconds apart).
 _FULL_FRACTION = 0.98
-# The closed-loop target of a population larger than the micro-batches in flight sizes W from
-# the mean work of this many requests admitted last (the population's law, not its members).
+# With a way back, the closed-loop target of a population larger than the micro-batches in flight
+# caps W by the mean work of this many requests admitted last (the population's law).
 WORK_WINDOW = 256
 
 
@@ -315,17 +315,17 @@ class SchedulerCore(DoneAccounting):
         r >= 1 m = S + r, so stage 0 runs the round's last r micro-batches while the first
         one's requests return, for r more c a round.
 
-        W: while the open requests are at most ``resolved_max_inflight``, the sum of each
-        admitted, unfinished request's whole chunk work (once per round, however far it got)
-        and, for open requests not admitted yet, the mean work of the admitted ones. With more
-        open requests than micro-batches in flight, every micro-batch carries several requests
-        and the population turns over within a round (each finished request is replaced by a
-        new one from the same workload): W is then the open requests times the mean work of the
-        last ``WORK_WINDOW`` admitted requests, so that one long prompt entering or leaving the
-        population does not move the target of every micro-batch of its round (a micro-batch
-        several times its neighbours' cost makes the next stage wait for it, and the closed loop
-        keeps that size, since its requests come back together). ``extra_works_s``: requests
-        counted as admitted with this work (a speculation's).
+        W: the sum of each admitted, unfinished request's whole chunk work (once per round,
+        however far it got) and, for open requests not admitted yet, the mean work of the
+        admitted ones. With a way back (r >= 1) and more open requests than micro-batches in
+        flight, every micro-batch carries several requests and the population turns over
+        within a round (each finished request is replaced by a new one from the same workload,
+        some of the round's requests being on their way back): W is then at most the open
+        requests times the mean work of the last ``WORK_WINDOW`` admitted requests, so that one
+        long prompt entering the population does not raise the target of every micro-batch of
+        its round (a micro-batch several times its neighbours' cost makes the next stage wait
+        for it, and the closed loop keeps that size, since its requests come back together).
+        ``extra_works_s``: requests counted as admitted with this work (a speculation's).
         """
         if not self.config.resolved_closed_loop_fill:
             return None
@@ -344,10 +344,14 @@ class SchedulerCore(DoneAccounting):
             return None
         num_unadmitted = max(0, self.num_open - len(works))
         total_s = sum(works) + num_unadmitted * mean_work_s
-        if self.num_open > self.config.resolved_max_inflight and self._recent_works:
+        if (
+            self.config.resolved_return_microbatches > 0
+            and self.num_open > self.config.resolved_max_inflight
+            and self._recent_works
+        ):
             num_recent = len(self._recent_works) + len(extra_works_s)
             recent_s = self._recent_works_s + sum(extra_works_s)
-            total_s = self.num_open * recent_s / num_recent
+            total_s = min(total_s, self.num_open * recent_s / num_recent)
         fixed_s = self.planner.fixed_cost_s
         # m micro-batches per round (see the docstring), k = max(1, m / open requests) per
         # request. With little work in the system (W small next to c) fewer than S
