@@ -452,7 +452,9 @@ def pass_summary(
 def timeline_summary(dones: list[Any], wall_s: float, stages: int) -> dict[str, Any]:
     """What the stages of one ``local`` pass did, from their done messages (``MicroBatchDone``:
     execute start and end, wall-clock seconds): micro-batches and new tokens per micro-batch
-    (stage 0's; mean, least and most), per stage the fraction of the pass's wall time it executed, its idle seconds
+    (stage 0's; mean, least and most, and the spread of stage 0's micro-batches as coefficients of
+    variation, population standard deviation / mean: ``tokens_cv`` of their new tokens,
+    ``execute_cv`` of their execute seconds), per stage the fraction of the pass's wall time it executed, its idle seconds
     between its first execute and its last (``gap_s``: waiting for work inside the pass, not
     fill or drain) and before its first and after its last (``edge_s``: fill and drain, with
     the pass's start and end taken as stage 0's first start and the last stage's last end)."""
@@ -470,6 +472,8 @@ def timeline_summary(dones: list[Any], wall_s: float, stages: int) -> dict[str, 
         "microbatches": len(spans[0]),
         "tokens_per_microbatch": round(sum(n for *_, n in spans[0]) / len(spans[0]), 1),
         "tokens_min_max": [min(n for *_, n in spans[0]), max(n for *_, n in spans[0])],
+        "tokens_cv": _cv([n for *_, n in spans[0]]),
+        "execute_cv": _cv([end - start for start, end, _ in spans[0]]),
         "busy_fraction": [],
         "gap_s": [],
         "edge_s": [],
@@ -480,6 +484,12 @@ def timeline_summary(dones: list[Any], wall_s: float, stages: int) -> dict[str, 
         out["gap_s"].append(round(span[-1][1] - span[0][0] - busy, 3))
         out["edge_s"].append(round(span[0][0] - first_s + last_s - span[-1][1], 3))
     return out
+
+
+def _cv(values: list[float]) -> float:
+    """Population standard deviation / mean of ``values``, 3 decimals (0.0 for a zero mean)."""
+    mean = statistics.fmean(values)
+    return round(statistics.pstdev(values) / mean, 3) if mean else 0.0
 
 
 class PipelineSide:

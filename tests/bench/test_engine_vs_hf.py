@@ -176,6 +176,8 @@ def test_timeline_summary_splits_each_stage_idle_into_gaps_and_fill_or_drain() -
         "microbatches": 3,
         "tokens_per_microbatch": 200.0,
         "tokens_min_max": [100, 300],
+        "tokens_cv": 0.408,  # 300, 100, 200: standard deviation 81.6 / mean 200
+        "execute_cv": 0.0,  # stage 0 ran each for 1 s
         "busy_fraction": [0.3, 0.3],
         "gap_s": [1.0, 1.0],
         "edge_s": [1.0, 1.0],  # stage 0 drains the last 1 s, stage 1 fills the first

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,6 +53,9 @@ _RECENT_OUTCOMES = 4096  # stages report in any order: outcomes kept a while aft
 # A planning set within this fraction of the closed-loop target counts as a full micro-batch
 # (agreements of requests returning together end a few microseconds apart).
 _FULL_FRACTION = 0.98
+# With a way back, the closed-loop target of a population larger than the micro-batches in flight
+# caps W by the mean work of this many requests admitted last (the population's law).
+WORK_WINDOW = 256
 
 
 class SchedulerCore(DoneAccounting):
@@ -118,6 +121,9 @@ class SchedulerCore(DoneAccounting):
         # closed loop's population, whose work sizes each micro-batch.
         self.num_open = 0
         self._mean_work_s: float | None = None
+        # The work of the requests admitted last (at most WORK_WINDOW) and its sum.
+        self._recent_works: deque[float] = deque(maxlen=WORK_WINDOW)
+        self._recent_works_s = 0.0
         # Baseline, budget accounting "estimated": the block hashes of every live request whose
         # first chunk was planned (it holds references on them), each hash counted once per
         # holder; a new request's estimate is how many of its leading blocks they hold.
@@ -160,6 +166,10 @@ class SchedulerCore(DoneAccounting):
         request = record.request
         record.ticket = ticket
         record.work_s = self.planner.request_work_s(ticket.num_cached_tokens, request.num_tokens)
+        if len(self._recent_works) == WORK_WINDOW:
+            self._recent_works_s -= self._recent_works[0]
+        self._recent_works.append(record.work_s)
+        self._recent_works_s += record.work_s
         record.status = RequestStatus.ADMITTED
         record.num_inflight_microbatches = 0
         record.outcome = RequestOutcome(
@@ -305,8 +315,16 @@ class SchedulerCore(DoneAccounting):
         r >= 1 m = S + r, so stage 0 runs the round's last r micro-batches while the first
         one's requests return, for r more c a round.
 
-        W sums each admitted, unfinished request's whole chunk work (once per round, however far
-        it got) and, for open requests not admitted yet, the mean work of the admitted ones.
+        W: the sum of each admitted, unfinished request's whole chunk work (once per round,
+        however far it got) and, for open requests not admitted yet, the mean work of the
+        admitted ones. With a way back (r >= 1) and more open requests than micro-batches in
+        flight, every micro-batch carries several requests and the population turns over
+        within a round (each finished request is replaced by a new one from the same workload,
+        some of the round's requests being on their way back): W is then at most the open
+        requests times the mean work of the last ``WORK_WINDOW`` admitted requests, so that one
+        long prompt entering the population does not raise the target of every micro-batch of
+        its round (a micro-batch several times its neighbours' cost makes the next stage wait
+        for it, and the closed loop keeps that size, since its requests come back together).
         ``extra_works_s``: requests counted as admitted with this work (a speculation's).
         """
         if not self.config.resolved_closed_loop_fill:
@@ -326,6 +344,14 @@ class SchedulerCore(DoneAccounting):
             return None
         num_unadmitted = max(0, self.num_open - len(works))
         total_s = sum(works) + num_unadmitted * mean_work_s
+        if (
+            self.config.resolved_return_microbatches > 0
+            and self.num_open > self.config.resolved_max_inflight
+            and self._recent_works
+        ):
+            num_recent = len(self._recent_works) + len(extra_works_s)
+            recent_s = self._recent_works_s + sum(extra_works_s)
+            total_s = min(total_s, self.num_open * recent_s / num_recent)
         fixed_s = self.planner.fixed_cost_s
         # m micro-batches per round (see the docstring), k = max(1, m / open requests) per
         # request. With little work in the system (W small next to c) fewer than S
