@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
+from agreement_support import local_stages
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wavepp.runtime.agreement import AgreementController, AgreementRefused, LocalStageClient
-from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.agreement import AgreementRefused
 from wavepp.runtime.request import PromptRequest
 
 BLOCK_SIZE = 4
@@ -20,12 +20,8 @@ requests_st = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 14)), min_siz
 
 
 async def _run(capacities: list[int], workload: list[tuple[int, int]], num_at_once: int) -> dict:
-    managers = [StageKVManager(BlockPool(n, BLOCK_SIZE)) for n in capacities]
-    controller = AgreementController(
-        [LocalStageClient(m, r) for r, m in enumerate(managers)],
-        block_size=BLOCK_SIZE,
-        model_id="prop",
-        stage_capacities=capacities,
+    managers, controller = local_stages(
+        capacities, block_size=BLOCK_SIZE, model_id="prop", stage_capacities=capacities
     )
     prefixes = [[p * 50 + i for i in range(3 * BLOCK_SIZE)] for p in range(4)]
     live: list[tuple[PromptRequest, int]] = []

@@ -1,4 +1,4 @@
-"""``--model DIR`` and ``RuntimeConfig.model_dir``: the config derived from config.json, the
+"""``--model DIR`` and ``RuntimeConfig.model_dir`` (``launch.runtime_config.with_checkpoint``): the config derived from config.json, the
 stage/admission flag, the tensor-parallel refusal, and a replay on an MoE + MLA checkpoint."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from wavepp.api.spec import WavePipelineSpec
 from wavepp.cmd.stage import add_arguments
 from wavepp.launch.flags import ArgError
 from wavepp.launch.replica import runtime_config_from_args
+from wavepp.launch.runtime_config import with_checkpoint
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.hf_config import load_model_dir, model_config_from_hf
 from wavepp.runtime.model_config import balanced_partition
@@ -63,7 +64,7 @@ def test_unsupported_config_json_is_refused_by_field(dsv3_dir: Path, patch, matc
 
 
 def test_runtime_config_with_model_dir_builds_checkpoint_stages(dsv3_dir: Path) -> None:
-    config = RuntimeConfig(num_stages=2).with_model_dir(str(dsv3_dir))
+    config = with_checkpoint(RuntimeConfig(num_stages=2), str(dsv3_dir))
     assert config.model_dir == str(dsv3_dir.resolve())
     assert config.model.architecture == "deepseek_v3"
     config = RuntimeConfig.model_validate(config.model_dump() | {"partition": [3, 1]})
@@ -90,7 +91,7 @@ def test_tensor_parallel_is_refused_where_not_implemented(tmp_path: Path) -> Non
         RuntimeConfig(num_stages=2, tensor_parallel_size=2, engine="emulated", cost_model={})
     save_random_checkpoint("kimi_linear", tmp_path, num_layers=2, vocab_size=64)
     with pytest.raises(ValueError, match="family 'kimi_linear'"):
-        RuntimeConfig(num_stages=2, tensor_parallel_size=2).with_model_dir(str(tmp_path))
+        with_checkpoint(RuntimeConfig(num_stages=2, tensor_parallel_size=2), str(tmp_path))
     with pytest.raises(ValueError, match="num_heads=4 is not divisible"):
         RuntimeConfig(num_stages=2, tensor_parallel_size=3)
     # The spec refuses it at validation (wavepp.api.spec.checks), naming the field.
@@ -107,7 +108,7 @@ def test_weights_and_model_dir_together_are_refused(dsv3_dir: Path) -> None:
     with pytest.raises(ValueError, match="set one"):
         RuntimeConfig(num_stages=2, weights="/w", model_dir=str(dsv3_dir))
     with pytest.raises(ValueError, match="set one"):
-        RuntimeConfig(num_stages=2, weights="/w").with_model_dir(str(dsv3_dir))
+        with_checkpoint(RuntimeConfig(num_stages=2, weights="/w"), str(dsv3_dir))
 
 
 def test_stage_flag_model_overrides_the_runtime_config(dsv3_dir: Path, tmp_path: Path) -> None:

@@ -328,9 +328,9 @@ def test_pin_cores_gives_every_stage_of_every_replica_its_own_share(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Eight cores for 2 x 2 stages (patched: the host may have fewer cores than stages)."""
-    import wavepp.launch.up as up
+    import wavepp.runtime.serving.processes as processes
 
-    monkeypatch.setattr(up, "launcher_cores", lambda: list(range(8)))
+    monkeypatch.setattr(processes, "launcher_cores", lambda: list(range(8)))
 
     def stage_cores_of(raw: dict) -> list:
         spec, configs = _spec_and_configs(raw)

@@ -17,6 +17,7 @@ from wavepp.bench.trace import TokenMapper
 from wavepp.launch.capacity import Capacity, CapacityError, replica_capacity
 from wavepp.launch.flags import FlagError, describe_error
 from wavepp.launch.replica import planner_cost_model
+from wavepp.launch.runtime_config import ServedCheckpoint
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.families import model_shape_from_hf
 from wavepp.runtime.hf_config import load_model_dir, normalize_hf_config, read_hf_config
@@ -27,14 +28,6 @@ from wavepp.runtime.planning.memory import FIXED_KV_BLOCKS
 from wavepp.telemetry.settings import TelemetrySettings
 
 _MAX_DERIVED_KV_BLOCKS = 1 << 22
-
-
-def _checkpoint_partition(model_dir: str, num_stages: int) -> list[int]:
-    """``engine.balance.checkpoint_partition``, imported only for a checkpoint: it imports torch
-    (~2 s of CPU), which this process needs for nothing else (its stages import their own)."""
-    from wavepp.runtime.stage.engine.balance import checkpoint_partition
-
-    return checkpoint_partition(model_dir, num_stages)
 
 
 def _telemetry_settings(args: argparse.Namespace) -> TelemetrySettings:
@@ -99,13 +92,13 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
         raise FlagError("--limit", f"{args.limit}: must be >= 1")
     if args.concurrency < 1:
         raise FlagError("--concurrency", f"{args.concurrency}: must be >= 1")
-    model_dir: str | None = None
+    checkpoint: ServedCheckpoint | None = None
     if Path(args.model).is_dir() and args.engine != "torch":
         raise FlagError("--model", f"{args.model}: a checkpoint directory needs --engine torch")
     try:
         if Path(args.model).is_dir():
-            model_dir = str(Path(args.model).resolve())
-            model = load_model_dir(model_dir).model_copy(update={"seed": args.seed})
+            checkpoint = ServedCheckpoint.read(args.model)
+            model = checkpoint.model.model_copy(update={"seed": args.seed})
         else:
             model = get_preset(args.model).model_copy(update={"seed": args.seed})
         kv_blocks = (
@@ -135,8 +128,8 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
     try:
         config = RuntimeConfig(
             model=model,
-            model_dir=model_dir,
-            partition=_checkpoint_partition(model_dir, args.stages) if model_dir else None,
+            model_dir=checkpoint.model_dir if checkpoint else None,
+            partition=checkpoint.partition(args.stages) if checkpoint else None,
             state_interval_blocks=args.state_interval_blocks,
             engine=args.engine,
             cost_model=stage_cost.to_dict() if stage_cost else None,

@@ -30,7 +30,7 @@ from wavepp.launch.flags import (
     check_port,
     describe_error,
 )
-from wavepp.launch.runtime_config import runtime_configs_from_spec
+from wavepp.launch.runtime_config import runtime_configs_from_spec, with_checkpoint
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
 from wavepp.telemetry.settings import TelemetrySettings
@@ -83,7 +83,7 @@ def runtime_config_from_args(
     args: argparse.Namespace, env: dict[str, str] | os._Environ[str]
 ) -> RuntimeConfig:
     """The process's RuntimeConfig from ``--runtime-config`` or ``--config/--replica/--pool``,
-    with ``--model DIR`` (when given) laid over it (``RuntimeConfig.with_model_dir``).
+    with ``--model DIR`` (when given) laid over it (``runtime_config.with_checkpoint``).
 
     Args:
         args: parsed flags with ``runtime_config``, ``config``, ``replica``, ``pool``,
@@ -135,25 +135,6 @@ def admission_pool(args: argparse.Namespace, env: dict[str, str] | os._Environ[s
     if not pool:
         raise ArgError(f"--pool: give the pool name, or set ${POOL_ENV}")
     return pool
-
-
-def with_checkpoint(config: RuntimeConfig, model_dir: str) -> RuntimeConfig:
-    """``config`` serving the checkpoint in ``model_dir`` (``RuntimeConfig.with_model_dir``);
-    without an explicit partition, the layers are split by active parameters per stage
-    (``engine.balance.checkpoint_partition``), the same in every process.
-
-    Raises:
-        ValueError: a bad directory, config.json or split (names the field).
-    """
-    from wavepp.runtime.stage.engine.balance import checkpoint_partition
-
-    if config.partition is not None:
-        return config.with_model_dir(model_dir)
-    partition = checkpoint_partition(model_dir, config.num_stages)
-    # NOTE: validate model and partition together (the old partition fits the old model).
-    return RuntimeConfig.model_validate(
-        config.with_model_dir_unchecked(model_dir) | {"partition": partition}
-    )
 
 
 def _runtime_config_from_source(

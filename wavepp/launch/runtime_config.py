@@ -40,7 +40,9 @@ validate``): it becomes ``RuntimeConfig.model_dir``, the model's shape and archi
 from its config.json (a ``model.config`` field or a preset's layer count that disagrees is
 refused naming the field; ``model.name`` stays the served name), and without
 ``layerPartition`` the layers are split by active parameters per stage
-(``engine.balance.checkpoint_partition``, the same split ``wavepp stage --model`` makes). A path
+(``engine.balance.checkpoint_partition``, the same split ``wavepp stage --model`` and
+``wavepp replay --model DIR`` make: :class:`ServedCheckpoint` reads a served checkpoint for all
+of them, :func:`with_checkpoint` lays one over a RuntimeConfig). A path
 without config.json is refused (a spec serves a checkpoint with its own shape, never
 ``RuntimeConfig.weights``, Llama safetensors shaped by the spec).
 """
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +125,64 @@ def stage_device(spec: WavePipelineSpec) -> str:
     return "cuda" if spec.engine == "torch" and spec.gpus_per_stage() > 0 else "cpu"
 
 
+@dataclass(frozen=True)
+class ServedCheckpoint:
+    """A Hugging Face checkpoint directory a replica serves, read once.
+
+    Attributes:
+        model_dir: the directory, absolute (``RuntimeConfig.model_dir``).
+        model: its ModelConfig from config.json (``hf_config.load_model_dir``: shape,
+            architecture, named ``<dir name>-<sha8>``).
+    """
+
+    model_dir: str
+    model: ModelConfig
+
+    @classmethod
+    def read(cls, model_dir: str) -> ServedCheckpoint:
+        """Raises:
+        ValueError: a missing or unsupported config.json (names the field)."""
+        return cls(str(Path(model_dir).resolve()), load_model_dir(model_dir))
+
+    def partition(self, num_stages: int, stated: list[int] | None = None) -> list[int]:
+        """Layer counts per stage: ``stated`` when given, else the layers split by active
+        parameters per stage (``engine.balance.checkpoint_partition``, imported only here: it
+        imports torch), the same in every process of a replica.
+
+        Raises:
+            ValueError: ``num_stages`` the checkpoint's layers cannot split, or a shard
+                unreadable (names it).
+        """
+        if stated is not None:
+            return stated
+        from wavepp.runtime.stage.engine.balance import checkpoint_partition
+
+        return checkpoint_partition(self.model_dir, num_stages)
+
+
+def with_checkpoint(config: RuntimeConfig, model_dir: str) -> RuntimeConfig:
+    """``config`` serving the checkpoint in ``model_dir`` (:class:`ServedCheckpoint`): its
+    model from config.json (keeping ``config``'s dtype and seed), ``model_dir`` set, and the
+    partition ``config``'s, else split by active parameters; validated together.
+
+    Raises:
+        ValueError: a bad directory, config.json or split, or a config the checkpoint cannot
+            run (e.g. a family without tensor parallelism), naming the field.
+    """
+    checkpoint = ServedCheckpoint.read(model_dir)
+    model = checkpoint.model.model_copy(
+        update={"dtype": config.model.dtype, "seed": config.model.seed}
+    )
+    return RuntimeConfig.model_validate(
+        config.model_dump()
+        | {
+            "model": model.model_dump(),
+            "model_dir": checkpoint.model_dir,
+            "partition": checkpoint.partition(config.num_stages, config.partition),
+        }
+    )
+
+
 def checkpoint_dir(spec: WavePipelineSpec) -> str | None:
     """The checkpoint directory the torch engine serves: ``model.path``, else the PVC's mount
     path; None: seeded random Llama weights (always None for the emulated engine)."""
@@ -159,8 +220,8 @@ _CHECKED_FIELDS = {
 }
 
 
-def _checkpoint_model(spec: WavePipelineSpec, path: str, dtype: str) -> ModelConfig:
-    """The ModelConfig of the checkpoint at ``path`` (config.json), named ``model.name``.
+def _checkpoint(spec: WavePipelineSpec, path: str) -> ServedCheckpoint:
+    """The checkpoint at ``path`` (config.json) with the shape the spec states checked.
 
     Raises:
         SpecError: no readable, supported config.json (names ``model.path`` or
@@ -178,9 +239,10 @@ def _checkpoint_model(spec: WavePipelineSpec, path: str, dtype: str) -> ModelCon
             "Kubernetes the PVC is mounted into the stage, admission and gateway pods)",
         )
     try:
-        model = load_model_dir(path)
+        checkpoint = ServedCheckpoint.read(path)
     except ValueError as exc:
         raise SpecError(_checkpoint_field(spec), str(exc)) from None
+    model = checkpoint.model
     stated: dict[str, Any] = {}
     if spec.model.num_layers() is not None:
         stated["num_layers"] = spec.model.num_layers()
@@ -204,7 +266,7 @@ def _checkpoint_model(spec: WavePipelineSpec, path: str, dtype: str) -> ModelCon
                 f"{value}{source} disagrees with {path}/config.json, which gives {actual}; the "
                 "checkpoint decides the shape: state its value or leave the field out",
             )
-    return model.model_copy(update={"name": spec.model.name, "dtype": dtype})
+    return checkpoint
 
 
 def absent_pvc_mount(raw: dict[str, Any]) -> str | None:
@@ -311,15 +373,13 @@ def runtime_configs_from_spec(
     if model_dir is None:
         model = model_config_from_spec(spec)
     else:
-        model = _checkpoint_model(spec, model_dir, _dtype(spec))
-        if partition is None:
-            from wavepp.runtime.stage.engine.balance import checkpoint_partition
-
-            try:
-                partition = checkpoint_partition(model_dir, spec.num_stages)
-            except ValueError as exc:
-                raise SpecError("stages", f"{exc} ({model_dir})") from None
-        model_dir = str(Path(model_dir).resolve())
+        checkpoint = _checkpoint(spec, model_dir)
+        model = checkpoint.model.model_copy(update={"name": spec.model.name, "dtype": _dtype(spec)})
+        try:
+            partition = checkpoint.partition(spec.num_stages, partition)
+        except ValueError as exc:
+            raise SpecError("stages", f"{exc} ({model_dir})") from None
+        model_dir = checkpoint.model_dir
     try:
         ranges = split_layers(model.num_layers, spec.num_stages, partition)
     except ValueError as exc:

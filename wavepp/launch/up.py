@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wavepp.api.cli_args import NatsArgs, admission_args, gateway_args, stage_args
+from wavepp.api.cli_args import NatsArgs, admission_args, gateway_args
 from wavepp.api.permissions import admission_user_name, gateway_user_name, stage_user_name
 from wavepp.api.pod import DRAIN_EXIT_MARGIN_S
 from wavepp.api.spec import (
@@ -49,7 +49,7 @@ from wavepp.launch.runtime_config import (
 )
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.hf_config import load_model_dir
-from wavepp.runtime.serving.processes import wavepp_command
+from wavepp.runtime.serving.processes import stage_command, wavepp_command
 from wavepp.runtime.stage.placement import launcher_cores, stage_cores
 from wavepp.runtime.transport.natsio import free_port
 
@@ -313,24 +313,23 @@ def child_commands(
 
     out: list[tuple[str, list[str]]] = []
     all_stages = sum(config.num_stages for config in configs)
-    allowed = launcher_cores()
     index = 0  # this stage's place among every replica's stages (its share of the cores)
     for replica, config in enumerate(configs):
         path = config_paths[replica]
         for rank in range(config.num_stages):
             metrics_port = stage_metrics_port(configs, replica, rank)
-            cores = stage_cores(allowed, all_stages, index) if config.pin_cores else None
-            index += 1
-            command = stage_args(
+            command = stage_command(
+                config,
+                path,
+                rank,
+                dist_urls[replica],
                 nats(stage_user_name(config.pipeline, rank)),
-                runtime_config=path,
-                rank=rank,
-                dist_url=dist_urls[replica],
+                core_share=(index, all_stages),
                 metrics_port=metrics_port,
                 metrics_host=None if metrics_port is None else args.host,
-                cores=cores,
             )
-            out.append((f"stage-{config.pipeline}-{rank}", wavepp_command(command)))
+            index += 1
+            out.append((f"stage-{config.pipeline}-{rank}", command))
         command = admission_args(
             nats(admission_user_name(config.pipeline)),
             runtime_config=path,

@@ -305,35 +305,6 @@ class RuntimeConfig(BaseModel):
             )
         return self
 
-    def with_model_dir(self, model_dir: str) -> RuntimeConfig:
-        """This config serving the checkpoint in ``model_dir``: ``model`` derived from its
-        config.json (keeping this config's dtype and seed) and ``model_dir`` set.
-
-        Raises:
-            ValueError: a missing or unsupported config.json, or a layer count the stages or
-                partition cannot split (names the field).
-        """
-        return RuntimeConfig.model_validate(self.with_model_dir_unchecked(model_dir))
-
-    def with_model_dir_unchecked(self, model_dir: str) -> dict[str, object]:
-        """The fields of :meth:`with_model_dir`'s result, not yet validated (to lay more
-        fields, e.g. a partition for the new layer count, over them first).
-
-        Raises:
-            ValueError: a missing or unsupported config.json (names the field).
-        """
-        from pathlib import Path
-
-        from wavepp.runtime.hf_config import load_model_dir
-
-        model = load_model_dir(model_dir).model_copy(
-            update={"dtype": self.model.dtype, "seed": self.model.seed}
-        )
-        return self.model_dump() | {
-            "model": model.model_dump(),
-            "model_dir": str(Path(model_dir).resolve()),
-        }
-
     # ---- resolved views -----------------------------------------------------------------
 
     @property

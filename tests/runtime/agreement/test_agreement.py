@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from agreement_support import local_stages, served_stages
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,11 +17,10 @@ from wavepp.api.subjects import ReplicaSubjects
 from wavepp.runtime.agreement import (
     AgreementController,
     AgreementRefused,
-    LocalStageClient,
     StageUnavailableError,
     handle_kv_request,
 )
-from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
+from wavepp.runtime.agreement.nats_client import NatsStageClient
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order
@@ -30,12 +30,9 @@ MODEL_ID = "tiny-llama:seed=0"
 
 
 def make_stages(capacities: list[int]) -> tuple[list[StageKVManager], AgreementController]:
-    managers = [StageKVManager(BlockPool(c, BLOCK)) for c in capacities]
-    clients = [LocalStageClient(m, r) for r, m in enumerate(managers)]
-    controller = AgreementController(
-        clients, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0, stage_capacities=capacities
+    return local_stages(
+        capacities, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0, stage_capacities=capacities
     )
-    return managers, controller
 
 
 def compute_all(
@@ -183,17 +180,11 @@ def test_agreement_properties(
 # --------------------------------------------------------------------------- over real NATS
 
 
-async def serve_stage(nc, prefix: str, rank: int, manager: StageKVManager) -> None:  # noqa: ANN001
-    await serve_stage_kv(nc, prefix, rank, manager)
-
-
 async def test_agreement_over_a_real_nats_server(nc) -> None:  # noqa: ANN001
-    managers = [StageKVManager(BlockPool(c, BLOCK)) for c in (32, 12, 32)]
-    for rank, manager in enumerate(managers):
-        await serve_stage(nc, "wavepp.t", rank, manager)
-    await flush_in_order(nc)
-    clients = [NatsStageClient(nc, "wavepp.t", r, timeout_s=2.0) for r in range(3)]
-    controller = AgreementController(clients, block_size=BLOCK, model_id=MODEL_ID)
+    managers, controller = await served_stages(
+        nc, "wavepp.t", [32, 12, 32], block_size=BLOCK, model_id=MODEL_ID, timeout_s=2.0,
+        fanout=False,
+    )  # fmt: skip
     prompt = list(range(16))
     ticket = await controller.agree(PromptRequest("a", prompt))
     assert ticket is not None and ticket.stage_hits == (0, 0, 0)
@@ -406,12 +397,10 @@ async def test_a_fanout_round_through_the_stage_handlers_pins_on_every_stage(nc)
     on every stage, and a repeated round (same seq) is refused by every stage as before."""
     prefix = "wavepp.real"
     key = BusKey(b"k" * 32).for_replica("real")
-    managers = [StageKVManager(BlockPool(64, 4)) for _ in range(3)]
-    for rank, manager in enumerate(managers):
-        await serve_stage_kv(nc, prefix, rank, manager, bus_key=key)
-    await flush_in_order(nc)
-    clients = NatsStageClient.for_replica(nc, prefix, 3, timeout_s=2.0)
-    controller = AgreementController(clients, block_size=4, model_id="m", bus_key=key)
+    managers, controller = await served_stages(
+        nc, prefix, [64] * 3, block_size=4, model_id="m", timeout_s=2.0, bus_key=key
+    )
+    clients = controller.stages
     ticket = await controller.agree(PromptRequest("r1", list(range(20))))
     assert ticket is not None
     assert all(m.held_blocks("r1") for m in managers)

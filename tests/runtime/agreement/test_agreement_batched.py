@@ -8,6 +8,7 @@ import hashlib
 import struct
 
 import pytest
+from agreement_support import local_stages, served_stages
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_wire_support import chain as _chain
@@ -32,12 +33,10 @@ from wavepp.api.kv_reply import (
 from wavepp.api.messages import PROTOCOL_VERSION
 from wavepp.api.signing import BusKey
 from wavepp.runtime.agreement import AgreementController, AgreementRefused, LocalStageClient
-from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.agreement.rounds import StageProtocolError
 from wavepp.runtime.agreement.stage_handler import handle_kv_batch
 from wavepp.runtime.kv import BlockPool, StageKVManager
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.transport.natsio import flush_in_order
 
 BLOCK = 4
 MODEL_ID = "tiny-llama:seed=0"
@@ -47,12 +46,9 @@ HASH = bytes(range(32))
 def make_stages(
     capacities: list[int], *, max_batch: int = 512
 ) -> tuple[list[StageKVManager], AgreementController]:
-    managers = [StageKVManager(BlockPool(c, BLOCK)) for c in capacities]
-    clients = [LocalStageClient(m, r) for r, m in enumerate(managers)]
-    controller = AgreementController(
-        clients, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0, max_batch=max_batch
+    return local_stages(
+        capacities, block_size=BLOCK, model_id=MODEL_ID, lease_s=30.0, max_batch=max_batch
     )
-    return managers, controller
 
 
 # --------------------------------------------------------------------------- wire format
@@ -479,15 +475,10 @@ def test_batched_agreement_properties(
 
 
 async def test_rounds_over_a_real_nats_server(nc) -> None:  # noqa: ANN001
-    managers = [StageKVManager(BlockPool(1024, BLOCK)) for _ in range(4)]
-    for rank, manager in enumerate(managers):
-        await serve_stage_kv(nc, "wavepp.tb", rank, manager)
-    await flush_in_order(nc)
-    controller = AgreementController(
-        [NatsStageClient(nc, "wavepp.tb", r, timeout_s=5.0) for r in range(4)],
-        block_size=BLOCK,
-        model_id=MODEL_ID,
-    )
+    managers, controller = await served_stages(
+        nc, "wavepp.tb", [1024] * 4, block_size=BLOCK, model_id=MODEL_ID, timeout_s=5.0,
+        fanout=False,
+    )  # fmt: skip
     shared = list(range(40))
     requests = [PromptRequest(f"n{i}", shared + [1000 + i] * 5) for i in range(64)]
     tickets = await asyncio.gather(*(controller.agree(r) for r in requests))

@@ -14,22 +14,18 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from agreement_support import local_stages
 
-from wavepp.runtime.agreement import AgreementController, LocalStageClient
+from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.agreement.coordinator import AgreementRefused
-from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.kv import StageKVManager
 from wavepp.runtime.request import PromptRequest
 
 BLOCK = 4
 
 
 def _controller() -> tuple[AgreementController, list[StageKVManager]]:
-    managers = [StageKVManager(BlockPool(64, BLOCK)) for _ in range(2)]
-    controller = AgreementController(
-        [LocalStageClient(m, r) for r, m in enumerate(managers)],
-        block_size=BLOCK,
-        model_id="dup",
-    )
+    managers, controller = local_stages([64, 64], block_size=BLOCK, model_id="dup")
     return controller, managers
 
 

@@ -11,6 +11,7 @@ import asyncio
 import struct
 
 import pytest
+from agreement_support import local_stages
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_wire_support import chain, reserve_batch, warm
@@ -225,12 +226,7 @@ def test_the_stage_core_takes_l_star_from_the_first_chunk_and_reports_it() -> No
 
 
 async def test_a_stage_whose_hit_exceeds_l_star_keeps_it_in_its_table() -> None:
-    managers = [StageKVManager(BlockPool(32, BLOCK)) for _ in range(3)]
-    controller = AgreementController(
-        [LocalStageClient(m, r) for r, m in enumerate(managers)],
-        block_size=BLOCK,
-        model_id=MODEL_ID,
-    )
+    managers, controller = local_stages([32] * 3, block_size=BLOCK, model_id=MODEL_ID)
     prompt = list(range(100, 126))  # 6 full blocks, 7 in all
     hashes = tuple(controller.block_hashes(PromptRequest("x", prompt)))
     warm(managers[0], hashes[:5])

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 
 import pytest
+from agreement_support import served_stages
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kv_wire_support import CountingClient
@@ -19,10 +20,8 @@ from wavepp.api.kv_batch import BatchOp, KVWireError
 from wavepp.api.kv_reply import EntryResult, EntryStatus, decode_reply, encode_reply
 from wavepp.runtime.agreement import AgreementController, AgreementRefused
 from wavepp.runtime.agreement.clients import StageUnavailableError
-from wavepp.runtime.agreement.nats_client import NatsStageClient, serve_stage_kv
 from wavepp.runtime.kv import BlockPool, RecentPrefixes, StageKVManager
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.transport.natsio import flush_in_order
 
 BLOCK = 4
 MODEL_ID = "prefix-refs"
@@ -160,15 +159,10 @@ async def test_references_off_send_every_hash() -> None:
 async def test_references_over_a_real_nats_server(nc) -> None:  # noqa: ANN001
     """Over NATS (one fan-out per round): round 2 is smaller; a stage that restarted answers
     UNRESOLVED and the controller resends transparently; nothing leaks."""
-    managers = [StageKVManager(BlockPool(512, BLOCK)) for _ in range(4)]
-    for rank, manager in enumerate(managers):
-        await serve_stage_kv(nc, "wavepp.pr", rank, manager)
-    await flush_in_order(nc)
-    controller = AgreementController(
-        [NatsStageClient(nc, "wavepp.pr", r, timeout_s=5.0) for r in range(4)],
-        block_size=BLOCK,
-        model_id=MODEL_ID,
-    )
+    managers, controller = await served_stages(
+        nc, "wavepp.pr", [512] * 4, block_size=BLOCK, model_id=MODEL_ID, timeout_s=5.0,
+        fanout=False,
+    )  # fmt: skip
     sizes = []
     admitted = []
     for index in range(3):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from agreement_support import local_stages
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kv_wire_support import chain
@@ -258,10 +259,8 @@ def test_mixed_agreements_and_releases_keep_the_stages_in_step(
     nothing is left held at the end."""
 
     async def scenario() -> None:
-        managers = [StageKVManager(BlockPool(96, BLOCK)) for _ in range(2)]
-        clients = [LocalStageClient(m, r) for r, m in enumerate(managers)]
-        controller = AgreementController(
-            clients, block_size=BLOCK, model_id=MODEL_ID, max_batch=max_batch
+        managers, controller = local_stages(
+            [96, 96], block_size=BLOCK, model_id=MODEL_ID, max_batch=max_batch
         )
         prompts: dict[str, PromptRequest] = {}
         for step in steps:

@@ -11,6 +11,7 @@ import gc
 import time
 
 import pytest
+from agreement_support import served_stages
 from nats.aio.client import Client as NATS
 
 from wavepp.api.subjects import ReplicaSubjects
@@ -26,14 +27,8 @@ TIME_OUT_S = 0.5
 
 
 async def test_a_caller_blocked_past_the_time_out_still_reads_the_replies(nc) -> None:  # noqa: ANN001
-    managers = [StageKVManager(BlockPool(64, BLOCK)) for _ in range(2)]
-    for rank, manager in enumerate(managers):
-        await serve_stage_kv(nc, "wavepp.to", rank, manager)
-    await flush_in_order(nc)
-    controller = AgreementController(
-        NatsStageClient.for_replica(nc, "wavepp.to", 2, TIME_OUT_S),
-        block_size=BLOCK,
-        model_id=MODEL_ID,
+    managers, controller = await served_stages(
+        nc, "wavepp.to", [64, 64], block_size=BLOCK, model_id=MODEL_ID, timeout_s=TIME_OUT_S
     )
     assert await controller.agree(PromptRequest("a", list(range(9))))
     release = asyncio.ensure_future(controller.release(["a"]))

@@ -7,11 +7,11 @@ import random
 from pathlib import Path
 
 import pytest
+from agreement_support import local_stages
 from hf_reference import last_logits
 from stage_support import checkpoint_engines
 
-from wavepp.runtime.agreement import AgreementController, LocalStageClient
-from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.agreement import AgreementController
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.stage.engine import ChunkSpec
 from wavepp.runtime.stage.engine.layers.kda import KDAAttention
@@ -105,9 +105,9 @@ def test_state_memory_is_one_state_per_k_blocks(kimi) -> None:
 
 
 async def test_agreement_rounds_l_star_down_to_the_state_interval() -> None:
-    managers = [StageKVManager(BlockPool(64, BS)) for _ in range(2)]
-    clients = [LocalStageClient(m, r) for r, m in enumerate(managers)]
-    controller = AgreementController(clients, block_size=BS, model_id="m", state_interval_blocks=3)
+    managers, controller = local_stages(
+        [64, 64], block_size=BS, model_id="m", state_interval_blocks=3
+    )
     prompt = list(range(30))  # 7 full blocks
     first = await controller.agree(PromptRequest("a", prompt))
     assert first is not None
@@ -120,7 +120,7 @@ async def test_agreement_rounds_l_star_down_to_the_state_interval() -> None:
     assert second.stage_hits == (7, 7)
     assert second.num_agreed_blocks == 6  # 7 cached, rounded down to a multiple of 3
     with pytest.raises(ValueError, match="state_interval_blocks=0"):
-        AgreementController(clients, block_size=BS, model_id="m", state_interval_blocks=0)
+        AgreementController(controller.stages, block_size=BS, model_id="m", state_interval_blocks=0)
 
 
 def test_running_states_are_bounded(kimi, monkeypatch) -> None:

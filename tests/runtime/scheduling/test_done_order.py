@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from agreement_support import local_stages
+
 from wavepp.api.messages import (
     DoneResend,
     DoneResendReply,
@@ -25,8 +27,7 @@ from wavepp.api.messages import (
 from wavepp.api.signing import BusKey
 from wavepp.bench.grid import GridSpec, Setting
 from wavepp.launch.grid import runtime_config
-from wavepp.runtime.agreement import AgreementController, LocalStageClient
-from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.kv import StageKVManager
 from wavepp.runtime.planning import ChunkPlanner
 from wavepp.runtime.request import PromptRequest, RequestOutcome
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
@@ -128,9 +129,8 @@ def _scheduler(
     spec = GridSpec(time_scale=0.01, num_stages=NUM_STAGES, num_kv_blocks=256, block_size=BLOCK)
     config, planner_cost = runtime_config(spec, Setting("glm-5.2", 16, "low", "wave"))
     config = config.model_copy(update={"chunk_tokens": 64, "microbatch_deadline_s": deadline_s})
-    managers = [StageKVManager(BlockPool(256, BLOCK)) for _ in range(NUM_STAGES)]
-    controller = AgreementController(
-        [LocalStageClient(m, rank) for rank, m in enumerate(managers)],
+    managers, controller = local_stages(
+        [256] * NUM_STAGES,
         block_size=BLOCK,
         model_id=config.model_id,
         lease_s=config.lease_s,

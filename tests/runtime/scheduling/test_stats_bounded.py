@@ -15,6 +15,7 @@ import tracemalloc
 from typing import Any
 
 import pytest
+from agreement_support import local_stages
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from wavepp.api.messages import (
@@ -27,8 +28,7 @@ from wavepp.api.messages import (
 from wavepp.bench.grid import GridSpec, Setting
 from wavepp.bench.report import run_closed_loop
 from wavepp.launch.grid import runtime_config
-from wavepp.runtime.agreement import AgreementController, LocalStageClient
-from wavepp.runtime.kv import BlockPool, StageKVManager
+from wavepp.runtime.kv import StageKVManager
 from wavepp.runtime.planning import ChunkPlanner
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
@@ -115,12 +115,8 @@ def _scheduler(stats: WaveStats | None = None) -> WaveScheduler:
     spec = GridSpec(time_scale=0.01, num_stages=NUM_STAGES, num_kv_blocks=512, block_size=16)
     config, planner_cost = runtime_config(spec, Setting("glm-5.2", 16, "low", "wave"))
     config = config.model_copy(update={"chunk_tokens": 256})
-    managers = [StageKVManager(BlockPool(512, 16)) for _ in range(NUM_STAGES)]
-    controller = AgreementController(
-        [LocalStageClient(m, rank) for rank, m in enumerate(managers)],
-        block_size=16,
-        model_id=config.model_id,
-        lease_s=config.lease_s,
+    managers, controller = local_stages(
+        [512] * NUM_STAGES, block_size=16, model_id=config.model_id, lease_s=config.lease_s
     )
     planner = ChunkPlanner(planner_cost, policy="dynamic", chunk_tokens=256, block_size=16)
     return WaveScheduler(config, InstantStages(managers), controller, planner, stats=stats)

@@ -333,6 +333,7 @@ async def test_wavepp_stage_processes_with_tp2_x_pp2_match_the_reference(tmp_pat
     cached blocks; logits vs transformers within 1e-4."""
     pytest.importorskip("transformers")
     from wavepp.bench.checkpoints import save_random_checkpoint
+    from wavepp.launch.runtime_config import with_checkpoint
     from wavepp.runtime.config import RuntimeConfig
     from wavepp.runtime.planning import CostModel
     from wavepp.runtime.request import PromptRequest
@@ -347,9 +348,8 @@ async def test_wavepp_stage_processes_with_tp2_x_pp2_match_the_reference(tmp_pat
         chunk_tokens=8,
         mode="sync",  # static 8-token chunks: every prompt is prefilled in several chunks
     )
-    config = RuntimeConfig.model_validate(
-        base.with_model_dir_unchecked(str(tmp_path / "ckpt")) | {"partition": PARTITION}
-    )
+    served = with_checkpoint(base, str(tmp_path / "ckpt"))
+    config = RuntimeConfig.model_validate(served.model_dump() | {"partition": PARTITION})
     cost = CostModel(c=1e-4, g=1e-7, b=1e-5, a=1e-8, label="measured", source="test")
     prompts = _prompts()
     async with LocalPipeline(config, cost, log_dir=str(tmp_path / "logs")) as pipeline:

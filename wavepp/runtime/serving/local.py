@@ -32,7 +32,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from wavepp.api.cli_args import NatsArgs, stage_args
+from wavepp.api.cli_args import NatsArgs
 from wavepp.api.messages import Health
 from wavepp.runtime.agreement import AgreementController, StageUnavailableError
 from wavepp.runtime.agreement.coordinator import check_stage_versions
@@ -43,9 +43,8 @@ from wavepp.runtime.scheduling.nats_transport import NatsPlanTransport
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.runtime.serving.controller import replica_controller
 from wavepp.runtime.serving.handoff import kv_transfer_params, stage_endpoints
-from wavepp.runtime.serving.processes import Supervisor, wavepp_command
-from wavepp.runtime.stage.placement import launcher_cores, stage_cores
-from wavepp.runtime.transport.auth import PoolAuth, write_pool_auth
+from wavepp.runtime.serving.processes import Supervisor, pool_nats_server, stage_command
+from wavepp.runtime.transport.auth import PoolAuth
 from wavepp.runtime.transport.buskey import BUS_KEY_ENV, bus_key_or_new
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
 from wavepp.telemetry import tracing
@@ -120,26 +119,14 @@ class LocalPipeline:
             self.supervisor.start(name, self.stage_command(rank, dist_url), env)
 
     def stage_command(self, rank: int, dist_url: str) -> list[str]:
-        """Stage ``rank``'s ``wavepp stage`` command; with ``pin_cores`` it runs on its share
-        of this process's cores (``placement.stage_cores``).
+        """Stage ``rank``'s ``wavepp stage`` command (``processes.stage_command``); with
+        ``pin_cores`` it runs on its share of this process's cores.
 
         Raises:
             ValueError: naming ``engineOptions.pinCores``: fewer cores than stages."""
-        pipeline = self.config.pipeline
-        nats = NatsArgs(
-            self.nats_url, creds=None if self.auth is None else self.auth.stage(pipeline, rank)
-        )
-        cores = None
-        if self.config.pin_cores:
-            cores = stage_cores(launcher_cores(), self.config.num_stages, rank)
-        return wavepp_command(
-            stage_args(
-                nats,
-                runtime_config=str(self._config_path),
-                rank=rank,
-                dist_url=dist_url,
-                cores=cores,
-            )
+        creds = None if self.auth is None else self.auth.stage(self.config.pipeline, rank)
+        return stage_command(
+            self.config, str(self._config_path), rank, dist_url, NatsArgs(self.nats_url, creds)
         )
 
     def stage_log_tail(self, rank: int, num_lines: int = 20) -> str:
@@ -166,16 +153,12 @@ class LocalPipeline:
                 setup_metrics(self.config.telemetry, "wavepp-scheduler") is not None
             )
         if not self.external_nats_url:
-            self.auth = write_pool_auth(
+            self.auth, self.server = pool_nats_server(
                 self.log_dir / "nats-auth",
+                self.log_dir,
                 pool=LOCAL_POOL,
                 replicas={self.config.pipeline: self.config.num_stages},
                 namespace=self.config.namespace,
-                store_dir=None,
-            )
-            self.server = EmbeddedNatsServer(
-                config_file=self.auth.server_config,
-                log_file=str(self.log_dir / "nats-server.log"),
             )
             self.server.start()
         self.start_stages(f"tcp://127.0.0.1:{free_port()}")

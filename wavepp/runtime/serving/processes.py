@@ -1,5 +1,7 @@
 """The local child processes of ``wavepp up``, ``wavepp replay`` and ``wavepp bench grid``: one
-supervisor; each child's arguments come from ``api.cli_args``.
+supervisor, the one builder of a stage child's command line (:func:`stage_command`) and of
+a pool's authenticated nats-server (:func:`pool_nats_server`); each child's arguments come from
+``api.cli_args``.
 
 Every child is ``python -m wavepp.cli <subcommand>`` (the commands pods run), started in its own
 session (a Ctrl-C reaches only the parent, which stops the children in order) with
@@ -18,8 +20,13 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from wavepp.api.cli_args import NatsArgs, stage_args
+from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.serving.lifecycle import child_env
+from wavepp.runtime.stage.placement import launcher_cores, stage_cores
+from wavepp.runtime.transport.auth import PoolAuth, write_pool_auth
+from wavepp.runtime.transport.natsio import EmbeddedNatsServer
 
 
 def wavepp_command(args: Sequence[str]) -> list[str]:
@@ -27,6 +34,79 @@ def wavepp_command(args: Sequence[str]) -> list[str]:
     passes to ``wavepp``: one of ``api.cli_args.stage_args``, ``admission_args`` or
     ``gateway_args``, so a local child and a pod read the same flags."""
     return [sys.executable, "-m", "wavepp.cli", *args]
+
+
+def stage_command(
+    config: RuntimeConfig,
+    config_path: str,
+    rank: int,
+    dist_url: str,
+    nats: NatsArgs,
+    *,
+    core_share: tuple[int, int] | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str | None = None,
+) -> list[str]:
+    """The ``wavepp stage`` command of stage ``rank`` of ``config`` (read from
+    ``config_path``), joining the torch.distributed group at ``dist_url``. With
+    ``config.pin_cores`` it runs on share ``i`` of ``n`` of this process's cores
+    (``placement.stage_cores``), ``core_share`` = (i, n), default (rank, ``num_stages``): a
+    launcher of several replicas on one host numbers its stages across them.
+
+    Raises:
+        ValueError: naming ``engineOptions.pinCores``: fewer cores than ``n``.
+    """
+    cores = None
+    if config.pin_cores:
+        index, count = core_share or (rank, config.num_stages)
+        cores = stage_cores(launcher_cores(), count, index)
+    return wavepp_command(
+        stage_args(
+            nats,
+            runtime_config=config_path,
+            rank=rank,
+            dist_url=dist_url,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
+            cores=cores,
+        )
+    )
+
+
+def pool_nats_server(
+    auth_dir: Path,
+    log_dir: Path,
+    *,
+    pool: str,
+    replicas: dict[str, int],
+    namespace: str,
+    store_dir: Path | None = None,
+    max_file_store_bytes: int | None = None,
+    monitor_port: int | None = None,
+) -> tuple[PoolAuth, EmbeddedNatsServer]:
+    """A pool's fresh credentials (``transport.auth.write_pool_auth`` into ``auth_dir``) and a
+    nats-server, not yet started, that trusts only them: its log ``log_dir/nats-server.log``,
+    JetStream in ``store_dir`` (None: none), HTTP monitoring on ``monitor_port`` (None: off).
+
+    Raises:
+        ValueError: a pool or replica name NATS cannot carry (from ``write_pool_auth``).
+    """
+    auth = write_pool_auth(
+        auth_dir,
+        pool=pool,
+        replicas=replicas,
+        namespace=namespace,
+        store_dir=store_dir,
+        max_file_store_bytes=max_file_store_bytes,
+    )
+    server = EmbeddedNatsServer(
+        config_file=auth.server_config,
+        log_file=str(log_dir / "nats-server.log"),
+        monitor_port=monitor_port,
+    )
+    if store_dir is not None:
+        server.store_dir = str(store_dir)
+    return auth, server
 
 
 class Supervisor:
@@ -101,6 +181,10 @@ class Supervisor:
     def exited(self, name: str) -> bool:
         """Whether child ``name`` has exited."""
         return self.procs[name].poll() is not None
+
+    def first_exited(self, names: Sequence[str]) -> str | None:
+        """The first of ``names`` whose process has exited; None while all run."""
+        return next((name for name in names if self.exited(name)), None)
 
     def write_state(self) -> None:
         if self.state_file is None:

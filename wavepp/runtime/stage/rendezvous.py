@@ -48,6 +48,7 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlparse
 
 import torch.distributed as dist
@@ -225,7 +226,8 @@ class StageGroupFactory:
         or junk under ``wavepp/epoch/*`` that fails the next re-form). On a pod address it
         listens on every interface (the pod's; the pipeline's NetworkPolicies say who may reach
         it)."""
-        if not _is_loopback(self.host):
+
+        def listening(**how: Any) -> dist.TCPStore:
             return dist.TCPStore(
                 self.host,
                 self.port,
@@ -233,7 +235,11 @@ class StageGroupFactory:
                 True,
                 timeout=self.timeout,
                 wait_for_workers=False,
+                **how,
             )
+
+        if not _is_loopback(self.host):
+            return listening()
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -241,16 +247,7 @@ class StageGroupFactory:
         listener.listen(128)
         # detach: the store owns the descriptor for the process's life (a Python socket closed
         # at exit under the store's daemon aborts the process)
-        return dist.TCPStore(
-            self.host,
-            self.port,
-            self.num_stages,
-            True,
-            timeout=self.timeout,
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),
-            use_libuv=False,
-        )
+        return listening(master_listen_fd=listener.detach(), use_libuv=False)
 
     def form(self, epoch: int) -> dist.ProcessGroup:
         """The group of ``epoch`` (returns once all ``num_stages`` ranks formed it).
