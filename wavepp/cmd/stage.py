@@ -108,9 +108,8 @@ def run(args: argparse.Namespace) -> int:
     from wavepp.runtime.stage.placement import parse_cores, pin_to
     from wavepp.runtime.stage.process import (
         StageReadiness,
-        TensorParallelLost,
-        run_leaving_threads,
         run_stage,
+        stage_exit_code,
     )
     from wavepp.runtime.transport.buskey import BusKeyError, load_bus_key
 
@@ -172,14 +171,7 @@ def run(args: argparse.Namespace) -> int:
             if runner is not None:
                 await runner.cleanup()
 
-    code = 0
-    try:
-        run_leaving_threads(main())
-    except KeyboardInterrupt:
-        pass
-    except TensorParallelLost as exc:
-        print(f"wavepp stage: {exc}", file=sys.stderr)
-        code = 1
+    code = stage_exit_code(main())
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -102,6 +102,20 @@ def test_the_split_in_bfloat16_stays_within_rounding_of_float32() -> None:
     assert (got.float() - want).abs().max() < 2e-2
 
 
+@pytest.mark.parametrize("strided", ["q", "k", "v"])
+def test_the_split_reads_views_whose_last_dim_is_strided(strided) -> None:  # noqa: ANN001
+    """Inputs whose last dim is not unit-strided (``t[..., ::2]`` of a wider tensor) give the
+    reference's result: the private CPU flash op would read them as if unit-strided."""
+    q, k, v = inputs(3, 5, 4, 2, 16, 16, 7)
+    given = {"q": q, "k": k, "v": v}
+    wide = torch.zeros(*given[strided].shape[:-1], 32)
+    wide[..., ::2] = given[strided]
+    given[strided] = wide[..., ::2]
+    assert given[strided].stride(-1) == 2
+    got = attend(given["q"], given["k"], given["v"], None, 16**-0.5)
+    torch.testing.assert_close(got.double(), reference(q, k, v, 5), rtol=0, atol=1e-5)
+
+
 def test_the_split_refuses_a_chunk_without_context_and_other_devices() -> None:
     q, k, v = inputs(4, 0, 2, 2, 8, 8, 0)
     with pytest.raises(ValueError, match="context of >= 1 key"):

@@ -196,3 +196,40 @@ async def test_close_ends_a_watch_that_dropped_its_cancellation() -> None:
     follow.cancel()
     # returned before the release: the watch ended although its cancels were lost
     assert closed and kv.watcher.swallowed >= 1 and kv.watcher.stopped
+
+
+class _RetryingWatcher(_SwallowingWatcher):
+    """A watch whose ``updates`` swallows the first cancellation and goes on waiting (a client
+    that retries inside the call): only a second cancellation ends it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = False
+
+    async def updates(self, timeout: float) -> object:
+        self.waiting = True
+        while not self.released:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                self.swallowed += 1
+                if self.swallowed > 1:
+                    raise
+        raise asyncio.CancelledError
+
+
+async def test_close_cancels_again_a_watch_that_went_on_waiting() -> None:
+    kv = _SwallowingKV()
+    kv.watcher = _RetryingWatcher()
+    view = BucketView(kv, rewatch_s=30.0)
+    follow = asyncio.create_task(view.wait_for(lambda: False))
+    while not kv.watcher.waiting:
+        await asyncio.sleep(0.01)
+    closing = asyncio.create_task(view.close())
+    await asyncio.wait({closing}, timeout=5)
+    closed = closing.done()
+    kv.watcher.released = True
+    await asyncio.wait({closing}, timeout=5)
+    follow.cancel()
+    # returned before the release: the second cancellation ended the watch
+    assert closed and kv.watcher.swallowed == 2 and kv.watcher.stopped

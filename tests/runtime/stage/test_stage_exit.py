@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from wavepp.runtime.stage.process import run_leaving_threads
+from wavepp.runtime.stage.process import TensorParallelLost, run_leaving_threads, stage_exit_code
 
 
 def _in_thread(target, timeout_s: float) -> bool:  # noqa: ANN001 - a no-argument callable
@@ -69,3 +69,29 @@ def test_what_main_raised_is_raised() -> None:
 
     with pytest.raises(RuntimeError, match="stage failed"):
         run_leaving_threads(main())
+
+
+def test_the_exit_code_of_each_way_main_ends(capsys) -> None:  # noqa: ANN001
+    """0 for a return or a KeyboardInterrupt; 1 for a lost TP follower and for any other
+    exception, which does not propagate (the caller's os._exit must run, or interpreter exit
+    joins blocked threads) and leaves its traceback on stderr."""
+
+    async def returns() -> None:
+        return None
+
+    async def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    async def tp_lost() -> None:
+        raise TensorParallelLost("follower 1 exited")
+
+    async def fails() -> None:
+        raise RuntimeError("serve failed")
+
+    assert stage_exit_code(returns()) == 0
+    assert stage_exit_code(interrupted()) == 0
+    assert stage_exit_code(tp_lost()) == 1
+    assert "wavepp stage: follower 1 exited" in capsys.readouterr().err
+    assert stage_exit_code(fails()) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: serve failed" in err

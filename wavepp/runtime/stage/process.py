@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 import time
+import traceback
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -201,6 +203,27 @@ def run_leaving_threads(main: Coroutine[Any, Any, None]) -> None:
             loop.run_until_complete(asyncio.wait(left))
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()  # shuts the default executor down without waiting for its threads
+
+
+def stage_exit_code(main: Coroutine[Any, Any, None]) -> int:
+    """Run ``main`` with :func:`run_leaving_threads`; return the process's exit code: 0 when
+    ``main`` returned or a KeyboardInterrupt ended it; 1 when it raised
+    :class:`TensorParallelLost` (its message on stderr) or any other exception (its traceback
+    on stderr). Nothing but a BaseException other than KeyboardInterrupt leaves this call, so
+    the caller reaches its ``os._exit``: an exception leaving through interpreter exit would
+    join the threads still blocked in a call.
+    """
+    try:
+        run_leaving_threads(main)
+    except KeyboardInterrupt:
+        return 0
+    except TensorParallelLost as exc:
+        print(f"wavepp stage: {exc}", file=sys.stderr)
+        return 1
+    except Exception:  # noqa: BLE001 - any failure of the stage: exit 1 with its traceback
+        traceback.print_exc()
+        return 1
+    return 0
 
 
 async def _watch_followers(

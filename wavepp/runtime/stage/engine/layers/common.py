@@ -188,8 +188,11 @@ def _flash_cpu(
 
     ``aten._scaled_dot_product_flash_attention_for_cpu`` is a private op (SDPA's CPU flash
     path); public SDPA does not return the log-sum-exp. ``tests/runtime/stage/
-    test_attention.py`` pins its schema and its log-sum-exp.
+    test_attention.py`` pins its schema and its log-sum-exp. The op reads the last dim as
+    unit-strided whatever its stride (public SDPA handles such views), so a tensor whose
+    last dim is strided (a view such as ``x[..., ::2]``) is copied contiguous first.
     """
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), 0.0, causal, scale=scale
     )
