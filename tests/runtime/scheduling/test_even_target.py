@@ -148,3 +148,18 @@ def test_a_served_closed_loop_on_the_trace_plans_even_microbatches() -> None:
     assert len(steady) > 20
     median = statistics.median(steady)
     assert max(steady) <= 2.0 * median, [round(c / median, 2) for c in steady]
+
+
+def test_a_population_lighter_than_the_recent_mean_keeps_its_own_work() -> None:
+    # short prompts after long ones: the recent mean caps W, it does not replace it
+    core = _core(8)
+    long_works = []
+    for i in range(40):
+        record = _admit(core, f"l{i}", LONG)
+        long_works.append(record.work_s)
+        _finish(core, record)
+    records = [_admit(core, f"s{i}", SHORT) for i in range(8)]
+    own_s = sum(r.work_s for r in records)
+    recent_mean_s = statistics.fmean(long_works + [r.work_s for r in records])
+    assert 8 * recent_mean_s > 5 * own_s  # the recent mean alone would size W far above
+    assert core.closed_loop_target_s() == pytest.approx(_target_of(core, own_s))
