@@ -182,17 +182,24 @@ class _SwallowingKV:
         return self.watcher
 
 
+async def _closes_before_release(view: BucketView, watcher: _SwallowingWatcher) -> bool:
+    """Whether ``view.close()`` returned within 5 s while ``watcher`` still held on; then
+    releases the watcher (the test's way out) and lets the close finish."""
+    closing = asyncio.create_task(view.close())
+    await asyncio.wait({closing}, timeout=5)
+    closed = closing.done()
+    watcher.released = True
+    await asyncio.wait({closing}, timeout=5)
+    return closed
+
+
 async def test_close_ends_a_watch_that_dropped_its_cancellation() -> None:
     kv = _SwallowingKV()
     view = BucketView(kv, rewatch_s=30.0)
     follow = asyncio.create_task(view.wait_for(lambda: False))
     while view.get("epoch") is None:
         await asyncio.sleep(0.01)
-    closing = asyncio.create_task(view.close())
-    await asyncio.wait({closing}, timeout=5)
-    closed = closing.done()
-    kv.watcher.released = True
-    await asyncio.wait({closing}, timeout=5)
+    closed = await _closes_before_release(view, kv.watcher)
     follow.cancel()
     # returned before the release: the watch ended although its cancels were lost
     assert closed and kv.watcher.swallowed >= 1 and kv.watcher.stopped
@@ -225,11 +232,7 @@ async def test_close_cancels_again_a_watch_that_went_on_waiting() -> None:
     follow = asyncio.create_task(view.wait_for(lambda: False))
     while not kv.watcher.waiting:
         await asyncio.sleep(0.01)
-    closing = asyncio.create_task(view.close())
-    await asyncio.wait({closing}, timeout=5)
-    closed = closing.done()
-    kv.watcher.released = True
-    await asyncio.wait({closing}, timeout=5)
+    closed = await _closes_before_release(view, kv.watcher)
     follow.cancel()
     # returned before the release: the second cancellation ended the watch
     assert closed and kv.watcher.swallowed == 2 and kv.watcher.stopped
