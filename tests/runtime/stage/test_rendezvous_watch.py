@@ -17,6 +17,7 @@ from wavepp.runtime.stage.rendezvous import (
     BucketView,
     EpochRendezvous,
     PeerPresence,
+    ViewClosed,
     open_rendezvous,
 )
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
@@ -236,3 +237,21 @@ async def test_close_cancels_again_a_watch_that_went_on_waiting() -> None:
     follow.cancel()
     # returned before the release: the second cancellation ended the watch
     assert closed and kv.watcher.swallowed == 2 and kv.watcher.stopped
+
+
+async def test_a_waiter_is_woken_by_close_and_a_wait_after_close_fails_at_once() -> None:
+    kv = _SwallowingKV()
+    kv.watcher = _RetryingWatcher()
+    view = BucketView(kv, rewatch_s=30.0)
+    waiting = asyncio.create_task(view.wait_for(lambda: False))
+    while not kv.watcher.waiting:
+        await asyncio.sleep(0.01)
+    await view.close()
+    done, _ = await asyncio.wait({waiting}, timeout=5)
+    assert waiting in done
+    with pytest.raises(ViewClosed, match="closed"):
+        waiting.result()
+    with pytest.raises(ViewClosed, match="closed"):
+        await asyncio.wait_for(view.wait_for(lambda: False), timeout=5)
+    # a predicate that already holds is still answered after close
+    await asyncio.wait_for(view.wait_for(lambda: True), timeout=5)

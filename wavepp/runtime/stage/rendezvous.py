@@ -265,6 +265,10 @@ class StageGroupFactory:
         return dist.ProcessGroupGloo(store, self.rank, self.num_stages, self.timeout)
 
 
+class ViewClosed(RuntimeError):
+    """A :meth:`BucketView.wait_for` whose view was closed before its predicate held."""
+
+
 class BucketView:
     """The latest value and revision of every key of one KV bucket, kept by one watch.
 
@@ -272,7 +276,8 @@ class BucketView:
     value, then every put as it happens; :meth:`wait_for` wakes on each. A watch that delivers
     nothing for ``rewatch_s`` seconds is stopped and made anew (it starts again from each key's
     last value), so a watch lost to a server restart or a reconnect costs at most that long.
-    Deleted or purged keys leave the view. Call from one event loop; :meth:`close` ends it.
+    Deleted or purged keys leave the view. Call from one event loop; :meth:`close` ends it and
+    wakes every :meth:`wait_for`.
 
     Raises:
         ValueError: ``rewatch_s`` <= 0.
@@ -296,17 +301,25 @@ class BucketView:
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
         """Return once ``predicate()`` (which reads :meth:`get`) holds; it is evaluated after
-        the watch's first snapshot and after every update. Starts the watch on first use."""
-        if self._task is None:
+        the watch's first snapshot and after every update. Starts the watch on first use.
+
+        Raises:
+            ViewClosed: :meth:`close` was called before ``predicate()`` held (at once if it
+                was called before this call).
+        """
+        if self._task is None and not self._closing:
             self._changed, self._synced = asyncio.Condition(), asyncio.Event()
             self._task = asyncio.create_task(self._follow())
-        assert self._changed is not None and self._synced is not None
-        await self._synced.wait()
-        async with self._changed:
-            await self._changed.wait_for(predicate)
+        if self._changed is not None and self._synced is not None:
+            await self._synced.wait()
+            async with self._changed:
+                await self._changed.wait_for(lambda: self._closing or predicate())
+        if not predicate():
+            raise ViewClosed("the rendezvous view was closed while waiting")
 
     async def close(self) -> None:
-        """Stop the watch (idempotent); returns once its task has ended.
+        """Stop the watch (idempotent) and wake every :meth:`wait_for` (they raise
+        :class:`ViewClosed` unless their predicate holds); returns once the watch has ended.
 
         The task is cancelled again until it ends: on Python 3.11 ``asyncio.wait_for`` (under
         ``KeyWatcher.updates``) drops a cancellation that arrives as an update does, and the
@@ -320,6 +333,10 @@ class BucketView:
         if task is not None and not task.cancelled():
             with contextlib.suppress(Exception):
                 task.result()  # retrieved: a watch that failed is not logged as unretrieved
+        if self._changed is not None and self._synced is not None:
+            self._synced.set()  # waiters before the first snapshot wake too
+            async with self._changed:
+                self._changed.notify_all()
 
     async def _follow(self) -> None:
         assert self._changed is not None and self._synced is not None
