@@ -196,6 +196,10 @@ class RuntimeConfig(BaseModel):
     # (a stage died, or lost the plan) fails its requests with a clear error and releases their
     # pins on every stage that answers; seconds of wall time, far above any normal micro-batch.
     microbatch_deadline_s: float = Field(300.0, gt=0)
+    # NOTE: a directory: each stage times the parts of its loop per micro-batch and writes
+    # ``stage-<rank>.json`` there as it stops (``wavepp.runtime.stage.loop_profile``);
+    # "": no profile, nothing recorded.
+    profile_dir: str = ""
     device: str = "cpu"
     # NOTE: the torch engine's Llama weights: a ``.safetensors`` file or a directory of them with
     # HF Llama tensor names, shaped by ``model`` (``spec.model.path``, or the PVC's mount path);
