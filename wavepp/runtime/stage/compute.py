@@ -89,6 +89,14 @@ class StageCompute(ABC):
         self._thread.start()
 
     @property
+    def activation_device(self) -> torch.device:
+        """Where the activations sent and received live: the stage's device under nccl (GPU to
+        GPU), the CPU under gloo (the engine moves them to its device)."""
+        if self.config.resolved_activation_backend == "nccl":
+            return torch.device(self.config.device)
+        return torch.device("cpu")
+
+    @property
     def compute_alive(self) -> bool:
         """The compute thread runs, has not raised, and beat within the micro-batch deadline
         (a receive or execute stuck longer fails its micro-batch anyway). While the stage waits
@@ -168,7 +176,10 @@ class StageCompute(ABC):
             if not self.is_first:
                 assert pg is not None, "a stage after the first has a group"
                 hidden_in = torch.empty(
-                    num_tokens, engine.hidden_size, dtype=engine.activation_dtype
+                    num_tokens,
+                    engine.hidden_size,
+                    dtype=engine.activation_dtype,
+                    device=self.activation_device,
                 )
                 t = clock()
                 with region("recv"):
@@ -225,8 +236,8 @@ class StageCompute(ABC):
                     hidden_out = torch.zeros(
                         num_tokens, engine.hidden_size, dtype=engine.activation_dtype
                     )
-                hidden_out = hidden_out.contiguous()
                 t = clock()
+                hidden_out = hidden_out.to(self.activation_device).contiguous()
                 with region("send"):
                     pending_sends.append((pg.send([hidden_out], self.rank + 1, 0), hidden_out))
                     while len(pending_sends) > _MAX_PENDING_SENDS:

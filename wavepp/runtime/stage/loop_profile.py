@@ -15,7 +15,9 @@ Two threads of a stage work on a micro-batch (``wavepp.runtime.stage.worker`` an
   on arrival).
 
 The engine pass itself (``execute``) is one part here; its own parts are the ``torch.profiler``
-regions of ``wavepp.runtime.stage.engine.profile``.
+regions of ``wavepp.runtime.stage.engine.profile``. Every part is host time: on a GPU the
+engine pass's kernels run on after ``execute`` returns, and their time shows in the first part
+that waits for them (the last stage's ``results``, the copy of ``send`` to host memory).
 
 A stage given ``RuntimeConfig.profile_dir`` records into one :class:`LoopProfile` and writes
 ``stage-<rank>.json`` (:meth:`LoopProfile.to_json`) there as it stops; without it the stage has
@@ -35,7 +37,8 @@ COMPUTE_PARTS: dict[str, str] = {
     "prepare": "engine.prepare on the compute thread (block tables to slots; not on arrival)",
     "execute": "the engine pass: the stage's layers (engine.execute)",
     "results": "the last stage's results (argmax, logits) and the done message",
-    "send": "activation send to the next stage: issue, and waits on sends in flight",
+    "send": "activation send to the next stage: the copy to the group's device, the issue, "
+    "and waits on sends in flight",
 }
 """Compute-thread part -> what it covers; with ``other`` they add up to the wall."""
 
