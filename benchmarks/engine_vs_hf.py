@@ -50,8 +50,11 @@ time). Ratios are of medians taken in this run.
   share of the cores) and prints each over its floating twin.
 
 ``--profile`` adds one profiled engine pass (``torch.profiler``, the engine's named regions,
-``wavepp/runtime/stage/engine/profile.py``) and prints its per-part table. ``--device cuda
---dtype bfloat16`` runs the engine and hf sides on a GPU. Last line with ``--json``: one JSON
+``wavepp/runtime/stage/engine/profile.py``) and prints its per-part table; with ``--stages``
+it prints each stage's loop profile over the side's passes instead (receive, prepare, engine
+pass, results, send, the rest; plan handling: ``wavepp/runtime/stage/loop_profile.py``).
+``--device cuda --dtype bfloat16`` runs the engine, hf and ``pipeline-S`` sides on a GPU (a
+local pipeline's stages share it; activations between them go through host memory). Last line with ``--json``: one JSON
 object of every figure. This is a benchmark: it measures and prints; it asserts nothing.
 
     python benchmarks/engine_vs_hf.py --requests 40 --profile
@@ -90,6 +93,7 @@ from wavepp.runtime.stage.engine.torch_engine import (  # noqa: E402
     TorchStageEngine,
     build_full_state_dict,
 )
+from wavepp.runtime.stage.loop_profile import loop_table, read_profiles  # noqa: E402
 
 BLOCK_SIZE = 32
 
@@ -248,7 +252,9 @@ def bench_spec(
     the torch engine's projections unpacked (``engineOptions.packWeights``);
     ``return_microbatches`` the closed-loop target's way back (None: the runtime's default);
     ``pin``: each stage pinned to its share of the cores (``engineOptions.pinCores``);
-    ``--compile``: the stages' ``engineOptions.torchCompile``."""
+    ``--compile``: the stages' ``engineOptions.torchCompile``; torch engine: one GPU per stage
+    with ``--device cuda`` (``resources.gpusPerStage``; a local pipeline's stages share
+    cuda:0), else none."""
     longest = args.longest
     blocks = max(64, max(args.concurrency) * 2 * (-(-longest // BLOCK_SIZE)))
     options: dict[str, Any] = {
@@ -272,6 +278,8 @@ def bench_spec(
         "cache": {"blockSize": BLOCK_SIZE},
         "engineOptions": options,
     }
+    if args.engine == "torch":  # the stages compute on --device, whatever this host has
+        spec["resources"] = {"gpusPerStage": 1 if args.device.startswith("cuda") else 0}
     if args.engine == "emulated":
         spec["model"] = {"name": args.emulate}
         options |= {"emulate": args.emulate, "timeScale": args.time_scale}
@@ -508,6 +516,11 @@ class PipelineSide:
         self.log_dir = tempfile.mkdtemp(prefix=f"wavepp-bench-s{self.stages}-")
         self.dones: list[Any] = []  # this pass's done messages (timeline_summary)
         self.timelines: list[dict[str, Any]] = []  # per pass (the warm-up's first)
+        self.profile_dir = ""
+        if args.profile:  # each stage's loop profile over every pass (warm-up included)
+            self.profile_dir = tempfile.mkdtemp(prefix=f"wavepp-bench-s{self.stages}-profile-")
+            self.config = self.config.model_copy(update={"profile_dir": self.profile_dir})
+        self.loop_profiles: list[dict[str, Any]] = []  # by rank, after stop
 
     async def start(self) -> None:
         from wavepp.launch.replica import planner_cost_model
@@ -531,6 +544,8 @@ class PipelineSide:
     async def stop(self) -> None:
         if self.pipeline is not None:
             await self.pipeline.stop()
+        if self.profile_dir:
+            self.loop_profiles = read_profiles(self.profile_dir)
 
 
 class UpSide:
@@ -613,8 +628,9 @@ async def pipeline_sides(
     earlier pass's prompts cached; the ``hf`` side runs each repeat's first). One side
     per source, stage count and path (``local``: ``pipeline-S``; ``up``: ``up-S``; suffix
     ``-ckpt`` for the checkpoint source), all started before the first timed pass; ``hf_pass``
-    None: no ``hf`` side. Returns ``tokens_per_s`` (side -> median prompt tokens/s) and
-    ``cpu_s`` (side -> per timed pass, CPU seconds by process role)."""
+    None: no ``hf`` side. Returns ``tokens_per_s`` (side -> median prompt tokens/s),
+    ``cpu_s`` (side -> per timed pass, CPU seconds by process role) and ``loop_profiles``
+    (``local`` side -> its stages' loop profiles with ``--profile``, else [])."""
     kinds = {"local": PipelineSide, "up": UpSide}
     sources = args.source if args.engine == "torch" else ["seeded"]
     packs = args.pack if args.engine == "torch" else ["on"]
@@ -691,6 +707,9 @@ async def pipeline_sides(
         "tokens_per_s": {name: tokens / _median(t) for name, t in times.items()},
         "cpu_s": cpu_s,
         "passes": summaries,
+        "loop_profiles": {
+            side.name: side.loop_profiles for side in sides if isinstance(side, PipelineSide)
+        },
     }
 
 
@@ -797,6 +816,17 @@ def run(args: argparse.Namespace) -> int:
         for name, passes in measured["passes"].items():
             for i, summary in enumerate(passes):
                 lines.append(f"{name} pass {i}: {json.dumps(summary)}")
+        profiled = {k: v for k, v in measured["loop_profiles"].items() if v}
+        if profiled:
+            result["loop_profiles"] = profiled
+        for name, profiles in profiled.items():
+            for profile in profiles:
+                lines.append(
+                    f"{name} stage {profile['rank']} loop profile, every pass "
+                    f"({profile['microbatches']} micro-batches; other = wall - parts):"
+                )
+                if profile["microbatches"]:
+                    lines.extend(loop_table(profile))
     else:
         state = build_full_state_dict(config)
         engines = {
@@ -979,13 +1009,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _refused_flags(args: argparse.Namespace) -> str:
     """Why flags given together cannot all be honoured ("" when they can): pipeline mode
-    (``--stages``) runs its stages on the CPU and profiles nothing; engine mode runs the torch
-    engine in this process, with none of the pipeline's flags."""
+    (``--stages``) runs the torch engine's stages on ``--device`` through ``LocalPipeline``
+    only (any other engine or path on the CPU); engine mode runs the torch engine in this
+    process, with none of the pipeline's flags."""
     if args.stages:
-        if args.device != "cpu":
-            return f"--device {args.device}: only without --stages (the stages run on the CPU)"
-        if args.profile:
-            return "--profile: only without --stages (it profiles one engine pass)"
+        if args.device != "cpu" and args.engine != "torch":
+            return f"--device {args.device}: only with --engine torch"
+        if args.device != "cpu" and args.path != ["local"]:
+            return f"--device {args.device}: only with --path local (LocalPipeline)"
+        if args.profile and args.path != ["local"]:
+            return "--profile: with --stages, only --path local (the stages' loop profiles)"
         if args.compile and args.engine != "torch":
             return "--compile: only with --engine torch"
         return ""

@@ -204,11 +204,38 @@ def test_compile_reaches_the_pipelines_spec() -> None:
     assert bench.runtime_config_of(spec).torch_compile
 
 
+def test_the_pipeline_stages_compute_on_the_device_given() -> None:
+    config = bench.model_config("bfloat16")
+    on_gpu = bench.bench_spec(_args("--device", "cuda"), config, 2)
+    assert on_gpu["resources"] == {"gpusPerStage": 1}
+    gpu = bench.runtime_config_of(on_gpu)
+    assert gpu.device == "cuda" and gpu.model.dtype == "bfloat16"
+    on_cpu = bench.bench_spec(_args(), bench.model_config("float32"), 2)
+    assert on_cpu["resources"] == {"gpusPerStage": 0}  # not the host's GPU, if it has one
+    assert bench.runtime_config_of(on_cpu).device == "cpu"
+    emulated = bench.bench_spec(_args("--engine", "emulated"), config, 2)
+    assert "resources" not in emulated
+
+
+def test_profile_gives_each_local_side_a_stage_profile_dir() -> None:
+    spec = bench.bench_spec(_args(), bench.model_config("float32"), 2)
+    assert bench.PipelineSide(spec, _args()).config.profile_dir == ""
+    side = bench.PipelineSide(spec, _args("--profile"))
+    assert side.config.profile_dir and Path(side.profile_dir).is_dir()
+
+
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
-        (["--stages", "2", "--device", "cuda"], "--device cuda: only without --stages"),
-        (["--stages", "2", "--profile"], "--profile: only without --stages"),
+        (
+            ["--stages", "2", "--device", "cuda", "--engine", "emulated"],
+            "--device cuda: only with --engine torch",
+        ),
+        (
+            ["--stages", "2", "--device", "cuda", "--path", "local,up"],
+            "--device cuda: only with --path local",
+        ),
+        (["--stages", "2", "--profile", "--path", "up"], "--profile: with --stages, only"),
         (["--stages", "2", "--engine", "emulated", "--compile"], "--compile: only with"),
         (["--engine", "emulated"], "--engine: only with --stages"),
         (["--pin", "on"], "--pin: only with --stages"),

@@ -67,6 +67,28 @@ def test_invalid_lines_are_reported_by_line_and_field_and_the_rest_run(small_tra
     assert summary["requests"] == 14 and summary["completed"] == 12 and summary["failed"] == 2
     assert "line 6: field 'hash_ids'" in stderr and "line 7: field '<line>'" in stderr
     assert summary["mode"] == "wave" and summary["stages"] == 2 and summary["engine"] == "torch"
+    assert "stage_loop_profile" not in summary and "loop profile" not in stderr
+
+
+def test_profile_stages_prints_each_stage_loop_profile(small_trace: Path) -> None:
+    summary, stderr = run_replay(
+        str(small_trace),
+        "--stages",
+        "2",
+        "--tokens-per-block",
+        "8",
+        "--engine",
+        "torch",
+        "--profile-stages",
+    )
+    profiles = summary["stage_loop_profile"]
+    assert [p["rank"] for p in profiles] == [0, 1]
+    assert profiles[0]["parts_s"]["send"] > 0 and profiles[1]["parts_s"]["recv"] > 0
+    for p in profiles:
+        assert p["microbatches"] >= 1 and p["parts_s"]["plan_decode"] > 0
+        assert f"stage {p['rank']} loop profile ({p['microbatches']} micro-batches" in stderr
+        wall_ms = p["wall_s"] * 1e3 / p["microbatches"]
+        assert re.search(rf"^wall +{wall_ms:.3f} +100.0%$", stderr, re.MULTILINE), stderr[-2000:]
 
 
 def test_sync_mode_on_the_emulated_engine(small_trace: Path) -> None:

@@ -4,7 +4,9 @@ Starts its own nats-server and S stage processes, replays (closed loop at ``--co
 at the trace's timestamps with ``--timed``), prints a progress bar (stderr) and the summary:
 each number with its unit and meaning, and per stage the local hit against the agreed prefix
 (``wavepp.bench.summary_text``); with ``--json`` stdout is one JSON object only (the replay
-contract) and the tables go to stderr.
+contract) and the tables go to stderr. ``--profile-stages``: each stage's loop profile per
+micro-batch (``wavepp.runtime.stage.loop_profile``) as a table per stage, and in the JSON as
+``stage_loop_profile``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import argparse
 import asyncio
 import functools
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 from wavepp.cmd.common import fail, finite_float
@@ -47,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json", action="store_true", help="stdout: the summary JSON only (the table on stderr)"
     )
     parser.add_argument("--timed", action="store_true", help="arrive at the trace's timestamps")
+    parser.add_argument(
+        "--profile-stages",
+        action="store_true",
+        help="time each stage's loop per micro-batch (receive, prepare, engine pass, results, "
+        "send, the rest; plan handling on the loop thread) and print it per stage "
+        "(wavepp.runtime.stage.loop_profile)",
+    )
     parser.add_argument(
         "--speedup", type=finite_float, default=1.0, help="with --timed: time compression"
     )
@@ -163,6 +174,10 @@ def run(args: argparse.Namespace) -> int:
         return _fail(exc.flag, str(exc))
     config, planner_model, mapper = plan.config, plan.planner_cost_model, plan.mapper
     capacity, model, telemetry = plan.capacity, config.model, config.telemetry
+    profile_dir = ""
+    if args.profile_stages:
+        profile_dir = tempfile.mkdtemp(prefix="wavepp-stage-profile-")
+        config = config.model_copy(update={"profile_dir": profile_dir})
     records, invalid = load_trace(args.trace, args.limit)
     for error in invalid:
         err.print(f"[yellow]skipped invalid trace line[/]: {error}")
@@ -234,6 +249,21 @@ def run(args: argparse.Namespace) -> int:
         "(from host: loaded from that stage's host tier); held, not shared: recomputed "
         "although that stage had them (unequal --kv-blocks evict differently)."
     )
+    if profile_dir:
+        from wavepp.runtime.stage.loop_profile import loop_table, read_profiles
+
+        profiles = read_profiles(profile_dir)
+        shutil.rmtree(profile_dir, ignore_errors=True)
+        summary["stage_loop_profile"] = profiles
+        for profile in profiles:
+            out.print(
+                f"stage {profile['rank']} loop profile ({profile['microbatches']} micro-batches; "
+                "other = wall - parts):"
+            )
+            if profile["microbatches"]:
+                out.print("\n".join(loop_table(profile)), highlight=False)
+        if len(profiles) < config.num_stages:
+            err.print(f"[yellow]{config.num_stages - len(profiles)} stage(s) wrote no profile[/]")
     if args.timeline:
         from wavepp.telemetry.spans import read_span_records
         from wavepp.telemetry.timeline import draw_timeline

@@ -196,7 +196,15 @@ class RuntimeConfig(BaseModel):
     # (a stage died, or lost the plan) fails its requests with a clear error and releases their
     # pins on every stage that answers; seconds of wall time, far above any normal micro-batch.
     microbatch_deadline_s: float = Field(300.0, gt=0)
+    # NOTE: a directory: each stage times the parts of its loop per micro-batch and writes
+    # ``stage-<rank>.json`` there as it stops (``wavepp.runtime.stage.loop_profile``);
+    # "": no profile, nothing recorded.
+    profile_dir: str = ""
     device: str = "cpu"
+    # NOTE: how activations move between stages (torch.distributed backend): "nccl" GPU to GPU,
+    # each stage on a GPU of its own (NCCL refuses two ranks on one GPU); "gloo" through host
+    # memory, for CPU stages and for stages sharing one GPU; None: nccl on cuda, gloo on the CPU.
+    activation_backend: Literal["nccl", "gloo"] | None = None
     # NOTE: the torch engine's Llama weights: a ``.safetensors`` file or a directory of them with
     # HF Llama tensor names, shaped by ``model`` (``spec.model.path``, or the PVC's mount path);
     # None: seeded random weights. The emulated engine loads none (the spec check refuses a path
@@ -239,6 +247,11 @@ class RuntimeConfig(BaseModel):
                 )
             if any(not v >= 0 for v in values):
                 raise ValueError(f"{name}={values}: every entry must be >= 0")
+        if self.activation_backend == "nccl" and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"activation_backend='nccl' needs device cuda (got device={self.device!r}); "
+                "use 'gloo' or leave it unset"
+            )
         if self.engine == "emulated" and self.cost_model is None:
             raise ValueError("engine=emulated needs cost_model (a CostModel.to_dict())")
         if self.torch_compile and (self.engine != "torch" or self.tensor_parallel_size != 1):
@@ -385,6 +398,13 @@ class RuntimeConfig(BaseModel):
         if self.agreement is not None:
             return self.agreement
         return AgreementMode.ASYNC if self.mode == "wave" else AgreementMode.SYNC
+
+    @property
+    def resolved_activation_backend(self) -> str:
+        """``activation_backend``, or nccl on cuda and gloo on the CPU when unset."""
+        if self.activation_backend is not None:
+            return self.activation_backend
+        return "nccl" if self.device.startswith("cuda") else "gloo"
 
     @property
     def resolved_local_prepare(self) -> bool:

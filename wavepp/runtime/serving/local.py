@@ -16,6 +16,9 @@ admission user (``wavepp.api.permissions``); every round, plan and done is signe
 key (the environment's ``WAVEPP_BUS_KEY``, else a new one), handed to the stages through their
 environment. With ``nats_url`` (an external server) no credentials are made: the processes use
 ``WAVEPP_NATS_CREDS`` if set.
+
+Every stage computes on ``config.device``; on ``cuda`` they all share cuda:0, so activations
+move through host memory (gloo) unless ``config.activation_backend`` asks for nccl.
 """
 
 from __future__ import annotations
@@ -73,6 +76,14 @@ class LocalPipeline:
         startup_timeout_s: float = 120.0,
         log_dir: str | None = None,
     ) -> None:
+        if (
+            config.device.startswith("cuda")
+            and config.num_stages > 1
+            and config.activation_backend is None
+        ):
+            # every stage of a local pipeline computes on the same GPU (cuda:0), where NCCL
+            # refuses a second rank: activations go through host memory
+            config = config.model_copy(update={"activation_backend": "gloo"})
         self.config = config
         self.planner_cost_model = planner_cost_model
         self.external_nats_url = nats_url

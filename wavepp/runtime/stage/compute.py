@@ -33,6 +33,7 @@ from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.stage.core import StageCore, StageWork
 from wavepp.runtime.stage.engine import PreparedBatch, StageEngine
 from wavepp.runtime.stage.engine.profile import region
+from wavepp.runtime.stage.loop_profile import LoopProfile
 from wavepp.runtime.stage.rendezvous import EpochRendezvous
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,8 @@ class StageCompute(ABC):
     The loop thread calls ``_start_compute`` once per epoch (with that epoch's ``_pg``,
     ``_work`` and ``_generation``); the thread calls back on the loop thread through the two
     abstract methods. ``compute_beat`` (monotonic seconds) and ``compute_error`` are its
-    liveness record.
+    liveness record. ``loop_profile``: where the thread's time goes per micro-batch
+    (``wavepp.runtime.stage.loop_profile``); None records nothing.
     """
 
     config: RuntimeConfig
@@ -61,6 +63,7 @@ class StageCompute(ABC):
     group_epoch: int
     compute_beat: float
     compute_error: BaseException | None
+    loop_profile: LoopProfile | None
     _pg: dist.ProcessGroup | None
     _work: queue.Queue[tuple[StageWork, PreparedBatch | None] | None]
     _generation: int
@@ -84,6 +87,14 @@ class StageCompute(ABC):
             daemon=True,
         )
         self._thread.start()
+
+    @property
+    def activation_device(self) -> torch.device:
+        """Where the activations sent and received live: the stage's device under nccl (GPU to
+        GPU), the CPU under gloo (the engine moves them to its device)."""
+        if self.config.resolved_activation_backend == "nccl":
+            return torch.device(self.config.device)
+        return torch.device("cpu")
 
     @property
     def compute_alive(self) -> bool:
@@ -152,20 +163,29 @@ class StageCompute(ABC):
     ) -> None:
         engine = self.engine
         core = self.core
+        clock = time.perf_counter
         while True:
             item = self._next_work(work_queue)
             if item is None or generation != self._generation:
                 return
+            prof = self.loop_profile
+            began = clock()
             work, prepared = item
             num_tokens = work.num_tokens
             hidden_in = None
             if not self.is_first:
                 assert pg is not None, "a stage after the first has a group"
                 hidden_in = torch.empty(
-                    num_tokens, engine.hidden_size, dtype=engine.activation_dtype
+                    num_tokens,
+                    engine.hidden_size,
+                    dtype=engine.activation_dtype,
+                    device=self.activation_device,
                 )
+                t = clock()
                 with region("recv"):
                     pg.recv([hidden_in], self.rank - 1, 0).wait()
+                if prof is not None:
+                    prof.add("recv", clock() - t)
                 self.compute_beat = time.monotonic()
             results: list[RequestResult] = []
             hidden_out = None
@@ -173,17 +193,26 @@ class StageCompute(ABC):
             if not work.error:
                 try:
                     if prepared is None:
+                        t = clock()
                         work.prepare_start_s = time.time()
                         prepared = engine.prepare(work.chunks)
                         work.prepare_end_s = time.time()
+                        if prof is not None:
+                            prof.add("prepare", clock() - t)
+                    t = clock()
                     exec_start = time.time()
                     out = engine.execute(prepared, hidden_in)
                     exec_end = time.time()
+                    if prof is not None:
+                        prof.add("execute", clock() - t)
+                    t = clock()
                     hidden_out = out.hidden
                     logits = out.last_token_logits
                     results = core.results(
                         work, partial(_first_token_id, logits), partial(_logits_list, logits)
                     )
+                    if prof is not None:
+                        prof.add("results", clock() - t)
                 except Exception as exc:  # keep the pipeline moving; report the error
                     log.exception(
                         "stage %d: micro-batch %d failed", self.rank, work.plan.microbatch_id
@@ -191,9 +220,12 @@ class StageCompute(ABC):
                     work.error = f"stage {self.rank}: execute failed: {exc!r}"
             if generation != self._generation:
                 return  # re-formed meanwhile: this micro-batch belongs to the old group
+            t = clock()
             done = core.done_message(
                 work, execute_start_s=exec_start, execute_end_s=exec_end, results=results
             )
+            if prof is not None:
+                prof.add("results", clock() - t)
             # Cache the computed blocks before the activations leave: a release for this
             # request can only follow the last stage's result, hence this send.
             assert self._loop is not None, "compute thread started before serve()"
@@ -204,11 +236,16 @@ class StageCompute(ABC):
                     hidden_out = torch.zeros(
                         num_tokens, engine.hidden_size, dtype=engine.activation_dtype
                     )
-                hidden_out = hidden_out.contiguous()
+                t = clock()
+                hidden_out = hidden_out.to(self.activation_device).contiguous()
                 with region("send"):
                     pending_sends.append((pg.send([hidden_out], self.rank + 1, 0), hidden_out))
-                while len(pending_sends) > _MAX_PENDING_SENDS:
-                    pending_sends.popleft()[0].wait()
+                    while len(pending_sends) > _MAX_PENDING_SENDS:
+                        pending_sends.popleft()[0].wait()
+                if prof is not None:
+                    prof.add("send", clock() - t)
+            if prof is not None:
+                prof.microbatch_done(clock() - began)
 
 
 def _first_token_id(logits: Mapping[str, torch.Tensor], request_id: str) -> int:

@@ -120,7 +120,7 @@ async def run_stage(
             from wavepp.runtime.stage.tp_launch import start_followers
 
             followers = await asyncio.to_thread(start_followers, config, rank, bus_key=bus_key)
-        backend = "nccl" if config.device.startswith("cuda") else "gloo"
+        backend = config.resolved_activation_backend
         factory = StageGroupFactory(
             dist_url, rank, config.num_stages, backend, bus_key=bus_key, pipeline=config.pipeline
         )

@@ -71,6 +71,7 @@ from wavepp.runtime.stage.compute import StageCompute
 from wavepp.runtime.stage.core import StageCore, StageWork
 from wavepp.runtime.stage.engine import PreparedBatch, StageEngine
 from wavepp.runtime.stage.handoff_server import HandoffServer
+from wavepp.runtime.stage.loop_profile import LoopProfile
 from wavepp.runtime.stage.rendezvous import (
     PEER_BEAT_S,
     EpochRendezvous,
@@ -155,6 +156,7 @@ class StageWorker(StageCompute):
         # exception that ended it. /healthz and /readyz read compute_alive.
         self.compute_beat = time.monotonic()
         self.compute_error: BaseException | None = None
+        self.loop_profile = LoopProfile(rank) if config.profile_dir else None
         self._resend_task: asyncio.Task[None] | None = None
         self._open_resend = False  # the next resend asks for every plan from next_id on
         # The process group of the current epoch (None: single stage), its compute thread's
@@ -204,6 +206,20 @@ class StageWorker(StageCompute):
                 if task is not None:
                     task.cancel()
             self._work.put(None)
+            if self.loop_profile is not None:
+                await self._write_profile()
+
+    async def _write_profile(self) -> None:
+        """Let the compute thread finish its micro-batch (at most 10 s), then write the profile
+        to ``config.profile_dir``."""
+        assert self.loop_profile is not None
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+        try:
+            path = self.loop_profile.write(self.config.profile_dir)
+            log.info("stage %d: loop profile written to %s", self.rank, path)
+        except OSError as exc:
+            log.error("stage %d: loop profile not written: %r", self.rank, exc)
 
     # ---- re-forming in place -------------------------------------------------------------
 
@@ -352,11 +368,14 @@ class StageWorker(StageCompute):
     async def _on_plan(self, msg: Msg) -> None:
         if not self.is_formed:
             return  # for a broken group; the scheduler re-admits its requests after the re-form
+        began = time.perf_counter()
         try:
             plan = MicroBatchPlan.model_validate_json(msg.data)
         except ValueError as exc:
             log.error("stage %d: invalid plan dropped: %s", self.rank, exc)
             return
+        if self.loop_profile is not None:
+            self.loop_profile.add("plan_decode", time.perf_counter() - began)
         num_forged = self.core.num_forged
         for ready, headers in self.core.receive_plan(plan, msg.headers):
             self._accept_plan(ready, headers)
@@ -457,6 +476,7 @@ class StageWorker(StageCompute):
 
     def _accept_plan(self, plan: MicroBatchPlan, headers: Mapping[str, str] | None) -> None:
         """Let the core build the block tables, prepare in wave mode, queue for compute."""
+        began = time.perf_counter()
         self.telemetry.plan_received(plan, headers)
         work = self.core.accept(plan)
         prepared = None
@@ -467,6 +487,9 @@ class StageWorker(StageCompute):
             except ValueError as exc:
                 work.error = f"stage {self.rank}: prepare failed: {exc}"
         work.prepare_end_s = time.time()
+        if self.loop_profile is not None:
+            self.loop_profile.add("plan_accept", time.perf_counter() - began)
+            self.loop_profile.plan_done()
         self._work.put((work, prepared))
 
     def _apply_transfers(self, work: StageWork) -> None:
