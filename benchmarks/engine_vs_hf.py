@@ -1010,8 +1010,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _refused_flags(args: argparse.Namespace) -> str:
     """Why flags given together cannot all be honoured ("" when they can): pipeline mode
     (``--stages``) runs the torch engine's stages on ``--device`` through ``LocalPipeline``
-    only (any other engine or path on the CPU); engine mode runs the torch engine in this
-    process, with none of the pipeline's flags."""
+    only (any other engine or path on the CPU), its planner choosing micro-batches and chunks
+    (no ``--batch``, ``--chunk-tokens``); engine mode runs the torch engine in this process,
+    with none of the pipeline's flags."""
     if args.stages:
         if args.device != "cpu" and args.engine != "torch":
             return f"--device {args.device}: only with --engine torch"
@@ -1021,6 +1022,10 @@ def _refused_flags(args: argparse.Namespace) -> str:
             return "--profile: with --stages, only --path local (the stages' loop profiles)"
         if args.compile and args.engine != "torch":
             return "--compile: only with --engine torch"
+        defaults = build_parser().parse_args([])
+        for flag in ("batch", "chunk_tokens"):  # the pipeline's planner cuts and batches
+            if getattr(args, flag) != getattr(defaults, flag):
+                return f"--{flag.replace('_', '-')}: only without --stages (engine mode)"
         return ""
     defaults = build_parser().parse_args([])
     for flag in (

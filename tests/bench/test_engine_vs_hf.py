@@ -237,6 +237,8 @@ def test_profile_gives_each_local_side_a_stage_profile_dir() -> None:
         ),
         (["--stages", "2", "--profile", "--path", "up"], "--profile: with --stages, only"),
         (["--stages", "2", "--engine", "emulated", "--compile"], "--compile: only with"),
+        (["--stages", "2", "--batch", "8"], "--batch: only without --stages"),
+        (["--stages", "1", "--chunk-tokens", "256"], "--chunk-tokens: only without --stages"),
         (["--engine", "emulated"], "--engine: only with --stages"),
         (["--pin", "on"], "--pin: only with --stages"),
         (["--concurrency", "32"], "--concurrency: only with --stages"),
