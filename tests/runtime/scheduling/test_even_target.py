@@ -1,12 +1,16 @@
 """The closed-loop target of a population larger than the micro-batches in flight sizes W from
 the mean work of the requests admitted last (``SchedulerCore.closed_loop_target_s``,
-``WORK_WINDOW``) when the replica counts a way back (``return_microbatches`` >= 1, a served
-replica): one long prompt entering the population does not raise the target of every
-micro-batch of its round, so consecutive micro-batches cost about the same.
+``recent_work_window``: ``WORK_TURNOVERS`` x the open requests) when the replica counts a way
+back (``return_microbatches`` >= 1, a served replica): one long prompt entering the population
+does not raise the target of every micro-batch of its round, so consecutive micro-batches cost
+about the same.
 
 - unit: the target with 8 open requests is c + 8 x (mean work of the last admitted) / m, and
   stays there when a long prompt is admitted; with no more open requests than micro-batches in
   flight, or without a way back, it is the open requests' own work (c + W / m), as before;
+  after a shift from short prompts to long ones the target is the population's own again
+  within ``WORK_TURNOVERS`` x the open requests' admissions (a few rounds, at any
+  concurrency); a request admitted again after a re-form counts once in the window;
 - simulated (the runtime's scheduler, planner and admission on a virtual clock): a served
   two-stage replica (S + 1 micro-batches in flight) in a closed loop at C = 8 over the first 100
   records of the in-repo Mooncake trace plans no micro-batch, past the ramp-up and before the
@@ -28,7 +32,7 @@ from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.runtime.agreement import Ticket
 from wavepp.runtime.planning import Chunk, CostModel, planner_for
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.scheduling.core import WORK_WINDOW, RequestRecord, SchedulerCore
+from wavepp.runtime.scheduling.core import WORK_TURNOVERS, RequestRecord, SchedulerCore
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.sim.bus import SimLatencies
 from wavepp.sim.run import simulate
@@ -76,7 +80,7 @@ def test_a_long_prompt_moves_the_target_by_its_share_of_the_recent_mean() -> Non
     core = _core(8)
     assert core.config.resolved_max_inflight < 8
     open_records = [_admit(core, f"s{i}", SHORT) for i in range(8)]
-    for i in range(40):  # the closed loop: a finished request is replaced by a new one
+    for i in range(100):  # the closed loop: a finished request is replaced by a new one
         _finish(core, open_records.pop(0))
         open_records.append(_admit(core, f"t{i}", SHORT))
     short_s = open_records[0].work_s
@@ -84,8 +88,9 @@ def test_a_long_prompt_moves_the_target_by_its_share_of_the_recent_mean() -> Non
     assert before == pytest.approx(_target_of(core, 8 * short_s))
     _finish(core, open_records.pop(0))
     long = _admit(core, "long", LONG)
-    works = [short_s] * (8 + 40) + [long.work_s]
-    mean_s = statistics.fmean(works[-WORK_WINDOW:])
+    works = [short_s] * (8 + 100) + [long.work_s]
+    assert core.recent_work_window() == WORK_TURNOVERS * 8 < len(works)
+    mean_s = statistics.fmean(works[-core.recent_work_window() :])
     after = core.closed_loop_target_s()
     assert after == pytest.approx(_target_of(core, 8 * mean_s))
     # the population's own sum would make every micro-batch of the round carry the long prompt
@@ -163,3 +168,52 @@ def test_a_population_lighter_than_the_recent_mean_keeps_its_own_work() -> None:
     recent_mean_s = statistics.fmean(long_works + [r.work_s for r in records])
     assert 8 * recent_mean_s > 5 * own_s  # the recent mean alone would size W far above
     assert core.closed_loop_target_s() == pytest.approx(_target_of(core, own_s))
+
+
+@pytest.mark.parametrize("num_open", [8, 16])
+def test_after_a_shift_to_long_prompts_the_target_is_their_own_within_a_few_turnovers(
+    num_open: int,
+) -> None:
+    # the closed loop at C = num_open: 300 short prompts, then long ones
+    core = _core(num_open)
+    assert core.config.resolved_max_inflight < num_open
+    open_records = [_admit(core, f"s{i}", SHORT) for i in range(num_open)]
+    for i in range(300):
+        _finish(core, open_records.pop(0))
+        open_records.append(_admit(core, f"t{i}", SHORT))
+    bound = WORK_TURNOVERS * num_open  # admissions of the new workload: WORK_TURNOVERS rounds
+    assert core.recent_work_window() == bound
+    ratios = []
+    for i in range(bound):
+        _finish(core, open_records.pop(0))
+        open_records.append(_admit(core, f"long{i}", LONG))
+        own = _target_of(core, sum(r.work_s for r in open_records))
+        ratios.append(core.closed_loop_target_s() / own)
+    assert ratios[num_open - 1] < 0.9  # the cap still lags after one turnover
+    assert ratios[-1] == pytest.approx(1.0)  # the window holds long prompts only
+    assert ratios[-1] >= 0.9, [round(r, 2) for r in ratios[::num_open]]
+
+
+def test_a_request_admitted_again_after_a_re_form_counts_once_in_the_window() -> None:
+    core = _core(8)
+    open_records = [_admit(core, f"s{i}", SHORT) for i in range(8)]
+    for i in range(100):  # the closed loop at 8 open requests, then 8 long prompts
+        _finish(core, open_records.pop(0))
+        open_records.append(_admit(core, f"t{i}", SHORT))
+    for record in open_records:
+        _finish(core, record)
+    records = [_admit(core, f"l{i}", LONG) for i in range(8)]
+    before = core.closed_loop_target_s()
+    readmit = core.reform(queued=[])
+    assert [r.request_id for r in readmit] == [r.request_id for r in records]
+    for record in readmit:  # the driver admits each again
+        core.admitted(record, Ticket(record.request, num_agreed_blocks=0, block_size=64))
+        core.activate([record])
+    assert core.closed_loop_target_s() == pytest.approx(before)
+    # the window: the last shorts and the 8 long prompts, each once
+    window = core.recent_work_window()
+    works = [r.work_s for r in records]
+    short_s = core.planner.request_work_s(0, SHORT)
+    expected = _target_of(core, 8 * statistics.fmean([short_s] * (window - 8) + works))
+    assert expected < _target_of(core, sum(works))  # the recent mean caps W
+    assert before == pytest.approx(expected)

@@ -129,10 +129,12 @@ def _prompt(index: int) -> list[int]:
 def test_requests_keep_stats_and_memory_flat(monkeypatch: pytest.MonkeyPatch) -> None:
     """Traced from request 2,000 on: what is kept at 6,000 exceeds what was kept at 3,008 by
     less than 192 KiB (64 bytes a request). Every bounded ring (the scheduler's recent
-    outcomes the largest, RECENT_OUTCOMES here) has been refilled since tracing started, so a
+    outcomes and recent works the largest, RECENT_OUTCOMES here) has been refilled since
+    tracing started, so a
     ring churning in place counts about zero; NOTE: the recent-outcome dict's table is
     reallocated as it churns, which moves the figure by up to ~40 KiB either way at 512."""
     monkeypatch.setattr("wavepp.runtime.scheduling.core._RECENT_OUTCOMES", RECENT_OUTCOMES)
+    monkeypatch.setattr("wavepp.runtime.scheduling.core._WORKS_KEPT", RECENT_OUTCOMES)
     sizes: dict[int, int] = {}
     traced: dict[int, int] = {}
     checkpoints = (2_000, 3_008, NUM_REQUESTS)  # multiples of 16, the first past the ring

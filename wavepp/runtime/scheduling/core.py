@@ -27,10 +27,11 @@ hand each other are in records.py.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,8 +55,12 @@ _RECENT_OUTCOMES = 4096  # stages report in any order: outcomes kept a while aft
 # (agreements of requests returning together end a few microseconds apart).
 _FULL_FRACTION = 0.98
 # With a way back, the closed-loop target of a population larger than the micro-batches in flight
-# caps W by the mean work of this many requests admitted last (the population's law).
-WORK_WINDOW = 256
+# caps W by the mean work of the requests admitted last (the population's law): the last
+# WORK_TURNOVERS x (open requests) of them, at least WORK_WINDOW_FLOOR
+# (SchedulerCore.recent_work_window states the contract).
+WORK_TURNOVERS = 8
+WORK_WINDOW_FLOOR = 32
+_WORKS_KEPT = 4096  # admitted requests' works kept: the window of up to 512 open requests
 
 
 class SchedulerCore(DoneAccounting):
@@ -121,9 +126,9 @@ class SchedulerCore(DoneAccounting):
         # closed loop's population, whose work sizes each micro-batch.
         self.num_open = 0
         self._mean_work_s: float | None = None
-        # The work of the requests admitted last (at most WORK_WINDOW) and its sum.
-        self._recent_works: deque[float] = deque(maxlen=WORK_WINDOW)
-        self._recent_works_s = 0.0
+        # The work of the requests admitted last, oldest first, each request once (its latest
+        # admission), at most _WORKS_KEPT of them.
+        self._recent_works: OrderedDict[str, float] = OrderedDict()
         # Baseline, budget accounting "estimated": the block hashes of every live request whose
         # first chunk was planned (it holds references on them), each hash counted once per
         # holder; a new request's estimate is how many of its leading blocks they hold.
@@ -166,10 +171,11 @@ class SchedulerCore(DoneAccounting):
         request = record.request
         record.ticket = ticket
         record.work_s = self.planner.request_work_s(ticket.num_cached_tokens, request.num_tokens)
-        if len(self._recent_works) == WORK_WINDOW:
-            self._recent_works_s -= self._recent_works[0]
-        self._recent_works.append(record.work_s)
-        self._recent_works_s += record.work_s
+        # admitted again (a re-form): its new work replaces its earlier one, counted once
+        self._recent_works.pop(request.request_id, None)
+        self._recent_works[request.request_id] = record.work_s
+        if len(self._recent_works) > _WORKS_KEPT:
+            self._recent_works.popitem(last=False)
         record.status = RequestStatus.ADMITTED
         record.num_inflight_microbatches = 0
         record.outcome = RequestOutcome(
@@ -301,6 +307,38 @@ class SchedulerCore(DoneAccounting):
 
     # ---- planning ------------------------------------------------------------------------
 
+    def recent_work_window(self) -> int:
+        """How many requests admitted last the closed-loop cap averages over:
+        ``WORK_TURNOVERS`` x the open requests, at least ``WORK_WINDOW_FLOOR`` (fewer while fewer
+        were admitted; at most the last ``_WORKS_KEPT``).
+
+        Counted in turnovers of the open population (a turnover: as many admissions as open
+        requests, about one round of the closed loop), whatever the concurrency:
+
+        - after a shift in the workload the window holds only the new workload's requests
+          within ``WORK_TURNOVERS`` turnovers, and the cap is then the population's own work
+          (a shift to longer prompts is followed in at most that many rounds; to shorter ones
+          at once, the cap being a min);
+        - within the window one request's work w above the mean m raises the cap by
+          (w - m) / ``WORK_TURNOVERS`` (the population's own sum: by w - m), for
+          ``WORK_TURNOVERS`` turnovers.
+
+        ``WORK_TURNOVERS`` = 8 sets the two: a prompt of up to 9 x the mean work raises W by at
+        most one mean request, so no micro-batch of its round grows by more than one request's
+        share, and a shift is followed in at most 8 rounds. ``WORK_WINDOW_FLOOR`` keeps the
+        mean over at least 32 requests when few are open.
+        """
+        return max(WORK_WINDOW_FLOOR, WORK_TURNOVERS * self.num_open)
+
+    def _recent_mean_work_s(self, extra_works_s: Sequence[float]) -> float:
+        """Mean work of the last ``recent_work_window()`` admitted requests, ``extra_works_s``
+        (a speculation's, admitted after them) the newest; requires one of them."""
+        window = self.recent_work_window()
+        extra = list(extra_works_s)[-window:]
+        num_old = min(len(self._recent_works), window - len(extra))
+        old_s = sum(itertools.islice(reversed(self._recent_works.values()), num_old))
+        return (old_s + sum(extra)) / (num_old + len(extra))
+
     def closed_loop_target_s(self, extra_works_s: Sequence[float] = ()) -> float | None:
         """Seconds per micro-batch on the slowest stage so that m micro-batches hold the work of
         every open request: c + W / m, m in [1, max_inflight] the count that finishes a round
@@ -321,7 +359,8 @@ class SchedulerCore(DoneAccounting):
         flight, every micro-batch carries several requests and the population turns over
         within a round (each finished request is replaced by a new one from the same workload,
         some of the round's requests being on their way back): W is then at most the open
-        requests times the mean work of the last ``WORK_WINDOW`` admitted requests, so that one
+        requests times the mean work of the last ``recent_work_window()`` admitted requests
+        (each once: a request admitted again after a re-form counts its latest work), so that one
         long prompt entering the population does not raise the target of every micro-batch of
         its round (a micro-batch several times its neighbours' cost makes the next stage wait
         for it, and the closed loop keeps that size, since its requests come back together).
@@ -349,9 +388,7 @@ class SchedulerCore(DoneAccounting):
             and self.num_open > self.config.resolved_max_inflight
             and self._recent_works
         ):
-            num_recent = len(self._recent_works) + len(extra_works_s)
-            recent_s = self._recent_works_s + sum(extra_works_s)
-            total_s = min(total_s, self.num_open * recent_s / num_recent)
+            total_s = min(total_s, self.num_open * self._recent_mean_work_s(extra_works_s))
         fixed_s = self.planner.fixed_cost_s
         # m micro-batches per round (see the docstring), k = max(1, m / open requests) per
         # request. With little work in the system (W small next to c) fewer than S
