@@ -201,7 +201,7 @@ def test_readme_first_command_replays_200_requests() -> None:
         (["--engine", "emulated", "--stages", "0"], "--stages"),
         (["--engine", "emulated", "--stages", "100"], "--stages"),
         (["--stages", "9"], "stages=9 exceeds the model's 8 layers"),
-        (["--kv-blocks", "10,20"], "num_kv_blocks"),
+        (["--kv-blocks", "10,20"], "--kv-blocks: 10,20: 2 entries; give one (every stage) or one"),
         (["--concurrency", "0"], "--concurrency"),
     ],
 )

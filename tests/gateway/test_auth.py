@@ -128,8 +128,10 @@ def test_a_key_of_two_tenants_is_refused(tmp_path: Path) -> None:
     with pytest.raises(KeyFileError, match="share a key") as info:
         _store({"a": tmp_path / "a", "b": tmp_path / "b"}, Clocks())
     assert key not in str(info.value)
-    with pytest.raises(KeyFileError, match="No such file"):
+    with pytest.raises(KeyFileError, match="No such file") as missing:
         _store({"a": tmp_path / "missing"}, Clocks())
+    # a missing file names the command that makes one
+    assert f"wavepp api-key --append {tmp_path / 'missing'}" in str(missing.value)
 
 
 def test_rotation_in_the_file_takes_effect_and_the_old_key_ends_after_the_window(

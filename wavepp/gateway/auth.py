@@ -217,6 +217,11 @@ class KeyStore:
             stamp = (st.st_mtime_ns, st.st_ino, st.st_size)
             with open(path, "rb") as handle:
                 text = handle.read(MAX_KEY_FILE_BYTES + 1).decode("utf-8", errors="replace")
+        except FileNotFoundError as exc:
+            raise KeyFileError(
+                f"tenant {tenant!r}: key file {path}: {exc.strerror} (make a key into it with "
+                f"`wavepp api-key --append {path}`)"
+            ) from exc
         except OSError as exc:
             raise KeyFileError(f"tenant {tenant!r}: key file {path}: {exc.strerror}") from exc
         entries = parse_key_file(text, tenant, now_s=self.wall_clock())

@@ -561,7 +561,8 @@ class Gateway:
                         if stored is not None:
                             return stored
                         raise TimeoutError(
-                            f"no answer for {intake.key} in {self.config.request_timeout_s}s"
+                            f"no answer for {intake.key} in {self.config.request_timeout_s}s "
+                            "(the gateway's --request-timeout-s)"
                         )
                     others = [r for r in self.router.pool(now) if r.name != replica.name]
                     if (

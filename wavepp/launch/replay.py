@@ -106,6 +106,12 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
         )
     except ValueError as exc:
         raise FlagError("--model/--kv-blocks", str(exc)) from None
+    if kv_blocks is not None and len(kv_blocks) not in (1, args.stages):
+        raise FlagError(
+            "--kv-blocks",
+            f"{args.kv_blocks}: {len(kv_blocks)} entries; give one (every stage) or one per "
+            f"stage ({args.stages}, --stages)",
+        )
     stage_cost: CostModel | None = None
     emulate: str | ModelShape = args.emulate
     if args.engine == "emulated":
