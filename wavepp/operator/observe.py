@@ -345,7 +345,6 @@ def _spec_ranges(configmaps: list[dict[str, Any]]) -> dict[str, list[tuple[int, 
 
 
 def replica_views(
-    pipeline: str,
     observed: Observed,
     current_hash: str,
     current_ranges: list[tuple[int, int]],

@@ -202,7 +202,7 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
     ranges = spec.stage_layer_ranges()
     budget = spec.restart_budget
     drain_timeout_s = spec.rollout.drain_timeout_s
-    views = replica_views(ref.name, observed, current_hash, ranges, budget.window(), now)
+    views = replica_views(observed, current_hash, ranges, budget.window(), now)
     desired = set(range(spec.num_replicas))
     actions: list[Action] = []
     requeue: list[float] = []
