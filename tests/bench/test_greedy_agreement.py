@@ -93,7 +93,7 @@ def test_agreement_derives_the_margin_from_the_measured_noise() -> None:
     result = agreement(runs, reference, ceiling=0.1)
     assert result.noise == pytest.approx(0.015)
     assert result.margin == pytest.approx(TIE_MARGIN_FACTOR * 0.015)
-    assert result.ceiling == 0.1 and not result.noise_above_ceiling
+    assert result.ceiling == 0.1 and not result.noise > result.ceiling
     assert agreement(runs, reference).ceiling == NOISE_CEILING
     assert (result.strict_mismatches, result.mismatches, result.near_ties) == (1, 0, 1)
     # less noise: the same 0.02 gap is above the margin, a mismatch
@@ -118,9 +118,9 @@ def test_noise_above_the_ceiling_grants_no_tie() -> None:
         "b": ([5, 8, 9], [{5: -0.1}, {8: -0.6, 7: -0.61}, {9: -0.01}]),  # parts on 0.02
     }
     wide = agreement(runs, reference, ceiling=1.0)
-    assert not wide.noise_above_ceiling and wide.near_ties == 1 and wide.mismatches == 0
+    assert not wide.noise > wide.ceiling and wide.near_ties == 1 and wide.mismatches == 0
     result = agreement(runs, reference, ceiling=0.1)
-    assert result.noise == pytest.approx(0.3) and result.noise_above_ceiling
+    assert result.noise == pytest.approx(0.3) and result.noise > result.ceiling
     assert result.margin == 0.0 and (result.mismatches, result.near_ties) == (1, 0)
     assert result.verdicts["b"].kind == "mismatch"
 

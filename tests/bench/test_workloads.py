@@ -7,7 +7,6 @@ import json
 import pytest
 
 from wavepp.bench.workloads import (
-    classify_reuse,
     ideal_hit_ratio,
     mooncake_workload,
     preset_workload,
@@ -45,8 +44,8 @@ def test_shared_prefix_workload_layout() -> None:
 def test_presets_are_low_and_high_by_measured_ratio() -> None:
     low = preset_workload("low", 32, vocab_size=1024)
     high = preset_workload("high", 32, vocab_size=1024)
-    assert classify_reuse(ideal_hit_ratio(low.prompts, 64, low.warmup)) == "low"
-    assert classify_reuse(ideal_hit_ratio(high.prompts, 64, high.warmup)) == "high"
+    assert ideal_hit_ratio(low.prompts, 64, low.warmup) < 0.4
+    assert ideal_hit_ratio(high.prompts, 64, high.warmup) >= 0.6
 
 
 @pytest.mark.parametrize(
@@ -69,8 +68,6 @@ def test_bad_knobs_name_the_field(kwargs: dict, field: str) -> None:
         shared_prefix_workload(**args)
     with pytest.raises(ValueError, match="reuse"):
         preset_workload("medium", 2)
-    with pytest.raises(ValueError, match="hit_ratio"):
-        classify_reuse(1.5)
 
 
 def test_mooncake_workload_reproduces_the_trace_reuse(tmp_path) -> None:  # noqa: ANN001

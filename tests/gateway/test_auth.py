@@ -31,6 +31,7 @@ from wavepp.gateway.core import Gateway
 from wavepp.gateway.tenants import FairShareQueue, LimitExceeded, TenantPolicy
 from wavepp.launch.gateway import gateway_config_from_spec
 from wavepp.operator import builders
+from wavepp.operator.gateway_builders import build_gateway_deployment
 from wavepp.operator.naming import PipelineRef
 from wavepp.operator.observe import Observed
 from wavepp.operator.reconcile import Defaults, plan
@@ -315,7 +316,7 @@ def test_only_the_gateway_mounts_the_key_secrets_read_only_without_subpath() -> 
         default_image="i", default_nats_url="nats://n"
     )
     ref = PipelineRef(name="p", namespace="ns", uid="u")
-    gateway = builders.build_gateway_deployment(ref, spec, "h")["spec"]["template"]["spec"]
+    gateway = build_gateway_deployment(ref, spec, "h")["spec"]["template"]["spec"]
     secrets = [v for v in gateway["volumes"] if "secret" in v]
     assert secrets == [
         {
@@ -391,7 +392,7 @@ def test_the_wavepipeline_examples_turn_keys_on_and_mount_them_in_the_gateway(na
     spec = spec.model_copy(update={"model": model})
     assert spec.tenants and all(t.api_key_secret for t in spec.tenants)
     ref = PipelineRef(name="tiny", namespace="default", uid="u")
-    pod = builders.build_gateway_deployment(ref, spec, "h")["spec"]["template"]["spec"]
+    pod = build_gateway_deployment(ref, spec, "h")["spec"]["template"]["spec"]
     mounted = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
     assert mounted == {t.api_key_secret for t in spec.tenants}
     assert pod["automountServiceAccountToken"] is False

@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from wavepp.api.spec import WavePipelineSpec
 from wavepp.operator import builders
-from wavepp.operator.naming import PipelineRef
+from wavepp.operator.gateway_builders import build_gateway_deployment
+from wavepp.operator.naming import PipelineRef, spec_hash
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -102,7 +103,7 @@ def test_the_pod_monitor_scrapes_the_gateway_port_that_serves_the_series() -> No
     assert metrics["relabelings"] == [component]
     spec = WavePipelineSpec.model_validate({"model": {"name": "tiny-llama"}, "stages": 2})
     ref = PipelineRef("p", "team-a", "uid-1")
-    gateway = builders.build_gateway_deployment(ref, spec, builders.spec_hash(spec))
+    gateway = build_gateway_deployment(ref, spec, spec_hash(spec))
     container = gateway["spec"]["template"]["spec"]["containers"][0]
     assert {p["name"] for p in container["ports"]} & ports == {"http"}
     labels = gateway["spec"]["template"]["metadata"]["labels"]
@@ -111,7 +112,7 @@ def test_the_pod_monitor_scrapes_the_gateway_port_that_serves_the_series() -> No
     assert labels["app.kubernetes.io/component"] in wanted["app.kubernetes.io/component"]
     # stage pods serve their own /metrics on their `metrics` port (wavepp.runtime.stage.metrics;
     # a real stage process is scraped in tests/operator/test_replica_drain.py)
-    sts = builders.build_stage_statefulset(ref, spec, builders.spec_hash(spec), 0)
+    sts = builders.build_stage_statefulset(ref, spec, spec_hash(spec), 0)
     stage = sts["spec"]["template"]["spec"]["containers"][0]
     assert {p["name"] for p in stage["ports"]} & ports == {"metrics"}
     metrics_port = next(p for p in stage["ports"] if p["name"] == "metrics")["containerPort"]

@@ -20,7 +20,7 @@ from wavepp.api.vllm_decode import CONNECTOR_CONFIG, vllm_decode_args
 from wavepp.launch.flags import ArgError
 from wavepp.launch.gateway import gateway_config_from_spec
 from wavepp.launch.replica import runtime_config_from_args
-from wavepp.operator import builders as b
+from wavepp.operator.naming import LABEL_COMPONENT, LABEL_PIPELINE, spec_hash
 from wavepp.operator.reconcile import Apply, Create, Defaults, Delete, Observed, plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,7 +106,7 @@ def test_the_example_renders_a_decode_pool_and_every_object_validates(tmp_path: 
         "from": [
             {
                 "podSelector": {
-                    "matchLabels": {b.LABEL_PIPELINE: "small-pd", b.LABEL_COMPONENT: "gateway"}
+                    "matchLabels": {LABEL_PIPELINE: "small-pd", LABEL_COMPONENT: "gateway"}
                 }
             }
         ],
@@ -208,12 +208,12 @@ def test_the_pools_size_and_image_do_not_roll_the_stages() -> None:
             )
         }  # type: ignore[union-attr]
     )
-    assert b.spec_hash(bigger) == b.spec_hash(spec)
+    assert spec_hash(bigger) == spec_hash(spec)
     body = _body()
     del body["spec"]["decode"]
     without, _ = check_spec(body["spec"], default_image="i", default_nats_url="nats://n")
     assert without is not None
-    assert b.spec_hash(without) != b.spec_hash(spec)  # the stages start a transfer server
+    assert spec_hash(without) != spec_hash(spec)  # the stages start a transfer server
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ from wavepp.operator.decode_builders import (
     DECODE_METRIC_NAMES,
     DECODE_TEARDOWN_S,
 )
-from wavepp.operator.naming import PipelineRef
+from wavepp.operator.naming import LABEL_COMPONENT, LABEL_PIPELINE, PipelineRef
 from wavepp.operator.reconcile import Apply, Create, Defaults, Delete, Observed, plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -262,7 +262,7 @@ def test_a_decode_pod_drains_before_it_exits() -> None:
 def test_decode_pods_admit_the_scrape_and_only_the_configured_scrapers(tmp_path: Path) -> None:
     objects = _rendered(_body())
     decode = objects[("NetworkPolicy", "small-pd-decode")]["spec"]["ingress"]
-    gateway_pods = {"matchLabels": {b.LABEL_PIPELINE: "small-pd", b.LABEL_COMPONENT: "gateway"}}
+    gateway_pods = {"matchLabels": {LABEL_PIPELINE: "small-pd", LABEL_COMPONENT: "gateway"}}
     prometheus = {
         "namespaceSelector": {},
         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},

@@ -24,6 +24,8 @@ from pod_support import CLUSTER_NATS_URL, REF
 
 from wavepp.api.spec import check_spec
 from wavepp.operator import builders as b
+from wavepp.operator.gateway_builders import build_gateway_deployment
+from wavepp.operator.naming import spec_hash
 
 DOCKERFILE = REPO / "Dockerfile"
 
@@ -55,13 +57,13 @@ def _pod_specs() -> list[dict[str, Any]]:
         default_nats_url=CLUSTER_NATS_URL,
     )
     assert spec is not None, issues
-    hash_ = b.spec_hash(spec)
+    hash_ = spec_hash(spec)
     return [
         manifest["spec"]["template"]["spec"]
         for manifest in (
             b.build_stage_statefulset(REF, spec, hash_, 0),
             b.build_admission_deployment(REF, spec, hash_, 0, running=True),
-            b.build_gateway_deployment(REF, spec, hash_),
+            build_gateway_deployment(REF, spec, hash_),
         )
     ]
 

@@ -23,6 +23,9 @@ from pod_support import kubelet_env, start_wavepp
 
 from wavepp.api.spec import check_spec
 from wavepp.operator import builders as b
+from wavepp.operator.containers import POOL_FILE, SPEC_FILE
+from wavepp.operator.gateway_builders import build_gateway_deployment
+from wavepp.operator.naming import POD_INDEX_LABEL, PipelineRef, spec_hash
 from wavepp.operator.nats_cleanup import delete_pool_streams
 from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, flush_in_order, free_port
@@ -46,11 +49,11 @@ class Pipeline:
 
     def __init__(self, namespace: str, nats_url: str, tmp: Path) -> None:
         self.namespace = namespace
-        self.ref = b.PipelineRef(name="tiny", namespace=namespace, uid=f"uid-{namespace}")
+        self.ref = PipelineRef(name="tiny", namespace=namespace, uid=f"uid-{namespace}")
         raw = RAW_SPEC | {"telemetry": {"metricsPort": free_port()}}
         spec, issues = check_spec(raw, default_image="wavepp:test", default_nats_url=nats_url)
         assert spec is not None, issues
-        hash_ = b.spec_hash(spec)
+        hash_ = spec_hash(spec)
         self.dir = tmp / namespace
         self.dir.mkdir()
         (self.dir / "spec.json").write_text(
@@ -62,16 +65,16 @@ class Pipeline:
         self.stage = self.sts["spec"]["template"]["spec"]["containers"][0]
         admission = b.build_admission_deployment(self.ref, spec, hash_, 0, running=True)
         self.admission = admission["spec"]["template"]["spec"]["containers"][0]
-        gateway = b.build_gateway_deployment(self.ref, spec, hash_)
+        gateway = build_gateway_deployment(self.ref, spec, hash_)
         self.gateway = gateway["spec"]["template"]["spec"]["containers"][0]
         self.procs: list[subprocess.Popen[bytes]] = []
         self.stage_port, self.admission_port, self.gateway_port = (free_port() for _ in range(3))
 
     def start(self) -> None:
-        labels = self.sts["spec"]["template"]["metadata"]["labels"] | {b.POD_INDEX_LABEL: "0"}
+        labels = self.sts["spec"]["template"]["metadata"]["labels"] | {POD_INDEX_LABEL: "0"}
         local = {
-            b.SPEC_FILE: str(self.dir / "spec.json"),
-            b.POOL_FILE: str(self.dir / "pool.json"),
+            SPEC_FILE: str(self.dir / "spec.json"),
+            POOL_FILE: str(self.dir / "pool.json"),
         }
         for name, container, pod, port_flag, port in (
             ("stage", self.stage, "tiny-r0-0", "--health-port", self.stage_port),

@@ -13,10 +13,23 @@ from wavepp import cli
 from wavepp.api.cli_args import NatsArgs, admission_args, stage_args
 from wavepp.api.spec import WavePipelineSpec, check_spec
 from wavepp.operator import builders as b
+from wavepp.operator.containers import HEALTH_PORT, HTTP_PORT, SPEC_FILE, container_args
+from wavepp.operator.gateway_builders import (
+    GATEWAY_REPLICAS,
+    build_gateway_deployment,
+    build_gateway_pdb,
+)
+from wavepp.operator.naming import (
+    LABEL_COMPONENT,
+    LABEL_PIPELINE,
+    LABEL_REPLICA,
+    PipelineRef,
+    spec_hash,
+)
 from wavepp.operator.resources import host_tier_bytes
 from wavepp.runtime.serving.processes import wavepp_command
 
-REF = b.PipelineRef(name="big", namespace="llm", uid="0b4c-uid")
+REF = PipelineRef(name="big", namespace="llm", uid="0b4c-uid")
 
 
 def _spec(**raw: Any) -> WavePipelineSpec:
@@ -75,13 +88,13 @@ FULL = _spec(
 
 
 def _all_children(spec: WavePipelineSpec) -> list[dict[str, Any]]:
-    h = b.spec_hash(spec)
+    h = spec_hash(spec)
     objects = [
         b.build_spec_configmap(REF, spec, h),
         b.build_pool_configmap(REF, [b.PoolEntry(0, h, True), b.PoolEntry(1, h, False)]),
-        b.build_gateway_deployment(REF, spec, h),
+        build_gateway_deployment(REF, spec, h),
         b.build_gateway_service(REF),
-        b.build_gateway_pdb(REF),
+        build_gateway_pdb(REF),
     ]
     for replica in range(2):
         objects += [
@@ -101,7 +114,7 @@ def test_every_child_passes_kubernetes_validate_strict(tmp_path: Path) -> None:
     auto = {"minReplicas": 1, "maxReplicas": 2, "metric": "cpu", "target": 70.0}
     objects.append(b.build_hpa(REF, _spec(autoscaling=auto)))
     host = _spec(**HOST_TIER, resources={"gpusPerStage": 0})  # a memory request, no limit
-    objects.append(b.build_stage_statefulset(REF, host, b.spec_hash(host), 0))
+    objects.append(b.build_stage_statefulset(REF, host, spec_hash(host), 0))
     rc, output = kubernetes_validate(objects, tmp_path)
     assert rc == 0, output
 
@@ -120,7 +133,7 @@ def test_children_are_owned_and_labelled() -> None:
                 "blockOwnerDeletion": True,
             }
         ]
-        assert meta["labels"][b.LABEL_PIPELINE] == "big"
+        assert meta["labels"][LABEL_PIPELINE] == "big"
 
 
 def _stage_container(sts: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +141,7 @@ def _stage_container(sts: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_stage_statefulset_contract() -> None:
-    h = b.spec_hash(FULL)
+    h = spec_hash(FULL)
     sts = b.build_stage_statefulset(REF, FULL, h, 2)
     assert sts["metadata"]["name"] == "big-r2"
     assert sts["spec"]["replicas"] == 4  # one pod per stage; ordinal = rank
@@ -161,7 +174,7 @@ def test_stage_statefulset_contract() -> None:
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     # A spread constraint without a selector counts this pipeline's stage pods.
     assert pod["topologySpreadConstraints"][0]["labelSelector"] == {
-        "matchLabels": {b.LABEL_PIPELINE: "big", b.LABEL_COMPONENT: "stage"}
+        "matchLabels": {LABEL_PIPELINE: "big", LABEL_COMPONENT: "stage"}
     }
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["config"]["configMap"]["name"] == f"big-spec-{h}"
@@ -173,7 +186,7 @@ def test_stage_statefulset_contract() -> None:
 
 def test_cpu_stages_request_no_gpu() -> None:
     spec = _spec(resources={"gpusPerStage": 0})
-    container = _stage_container(b.build_stage_statefulset(REF, spec, b.spec_hash(spec), 0))
+    container = _stage_container(b.build_stage_statefulset(REF, spec, spec_hash(spec), 0))
     assert container["resources"] == {}
 
 
@@ -204,7 +217,7 @@ def test_stage_pods_request_the_host_memory_their_tier_holds(
     raw: dict[str, Any], requests: str, limits: str | None
 ) -> None:
     spec = _spec(**(HOST_TIER | raw))
-    resources = _stage_container(b.build_stage_statefulset(REF, spec, b.spec_hash(spec), 0))[
+    resources = _stage_container(b.build_stage_statefulset(REF, spec, spec_hash(spec), 0))[
         "resources"
     ]
     assert resources["requests"]["memory"] == requests
@@ -218,7 +231,7 @@ def test_stage_pods_request_the_host_memory_their_tier_holds(
 
 def test_admission_drains_within_the_rollout_timeout() -> None:
     spec = _spec(rollout={"drainTimeoutSeconds": 42.5})
-    dep = b.build_admission_deployment(REF, spec, b.spec_hash(spec), 1, running=False)
+    dep = b.build_admission_deployment(REF, spec, spec_hash(spec), 1, running=False)
     assert dep["spec"]["replicas"] == 0
     assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 43
     # the process drains (serves what its intake holds) 5 s less than its grace period
@@ -226,16 +239,16 @@ def test_admission_drains_within_the_rollout_timeout() -> None:
         "--replica", "1", "--health-port", "8080", "--drain-timeout-s", "37.5",
     ]  # fmt: skip
     short = _spec(rollout={"drainTimeoutSeconds": 3})
-    args = b.build_admission_deployment(REF, short, b.spec_hash(short), 0, running=True)
+    args = b.build_admission_deployment(REF, short, spec_hash(short), 0, running=True)
     assert args["spec"]["template"]["spec"]["containers"][0]["args"][-1] == "0"
 
 
 def test_the_gateway_runs_two_pods_and_a_disruption_budget_keeps_one() -> None:
     """A scale-down, a drain or a rollout never takes the only gateway pod out of
     its Service (a gateway is ready while one replica admits)."""
-    dep = b.build_gateway_deployment(REF, FULL, b.spec_hash(FULL))
-    pdb = b.build_gateway_pdb(REF)
-    assert dep["spec"]["replicas"] == b.GATEWAY_REPLICAS >= 2
+    dep = build_gateway_deployment(REF, FULL, spec_hash(FULL))
+    pdb = build_gateway_pdb(REF)
+    assert dep["spec"]["replicas"] == GATEWAY_REPLICAS >= 2
     # a rollout starts the new pod before it stops an old one
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
     assert pdb["metadata"]["name"] == "big-gateway"
@@ -248,8 +261,8 @@ def test_the_gateway_runs_two_pods_and_a_disruption_budget_keeps_one() -> None:
     assert selected == dep["spec"]["selector"]["matchLabels"]
     # the PDB selects no admission or stage pod
     for other in (
-        b.build_admission_deployment(REF, FULL, b.spec_hash(FULL), 0, running=True),
-        b.build_stage_statefulset(REF, FULL, b.spec_hash(FULL), 0),
+        b.build_admission_deployment(REF, FULL, spec_hash(FULL), 0, running=True),
+        b.build_stage_statefulset(REF, FULL, spec_hash(FULL), 0),
     ):
         assert not selected.items() <= other["spec"]["template"]["metadata"]["labels"].items()
     # spread over nodes when it can be (preferred: one node still runs both)
@@ -286,7 +299,7 @@ def test_pool_configmap_lists_admitting_replicas() -> None:
     ],
 )
 def test_spec_hash_changes_only_with_what_replicas_run(change: dict[str, Any], rolls: bool) -> None:
-    assert (b.spec_hash(_spec(**change)) != b.spec_hash(_spec())) is rolls
+    assert (spec_hash(_spec(**change)) != spec_hash(_spec())) is rolls
 
 
 def test_hpa_targets_the_scale_subresource() -> None:
@@ -309,11 +322,11 @@ def test_hpa_targets_the_scale_subresource() -> None:
 
 def test_container_args_needs_a_replica_for_stages() -> None:
     with pytest.raises(ValueError, match="replica is required"):
-        b.container_args("stage", FULL, REF)
+        container_args("stage", FULL, REF)
 
 
 def test_pod_template_overlay_and_replica_topology_reach_the_stage_pods() -> None:
-    sts = b.build_stage_statefulset(REF, FULL, b.spec_hash(FULL), 1)
+    sts = b.build_stage_statefulset(REF, FULL, spec_hash(FULL), 1)
     pod = sts["spec"]["template"]["spec"]
     assert pod["priorityClassName"] == "llm-serving"
     assert pod["schedulerName"] == "scheduler-plugins-scheduler"
@@ -326,11 +339,11 @@ def test_pod_template_overlay_and_replica_topology_reach_the_stage_pods() -> Non
     # The replica's stages share one clique; replicas prefer different zones.
     (together,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert together["topologyKey"] == "nvidia.com/gpu.clique"
-    assert together["labelSelector"]["matchLabels"][b.LABEL_REPLICA] == "1"
+    assert together["labelSelector"]["matchLabels"][LABEL_REPLICA] == "1"
     (apart,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert apart["podAffinityTerm"]["topologyKey"] == "topology.kubernetes.io/zone"
     assert apart["podAffinityTerm"]["labelSelector"]["matchExpressions"] == [
-        {"key": b.LABEL_REPLICA, "operator": "NotIn", "values": ["1"]}
+        {"key": LABEL_REPLICA, "operator": "NotIn", "values": ["1"]}
     ]
     assert "nodeAffinity" in pod["affinity"]  # spec.affinity kept
     # One PodGroup per replica, all stages or none.
@@ -338,7 +351,7 @@ def test_pod_template_overlay_and_replica_topology_reach_the_stage_pods() -> Non
     group = b.build_pod_group(REF, FULL, 1)
     assert group["metadata"]["name"] == "big-r1" and group["spec"]["minMember"] == 4
     # Without the settings, none of it.
-    plain = b.build_stage_statefulset(REF, _spec(), b.spec_hash(_spec()), 1)["spec"]["template"]
+    plain = b.build_stage_statefulset(REF, _spec(), spec_hash(_spec()), 1)["spec"]["template"]
     assert b.POD_GROUP_LABEL not in plain["metadata"]["labels"]
     assert not {"priorityClassName", "affinity", "runtimeClassName"} & set(plain["spec"])
 
@@ -348,32 +361,32 @@ def test_per_replica_pdb_and_network_policies() -> None:
     assert pdb["metadata"]["name"] == "big-r2"
     assert pdb["spec"]["minAvailable"] == 4
     assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
-    assert pdb["spec"]["selector"]["matchLabels"][b.LABEL_REPLICA] == "2"
+    assert pdb["spec"]["selector"]["matchLabels"][LABEL_REPLICA] == "2"
     policies = {p["metadata"]["name"]: p["spec"] for p in b.build_network_policies(REF, FULL)}
     assert set(policies) == {"big-stage", "big-admission", "big-gateway"}
     stage = policies["big-stage"]["ingress"]
     assert stage[0] == {
         "from": [
-            {"podSelector": {"matchLabels": {b.LABEL_PIPELINE: "big", b.LABEL_COMPONENT: "stage"}}}
+            {"podSelector": {"matchLabels": {LABEL_PIPELINE: "big", LABEL_COMPONENT: "stage"}}}
         ]
     }
-    assert stage[1] == {"ports": [{"protocol": "TCP", "port": b.HEALTH_PORT}]}
+    assert stage[1] == {"ports": [{"protocol": "TCP", "port": HEALTH_PORT}]}
     admission = policies["big-admission"]["ingress"][0]
-    assert admission["from"][0]["podSelector"]["matchLabels"][b.LABEL_COMPONENT] == "gateway"
+    assert admission["from"][0]["podSelector"]["matchLabels"][LABEL_COMPONENT] == "gateway"
     gateway = policies["big-gateway"]["ingress"][0]
     assert gateway["from"] == [{"namespaceSelector": {"matchLabels": {"team": "a"}}}]
     assert b.build_network_policies(REF, _spec(networkPolicy={"enabled": False})) == []
 
 
 def test_metrics_port_only_where_a_process_listens() -> None:
-    h = b.spec_hash(FULL)
+    h = spec_hash(FULL)
 
     def ports(obj: dict[str, Any]) -> set[str]:
         return {p["name"] for p in obj["spec"]["template"]["spec"]["containers"][0]["ports"]}
 
     assert "metrics" in ports(b.build_admission_deployment(REF, FULL, h, 0, running=True))
     assert "metrics" in ports(b.build_stage_statefulset(REF, FULL, h, 0))  # its own /metrics
-    assert "metrics" not in ports(b.build_gateway_deployment(REF, FULL, h))
+    assert "metrics" not in ports(build_gateway_deployment(REF, FULL, h))
 
 
 def test_inference_pool_over_the_gateway_pods_off_by_default() -> None:
@@ -382,10 +395,10 @@ def test_inference_pool_over_the_gateway_pods_off_by_default() -> None:
     pool = b.build_inference_pool(REF, spec)
     assert pool is not None and pool["apiVersion"] == "inference.networking.k8s.io/v1"
     assert pool["metadata"]["name"] == "big"
-    gateway = b.build_gateway_deployment(REF, spec, b.spec_hash(spec))
+    gateway = build_gateway_deployment(REF, spec, spec_hash(spec))
     selected = pool["spec"]["selector"]["matchLabels"]
     assert selected.items() <= gateway["spec"]["template"]["metadata"]["labels"].items()
-    assert pool["spec"]["targetPorts"] == [{"number": b.HTTP_PORT}]
+    assert pool["spec"]["targetPorts"] == [{"number": HTTP_PORT}]
     assert pool["spec"]["endpointPickerRef"] == {
         "kind": "Service", "name": "wavepp-epp", "port": {"number": 9002}, "failureMode": "FailClose",
     }  # fmt: skip
@@ -397,7 +410,7 @@ def test_the_pods_stage_args_and_the_local_stage_command_come_from_one_builder()
     flags with the same values, in the same order, and ``wavepp stage``'s parser reads both."""
     nats = NatsArgs(str(FULL.nats.url), creds="/etc/wavepp-nats/creds")
     metrics_port = FULL.telemetry.metrics_port
-    pod = b.container_args("stage", FULL, REF, 2)
+    pod = container_args("stage", FULL, REF, 2)
     local = wavepp_command(
         stage_args(
             nats,
@@ -410,11 +423,11 @@ def test_the_pods_stage_args_and_the_local_stage_command_come_from_one_builder()
     )
     assert pod == stage_args(
         nats,
-        config=b.SPEC_FILE,
+        config=SPEC_FILE,
         replica=2,
         rank="$(WAVEPP_RANK)",
         dist_url="tcp://big-r2-0.big-r2:29500",
-        health_port=b.HEALTH_PORT,
+        health_port=HEALTH_PORT,
         metrics_port=metrics_port,
     )
     shared = ["--nats-url", "--nats-creds", "--rank", "--dist-url", "--metrics-port"]

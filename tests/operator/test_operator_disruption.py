@@ -16,7 +16,7 @@ import pytest
 from operator_support import NAMESPACE, Cluster, pod_status, tiny_spec, wait_for
 
 from wavepp.api.spec import CONFIG_EXIT_CODE
-from wavepp.operator import builders as b
+from wavepp.operator.naming import LABEL_COMPONENT, admission_name
 from wavepp.operator.observe import ANNOTATION_MEMBERS
 
 pytestmark = pytest.mark.timeout(90)
@@ -53,7 +53,7 @@ async def _stage_pods(cluster: Cluster, name: str) -> list[dict[str, Any]]:
     return [
         p
         for p in await cluster.list("Pod", name)
-        if p["metadata"]["labels"].get(b.LABEL_COMPONENT) == "stage"
+        if p["metadata"]["labels"].get(LABEL_COMPONENT) == "stage"
     ]
 
 
@@ -112,7 +112,7 @@ async def _restarted(cluster: Cluster, name: str) -> Any:
 
 
 async def _admission_running(cluster: Cluster, name: str) -> bool:
-    dep = await cluster.get("Deployment", b.admission_name(name, 0))
+    dep = await cluster.get("Deployment", admission_name(name, 0))
     return dep is not None and dep["spec"]["replicas"] == 1
 
 

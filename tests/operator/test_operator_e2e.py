@@ -15,7 +15,14 @@ from operator_support import (
     wait_for,
 )
 
-from wavepp.operator import builders as b
+from wavepp.operator.gateway_builders import GATEWAY_REPLICAS
+from wavepp.operator.naming import (
+    ANNOTATION_SPEC_HASH,
+    PipelineRef,
+    admission_name,
+    owner_reference,
+    spec_configmap_name,
+)
 from wavepp.runtime.transport.natsio import free_port
 
 
@@ -40,7 +47,7 @@ async def test_create_makes_owned_children_and_status(cluster: Cluster, operator
     names = {(o["kind"] if "kind" in o else "", o["metadata"]["name"]) for o in objs}
     for o in objs:
         refs = o["metadata"]["ownerReferences"]
-        assert refs == [b.owner_reference(b.PipelineRef("demo", NAMESPACE, uid))], o["metadata"]
+        assert refs == [owner_reference(PipelineRef("demo", NAMESPACE, uid))], o["metadata"]
     assert {n for _, n in names} >= {
         "demo-r0",
         "demo-r1",
@@ -54,7 +61,7 @@ async def test_create_makes_owned_children_and_status(cluster: Cluster, operator
     )
     assert gateway_pdb["spec"]["minAvailable"] == 1
     gateway = await cluster.get("Deployment", "demo-gateway")
-    assert gateway is not None and gateway["spec"]["replicas"] == b.GATEWAY_REPLICAS
+    assert gateway is not None and gateway["spec"]["replicas"] == GATEWAY_REPLICAS
     body = await wait_for(lambda: _status_is(cluster, "demo", replicas=2), what="status.replicas")
     status = body["status"]
     assert status["replicas"] == 2 and status["readyReplicas"] == 0
@@ -142,11 +149,11 @@ async def _pool_is(cluster: Cluster, name: str, expected: dict[int, bool]) -> bo
 
 async def _spec_hash(cluster: Cluster, sts_name: str) -> str | None:
     sts = await cluster.get("StatefulSet", sts_name)
-    return (sts or {}).get("metadata", {}).get("annotations", {}).get(b.ANNOTATION_SPEC_HASH)
+    return (sts or {}).get("metadata", {}).get("annotations", {}).get(ANNOTATION_SPEC_HASH)
 
 
 async def _admission_replicas(cluster: Cluster, name: str, replica: int) -> int | None:
-    dep = await cluster.get("Deployment", b.admission_name(name, replica))
+    dep = await cluster.get("Deployment", admission_name(name, replica))
     return None if dep is None else dep["spec"]["replicas"]
 
 
@@ -190,10 +197,10 @@ async def test_spec_change_rolls_one_replica_at_a_time(cluster: Cluster, operato
     assert body["status"]["observedGeneration"] == 2
     # The old spec ConfigMap is collected once no replica runs it.
     await wait_for(
-        lambda: _gone(cluster, "ConfigMap", b.spec_configmap_name("demo", old_hash)),
+        lambda: _gone(cluster, "ConfigMap", spec_configmap_name("demo", old_hash)),
         what="old spec ConfigMap deleted",
     )
-    cm = await cluster.get("ConfigMap", b.spec_configmap_name("demo", new_hash))
+    cm = await cluster.get("ConfigMap", spec_configmap_name("demo", new_hash))
     assert '"chunkTokens": 4096' in cm["data"]["spec.json"]
 
 

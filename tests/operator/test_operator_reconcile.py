@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from operator_support import pod_status
 
-from wavepp.operator import builders as b
+from wavepp.operator.naming import ANNOTATION_SPEC_HASH, POD_INDEX_LABEL
 from wavepp.operator.observe import ANNOTATION_MEMBERS, pod_failure, stage_phase
 from wavepp.operator.reconcile import (
     DRAIN_GRACE_S,
@@ -102,7 +102,7 @@ class World:
                 "metadata": {
                     "name": name,
                     "uid": uid,
-                    "labels": labels | {b.POD_INDEX_LABEL: str(rank)},
+                    "labels": labels | {POD_INDEX_LABEL: str(rank)},
                 },
                 "status": pod_status(phase),
             }
@@ -122,7 +122,7 @@ class World:
 
     def hash_of(self, replica: int) -> str:
         sts = self.objects[("StatefulSet", f"p-r{replica}")]
-        return sts["metadata"]["annotations"][b.ANNOTATION_SPEC_HASH]
+        return sts["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
 
     def admission_replicas(self, replica: int) -> int:
         return self.objects[("Deployment", f"p-r{replica}-admission")]["spec"]["replicas"]

@@ -47,6 +47,8 @@ from wavepp.gateway.core import Gateway
 from wavepp.gateway.validation import ParsedRequest
 from wavepp.launch.gateway import gateway_config_from_spec
 from wavepp.operator import builders as b
+from wavepp.operator.containers import HEALTH_PORT, HTTP_PORT, SPEC_FILE
+from wavepp.operator.naming import POD_INDEX_LABEL, spec_hash
 from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.stage.metrics import STAGE_PROMETHEUS_NAMES
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect, free_port
@@ -76,7 +78,7 @@ def _ready(url: str) -> bool:
 async def test_sigterm_drains_the_replica_every_admitted_request_answered(tmp_path: Path) -> None:
     spec, issues = check_spec(SPEC, default_image="wavepp:test", default_nats_url="nats://n:4222")
     assert spec is not None, issues
-    hash_ = b.spec_hash(spec)
+    hash_ = spec_hash(spec)
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(b.build_spec_configmap(REF, spec, hash_)["data"]["spec.json"])
     sts = b.build_stage_statefulset(REF, spec, hash_, 0)
@@ -110,7 +112,7 @@ async def test_sigterm_drains_the_replica_every_admitted_request_answered(tmp_pa
         await nc.subscribe(heartbeat_subject(replica, namespace=REF.namespace), cb=on_beat)
         try:
             stage_c = container_of(sts)
-            labels = sts["spec"]["template"]["metadata"]["labels"] | {b.POD_INDEX_LABEL: "0"}
+            labels = sts["spec"]["template"]["metadata"]["labels"] | {POD_INDEX_LABEL: "0"}
             stage_port, stage_metrics_port = free_port(), free_port()
             launch(
                 "stage",
@@ -124,10 +126,10 @@ async def test_sigterm_drains_the_replica_every_admitted_request_answered(tmp_pa
                     "--metrics-port": str(stage_metrics_port),
                 },
                 {
-                    "--config": b.SPEC_FILE,
+                    "--config": SPEC_FILE,
                     "--nats-url": "nats://n:4222",
                     "--dist-url": "tcp://tiny-r0-0.tiny-r0:29500",
-                    "--health-port": str(b.HEALTH_PORT),
+                    "--health-port": str(HEALTH_PORT),
                     "--metrics-port": str(spec.telemetry.metrics_port),
                 },
             )
@@ -139,8 +141,8 @@ async def test_sigterm_drains_the_replica_every_admitted_request_answered(tmp_pa
                 | {"WAVEPP_METRICS_PORT": str(free_port())},
                 {"--config": str(spec_path), "--nats-url": nats.url,
                  "--health-port": str(admission_port)},
-                {"--config": b.SPEC_FILE, "--nats-url": "nats://n:4222",
-                 "--health-port": str(b.HTTP_PORT)},
+                {"--config": SPEC_FILE, "--nats-url": "nats://n:4222",
+                 "--health-port": str(HTTP_PORT)},
                 "--max-outstanding", "2",
             )  # fmt: skip
             deadline = time.monotonic() + 60

@@ -40,6 +40,9 @@ from pod_support import (
 
 from wavepp.api.spec import check_spec
 from wavepp.operator import builders as b
+from wavepp.operator.containers import HEALTH_PORT, HTTP_PORT, POOL_FILE, SPEC_FILE
+from wavepp.operator.gateway_builders import build_gateway_deployment
+from wavepp.operator.naming import POD_INDEX_LABEL, spec_hash, stage_pod_name
 from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
@@ -77,13 +80,13 @@ def _wait(predicate, what: str, timeout_s: float, logs: list[Path]) -> float:  #
 def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -> None:
     spec, issues = check_spec(SPEC, default_image="wavepp:test", default_nats_url=CLUSTER_NATS_URL)
     assert spec is not None, issues
-    hash_ = b.spec_hash(spec)
+    hash_ = spec_hash(spec)
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(b.build_spec_configmap(REF, spec, hash_)["data"]["spec.json"])
     pool_path = tmp_path / "pool.json"
     entries = [b.PoolEntry(i, hash_, admitting=True) for i in range(2)]
     pool_path.write_text(b.build_pool_configmap(REF, entries)["data"]["pool.json"])
-    gateway_c = container_of(b.build_gateway_deployment(REF, spec, hash_))
+    gateway_c = container_of(build_gateway_deployment(REF, spec, hash_))
     procs: dict[str, subprocess.Popen[bytes]] = {}
     commands: dict[str, tuple[list[str], dict[str, str]]] = {}
     logs: dict[str, Path] = {}
@@ -110,7 +113,7 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
             )
             logs[name] = tmp_path / f"{name}.log"
 
-        cluster = {"--config": b.SPEC_FILE, "--pool-file": b.POOL_FILE}
+        cluster = {"--config": SPEC_FILE, "--pool-file": POOL_FILE}
         for replica in range(2):
             sts = b.build_stage_statefulset(REF, spec, hash_, replica)
             stage_c = container_of(sts)
@@ -118,9 +121,9 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
             dist_url = f"tcp://127.0.0.1:{free_port()}"
             for rank in range(spec.num_stages):
                 labels = sts["spec"]["template"]["metadata"]["labels"] | {
-                    b.POD_INDEX_LABEL: str(rank)
+                    POD_INDEX_LABEL: str(rank)
                 }
-                env = kubelet_env(stage_c, b.stage_pod_name(REF.name, replica, rank), labels)
+                env = kubelet_env(stage_c, stage_pod_name(REF.name, replica, rank), labels)
                 add(
                     f"r{replica}-stage-{rank}",
                     stage_c,
@@ -132,7 +135,7 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
                     cluster
                     | {
                         "--dist-url": f"tcp://{sts_name}-0.{sts_name}:29500",
-                        "--health-port": str(b.HEALTH_PORT),
+                        "--health-port": str(HEALTH_PORT),
                         "--metrics-port": str(spec.telemetry.metrics_port),
                     },
                     env,
@@ -144,7 +147,7 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
                 f"r{replica}-admission",
                 admission_c,
                 {"--health-port": str(free_port())},
-                cluster | {"--health-port": str(b.HTTP_PORT)},
+                cluster | {"--health-port": str(HTTP_PORT)},
                 # Each admission pod serves metrics on the spec's port; here one port each.
                 kubelet_env(admission_c, f"tiny-r{replica}-admission-x", {})
                 | {"WAVEPP_METRICS_PORT": str(free_port())},
@@ -154,7 +157,7 @@ def test_stage_killed_replica_fails_over_then_reforms_in_place(tmp_path: Path) -
             "gateway",
             gateway_c,
             {"--port": str(gateway_port)},
-            cluster | {"--port": str(b.HTTP_PORT)},
+            cluster | {"--port": str(HTTP_PORT)},
             kubelet_env(gateway_c, "tiny-gateway-x", {}),
         )
         gateway = f"http://127.0.0.1:{gateway_port}"

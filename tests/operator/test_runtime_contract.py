@@ -42,6 +42,17 @@ from wavepp.launch.replica import runtime_config_from_args
 from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.operator import builders as b
 from wavepp.operator import natscreds
+from wavepp.operator.containers import (
+    HEALTH_PORT,
+    HTTP_PORT,
+    NATS_CREDS_DIR,
+    NATS_TLS_DIR,
+    POOL_FILE,
+    SPEC_FILE,
+    container_args,
+)
+from wavepp.operator.gateway_builders import build_gateway_deployment
+from wavepp.operator.naming import spec_hash
 from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
@@ -100,7 +111,7 @@ def test_pool_replicas_admitting_first_then_listed_then_spec() -> None:
 def test_configs_from_the_operator_files_match_the_spec(tmp_path: Path) -> None:
     spec = _resolved_spec()
     spec_path = tmp_path / "spec.json"
-    spec_path.write_text(b.build_spec_configmap(REF, spec, b.spec_hash(spec))["data"]["spec.json"])
+    spec_path.write_text(b.build_spec_configmap(REF, spec, spec_hash(spec))["data"]["spec.json"])
     args = argparse.Namespace(
         runtime_config=None, config=str(spec_path), replica=0, pool=None, nats_url="nats://x"
     )
@@ -126,7 +137,7 @@ def test_configs_from_the_operator_files_match_the_spec(tmp_path: Path) -> None:
         runtime_config_from_args(args, {"WAVEPP_PIPELINE": REF.name})
 
     pool_doc = json.loads(
-        b.build_pool_configmap(REF, [b.PoolEntry(0, b.spec_hash(spec), admitting=False)])["data"][
+        b.build_pool_configmap(REF, [b.PoolEntry(0, spec_hash(spec), admitting=False)])["data"][
             "pool.json"
         ]
     )
@@ -142,7 +153,7 @@ def test_bad_operator_args_exit_with_the_config_code_naming_the_flag(
 ) -> None:
     spec = _resolved_spec()
     # The operator's containers carry $WAVEPP_CONFIG_EXIT_CODE (the config errors' exit code).
-    sts = b.build_stage_statefulset(REF, spec, b.spec_hash(spec), 0)
+    sts = b.build_stage_statefulset(REF, spec, spec_hash(spec), 0)
     container = sts["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["WAVEPP_CONFIG_EXIT_CODE"] == str(CONFIG_EXIT_CODE)
@@ -210,7 +221,7 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
     subjects."""
     tls = nats_security == "mutual-tls"
     spec = _resolved_spec(metrics_port=free_port(), nats=nats_security)
-    hash_ = b.spec_hash(spec)
+    hash_ = spec_hash(spec)
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(b.build_spec_configmap(REF, spec, hash_)["data"]["spec.json"])
     pool_path = tmp_path / "pool.json"
@@ -220,22 +231,22 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
     sts = b.build_stage_statefulset(REF, spec, hash_, 0)
     stage_c = container_of(sts)
     admission_d = b.build_admission_deployment(REF, spec, hash_, 0, running=True)
-    gateway_d = b.build_gateway_deployment(REF, spec, hash_)
+    gateway_d = build_gateway_deployment(REF, spec, hash_)
     admission_c, gateway_c = container_of(admission_d), container_of(gateway_d)
     assert stage_c["command"] == admission_c["command"] == gateway_c["command"] == ["wavepp"]
     for c in (stage_c, admission_c, gateway_c):
-        assert c["args"] == b.container_args(
+        assert c["args"] == container_args(
             c["name"], spec, REF, None if c["name"] == "gateway" else 0
         )
 
     cluster = {
-        "--config": b.SPEC_FILE,
+        "--config": SPEC_FILE,
         "--nats-url": CLUSTER_NATS_URL,
-        "--pool-file": b.POOL_FILE,
+        "--pool-file": POOL_FILE,
         "--dist-url": f"tcp://{sts['metadata']['name']}-0.{sts['metadata']['name']}:29500",
         # the stage's health port, the admission's (its probes' port)
-        "--health-port": {str(b.HEALTH_PORT), str(b.HTTP_PORT)},
-        "--port": str(b.HTTP_PORT),
+        "--health-port": {str(HEALTH_PORT), str(HTTP_PORT)},
+        "--port": str(HTTP_PORT),
         "--metrics-port": str(spec.telemetry.metrics_port),  # each stage's own /metrics
     }
     server_tls = None
@@ -251,12 +262,12 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
             "--nats-tls-key": files.client_key,
         }
         cluster |= {
-            flag: f"{b.NATS_TLS_DIR}/{name}"
+            flag: f"{NATS_TLS_DIR}/{name}"
             for flag, name in zip(local_tls, ["ca.crt", "tls.crt", "tls.key"], strict=True)
         }
         for c in (stage_c, admission_c, gateway_c):
             assert set(local_tls) <= set(c["args"]), c["args"]
-            mount = next(m for m in c["volumeMounts"] if m["mountPath"] == b.NATS_TLS_DIR)
+            mount = next(m for m in c["volumeMounts"] if m["mountPath"] == NATS_TLS_DIR)
             assert mount["readOnly"] is True
         volumes = sts["spec"]["template"]["spec"]["volumes"]
         assert {"name": "nats-tls", "secret": {"secretName": "nats-client-tls"}} in volumes
@@ -267,7 +278,7 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
         auth = make_auth_files(tmp_path / "auth", tmp_path / "js")
         server_config = auth.server_config
         local_tls = {"--nats-creds": auth.creds}  # the Secret's file, made local
-        cluster["--nats-creds"] = f"{b.NATS_CREDS_DIR}/creds"
+        cluster["--nats-creds"] = f"{NATS_CREDS_DIR}/creds"
         for c in (stage_c, admission_c, gateway_c):
             assert "--nats-creds" in c["args"], c["args"]
     mounts: dict[str, Path] = {}  # container name -> local copy of its nats-creds volume
@@ -311,8 +322,8 @@ def test_container_args_start_the_runtime(tmp_path: Path, nats_security: str) ->
                 args = list(container["args"])
             if container["name"] in mounts:  # the pod's own mount, made local
                 local_dir = str(mounts[container["name"]])
-                args = [a.replace(b.NATS_CREDS_DIR, local_dir) for a in args]
-                env = {k: v.replace(b.NATS_CREDS_DIR, local_dir) for k, v in env.items()}
+                args = [a.replace(NATS_CREDS_DIR, local_dir) for a in args]
+                env = {k: v.replace(NATS_CREDS_DIR, local_dir) for k, v in env.items()}
             log = tmp_path / f"{name}.log"
             proc = start_wavepp(localize(args, common | local, cluster), log, env)
             procs.append(proc)

@@ -40,7 +40,8 @@ import pytest
 from operator_support import NAMESPACE, Cluster, pod_status, wait_for
 from pod_support import Load
 
-from wavepp.operator import builders as b
+from wavepp.operator.gateway_builders import GATEWAY_REPLICAS
+from wavepp.operator.naming import LABEL_COMPONENT, LABEL_REPLICA, admission_name
 from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, free_port
 
@@ -148,7 +149,7 @@ class Kubelet:
             "--port": str(port),
             "--metrics-port": str(free_port()),
         }
-        sts = pod["metadata"]["labels"].get(b.LABEL_REPLICA)
+        sts = pod["metadata"]["labels"].get(LABEL_REPLICA)
         if "--dist-url" in args:
             local["--dist-url"] = self.dist_urls.setdefault(
                 str(sts), f"tcp://127.0.0.1:{free_port()}"
@@ -193,13 +194,13 @@ class Kubelet:
                 assert pod is not None
                 await self.start(pod)
         for dep in await self.cluster.list("Deployment", PIPELINE):
-            component = dep["metadata"]["labels"][b.LABEL_COMPONENT]
+            component = dep["metadata"]["labels"][LABEL_COMPONENT]
             mine = [
                 n
                 for n, p in pods.items()
-                if p["metadata"]["labels"].get(b.LABEL_COMPONENT) == component
-                and p["metadata"]["labels"].get(b.LABEL_REPLICA)
-                == dep["metadata"]["labels"].get(b.LABEL_REPLICA)
+                if p["metadata"]["labels"].get(LABEL_COMPONENT) == component
+                and p["metadata"]["labels"].get(LABEL_REPLICA)
+                == dep["metadata"]["labels"].get(LABEL_REPLICA)
             ]
             if component == "gateway":  # its replicas (2): one pod and process each
                 want.update(mine)
@@ -215,7 +216,7 @@ class Kubelet:
             if dep["spec"]["replicas"] >= 1:
                 want.update(mine)
                 if not mine:
-                    replica = int(dep["metadata"]["labels"][b.LABEL_REPLICA])
+                    replica = int(dep["metadata"]["labels"][LABEL_REPLICA])
                     try:
                         created = await self.cluster.run_admission(PIPELINE, replica, ready=False)
                     except AssertionError:  # scaled to 0 or deleted since the list
@@ -312,7 +313,7 @@ async def test_scale_1_3_1_under_load_the_pool_follows_and_nothing_is_lost(
             now = await pools()
             if not changes or changes[-1][1] != now:
                 changes.append((time.monotonic(), now))
-            return len(now) == b.GATEWAY_REPLICAS and all(p == expected for p in now.values())
+            return len(now) == GATEWAY_REPLICAS and all(p == expected for p in now.values())
 
         def left_at(replica: str, after: float) -> float:
             """When the replica was out of every gateway's pool."""
@@ -432,6 +433,6 @@ async def _all_gone(cluster: Cluster, names: list[str]) -> bool:
     for name in names:
         if await cluster.get("StatefulSet", name) is not None:
             return False
-        if await cluster.get("Deployment", b.admission_name(PIPELINE, int(name[-1]))) is not None:
+        if await cluster.get("Deployment", admission_name(PIPELINE, int(name[-1]))) is not None:
             return False
     return True

@@ -18,7 +18,7 @@ from wavepp.api.spec import check_spec
 from wavepp.cmd.stage import add_arguments
 from wavepp.launch.replica import runtime_config_from_args
 from wavepp.launch.runtime_config import model_config_from_spec, runtime_configs_from_spec
-from wavepp.operator import builders as b
+from wavepp.operator.containers import SPEC_FILE
 from wavepp.operator.reconcile import Apply, Create, Defaults, Observed, plan
 from wavepp.runtime.stage.build import build_engine
 from wavepp.runtime.stage.chunk import ChunkSpec
@@ -48,7 +48,7 @@ def _as_the_pod_runs_it(
     ]
     spec_file = tmp / "spec.json"
     spec_file.write_text(spec_cm["data"]["spec.json"])
-    args = [str(spec_file) if a == b.SPEC_FILE else a for a in container["args"][1:]]
+    args = [str(spec_file) if a == SPEC_FILE else a for a in container["args"][1:]]
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     parsed = parser.parse_args(args)

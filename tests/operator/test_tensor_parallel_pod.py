@@ -34,6 +34,9 @@ from proc_support import children_running
 from wavepp.api.spec import check_spec
 from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.operator import builders as b
+from wavepp.operator.containers import HEALTH_PORT, HTTP_PORT, POOL_FILE, SPEC_FILE
+from wavepp.operator.gateway_builders import build_gateway_deployment
+from wavepp.operator.naming import spec_hash
 from wavepp.runtime.procs import stop_processes
 from wavepp.runtime.stage.engine import ChunkSpec, make_engine
 from wavepp.runtime.stage.engine.tensor_parallel import tp_device
@@ -64,7 +67,7 @@ def _followers(pid: int) -> list[int]:
 
 def test_rendered_stage_pod_requests_one_gpu_per_tp_process() -> None:
     spec = _spec(RAW)
-    sts = b.build_stage_statefulset(REF, spec, b.spec_hash(spec), 0)
+    sts = b.build_stage_statefulset(REF, spec, spec_hash(spec), 0)
     container = container_of(sts)
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert container["resources"]["requests"]["nvidia.com/gpu"] == "2"
@@ -73,7 +76,7 @@ def test_rendered_stage_pod_requests_one_gpu_per_tp_process() -> None:
     assert [tp_device(config.device, t) for t in range(2)] == ["cuda:0", "cuda:1"]
     cpu = _spec(RAW | {"resources": {"gpusPerStage": 0}})
     assert (
-        container_of(b.build_stage_statefulset(REF, cpu, b.spec_hash(cpu), 0))["args"]
+        container_of(b.build_stage_statefulset(REF, cpu, spec_hash(cpu), 0))["args"]
         == (container["args"])
     )
     # More GPUs than TP processes would sit idle: refused, naming the field.
@@ -101,7 +104,7 @@ def test_rendered_tp_stage_pods_start_two_processes_each_and_serve(tmp_path: Pat
     spec = _spec(
         RAW | {"resources": {"gpusPerStage": 0}, "telemetry": {"metricsPort": free_port()}}
     )
-    hash_ = b.spec_hash(spec)
+    hash_ = spec_hash(spec)
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(b.build_spec_configmap(REF, spec, hash_)["data"]["spec.json"])
     pool_path = tmp_path / "pool.json"
@@ -110,14 +113,14 @@ def test_rendered_tp_stage_pods_start_two_processes_each_and_serve(tmp_path: Pat
     sts = b.build_stage_statefulset(REF, spec, hash_, 0)
     stage_c = container_of(sts)
     admission_c = container_of(b.build_admission_deployment(REF, spec, hash_, 0, running=True))
-    gateway_c = container_of(b.build_gateway_deployment(REF, spec, hash_))
+    gateway_c = container_of(build_gateway_deployment(REF, spec, hash_))
     cluster = {
-        "--config": b.SPEC_FILE,
+        "--config": SPEC_FILE,
         "--nats-url": CLUSTER_NATS_URL,
-        "--pool-file": b.POOL_FILE,
+        "--pool-file": POOL_FILE,
         "--dist-url": f"tcp://{sts['metadata']['name']}-0.{sts['metadata']['name']}:29500",
-        "--health-port": {str(b.HEALTH_PORT), str(b.HTTP_PORT)},
-        "--port": str(b.HTTP_PORT),
+        "--health-port": {str(HEALTH_PORT), str(HTTP_PORT)},
+        "--port": str(HTTP_PORT),
         "--metrics-port": str(spec.telemetry.metrics_port),  # each stage's own /metrics
     }
     procs: list[subprocess.Popen[bytes]] = []

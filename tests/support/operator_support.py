@@ -43,9 +43,18 @@ import kopf
 import pytest
 import yaml
 
-from wavepp.operator import builders as b
 from wavepp.operator import kube
 from wavepp.operator.crdgen import CRD_PATHS
+from wavepp.operator.naming import (
+    LABEL_COMPONENT,
+    LABEL_PIPELINE,
+    LABEL_REPLICA,
+    POD_INDEX_LABEL,
+    admission_name,
+    gateway_name,
+    pool_configmap_name,
+    statefulset_name,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "default"
@@ -280,7 +289,7 @@ class Cluster:
         return await self.client.get(kind, NAMESPACE, name)
 
     async def list(self, kind: str, pipeline: str) -> list[dict[str, Any]]:
-        return await self.client.list(kind, NAMESPACE, {b.LABEL_PIPELINE: pipeline})
+        return await self.client.list(kind, NAMESPACE, {LABEL_PIPELINE: pipeline})
 
     # -- the controllers' part ------------------------------------------------------------
 
@@ -300,7 +309,7 @@ class Cluster:
             pod_name = f"{name}-{rank}"
             if await self.get("Pod", pod_name) is not None:
                 continue
-            labels = dict(template["metadata"]["labels"]) | {b.POD_INDEX_LABEL: str(rank)}
+            labels = dict(template["metadata"]["labels"]) | {POD_INDEX_LABEL: str(rank)}
             await self._create_pod(
                 pod_name, template, phase, labels=labels, uid=f"{pod_name}-uid{next(_uids)}"
             )
@@ -309,20 +318,20 @@ class Cluster:
 
     async def run_admission(self, pipeline: str, replica: int, *, ready: bool = True) -> str:
         """Create the admission pod of ``replica`` from its Deployment's template."""
-        dep = await self.get("Deployment", b.admission_name(pipeline, replica))
+        dep = await self.get("Deployment", admission_name(pipeline, replica))
         assert dep is not None
         assert dep["spec"]["replicas"] == 1, "the operator scaled this admission controller to 0"
-        pod_name = f"{b.admission_name(pipeline, replica)}-{next(_uids)}"
+        pod_name = f"{admission_name(pipeline, replica)}-{next(_uids)}"
         await self._create_pod(pod_name, dep["spec"]["template"], "warm" if ready else "scheduled")
         return pod_name
 
     async def run_gateway(self, pipeline: str, *, ready: bool = True) -> str:
         """Create (or set the readiness of) the gateway pod from its Deployment's template."""
-        pod_name = f"{b.gateway_name(pipeline)}-x"
+        pod_name = f"{gateway_name(pipeline)}-x"
         if await self.get("Pod", pod_name) is not None:
             await self.set_pod_phase(pod_name, "warm" if ready else "formed")
             return pod_name
-        dep = await self.get("Deployment", b.gateway_name(pipeline))
+        dep = await self.get("Deployment", gateway_name(pipeline))
         assert dep is not None
         await self._create_pod(pod_name, dep["spec"]["template"], "warm" if ready else "formed")
         return pod_name
@@ -357,7 +366,7 @@ class Cluster:
 
     async def pool(self, pipeline: str) -> dict[int, bool]:
         """Replica -> admitting, from the pool ConfigMap the gateway reads."""
-        cm = await self.get("ConfigMap", b.pool_configmap_name(pipeline))
+        cm = await self.get("ConfigMap", pool_configmap_name(pipeline))
         if cm is None:
             return {}
         entries = json.loads(cm["data"]["pool.json"])["replicas"]
@@ -368,8 +377,8 @@ class Cluster:
         return [
             p
             for p in pods
-            if p["metadata"]["labels"].get(b.LABEL_COMPONENT) == "admission"
-            and p["metadata"]["labels"].get(b.LABEL_REPLICA) == str(replica)
+            if p["metadata"]["labels"].get(LABEL_COMPONENT) == "admission"
+            and p["metadata"]["labels"].get(LABEL_REPLICA) == str(replica)
         ]
 
     async def stop_admission(self, pipeline: str, replica: int) -> None:
@@ -384,14 +393,14 @@ class Cluster:
 
     async def serve_replica(self, pipeline: str, replica: int) -> None:
         """Stage pods warm and the admission controller ready: the replica can serve."""
-        await self.run_statefulset(b.statefulset_name(pipeline, replica))
+        await self.run_statefulset(statefulset_name(pipeline, replica))
         # The operator applies the Deployments after the StatefulSet, in the same pass or the
         # next: wait for them (a CI flake: "assert dep is not None" under a slow reconcile).
-        admission = b.admission_name(pipeline, replica)
+        admission = admission_name(pipeline, replica)
         await wait_for(lambda: self.get("Deployment", admission), what=f"Deployment {admission}")
         if not await self.admission_pods(pipeline, replica):
             await self.run_admission(pipeline, replica)
-        gateway = b.gateway_name(pipeline)
+        gateway = gateway_name(pipeline)
         await wait_for(lambda: self.get("Deployment", gateway), what=f"Deployment {gateway}")
         if await self.get("Pod", f"{gateway}-x") is None:
             await self.run_gateway(pipeline)

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 from http_support import http_status
 
-from wavepp.operator import builders as b
+from wavepp.operator.naming import POD_INDEX_LABEL, PipelineRef, stage_pod_name
 from wavepp.runtime.transport.natsio import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-REF = b.PipelineRef(name="tiny", namespace="ml", uid="uid-contract")
+REF = PipelineRef(name="tiny", namespace="ml", uid="uid-contract")
 CLUSTER_NATS_URL = "nats://nats.wavepp-system:4222"
 # A stage pod is ready only once its whole group formed (every peer beating), so it waits for the
 # slowest of its peers to start: on 2 loaded cores with tensor-parallel followers, over 30 s.
@@ -69,8 +69,8 @@ def stage_pod(
     """Stage ``rank`` of replica 0's pod made local: its local flags (``--dist-url``, a free
     ``--health-port`` and ``--metrics-port``), the env the kubelet gives it (the pod's name and
     its index label) and its health port."""
-    pod = b.stage_pod_name(REF.name, 0, rank)
-    labels = statefulset["spec"]["template"]["metadata"]["labels"] | {b.POD_INDEX_LABEL: str(rank)}
+    pod = stage_pod_name(REF.name, 0, rank)
+    labels = statefulset["spec"]["template"]["metadata"]["labels"] | {POD_INDEX_LABEL: str(rank)}
     port = free_port()
     local = {
         "--dist-url": dist_url,

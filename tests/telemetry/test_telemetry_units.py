@@ -141,7 +141,7 @@ def test_jsonl_exporter_round_trip_and_shared_file(tmp_path: Path) -> None:
     records = read_span_records([path])
     assert len(records) == 2
     assert records[0] == SpanRecord.from_span(spans[0])
-    assert records[0].duration_s == pytest.approx(1.0)
+    assert (records[0].end_ns - records[0].start_ns) / 1e9 == pytest.approx(1.0)
     path.write_text(path.read_text() + "{not json\n")
     with pytest.raises(ValueError, match=r"spans.jsonl:3"):
         read_span_records([path])

@@ -139,11 +139,6 @@ class Agreement:
     verdicts: Mapping[str, Verdict]
 
     @property
-    def noise_above_ceiling(self) -> bool:
-        """The runs differ by more than float32 rounding: no divergence was taken for a tie."""
-        return self.noise > self.ceiling
-
-    @property
     def strict_mismatches(self) -> int:
         """Requests whose tokens differ at all."""
         return sum(1 for v in self.verdicts.values() if v.kind != "equal")

@@ -13,7 +13,7 @@ Reuse is *defined by the measured token hit ratio*, not by the knobs: ``ideal_hi
 the prompts through an unbounded cache in order (block-granular, whole blocks only, at least one
 token computed per request) and counts the cached tokens; a run's measured ratio is
 ``cached_tokens / prompt_tokens`` from the replay summary. The presets ``REUSE_PRESETS`` give
-"low" (ideal ~0.2) and "high" (ideal ~0.85); ``classify_reuse`` names a measured ratio.
+"low" (ideal ~0.2, below 0.4) and "high" (ideal ~0.85, at least 0.6).
 
 A workload may carry warm-up prompts (one per shared prefix): a server under steady reuse already
 holds its popular prefixes, so the benchmark runs them first, outside the measured window.
@@ -21,7 +21,6 @@ holds its popular prefixes, so the benchmark runs them first, outside the measur
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +28,6 @@ from pathlib import Path
 import numpy as np
 
 from wavepp.bench.trace import TokenMapper, load_trace
-
-LOW_REUSE_MAX = 0.4  # measured token hit ratio below this: "low"
-HIGH_REUSE_MIN = 0.6  # at or above this: "high"
 
 
 @dataclass(frozen=True)
@@ -268,16 +264,3 @@ def ideal_hit_ratio(
             raise ValueError(f"block_size={block_size}: must be >= 1")
         return 0.0
     return sum(ideal_cached_tokens(prompts, block_size, warmup)) / num_total
-
-
-def classify_reuse(hit_ratio: float) -> str:
-    """ "low" below LOW_REUSE_MAX, "high" at or above HIGH_REUSE_MIN, else "medium".
-
-    Raises:
-        ValueError: hit_ratio outside [0, 1] or NaN.
-    """
-    if not (0.0 <= hit_ratio <= 1.0) or math.isnan(hit_ratio):
-        raise ValueError(f"hit_ratio={hit_ratio}: must be in [0, 1]")
-    if hit_ratio < LOW_REUSE_MAX:
-        return "low"
-    return "high" if hit_ratio >= HIGH_REUSE_MIN else "medium"

@@ -25,8 +25,8 @@ from typing import Any
 import kopf
 
 from wavepp.api.spec import API_GROUP, API_VERSION, PLURAL
-from wavepp.operator import builders as b
 from wavepp.operator import kube
+from wavepp.operator.naming import LABEL_PIPELINE
 from wavepp.operator.reconcile import Apply, Create, Defaults, Delete, Observed, Patch, plan
 from wavepp.operator.status import apply_failed_status
 
@@ -201,7 +201,7 @@ async def _observe(
 ) -> Observed:
     """The pipeline's children; PodGroups and InferencePools only when its spec asks for them
     (their CRDs are optional)."""
-    selector = {b.LABEL_PIPELINE: name}
+    selector = {LABEL_PIPELINE: name}
     sts, deps, pods, cms, hpas, svcs, pdbs, netpols = await asyncio.gather(
         client.list("StatefulSet", namespace, selector),
         client.list("Deployment", namespace, selector),
@@ -437,12 +437,12 @@ def pipeline_event(name: str, namespace: str, spec: Any, meta: Any, memo: Any, *
         state.wake(namespace, name)
 
 
-@kopf.on.event("v1", "pods", labels={b.LABEL_PIPELINE: kopf.PRESENT})
+@kopf.on.event("v1", "pods", labels={LABEL_PIPELINE: kopf.PRESENT})
 def pod_event(labels: dict[str, str], namespace: str, memo: Any, **_: Any) -> None:
     """A stage or admission pod changed: reconcile its pipeline now."""
     state = getattr(memo, "state", None)
     if state is not None:
-        state.wake(namespace, labels.get(b.LABEL_PIPELINE))
+        state.wake(namespace, labels.get(LABEL_PIPELINE))
 
 
 @kopf.on.delete(API_GROUP, API_VERSION, PLURAL)
@@ -458,7 +458,7 @@ async def pipeline_deleted(
     """Delete the children now (owner references let the garbage collector do it too)."""
     state = _state(memo)
     assert state.client is not None, "startup opens the client"
-    selector = {b.LABEL_PIPELINE: name}
+    selector = {LABEL_PIPELINE: name}
     async with state.lock(namespace, name):
         for kind in CHILD_KINDS:
             for obj in await state.client.list(kind, namespace, selector):

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from wavepp.api.spec import CONFIG_EXIT_CODE, WavePipelineSpec
-from wavepp.operator import builders as b
+from wavepp.operator.naming import (
+    ANNOTATION_SPEC_HASH,
+    LABEL_COMPONENT,
+    LABEL_REPLICA,
+    LABEL_SPEC_HASH,
+    POD_INDEX_LABEL,
+)
 
 ANNOTATION_DRAIN = "wavepp.dev/drain"
 ANNOTATION_RESTARTS = "wavepp.dev/restarts"
@@ -183,7 +189,7 @@ def stage_phase(pod: dict[str, Any] | None, *, admitting: bool, stopped: bool) -
 
 
 def _rank(pod: dict[str, Any]) -> int | None:
-    index = labels_of(pod).get(b.POD_INDEX_LABEL)
+    index = labels_of(pod).get(POD_INDEX_LABEL)
     if index is None:
         index = meta_of(pod).get("name", "").rsplit("-", 1)[-1]
     try:
@@ -222,13 +228,13 @@ class ReplicaView:
         return {
             rank: pod
             for rank, pod in self.stage_pods.items()
-            if labels_of(pod).get(b.LABEL_SPEC_HASH) == self.hash
+            if labels_of(pod).get(LABEL_SPEC_HASH) == self.hash
         }
 
     def stale_pods(self) -> list[dict[str, Any]]:
         """Live stage pods of another template: they must be restarted (re-form)."""
         return [
-            p for p in self.stage_pods.values() if labels_of(p).get(b.LABEL_SPEC_HASH) != self.hash
+            p for p in self.stage_pods.values() if labels_of(p).get(LABEL_SPEC_HASH) != self.hash
         ]
 
     def stages_warm(self) -> bool:
@@ -243,7 +249,7 @@ class ReplicaView:
         """A live admission pod of the current template is Ready."""
         return any(
             not is_terminating(p)
-            and labels_of(p).get(b.LABEL_SPEC_HASH) == self.hash
+            and labels_of(p).get(LABEL_SPEC_HASH) == self.hash
             and _condition(p, "Ready")
             for p in self.admission_pods
         )
@@ -270,7 +276,7 @@ class ReplicaView:
         """A process of the replica (stage or admission) refused its configuration."""
         pods = [*self.current_pods().values(), *self.admission_pods]
         for pod in pods:
-            if labels_of(pod).get(b.LABEL_SPEC_HASH) == self.hash:
+            if labels_of(pod).get(LABEL_SPEC_HASH) == self.hash:
                 message = pod_config_error(pod)
                 if message:
                     return message
@@ -333,7 +339,7 @@ def _spec_ranges(configmaps: list[dict[str, Any]]) -> dict[str, list[tuple[int, 
     """Layer ranges of every spec ConfigMap, by spec hash (what old replicas run)."""
     ranges = {}
     for cm in configmaps:
-        hash_ = labels_of(cm).get(b.LABEL_SPEC_HASH)
+        hash_ = labels_of(cm).get(LABEL_SPEC_HASH)
         if not hash_:
             continue
         try:
@@ -345,7 +351,6 @@ def _spec_ranges(configmaps: list[dict[str, Any]]) -> dict[str, list[tuple[int, 
 
 
 def replica_views(
-    pipeline: str,
     observed: Observed,
     current_hash: str,
     current_ranges: list[tuple[int, int]],
@@ -354,7 +359,7 @@ def replica_views(
 ) -> dict[int, ReplicaView]:
     def replica_of(obj: dict[str, Any]) -> int | None:
         try:
-            return int(labels_of(obj)[b.LABEL_REPLICA])
+            return int(labels_of(obj)[LABEL_REPLICA])
         except (KeyError, ValueError):
             return None
 
@@ -368,11 +373,11 @@ def replica_views(
 
     for sts in observed.statefulsets:
         index = replica_of(sts)
-        if index is None or labels_of(sts).get(b.LABEL_COMPONENT) != "stage":
+        if index is None or labels_of(sts).get(LABEL_COMPONENT) != "stage":
             continue
         v = view(index)
         v.sts = sts
-        v.hash = annotations_of(sts).get(b.ANNOTATION_SPEC_HASH)
+        v.hash = annotations_of(sts).get(ANNOTATION_SPEC_HASH)
         v.drain = json_annotation(sts, ANNOTATION_DRAIN, None)
         v.restarts = [
             float(t) for t in json_annotation(sts, ANNOTATION_RESTARTS, []) if now - t < window_s
@@ -388,13 +393,13 @@ def replica_views(
             v.ranges = current_ranges
     for dep in observed.deployments:
         index = replica_of(dep)
-        if index is not None and labels_of(dep).get(b.LABEL_COMPONENT) == "admission":
+        if index is not None and labels_of(dep).get(LABEL_COMPONENT) == "admission":
             view(index).admission = dep
     for pod in observed.pods:
         index = replica_of(pod)
         if index is None:
             continue
-        component = labels_of(pod).get(b.LABEL_COMPONENT)
+        component = labels_of(pod).get(LABEL_COMPONENT)
         if component == "admission":
             view(index).admission_pods.append(pod)
         elif component == "stage" and not is_terminating(pod):

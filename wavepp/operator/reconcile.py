@@ -48,6 +48,21 @@ from typing import Any
 from wavepp.api.spec import SpecIssue, WavePipelineSpec, check_spec, decode_service_name
 from wavepp.operator import builders as b
 from wavepp.operator import natscreds
+from wavepp.operator.decode_builders import (
+    build_decode_deployment,
+    build_decode_hpa,
+    build_decode_service,
+)
+from wavepp.operator.gateway_builders import build_gateway_deployment, build_gateway_pdb
+from wavepp.operator.naming import (
+    LABEL_COMPONENT,
+    LABEL_REPLICA,
+    LABEL_SPEC_HASH,
+    PipelineRef,
+    admission_name,
+    spec_hash,
+    statefulset_name,
+)
 from wavepp.operator.observe import (
     ANNOTATION_DEGRADED,
     ANNOTATION_DRAIN,
@@ -135,7 +150,7 @@ def _decode_pods(observed: Observed, name: str) -> tuple[int, int] | None:
             ready = sum(
                 1
                 for p in observed.pods
-                if labels_of(p).get(b.LABEL_COMPONENT) == "decode" and gateway_pod_ready(p)
+                if labels_of(p).get(LABEL_COMPONENT) == "decode" and gateway_pod_ready(p)
             )
             return ready, int(dep["spec"].get("replicas", 1))
     return None
@@ -192,17 +207,17 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
     if spec is None:
         return Plan(actions=[], status=invalid_status(body, issues, now), issues=issues)
 
-    ref = b.PipelineRef.from_body(body)
+    ref = PipelineRef.from_body(body)
     creds_secret: dict[str, Any] | None = None
     if defaults.nats_account_seed:
         spec = natscreds.with_rendered_creds(spec, ref)
         if natscreds.uses_rendered_creds(spec, ref):
             creds_secret = natscreds.build_nats_creds_secret(ref, spec, defaults.nats_account_seed)
-    current_hash = b.spec_hash(spec)
+    current_hash = spec_hash(spec)
     ranges = spec.stage_layer_ranges()
     budget = spec.restart_budget
     drain_timeout_s = spec.rollout.drain_timeout_s
-    views = replica_views(ref.name, observed, current_hash, ranges, budget.window(), now)
+    views = replica_views(observed, current_hash, ranges, budget.window(), now)
     desired = set(range(spec.num_replicas))
     actions: list[Action] = []
     requeue: list[float] = []
@@ -224,7 +239,7 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         }
         return Patch(
             "StatefulSet",
-            b.statefulset_name(ref.name, index),
+            statefulset_name(ref.name, index),
             {"metadata": {"annotations": encoded}},
         )
 
@@ -232,7 +247,7 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         if v.admission is None or (v.admission.get("spec") or {}).get("replicas") == count:
             return []
         return [
-            Patch("Deployment", b.admission_name(ref.name, v.index), {"spec": {"replicas": count}})
+            Patch("Deployment", admission_name(ref.name, v.index), {"spec": {"replicas": count}})
         ]
 
     def start_drain(v: ReplicaView, reason: DrainReason) -> list[Action]:
@@ -274,7 +289,7 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
     if creds_secret is not None:
         actions.append(Apply(creds_secret))
     # The spec ConfigMap first: every pod created below mounts it.
-    if not any(labels_of(cm).get(b.LABEL_SPEC_HASH) == current_hash for cm in observed.configmaps):
+    if not any(labels_of(cm).get(LABEL_SPEC_HASH) == current_hash for cm in observed.configmaps):
         actions.append(Create(b.build_spec_configmap(ref, spec, current_hash)))
 
     # Snapshot of who serves now, before any decision below changes the views.
@@ -291,14 +306,14 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
                 actions += start_drain(v, "scale-down")
             elif v.drained(now, drain_timeout_s):
                 actions += [
-                    Delete("StatefulSet", b.statefulset_name(ref.name, index)),
-                    Delete("Service", b.statefulset_name(ref.name, index)),
-                    Delete("Deployment", b.admission_name(ref.name, index)),
-                    Delete("Service", b.admission_name(ref.name, index)),
-                    Delete("PodDisruptionBudget", b.statefulset_name(ref.name, index)),
+                    Delete("StatefulSet", statefulset_name(ref.name, index)),
+                    Delete("Service", statefulset_name(ref.name, index)),
+                    Delete("Deployment", admission_name(ref.name, index)),
+                    Delete("Service", admission_name(ref.name, index)),
+                    Delete("PodDisruptionBudget", statefulset_name(ref.name, index)),
                 ]
                 if spec.topology.pod_group:
-                    actions.append(Delete("PodGroup", b.statefulset_name(ref.name, index)))
+                    actions.append(Delete("PodGroup", statefulset_name(ref.name, index)))
             else:
                 actions += admission_replicas(v, 0)
             continue
@@ -413,13 +428,13 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         for i in sorted(desired | set(views))
     ]
     actions.append(Apply(b.build_pool_configmap(ref, pool)))
-    actions.append(Apply(b.build_gateway_deployment(ref, spec, current_hash)))
+    actions.append(Apply(build_gateway_deployment(ref, spec, current_hash)))
     actions.append(Apply(b.build_gateway_service(ref)))
-    actions.append(Apply(b.build_gateway_pdb(ref)))
+    actions.append(Apply(build_gateway_pdb(ref)))
     inference_pool = b.build_inference_pool(ref, spec)
     if inference_pool is not None:
         actions.append(Apply(inference_pool))
-    decode_objects = [b.build_decode_deployment(ref, spec), b.build_decode_service(ref, spec)]
+    decode_objects = [build_decode_deployment(ref, spec), build_decode_service(ref, spec)]
     actions += [Apply(obj) for obj in decode_objects if obj is not None]
     if decode_objects[0] is None:
         decode_name = decode_service_name(ref.name)
@@ -434,7 +449,7 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         for p in observed.network_policies
         if meta_of(p)["name"] not in rendered_policies
     ]
-    hpas = [h for h in (b.build_hpa(ref, spec), b.build_decode_hpa(ref, spec)) if h is not None]
+    hpas = [h for h in (b.build_hpa(ref, spec), build_decode_hpa(ref, spec)) if h is not None]
     actions += [Apply(h) for h in hpas]
     rendered_hpas = {meta_of(h)["name"] for h in hpas}
     actions += [
@@ -444,7 +459,7 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
     ]
     in_use = {current_hash} | {v.hash for v in views.values() if v.hash}
     for cm in observed.configmaps:
-        hash_ = labels_of(cm).get(b.LABEL_SPEC_HASH)
+        hash_ = labels_of(cm).get(LABEL_SPEC_HASH)
         if hash_ and hash_ not in in_use:
             actions.append(Delete("ConfigMap", meta_of(cm)["name"]))
     # Leftovers of a replica whose StatefulSet is gone (a scale-down interrupted half-way).
@@ -456,11 +471,11 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
         ("PodGroup", observed.pod_groups),
     ):
         for obj in objs:
-            replica = labels_of(obj).get(b.LABEL_REPLICA)
+            replica = labels_of(obj).get(LABEL_REPLICA)
             if replica is not None and replica.isdigit() and int(replica) not in kept:
                 actions.append(Delete(kind, meta_of(obj)["name"]))
 
-    gateway_pods = [p for p in observed.pods if labels_of(p).get(b.LABEL_COMPONENT) == "gateway"]
+    gateway_pods = [p for p in observed.pods if labels_of(p).get(LABEL_COMPONENT) == "gateway"]
     gateway_error = next(filter(None, (pod_config_error(p) for p in gateway_pods)), None)
     status = pipeline_status(
         body,

@@ -11,7 +11,7 @@ import datetime as dt
 from typing import Any
 
 from wavepp.api.spec import ReplicaStatus, SpecIssue, StageStatus, WavePipelineSpec
-from wavepp.operator import builders as b
+from wavepp.operator.naming import PipelineRef, stage_pod_name, stage_selector
 from wavepp.operator.observe import CONFIG_ERROR, ReplicaView, meta_of, stage_phase
 
 
@@ -92,7 +92,7 @@ def pipeline_status(
     ``InvalidRuntimeConfig`` and the process's message (it names the field); so is the
     pipeline when its gateway exited with a config error (``gateway_error``).
     """
-    ref = b.PipelineRef.from_body(body)
+    ref = PipelineRef.from_body(body)
     previous = (body.get("status") or {}).get("conditions") or []
     generation = meta_of(body).get("generation")
     stages: list[StageStatus] = []
@@ -127,9 +127,7 @@ def pipeline_status(
                     rank=rank,
                     first_layer=first,
                     last_layer=last,
-                    pod=meta_of(pod).get("name")
-                    if pod
-                    else b.stage_pod_name(ref.name, index, rank),
+                    pod=meta_of(pod).get("name") if pod else stage_pod_name(ref.name, index, rank),
                     phase=stage_phase(pod, admitting=admitting, stopped=v.degraded is not None),  # type: ignore[arg-type]
                 )
             )
@@ -248,7 +246,7 @@ def pipeline_status(
         "replicas": len(views),
         "readyReplicas": len(ready),
         "updatedReplicas": len(updated),
-        "selector": b.stage_selector(ref.name),
+        "selector": stage_selector(ref.name),
         "specHash": current_hash,
         "stages": [s.model_dump(by_alias=True, exclude_none=True) for s in stages],
         "replicaStatuses": [r.model_dump(by_alias=True, exclude_none=True) for r in replicas],

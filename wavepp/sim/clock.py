@@ -42,10 +42,6 @@ class _VirtualSelector(selectors.BaseSelector):
     def unregister(self, fileobj: Any) -> selectors.SelectorKey:
         return self._keys.pop(_fileno(fileobj))
 
-    def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
-        self.unregister(fileobj)
-        return self.register(fileobj, events, data)
-
     def get_key(self, fileobj: Any) -> selectors.SelectorKey:
         return self._keys[_fileno(fileobj)]
 

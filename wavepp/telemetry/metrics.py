@@ -59,7 +59,6 @@ TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 
 # The Prometheus suffix of each unit used here (the exporter's mapping; "1" and an annotation
 # such as "{request}" add none).
 _UNIT_SUFFIX = {"s": "seconds", "By": "bytes"}
-_RECORDED = ("counter", "histogram")
 
 
 @dataclass(frozen=True)

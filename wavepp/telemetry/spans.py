@@ -45,10 +45,6 @@ class SpanRecord:
     def is_root(self) -> bool:
         return not self.parent_span_id
 
-    @property
-    def duration_s(self) -> float:
-        return (self.end_ns - self.start_ns) / 1e9
-
     def to_json(self) -> str:
         return json.dumps(
             {

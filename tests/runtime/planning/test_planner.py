@@ -489,7 +489,7 @@ def test_chunks_cover_every_prompt_exactly_once_in_order(
         assert 1 <= len(mb) <= planner.max_chunks_per_microbatch
         for chunk in mb:
             if not chunk.is_last:
-                assert chunk.end_offset % planner.block_size == 0
+                assert (chunk.context_offset + chunk.num_tokens) % planner.block_size == 0
         if planner.policy == "static":
             assert sum(c.num_tokens for c in mb) <= max(planner.chunk_tokens, planner.block_size)
         elif len(mb) > 1 or mb[0].num_tokens > planner.block_size:

@@ -81,7 +81,6 @@ class HostTier:
         self._transfers: list[Transfer] = []
         self._events: list[tuple[str, list[BlockHash]]] = []  # (kind, hashes), merged runs
         self.num_spills = 0  # hashes entered by a spill
-        self.num_dropped = 0  # spills refused: every slot pinned
         self.num_evictions = 0  # hashes that left by LRU eviction
         self.num_loads = 0  # slots loaded into device blocks
 
@@ -171,7 +170,7 @@ class HostTier:
 
     def spill(self, block_id: int, block_hash: BlockHash) -> int | None:
         """Take the bytes of evicted device block ``block_id`` (hash ``block_hash``): a free
-        slot, else the LRU slot's (its hash evicted); logs the spill. None (dropped, counted)
+        slot, else the LRU slot's (its hash evicted); logs the spill. None (dropped)
         when every slot is pinned or the tier is empty. A hash indexed here already (cannot
         happen while the tiers stay exclusive) is refreshed, not copied twice."""
         held = self._index.get(block_hash)
@@ -189,7 +188,6 @@ class HostTier:
             self.num_evictions += 1
             self._event("removed", evicted)
         else:
-            self.num_dropped += 1
             return None
         self._hash[slot] = block_hash
         self._index[block_hash] = slot

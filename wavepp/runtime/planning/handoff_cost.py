@@ -115,10 +115,6 @@ class StageHandoffBytes:
     state_bytes_per_request: float
     num_gpus: int = 1
 
-    def request_bytes(self, num_tokens: int) -> float:
-        """bytes_r(P) = P * kv_token_r + state_r, for a prompt of ``num_tokens`` tokens."""
-        return num_tokens * self.kv_bytes_per_token + self.state_bytes_per_request
-
 
 def stage_handoff_bytes(
     model: str | ModelShape, *, num_stages: int, num_gpus_per_stage: int = 1

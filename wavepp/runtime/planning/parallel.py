@@ -91,9 +91,6 @@ from wavepp.runtime.planning.memory import derived_stage_memory
 from wavepp.runtime.planning.published import get_model
 from wavepp.runtime.planning.shapes import MODELS_MD, GPUSpec, LayerCost, ModelShape
 
-GROUP_KINDS = ("tp", "tep", "ep")
-
-
 ACTIVATION_BYTES = 2.0  # bf16 activations on the wire
 
 

@@ -98,8 +98,3 @@ class Chunk:
     context_offset: int
     num_tokens: int
     is_last: bool
-
-    @property
-    def end_offset(self) -> int:
-        """One past the chunk's last token position."""
-        return self.context_offset + self.num_tokens

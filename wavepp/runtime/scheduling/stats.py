@@ -43,7 +43,7 @@ class StageSpan:
 class WaveStats:
     """Running sums and recent windows of one scheduler's micro-batches; see the module docstring.
 
-    Stored: counters (``num_microbatches``, ``num_microbatch_tokens``, ``num_spans``), per-rank
+    Stored: counters (``num_microbatches``, ``num_spans``), per-rank
     busy seconds, the execution window, and two rings, oldest first: ``spans`` (arrival order)
     and ``microbatch_tokens`` (publish order), each at most ``window`` long.
 
@@ -76,7 +76,6 @@ class WaveStats:
     def reset(self) -> None:
         """Start a new measured window in place (readers holding this object see the new run)."""
         self.num_microbatches = 0
-        self.num_microbatch_tokens = 0
         self.num_spans = 0
         self.spans: deque[StageSpan] = deque(maxlen=self.window)
         self.microbatch_tokens: deque[int] = deque(maxlen=self.window)
@@ -102,7 +101,6 @@ class WaveStats:
     def record_microbatch(self, num_tokens: int) -> None:
         """One published micro-batch of ``num_tokens`` new tokens."""
         self.num_microbatches += 1
-        self.num_microbatch_tokens += num_tokens
         self.microbatch_tokens.append(num_tokens)
 
     def record_host_time(self, seconds: float) -> None:

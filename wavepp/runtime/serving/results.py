@@ -92,7 +92,6 @@ class ResultStore:
         self.nc = nc
         self.js = js
         self.trusted = trusted
-        self.num_unstored = 0  # answered, but the result could not be stored (store full)
         self._kv = None  # the results bucket, opened right before the intake subscription
 
     @property
@@ -116,7 +115,6 @@ class ResultStore:
                 self.nc, functools.partial(self._kv.put, key, data), what=f"result of {key}"
             )
         except Exception as exc:  # noqa: BLE001 - APIError, NoResponders, timeout: same answer
-            self.num_unstored += 1
             log.warning("result of %s not stored (%r); answered without the record", key, exc)
 
     async def get(self, key: str) -> StoredResult | None:

@@ -337,7 +337,6 @@ class PagedStageEngineBase(ABC):
             )
         self.first_layer = first_layer
         self.last_layer = last_layer
-        self.num_layers_total = num_layers_total
         self.is_first = first_layer == 0
         self.is_last = last_layer == num_layers_total
         self.device = torch.device(device)

@@ -15,7 +15,6 @@ naming the file.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import stat
@@ -221,18 +220,6 @@ class CheckpointReader:
         """Close the shard files :meth:`read_part` opened."""
         self._handles.clear()
 
-    def total_bytes(self) -> int:
-        """Tensor bytes of the whole checkpoint (from the safetensors headers; reads no data).
-
-        Raises:
-            ValueError: a shard safetensors cannot read (names the file).
-        """
-        total = 0
-        for _file, shapes in self.shard_shapes():
-            for shape, dtype in shapes.values():
-                total += math.prod(shape) * _DTYPE_BYTES.get(dtype, 4)
-        return total
-
     def shard_shapes(self) -> Iterator[tuple[str, dict[str, tuple[tuple[int, ...], str]]]]:
         """Per shard file (sorted), each tensor's (shape, safetensors dtype) from the header
         (reads no tensor data).
@@ -247,9 +234,6 @@ class CheckpointReader:
                     sl = f.get_slice(key)
                     shapes[key] = (tuple(int(d) for d in sl.get_shape()), str(sl.get_dtype()))
             yield file, shapes
-
-
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
 
 
 def stage_tensor_names(

@@ -58,7 +58,7 @@ class PackedLinear:
         """
         if weight.dim() != 2:
             raise ValueError(f"a linear weight is 2-D [out, in]; got shape {tuple(weight.shape)}")
-        self.out_features, self.in_features = (int(n) for n in weight.shape)
+        self.in_features = int(weight.shape[1])
         self.dtype = weight.dtype
         self.device = weight.device
         self._packed = _pack(weight) if pack else None
