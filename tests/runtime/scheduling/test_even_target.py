@@ -32,7 +32,12 @@ from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.runtime.agreement import Ticket
 from wavepp.runtime.planning import Chunk, CostModel, planner_for
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.scheduling.core import WORK_TURNOVERS, RequestRecord, SchedulerCore
+from wavepp.runtime.scheduling.core import (
+    WORK_TURNOVERS,
+    WORK_WINDOW_FLOOR,
+    RequestRecord,
+    SchedulerCore,
+)
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
 from wavepp.sim.bus import SimLatencies
 from wavepp.sim.run import simulate
@@ -217,3 +222,53 @@ def test_a_request_admitted_again_after_a_re_form_counts_once_in_the_window() ->
     expected = _target_of(core, 8 * statistics.fmean([short_s] * (window - 8) + works))
     assert expected < _target_of(core, sum(works))  # the recent mean caps W
     assert before == pytest.approx(expected)
+
+
+def test_few_open_requests_over_few_microbatches_average_at_least_the_floor() -> None:
+    # 3 open requests over 2 micro-batches in flight: 8 x 3 = 24 < WORK_WINDOW_FLOOR
+    core = _core(3)
+    core.config = core.config.model_copy(update={"max_inflight": 2})
+    assert core.config.resolved_max_inflight == 2
+    open_records = [_admit(core, f"s{i}", SHORT) for i in range(3)]
+    for i in range(100):
+        _finish(core, open_records.pop(0))
+        open_records.append(_admit(core, f"t{i}", SHORT))
+    for i in range(4):
+        _finish(core, open_records.pop(0))
+        open_records.append(_admit(core, f"long{i}", LONG))
+    assert core.recent_work_window() == WORK_WINDOW_FLOOR > WORK_TURNOVERS * 3
+    short_s, long_s = (core.planner.request_work_s(0, n) for n in (SHORT, LONG))
+    mean_s = statistics.fmean([short_s] * (WORK_WINDOW_FLOOR - 4) + [long_s] * 4)
+    assert core.closed_loop_target_s() == pytest.approx(_target_of(core, 3 * mean_s))
+
+
+def test_a_speculations_works_are_the_newest_in_the_window() -> None:
+    core = _core(8)
+    open_records = [_admit(core, f"s{i}", SHORT) for i in range(8)]
+    for i in range(100):
+        _finish(core, open_records.pop(0))
+        open_records.append(_admit(core, f"t{i}", SHORT))
+    _finish(core, open_records.pop(0))
+    core.add_request(PromptRequest("agreeing", [1] * LONG), waiter=None)  # open, not admitted
+    short_s, long_s = open_records[0].work_s, core.planner.request_work_s(0, LONG)
+    window = core.recent_work_window()
+    mean_s = statistics.fmean([short_s] * (window - 1) + [long_s])
+    assert 8 * mean_s < 7 * short_s + long_s  # the recent mean caps W
+    assert core.closed_loop_target_s([long_s]) == pytest.approx(_target_of(core, 8 * mean_s))
+
+
+def test_the_window_is_at_most_the_works_kept_and_they_are_the_newest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("wavepp.runtime.scheduling.core._WORKS_KEPT", 40)
+    core = _core(8)
+    open_records = [_admit(core, f"s{i}", SHORT) for i in range(8)]
+    assert core.recent_work_window() > 40
+    for i in range(100):
+        _finish(core, open_records.pop(0))
+        open_records.append(_admit(core, f"t{i}", SHORT))
+    for i in range(40):  # 40 long prompts: every work kept is a long one
+        _finish(core, open_records.pop(0))
+        open_records.append(_admit(core, f"long{i}", LONG))
+    own_s = sum(r.work_s for r in open_records)
+    assert core.closed_loop_target_s() == pytest.approx(_target_of(core, own_s))

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import queue
+import time
+from collections import deque
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -14,6 +18,7 @@ from hf_reference import PIPELINE_COST, small_llama
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.request import PromptRequest
 from wavepp.runtime.serving.local import LocalPipeline
+from wavepp.runtime.stage.compute import StageCompute
 from wavepp.runtime.stage.loop_profile import (
     COMPUTE_PARTS,
     LoopProfile,
@@ -91,3 +96,53 @@ async def test_two_stage_pipeline_profiles_receive_send_and_plans(tmp_path: Path
     assert first["parts_s"]["send"] > 0 and "recv" not in first["parts_s"]
     assert last["parts_s"]["recv"] > 0 and "send" not in last["parts_s"]
     assert "results" in last["parts_s"]
+
+
+class _ReformingStage(StageCompute):
+    """One stage (first and last) whose engine pass sees a re-form (a later generation): its
+    micro-batch belongs to the old group and is dropped."""
+
+    def __init__(self) -> None:
+        self.rank = 0
+        self.is_first = self.is_last = True
+        self.loop_profile = LoopProfile(rank=0)
+        self._generation = 1
+        self._loop = None
+        stage = self
+
+        class Engine:
+            hidden_size = 4
+
+            def prepare(self, chunks: object) -> object:
+                return object()
+
+            def execute(self, prepared: object, hidden_in: object) -> Any:
+                time.sleep(0.01)
+                stage._generation += 1  # the loop thread re-formed meanwhile
+                return SimpleNamespace(hidden=None, last_token_logits={})
+
+        class Core:
+            def results(self, *args: object) -> list[Any]:
+                return []
+
+        self.engine = cast(Any, Engine())
+        self.core = cast(Any, Core())
+
+    def _after_microbatch(self, work: Any, done: Any) -> None:
+        raise AssertionError("a dropped micro-batch publishes nothing")
+
+    def _on_group_error(self, generation: int, exc: BaseException) -> None:
+        raise AssertionError(exc)
+
+
+def test_a_microbatch_dropped_by_a_re_form_adds_no_part_without_its_wall() -> None:
+    stage = _ReformingStage()
+    work = SimpleNamespace(num_tokens=2, error="", chunks=(), plan=None)
+    work_queue: queue.Queue[Any] = queue.Queue()
+    work_queue.put((work, None))
+    stage._compute(None, work_queue, 1, deque())
+    data = stage.loop_profile.to_json() if stage.loop_profile else {}
+    assert data["microbatches"] == 0
+    assert data["other_s"] >= 0, data  # wall = parts + other, other >= 0
+    with pytest.raises(KeyError, match="not compute parts"):
+        LoopProfile(rank=0).microbatch_done(1.0, {"plan_decode": 0.5})

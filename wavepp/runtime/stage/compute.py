@@ -169,6 +169,9 @@ class StageCompute(ABC):
             if item is None or generation != self._generation:
                 return
             prof = self.loop_profile
+            # this micro-batch's compute parts, recorded with its wall once it is sent (one
+            # dropped by a re-form or a failed send records neither)
+            parts: dict[str, float] = {}
             began = clock()
             work, prepared = item
             num_tokens = work.num_tokens
@@ -184,8 +187,7 @@ class StageCompute(ABC):
                 t = clock()
                 with region("recv"):
                     pg.recv([hidden_in], self.rank - 1, 0).wait()
-                if prof is not None:
-                    prof.add("recv", clock() - t)
+                parts["recv"] = clock() - t
                 self.compute_beat = time.monotonic()
             results: list[RequestResult] = []
             hidden_out = None
@@ -197,22 +199,19 @@ class StageCompute(ABC):
                         work.prepare_start_s = time.time()
                         prepared = engine.prepare(work.chunks)
                         work.prepare_end_s = time.time()
-                        if prof is not None:
-                            prof.add("prepare", clock() - t)
+                        parts["prepare"] = clock() - t
                     t = clock()
                     exec_start = time.time()
                     out = engine.execute(prepared, hidden_in)
                     exec_end = time.time()
-                    if prof is not None:
-                        prof.add("execute", clock() - t)
+                    parts["execute"] = clock() - t
                     t = clock()
                     hidden_out = out.hidden
                     logits = out.last_token_logits
                     results = core.results(
                         work, partial(_first_token_id, logits), partial(_logits_list, logits)
                     )
-                    if prof is not None:
-                        prof.add("results", clock() - t)
+                    parts["results"] = clock() - t
                 except Exception as exc:  # keep the pipeline moving; report the error
                     log.exception(
                         "stage %d: micro-batch %d failed", self.rank, work.plan.microbatch_id
@@ -224,8 +223,7 @@ class StageCompute(ABC):
             done = core.done_message(
                 work, execute_start_s=exec_start, execute_end_s=exec_end, results=results
             )
-            if prof is not None:
-                prof.add("results", clock() - t)
+            parts["results"] = parts.get("results", 0.0) + clock() - t
             # Cache the computed blocks before the activations leave: a release for this
             # request can only follow the last stage's result, hence this send.
             assert self._loop is not None, "compute thread started before serve()"
@@ -242,10 +240,9 @@ class StageCompute(ABC):
                     pending_sends.append((pg.send([hidden_out], self.rank + 1, 0), hidden_out))
                     while len(pending_sends) > _MAX_PENDING_SENDS:
                         pending_sends.popleft()[0].wait()
-                if prof is not None:
-                    prof.add("send", clock() - t)
+                parts["send"] = clock() - t
             if prof is not None:
-                prof.microbatch_done(clock() - began)
+                prof.microbatch_done(clock() - began, parts)
 
 
 def _first_token_id(logits: Mapping[str, torch.Tensor], request_id: str) -> int:

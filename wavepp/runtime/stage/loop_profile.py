@@ -6,9 +6,10 @@ Two threads of a stage work on a micro-batch (``wavepp.runtime.stage.worker`` an
 
 - compute thread (:data:`COMPUTE_PARTS`): a micro-batch's *wall* runs from taking it off the work
   queue to the return of its send (idle waiting for the next plan is outside it). Its parts do
-  not overlap, so ``other`` = wall - their sum is the rest of the stage loop (Python, the done
-  message's hand-over, allocation of the activation buffers); negative only if a timer were
-  counted twice.
+  not overlap and are recorded with its wall (:meth:`LoopProfile.microbatch_done`; a
+  micro-batch a re-form dropped or whose send failed records neither), so ``other`` = wall -
+  their sum >= 0 is the rest of the stage loop (Python, the done message's hand-over,
+  allocation of the activation buffers).
 - loop thread (:data:`LOOP_PARTS`): plan handling as each plan arrives over NATS, concurrent
   with the compute thread (so not part of its wall): the JSON decode and validation, and the
   plan's acceptance (block tables, host-tier copies, ``engine.prepare`` when the stage prepares
@@ -80,11 +81,21 @@ class LoopProfile:
         with self._lock:
             self.parts_s[part] = self.parts_s.get(part, 0.0) + seconds
 
-    def microbatch_done(self, wall_s: float) -> None:
-        """The compute thread finished a micro-batch of ``wall_s`` seconds."""
+    def microbatch_done(self, wall_s: float, parts_s: Mapping[str, float] = {}) -> None:
+        """The compute thread finished a micro-batch of ``wall_s`` seconds, ``parts_s`` its
+        compute parts (added with the wall at once, so ``other`` never loses a wall).
+
+        Raises:
+            KeyError: a part of ``parts_s`` is not one of :data:`COMPUTE_PARTS`.
+        """
+        unknown = sorted(set(parts_s) - set(COMPUTE_PARTS))
+        if unknown:
+            raise KeyError(f"parts_s={unknown}: not compute parts; {sorted(COMPUTE_PARTS)}")
         with self._lock:
             self.microbatches += 1
             self.wall_s += wall_s
+            for part, seconds in parts_s.items():
+                self.parts_s[part] = self.parts_s.get(part, 0.0) + seconds
 
     def plan_done(self) -> None:
         """The loop thread handled one plan."""
