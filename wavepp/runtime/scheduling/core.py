@@ -129,6 +129,10 @@ class SchedulerCore(DoneAccounting):
         # The work of the requests admitted last, oldest first, each request once (its latest
         # admission), at most _WORKS_KEPT of them.
         self._recent_works: OrderedDict[str, float] = OrderedDict()
+        # Admissions so far, and the sum of the newest works last read: ((admissions, count),
+        # sum), so the several targets of one micro-batch sum the window once.
+        self._num_admissions = 0
+        self._recent_sum: tuple[tuple[int, int], float] = ((0, 0), 0.0)
         # Baseline, budget accounting "estimated": the block hashes of every live request whose
         # first chunk was planned (it holds references on them), each hash counted once per
         # holder; a new request's estimate is how many of its leading blocks they hold.
@@ -176,6 +180,7 @@ class SchedulerCore(DoneAccounting):
         self._recent_works[request.request_id] = record.work_s
         if len(self._recent_works) > _WORKS_KEPT:
             self._recent_works.popitem(last=False)
+        self._num_admissions += 1
         record.status = RequestStatus.ADMITTED
         record.num_inflight_microbatches = 0
         record.outcome = RequestOutcome(
@@ -336,7 +341,11 @@ class SchedulerCore(DoneAccounting):
         window = self.recent_work_window()
         extra = list(extra_works_s)[-window:]
         num_old = min(len(self._recent_works), window - len(extra))
-        old_s = sum(itertools.islice(reversed(self._recent_works.values()), num_old))
+        key = (self._num_admissions, num_old)
+        if self._recent_sum[0] != key:
+            newest = itertools.islice(reversed(self._recent_works.values()), num_old)
+            self._recent_sum = (key, sum(newest))
+        old_s = self._recent_sum[1]
         return (old_s + sum(extra)) / (num_old + len(extra))
 
     def closed_loop_target_s(self, extra_works_s: Sequence[float] = ()) -> float | None:
