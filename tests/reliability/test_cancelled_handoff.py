@@ -231,6 +231,7 @@ async def test_a_long_prompt_cancelled_mid_prefill_gets_no_further_chunk(tmp_pat
         await wait_until(lambda: _no_pins(addrs), timeout_s=RELEASED_WITHIN_S)
         short, _ = await gateway.prefill(ParsedRequest("default", "short", random_tokens(5, 3)))
         assert not short.error, short.error
+        assert [t.rank for t in short.stages] == [0, 1]  # per-stage timings of its own run
         assert planned == [CHUNK_TOKENS]  # one chunk of its seven; none after the cancel
         assert sum(planned) < LONG_TOKENS
         assert await gateway.stored_result("default.long") is None

@@ -3,7 +3,7 @@
 further chunk planned and its caller is answered at once; a request withdrawn while its
 agreement is under way is never admitted and its reservation is released; one withdrawn while
 it queues is never agreed; a request submitted after them is served; nothing stays pinned on
-any stage."""
+any stage. A withdrawn request that filled the admission lookahead makes room for the next."""
 
 from __future__ import annotations
 
@@ -103,3 +103,35 @@ def test_withdrawn_requests_stop_being_served_and_leave_nothing_pinned(
     *stages, controller = held
     assert stages == [set(), set()]  # every pin released, the withdrawn ones' too
     assert controller == set()  # no lease renewed for any of them
+
+
+async def _behind_a_withdrawn_one() -> RequestOutcome:
+    """An admitted request that fills the admission lookahead is withdrawn before any chunk of
+    it is planned (the plans held, as while the stages re-form); the request waiting for room
+    in the lookahead is then admitted and answered."""
+    spec = GridSpec(time_scale=1.0, num_stages=2, num_kv_blocks=4096)
+    config, cost = runtime_config(spec, Setting("glm-5.2", 2, "low", "wave"))
+    config = config.model_copy(update={"admission_lookahead_tokens": 4096})
+    async with SimPipeline(config, cost, latencies=ZERO, admission=AsyncAdmission) as pipeline:
+        scheduler = pipeline.scheduler
+        assert scheduler is not None
+        scheduler.pause_plans()
+        big = asyncio.create_task(scheduler.submit(PromptRequest("big", _prompt(1, 8192))))
+        while not scheduler.core.is_live("big"):
+            await asyncio.sleep(0.01)
+        waiting = asyncio.create_task(scheduler.submit(PromptRequest("waiting", _prompt(2, 256))))
+        await asyncio.sleep(0.1)
+        assert not scheduler.core.is_live("waiting")  # no room in the lookahead
+        assert scheduler.withdraw("big")
+        assert (await big).error == WITHDRAWN_ERROR
+        scheduler.reopen_plans()
+        return await asyncio.wait_for(waiting, 5.0)
+
+
+def test_a_withdrawal_makes_room_in_the_admission_lookahead() -> None:
+    loop = VirtualClockLoop(start_s=10.0)
+    try:
+        outcome = loop.run_until_complete(_behind_a_withdrawn_one())
+    finally:
+        loop.close()
+    assert outcome.ok, outcome.error

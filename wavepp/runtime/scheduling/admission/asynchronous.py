@@ -89,6 +89,9 @@ class AsyncAdmission(AdmissionStrategy):
         return None  # host time counts from the end of gather (agreements ran ahead)
 
     async def released(self) -> None:
+        # a request released before it was fully planned (withdrawn, failed) no longer counts
+        # its unplanned tokens against the lookahead
+        await _notify(self._lookahead_changed)
         if self.config.resolved_prefix_wait:
             await _notify(self._prefixes_changed)
         await self._capacity_released()
