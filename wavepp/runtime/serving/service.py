@@ -623,8 +623,8 @@ class AdmissionService:
         agreed = list(done.num_agreed_blocks) + [-1] * len(owners)
         for request_id, num_agreed in zip(owners, agreed, strict=False):
             run = self._running.get(request_id.rpartition("@")[0])
-            if run is None or run.scheduler_id != request_id:
-                continue
+            if run is None or run.withdrawn or run.scheduler_id != request_id:
+                continue  # not (or no longer) running here: nobody reads its timings
             timing = self._timings[request_id].setdefault(done.rank, StageTiming(rank=done.rank))
             timing.prepare_s += done.prepare_end_s - done.prepare_start_s
             timing.execute_s += done.execute_end_s - done.execute_start_s
