@@ -12,13 +12,14 @@ controller) and the simulator share. It never awaits, publishes or sleeps; it ta
       telemetry gives a traceparent   -----> encoded_plan_of      -> MicroBatchPlan (ledger)
     a stage's MicroBatchDone          -----> update_from_done     -> DoneUpdate
     deadline tick                     -----> overdue / expire     -> ids to release
+    the caller gave up on a request   -----> withdraw             -> take_releasable
     the replica re-forms              -----> reform               -> records to re-admit
     after each call                   -----> take_finished        -> records answered
 
 A request's state lives in its ``RequestRecord`` (status, ticket, progress, outcome, chunks in
 flight); the core indexes the admitted, unreleased ones by id (``live``). Every way a request
 ends (a result, a stage error, a deadline, no result from the last stage, a refusal before
-admission) goes through ``_finish``, which queues the record for ``take_finished``.
+admission, a withdrawal) goes through ``_finish``, which queues the record for ``take_finished``.
 
 Done messages and deadlines are ``DoneAccounting`` (outputs.py), mixed in: a result is answered
 once every stage reported the micro-batch that carried it. The records the core and the driver
@@ -61,6 +62,8 @@ _FULL_FRACTION = 0.98
 WORK_TURNOVERS = 8
 WORK_WINDOW_FLOOR = 32
 _WORKS_KEPT = 4096  # admitted requests' works kept: the window of up to 512 open requests
+# The error a withdrawn request is answered with (``SchedulerCore.withdraw``).
+WITHDRAWN_ERROR = "withdrawn: the caller gave up on this request"
 
 
 class SchedulerCore(DoneAccounting):
@@ -146,13 +149,23 @@ class SchedulerCore(DoneAccounting):
         self._pinned_hashes: dict[str, list[bytes]] = {}
         # Speculative planning (speculation.py): the prefixes agreed lately predict L*.
         self.agreed_prefixes = AgreedPrefixIndex()
+        # Requests added and not admitted (queued, agreeing), by id (the first of an id): what
+        # ``withdraw`` finds before admission.
+        self._unadmitted: dict[str, RequestRecord] = {}
+        # Withdrawn requests with nothing in flight, left live: released by the driver
+        # (``take_releasable``).
+        self._releasable: list[str] = []
+        self.num_withdrawn = 0  # requests withdrawn (``withdraw`` returned True)
 
     # ---- intake and admission ------------------------------------------------------------
 
     def add_request(self, request: PromptRequest, waiter: Any) -> RequestRecord:
-        """A new request (WAITING); nothing is indexed until it is admitted."""
+        """A new request (WAITING); indexed as unadmitted (``withdraw`` finds it) until it is
+        admitted or finished."""
         self.num_open += 1
-        return RequestRecord(request=request, waiter=waiter)
+        record = RequestRecord(request=request, waiter=waiter)
+        self._unadmitted.setdefault(request.request_id, record)
+        return record
 
     def reject_if_live(self, record: RequestRecord) -> bool:
         """Fail a request whose id is admitted and unreleased already; True if it was."""
@@ -173,6 +186,7 @@ class SchedulerCore(DoneAccounting):
         """The agreement succeeded: index the record (ADMITTED); the planner sees it once the
         driver ``activate``s it."""
         request = record.request
+        self._forget_unadmitted(record)
         record.ticket = ticket
         record.work_s = self.planner.request_work_s(ticket.num_cached_tokens, request.num_tokens)
         # admitted again (a re-form): its new work replaces its earlier one, counted once
@@ -221,8 +235,58 @@ class SchedulerCore(DoneAccounting):
             self._recent.popitem(last=False)
 
     def activate(self, records: Sequence[RequestRecord]) -> None:
-        """Admitted records join the planning set, in order."""
-        self.active.extend(records)
+        """Admitted records join the planning set, in order; a finished one (withdrawn while
+        it waited to join) does not."""
+        self.active.extend(record for record in records if not record.status.is_finished)
+
+    # ---- withdrawal (the caller gave up on a request) ---------------------------------------
+
+    def withdraw(self, request_id: str) -> bool:
+        """Stop serving ``request_id``: nobody waits for its answer any more.
+
+        - Not admitted yet (queued or agreeing): answered at once with ``WITHDRAWN_ERROR``;
+          the admission strategy skips it (a reservation its agreement made meanwhile is
+          released by the strategy, never admitted).
+        - Admitted and not fully planned: answered at once with ``WITHDRAWN_ERROR`` and left
+          out of the planning set, so no further chunk of it is planned. Its micro-batches in
+          flight run to their end, untouched, with the other requests they carry; its pins and
+          reservations are released as for a failed request: by the last stage's report of
+          its last micro-batch in flight (``DoneUpdate.to_release``), or their deadline
+          (``expire``); with none in flight it leaves ``live`` at once and its id is handed to
+          the driver by ``take_releasable``. Released once either way.
+        - Fully planned (its last chunk is in flight), finished or unknown: nothing happens
+          (the last chunk's answer ends it as usual).
+
+        Returns:
+            True if the request was withdrawn (answered now, counted in ``num_withdrawn``).
+        """
+        record = self.live.get(request_id)
+        if record is None:
+            record = self._unadmitted.get(request_id)
+            if record is None or record.status.is_finished:
+                return False
+            self._finish(record, error=WITHDRAWN_ERROR)
+            self.num_withdrawn += 1
+            return True
+        if record.status.is_fully_planned:
+            return False
+        self._finish(record, error=WITHDRAWN_ERROR)
+        self.num_withdrawn += 1
+        self._prune_active()
+        if record.num_inflight_microbatches == 0:
+            del self.live[request_id]
+            self._releasable.append(request_id)
+        return True
+
+    def take_releasable(self) -> list[str]:
+        """Ids of withdrawn requests that had nothing in flight, not yet released, in order
+        (the driver releases them on every stage, then calls ``released``); each once."""
+        releasable, self._releasable = self._releasable, []
+        return releasable
+
+    def _forget_unadmitted(self, record: RequestRecord) -> None:
+        if self._unadmitted.get(record.request_id) is record:
+            del self._unadmitted[record.request_id]
 
     # ---- queries the admission strategies ask ---------------------------------------------
 
@@ -549,7 +613,8 @@ class SchedulerCore(DoneAccounting):
 
     def reform(self, queued: Sequence[RequestRecord]) -> list[RequestRecord]:
         """The replica re-forms (new stages hold no KV state): every admitted, unanswered
-        request goes back to WAITING, its micro-batches in flight forgotten, not failed.
+        request goes back to WAITING, its micro-batches in flight forgotten, not failed; an
+        answered one still live (its micro-batches in flight) leaves ``live``.
 
         Args:
             queued: admitted records not yet in the planning set (the driver's queue).
@@ -560,6 +625,13 @@ class SchedulerCore(DoneAccounting):
         readmit: list[RequestRecord] = []
         seen: set[str] = set()
         for record in [*self.live.values(), *queued]:
+            if record.status.is_finished and self.live.get(record.request_id) is record:
+                # answered (failed or withdrawn) with micro-batches in flight: those are
+                # forgotten, and the new stages hold nothing of it to release
+                del self.live[record.request_id]
+                self._forget_pinned([record.request_id])
+                if self.config.resolved_prefix_wait:
+                    self.inflight_prefixes.remove(record.request_id)
             if record.status.is_finished or record.request_id in seen:
                 continue
             seen.add(record.request_id)
@@ -572,6 +644,7 @@ class SchedulerCore(DoneAccounting):
             record.progress = None
             record.outcome = None
             record.num_inflight_microbatches = 0
+            self._unadmitted.setdefault(record.request_id, record)
             readmit.append(record)
         self.active = []
         self.inflight.clear()
@@ -592,6 +665,7 @@ class SchedulerCore(DoneAccounting):
         logits: list[float] | None = None,
     ) -> None:
         request = record.request
+        self._forget_unadmitted(record)
         if record.outcome is None:  # never admitted
             record.outcome = RequestOutcome(
                 request_id=request.request_id,

@@ -246,6 +246,23 @@ class WaveScheduler:
         self.intake.put_nowait(self.core.add_request(request, future))
         return await future
 
+    def withdraw(self, request_id: str) -> bool:
+        """The caller gave up on ``request_id``: ``SchedulerCore.withdraw`` (its contract). Its
+        submitter is answered with the withdrawal before this returns; when nothing of it is
+        in flight it is released on every stage now (in the background), else by the last
+        stage's report of its last micro-batch in flight.
+
+        Returns:
+            True if the request was withdrawn; False if unknown, finished, or fully planned.
+        """
+        if not self.core.withdraw(request_id):
+            return False
+        self.deliver_finished()
+        releasable = self.core.take_releasable()
+        if releasable:
+            self._in_background(self._release_and_wake(releasable))
+        return True
+
     def deliver_finished(self) -> None:
         """Tell the callers of every request the core answered since the last call."""
         for record in self.core.take_finished():

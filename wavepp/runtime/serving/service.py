@@ -9,8 +9,9 @@ wave scheduler, serving requests from its durable JetStream intake.
 
 Delivery is at-least-once: a service killed mid-request leaves its messages unacked; JetStream
 redelivers them after ``ack_wait_s`` to the next service, which finds no stored result and runs
-them. Scheduler request ids are ``{key}@{instance}``, so a rerun never collides with the pins a
-dead instance left behind (their leases expire).
+them. Scheduler request ids are ``{key}@{instance}.{n}`` (n: the instance's run count), so a
+rerun never collides with the pins a dead instance, or a withdrawn run of this one, left
+behind (their leases expire, or the run's release frees them).
 
 The service also publishes a heartbeat (``{p}.admission.heartbeat``, every 0.5 s) with whether
 every stage answered its last health probe (probed every beat once serving) and no re-form is
@@ -36,12 +37,17 @@ timings of each request (prepare and execute seconds, summed over the request's 
 Cancels: the gateway publishes an ``IntakeCancel`` on ``{p}.cancel`` for a request it gave up
 on (answered with an error, or its client left). The service remembers it
 (``cancels.CancelMemory``); the cancelled message (same key and ``arrival_s``) is then acked
-unserved when it is delivered (a redelivery), and one already running (kept in progress, or
-re-admitted after a re-form) has its KV handoff lease released on every stage as soon as its
-prefill ends, its result neither stored nor published; a retry of it (same key, another
-arrival) that comes while it runs revokes the cancel and gets its answer. A cancel lost on the
-bus (none of the replica's admission instances subscribed: one restarting) leaves the lease to
-its expiry (``handoff_lease_s``).
+unserved when it is delivered (a redelivery). One already running, with no other message
+waiting on its run, is withdrawn from the scheduler (``WaveScheduler.withdraw``): queued or
+agreeing, it leaves at once; admitted, no further chunk of it is planned, its micro-batches in
+flight finish and its pins are then released on every stage (counted in ``num_withdrawn``).
+One whose last chunk is already planned, or that a retry joined before the cancel came, runs to
+its end and has its KV handoff lease released on every stage as soon as its prefill ends. In
+every case its result is neither stored nor published (counted in ``num_cancelled``, once per
+message). A retry of it (same key, another arrival) that comes while it runs revokes the cancel
+and gets its answer; one that comes after its run was withdrawn starts a new run. A cancel lost
+on the bus (none of the replica's admission instances subscribed: one restarting) leaves the
+lease to its expiry (``handoff_lease_s``).
 
 With a bus key (``wavepp.api.signing``; ``bus_key``) the service signs its KV ops, plans,
 heartbeats (numbered, stamped) and results with its replica's key, and answers a redelivery
@@ -54,10 +60,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import time
 import uuid
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -187,12 +195,16 @@ class AdmissionService:
         self.reform = ReformTracker()
         self.num_answered = 0
         self.num_duplicates = 0
-        self._running: dict[str, asyncio.Task[PrefillResult]] = {}
+        self._running: dict[str, _Run] = {}  # by key: its run on the scheduler
+        self._run_numbers = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(max_concurrent)
         self._timings: dict[str, dict[int, StageTiming]] = defaultdict(dict)
         self.cancelled = CancelMemory()
-        self.num_cancelled = 0  # cancelled messages acked unserved or released at once
+        # Cancelled messages acked unserved or whose run's result was dropped; of those,
+        # ``num_withdrawn``: runs withdrawn from the scheduler before their prefill ended.
+        self.num_cancelled = 0
+        self.num_withdrawn = 0
 
     @property
     def is_intake_open(self) -> bool:
@@ -422,13 +434,22 @@ class AdmissionService:
                 task.add_done_callback(self._tasks.discard)
 
     async def _on_cancel(self, msg: Msg) -> None:
-        """Remember an ``IntakeCancel`` (module docstring); a malformed one is dropped."""
+        """Remember an ``IntakeCancel``, and withdraw its run from the scheduler when every
+        message waiting on the run is the cancelled one (module docstring); a malformed one is
+        dropped."""
         try:
             cancel = IntakeCancel.model_validate_json(msg.data)
         except ValueError as exc:
             log.warning("invalid cancel dropped: %s", exc)
             return
         self.cancelled.add(cancel, time.monotonic())
+        run = self._running.get(cancel.key)
+        if run is None or run.withdrawn or run.arrivals != {cancel.arrival_s}:
+            return
+        if self.scheduler.withdraw(run.scheduler_id):
+            run.withdrawn = True
+            self.num_withdrawn += 1
+            log.info("%s: cancelled by the gateway; withdrawn from the scheduler", cancel.key)
 
     async def _handle(self, msg: Msg) -> None:
         try:
@@ -439,15 +460,16 @@ class AdmissionService:
                 await msg.term()
                 return
             if request in self.cancelled:
-                if request.key not in self._running:
-                    log.info("%s: cancelled by the gateway; acked unserved", request.key)
-                    self.num_cancelled += 1
-                    await msg.ack()
+                if not self._is_running(request.key):
+                    await self._ack_cancelled(msg, request)
                     return
-            elif request.key in self._running:
+            elif self._is_running(request.key):
                 # a retry (another arrival) joins the cancelled one's run: it is answered
                 self.cancelled.discard(request.key)
             stored = await self.results.get(request.key)
+            if request in self.cancelled and not self._is_running(request.key):
+                await self._ack_cancelled(msg, request)  # cancelled while the store answered
+                return
             foreign = stored is not None and stored.result.replica != self.config.pipeline
             if foreign and stored.result.error:
                 stored = None  # failed on a replica the gateway re-routed it from: run it here
@@ -459,16 +481,15 @@ class AdmissionService:
                 )
                 await msg.ack()
                 return
-            running = self._running.get(request.key)
-            if running is None:
-                running = asyncio.create_task(self._execute(request))
-                self._running[request.key] = running
-                running.add_done_callback(lambda _t, k=request.key: self._running.pop(k, None))
+            run = self._running.get(request.key)
+            if run is None or run.withdrawn:  # a withdrawn run answers nobody: a new one
+                run = self._start_run(request)
+            run.arrivals.add(request.arrival_s)
             keepalive = asyncio.create_task(self._keep_in_progress(msg))
             try:
-                result = await asyncio.shield(running)
-                if request in self.cancelled:
-                    await self._drop_cancelled(request, result)
+                result = await asyncio.shield(run.task)
+                if run.withdrawn or request in self.cancelled:
+                    await self._drop_cancelled(request, result, withdrawn=run.withdrawn)
                     await msg.ack()
                     return
                 if self.replica_key is not None:
@@ -493,16 +514,43 @@ class AdmissionService:
         finally:
             self._slots.release()
 
-    async def _drop_cancelled(self, request: IntakeRequest, result: PrefillResult) -> None:
-        """A cancelled request's prefill ended: release its handoff lease on every stage now;
-        nobody waits for its result, which is neither stored nor published."""
+    def _is_running(self, key: str) -> bool:
+        """``key`` has a run on the scheduler that a message may join (not withdrawn)."""
+        run = self._running.get(key)
+        return run is not None and not run.withdrawn
+
+    def _start_run(self, request: IntakeRequest) -> _Run:
+        """Submit ``request`` to the scheduler as a new run of its key, under a scheduler id
+        no earlier run of this instance used (a withdrawn run may still hold its pins)."""
+        scheduler_id = f"{request.key}@{self.instance}.{next(self._run_numbers)}"
+        run = _Run(asyncio.create_task(self._execute(request, scheduler_id)), scheduler_id)
+        self._running[request.key] = run
+        run.task.add_done_callback(lambda _t, k=request.key, r=run: self._end_run(k, r))
+        return run
+
+    def _end_run(self, key: str, run: _Run) -> None:
+        if self._running.get(key) is run:
+            del self._running[key]
+
+    async def _ack_cancelled(self, msg: Msg, request: IntakeRequest) -> None:
+        log.info("%s: cancelled by the gateway; acked unserved", request.key)
+        self.num_cancelled += 1
+        await msg.ack()
+
+    async def _drop_cancelled(
+        self, request: IntakeRequest, result: PrefillResult, *, withdrawn: bool
+    ) -> None:
+        """A cancelled request's run ended (its prefill, or ``withdrawn`` from the scheduler):
+        release its handoff lease on every stage now; nobody waits for its result, which is
+        neither stored nor published."""
         self.num_cancelled += 1
         released = 0
         if result.kv_transfer_params:
             released = await release_handoff(result.kv_transfer_params)
         log.info(
-            "%s: cancelled by the gateway; its prefill ended, handoff released on %d stages",
+            "%s: cancelled by the gateway; its %s, handoff released on %d stages",
             request.key,
+            "run withdrawn" if withdrawn else "prefill ended",
             released,
         )
 
@@ -512,8 +560,7 @@ class AdmissionService:
             with contextlib.suppress(Exception):
                 await msg.in_progress()
 
-    async def _execute(self, request: IntakeRequest) -> PrefillResult:
-        scheduler_id = f"{request.key}@{self.instance}"
+    async def _execute(self, request: IntakeRequest, scheduler_id: str) -> PrefillResult:
         if request.handoff and self.replica_key is None:
             return PrefillResult(
                 request_id=request.request_id,
@@ -575,10 +622,22 @@ class AdmissionService:
         micro-batch and stage, with the request id of each chunk)."""
         agreed = list(done.num_agreed_blocks) + [-1] * len(owners)
         for request_id, num_agreed in zip(owners, agreed, strict=False):
-            key, _, instance = request_id.rpartition("@")
-            if instance != self.instance or key not in self._running:
-                continue
+            run = self._running.get(request_id.rpartition("@")[0])
+            if run is None or run.withdrawn or run.scheduler_id != request_id:
+                continue  # not (or no longer) running here: nobody reads its timings
             timing = self._timings[request_id].setdefault(done.rank, StageTiming(rank=done.rank))
             timing.prepare_s += done.prepare_end_s - done.prepare_start_s
             timing.execute_s += done.execute_end_s - done.execute_start_s
             timing.num_agreed_blocks = num_agreed
+
+
+@dataclass(eq=False)
+class _Run:
+    """One run of an intake key on the scheduler: its task, its scheduler id, the arrivals
+    (``IntakeRequest.arrival_s``) of the messages waiting on it, and whether it was withdrawn
+    (it then answers nobody)."""
+
+    task: asyncio.Task[PrefillResult]
+    scheduler_id: str
+    arrivals: set[float] = field(default_factory=set)
+    withdrawn: bool = False

@@ -89,6 +89,9 @@ class AsyncAdmission(AdmissionStrategy):
         return None  # host time counts from the end of gather (agreements ran ahead)
 
     async def released(self) -> None:
+        # a request released before it was fully planned (withdrawn, failed) no longer counts
+        # its unplanned tokens against the lookahead
+        await _notify(self._lookahead_changed)
         if self.config.resolved_prefix_wait:
             await _notify(self._prefixes_changed)
         await self._capacity_released()
@@ -105,6 +108,8 @@ class AsyncAdmission(AdmissionStrategy):
             record = await intake.get()
             await self._open.wait()
             await self._wait_for_lookahead_room()
+            if record.status.is_finished:  # withdrawn while it queued (core.withdraw)
+                continue
             num_new_tokens = self._estimated_new_tokens(record)
             self._agreeing_tokens += num_new_tokens
             record.status = RequestStatus.AGREEING
@@ -155,7 +160,10 @@ class AsyncAdmission(AdmissionStrategy):
                 await _notify(self._prefixes_changed)
 
     async def _agree(self, record: RequestRecord) -> bool:
-        """Agree and admit; False when the request failed (answered already)."""
+        """Agree and admit; False when the request failed or was withdrawn (answered
+        already). A reservation made for a request withdrawn while it agreed is released."""
+        if record.status.is_finished:  # withdrawn while it waited for a prefix or its turn
+            return False
         if self.core.reject_if_live(record):
             self.scheduler.deliver_finished()
             return False
@@ -164,9 +172,12 @@ class AsyncAdmission(AdmissionStrategy):
             with self.telemetry.request_context(request.request_id):
                 ticket = await self._agree_until_admitted(record)
         except AgreementRefused as exc:
-            self._fail(record, str(exc))
+            if not record.status.is_finished:
+                self._fail(record, str(exc))
             return False
         except Exception as exc:
+            if record.status.is_finished:
+                return False
             log.exception("agreement for %s failed", request.request_id)
             self._fail(
                 record,
@@ -174,15 +185,22 @@ class AsyncAdmission(AdmissionStrategy):
                 is_retryable=isinstance(exc, StageUnavailableError),
             )
             return False
+        if ticket is None:  # withdrawn while it waited for capacity (refused: holds nothing)
+            return False
+        if record.status.is_finished:  # withdrawn while it agreed: free what the ticket holds
+            self._agreement_ended(record)
+            with contextlib.suppress(Exception):  # else the stages' leases expire
+                await self.controller.release([request.request_id])
+            return False
         self._admitted(record, ticket)
         return True
 
-    async def _agree_until_admitted(self, record: RequestRecord) -> Ticket:
+    async def _agree_until_admitted(self, record: RequestRecord) -> Ticket | None:
         """Agree; on refusal wait until some request releases blocks, then retry.
 
         Refused requests retry one at a time, in order (a FIFO lock), and no new agreement
         starts while one waits: backpressure instead of rounds of probe-reserve/release that
-        cannot fit.
+        cannot fit. None: the request was withdrawn while it waited.
         """
         ticket = await self._agree_through_outages(record)
         if ticket is not None:
@@ -194,6 +212,9 @@ class AsyncAdmission(AdmissionStrategy):
                 generation = self._capacity_generation
                 with tracing.span("reservation.wait", **{"reservation.refusals": num_refusals}):
                     await self._wait_for_capacity(generation)
+                if record.status.is_finished:  # withdrawn (core.withdraw)
+                    self._open.set()
+                    return None
                 ticket = await self._agree_through_outages(record)
                 if ticket is not None:
                     ticket.num_refusals = num_refusals

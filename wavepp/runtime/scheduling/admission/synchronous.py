@@ -75,6 +75,9 @@ class SyncAdmission(AdmissionStrategy):
                     return
                 idle = not core.active and intake.empty()
                 self._head = await intake.get()
+                if self._head.status.is_finished:  # withdrawn while it queued
+                    self._head = None
+                    continue
                 if idle:
                     # NOTE: TensorRT-LLM's loop with nothing to run blocks in
                     # _fetch_new_requests; its host stages (the broadcast to the ranks,
@@ -85,6 +88,9 @@ class SyncAdmission(AdmissionStrategy):
                 self._head_refusals = 0
             record = self._head
             request = record.request
+            if record.status.is_finished:  # withdrawn while it waited for capacity
+                self._head = None
+                continue
             generation = self._capacity_generation
             try:
                 with self.telemetry.request_context(request.request_id):
@@ -101,6 +107,10 @@ class SyncAdmission(AdmissionStrategy):
                     f"agreement failed: {exc}",
                     is_retryable=isinstance(exc, StageUnavailableError),
                 )
+                continue
+            if record.status.is_finished:  # withdrawn while it agreed: free what it holds
+                self._head = None
+                await self.controller.release([request.request_id])
                 continue
             if ticket is None:
                 self._head_refusals += 1
