@@ -32,13 +32,9 @@ from wavepp.launch.runtime_config import runtime_configs_from_spec
 from wavepp.runtime.agreement import Ticket
 from wavepp.runtime.planning import Chunk, CostModel, planner_for
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.scheduling.core import (
-    WORK_TURNOVERS,
-    WORK_WINDOW_FLOOR,
-    RequestRecord,
-    SchedulerCore,
-)
+from wavepp.runtime.scheduling.core import RequestRecord, SchedulerCore
 from wavepp.runtime.scheduling.scheduler import WaveScheduler
+from wavepp.runtime.scheduling.sizing import WORK_TURNOVERS, WORK_WINDOW_FLOOR
 from wavepp.sim.bus import SimLatencies
 from wavepp.sim.run import simulate
 
@@ -260,7 +256,7 @@ def test_a_speculations_works_are_the_newest_in_the_window() -> None:
 def test_the_window_is_at_most_the_works_kept_and_they_are_the_newest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("wavepp.runtime.scheduling.core._WORKS_KEPT", 40)
+    monkeypatch.setattr("wavepp.runtime.scheduling.sizing._WORKS_KEPT", 40)
     core = _core(8)
     open_records = [_admit(core, f"s{i}", SHORT) for i in range(8)]
     assert core.recent_work_window() > 40

@@ -134,7 +134,7 @@ def test_requests_keep_stats_and_memory_flat(monkeypatch: pytest.MonkeyPatch) ->
     ring churning in place counts about zero; NOTE: the recent-outcome dict's table is
     reallocated as it churns, which moves the figure by up to ~40 KiB either way at 512."""
     monkeypatch.setattr("wavepp.runtime.scheduling.core._RECENT_OUTCOMES", RECENT_OUTCOMES)
-    monkeypatch.setattr("wavepp.runtime.scheduling.core._WORKS_KEPT", RECENT_OUTCOMES)
+    monkeypatch.setattr("wavepp.runtime.scheduling.sizing._WORKS_KEPT", RECENT_OUTCOMES)
     sizes: dict[int, int] = {}
     traced: dict[int, int] = {}
     checkpoints = (2_000, 3_008, NUM_REQUESTS)  # multiples of 16, the first past the ring
