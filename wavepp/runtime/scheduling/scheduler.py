@@ -217,11 +217,14 @@ class WaveScheduler:
         KV state of anything admitted before), every admitted request not yet answered goes
         back to admission and is agreed and computed again on the new stages; its
         micro-batches in flight are forgotten, not failed. Requests already failed by the
-        deadline stay failed (they were answered).
+        deadline stay failed (they were answered); one answered while its micro-batches were
+        in flight (withdrawn, failed by a stage) leaves with them. The agreement controller
+        renews the leases of neither.
         """
         if readmit:
+            answered = [rid for rid, record in self.core.live.items() if record.status.is_finished]
             records = self.core.reform(self.admission.take_queued())
-            self.controller.forget([record.request_id for record in records])
+            self.controller.forget([*answered, *(record.request_id for record in records)])
             for record in records:
                 self.intake.put_nowait(record)
             self.num_readmitted += len(records)

@@ -200,27 +200,29 @@ class AsyncAdmission(AdmissionStrategy):
 
         Refused requests retry one at a time, in order (a FIFO lock), and no new agreement
         starts while one waits: backpressure instead of rounds of probe-reserve/release that
-        cannot fit. None: the request was withdrawn while it waited.
+        cannot fit; new agreements start again once it leaves the wait (admitted, withdrawn,
+        or failed by a retry's error). None: the request was withdrawn while it waited.
         """
         ticket = await self._agree_through_outages(record)
         if ticket is not None:
             return ticket
         num_refusals = 1
         async with self._retry_lock:
-            while True:
-                self._open.clear()
-                generation = self._capacity_generation
-                with tracing.span("reservation.wait", **{"reservation.refusals": num_refusals}):
-                    await self._wait_for_capacity(generation)
-                if record.status.is_finished:  # withdrawn (core.withdraw)
-                    self._open.set()
-                    return None
-                ticket = await self._agree_through_outages(record)
-                if ticket is not None:
-                    ticket.num_refusals = num_refusals
-                    self._open.set()
-                    return ticket
-                num_refusals += 1
+            try:
+                while True:
+                    self._open.clear()
+                    generation = self._capacity_generation
+                    with tracing.span("reservation.wait", **{"reservation.refusals": num_refusals}):
+                        await self._wait_for_capacity(generation)
+                    if record.status.is_finished:  # withdrawn (core.withdraw)
+                        return None
+                    ticket = await self._agree_through_outages(record)
+                    if ticket is not None:
+                        ticket.num_refusals = num_refusals
+                        return ticket
+                    num_refusals += 1
+            finally:
+                self._open.set()
 
     async def _agree_through_outages(self, record: RequestRecord) -> Ticket | None:
         """``controller.agree``, retried while a stage does not answer (NATS reconnecting, a
@@ -228,7 +230,9 @@ class AsyncAdmission(AdmissionStrategy):
         attempt may have left (a probe-reserve is idempotent per request id).
 
         Raises:
-            StageUnavailableError: a stage still did not answer when the retry time ran out.
+            StageUnavailableError: a stage still did not answer when the retry time ran out,
+                or the request was withdrawn (``SchedulerCore.withdraw``) meanwhile: it is not
+                agreed again.
         """
         request = record.request
         deadline = time.monotonic() + self.config.agreement_retry_s
@@ -248,6 +252,7 @@ class AsyncAdmission(AdmissionStrategy):
                     raise
                 log.warning("agreement for %s: %s; retrying", request.request_id, exc)
                 self.num_agreement_retries += 1
+                failure = exc
             else:
                 if ticket is None:  # refused: the caller waits for capacity, not counted
                     self._agreement_ended(record)
@@ -256,6 +261,8 @@ class AsyncAdmission(AdmissionStrategy):
             delay_s = min(1.0, 2 * delay_s)
             with contextlib.suppress(Exception):
                 await self.controller.release([request.request_id])
+            if record.status.is_finished:  # withdrawn meanwhile: nobody waits for it any more
+                raise failure
 
     def _agreement_ended(self, record: RequestRecord) -> None:
         self._num_agreeing -= 1

@@ -7,6 +7,7 @@ until the reservation fits (head of line waits) --> planning set
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from wavepp.runtime.agreement import AgreementRefused, StageUnavailableError
@@ -97,11 +98,14 @@ class SyncAdmission(AdmissionStrategy):
                     ticket = await self.controller.agree(request)
             except AgreementRefused as exc:
                 self._head = None
-                self._fail(record, str(exc))
+                if not record.status.is_finished:  # else withdrawn while it agreed: answered
+                    self._fail(record, str(exc))
                 continue
             except Exception as exc:
-                log.exception("agreement for %s failed", request.request_id)
                 self._head = None
+                if record.status.is_finished:  # withdrawn while it agreed: answered already
+                    continue
+                log.exception("agreement for %s failed", request.request_id)
                 self._fail(
                     record,
                     f"agreement failed: {exc}",
@@ -110,7 +114,8 @@ class SyncAdmission(AdmissionStrategy):
                 continue
             if record.status.is_finished:  # withdrawn while it agreed: free what it holds
                 self._head = None
-                await self.controller.release([request.request_id])
+                with contextlib.suppress(Exception):  # else the stages' leases expire
+                    await self.controller.release([request.request_id])
                 continue
             if ticket is None:
                 self._head_refusals += 1
