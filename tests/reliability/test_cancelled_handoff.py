@@ -147,7 +147,7 @@ async def test_a_request_the_gateway_gave_up_on_leaves_no_handoff_lease(tmp_path
         left = asyncio.create_task(
             gateway.prefill(ParsedRequest("default", "left", random_tokens(2, 200), handoff=True))
         )
-        await wait_until(lambda: "default.left" in service._running, timeout_s=10)
+        await wait_until(lambda: service._runs.get("default.left") is not None, timeout_s=10)
         # agreed (its blocks pinned on the stages), not yet computed
         await wait_until(lambda: not _no_pins(addrs), timeout_s=10)
         left.cancel()

@@ -9,9 +9,9 @@ wave scheduler, serving requests from its durable JetStream intake.
 
 Delivery is at-least-once: a service killed mid-request leaves its messages unacked; JetStream
 redelivers them after ``ack_wait_s`` to the next service, which finds no stored result and runs
-them. Scheduler request ids are ``{key}@{instance}.{n}`` (n: the instance's run count), so a
-rerun never collides with the pins a dead instance, or a withdrawn run of this one, left
-behind (their leases expire, or the run's release frees them).
+them. Scheduler request ids are ``{key}@{instance}.{n}`` (``runs.Runs``; n: the instance's run
+count), so a rerun never collides with the pins a dead instance, or a withdrawn run of this
+one, left behind (their leases expire, or the run's release frees them).
 
 The service also publishes a heartbeat (``{p}.admission.heartbeat``, every 0.5 s) with whether
 every stage answered its last health probe (probed every beat once serving) and no re-form is
@@ -60,12 +60,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import logging
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -104,6 +102,7 @@ from wavepp.runtime.serving.controller import replica_controller
 from wavepp.runtime.serving.handoff import kv_transfer_params, release_handoff, stage_endpoints
 from wavepp.runtime.serving.reform import ReformTracker
 from wavepp.runtime.serving.results import ResultStore, result_from_outcome, result_is_authentic
+from wavepp.runtime.serving.runs import Runs
 from wavepp.runtime.transport.jetstream import ensure_intake
 
 log = logging.getLogger(__name__)
@@ -195,8 +194,7 @@ class AdmissionService:
         self.reform = ReformTracker()
         self.num_answered = 0
         self.num_duplicates = 0
-        self._running: dict[str, _Run] = {}  # by key: its run on the scheduler
-        self._run_numbers = itertools.count()
+        self._runs = Runs(self.instance)  # by key: its run on the scheduler
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(max_concurrent)
         self._timings: dict[str, dict[int, StageTiming]] = defaultdict(dict)
@@ -305,7 +303,7 @@ class AdmissionService:
             "%s: draining (at most %.0f s): %d requests running",
             self.config.pipeline,
             self.drain_timeout_s,
-            len(self._running),
+            len(self._runs),
         )
         left = -1
         while True:
@@ -331,7 +329,7 @@ class AdmissionService:
                 "re-routes them",
                 self.config.pipeline,
                 self.drained_at_s - started,
-                len(self._running),
+                len(self._runs),
             )
         else:
             log.info(
@@ -372,7 +370,7 @@ class AdmissionService:
             pipeline=self.config.pipeline,
             ready=formed and not self.is_draining,
             num_stages_formed=self.num_stages_formed,
-            num_inflight=len(self._running),
+            num_inflight=len(self._runs),
             instance=self.instance,
             pool=self.pool,
             num_stages=self.config.num_stages,
@@ -443,7 +441,7 @@ class AdmissionService:
             log.warning("invalid cancel dropped: %s", exc)
             return
         self.cancelled.add(cancel, time.monotonic())
-        run = self._running.get(cancel.key)
+        run = self._runs.get(cancel.key)
         if run is None or run.withdrawn or run.arrivals != {cancel.arrival_s}:
             return
         if self.scheduler.withdraw(run.scheduler_id):
@@ -460,14 +458,14 @@ class AdmissionService:
                 await msg.term()
                 return
             if request in self.cancelled:
-                if not self._is_running(request.key):
+                if not self._runs.is_running(request.key):
                     await self._ack_cancelled(msg, request)
                     return
-            elif self._is_running(request.key):
+            elif self._runs.is_running(request.key):
                 # a retry (another arrival) joins the cancelled one's run: it is answered
                 self.cancelled.discard(request.key)
             stored = await self.results.get(request.key)
-            if request in self.cancelled and not self._is_running(request.key):
+            if request in self.cancelled and not self._runs.is_running(request.key):
                 await self._ack_cancelled(msg, request)  # cancelled while the store answered
                 return
             foreign = stored is not None and stored.result.replica != self.config.pipeline
@@ -481,9 +479,12 @@ class AdmissionService:
                 )
                 await msg.ack()
                 return
-            run = self._running.get(request.key)
+            run = self._runs.get(request.key)
             if run is None or run.withdrawn:  # a withdrawn run answers nobody: a new one
-                run = self._start_run(request)
+                run = self._runs.start(
+                    request.key,
+                    lambda scheduler_id: asyncio.create_task(self._execute(request, scheduler_id)),
+                )
             run.arrivals.add(request.arrival_s)
             keepalive = asyncio.create_task(self._keep_in_progress(msg))
             try:
@@ -513,24 +514,6 @@ class AdmissionService:
             log.exception("intake message failed; it will be redelivered")
         finally:
             self._slots.release()
-
-    def _is_running(self, key: str) -> bool:
-        """``key`` has a run on the scheduler that a message may join (not withdrawn)."""
-        run = self._running.get(key)
-        return run is not None and not run.withdrawn
-
-    def _start_run(self, request: IntakeRequest) -> _Run:
-        """Submit ``request`` to the scheduler as a new run of its key, under a scheduler id
-        no earlier run of this instance used (a withdrawn run may still hold its pins)."""
-        scheduler_id = f"{request.key}@{self.instance}.{next(self._run_numbers)}"
-        run = _Run(asyncio.create_task(self._execute(request, scheduler_id)), scheduler_id)
-        self._running[request.key] = run
-        run.task.add_done_callback(lambda _t, k=request.key, r=run: self._end_run(k, r))
-        return run
-
-    def _end_run(self, key: str, run: _Run) -> None:
-        if self._running.get(key) is run:
-            del self._running[key]
 
     async def _ack_cancelled(self, msg: Msg, request: IntakeRequest) -> None:
         log.info("%s: cancelled by the gateway; acked unserved", request.key)
@@ -622,22 +605,9 @@ class AdmissionService:
         micro-batch and stage, with the request id of each chunk)."""
         agreed = list(done.num_agreed_blocks) + [-1] * len(owners)
         for request_id, num_agreed in zip(owners, agreed, strict=False):
-            run = self._running.get(request_id.rpartition("@")[0])
-            if run is None or run.withdrawn or run.scheduler_id != request_id:
+            if self._runs.of_scheduler_id(request_id) is None:
                 continue  # not (or no longer) running here: nobody reads its timings
             timing = self._timings[request_id].setdefault(done.rank, StageTiming(rank=done.rank))
             timing.prepare_s += done.prepare_end_s - done.prepare_start_s
             timing.execute_s += done.execute_end_s - done.execute_start_s
             timing.num_agreed_blocks = num_agreed
-
-
-@dataclass(eq=False)
-class _Run:
-    """One run of an intake key on the scheduler: its task, its scheduler id, the arrivals
-    (``IntakeRequest.arrival_s``) of the messages waiting on it, and whether it was withdrawn
-    (it then answers nobody)."""
-
-    task: asyncio.Task[PrefillResult]
-    scheduler_id: str
-    arrivals: set[float] = field(default_factory=set)
-    withdrawn: bool = False
