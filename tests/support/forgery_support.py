@@ -269,3 +269,14 @@ class MiniPipeline:
             self.clock.now_s += 0.01
         self._collect()
         return self.answers
+
+
+def admit_by_hand(pipe: MiniPipeline, name: str, index: int, num_tokens: int):  # noqa: ANN201
+    """Add request ``name`` (``prompt(index, num_tokens)``) to ``pipe``'s core, agree it and
+    admit it into the planning set; returns its RequestRecord."""
+    record = pipe.core.add_request(PromptRequest(name, prompt(index, num_tokens)), waiter=None)
+    ticket = pipe.loop.run_until_complete(pipe.controller.agree(record.request))
+    assert ticket is not None
+    pipe.core.admitted(record, ticket)
+    pipe.core.activate([record])
+    return record

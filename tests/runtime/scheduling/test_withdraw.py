@@ -11,10 +11,10 @@ does nothing; a re-form forgets a withdrawn request still live.
 from __future__ import annotations
 
 import pytest
-from forgery_support import MiniPipeline, first_token, prompt
+from forgery_support import MiniPipeline, admit_by_hand, first_token, prompt
 
 from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.scheduling.core import WITHDRAWN_ERROR, RequestRecord, ScheduledMicroBatch
+from wavepp.runtime.scheduling.core import WITHDRAWN_ERROR, ScheduledMicroBatch
 
 LONG_TOKENS = 96  # six chunks of chunk_tokens=16
 
@@ -24,15 +24,6 @@ def pipe():  # noqa: ANN201
     pipe = MiniPipeline(None)
     yield pipe
     pipe.close()
-
-
-def _admit(pipe: MiniPipeline, name: str, index: int, num_tokens: int) -> RequestRecord:
-    record = pipe.core.add_request(PromptRequest(name, prompt(index, num_tokens)), waiter=None)
-    ticket = pipe.loop.run_until_complete(pipe.controller.agree(record.request))
-    assert ticket is not None
-    pipe.core.admitted(record, ticket)
-    pipe.core.activate([record])
-    return record
 
 
 def _plan(pipe: MiniPipeline) -> ScheduledMicroBatch | None:
@@ -85,8 +76,8 @@ def test_an_admitted_request_gets_no_more_chunks_and_is_released_after_its_micro
     pipe: MiniPipeline,
 ) -> None:
     core = pipe.core
-    short = _admit(pipe, "short", 1, 8)
-    long = _admit(pipe, "long", 2, LONG_TOKENS)
+    short = admit_by_hand(pipe, "short", 1, 8)
+    long = admit_by_hand(pipe, "long", 2, LONG_TOKENS)
     scheduled = _plan(pipe)
     assert scheduled is not None
     assert {c.request_id for c in scheduled.chunks} == {"short", "long"}
@@ -117,8 +108,8 @@ def test_a_withdrawn_request_with_nothing_in_flight_is_handed_over_for_release_o
     """Withdrawn between its micro-batches: of its 96 tokens only the first micro-batch's
     were ever planned, and it leaves ``live`` at once for the driver to release."""
     core = pipe.core
-    _admit(pipe, "short", 1, 8)
-    long = _admit(pipe, "long", 2, LONG_TOKENS)
+    admit_by_hand(pipe, "short", 1, 8)
+    long = admit_by_hand(pipe, "long", 2, LONG_TOKENS)
     scheduled = _plan(pipe)
     assert scheduled is not None
     planned = sum(c.num_tokens for c in scheduled.chunks if c.request_id == "long")
@@ -139,7 +130,7 @@ def test_a_withdrawn_request_with_nothing_in_flight_is_handed_over_for_release_o
 def test_unknown_finished_and_fully_planned_ids_are_not_withdrawn(pipe: MiniPipeline) -> None:
     core = pipe.core
     assert not core.withdraw("nobody")
-    whole = _admit(pipe, "whole", 3, 12)  # one chunk: planned whole in the first micro-batch
+    whole = admit_by_hand(pipe, "whole", 3, 12)  # one chunk: planned whole in the first micro-batch
     scheduled = _plan(pipe)
     assert scheduled is not None and [c.is_last for c in scheduled.chunks] == [True]
     assert not core.withdraw("whole")  # its last chunk is on the stages: it ends as usual
@@ -153,8 +144,8 @@ def test_a_reform_forgets_a_withdrawn_request_with_a_microbatch_in_flight(
     pipe: MiniPipeline,
 ) -> None:
     core = pipe.core
-    _admit(pipe, "short", 1, 8)
-    _admit(pipe, "long", 2, LONG_TOKENS)
+    admit_by_hand(pipe, "short", 1, 8)
+    admit_by_hand(pipe, "long", 2, LONG_TOKENS)
     assert _plan(pipe) is not None
     assert core.withdraw("long")
     readmitted = core.reform([])

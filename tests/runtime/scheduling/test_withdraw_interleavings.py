@@ -10,10 +10,9 @@ counts each request out once.
 from __future__ import annotations
 
 import pytest
-from forgery_support import MiniPipeline, first_token, prompt
+from forgery_support import MiniPipeline, admit_by_hand, first_token
 
-from wavepp.runtime.request import PromptRequest
-from wavepp.runtime.scheduling.core import WITHDRAWN_ERROR, RequestRecord
+from wavepp.runtime.scheduling.core import WITHDRAWN_ERROR
 
 LONG_TOKENS = 96  # six chunks of chunk_tokens=16
 
@@ -25,21 +24,12 @@ def pipe():  # noqa: ANN201
     pipe.close()
 
 
-def _admit(pipe: MiniPipeline, name: str, index: int, num_tokens: int) -> RequestRecord:
-    record = pipe.core.add_request(PromptRequest(name, prompt(index, num_tokens)), waiter=None)
-    ticket = pipe.loop.run_until_complete(pipe.controller.agree(record.request))
-    assert ticket is not None
-    pipe.core.admitted(record, ticket)
-    pipe.core.activate([record])
-    return record
-
-
 def _plan_with_long_in_flight(pipe: MiniPipeline) -> int:
     """``short`` (its one chunk) and ``long`` (a first chunk) in one micro-batch, run on every
     stage, its done messages pending; ``long`` then withdrawn. The micro-batch's id."""
     core = pipe.core
-    _admit(pipe, "short", 1, 8)
-    _admit(pipe, "long", 2, LONG_TOKENS)
+    admit_by_hand(pipe, "short", 1, 8)
+    admit_by_hand(pipe, "long", 2, LONG_TOKENS)
     scheduled = core.schedule(more_work_queued=False, planning_started_s=0.0)
     assert scheduled is not None
     assert {c.request_id for c in scheduled.chunks} == {"short", "long"}
