@@ -46,7 +46,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_vs_hf import bench_spec, build_parser, model_config, runtime_config_of  # noqa: E402
+from engine_vs_hf import build_parser, model_config  # noqa: E402
+from pipeline_sides import bench_spec, runtime_config_of  # noqa: E402
 
 from wavepp.bench.grid import GridSpec, Setting  # noqa: E402
 from wavepp.bench.vllm_args import DEFAULT_TRACE  # noqa: E402

@@ -1,6 +1,7 @@
-"""benchmarks/engine_vs_hf.py's pipeline paths: ``local`` (LocalPipeline) and ``up`` (``wavepp
-up --config``) serve one spec, so the RuntimeConfig the benchmark gives LocalPipeline is the one
-``wavepp up`` plans from that spec; the per-process CPU accounting reads this process tree."""
+"""benchmarks/engine_vs_hf.py and its pipeline sides (benchmarks/pipeline_sides.py): the
+``local`` (LocalPipeline) and ``up`` (``wavepp up --config``) paths serve one spec, so the
+RuntimeConfig the benchmark gives LocalPipeline is the one ``wavepp up`` plans from that spec;
+the per-process CPU accounting reads this process tree."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ BENCHMARKS = REPO / "benchmarks"
 
 
 bench = load_benchmark("engine_vs_hf")
+sides = load_benchmark("pipeline_sides")
 
 
 def _args(*argv: str):
@@ -37,8 +39,8 @@ def test_local_side_runs_the_config_wavepp_up_plans_from_the_same_spec(
     tmp_path: Path, argv: tuple[str, ...]
 ) -> None:
     args = _args(*argv)
-    spec = bench.bench_spec(args, bench.model_config("float32"), 2)
-    local = bench.runtime_config_of(spec)
+    spec = sides.bench_spec(args, bench.model_config("float32"), 2)
+    local = sides.runtime_config_of(spec)
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
     (up,) = plan_up(
@@ -63,8 +65,8 @@ def test_unpacked_sides_serve_a_spec_with_packing_off() -> None:
     args = _args("--pack", "on,off")
     assert args.pack == ["on", "off"]
     config = bench.model_config("float32")
-    assert bench.runtime_config_of(bench.bench_spec(args, config, 2, pack=True)).pack_weights
-    off = bench.runtime_config_of(bench.bench_spec(args, config, 2, pack=False))
+    assert sides.runtime_config_of(sides.bench_spec(args, config, 2, pack=True)).pack_weights
+    off = sides.runtime_config_of(sides.bench_spec(args, config, 2, pack=False))
     assert off.pack_weights is False
     for value in ("on,on", "maybe", ""):
         with pytest.raises(SystemExit):
@@ -114,13 +116,13 @@ def test_process_cpu_follows_the_tree_and_leaves_out_excluded_children() -> None
         def child_share() -> float:
             # Other children of this test process (fixtures of earlier tests) count too: the
             # child's share is what excluding it takes away.
-            counted = bench.process_cpu_s(os.getpid()).get("other", 0.0)
-            return counted - bench.process_cpu_s(os.getpid(), exclude={child.pid}).get("other", 0.0)
+            counted = sides.process_cpu_s(os.getpid()).get("other", 0.0)
+            return counted - sides.process_cpu_s(os.getpid(), exclude={child.pid}).get("other", 0.0)
 
         while child_share() < 0.25:
             assert time.monotonic() < deadline, "the child's CPU was never counted"
             time.sleep(0.1)
-        assert bench.process_cpu_s(os.getpid())["bench"] > 0
+        assert sides.process_cpu_s(os.getpid())["bench"] > 0
     finally:
         child.kill()
         child.wait()
@@ -129,10 +131,10 @@ def test_process_cpu_follows_the_tree_and_leaves_out_excluded_children() -> None
 def test_concurrency_and_return_microbatches_take_lists_and_reach_the_spec() -> None:
     args = _args("--concurrency", "8,32", "--return-microbatches", "0,1")
     assert args.concurrency == [8, 32] and args.return_microbatches == [0, 1]
-    spec = bench.bench_spec(args, bench.model_config("float32"), 2, return_microbatches=0)
+    spec = sides.bench_spec(args, bench.model_config("float32"), 2, return_microbatches=0)
     assert spec["engineOptions"]["returnMicrobatches"] == 0
     assert spec["engineOptions"]["kvBlocks"] == 32 * 2 * 32  # sized for the largest C
-    assert bench.runtime_config_of(spec).resolved_max_inflight == 2
+    assert sides.runtime_config_of(spec).resolved_max_inflight == 2
     for flag, value in (("--concurrency", "0"), ("--return-microbatches", "-1")):
         with pytest.raises(SystemExit):
             _args(flag, value)
@@ -148,7 +150,7 @@ def test_pass_summary_reads_the_planner_and_the_stages_from_counter_deltas() -> 
         "stage-0:wavepp_stage_execute_seconds_total{stage_rank=0}": 8.0,
         "stage-1:wavepp_stage_execute_seconds_total{stage_rank=1}": 5.0,
     }
-    summary = bench.pass_summary(counters, {"stage-0": 3.0, "stage-1": 1.0}, 10.0, 2)
+    summary = sides.pass_summary(counters, {"stage-0": 3.0, "stage-1": 1.0}, 10.0, 2)
     assert summary == {
         "microbatches": 4,
         "tokens_per_microbatch": 500.0,
@@ -171,7 +173,7 @@ def test_timeline_summary_splits_each_stage_idle_into_gaps_and_fill_or_drain() -
     # stage 0: [0, 1] [1, 2] [3, 4] (1 s waiting inside); stage 1: [1, 2] [2, 3] [4, 5]
     dones = [done(0, 0, 1, 300), done(1, 1, 2), done(0, 1, 2, 100), done(1, 2, 3)]
     dones += [done(0, 3, 4, 200), done(1, 4, 5)]
-    summary = bench.timeline_summary(dones, 10.0, 2)
+    summary = sides.timeline_summary(dones, 10.0, 2)
     assert summary == {
         "microbatches": 3,
         "tokens_per_microbatch": 200.0,
@@ -182,45 +184,45 @@ def test_timeline_summary_splits_each_stage_idle_into_gaps_and_fill_or_drain() -
         "gap_s": [1.0, 1.0],
         "edge_s": [1.0, 1.0],  # stage 0 drains the last 1 s, stage 1 fills the first
     }
-    assert bench.timeline_summary(dones[:1], 10.0, 2) == {}  # a stage with no done: nothing
+    assert sides.timeline_summary(dones[:1], 10.0, 2) == {}  # a stage with no done: nothing
 
 
 def test_pin_makes_pinned_sides_whose_spec_pins_the_stages() -> None:
     args = _args("--pin", "off,on")
     assert args.pin == ["off", "on"]
     config = bench.model_config("float32")
-    assert "pinCores" not in bench.bench_spec(args, config, 2)["engineOptions"]
-    assert bench.bench_spec(args, config, 2, pin=True)["engineOptions"]["pinCores"] is True
-    assert bench.runtime_config_of(bench.bench_spec(args, config, 2, pin=True)).pin_cores
+    assert "pinCores" not in sides.bench_spec(args, config, 2)["engineOptions"]
+    assert sides.bench_spec(args, config, 2, pin=True)["engineOptions"]["pinCores"] is True
+    assert sides.runtime_config_of(sides.bench_spec(args, config, 2, pin=True)).pin_cores
     with pytest.raises(SystemExit):
         _args("--pin", "sometimes")
 
 
 def test_compile_reaches_the_pipelines_spec() -> None:
     config = bench.model_config("float32")
-    assert "torchCompile" not in bench.bench_spec(_args(), config, 2)["engineOptions"]
-    spec = bench.bench_spec(_args("--compile"), config, 2)
+    assert "torchCompile" not in sides.bench_spec(_args(), config, 2)["engineOptions"]
+    spec = sides.bench_spec(_args("--compile"), config, 2)
     assert spec["engineOptions"]["torchCompile"] is True
-    assert bench.runtime_config_of(spec).torch_compile
+    assert sides.runtime_config_of(spec).torch_compile
 
 
 def test_the_pipeline_stages_compute_on_the_device_given() -> None:
     config = bench.model_config("bfloat16")
-    on_gpu = bench.bench_spec(_args("--device", "cuda"), config, 2)
+    on_gpu = sides.bench_spec(_args("--device", "cuda"), config, 2)
     assert on_gpu["resources"] == {"gpusPerStage": 1}
-    gpu = bench.runtime_config_of(on_gpu)
+    gpu = sides.runtime_config_of(on_gpu)
     assert gpu.device == "cuda" and gpu.model.dtype == "bfloat16"
-    on_cpu = bench.bench_spec(_args(), bench.model_config("float32"), 2)
+    on_cpu = sides.bench_spec(_args(), bench.model_config("float32"), 2)
     assert on_cpu["resources"] == {"gpusPerStage": 0}  # not the host's GPU, if it has one
-    assert bench.runtime_config_of(on_cpu).device == "cpu"
-    emulated = bench.bench_spec(_args("--engine", "emulated"), config, 2)
+    assert sides.runtime_config_of(on_cpu).device == "cpu"
+    emulated = sides.bench_spec(_args("--engine", "emulated"), config, 2)
     assert "resources" not in emulated
 
 
 def test_profile_gives_each_local_side_a_stage_profile_dir() -> None:
-    spec = bench.bench_spec(_args(), bench.model_config("float32"), 2)
-    assert bench.PipelineSide(spec, _args()).config.profile_dir == ""
-    side = bench.PipelineSide(spec, _args("--profile"))
+    spec = sides.bench_spec(_args(), bench.model_config("float32"), 2)
+    assert sides.PipelineSide(spec, _args()).config.profile_dir == ""
+    side = sides.PipelineSide(spec, _args("--profile"))
     assert side.config.profile_dir and Path(side.profile_dir).is_dir()
 
 
