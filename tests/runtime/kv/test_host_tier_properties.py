@@ -20,7 +20,7 @@ Asserted after every step:
 Not asserted: a prefix-closed set per tier. Loading moves a chain's prefix to the device while
 its tail stays on the host (the hit is the device run and then the host run for that reason),
 and LRU across requests may leave an unreachable tail, as in the device pool alone
-(test_kvcache_properties).
+(test_kvcache_properties.py).
 """
 
 from __future__ import annotations
