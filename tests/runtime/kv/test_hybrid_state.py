@@ -135,3 +135,30 @@ def test_running_states_are_bounded(kimi, monkeypatch) -> None:
         assert list(layer.running) == ["r1", "r2"]
     with pytest.raises(ValueError, match="context_offset=4 has no recurrent state"):
         stages.run("r0", [1, 2, 3, 4, 5, 6], [10, 13], 4, [2])
+
+
+def test_dropped_requests_leave_no_running_state_and_cannot_continue(kimi) -> None:
+    """``drop_requests`` (a stage released the requests before their last chunk) drops their
+    running states in every KDA layer; the states stored per block stay, the other requests
+    continue, and a dropped one's continuation is refused by position."""
+    model_dir, model = kimi
+    stages = Stages(model_dir, [5])
+    engine = stages.engines[0]
+    rng = random.Random(3)
+    prompts = {f"r{i}": [rng.randrange(VOCAB) for _ in range(12)] for i in range(3)}
+    for i, (rid, tokens) in enumerate(prompts.items()):  # 10 of 12: a state after 2 blocks
+        table = (3 * i, 3 * i + 1, 3 * i + 2)
+        spec = ChunkSpec(rid, 0, 10, table, token_ids=tuple(tokens[:10]), is_last=False)
+        engine.execute(engine.prepare([spec]), None)
+    layers = stages.kda_layers()
+    stored = [sorted(layer.states) for layer in layers]
+    held = sum(layer.cache_bytes for layer in layers)
+    engine.drop_requests(["r0", "r2", "never-seen"])
+    for layer, before in zip(layers, stored, strict=True):
+        assert list(layer.running) == ["r1"]
+        assert sorted(layer.states) == before == [1, 4, 7]  # the blocks' states stay
+    assert sum(layer.cache_bytes for layer in layers) < held
+    got = stages.run("r1", prompts["r1"], [3, 4, 5], 10, [2])
+    assert (got - last_logits(model, prompts["r1"])).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="context_offset=10 has no recurrent state"):
+        stages.run("r0", prompts["r0"], [0, 1, 2], 10, [2])

@@ -303,3 +303,21 @@ def test_a_lease_accepted_before_is_checked_again_against_a_lowered_bound() -> N
     with pytest.raises(ValueError, match="lease_s must be a finite number"):
         manager.probe_pin("d", PROMPT_HASHES, "10.0")  # type: ignore[arg-type]
     assert manager.request_ids() == ["a", "c"]
+
+
+def test_on_release_hears_each_request_released_once() -> None:
+    """``on_release`` is told the id of each request ``release`` releases (a bus message, a
+    lease's expiry), after its blocks are freed; never for an unknown id or another owner's."""
+    manager, clock = _manager(16)
+    heard: list[tuple[str, int]] = []
+    manager.on_release = lambda rid: heard.append((rid, manager.num_requests))
+    manager.probe_pin("a", PROMPT_HASHES, lease_s=10, owner="o1")
+    manager.probe_pin("b", PROMPT_HASHES, lease_s=1)
+    assert not manager.release("a", owner="o2")  # another owner's: not released, not told
+    assert not manager.release("unknown")
+    assert heard == []
+    assert manager.release("a", owner="o1")
+    assert not manager.release("a", owner="o1")  # released already
+    clock.now_s = 2.0
+    assert manager.expire() == ["b"]
+    assert heard == [("a", 1), ("b", 0)]  # each once, after it left the held requests

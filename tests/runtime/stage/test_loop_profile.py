@@ -107,6 +107,7 @@ class _ReformingStage(StageCompute):
         self.is_first = self.is_last = True
         self.loop_profile = LoopProfile(rank=0)
         self._generation = 1
+        self._released = deque()
         self._loop = None
         stage = self
 

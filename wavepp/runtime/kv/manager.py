@@ -94,6 +94,10 @@ class StageKVManager:
         self._accepted_lease: tuple[float, float | None] | None = None  # see _check_lease
         # per owner and root, its latest probe-reserve entry's hashes (kv_batch prefix references)
         self.recent_prefixes = RecentPrefixes()
+        # called with the id of each request ``release`` released (a bus message, a lease's
+        # expiry, a re-form), after its blocks are freed; None: nobody is told (the stage
+        # worker passes the ids on to its engine's ``drop_requests``)
+        self.on_release: Callable[[str], None] | None = None
 
     recent_walks_kept = 1024
     """Prefix roots whose latest probe walk ``probe_pin`` remembers (oldest dropped)."""
@@ -432,6 +436,8 @@ class StageKVManager:
         self._count_owner_blocks(held.owner, -len(block_ids))
         self.pool.free(block_ids, validate=False)
         self._release_host(held)
+        if self.on_release is not None:
+            self.on_release(request_id)
         return True
 
     def renew(self, request_ids: Iterable[str], lease_s: float, *, owner: str | None = None) -> int:

@@ -67,6 +67,7 @@ class StageCompute(ABC):
     _pg: dist.ProcessGroup | None
     _work: queue.Queue[tuple[StageWork, PreparedBatch | None] | None]
     _generation: int
+    _released: deque[str]
     _loop: asyncio.AbstractEventLoop | None
     _thread: threading.Thread | None
 
@@ -146,13 +147,27 @@ class StageCompute(ABC):
     def _next_work(
         self, work_queue: queue.Queue[tuple[StageWork, PreparedBatch | None] | None]
     ) -> tuple[StageWork, PreparedBatch | None] | None:
-        """The next item of the work queue, beating while idle."""
+        """The next item of the work queue, beating while idle; first, and at each beat, the
+        engine drops the state of the requests released since (``_drop_released``)."""
         while True:
             self.compute_beat = time.monotonic()
+            self._drop_released()
             try:
                 return work_queue.get(timeout=_IDLE_BEAT_S)
             except queue.Empty:
                 continue
+
+    def _drop_released(self) -> None:
+        """On the compute thread, between micro-batches: the engine forgets the per-request
+        state of every request the KV manager released since the last call. A release follows
+        the last stage's result of each of the request's micro-batches, so none of them is
+        still to run here."""
+        if not self._released:
+            return
+        request_ids = []
+        while self._released:
+            request_ids.append(self._released.popleft())
+        self.engine.drop_requests(request_ids)
 
     def _compute(
         self,

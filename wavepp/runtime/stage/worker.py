@@ -45,6 +45,7 @@ import asyncio
 import logging
 import queue
 import time
+from collections import deque
 from collections.abc import Mapping
 
 import torch.distributed as dist
@@ -134,6 +135,10 @@ class StageWorker(StageCompute):
         self.is_first = rank == 0
         self.is_last = rank == config.num_stages - 1
         first_layer, last_layer = config.layers_of(rank)
+        # the requests the KV manager released, appended on the loop thread and taken by the
+        # compute thread (deque appends and pops are atomic): their engine state is dropped
+        self._released: deque[str] = deque()
+        self.core.manager.on_release = self._released.append
         self.handoff_leases = HandoffLeases(self.core.manager.pool)
         self.handoff = HandoffServer(
             self.handoff_leases,

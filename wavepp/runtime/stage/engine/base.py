@@ -37,6 +37,12 @@ per-block state) between device block ``block_id`` and host slot ``slot``; the c
 log are issued in log order and complete before any ``execute`` that follows them starts
 reading (an engine may issue them asynchronously and make ``execute`` wait). An engine that
 keeps no bytes models their time.
+
+Per-request state: an engine may keep state of a request between its chunks (Kimi-Linear's KDA
+layers keep the recurrent state where the request's last chunk ended). The stage worker tells
+it, through ``drop_requests``, of every request its KV manager released, before the next
+micro-batch runs; a request released before its last chunk ran (withdrawn, failed, expired,
+re-formed) then leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -148,6 +154,10 @@ class StageEngine(Protocol):
 
     def apply_transfers(self, transfers: Sequence[Transfer]) -> None:
         """Issue the host tier's copies, in order, before the next micro-batch runs."""
+        ...
+
+    def drop_requests(self, request_ids: Sequence[str]) -> None:
+        """Forget the per-request state of ``request_ids`` (module docstring)."""
         ...
 
 
@@ -313,8 +323,8 @@ class PagedStageEngineBase(ABC):
     """Shared bookkeeping of stage engines: layer range, KV geometry, batch checks.
 
     Subclasses set ``hidden_size`` and ``activation_dtype`` and implement ``prepare``,
-    ``execute`` and the host tier's two methods (``allocate_host_kv``, ``apply_transfers``;
-    the module docstring's contract).
+    ``execute``, the host tier's two methods (``allocate_host_kv``, ``apply_transfers``) and
+    ``drop_requests`` (the module docstring's contract).
     """
 
     hidden_size: int
@@ -373,6 +383,14 @@ class PagedStageEngineBase(ABC):
         Raises:
             ValueError: a transfer's block id or slot out of range (named), or no host tier.
         """
+
+    @abstractmethod
+    def drop_requests(self, request_ids: Sequence[str]) -> None:
+        """Forget every state kept for these requests between their chunks (module
+        docstring). Called on the thread that runs ``execute``, never during it; an id with
+        no state here, or an unknown one, is skipped. A later chunk of a dropped request that
+        continues it (``context_offset`` past a reused prefix) is then refused by ``execute``
+        as one whose earlier chunk did not run here."""
 
     def _set_host_slots(self, num_slots: int) -> None:
         """Record the host tier's size (the checks of ``allocate_host_kv``)."""

@@ -305,6 +305,13 @@ class DecoderStageEngine(PagedStageEngineBase):
         self._check_transfers(transfers)
         self.host_copies.apply(transfers)
 
+    def drop_requests(self, request_ids: Sequence[str]) -> None:
+        """Drop the KDA layers' running states of ``request_ids`` (``KDAAttention.drop``);
+        the other layers keep no per-request state."""
+        for layer in self._layers:
+            if isinstance(layer.attn, KDAAttention):
+                layer.attn.drop(request_ids)
+
     def handoff_caches(self) -> list[torch.Tensor]:
         """Each local layer's paged cache as a KV handoff reads it, [parts, num_slots, heads,
         dim], layer order (views: what the layers read and write): grouped-query attention's

@@ -141,6 +141,10 @@ class EmulatedStageEngine(PagedStageEngineBase):
         self._check_transfers(transfers)
         self._pending_loads += sum(transfer.kind == "load" for transfer in transfers)
 
+    def drop_requests(self, request_ids: Sequence[str]) -> None:
+        """Nothing to drop: the emulated stage keeps no per-request state."""
+        del request_ids
+
     def prepare(self, chunks: Sequence[ChunkSpec]) -> PreparedBatch:
         """Local preparation: the same block tables, slot mapping and positions as torch; the
         host loads applied since the last one start on the link.

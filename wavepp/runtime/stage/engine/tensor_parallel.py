@@ -183,6 +183,12 @@ class TensorParallelEngine:
             self.broken = exc
             raise
 
+    def drop_requests(self, request_ids: Sequence[str]) -> None:
+        """The leader's shard drops them; the followers hold no per-request state (the only
+        layers that keep one, KDA, belong to a family without tensor-parallel support, which
+        ``CheckpointStageEngine`` refuses)."""
+        self.inner.drop_requests(request_ids)
+
     def stop_followers(self) -> None:
         """Tell the followers to leave :func:`serve_follower` (call from the thread that runs
         ``execute``, never beside it: the group's collectives must stay in one order)."""

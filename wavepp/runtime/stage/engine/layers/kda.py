@@ -29,6 +29,8 @@ Sources: Kimi Linear report (KDA); HF ``modeling_kimi_linear.KimiLinearDeltaAtte
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -43,9 +45,10 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 class KDAAttention:
     """One KDA layer's weights, its stored states per block id and running states per request.
 
-    A running state is dropped when its request's last chunk ran. A request that never gets
-    there (failed, cancelled) would keep it; at most ``max_running`` are kept, the oldest
-    dropped first (its request's next chunk, if any, is then refused by position).
+    A running state is dropped when its request's last chunk ran, or by ``drop`` when the stage
+    released a request that never got there (withdrawn, failed, expired). At most
+    ``max_running`` are kept in any case, the oldest dropped first (its request's next chunk,
+    if any, is then refused by position).
     """
 
     max_running = 4096
@@ -90,6 +93,12 @@ class KDAAttention:
         del num_slots, device, dtype
         self.states.clear()
         self.running.clear()
+
+    def drop(self, request_ids: Sequence[str]) -> None:
+        """Drop the running states of ``request_ids`` (ids without one are skipped); the
+        states stored per block stay, they belong to the blocks."""
+        for request_id in request_ids:
+            self.running.pop(request_id, None)
 
     @property
     def cache_bytes(self) -> int:
