@@ -2,7 +2,9 @@
 
 Both runs replay the same trace slice through the emulated engine (stages sleep the derived
 H200 cost of the named model; NATS, agreement, planning and activations are real), one after the
-other in this process, and the script prints the throughput ratio wave / sync.
+other in this process. The script prints one table, a row per figure of the replay summary
+(the rows and words of ``wavepp replay``'s table: the unit and what each figure means), a
+column per mode, and then the throughput ratio wave / sync.
 
     python benchmarks/wave_vs_sync.py data/traces/conversation_trace.jsonl \
         --limit 200 --concurrency 64 --emulate glm-5.2
@@ -20,24 +22,30 @@ from rich.console import Console
 from rich.table import Table
 
 from wavepp.bench.replay import replay_records
+from wavepp.bench.summary_text import clean_source, summary_rows
 from wavepp.bench.trace import TokenMapper, load_trace
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.model_config import get_preset
 from wavepp.runtime.planning.catalogue import derived_cost_model
 
-COLUMNS = [
-    "throughput_tokens_per_s",
-    "wave_fill",
-    "ttft_p50_s",
-    "ttft_p99_s",
-    "agreement_p50_s",
-    "reservation_refusals",
-    "microbatches",
-    "cached_tokens",
-    "completed",
-    "failed",
-    "wall_s",
-]
+
+def comparison_rows(wave: dict, sync: dict) -> list[tuple[str, str, str, str]]:
+    """``(metric with unit, wave's value, sync's value, what it means)`` for each row of the
+    replay summary (``summary_text.summary_rows``: the rows and words ``wavepp replay``
+    prints) that both runs have, in its order; the mode row is left out (it is the columns),
+    and each run's errors are rows of their own (the other column ``-``)."""
+    sync_values = {label: value for label, value, _ in summary_rows(sync) if label != "error"}
+    rows = [
+        (label, value, sync_values[label], meaning)
+        for label, value, meaning in summary_rows(wave)
+        if label not in ("mode", "error") and label in sync_values
+    ]
+    for mode, summary in (("wave", wave), ("sync", sync)):
+        for label, value, meaning in summary_rows(summary):
+            if label == "error":
+                pair = (value, "-") if mode == "wave" else ("-", value)
+                rows.append((f"error ({mode})", *pair, meaning))
+    return rows
 
 
 def main() -> None:
@@ -73,17 +81,22 @@ def main() -> None:
             chunk_tokens=args.chunk_tokens,
         )
         # The planner budgets with the stages' own (scaled) cost model.
+        planner_cost = stage_cost.scaled(args.time_scale)
         report = asyncio.run(
             replay_records(
                 records,
                 mapper,
                 config,
-                stage_cost.scaled(args.time_scale),
+                planner_cost,
                 concurrency=args.concurrency,
                 invalid=invalid,
             )
         )
-        results[mode] = report.summary()
+        # the layers are tiny-llama's placeholder: the stages sleep --emulate's cost
+        results[mode] = report.summary() | {
+            "model": args.emulate,
+            "planner_cost_model": clean_source(planner_cost.source or planner_cost.label),
+        }
     ratio = results["wave"]["throughput_tokens_per_s"] / results["sync"]["throughput_tokens_per_s"]
     table = Table(
         title=(
@@ -94,8 +107,9 @@ def main() -> None:
     table.add_column("metric")
     table.add_column("wave", justify="right")
     table.add_column("sync", justify="right")
-    for key in COLUMNS:
-        table.add_row(key, str(results["wave"][key]), str(results["sync"][key]))
+    table.add_column("what it is")
+    for row in comparison_rows(results["wave"], results["sync"]):
+        table.add_row(*row)
     console = Console()
     console.print(table)
     console.print(f"throughput ratio wave / sync: [bold]{ratio:.3f}[/]")
