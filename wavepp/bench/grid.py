@@ -282,14 +282,13 @@ def host_gib_of(row: dict[str, Any]) -> str:
     return f"{float(row.get('host_memory_gib') or 0):g}"
 
 
-def _key(row: dict[str, Any]) -> tuple[str, str, str, str, str]:
-    return (
-        row["model"],
-        host_gib_of(row),
-        str(row["concurrency"]),
-        row["reuse"],
-        str(row.get("repeat", 0) or 0),
-    )
+def _where(row: dict[str, Any]) -> tuple[str, str, str, str]:
+    """A row's (model, host tier, concurrency, reuse), as strings: the cell it belongs to."""
+    return (row["model"], host_gib_of(row), str(row["concurrency"]), row["reuse"])
+
+
+def _key(row: dict[str, Any]) -> tuple[str, ...]:
+    return (*_where(row), str(row.get("repeat", 0) or 0))
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -328,15 +327,7 @@ def median_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for r in rows:
-        key = (
-            r["model"],
-            host_gib_of(r),
-            str(r["concurrency"]),
-            r["reuse"],
-            r["mode"],
-            r["ablation"] or "",
-        )
-        groups.setdefault(key, []).append(r)
+        groups.setdefault((*_where(r), r["mode"], r["ablation"] or ""), []).append(r)
     out = []
     for members in groups.values():
         row = dict(members[0])
@@ -402,17 +393,7 @@ def markdown_table(rows: Sequence[dict[str, Any]], spec: GridSpec, command: str 
         )
     if command:
         out.write(f"Command: `{command}`\n\n")
-    by_key: dict[tuple[str, str, str, str, str], dict[str, Any]] = {}
-    for r in rows:
-        by_key[
-            (
-                r["model"],
-                host_gib_of(r),
-                str(r["concurrency"]),
-                r["reuse"],
-                r["mode"] + r["ablation"],
-            )
-        ] = r
+    by_key = {(*_where(r), r["mode"] + r["ablation"]): r for r in rows}
     out.write(
         "| model | host GiB | C | reuse | hit wave/sync | tok/s wave | tok/s sync | ratio | "
         "bound tok/s | efficiency wave/sync | "
@@ -424,7 +405,7 @@ def markdown_table(rows: Sequence[dict[str, Any]], spec: GridSpec, command: str 
     wins = total = 0
     seen = []
     for r in rows:
-        key = (r["model"], host_gib_of(r), str(r["concurrency"]), r["reuse"])
+        key = _where(r)
         if r["ablation"] or key in seen:
             continue
         seen.append(key)
@@ -464,7 +445,7 @@ def markdown_table(rows: Sequence[dict[str, Any]], spec: GridSpec, command: str 
             "wave fill |\n| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |\n"
         )
         for r in ablations:
-            key = (r["model"], host_gib_of(r), str(r["concurrency"]), r["reuse"])
+            key = _where(r)
             w, s = by_key.get((*key, "wave")), by_key.get((*key, "sync"))
             thr = float(r["throughput_tokens_per_s"])
             vs_sync = thr / float(s["throughput_tokens_per_s"]) if s else float("nan")

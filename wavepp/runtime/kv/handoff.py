@@ -48,7 +48,6 @@ class HandoffLeases:
         self.max_leases = max_leases
         self._leases: dict[str, HandoffLease] = {}
         self.num_expired = 0
-        self.num_released = 0
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -89,7 +88,6 @@ class HandoffLeases:
         if lease is None:
             return False
         self.pool.free(lease.block_ids)
-        self.num_released += 1
         return True
 
     def expire(self, now: float) -> list[str]:
@@ -98,7 +96,6 @@ class HandoffLeases:
         for request_id in ended:
             self.release(request_id)
             self.num_expired += 1
-            self.num_released -= 1
         return ended
 
     def release_all(self) -> list[str]:

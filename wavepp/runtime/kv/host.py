@@ -49,6 +49,7 @@ class Transfer:
 
 
 def _invariant(condition: bool, message: str) -> None:
+    # NOTE: explicit raise, not `assert`, so check_invariants still checks under `python -O`.
     if not condition:
         raise AssertionError(message)
 
@@ -136,9 +137,8 @@ class HostTier:
         Raises:
             ValueError: a slot out of range, or free (nothing to pin). Nothing changes then.
         """
+        self._check_slots(slots)
         for slot in slots:
-            if not (isinstance(slot, int) and 0 <= slot < self.num_slots):
-                raise ValueError(f"slots: {slot!r} is not in [0, {self.num_slots})")
             if self._ref[slot] == 0 and slot not in self._lru:
                 raise ValueError(f"slots: slot {slot} is free; pin only slots from find_run")
         for slot in slots:
@@ -153,9 +153,8 @@ class HostTier:
         Raises:
             ValueError: a slot released more often than pinned. Nothing changes then.
         """
+        self._check_slots(slots)
         for slot in set(slots):
-            if not (isinstance(slot, int) and 0 <= slot < self.num_slots):
-                raise ValueError(f"slots: {slot!r} is not in [0, {self.num_slots})")
             if list(slots).count(slot) > self._ref[slot]:
                 raise ValueError(f"slots: slot {slot} released more often than pinned")
         for slot in reversed(slots):
@@ -235,9 +234,7 @@ class HostTier:
         Raises:
             ValueError: a slot out of range. Nothing changes then.
         """
-        for slot in slots:
-            if not (isinstance(slot, int) and 0 <= slot < self.num_slots):
-                raise ValueError(f"slots: {slot!r} is not in [0, {self.num_slots})")
+        self._check_slots(slots)
         for slot in dict.fromkeys(slots):
             block_hash = self._hash[slot]
             if block_hash is None:
@@ -249,6 +246,12 @@ class HostTier:
                 if self._ref[slot] == 0:
                     del self._lru[slot]
                     self._free.append(slot)
+
+    def _check_slots(self, slots: Sequence[int]) -> None:
+        """Raises ValueError naming the first of ``slots`` that is not a slot index."""
+        for slot in slots:
+            if not (isinstance(slot, int) and 0 <= slot < self.num_slots):
+                raise ValueError(f"slots: {slot!r} is not in [0, {self.num_slots})")
 
     def take_events(self) -> list[KVEvent]:
         """Drain this tier's events (tier "host"; oldest first): "stored" on a spill, "removed"

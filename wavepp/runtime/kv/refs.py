@@ -14,15 +14,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from wavepp.runtime.kv.hashing import BlockHash
-from wavepp.runtime.kv.host import HostTier
+from wavepp.runtime.kv.host import HostTier, _invariant
 
 _INT_TYPES = frozenset((int, bool))
-
-
-def _invariant(condition: bool, message: str) -> None:
-    # NOTE: explicit raise, not `assert`, so check_invariants still checks under `python -O`.
-    if not condition:
-        raise AssertionError(message)
 
 
 class BlockRefs:

@@ -336,6 +336,14 @@ class _Terms:
     a: float
 
 
+def _split_loss(m: float, n: int, t: int, *, split_tokens: bool) -> float:
+    """The efficiency of an [m, n] GEMM split ``t`` ways over the unsplit one's: its ``m``
+    tokens split (``split_tokens``), else its ``n`` (each rank ceil(n / t))."""
+    if split_tokens:
+        return gemm_efficiency(m / t, n) / gemm_efficiency(m, n)
+    return gemm_efficiency(m, math.ceil(n / t)) / gemm_efficiency(m, n)
+
+
 def _layer_terms(
     layer: LayerCost,
     gpu: GPUSpec,
@@ -365,21 +373,9 @@ def _layer_terms(
     mlp = linear - attention
     moe = split.moe
     # Small-shape loss per part: efficiency of the split shape / of the unsplit shape.
-    if group == "ep":
-        loss_attention = gemm_efficiency(m / t, split.attention_width) / gemm_efficiency(
-            m, split.attention_width
-        )
-    else:
-        loss_attention = gemm_efficiency(m, math.ceil(split.attention_width / t)) / (
-            gemm_efficiency(m, split.attention_width)
-        )
-    if moe is None:
-        if group == "ep":  # dense MLP data-parallel: the tokens split
-            loss_mlp = gemm_efficiency(m / t, split.mlp_width) / gemm_efficiency(m, split.mlp_width)
-        else:
-            loss_mlp = gemm_efficiency(m, math.ceil(split.mlp_width / t)) / gemm_efficiency(
-                m, split.mlp_width
-            )
+    loss_attention = _split_loss(m, split.attention_width, t, split_tokens=group == "ep")
+    if moe is None:  # with ep the dense MLP is data-parallel: the tokens split
+        loss_mlp = _split_loss(m, split.mlp_width, t, split_tokens=group == "ep")
     else:
         per_expert = m * moe.experts_per_token / moe.num_experts
         whole = gemm_efficiency(per_expert, split.mlp_width, groups=moe.num_experts)

@@ -147,6 +147,19 @@ class StageMetrics:
         self._observe_formed = self._one(lambda s: int(s.is_formed))
         self._observe_epoch = self._one(lambda s: s.group_epoch)
         self._observe_reforms = self._one(lambda s: s.num_reforms)
+        self._kv_blocks = self._by(
+            "state", lambda s: {"used": s.kv_used, "cached": s.kv_cached, "free": s.kv_free}
+        )
+        self._host_kv_blocks = self._by(
+            "op", lambda s: {"spilled": s.host_spilled, "loaded": s.host_loaded}
+        )
+        self._chunks = self._by(
+            "context",
+            lambda s: {"none": s.num_chunks - s.num_context_chunks, "cached": s.num_context_chunks},
+        )
+        self._tokens = self._by(
+            "kind", lambda s: {"new": s.num_new_tokens, "context": s.num_context_tokens}
+        )
         attach(self, self.export.meter(), STAGE_INSTRUMENTS)
 
     @staticmethod
@@ -162,39 +175,17 @@ class StageMetrics:
 
         return observe
 
-    def _kv_blocks(self, _options: CallbackOptions) -> Iterable[Observation]:
-        snapshot = self.source()
-        labels = self._labels(snapshot)
-        return [
-            Observation(snapshot.kv_used, labels | {"state": "used"}),
-            Observation(snapshot.kv_cached, labels | {"state": "cached"}),
-            Observation(snapshot.kv_free, labels | {"state": "free"}),
-        ]
+    def _by(
+        self, label: str, values: Callable[[StageSnapshot], dict[str, float]]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        """An observer of one series per ``label`` value: ``values(snapshot)`` in its order."""
 
-    def _host_kv_blocks(self, _options: CallbackOptions) -> Iterable[Observation]:
-        snapshot = self.source()
-        labels = self._labels(snapshot)
-        return [
-            Observation(snapshot.host_spilled, labels | {"op": "spilled"}),
-            Observation(snapshot.host_loaded, labels | {"op": "loaded"}),
-        ]
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            snapshot = self.source()
+            labels = self._labels(snapshot)
+            return [Observation(v, labels | {label: k}) for k, v in values(snapshot).items()]
 
-    def _chunks(self, _options: CallbackOptions) -> Iterable[Observation]:
-        snapshot = self.source()
-        labels = self._labels(snapshot)
-        cached = snapshot.num_context_chunks
-        return [
-            Observation(snapshot.num_chunks - cached, labels | {"context": "none"}),
-            Observation(cached, labels | {"context": "cached"}),
-        ]
-
-    def _tokens(self, _options: CallbackOptions) -> Iterable[Observation]:
-        snapshot = self.source()
-        labels = self._labels(snapshot)
-        return [
-            Observation(snapshot.num_new_tokens, labels | {"kind": "new"}),
-            Observation(snapshot.num_context_tokens, labels | {"kind": "context"}),
-        ]
+        return observe
 
     def scrape(self) -> tuple[bytes, str]:
         """The Prometheus text now (tests; ``serve`` is what a pod uses)."""

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 
-from wavepp.runtime.agreement import AgreementRefused, StageUnavailableError, Ticket
+from wavepp.runtime.agreement import StageUnavailableError, Ticket
 from wavepp.runtime.request import RequestStatus
 from wavepp.runtime.scheduling import speculation
 from wavepp.runtime.scheduling.admission.contract import AdmissionHost, AdmissionStrategy
@@ -171,19 +171,8 @@ class AsyncAdmission(AdmissionStrategy):
         try:
             with self.telemetry.request_context(request.request_id):
                 ticket = await self._agree_until_admitted(record)
-        except AgreementRefused as exc:
-            if not record.status.is_finished:
-                self._fail(record, str(exc))
-            return False
         except Exception as exc:
-            if record.status.is_finished:
-                return False
-            log.exception("agreement for %s failed", request.request_id)
-            self._fail(
-                record,
-                f"agreement failed: {exc}",
-                is_retryable=isinstance(exc, StageUnavailableError),
-            )
+            self._agreement_failed(record, exc)
             return False
         if ticket is None:  # withdrawn while it waited for capacity (refused: holds nothing)
             return False

@@ -11,11 +11,17 @@ signal a release raises, ``_admitted``, ``_fail``) are shared by the implementat
 from __future__ import annotations
 
 import asyncio
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import Protocol
 
-from wavepp.runtime.agreement import AgreementController, Ticket
+from wavepp.runtime.agreement import (
+    AgreementController,
+    AgreementRefused,
+    StageUnavailableError,
+    Ticket,
+)
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.scheduling.core import RequestRecord, SchedulerCore
 from wavepp.runtime.scheduling.speculation import Speculation
@@ -158,6 +164,25 @@ class AdmissionStrategy(ABC):
     def _fail(self, record: RequestRecord, error: str, *, is_retryable: bool = False) -> None:
         self.core.fail(record, error, is_retryable=is_retryable)
         self.scheduler.deliver_finished()
+
+    def _agreement_failed(self, record: RequestRecord, exc: Exception) -> None:
+        """Answer ``record`` for its failed agreement (call it in the ``except`` clause): a
+        refusal's own message; any other error logged and answered as ``agreement failed``,
+        retryable when a stage did not answer. Nothing when it was withdrawn meanwhile
+        (answered already)."""
+        if record.status.is_finished:
+            return
+        if isinstance(exc, AgreementRefused):
+            self._fail(record, str(exc))
+            return
+        logging.getLogger(type(self).__module__).exception(
+            "agreement for %s failed", record.request.request_id
+        )
+        self._fail(
+            record,
+            f"agreement failed: {exc}",
+            is_retryable=isinstance(exc, StageUnavailableError),
+        )
 
     def _admitted(self, record: RequestRecord, ticket: Ticket) -> None:
         if not self.config.resolved_baseline.prefix_reuse and ticket.num_agreed_blocks:

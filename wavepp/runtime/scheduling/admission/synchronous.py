@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 
-from wavepp.runtime.agreement import AgreementRefused, StageUnavailableError
 from wavepp.runtime.request import RequestStatus
 from wavepp.runtime.scheduling.admission.contract import AdmissionHost, AdmissionStrategy
 from wavepp.runtime.scheduling.core import RequestRecord
 from wavepp.runtime.scheduling.speculation import Speculation
-
-log = logging.getLogger(__name__)
 
 
 class SyncAdmission(AdmissionStrategy):
@@ -96,21 +92,9 @@ class SyncAdmission(AdmissionStrategy):
             try:
                 with self.telemetry.request_context(request.request_id):
                     ticket = await self.controller.agree(request)
-            except AgreementRefused as exc:
-                self._head = None
-                if not record.status.is_finished:  # else withdrawn while it agreed: answered
-                    self._fail(record, str(exc))
-                continue
             except Exception as exc:
                 self._head = None
-                if record.status.is_finished:  # withdrawn while it agreed: answered already
-                    continue
-                log.exception("agreement for %s failed", request.request_id)
-                self._fail(
-                    record,
-                    f"agreement failed: {exc}",
-                    is_retryable=isinstance(exc, StageUnavailableError),
-                )
+                self._agreement_failed(record, exc)
                 continue
             if record.status.is_finished:  # withdrawn while it agreed: free what it holds
                 self._head = None

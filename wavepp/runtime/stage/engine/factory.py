@@ -49,17 +49,15 @@ def make_engine(
     Raises:
         ValueError: unknown kind, or the engine's own argument checks.
     """
+    layers: dict[str, Any] = dict(
+        model=model,
+        first_layer=first_layer,
+        last_layer=last_layer,
+        num_layers_total=num_layers_total,
+        device=device,
+    )
     if kind == "torch" and kw.get("model_dir") is not None:
-        return CheckpointStageEngine(
-            model=model,
-            first_layer=first_layer,
-            last_layer=last_layer,
-            num_layers_total=num_layers_total,
-            device=device,
-            model_dir=kw.pop("model_dir"),
-            tp=tp,
-            **kw,
-        )
+        return CheckpointStageEngine(**layers, model_dir=kw.pop("model_dir"), tp=tp, **kw)
     if kind == "torch":
         kw.pop("model_dir", None)
         kw.pop("state_interval_blocks", None)  # Llama layers keep no recurrent state
@@ -68,28 +66,12 @@ def make_engine(
                 f"model.architecture={model.architecture!r} needs model_dir (a checkpoint); "
                 "random weights exist for llama only"
             )
-        return TorchStageEngine(
-            model=model,
-            first_layer=first_layer,
-            last_layer=last_layer,
-            num_layers_total=num_layers_total,
-            device=device,
-            tp=tp,
-            **kw,
-        )
+        return TorchStageEngine(**layers, tp=tp, **kw)
     if kind == "emulated":
         if tp.size > 1:
             raise ValueError(
                 f"tensor_parallel_size={tp.size}: the emulated engine computes nothing to "
                 "shard (its cost model fixes the stage's time); use 1"
             )
-        return EmulatedStageEngine(
-            model=model,
-            first_layer=first_layer,
-            last_layer=last_layer,
-            num_layers_total=num_layers_total,
-            device=device,
-            cost_model=cost_model,
-            **kw,
-        )
+        return EmulatedStageEngine(**layers, cost_model=cost_model, **kw)
     raise ValueError(f"kind={kind!r} is not an engine; choose 'torch' or 'emulated'")
