@@ -8,7 +8,6 @@ wavepp bench plot docs/bench/h200/grid.csv    # PNG plots from a grid CSV
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import shlex
 import sys
@@ -180,9 +179,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plot.add_argument("--out", default=None, help="folder (default: beside the CSV)")
 
 
-_fail = functools.partial(fail, "bench")
-
-
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "grid":
         return _run_grid(args)
@@ -196,13 +192,9 @@ def _run_grid(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from wavepp.bench.grid import add_ratios, markdown_table, run_setting, write_csv
-    from wavepp.launch.flags import FlagError
     from wavepp.launch.grid import plan_grid
 
-    try:
-        plan = plan_grid(args)
-    except FlagError as exc:
-        return _fail(exc.flag, str(exc))
+    plan = plan_grid(args)
     spec, settings = plan.spec, plan.settings
     out = Path(args.out or fresh_out_dir("grid"))
     out.mkdir(parents=True, exist_ok=True)
@@ -240,12 +232,8 @@ def _run_agreement(args: argparse.Namespace) -> int:
 
     from wavepp.bench.agreement import format_table, run_agreement_bench
     from wavepp.launch.agreement import plan_agreement
-    from wavepp.launch.flags import FlagError
 
-    try:
-        settings = plan_agreement(args)
-    except FlagError as exc:
-        return _fail(exc.flag, str(exc))
+    settings = plan_agreement(args)
     results = asyncio.run(
         run_agreement_bench(
             settings,
@@ -265,7 +253,7 @@ def _run_plot(args: argparse.Namespace) -> int:
 
     path = Path(args.csv)
     if not path.is_file():
-        return _fail("CSV", f"{args.csv}: no such file")
+        return fail("bench", "CSV", f"{args.csv}: no such file")
     for written in plot_grid(read_csv(path), Path(args.out) if args.out else path.parent):
         print(f"wrote {written}")
     return 0
