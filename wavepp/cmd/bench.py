@@ -13,7 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from wavepp.cmd.common import HelpFormatter, fail, finite_float, fresh_out_dir
+from wavepp.cmd.common import HelpFormatter, fail, finite_float, fresh_out_dir, progress_bar
 
 BARE_IS_USAGE = [("grid",)]
 
@@ -189,7 +189,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_grid(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from wavepp.bench.grid import add_ratios, markdown_table, run_setting, write_csv
     from wavepp.launch.grid import plan_grid
@@ -202,13 +201,7 @@ def _run_grid(args: argparse.Namespace) -> int:
     command = "wavepp bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     err = Console(stderr=True)
     rows = []
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-    ) as progress:
+    with progress_bar(err) as progress:
         task = progress.add_task("grid", total=len(settings))
         for setting in settings:
             progress.update(task, description=setting.label)

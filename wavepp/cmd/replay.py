@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from wavepp.cmd.common import finite_float
+from wavepp.cmd.common import finite_float, progress_bar
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,7 +154,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
     from rich.table import Table
 
     from wavepp.bench.replay import replay_records
@@ -190,15 +189,7 @@ def run(args: argparse.Namespace) -> int:
         err.print(
             f"host KV tier: {config.num_host_kv_blocks} blocks per stage ({capacity.host_source})"
         )
-    progress = Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=False,
-    )
-    with progress:
+    with progress_bar(err) as progress:
         task = progress.add_task("prefill", total=len(records))
         report = asyncio.run(
             replay_records(
