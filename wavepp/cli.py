@@ -14,7 +14,8 @@ import sys
 from collections.abc import Sequence
 
 from wavepp import __version__
-from wavepp.cmd.common import HelpFormatter
+from wavepp.cmd.common import HelpFormatter, fail
+from wavepp.launch.flags import FlagError
 
 # subcommand -> (module, help). Each module has add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -76,7 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except FlagError as exc:  # a command's refusal of a flag: one line naming it, exit 2
+        return fail(args.command, exc.flag, str(exc))
 
 
 if __name__ == "__main__":

@@ -176,8 +176,8 @@ def write_json(sock: socket.socket, obj: Mapping[str, Any]) -> None:
     write_frame(sock, json.dumps(obj, separators=(",", ":")).encode())
 
 
-def _recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> bytearray:
-    buf = into if into is not None else bytearray(n)
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:

@@ -8,13 +8,12 @@ wavepp bench plot docs/bench/h200/grid.csv    # PNG plots from a grid CSV
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import shlex
 import sys
 from pathlib import Path
 
-from wavepp.cmd.common import HelpFormatter, fail, finite_float, fresh_out_dir
+from wavepp.cmd.common import HelpFormatter, fail, finite_float, fresh_out_dir, progress_bar
 
 BARE_IS_USAGE = [("grid",)]
 
@@ -180,9 +179,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plot.add_argument("--out", default=None, help="folder (default: beside the CSV)")
 
 
-_fail = functools.partial(fail, "bench")
-
-
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "grid":
         return _run_grid(args)
@@ -193,16 +189,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_grid(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from wavepp.bench.grid import add_ratios, markdown_table, run_setting, write_csv
-    from wavepp.launch.flags import FlagError
     from wavepp.launch.grid import plan_grid
 
-    try:
-        plan = plan_grid(args)
-    except FlagError as exc:
-        return _fail(exc.flag, str(exc))
+    plan = plan_grid(args)
     spec, settings = plan.spec, plan.settings
     out = Path(args.out or fresh_out_dir("grid"))
     out.mkdir(parents=True, exist_ok=True)
@@ -210,13 +201,7 @@ def _run_grid(args: argparse.Namespace) -> int:
     command = "wavepp bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     err = Console(stderr=True)
     rows = []
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-    ) as progress:
+    with progress_bar(err) as progress:
         task = progress.add_task("grid", total=len(settings))
         for setting in settings:
             progress.update(task, description=setting.label)
@@ -240,12 +225,8 @@ def _run_agreement(args: argparse.Namespace) -> int:
 
     from wavepp.bench.agreement import format_table, run_agreement_bench
     from wavepp.launch.agreement import plan_agreement
-    from wavepp.launch.flags import FlagError
 
-    try:
-        settings = plan_agreement(args)
-    except FlagError as exc:
-        return _fail(exc.flag, str(exc))
+    settings = plan_agreement(args)
     results = asyncio.run(
         run_agreement_bench(
             settings,
@@ -265,7 +246,7 @@ def _run_plot(args: argparse.Namespace) -> int:
 
     path = Path(args.csv)
     if not path.is_file():
-        return _fail("CSV", f"{args.csv}: no such file")
+        return fail("bench", "CSV", f"{args.csv}: no such file")
     for written in plot_grid(read_csv(path), Path(args.out) if args.out else path.parent):
         print(f"wrote {written}")
     return 0

@@ -33,7 +33,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
 
 CONFIG_EXIT_CODE_ENV = "WAVEPP_CONFIG_EXIT_CODE"
 
@@ -79,6 +84,20 @@ def fail(command: str, flag: str, message: str) -> int:
     """Print ``wavepp COMMAND: FLAG: MESSAGE`` on stderr; returns 2 (a usage error)."""
     print(f"wavepp {command}: {flag}: {message}", file=sys.stderr)
     return 2
+
+
+def progress_bar(console: Console) -> Progress:
+    """The progress bar of a long command on ``console``: the task's description, the bar,
+    done of total and the time elapsed."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
 
 
 def fresh_out_dir(prefix: str) -> str:

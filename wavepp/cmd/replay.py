@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import shutil
 import tempfile
 from pathlib import Path
 
-from wavepp.cmd.common import fail, finite_float
+from wavepp.cmd.common import finite_float, progress_bar
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,25 +152,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-_fail = functools.partial(fail, "replay")
-
-
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
     from rich.table import Table
 
     from wavepp.bench.replay import replay_records
     from wavepp.bench.summary_text import clean_source, stage_rows, summary_rows
     from wavepp.bench.trace import load_trace
-    from wavepp.launch.flags import FlagError
     from wavepp.launch.replay import plan_replay
 
     err = Console(stderr=True)
-    try:
-        plan = plan_replay(args)
-    except FlagError as exc:
-        return _fail(exc.flag, str(exc))
+    plan = plan_replay(args)
     config, planner_model, mapper = plan.config, plan.planner_cost_model, plan.mapper
     capacity, model, telemetry = plan.capacity, config.model, config.telemetry
     profile_dir = ""
@@ -198,15 +189,7 @@ def run(args: argparse.Namespace) -> int:
         err.print(
             f"host KV tier: {config.num_host_kv_blocks} blocks per stage ({capacity.host_source})"
         )
-    progress = Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=False,
-    )
-    with progress:
+    with progress_bar(err) as progress:
         task = progress.add_task("prefill", total=len(records))
         report = asyncio.run(
             replay_records(

@@ -10,12 +10,11 @@ real time: PP 8, long contexts, time scale 1.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 
 from wavepp.cmd import sim_handoff
-from wavepp.cmd.common import fail, finite_float
+from wavepp.cmd.common import finite_float
 
 BARE_IS_USAGE = [()]
 
@@ -170,12 +169,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-_fail = functools.partial(fail, "sim")
-
-
 def run(args: argparse.Namespace) -> int:
     from wavepp.bench.workloads import ideal_hit_ratio, mooncake_workload, preset_workload
-    from wavepp.launch.flags import FlagError
     from wavepp.launch.handoff import check_handoff_flags
     from wavepp.launch.sim import plan_sim
     from wavepp.sim.run import simulate
@@ -184,11 +179,8 @@ def run(args: argparse.Namespace) -> int:
         from wavepp.cmd.sim_layouts import run_layouts
 
         return run_layouts(args)
-    try:
-        plan = plan_sim(args)
-        check_handoff_flags(args)
-    except FlagError as exc:
-        return _fail(exc.flag, str(exc))
+    plan = plan_sim(args)
+    check_handoff_flags(args)
     capacity, latencies, baseline_fields = plan.capacity, plan.latencies, plan.baseline_fields
     print(
         f"kv blocks per stage: {capacity.num_kv_blocks} ({capacity.kv_blocks_source})",
@@ -215,9 +207,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
     if args.handoff:
-        handoff_results = sim_handoff.run_handoff(args, plan, workload_of, _fail)
-        if isinstance(handoff_results, int):
-            return handoff_results
+        handoff_results = sim_handoff.run_handoff(args, plan, workload_of)
         if args.json:
             print(json.dumps(handoff_results))
         return 0
@@ -234,10 +224,7 @@ def run(args: argparse.Namespace) -> int:
         num_requests = args.requests or 32 * concurrency
         summaries = {}
         for mode in plan.modes:
-            try:
-                config, planner_cost = plan.config(concurrency, mode)
-            except FlagError as exc:
-                return _fail(exc.flag, str(exc))
+            config, planner_cost = plan.config(concurrency, mode)
             if plan.trace is not None:
                 workload = mooncake_workload(
                     plan.trace, args.requests or None, vocab_size=config.model.vocab_size

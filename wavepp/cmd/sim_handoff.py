@@ -56,8 +56,7 @@ def run_handoff(
     args: argparse.Namespace,
     plan: Any,
     workload_of: Callable[[int, Any], Any],
-    fail: Callable[[str, str], int],
-) -> list[dict[str, Any]] | int:
+) -> list[dict[str, Any]]:
     """Run every concurrency of ``plan`` (a ``launch.sim.SimPlan``) in wave mode without and
     with the handoff; print the table (stderr with ``--json``).
 
@@ -65,20 +64,18 @@ def run_handoff(
         args: the parsed flags.
         plan: the resolved simulation.
         workload_of: (num_requests, config) -> the workload ``wavepp sim`` runs.
-        fail: prints a flag's error and returns the exit code.
 
     Returns:
-        The JSON results, one entry per concurrency, or the exit code of a refusal.
+        The JSON results, one entry per concurrency.
+
+    Raises:
+        FlagError: a refused link flag or setting, naming the flag.
     """
-    from wavepp.launch.flags import FlagError
     from wavepp.launch.handoff import plan_handoff
     from wavepp.sim.run import simulate
 
-    try:
-        config, _ = plan.config(plan.concurrencies[0], "wave")
-        handoff = plan_handoff(args, model=plan.model, config=config)
-    except FlagError as exc:
-        return fail(exc.flag, str(exc))
+    config, _ = plan.config(plan.concurrencies[0], "wave")
+    handoff = plan_handoff(args, model=plan.model, config=config)
     assert handoff is not None, "run_handoff runs with --handoff"
     out = sys.stderr if args.json else sys.stdout
     print(
@@ -99,10 +96,7 @@ def run_handoff(
     )
     results = []
     for concurrency in plan.concurrencies:
-        try:
-            config, planner_cost = plan.config(concurrency, "wave")
-        except FlagError as exc:
-            return fail(exc.flag, str(exc))
+        config, planner_cost = plan.config(concurrency, "wave")
         workload = workload_of(args.requests or 32 * concurrency, config)
         summaries = {}
         for name, model in (("without", None), ("with", handoff)):

@@ -15,7 +15,6 @@ setting and, with ``--recommend``, ``rank`` (1 = highest throughput at that conc
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from typing import Any
@@ -37,23 +36,18 @@ ROW_KEYS = (
 )
 
 
-_fail = functools.partial(fail, "sim")
-
-
 def run_layouts(args: argparse.Namespace) -> int:
     from wavepp.bench.workloads import preset_workload
-    from wavepp.launch.flags import FlagError
     from wavepp.launch.sim_layouts import plan_layouts
     from wavepp.sim.run import simulate
 
     if args.gpus is not None and not (args.recommend and args.parallel is None):
-        return _fail("--gpus", "only with --recommend and without --parallel (layouts name theirs)")
+        return fail(
+            "sim", "--gpus", "only with --recommend and without --parallel (layouts name theirs)"
+        )
     if args.recommend and args.gpus is None:
         args = argparse.Namespace(**{**vars(args), "gpus": 8})
-    try:
-        plan = plan_layouts(args)
-    except FlagError as exc:
-        return _fail(exc.flag, str(exc))
+    plan = plan_layouts(args)
     sim = plan.sim
     for layout, reason in plan.refused:
         print(f"refused {layout.label}: {reason}", file=sys.stderr)
@@ -76,10 +70,7 @@ def run_layouts(args: argparse.Namespace) -> int:
     for concurrency in sim.concurrencies:
         num_requests = args.requests or 32 * concurrency
         for layout in plan.layouts:
-            try:
-                setting = plan.run(layout, concurrency)
-            except FlagError as exc:
-                return _fail(exc.flag, str(exc))
+            setting = plan.run(layout, concurrency)
             workload = preset_workload(
                 sim.reuse,
                 num_requests,

@@ -56,10 +56,9 @@ def hash_key(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def key_line(key: str, not_after: str | None = None) -> str:
+def key_line(key: str) -> str:
     """The key file line that stores ``key`` as its hash (what to put in a Secret)."""
-    line = _HASH_PREFIX + hash_key(key).hex()
-    return f"{line} not-after={not_after}" if not_after else line
+    return _HASH_PREFIX + hash_key(key).hex()
 
 
 class KeyFileError(ValueError):

@@ -136,8 +136,18 @@ def _error(exc: BadRequest | LimitExceeded | Exception, status: int) -> web.Resp
     return web.json_response(error_body("request", str(exc), kind="server_error"), status=status)
 
 
-def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+def _parse_json(data: bytes) -> object:
+    """A request body's JSON (HTTP or NATS). Raises BadRequest (field ``body``) saying why it
+    is malformed."""
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest("body", f"malformed JSON: {exc}") from exc
+    except RecursionError as exc:  # e.g. 100,000 nested arrays
+        raise BadRequest("body", "malformed JSON: nested too deeply") from exc
+    except ValueError as exc:  # e.g. an integer of 5,000 digits (int max str digits)
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise BadRequest("body", f"malformed JSON: {first_line}") from exc
 
 
 class GatewayServer:
@@ -271,16 +281,6 @@ class GatewayServer:
             headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
         return web.json_response(exc.to_json(), status=exc.status, headers=headers)
 
-    async def _json_body(self, request: web.Request) -> object:
-        try:
-            return json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest("body", f"malformed JSON: {exc}") from exc
-        except RecursionError as exc:  # e.g. 100,000 nested arrays
-            raise BadRequest("body", "malformed JSON: nested too deeply") from exc
-        except ValueError as exc:  # e.g. an integer of 5,000 digits (int max str digits)
-            raise BadRequest("body", f"malformed JSON: {_first_line(exc)}") from exc
-
     async def handle_prefill(self, request: web.Request) -> web.Response:
         try:
             key_tenant = self.authenticate(
@@ -289,7 +289,7 @@ class GatewayServer:
         except AuthError as exc:
             return self._auth_error(exc)
         try:
-            body = await self._json_body(request)
+            body = _parse_json(await request.read())
         except BadRequest as exc:
             self.gateway.metrics.request_answered(key_tenant or "unknown", exc.status)
             return _error(exc, 400)
@@ -330,7 +330,7 @@ class GatewayServer:
             return self._auth_error(exc)
         tenant_header = request.headers.get("X-WavePP-Tenant")
         try:
-            body = await self._json_body(request)
+            body = _parse_json(await request.read())
         except BadRequest as exc:
             label = key_tenant or metrics_tenant(tenant_header, self.gateway.tenants)
             self.gateway.metrics.request_answered(label, exc.status)
@@ -481,13 +481,9 @@ class GatewayServer:
         body: object = None
         malformed: BadRequest | None = None
         try:
-            body = json.loads(msg.data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            malformed = BadRequest("body", f"malformed JSON: {exc}")
-        except RecursionError:
-            malformed = BadRequest("body", "malformed JSON: nested too deeply")
-        except ValueError as exc:
-            malformed = BadRequest("body", f"malformed JSON: {_first_line(exc)}")
+            body = _parse_json(msg.data)
+        except BadRequest as exc:
+            malformed = exc
         if key_tenant is not None and isinstance(body, dict):
             try:
                 self.bind_tenant(key_tenant, body.get("tenant"))

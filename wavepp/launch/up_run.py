@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wavepp.launch.flags import FlagError, describe_error
+from wavepp.launch.flags import describe_error
 from wavepp.launch.up import (
     UpPlan,
     child_commands,
@@ -57,10 +57,7 @@ def _is_ready(url: str) -> bool:
 def run_up(args: argparse.Namespace) -> int:
     """Plan (``launch.up.plan_up``), start, supervise and stop ``wavepp up``; the exit code
     (module docstring). Ctrl-C and SIGTERM end the supervision (then everything stops)."""
-    try:
-        plan = plan_up(args)
-    except FlagError as exc:
-        return _fail(exc.flag, str(exc))
+    plan = plan_up(args)
     up = UpRun.prepare(args, plan)
     up.catch_stop_signals()
     code = _ensure_bus_key() or up.start_nats()

@@ -27,19 +27,14 @@ import kopf
 from wavepp.api.spec import API_GROUP, API_VERSION, PLURAL
 from wavepp.operator import kube
 from wavepp.operator.naming import LABEL_PIPELINE
+from wavepp.operator.observe import LISTED_KINDS
 from wavepp.operator.reconcile import Apply, Create, Defaults, Delete, Observed, Patch, plan
 from wavepp.operator.status import apply_failed_status
 
 FINALIZER = "wavepp.dev/operator"
-CHILD_KINDS = (
-    "StatefulSet",
-    "Deployment",
-    "Service",
-    "ConfigMap",
-    "HorizontalPodAutoscaler",
-    "PodDisruptionBudget",
-    "NetworkPolicy",
-)
+# What a deleted pipeline's handler deletes, in this order: every listed kind but the pods
+# (their StatefulSets and Deployments take them) and the optional CRDs' kinds.
+CHILD_KINDS = tuple(k for k in LISTED_KINDS if k not in ("Pod", "PodGroup", "InferencePool"))
 RETRY_FIRST_S = 0.5  # delay after the first failed pass; doubles per failure in a row
 RETRY_MAX_S = 30.0
 
@@ -201,31 +196,11 @@ async def _observe(
 ) -> Observed:
     """The pipeline's children; PodGroups and InferencePools only when its spec asks for them
     (their CRDs are optional)."""
+    optional = {"PodGroup": pod_groups, "InferencePool": inference_pools}
+    kinds = [kind for kind in LISTED_KINDS if optional.get(kind, True)]
     selector = {LABEL_PIPELINE: name}
-    sts, deps, pods, cms, hpas, svcs, pdbs, netpols = await asyncio.gather(
-        client.list("StatefulSet", namespace, selector),
-        client.list("Deployment", namespace, selector),
-        client.list("Pod", namespace, selector),
-        client.list("ConfigMap", namespace, selector),
-        client.list("HorizontalPodAutoscaler", namespace, selector),
-        client.list("Service", namespace, selector),
-        client.list("PodDisruptionBudget", namespace, selector),
-        client.list("NetworkPolicy", namespace, selector),
-    )
-    groups = await client.list("PodGroup", namespace, selector) if pod_groups else []
-    pools = await client.list("InferencePool", namespace, selector) if inference_pools else []
-    return Observed(
-        statefulsets=sts,
-        deployments=deps,
-        pods=pods,
-        configmaps=cms,
-        hpas=hpas,
-        services=svcs,
-        pdbs=pdbs,
-        network_policies=netpols,
-        pod_groups=groups,
-        inference_pools=pools,
-    )
+    lists = await asyncio.gather(*(client.list(kind, namespace, selector) for kind in kinds))
+    return Observed(**{LISTED_KINDS[kind]: objs for kind, objs in zip(kinds, lists, strict=True)})
 
 
 def _api_error(exc: BaseException) -> str:

@@ -84,11 +84,7 @@ def status_code(exc: BaseException) -> int | None:
 
 
 def _text(value: str | bytes | os.PathLike[Any] | None) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        return value.decode()
-    return os.fspath(value) if not isinstance(value, str) else value
+    return None if value is None else os.fsdecode(value)
 
 
 def kubeconfig_from_kopf(info: kopf.ConnectionInfo) -> KubeConfig:

@@ -49,18 +49,27 @@ class Observed:
 
     def index(self) -> dict[tuple[str, str], dict[str, Any]]:
         """(kind, name) -> object, for every listed child (pods excluded)."""
-        kinds = (
-            ("StatefulSet", self.statefulsets),
-            ("Deployment", self.deployments),
-            ("ConfigMap", self.configmaps),
-            ("HorizontalPodAutoscaler", self.hpas),
-            ("Service", self.services),
-            ("PodDisruptionBudget", self.pdbs),
-            ("NetworkPolicy", self.network_policies),
-            ("PodGroup", self.pod_groups),
-            ("InferencePool", self.inference_pools),
-        )
-        return {(kind, meta_of(obj).get("name", "")): obj for kind, objs in kinds for obj in objs}
+        return {
+            (kind, meta_of(obj).get("name", "")): obj
+            for kind, attr in LISTED_KINDS.items()
+            if kind != "Pod"
+            for obj in getattr(self, attr)
+        }
+
+
+LISTED_KINDS: dict[str, str] = {
+    "StatefulSet": "statefulsets",
+    "Deployment": "deployments",
+    "Service": "services",
+    "ConfigMap": "configmaps",
+    "HorizontalPodAutoscaler": "hpas",
+    "PodDisruptionBudget": "pdbs",
+    "NetworkPolicy": "network_policies",
+    "Pod": "pods",
+    "PodGroup": "pod_groups",
+    "InferencePool": "inference_pools",
+}
+"""Every kind of child the operator lists -> the :class:`Observed` field that holds them."""
 
 
 # ---- reading pods -------------------------------------------------------------------------

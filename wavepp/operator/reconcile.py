@@ -141,6 +141,16 @@ class Plan:
     issues: list[SpecIssue] = field(default_factory=list)
 
 
+def _apply_only(
+    kind: str, rendered: list[dict[str, Any]], listed: list[dict[str, Any]]
+) -> list[Action]:
+    """Apply every ``rendered`` object of ``kind``, then delete each ``listed`` one of no
+    rendered object's name (the spec no longer asks for it)."""
+    names = {meta_of(o)["name"] for o in rendered}
+    stale = [meta_of(o)["name"] for o in listed if meta_of(o)["name"] not in names]
+    return [*(Apply(o) for o in rendered), *(Delete(kind, name) for name in stale)]
+
+
 def _decode_pods(observed: Observed, name: str) -> tuple[int, int] | None:
     """The rendered decode pool's (Ready pods, desired pods): its pods (component ``decode``)
     whose readiness probe (vLLM's ``/health``) passes, and its Deployment ``name``'s replicas;
@@ -442,21 +452,9 @@ def plan(body: dict[str, Any], observed: Observed, now: float, defaults: Default
             if any(meta_of(o)["name"] == decode_name for o in objs):
                 actions.append(Delete(kind, decode_name))
     policies = b.build_network_policies(ref, spec)
-    actions += [Apply(p) for p in policies]
-    rendered_policies = {meta_of(p)["name"] for p in policies}
-    actions += [
-        Delete("NetworkPolicy", meta_of(p)["name"])
-        for p in observed.network_policies
-        if meta_of(p)["name"] not in rendered_policies
-    ]
+    actions += _apply_only("NetworkPolicy", policies, observed.network_policies)
     hpas = [h for h in (b.build_hpa(ref, spec), build_decode_hpa(ref, spec)) if h is not None]
-    actions += [Apply(h) for h in hpas]
-    rendered_hpas = {meta_of(h)["name"] for h in hpas}
-    actions += [
-        Delete("HorizontalPodAutoscaler", meta_of(h)["name"])
-        for h in observed.hpas
-        if meta_of(h)["name"] not in rendered_hpas
-    ]
+    actions += _apply_only("HorizontalPodAutoscaler", hpas, observed.hpas)
     in_use = {current_hash} | {v.hash for v in views.values() if v.hash}
     for cm in observed.configmaps:
         hash_ = labels_of(cm).get(LABEL_SPEC_HASH)

@@ -275,10 +275,6 @@ class RuntimeMetrics:
         with self._lock:
             self.sources[source.pipeline] = source
 
-    def unregister(self, pipeline: str) -> None:
-        with self._lock:
-            self.sources.pop(pipeline, None)
-
 
 _metrics: RuntimeMetrics | None = None
 

@@ -68,7 +68,6 @@ def setup(
     service_name: str,
     *,
     span_exporter: SpanExporter | None = None,
-    synchronous: bool = False,
 ) -> bool:
     """Configure tracing for this process (replacing any earlier setup).
 
@@ -76,8 +75,8 @@ def setup(
         settings: exporter, endpoint, sampling ratio, JSON-lines path.
         service_name: the OTel ``service.name`` (e.g. ``wavepp-scheduler``, ``wavepp-stage-2``).
         span_exporter: use this exporter instead of the one ``settings`` names (tests pass an
-            ``InMemorySpanExporter``); tracing is then on even if ``settings.exporter`` is none.
-        synchronous: export each span when it ends (SimpleSpanProcessor) instead of in batches.
+            ``InMemorySpanExporter``); tracing is then on even if ``settings.exporter`` is none,
+            and each span is exported when it ends (SimpleSpanProcessor; else in batches).
 
     Returns:
         Whether tracing is on.
@@ -93,7 +92,7 @@ def setup(
     )
     processor = (
         SimpleSpanProcessor(exporter)
-        if synchronous or span_exporter is not None
+        if span_exporter is not None
         else BatchSpanProcessor(exporter, max_queue_size=65536, schedule_delay_millis=1000)
     )
     provider.add_span_processor(processor)
