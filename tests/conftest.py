@@ -6,15 +6,12 @@ Also what running the suite in parallel (pytest-xdist, ``-n 2``: scripts/test.sh
   repeats a port within a process, but two workers could draw the same one; see
   ``_split_free_ports``);
 * a test marked ``serial`` runs while no other worker runs a test (its assertions measure wall
-  time: the other worker's load would be noise in them); see ``pytest_runtest_protocol``.
+  time: the other worker's load would be noise in them); see tests/support/xdist_turns.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,8 +21,9 @@ import pytest
 from wavepp.runtime.transport import natsio
 from wavepp.runtime.transport.natsio import EmbeddedNatsServer, connect
 
-# `wavepp up` as a real process tree, shared by tests/up, tests/gateway and others.
-pytest_plugins = ["up_fixtures"]
+# `wavepp up` as a real process tree, shared by tests/up, tests/gateway and others; the turns of
+# the xdist workers (tests marked `serial`).
+pytest_plugins = ["up_fixtures", "xdist_turns"]
 
 # torch in this process (the engine, layer and reference tests run it in-process) uses one
 # thread, as a stage process does (``RuntimeConfig.torch_threads`` defaults to 1 and the stage
@@ -52,51 +50,6 @@ def _split_free_ports() -> None:
 
 
 _split_free_ports()
-
-
-@contextlib.contextmanager
-def _flock(path: Path, mode: int) -> Iterator[None]:
-    with open(path, "a") as file:
-        fcntl.flock(file, mode)
-        try:
-            yield
-        finally:
-            fcntl.flock(file, fcntl.LOCK_UN)
-
-
-def _lock_base() -> Path:
-    """Where the run's lock files live (one run: one PYTEST_XDIST_TESTRUNUID, all workers)."""
-    return Path(tempfile.gettempdir()) / f"wavepp-pytest-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
-
-
-@contextlib.contextmanager
-def _turn(exclusive: bool) -> Iterator[None]:
-    """A readers-writer lock over the run's workers: every test holds ``room`` shared, a
-    ``serial`` one exclusive. Each first passes ``gate``, which a serial test keeps until it
-    has the room: once one waits, no new test starts (it is not starved)."""
-    base = _lock_base()
-    with contextlib.ExitStack() as stack:
-        with _flock(base.with_suffix(".gate"), fcntl.LOCK_EX):
-            stack.enter_context(
-                _flock(base.with_suffix(".room"), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            )
-        yield
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    if "PYTEST_XDIST_TESTRUNUID" not in os.environ:
-        return (yield)
-    with _turn(item.get_closest_marker("serial") is not None):
-        return (yield)
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A worker that finished runs no more tests: it removes the lock files (a worker still
-    running makes them again, alone)."""
-    if "PYTEST_XDIST_TESTRUNUID" in os.environ:
-        for suffix in (".gate", ".room"):
-            _lock_base().with_suffix(suffix).unlink(missing_ok=True)
 
 
 @pytest.fixture

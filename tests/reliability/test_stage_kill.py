@@ -16,7 +16,13 @@ import time
 from collections import Counter
 
 import pytest
-from reliability_support import emulated_config, make_pipeline, random_tokens, stage_block_counts
+from reliability_support import (
+    STARTUP_TIMEOUT_S,
+    emulated_config,
+    make_pipeline,
+    random_tokens,
+    stage_block_counts,
+)
 
 from wavepp.api.messages import Health
 from wavepp.runtime.agreement import StageUnavailableError
@@ -102,7 +108,16 @@ async def test_replica_reformed_after_stage_kill_answers_new_and_resubmitted_req
     (``resume_plans(readmit=True)``), not planned on stages that never heard of it ("request
     'k7' is not committed on this stage", failing it and the new request).
     """
-    config = emulated_config([256], microbatch_deadline_s=DEADLINE_S, time_scale=4.0)
+    # A request whose agreement starts while the stages restart retries it until they are
+    # back: for as long as the restart may take (the pipeline's startup timeout), not the
+    # default 30 s, which a restart on 2 busy cores (3 processes importing torch while the
+    # other test worker runs) outlasted ("agreement failed: stage 0: no stage listens").
+    config = emulated_config(
+        [256],
+        microbatch_deadline_s=DEADLINE_S,
+        time_scale=4.0,
+        agreement_retry_s=STARTUP_TIMEOUT_S,
+    )
     async with make_pipeline(config, str(tmp_path)) as pipeline:
         scheduler = pipeline.scheduler
         answers: Counter[str] = Counter()

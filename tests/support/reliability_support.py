@@ -19,6 +19,9 @@ NUM_STAGES = 3
 MODEL = ModelConfig(num_layers=6)
 # A stage costs 1 ms + 0.1 ms per new token (time scale 1): a 320-token prompt computed from
 # scratch costs ~33 ms per stage, the same prompt with 304 cached tokens ~2.6 ms.
+# How long a stage process may take to start and answer a health probe (``LocalPipeline``'s
+# ``startup_timeout_s``): importing torch alone took tens of seconds with both cores busy.
+STARTUP_TIMEOUT_S = 90.0
 COST = CostModel(c=1e-3, g=1e-7, b=1e-4, a=0.0, label="derived", source="reliability tests")
 
 
@@ -36,7 +39,7 @@ def emulated_config(num_kv_blocks: list[int], **overrides: object) -> RuntimeCon
 
 
 def make_pipeline(config: RuntimeConfig, log_dir: str) -> LocalPipeline:
-    return LocalPipeline(config, COST, log_dir=log_dir, startup_timeout_s=90.0)
+    return LocalPipeline(config, COST, log_dir=log_dir, startup_timeout_s=STARTUP_TIMEOUT_S)
 
 
 def random_tokens(seed: int, num_tokens: int) -> list[int]:
