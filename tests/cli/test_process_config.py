@@ -9,7 +9,7 @@ import pytest
 
 from wavepp import cli
 from wavepp.launch.flags import POOL_ENV, ArgError
-from wavepp.launch.gateway import gateway_host
+from wavepp.launch.gateway import gateway_config_from_args, gateway_host
 from wavepp.launch.replica import admission_pool, stage_config_from_args
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.telemetry.settings import TelemetrySettings
@@ -68,3 +68,33 @@ def test_a_stage_given_cores_it_cannot_use_exits_naming_cores(tmp_path: Path) ->
     )
     assert done.returncode == 2
     assert "wavepp stage: --cores 99999: not cores this process may use" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("process", "flag"),
+    [("stage", "--runtime-config"), ("stage", "--config"), ("gateway", "--gateway-config"),
+     ("gateway", "--config")],
+)  # fmt: skip
+def test_a_config_file_that_fails_to_load_is_named_with_its_flag(
+    tmp_path: Path, process: str, flag: str
+) -> None:
+    """Unreadable, invalid and unresolvable files: the one line starts ``FLAG FILE: ``."""
+    pool = tmp_path / "pool.json"
+    pool.write_text('{"pipeline": "p", "replicas": []}')
+    invalid = tmp_path / "invalid.json"
+    invalid.write_text('{"num_stages": "x"}' if flag != "--config" else "stages: [2\n")
+    unresolvable = tmp_path / "unresolvable.yaml"
+    unresolvable.write_text("model: {name: no-such-preset}\nstages: 2\n")
+    files = [tmp_path / "missing.json", invalid] + ([unresolvable] if flag == "--config" else [])
+    for path in files:
+        argv = [process, flag, str(path), "--nats-url", "nats://x:1"]
+        if process == "stage":
+            argv += ["--dist-url", "tcp://x:1", "--rank", "0", "--replica", "0", "--pool", "p"]
+        elif flag == "--config":
+            argv += ["--pool-file", str(pool)]
+        with pytest.raises(ArgError) as raised:
+            if process == "stage":
+                stage_config_from_args(_parse(*argv), {})
+            else:
+                gateway_config_from_args(_parse(*argv), {})
+        assert str(raised.value).startswith(f"{flag} {path}: "), str(raised.value)

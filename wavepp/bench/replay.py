@@ -7,15 +7,14 @@ tokens (cached and new) per second of wall time, from the first arrival to the l
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
-from wavepp.bench.report import ReplayReport, bound_tokens_per_s
+from wavepp.bench.report import ReplayReport, run_closed_loop
 from wavepp.bench.trace import TokenMapper, TraceError, TraceRecord
 from wavepp.runtime.config import RuntimeConfig
 from wavepp.runtime.planning import CostModel
-from wavepp.runtime.request import PromptRequest, RequestOutcome
+from wavepp.runtime.request import RequestOutcome
 from wavepp.runtime.serving.local import LocalPipeline
 
 
@@ -45,37 +44,13 @@ async def replay_records(
     async with LocalPipeline(config, planner_cost_model) as pipeline:
         scheduler = pipeline.scheduler
         assert scheduler is not None
-        limiter = asyncio.Semaphore(concurrency)
-        outcomes: list[RequestOutcome] = []
-        start = time.time()
-
-        async def one(record: TraceRecord, prompt: list[int]) -> None:
-            if timed:
-                delay = start + record.timestamp_ms / 1000.0 / speedup - time.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-            async with limiter:
-                request = PromptRequest(
-                    request_id=f"trace-{record.line_no}",
-                    token_ids=prompt,
-                    cache_salt=cache_salt,
-                    arrival_s=time.time(),
-                )
-                outcome = await scheduler.submit(request)
-            outcomes.append(outcome)
-            if on_outcome is not None:
-                on_outcome(outcome)
-
-        await asyncio.gather(*(one(r, p) for r, p in zip(records, prompts, strict=True)))
-        wall_s = time.time() - start
-        stats = scheduler.stats.snapshot()
-    return ReplayReport(
-        config=config,
-        outcomes=outcomes,
-        invalid=list(invalid),
-        wall_s=wall_s,
-        stats=stats,
-        tokens_per_block=mapper.tokens_per_block,
-        concurrency=concurrency,
-        bound_tokens_per_s=bound_tokens_per_s(config, prompts, concurrency=concurrency),
-    )
+        report = await run_closed_loop(
+            scheduler,
+            config,
+            [(f"trace-{r.line_no}", p) for r, p in zip(records, prompts, strict=True)],
+            concurrency=concurrency,
+            starts_s=[r.timestamp_ms / 1000.0 / speedup for r in records] if timed else None,
+            cache_salt=cache_salt,
+            on_outcome=on_outcome,
+        )
+    return replace(report, invalid=list(invalid), tokens_per_block=mapper.tokens_per_block)

@@ -171,9 +171,17 @@ async def run_closed_loop(
     extra: dict[str, Any] | None = None,
     warmup: Sequence[Sequence[int]] = (),
     stage_cost_models: Sequence[CostModel] | None = None,
+    starts_s: Sequence[float] | None = None,
+    cache_salt: str = "",
+    on_outcome: Callable[[RequestOutcome], None] | None = None,
 ) -> ReplayReport:
     """Submit the ``warmup`` prompts one at a time (ids ``warmup-0``, ...), then the
     ``(request_id, prompt)`` pairs closed-loop at ``concurrency``, and report.
+
+    ``starts_s`` (one per request, seconds after the measured window opens, on ``clock``): no
+    request is submitted before its start (an open loop, still at most ``concurrency`` in
+    flight). Every request carries ``cache_salt``; ``on_outcome`` is called with each outcome
+    as it arrives.
 
     The measured window starts after the warm-up (the scheduler's stats are reset in place, so
     its metrics report this run); warm-up requests, here or submitted before, do not count.
@@ -189,15 +197,21 @@ async def run_closed_loop(
     outcomes: list[RequestOutcome] = []
     start = clock()
 
-    async def one(request_id: str, prompt: list[int]) -> None:
+    async def one(index: int, request_id: str, prompt: list[int]) -> None:
+        if starts_s is not None and (delay := start + starts_s[index] - clock()) > 0:
+            await asyncio.sleep(delay)
         async with limiter:
-            outcome = await scheduler.submit(PromptRequest(request_id, prompt, arrival_s=clock()))
+            outcome = await scheduler.submit(
+                PromptRequest(request_id, prompt, cache_salt=cache_salt, arrival_s=clock())
+            )
         if finished_at is not None:
             finished = finished_at(request_id)
             outcome.finished_s = finished if finished is not None else clock()
         outcomes.append(outcome)
+        if on_outcome is not None:
+            on_outcome(outcome)
 
-    await asyncio.gather(*(one(rid, prompt) for rid, prompt in requests))
+    await asyncio.gather(*(one(i, rid, prompt) for i, (rid, prompt) in enumerate(requests)))
     return ReplayReport(
         config=config,
         outcomes=outcomes,

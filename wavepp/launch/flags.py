@@ -15,12 +15,17 @@ import re
 import socket
 import ssl
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 RANK_ENV = "WAVEPP_RANK"
 POOL_ENV = "WAVEPP_PIPELINE"
 NAMESPACE_ENV = "WAVEPP_NAMESPACE"  # the pod's namespace (downward API): in every NATS name
 METRICS_PORT_ENV = "WAVEPP_METRICS_PORT"
 _UNEXPANDED = re.compile(r"^\$\([A-Za-z_][A-Za-z0-9_]*\)$")
+ModelT = TypeVar("ModelT", bound="BaseModel")
 
 
 class ArgError(ValueError):
@@ -48,6 +53,18 @@ def describe_error(exc: BaseException) -> str:
             parts.append(f"{where}: {' '.join(str(err.get('msg', '')).split())}")
         return "; ".join(parts)
     return " ".join(str(exc).split())
+
+
+def model_from_file(flag: str, path: str, model: type[ModelT]) -> ModelT:
+    """The ``model`` (a pydantic model) validated from the JSON file at ``path``, ``flag``'s value.
+
+    Raises:
+        ArgError: ``FLAG PATH: why``: the file cannot be read or does not validate.
+    """
+    try:
+        return model.model_validate_json(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ArgError(f"{flag} {path}: {describe_error(exc)}") from None
 
 
 def resolve_rank(value: str | None, env: dict[str, str] | os._Environ[str]) -> int:

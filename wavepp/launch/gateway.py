@@ -17,17 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from wavepp.api.pod import api_keys_path
-from wavepp.api.spec import (
-    SpecError,
-    SpecFileError,
-    WavePipelineSpec,
-    decode_urls,
-    load_spec_file,
-)
+from wavepp.api.spec import SpecError, WavePipelineSpec, decode_urls
 from wavepp.gateway.config import GatewayConfig, ReplicaInfo
 from wavepp.gateway.tenants import TenantPolicy, default_cache_salt, policy_from_spec
-from wavepp.launch.flags import NAMESPACE_ENV, ArgError, describe_error
-from wavepp.launch.replica import telemetry_from_spec
+from wavepp.launch.flags import NAMESPACE_ENV, ArgError, describe_error, model_from_file
+from wavepp.launch.replica import spec_from_args, telemetry_from_spec
 from wavepp.launch.runtime_config import (
     checkpoint_tokenizer,
     replica_pipeline_name,
@@ -176,13 +170,9 @@ def gateway_config_from_args(
             spec the runtime cannot run, ``--max-queued`` < 1 (names the flag).
     """
     if args.gateway_config:
-        try:
-            config = GatewayConfig.model_validate_json(Path(args.gateway_config).read_text())
-        except (OSError, ValueError) as exc:
-            raise ArgError(
-                f"--gateway-config {args.gateway_config}: {describe_error(exc)}"
-            ) from None
-        return _override(config, args)
+        return _override(
+            model_from_file("--gateway-config", args.gateway_config, GatewayConfig), args
+        )
     if not args.pool_file:
         raise ArgError(f"--pool-file: required with --config {args.config} (the pool.json file)")
     try:
@@ -191,18 +181,14 @@ def gateway_config_from_args(
             raise ValueError("expected a JSON object")
     except (OSError, ValueError) as exc:
         raise ArgError(f"--pool-file {args.pool_file}: {describe_error(exc)}") from None
+    spec = spec_from_args(args)
     try:
-        spec = load_spec_file(args.config).resolved(
-            default_image="local", default_nats_url=args.nats_url
-        )
         config = gateway_config_from_spec(
             spec,
             pool_doc,
             routing=args.routing,
             namespace=env.get(NAMESPACE_ENV) or "local",
         )
-    except SpecFileError as exc:
-        raise ArgError(f"--config {exc}") from None
     except ValueError as exc:
         raise ArgError(
             f"--config {args.config} / --pool-file {args.pool_file}: {describe_error(exc)}"

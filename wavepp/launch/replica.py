@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from wavepp.api.pod import HANDOFF_PORT, POD_IP_ENV
-from wavepp.api.spec import MAX_REPLICAS, SpecError, SpecFileError, WavePipelineSpec, load_spec_file
+from wavepp.api.spec import MAX_REPLICAS, SpecFileError, WavePipelineSpec, load_spec_file
 from wavepp.api.subjects import replica_pipeline_name
 from wavepp.launch.flags import (
     METRICS_PORT_ENV,
@@ -29,6 +29,7 @@ from wavepp.launch.flags import (
     ArgError,
     check_port,
     describe_error,
+    model_from_file,
 )
 from wavepp.launch.runtime_config import runtime_configs_from_spec, with_checkpoint
 from wavepp.runtime.config import RuntimeConfig
@@ -77,6 +78,24 @@ def telemetry_from_spec(
         sampling_ratio=spec.telemetry.sampling_ratio,
         metrics_port=metrics_port,
     )
+
+
+def spec_from_args(args: argparse.Namespace) -> WavePipelineSpec:
+    """The spec of ``--config SPEC`` resolved as a pod's processes read it: image ``local`` and
+    NATS URL ``--nats-url`` where the spec sets none.
+
+    Raises:
+        ArgError: ``--config SPEC: why``: the file cannot be read, is not a valid spec, or
+            cannot be resolved (e.g. an unknown layer count).
+    """
+    try:
+        return load_spec_file(args.config).resolved(
+            default_image="local", default_nats_url=args.nats_url
+        )
+    except SpecFileError as exc:
+        raise ArgError(f"--config {exc}") from None
+    except ValueError as exc:  # SpecError
+        raise ArgError(f"--config {args.config}: {describe_error(exc)}") from None
 
 
 def runtime_config_from_args(
@@ -142,27 +161,18 @@ def _runtime_config_from_source(
 ) -> RuntimeConfig:
 
     if args.runtime_config:
-        try:
-            return RuntimeConfig.model_validate_json(Path(args.runtime_config).read_text())
-        except (OSError, ValueError) as exc:
-            raise ArgError(
-                f"--runtime-config {args.runtime_config}: {describe_error(exc)}"
-            ) from None
+        return model_from_file("--runtime-config", args.runtime_config, RuntimeConfig)
     if args.replica is None:
         raise ArgError(f"--replica: required with --config {args.config}")
     pool = args.pool or env.get(POOL_ENV)
     if not pool:
         raise ArgError(f"--pool: required with --config unless ${POOL_ENV} is set")
+    spec = spec_from_args(args)
     try:
-        spec = load_spec_file(args.config).resolved(
-            default_image="local", default_nats_url=args.nats_url
-        )
         configs = runtime_configs_from_spec(
             spec, pool=pool, namespace=env.get(NAMESPACE_ENV) or "local"
         )
-    except SpecFileError as exc:
-        raise ArgError(f"--config {exc}") from None
-    except (SpecError, ValueError) as exc:
+    except ValueError as exc:
         raise ArgError(f"--config {args.config}: {describe_error(exc)}") from None
     # NOTE: not bounded by spec.replicas: the file is per spec hash, which leaves replicas out,
     # so a replica added by a scale-up reads the file written before it (replicas were fewer).

@@ -214,10 +214,17 @@ OPERATOR_ONLY_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("restartBudget", "restart_budget", "the operator's re-formation budget; wavepp up restarts a stage at most --max-stage-restarts times"),
 )  # fmt: skip
 """Top-level spec fields only the operator applies: (wire name, Python name, why)."""
-_RESOURCES_ONLY = (("cpu", "cpu"), ("memory", "memory"), ("sharedMemory", "shared_memory"),
-                   ("gpuResourceName", "gpu_resource_name"))  # fmt: skip
-_NATS_ONLY = (("url", "url"), ("credentialsSecret", "credentials_secret"),
-              ("tlsSecret", "tls_secret"), ("tlsClientCert", "tls_client_cert"))  # fmt: skip
+_SECTION_FIELDS_OPERATOR_ONLY = (
+    ("resources", "a pod's resource request, applied by the Kubernetes operator only; wavepp up "
+     "does not limit its processes (it uses resources.gpusPerStage)",
+     (("cpu", "cpu"), ("memory", "memory"), ("sharedMemory", "shared_memory"),
+      ("gpuResourceName", "gpu_resource_name"))),
+    ("nats", "the pods' NATS server; wavepp up runs its own nats-server (with fresh credentials, "
+     "see --insecure-nats)",
+     (("url", "url"), ("credentialsSecret", "credentials_secret"), ("tlsSecret", "tls_secret"),
+      ("tlsClientCert", "tls_client_cert"))),
+)  # fmt: skip
+"""Fields of a spec section only the operator applies: (section, why, ((wire, Python name), ...))."""
 
 
 def _stated(mapping: Any, wire: str, python: str) -> bool:
@@ -234,20 +241,13 @@ def operator_only_warnings(raw: Any) -> list[str]:
         for wire, python, why in OPERATOR_ONLY_FIELDS
         if _stated(raw, wire, python)
     ]
-    resources = raw.get("resources") if isinstance(raw, dict) else None
-    lines += [
-        f"spec.resources.{wire}: a pod's resource request, applied by the Kubernetes operator "
-        "only; wavepp up does not limit its processes (it uses resources.gpusPerStage)"
-        for wire, python in _RESOURCES_ONLY
-        if _stated(resources, wire, python)
-    ]
-    nats = raw.get("nats") if isinstance(raw, dict) else None
-    lines += [
-        f"spec.nats.{wire}: the pods' NATS server; wavepp up runs its own nats-server "
-        "(with fresh credentials, see --insecure-nats)"
-        for wire, python in _NATS_ONLY
-        if _stated(nats, wire, python)
-    ]
+    for section, why, fields in _SECTION_FIELDS_OPERATOR_ONLY:
+        part = raw.get(section) if isinstance(raw, dict) else None
+        lines += [
+            f"spec.{section}.{wire}: {why}"
+            for wire, python in fields
+            if _stated(part, wire, python)
+        ]
     return lines
 
 
