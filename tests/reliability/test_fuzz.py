@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
@@ -184,14 +184,20 @@ def test_a_rejected_kv_message_changes_nothing(payload: bytes) -> None:
 
 @FUZZ
 @given(ops=st.lists(st.one_of(valid_payloads, bad_payloads), max_size=30))
+# a mutated round that still decodes, holding a request of an id no valid op uses
+@example(
+    ops=[encode_batch(KVBatch(BatchOp.PROBE_RESERVE, (ReserveEntry("\x00\x00", (), 1),), 1.0))]
+)
 def test_any_sequence_of_kv_messages_keeps_the_pool_sound(ops: list[bytes]) -> None:
-    """Valid and invalid ops interleaved: invariants hold after each; releasing all leaves no
-    pin and no reservation behind."""
+    """Valid and invalid ops interleaved: invariants hold after each; releasing every request
+    the stage holds (a mutation may still decode, under another id) leaves no pin and no
+    reservation behind."""
     manager = StageKVManager(BlockPool(NUM_BLOCKS, BLOCK_SIZE))
     for payload in ops:
         _handle(manager, 0, payload)
         manager.pool.check_invariants()
-    release = encode_batch(KVBatch(BatchOp.RELEASE, ("r0", "r1", "r2", "r3")))
+    held = tuple(manager.request_ids())
+    release = encode_batch(KVBatch(BatchOp.RELEASE, ("r0", "r1", "r2", "r3", *held)))
     assert _handle(manager, 0, release) == (0, "")
     assert manager.num_requests == 0
     assert manager.pool.num_pinned_blocks == 0
