@@ -3,6 +3,13 @@
 # Used by the README's second command and by .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Test workers (pytest-xdist) for the suite below: 2 unless WAVEPP_TEST_WORKERS says (0: one
+# process). Checked first: a bad value fails before minutes of installing.
+WORKERS=${WAVEPP_TEST_WORKERS:-2}
+if ! [[ "$WORKERS" =~ ^[0-9]+$ ]] || [ "$WORKERS" -gt 16 ]; then
+  echo "WAVEPP_TEST_WORKERS=$WORKERS: must be a whole number of workers, 0 to 16 (0: one process)" >&2
+  exit 2
+fi
 # The suite starts hundreds of Python processes (stages, gateways, vLLM), most importing torch.
 # uv installs without byte-code, so with PYTHONDONTWRITEBYTECODE set (some images set it) every
 # one of them compiles torch from source again, which about doubles the CPU an import takes.
@@ -74,8 +81,13 @@ finish vllm-venv "vllm not installed: the handoff's end-to-end tests skip"
 finish byte-code "collecting the suite failed (pytest below names why)" 1
 echo "== pytest (${SECONDS} s)"
 # --durations: CI prints the slowest tests (where the time goes, for keeping CI short).
-# Serial by default: two pytest-xdist workers (`bash scripts/test.sh -n 2 --dist loadfile`)
-# measured only ~10 % faster on this shared 2-core machine, too little yet for the risk of a
-# race in CI; tests/conftest.py gives each worker its own ports and runs the tests marked
-# `serial` (wall-time assertions) while the other worker waits.
-python -m pytest --durations=25 "$@"
+# Two pytest-xdist workers by default: most of a test's time is waiting on the processes it
+# starts (stages, gateways, vLLM), so two workers keep the 2 cores of CI busy (docs/bench/ci.md:
+# the timings). `--dist loadfile` keeps each test module on one worker (a module's fixtures
+# start once); tests/conftest.py gives each worker its own ports and runs the tests marked
+# `serial` (wall-time assertions) while the other worker waits. WAVEPP_TEST_WORKERS=N runs N
+# workers, 0 one process (serial, as a single test is run); arguments after the script's name
+# go to pytest last, so `-n 3` there wins too.
+PARALLEL=()
+[ "$WORKERS" = 0 ] || PARALLEL=(-n "$WORKERS" --dist loadfile)
+python -m pytest --durations=25 ${PARALLEL[@]+"${PARALLEL[@]}"} "$@"
