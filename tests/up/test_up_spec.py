@@ -177,6 +177,25 @@ def test_tensor_parallel_flag_replaces_the_spec_value_and_refuses_zero() -> None
     assert "0: must be >= 1" in str(exc.value)
 
 
+def test_a_spec_refused_for_a_flag_names_the_flag_and_the_file_it_overrides(
+    tmp_path: Path,
+) -> None:
+    """--stages beyond the model's layers: alone, the refusal names --stages; over --config, it
+    names both and says the file was overridden (the file alone would have been accepted)."""
+    from wavepp.launch.up import plan_up
+
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"model": {"name": "tiny-llama"}, "stages": 2}))
+    with pytest.raises(FlagError, match="exceeds the model's 8 layers") as alone:
+        plan_up(_up_args("--stages", "9", "--port", "0"))
+    assert alone.value.flag == "--stages"
+    assert str(alone.value).startswith("spec.stages: stages=9"), str(alone.value)
+    with pytest.raises(FlagError, match="exceeds the model's 8 layers") as over:
+        plan_up(_up_args("--config", str(spec), "--stages", "9", "--port", "0"))
+    assert over.value.flag == "--config/--stages"
+    assert f"{spec} with --stages: spec.stages" in str(over.value), str(over.value)
+
+
 # ---- 4. metrics bind --host -------------------------------------------------------------------
 
 

@@ -435,27 +435,34 @@ def plan_up(args: argparse.Namespace) -> UpPlan:
         )
         if v is not None and v != ""
     ]
-    source = args.config or (f"the spec of {' '.join(flags)}" if flags else "the default spec")
-    flag = "--config" if args.config or not flags else "/".join(flags)
+    # A refusal names what made the spec: the file (and the flags that override it), the flags
+    # alone (named as the refusal's flag), or the default spec.
+    flag = "/".join((["--config"] if args.config else []) + flags) or "--config"
+    source = (
+        " with ".join(filter(None, [args.config, " ".join(flags)]))
+        if args.config
+        else ("" if flags else "the default spec")
+    )
+    prefix = f"{source}: " if source else ""
     spec, issues = check_spec(
         local_resources(raw), default_image="local", default_nats_url="nats://embedded"
     )
     if spec is None:
-        raise FlagError(flag, f"{source}: " + "; ".join(str(i) for i in issues))
+        raise FlagError(flag, prefix + "; ".join(str(i) for i in issues))
     try:
         configs = runtime_configs_from_spec(spec, pool=args.pool)
         configs = with_telemetry(configs, spec, raw, gateway_port=args.port)
     except SpecError as exc:
         raise FlagError(flag, str(exc)) from None
     except ValueError as exc:
-        raise FlagError("--config", str(exc)) from None
+        raise FlagError(flag, str(exc)) from None
     tokenizer = args.tokenizer or checkpoint_tokenizer(spec)
     drain_s, admission_grace_s = drain_times(spec)
     num_processes = sum(c.num_stages + 1 for c in configs) + 2
     if num_processes > MAX_LOCAL_PROCESSES:
         raise FlagError(
-            "--config",
-            f"{args.config}: spec.replicas x (spec.stages + 1) + 2 = {num_processes} local "
+            flag,
+            f"{prefix}spec.replicas x (spec.stages + 1) + 2 = {num_processes} local "
             f"processes; wavepp up runs at most {MAX_LOCAL_PROCESSES} (use the operator)",
         )
     pinned = sum(c.num_stages for c in configs if c.pin_cores)
@@ -463,7 +470,7 @@ def plan_up(args: argparse.Namespace) -> UpPlan:
         try:
             stage_cores(launcher_cores(), sum(c.num_stages for c in configs), 0)
         except ValueError as exc:
-            raise FlagError("--config", f"{source}: {exc}") from None
+            raise FlagError(flag, f"{prefix}{exc}") from None
     _check_gateway_flags(args)
     port = args.port or free_port()
     tenants = _tenants(args, spec)
