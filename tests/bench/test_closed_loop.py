@@ -53,3 +53,27 @@ def test_requests_wait_for_their_start_and_for_a_free_slot() -> None:
     assert later[1] >= later[0] + 0.04  # and then one at a time
     assert {r.cache_salt for r in scheduler.submitted} == {"tenant-a"}
     assert sorted(o.request_id for o in seen) == ["r0", "r1", "r2", "r3"]
+
+
+def test_a_request_not_yet_due_holds_no_slot() -> None:
+    """Listed first but due later: it waits outside the limiter, so the one due now runs first
+    (the trace replay's ``--timed`` order is the timestamps', not the file's)."""
+    scheduler = _Scheduler()
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        opened = loop.time()
+        await run_closed_loop(
+            scheduler,  # type: ignore[arg-type]
+            RuntimeConfig(),
+            [("late", [1, 2, 3]), ("now", [1, 2, 3])],
+            concurrency=1,
+            clock=loop.time,
+            starts_s=[0.3, 0.0],
+        )
+        return opened
+
+    opened = asyncio.run(main())
+    arrival = {r.request_id: r.arrival_s - opened for r in scheduler.submitted}
+    assert [r.request_id for r in scheduler.submitted] == ["now", "late"]
+    assert arrival["late"] >= 0.3

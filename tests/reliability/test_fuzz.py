@@ -194,8 +194,11 @@ def test_any_sequence_of_kv_messages_keeps_the_pool_sound(ops: list[bytes]) -> N
     reservation behind."""
     manager = StageKVManager(BlockPool(NUM_BLOCKS, BLOCK_SIZE))
     for payload in ops:
-        _handle(manager, 0, payload)
+        before = _state(manager)
+        _, error = _handle(manager, 0, payload)
         manager.pool.check_invariants()
+        if error:  # refused as a whole: nothing changed, nothing left held under any id
+            assert _state(manager) == before, error
     held = tuple(manager.request_ids())
     release = encode_batch(KVBatch(BatchOp.RELEASE, ("r0", "r1", "r2", "r3", *held)))
     assert _handle(manager, 0, release) == (0, "")
