@@ -27,8 +27,8 @@ class _Scheduler:
         )
 
 
-def test_requests_wait_for_their_start_and_for_a_free_slot() -> None:
-    scheduler, seen = _Scheduler(), []
+def _run(scheduler: _Scheduler, names: list[str], **kwargs) -> dict[str, float]:
+    """Each request's arrival (s after the loop opened), one in flight at a time."""
 
     async def main() -> float:
         loop = asyncio.get_running_loop()
@@ -36,17 +36,26 @@ def test_requests_wait_for_their_start_and_for_a_free_slot() -> None:
         await run_closed_loop(
             scheduler,  # type: ignore[arg-type]
             RuntimeConfig(),
-            [(f"r{i}", [1, 2, 3]) for i in range(4)],
+            [(name, [1, 2, 3]) for name in names],
             concurrency=1,
             clock=loop.time,
-            starts_s=[0.0, 0.0, 0.3, 0.3],
-            cache_salt="tenant-a",
-            on_outcome=seen.append,
+            **kwargs,
         )
         return opened
 
     opened = asyncio.run(main())
-    arrival = {r.request_id: r.arrival_s - opened for r in scheduler.submitted}
+    return {r.request_id: r.arrival_s - opened for r in scheduler.submitted}
+
+
+def test_requests_wait_for_their_start_and_for_a_free_slot() -> None:
+    scheduler, seen = _Scheduler(), []
+    arrival = _run(
+        scheduler,
+        [f"r{i}" for i in range(4)],
+        starts_s=[0.0, 0.0, 0.3, 0.3],
+        cache_salt="tenant-a",
+        on_outcome=seen.append,
+    )
     assert arrival["r1"] >= 0.04  # one in flight: r1 waits for r0
     later = sorted([arrival["r2"], arrival["r3"]])
     assert later[0] >= 0.3  # not before their start
@@ -59,21 +68,6 @@ def test_a_request_not_yet_due_holds_no_slot() -> None:
     """Listed first but due later: it waits outside the limiter, so the one due now runs first
     (the trace replay's ``--timed`` order is the timestamps', not the file's)."""
     scheduler = _Scheduler()
-
-    async def main() -> float:
-        loop = asyncio.get_running_loop()
-        opened = loop.time()
-        await run_closed_loop(
-            scheduler,  # type: ignore[arg-type]
-            RuntimeConfig(),
-            [("late", [1, 2, 3]), ("now", [1, 2, 3])],
-            concurrency=1,
-            clock=loop.time,
-            starts_s=[0.3, 0.0],
-        )
-        return opened
-
-    opened = asyncio.run(main())
-    arrival = {r.request_id: r.arrival_s - opened for r in scheduler.submitted}
+    arrival = _run(scheduler, ["late", "now"], starts_s=[0.3, 0.0])
     assert [r.request_id for r in scheduler.submitted] == ["now", "late"]
     assert arrival["late"] >= 0.3
