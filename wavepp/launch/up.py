@@ -436,14 +436,13 @@ def plan_up(args: argparse.Namespace) -> UpPlan:
         if v is not None and v != ""
     ]
     # A refusal names what made the spec: the file (and the flags that override it), the flags
-    # alone (named as the refusal's flag), or the default spec.
+    # alone (then the refusal's flag names them), or the default spec.
     flag = "/".join((["--config"] if args.config else []) + flags) or "--config"
-    source = (
-        " with ".join(filter(None, [args.config, " ".join(flags)]))
-        if args.config
-        else ("" if flags else "the default spec")
-    )
-    prefix = f"{source}: " if source else ""
+    prefix = ""
+    if args.config:
+        prefix = f"{args.config} with {' '.join(flags)}: " if flags else f"{args.config}: "
+    elif not flags:
+        prefix = "the default spec: "
     spec, issues = check_spec(
         local_resources(raw), default_image="local", default_nats_url="nats://embedded"
     )
@@ -452,9 +451,7 @@ def plan_up(args: argparse.Namespace) -> UpPlan:
     try:
         configs = runtime_configs_from_spec(spec, pool=args.pool)
         configs = with_telemetry(configs, spec, raw, gateway_port=args.port)
-    except SpecError as exc:
-        raise FlagError(flag, str(exc)) from None
-    except ValueError as exc:
+    except ValueError as exc:  # SpecError among them
         raise FlagError(flag, str(exc)) from None
     tokenizer = args.tokenizer or checkpoint_tokenizer(spec)
     drain_s, admission_grace_s = drain_times(spec)
